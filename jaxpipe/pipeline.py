@@ -1,0 +1,142 @@
+"""``jp.Pipeline``: a model, a schedule, an optimizer and a mesh, compiled into one train step."""
+from __future__ import annotations
+
+from typing import Any, Dict, NamedTuple, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from . import schedules
+from .errors import ConfigError
+from .model import PipelineModel
+from .runtime.executor import DP_AXES, make_grad_fn
+
+
+class PipelineState(NamedTuple):
+    """Train state: parameters ``(stage, pre, post)``, optimizer state, and the number of updates applied."""
+    params: Tuple[Any, Any, Any]
+    opt_state: Any
+    step: jax.Array
+
+
+class Pipeline:
+    """Train ``model`` with ``schedule`` over ``mesh``.
+
+    >>> pipe = jp.Pipeline(model, schedule="1f1b", num_microbatches=8, optimizer=optax.adamw(1e-3), mesh=mesh)
+    >>> state = pipe.init()
+    >>> state, metrics = pipe.step(state, batch)
+
+    ``nan_bubbles=True`` is a debugging aid: buffers start as NaN and idle ticks send NaN, so anything a bubble
+    leaks into the result shows up as NaN.
+    """
+
+    def __init__(self, model: PipelineModel, schedule: str = "1f1b", num_microbatches: int = 1,
+                 optimizer: Optional[optax.GradientTransformation] = None, mesh=None, *,
+                 nan_bubbles: bool = False):
+        if not isinstance(model, PipelineModel):
+            raise ConfigError(f"model must be a jp.PipelineModel, got {type(model).__name__}")
+        if mesh is None:
+            from .runtime.mesh import make_mesh
+            mesh = make_mesh(stages=model.num_stages)
+        missing = [a for a in ("pipe", "data", "stage") if a not in mesh.axis_names]
+        if missing:
+            raise ConfigError(f"mesh needs axes ('pipe', 'data', 'stage'), it lacks {missing}; build it with "
+                              f"jp.make_mesh(stages=..., data=...)")
+        if schedule not in schedules.available():
+            raise ConfigError(f"unknown schedule {schedule!r}; available: {', '.join(schedules.available())}")
+        D = mesh.shape["stage"]
+        if model.num_stages != D:
+            raise ConfigError(
+                f"the model has {model.num_stages} stages (leading axis of stage_params) but the mesh's 'stage' "
+                f"axis has {D} devices; {schedule} puts one stage per device: stack {D} stages' parameters or "
+                f"use jp.make_mesh(stages={model.num_stages}, ...)")
+        if not isinstance(num_microbatches, int) or isinstance(num_microbatches, bool) or num_microbatches < 1:
+            raise ConfigError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
+        self.model, self.mesh, self.optimizer = model, mesh, optimizer
+        self.num_microbatches = num_microbatches
+        self.schedule = schedules.build(schedule, num_stages=D, num_microbatches=num_microbatches)
+        self.nan_bubbles = nan_bubbles
+        self._compiled: Dict[Any, Any] = {}
+        stage_sh = jax.tree.map(lambda _: NamedSharding(mesh, P("stage")), model.stage_params)
+        rep = lambda t: jax.tree.map(lambda _: NamedSharding(mesh, P()), t)
+        self.param_shardings = (stage_sh, rep(model.pre_params), rep(model.post_params))
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def data_parallel(self) -> int:
+        return self.mesh.shape["pipe"] * self.mesh.shape["data"]
+
+    def init(self) -> PipelineState:
+        """Parameters placed on the mesh (stage leaves sharded over ``stage``), optimizer state, step 0."""
+        params = jax.device_put(self.model.params, self.param_shardings)
+        opt_state = jax.jit(self.optimizer.init)(params) if self.optimizer is not None else None
+        return PipelineState(params, opt_state, jnp.zeros((), jnp.int32))
+
+    def params(self, state: PipelineState):
+        """``(stage_params, pre_params, post_params)`` as the model gave them (stage leaves stacked)."""
+        return state.params
+
+    def loss_and_grad(self, state: PipelineState, batch):
+        """Mean loss over the batch and its gradient ``(g_stage, g_pre, g_post)``; no update."""
+        return self._fn("grad", batch)(state.params, batch)
+
+    def step(self, state: PipelineState, batch):
+        """One optimizer step on ``batch``; returns ``(state, metrics)`` (metrics: loss, grad_norm, step)."""
+        if self.optimizer is None:
+            raise ConfigError("Pipeline.step needs an optimizer: Pipeline(..., optimizer=optax.adamw(1e-3))")
+        return self._fn("step", batch)(state, batch)
+
+    def shard_batch(self, batch):
+        """Place a global batch on the mesh (leading axis split over ``pipe`` x ``data``)."""
+        self._check_batch(batch)
+        return jax.device_put(batch, NamedSharding(self.mesh, P(DP_AXES)))
+
+    def lower(self, what: str, state: PipelineState, batch):
+        """The lowered ``"grad"`` or ``"step"`` program (for ``.compile().memory_analysis()``)."""
+        fn = self._fn(what, batch)
+        return fn.lower(state.params if what == "grad" else state, batch)
+
+    # ------------------------------------------------------------------ internals
+    def _check_batch(self, batch):
+        leaves = jax.tree.leaves(batch)
+        if not leaves:
+            raise ConfigError("the batch has no arrays")
+        sizes = {int(jnp.shape(l)[0]) for l in leaves}
+        if len(sizes) != 1:
+            raise ConfigError(f"every batch leaf needs the same leading (batch) size; found {sorted(sizes)}")
+        n = sizes.pop()
+        per = self.data_parallel * self.num_microbatches
+        if n % per:
+            lo, hi = (n // per) * per, (n // per + 1) * per
+            raise ConfigError(
+                f"batch size {n} does not split into {self.data_parallel} data-parallel replica(s) x "
+                f"{self.num_microbatches} micro-batches of equal size; use a multiple of {per} "
+                f"(e.g. {lo or hi} or {hi}) or change num_microbatches")
+
+    def _fn(self, what: str, batch):
+        self._check_batch(batch)
+        example = jax.tree.map(lambda l: jax.ShapeDtypeStruct(np.shape(l), getattr(l, "dtype", None) or np.asarray(l).dtype), batch)
+        key = (what, jax.tree.structure(example), tuple(jax.tree.leaves(example)))
+        if key not in self._compiled:
+            grad_fn = make_grad_fn(self.model, self.schedule, self.mesh, example, nan_bubbles=self.nan_bubbles)
+
+            def lg(params, b):
+                return grad_fn(*params, b)
+
+            if what == "grad":
+                self._compiled[key] = jax.jit(lg)
+            else:
+                opt = self.optimizer
+
+                def step(state: PipelineState, b):
+                    loss, grads = lg(state.params, b)
+                    updates, opt_state = opt.update(grads, state.opt_state, state.params)
+                    params = optax.apply_updates(state.params, updates)
+                    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "step": state.step + 1}
+                    return PipelineState(params, opt_state, state.step + 1), metrics
+
+                self._compiled[key] = jax.jit(step, donate_argnums=(0,))
+        return self._compiled[key]

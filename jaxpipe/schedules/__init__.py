@@ -1,0 +1,36 @@
+"""Schedule IR, builders, simulator and renderer.  Pure Python + NumPy: importing this never imports JAX.
+
+    >>> from jaxpipe import schedules
+    >>> schedules.build("1f1b", num_stages=4, num_microbatches=8).simulate(f=1.0, b=2.0).bubble_ratio
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict
+
+from .gpipe import build_gpipe
+from .ir import Action, B, F, W, Schedule, ScheduleError, Tables
+from .one_f_one_b import build_1f1b
+from .simulate import SimReport, simulate
+
+BUILDERS: Dict[str, Callable[..., Schedule]] = {
+    "gpipe": build_gpipe,
+    "1f1b": build_1f1b,
+}
+
+
+def available() -> list:
+    return sorted(BUILDERS)
+
+
+def build(name: str, num_stages: int, num_microbatches: int, **options) -> Schedule:
+    """Build and validate the schedule ``name`` for ``num_stages`` devices and ``num_microbatches``."""
+    if name not in BUILDERS:
+        raise ValueError(f"unknown schedule {name!r}; available: {', '.join(available())}")
+    for what, v in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{what} must be a positive integer, got {v!r}")
+    return BUILDERS[name](num_stages, num_microbatches, **options).validate()
+
+
+__all__ = ["Action", "B", "BUILDERS", "F", "W", "Schedule", "ScheduleError", "SimReport", "Tables",
+           "available", "build", "simulate"]

@@ -1,0 +1,354 @@
+"""Schedule IR: a pipeline schedule as plain data (no JAX here).
+
+A schedule is, for every device, the ordered list of actions it runs (like torch.distributed.pipelining's
+per-rank action lists).  An action is ``F`` (forward of one micro-batch through one model stage), ``B``
+(backward of it) or ``W`` (weight-gradient only, for zero-bubble schedules).  From the per-device orders
+and the data dependencies between actions the IR derives everything else:
+
+* ``place(durations)``  -- start/finish of every action when each runs as soon as its inputs are there
+  (event-driven, what an MPMD runtime pays); with unit durations this is the *tick* of every action, the
+  lockstep timeline the SPMD executor runs (one action per device per tick, messages arrive next tick);
+* ``validate()``         -- dependencies satisfiable, one action per device per tick, every (stage,
+  micro-batch) computed exactly once, slots never collide;
+* ``tables()``           -- int32 tables indexed ``[tick, device]`` that drive the executor (op, micro-batch,
+  stash slot, receive-buffer slots);
+* ``simulate()`` / ``render*()`` live in :mod:`.simulate` and :mod:`.render` and use the same object, so what
+  you see is what runs.
+
+Dependencies (DESIGN.md §1): F(s, m) after F(s-1, m); B(s, m) after F(s, m) and after B(s+1, m);
+W(s, m) after B(s, m).  Messages between different devices cost one tick in lockstep (``ppermute`` at the
+end of a tick); in the event-driven placement they are free (the papers' figures ignore communication).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+F, B, W = "F", "B", "W"
+KINDS = (F, B, W)
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run: broken dependency, deadlock, colliding slots."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    """One unit of work on one device.
+
+    kind: ``"F"``, ``"B"`` or ``"W"``; mb: micro-batch index; stage: the model stage it computes
+    (0 .. num_model_stages-1).  ``chunk`` is which of the device's local model chunks holds that stage
+    (0 for GPipe/1F1B; virtual stages and bidirectional pipelines use more).
+    """
+    kind: str
+    mb: int
+    stage: int
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.mb}" + (f"s{self.stage}" if self.chunk else "")
+
+
+Key = Tuple[str, int, int]  # (kind, stage, mb)
+
+
+@dataclasses.dataclass
+class Schedule:
+    """Per-device action lists plus the facts needed to run and cost them."""
+    name: str
+    num_devices: int
+    num_microbatches: int
+    actions: List[List[Action]]
+    num_model_stages: Optional[int] = None
+    weight_versions: Optional[Sequence[int]] = None   # per device, in units of one stage's weights
+
+    def __post_init__(self):
+        if self.num_model_stages is None:
+            self.num_model_stages = self.num_devices
+        if self.weight_versions is None:
+            self.weight_versions = [1] * self.num_devices
+        self._placed: Dict[Tuple[float, float, float], dict] = {}
+
+    # ------------------------------------------------------------------ structure
+    @property
+    def D(self) -> int:
+        return self.num_devices
+
+    @property
+    def M(self) -> int:
+        return self.num_microbatches
+
+    def location(self) -> Dict[Key, Tuple[int, int]]:
+        """(kind, stage, mb) -> (device, index in that device's list)."""
+        loc = {}
+        for d, acts in enumerate(self.actions):
+            for i, a in enumerate(acts):
+                key = (a.kind, a.stage, a.mb)
+                if key in loc:
+                    raise ScheduleError(f"{self.name}: {a.kind}{a.mb} of stage {a.stage} appears twice "
+                                        f"(devices {loc[key][0]} and {d})")
+                loc[key] = (d, i)
+        return loc
+
+    def has_w(self) -> bool:
+        return any(a.kind == W for acts in self.actions for a in acts)
+
+    def deps(self, a: Action) -> List[Key]:
+        S = self.num_model_stages
+        if a.kind == F:
+            return [(F, a.stage - 1, a.mb)] if a.stage > 0 else []
+        if a.kind == B:
+            d = [(F, a.stage, a.mb)]
+            if a.stage < S - 1:
+                d.append((B, a.stage + 1, a.mb))
+            return d
+        return [(B, a.stage, a.mb)]
+
+    # ------------------------------------------------------------------ placement
+    def place(self, f: float = 1.0, b: float = 1.0, w: float = 1.0, comm: float = 0.0) -> dict:
+        """As-soon-as-possible start/finish of every action, per-device order kept.
+
+        Returns ``{"start": {key: t}, "finish": {key: t}, "device": {key: d}}``.  A message between two
+        devices adds ``comm``.  With f=b=w=1 and comm=0 the start times are the lockstep ticks.
+        """
+        cache_key = (f, b, w, comm)
+        if cache_key in self._placed:
+            return self._placed[cache_key]
+        dur = {F: f, B: b, W: w}
+        loc = self.location()
+        start: Dict[Key, float] = {}
+        finish: Dict[Key, float] = {}
+        nxt = [0] * self.D
+        free = [0.0] * self.D
+        remaining = sum(len(a) for a in self.actions)
+        while remaining:
+            progressed = False
+            for d in range(self.D):
+                while nxt[d] < len(self.actions[d]):
+                    a = self.actions[d][nxt[d]]
+                    ready = free[d]
+                    ok = True
+                    for dep in self.deps(a):
+                        if dep not in loc:
+                            raise ScheduleError(f"{self.name}: {a.kind}{a.mb} on stage {a.stage} needs "
+                                                f"{dep[0]}{dep[2]} of stage {dep[1]}, which no device runs")
+                        if dep not in finish:
+                            ok = False
+                            break
+                        ready = max(ready, finish[dep] + (comm if loc[dep][0] != d else 0.0))
+                    if not ok:
+                        break
+                    key = (a.kind, a.stage, a.mb)
+                    start[key], finish[key] = ready, ready + dur[a.kind]
+                    free[d] = finish[key]
+                    nxt[d] += 1
+                    remaining -= 1
+                    progressed = True
+            if not progressed:
+                stuck = {d: str(self.actions[d][nxt[d]]) for d in range(self.D) if nxt[d] < len(self.actions[d])}
+                raise ScheduleError(f"{self.name}: deadlock, each device waits on another: {stuck}")
+        out = {"start": start, "finish": finish, "device": {k: v[0] for k, v in loc.items()}}
+        self._placed[cache_key] = out
+        return out
+
+    def ticks(self) -> Dict[Key, int]:
+        """Lockstep tick of every action: unit-time ops, a message to another device arrives one tick
+        later (it is sent by the ppermute that ends the tick)."""
+        p = self.place(1.0, 1.0, 1.0, comm=0.0)
+        return {k: int(v) for k, v in p["start"].items()}
+
+    @property
+    def num_ticks(self) -> int:
+        t = self.ticks()
+        return max(t.values()) + 1 if t else 0
+
+    def grid(self) -> List[List[Optional[Action]]]:
+        """``grid[tick][device]``: the action run there, or None (idle)."""
+        t = self.ticks()
+        g: List[List[Optional[Action]]] = [[None] * self.D for _ in range(self.num_ticks)]
+        for d, acts in enumerate(self.actions):
+            for a in acts:
+                g[t[(a.kind, a.stage, a.mb)]][d] = a
+        return g
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> "Schedule":
+        """Raise :class:`ScheduleError` unless the schedule is complete and runnable."""
+        S, M = self.num_model_stages, self.M
+        loc = self.location()
+        kinds = (F, B, W) if self.has_w() else (F, B)
+        for k in kinds:
+            for s in range(S):
+                for m in range(M):
+                    if (k, s, m) not in loc:
+                        raise ScheduleError(f"{self.name}: {k}{m} of stage {s} is never run")
+        extra = [k for k in loc if not (0 <= k[1] < S and 0 <= k[2] < M)]
+        if extra:
+            raise ScheduleError(f"{self.name}: actions outside {S} stages x {M} micro-batches: {extra[:5]}")
+        for d, acts in enumerate(self.actions):
+            chunks = {a.chunk: a.stage for a in acts}
+            for a in acts:
+                if chunks[a.chunk] != a.stage:
+                    raise ScheduleError(f"{self.name}: device {d} chunk {a.chunk} holds two stages")
+        t = self.ticks()  # raises on deadlock
+        for d, acts in enumerate(self.actions):
+            seen = [t[(a.kind, a.stage, a.mb)] for a in acts]
+            if len(set(seen)) != len(seen):
+                raise ScheduleError(f"{self.name}: device {d} runs two actions in one tick")
+        for key in loc:
+            a = Action(key[0], key[2], key[1])
+            for dep in self.deps(a):
+                if t[key] < t[dep] + 1:
+                    raise ScheduleError(f"{self.name}: {key} at tick {t[key]} before its input {dep}")
+        self.tables()  # slot allocation must succeed
+        return self
+
+    # ------------------------------------------------------------------ executor tables
+    def tables(self) -> "Tables":
+        """Lockstep tables for the SPMD executor; see :class:`Tables`."""
+        if getattr(self, "_tables", None) is None:
+            self._tables = _build_tables(self)
+        return self._tables
+
+    def stage_of_chunk(self) -> np.ndarray:
+        """``[device, chunk] -> model stage`` (-1 where unused)."""
+        nchunk = 1 + max((a.chunk for acts in self.actions for a in acts), default=0)
+        out = -np.ones((self.D, nchunk), np.int32)
+        for d, acts in enumerate(self.actions):
+            for a in acts:
+                out[d, a.chunk] = a.stage
+        return out
+
+    def simulate(self, f: float = 1.0, b: float = 2.0, w: Optional[float] = None):
+        from .simulate import simulate
+        return simulate(self, f=f, b=b, w=w)
+
+    def render(self, path: Optional[str] = None, **kw):
+        """PNG timeline (devices as rows); returns the matplotlib figure. See :mod:`.render`."""
+        from .render import render_png
+        return render_png(self, path, **kw)
+
+    def render_text(self, **kw) -> str:
+        from .render import render_text
+        return render_text(self, **kw)
+
+    def to_chrome_trace(self, path: Optional[str] = None, **kw) -> dict:
+        from .render import chrome_trace
+        return chrome_trace(self, path, **kw)
+
+
+# ---------------------------------------------------------------------- tables
+OP_IDLE, OP_F, OP_B, OP_W = 0, 1, 2, 3
+COLS = ("op", "mb", "stage", "chunk", "stash", "in_slot", "dy_slot", "recv_f", "recv_b")
+
+
+@dataclasses.dataclass
+class Tables:
+    """int32 arrays ``[num_ticks, num_devices]`` for the executor.
+
+    op: OP_IDLE/OP_F/OP_B/OP_W; mb, stage, chunk of the action; stash: residual slot written by F and
+    read by B; in_slot: receive-buffer slot F (forward buffer) or B (backward buffer) reads; dy_slot: on the
+    last stage, the backward-buffer slot where F leaves the loss gradient for its own B; recv_f / recv_b:
+    where the message arriving at the end of the tick is written (``scratch`` slot when none arrives).
+    Capacities are the maxima over devices (SPMD buffers have one shape everywhere); slot index
+    ``capacity`` is the scratch slot.
+    """
+    data: Dict[str, np.ndarray]
+    stash_capacity: int
+    fbuf_capacity: int
+    bbuf_capacity: int
+    num_ticks: int
+
+    def stacked(self) -> np.ndarray:
+        """``[num_ticks, num_devices, len(COLS)]`` int32."""
+        return np.stack([self.data[c] for c in COLS], axis=-1).astype(np.int32)
+
+
+class _Slots:
+    """Lowest-free-slot allocator over tick intervals [write_tick, last_read_tick]."""
+
+    def __init__(self):
+        self.busy_until: List[int] = []
+
+    def alloc(self, write_tick: int, last_read: int) -> int:
+        for i, until in enumerate(self.busy_until):
+            if until <= write_tick:       # last read happened at or before this write
+                self.busy_until[i] = last_read
+                return i
+        self.busy_until.append(last_read)
+        return len(self.busy_until) - 1
+
+
+def _build_tables(s: Schedule) -> Tables:
+    T, D, S = s.num_ticks, s.D, s.num_model_stages
+    t = s.ticks()
+    loc = s.location()
+    dev = {k: v[0] for k, v in loc.items()}
+    data = {c: np.full((T, D), -1, np.int64) for c in COLS}
+    data["op"][:] = OP_IDLE
+    kind_code = {F: OP_F, B: OP_B, W: OP_W}
+    for d, acts in enumerate(s.actions):
+        for a in acts:
+            tk = t[(a.kind, a.stage, a.mb)]
+            data["op"][tk, d] = kind_code[a.kind]
+            data["mb"][tk, d] = a.mb
+            data["stage"][tk, d] = a.stage
+            data["chunk"][tk, d] = a.chunk
+    # Stash: written at F's tick, last read by W if the schedule splits the backward, else by B.
+    last_user = W if s.has_w() else B
+    stash_alloc = [_Slots() for _ in range(D)]
+    stash_slot = {}
+    events = sorted((t[(F, st, m)], st, m) for st in range(S) for m in range(s.M))
+    for tk, st, m in events:
+        d = dev[(F, st, m)]
+        stash_slot[(st, m)] = stash_alloc[d].alloc(tk, t[(last_user, st, m)])
+        data["stash"][tk, d] = stash_slot[(st, m)]
+        if last_user == W:
+            data["stash"][t[(B, st, m)], d] = stash_slot[(st, m)]
+        data["stash"][t[(last_user, st, m)], d] = stash_slot[(st, m)]
+    # Forward messages: F(st-1, m) on device a -> buffer on device of F(st, m).
+    fa = [_Slots() for _ in range(D)]
+    ba = [_Slots() for _ in range(D)]
+    msgs = []
+    for st in range(S):
+        for m in range(s.M):
+            if st > 0:
+                msgs.append(("f", t[(F, st - 1, m)], dev[(F, st - 1, m)], dev[(F, st, m)], t[(F, st, m)]))
+            src = (B, st + 1, m) if st < S - 1 else (F, st, m)   # last stage: its own F leaves dy
+            msgs.append(("b", t[src], dev[src], dev[(B, st, m)], t[(B, st, m)], st == S - 1))
+    for msg in sorted(msgs, key=lambda x: x[1]):
+        direction, tsend, src, dst, tuse = msg[:5]
+        if direction == "f":
+            if src == dst:
+                raise ScheduleError(f"{s.name}: consecutive stages on one device are not supported")
+            if dst != (src + 1) % D:
+                raise ScheduleError(f"{s.name}: forward message from device {src} to {dst}; the executor "
+                                    f"sends forward to the next device only")
+            slot = fa[dst].alloc(tsend, tuse)
+            if data["recv_f"][tsend, dst] != -1:
+                raise ScheduleError(f"{s.name}: two forward messages reach device {dst} at tick {tsend}")
+            data["recv_f"][tsend, dst] = slot
+            data["in_slot"][tuse, dst] = slot
+        else:
+            self_dy = msg[5]
+            if not self_dy and dst != (src - 1) % D:
+                raise ScheduleError(f"{s.name}: backward message from device {src} to {dst}; the executor "
+                                    f"sends backward to the previous device only")
+            slot = ba[dst].alloc(tsend, tuse)
+            if self_dy:
+                data["dy_slot"][tsend, dst] = slot
+            else:
+                if data["recv_b"][tsend, dst] != -1:
+                    raise ScheduleError(f"{s.name}: two backward messages reach device {dst} at tick {tsend}")
+                data["recv_b"][tsend, dst] = slot
+            data["in_slot"][tuse, dst] = slot
+    caps = {"stash": max(len(a.busy_until) for a in stash_alloc),
+            "f": max([len(a.busy_until) for a in fa] + [1]),
+            "b": max(len(a.busy_until) for a in ba)}
+    data["recv_f"][data["recv_f"] < 0] = caps["f"]
+    data["recv_b"][data["recv_b"] < 0] = caps["b"]
+    for c in ("mb", "stage", "chunk", "stash", "in_slot", "dy_slot"):
+        data[c][data[c] < 0] = 0
+    return Tables({k: v.astype(np.int32) for k, v in data.items()}, caps["stash"], caps["f"], caps["b"], T)

@@ -1,0 +1,97 @@
+"""Pictures of a schedule: PNG timeline (devices as rows, like the papers' figures), text, Chrome trace.
+
+``mode="event"`` draws the event-driven timeline with durations f, b, w; ``mode="lockstep"`` draws the
+ticks the SPMD executor runs (each tick as wide as its slowest action).
+"""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from .ir import B, F, W, Schedule
+
+_COLORS = {F: ["#4C8BF5", "#8FB8FF", "#2A5DB0", "#B9D3FF"],
+           B: ["#34A853", "#8ED39E", "#1E7A38", "#C3EBCB"],
+           W: ["#F4A340", "#FBD19A", "#B86E12", "#FDE6C6"]}
+
+
+def _boxes(s: Schedule, mode: str, f: float, b: float, w: float):
+    """Yield (device, start, width, action)."""
+    dur = {F: f, B: b, W: w}
+    if mode == "event":
+        p = s.place(f, b, w)
+        for d, acts in enumerate(s.actions):
+            for a in acts:
+                k = (a.kind, a.stage, a.mb)
+                yield d, p["start"][k], dur[a.kind], a
+    elif mode == "lockstep":
+        t0 = 0.0
+        for row in s.grid():
+            width = max((dur[a.kind] for a in row if a is not None), default=0.0)
+            for d, a in enumerate(row):
+                if a is not None:
+                    yield d, t0, dur[a.kind], a
+            t0 += width
+    else:
+        raise ValueError(f"mode must be 'event' or 'lockstep', got {mode!r}")
+
+
+def render_png(s: Schedule, path: Optional[str] = None, f: float = 1.0, b: float = 2.0, w: float = 1.0,
+               mode: str = "event", title: Optional[str] = None):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    boxes = list(_boxes(s, mode, f, b, w))
+    end = max(st + wd for _, st, wd, _ in boxes)
+    fig, ax = plt.subplots(figsize=(max(6.0, min(28.0, 0.35 * end + 2)), 0.55 * s.D + 1.4))
+    for d, st, wd, a in boxes:
+        ax.add_patch(plt.Rectangle((st, d - 0.42), wd, 0.84, facecolor=_COLORS[a.kind][a.chunk % 4],
+                                   edgecolor="black", linewidth=0.6))
+        ax.text(st + wd / 2, d, str(a.mb), ha="center", va="center", fontsize=7 if s.M < 40 else 5)
+    ax.set_xlim(0, end)
+    ax.set_ylim(s.D - 0.5, -0.5)
+    ax.set_yticks(range(s.D))
+    ax.set_yticklabels([f"device {d}" for d in range(s.D)])
+    ax.set_xlabel("time (tick = slowest op)" if mode == "lockstep" else f"time (F={f:g}, B={b:g})")
+    r = s.simulate(f=f, b=b, w=w if s.has_w() else None)
+    bubble = r.lockstep_bubble_ratio if mode == "lockstep" else r.bubble_ratio
+    ax.set_title(title or f"{s.name}  D={s.D}  M={s.M}  {mode}: makespan "
+                 f"{r.lockstep_makespan if mode == 'lockstep' else r.makespan:g}, bubble {bubble:.1%}")
+    kinds = [F, B] + ([W] if s.has_w() else [])
+    names = {F: "forward", B: "backward" if not s.has_w() else "backward (input grad)", W: "weight grad"}
+    ax.legend(handles=[Patch(facecolor=_COLORS[k][0], edgecolor="black", label=names[k]) for k in kinds],
+              loc="upper right", fontsize=7, ncol=len(kinds), bbox_to_anchor=(1.0, 1.0 + 0.6 / (s.D + 2)))
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=130)
+        plt.close(fig)
+    return fig
+
+
+def render_text(s: Schedule, width: int = 4) -> str:
+    """One row per device, one column per lockstep tick: ``F3`` forward of micro-batch 3, ``.`` idle."""
+    grid = s.grid()
+    lines = [f"{s.name} D={s.D} M={s.M} ({len(grid)} lockstep ticks)"]
+    for d in range(s.D):
+        cells = [(str(row[d]) if row[d] is not None else ".").ljust(width) for row in grid]
+        lines.append(f"dev{d:<3d}" + "".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def chrome_trace(s: Schedule, path: Optional[str] = None, f: float = 1.0, b: float = 2.0, w: float = 1.0,
+                 mode: str = "event") -> dict:
+    """Chrome/Perfetto trace-event JSON (open in ui.perfetto.dev or chrome://tracing); 1 time unit = 1 ms."""
+    events = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": f"{s.name} D={s.D} M={s.M}"}}]
+    for d in range(s.D):
+        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": d, "args": {"name": f"device {d}"}})
+    for d, st, wd, a in _boxes(s, mode, f, b, w):
+        events.append({"name": f"{a.kind}{a.mb}", "cat": a.kind, "ph": "X", "pid": 0, "tid": d,
+                       "ts": st * 1000.0, "dur": wd * 1000.0,
+                       "args": {"microbatch": a.mb, "stage": a.stage, "chunk": a.chunk}})
+    trace = {"traceEvents": events, "displayTimeUnit": "ms"}
+    if path:
+        with open(path, "w") as fh:
+            json.dump(trace, fh)
+    return trace
