@@ -7,8 +7,9 @@ per direction moves activations forward and gradients backward, and the arriving
 fixed-capacity receive buffers at the slots the IR assigned.
 
 Backward is explicit: F calls ``jax.vjp(stage_fn, w, x)`` and keeps the pullback's residuals in a
-fixed-capacity stash -- except the residuals that *are* the stage weights (recognised by identity), which are
-not copied: B rebuilds the pullback with the weights it must read.  The last stage's F also runs the loss
+fixed-capacity stash -- except the residuals that depend on the weights alone (the weights, slices or
+transposes of them; found by a jaxpr dependency walk), which are not copied: B recomputes them from the
+weights it must read and rebuilds the pullback.  The last stage's F also runs the loss
 and its gradient, and leaves dL/dy in its own backward buffer for its B.  Stage 0's B recomputes ``pre``'s
 pullback (an embedding: cheap) instead of stashing it.
 
@@ -41,22 +42,43 @@ def vary(x, axes: Sequence[str] = AXES):
     return jax.tree.map(one, x)
 
 
-def split_residuals(stage_fn, w, x):
-    """``jax.vjp`` of one stage; returns (y, stashed residuals, treedef, kinds).
+def residual_mask(stage_fn, w, x) -> Tuple[bool, ...]:
+    """Which leaves of ``jax.vjp(stage_fn, w, x)``'s pullback depend on the activation ``x``.
 
-    ``kinds[i]`` is the index of the weight leaf that residual ``i`` *is* (not stashed), or -1 (stashed).
+    Those are stashed by F.  The others are functions of the weights alone (the weights themselves, slices,
+    transposes, casts of them): B recomputes them from the weights it must read, so weights are never
+    copied into the stash.  Found by a dependency walk over the jaxpr (conservative: an equation with any
+    x-dependent input makes all its outputs x-dependent).
     """
+    def leaves(w, x):
+        return jax.tree.leaves(jax.vjp(stage_fn, w, x)[1])
+
+    jaxpr = jax.make_jaxpr(leaves)(w, x).jaxpr
+    n_w = len(jax.tree.leaves(w))
+    dep = set(jaxpr.invars[n_w:])
+    is_var = lambda v: not hasattr(v, "val")          # Literals carry .val
+    for eqn in jaxpr.eqns:
+        if any(is_var(v) and v in dep for v in eqn.invars):
+            dep.update(eqn.outvars)
+    return tuple(is_var(v) and v in dep for v in jaxpr.outvars)
+
+
+def split_residuals(stage_fn, w, x, mask: Sequence[bool]):
+    """``jax.vjp`` of one stage; returns (y, residuals to stash, all pullback leaves, treedef)."""
     y, pullback = jax.vjp(stage_fn, w, x)
     leaves, treedef = jax.tree.flatten(pullback)
-    wid = {id(l): i for i, l in enumerate(jax.tree.leaves(w))}
-    kinds = tuple(wid.get(id(l), -1) for l in leaves)
-    return y, [l for l, k in zip(leaves, kinds) if k < 0], treedef, kinds
+    if len(leaves) != len(mask):
+        raise RuntimeError(f"stage_fn's pullback has {len(leaves)} residuals here but {len(mask)} when "
+                           f"analysed; stage_fn must trace the same way every time")
+    return y, [l for l, m in zip(leaves, mask) if m], leaves, treedef
 
 
-def rebuild_pullback(treedef, kinds, stashed: List[Any], w):
-    wl = jax.tree.leaves(w)
+def rebuild_pullback(stage_fn, w, x_like, stashed: List[Any], mask: Sequence[bool]):
+    """The pullback of F, from the stashed activation-dependent residuals and weight-only residuals
+    recomputed from ``w`` (the forward traced here on a dummy ``x`` is dead code that XLA removes)."""
+    _, _, fresh, treedef = split_residuals(stage_fn, w, x_like, mask)
     it = iter(stashed)
-    return jax.tree.unflatten(treedef, [wl[k] if k >= 0 else next(it) for k in kinds])
+    return jax.tree.unflatten(treedef, [next(it) if m else f for f, m in zip(fresh, mask)])
 
 
 def branch_table(sched: Schedule) -> np.ndarray:
@@ -72,6 +94,33 @@ def branch_table(sched: Schedule) -> np.ndarray:
     return br
 
 
+_BR, _SW, _DW = len(COLS), len(COLS) + 1, len(COLS) + 2   # extra columns: branch, stash write, dy write
+
+
+def executor_table(sched: Schedule) -> np.ndarray:
+    """The IR tables plus the executor's own columns, ``[T, D, len(COLS) + 3]`` int32.
+
+    Writes that happen every tick (outside the switch) go to the scratch slot (index = capacity) on ticks
+    where the op produces nothing to keep.
+    """
+    tabs = sched.tables()
+    t = tabs.data
+    is_f = t["op"] == OP_F
+    last = t["stage"] == sched.num_model_stages - 1
+    stash_w = np.where(is_f, t["stash"], tabs.stash_capacity)
+    dy_w = np.where(is_f & last, t["dy_slot"], tabs.bbuf_capacity)
+    return np.concatenate([tabs.stacked(), np.stack([branch_table(sched), stash_w, dy_w], -1)],
+                          axis=-1).astype(np.int32)
+
+
+def read(buf, slot):
+    return lax.dynamic_index_in_dim(buf, slot, 0, False)
+
+
+def write(buf, slot, val):
+    return lax.dynamic_update_index_in_dim(buf, val.astype(buf.dtype), slot, 0)
+
+
 def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bool = False) -> Callable:
     """Return ``fn(stage_params, pre_params, post_params, batch) -> (loss, (g_stage, g_pre, g_post))``.
 
@@ -81,7 +130,7 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
     """
     D, M = sched.D, sched.M
     tabs = sched.tables()
-    table = np.concatenate([tabs.stacked(), branch_table(sched)[..., None]], axis=-1)  # [T, D, C+1]
+    table = executor_table(sched)
     n_dp = mesh.shape["pipe"] * mesh.shape["data"]
     stage_fn, pre, post_loss = model.stage_fn, model.pre, model.post_loss
 
@@ -94,7 +143,8 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
     x_aval = jax.eval_shape(pre, model.pre_params, mb_example)
     y_aval = jax.eval_shape(stage_fn, w_example, x_aval)
     model.check_activation(x_aval, y_aval)
-    stash_avals = jax.eval_shape(lambda w, x: split_residuals(stage_fn, w, x)[1], w_example, x_aval)
+    mask = residual_mask(stage_fn, w_example, x_aval)
+    stash_avals = jax.eval_shape(lambda w, x: split_residuals(stage_fn, w, x, mask)[1], w_example, x_aval)
 
     def fill(shape, dtype):
         return jnp.full(shape, jnp.nan if nan_bubbles else 0, dtype)
@@ -104,55 +154,48 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
         w, pre_p, post_p, batch = vary((w, pre_p, post_p, batch))
         batch = jax.tree.map(lambda a: a.reshape((M, a.shape[0] // M) + a.shape[1:]), batch)
         me = lax.axis_index("stage")
+        zeros = lambda t: vary(jax.tree.map(jnp.zeros_like, t))
+        blank = lambda: vary(fill(x_aval.shape, x_aval.dtype))
 
         def mb_of(row):
             return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, row[_C["mb"]], 0, False), batch)
 
-        def read(buf, slot):
-            return lax.dynamic_index_in_dim(buf, slot, 0, False)
+        # Every branch returns the same small tuple of *new values*; buffers and accumulators are updated
+        # outside the switch (XLA copies whatever a conditional passes through, so nothing big goes in).
+        #   (send_f, send_b, residuals to stash, dy for own B, dw, d_pre, d_post, loss)
+        def outputs(send_f=None, send_b=None, res=None, dy=None, dw=None, dpre=None, dpost=None, loss=None):
+            return (blank() if send_f is None else send_f.astype(x_aval.dtype),
+                    blank() if send_b is None else send_b.astype(x_aval.dtype),
+                    [vary(fill(a.shape, a.dtype)) for a in stash_avals] if res is None else res,
+                    blank() if dy is None else dy.astype(x_aval.dtype),
+                    zeros(w) if dw is None else dw,
+                    zeros(pre_p) if dpre is None else dpre,
+                    zeros(post_p) if dpost is None else dpost,
+                    vary(jnp.zeros((), jnp.float32)) if loss is None else loss.astype(jnp.float32))
 
-        def write(buf, slot, val):
-            return lax.dynamic_update_index_in_dim(buf, val.astype(buf.dtype), slot, 0)
-
-        blank = lambda: vary(fill(x_aval.shape, x_aval.dtype))
-
-        def idle(c, row):
-            return c, blank(), blank()
+        def idle(row, x_in, dy_in, res_in):
+            return outputs()
 
         def fwd(first, last):
-            def op(c, row):
-                stash, fbuf, bbuf, gw, gpre, gpost, loss = c
+            def op(row, x_in, dy_in, res_in):
                 mb = mb_of(row) if (first or last) else None
-                x = pre(pre_p, mb) if first else read(fbuf, row[_C["in_slot"]])
-                y, res, _, _ = split_residuals(stage_fn, w, x)
-                stash = [write(s, row[_C["stash"]], r) for s, r in zip(stash, res)]
-                send_f = blank()
-                if last:
-                    l, (gq, dy) = jax.value_and_grad(post_loss, argnums=(0, 1))(post_p, y, mb)
-                    loss = loss + l / M
-                    gpost = jax.tree.map(lambda a, g: a + g / M, gpost, gq)
-                    bbuf = write(bbuf, row[_C["dy_slot"]], dy / M)
-                else:
-                    send_f = y.astype(x_aval.dtype)
-                return (stash, fbuf, bbuf, gw, gpre, gpost, loss), send_f, blank()
+                x = pre(pre_p, mb) if first else x_in
+                y, res, _, _ = split_residuals(stage_fn, w, x, mask)
+                if not last:
+                    return outputs(send_f=y, res=res)
+                l, (gq, dy) = jax.value_and_grad(post_loss, argnums=(0, 1))(post_p, y, mb)
+                return outputs(res=res, dy=dy / M, dpost=jax.tree.map(lambda g: g / M, gq), loss=l / M)
             return op
 
         def bwd(first, last):
-            def op(c, row):
-                stash, fbuf, bbuf, gw, gpre, gpost, loss = c
-                dy = read(bbuf, row[_C["in_slot"]])
-                res = [read(s, row[_C["stash"]]) for s in stash]
-                _, _, treedef, kinds = split_residuals(stage_fn, w, vary(jnp.zeros(x_aval.shape, x_aval.dtype)))
-                dw, dx = rebuild_pullback(treedef, kinds, res, w)(dy)
-                gw = jax.tree.map(jnp.add, gw, dw)
-                send_b = blank()
-                if first:
-                    mb = mb_of(row)
-                    _, pre_pull = jax.vjp(lambda q: pre(q, mb), pre_p)
-                    gpre = jax.tree.map(jnp.add, gpre, pre_pull(dx.astype(x_aval.dtype))[0])
-                else:
-                    send_b = dx.astype(x_aval.dtype)
-                return (stash, fbuf, bbuf, gw, gpre, gpost, loss), blank(), send_b
+            def op(row, x_in, dy_in, res_in):
+                x_like = vary(jnp.zeros(x_aval.shape, x_aval.dtype))
+                dw, dx = rebuild_pullback(stage_fn, w, x_like, res_in, mask)(dy_in)
+                if not first:
+                    return outputs(send_b=dx, dw=dw)
+                mb = mb_of(row)
+                _, pre_pull = jax.vjp(lambda q: pre(q, mb), pre_p)
+                return outputs(dw=dw, dpre=pre_pull(dx.astype(x_aval.dtype))[0])
             return op
 
         # index = 0 idle; 1..4 F (mid, first, last, only); 5..8 B (mid, first, last, only)
@@ -160,23 +203,28 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
         branches = [idle] + [fwd(*f) for f in flags] + [bwd(*f) for f in flags]
 
         def tick(c, rows):
+            stash, fbuf, bbuf, gw, gpre, gpost, loss = c
             row = rows[me]
-            c, send_f, send_b = lax.switch(row[-1], branches, c, row)
+            x_in = read(fbuf, row[_C["in_slot"]])
+            dy_in = read(bbuf, row[_C["in_slot"]])
+            res_in = [read(a, row[_C["stash"]]) for a in stash]
+            send_f, send_b, res, dy, dw, dpre, dpost, dl = lax.switch(row[_BR], branches, row, x_in, dy_in, res_in)
+            stash = [write(a, row[_SW], r) for a, r in zip(stash, res)]
+            bbuf = write(bbuf, row[_DW], dy)
+            gw, gpre, gpost = jax.tree.map(jnp.add, (gw, gpre, gpost), (dw, dpre, dpost))
+            loss = loss + dl
             if D > 1:
                 got_f = lax.ppermute(send_f, "stage", [(d, (d + 1) % D) for d in range(D)])
                 got_b = lax.ppermute(send_b, "stage", [(d, (d - 1) % D) for d in range(D)])
-                stash, fbuf, bbuf, *rest = c
                 fbuf = write(fbuf, row[_C["recv_f"]], got_f)
                 bbuf = write(bbuf, row[_C["recv_b"]], got_b)
-                c = (stash, fbuf, bbuf, *rest)
-            return c, None
+            return (stash, fbuf, bbuf, gw, gpre, gpost, loss), None
 
-        zeros_like = lambda t: jax.tree.map(jnp.zeros_like, t)
         carry = vary((
-            [fill((tabs.stash_capacity,) + a.shape, a.dtype) for a in stash_avals],
+            [fill((tabs.stash_capacity + 1,) + a.shape, a.dtype) for a in stash_avals],
             fill((tabs.fbuf_capacity + 1,) + x_aval.shape, x_aval.dtype),
             fill((tabs.bbuf_capacity + 1,) + x_aval.shape, x_aval.dtype),
-            zeros_like(w), zeros_like(pre_p), zeros_like(post_p), jnp.zeros((), jnp.float32)))
+            zeros(w), zeros(pre_p), zeros(post_p), jnp.zeros((), jnp.float32)))
         carry, _ = lax.scan(tick, carry, jnp.asarray(table))
         _, _, _, gw, gpre, gpost, loss = carry
         loss = lax.pmean(lax.psum(loss, "stage"), DP_AXES)

@@ -1,0 +1,74 @@
+"""Pipeline-overhead benchmark: pipelined step time over the plain one-device step, same process.
+
+    python -m experiments.throughput                     # MLP 8 x (1024x1024 tanh), batch 512, D=4, M=8
+    python -m experiments.throughput --schedules=1f1b --steps=9
+
+For each schedule it prints: the pipelined ``step`` time (median of ``--steps`` after warm-up), its ratio to
+the plain one-device ``jax.jit`` step that accumulates the gradient over the same M micro-batches with a
+``lax.scan`` and applies the same optax update (the *pipeline overhead*), the ratio to the unchunked plain
+step (one gradient over the whole batch), XLA temporary bytes per device, and compile time at M and at
+``--compile_m2`` micro-batches (must stay nearly flat: the executor scans over ticks).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import app, flags
+
+flags.DEFINE_string("schedules", "gpipe,1f1b", "comma-separated schedules to benchmark")
+flags.DEFINE_integer("stages", 4, "pipeline stages D (CPU-emulated devices)")
+flags.DEFINE_integer("microbatches", 8, "micro-batches M per step")
+flags.DEFINE_integer("layers", 8, "MLP layers h = tanh(h @ W) in total (split evenly over stages)")
+flags.DEFINE_integer("width", 1024, "hidden width (W is width x width)")
+flags.DEFINE_integer("batch", 512, "global batch size")
+flags.DEFINE_integer("steps", 7, "timed steps per configuration (median reported)")
+flags.DEFINE_integer("compile_m2", 64, "second micro-batch count for the compile-time check (0 = skip)")
+flags.DEFINE_string("optimizer", "adamw", "optax optimizer applied by both the plain and the pipelined step")
+flags.DEFINE_string("json_out", "", "optional path: write the table as JSON")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    del argv
+    if "jax" not in sys.modules:
+        os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={max(8, FLAGS.stages)}")
+    import json
+    import jax
+    import jax.numpy as jnp
+    import jaxpipe as jp
+    from jaxpipe.bench import bench_schedule, make_tanh_mlp, plain_steps
+
+    if FLAGS.layers % FLAGS.stages:
+        raise app.UsageError(f"--layers={FLAGS.layers} must be a multiple of --stages={FLAGS.stages}")
+    opt = jp.optim.by_name(FLAGS.optimizer, 1e-3)
+    model = make_tanh_mlp(FLAGS.stages, FLAGS.layers // FLAGS.stages, FLAGS.width)
+    key = jax.random.key(1)
+    batch = {"x": jax.random.normal(key, (FLAGS.batch, FLAGS.width), jnp.float32),
+             "y": jnp.zeros((FLAGS.batch, FLAGS.width), jnp.float32)}
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform} x{len(jax.devices())}, "
+          f"MLP {FLAGS.layers} x {FLAGS.width}^2 tanh, batch {FLAGS.batch}, D={FLAGS.stages}, "
+          f"M={FLAGS.microbatches}, optimizer {FLAGS.optimizer}, median of {FLAGS.steps} steps", flush=True)
+    plain = plain_steps(model, batch, FLAGS.microbatches, opt, FLAGS.steps)
+    print(f"plain one-device step: accumulating over M={FLAGS.microbatches}: {plain['accum_s'] * 1e3:.1f} ms, "
+          f"unchunked: {plain['unchunked_s'] * 1e3:.1f} ms", flush=True)
+    rows = []
+    for name in FLAGS.schedules.split(","):
+        r = bench_schedule(name, model, batch, FLAGS.microbatches, opt, FLAGS.steps, FLAGS.compile_m2, plain)
+        rows.append(r)
+        print(f"  {name}: {r['step_s'] * 1e3:.1f} ms", flush=True)
+    hdr = (f"| schedule | step ms | overhead (/ accum. plain) | / unchunked plain | sim. lockstep bubble "
+           f"| XLA temp MiB/device | compile s M={FLAGS.microbatches} | compile s M={FLAGS.compile_m2} |")
+    print("\n" + hdr)
+    print("|" + "---|" * (hdr.count("|") - 1))
+    for r in rows:
+        print(f"| {r['schedule']} | {r['step_s'] * 1e3:.1f} | {r['overhead']:.3f}x | {r['vs_unchunked']:.3f}x | "
+              f"{r['lockstep_bubble']:.3f} | {r['temp_bytes'] / 2**20:.1f} | {r['compile_s']:.2f} | "
+              f"{r['compile_s_m2']:.2f} |")
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as fh:
+            json.dump({"plain": plain, "rows": rows}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)
