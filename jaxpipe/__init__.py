@@ -8,7 +8,7 @@
     state, metrics = pipe.step(state, batch)
 """
 from . import schedules
-from . import optim
+from . import data, models, optim
 from .errors import ConfigError
 from .model import PipelineModel
 from .pipeline import Pipeline, PipelineState

@@ -32,6 +32,7 @@ class PipelineModel:
     pre_params: Any = ()
     post_loss: Optional[Callable] = None
     post_params: Any = ()
+    head: Optional[Callable] = None   # optional head(post_params, x) -> outputs (logits), for eval/sampling
 
     def __post_init__(self):
         if self.pre is None:

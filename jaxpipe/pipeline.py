@@ -71,7 +71,8 @@ class Pipeline:
 
     def init(self) -> PipelineState:
         """Parameters placed on the mesh (stage leaves sharded over ``stage``), optimizer state, step 0."""
-        params = jax.device_put(self.model.params, self.param_shardings, may_alias=False)  # step() donates
+        # A copy made by jit: step() donates the state, and the model's own arrays must survive that.
+        params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.param_shardings)(self.model.params)
         opt_state = jax.jit(self.optimizer.init)(params) if self.optimizer is not None else None
         return PipelineState(params, opt_state, jnp.zeros((), jnp.int32))
 

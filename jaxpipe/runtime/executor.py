@@ -42,13 +42,15 @@ def vary(x, axes: Sequence[str] = AXES):
     return jax.tree.map(one, x)
 
 
-def residual_mask(stage_fn, w, x) -> Tuple[bool, ...]:
+def residual_mask(stage_fn, w, x) -> Tuple[Tuple[bool, ...], list]:
     """Which leaves of ``jax.vjp(stage_fn, w, x)``'s pullback depend on the activation ``x``.
 
     Those are stashed by F.  The others are functions of the weights alone (the weights themselves, slices,
     transposes, casts of them): B recomputes them from the weights it must read, so weights are never
     copied into the stash.  Found by a dependency walk over the jaxpr (conservative: an equation with any
-    x-dependent input makes all its outputs x-dependent).
+    x-dependent input makes all its outputs x-dependent).  Call it in the context the executor traces in
+    (inside the ``shard_map``): how many residuals a pullback has can depend on it.  Returns the mask and
+    the shapes of the stashed residuals.
     """
     def leaves(w, x):
         return jax.tree.leaves(jax.vjp(stage_fn, w, x)[1])
@@ -60,7 +62,8 @@ def residual_mask(stage_fn, w, x) -> Tuple[bool, ...]:
     for eqn in jaxpr.eqns:
         if any(is_var(v) and v in dep for v in eqn.invars):
             dep.update(eqn.outvars)
-    return tuple(is_var(v) and v in dep for v in jaxpr.outvars)
+    mask = tuple(is_var(v) and v in dep for v in jaxpr.outvars)
+    return mask, [v.aval for v, m in zip(jaxpr.outvars, mask) if m]
 
 
 def split_residuals(stage_fn, w, x, mask: Sequence[bool]):
@@ -143,8 +146,6 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
     x_aval = jax.eval_shape(pre, model.pre_params, mb_example)
     y_aval = jax.eval_shape(stage_fn, w_example, x_aval)
     model.check_activation(x_aval, y_aval)
-    mask = residual_mask(stage_fn, w_example, x_aval)
-    stash_avals = jax.eval_shape(lambda w, x: split_residuals(stage_fn, w, x, mask)[1], w_example, x_aval)
 
     def fill(shape, dtype):
         return jnp.full(shape, jnp.nan if nan_bubbles else 0, dtype)
@@ -156,6 +157,7 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
         me = lax.axis_index("stage")
         zeros = lambda t: vary(jax.tree.map(jnp.zeros_like, t))
         blank = lambda: vary(fill(x_aval.shape, x_aval.dtype))
+        mask, stash_avals = residual_mask(stage_fn, w, vary(jnp.zeros(x_aval.shape, x_aval.dtype)))
 
         def mb_of(row):
             return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, row[_C["mb"]], 0, False), batch)
