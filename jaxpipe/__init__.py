@@ -6,14 +6,42 @@
                        mesh=jp.make_mesh(stages=4, data=1))
     state = pipe.init()
     state, metrics = pipe.step(state, batch)
+
+``jaxpipe.schedules`` (the schedule IR, simulator and pictures) never imports JAX; the rest is loaded on
+first use.
 """
+import importlib
+
 from . import schedules
-from . import data, models, optim
 from .errors import ConfigError
-from .model import PipelineModel
-from .pipeline import Pipeline, PipelineState
-from .runtime.mesh import make_mesh
 
 __version__ = "0.1.0"
 
-__all__ = ["ConfigError", "Pipeline", "PipelineModel", "PipelineState", "make_mesh", "schedules"]
+_LAZY = {
+    "Pipeline": ("pipeline", "Pipeline"),
+    "PipelineState": ("pipeline", "PipelineState"),
+    "PipelineModel": ("model", "PipelineModel"),
+    "make_mesh": ("runtime.mesh", "make_mesh"),
+    "models": ("models", None),
+    "data": ("data", None),
+    "optim": ("optim", None),
+    "runtime": ("runtime", None),
+    "bench": ("bench", None),
+}
+
+__all__ = ["ConfigError", "Pipeline", "PipelineModel", "PipelineState", "data", "make_mesh", "models", "optim",
+           "schedules"]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        mod, attr = _LAZY[name]
+        m = importlib.import_module(f".{mod}", __name__)
+        value = m if attr is None else getattr(m, attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'jaxpipe' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

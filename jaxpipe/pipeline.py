@@ -74,7 +74,12 @@ class Pipeline:
         # A copy made by jit: step() donates the state, and the model's own arrays must survive that.
         params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.param_shardings)(self.model.params)
         opt_state = jax.jit(self.optimizer.init)(params) if self.optimizer is not None else None
-        return PipelineState(params, opt_state, jnp.zeros((), jnp.int32))
+        rep = NamedSharding(self.mesh, P())
+        # Scalars (step counts) come out on one device; replicate them over the mesh like the step returns them.
+        on_mesh = lambda a: a if isinstance(a.sharding, NamedSharding) and a.sharding.mesh == self.mesh \
+            else jax.device_put(a, rep)
+        opt_state = jax.tree.map(on_mesh, opt_state)
+        return PipelineState(params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), rep))
 
     def params(self, state: PipelineState):
         """``(stage_params, pre_params, post_params)`` as the model gave them (stage leaves stacked)."""
@@ -88,7 +93,7 @@ class Pipeline:
         """One optimizer step on ``batch``; returns ``(state, metrics)`` (metrics: loss, grad_norm, step)."""
         if self.optimizer is None:
             raise ConfigError("Pipeline.step needs an optimizer: Pipeline(..., optimizer=optax.adamw(1e-3))")
-        return self._fn("step", batch)(state, batch)
+        return self._fn("step", batch, state)(state, batch)
 
     def shard_batch(self, batch):
         """Place a global batch on the mesh (leading axis split over ``pipe`` x ``data``)."""
@@ -97,7 +102,7 @@ class Pipeline:
 
     def lower(self, what: str, state: PipelineState, batch):
         """The lowered ``"grad"`` or ``"step"`` program (for ``.compile().memory_analysis()``)."""
-        fn = self._fn(what, batch)
+        fn = self._fn(what, batch, state if what == "step" else None)
         return fn.lower(state.params if what == "grad" else state, batch)
 
     # ------------------------------------------------------------------ internals
@@ -117,10 +122,15 @@ class Pipeline:
                 f"{self.num_microbatches} micro-batches of equal size; use a multiple of {per} "
                 f"(e.g. {lo or hi} or {hi}) or change num_microbatches")
 
-    def _fn(self, what: str, batch):
+    def _fn(self, what: str, batch, state: Optional[PipelineState] = None):
         self._check_batch(batch)
         example = jax.tree.map(lambda l: jax.ShapeDtypeStruct(np.shape(l), getattr(l, "dtype", None) or np.asarray(l).dtype), batch)
-        key = (what, jax.tree.structure(example), tuple(jax.tree.leaves(example)))
+        # The step returns the state with the shardings it came in with, so the second call does not compile
+        # again (XLA would otherwise pick its own output shardings for the optimizer state).
+        state_sh = None if state is None else jax.tree.map(
+            lambda a: a.sharding if isinstance(a, jax.Array) else NamedSharding(self.mesh, P()), state)
+        key = (what, jax.tree.structure(example), tuple(jax.tree.leaves(example)),
+               None if state_sh is None else (jax.tree.structure(state_sh), tuple(jax.tree.leaves(state_sh))))
         if key not in self._compiled:
             grad_fn = make_grad_fn(self.model, self.schedule, self.mesh, example, nan_bubbles=self.nan_bubbles)
 
@@ -139,5 +149,7 @@ class Pipeline:
                     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "step": state.step + 1}
                     return PipelineState(params, opt_state, state.step + 1), metrics
 
-                self._compiled[key] = jax.jit(step, donate_argnums=(0,))
+                rep = NamedSharding(self.mesh, P())
+                self._compiled[key] = jax.jit(step, donate_argnums=(0,), out_shardings=(
+                    state_sh, {"loss": rep, "grad_norm": rep, "step": rep}))
         return self._compiled[key]

@@ -1,0 +1,37 @@
+"""Shared test helpers: small reference models and the comparison against unpipelined ``jax.grad``."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxpipe as jp
+
+
+def rel_err(a, b) -> float:
+    """max over leaves of ||a - b|| / ||b|| (float64 on the host)."""
+    errs = []
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        errs.append(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30))
+    return max(errs)
+
+
+def small_model(kind: str, stages: int, seed: int = 0):
+    """(model, batch_fn(n)) for ``kind`` in {"mlp", "gpt"}, sized for CPU tests."""
+    if kind == "mlp":
+        model = jp.models.residual_mlp(stages, in_dim=12, num_classes=5, width=16, seed=seed)
+
+        def batch(n, s=1):
+            r = np.random.default_rng(s)
+            return {"x": r.normal(size=(n, 12)).astype(np.float32), "y": r.integers(0, 5, n).astype(np.int32)}
+    else:
+        model = jp.models.gpt(stages, vocab=32, d_model=16, heads=2, seq_len=8, seed=seed)
+
+        def batch(n, s=1):
+            r = np.random.default_rng(s)
+            t = r.integers(0, 32, (n, 9)).astype(np.int32)
+            return {"x": t[:, :-1], "y": t[:, 1:]}
+    return model, batch
+
+
+def reference(model, batch):
+    return jax.jit(jax.value_and_grad(model.loss))(model.params, batch)

@@ -1,0 +1,54 @@
+"""Bad configuration fails early with a message that names the value, the reason and a fix."""
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jaxpipe as jp
+from helpers import small_model
+
+
+def _pipe(stages=2, M=4, data=1, schedule="1f1b"):
+    model, _ = small_model("mlp", stages)
+    return jp.Pipeline(model, schedule=schedule, num_microbatches=M, optimizer=optax.sgd(0.1),
+                       mesh=jp.make_mesh(stages=stages, data=data))
+
+
+def test_batch_not_divisible():
+    pipe = _pipe(M=4, data=2)
+    with pytest.raises(jp.ConfigError, match=r"batch size 12 .* 2 data-parallel .* 4 micro-batches.*multiple of 8"):
+        pipe.loss_and_grad(pipe.init(), {"x": jnp.zeros((12, 12)), "y": jnp.zeros((12,), jnp.int32)})
+
+
+def test_stage_count_mismatch():
+    model, _ = small_model("mlp", 3)
+    with pytest.raises(jp.ConfigError, match=r"3 stages .* 'stage' axis has 4 devices"):
+        jp.Pipeline(model, schedule="1f1b", num_microbatches=4, optimizer=optax.sgd(0.1),
+                    mesh=jp.make_mesh(stages=4))
+
+
+def test_unknown_schedule():
+    with pytest.raises(jp.ConfigError, match=r"unknown schedule '1f2b'; available: 1f1b, gpipe"):
+        _pipe(schedule="1f2b")
+
+
+def test_mesh_larger_than_devices():
+    n = len(jax.devices())
+    with pytest.raises(jp.ConfigError, match=rf"needs {2 * n} devices but {n} .*xla_force_host_platform_device_count"):
+        jp.make_mesh(stages=n, data=2)
+
+
+def test_bad_microbatches_and_model():
+    with pytest.raises(jp.ConfigError, match="num_microbatches must be a positive integer"):
+        _pipe(M=0)
+    with pytest.raises(jp.ConfigError, match="same leading"):
+        jp.PipelineModel(stage_fn=lambda p, x: x, stage_params={"a": jnp.zeros((2, 3)), "b": jnp.zeros((3, 3))},
+                         post_loss=lambda q, x, b: jnp.mean(x))
+    model = jp.PipelineModel(stage_fn=lambda p, x: x[:, :2] @ p, stage_params=jnp.zeros((2, 2, 2)),
+                             post_loss=lambda q, x, b: jnp.mean(x))
+    pipe = jp.Pipeline(model, schedule="gpipe", num_microbatches=2, optimizer=optax.sgd(0.1),
+                       mesh=jp.make_mesh(stages=2))
+    with pytest.raises(jp.ConfigError, match="same shape and dtype"):
+        pipe.loss_and_grad(pipe.init(), {"x": jnp.zeros((4, 3))})
+    with pytest.raises(jp.ConfigError, match="no key 'x'"):
+        pipe.loss_and_grad(pipe.init(), {"inputs": jnp.zeros((4, 2))})
