@@ -15,6 +15,7 @@ INSTALL_REQUIRES = [
     "scikit-learn==1.9.1",
     "tqdm==4.70.1",
     "pytest==9.2.0",
+    "pytest-xdist==3.8.0",
 ]
 
 setup(

@@ -134,6 +134,9 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
     D, M = sched.D, sched.M
     tabs = sched.tables()
     table = executor_table(sched)
+    # Only the branches this schedule uses are compiled (D == 1 needs 3 of the 9, D > 1 needs 7).
+    used = np.unique(table[..., _BR])
+    table[..., _BR] = np.searchsorted(used, table[..., _BR])
     n_dp = mesh.shape["pipe"] * mesh.shape["data"]
     stage_fn, pre, post_loss = model.stage_fn, model.pre, model.post_loss
 
@@ -203,6 +206,7 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
         # index = 0 idle; 1..4 F (mid, first, last, only); 5..8 B (mid, first, last, only)
         flags = [(False, False), (True, False), (False, True), (True, True)]
         branches = [idle] + [fwd(*f) for f in flags] + [bwd(*f) for f in flags]
+        branches = [branches[i] for i in used]
 
         def tick(c, rows):
             stash, fbuf, bbuf, gw, gpre, gpost, loss = c
