@@ -37,7 +37,9 @@ def main(argv):
     import jax
     import jax.numpy as jnp
     import jaxpipe as jp
-    from jaxpipe.bench import bench_schedule, make_tanh_mlp, plain_steps
+    import statistics
+    from jaxpipe.bench import (compile_time, interleaved_medians, make_tanh_mlp, median_ratio,
+                               pipeline_runner, plain_runner)
 
     if FLAGS.layers % FLAGS.stages:
         raise app.UsageError(f"--layers={FLAGS.layers} must be a multiple of --stages={FLAGS.stages}")
@@ -48,26 +50,37 @@ def main(argv):
              "y": jnp.zeros((FLAGS.batch, FLAGS.width), jnp.float32)}
     print(f"jax {jax.__version__} on {jax.devices()[0].platform} x{len(jax.devices())}, "
           f"MLP {FLAGS.layers} x {FLAGS.width}^2 tanh, batch {FLAGS.batch}, D={FLAGS.stages}, "
-          f"M={FLAGS.microbatches}, optimizer {FLAGS.optimizer}, median of {FLAGS.steps} steps", flush=True)
-    plain = plain_steps(model, batch, FLAGS.microbatches, opt, FLAGS.steps)
-    print(f"plain one-device step: accumulating over M={FLAGS.microbatches}: {plain['accum_s'] * 1e3:.1f} ms, "
-          f"unchunked: {plain['unchunked_s'] * 1e3:.1f} ms", flush=True)
-    rows = []
+          f"M={FLAGS.microbatches}, optimizer {FLAGS.optimizer}; {FLAGS.steps} interleaved rounds", flush=True)
+    runners = {"accum": plain_runner(model, batch, FLAGS.microbatches, opt),
+               "unchunked": plain_runner(model, batch, 1, opt)}
+    infos = []
     for name in FLAGS.schedules.split(","):
-        r = bench_schedule(name, model, batch, FLAGS.microbatches, opt, FLAGS.steps, FLAGS.compile_m2, plain)
-        rows.append(r)
-        print(f"  {name}: {r['step_s'] * 1e3:.1f} ms", flush=True)
+        run, info = pipeline_runner(name, model, batch, FLAGS.microbatches, opt)
+        runners[name] = run
+        infos.append(info)
+    times = interleaved_medians(runners, FLAGS.steps)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"plain one-device step: accumulating over M={FLAGS.microbatches}: {med['accum'] * 1e3:.1f} ms, "
+          f"unchunked: {med['unchunked'] * 1e3:.1f} ms", flush=True)
+    rows = []
+    for info in infos:
+        name = info["schedule"]
+        m2 = compile_time(name, model, batch, FLAGS.compile_m2, opt) if FLAGS.compile_m2 else None
+        rows.append({**info, "step_s": med[name], "overhead": median_ratio(times[name], times["accum"]),
+                     "vs_unchunked": median_ratio(times[name], times["unchunked"]), "compile_s_m2": m2})
+    m2_hdr = f"compile s M={FLAGS.compile_m2}" if FLAGS.compile_m2 else "compile s M2 (skipped)"
     hdr = (f"| schedule | step ms | overhead (/ accum. plain) | / unchunked plain | sim. lockstep bubble "
-           f"| XLA temp MiB/device | compile s M={FLAGS.microbatches} | compile s M={FLAGS.compile_m2} |")
+           f"| XLA temp MiB/device | compile s M={FLAGS.microbatches} | {m2_hdr} |")
     print("\n" + hdr)
     print("|" + "---|" * (hdr.count("|") - 1))
     for r in rows:
+        m2 = "-" if r["compile_s_m2"] is None else f"{r['compile_s_m2']:.2f}"
         print(f"| {r['schedule']} | {r['step_s'] * 1e3:.1f} | {r['overhead']:.3f}x | {r['vs_unchunked']:.3f}x | "
-              f"{r['lockstep_bubble']:.3f} | {r['temp_bytes'] / 2**20:.1f} | {r['compile_s']:.2f} | "
-              f"{r['compile_s_m2']:.2f} |")
+              f"{r['lockstep_bubble']:.3f} | {r['temp_bytes'] / 2**20:.1f} | {r['compile_s']:.2f} | {m2} |")
+    print("(overhead: median over rounds of the per-round ratio; the plain and pipelined steps alternate)")
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as fh:
-            json.dump({"plain": plain, "rows": rows}, fh, indent=1)
+            json.dump({"plain_ms": {k: med[k] * 1e3 for k in ("accum", "unchunked")}, "rows": rows}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -26,17 +26,6 @@ def make_tanh_mlp(stages: int, layers_per_stage: int, width: int, seed: int = 0)
                          post_loss=lambda _, h, b: jnp.mean((h - b["y"]) ** 2))
 
 
-def median_time(fn: Callable[[], object], steps: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    ts = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
 def plain_train_step(model: PipelineModel, opt: optax.GradientTransformation, num_microbatches: int):
     """One-device step: gradient accumulated over ``num_microbatches`` with ``lax.scan`` (1 = unchunked)."""
     M = num_microbatches
@@ -60,37 +49,32 @@ def plain_train_step(model: PipelineModel, opt: optax.GradientTransformation, nu
     return jax.jit(step, donate_argnums=(0, 1))
 
 
-def plain_steps(model: PipelineModel, batch, num_microbatches: int, opt, steps: int) -> Dict[str, float]:
+def plain_runner(model: PipelineModel, batch, num_microbatches: int, opt) -> Callable[[], object]:
+    """A closure running the plain one-device step (accumulating over ``num_microbatches``; 1 = unchunked)."""
     dev = jax.devices()[0]
-    out = {}
-    for name, m in (("accum_s", num_microbatches), ("unchunked_s", 1)):
-        fn = plain_train_step(model, opt, m)
-        b = jax.device_put(batch, dev)
-        params = jax.device_put(model.params, dev, may_alias=False)
-        st = {"p": params, "o": jax.jit(opt.init)(params)}
+    fn = plain_train_step(model, opt, num_microbatches)
+    b = jax.device_put(batch, dev)
+    params = jax.device_put(model.params, dev, may_alias=False)
+    st = {"p": params, "o": jax.jit(opt.init)(params)}
 
-        def run():
-            st["p"], st["o"], loss = fn(st["p"], st["o"], b)
-            return loss
+    def run():
+        st["p"], st["o"], loss = fn(st["p"], st["o"], b)
+        return loss
 
-        out[name] = median_time(run, steps)
-    return out
+    return run
 
 
-def bench_schedule(name: str, model: PipelineModel, batch, num_microbatches: int, opt, steps: int,
-                   compile_m2: int, plain: Dict[str, float], data: int = 1) -> Dict[str, float]:
+def pipeline_runner(name: str, model: PipelineModel, batch, num_microbatches: int, opt, data: int = 1):
+    """``(run, info)``: a closure running ``Pipeline.step`` and its compile time, memory and simulation."""
     from . import Pipeline, make_mesh
-    mesh = make_mesh(stages=model.num_stages, data=data)
-
-    def compile_time(m):
-        pipe = Pipeline(model, schedule=name, num_microbatches=m, optimizer=opt, mesh=mesh)
-        st = pipe.init()
-        t0 = time.perf_counter()
-        compiled = pipe.lower("step", st, batch).compile()
-        return time.perf_counter() - t0, compiled, pipe, st
-
-    c1, compiled, pipe, state = compile_time(num_microbatches)
+    pipe = Pipeline(model, schedule=name, num_microbatches=num_microbatches, optimizer=opt,
+                    mesh=make_mesh(stages=model.num_stages, data=data))
+    state = pipe.init()
+    t0 = time.perf_counter()
+    compiled = pipe.lower("step", state, batch).compile()
+    compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
+    rep = pipe.schedule.simulate(f=1.0, b=2.0)
     b = pipe.shard_batch(batch)
     st = {"s": state}
 
@@ -98,10 +82,32 @@ def bench_schedule(name: str, model: PipelineModel, batch, num_microbatches: int
         st["s"], metrics = pipe.step(st["s"], b)
         return metrics["loss"]
 
-    t = median_time(run, steps)
-    c2 = compile_time(compile_m2)[0] if compile_m2 else float("nan")
-    rep = pipe.schedule.simulate(f=1.0, b=2.0)
-    return {"schedule": name, "step_s": t, "overhead": t / plain["accum_s"],
-            "vs_unchunked": t / plain["unchunked_s"], "temp_bytes": int(getattr(mem, "temp_size_in_bytes", -1)),
-            "compile_s": c1, "compile_s_m2": c2, "lockstep_bubble": rep.lockstep_bubble_ratio,
-            "bubble": rep.bubble_ratio}
+    return run, {"schedule": name, "compile_s": compile_s,
+                 "temp_bytes": int(getattr(mem, "temp_size_in_bytes", -1)),
+                 "lockstep_bubble": rep.lockstep_bubble_ratio, "bubble": rep.bubble_ratio}
+
+
+def interleaved_medians(runners: Dict[str, Callable[[], object]], rounds: int, warmup: int = 2) -> Dict[str, list]:
+    """Time every runner once per round, in turn, for ``rounds`` rounds; returns the per-round times.
+
+    Interleaving makes the ratios robust to the machine's speed drifting during the run (a shared CPU):
+    a ratio is taken within a round, then the median over rounds is reported.
+    """
+    for run in runners.values():
+        for _ in range(warmup):
+            jax.block_until_ready(run())
+    times = {k: [] for k in runners}
+    for _ in range(rounds):
+        for k, run in runners.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(run())
+            times[k].append(time.perf_counter() - t0)
+    return times
+
+
+def median_ratio(a, b) -> float:
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
+def compile_time(name: str, model: PipelineModel, batch, num_microbatches: int, opt) -> float:
+    return pipeline_runner(name, model, batch, num_microbatches, opt)[1]["compile_s"]
