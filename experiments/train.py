@@ -20,7 +20,7 @@ flags.DEFINE_integer("stages", 4, "pipeline stages = devices on the mesh's 'stag
 flags.DEFINE_integer("data", 1, "data-parallel replicas of the pipeline (mesh 'data' axis)")
 flags.DEFINE_integer("microbatches", 4, "micro-batches per step (per data replica)")
 flags.DEFINE_integer("batch", 32, "global batch size (sequences or images); divisible by data x microbatches")
-flags.DEFINE_integer("steps", 200, "optimizer steps")
+flags.DEFINE_integer("steps", 300, "optimizer steps")
 flags.DEFINE_string("optimizer", "adamw", "sgd | momentum | adam | adamw")
 flags.DEFINE_float("lr", 3e-3, "peak learning rate (linear warm-up over 5% of the steps, cosine decay)")
 flags.DEFINE_integer("seq_len", 64, "gpt: context length in bytes")
