@@ -60,6 +60,10 @@ class Pipeline:
         self.schedule = schedules.build(schedule, num_stages=D, num_microbatches=num_microbatches)
         self.nan_bubbles = nan_bubbles
         self._compiled: Dict[Any, Any] = {}
+        self._async = None
+        if schedules.is_async(schedule):
+            from .async_pipeline import AsyncRunner
+            self._async = AsyncRunner(self)
         stage_sh = jax.tree.map(lambda _: NamedSharding(mesh, P("stage")), model.stage_params)
         rep = lambda t: jax.tree.map(lambda _: NamedSharding(mesh, P()), t)
         self.param_shardings = (stage_sh, rep(model.pre_params), rep(model.post_params))
@@ -69,8 +73,17 @@ class Pipeline:
     def data_parallel(self) -> int:
         return self.mesh.shape["pipe"] * self.mesh.shape["data"]
 
-    def init(self) -> PipelineState:
-        """Parameters placed on the mesh (stage leaves sharded over ``stage``), optimizer state, step 0."""
+    @property
+    def is_async(self) -> bool:
+        """True for the no-flush schedules (pipedream, pipedream_2bw, spectrain, pipeoptim)."""
+        return self._async is not None
+
+    def init(self):
+        """Parameters placed on the mesh (stage leaves sharded over ``stage``), optimizer state, step 0.
+
+        Asynchronous schedules return an ``AsyncState`` that also carries the pipeline's in-flight state."""
+        if self._async is not None:
+            return self._async.init()
         # A copy made by jit: step() donates the state, and the model's own arrays must survive that.
         params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.param_shardings)(self.model.params)
         opt_state = jax.jit(self.optimizer.init)(params) if self.optimizer is not None else None
@@ -83,17 +96,39 @@ class Pipeline:
 
     def params(self, state: PipelineState):
         """``(stage_params, pre_params, post_params)`` as the model gave them (stage leaves stacked)."""
+        if self._async is not None:
+            return self._async.params(state)
         return state.params
 
     def loss_and_grad(self, state: PipelineState, batch):
         """Mean loss over the batch and its gradient ``(g_stage, g_pre, g_post)``; no update."""
+        if self._async is not None:
+            raise ConfigError(f"{self.schedule.name} is asynchronous: every stage updates its weights after each "
+                              f"micro-batch, so there is no single gradient of a batch; use step(), or a "
+                              f"synchronous schedule (gpipe, 1f1b) for loss_and_grad")
         return self._fn("grad", batch)(state.params, batch)
 
     def step(self, state: PipelineState, batch):
-        """One optimizer step on ``batch``; returns ``(state, metrics)`` (metrics: loss, grad_norm, step)."""
+        """One optimizer step on ``batch``; returns ``(state, metrics)`` (metrics: loss, grad_norm, step).
+
+        Asynchronous schedules feed the batch's M micro-batches into the running pipeline and run 2M ticks;
+        metrics: ``loss`` (mean over the micro-batches whose loss was computed in this call, NaN if none),
+        ``losses_computed``, ``microbatches_fed``, ``microbatches_finished`` (backward done on every stage).
+        """
+        if self._async is not None:
+            self._check_batch(batch)
+            return self._async.step(state, self.shard_batch(batch))
         if self.optimizer is None:
             raise ConfigError("Pipeline.step needs an optimizer: Pipeline(..., optimizer=optax.adamw(1e-3))")
         return self._fn("step", batch, state)(state, batch)
+
+    def drain(self, state):
+        """Asynchronous schedules: finish every micro-batch in flight (2D - 1 ticks, no new data).
+
+        The next ``step`` refills the pipeline.  Synchronous schedules flush every step: returns the state."""
+        if self._async is None:
+            return state, {}
+        return self._async.drain(state)
 
     def shard_batch(self, batch):
         """Place a global batch on the mesh (leading axis split over ``pipe`` x ``data``)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict
 
+from .asynchronous import ASYNC_BUILDERS, WEIGHT_VERSIONS
 from .gpipe import build_gpipe
 from .ir import Action, B, F, W, Schedule, ScheduleError, Tables
 from .one_f_one_b import build_1f1b
@@ -15,7 +16,13 @@ from .simulate import SimReport, simulate
 BUILDERS: Dict[str, Callable[..., Schedule]] = {
     "gpipe": build_gpipe,
     "1f1b": build_1f1b,
+    **ASYNC_BUILDERS,
 }
+ASYNCHRONOUS = tuple(ASYNC_BUILDERS)   # no flush: weight versions change between a micro-batch's F and B
+
+
+def is_async(name: str) -> bool:
+    return name in ASYNCHRONOUS
 
 
 def available() -> list:
@@ -32,5 +39,5 @@ def build(name: str, num_stages: int, num_microbatches: int, **options) -> Sched
     return BUILDERS[name](num_stages, num_microbatches, **options).validate()
 
 
-__all__ = ["Action", "B", "BUILDERS", "F", "W", "Schedule", "ScheduleError", "SimReport", "Tables",
+__all__ = ["ASYNCHRONOUS", "Action", "B", "BUILDERS", "WEIGHT_VERSIONS", "is_async", "F", "W", "Schedule", "ScheduleError", "SimReport", "Tables",
            "available", "build", "simulate"]

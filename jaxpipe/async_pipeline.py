@@ -1,0 +1,132 @@
+"""Train state and compiled programs of the asynchronous schedules (used by ``jp.Pipeline``).
+
+The state carries the whole pipeline between calls (DESIGN.md §2, "asynchronous methods never flush"):
+per-stage weights (each stage with its own copy of ``pre``/``post``; stage 0's ``pre`` and stage D-1's
+``post`` are the trained ones), per-stage optimizer and policy state, the in-flight residuals, messages
+and recent micro-batches, and the counters ``(tick, base, fed)``.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from .errors import ConfigError
+from .optim.policies import make_policy
+from .runtime.async_executor import ALL, empty_carry, make_async_fn
+from .runtime.executor import residual_mask
+
+
+class AsyncState(NamedTuple):
+    params: Any        # (w [D, ...], pre [D, ...], post [D, ...]): stage s's local parameters at index s
+    opt_state: Any     # the wrapped optimizer's state per stage (leading axis D)
+    policy_state: Any  # weight stash / shadow copy / last update, per stage (leading axis D)
+    carry: Any         # AsyncCarry: in-flight residuals, messages, recent micro-batches (one per device)
+    counters: Any      # (tick, base, fed) int32: ticks since the (re)start, first micro-batch index, fed since
+    step: jax.Array    # calls of step()
+
+
+class AsyncRunner:
+    """Builds and caches the step/drain programs of one asynchronous ``Pipeline``."""
+
+    def __init__(self, pipe):
+        self.pipe = pipe
+        model, D = pipe.model, pipe.mesh.shape["stage"]
+        self.D, self.M = D, pipe.num_microbatches
+        if pipe.optimizer is None:
+            raise ConfigError(f"{pipe.schedule.name} updates the weights inside the pipeline: give "
+                              f"Pipeline(..., optimizer=optax.sgd(0.1, momentum=0.9)) or another optax optimizer")
+        lp_example = jax.eval_shape(self._local, model.params)
+        opt_example = jax.eval_shape(pipe.optimizer.init, lp_example)
+        self.policy = make_policy(pipe.schedule.name, pipe.optimizer, D, self.M, opt_example)
+        self._fns = {}
+        self._mb_example = None
+
+    @staticmethod
+    def _local(params):
+        """One stage's local parameter set from the model's (stage 0's slice)."""
+        w, pre, post = params
+        return (jax.tree.map(lambda a: a[0], w), pre, post)
+
+    # ------------------------------------------------------------------ state
+    def init(self, batch_example=None) -> AsyncState:
+        pipe, D = self.pipe, self.D
+        w, pre, post = pipe.model.params
+        stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (D,) + jnp.shape(a)).copy(), t)
+        params = (jax.tree.map(jnp.copy, w), stack(pre), stack(post))
+        opt_state = jax.vmap(pipe.optimizer.init)(params)
+        pstate = jax.vmap(self.policy.init)(params)
+        sh = NamedSharding(pipe.mesh, P("stage"))
+        params, opt_state, pstate = jax.device_put((params, opt_state, pstate), sh)
+        rep = NamedSharding(pipe.mesh, P())
+        counters = jax.device_put(tuple(jnp.zeros((), jnp.int32) for _ in range(3)), rep)
+        return AsyncState(params, opt_state, pstate, None, counters, jax.device_put(jnp.zeros((), jnp.int32), rep))
+
+    def _ensure_carry(self, state: AsyncState, batch) -> AsyncState:
+        if state.carry is not None:
+            return state
+        pipe = self.pipe
+        mb = self._mb(batch)
+        n_dev = pipe.mesh.size
+        w0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), pipe.model.stage_params)
+        x_aval = jax.eval_shape(pipe.model.pre, pipe.model.pre_params, mb)
+        mask, res_avals = self._mask(w0, x_aval)
+        carry = empty_carry(pipe.model, self.D, self.M, n_dev, mb, x_aval, res_avals)
+        carry = jax.device_put(carry, NamedSharding(pipe.mesh, P(ALL)))
+        return state._replace(carry=carry)
+
+    def _mask(self, w0, x_aval):
+        w = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), w0)
+        return residual_mask(self.pipe.model.stage_fn, w, jnp.zeros(x_aval.shape, x_aval.dtype))
+
+    def _mb(self, batch):
+        per = self.pipe.data_parallel * self.M
+        return jax.tree.map(lambda l: jax.ShapeDtypeStruct((np.shape(l)[0] // per,) + tuple(np.shape(l)[1:]),
+                                                           jnp.asarray(l).dtype if not hasattr(l, "dtype") else l.dtype), batch)
+
+    # ------------------------------------------------------------------ programs
+    def _fn(self, feed: bool, batch_like):
+        key = (feed, jax.tree.structure(batch_like), tuple((tuple(np.shape(l)), str(l.dtype))
+                                                           for l in jax.tree.leaves(batch_like)))
+        if key not in self._fns:
+            pipe = self.pipe
+            mb = self._mb(batch_like)
+            ticks = 2 * self.M if feed else 2 * self.D - 1
+            fn, _ = make_async_fn(pipe.model, self.policy, pipe.optimizer, self.D, self.M, pipe.mesh, mb,
+                                  num_ticks=ticks, feed=feed)
+            D = self.D
+
+            def run(state: AsyncState, batch):
+                params, opt_state, pstate, carry, counters, (lsum, lcount, done) = fn(
+                    state.params, state.opt_state, state.policy_state, state.carry, state.counters, batch)
+                if not feed:   # drained: everything finished; the next step restarts the pipeline
+                    t, base, fed = counters
+                    counters = (jnp.zeros_like(t), base + fed, jnp.zeros_like(fed))
+                metrics = {"loss": jnp.where(lcount > 0, lsum / jnp.maximum(lcount, 1), jnp.nan),
+                           "losses_computed": lcount, "microbatches_finished": done,
+                           "microbatches_fed": counters[1] + counters[2], "step": state.step + int(feed)}
+                return AsyncState(params, opt_state, pstate, carry, counters, state.step + int(feed)), metrics
+
+            self._fns[key] = jax.jit(run, donate_argnums=(0,))
+        return self._fns[key]
+
+    def step(self, state: AsyncState, batch):
+        state = self._ensure_carry(state, batch)
+        return self._fn(True, batch)(state, batch)
+
+    def drain(self, state: AsyncState):
+        if state.carry is None:
+            return state, {}
+        ring = state.carry.ring
+        # a batch-shaped placeholder (never read): the program for feed=False ignores it
+        per = self.pipe.data_parallel * self.M
+        dummy = jax.tree.map(lambda r: jnp.zeros((r.shape[2] * per,) + tuple(r.shape[3:]), r.dtype), ring)
+        dummy = self.pipe.shard_batch(dummy)
+        return self._fn(False, dummy)(state, dummy)
+
+    def params(self, state: AsyncState):
+        w, pre, post = state.params
+        return (w, jax.tree.map(lambda a: a[0], pre), jax.tree.map(lambda a: a[self.D - 1], post))

@@ -1,0 +1,191 @@
+"""Weight policies of the asynchronous 1F1B family (PipeOptim §II-C2, §III, Tables I-II; DESIGN.md §3).
+
+A policy wraps the user's optax optimizer and says which weights a micro-batch's forward (F) and backward
+(B) read on a stage, and when updates land.  It works on one stage's *local* parameters
+``lp = (w, pre, post)`` (the stage's weights plus this device's copies of the embedding and head, which only
+stage 0 / stage D-1 use and train) and is pure: ``(init, forward_weights, backward_weights, update)``
+with state as pytrees, like an optax ``GradientTransformation``.
+
+Timeline (jaxpipe's lockstep no-flush 1F1B, ``jaxpipe.runtime.async_executor``): stage ``s`` runs F of
+micro-batch ``i`` at tick ``2i + s`` and its B at tick ``2i + 2D - 1 - s``.  Between them the stage runs
+the B (and so the update) of micro-batches ``i-(D-1-s) .. i-1``: **D - 1 - s updates**.
+
+- ``pipedream`` (weight stashing): one update per micro-batch; F stores the version it read in slot
+  ``i mod D``; B reads it back.  Stage s holds up to D - s versions.
+- ``pipedream_2bw`` (double-buffered weights, Narayanan et al. 2021): gradients accumulated over the M
+  micro-batches of a step; batch b reads version b-1 in F and B; after its last B, version b+1 = version b
+  + update(mean gradient): w(t+1) = w(t) - lr * grad f(w(t-1)).  Two versions; needs M >= D.
+- ``pipeoptim``: one update per micro-batch; F reads w_hat = w + s_pred * u_last with ``u_last`` the last
+  update the wrapped optimizer produced and ``s_pred = D - 1 - s`` (the updates between F and B above);
+  B reads the current w.  For SGD-momentum, Adam and AdamW, u_last = -lr * Delta W of Table I (AdamW adds
+  its decoupled decay term -lr * lambda * w, which Table I leaves out); tested in tests/test_policies.py.
+- ``spectrain`` (Chen et al. 2018): the same prediction from the momentum step, in F *and* B, with the
+  version distances of jaxpipe's timeline: both predict the version the stage will hold when the
+  micro-batch's backward ends on stage 0 (tick 2i + 2D - 1): s_fwd = floor(s/2) + D - 1 - s,
+  s_bwd = floor(s/2) (BUILD_NOTES.md has the derivation).  Needs a momentum buffer (optax ``trace``).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, List, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from ..errors import ConfigError
+from ..schedules.asynchronous import WEIGHT_VERSIONS
+
+ASYNC_METHODS = ("pipedream", "pipedream_2bw", "spectrain", "pipeoptim")
+
+
+class WeightPolicy(NamedTuple):
+    """``init(lp) -> ps``; ``forward_weights(lp, ps, i, s) -> (w_F, ps)``; ``backward_weights(lp, ps, i, s)
+    -> w_B``; ``update(g, lp, opt_state, ps, i, s) -> (lp, opt_state, ps)``.  ``i``: global micro-batch
+    index, ``s``: the stage (traced ints).  ``versions(D)``: weight versions per stage (Table II)."""
+    name: str
+    init: Callable
+    forward_weights: Callable
+    backward_weights: Callable
+    update: Callable
+    versions: Callable[[int], List[int]]
+
+
+def _apply(opt, g, lp, opt_state):
+    u, opt_state = opt.update(g, opt_state, lp)
+    return optax.apply_updates(lp, u), opt_state, u
+
+
+def _axpy(a, x, y):
+    """y + a * x, with ``a`` a traced scalar."""
+    return jax.tree.map(lambda xx, yy: yy + a.astype(yy.dtype) * xx, x, y)
+
+
+def pipedream(opt: optax.GradientTransformation, num_stages: int) -> WeightPolicy:
+    D = num_stages
+
+    def init(lp):
+        return jax.tree.map(lambda a: jnp.broadcast_to(a, (D,) + a.shape).copy(), lp)
+
+    def forward_weights(lp, stash, i, s):
+        stash = jax.tree.map(lambda b, a: lax.dynamic_update_index_in_dim(b, a, i % D, 0), stash, lp)
+        return lp, stash
+
+    def backward_weights(lp, stash, i, s):
+        return jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, i % D, 0, False), stash)
+
+    def update(g, lp, opt_state, stash, i, s):
+        lp, opt_state, _ = _apply(opt, g, lp, opt_state)
+        return lp, opt_state, stash
+
+    return WeightPolicy("pipedream", init, forward_weights, backward_weights, update,
+                        WEIGHT_VERSIONS["pipedream"])
+
+
+class TwoBWState(NamedTuple):
+    shadow: Any          # the previous version w(n - 1)
+    acc: Any             # gradient sum of the current batch
+    n_updates: jax.Array  # versions produced so far: lp holds w(n_updates)
+
+
+def pipedream_2bw(opt: optax.GradientTransformation, num_stages: int, num_microbatches: int) -> WeightPolicy:
+    M = num_microbatches
+
+    def init(lp):
+        return TwoBWState(jax.tree.map(jnp.copy, lp), jax.tree.map(jnp.zeros_like, lp), jnp.zeros((), jnp.int32))
+
+    def version(lp, ps, i):
+        # batch b = i // M reads w(b - 1) (w(-1) = w(0)): the latest if no update of batch b - 1 landed yet
+        b = i // M
+        latest = ps.n_updates == b - 1
+        return jax.tree.map(lambda a, sh: jnp.where(latest, a, sh), lp, ps.shadow)
+
+    def forward_weights(lp, ps, i, s):
+        return version(lp, ps, i), ps
+
+    def backward_weights(lp, ps, i, s):
+        return version(lp, ps, i)
+
+    def update(g, lp, opt_state, ps, i, s):
+        acc = jax.tree.map(jnp.add, ps.acc, g)
+
+        def land(args):
+            lp, opt_state, acc = args
+            new, opt_state, _ = _apply(opt, jax.tree.map(lambda a: a / M, acc), lp, opt_state)
+            return new, opt_state, TwoBWState(lp, jax.tree.map(jnp.zeros_like, acc), ps.n_updates + 1)
+
+        def keep(args):
+            lp, opt_state, acc = args
+            return lp, opt_state, TwoBWState(ps.shadow, acc, ps.n_updates)
+
+        return lax.cond(i % M == M - 1, land, keep, (lp, opt_state, acc))
+
+    return WeightPolicy("pipedream_2bw", init, forward_weights, backward_weights, update,
+                        WEIGHT_VERSIONS["pipedream_2bw"])
+
+
+def _predicting(name: str, opt, fwd_distance: Callable, bwd_distance: Callable, versions) -> WeightPolicy:
+    """Weight prediction w_hat = w + s * u_last (u_last: the last update the wrapped optimizer applied)."""
+
+    def init(lp):
+        return jax.tree.map(jnp.zeros_like, lp)
+
+    def forward_weights(lp, u_last, i, s):
+        return _axpy(fwd_distance(s), u_last, lp), u_last
+
+    def backward_weights(lp, u_last, i, s):
+        return _axpy(bwd_distance(s), u_last, lp)
+
+    def update(g, lp, opt_state, u_last, i, s):
+        lp, opt_state, u = _apply(opt, g, lp, opt_state)
+        return lp, opt_state, u
+
+    return WeightPolicy(name, init, forward_weights, backward_weights, update, versions)
+
+
+def pipeoptim_distance(num_stages: int) -> Callable:
+    return lambda s: num_stages - 1 - s
+
+
+def spectrain_distances(num_stages: int):
+    D = num_stages
+    return (lambda s: s // 2 + D - 1 - s), (lambda s: s // 2)
+
+
+def pipeoptim(opt: optax.GradientTransformation, num_stages: int) -> WeightPolicy:
+    zero = lambda s: s * 0   # B reads the current weights
+    return _predicting("pipeoptim", opt, pipeoptim_distance(num_stages), zero, WEIGHT_VERSIONS["pipeoptim"])
+
+
+def has_momentum(opt_state) -> bool:
+    return any(isinstance(x, optax.TraceState)
+               for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.TraceState)))
+
+
+def spectrain(opt: optax.GradientTransformation, num_stages: int, opt_state_example=None) -> WeightPolicy:
+    if opt_state_example is not None and not has_momentum(opt_state_example):
+        raise ConfigError(
+            "spectrain predicts future weights from the SGD-momentum buffer (SpecTrain, Chen et al. 2018; "
+            "PipeOptim Table II: it works only with SGDM), and this optimizer's state has no momentum trace "
+            "(optax.TraceState). Use optax.sgd(lr, momentum=0.9), or schedule='pipeoptim', which predicts "
+            "from whatever update rule the optimizer has.")
+    f, b = spectrain_distances(num_stages)
+    return _predicting("spectrain", opt, f, b, WEIGHT_VERSIONS["spectrain"])
+
+
+def make_policy(name: str, opt, num_stages: int, num_microbatches: int, opt_state_example=None) -> WeightPolicy:
+    if name == "pipedream":
+        return pipedream(opt, num_stages)
+    if name == "pipedream_2bw":
+        if num_microbatches < num_stages:
+            raise ConfigError(
+                f"pipedream_2bw needs num_microbatches >= num_stages (got M={num_microbatches}, "
+                f"D={num_stages}): a step's micro-batches must cover the pipeline so that only two weight "
+                f"versions are ever in flight (PipeDream-2BW §3.1, m >= d). Use num_microbatches="
+                f"{num_stages} or more.")
+        return pipedream_2bw(opt, num_stages, num_microbatches)
+    if name == "pipeoptim":
+        return pipeoptim(opt, num_stages)
+    if name == "spectrain":
+        return spectrain(opt, num_stages, opt_state_example)
+    raise ConfigError(f"unknown weight policy {name!r}; available: {', '.join(ASYNC_METHODS)}")
