@@ -1,0 +1,114 @@
+"""Serial references of the asynchronous methods (DESIGN.md §3: the correctness backbone).
+
+A plain single-device loop over micro-batches in order, with no ticks, no stash slots, no messages: for
+every micro-batch and stage it picks the weights the method's rule says F and B read, runs the model
+stage by stage, and lands each stage's update when the rule says.  The pipelined run must equal it.
+
+Rules, with ``c_F(s, i) = max(0, i - (D - 1 - s))`` the updates stage ``s`` has applied when micro-batch
+``i``'s F runs there, and ``i`` the updates it has applied when its B runs (lockstep no-flush 1F1B):
+pipedream   F, B: w_s[c_F]                                           update after every micro-batch
+pipeoptim   F: w_s[c_F] + (D-1-s) u_s[c_F];  B: w_s[i]                update after every micro-batch
+spectrain   F: w_s[c_F] + (s//2 + D-1-s) u_s[c_F];  B: w_s[i] + (s//2) u_s[i]
+2bw         F, B of batch b: w_s[max(b-1, 0)]; after batch b: w_s[b+1] = w_s[b] + update(mean grad)
+where ``u_s[c]`` is the update that produced ``w_s[c]`` (zero for c = 0).  Each stage has its own
+optimizer state over its local parameters (w_s, pre, post); only stage 0 gets gradients for ``pre`` and
+only stage D-1 for ``post``.  F keeps the activations it computed; B backpropagates through them with the
+weights B reads (``rebuild_pullback``), as PipeOptim's and SpecTrain's implementations do.
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ..runtime.executor import rebuild_pullback, residual_mask, split_residuals
+
+
+def global_microbatches(batch, num_microbatches: int, data_parallel: int = 1) -> List[dict]:
+    """The micro-batches the pipeline forms from a global batch: replica r takes rows [r n/R, (r+1) n/R) and
+    splits them into M; micro-batch j is the union of every replica's j-th chunk."""
+    R, M = data_parallel, num_microbatches
+    out = []
+    for j in range(M):
+        def take(a):
+            a = np.asarray(a)
+            n = a.shape[0] // (R * M)
+            return np.concatenate([a[(r * M + j) * n:(r * M + j + 1) * n] for r in range(R)])
+        out.append(jax.tree.map(take, batch))
+    return out
+
+
+def serial_reference(model, method: str, opt: optax.GradientTransformation, num_microbatches: int,
+                     batches, data_parallel: int = 1) -> Dict[str, object]:
+    """Run ``method`` serially over ``batches`` (global batches, each of M micro-batches), fill and drain
+    included.  Returns ``{"params": (w [D..], pre, post), "losses": [per micro-batch]}``."""
+    D, M = model.num_stages, num_microbatches
+    w0, pre0, post0 = model.params
+    local = [(jax.tree.map(lambda a: a[s], w0), pre0, post0) for s in range(D)]
+    hist = [[lp] for lp in local]                         # hist[s][c]: version after c updates
+    upd = [[jax.tree.map(jnp.zeros_like, lp)] for lp in local]   # upd[s][c]: the update that made it
+    ostate = [opt.init(lp) for lp in local]
+    mbs = [mb for b in batches for mb in global_microbatches(b, M, data_parallel)]
+    x0 = jax.eval_shape(model.pre, pre0, mbs[0])
+    mask, _ = residual_mask(model.stage_fn, local[0][0], jnp.zeros(x0.shape, x0.dtype))
+    x_like = jnp.zeros(x0.shape, x0.dtype)
+    # jitted: a pullback's residuals come out in the same structure as the traced mask only under tracing
+    # (eagerly, JAX builds the pullback differently)
+    fwd = jax.jit(lambda w, x: split_residuals(model.stage_fn, w, x, mask)[:2])
+    bwd = jax.jit(lambda w, res, dy: rebuild_pullback(model.stage_fn, w, x_like, res, mask)(dy))
+    axpy = lambda a, x, y: jax.tree.map(lambda xx, yy: yy + jnp.asarray(a, yy.dtype) * xx, x, y)
+    losses, acc = [], [None] * D
+
+    for i, mb in enumerate(mbs):
+        b = i // M
+        wF, wB = [], []
+        for s in range(D):
+            cF = max(0, i - (D - 1 - s))
+            if method == "pipedream":
+                wF.append(hist[s][cF]); wB.append(hist[s][cF])
+            elif method == "pipeoptim":
+                wF.append(axpy(D - 1 - s, upd[s][cF], hist[s][cF])); wB.append(hist[s][i])
+            elif method == "spectrain":
+                wF.append(axpy(s // 2 + D - 1 - s, upd[s][cF], hist[s][cF]))
+                wB.append(axpy(s // 2, upd[s][i], hist[s][i]))
+            elif method == "pipedream_2bw":
+                v = max(b - 1, 0)
+                wF.append(hist[s][v]); wB.append(hist[s][v])
+            else:
+                raise ValueError(method)
+        # forward, stage by stage, keeping each stage's activation residuals
+        x = model.pre(wF[0][1], mb)
+        res = []
+        for s in range(D):
+            x, r = fwd(wF[s][0], x)
+            res.append(r)
+        loss, (gpost, dy) = jax.value_and_grad(model.post_loss, argnums=(0, 1))(wF[D - 1][2], x, mb)
+        losses.append(float(loss))
+        grads = [None] * D
+        for s in reversed(range(D)):
+            dw, dy = bwd(wB[s][0], res[s], dy)
+            dy = dy.astype(x0.dtype)
+            dpre = jax.tree.map(jnp.zeros_like, pre0)
+            if s == 0:
+                dpre = jax.vjp(lambda q: model.pre(q, mb), wB[0][1])[1](dy)[0]
+            dpost = gpost if s == D - 1 else jax.tree.map(jnp.zeros_like, post0)
+            grads[s] = (dw, dpre, dpost)
+        for s in range(D):
+            if method == "pipedream_2bw":
+                acc[s] = grads[s] if acc[s] is None else jax.tree.map(jnp.add, acc[s], grads[s])
+                if i % M != M - 1:
+                    continue
+                g, acc[s] = jax.tree.map(lambda a: a / M, acc[s]), None
+            else:
+                g = grads[s]
+            cur = hist[s][-1]
+            u, ostate[s] = opt.update(g, ostate[s], cur)
+            hist[s].append(optax.apply_updates(cur, u))
+            upd[s].append(u)
+
+    final = [h[-1] for h in hist]
+    w = jax.tree.map(lambda *a: jnp.stack(a), *[f[0] for f in final])
+    return {"params": (w, final[0][1], final[D - 1][2]), "losses": losses}
