@@ -16,7 +16,9 @@ import sys
 
 from absl import app, flags
 
-flags.DEFINE_string("schedules", "gpipe,1f1b", "comma-separated schedules to benchmark")
+flags.DEFINE_string("schedules", "gpipe,1f1b,pipedream,pipedream_2bw,spectrain,pipeoptim",
+                    "comma-separated schedules to benchmark (spectrain runs with SGD-momentum and is compared "
+                    "with a plain step using that optimizer when --optimizer has no momentum)")
 flags.DEFINE_integer("stages", 4, "pipeline stages D (CPU-emulated devices)")
 flags.DEFINE_integer("microbatches", 8, "micro-batches M per step")
 flags.DEFINE_integer("layers", 8, "MLP layers h = tanh(h @ W) in total (split evenly over stages)")
@@ -54,8 +56,14 @@ def main(argv):
     runners = {"accum": plain_runner(model, batch, FLAGS.microbatches, opt),
                "unchunked": plain_runner(model, batch, 1, opt)}
     infos = []
+    opts = {}
     for name in FLAGS.schedules.split(","):
-        run, info = pipeline_runner(name, model, batch, FLAGS.microbatches, opt)
+        o = opt
+        if name == "spectrain" and FLAGS.optimizer != "momentum":
+            o = jp.optim.by_name("momentum", 1e-3)   # SpecTrain needs a momentum buffer
+            runners.setdefault("accum_momentum", plain_runner(model, batch, FLAGS.microbatches, o))
+            opts[name] = "momentum"
+        run, info = pipeline_runner(name, model, batch, FLAGS.microbatches, o)
         runners[name] = run
         infos.append(info)
     times = interleaved_medians(runners, FLAGS.steps)
@@ -65,18 +73,23 @@ def main(argv):
     rows = []
     for info in infos:
         name = info["schedule"]
-        m2 = compile_time(name, model, batch, FLAGS.compile_m2, opt) if FLAGS.compile_m2 else None
-        rows.append({**info, "step_s": med[name], "overhead": median_ratio(times[name], times["accum"]),
+        o = jp.optim.by_name(opts.get(name, FLAGS.optimizer), 1e-3)
+        m2 = compile_time(name, model, batch, FLAGS.compile_m2, o) if FLAGS.compile_m2 else None
+        base = "accum_momentum" if name in opts else "accum"
+        if name in opts:
+            info = {**info, "schedule": f"{name} (momentum)"}
+        rows.append({**info, "step_s": med[name], "overhead": median_ratio(times[name], times[base]),
                      "vs_unchunked": median_ratio(times[name], times["unchunked"]), "compile_s_m2": m2})
     m2_hdr = f"compile s M={FLAGS.compile_m2}" if FLAGS.compile_m2 else "compile s M2 (skipped)"
     hdr = (f"| schedule | step ms | overhead (/ accum. plain) | / unchunked plain | sim. lockstep bubble "
-           f"| XLA temp MiB/device | compile s M={FLAGS.microbatches} | {m2_hdr} |")
+           f"| XLA temp MiB/device | state+batch MiB/device | weight versions | compile s M={FLAGS.microbatches} | {m2_hdr} |")
     print("\n" + hdr)
     print("|" + "---|" * (hdr.count("|") - 1))
     for r in rows:
         m2 = "-" if r["compile_s_m2"] is None else f"{r['compile_s_m2']:.2f}"
         print(f"| {r['schedule']} | {r['step_s'] * 1e3:.1f} | {r['overhead']:.3f}x | {r['vs_unchunked']:.3f}x | "
-              f"{r['lockstep_bubble']:.3f} | {r['temp_bytes'] / 2**20:.1f} | {r['compile_s']:.2f} | {m2} |")
+              f"{r['lockstep_bubble']:.3f} | {r['temp_bytes'] / 2**20:.1f} | "
+              f"{r['state_bytes'] / 2**20:.1f} | {r['weight_versions']} | {r['compile_s']:.2f} | {m2} |")
     print("(overhead: median over rounds of the per-round ratio; the plain and pipelined steps alternate)")
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as fh:

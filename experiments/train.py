@@ -15,7 +15,8 @@ from absl import app, flags
 
 flags.DEFINE_enum("model", "gpt", ["gpt", "mlp"], "gpt: byte-level transformer LM on pydoc_data text; "
                   "mlp: residual MLP classifier on scikit-learn digits")
-flags.DEFINE_string("schedule", "1f1b", "pipeline schedule (see jaxpipe.schedules.available())")
+flags.DEFINE_string("schedule", "1f1b", "pipeline schedule: gpipe, 1f1b (synchronous) or pipedream, pipedream_2bw, "
+                    "spectrain, pipeoptim (asynchronous, no flush; see jaxpipe.schedules.available())")
 flags.DEFINE_integer("stages", 4, "pipeline stages = devices on the mesh's 'stage' axis")
 flags.DEFINE_integer("data", 1, "data-parallel replicas of the pipeline (mesh 'data' axis)")
 flags.DEFINE_integer("microbatches", 4, "micro-batches per step (per data replica)")
@@ -113,7 +114,9 @@ def main(argv):
         if t_first is None:
             t_first = dt
             first_loss = loss
-        rec = {"step": i + 1, "loss": loss, "grad_norm": float(metrics["grad_norm"]), "time_s": dt}
+        rec = {"step": i + 1, "time_s": dt, **{k: float(v) for k, v in metrics.items()}}
+        if i + 1 == FLAGS.steps and pipe.is_async:   # finish the micro-batches still in flight
+            state, _ = pipe.drain(state)
         if FLAGS.eval_every and (i + 1) % FLAGS.eval_every == 0 or i + 1 == FLAGS.steps:
             last_eval = evaluate(pipe.params(state))
             rec.update(last_eval)

@@ -88,44 +88,52 @@ class AsyncRunner:
                                                            jnp.asarray(l).dtype if not hasattr(l, "dtype") else l.dtype), batch)
 
     # ------------------------------------------------------------------ programs
-    def _fn(self, feed: bool, batch_like):
-        key = (feed, jax.tree.structure(batch_like), tuple((tuple(np.shape(l)), str(l.dtype))
-                                                           for l in jax.tree.leaves(batch_like)))
+    def _fn(self, batch_like):
+        key = (jax.tree.structure(batch_like), tuple((tuple(np.shape(l)), str(l.dtype))
+                                                     for l in jax.tree.leaves(batch_like)))
         if key not in self._fns:
             pipe = self.pipe
-            mb = self._mb(batch_like)
-            ticks = 2 * self.M if feed else 2 * self.D - 1
-            fn, _ = make_async_fn(pipe.model, self.policy, pipe.optimizer, self.D, self.M, pipe.mesh, mb,
-                                  num_ticks=ticks, feed=feed)
-            D = self.D
+            fn, _ = make_async_fn(pipe.model, self.policy, pipe.optimizer, self.D, self.M, pipe.mesh,
+                                  self._mb(batch_like))
 
-            def run(state: AsyncState, batch):
+            def run(state: AsyncState, batch, feed):
                 params, opt_state, pstate, carry, counters, (lsum, lcount, done) = fn(
-                    state.params, state.opt_state, state.policy_state, state.carry, state.counters, batch)
-                if not feed:   # drained: everything finished; the next step restarts the pipeline
-                    t, base, fed = counters
-                    counters = (jnp.zeros_like(t), base + fed, jnp.zeros_like(fed))
+                    state.params, state.opt_state, state.policy_state, state.carry, state.counters, batch, feed)
+                step = state.step + feed.astype(jnp.int32)
                 metrics = {"loss": jnp.where(lcount > 0, lsum / jnp.maximum(lcount, 1), jnp.nan),
                            "losses_computed": lcount, "microbatches_finished": done,
-                           "microbatches_fed": counters[1] + counters[2], "step": state.step + int(feed)}
-                return AsyncState(params, opt_state, pstate, carry, counters, state.step + int(feed)), metrics
+                           "microbatches_fed": counters[1] + counters[2], "step": step}
+                return AsyncState(params, opt_state, pstate, carry, counters, step), metrics
 
             self._fns[key] = jax.jit(run, donate_argnums=(0,))
         return self._fns[key]
 
     def step(self, state: AsyncState, batch):
         state = self._ensure_carry(state, batch)
-        return self._fn(True, batch)(state, batch)
+        return self._fn(batch)(state, batch, jnp.asarray(True))
+
+    def lower(self, state: AsyncState, batch):
+        state = self._ensure_carry(state, batch)
+        return self._fn(batch).lower(state, batch, jnp.asarray(True))
 
     def drain(self, state: AsyncState):
+        """Run the step program without new micro-batches until everything in flight finished (2D - 1 ticks
+        are needed; calls of 2M ticks), then reset the counters so the next step refills the pipeline."""
         if state.carry is None:
             return state, {}
-        ring = state.carry.ring
-        # a batch-shaped placeholder (never read): the program for feed=False ignores it
         per = self.pipe.data_parallel * self.M
-        dummy = jax.tree.map(lambda r: jnp.zeros((r.shape[2] * per,) + tuple(r.shape[3:]), r.dtype), ring)
-        dummy = self.pipe.shard_batch(dummy)
-        return self._fn(False, dummy)(state, dummy)
+        dummy = self.pipe.shard_batch(jax.tree.map(
+            lambda r: jnp.zeros((r.shape[2] * per,) + tuple(r.shape[3:]), r.dtype), state.carry.ring))
+        calls = -(-(2 * self.D - 1) // (2 * self.M))
+        lsum, lcount = 0.0, 0
+        for _ in range(calls):
+            state, m = self._fn(dummy)(state, dummy, jnp.asarray(False))
+            n = int(m["losses_computed"])
+            lsum, lcount = lsum + (float(m["loss"]) * n if n else 0.0), lcount + n
+        t, base, fed = state.counters
+        state = state._replace(counters=(jnp.zeros_like(t), base + fed, jnp.zeros_like(fed)))
+        m = {**m, "loss": lsum / lcount if lcount else float("nan"), "losses_computed": lcount}
+        return state, m
 
     def params(self, state: AsyncState):
         w, pre, post = state.params

@@ -75,6 +75,9 @@ def pipeline_runner(name: str, model: PipelineModel, batch, num_microbatches: in
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     rep = pipe.schedule.simulate(f=1.0, b=2.0)
+    # asynchronous schedules never flush: in steady state every tick holds one F or one B per device, so
+    # the only lockstep loss is a tick costing max(f, b): 1 - (f + b) / (2 max(f, b))
+    lock_bubble = 1.0 - 3.0 / 4.0 if pipe.is_async else rep.lockstep_bubble_ratio
     b = pipe.shard_batch(batch)
     st = {"s": state}
 
@@ -84,7 +87,9 @@ def pipeline_runner(name: str, model: PipelineModel, batch, num_microbatches: in
 
     return run, {"schedule": name, "compile_s": compile_s,
                  "temp_bytes": int(getattr(mem, "temp_size_in_bytes", -1)),
-                 "lockstep_bubble": rep.lockstep_bubble_ratio, "bubble": rep.bubble_ratio}
+                 "state_bytes": int(getattr(mem, "argument_size_in_bytes", -1)),
+                 "weight_versions": rep.weight_versions,
+                 "lockstep_bubble": lock_bubble, "bubble": rep.bubble_ratio}
 
 
 def interleaved_medians(runners: Dict[str, Callable[[], object]], rounds: int, warmup: int = 2) -> Dict[str, list]:

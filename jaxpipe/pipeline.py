@@ -137,6 +137,10 @@ class Pipeline:
 
     def lower(self, what: str, state: PipelineState, batch):
         """The lowered ``"grad"`` or ``"step"`` program (for ``.compile().memory_analysis()``)."""
+        if self._async is not None:
+            if what != "step":
+                raise ConfigError(f"{self.schedule.name} is asynchronous: only the 'step' program exists")
+            return self._async.lower(state, self.shard_batch(batch))
         fn = self._fn(what, batch, state if what == "step" else None)
         return fn.lower(state.params if what == "grad" else state, batch)
 

@@ -50,8 +50,12 @@ def op_at(t, me, D: int, n_fed):
     return is_f, is_b, jnp.where(even, i_f, i_b)
 
 
-def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, *, num_ticks: int, feed: bool):
-    """``fn(params, opt_state, policy_state, carry, counters, batch) -> (same..., metrics)``.
+def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example):
+    """``fn(params, opt_state, policy_state, carry, counters, batch, feed) -> (same..., metrics)``: 2M ticks.
+
+    ``feed`` (traced bool): whether ``batch``'s M micro-batches enter the pipeline; ``drain`` calls the same
+    program with ``feed=False`` (the batch is then written to ring slots no micro-batch in flight uses), so
+    one compiled program serves both.
 
     ``params = (w [D..], pre [D..], post [D..])`` per stage (pre/post: each stage's copy); ``counters =
     (t, base, n_fed)`` int32 scalars: tick since the last (re)start, global index of the first micro-batch
@@ -69,7 +73,9 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, *, num_t
     remap = np.zeros(9, np.int32)
     remap[used] = np.arange(len(used))
 
-    def body(params, opt_state, pstate, carry, counters, batch):
+    num_ticks = 2 * M
+
+    def body(params, opt_state, pstate, carry, counters, batch, feed):
         sq = lambda t: jax.tree.map(lambda a: a[0], t)
         lp, opt_state, pstate, carry = sq(params), sq(opt_state), sq(pstate), sq(carry)
         t0, base, n_fed = counters
@@ -78,12 +84,11 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, *, num_t
         if len(avals) != len(carry.stash):
             raise RuntimeError(f"stage_fn's pullback stashes {len(avals)} residuals inside the program but "
                                f"{len(carry.stash)} were allocated; stage_fn must trace the same way every time")
-        ring = carry.ring
-        if feed:   # write this call's micro-batches at ring slots (base + n_fed + j) mod C
-            batch = jax.tree.map(lambda a: a.reshape((M, a.shape[0] // M) + a.shape[1:]), batch)
-            ring = lax.fori_loop(0, M, lambda j, r: jax.tree.map(
-                lambda rb, b: write(rb, (base + n_fed + j) % C, b[j]), r, batch), ring)
-            n_fed = n_fed + M
+        # this call's micro-batches go to ring slots (base + n_fed + j) mod C; counted only when fed
+        batch = jax.tree.map(lambda a: a.reshape((M, a.shape[0] // M) + a.shape[1:]), batch)
+        ring = lax.fori_loop(0, M, lambda j, r: jax.tree.map(
+            lambda rb, b: write(rb, (base + n_fed + j) % C, b[j]), r, batch), carry.ring)
+        n_fed = n_fed + M * feed.astype(jnp.int32)
         carry = carry._replace(ring=ring)
         zero_like = lambda t: jax.tree.map(jnp.zeros_like, t)
 
@@ -167,12 +172,12 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, *, num_t
     dev = lambda t: jax.tree.map(lambda _: P(ALL), t)
     rep = lambda t: jax.tree.map(lambda _: P(), t)
 
-    def fn(params, opt_state, pstate, carry, counters, batch):
+    def fn(params, opt_state, pstate, carry, counters, batch, feed):
         in_specs = (stage(params), stage(opt_state), stage(pstate), dev(carry), rep(counters),
-                    jax.tree.map(lambda _: P(DP_AXES), batch))
+                    jax.tree.map(lambda _: P(DP_AXES), batch), P())
         out_specs = (stage(params), stage(opt_state), stage(pstate), dev(carry), rep(counters), (P(), P(), P()))
         return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
-            params, opt_state, pstate, carry, counters, batch)
+            params, opt_state, pstate, carry, counters, batch, feed)
 
     return fn, x_aval
 
