@@ -1,0 +1,64 @@
+"""Weight prediction for any optax optimizer: u_last (the last update the wrapped optimizer produced) equals
+-lr * Delta W_t of PipeOptim Table I for SGD-momentum, Adam and AdamW (AdamW: plus its decoupled decay)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxpipe.optim.policies import pipeoptim, spectrain_distances, pipeoptim_distance
+
+
+def run(opt, grads, w):
+    state = opt.init(w)
+    u = None
+    for g in grads:
+        u, state = opt.update(g, state, w)
+        w = optax.apply_updates(w, u)
+    return w, u
+
+
+@pytest.mark.parametrize("name", ["sgdm", "adam", "adamw"])
+def test_u_last_is_table1_delta(name):
+    r = np.random.default_rng(0)
+    w0 = jnp.asarray(r.normal(size=(5, 3)), jnp.float32)
+    grads = [jnp.asarray(r.normal(size=(5, 3)), jnp.float32) for _ in range(4)]
+    lr, mu, b1, b2, eps, lam = 0.1, 0.9, 0.9, 0.999, 1e-8, 0.01
+    opt = {"sgdm": optax.sgd(lr, momentum=mu), "adam": optax.adam(lr, b1, b2, eps),
+           "adamw": optax.adamw(lr, b1, b2, eps, weight_decay=lam)}[name]
+    w_final, u_last = run(opt, grads, w0)
+    # Table I, by hand (float64): v_t = u v_{t-1} + (1 - tau) g_t (tau = 0); Adam's bias-corrected moments
+    v = m = s = 0.0
+    w = np.asarray(w0, np.float64)
+    for t, g in enumerate(grads, 1):
+        g = np.asarray(g, np.float64)
+        w_prev = w
+        if name == "sgdm":
+            v = mu * v + g
+            delta = v
+        else:
+            m = b1 * m + (1 - b1) * g
+            s = b2 * s + (1 - b2) * g * g
+            delta = (m / (1 - b1 ** t)) / (np.sqrt(s / (1 - b2 ** t)) + eps)
+        step = -lr * delta - (lr * lam * w_prev if name == "adamw" else 0.0)
+        w = w_prev + step
+    np.testing.assert_allclose(np.asarray(u_last), step, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(w_final), w, rtol=1e-5, atol=1e-5)   # float32 accumulation
+
+
+def test_prediction_reads_w_plus_s_u_last():
+    D = 4
+    opt = optax.sgd(0.1, momentum=0.9)
+    pol = pipeoptim(opt, D)
+    lp = (jnp.ones((3,)), jnp.zeros(()), jnp.zeros(()))
+    os_, ps = opt.init(lp), pol.init(lp)
+    g = (jnp.full((3,), 2.0), jnp.zeros(()), jnp.zeros(()))
+    lp1, os_, ps = pol.update(g, lp, os_, ps, 0, 0)
+    for s in range(D):
+        wF, _ = pol.forward_weights(lp1, ps, 1, jnp.int32(s))
+        np.testing.assert_allclose(np.asarray(wF[0]), np.asarray(lp1[0]) + (D - 1 - s) * (-0.1 * 2.0), rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(pol.backward_weights(lp1, ps, 1, jnp.int32(s))[0]), np.asarray(lp1[0]))
+    assert [pipeoptim_distance(D)(s) for s in range(D)] == [3, 2, 1, 0]       # last stage: no prediction
+    f, b = spectrain_distances(D)
+    assert [f(s) for s in range(D)] == [3, 2, 2, 1] and [b(s) for s in range(D)] == [0, 0, 1, 1]
+    assert all(f(s) - b(s) == D - 1 - s for s in range(D))   # F and B predict the same version
