@@ -35,7 +35,7 @@ class Pipeline:
 
     def __init__(self, model: PipelineModel, schedule: str = "1f1b", num_microbatches: int = 1,
                  optimizer: Optional[optax.GradientTransformation] = None, mesh=None, *,
-                 nan_bubbles: bool = False):
+                 nan_bubbles: bool = False, chimera: Optional[dict] = None, virtual: Optional[int] = None):
         if not isinstance(model, PipelineModel):
             raise ConfigError(f"model must be a jp.PipelineModel, got {type(model).__name__}")
         if mesh is None:
@@ -48,16 +48,25 @@ class Pipeline:
         if schedule not in schedules.available():
             raise ConfigError(f"unknown schedule {schedule!r}; available: {', '.join(schedules.available())}")
         D = mesh.shape["stage"]
-        if model.num_stages != D:
-            raise ConfigError(
-                f"the model has {model.num_stages} stages (leading axis of stage_params) but the mesh's 'stage' "
-                f"axis has {D} devices; {schedule} puts one stage per device: stack {D} stages' parameters or "
-                f"use jp.make_mesh(stages={model.num_stages}, ...)")
         if not isinstance(num_microbatches, int) or isinstance(num_microbatches, bool) or num_microbatches < 1:
             raise ConfigError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
         self.model, self.mesh, self.optimizer = model, mesh, optimizer
         self.num_microbatches = num_microbatches
-        self.schedule = schedules.build(schedule, num_stages=D, num_microbatches=num_microbatches)
+        try:
+            options = schedules.options_for(schedule, model.num_stages, D, chimera=chimera, virtual=virtual)
+            self.schedule = schedules.build(schedule, num_stages=D, num_microbatches=num_microbatches, **options)
+        except schedules.ScheduleError as e:
+            raise ConfigError(str(e)) from None
+        if self.schedule.num_model_stages != model.num_stages:
+            per = self.schedule.num_model_stages // D
+            raise ConfigError(
+                f"the model has {model.num_stages} stages (leading axis of stage_params) but {schedule} on a "
+                f"mesh with {D} 'stage' devices runs {self.schedule.num_model_stages} model stages ({per} per "
+                f"device); stack {self.schedule.num_model_stages} stages' parameters or use "
+                f"jp.make_mesh(stages={model.num_stages // max(per, 1)}, ...)")
+        from .runtime.executor import layout_index
+        self._layout = layout_index(self.schedule)
+        self._identity_layout = bool(np.array_equal(self._layout, np.arange(model.num_stages)))
         self.nan_bubbles = nan_bubbles
         self._compiled: Dict[Any, Any] = {}
         self._async = None
@@ -99,6 +108,13 @@ class Pipeline:
         if self._async is not None:
             return self._async.params(state)
         return state.params
+
+    def device_layout(self, state: PipelineState):
+        """Stage parameters as the executor holds them: ``[D, chunks, ...]`` (device d, local chunk c holds
+        model stage ``schedule.stage_of_chunk()[d, c]``; Chimera: two replicas per device)."""
+        D = self.mesh.shape["stage"]
+        lay = jnp.asarray(self._layout)
+        return jax.tree.map(lambda a: a[lay].reshape((D, -1) + a.shape[1:]), self.params(state)[0])
 
     def loss_and_grad(self, state: PipelineState, batch):
         """Mean loss over the batch and its gradient ``(g_stage, g_pre, g_post)``; no update."""
@@ -173,8 +189,19 @@ class Pipeline:
         if key not in self._compiled:
             grad_fn = make_grad_fn(self.model, self.schedule, self.mesh, example, nan_bubbles=self.nan_bubbles)
 
+            lay, identity = jnp.asarray(self._layout), self._identity_layout
+            lay_sh = jax.tree.map(lambda _: NamedSharding(self.mesh, P("stage")), self.model.stage_params)
+
             def lg(params, b):
-                return grad_fn(*params, b)
+                stage_p, pre_p, post_p = params
+                if identity:
+                    return grad_fn(stage_p, pre_p, post_p, b)
+                # the executor's layout: device-major chunks (Chimera: each device holds two replicas;
+                # interleaved: stages d, d + D, ...); gradients of replicas are summed back per stage
+                local = jax.lax.with_sharding_constraint(jax.tree.map(lambda a: a[lay], stage_p), lay_sh)
+                loss, (g_local, g_pre, g_post) = grad_fn(local, pre_p, post_p, b)
+                g_stage = jax.tree.map(lambda a, g: jnp.zeros_like(a).at[lay].add(g), stage_p, g_local)
+                return loss, (g_stage, g_pre, g_post)
 
             if what == "grad":
                 self._compiled[key] = jax.jit(lg)

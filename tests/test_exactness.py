@@ -74,6 +74,6 @@ def test_nan_mode_detects_a_leak():
     tabs = pipe.schedule.tables()
     t = tabs.data
     k = int(np.argmax((t["op"][:, 1] == 1)))          # first F on device 1
-    t["in_slot"][k, 1] = tabs.fbuf_capacity          # point it at the never-written scratch slot
+    t["in_slot"][k, 1] = tabs.mbuf_capacity          # point it at the never-written scratch slot
     loss, _ = pipe.loss_and_grad(pipe.init(), batch_fn(4))
     assert not np.isfinite(float(loss))

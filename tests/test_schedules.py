@@ -39,7 +39,7 @@ def test_memory_and_lockstep(D, M):
 def test_tables_consistent():
     s = schedules.build("1f1b", 4, 8)
     t = s.tables()
-    assert t.stash_capacity == 4 and t.fbuf_capacity == 1
+    assert t.stash_capacity == 4 and t.mbuf_capacity == 2
     d = t.data
     # B reads the stash slot its F wrote
     for dev in range(4):

@@ -26,7 +26,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from ..schedules.ir import COLS, OP_B, OP_F, OP_IDLE, Schedule
+from ..schedules.ir import COLS, OP_B, OP_F, OP_IDLE, SEND_MINUS, SEND_PLUS, Schedule
 
 AXES = ("pipe", "data", "stage")
 DP_AXES = ("pipe", "data")
@@ -84,36 +84,41 @@ def rebuild_pullback(stage_fn, w, x_like, stashed: List[Any], mask: Sequence[boo
     return jax.tree.unflatten(treedef, [next(it) if m else f for f, m in zip(fresh, mask)])
 
 
+def num_chunks(sched: Schedule) -> int:
+    return int(sched.stage_of_chunk().shape[1])
+
+
 def branch_table(sched: Schedule) -> np.ndarray:
-    """``[tick, device]`` branch index: 0 idle, 1 + 2*(kind) + ... see ``_BRANCHES``."""
+    """``[tick, device]`` branch key: 0 idle; else ``1 + chunk * 12 + kind * 4 + pos`` with kind 0 F, 1 B,
+    2 W and pos 0 mid, 1 first stage, 2 last stage, 3 both (a one-stage model)."""
     t = sched.tables().data
     S = sched.num_model_stages
-    first = (t["stage"] == 0).astype(np.int32)
-    last = (t["stage"] == S - 1).astype(np.int32)
-    pos = first + 2 * last                       # 0 mid, 1 first, 2 last, 3 only (D == 1)
-    br = np.zeros_like(t["op"])
-    br[t["op"] == OP_F] = 1 + pos[t["op"] == OP_F]
-    br[t["op"] == OP_B] = 5 + pos[t["op"] == OP_B]
-    return br
+    pos = (t["stage"] == 0).astype(np.int32) + 2 * (t["stage"] == S - 1).astype(np.int32)
+    kind = np.where(t["op"] == OP_F, 0, np.where(t["op"] == OP_B, 1, 2))
+    return np.where(t["op"] == OP_IDLE, 0, 1 + t["chunk"] * 12 + kind * 4 + pos)
 
 
-_BR, _SW, _DW = len(COLS), len(COLS) + 1, len(COLS) + 2   # extra columns: branch, stash write, dy write
+_BR, _SW = len(COLS), len(COLS) + 1   # extra columns: branch, stash write slot
 
 
 def executor_table(sched: Schedule) -> np.ndarray:
-    """The IR tables plus the executor's own columns, ``[T, D, len(COLS) + 3]`` int32.
+    """The IR tables plus the executor's own columns, ``[T, D, len(COLS) + 2]`` int32.
 
     Writes that happen every tick (outside the switch) go to the scratch slot (index = capacity) on ticks
     where the op produces nothing to keep.
     """
     tabs = sched.tables()
     t = tabs.data
-    is_f = t["op"] == OP_F
-    last = t["stage"] == sched.num_model_stages - 1
-    stash_w = np.where(is_f, t["stash"], tabs.stash_capacity)
-    dy_w = np.where(is_f & last, t["dy_slot"], tabs.bbuf_capacity)
-    return np.concatenate([tabs.stacked(), np.stack([branch_table(sched), stash_w, dy_w], -1)],
+    stash_w = np.where(t["op"] == OP_F, t["stash"], tabs.stash_capacity)
+    return np.concatenate([tabs.stacked(), np.stack([branch_table(sched), stash_w], -1)],
                           axis=-1).astype(np.int32)
+
+
+def layout_index(sched: Schedule) -> np.ndarray:
+    """``[D * chunks]``: the model stage each device-local chunk holds (device-major), the order in which
+    the executor wants the stage parameters (a chunk a device does not use holds a copy of stage 0)."""
+    soc = sched.stage_of_chunk()
+    return np.where(soc < 0, 0, soc).reshape(-1).astype(np.int32)
 
 
 def read(buf, slot):
@@ -127,6 +132,9 @@ def write(buf, slot, val):
 def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bool = False) -> Callable:
     """Return ``fn(stage_params, pre_params, post_params, batch) -> (loss, (g_stage, g_pre, g_post))``.
 
+    ``stage_params`` here are in the executor's layout: leading axis ``D * chunks``, device-major (see
+    :func:`layout_index`; :class:`jaxpipe.Pipeline` gathers them from the model's stage order and
+    scatter-adds the gradients back, which sums the gradients of a stage's replicas).
     ``batch_example`` (arrays or ShapeDtypeStructs, global shapes) fixes the shapes the program is built for.
     With ``nan_bubbles`` every buffer starts NaN and idle ops send NaN: a test that the results stay finite
     proves nothing computed in a bubble or left in an unused slot reaches the loss or the gradients.
@@ -134,7 +142,8 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
     D, M = sched.D, sched.M
     tabs = sched.tables()
     table = executor_table(sched)
-    # Only the branches this schedule uses are compiled (D == 1 needs 3 of the 9, D > 1 needs 7).
+    nchunk = num_chunks(sched)
+    # Only the branches this schedule uses are compiled.
     used = np.unique(table[..., _BR])
     table[..., _BR] = np.searchsorted(used, table[..., _BR])
     n_dp = mesh.shape["pipe"] * mesh.shape["data"]
@@ -154,90 +163,98 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
         return jnp.full(shape, jnp.nan if nan_bubbles else 0, dtype)
 
     def body(stage_p, pre_p, post_p, batch):
-        w = jax.tree.map(lambda a: a[0], stage_p)
-        w, pre_p, post_p, batch = vary((w, pre_p, post_p, batch))
+        # the device's chunks, split once outside the loop (a static index: no copy per tick)
+        ws = [jax.tree.map(lambda a: a[c], stage_p) for c in range(nchunk)]
+        ws, pre_p, post_p, batch = vary((ws, pre_p, post_p, batch))
         batch = jax.tree.map(lambda a: a.reshape((M, a.shape[0] // M) + a.shape[1:]), batch)
         me = lax.axis_index("stage")
         zeros = lambda t: vary(jax.tree.map(jnp.zeros_like, t))
         blank = lambda: vary(fill(x_aval.shape, x_aval.dtype))
-        mask, stash_avals = residual_mask(stage_fn, w, vary(jnp.zeros(x_aval.shape, x_aval.dtype)))
+        mask, stash_avals = residual_mask(stage_fn, ws[0], vary(jnp.zeros(x_aval.shape, x_aval.dtype)))
 
         def mb_of(row):
             return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, row[_C["mb"]], 0, False), batch)
 
-        # Every branch returns the same tuple: small *new values* (messages, residuals to stash, dy for its
-        # own B) and the gradient/loss accumulators, which a branch that adds nothing passes through
-        # untouched (XLA keeps them in place).  Returning a zero gradient from F branches and adding it
-        # outside the switch instead costs a weight-sized memset and add every tick (measured: 1.25x on the
-        # benchmark MLP).  The stash and receive buffers are written outside the switch.
-        #   (send_f, send_b, residuals to stash, dy for own B, (g_w, g_pre, g_post, loss))
-        def outputs(acc, send_f=None, send_b=None, res=None, dy=None, dw=None, dpre=None, dpost=None, loss=None):
-            gw, gpre, gpost, gl = acc
+        # Every branch returns the same tuple: small *new values* (its one message, residuals to stash) and
+        # the gradient/loss accumulators, which a branch that adds nothing passes through untouched (XLA
+        # keeps them in place).  Returning a zero gradient from F branches and adding it outside the switch
+        # instead costs a weight-sized memset and add every tick (measured: 1.25x on the benchmark MLP).
+        # The stash and the message buffer are written outside the switch.
+        #   (message, residuals to stash, (g_w per chunk, g_pre, g_post, loss))
+        def outputs(acc, msg=None, res=None, chunk=0, dw=None, dpre=None, dpost=None, loss=None):
+            gws, gpre, gpost, gl = acc
             add = lambda a, d: a if d is None else jax.tree.map(lambda u, v: u + v.astype(u.dtype), a, d)
-            return (blank() if send_f is None else send_f.astype(x_aval.dtype),
-                    blank() if send_b is None else send_b.astype(x_aval.dtype),
+            gws = list(gws)
+            gws[chunk] = add(gws[chunk], dw)
+            return (blank() if msg is None else msg.astype(x_aval.dtype),
                     [vary(fill(a.shape, a.dtype)) for a in stash_avals] if res is None else res,
-                    blank() if dy is None else dy.astype(x_aval.dtype),
-                    (add(gw, dw), add(gpre, dpre), add(gpost, dpost), add(gl, loss)))
+                    (gws, add(gpre, dpre), add(gpost, dpost), add(gl, loss)))
 
-        def idle(row, x_in, dy_in, res_in, acc):
+        def idle(row, m_in, res_in, acc):
             return outputs(acc)
 
-        def fwd(first, last):
-            def op(row, x_in, dy_in, res_in, acc):
+        def fwd(chunk, first, last):
+            def op(row, x_in, res_in, acc):
                 mb = mb_of(row) if (first or last) else None
                 x = pre(pre_p, mb) if first else x_in
-                y, res, _, _ = split_residuals(stage_fn, w, x, mask)
+                y, res, _, _ = split_residuals(stage_fn, ws[chunk], x, mask)
                 if not last:
-                    return outputs(acc, send_f=y, res=res)
+                    return outputs(acc, msg=y, res=res)
                 l, (gq, dy) = jax.value_and_grad(post_loss, argnums=(0, 1))(post_p, y, mb)
-                return outputs(acc, res=res, dy=dy / M, dpost=jax.tree.map(lambda g: g / M, gq),
+                return outputs(acc, msg=dy / M, res=res, dpost=jax.tree.map(lambda g: g / M, gq),
                                loss=(l / M).astype(jnp.float32))
             return op
 
-        def bwd(first, last):
-            def op(row, x_in, dy_in, res_in, acc):
+        def bwd(chunk, first, last, want_dw=True, want_dx=True):
+            # want_dw=False: zero-bubble B (input gradient only); want_dx=False: its deferred W.  XLA drops
+            # the half of the pullback whose result is not returned.
+            def op(row, dy_in, res_in, acc):
                 x_like = vary(jnp.zeros(x_aval.shape, x_aval.dtype))
-                dw, dx = rebuild_pullback(stage_fn, w, x_like, res_in, mask)(dy_in)
+                dw, dx = rebuild_pullback(stage_fn, ws[chunk], x_like, res_in, mask)(dy_in)
+                dw = dw if want_dw else None
+                if not want_dx:
+                    return outputs(acc, chunk=chunk, dw=dw)
                 if not first:
-                    return outputs(acc, send_b=dx, dw=dw)
+                    return outputs(acc, msg=dx, chunk=chunk, dw=dw)
                 mb = mb_of(row)
                 _, pre_pull = jax.vjp(lambda q: pre(q, mb), pre_p)
-                return outputs(acc, dw=dw, dpre=pre_pull(dx.astype(x_aval.dtype))[0])
+                return outputs(acc, chunk=chunk, dw=dw, dpre=pre_pull(dx.astype(x_aval.dtype))[0])
             return op
 
-        # index = 0 idle; 1..4 F (mid, first, last, only); 5..8 B (mid, first, last, only)
+        split = sched.has_w()
         flags = [(False, False), (True, False), (False, True), (True, True)]
-        branches = [idle] + [fwd(*f) for f in flags] + [bwd(*f) for f in flags]
+        branches = [idle]
+        for c in range(nchunk):
+            branches += [fwd(c, *f) for f in flags]
+            branches += [bwd(c, *f, want_dw=not split) for f in flags]
+            branches += [bwd(c, *f, want_dx=False) for f in flags]
         branches = [branches[i] for i in used]
+        perms = {SEND_PLUS: [(d, (d + 1) % D) for d in range(D)],
+                 SEND_MINUS: [(d, (d - 1) % D) for d in range(D)]}
+        recv_col = {SEND_PLUS: _C["recv_p"], SEND_MINUS: _C["recv_m"]}
 
         def tick(c, rows):
-            stash, fbuf, bbuf, gw, gpre, gpost, loss = c
+            stash, mbuf, gws, gpre, gpost, loss = c
             row = rows[me]
-            x_in = read(fbuf, row[_C["in_slot"]])
-            dy_in = read(bbuf, row[_C["in_slot"]])
+            m_in = read(mbuf, row[_C["in_slot"]])
             res_in = [read(a, row[_C["stash"]]) for a in stash]
-            send_f, send_b, res, dy, (gw, gpre, gpost, loss) = lax.switch(
-                row[_BR], branches, row, x_in, dy_in, res_in, (gw, gpre, gpost, loss))
+            msg, res, (gws, gpre, gpost, loss) = lax.switch(
+                row[_BR], branches, row, m_in, res_in, (gws, gpre, gpost, loss))
             stash = [write(a, row[_SW], r) for a, r in zip(stash, res)]
-            bbuf = write(bbuf, row[_DW], dy)
-            if D > 1:
-                got_f = lax.ppermute(send_f, "stage", [(d, (d + 1) % D) for d in range(D)])
-                got_b = lax.ppermute(send_b, "stage", [(d, (d - 1) % D) for d in range(D)])
-                fbuf = write(fbuf, row[_C["recv_f"]], got_f)
-                bbuf = write(bbuf, row[_C["recv_b"]], got_b)
-            return (stash, fbuf, bbuf, gw, gpre, gpost, loss), None
+            mbuf = write(mbuf, row[_C["keep"]], msg)
+            for ch in tabs.channels:
+                mbuf = write(mbuf, row[recv_col[ch]], lax.ppermute(msg, "stage", perms[ch]))
+            return (stash, mbuf, gws, gpre, gpost, loss), None
 
         carry = vary((
             [fill((tabs.stash_capacity + 1,) + a.shape, a.dtype) for a in stash_avals],
-            fill((tabs.fbuf_capacity + 1,) + x_aval.shape, x_aval.dtype),
-            fill((tabs.bbuf_capacity + 1,) + x_aval.shape, x_aval.dtype),
-            zeros(w), zeros(pre_p), zeros(post_p), jnp.zeros((), jnp.float32)))
+            fill((tabs.mbuf_capacity + 1,) + x_aval.shape, x_aval.dtype),
+            [zeros(w) for w in ws], zeros(pre_p), zeros(post_p), jnp.zeros((), jnp.float32)))
         carry, _ = lax.scan(tick, carry, jnp.asarray(table))
-        _, _, _, gw, gpre, gpost, loss = carry
+        _, _, gws, gpre, gpost, loss = carry
         loss = lax.pmean(lax.psum(loss, "stage"), DP_AXES)
         gpre, gpost = lax.pmean(lax.psum((gpre, gpost), "stage"), DP_AXES)
-        gw = jax.tree.map(lambda g: lax.pmean(g, DP_AXES)[None], gw)
+        gw = jax.tree.map(lambda *g: lax.pmean(jnp.stack(g), DP_AXES), *gws)
         return loss, (gw, gpre, gpost)
 
     stage_spec = jax.tree.map(lambda _: P("stage"), model.stage_params)

@@ -8,14 +8,20 @@ from __future__ import annotations
 from typing import Callable, Dict
 
 from .asynchronous import ASYNC_BUILDERS, WEIGHT_VERSIONS
+from .chimera import build_chimera
 from .gpipe import build_gpipe
+from .interleaved import build_interleaved_1f1b
 from .ir import Action, B, F, W, Schedule, ScheduleError, Tables
 from .one_f_one_b import build_1f1b
+from .zero_bubble import build_zb_h1
 from .simulate import SimReport, simulate
 
 BUILDERS: Dict[str, Callable[..., Schedule]] = {
     "gpipe": build_gpipe,
     "1f1b": build_1f1b,
+    "interleaved_1f1b": build_interleaved_1f1b,
+    "zb_h1": build_zb_h1,
+    "chimera": build_chimera,
     **ASYNC_BUILDERS,
 }
 ASYNCHRONOUS = tuple(ASYNC_BUILDERS)   # no flush: weight versions change between a micro-batch's F and B
@@ -23,6 +29,36 @@ ASYNCHRONOUS = tuple(ASYNC_BUILDERS)   # no flush: weight versions change betwee
 
 def is_async(name: str) -> bool:
     return name in ASYNCHRONOUS
+
+
+def options_for(name: str, model_stages: int, devices: int, chimera=None, virtual=None) -> dict:
+    """Builder options for ``name`` from the user's settings; raises ``ScheduleError`` on bad ones.
+
+    interleaved_1f1b: ``virtual`` (chunks per device) defaults to model_stages / devices.
+    chimera: ``chimera={"pipelines": 2, "concat": "direct", "eager_reduce": False}``.
+    """
+    if chimera is not None and name != "chimera":
+        raise ScheduleError(f"chimera={chimera!r} given for schedule {name!r}; it is an option of 'chimera' only")
+    if virtual is not None and name != "interleaved_1f1b":
+        raise ScheduleError(f"virtual={virtual!r} given for schedule {name!r}; it is an option of "
+                            f"'interleaved_1f1b' only")
+    if name == "interleaved_1f1b":
+        if virtual is None:
+            if model_stages % devices:
+                raise ScheduleError(
+                    f"interleaved_1f1b: the model has {model_stages} stages, not a multiple of the {devices} "
+                    f"'stage' devices; each device holds model_stages / devices chunks: stack a multiple of "
+                    f"{devices} stages (e.g. {2 * devices})")
+            virtual = model_stages // devices
+        return {"virtual": virtual}
+    if name == "chimera":
+        opts = {"pipelines": 2, "concat": "direct", "eager_reduce": False}
+        unknown = set(chimera or {}) - set(opts)
+        if unknown:
+            raise ScheduleError(f"chimera: unknown option(s) {sorted(unknown)}; known: {sorted(opts)}")
+        opts.update(chimera or {})
+        return opts
+    return {}
 
 
 def available() -> list:
@@ -39,5 +75,5 @@ def build(name: str, num_stages: int, num_microbatches: int, **options) -> Sched
     return BUILDERS[name](num_stages, num_microbatches, **options).validate()
 
 
-__all__ = ["ASYNCHRONOUS", "Action", "B", "BUILDERS", "WEIGHT_VERSIONS", "is_async", "F", "W", "Schedule", "ScheduleError", "SimReport", "Tables",
+__all__ = ["ASYNCHRONOUS", "Action", "B", "BUILDERS", "WEIGHT_VERSIONS", "is_async", "F", "W", "Schedule", "ScheduleError", "options_for", "SimReport", "Tables",
            "available", "build", "simulate"]

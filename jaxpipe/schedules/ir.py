@@ -241,25 +241,28 @@ class Schedule:
 
 # ---------------------------------------------------------------------- tables
 OP_IDLE, OP_F, OP_B, OP_W = 0, 1, 2, 3
-COLS = ("op", "mb", "stage", "chunk", "stash", "in_slot", "dy_slot", "recv_f", "recv_b")
+COLS = ("op", "mb", "stage", "chunk", "stash", "in_slot", "keep", "recv_p", "recv_m", "send")
+SEND_NONE, SEND_PLUS, SEND_MINUS, SEND_KEEP = 0, 1, 2, 3
 
 
 @dataclasses.dataclass
 class Tables:
     """int32 arrays ``[num_ticks, num_devices]`` for the executor.
 
-    op: OP_IDLE/OP_F/OP_B/OP_W; mb, stage, chunk of the action; stash: residual slot written by F and
-    read by B; in_slot: receive-buffer slot F (forward buffer) or B (backward buffer) reads; dy_slot: on the
-    last stage, the backward-buffer slot where F leaves the loss gradient for its own B; recv_f / recv_b:
-    where the message arriving at the end of the tick is written (``scratch`` slot when none arrives).
-    Capacities are the maxima over devices (SPMD buffers have one shape everywhere); slot index
-    ``capacity`` is the scratch slot.
+    op: OP_IDLE/OP_F/OP_B/OP_W; mb, stage, chunk of the action; stash: residual slot written by F and read
+    by B (and W).  Activations and gradients share one message buffer per device: ``in_slot`` is the slot F
+    (its input activation) or B/W (the output gradient dL/dy) reads.  Every action produces at most one
+    message: ``send`` says where it goes -- to device d+1 (``SEND_PLUS`` channel, one ``ppermute``), to
+    d-1 (``SEND_MINUS``), or stays on the device (``SEND_KEEP``: the last stage's dL/dy for its own B, or
+    the next stage when it lives on the same device), written at slot ``keep``; ``recv_p`` / ``recv_m``:
+    where the message arriving on each channel at the end of the tick is written.  Unused writes go to the
+    scratch slot (index = capacity).  Capacities are maxima over devices (one shape everywhere in SPMD).
     """
     data: Dict[str, np.ndarray]
     stash_capacity: int
-    fbuf_capacity: int
-    bbuf_capacity: int
+    mbuf_capacity: int
     num_ticks: int
+    channels: Tuple[int, ...]        # channels used: subset of (SEND_PLUS, SEND_MINUS)
 
     def stacked(self) -> np.ndarray:
         """``[num_ticks, num_devices, len(COLS)]`` int32."""
@@ -281,6 +284,16 @@ class _Slots:
         return len(self.busy_until) - 1
 
 
+def _channel(D: int, src: int, dst: int) -> int:
+    if src == dst:
+        return SEND_KEEP
+    if dst == (src + 1) % D:
+        return SEND_PLUS
+    if dst == (src - 1) % D:
+        return SEND_MINUS
+    return -1
+
+
 def _build_tables(s: Schedule) -> Tables:
     T, D, S = s.num_ticks, s.D, s.num_model_stages
     t = s.ticks()
@@ -288,6 +301,7 @@ def _build_tables(s: Schedule) -> Tables:
     dev = {k: v[0] for k, v in loc.items()}
     data = {c: np.full((T, D), -1, np.int64) for c in COLS}
     data["op"][:] = OP_IDLE
+    data["send"][:] = SEND_NONE
     kind_code = {F: OP_F, B: OP_B, W: OP_W}
     for d, acts in enumerate(s.actions):
         for a in acts:
@@ -297,58 +311,55 @@ def _build_tables(s: Schedule) -> Tables:
             data["stage"][tk, d] = a.stage
             data["chunk"][tk, d] = a.chunk
     # Stash: written at F's tick, last read by W if the schedule splits the backward, else by B.
-    last_user = W if s.has_w() else B
+    split = s.has_w()
+    last_user = W if split else B
     stash_alloc = [_Slots() for _ in range(D)]
-    stash_slot = {}
     events = sorted((t[(F, st, m)], st, m) for st in range(S) for m in range(s.M))
     for tk, st, m in events:
         d = dev[(F, st, m)]
-        stash_slot[(st, m)] = stash_alloc[d].alloc(tk, t[(last_user, st, m)])
-        data["stash"][tk, d] = stash_slot[(st, m)]
-        if last_user == W:
-            data["stash"][t[(B, st, m)], d] = stash_slot[(st, m)]
-        data["stash"][t[(last_user, st, m)], d] = stash_slot[(st, m)]
-    # Forward messages: F(st-1, m) on device a -> buffer on device of F(st, m).
-    fa = [_Slots() for _ in range(D)]
-    ba = [_Slots() for _ in range(D)]
+        slot = stash_alloc[d].alloc(tk, t[(last_user, st, m)])
+        data["stash"][tk, d] = slot
+        data["stash"][t[(B, st, m)], d] = slot
+        if split:
+            data["stash"][t[(W, st, m)], d] = slot
+    # Messages: F(st-1) -> F(st) (activation); B(st+1) -> B(st) (gradient); the last stage's F -> its B
+    # (dL/dy).  With a split backward, W reads the same gradient as B: the slot is held until W.
     msgs = []
     for st in range(S):
         for m in range(s.M):
             if st > 0:
-                msgs.append(("f", t[(F, st - 1, m)], dev[(F, st - 1, m)], dev[(F, st, m)], t[(F, st, m)]))
-            src = (B, st + 1, m) if st < S - 1 else (F, st, m)   # last stage: its own F leaves dy
-            msgs.append(("b", t[src], dev[src], dev[(B, st, m)], t[(B, st, m)], st == S - 1))
-    for msg in sorted(msgs, key=lambda x: x[1]):
-        direction, tsend, src, dst, tuse = msg[:5]
-        if direction == "f":
-            if src == dst:
-                raise ScheduleError(f"{s.name}: consecutive stages on one device are not supported")
-            if dst != (src + 1) % D:
-                raise ScheduleError(f"{s.name}: forward message from device {src} to {dst}; the executor "
-                                    f"sends forward to the next device only")
-            slot = fa[dst].alloc(tsend, tuse)
-            if data["recv_f"][tsend, dst] != -1:
-                raise ScheduleError(f"{s.name}: two forward messages reach device {dst} at tick {tsend}")
-            data["recv_f"][tsend, dst] = slot
-            data["in_slot"][tuse, dst] = slot
+                msgs.append((t[(F, st - 1, m)], dev[(F, st - 1, m)], dev[(F, st, m)], [(F, st, m)]))
+            src = (B, st + 1, m) if st < S - 1 else (F, st, m)
+            users = [(B, st, m)] + ([(W, st, m)] if split else [])
+            msgs.append((t[src], dev[src], dev[(B, st, m)], users))
+    alloc = [_Slots() for _ in range(D)]
+    channels = set()
+    for tsend, src, dst, users in sorted(msgs, key=lambda x: x[0]):
+        ch = _channel(D, src, dst)
+        if ch < 0:
+            raise ScheduleError(f"{s.name}: a message from device {src} to device {dst} at tick {tsend}; the "
+                                f"executor moves messages to a neighbouring device (d +- 1 mod {D}) only")
+        if ch == SEND_MINUS and D == 2:
+            ch = SEND_PLUS                     # d+1 and d-1 are the same device: one channel suffices
+        slot = alloc[dst].alloc(tsend, max(t[u] for u in users))
+        if data["send"][tsend, src] != SEND_NONE:
+            raise ScheduleError(f"{s.name}: device {src} sends two messages at tick {tsend}")
+        data["send"][tsend, src] = ch
+        if ch == SEND_KEEP:
+            data["keep"][tsend, src] = slot
         else:
-            self_dy = msg[5]
-            if not self_dy and dst != (src - 1) % D:
-                raise ScheduleError(f"{s.name}: backward message from device {src} to {dst}; the executor "
-                                    f"sends backward to the previous device only")
-            slot = ba[dst].alloc(tsend, tuse)
-            if self_dy:
-                data["dy_slot"][tsend, dst] = slot
-            else:
-                if data["recv_b"][tsend, dst] != -1:
-                    raise ScheduleError(f"{s.name}: two backward messages reach device {dst} at tick {tsend}")
-                data["recv_b"][tsend, dst] = slot
-            data["in_slot"][tuse, dst] = slot
+            channels.add(ch)
+            col = "recv_p" if ch == SEND_PLUS else "recv_m"
+            if data[col][tsend, dst] != -1:
+                raise ScheduleError(f"{s.name}: two messages reach device {dst} on one channel at tick {tsend}")
+            data[col][tsend, dst] = slot
+        for u in users:
+            data["in_slot"][t[u], dst] = slot
     caps = {"stash": max(len(a.busy_until) for a in stash_alloc),
-            "f": max([len(a.busy_until) for a in fa] + [1]),
-            "b": max(len(a.busy_until) for a in ba)}
-    data["recv_f"][data["recv_f"] < 0] = caps["f"]
-    data["recv_b"][data["recv_b"] < 0] = caps["b"]
-    for c in ("mb", "stage", "chunk", "stash", "in_slot", "dy_slot"):
+            "m": max(len(a.busy_until) for a in alloc)}
+    for c in ("keep", "recv_p", "recv_m"):
+        data[c][data[c] < 0] = caps["m"]
+    for c in ("mb", "stage", "chunk", "stash", "in_slot"):
         data[c][data[c] < 0] = 0
-    return Tables({k: v.astype(np.int32) for k, v in data.items()}, caps["stash"], caps["f"], caps["b"], T)
+    return Tables({k: v.astype(np.int32) for k, v in data.items()}, caps["stash"], caps["m"], T,
+                  tuple(sorted(channels)))

@@ -1,0 +1,129 @@
+"""Chimera: bidirectional pipelines (Li & Hoefler, SC'21, ``shared/papers/chimera.txt``).
+
+§3.1: a *down* pipeline maps stage s to device s, an *up* pipeline maps it to device D-1-s; every device
+holds the two stage replicas the pipelines need (chunk 0: stage d, chunk 1: stage D-1-d).  The N micro-batches
+of a step are split between the directions as evenly as possible (down to N = 1); each direction runs 1F1B;
+the two are merged per device by their unit-time ticks, which never conflict for even D.  The replicas'
+gradients are summed before the update (the executor scatter-adds them into one copy per stage, so the two
+replicas stay bit-identical).
+
+§3.6: ``pipelines = 2f`` (f dividing D/2): down pipeline i maps stage s to device (s + i D/f) mod D, up
+pipeline i is its reverse; each device holds 2f replicas.  Table 3: bubble (D-2f)/(2fN+D-2f) with f = b,
+weights 2f M_theta, activations [(D - D/2f + 1) M_a, D M_a].
+
+§3.5: for N > D the schedule of one basic unit (D micro-batches) is repeated.  ``concat="direct"``: the
+units' orders are concatenated and list-scheduled in unit time, so the first unit's trailing bubbles take
+the next unit's forwards.  Bubble ratios equal Table 2/3 for every (D, N, f) tested (tests/test_chimera).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+from .ir import Action, B, F, Schedule, ScheduleError
+from .one_f_one_b import build_1f1b
+
+CONCATS = ("direct", "forward_doubling", "backward_halving")
+
+
+def pipeline_maps(D: int, pipelines: int) -> List[List[int]]:
+    """``maps[j][s]``: the device that runs stage s in pipeline j (down pipelines first, then up)."""
+    f = pipelines // 2
+    down = [[(s + i * (D // f)) % D for s in range(D)] for i in range(f)]
+    up = [[m[D - 1 - s] for s in range(D)] for m in down]
+    return down + up
+
+
+def check(D: int, M: int, pipelines: int, concat: str) -> None:
+    if D % 2:
+        raise ScheduleError(f"chimera needs an even number of stages (it pairs stage d with stage D-1-d on "
+                            f"one device), got D={D}; use D={D - 1 if D > 1 else 2} or {D + 1}")
+    if pipelines < 2 or pipelines % 2 or (D // 2) % (pipelines // 2):
+        ok = [2 * f for f in range(1, D // 2 + 1) if (D // 2) % f == 0]
+        raise ScheduleError(f"chimera: pipelines={pipelines} is not 2f with f dividing D/2={D // 2}; for D={D} "
+                            f"use one of {ok}")
+    if concat not in CONCATS:
+        raise ScheduleError(f"chimera: unknown concat {concat!r}; use one of {', '.join(CONCATS)}")
+
+
+def unit_ticks(D: int, mbs_per_pipe: List[List[int]], pipelines: int) -> List[Tuple[int, int, Action, int]]:
+    """One basic unit: every pipeline's 1F1B, as (tick, device, action, index of the micro-batch within its
+    pipeline) in unit time."""
+    out = []
+    for j, (mp, mbs) in enumerate(zip(pipeline_maps(D, pipelines), mbs_per_pipe)):
+        if not mbs:
+            continue
+        one = build_1f1b(D, len(mbs))
+        ticks = one.ticks()
+        for pos, acts in enumerate(one.actions):
+            for a in acts:
+                out.append((ticks[(a.kind, a.stage, a.mb)], mp[a.stage], Action(a.kind, mbs[a.mb], a.stage, j),
+                            a.mb))
+    return out
+
+
+def split_microbatches(mbs: List[int], pipelines: int) -> List[List[int]]:
+    """As evenly as possible, contiguous (Figure 3: down gets 0, 1; up gets 2, 3)."""
+    n, out, start = len(mbs), [], 0
+    for j in range(pipelines):
+        k = n // pipelines + (1 if j < n % pipelines else 0)
+        out.append(mbs[start:start + k])
+        start += k
+    # with fewer micro-batches than pipelines, alternate down / up so N = 2 uses both directions
+    if n < pipelines:
+        f = pipelines // 2
+        order = [i for pair in zip(range(f), range(f, pipelines)) for i in pair]
+        out = [[] for _ in range(pipelines)]
+        for m, j in zip(mbs, order):
+            out[j].append(m)
+    return out
+
+
+def merge(unit: list, D: int) -> List[List[Action]]:
+    """One unit's per-device orders: actions by planned tick; where two pipelines want one device in the
+    same tick (the middle devices in the forward phase), the older micro-batch of its pipeline first."""
+    orders: List[List[Action]] = [[] for _ in range(D)]
+    for t, d, a, k in sorted(unit, key=lambda x: (x[0], x[3], x[2].kind != B)):
+        orders[d].append(a)
+    return orders
+
+
+def list_schedule(priority: List[List[Action]], D: int, M: int) -> List[List[Action]]:
+    """Unit-time list scheduling: every tick each device runs the first action of its priority list whose
+    inputs are there, keeping the list's order among the actions of one (replica, kind).  With the units'
+    orders concatenated this is direct concatenation (§3.5, Figure 7(b)): the next unit's forwards move up
+    into the trailing bubbles of the one before."""
+    probe = Schedule("chimera", D, M, priority)
+    done: Dict[Tuple[str, int, int], int] = {}
+    rest = [list(p) for p in priority]
+    out: List[List[Action]] = [[] for _ in range(D)]
+    t = 0
+    while any(rest):
+        for d in range(D):
+            seen = set()
+            for i, a in enumerate(rest[d]):
+                if (a.chunk, a.kind) in seen:
+                    continue
+                seen.add((a.chunk, a.kind))
+                if all(k in done and done[k] <= t for k in probe.deps(a)):
+                    out[d].append(rest[d].pop(i))
+                    done[(a.kind, a.stage, a.mb)] = t + 1
+                    break
+        t += 1
+        if t > 4 * M * D + 4 * D:
+            raise ScheduleError(f"chimera: list scheduling stalled (D={D}, N={M}); please report this")
+    return out
+
+
+def build_chimera(num_stages: int, num_microbatches: int, pipelines: int = 2, concat: str = "direct",
+                  eager_reduce: bool = False) -> Schedule:
+    D, M = num_stages, num_microbatches
+    check(D, M, pipelines, concat)
+    if concat != "direct" and M > D:
+        raise ScheduleError(f"chimera: concat={concat!r} (two-micro-batch forwards, §3.5) is not in this "
+                            f"version yet; use concat='direct' (with N={M} > D={D})")
+    units = [merge(unit_ticks(D, split_microbatches(list(range(m0, min(m0 + D, M))), pipelines), pipelines), D)
+             for m0 in range(0, M, D)]
+    priority = [[a for u in units for a in u[d]] for d in range(D)]
+    s = Schedule("chimera", D, M, list_schedule(priority, D, M), weight_versions=[pipelines] * D)
+    s.options = {"pipelines": pipelines, "concat": concat, "eager_reduce": eager_reduce}
+    return s
