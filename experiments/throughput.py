@@ -16,7 +16,8 @@ import sys
 
 from absl import app, flags
 
-flags.DEFINE_string("schedules", "gpipe,1f1b,pipedream,pipedream_2bw,spectrain,pipeoptim",
+flags.DEFINE_string("schedules", "gpipe,1f1b,interleaved_1f1b,zb_h1,chimera,pipedream,pipedream_2bw,spectrain,"
+                    "pipeoptim",
                     "comma-separated schedules to benchmark (spectrain runs with SGD-momentum and is compared "
                     "with a plain step using that optimizer when --optimizer has no momentum)")
 flags.DEFINE_integer("stages", 4, "pipeline stages D (CPU-emulated devices)")
@@ -56,14 +57,24 @@ def main(argv):
     runners = {"accum": plain_runner(model, batch, FLAGS.microbatches, opt),
                "unchunked": plain_runner(model, batch, 1, opt)}
     infos = []
-    opts = {}
+    opts, base_of, model_of = {}, {}, {}
     for name in FLAGS.schedules.split(","):
-        o = opt
+        o, m, devices = opt, model, 0
+        if name == "interleaved_1f1b":
+            # two model chunks per device: the same layers cut into 2D stages, the same plain step math
+            v = 2
+            if FLAGS.layers % (v * FLAGS.stages):
+                raise app.UsageError(f"interleaved_1f1b needs --layers divisible by 2 x --stages")
+            m = make_tanh_mlp(v * FLAGS.stages, FLAGS.layers // (v * FLAGS.stages), FLAGS.width)
+            devices = FLAGS.stages
+            runners.setdefault("accum_v2", plain_runner(m, batch, FLAGS.microbatches, opt))
+            base_of[name] = "accum_v2"
+        model_of[name] = (m, devices)
         if name == "spectrain" and FLAGS.optimizer != "momentum":
             o = jp.optim.by_name("momentum", 1e-3)   # SpecTrain needs a momentum buffer
             runners.setdefault("accum_momentum", plain_runner(model, batch, FLAGS.microbatches, o))
             opts[name] = "momentum"
-        run, info = pipeline_runner(name, model, batch, FLAGS.microbatches, o)
+        run, info = pipeline_runner(name, m, batch, FLAGS.microbatches, o, devices=devices)
         runners[name] = run
         infos.append(info)
     times = interleaved_medians(runners, FLAGS.steps)
@@ -74,8 +85,9 @@ def main(argv):
     for info in infos:
         name = info["schedule"]
         o = jp.optim.by_name(opts.get(name, FLAGS.optimizer), 1e-3)
-        m2 = compile_time(name, model, batch, FLAGS.compile_m2, o) if FLAGS.compile_m2 else None
-        base = "accum_momentum" if name in opts else "accum"
+        m, devices = model_of[name]
+        m2 = compile_time(name, m, batch, FLAGS.compile_m2, o, devices) if FLAGS.compile_m2 else None
+        base = "accum_momentum" if name in opts else base_of.get(name, "accum")
         if name in opts:
             info = {**info, "schedule": f"{name} (momentum)"}
         rows.append({**info, "step_s": med[name], "overhead": median_ratio(times[name], times[base]),

@@ -64,17 +64,20 @@ def plain_runner(model: PipelineModel, batch, num_microbatches: int, opt) -> Cal
     return run
 
 
-def pipeline_runner(name: str, model: PipelineModel, batch, num_microbatches: int, opt, data: int = 1):
-    """``(run, info)``: a closure running ``Pipeline.step`` and its compile time, memory and simulation."""
+def pipeline_runner(name: str, model: PipelineModel, batch, num_microbatches: int, opt, data: int = 1,
+                    devices: int = 0):
+    """``(run, info)``: a closure running ``Pipeline.step`` and its compile time, memory and simulation.
+    ``devices``: the mesh's stage size (default: one device per model stage; interleaved uses fewer)."""
     from . import Pipeline, make_mesh
     pipe = Pipeline(model, schedule=name, num_microbatches=num_microbatches, optimizer=opt,
-                    mesh=make_mesh(stages=model.num_stages, data=data))
+                    mesh=make_mesh(stages=devices or model.num_stages, data=data))
     state = pipe.init()
     t0 = time.perf_counter()
     compiled = pipe.lower("step", state, batch).compile()
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
-    rep = pipe.schedule.simulate(f=1.0, b=2.0)
+    split = pipe.schedule.has_w()          # zero-bubble: B and W each half of a backward
+    rep = pipe.schedule.simulate(f=1.0, b=1.0, w=1.0) if split else pipe.schedule.simulate(f=1.0, b=2.0)
     # asynchronous schedules never flush: in steady state every tick holds one F or one B per device, so
     # the only lockstep loss is a tick costing max(f, b): 1 - (f + b) / (2 max(f, b))
     lock_bubble = 1.0 - 3.0 / 4.0 if pipe.is_async else rep.lockstep_bubble_ratio
@@ -114,5 +117,5 @@ def median_ratio(a, b) -> float:
     return statistics.median(x / y for x, y in zip(a, b))
 
 
-def compile_time(name: str, model: PipelineModel, batch, num_microbatches: int, opt) -> float:
-    return pipeline_runner(name, model, batch, num_microbatches, opt)[1]["compile_s"]
+def compile_time(name: str, model: PipelineModel, batch, num_microbatches: int, opt, devices: int = 0) -> float:
+    return pipeline_runner(name, model, batch, num_microbatches, opt, devices=devices)[1]["compile_s"]

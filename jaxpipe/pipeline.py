@@ -60,10 +60,10 @@ class Pipeline:
         if self.schedule.num_model_stages != model.num_stages:
             per = self.schedule.num_model_stages // D
             raise ConfigError(
-                f"the model has {model.num_stages} stages (leading axis of stage_params) but {schedule} on a "
-                f"mesh with {D} 'stage' devices runs {self.schedule.num_model_stages} model stages ({per} per "
-                f"device); stack {self.schedule.num_model_stages} stages' parameters or use "
-                f"jp.make_mesh(stages={model.num_stages // max(per, 1)}, ...)")
+                f"the model has {model.num_stages} stages (leading axis of stage_params) but the mesh's 'stage' "
+                f"axis has {D} devices and {schedule} puts {per} stage(s) on each, {self.schedule.num_model_stages} "
+                f"in all; stack {self.schedule.num_model_stages} stages' parameters or use "
+                f"jp.make_mesh(stages={max(model.num_stages // max(per, 1), 1)}, ...)")
         from .runtime.executor import layout_index
         self._layout = layout_index(self.schedule)
         self._identity_layout = bool(np.array_equal(self._layout, np.arange(model.num_stages)))

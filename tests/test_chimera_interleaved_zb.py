@@ -127,7 +127,7 @@ def test_zb_h1_bubble_below_1f1b_same_peak_memory(D, M):
     (dict(schedule="1f1b", D=4, chimera={"pipelines": 2}), "option of 'chimera' only"),
     (dict(schedule="interleaved_1f1b", D=4, M=6, stages=8), "whole groups of D=4"),
     (dict(schedule="interleaved_1f1b", D=4, stages=6), "not a multiple of the 4"),
-    (dict(schedule="1f1b", D=2, stages=4), "runs 2 model stages"),
+    (dict(schedule="1f1b", D=2, stages=4), "axis has 2 devices and 1f1b puts 1 stage"),
 ])
 def test_clear_errors(bad, match):
     D = bad["D"]

@@ -118,6 +118,10 @@ def build_chimera(num_stages: int, num_microbatches: int, pipelines: int = 2, co
                   eager_reduce: bool = False) -> Schedule:
     D, M = num_stages, num_microbatches
     check(D, M, pipelines, concat)
+    if eager_reduce:
+        raise ScheduleError("chimera: eager_reduce=True (launching the edge stages' replica all-reduce inside "
+                            "the pipeline's bubbles, §3.2) is not in this version yet; the replicas' gradients "
+                            "are reduced after the pipeline (eager_reduce=False)")
     if concat != "direct" and M > D:
         raise ScheduleError(f"chimera: concat={concat!r} (two-micro-batch forwards, §3.5) is not in this "
                             f"version yet; use concat='direct' (with N={M} > D={D})")

@@ -61,9 +61,14 @@ def render_png(s: Schedule, path: Optional[str] = None, f: float = 1.0, b: float
                  f"{r.lockstep_makespan if mode == 'lockstep' else r.makespan:g}, bubble {bubble:.1%}")
     kinds = [F, B] + ([W] if s.has_w() else [])
     names = {F: "forward", B: "backward" if not s.has_w() else "backward (input grad)", W: "weight grad"}
-    ax.legend(handles=[Patch(facecolor=_COLORS[k][0], edgecolor="black", label=names[k]) for k in kinds],
-              loc="upper right", fontsize=7, ncol=len(kinds), bbox_to_anchor=(1.0, 1.0 + 0.6 / (s.D + 2)))
-    fig.tight_layout()
+    handles = [Patch(facecolor=_COLORS[k][0], edgecolor="black", label=names[k]) for k in kinds]
+    nchunk = 1 + max(a.chunk for _, _, _, a in boxes)
+    if nchunk > 1:   # lighter shades: the device's other chunks (Chimera's up pipeline, virtual stages)
+        handles += [Patch(facecolor=_COLORS[F][c % 4], edgecolor="black", label=f"chunk {c}")
+                    for c in range(nchunk)]
+    height = 0.55 * s.D + 1.4
+    fig.legend(handles=handles, loc="lower center", fontsize=7, ncol=len(handles), frameon=False)
+    fig.tight_layout(rect=(0, 0.32 / height, 1, 1))
     if path:
         fig.savefig(path, dpi=130)
         plt.close(fig)
