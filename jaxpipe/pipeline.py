@@ -64,9 +64,10 @@ class Pipeline:
                 f"axis has {D} devices and {schedule} puts {per} stage(s) on each, {self.schedule.num_model_stages} "
                 f"in all; stack {self.schedule.num_model_stages} stages' parameters or use "
                 f"jp.make_mesh(stages={max(model.num_stages // max(per, 1), 1)}, ...)")
-        from .runtime.executor import layout_index
+        from .runtime.executor import exchange_perms, layout_index
         self._layout = layout_index(self.schedule)
-        self._identity_layout = bool(np.array_equal(self._layout, np.arange(model.num_stages)))
+        # one stage per device in the model's order (replicas fetched inside the program), or a gather
+        self._identity_layout = exchange_perms(self.schedule) is not None
         self.nan_bubbles = nan_bubbles
         self._compiled: Dict[Any, Any] = {}
         self._async = None

@@ -121,6 +121,26 @@ def layout_index(sched: Schedule) -> np.ndarray:
     return np.where(soc < 0, 0, soc).reshape(-1).astype(np.int32)
 
 
+def exchange_perms(sched: Schedule):
+    """Where every chunk column is a permutation of the model's D stages (GPipe/1F1B/ZB: identity; Chimera:
+    each device's second replica lives as the first on its mirror device), the executor takes the stage
+    parameters in the model's own order, one stage per device, and fetches chunk c with one ``ppermute``
+    (source device ``stage_of_chunk[d, c]`` -> d); its gradients go back the same way and are summed with
+    the owner's: the paper's all-reduce between a stage's replicas.  Returns the per-chunk permutations
+    (None for the identity), or None where the layout is not of that form (interleaved: a gather)."""
+    soc = sched.stage_of_chunk()
+    D = sched.D
+    if sched.num_model_stages != D:
+        return None
+    perms = []
+    for c in range(soc.shape[1]):
+        col = [int(v) for v in soc[:, c]]
+        if sorted(col) != list(range(D)):
+            return None
+        perms.append(None if col == list(range(D)) else [(col[d], d) for d in range(D)])
+    return perms
+
+
 def read(buf, slot):
     return lax.dynamic_index_in_dim(buf, slot, 0, False)
 
@@ -162,9 +182,17 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
     def fill(shape, dtype):
         return jnp.full(shape, jnp.nan if nan_bubbles else 0, dtype)
 
+    perms = exchange_perms(sched)
+
     def body(stage_p, pre_p, post_p, batch):
-        # the device's chunks, split once outside the loop (a static index: no copy per tick)
-        ws = [jax.tree.map(lambda a: a[c], stage_p) for c in range(nchunk)]
+        # the device's chunks, split once outside the loop (a static index: no copy per tick), or fetched
+        # from the devices that own them (Chimera's replicas)
+        if perms is not None:
+            own = jax.tree.map(lambda a: a[0], stage_p)
+            ws = [own if pm is None else jax.tree.map(lambda a: lax.ppermute(a, "stage", pm), own)
+                  for pm in perms]
+        else:
+            ws = [jax.tree.map(lambda a: a[c], stage_p) for c in range(nchunk)]
         ws, pre_p, post_p, batch = vary((ws, pre_p, post_p, batch))
         batch = jax.tree.map(lambda a: a.reshape((M, a.shape[0] // M) + a.shape[1:]), batch)
         me = lax.axis_index("stage")
@@ -229,8 +257,8 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
             branches += [bwd(c, *f, want_dw=not split) for f in flags]
             branches += [bwd(c, *f, want_dx=False) for f in flags]
         branches = [branches[i] for i in used]
-        perms = {SEND_PLUS: [(d, (d + 1) % D) for d in range(D)],
-                 SEND_MINUS: [(d, (d - 1) % D) for d in range(D)]}
+        ring = {SEND_PLUS: [(d, (d + 1) % D) for d in range(D)],
+                SEND_MINUS: [(d, (d - 1) % D) for d in range(D)]}
         recv_col = {SEND_PLUS: _C["recv_p"], SEND_MINUS: _C["recv_m"]}
 
         def tick(c, rows):
@@ -243,7 +271,7 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
             stash = [write(a, row[_SW], r) for a, r in zip(stash, res)]
             mbuf = write(mbuf, row[_C["keep"]], msg)
             for ch in tabs.channels:
-                mbuf = write(mbuf, row[recv_col[ch]], lax.ppermute(msg, "stage", perms[ch]))
+                mbuf = write(mbuf, row[recv_col[ch]], lax.ppermute(msg, "stage", ring[ch]))
             return (stash, mbuf, gws, gpre, gpost, loss), None
 
         carry = vary((
@@ -254,7 +282,13 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
         _, _, gws, gpre, gpost, loss = carry
         loss = lax.pmean(lax.psum(loss, "stage"), DP_AXES)
         gpre, gpost = lax.pmean(lax.psum((gpre, gpost), "stage"), DP_AXES)
-        gw = jax.tree.map(lambda *g: lax.pmean(jnp.stack(g), DP_AXES), *gws)
+        if perms is not None:
+            # each replica's gradient goes home to the stage's owner and is summed there
+            home = [g if pm is None else jax.tree.map(lambda a: lax.ppermute(a, "stage", [(d, s_) for s_, d in pm]), g)
+                    for g, pm in zip(gws, perms)]
+            gw = jax.tree.map(lambda *g: lax.pmean(sum(g), DP_AXES)[None], *home)
+        else:
+            gw = jax.tree.map(lambda *g: lax.pmean(jnp.stack(g), DP_AXES), *gws)
         return loss, (gw, gpre, gpost)
 
     stage_spec = jax.tree.map(lambda _: P("stage"), model.stage_params)

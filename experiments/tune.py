@@ -1,0 +1,206 @@
+"""Performance model and configuration search (Chimera §3.4) on the running backend.
+
+    python -m experiments.tune                              # tanh MLP, 8 CPU-emulated devices, batch 64
+    python -m experiments.tune --model=gpt --devices=8 --batch=64 --validate=8
+
+1. Measures, with micro-benchmarks on this backend: one layer's forward and backward (and zero-bubble's
+   B and W) per micro-batch size, with n devices busy at once; ``ppermute`` and all-reduce alpha/beta; the
+   optimizer update.  2. Calibrates the executor's fixed cost per tick on one configuration.  3. Predicts
+   the step time of every (W, D, B, N, schedule) that fits ``--memory_mib`` and prints the best ones.
+   4. Builds and times ``--validate`` configurations (the calibration one excluded) and prints predicted vs
+   measured step time and the error; writes everything to ``--out`` as JSON.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import app, flags
+
+flags.DEFINE_enum("model", "mlp", ["mlp", "gpt"], "tanh MLP (layers x width^2) or the reference GPT")
+flags.DEFINE_integer("devices", 8, "devices P = W x D (CPU-emulated)")
+flags.DEFINE_integer("batch", 64, "global mini-batch size")
+flags.DEFINE_integer("layers", 8, "layers (MLP) or transformer blocks (GPT); stages cut them evenly")
+flags.DEFINE_integer("width", 1024, "MLP width / GPT d_model")
+flags.DEFINE_string("schedules", "gpipe,1f1b,chimera,interleaved_1f1b,zb_h1", "schedules to consider")
+flags.DEFINE_string("micro_batch_sizes", "2,4,8,16", "micro-batch sizes B to consider")
+flags.DEFINE_float("memory_mib", 1e9, "memory budget per device (MiB)")
+flags.DEFINE_integer("validate", 7, "configurations to build and time against the prediction")
+flags.DEFINE_integer("top", 10, "best predicted configurations to print")
+flags.DEFINE_string("out", "runs/tune.json", "JSON output path")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    del argv
+    if "jax" not in sys.modules:
+        os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={FLAGS.devices}")
+    import json
+    import statistics
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from tqdm import tqdm
+
+    import jaxpipe as jp
+    from jaxpipe.bench import make_tanh_mlp
+    from jaxpipe.tune import enumerate_candidates, memory_estimate, predict
+    from jaxpipe.tune import microbench as mb
+    from jaxpipe.tune.perf_model import Costs
+
+    P, L, batch = FLAGS.devices, FLAGS.layers, FLAGS.batch
+    opt = optax.adamw(1e-3)
+    if len(jax.devices()) < P:
+        raise app.UsageError(f"--devices={P} but {len(jax.devices())} are visible")
+
+    def make_model(stages):
+        if FLAGS.model == "mlp":
+            return make_tanh_mlp(stages, L // stages, FLAGS.width)
+        return jp.models.gpt(stages, vocab=64, d_model=FLAGS.width, heads=4, seq_len=32, blocks_per_stage=L // stages)
+
+    def make_batch(n):
+        r = np.random.default_rng(0)
+        if FLAGS.model == "mlp":
+            return {"x": jnp.asarray(r.normal(size=(n, FLAGS.width)), jnp.float32),
+                    "y": jnp.zeros((n, FLAGS.width), jnp.float32)}
+        t = r.integers(0, 64, (n, 33)).astype(np.int32)
+        return {"x": jnp.asarray(t[:, :-1]), "y": jnp.asarray(t[:, 1:])}
+
+    one = make_model(L)                          # one layer per stage: the unit the costs scale from
+    w1 = jax.tree.map(lambda a: a[0], one.stage_params)
+    Bs = [int(b) for b in FLAGS.micro_batch_sizes.split(",")]
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform} x{P}; {FLAGS.model} {L} layers, width "
+          f"{FLAGS.width}, batch {batch}", flush=True)
+    t0 = time.perf_counter()
+    costs_of = {}
+    for B in tqdm(Bs, desc="micro-benchmarks (per micro-batch size)"):
+        x = jax.eval_shape(one.pre, one.pre_params, jax.tree.map(lambda a: a[:B], make_batch(B)))
+        x = jnp.ones(x.shape, x.dtype) * 0.1
+        ops = mb.op_costs(one.stage_fn, w1, x, P, busy=sorted({1, 2, P // 2, P}), split=False)
+        ops_split = mb.op_costs(one.stage_fn, w1, x, P, busy=sorted({1, P}), split=True)
+        costs_of[B] = ({k: v for k, v in ops.items()}, {"B": ops_split["B"], "W": ops_split["W"]},
+                       int(np.prod(x.shape)) * x.dtype.itemsize)
+    pa, pb = mb.p2p_alpha_beta(P)
+    aa, ab = mb.allreduce_alpha_beta(P)
+    layer_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(w1))
+    upd_of = {}
+
+    def update_for(D, W):
+        # the optimizer update runs on the model's stage-stacked parameters sharded over 'stage' (one copy
+        # per stage whatever the schedule: Chimera's replicas are gathered from it), replicated over 'data'
+        if (D, W) not in upd_of:
+            m = make_model(D)
+            upd_of[(D, W)] = mb.update_time(opt, m.stage_params, jp.make_mesh(stages=D, data=W),
+                                            jax.sharding.PartitionSpec("stage"))
+        return upd_of[(D, W)]
+
+    print(f"measured in {time.perf_counter() - t0:.0f} s: p2p alpha {pa * 1e6:.1f} us beta {pb * 1e9:.3f} ns/B; "
+          f"all-reduce alpha {aa * 1e6:.1f} us beta {ab * 1e9:.3f} ns/B", flush=True)
+    for B in Bs:
+        print(f"  B={B}: one layer F {[f'{t * 1e3:.2f}' for t in costs_of[B][0]['F']]} ms, "
+              f"B {[f'{t * 1e3:.2f}' for t in costs_of[B][0]['B']]} ms (n = 1..{P} busy devices)")
+
+    def costs_for(c):
+        ops, split_ops, act = costs_of[c.B]
+        per = L // c.model_stages
+        op = {"F": [t * per for t in ops["F"]], "B": [t * per for t in ops["B"]]}
+        if c.schedule == "zb_h1":
+            op["B"] = [t * per for t in split_ops["B"]]
+            op["W"] = [t * per for t in split_ops["W"]]
+        s = c.build()
+        chunks = int(s.stage_of_chunk().shape[1])
+        upd = update_for(c.D, c.W)
+        return s, Costs(op=op, p2p_alpha=pa, p2p_beta=pb, ar_alpha=aa, ar_beta=ab, update=upd), act, \
+            layer_bytes * per, chunks
+
+    def predicted(c, tick_overhead, step_overhead):
+        s, co, act, gbytes, chunks = costs_for(c)
+        co.overhead = step_overhead
+        replicas = c.W * (2 if c.schedule == "chimera" else 1)
+        return predict(s, co, act, gbytes, replicas, width=c.W, tick_overhead=tick_overhead)
+
+    def measure_step(c):
+        model = make_model(c.model_stages)
+        pipe = jp.Pipeline(model, schedule=c.schedule, num_microbatches=c.N, optimizer=opt,
+                           mesh=jp.make_mesh(stages=c.D, data=c.W))
+        state = pipe.init()
+        b = pipe.shard_batch(make_batch(batch))
+        for _ in range(2):
+            state, m = pipe.step(state, b)
+        jax.block_until_ready(m["loss"])
+        ts = []
+        for _ in range(5):
+            t = time.perf_counter()
+            state, m = pipe.step(state, b)
+            jax.block_until_ready(m["loss"])
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts)
+
+    names = FLAGS.schedules.split(",")
+    cands = [c for c in enumerate_candidates(P, batch, L, names, micro_batch_sizes=Bs) if c.D > 1]
+    # calibration: the executor's fixed cost per tick and per step (dispatch, buffers), from two 1F1B runs --
+    # the one with the most ticks per step and the one with the fewest -- by solving two equations
+    ones = sorted((c for c in cands if c.schedule == "1f1b"), key=lambda c: c.build().num_ticks)
+    calibs = [ones[-1], ones[0]]
+    eq = []
+    for c in calibs:
+        t_meas = measure_step(c)
+        eq.append((c.build().num_ticks, t_meas - predicted(c, 0.0, 0.0)["lockstep"], t_meas))
+    (n1, r1, _), (n2, r2, _) = eq
+    tick_oh = max(0.0, (r1 - r2) / (n1 - n2)) if n1 != n2 else max(0.0, r1 / n1)
+    step_oh = max(0.0, r2 - tick_oh * n2)
+    print(f"calibration on {calibs[0].label()} ({eq[0][2] * 1e3:.1f} ms) and {calibs[1].label()} "
+          f"({eq[1][2] * 1e3:.1f} ms): {tick_oh * 1e6:.0f} us per tick, {step_oh * 1e3:.2f} ms per step", flush=True)
+    calib = calibs[0]
+
+    rows = []
+    for c in cands:
+        s, co, act, gbytes, chunks = costs_for(c)
+        mem = memory_estimate(c, gbytes, act * 3, message_bytes=act) / 2**20
+        if mem > FLAGS.memory_mib:
+            continue
+        p = predicted(c, tick_oh, step_oh)
+        rows.append({"config": c.label(), "candidate": c, "memory_mib": mem, **p})
+    rows.sort(key=lambda r: r["lockstep"])
+    print(f"\n{len(rows)} configurations fit {FLAGS.memory_mib:g} MiB; best predicted:")
+    print("| config | predicted ms (lockstep) | paper eq.(1) ms | C_f | C_b | ticks | est. MiB/device |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows[:FLAGS.top]:
+        print(f"| {r['config']} | {r['lockstep'] * 1e3:.1f} | {r['paper'] * 1e3:.1f} | {r['C_f']} | {r['C_b']} | "
+              f"{r['ticks']} | {r['memory_mib']:.1f} |")
+    # validation: the best few and a spread over schedules and (W, D)
+    pick, seen = [], set()
+    for r in rows:
+        c = r["candidate"]
+        key = (c.schedule, c.W, c.D)
+        if c not in calibs and key not in seen:
+            pick.append(r)
+            seen.add(key)
+    pick = pick[:FLAGS.validate]
+    print(f"\nvalidation: predicted vs measured (median of 5 steps), {len(pick)} configurations", flush=True)
+    print("| config | predicted ms | measured ms | error |")
+    print("|---|---|---|---|")
+    errs = []
+    for r in tqdm(pick, desc="timing configurations", leave=False):
+        meas = measure_step(r["candidate"])
+        err = (r["lockstep"] - meas) / meas
+        errs.append(abs(err))
+        r["measured"] = meas
+        print(f"| {r['config']} | {r['lockstep'] * 1e3:.1f} | {meas * 1e3:.1f} | {err:+.1%} |", flush=True)
+    print(f"mean |error| {np.mean(errs):.1%}, max {np.max(errs):.1%} (target <= 15%)")
+    best = min(pick, key=lambda r: r["measured"])
+    print(f"predicted best: {rows[0]['config']}; measured best among validated: {best['config']}")
+    os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
+    with open(FLAGS.out, "w") as fh:
+        json.dump({"tick_overhead_s": tick_oh, "step_overhead_s": step_oh,
+                   "calibration": [c.label() for c in calibs], "calibration_measured_s": [e[2] for e in eq],
+                   "p2p": [pa, pb], "allreduce": [aa, ab],
+                   "rows": [{k: v for k, v in r.items() if k != "candidate"} for r in rows]}, fh, indent=1)
+    print(f"wrote {FLAGS.out}")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,134 @@
+"""Micro-benchmarks on the running backend for the performance model (Chimera §3.4): the time of one
+stage's forward / backward on one micro-batch with n devices busy at once, ``ppermute`` and all-reduce
+alpha-beta, and the optimizer update.  Each is a small ``shard_map`` program timed as the median of a few
+calls, every call looping ``reps`` times on the device (so dispatch does not count)."""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Dict, List, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from .perf_model import Costs
+
+
+def _flat_mesh(n: int) -> Mesh:
+    return Mesh(np.array(jax.devices()[:n]), ("x",))
+
+
+def _timeit(fn: Callable, args, calls: int = 5) -> float:
+    jax.block_until_ready(fn(*args))               # compile + warm up
+    ts = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def op_costs(stage_fn, w, x, devices: int, busy: Sequence[int], reps: int = 8, split: bool = False
+             ) -> Dict[str, List[float]]:
+    """``{"F": [...], "B": [...] (, "W": [...])}``: seconds per op with n of ``devices`` busy, for every n
+    in 1..devices (measured at ``busy``, linearly interpolated between).  B is the pullback only (the
+    executor rebuilds it from stashed residuals, it does not rerun the forward); with ``split`` B is the
+    input gradient and W the weight gradient (zero-bubble)."""
+    mesh = _flat_mesh(devices)
+    rep_spec = jax.tree.map(lambda _: P(), (w, x))
+
+    def program(kind, n):
+        def body(w, x):
+            me = lax.axis_index("x")
+            y, pull = jax.vjp(stage_fn, w, x)
+
+            def f_loop(h):
+                return lax.fori_loop(0, reps, lambda i, h: stage_fn(w, h).astype(h.dtype), h)
+
+            def b_loop(h):
+                def one(i, c):
+                    dh, acc = c
+                    dw, dx = pull(dh)
+                    if kind == "W":
+                        return dh, acc + sum(jnp.sum(l) for l in jax.tree.leaves(dw)) * 1e-30
+                    if kind == "B" and split:
+                        return dx.astype(dh.dtype), acc
+                    return dx.astype(dh.dtype), acc + sum(jnp.sum(l) for l in jax.tree.leaves(dw)) * 1e-30
+                return lax.fori_loop(0, reps, one, (h, jnp.zeros((), jnp.float32)))[0]
+
+            run = f_loop if kind == "F" else b_loop
+            out = lax.cond(me < n, run, lambda h: h, y)
+            return jnp.sum(out)[None]
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=rep_spec, out_specs=P("x"), check_vma=False))
+
+    kinds = ["F", "B"] + (["W"] if split else [])
+    w_r = jax.device_put(w, NamedSharding(mesh, P()))
+    x_r = jax.device_put(x, NamedSharding(mesh, P()))
+    out = {}
+    for kind in kinds:
+        pts = {n: _timeit(program(kind, n), (w_r, x_r)) / reps for n in busy}
+        xs = sorted(pts)
+        out[kind] = [float(np.interp(n, xs, [pts[k] for k in xs])) for n in range(1, devices + 1)]
+    return out
+
+
+def p2p_alpha_beta(devices: int, sizes=(1 << 12, 1 << 16, 1 << 20), reps: int = 16):
+    """Least-squares alpha, beta of one ring ``ppermute`` of L bytes (float32) on ``devices`` devices."""
+    mesh = _flat_mesh(devices)
+    perm = [(d, (d + 1) % devices) for d in range(devices)]
+    ts = []
+    for L in sizes:
+        def body(a):
+            return lax.fori_loop(0, reps, lambda i, a: lax.ppermute(a, "x", perm) * 1.0000001, a)
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+        a = jnp.ones((devices * (L // 4),), jnp.float32)
+        ts.append(_timeit(fn, (a,)) / reps)
+    beta, alpha = np.polyfit(np.array(sizes, float), np.array(ts), 1)
+    return max(float(alpha), 0.0), max(float(beta), 0.0)
+
+
+def allreduce_alpha_beta(devices: int, sizes=(1 << 12, 1 << 16, 1 << 20), reps: int = 8):
+    """alpha, beta of Rabenseifner's model fitted to ``psum`` over ``devices`` devices."""
+    if devices < 2:
+        return 0.0, 0.0
+    mesh = _flat_mesh(devices)
+    ts = []
+    for L in sizes:
+        def body(a):
+            return lax.fori_loop(0, reps, lambda i, a: lax.psum(a, "x") * (1.0 / devices), a)
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+        a = jnp.ones((devices * (L // 4),), jnp.float32)
+        ts.append(_timeit(fn, (a,)) / reps)
+    slope, icpt = np.polyfit(np.array(sizes, float), np.array(ts), 1)
+    r = devices
+    return max(float(icpt), 0.0) / (2 * np.log2(r)), max(float(slope), 0.0) * r / (2 * (r - 1))
+
+
+def update_time(opt, params, mesh, spec) -> float:
+    """The optimizer update of ``params`` placed with ``spec`` on ``mesh`` (one jitted call)."""
+    import optax
+    sh = jax.tree.map(lambda _: NamedSharding(mesh, spec), params)
+    p = jax.device_put(params, sh)
+    state = jax.jit(opt.init)(p)
+    g = jax.tree.map(jnp.ones_like, p)
+
+    @jax.jit
+    def step(p, s, g):
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    return _timeit(step, (p, state, g))
+
+
+def measure(stage_fn, w, x, devices: int, split: bool = False, busy: Sequence[int] = ()) -> Costs:
+    """Every measured cost except the update (see :func:`update_time`)."""
+    if not busy:
+        busy = {1, 2, devices} if devices > 2 else set(range(1, devices + 1))
+    busy = sorted(set(busy))
+    ops = op_costs(stage_fn, w, x, devices, busy, split=split)
+    pa, pb = p2p_alpha_beta(devices) if devices > 1 else (0.0, 0.0)
+    aa, ab = allreduce_alpha_beta(devices)
+    return Costs(op=ops, p2p_alpha=pa, p2p_beta=pb, ar_alpha=aa, ar_beta=ab)

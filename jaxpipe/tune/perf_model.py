@@ -1,0 +1,153 @@
+"""Step-time model of a schedule (Chimera §3.4, equation (1)), plus the lockstep form jaxpipe's executor pays.
+
+Paper (MPMD, event-driven):  T = (F_t + Comm_p2p) C_f + (B_t + Comm_p2p) C_b + max_i Comm_unoverlapped(i),
+with C_f, C_b the forwards and backwards on the critical path (read off the IR by :func:`critical_path_counts`),
+Comm_p2p = alpha + beta L (one activation), and the gradient all-reduce of r stage replicas by Rabenseifner's
+algorithm, 2 log2(r) alpha + 2 (r-1)/r beta L, of which only what does not fit in the device's free region
+after its last backward counts (:func:`unoverlapped_allreduce`).
+
+jaxpipe's SPMD executor runs lockstep ticks (one op per device per tick, every device waits for the tick's
+slowest op, one ``ppermute`` per channel each tick) and reduces gradients after the pipeline, so its model is
+    T = sum_ticks [ cost(op kind, busy devices) + channels * Comm_p2p ] + Comm_allreduce + T_update,
+with ``cost(kind, k)`` the measured time of k devices running that op at once (a flat function of k on a GPU
+per device; on CPU-emulated devices sharing cores it grows with k, which is why it is measured per k).
+No JAX here: the measured numbers come from :mod:`.microbench`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Dict, List, Optional, Tuple
+
+from ..schedules.ir import B, F, W, Schedule
+
+
+@dataclasses.dataclass
+class Costs:
+    """Measured costs, seconds.  ``op[kind][k-1]``: time of one op of ``kind`` ("F", "B", "W") for one
+    micro-batch on one stage when k devices run it at once (k = 1..D).  p2p: one ``ppermute`` of ``L``
+    bytes costs ``p2p_alpha + p2p_beta * L``; all-reduce over r replicas: Rabenseifner with ``ar_alpha``,
+    ``ar_beta``; ``update``: the optimizer update of the whole model's parameters held per device."""
+    op: Dict[str, List[float]]
+    p2p_alpha: float
+    p2p_beta: float
+    ar_alpha: float
+    ar_beta: float
+    update: float = 0.0
+    overhead: float = 0.0          # per step: dispatch and the gather/scatter around the program
+
+    def op_time(self, kind: str, k: int) -> float:
+        row = self.op[kind]
+        return row[min(k, len(row)) - 1]
+
+    def p2p(self, nbytes: float) -> float:
+        return self.p2p_alpha + self.p2p_beta * nbytes
+
+    def allreduce(self, nbytes: float, r: int) -> float:
+        if r <= 1:
+            return 0.0
+        return 2 * math.log2(r) * self.ar_alpha + 2 * (r - 1) / r * self.ar_beta * nbytes
+
+
+def _deps_graph(s: Schedule):
+    """Every action with its predecessors: data dependencies and the previous action on its device."""
+    preds = {}
+    for d, acts in enumerate(s.actions):
+        prev = None
+        for a in acts:
+            key = (a.kind, a.stage, a.mb)
+            preds[key] = list(s.deps(a)) + ([prev] if prev else [])
+            prev = key
+    return preds
+
+
+def critical_path_counts(s: Schedule, f: float = 1.0, b: float = 2.0, w: float = 1.0) -> Tuple[int, int]:
+    """(C_f, C_b): forwards and backwards (B and W) on the critical path of the event-driven placement.
+
+    Walks back from the action that finishes last, each time to the predecessor whose finish time equals
+    the action's start (the one it waited for), as in Chimera Figure 6."""
+    place = s.place(f, b, w)
+    start, finish = place["start"], place["finish"]
+    preds = _deps_graph(s)
+    key = max(finish, key=lambda k: finish[k])
+    cf = cb = 0
+    while key is not None:
+        cf += key[0] == F
+        cb += key[0] in (B, W)
+        nxt = None
+        for p in preds[key]:
+            if abs(finish[p] - start[key]) < 1e-9:
+                nxt = p
+                break
+        key = nxt
+    return cf, cb
+
+
+def lockstep_profile(s: Schedule) -> Dict[Tuple[str, int], int]:
+    """``{(slowest kind, busy devices): number of ticks}`` of the lockstep grid (B > W > F in cost order)."""
+    rank = {F: 0, W: 1, B: 2}
+    out: Dict[Tuple[str, int], int] = {}
+    for row in s.grid():
+        busy = [a for a in row if a is not None]
+        if not busy:
+            continue
+        kind = max((a.kind for a in busy), key=lambda k: rank[k])
+        out[(kind, len(busy))] = out.get((kind, len(busy)), 0) + 1
+    return out
+
+
+def unoverlapped_allreduce(s: Schedule, costs: Costs, grad_bytes: float, replicas: int) -> float:
+    """The paper's max_i Comm_unoverlapped(i): each device's all-reduce may start after its last backward
+    of a stage and overlap the remaining computation of the step (event-driven times with measured F/B)."""
+    f, b = costs.op_time(F, 1), costs.op_time(B, 1)
+    place = s.place(f, b, costs.op_time(W, 1) if s.has_w() else 1.0)
+    end = max(place["finish"].values())
+    worst = 0.0
+    last = W if s.has_w() else B
+    for d, acts in enumerate(s.actions):
+        chunks = {}
+        for a in acts:
+            if a.kind == last:
+                chunks[a.chunk] = max(chunks.get(a.chunk, 0.0), place["finish"][(a.kind, a.stage, a.mb)])
+        free = 0.0
+        total = 0.0
+        for c, t_done in sorted(chunks.items(), key=lambda x: x[1]):
+            total += costs.allreduce(grad_bytes, replicas)
+            free = end - t_done
+        worst = max(worst, max(0.0, total - free))
+    return worst
+
+
+def predict(s: Schedule, costs: Costs, act_bytes: float, grad_bytes: float, replicas: int,
+            width: int = 1, channels: Optional[int] = None, tick_overhead: float = 0.0) -> Dict[str, float]:
+    """Predicted step time, seconds: ``lockstep`` (jaxpipe's executor) and ``paper`` (equation (1)).
+
+    act_bytes: one micro-batch's activation message; grad_bytes: one stage's gradients; replicas: how many
+    copies of a stage's gradients are reduced (data-parallel width x replicas per pipeline); width: pipelines
+    running at once (data-parallel W), so a tick with k busy devices per pipeline has k x W busy devices;
+    tick_overhead: the executor's fixed cost per tick (slot reads/writes, switch), calibrated once."""
+    ch = len(s.tables().channels) if channels is None else channels
+    prof = lockstep_profile(s)
+    idle_ticks = s.num_ticks - sum(prof.values())
+    compute = sum(n * costs.op_time(kind, k * width) for (kind, k), n in prof.items())
+    p2p = s.num_ticks * (ch * costs.p2p(act_bytes) if s.D > 1 else 0.0) + s.num_ticks * tick_overhead
+    nchunk = int(s.stage_of_chunk().shape[1])
+    ar = nchunk * costs.allreduce(grad_bytes, replicas)
+    # Chimera: each extra replica is fetched from its owner by one ppermute and its gradient sent back by
+    # another; interleaved: the step gathers the device's chunks and scatter-adds their gradients
+    soc = s.stage_of_chunk()
+    cols = [sorted(int(v) for v in soc[:, c]) == list(range(s.D)) for c in range(nchunk)]
+    moved = sum(1 for c in range(nchunk) if any(int(soc[d, c]) != d for d in range(s.D)))
+    if s.num_model_stages == s.D and all(cols):
+        layout = 2 * moved * costs.p2p(grad_bytes)
+    else:
+        layout = 2 * nchunk * costs.p2p(grad_bytes)
+    lock = compute + p2p + ar + layout + costs.update + costs.overhead
+    n = min(s.D * width, len(costs.op[F]))       # the paper's F_t: every device busy
+    ft, bt = costs.op_time(F, n), costs.op_time(B, n)
+    cf, cb = critical_path_counts(s, ft, bt, costs.op_time(W, n) if s.has_w() else 1.0)
+    pp = costs.p2p(act_bytes) if s.D > 1 else 0.0
+    paper = ((ft + pp) * cf + (bt + pp) * cb
+             + unoverlapped_allreduce(s, costs, grad_bytes, replicas) + costs.update + costs.overhead)
+    return {"lockstep": lock, "paper": paper, "C_f": cf, "C_b": cb, "ticks": s.num_ticks,
+            "idle_ticks": idle_ticks, "compute": compute, "p2p": p2p, "allreduce": ar, "layout": layout}
