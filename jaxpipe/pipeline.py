@@ -64,6 +64,11 @@ class Pipeline:
                 f"axis has {D} devices and {schedule} puts {per} stage(s) on each, {self.schedule.num_model_stages} "
                 f"in all; stack {self.schedule.num_model_stages} stages' parameters or use "
                 f"jp.make_mesh(stages={max(model.num_stages // max(per, 1), 1)}, ...)")
+        if schedule == "chimera" and options.get("concat") == "forward_doubling":
+            # forward doubling holds two micro-batches' activations per forward tick: recompute them in the
+            # backward instead (§3.5), so the stash keeps only each stage's input
+            import dataclasses
+            self.model = model = dataclasses.replace(model, stage_fn=jax.checkpoint(model.stage_fn))
         from .runtime.executor import exchange_perms, layout_index
         self._layout = layout_index(self.schedule)
         # one stage per device in the model's order (replicas fetched inside the program), or a gather
@@ -170,13 +175,16 @@ class Pipeline:
         if len(sizes) != 1:
             raise ConfigError(f"every batch leaf needs the same leading (batch) size; found {sorted(sizes)}")
         n = sizes.pop()
-        per = self.data_parallel * self.num_microbatches
+        units = self.schedule.M          # backward halving splits each micro-batch in two
+        per = self.data_parallel * units
         if n % per:
             lo, hi = (n // per) * per, (n // per + 1) * per
+            what = f"{self.num_microbatches} micro-batches" + (
+                f" halved into {units} (backward_halving)" if units != self.num_microbatches else "")
             raise ConfigError(
                 f"batch size {n} does not split into {self.data_parallel} data-parallel replica(s) x "
-                f"{self.num_microbatches} micro-batches of equal size; use a multiple of {per} "
-                f"(e.g. {lo or hi} or {hi}) or change num_microbatches")
+                f"{what} of equal size; use a multiple of {per} (e.g. {lo or hi} or {hi}) or change "
+                f"num_microbatches")
 
     def _fn(self, what: str, batch, state: Optional[PipelineState] = None):
         self._check_batch(batch)

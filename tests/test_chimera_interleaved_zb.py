@@ -19,6 +19,8 @@ CASES = [
     ("chimera", 2, 2, 1, {}), ("chimera", 4, 4, 1, {}), ("chimera", 4, 1, 1, {}), ("chimera", 4, 3, 1, {}),
     ("chimera", 4, 8, 1, {}), ("chimera", 4, 4, 2, {}), ("chimera", 8, 8, 1, {}),
     ("chimera", 8, 8, 1, {"pipelines": 4}), ("chimera", 4, 4, 1, {"pipelines": 4}),
+    ("chimera", 4, 8, 1, {"concat": "forward_doubling"}), ("chimera", 4, 4, 2, {"concat": "backward_halving"}),
+    ("chimera", 2, 6, 1, {"concat": "backward_halving"}), ("chimera", 4, 12, 1, {"concat": "forward_doubling"}),
     ("interleaved_1f1b", 2, 2, 1, {"virtual": 2}), ("interleaved_1f1b", 4, 4, 1, {"virtual": 2}),
     ("interleaved_1f1b", 4, 8, 2, {"virtual": 2}), ("interleaved_1f1b", 2, 4, 1, {"virtual": 3}),
     ("interleaved_1f1b", 8, 8, 1, {"virtual": 2}), ("interleaved_1f1b", 1, 2, 1, {"virtual": 2}),
@@ -47,9 +49,11 @@ def test_matches_jax_grad(kind, schedule, D, M, data, opts):
     assert rel_err(grads, ref_grads) <= 1e-5
 
 
-@pytest.mark.parametrize("schedule,opts", [("chimera", {}), ("interleaved_1f1b", {"virtual": 2}), ("zb_h1", {})])
-def test_nan_filled_bubbles_stay_finite(schedule, opts):
-    model, pipe, batch = _pipe("mlp", schedule, 4, 4, 1, opts, nan_bubbles=True)
+@pytest.mark.parametrize("schedule,opts,M", [("chimera", {}, 4), ("interleaved_1f1b", {"virtual": 2}, 4),
+                                             ("zb_h1", {}, 4), ("chimera", {"concat": "forward_doubling"}, 8),
+                                             ("chimera", {"concat": "backward_halving"}, 4)])
+def test_nan_filled_bubbles_stay_finite(schedule, opts, M):
+    model, pipe, batch = _pipe("mlp", schedule, 4, M, 1, opts, nan_bubbles=True)
     loss, grads = pipe.loss_and_grad(pipe.init(), batch)
     assert np.isfinite(float(loss)) and all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
     assert rel_err(grads, reference(model, batch)[1]) <= 1e-5
@@ -84,6 +88,37 @@ def test_chimera_bubble_equals_table2(D, k):
         assert sorted(r.peak_inflight)[0] == D // 2 + 1 and max(r.peak_inflight) == D       # [(D/2+1) M_a, D M_a]
         r2 = schedules.build("chimera", D, N).simulate(f=1.0, b=2.0)           # §2: b = 2f leaves middle bubbles
         assert r2.bubble_ratio == pytest.approx((D - 2) / (1.5 * N + D - 2))
+
+
+@pytest.mark.parametrize("concat", ["forward_doubling", "backward_halving"])
+@pytest.mark.parametrize("D,K", [(4, 2), (4, 4), (8, 2), (8, 4), (16, 2), (4, 3)])
+def test_chimera_doubling_removes_intermediate_bubbles(concat, D, K):
+    """§3.5: with b = 2f a doubled forward tick costs what a backward tick does, so the lockstep executor
+    pays only the D - 2 edge bubbles: (D-2)/(1.5 U + D - 2) over U units, the 'practical' ratio of §2 --
+    less than direct concatenation pays on the same micro-batches."""
+    N = K * D if concat == "forward_doubling" else K * D // 2
+    s = schedules.build("chimera", D, N, concat=concat)
+    U = s.num_microbatches
+    assert U == K * D
+    r = s.simulate(f=1.0, b=2.0)
+    direct = schedules.build("chimera", D, U).simulate(f=1.0, b=2.0)
+    assert r.lockstep_bubble_ratio <= direct.lockstep_bubble_ratio + 1e-12
+    if K % 2 == 0:
+        assert r.lockstep_bubble_ratio == pytest.approx((D - 2) / (1.5 * U + D - 2))
+    assert r.bubble_ratio <= (D - 2) / (1.5 * U + D - 2) + 1e-12
+    assert all(a.pair == (a.kind == "F" and a.mb % 2 == 1) for acts in s.actions for a in acts) or K % 2
+
+
+def test_forward_doubling_recomputes():
+    """Forward doubling wraps the stage in jax.checkpoint: the stash keeps less than without it."""
+    from jaxpipe.runtime.executor import residual_mask
+    model, _ = small_model("gpt", 4)
+    pipe = jp.Pipeline(model, schedule="chimera", num_microbatches=8, optimizer=optax.sgd(0.1),
+                       mesh=jp.make_mesh(stages=4), chimera={"concat": "forward_doubling"})
+    w = jax.tree.map(lambda a: a[0], model.stage_params)
+    x = np.zeros((2, 8, 16), np.float32)
+    size = lambda avals: sum(int(np.prod(a.shape)) for a in avals)
+    assert size(residual_mask(pipe.model.stage_fn, w, x)[1]) < size(residual_mask(model.stage_fn, w, x)[1])
 
 
 @pytest.mark.parametrize("D,f", [(8, 2), (16, 2), (16, 4), (4, 2)])
@@ -123,6 +158,8 @@ def test_zb_h1_bubble_below_1f1b_same_peak_memory(D, M):
     (dict(schedule="chimera", D=3), "even number of stages"),
     (dict(schedule="chimera", D=4, chimera={"pipelines": 3}), "2f with f dividing"),
     (dict(schedule="chimera", D=4, chimera={"concat": "sideways"}), "unknown concat"),
+    (dict(schedule="chimera", D=4, M=6, chimera={"concat": "forward_doubling"}), "needs N >= 8 and a multiple of 4"),
+    (dict(schedule="chimera", D=4, chimera={"eager_reduce": True}), "eager_reduce=True"),
     (dict(schedule="chimera", D=4, chimera={"lanes": 2}), "unknown option"),
     (dict(schedule="1f1b", D=4, chimera={"pipelines": 2}), "option of 'chimera' only"),
     (dict(schedule="interleaved_1f1b", D=4, M=6, stages=8), "whole groups of D=4"),

@@ -89,16 +89,16 @@ def num_chunks(sched: Schedule) -> int:
 
 
 def branch_table(sched: Schedule) -> np.ndarray:
-    """``[tick, device]`` branch key: 0 idle; else ``1 + chunk * 12 + kind * 4 + pos`` with kind 0 F, 1 B,
-    2 W and pos 0 mid, 1 first stage, 2 last stage, 3 both (a one-stage model)."""
+    """``[tick, device]`` branch key: 0 idle; else ``1 + chunk * 16 + kind * 4 + pos`` with kind 0 F, 1 B,
+    2 W, 3 a forward pair (two lanes) and pos 0 mid, 1 first stage, 2 last stage, 3 both (one stage)."""
     t = sched.tables().data
     S = sched.num_model_stages
     pos = (t["stage"] == 0).astype(np.int32) + 2 * (t["stage"] == S - 1).astype(np.int32)
-    kind = np.where(t["op"] == OP_F, 0, np.where(t["op"] == OP_B, 1, 2))
-    return np.where(t["op"] == OP_IDLE, 0, 1 + t["chunk"] * 12 + kind * 4 + pos)
+    kind = np.where(t["op"] == OP_F, np.where(t["op2"] == OP_F, 3, 0), np.where(t["op"] == OP_B, 1, 2))
+    return np.where(t["op"] == OP_IDLE, 0, 1 + t["chunk"] * 16 + kind * 4 + pos)
 
 
-_BR, _SW = len(COLS), len(COLS) + 1   # extra columns: branch, stash write slot
+_BR, _SW, _SW2 = len(COLS), len(COLS) + 1, len(COLS) + 2   # extra columns: branch, stash write slots
 
 
 def executor_table(sched: Schedule) -> np.ndarray:
@@ -110,7 +110,8 @@ def executor_table(sched: Schedule) -> np.ndarray:
     tabs = sched.tables()
     t = tabs.data
     stash_w = np.where(t["op"] == OP_F, t["stash"], tabs.stash_capacity)
-    return np.concatenate([tabs.stacked(), np.stack([branch_table(sched), stash_w], -1)],
+    stash_w2 = np.where(t["op2"] == OP_F, t["stash2"], tabs.stash_capacity)
+    return np.concatenate([tabs.stacked(), np.stack([branch_table(sched), stash_w, stash_w2], -1)],
                           axis=-1).astype(np.int32)
 
 
@@ -183,6 +184,7 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
         return jnp.full(shape, jnp.nan if nan_bubbles else 0, dtype)
 
     perms = exchange_perms(sched)
+    lane2 = sched.has_pairs()
 
     def body(stage_p, pre_p, post_p, batch):
         # the device's chunks, split once outside the loop (a static index: no copy per tick), or fetched
@@ -200,8 +202,8 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
         blank = lambda: vary(fill(x_aval.shape, x_aval.dtype))
         mask, stash_avals = residual_mask(stage_fn, ws[0], vary(jnp.zeros(x_aval.shape, x_aval.dtype)))
 
-        def mb_of(row):
-            return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, row[_C["mb"]], 0, False), batch)
+        def mb_of(row, col="mb"):
+            return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, row[_C[col]], 0, False), batch)
 
         # Every branch returns the same tuple: small *new values* (its one message, residuals to stash) and
         # the gradient/loss accumulators, which a branch that adds nothing passes through untouched (XLA
@@ -209,34 +211,54 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
         # instead costs a weight-sized memset and add every tick (measured: 1.25x on the benchmark MLP).
         # The stash and the message buffer are written outside the switch.
         #   (message, residuals to stash, (g_w per chunk, g_pre, g_post, loss))
-        def outputs(acc, msg=None, res=None, chunk=0, dw=None, dpre=None, dpost=None, loss=None):
+        no_res = lambda: [vary(fill(a.shape, a.dtype)) for a in stash_avals]
+
+        def outputs(acc, msg=None, res=None, chunk=0, dw=None, dpre=None, dpost=None, loss=None, msg2=None,
+                    res2=None):
             gws, gpre, gpost, gl = acc
             add = lambda a, d: a if d is None else jax.tree.map(lambda u, v: u + v.astype(u.dtype), a, d)
             gws = list(gws)
             gws[chunk] = add(gws[chunk], dw)
-            return (blank() if msg is None else msg.astype(x_aval.dtype),
-                    [vary(fill(a.shape, a.dtype)) for a in stash_avals] if res is None else res,
-                    (gws, add(gpre, dpre), add(gpost, dpost), add(gl, loss)))
+            out = (blank() if msg is None else msg.astype(x_aval.dtype), no_res() if res is None else res,
+                   (gws, add(gpre, dpre), add(gpost, dpost), add(gl, loss)))
+            if lane2:        # the second lane's message and residuals (a paired forward)
+                out += (blank() if msg2 is None else msg2.astype(x_aval.dtype), no_res() if res2 is None else res2)
+            return out
 
-        def idle(row, m_in, res_in, acc):
+        def idle(row, m_in, res_in, acc, m_in2=None):
             return outputs(acc)
 
+        def forward_one(chunk, first, last, row, x_in, col):
+            """One unit's forward: (message, residuals, d post, loss)."""
+            mb = mb_of(row, col) if (first or last) else None
+            x = pre(pre_p, mb) if first else x_in
+            y, res, _, _ = split_residuals(stage_fn, ws[chunk], x, mask)
+            if not last:
+                return y, res, None, None
+            l, (gq, dy) = jax.value_and_grad(post_loss, argnums=(0, 1))(post_p, y, mb)
+            return dy / M, res, jax.tree.map(lambda g: g / M, gq), (l / M).astype(jnp.float32)
+
         def fwd(chunk, first, last):
-            def op(row, x_in, res_in, acc):
-                mb = mb_of(row) if (first or last) else None
-                x = pre(pre_p, mb) if first else x_in
-                y, res, _, _ = split_residuals(stage_fn, ws[chunk], x, mask)
-                if not last:
-                    return outputs(acc, msg=y, res=res)
-                l, (gq, dy) = jax.value_and_grad(post_loss, argnums=(0, 1))(post_p, y, mb)
-                return outputs(acc, msg=dy / M, res=res, dpost=jax.tree.map(lambda g: g / M, gq),
-                               loss=(l / M).astype(jnp.float32))
+            def op(row, x_in, res_in, acc, m_in2=None):
+                msg, res, dpost, loss = forward_one(chunk, first, last, row, x_in, "mb")
+                return outputs(acc, msg=msg, res=res, dpost=dpost, loss=loss)
+            return op
+
+        def fwd_pair(chunk, first, last):
+            # forward doubling / backward halving: two units' forwards in one tick, one per lane
+            def op(row, x_in, res_in, acc, m_in2=None):
+                msg, res, dpost, loss = forward_one(chunk, first, last, row, x_in, "mb")
+                msg2, res2, dpost2, loss2 = forward_one(chunk, first, last, row, m_in2, "mb2")
+                if last:
+                    dpost = jax.tree.map(lambda u, v: u + v, dpost, dpost2)
+                    loss = loss + loss2
+                return outputs(acc, msg=msg, res=res, dpost=dpost, loss=loss, msg2=msg2, res2=res2)
             return op
 
         def bwd(chunk, first, last, want_dw=True, want_dx=True):
             # want_dw=False: zero-bubble B (input gradient only); want_dx=False: its deferred W.  XLA drops
             # the half of the pullback whose result is not returned.
-            def op(row, dy_in, res_in, acc):
+            def op(row, dy_in, res_in, acc, m_in2=None):
                 x_like = vary(jnp.zeros(x_aval.shape, x_aval.dtype))
                 dw, dx = rebuild_pullback(stage_fn, ws[chunk], x_like, res_in, mask)(dy_in)
                 dw = dw if want_dw else None
@@ -256,22 +278,31 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
             branches += [fwd(c, *f) for f in flags]
             branches += [bwd(c, *f, want_dw=not split) for f in flags]
             branches += [bwd(c, *f, want_dx=False) for f in flags]
+            branches += [fwd_pair(c, *f) for f in flags]
         branches = [branches[i] for i in used]
         ring = {SEND_PLUS: [(d, (d + 1) % D) for d in range(D)],
                 SEND_MINUS: [(d, (d - 1) % D) for d in range(D)]}
         recv_col = {SEND_PLUS: _C["recv_p"], SEND_MINUS: _C["recv_m"]}
+        recv_col2 = {SEND_PLUS: _C["recv_p2"], SEND_MINUS: _C["recv_m2"]}
 
         def tick(c, rows):
             stash, mbuf, gws, gpre, gpost, loss = c
             row = rows[me]
             m_in = read(mbuf, row[_C["in_slot"]])
             res_in = [read(a, row[_C["stash"]]) for a in stash]
-            msg, res, (gws, gpre, gpost, loss) = lax.switch(
-                row[_BR], branches, row, m_in, res_in, (gws, gpre, gpost, loss))
+            extra = (read(mbuf, row[_C["in2"]]),) if lane2 else ()
+            out = lax.switch(row[_BR], branches, row, m_in, res_in, (gws, gpre, gpost, loss), *extra)
+            msg, res, (gws, gpre, gpost, loss) = out[:3]
             stash = [write(a, row[_SW], r) for a, r in zip(stash, res)]
             mbuf = write(mbuf, row[_C["keep"]], msg)
             for ch in tabs.channels:
                 mbuf = write(mbuf, row[recv_col[ch]], lax.ppermute(msg, "stage", ring[ch]))
+            if lane2:
+                msg2, res2 = out[3:]
+                stash = [write(a, row[_SW2], r) for a, r in zip(stash, res2)]
+                mbuf = write(mbuf, row[_C["keep2"]], msg2)
+                for ch in tabs.channels:
+                    mbuf = write(mbuf, row[recv_col2[ch]], lax.ppermute(msg2, "stage", ring[ch]))
             return (stash, mbuf, gws, gpre, gpost, loss), None
 
         carry = vary((

@@ -101,12 +101,14 @@ def list_schedule(priority: List[List[Action]], D: int, M: int) -> List[List[Act
         for d in range(D):
             seen = set()
             for i, a in enumerate(rest[d]):
-                if (a.chunk, a.kind) in seen:
+                if a.pair or (a.chunk, a.kind) in seen:
                     continue
                 seen.add((a.chunk, a.kind))
-                if all(k in done and done[k] <= t for k in probe.deps(a)):
-                    out[d].append(rest[d].pop(i))
-                    done[(a.kind, a.stage, a.mb)] = t + 1
+                group = [a] + ([rest[d][i + 1]] if i + 1 < len(rest[d]) and rest[d][i + 1].pair else [])
+                if all(k in done and done[k] <= t for g in group for k in probe.deps(g)):
+                    for g in group:
+                        out[d].append(rest[d].pop(i))
+                        done[(g.kind, g.stage, g.mb)] = t + 1
                     break
         t += 1
         if t > 4 * M * D + 4 * D:
@@ -122,12 +124,55 @@ def build_chimera(num_stages: int, num_microbatches: int, pipelines: int = 2, co
         raise ScheduleError("chimera: eager_reduce=True (launching the edge stages' replica all-reduce inside "
                             "the pipeline's bubbles, §3.2) is not in this version yet; the replicas' gradients "
                             "are reduced after the pipeline (eager_reduce=False)")
-    if concat != "direct" and M > D:
-        raise ScheduleError(f"chimera: concat={concat!r} (two-micro-batch forwards, §3.5) is not in this "
-                            f"version yet; use concat='direct' (with N={M} > D={D})")
+    if concat != "direct":
+        return build_doubled(D, M, pipelines, concat)
     units = [merge(unit_ticks(D, split_microbatches(list(range(m0, min(m0 + D, M))), pipelines), pipelines), D)
              for m0 in range(0, M, D)]
     priority = [[a for u in units for a in u[d]] for d in range(D)]
     s = Schedule("chimera", D, M, list_schedule(priority, D, M), weight_versions=[pipelines] * D)
     s.options = {"pipelines": pipelines, "concat": concat, "eager_reduce": eager_reduce}
+    return s
+
+
+def build_doubled(D: int, N: int, pipelines: int, concat: str) -> Schedule:
+    """Forward doubling and backward halving (§3.5, Figure 7(c)-(d)): every forward op carries two units
+    (a paired forward: the executor's second lane, same tick), every backward one, so with b = 2f a forward
+    tick and a backward tick cost the same and the intermediate bubbles of direct concatenation vanish.
+    The basic block is 2D units: the Chimera basic unit over D *double* micro-batches, each forward of a
+    double split into a forward pair and each backward into two consecutive backwards; blocks are
+    concatenated by list scheduling, a residual D units (K odd) as a plain basic unit.
+
+    forward_doubling: a unit is one micro-batch (N units; pair it with recomputation -- jaxpipe's Pipeline
+    wraps the stage in ``jax.checkpoint`` -- to keep activation memory).  backward_halving: a unit is half a
+    micro-batch (2N units, the schedule's ``num_microbatches``), no recomputation."""
+    units = N if concat == "forward_doubling" else 2 * N
+    if units < 2 * D or units % D:
+        need = f"N >= {2 * D} and a multiple of {D}" if concat == "forward_doubling" else \
+            f"N >= {D} and a multiple of {D // 2}"
+        raise ScheduleError(f"chimera: concat={concat!r} works on blocks of 2D = {2 * D} units; with D={D} it "
+                            f"needs {need}, got N={N}; use concat='direct' or a larger N")
+    blocks = []
+    start = 0
+    while units - start >= 2 * D:
+        base = start
+        doubles = split_microbatches(list(range(D)), pipelines)
+        order = merge(unit_ticks(D, doubles, pipelines), D)
+        block = []
+        for acts in order:
+            out = []
+            for a in acts:
+                u0, u1 = base + 2 * a.mb, base + 2 * a.mb + 1
+                if a.kind == F:
+                    out += [Action(F, u0, a.stage, a.chunk), Action(F, u1, a.stage, a.chunk, pair=True)]
+                else:
+                    out += [Action(a.kind, u0, a.stage, a.chunk), Action(a.kind, u1, a.stage, a.chunk)]
+            block.append(out)
+        blocks.append(block)
+        start += 2 * D
+    if start < units:          # K odd: the residual D units as a plain basic unit
+        blocks.append(merge(unit_ticks(D, split_microbatches(list(range(start, units)), pipelines),
+                                       pipelines), D))
+    priority = [[a for blk in blocks for a in blk[d]] for d in range(D)]
+    s = Schedule("chimera", D, units, list_schedule(priority, D, units), weight_versions=[pipelines] * D)
+    s.options = {"pipelines": pipelines, "concat": concat, "eager_reduce": False, "units": units}
     return s

@@ -46,9 +46,10 @@ class Action:
     mb: int
     stage: int
     chunk: int = 0
+    pair: bool = False    # a forward that runs in the same tick as the forward before it (Chimera §3.5)
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.mb}" + (f"s{self.stage}" if self.chunk else "")
+        return ("+" if self.pair else "") + f"{self.kind}{self.mb}" + (f"s{self.stage}" if self.chunk else "")
 
 
 Key = Tuple[str, int, int]  # (kind, stage, mb)
@@ -153,11 +154,68 @@ class Schedule:
         self._placed[cache_key] = out
         return out
 
+    def has_pairs(self) -> bool:
+        return any(a.pair for acts in self.actions for a in acts)
+
     def ticks(self) -> Dict[Key, int]:
         """Lockstep tick of every action: unit-time ops, a message to another device arrives one tick
-        later (it is sent by the ppermute that ends the tick)."""
-        p = self.place(1.0, 1.0, 1.0, comm=0.0)
-        return {k: int(v) for k, v in p["start"].items()}
+        later (it is sent by the ppermute that ends the tick).  A paired forward shares the tick of the
+        forward before it (the executor's second lane)."""
+        if getattr(self, "_ticks", None) is not None:
+            return self._ticks
+        if not self.has_pairs():
+            p = self.place(1.0, 1.0, 1.0, comm=0.0)
+            self._ticks = {k: int(v) for k, v in p["start"].items()}
+            return self._ticks
+        loc = self.location()
+        groups = []
+        for d, acts in enumerate(self.actions):
+            g = []
+            for a in acts:
+                if a.pair:
+                    if not g or len(g[-1]) > 1 or g[-1][-1].kind != F or a.kind != F or \
+                            g[-1][-1].stage != a.stage:
+                        raise ScheduleError(f"{self.name}: device {d}: a paired action must be a forward of "
+                                            f"the same stage following an unpaired forward ({a})")
+                    g[-1].append(a)
+                else:
+                    g.append([a])
+            groups.append(g)
+        tick: Dict[Key, int] = {}
+        nxt, free = [0] * self.D, [0] * self.D
+        remaining = sum(len(g) for g in groups)
+        while remaining:
+            progressed = False
+            for d in range(self.D):
+                while nxt[d] < len(groups[d]):
+                    grp = groups[d][nxt[d]]
+                    ready = free[d]
+                    keys = [(a.kind, a.stage, a.mb) for a in grp]
+                    ok = True
+                    for a in grp:
+                        for dep in self.deps(a):
+                            if dep not in loc:
+                                raise ScheduleError(f"{self.name}: {a} needs {dep}, which no device runs")
+                            if dep in keys:
+                                continue
+                            if dep not in tick:
+                                ok = False
+                                break
+                            ready = max(ready, tick[dep] + 1)
+                        if not ok:
+                            break
+                    if not ok:
+                        break
+                    for k in keys:
+                        tick[k] = ready
+                    free[d] = ready + 1
+                    nxt[d] += 1
+                    remaining -= 1
+                    progressed = True
+            if not progressed:
+                raise ScheduleError(f"{self.name}: deadlock in the lockstep placement")
+        self._ticks = tick
+        return tick
 
     @property
     def num_ticks(self) -> int:
@@ -165,12 +223,24 @@ class Schedule:
         return max(t.values()) + 1 if t else 0
 
     def grid(self) -> List[List[Optional[Action]]]:
-        """``grid[tick][device]``: the action run there, or None (idle)."""
+        """``grid[tick][device]``: the action run there (the first, where a paired forward shares the
+        tick), or None (idle).  :meth:`lanes` gives the paired ones."""
         t = self.ticks()
         g: List[List[Optional[Action]]] = [[None] * self.D for _ in range(self.num_ticks)]
         for d, acts in enumerate(self.actions):
             for a in acts:
-                g[t[(a.kind, a.stage, a.mb)]][d] = a
+                if not a.pair:
+                    g[t[(a.kind, a.stage, a.mb)]][d] = a
+        return g
+
+    def lanes(self) -> List[List[Optional[Action]]]:
+        """``lanes[tick][device]``: the paired forward run in the second lane, or None."""
+        t = self.ticks()
+        g: List[List[Optional[Action]]] = [[None] * self.D for _ in range(self.num_ticks)]
+        for d, acts in enumerate(self.actions):
+            for a in acts:
+                if a.pair:
+                    g[t[(a.kind, a.stage, a.mb)]][d] = a
         return g
 
     # ------------------------------------------------------------------ validation
@@ -194,7 +264,7 @@ class Schedule:
                     raise ScheduleError(f"{self.name}: device {d} chunk {a.chunk} holds two stages")
         t = self.ticks()  # raises on deadlock
         for d, acts in enumerate(self.actions):
-            seen = [t[(a.kind, a.stage, a.mb)] for a in acts]
+            seen = [t[(a.kind, a.stage, a.mb)] for a in acts if not a.pair]
             if len(set(seen)) != len(seen):
                 raise ScheduleError(f"{self.name}: device {d} runs two actions in one tick")
         for key in loc:
@@ -241,7 +311,10 @@ class Schedule:
 
 # ---------------------------------------------------------------------- tables
 OP_IDLE, OP_F, OP_B, OP_W = 0, 1, 2, 3
-COLS = ("op", "mb", "stage", "chunk", "stash", "in_slot", "keep", "recv_p", "recv_m", "send")
+COLS = ("op", "mb", "stage", "chunk", "stash", "in_slot", "keep", "recv_p", "recv_m", "send",
+        "op2", "mb2", "stash2", "in2", "keep2", "recv_p2", "recv_m2", "send2")
+LANE2 = {"op": "op2", "mb": "mb2", "stash": "stash2", "in_slot": "in2", "keep": "keep2", "recv_p": "recv_p2",
+         "recv_m": "recv_m2", "send": "send2"}
 SEND_NONE, SEND_PLUS, SEND_MINUS, SEND_KEEP = 0, 1, 2, 3
 
 
@@ -257,6 +330,8 @@ class Tables:
     the next stage when it lives on the same device), written at slot ``keep``; ``recv_p`` / ``recv_m``:
     where the message arriving on each channel at the end of the tick is written.  Unused writes go to the
     scratch slot (index = capacity).  Capacities are maxima over devices (one shape everywhere in SPMD).
+    Columns ending in ``2`` are the second lane: a paired forward (Chimera's forward doubling) run in the
+    same tick as the first, with its own message, stash slot and receive slots.
     """
     data: Dict[str, np.ndarray]
     stash_capacity: int
@@ -301,15 +376,22 @@ def _build_tables(s: Schedule) -> Tables:
     dev = {k: v[0] for k, v in loc.items()}
     data = {c: np.full((T, D), -1, np.int64) for c in COLS}
     data["op"][:] = OP_IDLE
+    data["op2"][:] = OP_IDLE
     data["send"][:] = SEND_NONE
+    data["send2"][:] = SEND_NONE
     kind_code = {F: OP_F, B: OP_B, W: OP_W}
+    lane = {}
     for d, acts in enumerate(s.actions):
         for a in acts:
-            tk = t[(a.kind, a.stage, a.mb)]
-            data["op"][tk, d] = kind_code[a.kind]
-            data["mb"][tk, d] = a.mb
+            key = (a.kind, a.stage, a.mb)
+            lane[key] = 2 if a.pair else 1
+            col = (lambda c: LANE2[c]) if a.pair else (lambda c: c)
+            tk = t[key]
+            data[col("op")][tk, d] = kind_code[a.kind]
+            data[col("mb")][tk, d] = a.mb
             data["stage"][tk, d] = a.stage
             data["chunk"][tk, d] = a.chunk
+    C = lambda key, c: LANE2[c] if lane[key] == 2 else c
     # Stash: written at F's tick, last read by W if the schedule splits the backward, else by B.
     split = s.has_w()
     last_user = W if split else B
@@ -318,7 +400,7 @@ def _build_tables(s: Schedule) -> Tables:
     for tk, st, m in events:
         d = dev[(F, st, m)]
         slot = stash_alloc[d].alloc(tk, t[(last_user, st, m)])
-        data["stash"][tk, d] = slot
+        data[C((F, st, m), "stash")][tk, d] = slot
         data["stash"][t[(B, st, m)], d] = slot
         if split:
             data["stash"][t[(W, st, m)], d] = slot
@@ -328,13 +410,14 @@ def _build_tables(s: Schedule) -> Tables:
     for st in range(S):
         for m in range(s.M):
             if st > 0:
-                msgs.append((t[(F, st - 1, m)], dev[(F, st - 1, m)], dev[(F, st, m)], [(F, st, m)]))
+                msgs.append((t[(F, st - 1, m)], (F, st - 1, m), dev[(F, st, m)], [(F, st, m)]))
             src = (B, st + 1, m) if st < S - 1 else (F, st, m)
             users = [(B, st, m)] + ([(W, st, m)] if split else [])
-            msgs.append((t[src], dev[src], dev[(B, st, m)], users))
+            msgs.append((t[src], src, dev[(B, st, m)], users))
     alloc = [_Slots() for _ in range(D)]
     channels = set()
-    for tsend, src, dst, users in sorted(msgs, key=lambda x: x[0]):
+    for tsend, skey, dst, users in sorted(msgs, key=lambda x: x[0]):
+        src = dev[skey]
         ch = _channel(D, src, dst)
         if ch < 0:
             raise ScheduleError(f"{s.name}: a message from device {src} to device {dst} at tick {tsend}; the "
@@ -342,24 +425,24 @@ def _build_tables(s: Schedule) -> Tables:
         if ch == SEND_MINUS and D == 2:
             ch = SEND_PLUS                     # d+1 and d-1 are the same device: one channel suffices
         slot = alloc[dst].alloc(tsend, max(t[u] for u in users))
-        if data["send"][tsend, src] != SEND_NONE:
-            raise ScheduleError(f"{s.name}: device {src} sends two messages at tick {tsend}")
-        data["send"][tsend, src] = ch
+        if data[C(skey, "send")][tsend, src] != SEND_NONE:
+            raise ScheduleError(f"{s.name}: device {src} sends two messages on one lane at tick {tsend}")
+        data[C(skey, "send")][tsend, src] = ch
         if ch == SEND_KEEP:
-            data["keep"][tsend, src] = slot
+            data[C(skey, "keep")][tsend, src] = slot
         else:
             channels.add(ch)
-            col = "recv_p" if ch == SEND_PLUS else "recv_m"
+            col = C(skey, "recv_p" if ch == SEND_PLUS else "recv_m")
             if data[col][tsend, dst] != -1:
                 raise ScheduleError(f"{s.name}: two messages reach device {dst} on one channel at tick {tsend}")
             data[col][tsend, dst] = slot
         for u in users:
-            data["in_slot"][t[u], dst] = slot
+            data[C(u, "in_slot")][t[u], dst] = slot
     caps = {"stash": max(len(a.busy_until) for a in stash_alloc),
             "m": max(len(a.busy_until) for a in alloc)}
-    for c in ("keep", "recv_p", "recv_m"):
+    for c in ("keep", "recv_p", "recv_m", "keep2", "recv_p2", "recv_m2"):
         data[c][data[c] < 0] = caps["m"]
-    for c in ("mb", "stage", "chunk", "stash", "in_slot"):
+    for c in ("mb", "stage", "chunk", "stash", "in_slot", "mb2", "stash2", "in2"):
         data[c][data[c] < 0] = 0
     return Tables({k: v.astype(np.int32) for k, v in data.items()}, caps["stash"], caps["m"], T,
                   tuple(sorted(channels)))

@@ -26,11 +26,15 @@ def _boxes(s: Schedule, mode: str, f: float, b: float, w: float):
                 yield d, p["start"][k], dur[a.kind], a
     elif mode == "lockstep":
         t0 = 0.0
-        for row in s.grid():
-            width = max((dur[a.kind] for a in row if a is not None), default=0.0)
-            for d, a in enumerate(row):
+        lanes = s.lanes() if s.has_pairs() else [[None] * s.D for _ in range(s.num_ticks)]
+        for row, prow in zip(s.grid(), lanes):
+            width = max((dur[a.kind] + (dur[F] if p is not None else 0.0) for a, p in zip(row, prow)
+                         if a is not None), default=0.0)
+            for d, (a, p) in enumerate(zip(row, prow)):
                 if a is not None:
                     yield d, t0, dur[a.kind], a
+                if p is not None:
+                    yield d, t0 + dur[a.kind], dur[F], p
             t0 += width
     else:
         raise ValueError(f"mode must be 'event' or 'lockstep', got {mode!r}")
@@ -78,9 +82,11 @@ def render_png(s: Schedule, path: Optional[str] = None, f: float = 1.0, b: float
 def render_text(s: Schedule, width: int = 4) -> str:
     """One row per device, one column per lockstep tick: ``F3`` forward of micro-batch 3, ``.`` idle."""
     grid = s.grid()
+    lanes = s.lanes() if s.has_pairs() else [[None] * s.D for _ in grid]
     lines = [f"{s.name} D={s.D} M={s.M} ({len(grid)} lockstep ticks)"]
     for d in range(s.D):
-        cells = [(str(row[d]) if row[d] is not None else ".").ljust(width) for row in grid]
+        cells = [((str(row[d]) if row[d] is not None else ".") + (f"+{pr[d].mb}" if pr[d] is not None else ""))
+                 .ljust(width) for row, pr in zip(grid, lanes)]
         lines.append(f"dev{d:<3d}" + "".join(cells).rstrip())
     return "\n".join(lines)
 

@@ -67,7 +67,10 @@ def simulate(s: Schedule, f: float = 1.0, b: float = 2.0, w: Optional[float] = N
     makespan = max(placed["finish"].values())
     work = sum(dur[a.kind] for acts in s.actions for a in acts)
     grid = s.grid()
-    lock = sum(max((dur[a.kind] for a in row if a is not None), default=0.0) for row in grid)
+    lanes = s.lanes() if s.has_pairs() else [[None] * s.D for _ in grid]
+    # a tick lasts as long as its slowest device; a device with a paired forward runs both in the tick
+    lock = sum(max((dur[a.kind] + (dur[F] if p is not None else 0.0) for a, p in zip(row, prow) if a is not None),
+                   default=0.0) for row, prow in zip(grid, lanes))
     loc = placed["device"]
     messages = sum(1 for (k, st, m), d in loc.items() for dep in s.deps(Action(k, m, st)) if loc[dep] != d)
     return SimReport(
