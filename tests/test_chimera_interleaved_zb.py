@@ -21,6 +21,8 @@ CASES = [
     ("chimera", 8, 8, 1, {"pipelines": 4}), ("chimera", 4, 4, 1, {"pipelines": 4}),
     ("chimera", 4, 8, 1, {"concat": "forward_doubling"}), ("chimera", 4, 4, 2, {"concat": "backward_halving"}),
     ("chimera", 2, 6, 1, {"concat": "backward_halving"}), ("chimera", 4, 12, 1, {"concat": "forward_doubling"}),
+    ("chimera", 4, 4, 2, {"eager_reduce": True}), ("chimera", 8, 16, 1, {"eager_reduce": True}),
+    ("chimera", 4, 8, 1, {"eager_reduce": True, "concat": "forward_doubling"}),
     ("interleaved_1f1b", 2, 2, 1, {"virtual": 2}), ("interleaved_1f1b", 4, 4, 1, {"virtual": 2}),
     ("interleaved_1f1b", 4, 8, 2, {"virtual": 2}), ("interleaved_1f1b", 2, 4, 1, {"virtual": 3}),
     ("interleaved_1f1b", 8, 8, 1, {"virtual": 2}), ("interleaved_1f1b", 1, 2, 1, {"virtual": 2}),
@@ -159,7 +161,7 @@ def test_zb_h1_bubble_below_1f1b_same_peak_memory(D, M):
     (dict(schedule="chimera", D=4, chimera={"pipelines": 3}), "2f with f dividing"),
     (dict(schedule="chimera", D=4, chimera={"concat": "sideways"}), "unknown concat"),
     (dict(schedule="chimera", D=4, M=6, chimera={"concat": "forward_doubling"}), "needs N >= 8 and a multiple of 4"),
-    (dict(schedule="chimera", D=4, chimera={"eager_reduce": True}), "eager_reduce=True"),
+    (dict(schedule="chimera", D=4, chimera={"eager_reduce": True, "pipelines": 4}), "implemented for 2 pipelines"),
     (dict(schedule="chimera", D=4, chimera={"lanes": 2}), "unknown option"),
     (dict(schedule="1f1b", D=4, chimera={"pipelines": 2}), "option of 'chimera' only"),
     (dict(schedule="interleaved_1f1b", D=4, M=6, stages=8), "whole groups of D=4"),
@@ -173,3 +175,13 @@ def test_clear_errors(bad, match):
     with pytest.raises(jp.ConfigError, match=match):
         jp.Pipeline(model, schedule=bad["schedule"], num_microbatches=bad.get("M", 4), optimizer=optax.sgd(0.1),
                     mesh=jp.make_mesh(stages=D), **kw)
+
+
+@pytest.mark.parametrize("D,N", [(4, 4), (8, 8), (8, 32)])
+def test_eager_reduction_point_is_early(D, N):
+    """§3.2: the last stage's replica gradient is final well before the pipeline ends (P0 and P3 in Fig. 4)."""
+    from jaxpipe.runtime.executor import eager_point
+    s = schedules.build("chimera", D, N, eager_reduce=True)
+    t_e, src, chunk, dst = eager_point(s)
+    assert (src, chunk, dst) == (0, 1, D - 1)
+    assert t_e < s.num_ticks - D // 2

@@ -142,6 +142,21 @@ def exchange_perms(sched: Schedule):
     return perms
 
 
+def eager_point(sched: Schedule):
+    """For Chimera's eager reduction: (tick after which the last stage's replica gradient is final, the
+    device holding that replica, its chunk, the owner device)."""
+    soc, S = sched.stage_of_chunk(), sched.num_model_stages
+    perms = exchange_perms(sched)
+    src = [(d, c) for d in range(sched.D) for c in range(soc.shape[1]) if soc[d, c] == S - 1 and c > 0]
+    if perms is None or len(src) != 1 or perms[src[0][1]] is None:
+        raise ValueError(f"{sched.name}: eager reduction needs exactly one replica of the last stage")
+    d, c = src[0]
+    ticks = sched.ticks()
+    last = "W" if sched.has_w() else "B"
+    t_e = 1 + max(t for (k, st, m), t in ticks.items() if k == last and st == S - 1)
+    return t_e, d, c, S - 1
+
+
 def read(buf, slot):
     return lax.dynamic_index_in_dim(buf, slot, 0, False)
 
@@ -185,6 +200,7 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
 
     perms = exchange_perms(sched)
     lane2 = sched.has_pairs()
+    eager = eager_point(sched) if getattr(sched, "options", {}).get("eager_reduce") else None
 
     def body(stage_p, pre_p, post_p, batch):
         # the device's chunks, split once outside the loop (a static index: no copy per tick), or fetched
@@ -309,7 +325,21 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
             [fill((tabs.stash_capacity + 1,) + a.shape, a.dtype) for a in stash_avals],
             fill((tabs.mbuf_capacity + 1,) + x_aval.shape, x_aval.dtype),
             [zeros(w) for w in ws], zeros(pre_p), zeros(post_p), jnp.zeros((), jnp.float32)))
-        carry, _ = lax.scan(tick, carry, jnp.asarray(table))
+        if eager is None:
+            carry, _ = lax.scan(tick, carry, jnp.asarray(table))
+        else:
+            # Chimera §3.2 eager reduction: the last stage's replica gradient is final early (its backwards
+            # come first in both directions); send it home between two scans, where it may overlap the
+            # rest of the pipeline, instead of after the pipeline.  The sent copy is zeroed: the final
+            # exchange then adds exactly 0 for it.
+            t_e, src, c_r, dst = eager
+            carry, _ = lax.scan(tick, carry, jnp.asarray(table[:t_e]))
+            stash, mbuf, gws, gpre, gpost, loss = carry
+            gws = list(gws)
+            got = jax.tree.map(lambda a: lax.ppermute(a, "stage", [(src, dst)]), gws[c_r])
+            gws[0] = jax.tree.map(lambda a, b: a + b, gws[0], got)
+            gws[c_r] = jax.tree.map(lambda a: jnp.where(me == src, jnp.zeros_like(a), a), gws[c_r])
+            carry, _ = lax.scan(tick, (stash, mbuf, gws, gpre, gpost, loss), jnp.asarray(table[t_e:]))
         _, _, gws, gpre, gpost, loss = carry
         loss = lax.pmean(lax.psum(loss, "stage"), DP_AXES)
         gpre, gpost = lax.pmean(lax.psum((gpre, gpost), "stage"), DP_AXES)

@@ -120,12 +120,13 @@ def build_chimera(num_stages: int, num_microbatches: int, pipelines: int = 2, co
                   eager_reduce: bool = False) -> Schedule:
     D, M = num_stages, num_microbatches
     check(D, M, pipelines, concat)
-    if eager_reduce:
-        raise ScheduleError("chimera: eager_reduce=True (launching the edge stages' replica all-reduce inside "
-                            "the pipeline's bubbles, §3.2) is not in this version yet; the replicas' gradients "
-                            "are reduced after the pipeline (eager_reduce=False)")
+    if eager_reduce and pipelines != 2:
+        raise ScheduleError(f"chimera: eager_reduce=True is implemented for 2 pipelines (the last stage's two "
+                            f"replicas); got pipelines={pipelines}: use eager_reduce=False")
     if concat != "direct":
-        return build_doubled(D, M, pipelines, concat)
+        s = build_doubled(D, M, pipelines, concat)
+        s.options["eager_reduce"] = eager_reduce
+        return s
     units = [merge(unit_ticks(D, split_microbatches(list(range(m0, min(m0 + D, M))), pipelines), pipelines), D)
              for m0 in range(0, M, D)]
     priority = [[a for u in units for a in u[d]] for d in range(D)]
