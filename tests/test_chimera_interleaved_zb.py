@@ -42,8 +42,10 @@ def _pipe(kind, schedule, D, M, data, opts, **kw):
 @pytest.mark.parametrize("kind", ["mlp", "gpt"])
 @pytest.mark.parametrize("schedule,D,M,data,opts", CASES)
 def test_matches_jax_grad(kind, schedule, D, M, data, opts):
-    if kind == "gpt" and D == 8 and not (schedule == "chimera" and not opts):
-        pytest.skip("D=8 GPT: one case (chimera) is enough for the suite's time budget")
+    if kind == "gpt" and D == 8 and opts.get("pipelines") == 4:
+        pytest.skip("D=8 GPT with 2f=4 pipelines: covered on the MLP (the suite's time budget)")
+    if kind == "gpt" and schedule == "chimera" and opts.get("eager_reduce") and D == 8:
+        pytest.skip("D=8 GPT eager: covered on the MLP and on GPT at D=4")
     model, pipe, batch = _pipe(kind, schedule, D, M, data, opts)
     loss, grads = pipe.loss_and_grad(pipe.init(), batch)
     ref_loss, ref_grads = reference(model, batch)
