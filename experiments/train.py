@@ -15,9 +15,14 @@ from absl import app, flags
 
 flags.DEFINE_enum("model", "gpt", ["gpt", "mlp"], "gpt: byte-level transformer LM on pydoc_data text; "
                   "mlp: residual MLP classifier on scikit-learn digits")
-flags.DEFINE_string("schedule", "1f1b", "pipeline schedule: gpipe, 1f1b (synchronous) or pipedream, pipedream_2bw, "
+flags.DEFINE_string("schedule", "1f1b", "pipeline schedule: gpipe, 1f1b, interleaved_1f1b, zb_h1, chimera (synchronous) or pipedream, pipedream_2bw, "
                     "spectrain, pipeoptim (asynchronous, no flush; see jaxpipe.schedules.available())")
 flags.DEFINE_integer("stages", 4, "pipeline stages = devices on the mesh's 'stage' axis")
+flags.DEFINE_integer("virtual", 2, "interleaved_1f1b: model chunks per device (the model gets stages x virtual)")
+flags.DEFINE_integer("chimera_pipelines", 2, "chimera: 2f pipelines (f dividing stages / 2)")
+flags.DEFINE_enum("chimera_concat", "direct", ["direct", "forward_doubling", "backward_halving"],
+                  "chimera: how units of D micro-batches are concatenated when N > D (§3.5)")
+flags.DEFINE_bool("chimera_eager", False, "chimera: reduce the last stage's replica gradients eagerly (§3.2)")
 flags.DEFINE_integer("data", 1, "data-parallel replicas of the pipeline (mesh 'data' axis)")
 flags.DEFINE_integer("microbatches", 4, "micro-batches per step (per data replica)")
 flags.DEFINE_integer("batch", 32, "global batch size (sequences or images); divisible by data x microbatches")
@@ -56,9 +61,14 @@ def main(argv):
 
     os.makedirs(FLAGS.out_dir, exist_ok=True)
     key = jax.random.key(FLAGS.seed)
+    n_stages = FLAGS.stages * (FLAGS.virtual if FLAGS.schedule == "interleaved_1f1b" else 1)
+    extra = {}
+    if FLAGS.schedule == "chimera":
+        extra["chimera"] = {"pipelines": FLAGS.chimera_pipelines, "concat": FLAGS.chimera_concat,
+                            "eager_reduce": FLAGS.chimera_eager}
     if FLAGS.model == "gpt":
         train, val = jp.data.byte_corpus()
-        model = jp.models.gpt(FLAGS.stages, d_model=FLAGS.d_model, heads=FLAGS.heads,
+        model = jp.models.gpt(n_stages, d_model=FLAGS.d_model, heads=FLAGS.heads,
                               blocks_per_stage=FLAGS.blocks_per_stage, seq_len=FLAGS.seq_len, seed=FLAGS.seed)
         batches = jp.data.lm_batches(train, FLAGS.batch, FLAGS.seq_len, seed=FLAGS.seed)
         eval_set = list(__import__("itertools").islice(
@@ -66,7 +76,7 @@ def main(argv):
         unit = "bytes"
     else:
         train, val = jp.data.digits(seed=FLAGS.seed)
-        model = jp.models.residual_mlp(FLAGS.stages, 64, 10, width=FLAGS.d_model,
+        model = jp.models.residual_mlp(n_stages, 64, 10, width=FLAGS.d_model,
                                        layers_per_stage=FLAGS.blocks_per_stage, seed=FLAGS.seed)
         batches = jp.data.class_batches(train, FLAGS.batch, seed=FLAGS.seed)
         eval_set = [val]
@@ -76,9 +86,9 @@ def main(argv):
     opt = optax.chain(optax.clip_by_global_norm(1.0), jp.optim.by_name(FLAGS.optimizer, sched))
     mesh = jp.make_mesh(stages=FLAGS.stages, data=FLAGS.data)
     pipe = jp.Pipeline(model, schedule=FLAGS.schedule, num_microbatches=FLAGS.microbatches, optimizer=opt,
-                       mesh=mesh, nan_bubbles=FLAGS.nan_bubbles)
+                       mesh=mesh, nan_bubbles=FLAGS.nan_bubbles, **extra)
     state = pipe.init()
-    r = pipe.schedule.simulate(f=1.0, b=2.0)
+    r = pipe.schedule.simulate(f=1.0, b=1.0, w=1.0) if pipe.schedule.has_w() else pipe.schedule.simulate(f=1.0, b=2.0)
     print(f"jaxpipe: {FLAGS.model} ({sum(x.size for x in jax.tree.leaves(model.params)):,} parameters), "
           f"{FLAGS.schedule}, mesh data={FLAGS.data} x stage={FLAGS.stages}, M={FLAGS.microbatches}, "
           f"batch {FLAGS.batch}, {FLAGS.optimizer} lr {FLAGS.lr:g}")
