@@ -6,7 +6,7 @@
 Columns: the event-driven bubble ratio (an MPMD runtime: each op starts when its inputs are there) in the
 setting of the formula (GPipe/1F1B (D-1)/(N+D-1) with b = 2f; Chimera Table 2/3 with f = b; interleaved
 1F1B (D-1)/(vN) of the ideal time with chunk times f/v, b/v; ZB-H1's paper value (D-1)/(3N+D-1) with
-f = b = w), the formula, and the *lockstep* bubble the SPMD executor really pays (one op per device per
+f = b = w, reached with max_deferred_w = D-1 at the cost of memory), the formula, and the *lockstep* bubble the SPMD executor really pays (one op per device per
 tick, a tick costs its slowest op; f = 1, b = 2, or b = w = 1 for ZB-H1), with peak in-flight micro-batches
 (min-max over devices) and weight copies per device.  No JAX is imported.
 """
@@ -47,7 +47,10 @@ def rows_for(D: int, N: int):
         x = (D - 1) / (v * N)
         add(f"interleaved v={v}", s, dict(f=1.0 / v, b=2.0 / v), x / (1 + x), dict(f=1.0 / v, b=2.0 / v))
     s = S.build("zb_h1", D, N)
-    add("zb_h1 (paper: handcrafted)", s, dict(f=1.0, b=1.0, w=1.0), (D - 1) / (3 * N + D - 1),
+    add("zb_h1 (1F1B peak memory)", s, dict(f=1.0, b=1.0, w=1.0), (D - 1) / (3 * N + D - 1),
+        dict(f=1.0, b=1.0, w=1.0))
+    s = S.build("zb_h1", D, N, max_deferred_w=D - 1)
+    add("zb_h1 max_deferred_w=D-1", s, dict(f=1.0, b=1.0, w=1.0), (D - 1) / (3 * N + D - 1),
         dict(f=1.0, b=1.0, w=1.0))
     return out
 

@@ -5,7 +5,8 @@
 
 1. Measures, with micro-benchmarks on this backend: one layer's forward and backward (and zero-bubble's
    B and W) per micro-batch size, with n devices busy at once; ``ppermute`` and all-reduce alpha/beta; the
-   optimizer update.  2. Calibrates the executor's fixed cost per tick on one configuration.  3. Predicts
+   optimizer update.  2. Calibrates the executor's fixed costs (per tick, per step, per tick and extra chunk,
+   per step and extra data-parallel replica) on four configurations (three 1F1B, one Chimera).  3. Predicts
    the step time of every (W, D, B, N, schedule) that fits ``--memory_mib`` and prints the best ones.
    4. Builds and times ``--validate`` configurations (the calibration one excluded) and prints predicted vs
    measured step time and the error; writes everything to ``--out`` as JSON.
@@ -83,9 +84,21 @@ def main(argv):
         ops_split = mb.op_costs(one.stage_fn, w1, x, P, busy=sorted({1, P}), split=True)
         costs_of[B] = ({k: v for k, v in ops.items()}, {"B": ops_split["B"], "W": ops_split["W"]},
                        int(np.prod(x.shape)) * x.dtype.itemsize)
-    pa, pb = mb.p2p_alpha_beta(P)
-    aa, ab = mb.allreduce_alpha_beta(P)
     layer_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(w1))
+    # fit alpha/beta over the sizes the step really moves: activations up to whole stages' weights
+    # (Chimera's replica exchange) and gradients (the data-parallel all-reduce); on CPU the cost per byte
+    # of a 16 MB collective is not what a 1 MB one suggests
+    big = max(1 << 20, int(layer_bytes * L // 2))
+    act_max = max(costs_of[B][2] for B in Bs)
+    pa, pb = mb.p2p_alpha_beta(P, sizes=tuple(sorted({1 << 12, max(act_max, 1 << 14), big // 4, big})), reps=4)
+    ar_of = {}
+
+    def allreduce_for(W):
+        if W not in ar_of:
+            ar_of[W] = mb.allreduce_alpha_beta(P, sizes=tuple(sorted({1 << 16, big // 4, big})), reps=4, group=W)
+        return ar_of[W]
+
+    aa, ab = allreduce_for(P)
     upd_of = {}
 
     def update_for(D, W):
@@ -113,14 +126,16 @@ def main(argv):
         s = c.build()
         chunks = int(s.stage_of_chunk().shape[1])
         upd = update_for(c.D, c.W)
-        return s, Costs(op=op, p2p_alpha=pa, p2p_beta=pb, ar_alpha=aa, ar_beta=ab, update=upd), act, \
+        a_w, b_w = allreduce_for(c.W) if c.W > 1 else (0.0, 0.0)
+        return s, Costs(op=op, p2p_alpha=pa, p2p_beta=pb, ar_alpha=a_w, ar_beta=b_w, update=upd), act, \
             layer_bytes * per, chunks
 
-    def predicted(c, tick_overhead, step_overhead):
+    def predicted(c, tick_overhead, step_overhead, chunk_overhead=0.0, dp_overhead=0.0):
         s, co, act, gbytes, chunks = costs_for(c)
-        co.overhead = step_overhead
-        replicas = c.W * (2 if c.schedule == "chimera" else 1)
-        return predict(s, co, act, gbytes, replicas, width=c.W, tick_overhead=tick_overhead)
+        co.overhead = step_overhead + dp_overhead * (c.W - 1)
+        replicas = c.W        # Chimera's two replicas are summed by the ppermute exchange (the layout term)
+        return predict(s, co, act, gbytes, replicas, width=c.W, tick_overhead=tick_overhead,
+                       chunk_tick_overhead=chunk_overhead)
 
     def measure_step(c):
         model = make_model(c.model_stages)
@@ -141,9 +156,10 @@ def main(argv):
 
     names = FLAGS.schedules.split(",")
     cands = [c for c in enumerate_candidates(P, batch, L, names, micro_batch_sizes=Bs) if c.D > 1]
-    # calibration: the executor's fixed cost per tick and per step (dispatch, buffers), from two 1F1B runs --
-    # the one with the most ticks per step and the one with the fewest -- by solving two equations
-    ones = sorted((c for c in cands if c.schedule == "1f1b"), key=lambda c: c.build().num_ticks)
+    # calibration: the executor's fixed cost per tick and per step (dispatch, buffers), from two 1F1B runs
+    # without data parallelism -- the most and the fewest ticks per step -- by solving two equations
+    # (W = 1: the data-parallel all-reduce is modelled from its own micro-benchmark, not absorbed here)
+    ones = sorted((c for c in cands if c.schedule == "1f1b" and c.W == 1), key=lambda c: c.build().num_ticks)
     calibs = [ones[-1], ones[0]]
     eq = []
     for c in calibs:
@@ -152,9 +168,30 @@ def main(argv):
     (n1, r1, _), (n2, r2, _) = eq
     tick_oh = max(0.0, (r1 - r2) / (n1 - n2)) if n1 != n2 else max(0.0, r1 / n1)
     step_oh = max(0.0, r2 - tick_oh * n2)
-    print(f"calibration on {calibs[0].label()} ({eq[0][2] * 1e3:.1f} ms) and {calibs[1].label()} "
-          f"({eq[1][2] * 1e3:.1f} ms): {tick_oh * 1e6:.0f} us per tick, {step_oh * 1e3:.2f} ms per step", flush=True)
-    calib = calibs[0]
+    # a third run, of a two-chunk schedule (Chimera), gives the extra per-tick cost of a second chunk; a
+    # fourth, of 1F1B with the widest data parallelism, the per-step cost of data parallelism that the
+    # all-reduce and update micro-benchmarks do not see (per extra replica)
+    chims = sorted((c for c in cands if c.schedule == "chimera" and c.W == 1), key=lambda c: c.build().num_ticks)
+    chunk_oh = dp_oh = 0.0
+    if chims:
+        cc = chims[-1]
+        t_cc = measure_step(cc)
+        rest = t_cc - predicted(cc, tick_oh, step_oh)["lockstep"]
+        chunk_oh = max(0.0, rest / cc.build().num_ticks)
+        calibs.append(cc)
+        eq.append((cc.build().num_ticks, rest, t_cc))
+    wides = sorted((c for c in cands if c.schedule == "1f1b" and c.W > 1), key=lambda c: (-c.W, c.build().num_ticks))
+    if wides:
+        cw = wides[0]
+        t_cw = measure_step(cw)
+        rest = t_cw - predicted(cw, tick_oh, step_oh)["lockstep"]
+        dp_oh = max(0.0, rest / (cw.W - 1))
+        calibs.append(cw)
+        eq.append((cw.build().num_ticks, rest, t_cw))
+    print(f"calibration on {', '.join(f'{c.label()} ({e[2] * 1e3:.1f} ms)' for c, e in zip(calibs, eq))}: "
+          f"{tick_oh * 1e6:.0f} us per tick, {chunk_oh * 1e6:.0f} us per tick per extra chunk, "
+          f"{step_oh * 1e3:.2f} ms per step, {dp_oh * 1e3:.2f} ms per step per extra data-parallel replica",
+          flush=True)
 
     rows = []
     for c in cands:
@@ -162,7 +199,7 @@ def main(argv):
         mem = memory_estimate(c, gbytes, act * 3, message_bytes=act) / 2**20
         if mem > FLAGS.memory_mib:
             continue
-        p = predicted(c, tick_oh, step_oh)
+        p = predicted(c, tick_oh, step_oh, chunk_oh, dp_oh)
         rows.append({"config": c.label(), "candidate": c, "memory_mib": mem, **p})
     rows.sort(key=lambda r: r["lockstep"])
     print(f"\n{len(rows)} configurations fit {FLAGS.memory_mib:g} MiB; best predicted:")
@@ -195,7 +232,7 @@ def main(argv):
     print(f"predicted best: {rows[0]['config']}; measured best among validated: {best['config']}")
     os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
     with open(FLAGS.out, "w") as fh:
-        json.dump({"tick_overhead_s": tick_oh, "step_overhead_s": step_oh,
+        json.dump({"tick_overhead_s": tick_oh, "step_overhead_s": step_oh, "chunk_tick_overhead_s": chunk_oh, "dp_step_overhead_s": dp_oh,
                    "calibration": [c.label() for c in calibs], "calibration_measured_s": [e[2] for e in eq],
                    "p2p": [pa, pb], "allreduce": [aa, ab],
                    "rows": [{k: v for k, v in r.items() if k != "candidate"} for r in rows]}, fh, indent=1)

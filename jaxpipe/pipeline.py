@@ -35,7 +35,8 @@ class Pipeline:
 
     def __init__(self, model: PipelineModel, schedule: str = "1f1b", num_microbatches: int = 1,
                  optimizer: Optional[optax.GradientTransformation] = None, mesh=None, *,
-                 nan_bubbles: bool = False, chimera: Optional[dict] = None, virtual: Optional[int] = None):
+                 nan_bubbles: bool = False, chimera: Optional[dict] = None, virtual: Optional[int] = None,
+                 zb: Optional[dict] = None):
         if not isinstance(model, PipelineModel):
             raise ConfigError(f"model must be a jp.PipelineModel, got {type(model).__name__}")
         if mesh is None:
@@ -53,7 +54,7 @@ class Pipeline:
         self.model, self.mesh, self.optimizer = model, mesh, optimizer
         self.num_microbatches = num_microbatches
         try:
-            options = schedules.options_for(schedule, model.num_stages, D, chimera=chimera, virtual=virtual)
+            options = schedules.options_for(schedule, model.num_stages, D, chimera=chimera, virtual=virtual, zb=zb)
             self.schedule = schedules.build(schedule, num_stages=D, num_microbatches=num_microbatches, **options)
         except schedules.ScheduleError as e:
             raise ConfigError(str(e)) from None

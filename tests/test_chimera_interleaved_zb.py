@@ -27,13 +27,14 @@ CASES = [
     ("interleaved_1f1b", 4, 8, 2, {"virtual": 2}), ("interleaved_1f1b", 2, 4, 1, {"virtual": 3}),
     ("interleaved_1f1b", 8, 8, 1, {"virtual": 2}), ("interleaved_1f1b", 1, 2, 1, {"virtual": 2}),
     ("zb_h1", 2, 3, 1, {}), ("zb_h1", 4, 4, 1, {}), ("zb_h1", 4, 8, 2, {}), ("zb_h1", 8, 8, 1, {}),
+    ("zb_h1", 4, 8, 1, {"max_deferred_w": 3}), ("zb_h1", 2, 4, 2, {"max_deferred_w": 1}),
 ]
 
 
 def _pipe(kind, schedule, D, M, data, opts, **kw):
     v = opts.get("virtual", 1)
     model, batch_fn = small_model(kind, D * v)
-    extra = {"chimera": opts} if schedule == "chimera" else {}
+    extra = {"chimera": opts} if schedule == "chimera" else {"zb": opts} if schedule == "zb_h1" and opts else {}
     pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=M, optimizer=optax.sgd(0.1),
                        mesh=jp.make_mesh(stages=D, data=data), **extra, **kw)
     return model, pipe, batch_fn(2 * M * data)
@@ -158,6 +159,16 @@ def test_zb_h1_bubble_below_1f1b_same_peak_memory(D, M):
     assert max(z.peak_inflight) == max(o.peak_inflight) == D
 
 
+@pytest.mark.parametrize("D,M", [(4, 8), (8, 16), (8, 32), (16, 64)])
+def test_zb_h1_deferred_w_is_a_third_of_1f1b(D, M):
+    """With up to D deferred W's (max_deferred_w = D - 1) the bubble is exactly the paper's (D-1)(f+b-w),
+    a third of 1F1B's; the price in this executor is memory: stage 0 holds up to 2D - 1 micro-batches."""
+    z = schedules.build("zb_h1", D, M, max_deferred_w=D - 1).simulate(f=1.0, b=1.0, w=1.0)
+    o = schedules.build("1f1b", D, M).simulate(f=1.0, b=2.0)
+    assert z.makespan - 3.0 * M == pytest.approx((o.makespan - 3.0 * M) / 3) == pytest.approx(D - 1)
+    assert z.peak_inflight[0] == 2 * D - 1
+
+
 @pytest.mark.parametrize("bad,match", [
     (dict(schedule="chimera", D=3), "even number of stages"),
     (dict(schedule="chimera", D=4, chimera={"pipelines": 3}), "2f with f dividing"),
@@ -166,6 +177,8 @@ def test_zb_h1_bubble_below_1f1b_same_peak_memory(D, M):
     (dict(schedule="chimera", D=4, chimera={"eager_reduce": True, "pipelines": 4}), "implemented for 2 pipelines"),
     (dict(schedule="chimera", D=4, chimera={"lanes": 2}), "unknown option"),
     (dict(schedule="1f1b", D=4, chimera={"pipelines": 2}), "option of 'chimera' only"),
+    (dict(schedule="1f1b", D=4, zb={"max_deferred_w": 2}), "option of 'zb_h1' only"),
+    (dict(schedule="zb_h1", D=4, zb={"max_deferred_w": -1}), "must be >= 0"),
     (dict(schedule="interleaved_1f1b", D=4, M=6, stages=8), "whole groups of D=4"),
     (dict(schedule="interleaved_1f1b", D=4, stages=6), "not a multiple of the 4"),
     (dict(schedule="1f1b", D=2, stages=4), "axis has 2 devices and 1f1b puts 1 stage"),
@@ -173,7 +186,7 @@ def test_zb_h1_bubble_below_1f1b_same_peak_memory(D, M):
 def test_clear_errors(bad, match):
     D = bad["D"]
     model, _ = small_model("mlp", bad.get("stages", D))
-    kw = {k: bad[k] for k in ("chimera",) if k in bad}
+    kw = {k: bad[k] for k in ("chimera", "zb") if k in bad}
     with pytest.raises(jp.ConfigError, match=match):
         jp.Pipeline(model, schedule=bad["schedule"], num_microbatches=bad.get("M", 4), optimizer=optax.sgd(0.1),
                     mesh=jp.make_mesh(stages=D), **kw)

@@ -31,12 +31,19 @@ def is_async(name: str) -> bool:
     return name in ASYNCHRONOUS
 
 
-def options_for(name: str, model_stages: int, devices: int, chimera=None, virtual=None) -> dict:
+def options_for(name: str, model_stages: int, devices: int, chimera=None, virtual=None, zb=None) -> dict:
     """Builder options for ``name`` from the user's settings; raises ``ScheduleError`` on bad ones.
 
     interleaved_1f1b: ``virtual`` (chunks per device) defaults to model_stages / devices.
     chimera: ``chimera={"pipelines": 2, "concat": "direct", "eager_reduce": False}``.
     """
+    if zb is not None and name != "zb_h1":
+        raise ScheduleError(f"zb={zb!r} given for schedule {name!r}; it is an option of 'zb_h1' only")
+    if name == "zb_h1":
+        unknown = set(zb or {}) - {"max_deferred_w"}
+        if unknown:
+            raise ScheduleError(f"zb_h1: unknown option(s) {sorted(unknown)}; known: ['max_deferred_w']")
+        return dict(zb or {})
     if chimera is not None and name != "chimera":
         raise ScheduleError(f"chimera={chimera!r} given for schedule {name!r}; it is an option of 'chimera' only")
     if virtual is not None and name != "interleaved_1f1b":

@@ -90,20 +90,24 @@ def p2p_alpha_beta(devices: int, sizes=(1 << 12, 1 << 16, 1 << 20), reps: int = 
     return max(float(alpha), 0.0), max(float(beta), 0.0)
 
 
-def allreduce_alpha_beta(devices: int, sizes=(1 << 12, 1 << 16, 1 << 20), reps: int = 8):
-    """alpha, beta of Rabenseifner's model fitted to ``psum`` over ``devices`` devices."""
-    if devices < 2:
+def allreduce_alpha_beta(devices: int, sizes=(1 << 12, 1 << 16, 1 << 20), reps: int = 8, group: int = 0):
+    """alpha, beta of Rabenseifner's model fitted to ``psum`` over groups of ``group`` devices (default: all
+    of ``devices``), all groups reducing at once -- as the data-parallel gradient all-reduce of a
+    ``W x D`` mesh runs D groups of W together."""
+    group = group or devices
+    if group < 2:
         return 0.0, 0.0
-    mesh = _flat_mesh(devices)
+    mesh = Mesh(np.array(jax.devices()[:devices]).reshape(devices // group, group), ("g", "x"))
     ts = []
     for L in sizes:
         def body(a):
-            return lax.fori_loop(0, reps, lambda i, a: lax.psum(a, "x") * (1.0 / devices), a)
-        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+            return lax.fori_loop(0, reps, lambda i, a: lax.psum(a, "x") * (1.0 / group), a)
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(("g", "x")), out_specs=P(("g", "x")),
+                                   check_vma=False))
         a = jnp.ones((devices * (L // 4),), jnp.float32)
         ts.append(_timeit(fn, (a,)) / reps)
     slope, icpt = np.polyfit(np.array(sizes, float), np.array(ts), 1)
-    r = devices
+    r = group
     return max(float(icpt), 0.0) / (2 * np.log2(r)), max(float(slope), 0.0) * r / (2 * (r - 1))
 
 
