@@ -27,10 +27,11 @@ _LAZY = {
     "optim": ("optim", None),
     "runtime": ("runtime", None),
     "bench": ("bench", None),
+    "tune": ("tune", None),
 }
 
 __all__ = ["ConfigError", "Pipeline", "PipelineModel", "PipelineState", "data", "make_mesh", "models", "optim",
-           "schedules"]
+           "schedules", "tune"]
 
 
 def __getattr__(name):
