@@ -36,7 +36,7 @@ from jax import lax
 from ..errors import ConfigError
 from ..schedules.asynchronous import WEIGHT_VERSIONS
 
-ASYNC_METHODS = ("pipedream", "pipedream_2bw", "spectrain", "pipeoptim")
+ASYNC_METHODS = ("pipedream", "pipedream_2bw", "spectrain", "pipeoptim", "cdp_v1", "cdp_v2")
 
 
 class WeightPolicy(NamedTuple):
@@ -88,23 +88,34 @@ class TwoBWState(NamedTuple):
     n_updates: jax.Array  # versions produced so far: lp holds w(n_updates)
 
 
-def pipedream_2bw(opt: optax.GradientTransformation, num_stages: int, num_microbatches: int) -> WeightPolicy:
-    M = num_microbatches
+def pipedream_2bw(opt: optax.GradientTransformation, num_stages: int, num_microbatches: int,
+                  fresh: bool = False, name: str = "pipedream_2bw") -> WeightPolicy:
+    """PipeDream-2BW's rule; ``fresh=True`` is Cyclic Data Parallelism's CDP-v2 in pipeline form (Fournier &
+    Oyallon, §3.2, eq. (CDP-v2)): micro-batch j of batch b reads on stage s the freshest version present
+    when its forward reaches the stage -- w(b) once the update of batch b-1 has landed there, which in this
+    timeline (F at tick 2(bM+j)+s, that update at 2(bM-1)+2D-1-s) is exactly when j + s >= D - 1 -- and its
+    backward reads the same version.  With M = D this is the paper's rule: micro-batch i (1-based) uses the
+    fresh parameters on its last i stages.  Same two versions as 2BW (CDP-v1 is 2BW's rule)."""
+    M, D = num_microbatches, num_stages
 
     def init(lp):
         return TwoBWState(jax.tree.map(jnp.copy, lp), jax.tree.map(jnp.zeros_like, lp), jnp.zeros((), jnp.int32))
 
-    def version(lp, ps, i):
-        # batch b = i // M reads w(b - 1) (w(-1) = w(0)): the latest if no update of batch b - 1 landed yet
+    def version(lp, ps, i, s):
+        # batch b = i // M reads w(b - 1) (w(-1) = w(0)); CDP-v2: w(b) where j + s >= D - 1.  lp holds
+        # w(n_updates), the shadow w(n_updates - 1).
         b = i // M
-        latest = ps.n_updates == b - 1
+        v = b - 1
+        if fresh:
+            v = jnp.where(i % M + s >= D - 1, b, b - 1)
+        latest = (ps.n_updates == v) | ((v < 0) & (ps.n_updates == 0))
         return jax.tree.map(lambda a, sh: jnp.where(latest, a, sh), lp, ps.shadow)
 
     def forward_weights(lp, ps, i, s):
-        return version(lp, ps, i), ps
+        return version(lp, ps, i, s), ps
 
     def backward_weights(lp, ps, i, s):
-        return version(lp, ps, i)
+        return version(lp, ps, i, s)
 
     def update(g, lp, opt_state, ps, i, s):
         acc = jax.tree.map(jnp.add, ps.acc, g)
@@ -120,8 +131,7 @@ def pipedream_2bw(opt: optax.GradientTransformation, num_stages: int, num_microb
 
         return lax.cond(i % M == M - 1, land, keep, (lp, opt_state, acc))
 
-    return WeightPolicy("pipedream_2bw", init, forward_weights, backward_weights, update,
-                        WEIGHT_VERSIONS["pipedream_2bw"])
+    return WeightPolicy(name, init, forward_weights, backward_weights, update, WEIGHT_VERSIONS[name])
 
 
 def _predicting(name: str, opt, fwd_distance: Callable, bwd_distance: Callable, versions) -> WeightPolicy:
@@ -176,14 +186,14 @@ def spectrain(opt: optax.GradientTransformation, num_stages: int, opt_state_exam
 def make_policy(name: str, opt, num_stages: int, num_microbatches: int, opt_state_example=None) -> WeightPolicy:
     if name == "pipedream":
         return pipedream(opt, num_stages)
-    if name == "pipedream_2bw":
+    if name in ("pipedream_2bw", "cdp_v1", "cdp_v2"):
         if num_microbatches < num_stages:
             raise ConfigError(
-                f"pipedream_2bw needs num_microbatches >= num_stages (got M={num_microbatches}, "
+                f"{name} needs num_microbatches >= num_stages (got M={num_microbatches}, "
                 f"D={num_stages}): a step's micro-batches must cover the pipeline so that only two weight "
-                f"versions are ever in flight (PipeDream-2BW §3.1, m >= d). Use num_microbatches="
-                f"{num_stages} or more.")
-        return pipedream_2bw(opt, num_stages, num_microbatches)
+                f"versions are ever in flight (PipeDream-2BW §3.1, m >= d; CDP uses M = D). Use "
+                f"num_microbatches={num_stages} or more.")
+        return pipedream_2bw(opt, num_stages, num_microbatches, fresh=name == "cdp_v2", name=name)
     if name == "pipeoptim":
         return pipeoptim(opt, num_stages)
     if name == "spectrain":

@@ -74,8 +74,12 @@ def serial_reference(model, method: str, opt: optax.GradientTransformation, num_
             elif method == "spectrain":
                 wF.append(axpy(s // 2 + D - 1 - s, upd[s][cF], hist[s][cF]))
                 wB.append(axpy(s // 2, upd[s][i], hist[s][i]))
-            elif method == "pipedream_2bw":
+            elif method in ("pipedream_2bw", "cdp_v1"):
                 v = max(b - 1, 0)
+                wF.append(hist[s][v]); wB.append(hist[s][v])
+            elif method == "cdp_v2":
+                # eq. (CDP-v2): micro-batch j reads the fresh version w(b) on stages s >= D - 1 - j
+                v = b if (i % M) + s >= D - 1 else max(b - 1, 0)
                 wF.append(hist[s][v]); wB.append(hist[s][v])
             else:
                 raise ValueError(method)
@@ -97,7 +101,7 @@ def serial_reference(model, method: str, opt: optax.GradientTransformation, num_
             dpost = gpost if s == D - 1 else jax.tree.map(jnp.zeros_like, post0)
             grads[s] = (dw, dpre, dpost)
         for s in range(D):
-            if method == "pipedream_2bw":
+            if method in ("pipedream_2bw", "cdp_v1", "cdp_v2"):
                 acc[s] = grads[s] if acc[s] is None else jax.tree.map(jnp.add, acc[s], grads[s])
                 if i % M != M - 1:
                     continue

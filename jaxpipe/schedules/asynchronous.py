@@ -20,6 +20,8 @@ WEIGHT_VERSIONS: Dict[str, Callable[[int], List[int]]] = {
     "pipedream_2bw": lambda D: [2] * D,
     "spectrain": lambda D: [2] * D,
     "pipeoptim": lambda D: [2] * (D - 1) + [1],
+    "cdp_v1": lambda D: [2] * D,          # Cyclic Data Parallelism, pipeline form: CDP-v1 is 2BW's rule
+    "cdp_v2": lambda D: [2] * D,          # CDP-v2: fresher reads, the same two versions
 }
 
 
