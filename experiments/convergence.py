@@ -19,7 +19,9 @@ flags.DEFINE_enum("task", "all", ["all", "digits", "bytelm"], "all = digits+mome
 flags.DEFINE_string("optimizer", "", "for a single --task: momentum | adamw | adam | sgd (default: momentum for "
                     "digits, adam for bytelm)")
 flags.DEFINE_string("schedules", "gpipe,pipedream,pipedream_2bw,spectrain,pipeoptim", "methods to compare; "
-                    "spectrain is skipped (with a note) for optimizers without momentum, as it requires")
+                    "spectrain is skipped (with a note) for optimizers without momentum, as it requires; "
+                    "'dp' is the synchronous data-parallel baseline (computed exactly by GPipe); also "
+                    "cdp_v1, cdp_v2 (cyclic data parallelism, pipeline form)")
 flags.DEFINE_integer("seeds", 3, "seeds per method (model init and data order)")
 flags.DEFINE_integer("stages", 4, "pipeline stages D")
 flags.DEFINE_integer("microbatches", 4, "micro-batches per step M (pipedream_2bw needs M >= D)")
@@ -51,7 +53,10 @@ def run_one(task, opt_name, schedule, seed, steps, lr):
         evals = list(__import__("itertools").islice(jp.data.lm_batches(val, FLAGS.batch, 32, seed=999), 4))
     opt = {"momentum": lambda: optax.sgd(lr, momentum=0.9), "sgd": lambda: optax.sgd(lr),
            "adam": lambda: optax.adam(lr), "adamw": lambda: optax.adamw(lr, weight_decay=1e-4)}[opt_name]()
-    pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=M, optimizer=opt, mesh=jp.make_mesh(stages=D))
+    # "dp": the synchronous baseline -- plain data-parallel SGD semantics (one update per step from the
+    # gradient at the current weights), which every synchronous schedule computes exactly; run as GPipe
+    name = "gpipe" if schedule == "dp" else schedule
+    pipe = jp.Pipeline(model, schedule=name, num_microbatches=M, optimizer=opt, mesh=jp.make_mesh(stages=D))
     loss_fn = jax.jit(model.loss)
 
     def evaluate(params):
