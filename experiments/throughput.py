@@ -17,7 +17,7 @@ import sys
 from absl import app, flags
 
 flags.DEFINE_string("schedules", "gpipe,1f1b,interleaved_1f1b,zb_h1,chimera,pipedream,pipedream_2bw,spectrain,"
-                    "pipeoptim",
+                    "pipeoptim,cdp_v1,cdp_v2",
                     "comma-separated schedules to benchmark (spectrain runs with SGD-momentum and is compared "
                     "with a plain step using that optimizer when --optimizer has no momentum)")
 flags.DEFINE_integer("stages", 4, "pipeline stages D (CPU-emulated devices)")
