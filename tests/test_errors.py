@@ -28,7 +28,7 @@ def test_stage_count_mismatch():
 
 
 def test_unknown_schedule():
-    with pytest.raises(jp.ConfigError, match=r"unknown schedule '1f2b'; available: 1f1b, chimera, gpipe"):
+    with pytest.raises(jp.ConfigError, match=r"unknown schedule '1f2b'; available: 1f1b, .*gpipe"):
         _pipe(schedule="1f2b")
 
 
