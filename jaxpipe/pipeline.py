@@ -36,7 +36,7 @@ class Pipeline:
     def __init__(self, model: PipelineModel, schedule: str = "1f1b", num_microbatches: int = 1,
                  optimizer: Optional[optax.GradientTransformation] = None, mesh=None, *,
                  nan_bubbles: bool = False, chimera: Optional[dict] = None, virtual: Optional[int] = None,
-                 zb: Optional[dict] = None):
+                 zb: Optional[dict] = None, avgpipe: Optional[dict] = None):
         if not isinstance(model, PipelineModel):
             raise ConfigError(f"model must be a jp.PipelineModel, got {type(model).__name__}")
         if mesh is None:
@@ -54,7 +54,8 @@ class Pipeline:
         self.model, self.mesh, self.optimizer = model, mesh, optimizer
         self.num_microbatches = num_microbatches
         try:
-            options = schedules.options_for(schedule, model.num_stages, D, chimera=chimera, virtual=virtual, zb=zb)
+            options = schedules.options_for(schedule, model.num_stages, D, chimera=chimera, virtual=virtual, zb=zb,
+                                            avgpipe=avgpipe)
             self.schedule = schedules.build(schedule, num_stages=D, num_microbatches=num_microbatches, **options)
         except schedules.ScheduleError as e:
             raise ConfigError(str(e)) from None
@@ -76,7 +77,10 @@ class Pipeline:
         self._identity_layout = exchange_perms(self.schedule) is not None
         self.nan_bubbles = nan_bubbles
         self._compiled: Dict[Any, Any] = {}
-        self._async = None
+        self._async = self._avg = None
+        if schedule == "avgpipe":
+            from .avgpipe_pipeline import AvgPipeRunner
+            self._avg = AvgPipeRunner(self, avgpipe)
         if schedules.is_async(schedule):
             from .async_pipeline import AsyncRunner
             self._async = AsyncRunner(self)
@@ -100,6 +104,8 @@ class Pipeline:
         Asynchronous schedules return an ``AsyncState`` that also carries the pipeline's in-flight state."""
         if self._async is not None:
             return self._async.init()
+        if self._avg is not None:
+            return self._avg.init()
         # A copy made by jit: step() donates the state, and the model's own arrays must survive that.
         params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.param_shardings)(self.model.params)
         opt_state = jax.jit(self.optimizer.init)(params) if self.optimizer is not None else None
@@ -114,6 +120,8 @@ class Pipeline:
         """``(stage_params, pre_params, post_params)`` as the model gave them (stage leaves stacked)."""
         if self._async is not None:
             return self._async.params(state)
+        if self._avg is not None:
+            return self._avg.params(state)
         return state.params
 
     def device_layout(self, state: PipelineState):
@@ -129,6 +137,9 @@ class Pipeline:
             raise ConfigError(f"{self.schedule.name} is asynchronous: every stage updates its weights after each "
                               f"micro-batch, so there is no single gradient of a batch; use step(), or a "
                               f"synchronous schedule (gpipe, 1f1b) for loss_and_grad")
+        if self._avg is not None:
+            raise ConfigError("avgpipe trains one replica per 'pipe' index, each with its own gradient; use "
+                              "step() (metrics['pipe_losses'] has each pipeline's loss)")
         return self._fn("grad", batch)(state.params, batch)
 
     def step(self, state: PipelineState, batch):
@@ -141,6 +152,9 @@ class Pipeline:
         if self._async is not None:
             self._check_batch(batch)
             return self._async.step(state, self.shard_batch(batch))
+        if self._avg is not None:
+            self._check_batch(batch)
+            return self._avg.step(state, self.shard_batch(batch))
         if self.optimizer is None:
             raise ConfigError("Pipeline.step needs an optimizer: Pipeline(..., optimizer=optax.adamw(1e-3))")
         return self._fn("step", batch, state)(state, batch)
@@ -164,6 +178,8 @@ class Pipeline:
             if what != "step":
                 raise ConfigError(f"{self.schedule.name} is asynchronous: only the 'step' program exists")
             return self._async.lower(state, self.shard_batch(batch))
+        if self._avg is not None:
+            return self._avg.lower(state, self.shard_batch(batch))
         fn = self._fn(what, batch, state if what == "step" else None)
         return fn.lower(state.params if what == "grad" else state, batch)
 

@@ -116,3 +116,40 @@ def serial_reference(model, method: str, opt: optax.GradientTransformation, num_
     final = [h[-1] for h in hist]
     w = jax.tree.map(lambda *a: jnp.stack(a), *[f[0] for f in final])
     return {"params": (w, final[0][1], final[D - 1][2]), "losses": losses}
+
+
+def avgpipe_reference(model, opt: optax.GradientTransformation, num_pipes: int, num_microbatches: int,
+                      batches, alpha=None, data_parallel: int = 1) -> Dict[str, object]:
+    """AvgPipe serially: for each global batch, pipeline ``i`` takes rows ``[i n/N, (i+1) n/N)``, computes
+    its loss and gradient with plain ``jax.grad`` of the unpipelined model (the mean over its M x data
+    micro-batches), its local update with its own optimizer state, and then every replica is diluted with
+    the reference, ``w_i <- (1 - a) w_i + a ref + u_i``, ``ref <- ref + mean_i u_i`` (AvgPipe §3.2).
+    Returns ``{"params": reference model, "replicas": [per pipe], "losses": [per step, per pipe]}``."""
+    from .elastic import check_alpha
+    N, M = num_pipes, num_microbatches
+    a = check_alpha(alpha, N)
+    reps = [jax.tree.map(jnp.asarray, model.params) for _ in range(N)]
+    states = [opt.init(p) for p in reps]
+    ref = jax.tree.map(jnp.asarray, model.params)
+
+    def mean_loss(params, mbs):
+        return sum(model.loss(params, mb) for mb in mbs) / M
+
+    vg = jax.jit(jax.value_and_grad(mean_loss))
+    losses = []
+    for batch in batches:
+        n = jax.tree.leaves(batch)[0].shape[0] // N
+        us, row = [], []
+        for i in range(N):
+            rows = jax.tree.map(lambda x: np.asarray(x)[i * n:(i + 1) * n], batch)
+            l, g = vg(reps[i], global_microbatches(rows, M, data_parallel))
+            u, states[i] = opt.update(g, states[i], reps[i])
+            us.append(u)
+            row.append(float(l))
+        losses.append(row)
+        reps = [optax.apply_updates(reps[i], jax.tree.map(
+            lambda w, r, uu: (a * (r.astype(w.dtype) - w) + uu).astype(w.dtype), reps[i], ref, us[i]))
+            for i in range(N)]
+        mean_u = jax.tree.map(lambda *u: jnp.mean(jnp.stack(u), axis=0), *us)
+        ref = jax.tree.map(lambda r, uu: r + uu.astype(r.dtype), ref, mean_u)
+    return {"params": ref, "replicas": reps, "losses": losses}

@@ -165,7 +165,8 @@ def write(buf, slot, val):
     return lax.dynamic_update_index_in_dim(buf, val.astype(buf.dtype), slot, 0)
 
 
-def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bool = False) -> Callable:
+def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bool = False,
+                 replicas: bool = False) -> Callable:
     """Return ``fn(stage_params, pre_params, post_params, batch) -> (loss, (g_stage, g_pre, g_post))``.
 
     ``stage_params`` here are in the executor's layout: leading axis ``D * chunks``, device-major (see
@@ -174,6 +175,10 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
     ``batch_example`` (arrays or ShapeDtypeStructs, global shapes) fixes the shapes the program is built for.
     With ``nan_bubbles`` every buffer starts NaN and idle ops send NaN: a test that the results stay finite
     proves nothing computed in a bubble or left in an unused slot reaches the loss or the gradients.
+
+    ``replicas=True`` (AvgPipe's parallel pipelines): every parameter has a leading axis of one replica per
+    ``pipe`` index, each pipeline trains its own, and gradients and losses are averaged over ``data`` only;
+    the loss comes back per replica (shape ``[pipes]``).
     """
     D, M = sched.D, sched.M
     tabs = sched.tables()
@@ -202,7 +207,11 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
     lane2 = sched.has_pairs()
     eager = eager_point(sched) if getattr(sched, "options", {}).get("eager_reduce") else None
 
+    red = ("data",) if replicas else DP_AXES
+
     def body(stage_p, pre_p, post_p, batch):
+        if replicas:
+            stage_p, pre_p, post_p = jax.tree.map(lambda a: a[0], (stage_p, pre_p, post_p))
         # the device's chunks, split once outside the loop (a static index: no copy per tick), or fetched
         # from the devices that own them (Chimera's replicas)
         if perms is not None:
@@ -341,21 +350,23 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
             gws[c_r] = jax.tree.map(lambda a: jnp.where(me == src, jnp.zeros_like(a), a), gws[c_r])
             carry, _ = lax.scan(tick, (stash, mbuf, gws, gpre, gpost, loss), jnp.asarray(table[t_e:]))
         _, _, gws, gpre, gpost, loss = carry
-        loss = lax.pmean(lax.psum(loss, "stage"), DP_AXES)
-        gpre, gpost = lax.pmean(lax.psum((gpre, gpost), "stage"), DP_AXES)
+        loss = lax.pmean(lax.psum(loss, "stage"), red)
+        gpre, gpost = lax.pmean(lax.psum((gpre, gpost), "stage"), red)
         if perms is not None:
             # each replica's gradient goes home to the stage's owner and is summed there
             home = [g if pm is None else jax.tree.map(lambda a: lax.ppermute(a, "stage", [(d, s_) for s_, d in pm]), g)
                     for g, pm in zip(gws, perms)]
-            gw = jax.tree.map(lambda *g: lax.pmean(sum(g), DP_AXES)[None], *home)
+            gw = jax.tree.map(lambda *g: lax.pmean(sum(g), red)[None], *home)
         else:
-            gw = jax.tree.map(lambda *g: lax.pmean(jnp.stack(g), DP_AXES), *gws)
+            gw = jax.tree.map(lambda *g: lax.pmean(jnp.stack(g), red), *gws)
+        if replicas:
+            return jax.tree.map(lambda a: a[None], (loss, (gw, gpre, gpost)))
         return loss, (gw, gpre, gpost)
 
-    stage_spec = jax.tree.map(lambda _: P("stage"), model.stage_params)
-    rep = lambda t: jax.tree.map(lambda _: P(), t)
+    stage_spec = jax.tree.map(lambda _: P("pipe", "stage") if replicas else P("stage"), model.stage_params)
+    rep = lambda t: jax.tree.map(lambda _: P("pipe") if replicas else P(), t)
     batch_spec = jax.tree.map(lambda _: P(DP_AXES), batch_example)
     return jax.shard_map(
         body, mesh=mesh,
         in_specs=(stage_spec, rep(model.pre_params), rep(model.post_params), batch_spec),
-        out_specs=(P(), (stage_spec, rep(model.pre_params), rep(model.post_params))))
+        out_specs=(P("pipe") if replicas else P(), (stage_spec, rep(model.pre_params), rep(model.post_params))))

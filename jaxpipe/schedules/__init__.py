@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Callable, Dict
 
 from .asynchronous import ASYNC_BUILDERS, WEIGHT_VERSIONS
+from .avgpipe import build_avgpipe
 from .chimera import build_chimera
 from .gpipe import build_gpipe
 from .interleaved import build_interleaved_1f1b
@@ -22,6 +23,7 @@ BUILDERS: Dict[str, Callable[..., Schedule]] = {
     "interleaved_1f1b": build_interleaved_1f1b,
     "zb_h1": build_zb_h1,
     "chimera": build_chimera,
+    "avgpipe": build_avgpipe,
     **ASYNC_BUILDERS,
 }
 ASYNCHRONOUS = tuple(ASYNC_BUILDERS)   # no flush: weight versions change between a micro-batch's F and B
@@ -31,12 +33,26 @@ def is_async(name: str) -> bool:
     return name in ASYNCHRONOUS
 
 
-def options_for(name: str, model_stages: int, devices: int, chimera=None, virtual=None, zb=None) -> dict:
+def options_for(name: str, model_stages: int, devices: int, chimera=None, virtual=None, zb=None,
+                avgpipe=None) -> dict:
     """Builder options for ``name`` from the user's settings; raises ``ScheduleError`` on bad ones.
 
     interleaved_1f1b: ``virtual`` (chunks per device) defaults to model_stages / devices.
     chimera: ``chimera={"pipelines": 2, "concat": "direct", "eager_reduce": False}``.
+    avgpipe: ``avgpipe={"alpha": None, "advance": "auto" | int, "memory_limit": None}``; the schedule takes
+    ``advance`` (``"auto"`` starts as 1F1B, advance 0, and the runner raises it, Algorithm 1).
     """
+    if avgpipe is not None and name != "avgpipe":
+        raise ScheduleError(f"avgpipe={avgpipe!r} given for schedule {name!r}; it is an option of 'avgpipe' only")
+    if name == "avgpipe":
+        known = {"alpha", "advance", "memory_limit"}
+        unknown = set(avgpipe or {}) - known
+        if unknown:
+            raise ScheduleError(f"avgpipe: unknown option(s) {sorted(unknown)}; known: {sorted(known)}")
+        adv = (avgpipe or {}).get("advance", "auto")
+        if adv == "auto" or adv is None:
+            adv = 0
+        return {"advance": adv}
     if zb is not None and name != "zb_h1":
         raise ScheduleError(f"zb={zb!r} given for schedule {name!r}; it is an option of 'zb_h1' only")
     if name == "zb_h1":

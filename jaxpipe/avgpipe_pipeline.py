@@ -1,0 +1,154 @@
+"""Train state and programs of AvgPipe (Xu et al.): N parallel pipelines with elastic averaging (used by
+``jp.Pipeline(model, schedule="avgpipe", mesh=jp.make_mesh(pipes=N, stages=D), avgpipe={...})``).
+
+Each index of the mesh's ``pipe`` axis runs its own pipeline on its own batch (the global batch's rows are
+split over ``pipe`` x ``data`` like data parallelism) and trains its own replica; gradients are averaged
+over ``data`` only.  The replicas are then updated by :func:`jaxpipe.optim.elastic.elastic_averaging`
+around the reference model, which is what ``Pipeline.params`` returns.
+
+Advance forward propagation (§4.2, Algorithm 1): ``advance="auto"`` starts as 1F1B and, after each step
+timed at the current ``advance``, tries one more forward in advance while the step gets faster (by more
+than ``tolerance``) and the compiled program's memory stays under ``memory_limit``; it then keeps the
+fastest.  Changing ``advance`` never changes the numbers (same gradient accumulation order): it is a pure
+speed/memory trade-off, so the search cannot change what training computes.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from . import schedules
+from .errors import ConfigError
+from .optim.elastic import check_alpha, elastic_averaging
+from .runtime.executor import make_grad_fn
+
+
+class AvgPipeState(NamedTuple):
+    params: Any        # (w [N, S, ...], pre [N, ...], post [N, ...]): one replica per pipe index
+    opt_state: Any     # ElasticState: the wrapped optimizer's state per replica + the reference model
+    step: jax.Array
+
+
+class AvgPipeRunner:
+    def __init__(self, pipe, options: Optional[dict]):
+        opts = dict(options or {})
+        self.pipe = pipe
+        self.N = pipe.mesh.shape["pipe"]
+        self.D = pipe.mesh.shape["stage"]
+        self.M = pipe.num_microbatches
+        self.alpha = check_alpha(opts.get("alpha"), self.N)
+        adv = opts.get("advance", "auto")
+        self.auto = adv in ("auto", None)
+        if not self.auto and (isinstance(adv, bool) or not isinstance(adv, int) or adv < 0):
+            raise ConfigError(f"avgpipe advance={adv!r}: give a non-negative integer (forwards issued beyond "
+                              f"1F1B's warm-up: 0 = 1F1B, {max(self.M - 1, 0)} = all forwards first) or 'auto'")
+        self.advance = 0 if self.auto else min(adv, max(self.M - 1, 0))
+        self.memory_limit = opts.get("memory_limit")
+        if self.memory_limit is not None and (isinstance(self.memory_limit, bool) or
+                                              not isinstance(self.memory_limit, (int, float)) or self.memory_limit <= 0):
+            raise ConfigError(f"avgpipe memory_limit={self.memory_limit!r}: give bytes per device (> 0) or None")
+        self.tolerance = float(opts.get("tolerance", 0.02))
+        if pipe.optimizer is None:
+            raise ConfigError("avgpipe trains each parallel model with the optimizer you give: "
+                              "Pipeline(..., optimizer=optax.adam(1e-3)) or another optax optimizer")
+        self.tx = elastic_averaging(pipe.optimizer, self.N, self.alpha)
+        self._fns: Dict[Any, Any] = {}
+        self._calls: Dict[int, int] = {}
+        self.log: List[dict] = []          # Algorithm 1's decisions: advance, seconds, temp bytes, verdict
+        self._best = None                  # (seconds, advance)
+        self.settled = not self.auto
+
+    # ------------------------------------------------------------------ state
+    def _shardings(self):
+        mesh, model = self.pipe.mesh, self.pipe.model
+        w = jax.tree.map(lambda _: NamedSharding(mesh, P("pipe", "stage")), model.stage_params)
+        r = lambda t: jax.tree.map(lambda _: NamedSharding(mesh, P("pipe")), t)
+        return (w, r(model.pre_params), r(model.post_params))
+
+    def init(self) -> AvgPipeState:
+        N = self.N
+        stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (N,) + jnp.shape(a)), t)
+        params = jax.jit(stack, out_shardings=self._shardings())(self.pipe.model.params)
+        opt_state = jax.jit(self.tx.init)(params)
+        rep = NamedSharding(self.pipe.mesh, P())
+        return AvgPipeState(params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), rep))
+
+    def params(self, state: AvgPipeState):
+        """The reference model (the mean of the replicas), in the model's layout."""
+        return state.opt_state.ref
+
+    # ------------------------------------------------------------------ programs
+    def schedule(self, advance: int):
+        return schedules.build("avgpipe", self.D, self.M, advance=advance)
+
+    def _fn(self, advance: int, batch, state):
+        example = jax.tree.map(lambda l: jax.ShapeDtypeStruct(np.shape(l), l.dtype), batch)
+        state_sh = jax.tree.map(lambda a: a.sharding, state)
+        key = (advance, jax.tree.structure(example), tuple(jax.tree.leaves(example)))
+        if key not in self._fns:
+            pipe = self.pipe
+            grad_fn = make_grad_fn(pipe.model, self.schedule(advance), pipe.mesh, example,
+                                   nan_bubbles=pipe.nan_bubbles, replicas=True)
+            tx = self.tx
+
+            def step(state: AvgPipeState, b):
+                losses, grads = grad_fn(*state.params, b)
+                updates, opt_state = tx.update(grads, state.opt_state, state.params)
+                params = optax.apply_updates(state.params, updates)
+                gnorm = jax.vmap(optax.tree.norm)(grads)
+                metrics = {"loss": jnp.mean(losses), "pipe_losses": losses, "grad_norm": gnorm,
+                           "step": state.step + 1}
+                return AvgPipeState(params, opt_state, state.step + 1), metrics
+
+            rep = NamedSharding(pipe.mesh, P())
+            self._fns[key] = jax.jit(step, donate_argnums=(0,), out_shardings=(
+                state_sh, {"loss": rep, "pipe_losses": rep, "grad_norm": rep, "step": rep}))
+        return self._fns[key]
+
+    def lower(self, state, batch, advance: Optional[int] = None):
+        a = self.advance if advance is None else advance
+        return self._fn(a, batch, state).lower(state, batch)
+
+    def temp_bytes(self, state, batch, advance: int) -> int:
+        return int(self.lower(state, batch, advance).compile().memory_analysis().temp_size_in_bytes)
+
+    def step(self, state: AvgPipeState, batch):
+        a = self.advance
+        fn = self._fn(a, batch, state)
+        n = self._calls.get(a, 0)
+        self._calls[a] = n + 1
+        if self.settled or n == 0:          # the first call of a program compiles: not a timing
+            state, m = fn(state, batch)
+            return state, {**m, "advance": a}
+        t0 = time.perf_counter()
+        state, m = fn(state, batch)
+        jax.block_until_ready(m["loss"])
+        self._decide(a, time.perf_counter() - t0, state, batch)
+        return state, {**m, "advance": a}
+
+    def _decide(self, a: int, seconds: float, state, batch):
+        """Algorithm 1, lines 8-10: one more forward in advance while faster and memory allows."""
+        entry = {"advance": a, "seconds": seconds}
+        if self._best is not None and seconds > self._best[0] * (1.0 - self.tolerance):
+            entry["verdict"] = f"not faster than advance={self._best[1]}: keep it"
+            self.advance, self.settled = self._best[1], True
+            self.log.append(entry)
+            return
+        self._best = (seconds, a)
+        nxt = a + 1
+        if nxt > max(self.M - 1, 0):
+            entry["verdict"] = "all forwards already in advance (AFAB): keep it"
+            self.settled = True
+        elif self.memory_limit is not None and self.temp_bytes(state, batch, nxt) > self.memory_limit:
+            entry["verdict"] = f"advance={nxt} would exceed memory_limit: keep {a}"
+            self.settled = True
+        else:
+            entry["verdict"] = f"faster: try advance={nxt}"
+            self.advance = nxt
+        self.log.append(entry)

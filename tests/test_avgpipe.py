@@ -1,0 +1,138 @@
+"""AvgPipe (Xu et al.): N parallel pipelines on the mesh's ``pipe`` axis with elastic averaging (§3.2) and
+advance forward propagation (§4.2, Algorithm 1); each equal to its serial reference."""
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jaxpipe as jp
+from helpers import rel_err, small_model
+from jaxpipe import schedules
+from jaxpipe.optim.reference import avgpipe_reference
+
+OPTS = {"sgd": lambda: optax.sgd(0.1), "momentum": lambda: optax.sgd(0.05, momentum=0.9),
+        "adam": lambda: optax.adam(1e-2)}
+
+
+def run(kind="mlp", N=2, D=4, M=4, data=1, opt="adam", steps=3, nan_bubbles=False, **avg):
+    model, batch_fn = small_model(kind, D)
+    pipe = jp.Pipeline(model, schedule="avgpipe", num_microbatches=M, optimizer=OPTS[opt](),
+                       mesh=jp.make_mesh(pipes=N, data=data, stages=D), avgpipe=avg or None,
+                       nan_bubbles=nan_bubbles)
+    state = pipe.init()
+    batches = [batch_fn(N * data * M * 2, s=k) for k in range(steps)]
+    losses = []
+    for b in batches:
+        state, m = pipe.step(state, b)
+        losses.append(np.asarray(m["pipe_losses"]))
+    return pipe, state, batches, np.array(losses), model
+
+
+@pytest.mark.parametrize("N,D,M,data,opt,advance", [
+    (2, 4, 4, 1, "adam", 0), (2, 4, 4, 1, "momentum", 3), (2, 2, 3, 2, "sgd", 1), (4, 2, 2, 1, "adam", 1),
+    (8, 1, 2, 1, "momentum", 0)])
+def test_matches_serial_reference(N, D, M, data, opt, advance):
+    pipe, state, batches, losses, model = run(N=N, D=D, M=M, data=data, opt=opt, advance=advance)
+    ref = avgpipe_reference(model, OPTS[opt](), N, M, batches, data_parallel=data)
+    assert np.allclose(losses, np.array(ref["losses"]), rtol=1e-5)
+    assert rel_err(pipe.params(state), ref["params"]) < 1e-5
+    assert rel_err(state.params, jax.tree.map(lambda *a: np.stack(a), *ref["replicas"])) < 1e-5
+
+
+def test_gpt_matches_serial_reference():
+    # SGD-momentum: the key part of the qkv bias has an exactly-zero true gradient (softmax is shift-
+    # invariant), and Adam turns its 1e-9 rounding noise into +-lr steps whose signs differ between any two
+    # summation orders; the MLP cases above cover Adam
+    pipe, state, batches, losses, model = run(kind="gpt", N=2, D=4, M=4, opt="momentum", steps=2, advance=2)
+    ref = avgpipe_reference(model, OPTS["momentum"](), 2, 4, batches)
+    assert np.allclose(losses, np.array(ref["losses"]), rtol=1e-5)
+    assert rel_err(pipe.params(state), ref["params"]) < 1e-5
+
+
+def test_reference_is_the_mean_of_the_replicas_and_alpha_matters():
+    pipe, state, *_ = run(N=4, D=2, M=2, opt="adam", steps=3)
+    mean = jax.tree.map(lambda a: np.mean(np.asarray(a), axis=0), state.params)
+    assert rel_err(pipe.params(state), mean) < 1e-6
+    pipe0, state0, *_ = run(N=4, D=2, M=2, opt="adam", steps=3, alpha=0.0)
+    assert rel_err(pipe0.params(state0), pipe.params(state)) > 1e-5
+    # the replicas were trained on different batches: they differ, and alpha > 0 pulls them together
+    spread = lambda st: max(float(np.max(np.std(np.asarray(a), axis=0))) for a in jax.tree.leaves(st.params))
+    assert spread(state) > 0 and spread(state) < spread(state0)
+
+
+def test_one_pipe_is_plain_training():
+    """N = 1: elastic averaging is the identity; AvgPipe is 1F1B with the user's optimizer."""
+    pipe, state, batches, losses, model = run(N=1, D=4, M=4, opt="adam")
+    plain = jp.Pipeline(model, schedule="1f1b", num_microbatches=4, optimizer=OPTS["adam"](),
+                        mesh=jp.make_mesh(stages=4))
+    ps = plain.init()
+    for b in batches:
+        ps, _ = plain.step(ps, b)
+    assert rel_err(pipe.params(state), plain.params(ps)) < 1e-6
+
+
+def test_advance_changes_speed_and_memory_never_numbers():
+    outs = [run(N=2, D=4, M=4, advance=a)[1:4:2] for a in (0, 3)]
+    (s0, l0), (s3, l3) = outs
+    assert np.array_equal(l0, l3)
+    for a, b in zip(jax.tree.leaves(s0.params), jax.tree.leaves(s3.params)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bubbles_do_not_leak():
+    _, state, _, losses, _ = run(N=2, D=4, M=3, advance=1, nan_bubbles=True)
+    assert np.all(np.isfinite(losses))
+    assert all(np.all(np.isfinite(np.asarray(a))) for a in jax.tree.leaves(state.params))
+
+
+# ---------------------------------------------------------------------- schedule (Algorithm 1's knob)
+def test_advance_degenerates_to_1f1b_and_afab():
+    for D, M in [(4, 8), (4, 3), (2, 5)]:
+        assert schedules.build("avgpipe", D, M, advance=0).actions == schedules.build("1f1b", D, M).actions
+        afab = schedules.build("avgpipe", D, M, advance=M - 1).actions
+        assert [[(a.kind, a.mb) for a in r] for r in afab] == \
+            [[(a.kind, a.mb) for a in r] for r in schedules.build("gpipe", D, M).actions]
+
+
+def test_advance_trades_memory_for_overlap():
+    """Fig. 7: with communication costs, forwards in advance shorten the step; each costs one more
+    micro-batch's activations upstream (device d holds min(D - d + advance, M))."""
+    D, M = 4, 8
+    spans = []
+    for a in range(M):
+        s = schedules.build("avgpipe", D, M, advance=a)
+        assert s.simulate().peak_inflight == [min(D - d + a, M) for d in range(D)]
+        spans.append(max(s.place(1.0, 2.0, 1.0, comm=0.5)["finish"].values()))
+    assert all(x >= y for x, y in zip(spans, spans[1:])) and spans[-1] < spans[0]
+
+
+def test_auto_advance_follows_algorithm_1():
+    pipe, state, *_ = run(N=2, D=2, M=4, steps=8)
+    r = pipe._avg
+    assert r.settled and 0 <= r.advance <= 3 and r.log
+    assert all("verdict" in e and e["seconds"] > 0 for e in r.log)
+    # a memory limit no program meets keeps 1F1B
+    pipe, state, *_ = run(N=2, D=2, M=4, steps=3, memory_limit=1)
+    assert pipe._avg.settled and pipe._avg.advance == 0 and "memory_limit" in pipe._avg.log[-1]["verdict"]
+
+
+@pytest.mark.parametrize("opts,match", [
+    ({"alpha": 1.5}, "alpha"), ({"alpha": "half"}, "alpha"), ({"advance": -1}, "advance"),
+    ({"advance": "fast"}, "advance"), ({"memory_limit": 0}, "memory_limit"), ({"beta": 1}, "unknown")])
+def test_bad_options(opts, match):
+    model, _ = small_model("mlp", 2)
+    with pytest.raises(jp.ConfigError, match=match):
+        jp.Pipeline(model, schedule="avgpipe", num_microbatches=2, optimizer=optax.sgd(0.1),
+                    mesh=jp.make_mesh(pipes=2, stages=2), avgpipe=opts)
+
+
+def test_misuse_errors():
+    model, batch_fn = small_model("mlp", 2)
+    with pytest.raises(jp.ConfigError, match="avgpipe"):
+        jp.Pipeline(model, schedule="1f1b", num_microbatches=2, mesh=jp.make_mesh(stages=2), avgpipe={})
+    with pytest.raises(jp.ConfigError, match="optimizer"):
+        jp.Pipeline(model, schedule="avgpipe", num_microbatches=2, mesh=jp.make_mesh(pipes=2, stages=2))
+    pipe = jp.Pipeline(model, schedule="avgpipe", num_microbatches=2, optimizer=optax.sgd(0.1),
+                       mesh=jp.make_mesh(pipes=2, stages=2))
+    with pytest.raises(jp.ConfigError, match="pipe_losses"):
+        pipe.loss_and_grad(pipe.init(), batch_fn(8))
