@@ -75,7 +75,15 @@ class AvgPipeRunner:
         N = self.N
         stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (N,) + jnp.shape(a)), t)
         params = jax.jit(stack, out_shardings=self._shardings())(self.pipe.model.params)
+        # each replica's optimizer state lives with the replica (over 'pipe' x 'stage'), not replicated
+        example = jax.eval_shape(self.pipe.optimizer.init, jax.tree.map(lambda a: a[0], params))
+        pipe_sh = NamedSharding(self.pipe.mesh, P("pipe"))
+        inner_sh = optax.tree_map_params(self.pipe.optimizer, lambda _, sh: sh, example, self._shardings(),
+                                         transform_non_params=lambda _: pipe_sh)
         opt_state = jax.jit(self.tx.init)(params)
+        opt_state = opt_state._replace(inner=jax.device_put(opt_state.inner, inner_sh))
+        # the reference model is laid out like the model (stage leaves over 'stage'), not gathered anywhere
+        opt_state = opt_state._replace(ref=jax.device_put(opt_state.ref, self.pipe.param_shardings))
         rep = NamedSharding(self.pipe.mesh, P())
         return AvgPipeState(params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), rep))
 

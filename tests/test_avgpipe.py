@@ -136,3 +136,39 @@ def test_misuse_errors():
                        mesh=jp.make_mesh(pipes=2, stages=2))
     with pytest.raises(jp.ConfigError, match="pipe_losses"):
         pipe.loss_and_grad(pipe.init(), batch_fn(8))
+
+
+# ---------------------------------------------------------------------- §5.2 tuner (pure Python)
+def test_tuner_equations_by_hand():
+    from jaxpipe.tune.avgpipe_model import AvgPipeProfile, choose, predict
+    p = AvgPipeProfile(m=4, n=1, t_gpu=[8.0, 8.0], phi=[0.5, 0.5], t_comm=[1.0, 1.0], f_mod=[100.0, 100.0],
+                       f_dat=[40.0, 20.0])
+    same = predict(p, 4, 1)
+    # (2) r = 1, no overuse; (4) 1/4 + 3/4 max(1 - 8, 0); (6)/(7) (1 + 8)/4 for the neighbour
+    assert same.parts["t_gpu"] == [8.0, 8.0] and same.parts["t_com"] == [0.25, 0.25]
+    assert same.parts["t_up"] == [0.0, 2.25] and same.parts["t_down"] == [2.25, 0.0]
+    assert same.per_batch == 8.0 + 0.25 + 2.25 and same.memory == 140.0
+    # twice the pipelines at the same M: utilisation 1.0, per-batch compute halves (eq. 2), the shared
+    # link carries twice the bytes (eq. 4's n*/n), memory doubles (eq. 8, co-located)
+    two = predict(p, 4, 2)
+    assert two.parts["t_gpu"] == [4.0, 4.0] and two.memory == 280.0
+    assert two.parts["t_com"][0] == 2.0 / 4
+    # eight pipelines overuse the device (phi* = 4): 1/8 (8 + 8 * 3) = 4 per batch -- no faster than N = 2
+    assert predict(p, 4, 8).parts["t_gpu"] == [4.0, 4.0]
+    # twice the micro-batches at N = 1: intensity halves, compute per batch doubles; activations halve
+    m8 = predict(p, 8, 1)
+    assert m8.parts["t_gpu"] == [16.0, 16.0] and m8.memory == 100.0 + 20.0
+    best, preds = choose(p, [(4, 1), (4, 2), (4, 8)], memory_limit=300.0, batch_per_pipe=1)
+    assert best.n == 2 and len(preds) == 3
+    best, _ = choose(p, [(4, 1), (4, 2)], memory_limit=150.0)
+    assert best.n == 1
+
+
+def test_tuner_on_separate_devices():
+    from jaxpipe.tune.avgpipe_model import AvgPipeProfile, calibrate_tick_overhead, predict
+    p = AvgPipeProfile(m=4, n=1, t_gpu=[8.0, 8.0], phi=[0.5, 0.5], t_comm=[0.0, 0.0], f_mod=[100.0, 100.0],
+                       f_dat=[40.0, 20.0], shared_compute=False, shared_memory=False)
+    # pipelines on their own devices: a step of N pipelines takes one batch's time; memory stays per replica
+    assert predict(p, 4, 4).step == predict(p, 4, 1).step and predict(p, 4, 4).memory == 140.0
+    c = calibrate_tick_overhead(p, measured_step=predict(p, 4, 1).step + 10 * 0.5)   # 10 ticks at M=4, K=2
+    assert abs(c - 0.5) < 1e-12
