@@ -21,6 +21,7 @@ _LAZY = {
     "Pipeline": ("pipeline", "Pipeline"),
     "PipelineState": ("pipeline", "PipelineState"),
     "PipelineModel": ("model", "PipelineModel"),
+    "CyclicDataParallel": ("cyclic", "CyclicDataParallel"),
     "make_mesh": ("runtime.mesh", "make_mesh"),
     "models": ("models", None),
     "data": ("data", None),
@@ -30,7 +31,7 @@ _LAZY = {
     "tune": ("tune", None),
 }
 
-__all__ = ["ConfigError", "Pipeline", "PipelineModel", "PipelineState", "data", "make_mesh", "models", "optim",
+__all__ = ["ConfigError", "CyclicDataParallel", "Pipeline", "PipelineModel", "PipelineState", "data", "make_mesh", "models", "optim",
            "schedules", "tune"]
 
 

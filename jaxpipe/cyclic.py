@@ -1,0 +1,414 @@
+"""Cyclic Data Parallelism, multi-device DP form (Fournier & Oyallon, §3.2 and §4.2; Figure 1(b)-(c)).
+
+    cdp = jp.CyclicDataParallel(model, optimizer=optax.sgd(0.1, momentum=0.9), rule="v2",
+                                mesh=jp.make_mesh(data=4))
+    state = cdp.init()
+    state, metrics = cdp.step(state, batch)      # one micro-batch per worker; 2N time steps
+    state, metrics = cdp.drain(state)            # finish what is in flight
+
+N workers on the mesh's ``data`` axis each hold the whole model (cut into N stages, one time step per stage's
+forward or backward) and run micro-batch after micro-batch on their own data, worker ``i`` delayed by
+``2i`` time steps: worker ``i``'s training step ``k`` runs F of stage ``j`` at tick ``2Nk + 2i + j`` and B of
+stage ``j`` at ``2Nk + 2i + 2N - 1 - j``.  Nothing waits at a barrier and nothing flushes between calls.
+
+Gradients are reduced by point-to-point ``ppermute``s spread over the step, never one all-reduce: when
+worker ``i`` finishes stage ``j``'s backward it adds its gradient to the partial sum worker ``i - 1`` sent
+it (two ticks earlier) and sends the sum on to ``i + 1``; worker ``N - 1`` completes the sum, applies the
+update and sends the summed gradient directly to every other worker (one stage per tick), which apply the
+same update on arrival (every worker keeps a full replica, so the optimizer runs replicated and the
+replicas stay bit-identical).
+
+Update rules (eq. CDP): micro-batch ``i`` of step ``t`` reads stage ``j`` at version
+* ``v1``: ``t - 1`` everywhere (eq. CDP-v1, PipeDream-2BW's rule),
+* ``v2``: ``t`` on stages ``j >= N - 1 - i`` (0-based; the paper's "j >= N - i + 1" 1-based) and ``t - 1``
+  before them (eq. CDP-v2).  In this timeline the sum for stage ``j`` of step ``t - 1`` is complete at
+  tick ``2Nt + 2N - 3 - j`` and arrives everywhere one tick later, exactly when worker ``i``'s forward of
+  stage ``j`` needs it iff ``i + j >= N - 1``: the rule is what the schedule allows, as the paper says.
+The backward reads the version its forward read; so a stage keeps the previous version until its last
+reader (two versions, as in the pipeline form).  Both equal the serial reference of
+:mod:`jaxpipe.optim.reference` (``cdp_v1`` / ``cdp_v2`` with M = N micro-batches) -- tested.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from .errors import ConfigError
+from .model import PipelineModel
+from .runtime.executor import read, rebuild_pullback, residual_mask, split_residuals, write
+
+RULES = ("v1", "v2")
+
+
+class CyclicState(NamedTuple):
+    params: Any       # (w [W, S, ...], pre [W, S, ...], post [W, S, ...]): each worker's replica, per stage
+    shadow: Any       # the previous version of every stage, same layout
+    versions: Any     # [W, S] int32: updates applied to each stage on each worker
+    opt_state: Any    # the optimizer's state per worker and stage
+    carry: Any        # in-flight state per worker (stash, activation, dL/dy, partial sums, micro-batches)
+    counters: Any     # (tick, base, fed) int32: ticks since the (re)start, first step index, steps fed since
+    errors: Any       # [W] int32: reads of a version a worker no longer held (must stay 0)
+
+
+def _local(params):
+    w, pre, post = params
+    return (jax.tree.map(lambda a: a[0], w), pre, post)
+
+
+class CyclicDataParallel:
+    """Cyclic Data Parallelism over the mesh's ``data`` axis (see the module docstring)."""
+
+    def __init__(self, model: PipelineModel, optimizer: optax.GradientTransformation, rule: str = "v2",
+                 mesh=None):
+        if not isinstance(model, PipelineModel):
+            raise ConfigError(f"model must be a jp.PipelineModel cut into N stages, got {type(model).__name__}")
+        if rule not in RULES:
+            raise ConfigError(f"CyclicDataParallel rule={rule!r}: choose 'v1' (eq. CDP-v1, one step of delay "
+                              f"everywhere) or 'v2' (eq. CDP-v2, fresh parameters where the stage allows)")
+        if optimizer is None:
+            raise ConfigError("CyclicDataParallel updates inside the cycle: give optimizer=optax.sgd(...) or "
+                              "another optax optimizer")
+        if mesh is None:
+            from .runtime.mesh import make_mesh
+            mesh = make_mesh(data=model.num_stages)
+        if mesh.shape.get("stage", 1) != 1 or mesh.shape.get("pipe", 1) != 1:
+            raise ConfigError(f"CyclicDataParallel runs N workers on the 'data' axis, each with the whole model; "
+                              f"the mesh has stage={mesh.shape.get('stage')} pipe={mesh.shape.get('pipe')}: "
+                              f"use jp.make_mesh(data=N)")
+        N = mesh.shape["data"]
+        if model.num_stages != N:
+            raise ConfigError(f"Cyclic Data Parallelism cuts the model into as many stages as workers (one time "
+                              f"step per stage, workers 2 steps apart): the model has {model.num_stages} stages "
+                              f"and the mesh {N} workers; build the model with {N} stages or use "
+                              f"jp.make_mesh(data={model.num_stages})")
+        self.model, self.opt, self.rule, self.mesh, self.N = model, optimizer, rule, mesh, N
+        self._fns = {}
+
+    # ------------------------------------------------------------------ state
+    def init(self) -> CyclicState:
+        N, (w, pre, post) = self.N, self.model.params
+        per_stage = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (N,) + jnp.shape(a)), t)
+        lp = (w, per_stage(pre), per_stage(post))                   # [S, ...]
+        opt = jax.vmap(self.opt.init)(lp)
+        workers = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(a, (N,) + a.shape).copy(), t)
+        sh = NamedSharding(self.mesh, P("data"))
+        params, shadow, opt = jax.device_put((workers(lp), workers(lp), workers(opt)), sh)
+        versions = jax.device_put(jnp.zeros((N, N), jnp.int32), sh)
+        rep = NamedSharding(self.mesh, P())
+        counters = jax.device_put(tuple(jnp.zeros((), jnp.int32) for _ in range(3)), rep)
+        return CyclicState(params, shadow, versions, opt, None, counters,
+                           jax.device_put(jnp.zeros((N,), jnp.int32), sh))
+
+    def params(self, state: CyclicState):
+        """The model's parameters ``(stage, pre, post)`` (worker 0's replica; all replicas are equal once
+        every update has arrived, e.g. after ``drain``)."""
+        w, pre, post = jax.tree.map(lambda a: a[0], state.params)
+        return (w, jax.tree.map(lambda a: a[0], pre), jax.tree.map(lambda a: a[self.N - 1], post))
+
+    def _mb_example(self, batch):
+        return jax.tree.map(lambda l: jax.ShapeDtypeStruct((np.shape(l)[0] // self.N,) + tuple(np.shape(l)[1:]),
+                                                           l.dtype), batch)
+
+    def _check_batch(self, batch):
+        sizes = {int(np.shape(l)[0]) for l in jax.tree.leaves(batch)}
+        if len(sizes) != 1 or next(iter(sizes)) % self.N:
+            raise ConfigError(f"the batch's leading size {sorted(sizes)} must be one size divisible by the "
+                              f"{self.N} workers (one micro-batch each); use a multiple of {self.N}")
+
+    def _empty_carry(self, batch):
+        model, N = self.model, self.N
+        mb = self._mb_example(batch)
+        w0 = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), model.stage_params)
+        xa = jax.eval_shape(model.pre, model.pre_params, mb)
+        model.check_activation(xa, jax.eval_shape(model.stage_fn, w0, xa))
+        _, res = residual_mask(model.stage_fn, w0, jnp.zeros(xa.shape, xa.dtype))
+        z = lambda shape, dtype: jnp.zeros((N,) + tuple(shape), dtype)
+        lp0 = (w0, model.pre_params, model.post_params)
+        carry = dict(
+            stash=[z((N,) + tuple(a.shape), a.dtype) for a in res],
+            act=z(xa.shape, xa.dtype), dy=z(xa.shape, xa.dtype),
+            gpost=jax.tree.map(lambda a: z(jnp.shape(a), jnp.asarray(a).dtype), model.post_params),
+            partial=jax.tree.map(lambda a: z((N,) + jnp.shape(a), jnp.asarray(a).dtype), lp0),
+            bcast=(jax.tree.map(lambda a: z(jnp.shape(a), jnp.asarray(a).dtype), lp0), z((), jnp.int32),
+                   z((), jnp.bool_)),
+            ring=jax.tree.map(lambda a: z((2,) + tuple(a.shape), a.dtype), mb))
+        return jax.device_put(carry, NamedSharding(self.mesh, P("data"))), xa
+
+    # ------------------------------------------------------------------ program
+    def _program(self, batch):
+        key = (jax.tree.structure(batch), tuple((np.shape(l), str(l.dtype)) for l in jax.tree.leaves(batch)))
+        if key in self._fns:
+            return self._fns[key]
+        model, opt, N, v2 = self.model, self.opt, self.N, self.rule == "v2"
+        stage_fn, pre, post_loss = model.stage_fn, model.pre, model.post_loss
+        _, xa = self._empty_carry(batch)
+
+        def body(params, shadow, versions, opt_state, carry, counters, errors, batch, feed):
+            sq = lambda t: jax.tree.map(lambda a: a[0], t)
+            lp, sh, ver, os_, c, err = sq(params), sq(shadow), sq(versions), sq(opt_state), sq(carry), sq(errors)
+            t0, base, n_fed = counters
+            me = lax.axis_index("data")
+            mask, _ = residual_mask(stage_fn, jax.tree.map(lambda a: a[0], lp[0]), jnp.zeros(xa.shape, xa.dtype))
+            # this call's micro-batch (one per worker) goes to ring slot (base + n_fed) mod 2
+            c["ring"] = jax.tree.map(lambda r, b: write(r, (base + n_fed) % 2, b), c["ring"], batch)
+            n_fed = n_fed + feed.astype(jnp.int32)
+            stage_of = lambda t, j: jax.tree.map(lambda a: read(a, j), t)
+            put = lambda t, j, v: jax.tree.map(lambda a, b: write(a, j, b), t, v)
+            zeros_lp = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), lp)
+
+            def update(st, j, g_sum):
+                lp, sh, ver, os_ = st
+                cur = stage_of(lp, j)
+                g = jax.tree.map(lambda a: a / N, g_sum)
+                u, o = opt.update(g, stage_of(os_, j), cur)
+                new = optax.apply_updates(cur, u)
+                return (put(lp, j, new), put(sh, j, cur), ver.at[j].add(1), put(os_, j, o))
+
+            def weights(st, j, gk, err):
+                lp, sh, ver, _ = st
+                if v2:
+                    v = jnp.where(j >= N - 1 - me, gk, gk - 1)
+                else:
+                    v = gk - 1
+                v = jnp.maximum(v, 0)
+                have = ver[j]
+                fresh = have == v
+                err = err + (~fresh & (have - 1 != v)).astype(jnp.int32)
+                return jax.tree.map(lambda a, b: jnp.where(fresh, a, b), stage_of(lp, j), stage_of(sh, j)), err
+
+            def op_f(first, last):
+                def f(st, c, j, k, gk, err, loss):
+                    (w, pre_p, post_p), err = weights(st, j, gk, err)
+                    mb = jax.tree.map(lambda a: read(a, gk % 2), c["ring"])
+                    x = pre(pre_p, mb) if first else c["act"]
+                    y, res, _, _ = split_residuals(stage_fn, w, x, mask)
+                    c = {**c, "stash": [write(a, j, r) for a, r in zip(c["stash"], res)], "act": y.astype(xa.dtype)}
+                    if last:
+                        l, (gq, dy) = jax.value_and_grad(post_loss, argnums=(0, 1))(post_p, y, mb)
+                        c = {**c, "dy": dy.astype(xa.dtype), "gpost": gq}
+                        loss = (loss[0] + l.astype(jnp.float32), loss[1] + 1)
+                    return st, c, err, loss, (zeros_lp, False)
+                return f
+
+            def op_b(first, last):
+                def b(st, c, j, k, gk, err, loss):
+                    (w, pre_p, post_p), err = weights(st, j, gk, err)
+                    res = [read(a, j) for a in c["stash"]]
+                    dw, dx = rebuild_pullback(stage_fn, w, jnp.zeros(xa.shape, xa.dtype), res, mask)(c["dy"])
+                    dx = dx.astype(xa.dtype)
+                    dpre = jax.tree.map(jnp.zeros_like, pre_p)
+                    if first:
+                        mb = jax.tree.map(lambda a: read(a, gk % 2), c["ring"])
+                        dpre = jax.vjp(lambda q: pre(q, mb), pre_p)[1](dx)[0]
+                    dpost = c["gpost"] if last else jax.tree.map(jnp.zeros_like, post_p)
+                    g = (dw, dpre, dpost)
+                    # ring reduction: the partial sum from worker me - 1, plus this worker's gradient
+                    g = jax.tree.map(lambda p, a: jnp.where(me > 0, p, jnp.zeros_like(p)) + a.astype(p.dtype),
+                                     stage_of(c["partial"], j), g)
+                    st = lax.cond(me == N - 1, lambda s: update(s, j, g), lambda s: s, st)
+                    return st, {**c, "dy": dx}, err, loss, (g, True)
+                return b
+
+            def idle(st, c, j, k, gk, err, loss):
+                return st, c, err, loss, (zeros_lp, False)
+
+            flags = [(False, False), (True, False), (False, True), (True, True)]
+            branches = [idle] + [op_f(*f) for f in flags] + [op_b(*f) for f in flags]
+
+            def tick(s, t):
+                st, c, err, loss = s
+                # a summed gradient that arrived from worker N - 1: apply it first
+                g_in, j_in, ok = c["bcast"]
+                st = lax.cond(ok & (me < N - 1), lambda s: update(s, j_in, g_in), lambda s: s, st)
+                tau = t - 2 * me
+                k = jnp.floor_divide(tau, 2 * N)
+                p = jnp.mod(tau, 2 * N)
+                active = (tau >= 0) & (k < n_fed)
+                is_f = p < N
+                j = jnp.where(is_f, p, 2 * N - 1 - p)
+                pos = (j == 0).astype(jnp.int32) + 2 * (j == N - 1).astype(jnp.int32)
+                br = jnp.where(active, jnp.where(is_f, 1 + pos, 5 + pos), 0)
+                st, c, err, loss, (g, sent) = lax.switch(br, branches, st, c, j, k, base + k, err, loss)
+                # partial sums travel me -> me + 1; the complete sum goes from N - 1 straight to every worker
+                fwd_ok = sent & (me < N - 1)
+                if N > 1:
+                    ring = [(i, i + 1) for i in range(N - 1)]
+                    got = lax.ppermute((g, j, fwd_ok), "data", ring)
+                    c = {**c, "partial": lax.cond(got[2], lambda q: put(q, got[1], got[0]), lambda q: q, c["partial"])}
+                    done = sent & (me == N - 1)
+                    acc = None
+                    for dst in range(N - 1):
+                        m = lax.ppermute((g, j, done), "data", [(N - 1, dst)])
+                        acc = m if acc is None else jax.tree.map(
+                            lambda a, b: jnp.where(m[2], b, a) if a.dtype != jnp.bool_ else a | b, acc, m)
+                    c = {**c, "bcast": acc}
+                return (st, c, err, loss), None
+
+            loss0 = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+            (st, c, err, (lsum, lcount)), _ = lax.scan(
+                tick, ((lp, sh, ver, os_), c, err, loss0), t0 + jnp.arange(2 * N, dtype=jnp.int32))
+            lp, sh, ver, os_ = st
+            lsum, lcount = lax.psum((lsum, lcount), "data")
+            ex = lambda t: jax.tree.map(lambda a: a[None], t)
+            return (ex(lp), ex(sh), ex(ver), ex(os_), ex(c), (t0 + 2 * N, base, n_fed), ex(err),
+                    (lsum, lcount))
+
+        d = lambda t: jax.tree.map(lambda _: P("data"), t)
+        r = lambda t: jax.tree.map(lambda _: P(), t)
+
+        def run(state: CyclicState, batch, feed):
+            args = (state.params, state.shadow, state.versions, state.opt_state, state.carry, state.counters,
+                    state.errors)
+            specs = tuple(d(a) for a in args[:5]) + (r(state.counters), d(state.errors))
+            out = jax.shard_map(body, mesh=self.mesh, in_specs=specs + (d(batch), P()),
+                                out_specs=specs + ((P(), P()),), check_vma=False)(*args, batch, feed)
+            lsum, lcount = out[7]
+            metrics = {"loss": jnp.where(lcount > 0, lsum / jnp.maximum(lcount, 1), jnp.nan),
+                       "losses_computed": lcount, "version_errors": jnp.sum(out[6])}
+            return CyclicState(*out[:7]), metrics
+
+        self._fns[key] = jax.jit(run, donate_argnums=(0,))
+        return self._fns[key]
+
+    # ------------------------------------------------------------------ public
+    def step(self, state: CyclicState, batch):
+        """Feed one micro-batch per worker (the batch's rows split over the workers in order) and run 2N
+        time steps.  Metrics: ``loss`` (mean of the losses computed in this call), ``losses_computed``,
+        ``version_errors`` (always 0 unless the timeline is broken)."""
+        self._check_batch(batch)
+        batch = jax.device_put(batch, NamedSharding(self.mesh, P("data")))
+        if state.carry is None:
+            state = state._replace(carry=self._empty_carry(batch)[0])
+        return self._program(batch)(state, batch, jnp.asarray(True))
+
+    def drain(self, state: CyclicState):
+        """Run without new data until every step in flight finished and every update arrived (2N - 1 ticks
+        after the last feed: one more call), then reset the counters so the next step restarts the cycle."""
+        if state.carry is None:
+            return state, {}
+        dummy = jax.tree.map(lambda r: jnp.zeros((r.shape[0] * r.shape[2],) + r.shape[3:], r.dtype),
+                             state.carry["ring"])
+        dummy = jax.device_put(dummy, NamedSharding(self.mesh, P("data")))
+        state, m = self._program(dummy)(state, dummy, jnp.asarray(False))
+        t, base, fed = state.counters
+        return state._replace(counters=(jnp.zeros_like(t), base + fed, jnp.zeros_like(fed))), m
+
+
+def single_device_grad(model: PipelineModel, num_workers: int, cyclic: bool = True):
+    """``fn(params, mbs) -> (loss_sum, grads_sum)`` over a stream ``mbs`` of ``[K, N, ...]`` micro-batches
+    (step k, worker i) run on ONE device in the cyclic order (Table 1, "Single-GPU DP + Cyclic"), with fixed
+    parameters: N workers interleaved two ticks apart, each tick every worker runs one stage's F or B,
+    activations kept in a pool of N (N + 1)/2 stage slots (:func:`jaxpipe.schedules.cyclic.pool_slot`)
+    instead of N x N.  A memory demonstration that also computes the right numbers (tested against
+    ``jax.grad``).  ``cyclic=False`` runs the same program with every worker in step (DP's order: no delay,
+    a pool of N x N slots), so XLA's temp bytes of the two differ only by the order.
+    :func:`single_device_dp_grad` is plain ``jax.grad`` over each step's N micro-batches, for reference."""
+    from .schedules import cyclic as cyc
+    N = num_workers
+    delay = 2 if cyclic else 0
+    size = cyc.pool_size(N) if cyclic else N * N
+    pool_slot = cyc.pool_slot if cyclic else (lambda N, i, j, k: i * N + j)
+    pool_size = lambda N: size
+    if model.num_stages != N:
+        raise ConfigError(f"the model has {model.num_stages} stages; cyclic order needs one per worker ({N})")
+    stage_fn, pre, post_loss = model.stage_fn, model.pre, model.post_loss
+
+    def fn(params, mbs):
+        w_all, pre_p, post_p = params
+        K = jax.tree.leaves(mbs)[0].shape[0]
+        mb0 = jax.tree.map(lambda a: a[0, 0], mbs)
+        xa = jax.eval_shape(pre, pre_p, mb0)
+        w0 = jax.tree.map(lambda a: a[0], w_all)
+        mask, res = residual_mask(stage_fn, w0, jnp.zeros(xa.shape, xa.dtype))
+        pool = [jnp.zeros((pool_size(N) + 1,) + tuple(a.shape), a.dtype) for a in res]
+        regs = jnp.zeros((N,) + tuple(xa.shape), xa.dtype)
+        gpost_regs = jax.tree.map(lambda a: jnp.zeros((N,) + jnp.shape(a), jnp.asarray(a).dtype), post_p)
+        g0 = jax.tree.map(jnp.zeros_like, params)
+        x_like = jnp.zeros(xa.shape, xa.dtype)
+
+        # Branches return small new values; the pool and the registers are written outside the switch
+        # (a branch returning the whole pool makes XLA copy it every tick).  Slot pool_size is scratch.
+        def f_op(first, last):
+            def f(i, j, k, x_in, r_in, dy_in, g, loss):
+                w = jax.tree.map(lambda a: read(a, j), w_all)
+                mb = jax.tree.map(lambda a: a[k, i], mbs)
+                x = pre(pre_p, mb) if first else x_in
+                y, r, _, _ = split_residuals(stage_fn, w, x, mask)
+                dy, gq = jnp.zeros(xa.shape, xa.dtype), jax.tree.map(jnp.zeros_like, post_p)
+                if last:
+                    l, (gq, d) = jax.value_and_grad(post_loss, argnums=(0, 1))(post_p, y, mb)
+                    dy, loss = d.astype(xa.dtype), loss + l
+                return r, y.astype(xa.dtype), dy, gq, g, loss
+            return f
+
+        def b_op(first, last):
+            def b(i, j, k, x_in, r_in, dy_in, g, loss):
+                w = jax.tree.map(lambda a: read(a, j), w_all)
+                dw, dx = rebuild_pullback(stage_fn, w, x_like, r_in, mask)(dy_in)
+                gw, gpre, gpo = g
+                gw = jax.tree.map(lambda a, v: a.at[j].add(v), gw, dw)
+                if first:
+                    mb = jax.tree.map(lambda a: a[k, i], mbs)
+                    dpre = jax.vjp(lambda q: pre(q, mb), pre_p)[1](dx.astype(xa.dtype))[0]
+                    gpre = jax.tree.map(jnp.add, gpre, dpre)
+                return (r_in, x_in, dx.astype(xa.dtype), jax.tree.map(jnp.zeros_like, post_p),
+                        (gw, gpre, gpo), loss)
+            return b
+
+        def idle(i, j, k, x_in, r_in, dy_in, g, loss):
+            return r_in, x_in, dy_in, jax.tree.map(jnp.zeros_like, post_p), g, loss
+
+        flags = [(False, False), (True, False), (False, True), (True, True)]
+        branches = [idle] + [f_op(*f) for f in flags] + [b_op(*f) for f in flags]
+
+        def tick(c, t):
+            pool, act, dy, gpost, g, loss = c
+            for i in range(N):
+                tau = t - delay * i
+                k = jnp.floor_divide(tau, 2 * N)
+                p = jnp.mod(tau, 2 * N)
+                is_f = p < N
+                j = jnp.where(is_f, p, 2 * N - 1 - p)
+                pos = (j == 0).astype(jnp.int32) + 2 * (j == N - 1).astype(jnp.int32)
+                ok = (tau >= 0) & (k < K)
+                kk = jnp.clip(k, 0, K - 1)
+                br = jnp.where(ok, jnp.where(is_f, 1 + pos, 5 + pos), 0)
+                slot = pool_slot(N, i, j, kk)
+                r_in = [read(a, slot) for a in pool]
+                r, y, d, gq, g, loss = lax.switch(br, branches, i, j, kk, act[i], r_in, dy[i], g, loss)
+                f_last = ok & is_f & (j == N - 1)
+                b_last = ok & ~is_f & (j == N - 1)
+                # the head's gradient joins with the backward of the last stage
+                g = (g[0], g[1], jax.tree.map(lambda a, v: a + jnp.where(b_last, v[i], 0), g[2], gpost))
+                gpost = jax.tree.map(lambda a, v: a.at[i].set(jnp.where(f_last, v, a[i])), gpost, gq)
+                pool = [write(a, jnp.where(ok & is_f, slot, pool_size(N)), v) for a, v in zip(pool, r)]
+                act = act.at[i].set(y)
+                dy = dy.at[i].set(d)
+            return (pool, act, dy, gpost, g, loss), None
+
+        c = (pool, regs, regs, gpost_regs, g0, jnp.zeros((), jnp.float32))
+        c, _ = lax.scan(tick, c, jnp.arange(2 * N * K + 2 * N - 2, dtype=jnp.int32))
+        return c[5], c[4]
+
+    return fn
+
+
+def single_device_dp_grad(model: PipelineModel, num_workers: int):
+    """``fn(params, mbs) -> (loss_sum, grads_sum)`` the standard way on one device: each step's N micro-
+    batches forward and backward together (Table 1, "Single-GPU DP": N B Psi_A of activations at the peak),
+    a scan over the K steps."""
+    def fn(params, mbs):
+        def one(g, step_mbs):
+            def loss(p):
+                return jnp.sum(jax.vmap(lambda mb: model.loss(p, mb))(step_mbs))
+            l, gg = jax.value_and_grad(loss)(params)
+            return jax.tree.map(jnp.add, g, gg), l
+        g, ls = lax.scan(one, jax.tree.map(jnp.zeros_like, params), mbs)
+        return jnp.sum(ls), g
+    return fn

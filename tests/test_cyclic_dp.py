@@ -1,0 +1,125 @@
+"""Cyclic Data Parallelism, multi-device DP form (Fournier & Oyallon §3.2, §4): N workers on 'data', two time
+steps apart, ring reductions by ppermute; equal to the serial references of eqs. CDP-v1 / CDP-v2; Table 1's
+activation memory in the simulator and in XLA's memory analysis."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxpipe as jp
+from helpers import rel_err, small_model
+from jaxpipe.cyclic import single_device_dp_grad, single_device_grad
+from jaxpipe.optim.reference import serial_reference
+from jaxpipe.schedules import cyclic as cyc
+
+OPTS = {"sgd": lambda: optax.sgd(0.1), "momentum": lambda: optax.sgd(0.05, momentum=0.9),
+        "adamw": lambda: optax.adamw(1e-2, weight_decay=1e-2)}
+
+
+def run(rule, N, opt="momentum", kind="mlp", steps=3, rows=2):
+    model, batch_fn = small_model(kind, N)
+    cdp = jp.CyclicDataParallel(model, OPTS[opt](), rule=rule, mesh=jp.make_mesh(data=N))
+    state = cdp.init()
+    batches = [batch_fn(N * rows, s=k) for k in range(steps)]
+    losses = []
+    for b in batches:
+        state, m = cdp.step(state, b)
+        losses.append(float(m["loss"]))
+    state, m = cdp.drain(state)
+    return cdp, state, batches, model, int(m["version_errors"])
+
+
+@pytest.mark.parametrize("opt", ["sgd", "momentum", "adamw"])
+@pytest.mark.parametrize("N", [2, 4])
+@pytest.mark.parametrize("rule", ["v1", "v2"])
+def test_matches_serial_reference(rule, N, opt):
+    cdp, state, batches, model, errors = run(rule, N, opt)
+    ref = serial_reference(model, f"cdp_{rule}", OPTS[opt](), N, batches)
+    assert errors == 0
+    assert rel_err(cdp.params(state), ref["params"]) <= 1e-5
+    # every worker applied the same updates to its replica: bit-identical
+    reps = [jax.tree.map(lambda a: np.asarray(a[i]), state.params) for i in range(N)]
+    for r in reps[1:]:
+        assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(r), jax.tree.leaves(reps[0])))
+
+
+def test_gpt_matches_serial_reference():
+    cdp, state, batches, model, errors = run("v2", 4, "momentum", kind="gpt", steps=2)
+    ref = serial_reference(model, "cdp_v2", OPTS["momentum"](), 4, batches)
+    assert errors == 0 and rel_err(cdp.params(state), ref["params"]) <= 1e-5
+
+
+def test_v1_and_v2_differ_and_restart_after_drain():
+    a = run("v1", 4)
+    b = run("v2", 4)
+    assert rel_err(a[0].params(a[1]), b[0].params(b[1])) > 1e-6
+    cdp, state = b[0], b[1]
+    state, m = cdp.step(state, b[2][0])          # the cycle restarts after a drain
+    assert np.isfinite(float(m["loss"]))
+
+
+def test_reduction_is_point_to_point():
+    """The step has collective-permutes and no all-reduce of gradients: the only all-reduce is the final
+    psum of the (loss sum, loss count) scalars."""
+    model, batch_fn = small_model("mlp", 4)
+    cdp = jp.CyclicDataParallel(model, optax.sgd(0.1), mesh=jp.make_mesh(data=4))
+    state = cdp.init()
+    batch = jax.device_put(batch_fn(8), jax.sharding.NamedSharding(cdp.mesh, jax.sharding.PartitionSpec("data")))
+    state = state._replace(carry=cdp._empty_carry(batch)[0])
+    hlo = cdp._program(batch).lower(state, batch, jnp.asarray(True)).compile().as_text()
+    assert "collective-permute" in hlo
+    sizes = []
+    for line in hlo.splitlines():
+        if " all-reduce(" in line or "all-reduce-start(" in line:
+            sizes.append(line.split("=")[1].split("all-reduce")[0])
+    assert all("[" not in s.replace("[]", "") for s in sizes), sizes      # scalars only
+
+
+# ---------------------------------------------------------------------- Table 1, activation memory
+@pytest.mark.parametrize("N", [2, 3, 4, 8])
+def test_simulated_activation_profile(N):
+    prof = cyc.activation_profile(N)
+    assert set(prof) == {N * (N + 1) // 2}                 # constant in time: (N + 1)/2 B Psi_A
+    dp = cyc.activation_profile(N, cyclic=False)
+    assert max(dp) == N * N and min(dp) < max(dp)          # DP peaks at N B Psi_A every 2N steps
+    assert cyc.check_pool(N) == cyc.pool_size(N) == cyc.table1_units(N)["single_cyclic"]
+
+
+@pytest.mark.parametrize("N", [2, 4])
+def test_single_device_cyclic_memory_in_xla(N):
+    model = jp.bench.make_tanh_mlp(N, 1, 32)
+    K, B = 2, 256
+    r = np.random.default_rng(0)
+    mbs = {"x": jnp.asarray(r.normal(size=(K, N, B, 32)), jnp.float32),
+           "y": jnp.asarray(r.normal(size=(K, N, B, 32)), jnp.float32)}
+    fns = {"cyclic": jax.jit(single_device_grad(model, N)), "sync": jax.jit(single_device_grad(model, N, False)),
+           "dp": jax.jit(single_device_dp_grad(model, N))}
+    out = {k: f(model.params, mbs) for k, f in fns.items()}
+    for k in ("cyclic", "sync"):
+        assert abs(float(out[k][0]) - float(out["dp"][0])) <= 1e-5 * abs(float(out["dp"][0]))
+        assert rel_err(out[k][1], out["dp"][1]) <= 1e-5
+    temp = {k: fns[k].lower(model.params, mbs).compile().memory_analysis().temp_size_in_bytes for k in fns}
+    from jaxpipe.runtime.executor import residual_mask
+    w0 = jax.tree.map(lambda a: a[0], model.stage_params)
+    _, res = residual_mask(model.stage_fn, w0, jnp.zeros((B, 32), jnp.float32))
+    slot = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in res)
+    saved = (N * N - N * (N + 1) // 2) * slot               # the pool: N^2 slots in DP order, N(N+1)/2 cyclic
+    assert abs((temp["sync"] - temp["cyclic"]) - saved) <= 0.1 * saved, (temp, saved)
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"rule": "v3"}, "rule"), ({"mesh": "stage"}, "data"), ({"stages": 3}, "stages"), ({"optimizer": None}, "optimizer")])
+def test_bad_configuration(kw, match):
+    model, _ = small_model("mlp", kw.pop("stages", 2))
+    mesh = jp.make_mesh(stages=2) if kw.pop("mesh", None) == "stage" else jp.make_mesh(data=2)
+    opt = kw.pop("optimizer", optax.sgd(0.1))
+    with pytest.raises(jp.ConfigError, match=match):
+        jp.CyclicDataParallel(model, opt, mesh=mesh, **kw)
+
+
+def test_bad_batch():
+    model, batch_fn = small_model("mlp", 2)
+    cdp = jp.CyclicDataParallel(model, optax.sgd(0.1), mesh=jp.make_mesh(data=2))
+    with pytest.raises(jp.ConfigError, match="divisible"):
+        cdp.step(cdp.init(), batch_fn(3))
