@@ -21,7 +21,12 @@ flags.DEFINE_string("optimizer", "", "for a single --task: momentum | adamw | ad
 flags.DEFINE_string("schedules", "gpipe,pipedream,pipedream_2bw,spectrain,pipeoptim", "methods to compare; "
                     "spectrain is skipped (with a note) for optimizers without momentum, as it requires; "
                     "'dp' is the synchronous data-parallel baseline (computed exactly by GPipe); also "
-                    "cdp_v1, cdp_v2 (cyclic data parallelism, pipeline form)")
+                    "cdp_v1, cdp_v2 (cyclic data parallelism, pipeline form; the DP form jp.CyclicDataParallel "
+                    "computes the same numbers, tested), avgpipe (--avgpipe_pipes parallel pipelines, the global "
+                    "batch split over them, elastic averaging with alpha = 1/N)")
+flags.DEFINE_integer("avgpipe_pipes", 2, "parallel pipelines N of avgpipe (N x stages devices)")
+flags.DEFINE_float("target_slack", 0.05, "steps-to-target: the first evaluation whose eval loss is within this "
+                   "fraction of the dp baseline's final eval loss (AvgPipe Fig. 14)")
 flags.DEFINE_integer("seeds", 3, "seeds per method (model init and data order)")
 flags.DEFINE_integer("stages", 4, "pipeline stages D")
 flags.DEFINE_integer("microbatches", 4, "micro-batches per step M (pipedream_2bw needs M >= D)")
@@ -56,7 +61,12 @@ def run_one(task, opt_name, schedule, seed, steps, lr):
     # "dp": the synchronous baseline -- plain data-parallel SGD semantics (one update per step from the
     # gradient at the current weights), which every synchronous schedule computes exactly; run as GPipe
     name = "gpipe" if schedule == "dp" else schedule
-    pipe = jp.Pipeline(model, schedule=name, num_microbatches=M, optimizer=opt, mesh=jp.make_mesh(stages=D))
+    if name == "avgpipe":
+        # N pipelines, each on its share of the global batch (same samples per step as dp)
+        pipe = jp.Pipeline(model, schedule=name, num_microbatches=M, optimizer=opt,
+                           mesh=jp.make_mesh(pipes=FLAGS.avgpipe_pipes, stages=D), avgpipe={"advance": 0})
+    else:
+        pipe = jp.Pipeline(model, schedule=name, num_microbatches=M, optimizer=opt, mesh=jp.make_mesh(stages=D))
     loss_fn = jax.jit(model.loss)
 
     def evaluate(params):
@@ -83,7 +93,8 @@ def run_one(task, opt_name, schedule, seed, steps, lr):
 def main(argv):
     del argv
     if "jax" not in sys.modules:
-        os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={max(8, FLAGS.stages)}")
+        os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count="
+                              f"{max(8, FLAGS.stages * FLAGS.avgpipe_pipes)}")
     import csv
     import numpy as np
     from tqdm import tqdm
@@ -97,8 +108,8 @@ def main(argv):
     else:
         configs = [(FLAGS.task, FLAGS.optimizer or ("momentum" if FLAGS.task == "digits" else "adam"))]
     os.makedirs(FLAGS.out_dir, exist_ok=True)
-    all_rows, summary = [], ["| task | optimizer | method | final eval loss | final eval acc | seeds |",
-                             "|---|---|---|---|---|---|"]
+    all_rows, summary = [], ["| task | optimizer | method | final eval loss | final eval acc | steps to dp target "
+                             "| seeds |", "|---|---|---|---|---|---|---|"]
     for task, opt_name in configs:
         steps = FLAGS.steps or (300 if task == "digits" else 150)
         lr = FLAGS.lr or (0.05 if opt_name in ("momentum", "sgd") else 3e-3)
@@ -114,6 +125,14 @@ def main(argv):
             for r in rows:
                 all_rows.append({"task": task, "optimizer": opt_name, "method": method, "seed": seed, **r})
             curves.setdefault(method, []).append(rows)
+        target = None
+        if "dp" in curves:
+            target = float(np.mean([run[-1]["eval_loss"] for run in curves["dp"]])) * (1 + FLAGS.target_slack)
+
+        def steps_to(run):
+            hit = [r["step"] for r in run if r["eval_loss"] <= target]
+            return hit[0] if hit else float("nan")
+
         for method, rs in curves.items():
             steps_axis = [r["step"] for r in rs[0]]
             metric = "eval_acc" if task == "digits" else "eval_loss"
@@ -126,8 +145,14 @@ def main(argv):
             fl = np.array([run[-1]["eval_loss"] for run in rs])
             fa = np.array([run[-1].get("eval_acc", np.nan) for run in rs])
             acc = f"{np.mean(fa):.4f} ± {np.std(fa):.4f}" if task == "digits" else "-"
+            if target is None:
+                reach = "-"
+            else:
+                st = np.array([steps_to(run) for run in rs], float)
+                reach = f"{np.nanmean(st):.0f} ({int(np.sum(np.isfinite(st)))}/{len(rs)} reached)" \
+                    if np.any(np.isfinite(st)) else f"not reached (0/{len(rs)})"
             summary.append(f"| {task} | {opt_name} | {method} | {np.mean(fl):.4f} ± {np.std(fl):.4f} | {acc} | "
-                           f"{len(rs)} |")
+                           f"{reach} | {len(rs)} |")
         axes[0].legend()
         fig.suptitle(f"{task}, {opt_name} lr {lr:g}, D={FLAGS.stages}, M={FLAGS.microbatches}, "
                      f"batch {FLAGS.batch}, mean ± std over {FLAGS.seeds} seeds")
