@@ -17,7 +17,7 @@ import sys
 from absl import app, flags
 
 flags.DEFINE_string("schedules", "gpipe,1f1b,interleaved_1f1b,zb_h1,chimera,pipedream,pipedream_2bw,spectrain,"
-                    "pipeoptim,cdp_v1,cdp_v2",
+                    "pipeoptim,cdp_v1,cdp_v2,avgpipe,cdp_dp_v1,cdp_dp_v2",
                     "comma-separated schedules to benchmark (spectrain runs with SGD-momentum and is compared "
                     "with a plain step using that optimizer when --optimizer has no momentum)")
 flags.DEFINE_integer("stages", 4, "pipeline stages D (CPU-emulated devices)")
@@ -35,13 +35,13 @@ FLAGS = flags.FLAGS
 def main(argv):
     del argv
     if "jax" not in sys.modules:
-        os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={max(8, FLAGS.stages)}")
+        os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={max(8, 2 * FLAGS.stages)}")
     import json
     import jax
     import jax.numpy as jnp
     import jaxpipe as jp
     import statistics
-    from jaxpipe.bench import (compile_time, interleaved_medians, make_tanh_mlp, median_ratio,
+    from jaxpipe.bench import (compile_time, cyclic_runner, interleaved_medians, make_tanh_mlp, median_ratio,
                                pipeline_runner, plain_runner)
 
     if FLAGS.layers % FLAGS.stages:
@@ -74,7 +74,17 @@ def main(argv):
             o = jp.optim.by_name("momentum", 1e-3)   # SpecTrain needs a momentum buffer
             runners.setdefault("accum_momentum", plain_runner(model, batch, FLAGS.microbatches, o))
             opts[name] = "momentum"
-        run, info = pipeline_runner(name, m, batch, FLAGS.microbatches, o, devices=devices)
+        if name.startswith("cdp_dp_"):
+            # Cyclic Data Parallelism, DP form: D workers, one micro-batch each: the plain step to compare
+            # with accumulates D micro-batches
+            runners.setdefault("accum_D", plain_runner(model, batch, FLAGS.stages, opt))
+            base_of[name] = "accum_D"
+            run, info = cyclic_runner(name[len("cdp_dp_"):], model, batch, o)
+            runners[name] = run
+            infos.append(info)
+            continue
+        pipes = 2 if name == "avgpipe" else 1     # two parallel pipelines, the batch split between them
+        run, info = pipeline_runner(name, m, batch, FLAGS.microbatches, o, devices=devices, pipes=pipes)
         runners[name] = run
         infos.append(info)
     times = interleaved_medians(runners, FLAGS.steps)
@@ -86,7 +96,8 @@ def main(argv):
         name = info["schedule"]
         o = jp.optim.by_name(opts.get(name, FLAGS.optimizer), 1e-3)
         m, devices = model_of[name]
-        m2 = compile_time(name, m, batch, FLAGS.compile_m2, o, devices) if FLAGS.compile_m2 else None
+        m2 = compile_time(name, m, batch, FLAGS.compile_m2, o, devices) \
+            if FLAGS.compile_m2 and name not in ("avgpipe",) and not name.startswith("cdp_dp_") else None
         base = "accum_momentum" if name in opts else base_of.get(name, "accum")
         if name in opts:
             info = {**info, "schedule": f"{name} (momentum)"}

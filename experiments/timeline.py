@@ -21,6 +21,7 @@ flags.DEFINE_float("b", 2.0, "backward time of one stage on one micro-batch (zb_
 flags.DEFINE_float("w", 1.0, "zb_h1 only: weight-gradient time W")
 flags.DEFINE_integer("pipelines", 2, "chimera: 2f pipelines (f dividing stages/2)")
 flags.DEFINE_integer("virtual", 2, "interleaved_1f1b: model chunks per device")
+flags.DEFINE_integer("advance", 0, "avgpipe: forwards issued beyond 1F1B's warm-up (0 = 1F1B, M-1 = AFAB)")
 flags.DEFINE_enum("mode", "event", ["event", "lockstep"], "event: as-soon-as-possible (MPMD) timeline; "
                   "lockstep: the ticks the SPMD executor runs, each as long as its slowest op")
 flags.DEFINE_string("out", "timeline.png", "PNG path ('' to skip)")
@@ -32,8 +33,11 @@ FLAGS = flags.FLAGS
 def main(argv):
     del argv
     from jaxpipe import schedules
+    if FLAGS.schedule in ("cdp_dp", "cyclic"):
+        return cyclic_timeline()
     try:
-        opts = {"chimera": {"pipelines": FLAGS.pipelines}, "interleaved_1f1b": {"virtual": FLAGS.virtual}}
+        opts = {"chimera": {"pipelines": FLAGS.pipelines}, "interleaved_1f1b": {"virtual": FLAGS.virtual},
+                "avgpipe": {"advance": FLAGS.advance}}
         s = schedules.build(FLAGS.schedule, num_stages=FLAGS.stages, num_microbatches=FLAGS.microbatches,
                             **opts.get(FLAGS.schedule, {}))
     except ValueError as e:
@@ -48,6 +52,36 @@ def main(argv):
     if FLAGS.trace:
         s.to_chrome_trace(FLAGS.trace, f=FLAGS.f, b=FLAGS.b, w=FLAGS.w, mode=FLAGS.mode)
         print(f"wrote {FLAGS.trace} (open in ui.perfetto.dev)")
+
+
+def cyclic_timeline():
+    """Cyclic Data Parallelism's DP form (``--schedule=cdp_dp``): N = --stages workers, one row each, and
+    the activations one device would hold running them all, cyclic vs DP order (Figure 1, Table 1)."""
+    from jaxpipe.schedules import cyclic as cyc
+    N = FLAGS.stages
+    ticks = range(0, 6 * N)
+    for i in range(N):
+        cells = []
+        for t in ticks:
+            kind, j, k = cyc.op_of(N, i, t)
+            cells.append(f"{kind}{j}" if kind else "..")
+        print(f"worker {i}: " + " ".join(f"{c:>3}" for c in cells))
+    prof_c = [cyc.live_units(N, t) for t in ticks]
+    prof_d = [cyc.live_units(N, t, cyclic=False) for t in ticks]
+    print(f"stage activations held on one device: cyclic {prof_c}\n                                       DP {prof_d}")
+    print(f"steady state: cyclic {N * (N + 1) // 2} units = (N+1)/2 B Psi_A at every tick; DP peaks at {N * N} "
+          f"= N B Psi_A (Table 1)")
+    if FLAGS.out:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(8, 3))
+        ax.step(list(ticks), prof_d, where="mid", label="DP (all workers in step)")
+        ax.step(list(ticks), prof_c, where="mid", label="cyclic (workers 2 steps apart)")
+        ax.set_xlabel("time step"); ax.set_ylabel("stage activations held")
+        ax.set_title(f"Cyclic Data Parallelism, N={N}: activations on a single device")
+        ax.legend(); fig.tight_layout(); fig.savefig(FLAGS.out, dpi=110)
+        print(f"wrote {FLAGS.out}")
 
 
 if __name__ == "__main__":

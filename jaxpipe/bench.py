@@ -65,12 +65,13 @@ def plain_runner(model: PipelineModel, batch, num_microbatches: int, opt) -> Cal
 
 
 def pipeline_runner(name: str, model: PipelineModel, batch, num_microbatches: int, opt, data: int = 1,
-                    devices: int = 0):
+                    devices: int = 0, pipes: int = 1):
     """``(run, info)``: a closure running ``Pipeline.step`` and its compile time, memory and simulation.
     ``devices``: the mesh's stage size (default: one device per model stage; interleaved uses fewer)."""
     from . import Pipeline, make_mesh
     pipe = Pipeline(model, schedule=name, num_microbatches=num_microbatches, optimizer=opt,
-                    mesh=make_mesh(stages=devices or model.num_stages, data=data))
+                    mesh=make_mesh(stages=devices or model.num_stages, data=data, pipes=pipes),
+                    **({"avgpipe": {"advance": 0}} if name == "avgpipe" else {}))
     state = pipe.init()
     t0 = time.perf_counter()
     compiled = pipe.lower("step", state, batch).compile()
@@ -119,3 +120,28 @@ def median_ratio(a, b) -> float:
 
 def compile_time(name: str, model: PipelineModel, batch, num_microbatches: int, opt, devices: int = 0) -> float:
     return pipeline_runner(name, model, batch, num_microbatches, opt, devices=devices)[1]["compile_s"]
+
+
+def cyclic_runner(rule: str, model: PipelineModel, batch, opt):
+    """``(run, info)`` for Cyclic Data Parallelism's DP form: N = model stages workers on 'data', one
+    micro-batch of ``batch / N`` rows each per step (the plain step to compare with accumulates N)."""
+    from . import CyclicDataParallel, make_mesh
+    N = model.num_stages
+    cdp = CyclicDataParallel(model, opt, rule=rule, mesh=make_mesh(data=N))
+    b = jax.device_put(batch, jax.sharding.NamedSharding(cdp.mesh, jax.sharding.PartitionSpec("data")))
+    state = cdp.init()
+    state = state._replace(carry=cdp._empty_carry(b)[0])
+    t0 = time.perf_counter()
+    compiled = cdp._program(b).lower(state, b, jax.numpy.asarray(True)).compile()
+    compile_s = time.perf_counter() - t0
+    st = {"s": state}
+    mem = compiled.memory_analysis()
+
+    def run():
+        st["s"], metrics = cdp.step(st["s"], batch)
+        return metrics["loss"]
+
+    return run, {"schedule": f"cdp_dp_{rule}", "compile_s": compile_s,
+                 "temp_bytes": int(getattr(mem, "temp_size_in_bytes", -1)),
+                 "state_bytes": int(getattr(mem, "argument_size_in_bytes", -1)),
+                 "weight_versions": [2] * N, "lockstep_bubble": 0.0, "bubble": 0.0}
