@@ -78,6 +78,9 @@ class Pipeline:
         self.nan_bubbles = nan_bubbles
         self._compiled: Dict[Any, Any] = {}
         self._async = self._avg = None
+        if schedule == "wpipe":
+            from .wpipe_pipeline import WPipeRunner
+            self._async = WPipeRunner(self)
         if schedule == "avgpipe":
             from .avgpipe_pipeline import AvgPipeRunner
             self._avg = AvgPipeRunner(self, avgpipe)

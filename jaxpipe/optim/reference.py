@@ -10,6 +10,7 @@ pipedream   F, B: w_s[c_F]                                           update afte
 pipeoptim   F: w_s[c_F] + (D-1-s) u_s[c_F];  B: w_s[i]                update after every micro-batch
 spectrain   F: w_s[c_F] + (s//2 + D-1-s) u_s[c_F];  B: w_s[i] + (s//2) u_s[i]
 2bw         F, B of batch b: w_s[max(b-1, 0)]; after batch b: w_s[b+1] = w_s[b] + update(mean grad)
+wpipe       (2D partitions) as 2bw on G0 = stages < D, and F, B of batch b read w_s[b] on G1 (WPipe eq. 1)
 where ``u_s[c]`` is the update that produced ``w_s[c]`` (zero for c = 0).  Each stage has its own
 optimizer state over its local parameters (w_s, pre, post); only stage 0 gets gradients for ``pre`` and
 only stage D-1 for ``post``.  F keeps the activations it computed; B backpropagates through them with the
@@ -77,6 +78,10 @@ def serial_reference(model, method: str, opt: optax.GradientTransformation, num_
             elif method in ("pipedream_2bw", "cdp_v1"):
                 v = max(b - 1, 0)
                 wF.append(hist[s][v]); wB.append(hist[s][v])
+            elif method == "wpipe":
+                # eq. (1): G0 (stages < D/2 of the 2D-partition model) one delay, G1 none
+                v = max(b - 1, 0) if s < D // 2 else b
+                wF.append(hist[s][v]); wB.append(hist[s][v])
             elif method == "cdp_v2":
                 # eq. (CDP-v2): micro-batch j reads the fresh version w(b) on stages s >= D - 1 - j
                 v = b if (i % M) + s >= D - 1 else max(b - 1, 0)
@@ -101,7 +106,7 @@ def serial_reference(model, method: str, opt: optax.GradientTransformation, num_
             dpost = gpost if s == D - 1 else jax.tree.map(jnp.zeros_like, post0)
             grads[s] = (dw, dpre, dpost)
         for s in range(D):
-            if method in ("pipedream_2bw", "cdp_v1", "cdp_v2"):
+            if method in ("pipedream_2bw", "cdp_v1", "cdp_v2", "wpipe"):
                 acc[s] = grads[s] if acc[s] is None else jax.tree.map(jnp.add, acc[s], grads[s])
                 if i % M != M - 1:
                     continue

@@ -9,6 +9,7 @@ from typing import Callable, Dict
 
 from .asynchronous import ASYNC_BUILDERS, WEIGHT_VERSIONS
 from .avgpipe import build_avgpipe
+from .wpipe import build_wpipe_step
 from .chimera import build_chimera
 from .gpipe import build_gpipe
 from .interleaved import build_interleaved_1f1b
@@ -24,6 +25,7 @@ BUILDERS: Dict[str, Callable[..., Schedule]] = {
     "zb_h1": build_zb_h1,
     "chimera": build_chimera,
     "avgpipe": build_avgpipe,
+    "wpipe": build_wpipe_step,
     **ASYNC_BUILDERS,
 }
 ASYNCHRONOUS = tuple(ASYNC_BUILDERS)   # no flush: weight versions change between a micro-batch's F and B

@@ -1,0 +1,216 @@
+"""The no-flush executor of WPipe / 2GW (timeline: :mod:`jaxpipe.schedules.wpipe`).
+
+One ``shard_map`` program per call, a ``lax.scan`` over 4M ticks (one batch).  Device ``d`` holds two
+chunks: G0's partition ``d`` (chunk 0, with two versions: current and shadow) and G1's partition ``D + d``
+(chunk 1, one version), each with its own optimizer state and gradient accumulator (``lp_c = (w_c, pre,
+post)``; only device 0's ``pre`` and device D-1's ``post`` are trained, as in the asynchronous executor).
+At tick ``t`` device ``d`` runs the down op (a forward) of stream unit ``(t - d) / 2`` or the up op (a
+backward) of unit ``(t - 2D + 1 + d) / 2``; forwards go to ``d + 1`` and backwards to ``d - 1`` the next
+tick, except the two wrap-around messages (G0 -> G1 activation on device 0, G1 -> G0 gradient on device
+D - 1), which wait 2M - D ticks in a buffer indexed by micro-batch.  A group's update lands on a device after
+its backward of the batch's last micro-batch there: G1's is read by the next batch's forwards, G0's only by
+the batch after next (the shadow keeps the previous version for the backwards in between).
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from .executor import DP_AXES, read, rebuild_pullback, residual_mask, split_residuals, write
+
+ALL = ("pipe", "data", "stage")
+
+
+class WPipeCarry(NamedTuple):
+    stash0: Any     # G0 residuals, slot (batch mod 2) * M + j
+    stash1: Any     # G1 residuals, slot j
+    recv_f: Any     # forward message from d - 1 (consumed the next tick)
+    recv_b: Any     # backward message from d + 1
+    bnd_f: Any      # device 0: G0 -> G1 activations from device D - 1, slot j
+    bnd_b: Any      # device D - 1: G1 -> G0 gradients from device 0, slot j
+    dy_own: Any     # device D - 1: dL/dy of the last F1 (its B1 is the next tick)
+    gpost: Any      # device D - 1: the head's gradient of that micro-batch
+    ring: Any       # the device's micro-batches of the last two batches, [2, M, ...]
+
+
+def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: bool = False):
+    """``fn(lps, opt_states, shadow0, versions, accs, errors, carry, counters, batch, feed)``: 4M ticks."""
+    stage_fn, pre, post_loss = model.stage_fn, model.pre, model.post_loss
+    w_example = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), model.stage_params)
+    x_aval = jax.eval_shape(pre, model.pre_params, mb_example)
+    model.check_activation(x_aval, jax.eval_shape(stage_fn, w_example, x_aval))
+    T = 4 * M
+
+    def body(lps, oss, shadow0, versions, accs, errors, carry, counters, batch, feed):
+        sq = lambda t: jax.tree.map(lambda a: a[0], t)
+        lps, oss, shadow0, versions, accs, errors, c = map(sq, (lps, oss, shadow0, versions, accs, errors, carry))
+        t0, base, n_fed = counters
+        me = lax.axis_index("stage")
+        mask, _ = residual_mask(stage_fn, lps[0][0], jnp.zeros(x_aval.shape, x_aval.dtype))
+        batch = jax.tree.map(lambda a: a.reshape((M, a.shape[0] // M) + a.shape[1:]), batch)
+        c = c._replace(ring=jax.tree.map(lambda r, b: write(r, (base + n_fed) % 2, b), c.ring, batch))
+        n_fed = n_fed + feed.astype(jnp.int32)
+        zx = jnp.zeros(x_aval.shape, x_aval.dtype)
+        zeros = lambda t: jax.tree.map(jnp.zeros_like, t)
+
+        def mb_of(c, gb, j):
+            return jax.tree.map(lambda a: read(read(a, gb % 2), j), c.ring)
+
+        def land(g, st):
+            """The update of group g after its last backward of a batch on this device."""
+            lps, oss, shadow0, versions, accs = st
+            acc = jax.tree.map(lambda a: a / M, accs[g])
+            u, o = opt.update(acc, oss[g], lps[g])
+            new = optax.apply_updates(lps[g], u)
+            lps = (new, lps[1]) if g == 0 else (lps[0], new)
+            oss = (o, oss[1]) if g == 0 else (oss[0], o)
+            accs = (zeros(accs[0]), accs[1]) if g == 0 else (accs[0], zeros(accs[1]))
+            return lps, oss, shadow0, versions.at[g].add(1), accs
+
+        def weights(st, g, gb, err):
+            lps, _, shadow0, versions, _ = st
+            if g == 1:
+                return lps[1], err + (versions[1] != gb).astype(jnp.int32)
+            v = jnp.maximum(gb - 1, 0)
+            cur = versions[0] == v
+            err = err + (~cur & (versions[0] - 1 != v)).astype(jnp.int32)
+            return jax.tree.map(lambda a, b: jnp.where(cur, a, b), lps[0], shadow0), err
+
+        def fwd(g, flag):
+            # g 0: F0 (flag: device 0, applies pre); g 1: F1 (flag: device D - 1, computes the loss)
+            def op(gb, j, st, c, err, loss):
+                (w, pre_p, post_p), err = weights(st, g, gb, err)
+                if g == 0:
+                    x = pre(pre_p, mb_of(c, gb, j)) if flag else c.recv_f
+                else:
+                    x = read(c.bnd_f, j) if D == 1 else jnp.where(me == 0, read(c.bnd_f, j), c.recv_f)
+                y, res, _, _ = split_residuals(stage_fn, w, x, mask)
+                if g == 0:
+                    c = c._replace(stash0=[write(a, (gb % 2) * M + j, r) for a, r in zip(c.stash0, res)])
+                else:
+                    c = c._replace(stash1=[write(a, j, r) for a, r in zip(c.stash1, res)])
+                send = y.astype(x_aval.dtype)
+                if g == 1 and flag:
+                    l, (gq, dy) = jax.value_and_grad(post_loss, argnums=(0, 1))(post_p, y, mb_of(c, gb, j))
+                    c = c._replace(dy_own=dy.astype(x_aval.dtype), gpost=gq)
+                    loss = (loss[0] + l.astype(jnp.float32), loss[1] + 1)
+                    send = jnp.zeros_like(send)
+                return st, c, err, loss, (send, not (g == 1 and flag)), (zx, False)
+            return op
+
+        def bwd(g, flag):
+            # g 1: B1 (flag: device D - 1, starts from the loss); g 0: B0 (flag: device 0, ends in pre)
+            def op(gb, j, st, c, err, loss):
+                (w, pre_p, post_p), err = weights(st, g, gb, err)
+                if g == 1:
+                    res = [read(a, j) for a in c.stash1]
+                    dy = c.dy_own if flag else c.recv_b
+                else:
+                    res = [read(a, (gb % 2) * M + j) for a in c.stash0]
+                    dy = read(c.bnd_b, j) if D == 1 else jnp.where(me == D - 1, read(c.bnd_b, j), c.recv_b)
+                dw, dx = rebuild_pullback(stage_fn, w, zx, res, mask)(dy)
+                dx = dx.astype(x_aval.dtype)
+                dpre, dpost = zeros(pre_p), zeros(post_p)
+                if g == 0 and flag:
+                    dpre = jax.vjp(lambda q: pre(q, mb_of(c, gb, j)), pre_p)[1](dx)[0]
+                if g == 1 and flag:
+                    dpost = c.gpost
+                grad = lax.pmean((dw, dpre, dpost), DP_AXES)
+                lps, oss, sh0, versions, accs = st
+                acc = jax.tree.map(jnp.add, accs[g], grad)
+                accs = (acc, accs[1]) if g == 0 else (accs[0], acc)
+                st = (lps, oss, sh0, versions, accs)
+                if g == 0:
+                    st = lax.cond(j == M - 1, lambda s: land0(s), lambda s: s, st)
+                else:
+                    st = lax.cond(j == M - 1, lambda s: land(1, s), lambda s: s, st)
+                send = jnp.zeros_like(dx) if (g == 0 and flag) else dx
+                return st, c, err, loss, (zx, False), (send, not (g == 0 and flag))
+            return op
+
+        def land0(st):
+            lps, oss, shadow0, versions, accs = st
+            old = lps[0]
+            lps, oss, _, versions, accs = land(0, st)
+            return lps, oss, old, versions, accs
+
+        junk = jnp.full(x_aval.shape, jnp.nan, x_aval.dtype) if nan_bubbles else zx
+
+        def idle(gb, j, st, c, err, loss):
+            # an idle tick's messages are marked invalid; with nan_bubbles they are NaN, to prove it
+            return st, c, err, loss, (junk, False), (junk, False)
+
+        branches = [idle, fwd(0, False), fwd(0, True), fwd(1, False), fwd(1, True),
+                    bwd(0, False), bwd(0, True), bwd(1, False), bwd(1, True)]
+
+        def tick(s, t):
+            st, c, err, loss = s
+            even = (t - me) % 2 == 0
+            u = jnp.where(even, t - me, t - 2 * D + 1 + me) // 2
+            P_, r = jnp.floor_divide(u, 2 * M), jnp.mod(u, 2 * M)
+            g = (r >= M).astype(jnp.int32)
+            j = r - g * M
+            b = jnp.where(even, P_, P_ - 1 + g)            # forwards: batch P (G0's is the next batch's)
+            active = (u >= 0) & (b >= 0) & (b < n_fed)
+            flag = jnp.where(g == 0, me == 0, me == D - 1)     # pre on G0's first, loss on G1's last
+            br = 1 + 4 * (~even).astype(jnp.int32) + 2 * g + flag.astype(jnp.int32)
+            br = jnp.where(active, br, 0)
+            st, c, err, loss, (mf, okf), (mb_, okb) = lax.switch(br, branches, base + b, j, st, c, err, loss)
+            okf, okb = jnp.asarray(okf) & active, jnp.asarray(okb) & active
+            # forwards travel d -> d + 1, backwards d -> d - 1; the wrap-arounds land in the buffers
+            rf, jf, of = lax.ppermute((mf, j, okf), "stage", [(d, (d + 1) % D) for d in range(D)])
+            rb, jb, ob = lax.ppermute((mb_, j, okb), "stage", [(d, (d - 1) % D) for d in range(D)])
+            at0, atl = me == 0, me == D - 1
+            c = c._replace(
+                recv_f=jnp.where(of & ~at0, rf, c.recv_f),
+                bnd_f=jnp.where(of & at0, write(c.bnd_f, jf, rf), c.bnd_f),
+                recv_b=jnp.where(ob & ~atl, rb, c.recv_b),
+                bnd_b=jnp.where(ob & atl, write(c.bnd_b, jb, rb), c.bnd_b))
+            return (st, c, err, loss), None
+
+        loss0 = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+        st = (lps, oss, shadow0, versions, accs)
+        (st, c, errors, (lsum, lcount)), _ = lax.scan(tick, (st, c, errors, loss0),
+                                                     t0 + jnp.arange(T, dtype=jnp.int32))
+        lps, oss, shadow0, versions, accs = st
+        lsum, lcount = lax.psum((lsum, lcount), "stage")
+        lsum = lax.pmean(lsum, DP_AXES)
+        lcount = lax.pmax(lcount, DP_AXES)
+        ex = lambda t: jax.tree.map(lambda a: a[None], t)
+        return (ex(lps), ex(oss), ex(shadow0), ex(versions), ex(accs), ex(errors), ex(c),
+                (t0 + T, base, n_fed), (lsum, lcount))
+
+    stage = lambda t: jax.tree.map(lambda _: P("stage"), t)
+    dev = lambda t: jax.tree.map(lambda _: P(ALL), t)
+    rep = lambda t: jax.tree.map(lambda _: P(), t)
+
+    def fn(lps, oss, shadow0, versions, accs, errors, carry, counters, batch, feed):
+        args = (lps, oss, shadow0, versions, accs, errors)
+        in_specs = tuple(stage(a) for a in args) + (dev(carry), rep(counters),
+                                                     jax.tree.map(lambda _: P(DP_AXES), batch), P())
+        out_specs = tuple(stage(a) for a in args) + (dev(carry), rep(counters), (P(), P()))
+        return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
+            *args, carry, counters, batch, feed)
+
+    return fn, x_aval
+
+
+def empty_carry(model, D: int, M: int, n_devices: int, mb_example, x_aval, res_avals,
+                nan_bubbles: bool = False) -> WPipeCarry:
+    """The in-flight state of an empty pipeline; with ``nan_bubbles`` every float buffer starts NaN."""
+    def per(shape, dtype):
+        fill = jnp.nan if nan_bubbles and jnp.issubdtype(dtype, jnp.floating) else 0
+        return jnp.full((n_devices,) + tuple(shape), fill, dtype)
+    return WPipeCarry(
+        stash0=[per((2 * M,) + tuple(a.shape), a.dtype) for a in res_avals],
+        stash1=[per((M,) + tuple(a.shape), a.dtype) for a in res_avals],
+        recv_f=per(x_aval.shape, x_aval.dtype), recv_b=per(x_aval.shape, x_aval.dtype),
+        bnd_f=per((M,) + tuple(x_aval.shape), x_aval.dtype), bnd_b=per((M,) + tuple(x_aval.shape), x_aval.dtype),
+        dy_own=per(x_aval.shape, x_aval.dtype),
+        gpost=jax.tree.map(lambda a: per(jnp.shape(a), jnp.asarray(a).dtype), model.post_params),
+        ring=jax.tree.map(lambda a: per((2, M) + tuple(a.shape), a.dtype), mb_example))
