@@ -17,7 +17,7 @@ import sys
 from absl import app, flags
 
 flags.DEFINE_string("schedules", "gpipe,1f1b,interleaved_1f1b,zb_h1,chimera,pipedream,pipedream_2bw,spectrain,"
-                    "pipeoptim,cdp_v1,cdp_v2,avgpipe,cdp_dp_v1,cdp_dp_v2",
+                    "pipeoptim,cdp_v1,cdp_v2,wpipe,avgpipe,cdp_dp_v1,cdp_dp_v2",
                     "comma-separated schedules to benchmark (spectrain runs with SGD-momentum and is compared "
                     "with a plain step using that optimizer when --optimizer has no momentum)")
 flags.DEFINE_integer("stages", 4, "pipeline stages D (CPU-emulated devices)")
@@ -60,11 +60,11 @@ def main(argv):
     opts, base_of, model_of = {}, {}, {}
     for name in FLAGS.schedules.split(","):
         o, m, devices = opt, model, 0
-        if name == "interleaved_1f1b":
+        if name in ("interleaved_1f1b", "wpipe"):
             # two model chunks per device: the same layers cut into 2D stages, the same plain step math
             v = 2
             if FLAGS.layers % (v * FLAGS.stages):
-                raise app.UsageError(f"interleaved_1f1b needs --layers divisible by 2 x --stages")
+                raise app.UsageError(f"{name} needs --layers divisible by 2 x --stages")
             m = make_tanh_mlp(v * FLAGS.stages, FLAGS.layers // (v * FLAGS.stages), FLAGS.width)
             devices = FLAGS.stages
             runners.setdefault("accum_v2", plain_runner(m, batch, FLAGS.microbatches, opt))

@@ -40,6 +40,15 @@ def main(argv):
                 "avgpipe": {"advance": FLAGS.advance}}
         s = schedules.build(FLAGS.schedule, num_stages=FLAGS.stages, num_microbatches=FLAGS.microbatches,
                             **opts.get(FLAGS.schedule, {}))
+        if FLAGS.schedule == "wpipe":
+            # three batches, to show the steady state between fill and drain
+            from jaxpipe.schedules import wpipe
+            s = wpipe.build_wpipe(FLAGS.stages, FLAGS.microbatches, batches=3).validate()
+            ss = wpipe.steady_state(FLAGS.stages, FLAGS.microbatches)
+            print(f"wpipe steady state: bubble {ss.bubble:g}, period {ss.period} ticks per batch, in flight per "
+                  f"device G0 {ss.g0_inflight} G1 {ss.g1_inflight} micro-batches ({ss.activations_units:g} "
+                  f"partition-activations in all; WPipe Table 1's (4M-N+1)/4 S_a is {ss.table1_units:g}), "
+                  f"G0 two versions + G1 one")
     except ValueError as e:
         raise app.UsageError(str(e))
     if FLAGS.text:

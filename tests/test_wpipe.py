@@ -1,0 +1,116 @@
+"""WPipe / 2GW (Yang et al., §3.2-3.3): the cross-spliced timeline (zero bubble, Table 1) and the no-flush
+executor equal to the serial reference of eq. (1): G0 one delay (two versions), G1 data-parallel."""
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jaxpipe as jp
+from helpers import rel_err, small_model
+from jaxpipe import schedules
+from jaxpipe.optim.reference import serial_reference
+from jaxpipe.schedules import wpipe as wp
+
+OPTS = {"sgd": lambda: optax.sgd(0.1), "momentum": lambda: optax.sgd(0.05, momentum=0.9),
+        "adamw": lambda: optax.adamw(1e-2, weight_decay=1e-2)}
+
+
+def run(D, M, opt="momentum", kind="mlp", data=1, steps=3, nan_bubbles=False, method="wpipe"):
+    model, batch_fn = small_model(kind, 2 * D)
+    pipe = jp.Pipeline(model, schedule=method, num_microbatches=M, optimizer=OPTS[opt](),
+                       mesh=jp.make_mesh(stages=D, data=data), nan_bubbles=nan_bubbles)
+    state = pipe.init()
+    batches = [batch_fn(M * data * 2, s=k) for k in range(steps)]
+    for b in batches:
+        state, m = pipe.step(state, b)
+    state, m = pipe.drain(state)
+    return pipe, state, batches, model, m
+
+
+@pytest.mark.parametrize("D,M,opt", [(1, 1, "sgd"), (2, 2, "sgd"), (2, 2, "momentum"), (2, 2, "adamw"),
+                                      (2, 3, "momentum"), (4, 3, "adamw"), (4, 4, "momentum"), (4, 6, "sgd")])
+def test_matches_serial_reference(D, M, opt):
+    pipe, state, batches, model, m = run(D, M, opt)
+    ref = serial_reference(model, "wpipe", OPTS[opt](), M, batches)
+    assert int(m["version_errors"]) == 0
+    assert rel_err(pipe.params(state), ref["params"]) <= 1e-5
+
+
+def test_gpt_and_data_parallel():
+    pipe, state, batches, model, m = run(2, 2, "momentum", kind="gpt", steps=2)
+    ref = serial_reference(model, "wpipe", OPTS["momentum"](), 2, batches)
+    assert rel_err(pipe.params(state), ref["params"]) <= 1e-5
+    pipe, state, batches, model, m = run(2, 2, "momentum", data=2)
+    ref = serial_reference(model, "wpipe", OPTS["momentum"](), 2, batches, data_parallel=2)
+    assert rel_err(pipe.params(state), ref["params"]) <= 1e-5
+
+
+def test_bubbles_do_not_leak():
+    pipe, state, batches, model, m = run(4, 4, "momentum", nan_bubbles=True)
+    assert all(np.all(np.isfinite(np.asarray(a))) for a in jax.tree.leaves(pipe.params(state)))
+    ref = serial_reference(model, "wpipe", OPTS["momentum"](), 4, batches)
+    assert rel_err(pipe.params(state), ref["params"]) <= 1e-5
+
+
+def test_eq1_semantics_differ_from_2bw_and_dp():
+    """G1 reads fresh weights (no delay), G0 the previous version: neither 2BW (delay everywhere) nor DP."""
+    model, batch_fn = small_model("mlp", 4)
+    batches = [batch_fn(4, s=k) for k in range(3)]
+    opt = OPTS["momentum"]
+    ref = {m: serial_reference(model, m, opt(), 2, batches)["params"] for m in ("wpipe", "pipedream_2bw")}
+    ref["dp"] = serial_reference(model, "pipedream_2bw", opt(), 2, batches[:1])["params"]
+    assert rel_err(ref["wpipe"], ref["pipedream_2bw"]) > 1e-6
+    # with one batch every method reads version 0 everywhere: WPipe = 2BW = one plain step
+    one = serial_reference(model, "wpipe", opt(), 2, batches[:1])["params"]
+    assert rel_err(one, ref["dp"]) <= 1e-6
+
+
+# ---------------------------------------------------------------------- the timeline (Table 1)
+@pytest.mark.parametrize("D,M", [(1, 1), (2, 2), (2, 5), (4, 3), (4, 4), (4, 8), (8, 7), (8, 16)])
+def test_steady_state_has_no_bubble(D, M):
+    ss = wp.steady_state(D, M)
+    assert ss.bubble == 0.0 and ss.period == 4 * M
+    assert ss.weight_buffer_partitions == 2 * D        # G0's two versions: S_m in Table 1's accounting
+    if M >= D:
+        # G0 holds a batch's micro-batches plus the skew of its V; G1 what 1F1B holds
+        assert ss.g0_inflight == [M + D - d for d in range(D)]
+        assert ss.g1_inflight == [D - d for d in range(D)]
+
+
+def test_timeline_semantics_by_replay():
+    """Replay the timeline: G1's forwards of batch p+1 come after its backwards of batch p on every
+    device; G0's forwards of batch p+1 after its backwards of batch p-1 and before those of batch p."""
+    for D, M in [(2, 2), (4, 3), (4, 5), (8, 7)]:
+        T = 4 * M
+        seen = {}
+        for t in range(8 * T):
+            for d in range(D):
+                op = wp.op_at(t, d, D, M)
+                if op is not None and op[2] >= 0:
+                    seen[(d,) + op] = t
+        for d in range(D):
+            for p in range(1, 5):
+                f1 = min(seen[(d, "F", 1, p, j)] for j in range(M))
+                assert f1 > max(seen[(d, "B", 1, p - 1, j)] for j in range(M))
+                f0 = [seen[(d, "F", 0, p + 1, j)] for j in range(M)]
+                assert min(f0) > max(seen[(d, "B", 0, p - 1, j)] for j in range(M))
+                assert max(f0) < max(seen[(d, "B", 0, p, j)] for j in range(M))
+
+
+def test_ir_view_validates_and_draws():
+    s = schedules.build("wpipe", 4, 4)
+    assert s.num_model_stages == 8 and s.M == 4
+    s.validate()
+    wp.build_wpipe(4, 4, batches=3).validate().render_text()
+
+
+def test_errors():
+    model, _ = small_model("mlp", 8)
+    with pytest.raises(jp.ConfigError, match="num_microbatches"):
+        jp.Pipeline(model, schedule="wpipe", num_microbatches=2, optimizer=optax.sgd(0.1),
+                    mesh=jp.make_mesh(stages=4))
+    with pytest.raises(jp.ConfigError, match="8 in all"):
+        jp.Pipeline(small_model("mlp", 4)[0], schedule="wpipe", num_microbatches=4, optimizer=optax.sgd(0.1),
+                    mesh=jp.make_mesh(stages=4))
+    with pytest.raises(jp.ConfigError, match="optimizer"):
+        jp.Pipeline(model, schedule="wpipe", num_microbatches=4, mesh=jp.make_mesh(stages=4))
