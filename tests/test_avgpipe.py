@@ -29,8 +29,7 @@ def run(kind="mlp", N=2, D=4, M=4, data=1, opt="adam", steps=3, nan_bubbles=Fals
 
 
 @pytest.mark.parametrize("N,D,M,data,opt,advance", [
-    (2, 4, 4, 1, "adam", 0), (2, 4, 4, 1, "momentum", 3), (2, 2, 3, 2, "sgd", 1), (4, 2, 2, 1, "adam", 1),
-    (8, 1, 2, 1, "momentum", 0)])
+    (2, 4, 4, 1, "adam", 0), (2, 2, 3, 2, "sgd", 1), (4, 2, 2, 1, "momentum", 1), (8, 1, 2, 1, "adam", 0)])
 def test_matches_serial_reference(N, D, M, data, opt, advance):
     pipe, state, batches, losses, model = run(N=N, D=D, M=M, data=data, opt=opt, advance=advance)
     ref = avgpipe_reference(model, OPTS[opt](), N, M, batches, data_parallel=data)
