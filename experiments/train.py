@@ -15,7 +15,7 @@ from absl import app, flags
 
 flags.DEFINE_enum("model", "gpt", ["gpt", "mlp"], "gpt: byte-level transformer LM on pydoc_data text; "
                   "mlp: residual MLP classifier on scikit-learn digits")
-flags.DEFINE_string("schedule", "1f1b", "pipeline schedule: gpipe, 1f1b, interleaved_1f1b, zb_h1, chimera (synchronous) or pipedream, pipedream_2bw, "
+flags.DEFINE_string("schedule", "1f1b", "pipeline schedule: gpipe, 1f1b, interleaved_1f1b, zb_h1, chimera, avgpipe (synchronous) or wpipe, cdp_v1, cdp_v2, pipedream, pipedream_2bw, "
                     "spectrain, pipeoptim (asynchronous, no flush; see jaxpipe.schedules.available())")
 flags.DEFINE_integer("stages", 4, "pipeline stages = devices on the mesh's 'stage' axis")
 flags.DEFINE_integer("virtual", 2, "interleaved_1f1b: model chunks per device (the model gets stages x virtual)")
@@ -24,6 +24,8 @@ flags.DEFINE_enum("chimera_concat", "direct", ["direct", "forward_doubling", "ba
                   "chimera: how units of D micro-batches are concatenated when N > D (§3.5)")
 flags.DEFINE_bool("chimera_eager", False, "chimera: reduce the last stage's replica gradients eagerly (§3.2)")
 flags.DEFINE_integer("data", 1, "data-parallel replicas of the pipeline (mesh 'data' axis)")
+flags.DEFINE_integer("pipes", 1, "avgpipe: parallel pipelines N (mesh 'pipe' axis; the batch is split over them)")
+flags.DEFINE_string("advance", "auto", "avgpipe: forwards in advance beyond 1F1B (integer) or 'auto' (Algorithm 1)")
 flags.DEFINE_integer("microbatches", 4, "micro-batches per step (per data replica)")
 flags.DEFINE_integer("batch", 32, "global batch size (sequences or images); divisible by data x microbatches")
 flags.DEFINE_integer("steps", 300, "optimizer steps")
@@ -47,7 +49,7 @@ def main(argv):
     del argv
     if "jax" not in sys.modules and "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={FLAGS.stages * FLAGS.data}").strip()
+                                   f" --xla_force_host_platform_device_count={FLAGS.stages * FLAGS.data * FLAGS.pipes}").strip()
     import json
     import time
 
@@ -61,8 +63,13 @@ def main(argv):
 
     os.makedirs(FLAGS.out_dir, exist_ok=True)
     key = jax.random.key(FLAGS.seed)
-    n_stages = FLAGS.stages * (FLAGS.virtual if FLAGS.schedule == "interleaved_1f1b" else 1)
+    n_stages = FLAGS.stages * (FLAGS.virtual if FLAGS.schedule == "interleaved_1f1b" else
+                               2 if FLAGS.schedule == "wpipe" else 1)      # wpipe: G0 and G1 on each device
     extra = {}
+    if FLAGS.schedule == "avgpipe":
+        extra["avgpipe"] = {"advance": "auto" if FLAGS.advance == "auto" else int(FLAGS.advance)}
+    elif FLAGS.pipes != 1:
+        raise app.UsageError(f"--pipes={FLAGS.pipes} is for --schedule=avgpipe (parallel pipelines)")
     if FLAGS.schedule == "chimera":
         extra["chimera"] = {"pipelines": FLAGS.chimera_pipelines, "concat": FLAGS.chimera_concat,
                             "eager_reduce": FLAGS.chimera_eager}
@@ -84,7 +91,7 @@ def main(argv):
 
     sched = optax.warmup_cosine_decay_schedule(0.0, FLAGS.lr, max(1, FLAGS.steps // 20), FLAGS.steps)
     opt = optax.chain(optax.clip_by_global_norm(1.0), jp.optim.by_name(FLAGS.optimizer, sched))
-    mesh = jp.make_mesh(stages=FLAGS.stages, data=FLAGS.data)
+    mesh = jp.make_mesh(stages=FLAGS.stages, data=FLAGS.data, pipes=FLAGS.pipes)
     pipe = jp.Pipeline(model, schedule=FLAGS.schedule, num_microbatches=FLAGS.microbatches, optimizer=opt,
                        mesh=mesh, nan_bubbles=FLAGS.nan_bubbles, **extra)
     state = pipe.init()
@@ -124,7 +131,8 @@ def main(argv):
         if t_first is None:
             t_first = dt
             first_loss = loss
-        rec = {"step": i + 1, "time_s": dt, **{k: float(v) for k, v in metrics.items()}}
+        rec = {"step": i + 1, "time_s": dt, **{k: float(v) if np.ndim(v) == 0 else np.asarray(v).tolist()
+                                               for k, v in metrics.items()}}
         if i + 1 == FLAGS.steps and pipe.is_async:   # finish the micro-batches still in flight
             state, _ = pipe.drain(state)
         if FLAGS.eval_every and (i + 1) % FLAGS.eval_every == 0 or i + 1 == FLAGS.steps:

@@ -166,11 +166,13 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
             rf, jf, of = lax.ppermute((mf, j, okf), "stage", [(d, (d + 1) % D) for d in range(D)])
             rb, jb, ob = lax.ppermute((mb_, j, okb), "stage", [(d, (d - 1) % D) for d in range(D)])
             at0, atl = me == 0, me == D - 1
+            # buffers are written in place, into slot M (scratch) when nothing arrived for them: a select of
+            # the whole buffer would copy it every tick
             c = c._replace(
                 recv_f=jnp.where(of & ~at0, rf, c.recv_f),
-                bnd_f=jnp.where(of & at0, write(c.bnd_f, jf, rf), c.bnd_f),
+                bnd_f=write(c.bnd_f, jnp.where(of & at0, jf, M), rf),
                 recv_b=jnp.where(ob & ~atl, rb, c.recv_b),
-                bnd_b=jnp.where(ob & atl, write(c.bnd_b, jb, rb), c.bnd_b))
+                bnd_b=write(c.bnd_b, jnp.where(ob & atl, jb, M), rb))
             return (st, c, err, loss), None
 
         loss0 = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
@@ -210,7 +212,8 @@ def empty_carry(model, D: int, M: int, n_devices: int, mb_example, x_aval, res_a
         stash0=[per((2 * M,) + tuple(a.shape), a.dtype) for a in res_avals],
         stash1=[per((M,) + tuple(a.shape), a.dtype) for a in res_avals],
         recv_f=per(x_aval.shape, x_aval.dtype), recv_b=per(x_aval.shape, x_aval.dtype),
-        bnd_f=per((M,) + tuple(x_aval.shape), x_aval.dtype), bnd_b=per((M,) + tuple(x_aval.shape), x_aval.dtype),
+        bnd_f=per((M + 1,) + tuple(x_aval.shape), x_aval.dtype),
+        bnd_b=per((M + 1,) + tuple(x_aval.shape), x_aval.dtype),
         dy_own=per(x_aval.shape, x_aval.dtype),
         gpost=jax.tree.map(lambda a: per(jnp.shape(a), jnp.asarray(a).dtype), model.post_params),
         ring=jax.tree.map(lambda a: per((2, M) + tuple(a.shape), a.dtype), mb_example))
