@@ -64,11 +64,6 @@ def test_gpt_matches_serial_reference(method):
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_gpt_d2_sgd(method):
-    run_and_compare(method, "gpt", 2, "momentum" if method == "spectrain" else "sgd")
-
-
-@pytest.mark.parametrize("method", METHODS)
 def test_data_x_stage_mesh_matches_serial_reference(method):
     run_and_compare(method, "mlp", 2, "momentum", data=2)
 

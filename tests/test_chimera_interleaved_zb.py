@@ -40,13 +40,17 @@ def _pipe(kind, schedule, D, M, data, opts, **kw):
     return model, pipe, batch_fn(2 * M * data)
 
 
-@pytest.mark.parametrize("kind", ["mlp", "gpt"])
-@pytest.mark.parametrize("schedule,D,M,data,opts", CASES)
+# the GPT runs one representative case per schedule variant (the MLP runs them all): CI's time budget
+GPT_CASES = [c for c in CASES if (c[0], c[1], c[2], c[3], tuple(sorted(c[4].items()))) in {
+    ("chimera", 4, 4, 1, ()), ("chimera", 8, 8, 1, ()), ("chimera", 4, 4, 2, (("concat", "backward_halving"),)),
+    ("chimera", 4, 8, 1, (("concat", "forward_doubling"),)), ("chimera", 4, 4, 2, (("eager_reduce", True),)),
+    ("interleaved_1f1b", 8, 8, 1, (("virtual", 2),)), ("interleaved_1f1b", 4, 8, 2, (("virtual", 2),)),
+    ("zb_h1", 8, 8, 1, ()), ("zb_h1", 4, 8, 1, (("max_deferred_w", 3),))}]
+
+
+@pytest.mark.parametrize("kind,schedule,D,M,data,opts",
+                         [("mlp",) + c for c in CASES] + [("gpt",) + c for c in GPT_CASES])
 def test_matches_jax_grad(kind, schedule, D, M, data, opts):
-    if kind == "gpt" and D == 8 and opts.get("pipelines") == 4:
-        pytest.skip("D=8 GPT with 2f=4 pipelines: covered on the MLP (the suite's time budget)")
-    if kind == "gpt" and schedule == "chimera" and opts.get("eager_reduce") and D == 8:
-        pytest.skip("D=8 GPT eager: covered on the MLP and on GPT at D=4")
     model, pipe, batch = _pipe(kind, schedule, D, M, data, opts)
     loss, grads = pipe.loss_and_grad(pipe.init(), batch)
     ref_loss, ref_grads = reference(model, batch)
