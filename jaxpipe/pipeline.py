@@ -36,7 +36,7 @@ class Pipeline:
     def __init__(self, model: PipelineModel, schedule: str = "1f1b", num_microbatches: int = 1,
                  optimizer: Optional[optax.GradientTransformation] = None, mesh=None, *,
                  nan_bubbles: bool = False, chimera: Optional[dict] = None, virtual: Optional[int] = None,
-                 zb: Optional[dict] = None, avgpipe: Optional[dict] = None):
+                 zb: Optional[dict] = None, avgpipe: Optional[dict] = None, wpipe: Optional[dict] = None):
         if not isinstance(model, PipelineModel):
             raise ConfigError(f"model must be a jp.PipelineModel, got {type(model).__name__}")
         if mesh is None:
@@ -66,6 +66,15 @@ class Pipeline:
                 f"axis has {D} devices and {schedule} puts {per} stage(s) on each, {self.schedule.num_model_stages} "
                 f"in all; stack {self.schedule.num_model_stages} stages' parameters or use "
                 f"jp.make_mesh(stages={max(model.num_stages // max(per, 1), 1)}, ...)")
+        if wpipe is not None:
+            unknown = set(wpipe) - {"recompute"}
+            if schedule != "wpipe" or unknown:
+                raise ConfigError(f"wpipe={wpipe!r}: " + (f"unknown option(s) {sorted(unknown)}; known: ['recompute']"
+                                                          if unknown else f"an option of schedule 'wpipe', not {schedule!r}"))
+        if schedule == "wpipe" and (wpipe or {}).get("recompute"):
+            # WPipe-R (§3.3): stash each partition's input only and recompute its activations in the backward
+            import dataclasses
+            self.model = model = dataclasses.replace(model, stage_fn=jax.checkpoint(model.stage_fn))
         if schedule == "chimera" and options.get("concat") == "forward_doubling":
             # forward doubling holds two micro-batches' activations per forward tick: recompute them in the
             # backward instead (§3.5), so the stash keeps only each stage's input
