@@ -31,6 +31,11 @@ class Pipeline:
 
     ``nan_bubbles=True`` is a debugging aid: buffers start as NaN and idle ticks send NaN, so anything a bubble
     leaks into the result shows up as NaN.
+
+    Schedule options: ``chimera={"pipelines", "concat", "eager_reduce"}``, ``virtual=`` (interleaved_1f1b),
+    ``zb={"max_deferred_w"}`` (zb_h1), ``avgpipe={"alpha", "advance", "memory_limit"}`` (needs a mesh with
+    ``pipes=N``), ``wpipe={"recompute"}`` (the model has 2 x stage-axis partitions).  ``wpipe`` and the
+    asynchronous schedules never flush: use ``drain`` before reading final parameters.
     """
 
     def __init__(self, model: PipelineModel, schedule: str = "1f1b", num_microbatches: int = 1,
@@ -107,7 +112,8 @@ class Pipeline:
 
     @property
     def is_async(self) -> bool:
-        """True for the no-flush schedules (pipedream, pipedream_2bw, spectrain, pipeoptim)."""
+        """True for the no-flush schedules (pipedream, pipedream_2bw, spectrain, pipeoptim, cdp_v1, cdp_v2,
+        wpipe)."""
         return self._async is not None
 
     def init(self):
