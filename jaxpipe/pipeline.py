@@ -76,13 +76,11 @@ class Pipeline:
             if schedule != "wpipe" or unknown:
                 raise ConfigError(f"wpipe={wpipe!r}: " + (f"unknown option(s) {sorted(unknown)}; known: ['recompute']"
                                                           if unknown else f"an option of schedule 'wpipe', not {schedule!r}"))
-        if schedule == "wpipe" and (wpipe or {}).get("recompute"):
-            # WPipe-R (§3.3): stash each partition's input only and recompute its activations in the backward
-            import dataclasses
-            self.model = model = dataclasses.replace(model, stage_fn=jax.checkpoint(model.stage_fn))
-        if schedule == "chimera" and options.get("concat") == "forward_doubling":
-            # forward doubling holds two micro-batches' activations per forward tick: recompute them in the
-            # backward instead (§3.5), so the stash keeps only each stage's input
+        # Recomputation: the stash keeps each stage's input only and the backward recomputes the rest --
+        # WPipe-R (§3.3) on request; Chimera's forward doubling always (it holds two micro-batches'
+        # activations per forward tick, §3.5)
+        if ((schedule == "wpipe" and (wpipe or {}).get("recompute")) or
+                (schedule == "chimera" and options.get("concat") == "forward_doubling")):
             import dataclasses
             self.model = model = dataclasses.replace(model, stage_fn=jax.checkpoint(model.stage_fn))
         from .runtime.executor import exchange_perms, layout_index

@@ -62,8 +62,11 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
             return jax.tree.map(lambda a: read(read(a, gb % 2), j), c.ring)
 
         def land(g, st):
-            """The update of group g after its last backward of a batch on this device."""
+            """The update of group g after its last backward of a batch on this device (G0 keeps the
+            version it replaces as the shadow)."""
             lps, oss, shadow0, versions, accs = st
+            if g == 0:
+                shadow0 = lps[0]
             acc = jax.tree.map(lambda a: a / M, accs[g])
             u, o = opt.update(acc, oss[g], lps[g])
             new = optax.apply_updates(lps[g], u)
@@ -125,19 +128,10 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
                 acc = jax.tree.map(jnp.add, accs[g], grad)
                 accs = (acc, accs[1]) if g == 0 else (accs[0], acc)
                 st = (lps, oss, sh0, versions, accs)
-                if g == 0:
-                    st = lax.cond(j == M - 1, lambda s: land0(s), lambda s: s, st)
-                else:
-                    st = lax.cond(j == M - 1, lambda s: land(1, s), lambda s: s, st)
+                st = lax.cond(j == M - 1, lambda s: land(g, s), lambda s: s, st)
                 send = jnp.zeros_like(dx) if (g == 0 and flag) else dx
                 return st, c, err, loss, (zx, False), (send, not (g == 0 and flag))
             return op
-
-        def land0(st):
-            lps, oss, shadow0, versions, accs = st
-            old = lps[0]
-            lps, oss, _, versions, accs = land(0, st)
-            return lps, oss, old, versions, accs
 
         junk = jnp.full(x_aval.shape, jnp.nan, x_aval.dtype) if nan_bubbles else zx
 
