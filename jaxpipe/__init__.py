@@ -22,6 +22,8 @@ _LAZY = {
     "PipelineState": ("pipeline", "PipelineState"),
     "PipelineModel": ("model", "PipelineModel"),
     "CyclicDataParallel": ("cyclic", "CyclicDataParallel"),
+    "Checkpointer": ("checkpoint", "Checkpointer"),
+    "distributed": ("distributed", None),
     "make_mesh": ("runtime.mesh", "make_mesh"),
     "models": ("models", None),
     "data": ("data", None),
@@ -31,7 +33,7 @@ _LAZY = {
     "tune": ("tune", None),
 }
 
-__all__ = ["ConfigError", "CyclicDataParallel", "Pipeline", "PipelineModel", "PipelineState", "data", "make_mesh", "models", "optim",
+__all__ = ["Checkpointer", "ConfigError", "CyclicDataParallel", "Pipeline", "PipelineModel", "PipelineState", "data", "make_mesh", "models", "optim",
            "schedules", "tune"]
 
 

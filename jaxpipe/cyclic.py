@@ -277,6 +277,14 @@ class CyclicDataParallel:
         return self._fns[key]
 
     # ------------------------------------------------------------------ public
+    def prepare(self, state: CyclicState, batch) -> CyclicState:
+        """The state with the in-flight buffers allocated (``Pipeline.prepare``): a checkpoint template."""
+        self._check_batch(batch)
+        if state.carry is None:
+            state = state._replace(carry=self._empty_carry(
+                jax.device_put(batch, NamedSharding(self.mesh, P("data"))))[0])
+        return state
+
     def step(self, state: CyclicState, batch):
         """Feed one micro-batch per worker (the batch's rows split over the workers in order) and run 2N
         time steps.  Metrics: ``loss`` (mean of the losses computed in this call), ``losses_computed``,

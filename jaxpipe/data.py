@@ -27,25 +27,68 @@ def byte_corpus(split: float = 0.9) -> Tuple[np.ndarray, np.ndarray]:
     return data[:cut], data[cut:]
 
 
-def lm_batches(data: np.ndarray, batch: int, seq_len: int, seed: int = 0) -> Iterator[Dict[str, np.ndarray]]:
+class _Stream:
+    """An endless, seeded batch iterator whose position can be saved and restored (``state_dict`` is
+    JSON-able: the numpy RNG's bit-generator state plus counters), so a resumed run sees the same batches."""
+
+    def __iter__(self):
+        return self
+
+    def state_dict(self) -> dict:
+        return {"rng": self.rng.bit_generator.state, "position": self.position, **self._extra_state()}
+
+    def load_state_dict(self, state: dict):
+        self.rng.bit_generator.state = state["rng"]
+        self.position = int(state["position"])
+        self._load_extra(state)
+
+    def _extra_state(self):
+        return {}
+
+    def _load_extra(self, state):
+        pass
+
+
+class lm_batches(_Stream):
     """Endless random windows: ``{"x": int32[batch, seq_len], "y": the next byte of each}``."""
-    rng = np.random.default_rng(seed)
-    if len(data) <= seq_len + 1:
-        raise ValueError(f"corpus of {len(data)} bytes is too short for seq_len={seq_len}")
-    while True:
-        starts = rng.integers(0, len(data) - seq_len - 1, size=batch)
-        win = np.stack([data[s:s + seq_len + 1] for s in starts]).astype(np.int32)
-        yield {"x": win[:, :-1], "y": win[:, 1:]}
+
+    def __init__(self, data: np.ndarray, batch: int, seq_len: int, seed: int = 0):
+        if len(data) <= seq_len + 1:
+            raise ValueError(f"corpus of {len(data)} bytes is too short for seq_len={seq_len}")
+        self.data, self.batch, self.seq_len = data, batch, seq_len
+        self.rng = np.random.default_rng(seed)
+        self.position = 0
+
+    def __next__(self) -> Dict[str, np.ndarray]:
+        starts = self.rng.integers(0, len(self.data) - self.seq_len - 1, size=self.batch)
+        win = np.stack([self.data[s:s + self.seq_len + 1] for s in starts]).astype(np.int32)
+        self.position += 1
+        return {"x": win[:, :-1], "y": win[:, 1:]}
 
 
-def class_batches(ds: Dict[str, np.ndarray], batch: int, seed: int = 0) -> Iterator[Dict[str, np.ndarray]]:
+class class_batches(_Stream):
     """Endless shuffled epochs of a classification set, dropping the last partial batch."""
-    rng = np.random.default_rng(seed)
-    n = len(ds["y"])
-    if batch > n:
-        raise ValueError(f"batch {batch} is larger than the dataset ({n} examples)")
-    while True:
-        perm = rng.permutation(n)
-        for i in range(0, n - batch + 1, batch):
-            sel = perm[i:i + batch]
-            yield {k: v[sel] for k, v in ds.items()}
+
+    def __init__(self, ds: Dict[str, np.ndarray], batch: int, seed: int = 0):
+        self.ds, self.batch = ds, batch
+        self.n = len(ds["y"])
+        if batch > self.n:
+            raise ValueError(f"batch {batch} is larger than the dataset ({self.n} examples)")
+        self.rng = np.random.default_rng(seed)
+        self.position = 0
+        self.perm, self.offset = None, 0
+
+    def __next__(self) -> Dict[str, np.ndarray]:
+        if self.perm is None or self.offset + self.batch > self.n:
+            self.perm, self.offset = self.rng.permutation(self.n), 0
+        sel = self.perm[self.offset:self.offset + self.batch]
+        self.offset += self.batch
+        self.position += 1
+        return {k: v[sel] for k, v in self.ds.items()}
+
+    def _extra_state(self):
+        return {"perm": None if self.perm is None else self.perm.tolist(), "offset": self.offset}
+
+    def _load_extra(self, state):
+        self.perm = None if state["perm"] is None else np.asarray(state["perm"])
+        self.offset = int(state["offset"])

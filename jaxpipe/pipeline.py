@@ -132,6 +132,15 @@ class Pipeline:
         opt_state = jax.tree.map(on_mesh, opt_state)
         return PipelineState(params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), rep))
 
+    def prepare(self, state, batch):
+        """The state with every buffer allocated: the no-flush schedules create their in-flight pipeline state
+        (``carry``) on the first step, sized from the batch; ``prepare`` does it now (a no-op otherwise), so
+        the state has its final structure -- what ``jp.Checkpointer.restore`` needs as a template."""
+        if self._async is not None:
+            self._check_batch(batch)
+            return self._async._ensure_carry(state, self.shard_batch(batch))
+        return state
+
     def params(self, state: PipelineState):
         """``(stage_params, pre_params, post_params)`` as the model gave them (stage leaves stacked)."""
         if self._async is not None:

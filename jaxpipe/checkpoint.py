@@ -1,0 +1,195 @@
+"""Checkpoints of the whole train state with Orbax: save asynchronously every K steps, keep N, resume.
+
+    ckpt = jp.Checkpointer("ckpt", pipe, keep=3, every=50)
+    state = pipe.prepare(pipe.init(), example_batch)        # the in-flight buffers exist before a restore
+    state, extra, step = ckpt.restore_latest(state)           # (state, {}, 0) when there is none
+    ...
+    ckpt.maybe_save(step, state, extra={"data": stream.state_dict()})
+    ckpt.close()                                              # waits for the last asynchronous write
+
+What is saved is the state pytree the pipeline returns -- parameters, optimizer state, weight versions and
+stashes (``policy_state`` / ``shadow``), the asynchronous methods' in-flight pipeline (``carry``,
+``counters``), AvgPipe's elastic-averaging reference -- plus a JSON item with the caller's extras (data
+iterator position and RNG) and a fingerprint of the model, schedule and mesh that ``restore`` checks.
+
+Atomicity: Orbax writes a step into ``<step>.orbax-checkpoint-tmp-*`` and renames it when every file is
+written; ``latest_step`` only lists finalized steps, so a write torn by a crash is never picked.  Retention
+(``keep``) deletes the oldest finalized steps.  All processes of a multi-host job call save/restore; Orbax
+writes each array's shards from the process that holds them and the metadata from process 0.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, Dict, Optional, Tuple
+
+import jax
+import numpy as np
+
+from .errors import ConfigError
+
+
+def fingerprint(pipe) -> Dict[str, Any]:
+    """What a checkpoint must agree with to be restored into ``pipe``: model parameter shapes, schedule,
+    micro-batches and mesh shape."""
+    shapes = [(jax.tree_util.keystr(k), tuple(int(d) for d in np.shape(v)), str(np.asarray(v).dtype)
+               if not hasattr(v, "dtype") else str(v.dtype))
+              for k, v in jax.tree_util.tree_flatten_with_path(pipe.model.params)[0]]
+    digest = hashlib.sha256(repr(shapes).encode()).hexdigest()[:16]
+    return {"model": digest, "model_parameters": int(sum(int(np.prod(s[1])) for s in shapes)),
+            "model_stages": int(pipe.model.num_stages), "schedule": pipe.schedule.name,
+            "microbatches": int(pipe.num_microbatches), "mesh": {k: int(v) for k, v in pipe.mesh.shape.items()}}
+
+
+class Checkpointer:
+    """Orbax ``CheckpointManager`` for one ``jp.Pipeline`` (or any object with ``model``, ``schedule``,
+    ``num_microbatches`` and ``mesh``; pass ``pipe=None`` to skip the fingerprint check)."""
+
+    def __init__(self, directory: str, pipe=None, *, keep: Optional[int] = 3, every: int = 0,
+                 async_save: bool = True):
+        import orbax.checkpoint as ocp
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+            raise ConfigError(f"Checkpointer keep={keep!r}: give how many checkpoints to keep (>= 1) or None for all")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ConfigError(f"Checkpointer every={every!r}: give a step interval >= 1, or 0 to save only when "
+                              f"asked (save(..., force=True))")
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.every, self.keep = every, keep
+        self.fingerprint = fingerprint(pipe) if pipe is not None else None
+        self._ocp = ocp
+        opts = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=max(every, 1),
+                                            enable_async_checkpointing=async_save, create=True)
+        self.manager = ocp.CheckpointManager(self.directory, options=opts, item_names=("state", "meta"))
+
+    # ------------------------------------------------------------------ save
+    def latest_step(self) -> Optional[int]:
+        """The newest finalized step (never a torn, unfinished write), or None."""
+        self.manager.reload()
+        return self.manager.latest_step()
+
+    def all_steps(self):
+        self.manager.reload()
+        return list(self.manager.all_steps())
+
+    def maybe_save(self, step: int, state, extra: Optional[dict] = None, force: bool = False) -> bool:
+        """Save at multiples of ``every`` (or always with ``force``); returns whether a save started.
+
+        The state is refused if it holds NaN or Inf (a diverged run must never overwrite a good checkpoint)."""
+        if not force and (self.every == 0 or step % self.every):
+            return False
+        if step in (self.manager.all_steps() or []):
+            return False
+        bad = nonfinite_leaves(state)
+        if bad:
+            raise ConfigError(f"refusing to checkpoint step {step}: the state holds NaN/Inf in {bad[:3]}"
+                              f"{' ...' if len(bad) > 3 else ''}; the last good checkpoint is step "
+                              f"{self.latest_step()}")
+        meta = {"step": int(step), "fingerprint": self.fingerprint, "extra": extra or {}, "shapes": _shapes(state)}
+        args = self._ocp.args.Composite(state=self._ocp.args.StandardSave(state),
+                                        meta=self._ocp.args.JsonSave(meta))
+        return bool(self.manager.save(step, args=args, force=True))
+
+    def save(self, step: int, state, extra: Optional[dict] = None) -> bool:
+        return self.maybe_save(step, state, extra, force=True)
+
+    def wait(self):
+        """Block until the asynchronous write in progress (if any) is on disk."""
+        self.manager.wait_until_finished()
+
+    def close(self):
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+    # ------------------------------------------------------------------ restore
+    def restore(self, template, step: Optional[int] = None) -> Tuple[Any, dict, int]:
+        """``(state, extra, step)`` from ``step`` (default: the latest).  ``template`` is a state of the same
+        pipeline (e.g. ``pipe.prepare(pipe.init(), batch)``): it gives the structure, shapes and shardings the
+        arrays are restored onto, so a checkpoint written on another mesh is resharded when shapes allow."""
+        ocp = self._ocp
+        if step is None:
+            step = self.latest_step()
+        if step is None:
+            raise ConfigError(f"no finalized checkpoint in {self.directory}")
+        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        self._check_fingerprint(meta.get("fingerprint"), step)
+        leaves = jax.tree.leaves(template)
+        if any(l is None for l in leaves) or _has_none(template):
+            raise ConfigError("the restore template has empty in-flight state (carry=None): build it with "
+                              "pipe.prepare(pipe.init(), example_batch) so the buffers exist")
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+        saved, want = meta.get("shapes") or {}, _shapes(abstract)
+        diff = [f"{k}: saved {tuple(saved[k])}, needed {tuple(v)}" for k, v in want.items()
+                if k in saved and tuple(saved[k]) != tuple(v)]
+        if diff:
+            self._mesh_error(step, meta.get("fingerprint"), "; ".join(diff[:2]) + (" ..." if len(diff) > 2 else ""))
+        if saved and set(saved) != set(want):
+            raise ConfigError(f"checkpoint step {step} holds a state of another structure (e.g. "
+                              f"{sorted(set(saved) ^ set(want))[:2]}): it was written by another schedule or "
+                              f"jaxpipe version; resume with the configuration that wrote it, or start afresh")
+        try:
+            out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
+        except ValueError as e:
+            if "shape" not in str(e):
+                raise
+            self._mesh_error(step, meta.get("fingerprint"), str(e).split(". Truncating")[0])
+        return out["state"], meta.get("extra", {}), int(meta["step"])
+
+    def restore_latest(self, template) -> Tuple[Any, dict, int]:
+        """Like ``restore`` but returns ``(template, {}, 0)`` when the directory holds no checkpoint."""
+        if self.latest_step() is None:
+            return template, {}, 0
+        return self.restore(template)
+
+    def _check_fingerprint(self, saved: Optional[dict], step: int):
+        mine = self.fingerprint
+        if mine is None or saved is None:
+            return
+        where = f"checkpoint step {step} in {self.directory}"
+        if saved["model"] != mine["model"]:
+            raise ConfigError(
+                f"{where} is from another model: it holds {saved['model_parameters']:,} parameters in "
+                f"{saved['model_stages']} stages (fingerprint {saved['model']}), this run's model has "
+                f"{mine['model_parameters']:,} in {mine['model_stages']} (fingerprint {mine['model']}); "
+                f"build the same model, or point --checkpoint_dir at an empty directory to start afresh")
+        for k in ("schedule", "microbatches"):
+            if saved[k] != mine[k]:
+                raise ConfigError(
+                    f"{where} was written by schedule {saved['schedule']!r} with {saved['microbatches']} "
+                    f"micro-batches; this run uses {mine['schedule']!r} with {mine['microbatches']}: the state "
+                    f"layout ({k}) differs. Resume with the same schedule and num_microbatches, or start afresh")
+
+    def _mesh_error(self, step, fp, detail):
+        was = (fp or {}).get("mesh")
+        now = self.fingerprint["mesh"] if self.fingerprint else None
+        per = "pipe replica" if was and now and was.get("pipe") != now.get("pipe") else "device"
+        raise ConfigError(
+            f"checkpoint step {step} cannot be restored onto this mesh: an array differs in shape ({detail}). "
+            f"It was written on mesh {was}, this run has {now}; this schedule's state (in-flight pipeline, "
+            f"replicas) is laid out per {per}. Resume on mesh {was}, or (synchronous schedules, whose state does "
+            f"not depend on the 'data' axis) change only 'data'") from None
+
+
+def _shapes(tree) -> Dict[str, list]:
+    return {jax.tree_util.keystr(k): [int(d) for d in np.shape(v)]
+            for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _has_none(tree) -> bool:
+    return any(x is None for x in jax.tree.leaves(tree, is_leaf=lambda x: x is None))
+
+
+def nonfinite_leaves(tree):
+    """Key paths of floating-point leaves holding NaN or Inf (checked on device, one bool per leaf)."""
+    import jax.numpy as jnp
+    flat = [(k, v) for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]
+            if hasattr(v, "dtype") and jnp.issubdtype(v.dtype, jnp.floating)]
+    if not flat:
+        return []
+    ok = jax.jit(lambda xs: [jnp.all(jnp.isfinite(x)) for x in xs])([v for _, v in flat])
+    return [jax.tree_util.keystr(k) for (k, _), good in zip(flat, ok) if not bool(good)]
+
+
+def json_safe(obj):
+    """``obj`` round-tripped through JSON (numpy ints -> int), so extras compare equal after a restore."""
+    return json.loads(json.dumps(obj, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
