@@ -5,6 +5,15 @@
 
 Shows a progress bar, writes one JSON line of metrics per step to ``<out_dir>/metrics.jsonl``, evaluates on
 held-out data every ``--eval_every`` steps, and ends with a summary (and, for the LM, a sample of text).
+
+    # checkpoints: every 50 steps and at exit (or on SIGTERM), keep 3; run the same command again to resume
+    python -m experiments.train --checkpoint_dir=ckpt --checkpoint_every=50
+    # two processes, 2 CPU devices each, one 4-stage pipeline across them (or: python -m experiments.launch)
+    python -m experiments.train --stages=4 --num_processes=2 --process_id=0 --coordinator=127.0.0.1:12355 &
+    python -m experiments.train --stages=4 --num_processes=2 --process_id=1 --coordinator=127.0.0.1:12355
+
+A NaN or Inf loss stops the run with the step and the stage where it first appeared (``--on_nonfinite=skip``
+skips such updates instead, synchronous schedules); a non-finite state is never checkpointed.
 """
 from __future__ import annotations
 
@@ -42,15 +51,38 @@ flags.DEFINE_integer("seed", 0, "seed for parameters and data order")
 flags.DEFINE_string("out_dir", "runs/train", "where metrics.jsonl and summary.json go")
 flags.DEFINE_bool("progress", True, "show a progress bar")
 flags.DEFINE_bool("nan_bubbles", False, "debug: fill pipeline bubbles with NaN (results must stay finite)")
+flags.DEFINE_string("coordinator", None, "multi-host: process 0's HOST:PORT (or JAX_COORDINATOR_ADDRESS)")
+flags.DEFINE_integer("num_processes", None, "multi-host: number of processes (or JAX_NUM_PROCESSES); the mesh "
+                     "spans all their devices")
+flags.DEFINE_integer("process_id", None, "multi-host: this process's index (or JAX_PROCESS_ID)")
+flags.DEFINE_integer("init_timeout", 60, "multi-host: seconds to wait for the coordinator before failing")
+flags.DEFINE_string("checkpoint_dir", None, "Orbax checkpoints of the whole train state; a run finding one resumes")
+flags.DEFINE_integer("checkpoint_every", 0, "save every this many steps (0: only at exit); asynchronous writes")
+flags.DEFINE_integer("checkpoint_keep", 3, "checkpoints kept (the oldest are deleted)")
+flags.DEFINE_enum("on_nonfinite", "stop", ["stop", "skip"], "a NaN/Inf loss or gradient: stop with the step and "
+                  "the stage where it appeared, or skip that update (synchronous schedules)")
+flags.DEFINE_string("save_params", None, "write the final parameters to this .npz (process 0)")
+flags.DEFINE_float("throttle_s", 0.0, "debug: sleep this long after each step (fault-injection tests)")
 FLAGS = flags.FLAGS
 
 
 def main(argv):
     del argv
+    from jaxpipe.distributed import settings
+    try:
+        coordinator, n_proc, proc = settings(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
+    except ValueError as e:
+        raise app.UsageError(str(e))
+    n_dev = FLAGS.stages * FLAGS.data * FLAGS.pipes
+    if n_dev % n_proc:
+        raise app.UsageError(f"the mesh has {n_dev} devices (stages x data x pipes), which {n_proc} processes "
+                             f"cannot hold equally; use a device count divisible by --num_processes")
     if "jax" not in sys.modules and "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={FLAGS.stages * FLAGS.data * FLAGS.pipes}").strip()
+                                   f" --xla_force_host_platform_device_count={n_dev // n_proc}").strip()
+    import copy
     import json
+    import signal
     import time
 
     import jax
@@ -61,6 +93,10 @@ def main(argv):
 
     import jaxpipe as jp
 
+    if n_proc > 1:
+        jp.distributed.initialize(coordinator, n_proc, proc, timeout_s=FLAGS.init_timeout)
+    primary = jax.process_index() == 0
+    say = print if primary else (lambda *a, **k: None)
     os.makedirs(FLAGS.out_dir, exist_ok=True)
     key = jax.random.key(FLAGS.seed)
     n_stages = FLAGS.stages * (FLAGS.virtual if FLAGS.schedule == "interleaved_1f1b" else
@@ -93,18 +129,30 @@ def main(argv):
     opt = optax.chain(optax.clip_by_global_norm(1.0), jp.optim.by_name(FLAGS.optimizer, sched))
     mesh = jp.make_mesh(stages=FLAGS.stages, data=FLAGS.data, pipes=FLAGS.pipes)
     pipe = jp.Pipeline(model, schedule=FLAGS.schedule, num_microbatches=FLAGS.microbatches, optimizer=opt,
-                       mesh=mesh, nan_bubbles=FLAGS.nan_bubbles, **extra)
+                       mesh=mesh, nan_bubbles=FLAGS.nan_bubbles, skip_nonfinite=FLAGS.on_nonfinite == "skip", **extra)
     state = pipe.init()
+    start, ckpt = 0, None
+    if FLAGS.checkpoint_dir:
+        ckpt = jp.Checkpointer(FLAGS.checkpoint_dir, pipe, keep=FLAGS.checkpoint_keep, every=FLAGS.checkpoint_every)
+        if ckpt.latest_step() is not None:
+            example = jax.tree.map(np.zeros_like, next(copy.deepcopy(batches)))
+            state, extra_saved, start = ckpt.restore(pipe.prepare(state, example))
+            batches.load_state_dict(extra_saved["data"])
+            say(f"resumed from {FLAGS.checkpoint_dir} at step {start} (data position {batches.position})")
     r = pipe.schedule.simulate(f=1.0, b=1.0, w=1.0) if pipe.schedule.has_w() else pipe.schedule.simulate(f=1.0, b=2.0)
-    print(f"jaxpipe: {FLAGS.model} ({sum(x.size for x in jax.tree.leaves(model.params)):,} parameters), "
+    say(f"jaxpipe: {FLAGS.model} ({sum(x.size for x in jax.tree.leaves(model.params)):,} parameters), "
           f"{FLAGS.schedule}, mesh data={FLAGS.data} x stage={FLAGS.stages}, M={FLAGS.microbatches}, "
           f"batch {FLAGS.batch}, {FLAGS.optimizer} lr {FLAGS.lr:g}")
-    print(f"schedule: {r.num_ticks} ticks/step, simulated bubble {r.bubble_ratio:.1%} (lockstep "
+    say(f"schedule: {r.num_ticks} ticks/step, simulated bubble {r.bubble_ratio:.1%} (lockstep "
           f"{r.lockstep_bubble_ratio:.1%}), peak in-flight micro-batches per device {r.peak_inflight}")
 
+    if n_proc > 1:
+        say(f"multi-host: {n_proc} processes x {jax.local_device_count()} {jax.devices()[0].platform} devices; "
+            f"each feeds its own devices' shards")
     eval_loss_fn = jax.jit(model.loss)
 
     def evaluate(params):
+        params = jp.distributed.to_host(params)      # all processes gather (collective), then evaluate locally
         losses, accs = [], []
         for b in eval_set:
             losses.append(float(eval_loss_fn(params, b)))
@@ -116,12 +164,25 @@ def main(argv):
             out["eval_acc"] = float(np.mean(accs))
         return out
 
-    log = open(os.path.join(FLAGS.out_dir, "metrics.jsonl"), "w")
+    path = os.path.join(FLAGS.out_dir, "metrics.jsonl")
+    kept = []
+    if start and os.path.exists(path):           # keep the log of the steps the checkpoint includes
+        kept = [l for l in open(path) if l.strip() and json.loads(l).get("step", 0) <= start]
+    log = open(path, "w") if primary else open(os.devnull, "w")
+    log.writelines(kept)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append("SIGTERM"))   # preemption: save, then exit
     t_start = time.perf_counter()
     t_first = None
     last_eval = {}
-    bar = tqdm(range(FLAGS.steps), disable=not FLAGS.progress, unit="step", dynamic_ncols=True)
-    first_loss = None
+    bar = tqdm(range(start, FLAGS.steps), disable=not (FLAGS.progress and primary), unit="step",
+               dynamic_ncols=True, initial=start, total=FLAGS.steps)
+    first_loss, loss, skipped, done = None, float("nan"), 0, start
+
+    def save(step, force=False):
+        if ckpt is not None:
+            ckpt.maybe_save(step, state, extra={"data": batches.state_dict()}, force=force)
+
     for i in bar:
         batch = next(batches)
         t0 = time.perf_counter()
@@ -133,21 +194,66 @@ def main(argv):
             first_loss = loss
         rec = {"step": i + 1, "time_s": dt, **{k: float(v) if np.ndim(v) == 0 else np.asarray(v).tolist()
                                                for k, v in metrics.items()}}
+        computed = int(metrics.get("losses_computed", 1))
+        finite = (not computed or np.isfinite(loss)) and np.isfinite(float(metrics.get("grad_norm", 0.0)))
+        if bool(metrics.get("skipped", False)):
+            skipped += 1
+        elif not finite:
+            log.write(json.dumps(rec) + "\n")
+            log.close()
+            bar.close()
+            where = jp.diagnose.locate_nonfinite(model, jp.distributed.to_host(pipe.params(state)), batch)
+            at = (f"first at stage {where['stage']} ({where['where']}: {where['detail']})" if where else
+                  "the unpipelined model reproduces no NaN with the updated weights (the pipelined step's "
+                  "inputs held it)")
+            last = ckpt.latest_step() if ckpt is not None else None
+            if ckpt is not None:
+                ckpt.close()
+            sys.stderr.write(
+                f"\njaxpipe: non-finite loss {loss} / grad_norm {float(metrics.get('grad_norm', np.nan))} at step "
+                f"{i + 1}, {at}. Stopped; nothing was checkpointed after it"
+                f"{f' (last good checkpoint: step {last})' if last is not None else ''}. Lower --lr, add clipping, "
+                f"or pass --on_nonfinite=skip to skip such updates\n")
+            sys.exit(3)
+        if FLAGS.throttle_s:
+            time.sleep(FLAGS.throttle_s)
         if i + 1 == FLAGS.steps and pipe.is_async:   # finish the micro-batches still in flight
             state, _ = pipe.drain(state)
         if FLAGS.eval_every and (i + 1) % FLAGS.eval_every == 0 or i + 1 == FLAGS.steps:
             last_eval = evaluate(pipe.params(state))
             rec.update(last_eval)
         log.write(json.dumps(rec) + "\n")
+        log.flush()
         bar.set_postfix(loss=f"{loss:.3f}", **{k: f"{v:.3f}" for k, v in last_eval.items()})
+        done = i + 1
+        save(done, force=done == FLAGS.steps)
+        if stop:
+            bar.close()
+            save(done, force=True)
+            ckpt is not None and ckpt.close()
+            say(f"\nstopped by {stop[0]} at step {done}" + (f"; checkpoint saved in {FLAGS.checkpoint_dir}, run "
+                                                            f"again to resume" if ckpt else ""))
+            sys.exit(143)
     log.close()
+    if ckpt is not None:
+        ckpt.close()
+    if t_first is None:
+        say(f"nothing to do: the checkpoint in {FLAGS.checkpoint_dir} is at step {start} >= --steps={FLAGS.steps}")
+        if FLAGS.save_params:
+            _save_params(jp, pipe, state, primary)
+        return
     wall = time.perf_counter() - t_start
-    steady = (wall - t_first) / max(1, FLAGS.steps - 1)
+    steady = (wall - t_first) / max(1, FLAGS.steps - start - 1)
     per_step = FLAGS.batch * (FLAGS.seq_len if FLAGS.model == "gpt" else 1)
     summary = {"model": FLAGS.model, "schedule": FLAGS.schedule, "stages": FLAGS.stages, "data": FLAGS.data,
-               "microbatches": FLAGS.microbatches, "steps": FLAGS.steps, "first_loss": first_loss,
+               "microbatches": FLAGS.microbatches, "steps": FLAGS.steps, "resumed_at": start,
+               "processes": n_proc, "skipped_updates": skipped, "first_loss": first_loss,
                "final_loss": loss, **last_eval, "wall_s": wall, "compile_and_first_step_s": t_first,
                "steady_step_s": steady, f"{unit}_per_s": per_step / steady}
+    if FLAGS.save_params:
+        _save_params(jp, pipe, state, primary)
+    if not primary:
+        return
     print("\n== summary ==")
     for k, v in summary.items():
         print(f"  {k:>26}: {v:.4g}" if isinstance(v, float) else f"  {k:>26}: {v}")
@@ -160,6 +266,14 @@ def main(argv):
     with open(os.path.join(FLAGS.out_dir, "summary.json"), "w") as fh:
         json.dump(summary, fh, indent=1)
     print(f"\nmetrics: {os.path.join(FLAGS.out_dir, 'metrics.jsonl')}")
+
+
+def _save_params(jp, pipe, state, primary):
+    import jax
+    import numpy as np
+    leaves = jp.distributed.to_host(jax.tree.leaves(pipe.params(state)))     # collective: every process
+    if primary:
+        np.savez(FLAGS.save_params, *leaves)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from .distributed import global_batch
 from .errors import ConfigError
 from .model import PipelineModel
 from .runtime.executor import read, rebuild_pullback, residual_mask, split_residuals, write
@@ -282,7 +283,7 @@ class CyclicDataParallel:
         self._check_batch(batch)
         if state.carry is None:
             state = state._replace(carry=self._empty_carry(
-                jax.device_put(batch, NamedSharding(self.mesh, P("data"))))[0])
+                global_batch(batch, NamedSharding(self.mesh, P("data"))))[0])
         return state
 
     def step(self, state: CyclicState, batch):
@@ -290,7 +291,11 @@ class CyclicDataParallel:
         time steps.  Metrics: ``loss`` (mean of the losses computed in this call), ``losses_computed``,
         ``version_errors`` (always 0 unless the timeline is broken)."""
         self._check_batch(batch)
-        batch = jax.device_put(batch, NamedSharding(self.mesh, P("data")))
+        from .pipeline import check_finite
+        bad = check_finite(batch)
+        if bad:
+            raise ConfigError(f"the batch holds NaN or Inf in {bad}; clean the data before training")
+        batch = global_batch(batch, NamedSharding(self.mesh, P("data")))
         if state.carry is None:
             state = state._replace(carry=self._empty_carry(batch)[0])
         return self._program(batch)(state, batch, jnp.asarray(True))

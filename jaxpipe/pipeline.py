@@ -15,6 +15,25 @@ from .model import PipelineModel
 from .runtime.executor import DP_AXES, make_grad_fn
 
 
+def check_finite(batch):
+    """Key paths and counts of the floating-point batch leaves holding NaN/Inf (host arrays checked on the
+    host, device arrays on their devices; global arrays of other processes are left to those processes)."""
+    bad = []
+    for k, v in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        if isinstance(v, jax.Array):
+            if not v.is_fully_addressable or not jnp.issubdtype(v.dtype, jnp.floating):
+                continue
+            n = int(jnp.sum(~jnp.isfinite(v)))
+        else:
+            v = np.asarray(v)
+            if not np.issubdtype(v.dtype, np.floating):
+                continue
+            n = int(np.sum(~np.isfinite(v)))
+        if n:
+            bad.append(f"{jax.tree_util.keystr(k) or 'batch'} ({n} value(s))")
+    return bad
+
+
 class PipelineState(NamedTuple):
     """Train state: parameters ``(stage, pre, post)``, optimizer state, and the number of updates applied."""
     params: Tuple[Any, Any, Any]
@@ -34,14 +53,18 @@ class Pipeline:
 
     Schedule options: ``chimera={"pipelines", "concat", "eager_reduce"}``, ``virtual=`` (interleaved_1f1b),
     ``zb={"max_deferred_w"}`` (zb_h1), ``avgpipe={"alpha", "advance", "memory_limit"}`` (needs a mesh with
-    ``pipes=N``), ``wpipe={"recompute"}`` (the model has 2 x stage-axis partitions).  ``wpipe`` and the
+    ``pipes=N``), ``wpipe={"recompute"}`` (the model has 2 x stage-axis partitions).  ``skip_nonfinite=True`` (synchronous
+    schedules): a step whose loss or gradient norm is NaN/Inf leaves parameters and optimizer state unchanged
+    (``metrics["skipped"]``).  ``check_inputs`` (default on): a batch holding NaN or Inf is refused before it
+    reaches the pipeline.  ``wpipe`` and the
     asynchronous schedules never flush: use ``drain`` before reading final parameters.
     """
 
     def __init__(self, model: PipelineModel, schedule: str = "1f1b", num_microbatches: int = 1,
                  optimizer: Optional[optax.GradientTransformation] = None, mesh=None, *,
                  nan_bubbles: bool = False, chimera: Optional[dict] = None, virtual: Optional[int] = None,
-                 zb: Optional[dict] = None, avgpipe: Optional[dict] = None, wpipe: Optional[dict] = None):
+                 zb: Optional[dict] = None, avgpipe: Optional[dict] = None, wpipe: Optional[dict] = None,
+                 skip_nonfinite: bool = False, check_inputs: bool = True):
         if not isinstance(model, PipelineModel):
             raise ConfigError(f"model must be a jp.PipelineModel, got {type(model).__name__}")
         if mesh is None:
@@ -88,6 +111,12 @@ class Pipeline:
         # one stage per device in the model's order (replicas fetched inside the program), or a gather
         self._identity_layout = exchange_perms(self.schedule) is not None
         self.nan_bubbles = nan_bubbles
+        self.skip_nonfinite = bool(skip_nonfinite)
+        self.check_inputs = bool(check_inputs)
+        if skip_nonfinite and (schedules.is_async(schedule) or schedule in ("wpipe", "avgpipe")):
+            raise ConfigError(f"skip_nonfinite=True needs one update per step to skip; {schedule} updates inside "
+                              f"the pipeline (per micro-batch or per pipeline replica). Use a synchronous schedule "
+                              f"(gpipe, 1f1b, interleaved_1f1b, zb_h1, chimera) or stop on a non-finite loss")
         self._compiled: Dict[Any, Any] = {}
         self._async = self._avg = None
         if schedule == "wpipe":
@@ -165,6 +194,7 @@ class Pipeline:
         if self._avg is not None:
             raise ConfigError("avgpipe trains one replica per 'pipe' index, each with its own gradient; use "
                               "step() (metrics['pipe_losses'] has each pipeline's loss)")
+        self._check_values(batch)
         return self._fn("grad", batch)(state.params, batch)
 
     def step(self, state: PipelineState, batch):
@@ -174,6 +204,7 @@ class Pipeline:
         metrics: ``loss`` (mean over the micro-batches whose loss was computed in this call, NaN if none),
         ``losses_computed``, ``microbatches_fed``, ``microbatches_finished`` (backward done on every stage).
         """
+        self._check_values(batch)
         if self._async is not None:
             self._check_batch(batch)
             return self._async.step(state, self.shard_batch(batch))
@@ -195,7 +226,8 @@ class Pipeline:
     def shard_batch(self, batch):
         """Place a global batch on the mesh (leading axis split over ``pipe`` x ``data``)."""
         self._check_batch(batch)
-        return jax.device_put(batch, NamedSharding(self.mesh, P(DP_AXES)))
+        from .distributed import global_batch
+        return global_batch(batch, NamedSharding(self.mesh, P(DP_AXES)))
 
     def lower(self, what: str, state: PipelineState, batch):
         """The lowered ``"grad"`` or ``"step"`` program (for ``.compile().memory_analysis()``)."""
@@ -228,6 +260,15 @@ class Pipeline:
                 f"{what} of equal size; use a multiple of {per} (e.g. {lo or hi} or {hi}) or change "
                 f"num_microbatches")
 
+    def _check_values(self, batch):
+        if not self.check_inputs:
+            return
+        bad = check_finite(batch)
+        if bad:
+            raise ConfigError(f"the batch holds NaN or Inf in {bad}: a pipeline would spread it into every "
+                              f"stage's weights. Clean the data (np.nan_to_num, drop the rows), or pass "
+                              f"Pipeline(..., check_inputs=False) if non-finite inputs are intended")
+
     def _fn(self, what: str, batch, state: Optional[PipelineState] = None):
         self._check_batch(batch)
         example = jax.tree.map(lambda l: jax.ShapeDtypeStruct(np.shape(l), getattr(l, "dtype", None) or np.asarray(l).dtype), batch)
@@ -257,16 +298,22 @@ class Pipeline:
             if what == "grad":
                 self._compiled[key] = jax.jit(lg)
             else:
-                opt = self.optimizer
+                opt, skip = self.optimizer, self.skip_nonfinite
 
                 def step(state: PipelineState, b):
                     loss, grads = lg(state.params, b)
                     updates, opt_state = opt.update(grads, state.opt_state, state.params)
                     params = optax.apply_updates(state.params, updates)
-                    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "step": state.step + 1}
+                    gnorm = optax.tree.norm(grads)
+                    metrics = {"loss": loss, "grad_norm": gnorm, "step": state.step + 1}
+                    if skip:
+                        ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+                        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+                        params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+                        metrics["skipped"] = ~ok
                     return PipelineState(params, opt_state, state.step + 1), metrics
 
                 rep = NamedSharding(self.mesh, P())
                 self._compiled[key] = jax.jit(step, donate_argnums=(0,), out_shardings=(
-                    state_sh, {"loss": rep, "grad_norm": rep, "step": rep}))
+                    state_sh, {"loss": rep, "grad_norm": rep, "step": rep, **({"skipped": rep} if skip else {})}))
         return self._compiled[key]

@@ -1,0 +1,85 @@
+"""Start a multi-process jaxpipe job on this machine (the local stand-in for a cluster launcher).
+
+    python -m experiments.launch --num_processes=2 -- --schedule=pipeoptim --stages=4 --model=mlp
+
+Runs ``python -m <module> <args> --num_processes=N --process_id=i --coordinator=127.0.0.1:PORT`` N times
+(a free port unless ``--port``), prefixes each process's output with ``[i]``, and when one process fails
+stops the others and exits with its status.  Each process gets ``stages x data x pipes / N`` CPU devices.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from absl import app, flags
+
+flags.DEFINE_integer("num_processes", 2, "processes to start")
+flags.DEFINE_integer("port", 0, "coordinator port on 127.0.0.1 (0: pick a free one)")
+flags.DEFINE_string("module", "experiments.train", "the runner every process executes")
+flags.DEFINE_integer("timeout", 0, "seconds before the whole job is stopped (0: none)")
+FLAGS = flags.FLAGS
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pump(i, stream, out):
+    for line in iter(stream.readline, ""):
+        out.write(f"[{i}] {line}")
+        out.flush()
+
+
+def launch(args, num_processes: int, module: str = "experiments.train", port: int = 0, timeout: float = 0) -> int:
+    """Run the job; returns 0 if every process succeeded, else the first failing process's status."""
+    if num_processes < 1:
+        raise app.UsageError(f"--num_processes={num_processes}: give at least 1")
+    port = port or free_port()
+    procs, pumps = [], []
+    for i in range(num_processes):
+        cmd = [sys.executable, "-m", module, *args, f"--num_processes={num_processes}", f"--process_id={i}",
+               f"--coordinator=127.0.0.1:{port}"]
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+        t = threading.Thread(target=_pump, args=(i, p.stdout, sys.stdout), daemon=True)
+        t.start()
+        procs.append(p)
+        pumps.append(t)
+    t0, rc = time.monotonic(), 0
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed or all(c == 0 for c in codes):
+            rc = failed[0] if failed else 0
+            break
+        if timeout and time.monotonic() - t0 > timeout:
+            print(f"launch: the job ran past --timeout={timeout} s; stopping it", file=sys.stderr)
+            rc = 124
+            break
+        time.sleep(0.2)
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    for t in pumps:
+        t.join(timeout=5)
+    if rc:
+        print(f"launch: process {[p.returncode for p in procs]} exit statuses; job failed", file=sys.stderr)
+    return rc
+
+
+def main(argv):
+    sys.exit(launch(argv[1:], FLAGS.num_processes, FLAGS.module, FLAGS.port, FLAGS.timeout))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,134 @@
+"""Multi-host runs: ``jax.distributed`` set-up and per-process data feeding.
+
+Every process runs the same program (SPMD, multi-controller): it builds the same model, mesh and schedule,
+and the mesh spans all processes' devices.  Each process places only the shards of a global batch that its
+own devices hold (``global_batch``); logging and files are written by process 0; Orbax checkpoints are
+written cooperatively (each process its shards, process 0 the metadata).
+
+Where the three values come from, first match wins: the arguments (``--coordinator``, ``--num_processes``,
+``--process_id`` in the runners); the environment (``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``,
+``JAX_PROCESS_ID``); a cluster JAX detects itself (SLURM, Open MPI, TPU pods, GKE) when ``auto=True``.
+See BUILD_NOTES.md "Running on many hosts".
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from typing import Optional
+
+from .errors import ConfigError
+
+
+def settings(coordinator: Optional[str] = None, num_processes: Optional[int] = None,
+             process_id: Optional[int] = None):
+    """``(coordinator, num_processes, process_id)`` from the arguments, then the environment; validated."""
+    env = os.environ
+    coordinator = coordinator or env.get("JAX_COORDINATOR_ADDRESS") or None
+    num_processes = num_processes if num_processes is not None else (
+        int(env["JAX_NUM_PROCESSES"]) if env.get("JAX_NUM_PROCESSES") else None)
+    process_id = process_id if process_id is not None else (
+        int(env["JAX_PROCESS_ID"]) if env.get("JAX_PROCESS_ID") else None)
+    if num_processes is None or num_processes == 1:
+        return coordinator, num_processes or 1, process_id or 0
+    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
+        raise ConfigError(f"num_processes={num_processes!r}: give the number of processes (>= 1)")
+    if coordinator is None:
+        raise ConfigError(f"num_processes={num_processes} needs the coordinator's address: --coordinator=HOST:PORT "
+                          f"(or JAX_COORDINATOR_ADDRESS), where HOST is process 0's host and PORT a free port")
+    if process_id is None or not 0 <= process_id < num_processes:
+        raise ConfigError(f"process_id={process_id!r}: give this process's index in [0, {num_processes - 1}] "
+                          f"(--process_id or JAX_PROCESS_ID)")
+    host, _, port = coordinator.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"coordinator={coordinator!r}: give HOST:PORT, e.g. 127.0.0.1:12355")
+    return coordinator, num_processes, process_id
+
+
+def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] = None,
+               process_id: Optional[int] = None, *, timeout_s: int = 60, auto: bool = False) -> int:
+    """Join a multi-process job (a no-op for one process unless ``auto`` finds a cluster); returns the
+    number of processes.  Must run before anything touches JAX devices.
+
+    On CPU the cross-process collectives go through gloo (TCP; loopback for local tests).  A process that
+    cannot reach the coordinator within ``timeout_s`` raises ``RuntimeError`` naming the address, instead
+    of waiting forever.
+    """
+    coordinator, n, pid = settings(coordinator, num_processes, process_id)
+    import jax
+    if n == 1 and not auto:
+        return 1
+    if (os.environ.get("JAX_PLATFORMS", "") in ("", "cpu")):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    t0 = time.monotonic()
+    if n > 1 and pid != 0:
+        _wait_for_coordinator(coordinator, pid, n, timeout_s)
+    if n > 1:
+        # XLA aborts the process (it cannot be caught) if the job does not assemble in time; say why first
+        print(f"jaxpipe: process {pid} of {n} joining the job at {coordinator} (fails after {timeout_s} s if the "
+              f"other processes do not join)", file=sys.stderr, flush=True)
+    try:
+        if n == 1:
+            jax.distributed.initialize(initialization_timeout=timeout_s)
+        else:
+            jax.distributed.initialize(coordinator_address=coordinator, num_processes=n, process_id=pid,
+                                       initialization_timeout=timeout_s)
+    except Exception as e:   # XLA raises its own error types (DEADLINE_EXCEEDED, UNAVAILABLE, ...)
+        raise RuntimeError(
+            f"process {pid} of {n} could not join the job through the coordinator at {coordinator} within "
+            f"{time.monotonic() - t0:.0f} s ({type(e).__name__}: {str(e).splitlines()[0][:200]}). Check that "
+            f"process 0 runs with the same --coordinator and --num_processes, that the port is free on its host "
+            f"and reachable from here, or raise the timeout") from None
+    return jax.process_count()
+
+
+def _wait_for_coordinator(coordinator: str, pid: int, n: int, timeout_s: float):
+    """Process 0 hosts the coordination service; the others first check, with plain TCP, that it listens --
+    so an unreachable coordinator gives a clear error after ``timeout_s`` instead of XLA's abort."""
+    host, _, port = coordinator.rpartition(":")
+    deadline, last = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, int(port)), timeout=min(2.0, timeout_s)):
+                return
+        except OSError as e:
+            last = e
+            time.sleep(0.25)
+    raise RuntimeError(
+        f"process {pid} of {n} could not reach the coordinator at {coordinator} within {timeout_s:g} s ({last}). "
+        f"Start process 0 with the same --coordinator and --num_processes (it listens there), check that "
+        f"HOST is process 0's address as seen from this host and that the port is open, or raise the timeout "
+        f"(--init_timeout)")
+
+
+def is_primary() -> bool:
+    """True on the process that logs and writes files (process 0)."""
+    import jax
+    return jax.process_index() == 0
+
+
+def global_batch(batch, sharding):
+    """A global ``jax.Array`` from a host batch every process holds in full (same seed, same stream): each
+    process copies in only the rows its own devices hold.  One process: ``jax.device_put``."""
+    import jax
+    import numpy as np
+    if jax.process_count() == 1:
+        return jax.device_put(batch, sharding)
+
+    def put(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return x                                              # already global
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+    return jax.tree.map(put, batch)
+
+
+def to_host(tree):
+    """Every leaf as a full numpy array on every process (gathers the shards other processes hold)."""
+    import jax
+    import numpy as np
+    if jax.process_count() == 1:
+        return jax.tree.map(np.asarray, tree)
+    from jax.experimental import multihost_utils
+    return jax.tree.map(lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True)), tree)
