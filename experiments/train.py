@@ -128,8 +128,14 @@ def main(argv):
     sched = optax.warmup_cosine_decay_schedule(0.0, FLAGS.lr, max(1, FLAGS.steps // 20), FLAGS.steps)
     opt = optax.chain(optax.clip_by_global_norm(1.0), jp.optim.by_name(FLAGS.optimizer, sched))
     mesh = jp.make_mesh(stages=FLAGS.stages, data=FLAGS.data, pipes=FLAGS.pipes)
+    # synchronous schedules guard every update (a non-finite step leaves the state as it was), so a stop
+    # can say where the NaN came from with the very weights the step used; --on_nonfinite decides what next
+    guard = not (jp.schedules.is_async(FLAGS.schedule) or FLAGS.schedule in ("wpipe", "avgpipe"))
+    if FLAGS.on_nonfinite == "skip" and not guard:
+        raise app.UsageError(f"--on_nonfinite=skip needs a synchronous schedule: {FLAGS.schedule} updates inside "
+                             f"the pipeline, so there is no single update to skip; use --on_nonfinite=stop")
     pipe = jp.Pipeline(model, schedule=FLAGS.schedule, num_microbatches=FLAGS.microbatches, optimizer=opt,
-                       mesh=mesh, nan_bubbles=FLAGS.nan_bubbles, skip_nonfinite=FLAGS.on_nonfinite == "skip", **extra)
+                       mesh=mesh, nan_bubbles=FLAGS.nan_bubbles, skip_nonfinite=guard, **extra)
     state = pipe.init()
     start, ckpt = 0, None
     if FLAGS.checkpoint_dir:
@@ -196,19 +202,23 @@ def main(argv):
                                                for k, v in metrics.items()}}
         computed = int(metrics.get("losses_computed", 1))
         finite = (not computed or np.isfinite(loss)) and np.isfinite(float(metrics.get("grad_norm", 0.0)))
-        if bool(metrics.get("skipped", False)):
+        was_skipped = bool(metrics.get("skipped", False))
+        if was_skipped and FLAGS.on_nonfinite == "skip":
             skipped += 1
-        elif not finite:
+        elif was_skipped or not finite:
             log.write(json.dumps(rec) + "\n")
             log.close()
             bar.close()
+            if ckpt is not None:
+                ckpt.close()       # the writes in flight (all of finite states) finish; nothing new starts
+            last = ckpt.latest_step() if ckpt is not None else None
             where = jp.diagnose.locate_nonfinite(model, jp.distributed.to_host(pipe.params(state)), batch)
-            at = (f"first at stage {where['stage']} ({where['where']}: {where['detail']})" if where else
+            used = ("the weights this step used (its update was not applied)" if was_skipped else
+                    "the weights after this step's updates (asynchronous: updated inside the pipeline)")
+            at = (f"first at stage {where['stage']} ({where['where']}: {where['detail']}; replayed unpipelined "
+                  f"with {used})" if where else
                   "the unpipelined model reproduces no NaN with the updated weights (the pipelined step's "
                   "inputs held it)")
-            last = ckpt.latest_step() if ckpt is not None else None
-            if ckpt is not None:
-                ckpt.close()
             sys.stderr.write(
                 f"\njaxpipe: non-finite loss {loss} / grad_norm {float(metrics.get('grad_norm', np.nan))} at step "
                 f"{i + 1}, {at}. Stopped; nothing was checkpointed after it"

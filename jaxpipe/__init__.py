@@ -24,6 +24,7 @@ _LAZY = {
     "CyclicDataParallel": ("cyclic", "CyclicDataParallel"),
     "Checkpointer": ("checkpoint", "Checkpointer"),
     "distributed": ("distributed", None),
+    "diagnose": ("diagnose", None),
     "make_mesh": ("runtime.mesh", "make_mesh"),
     "models": ("models", None),
     "data": ("data", None),

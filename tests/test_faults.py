@@ -1,0 +1,88 @@
+"""Faults during training (issue #6 parts 2-3), through ``experiments.train`` as a user runs it: a run
+killed with SIGKILL resumes from its last checkpoint and ends bit-equal to an uninterrupted run; a NaN loss
+stops the run with the step and the stage, and never reaches the checkpoint; ``--on_nonfinite=skip``."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = ["--model=mlp", "--stages=2", "--microbatches=4", "--batch=32", "--eval_every=0", "--progress=false",
+        "--d_model=32"]
+
+
+def env():
+    e = dict(os.environ)
+    e["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+    e["JAX_PLATFORMS"] = "cpu"
+    return e
+
+
+def train(args, **kw):
+    return subprocess.Popen([sys.executable, "-m", "experiments.train", *BASE, *args], cwd=ROOT, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def finalized(d):
+    return sorted(int(x) for x in os.listdir(d) if x.isdigit()) if os.path.isdir(d) else []
+
+
+def test_sigkill_then_resume_is_bit_equal(tmp_path):
+    args = ["--schedule=pipeoptim", "--steps=24", "--checkpoint_every=4", "--optimizer=momentum", "--lr=0.05"]
+    ref = train(args + [f"--out_dir={tmp_path}/ref", f"--save_params={tmp_path}/ref.npz"])
+    ck = tmp_path / "ck"
+    run = train(args + [f"--out_dir={tmp_path}/run", f"--checkpoint_dir={ck}", "--throttle_s=0.25"])
+    deadline = time.monotonic() + 240
+    while not [s for s in finalized(ck) if s >= 8] and time.monotonic() < deadline and run.poll() is None:
+        time.sleep(0.05)
+    assert run.poll() is None, "the run ended before it could be killed"
+    run.send_signal(signal.SIGKILL)
+    run.wait()
+    killed_at = max(finalized(ck))
+    assert 8 <= killed_at < 24
+    again = train(args + [f"--out_dir={tmp_path}/run", f"--checkpoint_dir={ck}", f"--save_params={tmp_path}/run.npz"])
+    out, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err[-3000:]
+    assert f"resumed from {ck} at step" in out
+    summary = json.load(open(tmp_path / "run" / "summary.json"))
+    assert summary["resumed_at"] >= killed_at
+    assert ref.wait(timeout=300) == 0
+    a, b = np.load(tmp_path / "ref.npz"), np.load(tmp_path / "run.npz")
+    assert a.files == b.files and all(np.array_equal(a[k], b[k]) for k in a.files)
+    steps = [json.loads(l)["step"] for l in open(tmp_path / "run" / "metrics.jsonl")]
+    assert steps == list(range(1, 25))                    # the log was trimmed to the checkpoint and continued
+    assert len(finalized(ck)) <= 3                         # retention (--checkpoint_keep=3)
+
+
+def test_nan_loss_stops_with_step_and_stage(tmp_path):
+    ck = tmp_path / "ck"
+    p = train(["--schedule=1f1b", "--steps=20", "--optimizer=sgd", "--lr=1e30", "--checkpoint_every=1",
+               f"--checkpoint_dir={ck}", f"--out_dir={tmp_path}/run"])
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 3, err[-2000:]
+    assert "non-finite loss" in err and "Stopped; nothing was checkpointed after it" in err
+    step = int(err.split(" at step ")[1].split(",")[0])
+    assert "first at stage " in err
+    good = finalized(ck)
+    assert good and max(good) < step
+    import jax
+    import orbax.checkpoint as ocp
+    restored = ocp.StandardCheckpointer().restore(ck / str(max(good)) / "state")
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(restored)
+               if np.issubdtype(np.asarray(x).dtype, np.floating))
+
+
+def test_skip_nonfinite_updates(tmp_path):
+    p = train(["--schedule=1f1b", "--steps=8", "--optimizer=sgd", "--lr=1e30", "--on_nonfinite=skip",
+               f"--out_dir={tmp_path}/run", f"--save_params={tmp_path}/p.npz"])
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-2000:]
+    summary = json.load(open(tmp_path / "run" / "summary.json"))
+    assert summary["skipped_updates"] > 0
+    params = np.load(tmp_path / "p.npz")
+    assert all(np.all(np.isfinite(params[k])) for k in params.files)
