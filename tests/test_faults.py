@@ -66,7 +66,8 @@ def test_nan_loss_stops_with_step_and_stage(tmp_path):
     out, err = p.communicate(timeout=300)
     assert p.returncode == 3, err[-2000:]
     assert "non-finite loss" in err and "Stopped; nothing was checkpointed after it" in err
-    step = int(err.split(" at step ")[1].split(",")[0])
+    import re
+    step = int(re.search(r"non-finite loss \S+ / grad_norm \S+ at step (\d+)", err).group(1))
     assert "first at stage " in err
     good = finalized(ck)
     assert good and max(good) < step
