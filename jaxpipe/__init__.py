@@ -23,6 +23,7 @@ _LAZY = {
     "PipelineModel": ("model", "PipelineModel"),
     "CyclicDataParallel": ("cyclic", "CyclicDataParallel"),
     "Checkpointer": ("checkpoint", "Checkpointer"),
+    "stack_stages": ("model", "stack_stages"),
     "distributed": ("distributed", None),
     "diagnose": ("diagnose", None),
     "make_mesh": ("runtime.mesh", "make_mesh"),

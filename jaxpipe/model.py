@@ -17,6 +17,27 @@ def _default_pre(_, batch):
     return batch["x"]
 
 
+def stack_stages(per_stage):
+    """Stack a list of per-stage parameter pytrees (one per stage, same structure, shapes and dtypes) on a
+    leading stage axis -- the ``stage_params`` layout ``PipelineModel`` wants."""
+    per_stage = list(per_stage)
+    if not per_stage:
+        raise ConfigError("stack_stages got no stages: give one parameter pytree per stage")
+    ref = jax.tree.structure(per_stage[0])
+    ref_avals = [(jnp.shape(l), jnp.result_type(l)) for l in jax.tree.leaves(per_stage[0])]
+    for i, p in enumerate(per_stage[1:], 1):
+        if jax.tree.structure(p) != ref:
+            raise ConfigError(f"stage {i}'s parameters have another pytree structure than stage 0's "
+                              f"({jax.tree.structure(p)} vs {ref}): every stage runs the same stage_fn, so "
+                              f"every stage needs the same parameter structure (pad or share layers so they agree)")
+        avals = [(jnp.shape(l), jnp.result_type(l)) for l in jax.tree.leaves(p)]
+        for j, (a, b) in enumerate(zip(avals, ref_avals)):
+            if a != b:
+                raise ConfigError(f"stage {i}'s parameter leaf {j} is {a[1]}{list(a[0])} but stage 0's is "
+                                  f"{b[1]}{list(b[0])}: stacking needs equal shapes and dtypes per leaf")
+    return jax.tree.map(lambda *ls: jnp.stack(ls), *per_stage)
+
+
 @dataclasses.dataclass(frozen=True)
 class PipelineModel:
     """A pipelined model.

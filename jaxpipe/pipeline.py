@@ -244,7 +244,8 @@ class Pipeline:
     def _check_batch(self, batch):
         leaves = jax.tree.leaves(batch)
         if not leaves:
-            raise ConfigError("the batch has no arrays")
+            raise ConfigError(f"the batch {batch!r} has no arrays: give a pytree of arrays with a leading batch "
+                              f"axis, e.g. {{'x': float32[n, ...], 'y': int32[n]}}")
         sizes = {int(jnp.shape(l)[0]) for l in leaves}
         if len(sizes) != 1:
             raise ConfigError(f"every batch leaf needs the same leading (batch) size; found {sorted(sizes)}")
@@ -261,13 +262,32 @@ class Pipeline:
                 f"num_microbatches")
 
     def _check_values(self, batch):
+        self._check_keys(batch)
         if not self.check_inputs:
             return
         bad = check_finite(batch)
         if bad:
-            raise ConfigError(f"the batch holds NaN or Inf in {bad}: a pipeline would spread it into every "
+            raise ConfigError(f"the batch holds NaN or Inf in {', '.join(bad)}: a pipeline would spread it into every "
                               f"stage's weights. Clean the data (np.nan_to_num, drop the rows), or pass "
                               f"Pipeline(..., check_inputs=False) if non-finite inputs are intended")
+
+    def _check_keys(self, batch):
+        """Trace the unpipelined loss once per batch structure: a key or shape the model reads and the batch
+        lacks is reported here, by name, instead of deep inside the pipelined program."""
+        self._check_batch(batch)
+        example = jax.tree.map(lambda l: jax.ShapeDtypeStruct(np.shape(l)[:1] and (1,) + tuple(np.shape(l)[1:]),
+                                                              np.asarray(l).dtype if not hasattr(l, "dtype") else l.dtype), batch)
+        key = (jax.tree.structure(example), tuple(jax.tree.leaves(example)))
+        checked = self.__dict__.setdefault("_keys_checked", set())
+        if key in checked:
+            return
+        try:
+            jax.eval_shape(self.model.loss, self.model.params, example)
+        except KeyError as e:
+            keys = list(batch) if isinstance(batch, dict) else type(batch).__name__
+            raise ConfigError(f"the model reads batch[{e.args[0]!r}], which the batch lacks (it has {keys}); give "
+                              f"the batch that entry or a model whose pre/post_loss reads the batch's keys") from None
+        checked.add(key)
 
     def _fn(self, what: str, batch, state: Optional[PipelineState] = None):
         self._check_batch(batch)
