@@ -62,12 +62,16 @@ flags.DEFINE_integer("checkpoint_keep", 3, "checkpoints kept (the oldest are del
 flags.DEFINE_enum("on_nonfinite", "stop", ["stop", "skip"], "a NaN/Inf loss or gradient: stop with the step and "
                   "the stage where it appeared, or skip that update (synchronous schedules)")
 flags.DEFINE_string("save_params", None, "write the final parameters to this .npz (process 0)")
+flags.DEFINE_integer("stop_at_step", 0, "debug: act as if preempted (SIGTERM) after this step: checkpoint, exit 143")
 flags.DEFINE_float("throttle_s", 0.0, "debug: sleep this long after each step (fault-injection tests)")
 FLAGS = flags.FLAGS
 
 
 def main(argv):
     del argv
+    from absl import logging
+    if not FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)      # Orbax logs every save at INFO
     from jaxpipe.distributed import settings
     try:
         coordinator, n_proc, proc = settings(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
@@ -227,6 +231,10 @@ def main(argv):
             sys.exit(3)
         if FLAGS.throttle_s:
             time.sleep(FLAGS.throttle_s)
+        done = i + 1
+        # the checkpoint holds the running pipeline (before the final drain), so a longer run resumed from
+        # it equals one that never stopped
+        save(done, force=done == FLAGS.steps)
         if i + 1 == FLAGS.steps and pipe.is_async:   # finish the micro-batches still in flight
             state, _ = pipe.drain(state)
         if FLAGS.eval_every and (i + 1) % FLAGS.eval_every == 0 or i + 1 == FLAGS.steps:
@@ -235,8 +243,8 @@ def main(argv):
         log.write(json.dumps(rec) + "\n")
         log.flush()
         bar.set_postfix(loss=f"{loss:.3f}", **{k: f"{v:.3f}" for k, v in last_eval.items()})
-        done = i + 1
-        save(done, force=done == FLAGS.steps)
+        if FLAGS.stop_at_step and done == FLAGS.stop_at_step and done < FLAGS.steps:
+            stop.append(f"--stop_at_step={done}")
         if stop:
             bar.close()
             save(done, force=True)
@@ -250,7 +258,7 @@ def main(argv):
     if t_first is None:
         say(f"nothing to do: the checkpoint in {FLAGS.checkpoint_dir} is at step {start} >= --steps={FLAGS.steps}")
         if FLAGS.save_params:
-            _save_params(jp, pipe, state, primary)
+            _save_params(jp, pipe, pipe.drain(state)[0], primary)
         return
     wall = time.perf_counter() - t_start
     steady = (wall - t_first) / max(1, FLAGS.steps - start - 1)

@@ -48,6 +48,23 @@ def test_two_processes_equal_one(schedule, tmp_path):
         np.testing.assert_allclose(pm[k], ps[k], rtol=1e-6, atol=1e-7)
 
 
+def test_checkpoint_of_two_processes_resumes_in_one(tmp_path):
+    """Written cooperatively by 2 processes (preempted after step 3), resumed by 1 process with 4 devices:
+    ends equal to 1 process that never stopped."""
+    args = ARGS[:2] + ["--steps=6"] + ARGS[3:] + ["--schedule=pipeoptim"]
+    ck, d = tmp_path / "ck", tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "experiments.launch", "--num_processes=2", "--", *args,
+                        f"--checkpoint_dir={ck}", "--stop_at_step=3", f"--out_dir={d}"], cwd=ROOT, env=env(),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 143 and "stopped by --stop_at_step=3" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+    run(["experiments.train", *args, f"--checkpoint_dir={ck}", f"--out_dir={d}", f"--save_params={d}/p.npz"])
+    run(["experiments.train", *args, f"--out_dir={tmp_path}/ref", f"--save_params={tmp_path}/ref/p.npz"])
+    got, want = np.load(d / "p.npz"), np.load(tmp_path / "ref" / "p.npz")
+    for k in want.files:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-7)
+    assert json.load(open(d / "summary.json"))["resumed_at"] == 3
+
+
 def test_unreachable_coordinator_fails_fast():
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, "-m", "experiments.train", *ARGS, "--num_processes=2", "--process_id=1",
