@@ -47,9 +47,9 @@ def run_and_compare(method, kind, D, opt_name, data=1, M=4, steps=3):
     return pipe, state
 
 
-@pytest.mark.parametrize("opt_name", ["sgd", "momentum", "adamw"])
-@pytest.mark.parametrize("D", [2, 4])
-@pytest.mark.parametrize("method", METHODS)
+# CI time: plain SGD runs at D=2; D=4 runs momentum and AdamW
+@pytest.mark.parametrize("method,D,opt_name", [(m, D, o) for m in METHODS for D in (2, 4)
+                                               for o in ("sgd", "momentum", "adamw") if not (D == 4 and o == "sgd")])
 def test_mlp_matches_serial_reference(method, D, opt_name):
     if method == "spectrain" and opt_name != "momentum":
         with pytest.raises(jp.ConfigError, match="momentum"):
@@ -58,7 +58,7 @@ def test_mlp_matches_serial_reference(method, D, opt_name):
     run_and_compare(method, "mlp", D, opt_name)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", ["pipedream_2bw", "pipeoptim"])    # CI time: the MLP runs all four
 def test_gpt_matches_serial_reference(method):
     run_and_compare(method, "gpt", 4, "momentum" if method == "spectrain" else "adamw")
 

@@ -14,16 +14,17 @@ import jaxpipe as jp
 from helpers import small_model
 
 # schedule -> (stage devices, extra Pipeline kwargs, pipes)
-CASES = {"1f1b": (2, {}, 1), "chimera": (2, {}, 1), "pipeoptim": (2, {}, 1), "pipedream": (2, {}, 1),
-         "pipedream_2bw": (2, {}, 1), "spectrain": (2, {}, 1), "cdp_v2": (2, {}, 1), "wpipe": (2, {}, 1),
-         "avgpipe": (2, {"avgpipe": {"advance": 1}}, 2), "interleaved_1f1b": (2, {"virtual": 2}, 1)}
+# one case per state type: PipelineState (plain, and Chimera's replica layout), AsyncState (pipeoptim;
+# pipedream / 2bw / spectrain / cdp_v* share its structure), WPipeState, AvgPipeState; CyclicState below
+CASES = {"1f1b": (2, {}, 1), "chimera": (2, {}, 1), "pipeoptim": (2, {}, 1), "wpipe": (2, {}, 1),
+         "avgpipe": (2, {"avgpipe": {"advance": 1}}, 2)}
 
 
 def make(schedule, data=1):
     D, kw, pipes = CASES[schedule]
-    stages = 2 * D if schedule in ("wpipe", "interleaved_1f1b") else D
+    stages = 2 * D if schedule == "wpipe" else D
     model, batch_fn = small_model("mlp", stages)
-    opt = optax.sgd(0.05, momentum=0.9) if schedule == "spectrain" else optax.adamw(1e-2)
+    opt = optax.adamw(1e-2)
     pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=4, optimizer=opt,
                        mesh=jp.make_mesh(stages=D, pipes=pipes, data=data), **kw)
     return pipe, lambda k: batch_fn(8 * pipes * data, s=k)

@@ -42,10 +42,10 @@ def _pipe(kind, schedule, D, M, data, opts, **kw):
 
 # the GPT runs one representative case per schedule variant (the MLP runs them all): CI's time budget
 GPT_CASES = [c for c in CASES if (c[0], c[1], c[2], c[3], tuple(sorted(c[4].items()))) in {
-    ("chimera", 4, 4, 1, ()), ("chimera", 8, 8, 1, ()), ("chimera", 4, 4, 2, (("concat", "backward_halving"),)),
+    ("chimera", 4, 4, 1, ()), ("chimera", 4, 4, 2, (("concat", "backward_halving"),)),
     ("chimera", 4, 8, 1, (("concat", "forward_doubling"),)), ("chimera", 4, 4, 2, (("eager_reduce", True),)),
-    ("interleaved_1f1b", 8, 8, 1, (("virtual", 2),)), ("interleaved_1f1b", 4, 8, 2, (("virtual", 2),)),
-    ("zb_h1", 8, 8, 1, ()), ("zb_h1", 4, 8, 1, (("max_deferred_w", 3),))}]
+    ("interleaved_1f1b", 4, 8, 2, (("virtual", 2),)), ("zb_h1", 4, 8, 1, (("max_deferred_w", 3),))}]
+# (the D=8 GPT cases -- chimera, interleaved, zb_h1 -- were cut for CI time at issue #6; the MLP runs them)
 
 
 @pytest.mark.parametrize("kind,schedule,D,M,data,opts",

@@ -33,5 +33,7 @@ def test_repeated_runs_are_bit_identical(schedule):
     (l1, p1), (l2, p2) = train(schedule), train(schedule)
     assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(l1, l2))
     assert all(np.array_equal(a, b) for a, b in zip(p1, p2))
+    if schedule != "1f1b":                           # CI time: the seed's effect is checked once
+        return
     _, p3 = train(schedule, seed=1)                  # and the seed matters
     assert any(not np.array_equal(a, b) for a, b in zip(p1, p3))
