@@ -213,22 +213,7 @@ def main(argv):
             log.write(json.dumps(rec) + "\n")
             log.close()
             bar.close()
-            if ckpt is not None:
-                ckpt.close()       # the writes in flight (all of finite states) finish; nothing new starts
-            last = ckpt.latest_step() if ckpt is not None else None
-            where = jp.diagnose.locate_nonfinite(model, jp.distributed.to_host(pipe.params(state)), batch)
-            used = ("the weights this step used (its update was not applied)" if was_skipped else
-                    "the weights after this step's updates (asynchronous: updated inside the pipeline)")
-            at = (f"first at stage {where['stage']} ({where['where']}: {where['detail']}; replayed unpipelined "
-                  f"with {used})" if where else
-                  "the unpipelined model reproduces no NaN with the updated weights (the pipelined step's "
-                  "inputs held it)")
-            sys.stderr.write(
-                f"\njaxpipe: non-finite loss {loss} / grad_norm {float(metrics.get('grad_norm', np.nan))} at step "
-                f"{i + 1}, {at}. Stopped; nothing was checkpointed after it"
-                f"{f' (last good checkpoint: step {last})' if last is not None else ''}. Lower --lr, add clipping, "
-                f"or pass --on_nonfinite=skip to skip such updates\n")
-            sys.exit(3)
+            _stop_nonfinite(jp, pipe, model, state, batch, metrics, i + 1, ckpt, was_skipped)
         if FLAGS.throttle_s:
             time.sleep(FLAGS.throttle_s)
         done = i + 1
@@ -248,7 +233,8 @@ def main(argv):
         if stop:
             bar.close()
             save(done, force=True)
-            ckpt is not None and ckpt.close()
+            if ckpt is not None:
+                ckpt.close()
             say(f"\nstopped by {stop[0]} at step {done}" + (f"; checkpoint saved in {FLAGS.checkpoint_dir}, run "
                                                             f"again to resume" if ckpt else ""))
             sys.exit(143)
@@ -284,6 +270,26 @@ def main(argv):
     with open(os.path.join(FLAGS.out_dir, "summary.json"), "w") as fh:
         json.dump(summary, fh, indent=1)
     print(f"\nmetrics: {os.path.join(FLAGS.out_dir, 'metrics.jsonl')}")
+
+
+def _stop_nonfinite(jp, pipe, model, state, batch, metrics, step, ckpt, update_skipped):
+    """Exit 3 with the step and the stage where the NaN/Inf first appears (an unpipelined replay)."""
+    import numpy as np
+    if ckpt is not None:
+        ckpt.close()       # the writes in flight (all of finite states) finish; nothing new starts
+    last = ckpt.latest_step() if ckpt is not None else None
+    where = jp.diagnose.locate_nonfinite(model, jp.distributed.to_host(pipe.params(state)), batch)
+    used = ("the weights this step used (its update was not applied)" if update_skipped else
+            "the weights after this step's updates (asynchronous: updated inside the pipeline)")
+    at = (f"first at stage {where['stage']} ({where['where']}: {where['detail']}; replayed unpipelined with "
+          f"{used})" if where else
+          "the unpipelined model reproduces no NaN with the updated weights (the pipelined step's inputs held it)")
+    sys.stderr.write(
+        f"\njaxpipe: non-finite loss {float(metrics['loss'])} / grad_norm {float(metrics.get('grad_norm', np.nan))} "
+        f"at step {step}, {at}. Stopped; nothing was checkpointed after it"
+        f"{f' (last good checkpoint: step {last})' if last is not None else ''}. Lower --lr, add clipping, "
+        f"or pass --on_nonfinite=skip to skip such updates\n")
+    sys.exit(3)
 
 
 def _save_params(jp, pipe, state, primary):

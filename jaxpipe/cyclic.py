@@ -66,7 +66,7 @@ class CyclicDataParallel:
     """Cyclic Data Parallelism over the mesh's ``data`` axis (see the module docstring)."""
 
     def __init__(self, model: PipelineModel, optimizer: optax.GradientTransformation, rule: str = "v2",
-                 mesh=None):
+                 mesh=None, *, check_inputs: bool = True):
         if not isinstance(model, PipelineModel):
             raise ConfigError(f"model must be a jp.PipelineModel cut into N stages, got {type(model).__name__}")
         if rule not in RULES:
@@ -89,6 +89,7 @@ class CyclicDataParallel:
                               f"and the mesh {N} workers; build the model with {N} stages or use "
                               f"jp.make_mesh(data={model.num_stages})")
         self.model, self.opt, self.rule, self.mesh, self.N = model, optimizer, rule, mesh, N
+        self.check_inputs = bool(check_inputs)
         self._fns = {}
 
     # ------------------------------------------------------------------ state
@@ -291,10 +292,9 @@ class CyclicDataParallel:
         time steps.  Metrics: ``loss`` (mean of the losses computed in this call), ``losses_computed``,
         ``version_errors`` (always 0 unless the timeline is broken)."""
         self._check_batch(batch)
-        from .pipeline import check_finite
-        bad = check_finite(batch)
-        if bad:
-            raise ConfigError(f"the batch holds NaN or Inf in {bad}; clean the data before training")
+        if self.check_inputs:
+            from .pipeline import require_finite
+            require_finite(batch, "CyclicDataParallel(..., check_inputs=False)")
         batch = global_batch(batch, NamedSharding(self.mesh, P("data")))
         if state.carry is None:
             state = state._replace(carry=self._empty_carry(batch)[0])

@@ -34,6 +34,15 @@ def check_finite(batch):
     return bad
 
 
+def require_finite(batch, opt_out: str):
+    """ConfigError if the batch holds NaN or Inf (``opt_out``: how the caller's user turns the check off)."""
+    bad = check_finite(batch)
+    if bad:
+        raise ConfigError(f"the batch holds NaN or Inf in {', '.join(bad)}: a pipeline would spread it into every "
+                          f"stage's weights. Clean the data (np.nan_to_num, drop the rows), or pass "
+                          f"{opt_out} if non-finite inputs are intended")
+
+
 class PipelineState(NamedTuple):
     """Train state: parameters ``(stage, pre, post)``, optimizer state, and the number of updates applied."""
     params: Tuple[Any, Any, Any]
@@ -166,7 +175,6 @@ class Pipeline:
         (``carry``) on the first step, sized from the batch; ``prepare`` does it now (a no-op otherwise), so
         the state has its final structure -- what ``jp.Checkpointer.restore`` needs as a template."""
         if self._async is not None:
-            self._check_batch(batch)
             return self._async._ensure_carry(state, self.shard_batch(batch))
         return state
 
@@ -206,10 +214,8 @@ class Pipeline:
         """
         self._check_values(batch)
         if self._async is not None:
-            self._check_batch(batch)
             return self._async.step(state, self.shard_batch(batch))
         if self._avg is not None:
-            self._check_batch(batch)
             return self._avg.step(state, self.shard_batch(batch))
         if self.optimizer is None:
             raise ConfigError("Pipeline.step needs an optimizer: Pipeline(..., optimizer=optax.adamw(1e-3))")
@@ -263,13 +269,8 @@ class Pipeline:
 
     def _check_values(self, batch):
         self._check_keys(batch)
-        if not self.check_inputs:
-            return
-        bad = check_finite(batch)
-        if bad:
-            raise ConfigError(f"the batch holds NaN or Inf in {', '.join(bad)}: a pipeline would spread it into every "
-                              f"stage's weights. Clean the data (np.nan_to_num, drop the rows), or pass "
-                              f"Pipeline(..., check_inputs=False) if non-finite inputs are intended")
+        if self.check_inputs:
+            require_finite(batch, "Pipeline(..., check_inputs=False)")
 
     def _check_keys(self, batch):
         """Trace the unpipelined loss once per batch structure: a key or shape the model reads and the batch
