@@ -67,13 +67,20 @@ class Pipeline:
     (``metrics["skipped"]``).  ``check_inputs`` (default on): a batch holding NaN or Inf is refused before it
     reaches the pipeline.  ``wpipe`` and the
     asynchronous schedules never flush: use ``drain`` before reading final parameters.
+
+    ``placement`` (flushing schedules): ``"lanes"`` (default) runs an F lane and a B lane in every tick, so a
+    tick costs f + b, at up to 2D - 1 micro-batches in flight on stage 0; ``"ordered"`` runs the schedule's own
+    one action per tick and keeps its memory bound (1F1B: D - d on stage d) at max(f, b) per tick
+    (``jaxpipe.schedules.lanes``).  ``recompute=True`` stashes each stage's input only and recomputes the
+    stage's forward in its backward (``jax.checkpoint``): less activation memory for one more forward.
     """
 
     def __init__(self, model: PipelineModel, schedule: str = "1f1b", num_microbatches: int = 1,
                  optimizer: Optional[optax.GradientTransformation] = None, mesh=None, *,
                  nan_bubbles: bool = False, chimera: Optional[dict] = None, virtual: Optional[int] = None,
                  zb: Optional[dict] = None, avgpipe: Optional[dict] = None, wpipe: Optional[dict] = None,
-                 skip_nonfinite: bool = False, check_inputs: bool = True):
+                 skip_nonfinite: bool = False, check_inputs: bool = True, placement: str = "lanes",
+                 recompute: bool = False):
         if not isinstance(model, PipelineModel):
             raise ConfigError(f"model must be a jp.PipelineModel, got {type(model).__name__}")
         if mesh is None:
@@ -88,6 +95,14 @@ class Pipeline:
         D = mesh.shape["stage"]
         if not isinstance(num_microbatches, int) or isinstance(num_microbatches, bool) or num_microbatches < 1:
             raise ConfigError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
+        from .schedules.lanes import PLACEMENTS
+        if placement not in PLACEMENTS:
+            raise ConfigError(f"placement={placement!r}: use 'lanes' (an F and a B lane in every tick: a tick costs "
+                              f"f + b, stage 0 holds up to 2D - 1 micro-batches) or 'ordered' (the schedule's own "
+                              f"one action per tick: its memory bound, e.g. D for 1F1B, at max(f, b) per tick)")
+        if not isinstance(recompute, bool):
+            raise ConfigError(f"recompute must be True or False, got {recompute!r}")
+        self.placement, self.recompute = placement, recompute
         self.model, self.mesh, self.optimizer = model, mesh, optimizer
         self.num_microbatches = num_microbatches
         try:
@@ -111,7 +126,7 @@ class Pipeline:
         # Recomputation: the stash keeps each stage's input only and the backward recomputes the rest --
         # WPipe-R (§3.3) on request; Chimera's forward doubling always (it holds two micro-batches'
         # activations per forward tick, §3.5)
-        if ((schedule == "wpipe" and (wpipe or {}).get("recompute")) or
+        if (recompute or (schedule == "wpipe" and (wpipe or {}).get("recompute")) or
                 (schedule == "chimera" and options.get("concat") == "forward_doubling")):
             import dataclasses
             self.model = model = dataclasses.replace(model, stage_fn=jax.checkpoint(model.stage_fn))
@@ -142,6 +157,14 @@ class Pipeline:
         self.param_shardings = (stage_sh, rep(model.pre_params), rep(model.post_params))
 
     # ------------------------------------------------------------------ public API
+    @property
+    def lane_plan(self):
+        """What the executor runs: the schedule placed on lanes (``jaxpipe.schedules.lanes.LanePlan``)."""
+        if getattr(self, "_lane_plan", None) is None:
+            from .runtime.executor import lane_plan
+            self._lane_plan = lane_plan(self.schedule, self.placement)
+        return self._lane_plan
+
     @property
     def data_parallel(self) -> int:
         return self.mesh.shape["pipe"] * self.mesh.shape["data"]
@@ -300,7 +323,8 @@ class Pipeline:
         key = (what, jax.tree.structure(example), tuple(jax.tree.leaves(example)),
                None if state_sh is None else (jax.tree.structure(state_sh), tuple(jax.tree.leaves(state_sh))))
         if key not in self._compiled:
-            grad_fn = make_grad_fn(self.model, self.schedule, self.mesh, example, nan_bubbles=self.nan_bubbles)
+            grad_fn = make_grad_fn(self.model, self.schedule, self.mesh, example, nan_bubbles=self.nan_bubbles,
+                                   lanes=self.lane_plan)
 
             lay, identity = jnp.asarray(self._layout), self._identity_layout
             lay_sh = jax.tree.map(lambda _: NamedSharding(self.mesh, P("stage")), self.model.stage_params)

@@ -15,13 +15,13 @@ CASES = [(1, 1, 1), (2, 3, 1), (4, 4, 1), (4, 8, 1), (4, 6, 1), (2, 2, 2)]   # (
 
 
 @pytest.mark.parametrize("kind", ["mlp", "gpt"])
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule,placement", [("gpipe", "lanes"), ("1f1b", "lanes"), ("1f1b", "ordered")])
 @pytest.mark.parametrize("D,M,data", CASES)
-def test_loss_and_grad_match_jax_grad(kind, schedule, D, M, data):
+def test_loss_and_grad_match_jax_grad(kind, schedule, placement, D, M, data):
     model, batch_fn = small_model(kind, D)
     batch = batch_fn(2 * M * data)
     pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=M, optimizer=optax.sgd(0.1),
-                       mesh=jp.make_mesh(stages=D, data=data))
+                       mesh=jp.make_mesh(stages=D, data=data), placement=placement)
     loss, grads = pipe.loss_and_grad(pipe.init(), batch)
     ref_loss, ref_grads = reference(model, batch)
     assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
@@ -49,14 +49,14 @@ def test_data_x_stage_mesh_equals_stage_only_and_no_pipeline(schedule):
     assert rel_err(outs[1][1], outs[0][1]) <= 1e-5
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule,placement", [("gpipe", "lanes"), ("1f1b", "lanes"), ("1f1b", "ordered")])
 @pytest.mark.parametrize("kind", ["mlp", "gpt"])
-def test_nan_filled_bubbles_stay_finite(schedule, kind):
-    """Every buffer starts NaN and idle ticks send NaN: results stay finite and exact."""
+def test_nan_filled_bubbles_stay_finite(schedule, placement, kind):
+    """Every buffer starts NaN and idle lanes send NaN: results stay finite and exact."""
     model, batch_fn = small_model(kind, 4)
     batch = batch_fn(12)
     pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=3, optimizer=optax.adam(1e-2),
-                       mesh=jp.make_mesh(stages=4), nan_bubbles=True)
+                       mesh=jp.make_mesh(stages=4), nan_bubbles=True, placement=placement)
     state = pipe.init()
     loss, grads = pipe.loss_and_grad(state, batch)
     assert np.isfinite(float(loss)) and all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
@@ -65,15 +65,16 @@ def test_nan_filled_bubbles_stay_finite(schedule, kind):
     assert all(np.isfinite(np.asarray(p)).all() for p in jax.tree.leaves(pipe.params(state)))
 
 
-def test_nan_mode_detects_a_leak():
+@pytest.mark.parametrize("placement", ["lanes", "ordered"])
+def test_nan_mode_detects_a_leak(placement):
     """The NaN probe is not vacuous: a schedule whose F reads a receive slot nobody wrote goes NaN."""
-    from jaxpipe.runtime import executor
+    from jaxpipe.schedules.lanes import L
     model, batch_fn = small_model("mlp", 2)
     pipe = jp.Pipeline(model, schedule="gpipe", num_microbatches=2, optimizer=optax.sgd(0.1),
-                       mesh=jp.make_mesh(stages=2), nan_bubbles=True)
-    tabs = pipe.schedule.tables()
-    t = tabs.data
-    k = int(np.argmax((t["op"][:, 1] == 1)))          # first F on device 1
-    t["in_slot"][k, 1] = tabs.mbuf_capacity          # point it at the never-written scratch slot
+                       mesh=jp.make_mesh(stages=2), nan_bubbles=True, placement=placement)
+    plan = pipe.lane_plan
+    f_lane = plan.lanes.index("F")
+    k = int(np.argmax(plan.table[:, 1, f_lane, L["op"]] == 1))      # first F on device 1
+    plan.table[k, 1, f_lane, L["in"]] = plan.mbuf_capacity          # point it at the never-written scratch slot
     loss, _ = pipe.loss_and_grad(pipe.init(), batch_fn(4))
     assert not np.isfinite(float(loss))

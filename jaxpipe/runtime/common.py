@@ -1,0 +1,121 @@
+"""Pieces every executor shares: device-varying marks, the vjp residual split, stash reads/writes, and
+the layout of model stages over devices (which device-local chunk holds which stage)."""
+from __future__ import annotations
+
+from typing import Any, List, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ..schedules.ir import Schedule
+
+AXES = ("pipe", "data", "stage")
+DP_AXES = ("pipe", "data")
+
+
+def vary(x, axes: Sequence[str] = AXES):
+    """Mark ``x`` device-varying over ``axes`` (only the axes it does not vary over yet)."""
+    def one(a):
+        have = getattr(getattr(jax.typeof(a), "manual_axis_type", None), "varying", frozenset())
+        missing = tuple(ax for ax in axes if ax not in have)
+        return lax.pcast(a, missing, to="varying") if missing else a
+    return jax.tree.map(one, x)
+
+
+def residual_mask(stage_fn, w, x) -> Tuple[Tuple[bool, ...], list]:
+    """Which leaves of ``jax.vjp(stage_fn, w, x)``'s pullback depend on the activation ``x``.
+
+    Those are stashed by F.  The others are functions of the weights alone (the weights themselves, slices,
+    transposes, casts of them): B recomputes them from the weights it must read, so weights are never
+    copied into the stash.  Found by a dependency walk over the jaxpr (conservative: an equation with any
+    x-dependent input makes all its outputs x-dependent).  Call it in the context the executor traces in
+    (inside the ``shard_map``): how many residuals a pullback has can depend on it.  Returns the mask and
+    the shapes of the stashed residuals.
+    """
+    def leaves(w, x):
+        return jax.tree.leaves(jax.vjp(stage_fn, w, x)[1])
+
+    jaxpr = jax.make_jaxpr(leaves)(w, x).jaxpr
+    n_w = len(jax.tree.leaves(w))
+    dep = set(jaxpr.invars[n_w:])
+    is_var = lambda v: not hasattr(v, "val")          # Literals carry .val
+    for eqn in jaxpr.eqns:
+        if any(is_var(v) and v in dep for v in eqn.invars):
+            dep.update(eqn.outvars)
+    mask = tuple(is_var(v) and v in dep for v in jaxpr.outvars)
+    return mask, [v.aval for v, m in zip(jaxpr.outvars, mask) if m]
+
+
+def split_residuals(stage_fn, w, x, mask: Sequence[bool]):
+    """``jax.vjp`` of one stage; returns (y, residuals to stash, all pullback leaves, treedef)."""
+    y, pullback = jax.vjp(stage_fn, w, x)
+    leaves, treedef = jax.tree.flatten(pullback)
+    if len(leaves) != len(mask):
+        raise RuntimeError(f"stage_fn's pullback has {len(leaves)} residuals here but {len(mask)} when "
+                           f"analysed; stage_fn must trace the same way every time")
+    return y, [l for l, m in zip(leaves, mask) if m], leaves, treedef
+
+
+def rebuild_pullback(stage_fn, w, x_like, stashed: List[Any], mask: Sequence[bool]):
+    """The pullback of F, from the stashed activation-dependent residuals and weight-only residuals
+    recomputed from ``w`` (the forward traced here on a dummy ``x`` is dead code that XLA removes)."""
+    _, _, fresh, treedef = split_residuals(stage_fn, w, x_like, mask)
+    it = iter(stashed)
+    return jax.tree.unflatten(treedef, [next(it) if m else f for f, m in zip(fresh, mask)])
+
+
+def num_chunks(sched: Schedule) -> int:
+    return int(sched.stage_of_chunk().shape[1])
+
+
+def layout_index(sched: Schedule) -> np.ndarray:
+    """``[D * chunks]``: the model stage each device-local chunk holds (device-major), the order in which
+    the executor wants the stage parameters (a chunk a device does not use holds a copy of stage 0)."""
+    soc = sched.stage_of_chunk()
+    return np.where(soc < 0, 0, soc).reshape(-1).astype(np.int32)
+
+
+def exchange_perms(sched: Schedule):
+    """Where every chunk column is a permutation of the model's D stages (GPipe/1F1B/ZB: identity; Chimera:
+    each device's second replica lives as the first on its mirror device), the executor takes the stage
+    parameters in the model's own order, one stage per device, and fetches chunk c with one ``ppermute``
+    (source device ``stage_of_chunk[d, c]`` -> d); its gradients go back the same way and are summed with
+    the owner's: the paper's all-reduce between a stage's replicas.  Returns the per-chunk permutations
+    (None for the identity), or None where the layout is not of that form (interleaved: a gather)."""
+    soc = sched.stage_of_chunk()
+    D = sched.D
+    if sched.num_model_stages != D:
+        return None
+    perms = []
+    for c in range(soc.shape[1]):
+        col = [int(v) for v in soc[:, c]]
+        if sorted(col) != list(range(D)):
+            return None
+        perms.append(None if col == list(range(D)) else [(col[d], d) for d in range(D)])
+    return perms
+
+
+def eager_point(sched: Schedule, where=None, lanes=("F", "B")):
+    """For Chimera's eager reduction: (tick after which the last stage's replica gradient is final, the
+    device holding that replica, its chunk, the owner device).  ``where``: a lane plan's placement
+    (``(kind, stage, mb) -> (tick, lane)``); default the schedule's own ticks."""
+    soc, S = sched.stage_of_chunk(), sched.num_model_stages
+    perms = exchange_perms(sched)
+    src = [(d, c) for d in range(sched.D) for c in range(soc.shape[1]) if soc[d, c] == S - 1 and c > 0]
+    if perms is None or len(src) != 1 or perms[src[0][1]] is None:
+        raise ValueError(f"{sched.name}: eager reduction needs exactly one replica of the last stage")
+    d, c = src[0]
+    ticks = sched.ticks() if where is None else {k: v[0] for k, v in where.items()}
+    last = "W" if sched.has_w() else "B"
+    t_e = 1 + max(t for (k, st, m), t in ticks.items() if k == last and st == S - 1)
+    return t_e, d, c, S - 1
+
+
+def read(buf, slot):
+    return lax.dynamic_index_in_dim(buf, slot, 0, False)
+
+
+def write(buf, slot, val):
+    return lax.dynamic_update_index_in_dim(buf, val.astype(buf.dtype), slot, 0)

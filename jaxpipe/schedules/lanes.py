@@ -1,0 +1,276 @@
+"""Lane placement: what the SPMD executor really runs, tick by tick (pure Python + NumPy, no JAX).
+
+A lockstep tick holds *lanes* run one after the other on every device -- an ``F`` lane, a ``B`` lane, a
+``W`` lane where the schedule splits the backward, an ``F2`` lane where Chimera pairs forwards (§3.5) --
+each followed by a ``ppermute`` of the messages it produced.  A device runs at most one action per lane per
+tick; a lane no device uses in a stretch of ticks is not compiled there (the tick loop is cut into
+*phases*), and a device idle in a lane skips it (``lax.cond``): on CPU-emulated devices idle work costs real
+time, since the emulated devices share the cores.
+
+Two placements of the same :class:`~jaxpipe.schedules.ir.Schedule`:
+
+* ``"lanes"`` (default): every lane takes the device's actions of its kind in the schedule's order, each as
+  soon as its inputs are there.  A tick costs ``f + b`` (one F and one B per device in steady state) instead
+  of ``2 max(f, b)``; the price is memory -- stage 0 of a 1F1B-like schedule holds up to ``2D - 1``
+  micro-batches (an F's message waits for the B lane of its tick before it moves on).  GPipe and 1F1B,
+  which differ only in how a device interleaves F and B, become the same lane timeline.
+* ``"ordered"``: the schedule's own one-action-per-tick placement (``Schedule.ticks()``), the classic
+  memory bound (1F1B: ``D - d`` micro-batches on stage ``d``) at ``max(f, b)`` per tick.
+
+Rules: an input from another device arrives the tick after it was sent; on the same device a later lane of
+the same tick may use it (the last stage's F then its own B).  Slots: a stash slot written by F in lane
+position ``p`` (``tick * lanes + lane``) is free once every read of its previous content happened before
+``p``; a message slot is written at the end of its sender's lane, so a read in that same lane position may
+still use the old content.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .ir import B, F, W, Action, Schedule, ScheduleError, _channel, _Slots, SEND_KEEP, SEND_MINUS, SEND_NONE, \
+    SEND_PLUS
+
+F2 = "F2"
+PLACEMENTS = ("lanes", "ordered")
+#: columns of one lane's row: active flag, micro-batch, model stage, local chunk, stash slot (written by F,
+#: read by B/W), message slot read (F: input activation, B/W: dL/dy), where the produced message goes
+#: (SEND_*), its slot when it stays on the device, receive slots for the two channels, branch index.
+LCOLS = ("op", "mb", "stage", "chunk", "stash", "in", "send", "keep", "recv_p", "recv_m", "branch")
+L = {c: i for i, c in enumerate(LCOLS)}
+MAX_PHASES = 5
+
+
+@dataclasses.dataclass
+class LanePlan:
+    """The executor's view of a schedule: ``table[tick, device, lane, column]`` (columns :data:`LCOLS`)."""
+    schedule: Schedule
+    placement: str
+    lanes: Tuple[str, ...]
+    where: Dict[Tuple[str, int, int], Tuple[int, int]]     # (kind, stage, mb) -> (tick, lane)
+    table: np.ndarray
+    stash_capacity: int
+    mbuf_capacity: int
+    channels: Tuple[Tuple[int, ...], ...]                    # per lane: channels it sends on
+    keeps: Tuple[bool, ...]                                  # per lane: does it keep a message on-device
+    phases: Tuple[Tuple[int, int, Tuple[int, ...]], ...]     # (first tick, end tick, lanes compiled)
+
+    @property
+    def num_ticks(self) -> int:
+        return self.table.shape[0]
+
+    def lockstep_makespan(self, f: float = 1.0, b: float = 2.0, w: float = 0.0) -> float:
+        """Sum over ticks of the lanes each phase compiles, each lane as long as its slowest device's
+        action (a device idle in a lane costs nothing; the lane still waits for the slowest)."""
+        dur = {F: f, F2: f, B: b, W: w}
+        active = self.table[..., L["op"]] > 0
+        total = 0.0
+        for li, kind in enumerate(self.lanes):
+            total += dur[kind] * float(np.any(active[:, :, li], axis=1).sum())
+        return total
+
+    def peak_inflight(self) -> List[int]:
+        """Per device, the most micro-batch stage activations held at once (F until its last B/W read)."""
+        nl = len(self.lanes)
+        last = W if self.schedule.has_w() else B
+        out = []
+        for d in range(self.schedule.D):
+            ev = []
+            for (k, st, m), (t, li) in self.where.items():
+                if k == F and self._dev[(k, st, m)] == d:
+                    ev.append((t * nl + li, 1))
+                    tr, lr = self.where[(last, st, m)]
+                    ev.append((tr * nl + lr + 0.5, -1))
+            held = peak = 0
+            for _, v in sorted(ev):
+                held += v
+                peak = max(peak, held)
+            out.append(peak)
+        return out
+
+    def grid(self) -> List[List[List[Optional[Action]]]]:
+        """``grid[tick][device][lane]``: the action there or None (for pictures)."""
+        acts = {(a.kind, a.stage, a.mb): a for acts in self.schedule.actions for a in acts}
+        g = [[[None] * len(self.lanes) for _ in range(self.schedule.D)] for _ in range(self.num_ticks)]
+        for key, (t, li) in self.where.items():
+            g[t][self._dev[key]][li] = acts[key]
+        return g
+
+
+def lane_kinds(s: Schedule, placement: str = "lanes") -> Tuple[str, ...]:
+    """The lanes of a tick.  A second forward lane only for the ordered placement of paired forwards:
+    with lanes the F lane already overlaps forwards with backwards, and pairing forwards there would only
+    let the F lane run ahead and hold O(N) activations."""
+    pairs = s.has_pairs() and placement == "ordered"
+    return (F,) + ((F2,) if pairs else ()) + (B,) + ((W,) if s.has_w() else ())
+
+
+def _place_lanes(s: Schedule, lanes: Sequence[str], dev) -> Dict[tuple, Tuple[int, int]]:
+    """Every lane takes its kind's actions in the device's order, each as soon as its inputs are there."""
+    li_of = {k: i for i, k in enumerate(lanes)}
+    queues = [{k: [] for k in lanes} for _ in range(s.D)]
+    for d, acts in enumerate(s.actions):
+        for a in acts:
+            queues[d][a.kind].append([a])
+    where: Dict[tuple, Tuple[int, int]] = {}
+    remaining = sum(len(q) for qs in queues for q in qs.values())
+    limit = 4 * (remaining + s.D) + 8
+    t = 0
+    while remaining:
+        for d in range(s.D):
+            for kind in lanes:
+                q = queues[d].get(kind)
+                if not q:
+                    continue
+                li = li_of[kind]
+                # the first ready group among the heads of each chunk's queue, in the schedule's order (a
+                # chunk stuck on its input does not hold back another chunk's ready action; Chimera §3.5's
+                # list scheduling does the same)
+                seen = set()
+                for gi, grp in enumerate(q):
+                    if grp[0].chunk in seen:
+                        continue
+                    seen.add(grp[0].chunk)
+                    if _ready(s, grp, where, dev, d, t, li):
+                        q.pop(gi)
+                        remaining -= 1
+                        for j, a in enumerate(grp):
+                            where[(a.kind, a.stage, a.mb)] = (t, li if j == 0 else li_of[F2])
+                        break
+        t += 1
+        if t > limit:
+            raise ScheduleError(f"{s.name}: lane placement stalled at tick {t}; the schedule's per-kind orders "
+                                f"deadlock")
+    return where
+
+
+def _ready(s: Schedule, grp, where, dev, d: int, t: int, li: int) -> bool:
+    for a in grp:
+        for dep in s.deps(a):
+            if dep not in where:
+                return False
+            td, ld = where[dep]
+            if not (td < t or (dev[dep] == d and td == t and ld < li)):
+                return False
+    return True
+
+
+def _place_ordered(s: Schedule, lanes: Sequence[str]) -> Dict[tuple, Tuple[int, int]]:
+    li_of = {k: i for i, k in enumerate(lanes)}
+    ticks = s.ticks()
+    where = {}
+    for acts in s.actions:
+        for a in acts:
+            key = (a.kind, a.stage, a.mb)
+            where[key] = (ticks[key], li_of[F2 if a.pair else a.kind])
+    return where
+
+
+def _phases(active: np.ndarray) -> Tuple[Tuple[int, int, Tuple[int, ...]], ...]:
+    """Cut ticks into runs with the same set of used lanes; merge the shortest runs until at most
+    :data:`MAX_PHASES` remain (compile time must not grow with the number of micro-batches)."""
+    used = [tuple(int(i) for i in np.nonzero(active[t].any(axis=0))[0]) for t in range(active.shape[0])]
+    runs: List[list] = []
+    for t, u in enumerate(used):
+        if runs and runs[-1][2] == set(u):
+            runs[-1][1] = t + 1
+        else:
+            runs.append([t, t + 1, set(u)])
+    while len(runs) > MAX_PHASES:
+        i = min(range(len(runs)), key=lambda k: runs[k][1] - runs[k][0])
+        j = i - 1 if i == len(runs) - 1 or (i > 0 and runs[i - 1][1] - runs[i - 1][0] <=
+                                                   runs[i + 1][1] - runs[i + 1][0]) else i + 1
+        a, b = sorted((i, j))
+        runs[a] = [runs[a][0], runs[b][1], runs[a][2] | runs[b][2]]
+        del runs[b]
+    return tuple((a, b, tuple(sorted(u))) for a, b, u in runs)
+
+
+def plan(s: Schedule, placement: str = "lanes", cut: Sequence[int] = ()) -> LanePlan:
+    """Place ``s`` on lanes and build the executor's tables.  ``cut``: ticks where a phase must begin
+    (Chimera's eager reduction runs between two phases)."""
+    if placement not in PLACEMENTS:
+        raise ScheduleError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    lanes = lane_kinds(s, placement)
+    loc = s.location()
+    dev = {k: v[0] for k, v in loc.items()}
+    where = _place_lanes(s, lanes, dev) if placement == "lanes" else _place_ordered(s, lanes)
+    nl, D, S = len(lanes), s.D, s.num_model_stages
+    T = 1 + max(t for t, _ in where.values())
+    pos = lambda key: where[key][0] * nl + where[key][1]
+    tab = np.full((T, D, nl, len(LCOLS)), -1, np.int64)
+    tab[..., L["op"]] = 0
+    tab[..., L["send"]] = SEND_NONE
+    acts = {(a.kind, a.stage, a.mb): a for acts_ in s.actions for a in acts_}
+    for key, (t, li) in where.items():
+        a = acts[key]
+        row = tab[t, dev[key], li]
+        row[L["op"]], row[L["mb"]], row[L["stage"]], row[L["chunk"]] = 1, a.mb, a.stage, a.chunk
+    # stash: written by F, read by B (and W)
+    split = s.has_w()
+    readers = (B, W) if split else (B,)
+    stash_alloc = [_Slots() for _ in range(D)]
+    for key in sorted((k for k in where if k[0] == F), key=pos):
+        _, st, m = key
+        d = dev[key]
+        slot = stash_alloc[d].alloc(pos(key) - 1, max(pos((r, st, m)) for r in readers))
+        for k in [key] + [(r, st, m) for r in readers]:
+            tab[where[k][0], d, where[k][1], L["stash"]] = slot
+    # messages: F(st-1) -> F(st); B(st+1) -> B(st) (and W(st)); the last stage's F -> its B (dL/dy)
+    msgs = []
+    for st in range(S):
+        for m in range(s.M):
+            if st > 0:
+                msgs.append(((F, st - 1, m), [(F, st, m)]))
+            src = (B, st + 1, m) if st < S - 1 else (F, st, m)
+            msgs.append((src, [(B, st, m)] + ([(W, st, m)] if split else [])))
+    alloc = [_Slots() for _ in range(D)]
+    channels = [set() for _ in range(nl)]
+    keeps = [False] * nl
+    for src, users in sorted(msgs, key=lambda x: pos(x[0])):
+        ts, ls = where[src]
+        a, b = dev[src], dev[users[0]]
+        for u in users:
+            if pos(u) <= pos(src) or (dev[u] != a and where[u][0] <= ts):
+                raise ScheduleError(f"{s.name}: {u} placed at {where[u]} before its input {src} at {(ts, ls)}")
+        ch = _channel(D, a, b)
+        if ch < 0:
+            raise ScheduleError(f"{s.name}: a message from device {a} to device {b}; the executor moves messages "
+                                f"to a neighbouring device (d +- 1 mod {D}) only")
+        if ch == SEND_MINUS and D == 2:
+            ch = SEND_PLUS
+        slot = alloc[b].alloc(pos(src), max(pos(u) for u in users))
+        tab[ts, a, ls, L["send"]] = ch
+        if ch == SEND_KEEP:
+            tab[ts, a, ls, L["keep"]] = slot
+            keeps[ls] = True
+        else:
+            col = L["recv_p" if ch == SEND_PLUS else "recv_m"]
+            if tab[ts, b, ls, col] != -1:
+                raise ScheduleError(f"{s.name}: two messages reach device {b} on one channel at tick {ts}")
+            tab[ts, b, ls, col] = slot
+            channels[ls].add(ch)
+        for u in users:
+            tab[where[u][0], dev[u], where[u][1], L["in"]] = slot
+    cap_s = max(len(x.busy_until) for x in stash_alloc)
+    cap_m = max(len(x.busy_until) for x in alloc)
+    for c in ("keep", "recv_p", "recv_m"):
+        tab[..., L[c]][tab[..., L[c]] < 0] = cap_m          # the scratch slot
+    for c in ("mb", "stage", "chunk", "stash", "in"):
+        tab[..., L[c]][tab[..., L[c]] < 0] = 0
+    first = (tab[..., L["stage"]] == 0).astype(np.int64)
+    last = (tab[..., L["stage"]] == S - 1).astype(np.int64)
+    tab[..., L["branch"]] = np.where(tab[..., L["op"]] > 0, 1 + tab[..., L["chunk"]] * 4 + first + 2 * last, 0)
+    active = tab[..., L["op"]] > 0
+    phases = list(_phases(active))
+    for c in sorted(set(cut)):
+        for i, (a0, b0, u) in enumerate(phases):
+            if a0 < c < b0:
+                phases[i:i + 1] = [(a0, c, u), (c, b0, u)]
+                break
+    out = LanePlan(s, placement, lanes, where, tab.astype(np.int32), cap_s, cap_m,
+                   tuple(tuple(sorted(c)) for c in channels), tuple(keeps), tuple(phases))
+    out._dev = dev
+    return out
