@@ -185,12 +185,16 @@ class Pipeline:
             return self._avg.init()
         # A copy made by jit: step() donates the state, and the model's own arrays must survive that.
         params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.param_shardings)(self.model.params)
-        opt_state = jax.jit(self.optimizer.init)(params) if self.optimizer is not None else None
         rep = NamedSharding(self.mesh, P())
-        # Scalars (step counts) come out on one device; replicate them over the mesh like the step returns them.
-        on_mesh = lambda a: a if isinstance(a.sharding, NamedSharding) and a.sharding.mesh == self.mesh \
-            else jax.device_put(a, rep)
-        opt_state = jax.tree.map(on_mesh, opt_state)
+        opt_state = None
+        if self.optimizer is not None:
+            # Optimizer state shaped like a stage leaf (Adam's moments, momentum) lives with its stage: left
+            # to jit, it came out replicated and every device updated every stage (measured: +20% per step).
+            stage_avals = {(tuple(a.shape), a.dtype) for a in jax.tree.leaves(params[0])}
+            stage_sh = NamedSharding(self.mesh, P("stage"))
+            shapes = jax.eval_shape(self.optimizer.init, params)
+            out_sh = jax.tree.map(lambda a: stage_sh if (tuple(a.shape), a.dtype) in stage_avals else rep, shapes)
+            opt_state = jax.jit(self.optimizer.init, out_shardings=out_sh)(params)
         return PipelineState(params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), rep))
 
     def prepare(self, state, batch):

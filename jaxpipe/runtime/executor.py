@@ -48,7 +48,10 @@ def _branch_codes(p):
     replaced by their index in that list (only used branches are compiled)."""
     tab = p.table.copy()
     used = []
-    for li in range(len(p.lanes)):
+    for li, kind in enumerate(p.lanes):
+        if kind in ("B", "W"):         # one backward branch per chunk, every position (see bwd)
+            b = tab[:, :, li, L["branch"]]
+            b[b > 0] = 1 + 4 * tab[:, :, li, L["chunk"]][b > 0]
         u = np.unique(tab[:, :, li, L["branch"]])
         u = u if u[0] == 0 else np.concatenate([[0], u])
         tab[:, :, li, L["branch"]] = np.searchsorted(u, tab[:, :, li, L["branch"]])
@@ -114,31 +117,38 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
         blank = lambda: vary(fill(x_aval.shape, x_aval.dtype))
         x_like = lambda: vary(jnp.zeros(x_aval.shape, x_aval.dtype))
         mask, stash_avals = residual_mask(stage_fn, ws[0], x_like())
+        no_res = lambda: [vary(fill(a.shape, a.dtype)) for a in stash_avals]
         mb_of = lambda row: jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, row[L["mb"]], 0, False), batch)
         add = lambda a, d: jax.tree.map(lambda u, v: u + v.astype(u.dtype), a, d)
 
-        # A branch maps (row, stash, mbuf, acc) -> (stash, acc, message); acc = (g_w per chunk, g_pre,
-        # g_post, loss).  A branch that adds nothing passes the accumulators through (XLA keeps them in place).
-        def idle(row, stash, mbuf, acc):
-            return stash, acc, blank()
+        # An F branch maps (row, stash, mbuf, acc) -> (stash, acc, message), a B/W branch (row, stash, mbuf,
+        # acc) -> (acc, message): the stash is an operand there, never an output, so XLA does not copy it
+        # through the conditional.  acc = (g_w per chunk, g_pre, g_post, loss); a branch that adds nothing
+        # passes the accumulators through (XLA keeps them in place).
+        def idle_f(row, stash, mbuf, acc):
+            return no_res(), acc, blank()
+
+        def idle_b(row, stash, mbuf, acc):
+            return acc, blank()
 
         def fwd(chunk, first, last):
             def op(row, stash, mbuf, acc):
                 mb = mb_of(row) if (first or last) else None
                 x = pre(pre_p, mb) if first else read(mbuf, row[L["in"]])
                 y, res, _, _ = split_residuals(stage_fn, ws[chunk], x, mask)
-                stash = [write(a, row[L["stash"]], r) for a, r in zip(stash, res)]
                 if not last:
-                    return stash, acc, y.astype(x_aval.dtype)
+                    return res, acc, y.astype(x_aval.dtype)
                 l, (gq, dy) = jax.value_and_grad(post_loss, argnums=(0, 1))(post_p, y, mb)
                 gws, gpre, gpost, gl = acc
                 acc = (gws, gpre, add(gpost, jax.tree.map(lambda g: g / M, gq)), gl + (l / M).astype(jnp.float32))
-                return stash, acc, (dy / M).astype(x_aval.dtype)
+                return res, acc, (dy / M).astype(x_aval.dtype)
             return op
 
-        def bwd(chunk, first, last, want_dw=True, want_dx=True):
+        def bwd(chunk, want_dw=True, want_dx=True):
             # want_dw=False: zero-bubble B (input gradient only); want_dx=False: its deferred W.  XLA drops
-            # the half of the pullback whose result is not used.
+            # the half of the pullback whose result is not used.  One branch for every position (dL/dy is in
+            # the message buffer on the last stage too; stage 0's pre pullback under its own small cond):
+            # the fewer branches pass the gradient accumulators through, the fewer copies XLA makes.
             def op(row, stash, mbuf, acc):
                 res = [read(a, row[L["stash"]]) for a in stash]
                 dy = read(mbuf, row[L["in"]])
@@ -147,32 +157,46 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
                 if want_dw:
                     gws = list(gws)
                     gws[chunk] = add(gws[chunk], dw)
-                msg = blank()
-                if want_dx and not first:
-                    msg = dx.astype(x_aval.dtype)
-                elif want_dx:
-                    mb = mb_of(row)
-                    _, pre_pull = jax.vjp(lambda q: pre(q, mb), pre_p)
-                    gpre = add(gpre, pre_pull(dx.astype(x_aval.dtype))[0])
-                return stash, (gws, gpre, gpost, gl), msg
+                if not want_dx:
+                    return (gws, gpre, gpost, gl), blank()
+                dx = dx.astype(x_aval.dtype)
+                if jax.tree.leaves(pre_p):
+                    def pre_grad(g):
+                        _, pre_pull = jax.vjp(lambda q: pre(q, mb_of(row)), pre_p)
+                        return add(g, pre_pull(dx)[0])
+                    gpre = lax.cond(row[L["stage"]] == 0, pre_grad, lambda g: g, gpre)
+                return (gws, gpre, gpost, gl), dx
             return op
 
         def make(kind, code):
             if code == 0:
-                return idle
+                return idle_f if kind in ("F", F2) else idle_b
             chunk, f = divmod(code - 1, 4)
             first, last = bool(f & 1), bool(f & 2)
             if kind in ("F", F2):
                 return fwd(chunk, first, last)
             if kind == "B":
-                return bwd(chunk, first, last, want_dw=not split)
-            return bwd(chunk, first, last, want_dx=False)
+                return bwd(chunk, want_dw=not split)
+            return bwd(chunk, want_dx=False)
 
         branches = [[make(kind, c) for c in used[li]] for li, kind in enumerate(p.lanes)]
 
+        def switch(row, brs, *ops):
+            # idle or not as a predicate, then the active variant: a pass-through of the accumulators in
+            # a multi-way conditional makes XLA copy them (measured: a weight-sized copy per idle tick)
+            if len(brs) == 2:
+                return lax.cond(row[L["branch"]] > 0, brs[1], brs[0], row, *ops)
+            active = lambda row, *o: lax.switch(row[L["branch"]] - 1, brs[1:], row, *o)
+            return lax.cond(row[L["branch"]] > 0, active, brs[0], row, *ops)
+
         def lane(li, row, c):
             stash, mbuf, acc = c
-            stash, acc, msg = lax.switch(row[L["branch"]], branches[li], row, stash, mbuf, acc)
+            if p.lanes[li] in ("F", F2):
+                res, acc, msg = lax.switch(row[L["branch"]], branches[li], row, stash, mbuf, acc)
+                slot = jnp.where(row[L["op"]] > 0, row[L["stash"]], p.stash_capacity)
+                stash = [write(a, slot, r) for a, r in zip(stash, res)]
+            else:
+                acc, msg = switch(row, branches[li], stash, mbuf, acc)
             if p.keeps[li]:
                 mbuf = write(mbuf, row[L["keep"]], msg)
             for ch in p.channels[li]:
@@ -189,7 +213,7 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
 
         zeros = lambda t: vary(jax.tree.map(jnp.zeros_like, t))
         carry = vary((
-            [fill((p.stash_capacity,) + a.shape, a.dtype) for a in stash_avals],
+            [fill((p.stash_capacity + 1,) + a.shape, a.dtype) for a in stash_avals],
             fill((p.mbuf_capacity + 1,) + x_aval.shape, x_aval.dtype),
             ([zeros(w) for w in ws], zeros(pre_p), zeros(post_p), jnp.zeros((), jnp.float32))))
         for t0, t1, lanes_used in p.phases:
