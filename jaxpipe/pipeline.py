@@ -134,6 +134,12 @@ class Pipeline:
         self._layout = layout_index(self.schedule)
         # one stage per device in the model's order (replicas fetched inside the program), or a gather
         self._identity_layout = exchange_perms(self.schedule) is not None
+        # where every model stage sits in exactly one device-local chunk (interleaved 1F1B), the state holds
+        # the stage parameters in that order (``a[layout]``), so no step gathers weights across devices;
+        # params() gives them back in the model's order
+        self._stored = (not self._identity_layout and
+                        sorted(self._layout.tolist()) == list(range(self.schedule.num_model_stages)))
+        self._inverse = np.argsort(self._layout)
         self.nan_bubbles = nan_bubbles
         self.skip_nonfinite = bool(skip_nonfinite)
         self.check_inputs = bool(check_inputs)
@@ -184,7 +190,10 @@ class Pipeline:
         if self._avg is not None:
             return self._avg.init()
         # A copy made by jit: step() donates the state, and the model's own arrays must survive that.
-        params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.param_shardings)(self.model.params)
+        lay = jnp.asarray(self._layout)
+        to_state = lambda p: (jax.tree.map(lambda a: a[lay], p[0]) if self._stored else jax.tree.map(jnp.copy, p[0]),
+                              *jax.tree.map(jnp.copy, p[1:]))
+        params = jax.jit(to_state, out_shardings=self.param_shardings)(self.model.params)
         rep = NamedSharding(self.mesh, P())
         opt_state = None
         if self.optimizer is not None:
@@ -211,6 +220,9 @@ class Pipeline:
             return self._async.params(state)
         if self._avg is not None:
             return self._avg.params(state)
+        if self._stored:
+            inv = jnp.asarray(self._inverse)
+            return (jax.tree.map(lambda a: a[inv], state.params[0]),) + tuple(state.params[1:])
         return state.params
 
     def device_layout(self, state: PipelineState):
@@ -333,9 +345,11 @@ class Pipeline:
             lay, identity = jnp.asarray(self._layout), self._identity_layout
             lay_sh = jax.tree.map(lambda _: NamedSharding(self.mesh, P("stage")), self.model.stage_params)
 
+            stored, inv = self._stored, jnp.asarray(self._inverse)
+
             def lg(params, b):
                 stage_p, pre_p, post_p = params
-                if identity:
+                if identity or stored:
                     return grad_fn(stage_p, pre_p, post_p, b)
                 # the executor's layout: device-major chunks (Chimera: each device holds two replicas;
                 # interleaved: stages d, d + D, ...); gradients of replicas are summed back per stage
@@ -345,7 +359,10 @@ class Pipeline:
                 return loss, (g_stage, g_pre, g_post)
 
             if what == "grad":
-                self._compiled[key] = jax.jit(lg)
+                def grad_in_model_order(params, b):
+                    loss, (g, g_pre, g_post) = lg(params, b)
+                    return loss, (jax.tree.map(lambda a: a[inv], g) if stored else g, g_pre, g_post)
+                self._compiled[key] = jax.jit(grad_in_model_order)
             else:
                 opt, skip = self.optimizer, self.skip_nonfinite
 

@@ -128,7 +128,7 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
         def idle_f(row, stash, mbuf, acc):
             return no_res(), acc, blank()
 
-        def idle_b(row, stash, mbuf, acc):
+        def idle_b(row, stash, mbuf, acc):       # acc = (g_w of one chunk, g_pre)
             return acc, blank()
 
         def fwd(chunk, first, last):
@@ -150,22 +150,21 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
             # the message buffer on the last stage too; stage 0's pre pullback under its own small cond):
             # the fewer branches pass the gradient accumulators through, the fewer copies XLA makes.
             def op(row, stash, mbuf, acc):
+                gw, gpre = acc
                 res = [read(a, row[L["stash"]]) for a in stash]
                 dy = read(mbuf, row[L["in"]])
                 dw, dx = rebuild_pullback(stage_fn, ws[chunk], x_like(), res, mask)(dy)
-                gws, gpre, gpost, gl = acc
                 if want_dw:
-                    gws = list(gws)
-                    gws[chunk] = add(gws[chunk], dw)
+                    gw = add(gw, dw)
                 if not want_dx:
-                    return (gws, gpre, gpost, gl), blank()
+                    return (gw, gpre), blank()
                 dx = dx.astype(x_aval.dtype)
                 if jax.tree.leaves(pre_p):
                     def pre_grad(g):
                         _, pre_pull = jax.vjp(lambda q: pre(q, mb_of(row)), pre_p)
                         return add(g, pre_pull(dx)[0])
                     gpre = lax.cond(row[L["stage"]] == 0, pre_grad, lambda g: g, gpre)
-                return (gws, gpre, gpost, gl), dx
+                return (gw, gpre), dx
             return op
 
         def make(kind, code):
@@ -181,13 +180,17 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
 
         branches = [[make(kind, c) for c in used[li]] for li, kind in enumerate(p.lanes)]
 
-        def switch(row, brs, *ops):
-            # idle or not as a predicate, then the active variant: a pass-through of the accumulators in
-            # a multi-way conditional makes XLA copy them (measured: a weight-sized copy per idle tick)
-            if len(brs) == 2:
-                return lax.cond(row[L["branch"]] > 0, brs[1], brs[0], row, *ops)
-            active = lambda row, *o: lax.switch(row[L["branch"]] - 1, brs[1:], row, *o)
-            return lax.cond(row[L["branch"]] > 0, active, brs[0], row, *ops)
+        def backward_lane(li, row, stash, mbuf, acc):
+            # one predicate cond per chunk, each passing through only that chunk's gradient (and g_pre): a
+            # pass-through of accumulators in a multi-way conditional makes XLA copy them every tick
+            gws, gpre, gpost, gl = acc
+            gws, msg = list(gws), None
+            for k, code in enumerate(used[li][1:], 1):
+                c = (code - 1) // 4
+                (gws[c], gpre), m = lax.cond(row[L["branch"]] == k, branches[li][k], idle_b, row, stash, mbuf,
+                                             (gws[c], gpre))
+                msg = m if msg is None else jnp.where(row[L["branch"]] == k, m, msg)
+            return (gws, gpre, gpost, gl), blank() if msg is None else msg
 
         def lane(li, row, c):
             stash, mbuf, acc = c
@@ -196,7 +199,7 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
                 slot = jnp.where(row[L["op"]] > 0, row[L["stash"]], p.stash_capacity)
                 stash = [write(a, slot, r) for a, r in zip(stash, res)]
             else:
-                acc, msg = switch(row, branches[li], stash, mbuf, acc)
+                acc, msg = backward_lane(li, row, stash, mbuf, acc)
             if p.keeps[li]:
                 mbuf = write(mbuf, row[L["keep"]], msg)
             for ch in p.channels[li]:
