@@ -29,13 +29,50 @@ flags.DEFINE_integer("steps", 7, "timed steps per configuration (median reported
 flags.DEFINE_integer("compile_m2", 64, "second micro-batch count for the compile-time check (0 = skip)")
 flags.DEFINE_string("optimizer", "adamw", "optax optimizer applied by both the plain and the pipelined step")
 flags.DEFINE_string("json_out", "", "optional path: write the table as JSON")
+flags.DEFINE_boolean("child", False, "internal: this process measures one device-count group")
 FLAGS = flags.FLAGS
 
 
+def devices_needed(name: str, stages: int) -> int:
+    """Devices the schedule's mesh uses: avgpipe runs 2 pipelines of ``stages``; all others ``stages``."""
+    return 2 * stages if name == "avgpipe" else stages
+
+
+def run_groups(argv) -> None:
+    """One child process per device count, each emulating exactly the devices its meshes use (emulating
+    more slows the plain one-device baseline: the emulated devices share the cores' thread pools), each
+    timing its own plain steps; the rows are printed together."""
+    import json
+    import subprocess
+    import tempfile
+    groups = {}
+    for name in FLAGS.schedules.split(","):
+        groups.setdefault(devices_needed(name, FLAGS.stages), []).append(name)
+    rows = []
+    for n, names in sorted(groups.items()):
+        with tempfile.NamedTemporaryFile(suffix=".json") as fh:
+            env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
+            args = [a for a in argv[1:] if not a.startswith(("--schedules", "--json_out"))]
+            cmd = [sys.executable, "-m", "experiments.throughput", "--child", f"--schedules={','.join(names)}",
+                   f"--json_out={fh.name}"] + args
+            subprocess.run(cmd, env=env, check=True)
+            out = json.load(open(fh.name))
+            rows += [dict(r, devices=n, plain_ms=out["plain_ms"]) for r in out["rows"]]
+    if len(groups) > 1:
+        print("\nall groups (each ratio against the plain steps timed in its own process):")
+        print("| schedule | devices emulated | step ms | overhead | / unchunked | XLA temp MiB/device |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['schedule']} | {r['devices']} | {r['step_s'] * 1e3:.1f} | {r['overhead']:.3f}x | "
+                  f"{r['vs_unchunked']:.3f}x | {r['temp_bytes'] / 2**20:.1f} |")
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as fh:
+            json.dump({"rows": rows}, fh, indent=1)
+
+
 def main(argv):
-    del argv
-    if "jax" not in sys.modules:
-        os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={max(8, 2 * FLAGS.stages)}")
+    if not FLAGS.child and "jax" not in sys.modules:
+        return run_groups(argv)
     import json
     import jax
     import jax.numpy as jnp
