@@ -22,8 +22,11 @@ flags.DEFINE_float("w", 1.0, "zb_h1 only: weight-gradient time W")
 flags.DEFINE_integer("pipelines", 2, "chimera: 2f pipelines (f dividing stages/2)")
 flags.DEFINE_integer("virtual", 2, "interleaved_1f1b: model chunks per device")
 flags.DEFINE_integer("advance", 0, "avgpipe: forwards issued beyond 1F1B's warm-up (0 = 1F1B, M-1 = AFAB)")
-flags.DEFINE_enum("mode", "event", ["event", "lockstep"], "event: as-soon-as-possible (MPMD) timeline; "
-                  "lockstep: the ticks the SPMD executor runs, each as long as its slowest op")
+flags.DEFINE_enum("mode", "event", ["event", "lockstep", "lanes", "ordered"],
+                  "event: as-soon-as-possible (MPMD) timeline; lanes: what the executor runs by default (an F "
+                  "and a B lane per tick, each as long as its slowest op); ordered: the executor's "
+                  "placement=\"ordered\" (one op per device per tick); lockstep: that, one op per tick costing the "
+                  "slowest")
 flags.DEFINE_string("out", "timeline.png", "PNG path ('' to skip)")
 flags.DEFINE_string("trace", "", "optional Chrome/Perfetto trace JSON path")
 flags.DEFINE_bool("text", True, "print the text timeline (one column per lockstep tick)")

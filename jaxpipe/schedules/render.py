@@ -36,8 +36,23 @@ def _boxes(s: Schedule, mode: str, f: float, b: float, w: float):
                 if p is not None:
                     yield d, t0 + dur[a.kind], dur[F], p
             t0 += width
+    elif mode in ("lanes", "ordered"):
+        # what the executor runs: every tick's lanes one after the other, each as wide as its slowest op
+        from .lanes import F2, plan
+        p = plan(s, mode)
+        ldur = {F: f, F2: f, B: b, W: w}
+        t0 = 0.0
+        for row in p.grid():
+            x = t0
+            for li, kind in enumerate(p.lanes):
+                if any(row[d][li] is not None for d in range(s.D)):
+                    for d in range(s.D):
+                        if row[d][li] is not None:
+                            yield d, x, ldur[kind], row[d][li]
+                    x += ldur[kind]
+            t0 = x
     else:
-        raise ValueError(f"mode must be 'event' or 'lockstep', got {mode!r}")
+        raise ValueError(f"mode must be 'event', 'lockstep', 'lanes' or 'ordered', got {mode!r}")
 
 
 def render_png(s: Schedule, path: Optional[str] = None, f: float = 1.0, b: float = 2.0, w: float = 1.0,
@@ -58,11 +73,20 @@ def render_png(s: Schedule, path: Optional[str] = None, f: float = 1.0, b: float
     ax.set_ylim(s.D - 0.5, -0.5)
     ax.set_yticks(range(s.D))
     ax.set_yticklabels([f"device {d}" for d in range(s.D)])
-    ax.set_xlabel("time (tick = slowest op)" if mode == "lockstep" else f"time (F={f:g}, B={b:g})")
+    ax.set_xlabel({"lockstep": "time (one op per device per tick; a tick lasts its slowest op)",
+                   "lanes": "time (each tick: an F lane then a B lane, each as long as its slowest op)",
+                   "ordered": "time (the executor's ordered placement: lanes of one op per device per tick)"}.get(
+        mode, f"time (forward = {f:g}, backward = {b:g})"))
     r = s.simulate(f=f, b=b, w=w if s.has_w() else None)
-    bubble = r.lockstep_bubble_ratio if mode == "lockstep" else r.bubble_ratio
-    ax.set_title(title or f"{s.name}  D={s.D}  M={s.M}  {mode}: makespan "
-                 f"{r.lockstep_makespan if mode == 'lockstep' else r.makespan:g}, bubble {bubble:.1%}")
+    span, bubble = {"lockstep": (r.lockstep_makespan, r.lockstep_bubble_ratio),
+                    "lanes": (r.lane_makespan, r.lane_bubble_ratio)}.get(mode, (r.makespan, r.bubble_ratio))
+    if mode == "ordered":
+        from .lanes import plan
+        span = plan(s, "ordered").lockstep_makespan(f, b, w if s.has_w() else 0.0)
+        bubble = 1.0 - (r.makespan * (1.0 - r.bubble_ratio)) / span
+    what = {"event": "as soon as inputs arrive", "lockstep": "one op per tick", "lanes": "executor, lanes",
+            "ordered": "executor, ordered"}[mode]
+    ax.set_title(title or f"{s.name}  D={s.D}  M={s.M}  ({what}): total time {span:g}, idle {bubble:.1%}")
     kinds = [F, B] + ([W] if s.has_w() else [])
     names = {F: "forward", B: "backward" if not s.has_w() else "backward (input grad)", W: "weight grad"}
     handles = [Patch(facecolor=_COLORS[k][0], edgecolor="black", label=names[k]) for k in kinds]

@@ -30,13 +30,21 @@ class SimReport:
     weight_versions: List[int]      # per device, in units of one stage's weights
     stash_capacity: int             # slots the SPMD executor allocates on every device
     messages: int                   # point-to-point activation/gradient messages per step
+    # what the executor runs with its default "lanes" placement (jaxpipe.schedules.lanes): an F and a B
+    # lane per tick (W, where split), each as long as its slowest op; the memory it holds
+    lane_makespan: float = 0.0
+    lane_bubble_ratio: float = 0.0
+    lane_ticks: int = 0
+    lane_peak_inflight: Optional[List[int]] = None
+    lane_stash_capacity: int = 0
 
     def summary(self) -> str:
         return (f"{self.schedule}: D={self.num_devices} M={self.num_microbatches} f={self.f:g} b={self.b:g}"
                 f"{'' if not self.w else f' w={self.w:g}'} | event-driven makespan {self.makespan:g}, bubble "
                 f"{self.bubble_ratio:.3f} | lockstep {self.num_ticks} ticks, makespan {self.lockstep_makespan:g},"
                 f" bubble {self.lockstep_bubble_ratio:.3f} | peak in-flight {self.peak_inflight} | weight "
-                f"versions {self.weight_versions}")
+                f"versions {self.weight_versions} | executor lanes: {self.lane_ticks} ticks, makespan "
+                f"{self.lane_makespan:g}, bubble {self.lane_bubble_ratio:.3f}, peak in-flight {self.lane_peak_inflight}")
 
 
 def inflight_profile(s: Schedule, device: int) -> List[int]:
@@ -73,6 +81,9 @@ def simulate(s: Schedule, f: float = 1.0, b: float = 2.0, w: Optional[float] = N
                    default=0.0) for row, prow in zip(grid, lanes))
     loc = placed["device"]
     messages = sum(1 for (k, st, m), d in loc.items() for dep in s.deps(Action(k, m, st)) if loc[dep] != d)
+    from .lanes import plan
+    lp = plan(s, "lanes")
+    lane_span = lp.lockstep_makespan(f, b, w)
     return SimReport(
         schedule=s.name, num_devices=s.D, num_microbatches=s.M, f=float(f), b=float(b), w=w,
         makespan=makespan, bubble_ratio=1.0 - work / (s.D * makespan),
@@ -80,5 +91,6 @@ def simulate(s: Schedule, f: float = 1.0, b: float = 2.0, w: Optional[float] = N
         num_ticks=len(grid),
         peak_inflight=[max(inflight_profile(s, d), default=0) for d in range(s.D)],
         weight_versions=list(s.weight_versions), stash_capacity=s.tables().stash_capacity,
-        messages=messages)
+        messages=messages, lane_makespan=lane_span, lane_bubble_ratio=1.0 - work / (s.D * lane_span),
+        lane_ticks=lp.num_ticks, lane_peak_inflight=lp.peak_inflight(), lane_stash_capacity=lp.stash_capacity)
 

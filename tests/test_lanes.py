@@ -1,0 +1,136 @@
+"""Lane plans (what the executor runs) and the executor running them: placement rules, slots, memory, phases,
+exactness and NaN-filled bubbles for every flushing schedule under both placements."""
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jaxpipe as jp
+from jaxpipe import schedules
+from jaxpipe.schedules.ir import F, SEND_KEEP, SEND_NONE
+from jaxpipe.schedules.lanes import L, MAX_PHASES, plan
+from helpers import reference, rel_err, small_model
+
+SCHEDULES = [("gpipe", 4, {}), ("1f1b", 4, {}), ("zb_h1", 4, {}), ("interleaved_1f1b", 4, {"virtual": 2}),
+             ("chimera", 4, {}), ("chimera", 4, {"concat": "forward_doubling"}),
+             ("chimera", 4, {"concat": "backward_halving"}), ("chimera", 8, {"pipelines": 4}),
+             ("chimera", 4, {"eager_reduce": True}), ("zb_h1", 4, {"max_deferred_w": 3})]
+
+
+def _check_plan(p):
+    s = p.schedule
+    nl = len(p.lanes)
+    dev = {k: v[0] for k, v in s.location().items()}
+    assert set(p.where) == set(dev)                                   # every action placed, once
+    seen = set()
+    for key, (t, li) in p.where.items():
+        assert (t, dev[key], li) not in seen                          # one action per lane per device per tick
+        seen.add((t, dev[key], li))
+        for dep in s.deps(jp.schedules.Action(key[0], key[2], key[1])):
+            td, ld = p.where[dep]
+            if dev[dep] == dev[key]:
+                assert (td, ld) < (t, li), (key, dep)                  # same device: an earlier lane suffices
+            else:
+                assert td < t, (key, dep)                              # another device: the next tick at least
+    # stash slots: a slot is rewritten only after every read of its previous content
+    last = "W" if s.has_w() else "B"
+    for d in range(s.D):
+        owner = {}
+        for key in sorted((k for k in p.where if k[0] == F and dev[k] == d), key=lambda k: p.where[k]):
+            t, li = p.where[key]
+            slot = p.table[t, d, li, L["stash"]]
+            if slot in owner:
+                tr, lr = p.where[(last, owner[slot][1], owner[slot][2])]
+                assert tr * nl + lr < t * nl + li
+            owner[slot] = key
+            tb, lb = p.where[(last, key[1], key[2])]
+            assert p.table[tb, d, lb, L["stash"]] == slot
+    # every sent message lands in a real slot that its reader reads
+    for key, (t, li) in p.where.items():
+        send = p.table[t, dev[key], li, L["send"]]
+        assert send == SEND_NONE or send == SEND_KEEP or p.table[t, :, li, L["recv_p"]].min() < p.mbuf_capacity \
+            or p.table[t, :, li, L["recv_m"]].min() < p.mbuf_capacity
+
+
+@pytest.mark.parametrize("name,D,opts", SCHEDULES)
+@pytest.mark.parametrize("placement", ["lanes", "ordered"])
+def test_plans_are_valid(name, D, opts, placement):
+    s = schedules.build(name, D, 2 * D, **opts)
+    _check_plan(plan(s, placement))
+
+
+@pytest.mark.parametrize("D,M", [(2, 4), (4, 8), (4, 3), (8, 16)])
+def test_1f1b_lanes_cost_and_memory(D, M):
+    """Lanes: a tick holds an F and a B, so 1F1B costs (M + D - 1)(f + b) -- the event-driven makespan --
+    and stage d holds up to 2(D - d) - 1 micro-batches; ordered keeps 1F1B's D - d at max(f, b) per tick."""
+    s = schedules.build("1f1b", D, M)
+    lanes, ordered = plan(s, "lanes"), plan(s, "ordered")
+    assert lanes.lockstep_makespan(1.0, 2.0) == pytest.approx((M + D - 1) * 3.0) == pytest.approx(s.simulate().makespan)
+    assert lanes.peak_inflight() == [min(2 * (D - d) - 1, M) for d in range(D)]
+    assert ordered.peak_inflight() == [min(D - d, M) for d in range(D)]
+    assert ordered.lockstep_makespan(1.0, 2.0) >= lanes.lockstep_makespan(1.0, 2.0)
+    r = s.simulate()
+    assert r.lane_makespan == lanes.lockstep_makespan(1.0, 2.0) and r.lane_peak_inflight == lanes.peak_inflight()
+
+
+@pytest.mark.parametrize("name,D,opts", SCHEDULES[:5])
+def test_phases_do_not_grow_with_microbatches(name, D, opts):
+    """Compile time stays flat in M: the number of phases (scans) is bounded and the same at M and 8M."""
+    n = [len(plan(schedules.build(name, D, m, **opts)).phases) for m in (2 * D, 16 * D)]
+    assert n[0] == n[1] <= MAX_PHASES
+    p = plan(schedules.build(name, D, 16 * D, **opts))
+    active = p.table[..., L["op"]] > 0
+    for t0, t1, used in p.phases:                     # no phase compiles a lane that none of its ticks uses
+        assert all(active[t0:t1, :, li].any() for li in used)
+
+
+def _pipe(kind, name, D, M, opts, **kw):
+    model, batch_fn = small_model(kind, D * (opts.get("virtual", 1)))
+    pipe = jp.Pipeline(model, schedule=name, num_microbatches=M, optimizer=optax.adam(1e-2),
+                       mesh=jp.make_mesh(stages=D), **{k: v for k, v in opts.items() if k == "virtual"},
+                       **({"chimera": {k: v for k, v in opts.items()}} if name == "chimera" else {}),
+                       **({"zb": opts} if name == "zb_h1" and opts else {}), **kw)
+    return model, pipe, batch_fn
+
+
+@pytest.mark.parametrize("name,D,opts", [("zb_h1", 4, {}), ("interleaved_1f1b", 2, {"virtual": 2}),
+                                         ("chimera", 4, {}), ("chimera", 4, {"concat": "forward_doubling"})])
+def test_ordered_placement_is_exact(name, D, opts):
+    model, pipe, batch_fn = _pipe("mlp", name, D, 2 * D, opts, placement="ordered")
+    batch = batch_fn(4 * D)
+    loss, grads = pipe.loss_and_grad(pipe.init(), batch)
+    ref_loss, ref_grads = reference(model, batch)
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss)) and rel_err(grads, ref_grads) <= 1e-5
+
+
+@pytest.mark.parametrize("name,D,opts", [("zb_h1", 4, {}), ("interleaved_1f1b", 2, {"virtual": 2}),
+                                         ("chimera", 4, {"eager_reduce": True}),
+                                         ("chimera", 4, {"concat": "backward_halving"})])
+@pytest.mark.parametrize("placement", ["lanes", "ordered"])
+def test_nan_bubbles_stay_finite_every_schedule(name, D, opts, placement):
+    model, pipe, batch_fn = _pipe("gpt", name, D, 2 * D, opts, placement=placement, nan_bubbles=True)
+    batch = batch_fn(4 * D)
+    loss, grads = pipe.loss_and_grad(pipe.init(), batch)
+    assert np.isfinite(float(loss)) and all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+    assert rel_err(grads, reference(model, batch)[1]) <= 1e-5
+
+
+def test_recompute_is_exact_and_stashes_less():
+    """recompute=True stashes each stage's input only (jax.checkpoint) and gives the same gradients."""
+    model, batch_fn = small_model("gpt", 4)
+    batch = batch_fn(16)
+    outs = {}
+    for rc in (False, True):
+        pipe = jp.Pipeline(model, schedule="1f1b", num_microbatches=4, optimizer=optax.sgd(0.1),
+                           mesh=jp.make_mesh(stages=4), recompute=rc)
+        outs[rc] = pipe.loss_and_grad(pipe.init(), batch)
+        outs[rc, "temp"] = pipe.lower("grad", pipe.init(), batch).compile().memory_analysis().temp_size_in_bytes
+    assert rel_err(outs[True][1], reference(model, batch)[1]) <= 1e-5
+    assert outs[True, "temp"] < outs[False, "temp"]
+
+
+def test_bad_placement_is_refused():
+    model, _ = small_model("mlp", 2)
+    with pytest.raises(jp.ConfigError, match="placement='fast'.*'lanes'.*'ordered'"):
+        jp.Pipeline(model, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.1),
+                    mesh=jp.make_mesh(stages=2), placement="fast")
