@@ -52,7 +52,7 @@ def run_groups(argv) -> None:
     for n, names in sorted(groups.items()):
         with tempfile.NamedTemporaryFile(suffix=".json") as fh:
             env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
-            args = [a for a in argv[1:] if not a.startswith(("--schedules", "--json_out"))]
+            args = [a for a in sys.argv[1:] if not a.startswith(("--schedules", "--json_out", "--child"))]
             cmd = [sys.executable, "-m", "experiments.throughput", "--child", f"--schedules={','.join(names)}",
                    f"--json_out={fh.name}"] + args
             subprocess.run(cmd, env=env, check=True)
@@ -60,10 +60,10 @@ def run_groups(argv) -> None:
             rows += [dict(r, devices=n, plain_ms=out["plain_ms"]) for r in out["rows"]]
     if len(groups) > 1:
         print("\nall groups (each ratio against the plain steps timed in its own process):")
-        print("| schedule | devices emulated | step ms | overhead | / unchunked | XLA temp MiB/device |")
-        print("|---|---|---|---|---|---|")
+        print("| schedule | devices emulated | step ms | compared with | overhead | / unchunked | XLA temp MiB/device |")
+        print("|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['schedule']} | {r['devices']} | {r['step_s'] * 1e3:.1f} | {r['overhead']:.3f}x | "
+            print(f"| {r['schedule']} | {r['devices']} | {r['step_s'] * 1e3:.1f} | {r['baseline']} | {r['overhead']:.3f}x | "
                   f"{r['vs_unchunked']:.3f}x | {r['temp_bytes'] / 2**20:.1f} |")
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as fh:
@@ -107,9 +107,19 @@ def main(argv):
             runners.setdefault("accum_v2", plain_runner(m, batch, FLAGS.microbatches, opt))
             base_of[name] = "accum_v2"
         model_of[name] = (m, devices)
+        if name in ("pipedream", "pipeoptim", "spectrain"):
+            # updates after every micro-batch: the plain step doing the same work runs M (gradient, update)
+            # micro-steps
+            oname = "momentum" if name == "spectrain" and FLAGS.optimizer != "momentum" else FLAGS.optimizer
+            key_ = f"micro_{oname}"
+            runners.setdefault(key_, plain_runner(model, batch, FLAGS.microbatches,
+                                                  jp.optim.by_name(oname, 1e-3), per_microbatch=True))
+            base_of[name] = key_
+        if name == "avgpipe":     # one plain accumulating step per pipeline's share of the batch
+            runners.setdefault("accum_shares2", plain_runner(model, batch, FLAGS.microbatches, opt, parts=2))
+            base_of[name] = "accum_shares2"
         if name == "spectrain" and FLAGS.optimizer != "momentum":
             o = jp.optim.by_name("momentum", 1e-3)   # SpecTrain needs a momentum buffer
-            runners.setdefault("accum_momentum", plain_runner(model, batch, FLAGS.microbatches, o))
             opts[name] = "momentum"
         if name.startswith("cdp_dp_"):
             # Cyclic Data Parallelism, DP form: D workers, one micro-batch each: the plain step to compare
@@ -135,22 +145,26 @@ def main(argv):
         m, devices = model_of[name]
         m2 = compile_time(name, m, batch, FLAGS.compile_m2, o, devices) \
             if FLAGS.compile_m2 and name not in ("avgpipe",) and not name.startswith("cdp_dp_") else None
-        base = "accum_momentum" if name in opts else base_of.get(name, "accum")
+        base = base_of.get(name, "accum_momentum" if name in opts else "accum")
         if name in opts:
             info = {**info, "schedule": f"{name} (momentum)"}
-        rows.append({**info, "step_s": med[name], "overhead": median_ratio(times[name], times[base]),
+        rows.append({**info, "baseline": base, "baseline_ms": med[base] * 1e3,
+                     "step_s": med[name], "overhead": median_ratio(times[name], times[base]),
                      "vs_unchunked": median_ratio(times[name], times["unchunked"]), "compile_s_m2": m2})
     m2_hdr = f"compile s M={FLAGS.compile_m2}" if FLAGS.compile_m2 else "compile s M2 (skipped)"
-    hdr = (f"| schedule | step ms | overhead (/ accum. plain) | / unchunked plain | sim. lockstep bubble "
+    hdr = (f"| schedule | step ms | plain step it is compared with (ms) | overhead | / unchunked plain | sim. lockstep bubble "
            f"| XLA temp MiB/device | state+batch MiB/device | weight versions | compile s M={FLAGS.microbatches} | {m2_hdr} |")
     print("\n" + hdr)
     print("|" + "---|" * (hdr.count("|") - 1))
     for r in rows:
         m2 = "-" if r["compile_s_m2"] is None else f"{r['compile_s_m2']:.2f}"
-        print(f"| {r['schedule']} | {r['step_s'] * 1e3:.1f} | {r['overhead']:.3f}x | {r['vs_unchunked']:.3f}x | "
+        print(f"| {r['schedule']} | {r['step_s'] * 1e3:.1f} | {r['baseline']} ({r['baseline_ms']:.0f}) | {r['overhead']:.3f}x | {r['vs_unchunked']:.3f}x | "
               f"{r['lockstep_bubble']:.3f} | {r['temp_bytes'] / 2**20:.1f} | "
               f"{r['state_bytes'] / 2**20:.1f} | {r['weight_versions']} | {r['compile_s']:.2f} | {m2} |")
-    print("(overhead: median over rounds of the per-round ratio; the plain and pipelined steps alternate)")
+    print("(overhead: median over rounds of the per-round ratio; the plain and pipelined steps alternate. Plain "
+          "steps: accum = gradient accumulated over the M micro-batches, one update; micro_<opt> = M (gradient, "
+          "update) micro-steps; accum_v2 = the same layers cut into 2D stages; accum_D = D micro-batches; "
+          "accum_shares2 = one accumulating step per pipeline's half of the batch; unchunked = one gradient)")
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as fh:
             json.dump({"plain_ms": {k: med[k] * 1e3 for k in ("accum", "unchunked")}, "rows": rows}, fh, indent=1)

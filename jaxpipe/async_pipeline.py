@@ -74,7 +74,7 @@ class AsyncRunner:
         w0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), pipe.model.stage_params)
         x_aval = jax.eval_shape(pipe.model.pre, pipe.model.pre_params, mb)
         mask, res_avals = self._mask(w0, x_aval)
-        carry = empty_carry(pipe.model, self.D, self.M, n_dev, mb, x_aval, res_avals)
+        carry = empty_carry(pipe.model, self.D, self.M, n_dev, mb, x_aval, res_avals, pipe.nan_bubbles)
         carry = jax.device_put(carry, NamedSharding(pipe.mesh, P(ALL)))
         return state._replace(carry=carry)
 
@@ -94,7 +94,7 @@ class AsyncRunner:
         if key not in self._fns:
             pipe = self.pipe
             fn, _ = make_async_fn(pipe.model, self.policy, pipe.optimizer, self.D, self.M, pipe.mesh,
-                                  self._mb(batch_like))
+                                  self._mb(batch_like), nan_bubbles=pipe.nan_bubbles)
 
             def run(state: AsyncState, batch, feed):
                 params, opt_state, pstate, carry, counters, (lsum, lcount, done) = fn(

@@ -26,9 +26,33 @@ def make_tanh_mlp(stages: int, layers_per_stage: int, width: int, seed: int = 0)
                          post_loss=lambda _, h, b: jnp.mean((h - b["y"]) ** 2))
 
 
-def plain_train_step(model: PipelineModel, opt: optax.GradientTransformation, num_microbatches: int):
-    """One-device step: gradient accumulated over ``num_microbatches`` with ``lax.scan`` (1 = unchunked)."""
+def plain_train_step(model: PipelineModel, opt: optax.GradientTransformation, num_microbatches: int,
+                     per_microbatch: bool = False, parts: int = 1):
+    """One-device step: gradient accumulated over ``num_microbatches`` with ``lax.scan`` (1 = unchunked).
+
+    ``per_microbatch``: the same work as a method that updates after every micro-batch -- M (gradient,
+    update) micro-steps in a ``lax.scan``.  ``parts``: the batch split into that many shares, one
+    accumulating step each, in turn (AvgPipe's parallel pipelines: one plain step per pipeline's share)."""
     M = num_microbatches
+
+    def micro_steps(params, opt_state, batch):
+        mbs = jax.tree.map(lambda a: a.reshape((M, a.shape[0] // M) + a.shape[1:]), batch)
+
+        def one(c, mb):
+            params, opt_state, loss = c
+            l, g = jax.value_and_grad(model.loss)(params, mb)
+            u, opt_state = opt.update(g, opt_state, params)
+            return (optax.apply_updates(params, u), opt_state, loss + l / M), None
+
+        return jax.lax.scan(one, (params, opt_state, jnp.zeros(())), mbs)[0]
+
+    def shares(params, opt_state, batch):
+        loss = 0.0
+        for k in range(parts):
+            share = jax.tree.map(lambda a: a.reshape((parts, a.shape[0] // parts) + a.shape[1:])[k], batch)
+            params, opt_state, l = step(params, opt_state, share)
+            loss = loss + l / parts
+        return params, opt_state, loss
 
     def step(params, opt_state, batch):
         if M == 1:
@@ -46,13 +70,16 @@ def plain_train_step(model: PipelineModel, opt: optax.GradientTransformation, nu
         updates, opt_state = opt.update(g, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    return jax.jit(step, donate_argnums=(0, 1))
+    fn = micro_steps if per_microbatch else (shares if parts > 1 else step)
+    return jax.jit(fn, donate_argnums=(0, 1))
 
 
-def plain_runner(model: PipelineModel, batch, num_microbatches: int, opt) -> Callable[[], object]:
-    """A closure running the plain one-device step (accumulating over ``num_microbatches``; 1 = unchunked)."""
+def plain_runner(model: PipelineModel, batch, num_microbatches: int, opt, per_microbatch: bool = False,
+                 parts: int = 1) -> Callable[[], object]:
+    """A closure running the plain one-device step (accumulating over ``num_microbatches``; 1 = unchunked;
+    see :func:`plain_train_step` for ``per_microbatch`` and ``parts``)."""
     dev = jax.devices()[0]
-    fn = plain_train_step(model, opt, num_microbatches)
+    fn = plain_train_step(model, opt, num_microbatches, per_microbatch, parts)
     b = jax.device_put(batch, dev)
     params = jax.device_put(model.params, dev, may_alias=False)
     st = {"p": params, "o": jax.jit(opt.init)(params)}

@@ -50,7 +50,7 @@ def op_at(t, me, D: int, n_fed):
     return is_f, is_b, jnp.where(even, i_f, i_b)
 
 
-def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example):
+def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubbles: bool = False):
     """``fn(params, opt_state, policy_state, carry, counters, batch, feed) -> (same..., metrics)``: 2M ticks.
 
     ``feed`` (traced bool): whether ``batch``'s M micro-batches enter the pipeline; ``drain`` calls the same
@@ -66,12 +66,11 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example):
     w_example = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), model.stage_params)
     x_aval = jax.eval_shape(pre, model.pre_params, mb_example)
     model.check_activation(x_aval, jax.eval_shape(stage_fn, w_example, x_aval))
-    positions = {(me == 0, me == D - 1) for me in range(D)}
+    # forward variants by position (first, last); only the positions some device has are compiled
     flags = [(False, False), (True, False), (False, True), (True, True)]
-    used = [0] + [1 + k for k, f in enumerate(flags) if f in positions] + \
-        [5 + k for k, f in enumerate(flags) if f in positions]
-    remap = np.zeros(9, np.int32)
-    remap[used] = np.arange(len(used))
+    used_pos = sorted({int(d == 0) + 2 * int(d == D - 1) for d in range(D)})
+    remap = np.zeros(4, np.int32)
+    remap[used_pos] = np.arange(len(used_pos))
 
     num_ticks = 2 * M
 
@@ -95,65 +94,79 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example):
         def mb_of(i):
             return jax.tree.map(lambda a: read(a, (base + i) % C), carry.ring)
 
-        def fwd(first, last):
-            def op(i, st):
-                lp, opt_state, pstate, c, loss = st
-                gi = base + i
-                wF, pstate = policy.forward_weights(lp, pstate, gi, me)
-                w, pre_p, post_p = wF
-                mb = mb_of(i) if (first or last) else None
-                x = pre(pre_p, mb) if first else c.recv_f
-                y, res, _, _ = split_residuals(stage_fn, w, x, mask)
-                stash = [write(a, gi % D, r) for a, r in zip(c.stash, res)]
-                send = y.astype(x_aval.dtype)
-                c = c._replace(stash=stash)
-                if last:
-                    l, (gq, dy) = jax.value_and_grad(post_loss, argnums=(0, 1))(post_p, y, mb)
-                    c = c._replace(dy_own=dy.astype(x_aval.dtype), gpost=gq)
-                    loss = (loss[0] + l.astype(jnp.float32), loss[1] + 1)
-                    send = jnp.zeros_like(send)
-                return (lp, opt_state, pstate, c, loss), send, jnp.zeros_like(send)
-            return op
-
-        def bwd(first, last):
-            def op(i, st):
-                lp, opt_state, pstate, c, loss = st
-                gi = base + i
-                w, pre_p, _ = policy.backward_weights(lp, pstate, gi, me)
-                res = [read(a, gi % D) for a in c.stash]
-                dy = c.dy_own if last else c.recv_b
-                dw, dx = rebuild_pullback(stage_fn, w, jnp.zeros(x_aval.shape, x_aval.dtype), res, mask)(dy)
-                dx = dx.astype(x_aval.dtype)
-                dpre = zero_like(lp[1])
-                if first:
-                    mb = mb_of(i)
-                    dpre = jax.vjp(lambda q: pre(q, mb), pre_p)[1](dx)[0]
-                dpost = c.gpost if last else zero_like(lp[2])
-                g = lax.pmean((dw, dpre, dpost), DP_AXES)
-                lp, opt_state, pstate = policy.update(g, lp, opt_state, pstate, gi, me)
-                send = jnp.zeros_like(dx) if first else dx
-                return (lp, opt_state, pstate, c, loss), jnp.zeros_like(dx), send
-            return op
-
-        def idle(i, st):
-            z = jnp.zeros(x_aval.shape, x_aval.dtype)
-            return st, z, z
-
-        branches = [idle] + [fwd(*f) for f in flags] + [bwd(*f) for f in flags]
-        branches = [branches[k] for k in used]
         pos = (me == 0).astype(jnp.int32) + 2 * (me == D - 1).astype(jnp.int32)
-        remap_j = jnp.asarray(remap)
+        blank = lambda: jnp.full(x_aval.shape, jnp.nan if nan_bubbles else 0, x_aval.dtype)
+        x_like = lambda: jnp.zeros(x_aval.shape, x_aval.dtype)
+
+        def forward_at(first, last):
+            # one position's forward on the weights the policy chose: small outputs only (message,
+            # residuals, dL/dy and head gradient of the last stage, its loss)
+            def op(wF, x_in, mb):
+                w, pre_p, post_p = wF
+                x = pre(pre_p, mb) if first else x_in
+                y, res, _, _ = split_residuals(stage_fn, w, x, mask)
+                if not last:
+                    return y.astype(x_aval.dtype), res, x_like(), zero_like(post_p), jnp.zeros((), jnp.float32)
+                l, (gq, dy) = jax.value_and_grad(post_loss, argnums=(0, 1))(post_p, y, mb)
+                return blank(), res, dy.astype(x_aval.dtype), gq, l.astype(jnp.float32)
+            return op
+
+        fwd_variants = [forward_at(*flags[k]) for k in used_pos]
+
+        def f_lane(i, ops):
+            # F lane (DESIGN.md §2 lanes): a predicate cond around the position switch, so that nothing
+            # big passes through a multi-way conditional (XLA copies such pass-throughs every tick)
+            lp, pstate, c, loss = ops
+            gi = base + i
+            wF, pstate = policy.forward_weights(lp, pstate, gi, me)
+            mb = mb_of(i)
+            msg, res, dy, gq, l = lax.switch(pos_j, fwd_variants, wF, c.recv_f, mb)
+            c = c._replace(stash=[write(a, gi % D, r) for a, r in zip(c.stash, res)],
+                           dy_own=jnp.where(me == D - 1, dy, c.dy_own),
+                           gpost=jax.tree.map(lambda n, o: jnp.where(me == D - 1, n, o), gq, c.gpost))
+            last = (me == D - 1)
+            loss = (loss[0] + jnp.where(last, l, 0.0), loss[1] + last.astype(jnp.int32))
+            return (pstate, c, loss), msg
+
+        def f_idle(i, ops):
+            lp, pstate, c, loss = ops
+            return (pstate, c, loss), blank()
+
+        def b_lane(i, ops):
+            lp, opt_state, pstate, c = ops
+            gi = base + i
+            w, pre_p, _ = policy.backward_weights(lp, pstate, gi, me)
+            res = [read(a, gi % D) for a in c.stash]
+            dy = jnp.where(me == D - 1, c.dy_own, c.recv_b)
+            dw, dx = rebuild_pullback(stage_fn, w, x_like(), res, mask)(dy)
+            dx = dx.astype(x_aval.dtype)
+            dpre = zero_like(lp[1])
+            if jax.tree.leaves(lp[1]):
+                dpre = lax.cond(me == 0, lambda: jax.vjp(lambda q: pre(q, mb_of(i)), pre_p)[1](dx)[0],
+                                lambda: zero_like(lp[1]))
+            dpost = jax.tree.map(lambda g: jnp.where(me == D - 1, g, jnp.zeros_like(g)), c.gpost)
+            g = lax.pmean((dw, dpre, dpost), DP_AXES)
+            lp, opt_state, pstate = policy.update(g, lp, opt_state, pstate, gi, me)
+            return (lp, opt_state, pstate), jnp.where(me == 0, blank(), dx)
+
+        def b_idle(i, ops):
+            lp, opt_state, pstate, c = ops
+            return (lp, opt_state, pstate), blank()
+
+        pos_j = jnp.asarray(remap)[pos]
+        ring_f = [(d, (d + 1) % D) for d in range(D)]
+        ring_b = [(d, (d - 1) % D) for d in range(D)]
 
         def tick(st, t):
             is_f, is_b, i = op_at(t, me, D, n_fed)
-            br = jnp.where(is_f, 1 + pos, jnp.where(is_b, 5 + pos, 0))
-            st, send_f, send_b = lax.switch(remap_j[br], branches, i, st)
+            lp, opt_state, pstate, c, loss = st
+            (pstate, c, loss), send_f = lax.cond(is_f, f_lane, f_idle, i, (lp, pstate, c, loss))
             if D > 1:
-                lp, opt_state, pstate, c, loss = st
-                c = c._replace(recv_f=lax.ppermute(send_f, "stage", [(d, (d + 1) % D) for d in range(D)]),
-                               recv_b=lax.ppermute(send_b, "stage", [(d, (d - 1) % D) for d in range(D)]))
-                st = (lp, opt_state, pstate, c, loss)
-            return st, None
+                c = c._replace(recv_f=lax.ppermute(send_f, "stage", ring_f))
+            (lp, opt_state, pstate), send_b = lax.cond(is_b, b_lane, b_idle, i, (lp, opt_state, pstate, c))
+            if D > 1:
+                c = c._replace(recv_b=lax.ppermute(send_b, "stage", ring_b))
+            return (lp, opt_state, pstate, c, loss), None
 
         loss0 = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
         st = (lp, opt_state, pstate, carry, loss0)
@@ -182,13 +195,15 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example):
     return fn, x_aval
 
 
-def empty_carry(model, D: int, M: int, n_devices: int, mb_example, x_aval, mask_avals):
-    """The in-flight state of an empty pipeline, with a leading axis of one entry per device."""
+def empty_carry(model, D: int, M: int, n_devices: int, mb_example, x_aval, mask_avals, nan_bubbles: bool = False):
+    """The in-flight state of an empty pipeline, with a leading axis of one entry per device (``nan_bubbles``:
+    residual and message buffers start NaN, so a test shows nothing unwritten reaches a result)."""
     C = ring_capacity(M, D)
     per = lambda shape, dtype: jnp.zeros((n_devices,) + tuple(shape), dtype)
+    nan = lambda shape, dtype: jnp.full((n_devices,) + tuple(shape), jnp.nan if nan_bubbles else 0, dtype)
     return AsyncCarry(
-        stash=[per((D,) + tuple(a.shape), a.dtype) for a in mask_avals],
-        recv_f=per(x_aval.shape, x_aval.dtype), recv_b=per(x_aval.shape, x_aval.dtype),
-        dy_own=per(x_aval.shape, x_aval.dtype),
+        stash=[nan((D,) + tuple(a.shape), a.dtype) for a in mask_avals],
+        recv_f=nan(x_aval.shape, x_aval.dtype), recv_b=nan(x_aval.shape, x_aval.dtype),
+        dy_own=nan(x_aval.shape, x_aval.dtype),
         gpost=jax.tree.map(lambda a: per(jnp.shape(a), jnp.asarray(a).dtype), model.post_params),
         ring=jax.tree.map(lambda a: per((C,) + tuple(a.shape), a.dtype), mb_example))
