@@ -42,13 +42,18 @@ ASYNC_METHODS = ("pipedream", "pipedream_2bw", "spectrain", "pipeoptim", "cdp_v1
 class WeightPolicy(NamedTuple):
     """``init(lp) -> ps``; ``forward_weights(lp, ps, i, s) -> (w_F, ps)``; ``backward_weights(lp, ps, i, s)
     -> w_B``; ``update(g, lp, opt_state, ps, i, s) -> (lp, opt_state, ps)``.  ``i``: global micro-batch
-    index, ``s``: the stage (traced ints).  ``versions(D)``: weight versions per stage (Table II)."""
+    index, ``s``: the stage (traced ints).  ``versions(D)``: weight versions per stage (Table II).
+
+    ``choose`` (optional): ``choose(lp, ps, i, s) -> (k, candidates)`` where the weights an op reads are
+    one of a few stored versions (2BW's current and shadow copy): the executor then runs the op in one
+    branch per candidate instead of materialising the chosen version (a select copies every weight)."""
     name: str
     init: Callable
     forward_weights: Callable
     backward_weights: Callable
     update: Callable
     versions: Callable[[int], List[int]]
+    choose: Any = None
 
 
 def _apply(opt, g, lp, opt_state):
@@ -102,20 +107,26 @@ def pipedream_2bw(opt: optax.GradientTransformation, num_stages: int, num_microb
         return TwoBWState(jax.tree.map(jnp.copy, lp), jax.tree.map(jnp.zeros_like, lp), jnp.zeros((), jnp.int32))
 
     def version(lp, ps, i, s):
+        now = latest(ps, i, s)
+        return jax.tree.map(lambda a, sh: jnp.where(now, a, sh), lp, ps.shadow)
+
+    def latest(ps, i, s):
         # batch b = i // M reads w(b - 1) (w(-1) = w(0)); CDP-v2: w(b) where j + s >= D - 1.  lp holds
         # w(n_updates), the shadow w(n_updates - 1).
         b = i // M
         v = b - 1
         if fresh:
             v = jnp.where(i % M + s >= D - 1, b, b - 1)
-        latest = (ps.n_updates == v) | ((v < 0) & (ps.n_updates == 0))
-        return jax.tree.map(lambda a, sh: jnp.where(latest, a, sh), lp, ps.shadow)
+        return (ps.n_updates == v) | ((v < 0) & (ps.n_updates == 0))
 
     def forward_weights(lp, ps, i, s):
         return version(lp, ps, i, s), ps
 
     def backward_weights(lp, ps, i, s):
         return version(lp, ps, i, s)
+
+    def choose(lp, ps, i, s):
+        return jnp.where(latest(ps, i, s), 0, 1), (lp, ps.shadow)
 
     def update(g, lp, opt_state, ps, i, s):
         acc = jax.tree.map(jnp.add, ps.acc, g)
@@ -131,7 +142,7 @@ def pipedream_2bw(opt: optax.GradientTransformation, num_stages: int, num_microb
 
         return lax.cond(i % M == M - 1, land, keep, (lp, opt_state, acc))
 
-    return WeightPolicy(name, init, forward_weights, backward_weights, update, WEIGHT_VERSIONS[name])
+    return WeightPolicy(name, init, forward_weights, backward_weights, update, WEIGHT_VERSIONS[name], choose)
 
 
 def _predicting(name: str, opt, fwd_distance: Callable, bwd_distance: Callable, versions) -> WeightPolicy:

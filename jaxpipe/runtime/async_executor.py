@@ -118,9 +118,16 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             # big passes through a multi-way conditional (XLA copies such pass-throughs every tick)
             lp, pstate, c, loss = ops
             gi = base + i
-            wF, pstate = policy.forward_weights(lp, pstate, gi, me)
             mb = mb_of(i)
-            msg, res, dy, gq, l = lax.switch(pos_j, fwd_variants, wF, c.recv_f, mb)
+            if policy.choose is None:
+                wF, pstate = policy.forward_weights(lp, pstate, gi, me)
+                msg, res, dy, gq, l = lax.switch(pos_j, fwd_variants, wF, c.recv_f, mb)
+            else:     # one branch per stored version and position: the chosen version is never copied
+                k, cands = policy.choose(lp, pstate, gi, me)
+                n = len(fwd_variants)
+                brs = [(lambda w, v=v: (lambda cs, x, m: fwd_variants[v](cs[w], x, m)))(w)
+                       for w in range(len(cands)) for v in range(n)]
+                msg, res, dy, gq, l = lax.switch(k * n + pos_j, brs, cands, c.recv_f, mb)
             c = c._replace(stash=[write(a, gi % D, r) for a, r in zip(c.stash, res)],
                            dy_own=jnp.where(me == D - 1, dy, c.dy_own),
                            gpost=jax.tree.map(lambda n, o: jnp.where(me == D - 1, n, o), gq, c.gpost))
@@ -135,15 +142,25 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
         def b_lane(i, ops):
             lp, opt_state, pstate, c = ops
             gi = base + i
-            w, pre_p, _ = policy.backward_weights(lp, pstate, gi, me)
             res = [read(a, gi % D) for a in c.stash]
             dy = jnp.where(me == D - 1, c.dy_own, c.recv_b)
-            dw, dx = rebuild_pullback(stage_fn, w, x_like(), res, mask)(dy)
+            pre_p = lp[1]
+            if policy.choose is None:
+                w, pre_p, _ = policy.backward_weights(lp, pstate, gi, me)
+                dw, dx = rebuild_pullback(stage_fn, w, x_like(), res, mask)(dy)
+            else:
+                k, cands = policy.choose(lp, pstate, gi, me)
+                pre_p = None
+                brs = [(lambda v: (lambda cs, r, d: rebuild_pullback(stage_fn, cs[v][0], x_like(), r, mask)(d)))(v)
+                       for v in range(len(cands))]
+                dw, dx = lax.switch(k, brs, cands, res, dy)
             dx = dx.astype(x_aval.dtype)
             dpre = zero_like(lp[1])
             if jax.tree.leaves(lp[1]):
-                dpre = lax.cond(me == 0, lambda: jax.vjp(lambda q: pre(q, mb_of(i)), pre_p)[1](dx)[0],
-                                lambda: zero_like(lp[1]))
+                def pre_grad():
+                    q0 = pre_p if pre_p is not None else policy.backward_weights(lp, pstate, gi, me)[1]
+                    return jax.vjp(lambda q: pre(q, mb_of(i)), q0)[1](dx)[0]
+                dpre = lax.cond(me == 0, pre_grad, lambda: zero_like(lp[1]))
             dpost = jax.tree.map(lambda g: jnp.where(me == D - 1, g, jnp.zeros_like(g)), c.gpost)
             g = lax.pmean((dw, dpre, dpost), DP_AXES)
             lp, opt_state, pstate = policy.update(g, lp, opt_state, pstate, gi, me)
