@@ -27,8 +27,8 @@ ALL = ("pipe", "data", "stage")
 
 
 class WPipeCarry(NamedTuple):
-    stash0: Any     # G0 residuals, slot (batch mod 2) * M + j
-    stash1: Any     # G1 residuals, slot j
+    stash0: Any     # G0 residuals, slot (batch mod 2) * M + j (slot 2M: scratch)
+    stash1: Any     # G1 residuals, slot j (slot M: scratch)
     recv_f: Any     # forward message from d - 1 (consumed the next tick)
     recv_b: Any     # backward message from d + 1
     bnd_f: Any      # device 0: G0 -> G1 activations from device D - 1, slot j
@@ -75,72 +75,90 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
             accs = (zeros(accs[0]), accs[1]) if g == 0 else (accs[0], zeros(accs[1]))
             return lps, oss, shadow0, versions.at[g].add(1), accs
 
-        def weights(st, g, gb, err):
-            lps, _, shadow0, versions, _ = st
-            if g == 1:
-                return lps[1], err + (versions[1] != gb).astype(jnp.int32)
+        def choice(st, g, gb, err):
+            """Which stored version the op reads -- 0: G0's current, 1: G0's shadow, 2: G1 -- and the count
+            of version-read errors (a version the timeline says must be there and is not)."""
+            _, _, _, versions, _ = st
             v = jnp.maximum(gb - 1, 0)
             cur = versions[0] == v
-            err = err + (~cur & (versions[0] - 1 != v)).astype(jnp.int32)
-            return jax.tree.map(lambda a, b: jnp.where(cur, a, b), lps[0], shadow0), err
+            err0 = err + (~cur & (versions[0] - 1 != v)).astype(jnp.int32)
+            err1 = err + (versions[1] != gb).astype(jnp.int32)
+            return jnp.where(g == 1, 2, jnp.where(cur, 0, 1)), jnp.where(g == 1, err1, err0)
 
-        def fwd(g, flag):
-            # g 0: F0 (flag: device 0, applies pre); g 1: F1 (flag: device D - 1, computes the loss)
-            def op(gb, j, st, c, err, loss):
-                (w, pre_p, post_p), err = weights(st, g, gb, err)
+        def fwd_variant(k, flag):
+            # k: the version read (G0 current / G0 shadow / G1); flag: device 0's pre on G0, device D-1's
+            # loss on G1.  Small outputs only: message, residuals, dL/dy, head gradient, loss.
+            g = 1 if k == 2 else 0
+
+            def op(cands, x_f, x_bnd, mb):
+                w, pre_p, post_p = cands[k]
                 if g == 0:
-                    x = pre(pre_p, mb_of(c, gb, j)) if flag else c.recv_f
+                    x = pre(pre_p, mb) if flag else x_f
                 else:
-                    x = read(c.bnd_f, j) if D == 1 else jnp.where(me == 0, read(c.bnd_f, j), c.recv_f)
+                    x = x_bnd if D == 1 else jnp.where(me == 0, x_bnd, x_f)
                 y, res, _, _ = split_residuals(stage_fn, w, x, mask)
-                if g == 0:
-                    c = c._replace(stash0=[write(a, (gb % 2) * M + j, r) for a, r in zip(c.stash0, res)])
-                else:
-                    c = c._replace(stash1=[write(a, j, r) for a, r in zip(c.stash1, res)])
-                send = y.astype(x_aval.dtype)
                 if g == 1 and flag:
-                    l, (gq, dy) = jax.value_and_grad(post_loss, argnums=(0, 1))(post_p, y, mb_of(c, gb, j))
-                    c = c._replace(dy_own=dy.astype(x_aval.dtype), gpost=gq)
-                    loss = (loss[0] + l.astype(jnp.float32), loss[1] + 1)
-                    send = jnp.zeros_like(send)
-                return st, c, err, loss, (send, not (g == 1 and flag)), (zx, False)
+                    l, (gq, dy) = jax.value_and_grad(post_loss, argnums=(0, 1))(post_p, y, mb)
+                    return jnp.zeros_like(zx), res, dy.astype(x_aval.dtype), gq, l.astype(jnp.float32)
+                return y.astype(x_aval.dtype), res, zx, zeros(post_p), jnp.zeros((), jnp.float32)
             return op
 
-        def bwd(g, flag):
-            # g 1: B1 (flag: device D - 1, starts from the loss); g 0: B0 (flag: device 0, ends in pre)
-            def op(gb, j, st, c, err, loss):
-                (w, pre_p, post_p), err = weights(st, g, gb, err)
-                if g == 1:
-                    res = [read(a, j) for a in c.stash1]
-                    dy = c.dy_own if flag else c.recv_b
-                else:
-                    res = [read(a, (gb % 2) * M + j) for a in c.stash0]
-                    dy = read(c.bnd_b, j) if D == 1 else jnp.where(me == D - 1, read(c.bnd_b, j), c.recv_b)
-                dw, dx = rebuild_pullback(stage_fn, w, zx, res, mask)(dy)
-                dx = dx.astype(x_aval.dtype)
-                dpre, dpost = zeros(pre_p), zeros(post_p)
-                if g == 0 and flag:
-                    dpre = jax.vjp(lambda q: pre(q, mb_of(c, gb, j)), pre_p)[1](dx)[0]
-                if g == 1 and flag:
-                    dpost = c.gpost
-                grad = lax.pmean((dw, dpre, dpost), DP_AXES)
-                lps, oss, sh0, versions, accs = st
-                acc = jax.tree.map(jnp.add, accs[g], grad)
-                accs = (acc, accs[1]) if g == 0 else (accs[0], acc)
-                st = (lps, oss, sh0, versions, accs)
-                st = lax.cond(j == M - 1, lambda s: land(g, s), lambda s: s, st)
-                send = jnp.zeros_like(dx) if (g == 0 and flag) else dx
-                return st, c, err, loss, (zx, False), (send, not (g == 0 and flag))
+        def bwd_variant(k):
+            def op(cands, res, dy):
+                return rebuild_pullback(stage_fn, cands[k][0], zx, res, mask)(dy)
             return op
+
+        fwd_variants = [fwd_variant(k, f) for k in range(3) for f in (False, True)]
+        bwd_variants = [bwd_variant(k) for k in range(3)]
+
+        def f_lane(gb, j, g, flag, st, c, err, loss):
+            lps, _, shadow0, _, _ = st
+            k, err = choice(st, g, gb, err)
+            mb = mb_of(c, gb, j)
+            send, res, dy, gq, l = lax.switch(2 * k + flag.astype(jnp.int32), fwd_variants,
+                                              (lps[0], shadow0, lps[1]), c.recv_f, read(c.bnd_f, j), mb)
+            s0 = jnp.where(g == 0, (gb % 2) * M + j, 2 * M)         # the other group's write: scratch slot
+            s1 = jnp.where(g == 1, j, M)
+            loss_here = (g == 1) & flag
+            c = c._replace(stash0=[write(a, s0, r) for a, r in zip(c.stash0, res)],
+                           stash1=[write(a, s1, r) for a, r in zip(c.stash1, res)],
+                           dy_own=jnp.where(loss_here, dy, c.dy_own),
+                           gpost=jax.tree.map(lambda n, o: jnp.where(loss_here, n, o), gq, c.gpost))
+            loss = (loss[0] + jnp.where(loss_here, l, 0.0), loss[1] + loss_here.astype(jnp.int32))
+            return c, err, loss, send
+
+        def f_idle(gb, j, g, flag, st, c, err, loss):
+            return c, err, loss, junk
+
+        def b_lane(gb, j, g, flag, st, c, err):
+            lps, oss, sh0, versions, accs = st
+            k, err = choice(st, g, gb, err)
+            r0 = [read(a, (gb % 2) * M + j) for a in c.stash0]
+            r1 = [read(a, j) for a in c.stash1]
+            res = [jnp.where(g == 0, a, b) for a, b in zip(r0, r1)]
+            dy1 = jnp.where(flag, c.dy_own, c.recv_b)
+            dy0 = read(c.bnd_b, j) if D == 1 else jnp.where(me == D - 1, read(c.bnd_b, j), c.recv_b)
+            dw, dx = lax.switch(k, bwd_variants, (lps[0], sh0, lps[1]), res, jnp.where(g == 0, dy0, dy1))
+            dx = dx.astype(x_aval.dtype)
+            pre_p = jax.tree.map(lambda a, b: jnp.where(k == 1, b, a), lps[0][1], sh0[1])   # the version read
+            dpre = zeros(pre_p)
+            if jax.tree.leaves(pre_p):
+                dpre = lax.cond((g == 0) & flag, lambda: jax.vjp(lambda q: pre(q, mb_of(c, gb, j)), pre_p)[1](dx)[0],
+                                lambda: zeros(pre_p))
+            dpost = jax.tree.map(lambda a: jnp.where((g == 1) & flag, a, jnp.zeros_like(a)), c.gpost)
+            grad = lax.pmean((dw, dpre, dpost), DP_AXES)
+            # one cond per group: each output slot is either its operand or a new value (no copies)
+            add = lambda a: jax.tree.map(jnp.add, a, grad)
+            accs = (lax.cond(g == 0, add, lambda a: a, accs[0]), lax.cond(g == 1, add, lambda a: a, accs[1]))
+            st = (lps, oss, sh0, versions, accs)
+            st = lax.cond((j == M - 1) & (g == 0), lambda s: land(0, s), lambda s: s, st)
+            st = lax.cond((j == M - 1) & (g == 1), lambda s: land(1, s), lambda s: s, st)
+            return st, err, jnp.where((g == 0) & flag, jnp.zeros_like(dx), dx)
+
+        def b_idle(gb, j, g, flag, st, c, err):
+            return st, err, junk
 
         junk = jnp.full(x_aval.shape, jnp.nan, x_aval.dtype) if nan_bubbles else zx
-
-        def idle(gb, j, st, c, err, loss):
-            # an idle tick's messages are marked invalid; with nan_bubbles they are NaN, to prove it
-            return st, c, err, loss, (junk, False), (junk, False)
-
-        branches = [idle, fwd(0, False), fwd(0, True), fwd(1, False), fwd(1, True),
-                    bwd(0, False), bwd(0, True), bwd(1, False), bwd(1, True)]
 
         def tick(s, t):
             st, c, err, loss = s
@@ -152,10 +170,12 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
             b = jnp.where(even, P_, P_ - 1 + g)            # forwards: batch P (G0's is the next batch's)
             active = (u >= 0) & (b >= 0) & (b < n_fed)
             flag = jnp.where(g == 0, me == 0, me == D - 1)     # pre on G0's first, loss on G1's last
-            br = 1 + 4 * (~even).astype(jnp.int32) + 2 * g + flag.astype(jnp.int32)
-            br = jnp.where(active, br, 0)
-            st, c, err, loss, (mf, okf), (mb_, okb) = lax.switch(br, branches, base + b, j, st, c, err, loss)
-            okf, okb = jnp.asarray(okf) & active, jnp.asarray(okb) & active
+            gb = base + b
+            # F lane and B lane: predicate conds around small switches (DESIGN.md §2); one op per tick
+            c, err, loss, mf = lax.cond(active & even, f_lane, f_idle, gb, j, g, flag, st, c, err, loss)
+            st, err, mb_ = lax.cond(active & ~even, b_lane, b_idle, gb, j, g, flag, st, c, err)
+            okf = active & even & ~((g == 1) & flag)
+            okb = active & ~even & ~((g == 0) & flag)
             # forwards travel d -> d + 1, backwards d -> d - 1; the wrap-arounds land in the buffers
             rf, jf, of = lax.ppermute((mf, j, okf), "stage", [(d, (d + 1) % D) for d in range(D)])
             rb, jb, ob = lax.ppermute((mb_, j, okb), "stage", [(d, (d - 1) % D) for d in range(D)])
@@ -203,8 +223,8 @@ def empty_carry(model, D: int, M: int, n_devices: int, mb_example, x_aval, res_a
         fill = jnp.nan if nan_bubbles and jnp.issubdtype(dtype, jnp.floating) else 0
         return jnp.full((n_devices,) + tuple(shape), fill, dtype)
     return WPipeCarry(
-        stash0=[per((2 * M,) + tuple(a.shape), a.dtype) for a in res_avals],
-        stash1=[per((M,) + tuple(a.shape), a.dtype) for a in res_avals],
+        stash0=[per((2 * M + 1,) + tuple(a.shape), a.dtype) for a in res_avals],     # + a scratch slot
+        stash1=[per((M + 1,) + tuple(a.shape), a.dtype) for a in res_avals],
         recv_f=per(x_aval.shape, x_aval.dtype), recv_b=per(x_aval.shape, x_aval.dtype),
         bnd_f=per((M + 1,) + tuple(x_aval.shape), x_aval.dtype),
         bnd_b=per((M + 1,) + tuple(x_aval.shape), x_aval.dtype),
