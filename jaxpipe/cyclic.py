@@ -184,44 +184,70 @@ class CyclicDataParallel:
                 err = err + (~fresh & (have - 1 != v)).astype(jnp.int32)
                 return jax.tree.map(lambda a, b: jnp.where(fresh, a, b), stage_of(lp, j), stage_of(sh, j)), err
 
-            def op_f(first, last):
-                def f(st, c, j, k, gk, err, loss):
-                    (w, pre_p, post_p), err = weights(st, j, gk, err)
-                    mb = jax.tree.map(lambda a: read(a, gk % 2), c["ring"])
-                    x = pre(pre_p, mb) if first else c["act"]
+            def choice(st, j, gk, err):
+                """0: the stage's current weights, 1: its shadow (the version the rule reads), and the count of
+                version-read errors."""
+                lp, sh, ver, _ = st
+                v = jnp.where(j >= N - 1 - me, gk, gk - 1) if v2 else gk - 1
+                v = jnp.maximum(v, 0)
+                have = ver[j]
+                fresh = have == v
+                return jnp.where(fresh, 0, 1), err + (~fresh & (have - 1 != v)).astype(jnp.int32)
+
+            def fwd_variant(k, first, last):
+                # small outputs only: activation, residuals, dL/dy, head gradient, loss
+                def f(cands, j, x_in, mb):
+                    w, pre_p, post_p = stage_of(cands[k], j)
+                    x = pre(pre_p, mb) if first else x_in
                     y, res, _, _ = split_residuals(stage_fn, w, x, mask)
-                    c = {**c, "stash": [write(a, j, r) for a, r in zip(c["stash"], res)], "act": y.astype(xa.dtype)}
-                    if last:
-                        l, (gq, dy) = jax.value_and_grad(post_loss, argnums=(0, 1))(post_p, y, mb)
-                        c = {**c, "dy": dy.astype(xa.dtype), "gpost": gq}
-                        loss = (loss[0] + l.astype(jnp.float32), loss[1] + 1)
-                    return st, c, err, loss, (zeros_lp, False)
+                    if not last:
+                        return y.astype(xa.dtype), res, jnp.zeros(xa.shape, xa.dtype), \
+                            jax.tree.map(jnp.zeros_like, post_p), jnp.zeros((), jnp.float32)
+                    l, (gq, dy) = jax.value_and_grad(post_loss, argnums=(0, 1))(post_p, y, mb)
+                    return y.astype(xa.dtype), res, dy.astype(xa.dtype), gq, l.astype(jnp.float32)
                 return f
 
-            def op_b(first, last):
-                def b(st, c, j, k, gk, err, loss):
-                    (w, pre_p, post_p), err = weights(st, j, gk, err)
-                    res = [read(a, j) for a in c["stash"]]
-                    dw, dx = rebuild_pullback(stage_fn, w, jnp.zeros(xa.shape, xa.dtype), res, mask)(c["dy"])
-                    dx = dx.astype(xa.dtype)
-                    dpre = jax.tree.map(jnp.zeros_like, pre_p)
-                    if first:
-                        mb = jax.tree.map(lambda a: read(a, gk % 2), c["ring"])
-                        dpre = jax.vjp(lambda q: pre(q, mb), pre_p)[1](dx)[0]
-                    dpost = c["gpost"] if last else jax.tree.map(jnp.zeros_like, post_p)
-                    g = (dw, dpre, dpost)
-                    # ring reduction: the partial sum from worker me - 1, plus this worker's gradient
-                    g = jax.tree.map(lambda p, a: jnp.where(me > 0, p, jnp.zeros_like(p)) + a.astype(p.dtype),
-                                     stage_of(c["partial"], j), g)
-                    st = lax.cond(me == N - 1, lambda s: update(s, j, g), lambda s: s, st)
-                    return st, {**c, "dy": dx}, err, loss, (g, True)
+            def bwd_variant(k):
+                def b(cands, j, res, dy):
+                    return rebuild_pullback(stage_fn, stage_of(cands[k], j)[0], jnp.zeros(xa.shape, xa.dtype),
+                                            res, mask)(dy)
                 return b
 
-            def idle(st, c, j, k, gk, err, loss):
-                return st, c, err, loss, (zeros_lp, False)
-
             flags = [(False, False), (True, False), (False, True), (True, True)]
-            branches = [idle] + [op_f(*f) for f in flags] + [op_b(*f) for f in flags]
+            fwd_variants = [fwd_variant(k, *f) for k in range(2) for f in flags]
+            bwd_variants = [bwd_variant(k) for k in range(2)]
+
+            def f_lane(st, c, j, k, gk, err, loss, pos):
+                lp, sh, _, _ = st
+                kk, err = choice(st, j, gk, err)
+                mb = jax.tree.map(lambda a: read(a, gk % 2), c["ring"])
+                y, res, dy, gq, l = lax.switch(kk * 4 + pos, fwd_variants, (lp, sh), j, c["act"], mb)
+                last = j == N - 1
+                c = {**c, "stash": [write(a, j, r) for a, r in zip(c["stash"], res)], "act": y,
+                     "dy": jnp.where(last, dy, c["dy"]),
+                     "gpost": jax.tree.map(lambda n, o: jnp.where(last, n, o), gq, c["gpost"])}
+                return c, err, (loss[0] + jnp.where(last, l, 0.0), loss[1] + last.astype(jnp.int32))
+
+            def b_lane(st, c, j, k, gk, err):
+                lp, sh, _, _ = st
+                kk, err = choice(st, j, gk, err)
+                res = [read(a, j) for a in c["stash"]]
+                dw, dx = lax.switch(kk, bwd_variants, (lp, sh), j, res, c["dy"])
+                dx = dx.astype(xa.dtype)
+                pre_p = jax.tree.map(lambda a, b: jnp.where(kk == 1, read(b, j), read(a, j)), lp[1], sh[1])
+                dpre = jax.tree.map(jnp.zeros_like, pre_p)
+                if jax.tree.leaves(pre_p):
+                    mb = jax.tree.map(lambda a: read(a, gk % 2), c["ring"])
+                    dpre = lax.cond(j == 0, lambda: jax.vjp(lambda q: pre(q, mb), pre_p)[1](dx)[0],
+                                    lambda: jax.tree.map(jnp.zeros_like, pre_p))
+                dpost = jax.tree.map(lambda a: jnp.where(j == N - 1, a, jnp.zeros_like(a)), c["gpost"])
+                # ring reduction: the partial sum from worker me - 1, plus this worker's gradient
+                g = jax.tree.map(lambda p, a: jnp.where(me > 0, p, jnp.zeros_like(p)) + a.astype(p.dtype),
+                                 stage_of(c["partial"], j), (dw, dpre, dpost))
+                return g, dx, err
+
+            def b_idle(st, c, j, k, gk, err):
+                return zeros_lp, c["dy"], err
 
             def tick(s, t):
                 st, c, err, loss = s
@@ -235,8 +261,14 @@ class CyclicDataParallel:
                 is_f = p < N
                 j = jnp.where(is_f, p, 2 * N - 1 - p)
                 pos = (j == 0).astype(jnp.int32) + 2 * (j == N - 1).astype(jnp.int32)
-                br = jnp.where(active, jnp.where(is_f, 1 + pos, 5 + pos), 0)
-                st, c, err, loss, (g, sent) = lax.switch(br, branches, st, c, j, k, base + k, err, loss)
+                # F lane and B lane: predicate conds around small switches (DESIGN.md §2; a multi-way switch that
+                # passes the model through copies it every tick)
+                c, err, loss = lax.cond(active & is_f, f_lane, lambda st, c, j, k, gk, err, loss, pos: (c, err, loss),
+                                        st, c, j, k, base + k, err, loss, pos)
+                sent = active & ~is_f
+                g, dx, err = lax.cond(sent, b_lane, b_idle, st, c, j, k, base + k, err)
+                c = {**c, "dy": dx}
+                st = lax.cond(sent & (me == N - 1), lambda s: update(s, j, g), lambda s: s, st)
                 # partial sums travel me -> me + 1; the complete sum goes from N - 1 straight to every worker
                 fwd_ok = sent & (me < N - 1)
                 if N > 1:
