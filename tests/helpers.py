@@ -7,7 +7,12 @@ import jaxpipe as jp
 
 
 def rel_err(a, b) -> float:
-    """max over leaves of ||a - b|| / ||b|| (float64 on the host)."""
+    """max over leaves of ||a - b|| / ||b|| (float64 on the host); the two pytrees must have one structure
+    and one shape per leaf (a zip over mismatched trees would compare the wrong leaves, or too few)."""
+    sa, sb = jax.tree.structure(a), jax.tree.structure(b)
+    assert sa == sb, f"pytree structures differ: {sa} vs {sb}"
+    shapes = [(np.shape(x), np.shape(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
+    assert all(x == y for x, y in shapes), f"leaf shapes differ: {[s for s in shapes if s[0] != s[1]]}"
     errs = []
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
