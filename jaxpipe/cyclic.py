@@ -164,11 +164,13 @@ class CyclicDataParallel:
             put = lambda t, j, v: jax.tree.map(lambda a, b: write(a, j, b), t, v)
             zeros_lp = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), lp)
 
-            def update(st, j, g_sum):
+            def update(st, j, g_sum, cur_o):
+                # stage j's weights and optimizer state are sliced outside the cond (``cur_o``): new values read
+                # from buffers that the same branch updates in place made XLA copy the whole stacked model
                 lp, sh, ver, os_ = st
-                cur = stage_of(lp, j)
+                cur, o = cur_o
                 g = jax.tree.map(lambda a: a / N, g_sum)
-                u, o = opt.update(g, stage_of(os_, j), cur)
+                u, o = opt.update(g, o, cur)
                 new = optax.apply_updates(cur, u)
                 return (put(lp, j, new), put(sh, j, cur), ver.at[j].add(1), put(os_, j, o))
 
@@ -253,7 +255,8 @@ class CyclicDataParallel:
                 st, c, err, loss = s
                 # a summed gradient that arrived from worker N - 1: apply it first
                 g_in, j_in, ok = c["bcast"]
-                st = lax.cond(ok & (me < N - 1), lambda s: update(s, j_in, g_in), lambda s: s, st)
+                st = lax.cond(ok & (me < N - 1), lambda s, cur: update(s, j_in, g_in, cur), lambda s, cur: s, st,
+                              (stage_of(st[0], j_in), stage_of(st[3], j_in)))
                 tau = t - 2 * me
                 k = jnp.floor_divide(tau, 2 * N)
                 p = jnp.mod(tau, 2 * N)
@@ -268,7 +271,8 @@ class CyclicDataParallel:
                 sent = active & ~is_f
                 g, dx, err = lax.cond(sent, b_lane, b_idle, st, c, j, k, base + k, err)
                 c = {**c, "dy": dx}
-                st = lax.cond(sent & (me == N - 1), lambda s: update(s, j, g), lambda s: s, st)
+                st = lax.cond(sent & (me == N - 1), lambda s, cur: update(s, j, g, cur), lambda s, cur: s, st,
+                              (stage_of(st[0], j), stage_of(st[3], j)))
                 # partial sums travel me -> me + 1; the complete sum goes from N - 1 straight to every worker
                 fwd_ok = sent & (me < N - 1)
                 if N > 1:
