@@ -155,6 +155,8 @@ def _predicting(name: str, opt, fwd_distance: Callable, bwd_distance: Callable, 
         return _axpy(fwd_distance(s), u_last, lp), u_last
 
     def backward_weights(lp, u_last, i, s):
+        if bwd_distance is None:          # B reads the current weights (PipeOptim): no weight-sized axpy by 0
+            return lp
         return _axpy(bwd_distance(s), u_last, lp)
 
     def update(g, lp, opt_state, u_last, i, s):
@@ -174,8 +176,8 @@ def spectrain_distances(num_stages: int):
 
 
 def pipeoptim(opt: optax.GradientTransformation, num_stages: int) -> WeightPolicy:
-    zero = lambda s: s * 0   # B reads the current weights
-    return _predicting("pipeoptim", opt, pipeoptim_distance(num_stages), zero, WEIGHT_VERSIONS["pipeoptim"])
+    # B reads the current weights (distance None: lp itself)
+    return _predicting("pipeoptim", opt, pipeoptim_distance(num_stages), None, WEIGHT_VERSIONS["pipeoptim"])
 
 
 def has_momentum(opt_state) -> bool:
