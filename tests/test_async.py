@@ -58,7 +58,7 @@ def test_mlp_matches_serial_reference(method, D, opt_name):
     run_and_compare(method, "mlp", D, opt_name)
 
 
-@pytest.mark.parametrize("method", ["pipedream_2bw", "pipeoptim"])    # CI time: the MLP runs all four
+@pytest.mark.parametrize("method", METHODS)
 def test_gpt_matches_serial_reference(method):
     run_and_compare(method, "gpt", 4, "momentum" if method == "spectrain" else "adamw")
 

@@ -14,15 +14,17 @@ import jaxpipe as jp
 from helpers import small_model
 
 # schedule -> (stage devices, extra Pipeline kwargs, pipes)
-# one case per state type: PipelineState (plain, and Chimera's replica layout), AsyncState (pipeoptim;
-# pipedream / 2bw / spectrain / cdp_v* share its structure), WPipeState, AvgPipeState; CyclicState below
-CASES = {"1f1b": (2, {}, 1), "chimera": (2, {}, 1), "pipeoptim": (2, {}, 1), "wpipe": (2, {}, 1),
+# one case per state type: PipelineState (plain, Chimera's replica layout, interleaved's device layout),
+# AsyncState with each policy state (pipedream: the weight stash; 2bw: shadow + accumulator; pipeoptim: the
+# last update; spectrain / cdp_v* share those), WPipeState, AvgPipeState; CyclicState below
+CASES = {"1f1b": (2, {}, 1), "chimera": (2, {}, 1), "interleaved_1f1b": (2, {}, 1), "pipeoptim": (2, {}, 1),
+         "pipedream": (2, {}, 1), "pipedream_2bw": (2, {}, 1), "wpipe": (2, {}, 1),
          "avgpipe": (2, {"avgpipe": {"advance": 1}}, 2)}
 
 
 def make(schedule, data=1):
     D, kw, pipes = CASES[schedule]
-    stages = 2 * D if schedule == "wpipe" else D
+    stages = 2 * D if schedule in ("wpipe", "interleaved_1f1b") else D
     model, batch_fn = small_model("mlp", stages)
     opt = optax.adamw(1e-2)
     pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=4, optimizer=opt,
