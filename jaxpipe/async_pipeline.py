@@ -94,7 +94,8 @@ class AsyncRunner:
         if key not in self._fns:
             pipe = self.pipe
             fn, _ = make_async_fn(pipe.model, self.policy, pipe.optimizer, self.D, self.M, pipe.mesh,
-                                  self._mb(batch_like), nan_bubbles=pipe.nan_bubbles)
+                                  self._mb(batch_like), nan_bubbles=pipe.nan_bubbles,
+                                  periodic=pipe.schedule.periodic)
 
             def run(state: AsyncState, batch, feed):
                 params, opt_state, pstate, carry, counters, (lsum, lcount, done) = fn(

@@ -62,3 +62,25 @@ def test_prediction_reads_w_plus_s_u_last():
     f, b = spectrain_distances(D)
     assert [f(s) for s in range(D)] == [3, 2, 2, 1] and [b(s) for s in range(D)] == [0, 0, 1, 1]
     assert all(f(s) - b(s) == D - 1 - s for s in range(D))   # F and B predict the same version
+
+
+@pytest.mark.parametrize("D", [1, 2, 4, 8])
+def test_async_schedule_is_what_runs_and_sets_the_distances(D):
+    """The no-flush methods' IR is the periodic schedule the executor reads: its expansion's ticks are the
+    executor's (op_at), each stage holds D - s micro-batches, and PipeOptim's prediction distance is the
+    number of updates the IR puts between a micro-batch's F and its B."""
+    from jaxpipe import schedules
+    from jaxpipe.optim.policies import pipeoptim_distance
+    s = schedules.build("pipeoptim", D, 2 * D)
+    p = s.periodic
+    for (kind, stage, mb), t in s.ticks().items():
+        assert p.op_at(t, stage) == (kind, mb)
+    assert [p.updates_between(d) for d in range(D)] == [pipeoptim_distance(D)(d) for d in range(D)]
+    assert s.simulate().peak_inflight == [D - d for d in range(D)]
+
+
+def test_a_periodic_schedule_with_a_broken_dependency_is_refused():
+    from jaxpipe.schedules.ir import ScheduleError
+    from jaxpipe.schedules.periodic import Periodic
+    with pytest.raises(ScheduleError, match="B on device 0 before its input from device 1"):
+        Periodic("bad", 2, 2, {"F": (0, 1), "B": (1, 2)}).validate()

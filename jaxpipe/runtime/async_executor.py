@@ -40,17 +40,17 @@ def ring_capacity(M: int, D: int) -> int:
     return M + D
 
 
-def op_at(t, me, D: int, n_fed):
-    """(is_f, is_b, i) of device ``me`` at tick ``t`` (relative to the last (re)start)."""
-    i_f = (t - me) // 2
-    i_b = (t - 2 * D + 1 + me) // 2
-    even = (t - me) % 2 == 0
-    is_f = even & (i_f >= 0) & (i_f < n_fed)
-    is_b = ~even & (i_b >= 0) & (i_b < n_fed)
-    return is_f, is_b, jnp.where(even, i_f, i_b)
+def op_at(t, me, table, period: int, n_fed):
+    """(is_f, is_b, i) of device ``me`` at tick ``t`` (relative to the last (re)start), read from the
+    periodic schedule's table (``jaxpipe.schedules.periodic.Periodic.table``)."""
+    code, off = table[t % period, me, 0], table[t % period, me, 1]
+    i = (t - off) // period
+    live = (t >= off) & (i < n_fed)
+    return live & (code == 1), live & (code == 2), i
 
 
-def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubbles: bool = False):
+def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubbles: bool = False,
+                  periodic=None):
     """``fn(params, opt_state, policy_state, carry, counters, batch, feed) -> (same..., metrics)``: 2M ticks.
 
     ``feed`` (traced bool): whether ``batch``'s M micro-batches enter the pipeline; ``drain`` calls the same
@@ -72,7 +72,12 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
     remap = np.zeros(4, np.int32)
     remap[used_pos] = np.arange(len(used_pos))
 
-    num_ticks = 2 * M
+    if periodic is None:
+        from ..schedules.periodic import no_flush_1f1b
+        periodic = no_flush_1f1b(policy.name, D)
+    period = periodic.period
+    num_ticks = period * M
+    b_first = periodic.tick("B", 0, 0)         # stage 0's backward of micro-batch 0: the pipeline's latency
 
     def body(params, opt_state, pstate, carry, counters, batch, feed):
         sq = lambda t: jax.tree.map(lambda a: a[0], t)
@@ -171,11 +176,12 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             return (lp, opt_state, pstate), blank()
 
         pos_j = jnp.asarray(remap)[pos]
+        table = jnp.asarray(periodic.table())
         ring_f = [(d, (d + 1) % D) for d in range(D)]
         ring_b = [(d, (d - 1) % D) for d in range(D)]
 
         def tick(st, t):
-            is_f, is_b, i = op_at(t, me, D, n_fed)
+            is_f, is_b, i = op_at(t, me, table, period, n_fed)
             lp, opt_state, pstate, c, loss = st
             (pstate, c, loss), send_f = lax.cond(is_f, f_lane, f_idle, i, (lp, pstate, c, loss))
             if D > 1:
@@ -194,7 +200,7 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
         lcount = lax.pmax(lcount, DP_AXES)
         ex = lambda t: jax.tree.map(lambda a: a[None], t)
         t1 = t0 + num_ticks
-        done = jnp.clip((t1 - 2 * D + 1 + 1) // 2, 0, n_fed)   # B on stage 0 finished: micro-batch complete
+        done = jnp.clip((t1 - b_first + period - 1) // period, 0, n_fed)   # B on stage 0 finished: micro-batch complete
         counters = (t1, base, n_fed)
         return ex(lp), ex(opt_state), ex(pstate), ex(carry), counters, (lsum, lcount, base + done)
 

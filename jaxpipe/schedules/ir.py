@@ -163,6 +163,9 @@ class Schedule:
         forward before it (the executor's second lane)."""
         if getattr(self, "_ticks", None) is not None:
             return self._ticks
+        if getattr(self, "fixed_ticks", None) is not None:     # a periodic (no-flush) schedule's own ticks
+            self._ticks = dict(self.fixed_ticks)
+            return self._ticks
         if not self.has_pairs():
             p = self.place(1.0, 1.0, 1.0, comm=0.0)
             self._ticks = {k: int(v) for k, v in p["start"].items()}
