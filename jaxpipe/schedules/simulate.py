@@ -37,13 +37,14 @@ class SimReport:
     lane_ticks: int = 0
     lane_peak_inflight: Optional[List[int]] = None
     lane_stash_capacity: int = 0
+    lane_placement: str = "lanes"   # "ordered" for the periodic no-flush schedules: one op per tick is what runs
 
     def summary(self) -> str:
         return (f"{self.schedule}: D={self.num_devices} M={self.num_microbatches} f={self.f:g} b={self.b:g}"
                 f"{'' if not self.w else f' w={self.w:g}'} | event-driven makespan {self.makespan:g}, bubble "
                 f"{self.bubble_ratio:.3f} | lockstep {self.num_ticks} ticks, makespan {self.lockstep_makespan:g},"
                 f" bubble {self.lockstep_bubble_ratio:.3f} | peak in-flight {self.peak_inflight} | weight "
-                f"versions {self.weight_versions} | executor lanes: {self.lane_ticks} ticks, makespan "
+                f"versions {self.weight_versions} | executor ({self.lane_placement}): {self.lane_ticks} ticks, makespan "
                 f"{self.lane_makespan:g}, bubble {self.lane_bubble_ratio:.3f}, peak in-flight {self.lane_peak_inflight}")
 
 
@@ -82,7 +83,8 @@ def simulate(s: Schedule, f: float = 1.0, b: float = 2.0, w: Optional[float] = N
     loc = placed["device"]
     messages = sum(1 for (k, st, m), d in loc.items() for dep in s.deps(Action(k, m, st)) if loc[dep] != d)
     from .lanes import plan
-    lp = plan(s, "lanes")
+    placement = "ordered" if getattr(s, "fixed_ticks", None) is not None else "lanes"
+    lp = plan(s, placement)
     lane_span = lp.lockstep_makespan(f, b, w)
     return SimReport(
         schedule=s.name, num_devices=s.D, num_microbatches=s.M, f=float(f), b=float(b), w=w,
@@ -92,5 +94,6 @@ def simulate(s: Schedule, f: float = 1.0, b: float = 2.0, w: Optional[float] = N
         peak_inflight=[max(inflight_profile(s, d), default=0) for d in range(s.D)],
         weight_versions=list(s.weight_versions), stash_capacity=s.tables().stash_capacity,
         messages=messages, lane_makespan=lane_span, lane_bubble_ratio=1.0 - work / (s.D * lane_span),
-        lane_ticks=lp.num_ticks, lane_peak_inflight=lp.peak_inflight(), lane_stash_capacity=lp.stash_capacity)
+        lane_ticks=lp.num_ticks, lane_peak_inflight=lp.peak_inflight(), lane_stash_capacity=lp.stash_capacity,
+        lane_placement=placement)
 
