@@ -67,6 +67,12 @@ flags.DEFINE_float("throttle_s", 0.0, "debug: sleep this long after each step (f
 FLAGS = flags.FLAGS
 
 
+def printable(text: str) -> str:
+    """Control characters (a young model samples BEL, NUL, ...) escaped, so the terminal shows them as text."""
+    return "".join(c if c.isprintable() or c in "\n\t" else f"\\x{ord(c):02x}" if ord(c) < 256 else f"\\u{ord(c):04x}"
+                   for c in text)
+
+
 def main(argv):
     del argv
     from absl import logging
@@ -129,7 +135,9 @@ def main(argv):
         eval_set = [val]
         unit = "images"
 
-    sched = optax.warmup_cosine_decay_schedule(0.0, FLAGS.lr, max(1, FLAGS.steps // 20), FLAGS.steps)
+    # warm-up over 5% of the steps (at least one), then cosine decay over the rest (at least one step)
+    warm = max(1, FLAGS.steps // 20)
+    sched = optax.warmup_cosine_decay_schedule(0.0, FLAGS.lr, warm, max(FLAGS.steps, warm + 1))
     opt = optax.chain(optax.clip_by_global_norm(1.0), jp.optim.by_name(FLAGS.optimizer, sched))
     mesh = jp.make_mesh(stages=FLAGS.stages, data=FLAGS.data, pipes=FLAGS.pipes)
     # synchronous schedules guard every update (a non-finite step leaves the state as it was), so a stop
@@ -205,7 +213,8 @@ def main(argv):
         rec = {"step": i + 1, "time_s": dt, **{k: float(v) if np.ndim(v) == 0 else np.asarray(v).tolist()
                                                for k, v in metrics.items()}}
         computed = int(metrics.get("losses_computed", 1))
-        finite = (not computed or np.isfinite(loss)) and np.isfinite(float(metrics.get("grad_norm", 0.0)))
+        # grad_norm is a vector for avgpipe (one per pipeline)
+        finite = (not computed or np.isfinite(loss)) and bool(np.all(np.isfinite(np.asarray(metrics.get("grad_norm", 0.0)))))
         was_skipped = bool(metrics.get("skipped", False))
         if was_skipped and FLAGS.on_nonfinite == "skip":
             skipped += 1
@@ -256,17 +265,22 @@ def main(argv):
                "steady_step_s": steady, f"{unit}_per_s": per_step / steady}
     if FLAGS.save_params:
         _save_params(jp, pipe, state, primary)
+    sample_params = None
+    if FLAGS.model == "gpt" and FLAGS.sample_len:
+        # a collective on many hosts: every process gathers, process 0 samples (a jitted function may not
+        # close over an array spanning devices of other processes)
+        sample_params = jp.distributed.to_host(pipe.params(state))
     if not primary:
         return
     print("\n== summary ==")
     for k, v in summary.items():
         print(f"  {k:>26}: {v:.4g}" if isinstance(v, float) else f"  {k:>26}: {v}")
-    if FLAGS.model == "gpt" and FLAGS.sample_len:
+    if sample_params is not None:
         prompt = b"The "
-        text = jp.models.sample(model, pipe.params(state), prompt, FLAGS.sample_len, FLAGS.seq_len,
+        text = jp.models.sample(model, sample_params, prompt, FLAGS.sample_len, FLAGS.seq_len,
                                 jax.random.key(FLAGS.seed + 1))
         summary["sample"] = (prompt + text).decode("utf-8", errors="replace")
-        print("\n== sample ==\n" + summary["sample"])
+        print("\n== sample ==\n" + printable(summary["sample"]))
     with open(os.path.join(FLAGS.out_dir, "summary.json"), "w") as fh:
         json.dump(summary, fh, indent=1)
     print(f"\nmetrics: {os.path.join(FLAGS.out_dir, 'metrics.jsonl')}")
@@ -285,7 +299,7 @@ def _stop_nonfinite(jp, pipe, model, state, batch, metrics, step, ckpt, update_s
           f"{used})" if where else
           "the unpipelined model reproduces no NaN with the updated weights (the pipelined step's inputs held it)")
     sys.stderr.write(
-        f"\njaxpipe: non-finite loss {float(metrics['loss'])} / grad_norm {float(metrics.get('grad_norm', np.nan))} "
+        f"\njaxpipe: non-finite loss {float(metrics['loss'])} / grad_norm {np.asarray(metrics.get('grad_norm', np.nan))} "
         f"at step {step}, {at}. Stopped; nothing was checkpointed after it"
         f"{f' (last good checkpoint: step {last})' if last is not None else ''}. Lower --lr, add clipping, "
         f"or pass --on_nonfinite=skip to skip such updates\n")

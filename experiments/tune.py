@@ -159,7 +159,14 @@ def main(argv):
     # calibration: the executor's fixed cost per tick and per step (dispatch, buffers), from two 1F1B runs
     # without data parallelism -- the most and the fewest ticks per step -- by solving two equations
     # (W = 1: the data-parallel all-reduce is modelled from its own micro-benchmark, not absorbed here)
-    ones = sorted((c for c in cands if c.schedule == "1f1b" and c.W == 1), key=lambda c: c.build().num_ticks)
+    f1 = [c for c in cands if c.schedule == "1f1b"]
+    if not f1:
+        raise app.UsageError(f"the calibration runs 1F1B, and no 1F1B configuration fits --devices={P}, "
+                             f"--layers={L}, --batch={batch} with --schedules={FLAGS.schedules}: add 1f1b to "
+                             f"--schedules, or give as many layers as devices (e.g. --layers={P})")
+    # the fewest data-parallel replicas there are (W = 1 unless the layers are fewer than the devices)
+    w_min = min(c.W for c in f1)
+    ones = sorted((c for c in f1 if c.W == w_min), key=lambda c: c.build().num_ticks)
     calibs = [ones[-1], ones[0]]
     eq = []
     for c in calibs:

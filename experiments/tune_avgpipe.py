@@ -12,7 +12,8 @@
    devices, and picks the highest predicted throughput under ``--memory_limit``.
 3. Builds and times every one of those settings (advance = M - 1, AFAB, the case the paper predicts) and
    prints predicted vs measured time and memory, and whether the choice was the measured best.
-Writes ``--out`` (JSON) and ``docs/tune_avgpipe.md``.
+Writes ``--out`` (JSON) and ``--markdown`` (default ``runs/tune_avgpipe.md``; the table in ``docs/`` is the
+recorded run: pass ``--markdown=docs/tune_avgpipe.md`` to replace it).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ flags.DEFINE_string("ns", "1,2,4", "parallel pipeline counts N to consider")
 flags.DEFINE_float("memory_limit", 0.0, "MiB per device (0: no limit)")
 flags.DEFINE_integer("steps", 5, "timed steps per setting (median)")
 flags.DEFINE_string("out", "runs/tune_avgpipe.json", "JSON output")
-flags.DEFINE_string("markdown", "docs/tune_avgpipe.md", "Markdown table output ('' to skip)")
+flags.DEFINE_string("markdown", "runs/tune_avgpipe.md", "Markdown table output ('' to skip; the recorded table is docs/tune_avgpipe.md)")
 FLAGS = flags.FLAGS
 
 
@@ -161,6 +162,7 @@ def main(argv):
                    "rows": rows, "chosen": None if best is None else [best.m, best.n],
                    "measured_best": None if meas_best is None else [meas_best["m"], meas_best["n"]]}, f, indent=1)
     if FLAGS.markdown:
+        os.makedirs(os.path.dirname(FLAGS.markdown) or ".", exist_ok=True)
         with open(FLAGS.markdown, "w") as f:
             f.write(f"# AvgPipe tuning (§5.2): predicted vs measured\n\n`python -m experiments.tune_avgpipe "
                     f"--memory_limit={FLAGS.memory_limit:g}`: tanh MLP {FLAGS.layers}x{FLAGS.width}², {D} stages, "

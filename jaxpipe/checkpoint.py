@@ -32,7 +32,8 @@ from .errors import ConfigError
 def fingerprint(pipe) -> Dict[str, Any]:
     """What a checkpoint must agree with to be restored into ``pipe``: model parameter shapes, schedule,
     micro-batches and mesh shape."""
-    shapes = [(jax.tree_util.keystr(k), tuple(int(d) for d in np.shape(v)), str(np.result_type(v)))
+    # the leaf's own dtype (np.result_type of an array is deprecated in numpy 2.4 and an error later)
+    shapes = [(jax.tree_util.keystr(k), tuple(int(d) for d in np.shape(v)), str(v.dtype if hasattr(v, "dtype") else np.result_type(v)))
               for k, v in jax.tree_util.tree_flatten_with_path(pipe.model.params)[0]]
     digest = hashlib.sha256(repr(shapes).encode()).hexdigest()[:16]
     return {"model": digest, "model_parameters": int(sum(int(np.prod(s[1])) for s in shapes)),
