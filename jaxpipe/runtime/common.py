@@ -18,7 +18,11 @@ DP_AXES = ("pipe", "data")
 def vary(x, axes: Sequence[str] = AXES):
     """Mark ``x`` device-varying over ``axes`` (only the axes it does not vary over yet)."""
     def one(a):
-        have = getattr(getattr(jax.typeof(a), "manual_axis_type", None), "varying", frozenset())
+        t = jax.typeof(a)
+        # JAX 0.10: aval.manual_axis_type.varying; JAX 0.9: aval.vma
+        have = getattr(getattr(t, "manual_axis_type", None), "varying", None)
+        if have is None:
+            have = getattr(t, "vma", frozenset())
         missing = tuple(ax for ax in axes if ax not in have)
         return lax.pcast(a, missing, to="varying") if missing else a
     return jax.tree.map(one, x)
