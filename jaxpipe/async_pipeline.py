@@ -1,6 +1,6 @@
 """Train state and compiled programs of the asynchronous schedules (used by ``jp.Pipeline``).
 
-The state carries the whole pipeline between calls (DESIGN.md §2, "asynchronous methods never flush"):
+The state carries the whole pipeline between calls (docs/design.md §3, "no-flush methods"):
 per-stage weights (each stage with its own copy of ``pre``/``post``; stage 0's ``pre`` and stage D-1's
 ``post`` are the trained ones), per-stage optimizer and policy state, the in-flight residuals, messages
 and recent micro-batches, and the counters ``(tick, base, fed)``.

@@ -264,7 +264,7 @@ class CyclicDataParallel:
                 is_f = p < N
                 j = jnp.where(is_f, p, 2 * N - 1 - p)
                 pos = (j == 0).astype(jnp.int32) + 2 * (j == N - 1).astype(jnp.int32)
-                # F lane and B lane: predicate conds around small switches (DESIGN.md §2; a multi-way switch that
+                # F lane and B lane: predicate conds around small switches (docs/design.md §2; a multi-way switch that
                 # passes the model through copies it every tick)
                 c, err, loss = lax.cond(active & is_f, f_lane, lambda st, c, j, k, gk, err, loss, pos: (c, err, loss),
                                         st, c, j, k, base + k, err, loss, pos)

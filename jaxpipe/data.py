@@ -1,4 +1,4 @@
-"""Datasets that need no download (DESIGN.md §5)."""
+"""Datasets that need no download (docs/design.md §5)."""
 from __future__ import annotations
 
 from typing import Dict, Iterator, Tuple

@@ -1,4 +1,4 @@
-"""``PipelineModel``: a model cut into ``pre`` -> ``stage_fn`` x num_stages -> ``post_loss`` (DESIGN.md §4)."""
+"""``PipelineModel``: a model cut into ``pre`` -> ``stage_fn`` x num_stages -> ``post_loss`` (docs/design.md §5)."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,4 +1,4 @@
-"""Asynchronous 1F1B family: the pipelined no-flush run equals its serial reference loop (DESIGN.md §3).
+"""Asynchronous 1F1B family: the pipelined no-flush run equals its serial reference loop (docs/design.md §4).
 
 Three steps of M micro-batches, then ``drain``; final parameters (rel. error <= 1e-5) and per-call losses
 against ``jaxpipe.optim.reference.serial_reference``, for D in {2, 4}, SGD / SGD-momentum / AdamW, both

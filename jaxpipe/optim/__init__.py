@@ -1,4 +1,4 @@
-"""Optimizers and weight policies (optax-wrapped transforms, DESIGN.md §3).
+"""Optimizers and weight policies (optax-wrapped transforms, docs/design.md §4).
 
 The synchronous schedules use the ``sync`` policy: one weight version, gradients accumulated over the
 micro-batches of a step, one update of the user's optax optimizer.

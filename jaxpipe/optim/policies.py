@@ -1,4 +1,4 @@
-"""Weight policies of the asynchronous 1F1B family (PipeOptim §II-C2, §III, Tables I-II; DESIGN.md §3).
+"""Weight policies of the asynchronous 1F1B family (PipeOptim §II-C2, §III, Tables I-II; docs/design.md §4).
 
 A policy wraps the user's optax optimizer and says which weights a micro-batch's forward (F) and backward
 (B) read on a stage, and when updates land.  It works on one stage's *local* parameters

@@ -1,4 +1,4 @@
-"""Serial references of the asynchronous methods (DESIGN.md §3: the correctness backbone).
+"""Serial references of the asynchronous methods (docs/design.md §4: the correctness backbone).
 
 A plain single-device loop over micro-batches in order, with no ticks, no stash slots, no messages: for
 every micro-batch and stage it picks the weights the method's rule says F and B read, runs the model

@@ -119,7 +119,7 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
         fwd_variants = [forward_at(*flags[k]) for k in used_pos]
 
         def f_lane(i, ops):
-            # F lane (DESIGN.md §2 lanes): a predicate cond around the position switch, so that nothing
+            # F lane (docs/design.md §2 lanes): a predicate cond around the position switch, so that nothing
             # big passes through a multi-way conditional (XLA copies such pass-throughs every tick)
             lp, pstate, c, loss = ops
             gi = base + i

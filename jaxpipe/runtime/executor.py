@@ -1,6 +1,6 @@
 """The SPMD executor of the flushing schedules: one ``shard_map`` program that runs a lane plan.
 
-Mesh axes ``("pipe", "data", "stage")`` (DESIGN.md §2).  Every device runs the same program: the ticks of a
+Mesh axes ``("pipe", "data", "stage")`` (docs/design.md §2).  Every device runs the same program: the ticks of a
 :class:`~jaxpipe.schedules.lanes.LanePlan`, cut into phases (warm-up, steady, cool-down), each phase one
 ``lax.scan``.  A tick runs the lanes its phase compiles -- F, then B (then W for a split backward; F2 for
 paired forwards in the ordered placement) -- and after each lane one ``ppermute`` per direction moves the

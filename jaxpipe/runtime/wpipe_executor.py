@@ -171,7 +171,7 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
             active = (u >= 0) & (b >= 0) & (b < n_fed)
             flag = jnp.where(g == 0, me == 0, me == D - 1)     # pre on G0's first, loss on G1's last
             gb = base + b
-            # F lane and B lane: predicate conds around small switches (DESIGN.md §2); one op per tick
+            # F lane and B lane: predicate conds around small switches (docs/design.md §2); one op per tick
             c, err, loss, mf = lax.cond(active & even, f_lane, f_idle, gb, j, g, flag, st, c, err, loss)
             st, err, mb_ = lax.cond(active & ~even, b_lane, b_idle, gb, j, g, flag, st, c, err)
             okf = active & even & ~((g == 1) & flag)

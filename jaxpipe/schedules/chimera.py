@@ -1,4 +1,4 @@
-"""Chimera: bidirectional pipelines (Li & Hoefler, SC'21, ``shared/papers/chimera.txt``).
+"""Chimera: bidirectional pipelines (Li & Hoefler, SC'21, the paper's section numbers below).
 
 §3.1: a *down* pipeline maps stage s to device s, an *up* pipeline maps it to device D-1-s; every device
 holds the two stage replicas the pipelines need (chunk 0: stage d, chunk 1: stage D-1-d).  The N micro-batches

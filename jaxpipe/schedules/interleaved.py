@@ -1,5 +1,5 @@
 """Interleaved 1F1B (virtual pipeline stages; Narayanan et al., "Efficient Large-Scale Language Model
-Training on GPU Clusters Using Megatron-LM", SC'21, §2.2.2).  Beyond the papers in ``shared/papers``.
+Training on GPU Clusters Using Megatron-LM", SC'21, §2.2.2).  Beyond the papers the project started from.
 
 The model is cut into ``v * D`` stages; device ``d`` holds the ``v`` chunks ``d, d + D, ..., d + (v-1) D``
 (round-robin), so a micro-batch loops around the device ring ``v`` times.  Each device runs

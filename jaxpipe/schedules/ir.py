@@ -15,7 +15,7 @@ and the data dependencies between actions the IR derives everything else:
 * ``simulate()`` / ``render*()`` live in :mod:`.simulate` and :mod:`.render` and use the same object, so what
   you see is what runs.
 
-Dependencies (DESIGN.md §1): F(s, m) after F(s-1, m); B(s, m) after F(s, m) and after B(s+1, m);
+Dependencies (docs/design.md §1): F(s, m) after F(s-1, m); B(s, m) after F(s, m) and after B(s+1, m);
 W(s, m) after B(s, m).  Messages between different devices cost one tick in lockstep (``ppermute`` at the
 end of a tick); in the event-driven placement they are free (the papers' figures ignore communication).
 """

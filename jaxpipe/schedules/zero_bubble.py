@@ -1,5 +1,5 @@
 """Zero-bubble ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, §3).  Beyond the papers
-in ``shared/papers``.
+the project started from.
 
 The backward splits into ``B`` (gradient with respect to the stage input, on the critical path) and ``W``
 (gradient with respect to the weights, needed only by the optimizer).  ZB-H1 keeps 1F1B's activation
