@@ -15,6 +15,8 @@ import sys
 
 from absl import app, flags
 
+from experiments import emulate_cpu_devices
+
 flags.DEFINE_enum("task", "all", ["all", "digits", "bytelm"], "all = digits+momentum, digits+adamw, bytelm+adam")
 flags.DEFINE_string("optimizer", "", "for a single --task: momentum | adamw | adam | sgd (default: momentum for "
                     "digits, adam for bytelm)")
@@ -100,8 +102,7 @@ def run_one(task, opt_name, schedule, seed, steps, lr):
 def main(argv):
     del argv
     if "jax" not in sys.modules:
-        os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count="
-                              f"{max(8, FLAGS.stages * FLAGS.avgpipe_pipes)}")
+        emulate_cpu_devices(max(8, FLAGS.stages * FLAGS.avgpipe_pipes))
     import csv
     import numpy as np
     from tqdm import tqdm

@@ -16,6 +16,8 @@ import sys
 
 from absl import app, flags
 
+from experiments import with_device_count
+
 flags.DEFINE_string("schedules", "gpipe,1f1b,interleaved_1f1b,zb_h1,chimera,pipedream,pipedream_2bw,spectrain,"
                     "pipeoptim,cdp_v1,cdp_v2,wpipe,avgpipe,cdp_dp_v1,cdp_dp_v2",
                     "comma-separated schedules to benchmark (spectrain runs with SGD-momentum and is compared "
@@ -51,7 +53,7 @@ def run_groups(argv) -> None:
     rows = []
     for n, names in sorted(groups.items()):
         with tempfile.NamedTemporaryFile(suffix=".json") as fh:
-            env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
+            env = dict(os.environ, XLA_FLAGS=with_device_count(os.environ.get("XLA_FLAGS", ""), n))
             args = [a for a in sys.argv[1:] if not a.startswith(("--schedules", "--json_out", "--child"))]
             cmd = [sys.executable, "-m", "experiments.throughput", "--child", f"--schedules={','.join(names)}",
                    f"--json_out={fh.name}"] + args

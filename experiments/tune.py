@@ -18,6 +18,8 @@ import sys
 
 from absl import app, flags
 
+from experiments import emulate_cpu_devices
+
 flags.DEFINE_enum("model", "mlp", ["mlp", "gpt"], "tanh MLP (layers x width^2) or the reference GPT")
 flags.DEFINE_integer("devices", 8, "devices P = W x D (CPU-emulated)")
 flags.DEFINE_integer("batch", 64, "global mini-batch size")
@@ -35,7 +37,7 @@ FLAGS = flags.FLAGS
 def main(argv):
     del argv
     if "jax" not in sys.modules:
-        os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={FLAGS.devices}")
+        emulate_cpu_devices(FLAGS.devices)
     import json
     import statistics
     import time

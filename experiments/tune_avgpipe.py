@@ -22,6 +22,8 @@ import sys
 
 from absl import app, flags
 
+from experiments import emulate_cpu_devices
+
 flags.DEFINE_integer("devices", 8, "CPU-emulated devices")
 flags.DEFINE_integer("stages", 2, "pipeline stages D")
 flags.DEFINE_integer("layers", 4, "tanh-MLP layers (cut evenly into stages)")
@@ -41,7 +43,7 @@ FLAGS = flags.FLAGS
 def main(argv):
     del argv
     if "jax" not in sys.modules:
-        os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={FLAGS.devices}")
+        emulate_cpu_devices(FLAGS.devices)
     import dataclasses
     import json
     import statistics

@@ -1,0 +1,94 @@
+"""Every `python -m experiments.X` command in README.md's bash blocks runs as written (issue #14), in a quick
+mode: the README's flags first, then small flags appended for that runner (absl: a later flag wins), in a
+scratch directory (relative output paths land there), each bounded by its subprocess timeout."""
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = ["--steps=2", "--eval_every=0", "--sample_len=8", "--progress=false", "--batch=16", "--seq_len=16"]
+QUICK = {
+    "train": TRAIN,
+    "convergence": ["--task=digits", "--seeds=1", "--steps=2", "--eval_every=1", "--batch=16"],
+    "timeline": [],
+    "bubbles": [],
+    "throughput": ["--steps=1", "--compile_m2=0", "--layers=8", "--width=32", "--batch=64"],
+    "tune": ["--devices=4", "--layers=4", "--width=32", "--batch=16", "--validate=1", "--micro_batch_sizes=4"],
+    "stage_efficiency": ["--widths=64", "--layers=2", "--microbatch_sizes=8", "--reps=2"],
+    "tune_avgpipe": ["--devices=4", "--width=32", "--batch=16", "--ms=1,2", "--ns=1", "--steps=1"],
+}
+
+
+def readme_commands():
+    text = open(os.path.join(ROOT, "README.md")).read()
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.splitlines():
+            line = line.split("  #")[0].strip()
+            if line.startswith("pip install") and "&&" in line:
+                line = line.split("&&", 1)[1].strip()       # the install step is the CI's own
+            if line.startswith("python -m experiments."):
+                out.append(line)
+    return out
+
+
+COMMANDS = readme_commands()
+
+
+def quick(cmd):
+    """The command with its runner's quick flags appended (after the launcher's ``--`` for launch)."""
+    args = shlex.split(cmd.rstrip("&").strip())
+    runner = args[2].split(".", 1)[1]
+    if runner == "launch":
+        return args + TRAIN
+    return args + QUICK[runner]
+
+
+def test_the_readme_has_commands_for_every_runner_listed():
+    runners = {c.split()[2].split(".", 1)[1] for c in COMMANDS}
+    assert runners - {"launch"} <= set(QUICK), f"add quick flags for {runners - set(QUICK) - {'launch'}}"
+    assert {"train", "timeline", "throughput", "launch"} <= runners
+
+
+@pytest.mark.parametrize("cmd", [c for c in COMMANDS if not c.endswith("&") and "--process_id=1" not in c])
+def test_readme_command_runs(cmd, tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)          # each runner sets its own device count
+    p = subprocess.run([sys.executable if a == "python" else a for a in quick(cmd)], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=420)
+    assert p.returncode == 0, f"{cmd}\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
+    assert "Traceback" not in p.stderr
+
+
+def test_readme_two_process_commands_run(tmp_path):
+    """The two manually started processes (the first with '&') train together and both exit 0."""
+    pair = [c for c in COMMANDS if "--num_processes=2 --process_id=" in c]
+    assert len(pair) == 2
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)          # each runner sets its own device count
+    procs = []
+    for c in pair:
+        args = [sys.executable if a == "python" else a for a in quick(c)]
+        args = [a.replace("12355", str(12355 + os.getpid() % 1000)) for a in args]
+        procs.append(subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    outs = [p.communicate(timeout=420) for p in procs]
+    for p, (o, e) in zip(procs, outs):
+        assert p.returncode == 0, f"{o[-2000:]}\n{e[-3000:]}"
+
+
+def test_readme_api_snippet_runs(tmp_path):
+    """The README's first Python block ("The API in ten lines") runs as written in a fresh process."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    code = re.findall(r"```python\n(.*?)```", text, re.S)[0]
+    assert "import jaxpipe" in code
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "1f1b: D=4 M=8" in p.stdout
