@@ -89,28 +89,42 @@ def render_png(s: Schedule, path: Optional[str] = None, f: float = 1.0, b: float
     ax.set_title(title or f"{s.name}  D={s.D}  M={s.M}  ({what}): total time {span:g}, idle {bubble:.1%}")
     kinds = [F, B] + ([W] if s.has_w() else [])
     names = {F: "forward", B: "backward" if not s.has_w() else "backward (input grad)", W: "weight grad"}
-    handles = [Patch(facecolor=_COLORS[k][0], edgecolor="black", label=names[k]) for k in kinds]
     nchunk = 1 + max(a.chunk for _, _, _, a in boxes)
-    if nchunk > 1:   # lighter shades: the device's other chunks (Chimera's up pipeline, virtual stages)
-        handles += [Patch(facecolor=_COLORS[F][c % 4], edgecolor="black", label=f"chunk {c}")
-                    for c in range(nchunk)]
-    height = 0.55 * s.D + 1.4
-    fig.legend(handles=handles, loc="lower center", fontsize=7, ncol=len(handles), frameon=False)
-    fig.tight_layout(rect=(0, 0.32 / height, 1, 1))
+    chunk_names = _chunk_names(s, nchunk)
+    # one entry per (kind, chunk) drawn, in the colour it is drawn with, plus idle time
+    handles = [Patch(facecolor=_COLORS[k][c % 4], edgecolor="black",
+                     label=names[k] + (f", {chunk_names[c]}" if nchunk > 1 else ""))
+               for k in kinds for c in range(nchunk)]
+    handles.append(Patch(facecolor="white", edgecolor="grey", label="idle"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False,
+              borderaxespad=0.0)
+    fig.tight_layout()
     if path:
         fig.savefig(path, dpi=130)
         plt.close(fig)
     return fig
 
 
-def render_text(s: Schedule, width: int = 4) -> str:
-    """One row per device, one column per lockstep tick: ``F3`` forward of micro-batch 3, ``.`` idle."""
+def _chunk_names(s: Schedule, nchunk: int):
+    """Legend words for a device's chunks: Chimera's pipelines, interleaved's virtual stages."""
+    if s.name == "chimera":
+        p = getattr(s, "options", {}).get("pipelines", 2)
+        f = p // 2
+        return [(f"down pipeline {c}" if c < f else f"up pipeline {c - f}") if f > 1 else
+                ("down pipeline" if c == 0 else "up pipeline") for c in range(nchunk)]
+    return [f"chunk {c}" for c in range(nchunk)]
+
+
+def render_text(s: Schedule, width: int = 0) -> str:
+    """One row per device, one column per lockstep tick: ``F3`` forward of micro-batch 3 (``F3s5``: of model
+    stage 5, where a device holds several), ``.`` idle; columns as wide as the widest label plus a space."""
     grid = s.grid()
     lanes = s.lanes() if s.has_pairs() else [[None] * s.D for _ in grid]
     lines = [f"{s.name} D={s.D} M={s.M} ({len(grid)} lockstep ticks)"]
+    label = lambda a, p: ((str(a) if a is not None else ".") + (f"+{p.mb}" if p is not None else ""))
+    width = width or 1 + max((len(label(a, p)) for row, pr in zip(grid, lanes) for a, p in zip(row, pr)), default=1)
     for d in range(s.D):
-        cells = [((str(row[d]) if row[d] is not None else ".") + (f"+{pr[d].mb}" if pr[d] is not None else ""))
-                 .ljust(width) for row, pr in zip(grid, lanes)]
+        cells = [label(row[d], pr[d]).ljust(width) for row, pr in zip(grid, lanes)]
         lines.append(f"dev{d:<3d}" + "".join(cells).rstrip())
     return "\n".join(lines)
 
