@@ -21,6 +21,8 @@ flags.DEFINE_integer("num_processes", 2, "processes to start")
 flags.DEFINE_integer("port", 0, "coordinator port on 127.0.0.1 (0: pick a free one)")
 flags.DEFINE_string("module", "experiments.train", "the runner every process executes")
 flags.DEFINE_integer("timeout", 0, "seconds before the whole job is stopped (0: none)")
+flags.DEFINE_boolean("verbose", False, "also relay the collective library's connection chatter ('[Gloo] Rank i "
+                     "is connected to ...', printed by its C++ code on every process)")
 FLAGS = flags.FLAGS
 
 
@@ -30,13 +32,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pump(i, stream, out):
+def _pump(i, stream, out, verbose=False):
     for line in iter(stream.readline, ""):
+        if not verbose and line.startswith("[Gloo] "):
+            continue
         out.write(f"[{i}] {line}")
         out.flush()
 
 
-def launch(args, num_processes: int, module: str = "experiments.train", port: int = 0, timeout: float = 0) -> int:
+def launch(args, num_processes: int, module: str = "experiments.train", port: int = 0, timeout: float = 0,
+           verbose: bool = False) -> int:
     """Run the job; returns 0 if every process succeeded, else the first failing process's status."""
     if num_processes < 1:
         raise app.UsageError(f"--num_processes={num_processes}: give at least 1")
@@ -46,7 +51,7 @@ def launch(args, num_processes: int, module: str = "experiments.train", port: in
         cmd = [sys.executable, "-m", module, *args, f"--num_processes={num_processes}", f"--process_id={i}",
                f"--coordinator=127.0.0.1:{port}"]
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
-        t = threading.Thread(target=_pump, args=(i, p.stdout, sys.stdout), daemon=True)
+        t = threading.Thread(target=_pump, args=(i, p.stdout, sys.stdout, verbose), daemon=True)
         t.start()
         procs.append(p)
         pumps.append(t)
@@ -78,7 +83,7 @@ def launch(args, num_processes: int, module: str = "experiments.train", port: in
 
 
 def main(argv):
-    sys.exit(launch(argv[1:], FLAGS.num_processes, FLAGS.module, FLAGS.port, FLAGS.timeout))
+    sys.exit(launch(argv[1:], FLAGS.num_processes, FLAGS.module, FLAGS.port, FLAGS.timeout, FLAGS.verbose))
 
 
 if __name__ == "__main__":
