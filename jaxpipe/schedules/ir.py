@@ -342,9 +342,6 @@ class Tables:
     num_ticks: int
     channels: Tuple[int, ...]        # channels used: subset of (SEND_PLUS, SEND_MINUS)
 
-    def stacked(self) -> np.ndarray:
-        """``[num_ticks, num_devices, len(COLS)]`` int32."""
-        return np.stack([self.data[c] for c in COLS], axis=-1).astype(np.int32)
 
 
 class _Slots:
