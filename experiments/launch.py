@@ -50,7 +50,7 @@ def launch(args, num_processes: int, module: str = "experiments.train", port: in
     for i in range(num_processes):
         cmd = [sys.executable, "-m", module, *args, f"--num_processes={num_processes}", f"--process_id={i}",
                f"--coordinator=127.0.0.1:{port}"]
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ, **({"JAXPIPE_VERBOSE": "1"} if verbose else {})))
         t = threading.Thread(target=_pump, args=(i, p.stdout, sys.stdout, verbose), daemon=True)
         t.start()
         procs.append(p)

@@ -55,6 +55,8 @@ flags.DEFINE_string("coordinator", None, "multi-host: process 0's HOST:PORT (or 
 flags.DEFINE_integer("num_processes", None, "multi-host: number of processes (or JAX_NUM_PROCESSES); the mesh "
                      "spans all their devices")
 flags.DEFINE_integer("process_id", None, "multi-host: this process's index (or JAX_PROCESS_ID)")
+flags.DEFINE_bool("verbose", False, "multi-host: also print the collective library's connection lines ('[Gloo] Rank i "
+                  "is connected to ...'), dropped by default")
 flags.DEFINE_integer("init_timeout", 60, "multi-host: seconds to wait for the coordinator before failing")
 flags.DEFINE_string("checkpoint_dir", None, "Orbax checkpoints of the whole train state; a run finding one resumes")
 flags.DEFINE_integer("checkpoint_every", 0, "save every this many steps (0: only at exit); asynchronous writes")
@@ -104,7 +106,7 @@ def main(argv):
     import jaxpipe as jp
 
     if n_proc > 1:
-        jp.distributed.initialize(coordinator, n_proc, proc, timeout_s=FLAGS.init_timeout)
+        jp.distributed.initialize(coordinator, n_proc, proc, timeout_s=FLAGS.init_timeout, verbose=FLAGS.verbose)
     primary = jax.process_index() == 0
     say = print if primary else (lambda *a, **k: None)
     os.makedirs(FLAGS.out_dir, exist_ok=True)

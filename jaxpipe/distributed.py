@@ -47,18 +47,22 @@ def settings(coordinator: Optional[str] = None, num_processes: Optional[int] = N
 
 
 def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] = None,
-               process_id: Optional[int] = None, *, timeout_s: int = 60, auto: bool = False) -> int:
+               process_id: Optional[int] = None, *, timeout_s: int = 60, auto: bool = False,
+               verbose: bool = False) -> int:
     """Join a multi-process job (a no-op for one process unless ``auto`` finds a cluster); returns the
     number of processes.  Must run before anything touches JAX devices.
 
     On CPU the cross-process collectives go through gloo (TCP; loopback for local tests).  A process that
     cannot reach the coordinator within ``timeout_s`` raises ``RuntimeError`` naming the address, instead
-    of waiting forever.
+    of waiting forever.  Gloo's connection chatter ("[Gloo] Rank 0 is connected to ...", printed by C++ on
+    the process's standard output) is dropped unless ``verbose`` or ``JAXPIPE_VERBOSE=1`` (see :func:`quiet_native_stdout`).
     """
     coordinator, n, pid = settings(coordinator, num_processes, process_id)
     import jax
     if n == 1 and not auto:
         return 1
+    if not (verbose or os.environ.get("JAXPIPE_VERBOSE")):
+        quiet_native_stdout()
     if (os.environ.get("JAX_PLATFORMS", "") in ("", "cpu")):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     t0 = time.monotonic()
@@ -81,6 +85,48 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
             f"process 0 runs with the same --coordinator and --num_processes, that the port is free on its host "
             f"and reachable from here, or raise the timeout") from None
     return jax.process_count()
+
+
+_NATIVE_FILTER = None
+
+
+def quiet_native_stdout(drop: tuple = ("[Gloo] ",)) -> None:
+    """Drop lines starting with ``drop`` that native code (C++) prints on file descriptor 1.
+
+    Python's ``sys.stdout`` is moved to a duplicate of the original descriptor first, so what Python prints is
+    never delayed or lost; only native writes go through a pipe that a daemon thread filters line by line.
+    Idempotent.  (``experiments.launch`` filters its workers' output the same way.)
+    """
+    global _NATIVE_FILTER
+    if _NATIVE_FILTER is not None:
+        return
+    import threading
+    sys.stdout.flush()
+    real = os.dup(1)
+    r, w = os.pipe()
+    os.dup2(w, 1)
+    os.close(w)
+    sys.stdout = os.fdopen(os.dup(real), "w", buffering=1, encoding=getattr(sys.stdout, "encoding", None) or "utf-8",
+                           errors="backslashreplace")
+
+    def pump():
+        with os.fdopen(r, "rb", buffering=0) as src:
+            pending = b""
+            while True:
+                chunk = src.read(65536)
+                if not chunk:
+                    break
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                keep = b"".join(line + b"\n" for line in lines
+                                if not line.startswith(tuple(d.encode() for d in drop)))
+                if keep:
+                    os.write(real, keep)
+            if pending:
+                os.write(real, pending)
+
+    _NATIVE_FILTER = threading.Thread(target=pump, name="jaxpipe-native-stdout", daemon=True)
+    _NATIVE_FILTER.start()
 
 
 def _wait_for_coordinator(coordinator: str, pid: int, n: int, timeout_s: float):

@@ -65,7 +65,8 @@ def test_readme_command_runs(cmd, tmp_path):
 
 
 def test_readme_two_process_commands_run(tmp_path):
-    """The two manually started processes (the first with '&') train together and both exit 0."""
+    """The two manually started processes (the first with '&') train together, both exit 0, and neither
+    prints gloo's connection chatter (dropped unless --verbose) nor loses its own output."""
     pair = [c for c in COMMANDS if "--num_processes=2 --process_id=" in c]
     assert len(pair) == 2
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
@@ -79,6 +80,8 @@ def test_readme_two_process_commands_run(tmp_path):
     outs = [p.communicate(timeout=420) for p in procs]
     for p, (o, e) in zip(procs, outs):
         assert p.returncode == 0, f"{o[-2000:]}\n{e[-3000:]}"
+        assert "[Gloo]" not in o + e, o[:2000]
+    assert "final" in outs[0][0].lower() or "loss" in outs[0][0].lower(), outs[0][0][-2000:]
 
 
 def test_readme_api_snippet_runs(tmp_path):
