@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from .errors import ConfigError
 from .optim.policies import make_policy
 from .runtime.async_executor import ALL, empty_carry, make_async_fn
-from .runtime.executor import residual_mask
+from .runtime.common import residual_mask
 
 
 class AsyncState(NamedTuple):

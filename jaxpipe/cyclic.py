@@ -42,7 +42,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from .distributed import global_batch
 from .errors import ConfigError
 from .model import PipelineModel
-from .runtime.executor import read, rebuild_pullback, residual_mask, split_residuals, write
+from .runtime.common import read, residual_mask, write
+from .runtime.stage import StageOps
 
 RULES = ("v1", "v2")
 
@@ -148,7 +149,7 @@ class CyclicDataParallel:
         if key in self._fns:
             return self._fns[key]
         model, opt, N, v2 = self.model, self.opt, self.N, self.rule == "v2"
-        stage_fn, pre, post_loss = model.stage_fn, model.pre, model.post_loss
+        stage_fn = model.stage_fn
         _, xa = self._empty_carry(batch)
 
         def body(params, shadow, versions, opt_state, carry, counters, errors, batch, feed):
@@ -157,6 +158,7 @@ class CyclicDataParallel:
             t0, base, n_fed = counters
             me = lax.axis_index("data")
             mask, _ = residual_mask(stage_fn, jax.tree.map(lambda a: a[0], lp[0]), jnp.zeros(xa.shape, xa.dtype))
+            ops = StageOps(model, mask, xa)
             # this call's micro-batch (one per worker) goes to ring slot (base + n_fed) mod 2
             c["ring"] = jax.tree.map(lambda r, b: write(r, (base + n_fed) % 2, b), c["ring"], batch)
             n_fed = n_fed + feed.astype(jnp.int32)
@@ -200,19 +202,17 @@ class CyclicDataParallel:
                 # small outputs only: activation, residuals, dL/dy, head gradient, loss
                 def f(cands, j, x_in, mb):
                     w, pre_p, post_p = stage_of(cands[k], j)
-                    x = pre(pre_p, mb) if first else x_in
-                    y, res, _, _ = split_residuals(stage_fn, w, x, mask)
+                    y, res, head = ops.forward(w, x_in, mb, pre_p, post_p, first, last)
                     if not last:
                         return y.astype(xa.dtype), res, jnp.zeros(xa.shape, xa.dtype), \
                             jax.tree.map(jnp.zeros_like, post_p), jnp.zeros((), jnp.float32)
-                    l, (gq, dy) = jax.value_and_grad(post_loss, argnums=(0, 1))(post_p, y, mb)
+                    l, gq, dy = head
                     return y.astype(xa.dtype), res, dy.astype(xa.dtype), gq, l.astype(jnp.float32)
                 return f
 
             def bwd_variant(k):
                 def b(cands, j, res, dy):
-                    return rebuild_pullback(stage_fn, stage_of(cands[k], j)[0], jnp.zeros(xa.shape, xa.dtype),
-                                            res, mask)(dy)
+                    return ops.backward(stage_of(cands[k], j)[0], res, dy)
                 return b
 
             flags = [(False, False), (True, False), (False, True), (True, True)]
@@ -240,7 +240,7 @@ class CyclicDataParallel:
                 dpre = jax.tree.map(jnp.zeros_like, pre_p)
                 if jax.tree.leaves(pre_p):
                     mb = jax.tree.map(lambda a: read(a, gk % 2), c["ring"])
-                    dpre = lax.cond(j == 0, lambda: jax.vjp(lambda q: pre(q, mb), pre_p)[1](dx)[0],
+                    dpre = lax.cond(j == 0, lambda: ops.pre_grad(pre_p, mb, dx),
                                     lambda: jax.tree.map(jnp.zeros_like, pre_p))
                 dpost = jax.tree.map(lambda a: jnp.where(j == N - 1, a, jnp.zeros_like(a)), c["gpost"])
                 # ring reduction: the partial sum from worker me - 1, plus this worker's gradient
@@ -366,7 +366,7 @@ def single_device_grad(model: PipelineModel, num_workers: int, cyclic: bool = Tr
     pool_size = lambda N: size
     if model.num_stages != N:
         raise ConfigError(f"the model has {model.num_stages} stages; cyclic order needs one per worker ({N})")
-    stage_fn, pre, post_loss = model.stage_fn, model.pre, model.post_loss
+    stage_fn, pre = model.stage_fn, model.pre
 
     def fn(params, mbs):
         w_all, pre_p, post_p = params
@@ -375,11 +375,11 @@ def single_device_grad(model: PipelineModel, num_workers: int, cyclic: bool = Tr
         xa = jax.eval_shape(pre, pre_p, mb0)
         w0 = jax.tree.map(lambda a: a[0], w_all)
         mask, res = residual_mask(stage_fn, w0, jnp.zeros(xa.shape, xa.dtype))
+        ops = StageOps(model, mask, xa)
         pool = [jnp.zeros((pool_size(N) + 1,) + tuple(a.shape), a.dtype) for a in res]
         regs = jnp.zeros((N,) + tuple(xa.shape), xa.dtype)
         gpost_regs = jax.tree.map(lambda a: jnp.zeros((N,) + jnp.shape(a), jnp.asarray(a).dtype), post_p)
         g0 = jax.tree.map(jnp.zeros_like, params)
-        x_like = jnp.zeros(xa.shape, xa.dtype)
 
         # Branches return small new values; the pool and the registers are written outside the switch
         # (a branch returning the whole pool makes XLA copy it every tick).  Slot pool_size is scratch.
@@ -387,11 +387,10 @@ def single_device_grad(model: PipelineModel, num_workers: int, cyclic: bool = Tr
             def f(i, j, k, x_in, r_in, dy_in, g, loss):
                 w = jax.tree.map(lambda a: read(a, j), w_all)
                 mb = jax.tree.map(lambda a: a[k, i], mbs)
-                x = pre(pre_p, mb) if first else x_in
-                y, r, _, _ = split_residuals(stage_fn, w, x, mask)
+                y, r, head = ops.forward(w, x_in, mb, pre_p, post_p, first, last)
                 dy, gq = jnp.zeros(xa.shape, xa.dtype), jax.tree.map(jnp.zeros_like, post_p)
                 if last:
-                    l, (gq, d) = jax.value_and_grad(post_loss, argnums=(0, 1))(post_p, y, mb)
+                    l, gq, d = head
                     dy, loss = d.astype(xa.dtype), loss + l
                 return r, y.astype(xa.dtype), dy, gq, g, loss
             return f
@@ -399,12 +398,12 @@ def single_device_grad(model: PipelineModel, num_workers: int, cyclic: bool = Tr
         def b_op(first, last):
             def b(i, j, k, x_in, r_in, dy_in, g, loss):
                 w = jax.tree.map(lambda a: read(a, j), w_all)
-                dw, dx = rebuild_pullback(stage_fn, w, x_like, r_in, mask)(dy_in)
+                dw, dx = ops.backward(w, r_in, dy_in)
                 gw, gpre, gpo = g
                 gw = jax.tree.map(lambda a, v: a.at[j].add(v), gw, dw)
                 if first:
                     mb = jax.tree.map(lambda a: a[k, i], mbs)
-                    dpre = jax.vjp(lambda q: pre(q, mb), pre_p)[1](dx.astype(xa.dtype))[0]
+                    dpre = ops.pre_grad(pre_p, mb, dx.astype(xa.dtype))
                     gpre = jax.tree.map(jnp.add, gpre, dpre)
                 return (r_in, x_in, dx.astype(xa.dtype), jax.tree.map(jnp.zeros_like, post_p),
                         (gw, gpre, gpo), loss)

@@ -1,7 +1,7 @@
 """Datasets that need no download (docs/design.md §5)."""
 from __future__ import annotations
 
-from typing import Dict, Iterator, Tuple
+from typing import Dict, Tuple
 
 import numpy as np
 

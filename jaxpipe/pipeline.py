@@ -12,7 +12,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from . import schedules
 from .errors import ConfigError
 from .model import PipelineModel
-from .runtime.executor import DP_AXES, make_grad_fn
+from .runtime.common import DP_AXES
+from .runtime.executor import make_grad_fn
 
 
 def check_finite(batch):
@@ -130,7 +131,7 @@ class Pipeline:
                 (schedule == "chimera" and options.get("concat") == "forward_doubling")):
             import dataclasses
             self.model = model = dataclasses.replace(model, stage_fn=jax.checkpoint(model.stage_fn))
-        from .runtime.executor import exchange_perms, layout_index
+        from .runtime.common import exchange_perms, layout_index
         self._layout = layout_index(self.schedule)
         # one stage per device in the model's order (replicas fetched inside the program), or a gather
         self._identity_layout = exchange_perms(self.schedule) is not None

@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .errors import ConfigError
-from .runtime.executor import residual_mask
+from .runtime.common import residual_mask
 from .runtime.wpipe_executor import ALL, empty_carry, make_wpipe_fn
 
 

@@ -120,7 +120,7 @@ def test_chimera_doubling_removes_intermediate_bubbles(concat, D, K):
 
 def test_forward_doubling_recomputes():
     """Forward doubling wraps the stage in jax.checkpoint: the stash keeps less than without it."""
-    from jaxpipe.runtime.executor import residual_mask
+    from jaxpipe.runtime.common import residual_mask
     model, _ = small_model("gpt", 4)
     pipe = jp.Pipeline(model, schedule="chimera", num_microbatches=8, optimizer=optax.sgd(0.1),
                        mesh=jp.make_mesh(stages=4), chimera={"concat": "forward_doubling"})
@@ -199,7 +199,7 @@ def test_clear_errors(bad, match):
 @pytest.mark.parametrize("D,N", [(4, 4), (8, 8), (8, 32)])
 def test_eager_reduction_point_is_early(D, N):
     """§3.2: the last stage's replica gradient is final well before the pipeline ends (P0 and P3 in Fig. 4)."""
-    from jaxpipe.runtime.executor import eager_point
+    from jaxpipe.runtime.common import eager_point
     s = schedules.build("chimera", D, N, eager_reduce=True)
     t_e, src, chunk, dst = eager_point(s)
     assert (src, chunk, dst) == (0, 1, D - 1)

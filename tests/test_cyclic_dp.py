@@ -99,7 +99,7 @@ def test_single_device_cyclic_memory_in_xla(N):
         assert abs(float(out[k][0]) - float(out["dp"][0])) <= 1e-5 * abs(float(out["dp"][0]))
         assert rel_err(out[k][1], out["dp"][1]) <= 1e-5
     temp = {k: fns[k].lower(model.params, mbs).compile().memory_analysis().temp_size_in_bytes for k in fns}
-    from jaxpipe.runtime.executor import residual_mask
+    from jaxpipe.runtime.common import residual_mask
     w0 = jax.tree.map(lambda a: a[0], model.stage_params)
     _, res = residual_mask(model.stage_fn, w0, jnp.zeros((B, 32), jnp.float32))
     slot = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in res)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ..runtime.executor import rebuild_pullback, residual_mask, split_residuals
+from ..runtime.common import rebuild_pullback, residual_mask, split_residuals
 
 
 def global_microbatches(batch, num_microbatches: int, data_parallel: int = 1) -> List[dict]:

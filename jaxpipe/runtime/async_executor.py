@@ -21,7 +21,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from .executor import DP_AXES, rebuild_pullback, read, residual_mask, split_residuals, write
+from .common import DP_AXES, read, residual_mask, write
+from .stage import StageOps
 
 ALL = ("pipe", "data", "stage")
 
@@ -61,7 +62,7 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
     (t, base, n_fed)`` int32 scalars: tick since the last (re)start, global index of the first micro-batch
     since then, micro-batches fed since then.  ``mb_example``: one micro-batch per data replica.
     """
-    stage_fn, pre, post_loss = model.stage_fn, model.pre, model.post_loss
+    stage_fn, pre = model.stage_fn, model.pre
     C = ring_capacity(M, D)
     w_example = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), model.stage_params)
     x_aval = jax.eval_shape(pre, model.pre_params, mb_example)
@@ -85,6 +86,7 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
         t0, base, n_fed = counters
         me = lax.axis_index("stage")
         mask, avals = residual_mask(stage_fn, lp[0], jnp.zeros(x_aval.shape, x_aval.dtype))
+        sop = StageOps(model, mask, x_aval)
         if len(avals) != len(carry.stash):
             raise RuntimeError(f"stage_fn's pullback stashes {len(avals)} residuals inside the program but "
                                f"{len(carry.stash)} were allocated; stage_fn must trace the same way every time")
@@ -108,11 +110,10 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             # residuals, dL/dy and head gradient of the last stage, its loss)
             def op(wF, x_in, mb):
                 w, pre_p, post_p = wF
-                x = pre(pre_p, mb) if first else x_in
-                y, res, _, _ = split_residuals(stage_fn, w, x, mask)
+                y, res, head = sop.forward(w, x_in, mb, pre_p, post_p, first, last)
                 if not last:
                     return y.astype(x_aval.dtype), res, x_like(), zero_like(post_p), jnp.zeros((), jnp.float32)
-                l, (gq, dy) = jax.value_and_grad(post_loss, argnums=(0, 1))(post_p, y, mb)
+                l, gq, dy = head
                 return blank(), res, dy.astype(x_aval.dtype), gq, l.astype(jnp.float32)
             return op
 
@@ -152,19 +153,18 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             pre_p = lp[1]
             if policy.choose is None:
                 w, pre_p, _ = policy.backward_weights(lp, pstate, gi, me)
-                dw, dx = rebuild_pullback(stage_fn, w, x_like(), res, mask)(dy)
+                dw, dx = sop.backward(w, res, dy)
             else:
                 k, cands = policy.choose(lp, pstate, gi, me)
                 pre_p = None
-                brs = [(lambda v: (lambda cs, r, d: rebuild_pullback(stage_fn, cs[v][0], x_like(), r, mask)(d)))(v)
-                       for v in range(len(cands))]
+                brs = [(lambda v: (lambda cs, r, d: sop.backward(cs[v][0], r, d)))(v) for v in range(len(cands))]
                 dw, dx = lax.switch(k, brs, cands, res, dy)
             dx = dx.astype(x_aval.dtype)
             dpre = zero_like(lp[1])
             if jax.tree.leaves(lp[1]):
                 def pre_grad():
                     q0 = pre_p if pre_p is not None else policy.backward_weights(lp, pstate, gi, me)[1]
-                    return jax.vjp(lambda q: pre(q, mb_of(i)), q0)[1](dx)[0]
+                    return sop.pre_grad(q0, mb_of(i), dx)
                 dpre = lax.cond(me == 0, pre_grad, lambda: zero_like(lp[1]))
             dpost = jax.tree.map(lambda g: jnp.where(me == D - 1, g, jnp.zeros_like(g)), c.gpost)
             g = lax.pmean((dw, dpre, dpost), DP_AXES)

@@ -28,8 +28,8 @@ from jax.sharding import PartitionSpec as P
 
 from ..schedules.ir import SEND_MINUS, SEND_PLUS, Schedule
 from ..schedules.lanes import F2, L, plan
-from .common import (AXES, DP_AXES, eager_point, exchange_perms, layout_index, num_chunks, read,  # noqa: F401
-                     rebuild_pullback, residual_mask, split_residuals, vary, write)
+from .stage import StageOps
+from .common import DP_AXES, eager_point, exchange_perms, num_chunks, read, residual_mask, vary, write
 
 _RECV = {SEND_PLUS: L["recv_p"], SEND_MINUS: L["recv_m"]}
 
@@ -82,7 +82,7 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
     table, used = _branch_codes(p)
     nchunk = num_chunks(sched)
     n_dp = mesh.shape["pipe"] * mesh.shape["data"]
-    stage_fn, pre, post_loss = model.stage_fn, model.pre, model.post_loss
+    stage_fn, pre = model.stage_fn, model.pre
 
     leaves = jax.tree.leaves(batch_example)
     mbs = leaves[0].shape[0] // (n_dp * M)
@@ -117,6 +117,7 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
         blank = lambda: vary(fill(x_aval.shape, x_aval.dtype))
         x_like = lambda: vary(jnp.zeros(x_aval.shape, x_aval.dtype))
         mask, stash_avals = residual_mask(stage_fn, ws[0], x_like())
+        ops = StageOps(model, mask, x_aval, x_like)
         no_res = lambda: [vary(fill(a.shape, a.dtype)) for a in stash_avals]
         mb_of = lambda row: jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, row[L["mb"]], 0, False), batch)
         add = lambda a, d: jax.tree.map(lambda u, v: u + v.astype(u.dtype), a, d)
@@ -134,11 +135,11 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
         def fwd(chunk, first, last):
             def op(row, stash, mbuf, acc):
                 mb = mb_of(row) if (first or last) else None
-                x = pre(pre_p, mb) if first else read(mbuf, row[L["in"]])
-                y, res, _, _ = split_residuals(stage_fn, ws[chunk], x, mask)
+                x = None if first else read(mbuf, row[L["in"]])
+                y, res, head = ops.forward(ws[chunk], x, mb, pre_p, post_p, first, last)
                 if not last:
                     return res, acc, y.astype(x_aval.dtype)
-                l, (gq, dy) = jax.value_and_grad(post_loss, argnums=(0, 1))(post_p, y, mb)
+                l, gq, dy = head
                 gws, gpre, gpost, gl = acc
                 acc = (gws, gpre, add(gpost, jax.tree.map(lambda g: g / M, gq)), gl + (l / M).astype(jnp.float32))
                 return res, acc, (dy / M).astype(x_aval.dtype)
@@ -153,7 +154,7 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
                 gw, gpre = acc
                 res = [read(a, row[L["stash"]]) for a in stash]
                 dy = read(mbuf, row[L["in"]])
-                dw, dx = rebuild_pullback(stage_fn, ws[chunk], x_like(), res, mask)(dy)
+                dw, dx = ops.backward(ws[chunk], res, dy)
                 if want_dw:
                     gw = add(gw, dw)
                 if not want_dx:
@@ -161,8 +162,7 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
                 dx = dx.astype(x_aval.dtype)
                 if jax.tree.leaves(pre_p):
                     def pre_grad(g):
-                        _, pre_pull = jax.vjp(lambda q: pre(q, mb_of(row)), pre_p)
-                        return add(g, pre_pull(dx)[0])
+                        return add(g, ops.pre_grad(pre_p, mb_of(row), dx))
                     gpre = lax.cond(row[L["stage"]] == 0, pre_grad, lambda g: g, gpre)
                 return (gw, gpre), dx
             return op

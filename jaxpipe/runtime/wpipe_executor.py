@@ -21,7 +21,8 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from .executor import DP_AXES, read, rebuild_pullback, residual_mask, split_residuals, write
+from .common import DP_AXES, read, residual_mask, write
+from .stage import StageOps
 
 ALL = ("pipe", "data", "stage")
 
@@ -40,7 +41,7 @@ class WPipeCarry(NamedTuple):
 
 def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: bool = False):
     """``fn(lps, opt_states, shadow0, versions, accs, errors, carry, counters, batch, feed)``: 4M ticks."""
-    stage_fn, pre, post_loss = model.stage_fn, model.pre, model.post_loss
+    stage_fn, pre = model.stage_fn, model.pre
     w_example = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), model.stage_params)
     x_aval = jax.eval_shape(pre, model.pre_params, mb_example)
     model.check_activation(x_aval, jax.eval_shape(stage_fn, w_example, x_aval))
@@ -52,6 +53,7 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
         t0, base, n_fed = counters
         me = lax.axis_index("stage")
         mask, _ = residual_mask(stage_fn, lps[0][0], jnp.zeros(x_aval.shape, x_aval.dtype))
+        ops = StageOps(model, mask, x_aval)
         batch = jax.tree.map(lambda a: a.reshape((M, a.shape[0] // M) + a.shape[1:]), batch)
         c = c._replace(ring=jax.tree.map(lambda r, b: write(r, (base + n_fed) % 2, b), c.ring, batch))
         n_fed = n_fed + feed.astype(jnp.int32)
@@ -93,19 +95,19 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
             def op(cands, x_f, x_bnd, mb):
                 w, pre_p, post_p = cands[k]
                 if g == 0:
-                    x = pre(pre_p, mb) if flag else x_f
+                    x = x_f
                 else:
                     x = x_bnd if D == 1 else jnp.where(me == 0, x_bnd, x_f)
-                y, res, _, _ = split_residuals(stage_fn, w, x, mask)
-                if g == 1 and flag:
-                    l, (gq, dy) = jax.value_and_grad(post_loss, argnums=(0, 1))(post_p, y, mb)
+                y, res, head = ops.forward(w, x, mb, pre_p, post_p, first=g == 0 and flag, last=g == 1 and flag)
+                if head is not None:
+                    l, gq, dy = head
                     return jnp.zeros_like(zx), res, dy.astype(x_aval.dtype), gq, l.astype(jnp.float32)
                 return y.astype(x_aval.dtype), res, zx, zeros(post_p), jnp.zeros((), jnp.float32)
             return op
 
         def bwd_variant(k):
             def op(cands, res, dy):
-                return rebuild_pullback(stage_fn, cands[k][0], zx, res, mask)(dy)
+                return ops.backward(cands[k][0], res, dy)
             return op
 
         fwd_variants = [fwd_variant(k, f) for k in range(3) for f in (False, True)]
@@ -143,7 +145,7 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
             pre_p = jax.tree.map(lambda a, b: jnp.where(k == 1, b, a), lps[0][1], sh0[1])   # the version read
             dpre = zeros(pre_p)
             if jax.tree.leaves(pre_p):
-                dpre = lax.cond((g == 0) & flag, lambda: jax.vjp(lambda q: pre(q, mb_of(c, gb, j)), pre_p)[1](dx)[0],
+                dpre = lax.cond((g == 0) & flag, lambda: ops.pre_grad(pre_p, mb_of(c, gb, j), dx),
                                 lambda: zeros(pre_p))
             dpost = jax.tree.map(lambda a: jnp.where((g == 1) & flag, a, jnp.zeros_like(a)), c.gpost)
             grad = lax.pmean((dw, dpre, dpost), DP_AXES)

@@ -82,7 +82,6 @@ def steady_state(D: int, M: int, periods: int = 6) -> WPipeSteadyState:
     check(D, M)
     T = 4 * M
     first, last = 2 * T, (periods - 2) * T
-    live: Dict[Tuple[int, int], Dict[Tuple[int, int], int]] = {}
     peak = {(d, g): 0 for d in range(D) for g in (0, 1)}
     idle = 0
     held: Dict[Tuple[int, int], set] = {(d, g): set() for d in range(D) for g in (0, 1)}

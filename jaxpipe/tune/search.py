@@ -4,7 +4,7 @@ micro-batches per replica.  No JAX here."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Iterable, List, Optional
+from typing import Iterable, List, Optional
 
 from .. import schedules
 
