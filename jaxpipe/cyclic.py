@@ -161,6 +161,7 @@ class CyclicDataParallel:
             ops = StageOps(model, mask, xa)
             # this call's micro-batch (one per worker) goes to ring slot (base + n_fed) mod 2
             c["ring"] = jax.tree.map(lambda r, b: write(r, (base + n_fed) % 2, b), c["ring"], batch)
+            _require_mean_loss(model, xa, jax.tree.map(lambda a: a[0], c["ring"]))
             n_fed = n_fed + feed.astype(jnp.int32)
             stage_of = lambda t, j: jax.tree.map(lambda a: read(a, j), t)
             put = lambda t, j, v: jax.tree.map(lambda a, b: write(a, j, b), t, v)
@@ -206,7 +207,7 @@ class CyclicDataParallel:
                     if not last:
                         return y.astype(xa.dtype), res, jnp.zeros(xa.shape, xa.dtype), \
                             jax.tree.map(jnp.zeros_like, post_p), jnp.zeros((), jnp.float32)
-                    l, gq, dy = head
+                    l, _, gq, dy = head
                     return y.astype(xa.dtype), res, dy.astype(xa.dtype), gq, l.astype(jnp.float32)
                 return f
 
@@ -375,6 +376,7 @@ def single_device_grad(model: PipelineModel, num_workers: int, cyclic: bool = Tr
         xa = jax.eval_shape(pre, pre_p, mb0)
         w0 = jax.tree.map(lambda a: a[0], w_all)
         mask, res = residual_mask(stage_fn, w0, jnp.zeros(xa.shape, xa.dtype))
+        _require_mean_loss(model, xa, mb0)
         ops = StageOps(model, mask, xa)
         pool = [jnp.zeros((pool_size(N) + 1,) + tuple(a.shape), a.dtype) for a in res]
         regs = jnp.zeros((N,) + tuple(xa.shape), xa.dtype)
@@ -390,7 +392,7 @@ def single_device_grad(model: PipelineModel, num_workers: int, cyclic: bool = Tr
                 y, r, head = ops.forward(w, x_in, mb, pre_p, post_p, first, last)
                 dy, gq = jnp.zeros(xa.shape, xa.dtype), jax.tree.map(jnp.zeros_like, post_p)
                 if last:
-                    l, gq, d = head
+                    l, _, gq, d = head
                     dy, loss = d.astype(xa.dtype), loss + l
                 return r, y.astype(xa.dtype), dy, gq, g, loss
             return f
@@ -460,3 +462,14 @@ def single_device_dp_grad(model: PipelineModel, num_workers: int):
         g, ls = lax.scan(one, jax.tree.map(jnp.zeros_like, params), mbs)
         return jnp.sum(ls), g
     return fn
+
+
+def _require_mean_loss(model, x_aval, mb):
+    """The cyclic programs update from a step's micro-batch gradients averaged over the workers; a (sum,
+    count) post_loss would silently become a mean of micro-batch means there: refuse it."""
+    mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype), mb)
+    if model.reduction(x_aval, mb) == "sum":
+        raise ConfigError("CyclicDataParallel averages the workers' micro-batch gradients, and post_loss returns a "
+                          "(sum, count) pair: the normalisation would silently be the mean of micro-batch means. "
+                          "Return a scalar mean loss, or train with a synchronous schedule (gpipe, 1f1b, ...), "
+                          "which divides by the exact global count")

@@ -38,6 +38,22 @@ def stack_stages(per_stage):
     return jax.tree.map(lambda *ls: jnp.stack(ls), *per_stage)
 
 
+def loss_terms(out):
+    """``(value, count)`` of what ``post_loss`` returned: a scalar mean loss is ``(mean, 1)``; a
+    ``(sum, count)`` pair (a masked or variable-length loss) is itself.  Raises ConfigError otherwise."""
+    if isinstance(out, (tuple, list)):
+        if len(out) != 2 or any(jnp.shape(o) != () for o in out):
+            raise ConfigError(f"post_loss returned {type(out).__name__} of {len(out)} value(s) with shapes "
+                              f"{[tuple(jnp.shape(o)) for o in out]}: return a scalar mean loss, or a pair of "
+                              f"scalars (sum of the per-token/per-example losses, their count) for an exact "
+                              f"masked mean over the whole batch")
+        return out[0], (out[1] if isinstance(out[1], jax.ShapeDtypeStruct) else jnp.asarray(out[1], jnp.float32))
+    if jnp.shape(out) != ():
+        raise ConfigError(f"post_loss returned shape {tuple(jnp.shape(out))}: return a scalar mean loss over "
+                          f"the micro-batch, or a (sum, count) pair of scalars")
+    return out, jnp.ones((), jnp.float32)
+
+
 @dataclasses.dataclass(frozen=True)
 class PipelineModel:
     """A pipelined model.
@@ -45,7 +61,11 @@ class PipelineModel:
     stage_fn(params_of_one_stage, x) -> x, the same function on every stage (same output shape as input);
     stage_params: pytree whose leaves carry a leading axis of size num_stages;
     pre(pre_params, batch) -> x (default ``batch["x"]``), run on the first stage;
-    post_loss(post_params, x, batch) -> scalar mean loss over the micro-batch, run on the last stage.
+    post_loss(post_params, x, batch) -> scalar mean loss over the micro-batch, run on the last stage; or a
+    ``(sum, count)`` pair (e.g. the masked token losses' sum and the number of real tokens): the pipeline then
+    divides the summed losses by the count summed over every micro-batch, data replica and host, so a
+    masked mean equals the unpipelined full-batch mean exactly ("sum" reduction; the scalar form is the mean
+    of the micro-batch means, "mean" reduction).
     """
     stage_fn: Callable
     stage_params: Any
@@ -78,13 +98,21 @@ class PipelineModel:
         return (self.stage_params, self.pre_params, self.post_params)
 
     def loss(self, params, batch):
-        """The unpipelined loss: ``post_loss(post, stage_fn(...stage_fn(pre(batch))), batch)``."""
-        stage_p, pre_p, post_p = params
-        x = self.pre(pre_p, batch)
-        n = jnp.shape(jax.tree.leaves(stage_p)[0])[0]
-        for s in range(n):
-            x = self.stage_fn(jax.tree.map(lambda a: a[s], stage_p), x)
-        return self.post_loss(post_p, x, batch)
+        """The unpipelined loss: ``post_loss(post, stage_fn(...stage_fn(pre(batch))), batch)`` (sum / count
+        where ``post_loss`` returns a pair)."""
+        total, count = self.loss_sum_count(params, batch)
+        return total / count
+
+    def loss_sum_count(self, params, batch):
+        """``(value, count)`` of the unpipelined loss on ``batch`` (see :func:`loss_terms`)."""
+        _, _, post_p = params
+        return loss_terms(self.post_loss(post_p, self.forward(params, batch), batch))
+
+    def reduction(self, y_aval, mb_example) -> str:
+        """``"sum"`` where ``post_loss`` returns ``(sum, count)``, else ``"mean"`` (checked by tracing)."""
+        out = jax.eval_shape(self.post_loss, self.post_params, y_aval, mb_example)
+        loss_terms(out)
+        return "sum" if isinstance(out, (tuple, list)) else "mean"
 
     def forward(self, params, batch):
         """Unpipelined activations after the last stage (before ``post_loss``)."""

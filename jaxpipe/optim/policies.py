@@ -54,6 +54,7 @@ class WeightPolicy(NamedTuple):
     update: Callable
     versions: Callable[[int], List[int]]
     choose: Any = None
+    per_microbatch: bool = True     # one update per micro-batch (False: a step's gradients accumulated)
 
 
 def _apply(opt, g, lp, opt_state):
@@ -142,7 +143,8 @@ def pipedream_2bw(opt: optax.GradientTransformation, num_stages: int, num_microb
 
         return lax.cond(i % M == M - 1, land, keep, (lp, opt_state, acc))
 
-    return WeightPolicy(name, init, forward_weights, backward_weights, update, WEIGHT_VERSIONS[name], choose)
+    return WeightPolicy(name, init, forward_weights, backward_weights, update, WEIGHT_VERSIONS[name], choose,
+                        per_microbatch=False)
 
 
 def _predicting(name: str, opt, fwd_distance: Callable, bwd_distance: Callable, versions) -> WeightPolicy:

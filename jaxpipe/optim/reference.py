@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ..model import loss_terms
 from ..runtime.common import rebuild_pullback, residual_mask, split_residuals
 
 
@@ -94,7 +95,9 @@ def serial_reference(model, method: str, opt: optax.GradientTransformation, num_
         for s in range(D):
             x, r = fwd(wF[s][0], x)
             res.append(r)
-        loss, (gpost, dy) = jax.value_and_grad(model.post_loss, argnums=(0, 1))(wF[D - 1][2], x, mb)
+        # a (sum, count) loss is this global micro-batch's sum over its count (what a per-micro-batch update reads)
+        mean_of = lambda q, y: (lambda sc: sc[0] / sc[1])(loss_terms(model.post_loss(q, y, mb)))
+        loss, (gpost, dy) = jax.value_and_grad(mean_of, argnums=(0, 1))(wF[D - 1][2], x)
         losses.append(float(loss))
         grads = [None] * D
         for s in reversed(range(D)):
@@ -138,7 +141,10 @@ def avgpipe_reference(model, opt: optax.GradientTransformation, num_pipes: int, 
     ref = jax.tree.map(jnp.asarray, model.params)
 
     def mean_loss(params, mbs):
-        return sum(model.loss(params, mb) for mb in mbs) / M
+        terms = [model.loss_sum_count(params, mb) for mb in mbs]
+        if model.reduction(jax.eval_shape(model.forward, params, mbs[0]), mbs[0]) == "sum":
+            return sum(t[0] for t in terms) / sum(t[1] for t in terms)
+        return sum(t[0] for t in terms) / M
 
     vg = jax.jit(jax.value_and_grad(mean_loss))
     losses = []

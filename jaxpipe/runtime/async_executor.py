@@ -21,6 +21,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from ..errors import ConfigError
 from .common import DP_AXES, read, residual_mask, write
 from .stage import StageOps
 
@@ -66,7 +67,17 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
     C = ring_capacity(M, D)
     w_example = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), model.stage_params)
     x_aval = jax.eval_shape(pre, model.pre_params, mb_example)
-    model.check_activation(x_aval, jax.eval_shape(stage_fn, w_example, x_aval))
+    y_aval = jax.eval_shape(stage_fn, w_example, x_aval)
+    model.check_activation(x_aval, y_aval)
+    summed = model.reduction(y_aval, mb_example) == "sum"
+    n_dp = mesh.shape["pipe"] * mesh.shape["data"]
+    if summed and not policy.per_microbatch:
+        raise ConfigError(
+            f"{policy.name} accumulates a step's micro-batch gradients on each stage, and post_loss returns a "
+            f"(sum, count) pair: the step's global count is not known on the stages that apply the update, so the "
+            f"normalisation would silently be the mean of micro-batch means. Return a scalar mean loss for "
+            f"{policy.name}, or use a synchronous schedule (gpipe, 1f1b, ...) or a per-micro-batch updater "
+            f"(pipedream, pipeoptim, spectrain), which divide by the exact count")
     # forward variants by position (first, last); only the positions some device has are compiled
     flags = [(False, False), (True, False), (False, True), (True, True)]
     used_pos = sorted({int(d == 0) + 2 * int(d == D - 1) for d in range(D)})
@@ -113,7 +124,12 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                 y, res, head = sop.forward(w, x_in, mb, pre_p, post_p, first, last)
                 if not last:
                     return y.astype(x_aval.dtype), res, x_like(), zero_like(post_p), jnp.zeros((), jnp.float32)
-                l, gq, dy = head
+                l, n, gq, dy = head
+                if summed:
+                    # (sum, count): this micro-batch's loss over every replica's real tokens -- scaled here so
+                    # that the pmean over replicas in B gives sum over replicas / global count
+                    scale = n_dp / lax.psum(n, DP_AXES)
+                    l, gq, dy = l * scale, jax.tree.map(lambda g: g * scale.astype(g.dtype), gq), dy * scale
                 return blank(), res, dy.astype(x_aval.dtype), gq, l.astype(jnp.float32)
             return op
 

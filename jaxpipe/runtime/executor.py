@@ -92,6 +92,7 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
     x_aval = jax.eval_shape(pre, model.pre_params, mb_example)
     y_aval = jax.eval_shape(stage_fn, w_example, x_aval)
     model.check_activation(x_aval, y_aval)
+    summed = model.reduction(y_aval, mb_example) == "sum"
 
     def fill(shape, dtype):
         return jnp.full(shape, jnp.nan if nan_bubbles else 0, dtype)
@@ -139,9 +140,12 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
                 y, res, head = ops.forward(ws[chunk], x, mb, pre_p, post_p, first, last)
                 if not last:
                     return res, acc, y.astype(x_aval.dtype)
-                l, gq, dy = head
-                gws, gpre, gpost, gl = acc
-                acc = (gws, gpre, add(gpost, jax.tree.map(lambda g: g / M, gq)), gl + (l / M).astype(jnp.float32))
+                l, n, gq, dy = head
+                gws, gpre, gpost, (gl, gn) = acc
+                if summed:      # (sum, count) losses: divided by the global count after the pipeline
+                    acc = (gws, gpre, add(gpost, gq), (gl + l.astype(jnp.float32), gn + n))
+                    return res, acc, dy.astype(x_aval.dtype)
+                acc = (gws, gpre, add(gpost, jax.tree.map(lambda g: g / M, gq)), (gl + (l / M).astype(jnp.float32), gn))
                 return res, acc, (dy / M).astype(x_aval.dtype)
             return op
 
@@ -218,21 +222,26 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
         carry = vary((
             [fill((p.stash_capacity + 1,) + a.shape, a.dtype) for a in stash_avals],
             fill((p.mbuf_capacity + 1,) + x_aval.shape, x_aval.dtype),
-            ([zeros(w) for w in ws], zeros(pre_p), zeros(post_p), jnp.zeros((), jnp.float32))))
+            ([zeros(w) for w in ws], zeros(pre_p), zeros(post_p), (jnp.zeros((), jnp.float32),) * 2)))
         for t0, t1, lanes_used in p.phases:
             carry, _ = lax.scan(phase(lanes_used), carry, jnp.asarray(table[t0:t1]))
             if eager is not None and t1 == eager[0]:
                 carry = _eager_exchange(carry, eager, me)
-        _, _, (gws, gpre, gpost, loss) = carry
-        loss = lax.pmean(lax.psum(loss, "stage"), red)
-        gpre, gpost = lax.pmean(lax.psum((gpre, gpost), "stage"), red)
+        _, _, (gws, gpre, gpost, (loss, count)) = carry
+        if summed:      # the mean over every real token/example of the step: sum over all, then / count
+            total = lax.psum(lax.psum(count, "stage"), red)
+            reduce = lambda t: jax.tree.map(lambda a: a / total.astype(a.dtype), lax.psum(t, red))
+        else:           # the mean over replicas of the micro-batch means
+            reduce = lambda t: lax.pmean(t, red)
+        loss = reduce(lax.psum(loss, "stage"))
+        gpre, gpost = reduce(lax.psum((gpre, gpost), "stage"))
         if perms is not None:
             # each replica's gradient goes home to the stage's owner and is summed there
             home = [g if pm is None else jax.tree.map(lambda a: lax.ppermute(a, "stage", [(d, s_) for s_, d in pm]), g)
                     for g, pm in zip(gws, perms)]
-            gw = jax.tree.map(lambda *g: lax.pmean(sum(g), red)[None], *home)
+            gw = jax.tree.map(lambda *g: reduce(sum(g))[None], *home)
         else:
-            gw = jax.tree.map(lambda *g: lax.pmean(jnp.stack(g), red), *gws)
+            gw = jax.tree.map(lambda *g: reduce(jnp.stack(g)), *gws)
         if replicas:
             return jax.tree.map(lambda a: a[None], (loss, (gw, gpre, gpost)))
         return loss, (gw, gpre, gpost)

@@ -20,6 +20,7 @@ from typing import Any, Callable, List, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
+from ..model import loss_terms
 from .common import rebuild_pullback, split_residuals
 
 
@@ -37,7 +38,8 @@ class StageOps:
 
     def forward(self, w, x, mb=None, pre_p=None, post_p=None, first: bool = False, last: bool = False):
         """``(y, residuals, head)``: the stage's output and its stash entries; ``head`` is None except on the
-        last stage, where it is ``(loss, g_post, dy)`` of ``post_loss`` at ``y``.  ``first``: the input is
+        last stage, where it is ``(value, count, g_post, dy)``: ``post_loss``'s loss (a mean, or a sum with
+        its count; :func:`~jaxpipe.model.loss_terms`) and its gradients at ``y``.  ``first``: the input is
         ``pre(pre_p, mb)`` instead of ``x``."""
         m = self.model
         if first:
@@ -45,8 +47,9 @@ class StageOps:
         y, res, _, _ = split_residuals(m.stage_fn, w, x, self.mask)
         if not last:
             return y, res, None
-        loss, (g_post, dy) = jax.value_and_grad(m.post_loss, argnums=(0, 1))(post_p, y, mb)
-        return y, res, (loss, g_post, dy)
+        (value, count), (g_post, dy) = jax.value_and_grad(
+            lambda q, v: loss_terms(m.post_loss(q, v, mb)), argnums=(0, 1), has_aux=True)(post_p, y)
+        return y, res, (value, count, g_post, dy)
 
     def backward(self, w, res: List[Any], dy):
         """``(dw, dx)`` of the stage at the weights ``w`` from its stashed residuals."""

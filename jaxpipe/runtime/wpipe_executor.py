@@ -21,6 +21,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from ..errors import ConfigError
 from .common import DP_AXES, read, residual_mask, write
 from .stage import StageOps
 
@@ -44,7 +45,14 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
     stage_fn, pre = model.stage_fn, model.pre
     w_example = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), model.stage_params)
     x_aval = jax.eval_shape(pre, model.pre_params, mb_example)
-    model.check_activation(x_aval, jax.eval_shape(stage_fn, w_example, x_aval))
+    y_aval = jax.eval_shape(stage_fn, w_example, x_aval)
+    model.check_activation(x_aval, y_aval)
+    if model.reduction(y_aval, mb_example) == "sum":
+        raise ConfigError(
+            "wpipe accumulates each group's micro-batch gradients over a batch, and post_loss returns a (sum, "
+            "count) pair: the batch's global count is not known where the groups update, so the normalisation "
+            "would silently be the mean of micro-batch means. Return a scalar mean loss for wpipe, or use a "
+            "synchronous schedule (gpipe, 1f1b, ...), which divides by the exact count")
     T = 4 * M
 
     def body(lps, oss, shadow0, versions, accs, errors, carry, counters, batch, feed):
@@ -100,7 +108,7 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
                     x = x_bnd if D == 1 else jnp.where(me == 0, x_bnd, x_f)
                 y, res, head = ops.forward(w, x, mb, pre_p, post_p, first=g == 0 and flag, last=g == 1 and flag)
                 if head is not None:
-                    l, gq, dy = head
+                    l, _, gq, dy = head
                     return jnp.zeros_like(zx), res, dy.astype(x_aval.dtype), gq, l.astype(jnp.float32)
                 return y.astype(x_aval.dtype), res, zx, zeros(post_p), jnp.zeros((), jnp.float32)
             return op
