@@ -24,6 +24,8 @@ _LAZY = {
     "CyclicDataParallel": ("cyclic", "CyclicDataParallel"),
     "Checkpointer": ("checkpoint", "Checkpointer"),
     "stack_stages": ("model", "stack_stages"),
+    "StageContext": ("model", "StageContext"),
+    "microbatch_key": ("model", "microbatch_key"),
     "distributed": ("distributed", None),
     "diagnose": ("diagnose", None),
     "make_mesh": ("runtime.mesh", "make_mesh"),
@@ -35,7 +37,8 @@ _LAZY = {
     "tune": ("tune", None),
 }
 
-__all__ = ["Checkpointer", "ConfigError", "CyclicDataParallel", "Pipeline", "PipelineModel", "PipelineState", "data", "make_mesh", "models", "optim",
+__all__ = ["Checkpointer", "ConfigError", "CyclicDataParallel", "Pipeline", "PipelineModel", "PipelineState", "StageContext", "data", "make_mesh",
+           "microbatch_key", "models", "optim",
            "schedules", "tune"]
 
 

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from .errors import ConfigError
 from .optim.policies import make_policy
 from .runtime.async_executor import ALL, empty_carry, make_async_fn
-from .runtime.common import residual_mask
+from .runtime.stage import stage_residuals
 
 
 class AsyncState(NamedTuple):
@@ -73,14 +73,12 @@ class AsyncRunner:
         n_dev = pipe.mesh.size
         w0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), pipe.model.stage_params)
         x_aval = jax.eval_shape(pipe.model.pre, pipe.model.pre_params, mb)
-        mask, res_avals = self._mask(w0, x_aval)
+        mask, res_avals = stage_residuals(pipe.model, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), w0),
+                                          jnp.zeros(x_aval.shape, x_aval.dtype),
+                                          jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), mb))
         carry = empty_carry(pipe.model, self.D, self.M, n_dev, mb, x_aval, res_avals, pipe.nan_bubbles)
         carry = jax.device_put(carry, NamedSharding(pipe.mesh, P(ALL)))
         return state._replace(carry=carry)
-
-    def _mask(self, w0, x_aval):
-        w = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), w0)
-        return residual_mask(self.pipe.model.stage_fn, w, jnp.zeros(x_aval.shape, x_aval.dtype))
 
     def _mb(self, batch):
         per = self.pipe.data_parallel * self.M
@@ -95,7 +93,7 @@ class AsyncRunner:
             pipe = self.pipe
             fn, _ = make_async_fn(pipe.model, self.policy, pipe.optimizer, self.D, self.M, pipe.mesh,
                                   self._mb(batch_like), nan_bubbles=pipe.nan_bubbles,
-                                  periodic=pipe.schedule.periodic)
+                                  periodic=pipe.schedule.periodic, seed=pipe.seed)
 
             def run(state: AsyncState, batch, feed):
                 params, opt_state, pstate, carry, counters, (lsum, lcount, done) = fn(

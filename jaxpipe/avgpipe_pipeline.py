@@ -105,8 +105,10 @@ class AvgPipeRunner:
                                    nan_bubbles=pipe.nan_bubbles, replicas=True)
             tx = self.tx
 
+            seed = pipe.seed
+
             def step(state: AvgPipeState, b):
-                losses, grads = grad_fn(*state.params, b)
+                losses, grads = grad_fn(*state.params, b, jax.random.fold_in(jax.random.PRNGKey(seed), state.step))
                 updates, opt_state = tx.update(grads, state.opt_state, state.params)
                 params = optax.apply_updates(state.params, updates)
                 gnorm = jax.vmap(optax.tree.norm)(grads)

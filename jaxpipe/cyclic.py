@@ -42,8 +42,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from .distributed import global_batch
 from .errors import ConfigError
 from .model import PipelineModel
-from .runtime.common import read, residual_mask, write
-from .runtime.stage import StageOps
+from .model import microbatch_key
+from .runtime.common import read, write
+from .runtime.stage import StageOps, stage_residuals
 
 RULES = ("v1", "v2")
 
@@ -67,7 +68,8 @@ class CyclicDataParallel:
     """Cyclic Data Parallelism over the mesh's ``data`` axis (see the module docstring)."""
 
     def __init__(self, model: PipelineModel, optimizer: optax.GradientTransformation, rule: str = "v2",
-                 mesh=None, *, check_inputs: bool = True):
+                 mesh=None, *, check_inputs: bool = True, seed: int = 0):
+        self.seed = seed
         if not isinstance(model, PipelineModel):
             raise ConfigError(f"model must be a jp.PipelineModel cut into N stages, got {type(model).__name__}")
         if rule not in RULES:
@@ -129,8 +131,9 @@ class CyclicDataParallel:
         mb = self._mb_example(batch)
         w0 = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), model.stage_params)
         xa = jax.eval_shape(model.pre, model.pre_params, mb)
-        model.check_activation(xa, jax.eval_shape(model.stage_fn, w0, xa))
-        _, res = residual_mask(model.stage_fn, w0, jnp.zeros(xa.shape, xa.dtype))
+        model.check_activation(xa, model.stage_output_aval(w0, xa, mb))
+        _, res = stage_residuals(model, w0, jnp.zeros(xa.shape, xa.dtype),
+                                 jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), mb))
         z = lambda shape, dtype: jnp.zeros((N,) + tuple(shape), dtype)
         lp0 = (w0, model.pre_params, model.post_params)
         carry = dict(
@@ -149,7 +152,7 @@ class CyclicDataParallel:
         if key in self._fns:
             return self._fns[key]
         model, opt, N, v2 = self.model, self.opt, self.N, self.rule == "v2"
-        stage_fn = model.stage_fn
+        seed = self.seed
         _, xa = self._empty_carry(batch)
 
         def body(params, shadow, versions, opt_state, carry, counters, errors, batch, feed):
@@ -157,10 +160,10 @@ class CyclicDataParallel:
             lp, sh, ver, os_, c, err = sq(params), sq(shadow), sq(versions), sq(opt_state), sq(carry), sq(errors)
             t0, base, n_fed = counters
             me = lax.axis_index("data")
-            mask, _ = residual_mask(stage_fn, jax.tree.map(lambda a: a[0], lp[0]), jnp.zeros(xa.shape, xa.dtype))
-            ops = StageOps(model, mask, xa)
             # this call's micro-batch (one per worker) goes to ring slot (base + n_fed) mod 2
             c["ring"] = jax.tree.map(lambda r, b: write(r, (base + n_fed) % 2, b), c["ring"], batch)
+            ops, _ = StageOps.build(model, jax.tree.map(lambda a: a[0], lp[0]), jnp.zeros(xa.shape, xa.dtype),
+                                    jax.tree.map(lambda a: a[0], c["ring"]))
             _require_mean_loss(model, xa, jax.tree.map(lambda a: a[0], c["ring"]))
             n_fed = n_fed + feed.astype(jnp.int32)
             stage_of = lambda t, j: jax.tree.map(lambda a: read(a, j), t)
@@ -201,9 +204,9 @@ class CyclicDataParallel:
 
             def fwd_variant(k, first, last):
                 # small outputs only: activation, residuals, dL/dy, head gradient, loss
-                def f(cands, j, x_in, mb):
+                def f(cands, j, x_in, mb, ctx):
                     w, pre_p, post_p = stage_of(cands[k], j)
-                    y, res, head = ops.forward(w, x_in, mb, pre_p, post_p, first, last)
+                    y, res, head = ops.forward(w, x_in, mb, pre_p, post_p, first, last, ctx)
                     if not last:
                         return y.astype(xa.dtype), res, jnp.zeros(xa.shape, xa.dtype), \
                             jax.tree.map(jnp.zeros_like, post_p), jnp.zeros((), jnp.float32)
@@ -224,7 +227,8 @@ class CyclicDataParallel:
                 lp, sh, _, _ = st
                 kk, err = choice(st, j, gk, err)
                 mb = jax.tree.map(lambda a: read(a, gk % 2), c["ring"])
-                y, res, dy, gq, l = lax.switch(kk * 4 + pos, fwd_variants, (lp, sh), j, c["act"], mb)
+                ctx = ops.context(mb, microbatch_key(seed, gk, me), j)     # worker me's micro-batch of step gk
+                y, res, dy, gq, l = lax.switch(kk * 4 + pos, fwd_variants, (lp, sh), j, c["act"], mb, ctx)
                 last = j == N - 1
                 c = {**c, "stash": [write(a, j, r) for a, r in zip(c["stash"], res)], "act": y,
                      "dy": jnp.where(last, dy, c["dy"]),
@@ -367,7 +371,7 @@ def single_device_grad(model: PipelineModel, num_workers: int, cyclic: bool = Tr
     pool_size = lambda N: size
     if model.num_stages != N:
         raise ConfigError(f"the model has {model.num_stages} stages; cyclic order needs one per worker ({N})")
-    stage_fn, pre = model.stage_fn, model.pre
+    pre = model.pre
 
     def fn(params, mbs):
         w_all, pre_p, post_p = params
@@ -375,9 +379,8 @@ def single_device_grad(model: PipelineModel, num_workers: int, cyclic: bool = Tr
         mb0 = jax.tree.map(lambda a: a[0, 0], mbs)
         xa = jax.eval_shape(pre, pre_p, mb0)
         w0 = jax.tree.map(lambda a: a[0], w_all)
-        mask, res = residual_mask(stage_fn, w0, jnp.zeros(xa.shape, xa.dtype))
         _require_mean_loss(model, xa, mb0)
-        ops = StageOps(model, mask, xa)
+        ops, res = StageOps.build(model, w0, jnp.zeros(xa.shape, xa.dtype), mb0)
         pool = [jnp.zeros((pool_size(N) + 1,) + tuple(a.shape), a.dtype) for a in res]
         regs = jnp.zeros((N,) + tuple(xa.shape), xa.dtype)
         gpost_regs = jax.tree.map(lambda a: jnp.zeros((N,) + jnp.shape(a), jnp.asarray(a).dtype), post_p)
@@ -389,7 +392,8 @@ def single_device_grad(model: PipelineModel, num_workers: int, cyclic: bool = Tr
             def f(i, j, k, x_in, r_in, dy_in, g, loss):
                 w = jax.tree.map(lambda a: read(a, j), w_all)
                 mb = jax.tree.map(lambda a: a[k, i], mbs)
-                y, r, head = ops.forward(w, x_in, mb, pre_p, post_p, first, last)
+                y, r, head = ops.forward(w, x_in, mb, pre_p, post_p, first, last,
+                                         ops.context(mb, microbatch_key(0, k, i), j))
                 dy, gq = jnp.zeros(xa.shape, xa.dtype), jax.tree.map(jnp.zeros_like, post_p)
                 if last:
                     l, _, gq, d = head

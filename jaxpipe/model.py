@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +54,32 @@ def loss_terms(out):
     return out, jnp.ones((), jnp.float32)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StageContext:
+    """What a context-taking ``stage_fn(params, x, ctx)`` receives besides its activation.
+
+    ``inputs``: the micro-batch's fields named in ``PipelineModel.stage_inputs`` (attention masks, positions,
+    segment ids), sliced to the micro-batch, never sent between stages; ``key``: a PRNG key (raw ``uint32[2]``)
+    that depends only on (step, micro-batch, stage) -- :func:`stage_key` -- so dropout is the same in every
+    schedule and in the unpipelined reference; ``stage``: the model stage index (int32)."""
+    inputs: Any
+    key: Any
+    stage: Any
+
+
+def microbatch_key(seed: int, step, microbatch):
+    """The key of one micro-batch of one step: ``fold_in(fold_in(PRNGKey(seed), step), microbatch)`` with
+    ``microbatch = replica * M + j`` (replica: the flat data-parallel index).  ``model.loss(params, mb,
+    key=microbatch_key(...))`` reproduces what the pipeline computed for that micro-batch."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), step), microbatch)
+
+
+def stage_key(mb_key, stage):
+    """The key ``stage_fn`` gets on model stage ``stage`` for the micro-batch whose key is ``mb_key``."""
+    return jax.random.fold_in(mb_key, stage)
+
+
 @dataclasses.dataclass(frozen=True)
 class PipelineModel:
     """A pipelined model.
@@ -74,8 +100,15 @@ class PipelineModel:
     post_loss: Optional[Callable] = None
     post_params: Any = ()
     head: Optional[Callable] = None   # optional head(post_params, x) -> outputs (logits), for eval/sampling
+    context: bool = False             # stage_fn(params, x, ctx) with a StageContext (inputs, key, stage)
+    stage_inputs: Tuple[str, ...] = ()   # batch fields stage_fn reads (ctx.inputs); implies context
 
     def __post_init__(self):
+        if isinstance(self.stage_inputs, str):
+            object.__setattr__(self, "stage_inputs", (self.stage_inputs,))
+        object.__setattr__(self, "stage_inputs", tuple(self.stage_inputs))
+        if self.stage_inputs:
+            object.__setattr__(self, "context", True)
         if self.pre is None:
             object.__setattr__(self, "pre", _default_pre)
         if self.post_loss is None:
@@ -97,16 +130,38 @@ class PipelineModel:
     def params(self):
         return (self.stage_params, self.pre_params, self.post_params)
 
-    def loss(self, params, batch):
+    def loss(self, params, batch, key=None):
         """The unpipelined loss: ``post_loss(post, stage_fn(...stage_fn(pre(batch))), batch)`` (sum / count
-        where ``post_loss`` returns a pair)."""
-        total, count = self.loss_sum_count(params, batch)
+        where ``post_loss`` returns a pair).  ``key``: the micro-batch key of a context model
+        (:func:`microbatch_key`; default ``microbatch_key(0, 0, 0)``)."""
+        total, count = self.loss_sum_count(params, batch, key)
         return total / count
 
-    def loss_sum_count(self, params, batch):
+    def loss_sum_count(self, params, batch, key=None):
         """``(value, count)`` of the unpipelined loss on ``batch`` (see :func:`loss_terms`)."""
         _, _, post_p = params
-        return loss_terms(self.post_loss(post_p, self.forward(params, batch), batch))
+        return loss_terms(self.post_loss(post_p, self.forward(params, batch, key), batch))
+
+    def stage_context(self, batch, mb_key, stage):
+        """The :class:`StageContext` of model stage ``stage`` for ``batch`` (a micro-batch)."""
+        missing = [k for k in self.stage_inputs if not isinstance(batch, dict) or k not in batch]
+        if missing:
+            have = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
+            raise ConfigError(f"stage_inputs names {missing} but the batch has {have}: give the batch those "
+                              f"fields, or drop them from PipelineModel(stage_inputs=...)")
+        inputs = {k: batch[k] for k in self.stage_inputs}
+        return StageContext(inputs, stage_key(mb_key, stage), jnp.asarray(stage, jnp.int32))
+
+    def stage_output_aval(self, w, x, mb):
+        """Shape and dtype of one stage's output for weights ``w``, activation ``x`` and micro-batch ``mb``
+        (avals or arrays)."""
+        def f(w_, x_, b):
+            return self.apply_stage(w_, x_, self.stage_context(b, microbatch_key(0, 0, 0), 0) if self.context else None)
+        return jax.eval_shape(f, w, x, mb)
+
+    def apply_stage(self, w, x, ctx=None):
+        """``stage_fn(w, x)``, or ``stage_fn(w, x, ctx)`` for a context model."""
+        return self.stage_fn(w, x, ctx) if self.context else self.stage_fn(w, x)
 
     def reduction(self, y_aval, mb_example) -> str:
         """``"sum"`` where ``post_loss`` returns ``(sum, count)``, else ``"mean"`` (checked by tracing)."""
@@ -114,12 +169,15 @@ class PipelineModel:
         loss_terms(out)
         return "sum" if isinstance(out, (tuple, list)) else "mean"
 
-    def forward(self, params, batch):
+    def forward(self, params, batch, key=None):
         """Unpipelined activations after the last stage (before ``post_loss``)."""
         stage_p, pre_p, _ = params
         x = self.pre(pre_p, batch)
+        if self.context and key is None:
+            key = microbatch_key(0, 0, 0)
         for s in range(jnp.shape(jax.tree.leaves(stage_p)[0])[0]):
-            x = self.stage_fn(jax.tree.map(lambda a: a[s], stage_p), x)
+            ctx = self.stage_context(batch, key, s) if self.context else None
+            x = self.apply_stage(jax.tree.map(lambda a: a[s], stage_p), x, ctx)
         return x
 
     def check_activation(self, x_aval, y_aval):

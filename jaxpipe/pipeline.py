@@ -81,7 +81,7 @@ class Pipeline:
                  nan_bubbles: bool = False, chimera: Optional[dict] = None, virtual: Optional[int] = None,
                  zb: Optional[dict] = None, avgpipe: Optional[dict] = None, wpipe: Optional[dict] = None,
                  skip_nonfinite: bool = False, check_inputs: bool = True, placement: str = "lanes",
-                 recompute: bool = False):
+                 recompute: bool = False, seed: int = 0):
         if not isinstance(model, PipelineModel):
             raise ConfigError(f"model must be a jp.PipelineModel, got {type(model).__name__}")
         if mesh is None:
@@ -142,6 +142,9 @@ class Pipeline:
                         sorted(self._layout.tolist()) == list(range(self.schedule.num_model_stages)))
         self._inverse = np.argsort(self._layout)
         self.nan_bubbles = nan_bubbles
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ConfigError(f"seed={seed!r}: give an int (the stage keys of a context model derive from it)")
+        self.seed = seed
         self.skip_nonfinite = bool(skip_nonfinite)
         self.check_inputs = bool(check_inputs)
         if skip_nonfinite and (schedules.is_async(schedule) or schedule in ("wpipe", "avgpipe")):
@@ -243,7 +246,7 @@ class Pipeline:
             raise ConfigError("avgpipe trains one replica per 'pipe' index, each with its own gradient; use "
                               "step() (metrics['pipe_losses'] has each pipeline's loss)")
         self._check_values(batch)
-        return self._fn("grad", batch)(state.params, batch)
+        return self._fn("grad", batch)(state.params, batch, state.step)
 
     def step(self, state: PipelineState, batch):
         """One optimizer step on ``batch``; returns ``(state, metrics)`` (metrics: loss, grad_norm, step).
@@ -284,7 +287,7 @@ class Pipeline:
         if self._avg is not None:
             return self._avg.lower(state, self.shard_batch(batch))
         fn = self._fn(what, batch, state if what == "step" else None)
-        return fn.lower(state.params if what == "grad" else state, batch)
+        return fn.lower(*((state.params, batch, state.step) if what == "grad" else (state, batch)))
 
     # ------------------------------------------------------------------ internals
     def _check_batch(self, batch):
@@ -348,27 +351,30 @@ class Pipeline:
 
             stored, inv = self._stored, jnp.asarray(self._inverse)
 
-            def lg(params, b):
+            seed = self.seed
+
+            def lg(params, b, step):
                 stage_p, pre_p, post_p = params
+                step_key = jax.random.fold_in(jax.random.PRNGKey(seed), step)   # model.microbatch_key's prefix
                 if identity or stored:
-                    return grad_fn(stage_p, pre_p, post_p, b)
+                    return grad_fn(stage_p, pre_p, post_p, b, step_key)
                 # the executor's layout: device-major chunks (Chimera: each device holds two replicas;
                 # interleaved: stages d, d + D, ...); gradients of replicas are summed back per stage
                 local = jax.lax.with_sharding_constraint(jax.tree.map(lambda a: a[lay], stage_p), lay_sh)
-                loss, (g_local, g_pre, g_post) = grad_fn(local, pre_p, post_p, b)
+                loss, (g_local, g_pre, g_post) = grad_fn(local, pre_p, post_p, b, step_key)
                 g_stage = jax.tree.map(lambda a, g: jnp.zeros_like(a).at[lay].add(g), stage_p, g_local)
                 return loss, (g_stage, g_pre, g_post)
 
             if what == "grad":
-                def grad_in_model_order(params, b):
-                    loss, (g, g_pre, g_post) = lg(params, b)
+                def grad_in_model_order(params, b, step):
+                    loss, (g, g_pre, g_post) = lg(params, b, step)
                     return loss, (jax.tree.map(lambda a: a[inv], g) if stored else g, g_pre, g_post)
                 self._compiled[key] = jax.jit(grad_in_model_order)
             else:
                 opt, skip = self.optimizer, self.skip_nonfinite
 
                 def step(state: PipelineState, b):
-                    loss, grads = lg(state.params, b)
+                    loss, grads = lg(state.params, b, state.step)
                     updates, opt_state = opt.update(grads, state.opt_state, state.params)
                     params = optax.apply_updates(state.params, updates)
                     gnorm = optax.tree.norm(grads)

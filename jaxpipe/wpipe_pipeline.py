@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .errors import ConfigError
-from .runtime.common import residual_mask
+from .runtime.stage import stage_residuals
 from .runtime.wpipe_executor import ALL, empty_carry, make_wpipe_fn
 
 
@@ -72,7 +72,8 @@ class WPipeRunner:
         model, mb = self.pipe.model, self._mb(batch)
         w0 = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), model.stage_params)
         xa = jax.eval_shape(model.pre, model.pre_params, mb)
-        _, res = residual_mask(model.stage_fn, w0, jnp.zeros(xa.shape, xa.dtype))
+        _, res = stage_residuals(model, w0, jnp.zeros(xa.shape, xa.dtype),
+                                 jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), mb))
         carry = empty_carry(model, self.D, self.M, self.pipe.mesh.size, mb, xa, res, self.pipe.nan_bubbles)
         return state._replace(carry=jax.device_put(carry, NamedSharding(self.pipe.mesh, P(ALL))))
 
@@ -80,7 +81,7 @@ class WPipeRunner:
         key = (jax.tree.structure(batch), tuple((np.shape(l), str(l.dtype)) for l in jax.tree.leaves(batch)))
         if key not in self._fns:
             fn, _ = make_wpipe_fn(self.pipe.model, self.pipe.optimizer, self.D, self.M, self.pipe.mesh,
-                                  self._mb(batch), nan_bubbles=self.pipe.nan_bubbles)
+                                  self._mb(batch), nan_bubbles=self.pipe.nan_bubbles, seed=self.pipe.seed)
 
             def run(state: WPipeState, batch, feed):
                 out = fn(state.params, state.opt_state, state.shadow0, state.versions, state.accs, state.errors,

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ..model import loss_terms
+from ..model import loss_terms, microbatch_key
 from ..runtime.common import rebuild_pullback, residual_mask, split_residuals
 
 
@@ -44,9 +44,13 @@ def global_microbatches(batch, num_microbatches: int, data_parallel: int = 1) ->
 
 
 def serial_reference(model, method: str, opt: optax.GradientTransformation, num_microbatches: int,
-                     batches, data_parallel: int = 1) -> Dict[str, object]:
+                     batches, data_parallel: int = 1, seed: int = 0) -> Dict[str, object]:
     """Run ``method`` serially over ``batches`` (global batches, each of M micro-batches), fill and drain
-    included.  Returns ``{"params": (w [D..], pre, post), "losses": [per micro-batch]}``."""
+    included.  Returns ``{"params": (w [D..], pre, post), "losses": [per micro-batch]}``.  A context model's
+    stage s gets micro-batch i's key ``stage_key(microbatch_key(seed, i // M, i % M), s)`` (one replica)."""
+    if model.context and data_parallel != 1:
+        raise ValueError("the serial reference of a context model runs one replica (its global micro-batches "
+                         "join the replicas', which have their own keys); use data_parallel=1")
     D, M = model.num_stages, num_microbatches
     w0, pre0, post0 = model.params
     local = [(jax.tree.map(lambda a: a[s], w0), pre0, post0) for s in range(D)]
@@ -55,12 +59,16 @@ def serial_reference(model, method: str, opt: optax.GradientTransformation, num_
     ostate = [opt.init(lp) for lp in local]
     mbs = [mb for b in batches for mb in global_microbatches(b, M, data_parallel)]
     x0 = jax.eval_shape(model.pre, pre0, mbs[0])
-    mask, _ = residual_mask(model.stage_fn, local[0][0], jnp.zeros(x0.shape, x0.dtype))
+    ctx_of = lambda mb, i, s: (model.stage_context(mb, microbatch_key(seed, i // M, i % M), s)
+                               if model.context else None)
+    ctx0 = ctx_of(mbs[0], 0, 0)
+    mask, _ = residual_mask(model.stage_fn, local[0][0], jnp.zeros(x0.shape, x0.dtype), ctx0)
     x_like = jnp.zeros(x0.shape, x0.dtype)
+    ctx_like = jax.tree.map(jnp.zeros_like, ctx0)
     # jitted: a pullback's residuals come out in the same structure as the traced mask only under tracing
     # (eagerly, JAX builds the pullback differently)
-    fwd = jax.jit(lambda w, x: split_residuals(model.stage_fn, w, x, mask)[:2])
-    bwd = jax.jit(lambda w, res, dy: rebuild_pullback(model.stage_fn, w, x_like, res, mask)(dy))
+    fwd = jax.jit(lambda w, x, c: split_residuals(model.stage_fn, w, x, mask, c)[:2])
+    bwd = jax.jit(lambda w, res, dy: rebuild_pullback(model.stage_fn, w, x_like, res, mask, ctx_like)(dy))
     axpy = lambda a, x, y: jax.tree.map(lambda xx, yy: yy + jnp.asarray(a, yy.dtype) * xx, x, y)
     losses, acc = [], [None] * D
 
@@ -93,7 +101,7 @@ def serial_reference(model, method: str, opt: optax.GradientTransformation, num_
         x = model.pre(wF[0][1], mb)
         res = []
         for s in range(D):
-            x, r = fwd(wF[s][0], x)
+            x, r = fwd(wF[s][0], x, ctx_of(mb, i, s))
             res.append(r)
         # a (sum, count) loss is this global micro-batch's sum over its count (what a per-micro-batch update reads)
         mean_of = lambda q, y: (lambda sc: sc[0] / sc[1])(loss_terms(model.post_loss(q, y, mb)))

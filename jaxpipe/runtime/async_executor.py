@@ -22,7 +22,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from ..errors import ConfigError
-from .common import DP_AXES, read, residual_mask, write
+from ..model import microbatch_key
+from .common import DP_AXES, read, write
 from .stage import StageOps
 
 ALL = ("pipe", "data", "stage")
@@ -52,7 +53,7 @@ def op_at(t, me, table, period: int, n_fed):
 
 
 def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubbles: bool = False,
-                  periodic=None):
+                  periodic=None, seed: int = 0):
     """``fn(params, opt_state, policy_state, carry, counters, batch, feed) -> (same..., metrics)``: 2M ticks.
 
     ``feed`` (traced bool): whether ``batch``'s M micro-batches enter the pipeline; ``drain`` calls the same
@@ -63,14 +64,15 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
     (t, base, n_fed)`` int32 scalars: tick since the last (re)start, global index of the first micro-batch
     since then, micro-batches fed since then.  ``mb_example``: one micro-batch per data replica.
     """
-    stage_fn, pre = model.stage_fn, model.pre
+    pre = model.pre
     C = ring_capacity(M, D)
     w_example = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), model.stage_params)
     x_aval = jax.eval_shape(pre, model.pre_params, mb_example)
-    y_aval = jax.eval_shape(stage_fn, w_example, x_aval)
+    y_aval = model.stage_output_aval(w_example, x_aval, mb_example)
     model.check_activation(x_aval, y_aval)
     summed = model.reduction(y_aval, mb_example) == "sum"
     n_dp = mesh.shape["pipe"] * mesh.shape["data"]
+    model_key = lambda step, mb: microbatch_key(seed, step, mb)
     if summed and not policy.per_microbatch:
         raise ConfigError(
             f"{policy.name} accumulates a step's micro-batch gradients on each stage, and post_loss returns a "
@@ -96,8 +98,9 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
         lp, opt_state, pstate, carry = sq(params), sq(opt_state), sq(pstate), sq(carry)
         t0, base, n_fed = counters
         me = lax.axis_index("stage")
-        mask, avals = residual_mask(stage_fn, lp[0], jnp.zeros(x_aval.shape, x_aval.dtype))
-        sop = StageOps(model, mask, x_aval)
+        sop, avals = StageOps.build(model, lp[0], jnp.zeros(x_aval.shape, x_aval.dtype),
+                                    jax.tree.map(lambda a: a[0], carry.ring))
+        replica = lax.axis_index("pipe") * mesh.shape["data"] + lax.axis_index("data")
         if len(avals) != len(carry.stash):
             raise RuntimeError(f"stage_fn's pullback stashes {len(avals)} residuals inside the program but "
                                f"{len(carry.stash)} were allocated; stage_fn must trace the same way every time")
@@ -119,9 +122,9 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
         def forward_at(first, last):
             # one position's forward on the weights the policy chose: small outputs only (message,
             # residuals, dL/dy and head gradient of the last stage, its loss)
-            def op(wF, x_in, mb):
+            def op(wF, x_in, mb, ctx):
                 w, pre_p, post_p = wF
-                y, res, head = sop.forward(w, x_in, mb, pre_p, post_p, first, last)
+                y, res, head = sop.forward(w, x_in, mb, pre_p, post_p, first, last, ctx)
                 if not last:
                     return y.astype(x_aval.dtype), res, x_like(), zero_like(post_p), jnp.zeros((), jnp.float32)
                 l, n, gq, dy = head
@@ -141,15 +144,17 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             lp, pstate, c, loss = ops
             gi = base + i
             mb = mb_of(i)
+            # global micro-batch gi is micro-batch gi mod M of step gi // M: the synchronous schedules' keys
+            ctx = sop.context(mb, model_key(gi // M, replica * M + gi % M), me)
             if policy.choose is None:
                 wF, pstate = policy.forward_weights(lp, pstate, gi, me)
-                msg, res, dy, gq, l = lax.switch(pos_j, fwd_variants, wF, c.recv_f, mb)
+                msg, res, dy, gq, l = lax.switch(pos_j, fwd_variants, wF, c.recv_f, mb, ctx)
             else:     # one branch per stored version and position: the chosen version is never copied
                 k, cands = policy.choose(lp, pstate, gi, me)
                 n = len(fwd_variants)
-                brs = [(lambda w, v=v: (lambda cs, x, m: fwd_variants[v](cs[w], x, m)))(w)
+                brs = [(lambda w, v=v: (lambda cs, x, m, cx: fwd_variants[v](cs[w], x, m, cx)))(w)
                        for w in range(len(cands)) for v in range(n)]
-                msg, res, dy, gq, l = lax.switch(k * n + pos_j, brs, cands, c.recv_f, mb)
+                msg, res, dy, gq, l = lax.switch(k * n + pos_j, brs, cands, c.recv_f, mb, ctx)
             c = c._replace(stash=[write(a, gi % D, r) for a, r in zip(c.stash, res)],
                            dy_own=jnp.where(me == D - 1, dy, c.dy_own),
                            gpost=jax.tree.map(lambda n, o: jnp.where(me == D - 1, n, o), gq, c.gpost))

@@ -27,7 +27,7 @@ def vary(x, axes: Sequence[str] = AXES):
     return jax.tree.map(one, x)
 
 
-def residual_mask(stage_fn, w, x) -> Tuple[Tuple[bool, ...], list]:
+def residual_mask(stage_fn, w, x, ctx=None) -> Tuple[Tuple[bool, ...], list]:
     """Which leaves of ``jax.vjp(stage_fn, w, x)``'s pullback depend on the activation ``x``.
 
     Those are stashed by F.  The others are functions of the weights alone (the weights themselves, slices,
@@ -35,12 +35,15 @@ def residual_mask(stage_fn, w, x) -> Tuple[Tuple[bool, ...], list]:
     copied into the stash.  Found by a dependency walk over the jaxpr (conservative: an equation with any
     x-dependent input makes all its outputs x-dependent).  Call it in the context the executor traces in
     (inside the ``shard_map``): how many residuals a pullback has can depend on it.  Returns the mask and
-    the shapes of the stashed residuals.
+    the shapes of the stashed residuals.  ``ctx`` (a :class:`~jaxpipe.model.StageContext`, for
+    ``stage_fn(w, x, ctx)``) counts as per-micro-batch like ``x``: residuals of its inputs and of its key (a
+    dropout mask) are stashed too.
     """
-    def leaves(w, x):
-        return jax.tree.leaves(jax.vjp(stage_fn, w, x)[1])
+    def leaves(w, x, c):
+        f = stage_fn if ctx is None else (lambda w_, x_: stage_fn(w_, x_, c))
+        return jax.tree.leaves(jax.vjp(f, w, x)[1])
 
-    jaxpr = jax.make_jaxpr(leaves)(w, x).jaxpr
+    jaxpr = jax.make_jaxpr(leaves)(w, x, ctx).jaxpr
     n_w = len(jax.tree.leaves(w))
     dep = set(jaxpr.invars[n_w:])
     is_var = lambda v: not hasattr(v, "val")          # Literals carry .val
@@ -51,9 +54,10 @@ def residual_mask(stage_fn, w, x) -> Tuple[Tuple[bool, ...], list]:
     return mask, [v.aval for v, m in zip(jaxpr.outvars, mask) if m]
 
 
-def split_residuals(stage_fn, w, x, mask: Sequence[bool]):
+def split_residuals(stage_fn, w, x, mask: Sequence[bool], ctx=None):
     """``jax.vjp`` of one stage; returns (y, residuals to stash, all pullback leaves, treedef)."""
-    y, pullback = jax.vjp(stage_fn, w, x)
+    f = stage_fn if ctx is None else (lambda w_, x_: stage_fn(w_, x_, ctx))
+    y, pullback = jax.vjp(f, w, x)
     leaves, treedef = jax.tree.flatten(pullback)
     if len(leaves) != len(mask):
         raise RuntimeError(f"stage_fn's pullback has {len(leaves)} residuals here but {len(mask)} when "
@@ -61,10 +65,11 @@ def split_residuals(stage_fn, w, x, mask: Sequence[bool]):
     return y, [l for l, m in zip(leaves, mask) if m], leaves, treedef
 
 
-def rebuild_pullback(stage_fn, w, x_like, stashed: List[Any], mask: Sequence[bool]):
+def rebuild_pullback(stage_fn, w, x_like, stashed: List[Any], mask: Sequence[bool], ctx_like=None):
     """The pullback of F, from the stashed activation-dependent residuals and weight-only residuals
-    recomputed from ``w`` (the forward traced here on a dummy ``x`` is dead code that XLA removes)."""
-    _, _, fresh, treedef = split_residuals(stage_fn, w, x_like, mask)
+    recomputed from ``w`` (the forward traced here on a dummy ``x`` -- and dummy context -- is dead code
+    that XLA removes)."""
+    _, _, fresh, treedef = split_residuals(stage_fn, w, x_like, mask, ctx_like)
     it = iter(stashed)
     return jax.tree.unflatten(treedef, [next(it) if m else f for f, m in zip(fresh, mask)])
 

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from ..schedules.ir import SEND_MINUS, SEND_PLUS, Schedule
 from ..schedules.lanes import F2, L, plan
 from .stage import StageOps
-from .common import DP_AXES, eager_point, exchange_perms, num_chunks, read, residual_mask, vary, write
+from .common import DP_AXES, eager_point, exchange_perms, num_chunks, read, vary, write
 
 _RECV = {SEND_PLUS: L["recv_p"], SEND_MINUS: L["recv_m"]}
 
@@ -82,7 +82,7 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
     table, used = _branch_codes(p)
     nchunk = num_chunks(sched)
     n_dp = mesh.shape["pipe"] * mesh.shape["data"]
-    stage_fn, pre = model.stage_fn, model.pre
+    pre = model.pre
 
     leaves = jax.tree.leaves(batch_example)
     mbs = leaves[0].shape[0] // (n_dp * M)
@@ -90,7 +90,7 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
                               batch_example)
     w_example = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), model.stage_params)
     x_aval = jax.eval_shape(pre, model.pre_params, mb_example)
-    y_aval = jax.eval_shape(stage_fn, w_example, x_aval)
+    y_aval = model.stage_output_aval(w_example, x_aval, mb_example)
     model.check_activation(x_aval, y_aval)
     summed = model.reduction(y_aval, mb_example) == "sum"
 
@@ -103,7 +103,7 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
     split = sched.has_w()
     ring = {SEND_PLUS: [(d, (d + 1) % D) for d in range(D)], SEND_MINUS: [(d, (d - 1) % D) for d in range(D)]}
 
-    def body(stage_p, pre_p, post_p, batch):
+    def body(stage_p, pre_p, post_p, batch, step_key):
         if replicas:
             stage_p, pre_p, post_p = jax.tree.map(lambda a: a[0], (stage_p, pre_p, post_p))
         if perms is not None:      # one stage per device; Chimera's replicas fetched from their owners
@@ -117,8 +117,10 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
         me = lax.axis_index("stage")
         blank = lambda: vary(fill(x_aval.shape, x_aval.dtype))
         x_like = lambda: vary(jnp.zeros(x_aval.shape, x_aval.dtype))
-        mask, stash_avals = residual_mask(stage_fn, ws[0], x_like())
-        ops = StageOps(model, mask, x_aval, x_like)
+        ops, stash_avals = StageOps.build(model, ws[0], x_like(), jax.tree.map(lambda a: a[0], batch), x_like,
+                                          zeros=lambda sh, dt: vary(jnp.zeros(sh, dt)))
+        # the flat data-parallel replica: micro-batch j of replica r has key microbatch_key(seed, step, r M + j)
+        replica = lax.axis_index("pipe") * mesh.shape["data"] + lax.axis_index("data")
         no_res = lambda: [vary(fill(a.shape, a.dtype)) for a in stash_avals]
         mb_of = lambda row: jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, row[L["mb"]], 0, False), batch)
         add = lambda a, d: jax.tree.map(lambda u, v: u + v.astype(u.dtype), a, d)
@@ -135,9 +137,12 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
 
         def fwd(chunk, first, last):
             def op(row, stash, mbuf, acc):
-                mb = mb_of(row) if (first or last) else None
+                mb = mb_of(row) if (first or last or model.context) else None
                 x = None if first else read(mbuf, row[L["in"]])
-                y, res, head = ops.forward(ws[chunk], x, mb, pre_p, post_p, first, last)
+                ctx = None
+                if model.context:
+                    ctx = ops.context(mb, jax.random.fold_in(step_key, replica * M + row[L["mb"]]), row[L["stage"]])
+                y, res, head = ops.forward(ws[chunk], x, mb, pre_p, post_p, first, last, ctx)
                 if not last:
                     return res, acc, y.astype(x_aval.dtype)
                 l, n, gq, dy = head
@@ -249,10 +254,17 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
     stage_spec = jax.tree.map(lambda _: P("pipe", "stage") if replicas else P("stage"), model.stage_params)
     rep = lambda t: jax.tree.map(lambda _: P("pipe") if replicas else P(), t)
     batch_spec = jax.tree.map(lambda _: P(DP_AXES), batch_example)
-    return jax.shard_map(
+    program = jax.shard_map(
         body, mesh=mesh,
-        in_specs=(stage_spec, rep(model.pre_params), rep(model.post_params), batch_spec),
+        in_specs=(stage_spec, rep(model.pre_params), rep(model.post_params), batch_spec, P()),
         out_specs=(P("pipe") if replicas else P(), (stage_spec, rep(model.pre_params), rep(model.post_params))))
+
+    def fn(stage_p, pre_p, post_p, batch, step_key=None):
+        """``step_key``: ``fold_in(PRNGKey(seed), step)`` of a context model (default: step 0 of seed 0)."""
+        if step_key is None:
+            step_key = jax.random.fold_in(jax.random.PRNGKey(0), 0)
+        return program(stage_p, pre_p, post_p, batch, step_key)
+    return fn
 
 
 def _eager_exchange(carry, eager, me):

@@ -20,8 +20,21 @@ from typing import Any, Callable, List, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from ..model import loss_terms
-from .common import rebuild_pullback, split_residuals
+from ..model import loss_terms, microbatch_key
+from .common import rebuild_pullback, residual_mask, split_residuals
+
+
+def example_context(model, mb):
+    """A context of the right structure for analysing ``stage_fn`` (None for a context-free model)."""
+    if not model.context:
+        return None
+    return model.stage_context(mb, microbatch_key(0, 0, 0), 0)
+
+
+def stage_residuals(model, w, x, mb):
+    """``(mask, stashed avals)`` of the model's stage (:func:`~jaxpipe.runtime.common.residual_mask`, with the
+    stage context of the micro-batch ``mb`` counted as per-micro-batch input)."""
+    return residual_mask(model.stage_fn, w, x, example_context(model, mb))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,21 +43,48 @@ class StageOps:
     mask: Sequence[bool]             # which pullback leaves are stashed (residual_mask)
     x_aval: Any                      # the activation's shape and dtype
     x_like: Optional[Callable] = None   # a dummy activation for rebuilding pullbacks (default: zeros)
+    ctx_aval: Any = None             # the stage context's shapes (context models)
+    zeros: Optional[Callable] = None    # (shape, dtype) -> a dummy array (default jnp.zeros)
+
+    @classmethod
+    def build(cls, model, w, x, mb, x_like=None, zeros=None):
+        """Analyse the stage at weights ``w``, activation ``x`` and micro-batch ``mb`` (inside the program:
+        how many residuals a pullback has can depend on it); returns ``(ops, stashed residual avals)``."""
+        ctx = example_context(model, mb)
+        mask, avals = residual_mask(model.stage_fn, w, x, ctx)
+        ctx_aval = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype), ctx)
+        x_aval = jax.ShapeDtypeStruct(jnp.shape(x), x.dtype)
+        return cls(model, mask, x_aval, x_like, ctx_aval, zeros), avals
+
+    def _zeros(self, aval):
+        if self.zeros is not None:
+            return self.zeros(aval.shape, aval.dtype)
+        return jnp.zeros(aval.shape, aval.dtype)
 
     def _x_like(self):
         if self.x_like is not None:
             return self.x_like()
-        return jnp.zeros(self.x_aval.shape, self.x_aval.dtype)
+        return self._zeros(self.x_aval)
 
-    def forward(self, w, x, mb=None, pre_p=None, post_p=None, first: bool = False, last: bool = False):
+    def context(self, mb, mb_key, stage):
+        """The stage context of model stage ``stage`` for micro-batch ``mb`` with key ``mb_key`` (None for a
+        context-free model)."""
+        if not self.model.context:
+            return None
+        return self.model.stage_context(mb, mb_key, stage)
+
+    def forward(self, w, x, mb=None, pre_p=None, post_p=None, first: bool = False, last: bool = False,
+                ctx=None):
         """``(y, residuals, head)``: the stage's output and its stash entries; ``head`` is None except on the
         last stage, where it is ``(value, count, g_post, dy)``: ``post_loss``'s loss (a mean, or a sum with
         its count; :func:`~jaxpipe.model.loss_terms`) and its gradients at ``y``.  ``first``: the input is
-        ``pre(pre_p, mb)`` instead of ``x``."""
+        ``pre(pre_p, mb)`` instead of ``x``.  ``ctx``: the stage context (context models)."""
         m = self.model
         if first:
             x = m.pre(pre_p, mb)
-        y, res, _, _ = split_residuals(m.stage_fn, w, x, self.mask)
+        if m.context and ctx is None:
+            raise RuntimeError("a context model's stage needs its StageContext (executor bug)")
+        y, res, _, _ = split_residuals(m.stage_fn, w, x, self.mask, ctx if m.context else None)
         if not last:
             return y, res, None
         (value, count), (g_post, dy) = jax.value_and_grad(
@@ -53,7 +93,10 @@ class StageOps:
 
     def backward(self, w, res: List[Any], dy):
         """``(dw, dx)`` of the stage at the weights ``w`` from its stashed residuals."""
-        return rebuild_pullback(self.model.stage_fn, w, self._x_like(), res, self.mask)(dy)
+        ctx_like = None
+        if self.model.context:
+            ctx_like = jax.tree.map(self._zeros, self.ctx_aval)
+        return rebuild_pullback(self.model.stage_fn, w, self._x_like(), res, self.mask, ctx_like)(dy)
 
     def pre_grad(self, pre_p, mb, dx):
         """The gradient of ``pre``'s parameters for the micro-batch ``mb`` given dL/dx of the first stage."""

@@ -22,7 +22,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from ..errors import ConfigError
-from .common import DP_AXES, read, residual_mask, write
+from ..model import microbatch_key
+from .common import DP_AXES, read, write
 from .stage import StageOps
 
 ALL = ("pipe", "data", "stage")
@@ -40,12 +41,12 @@ class WPipeCarry(NamedTuple):
     ring: Any       # the device's micro-batches of the last two batches, [2, M, ...]
 
 
-def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: bool = False):
+def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: bool = False, seed: int = 0):
     """``fn(lps, opt_states, shadow0, versions, accs, errors, carry, counters, batch, feed)``: 4M ticks."""
-    stage_fn, pre = model.stage_fn, model.pre
+    pre = model.pre
     w_example = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), model.stage_params)
     x_aval = jax.eval_shape(pre, model.pre_params, mb_example)
-    y_aval = jax.eval_shape(stage_fn, w_example, x_aval)
+    y_aval = model.stage_output_aval(w_example, x_aval, mb_example)
     model.check_activation(x_aval, y_aval)
     if model.reduction(y_aval, mb_example) == "sum":
         raise ConfigError(
@@ -60,9 +61,10 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
         lps, oss, shadow0, versions, accs, errors, c = map(sq, (lps, oss, shadow0, versions, accs, errors, carry))
         t0, base, n_fed = counters
         me = lax.axis_index("stage")
-        mask, _ = residual_mask(stage_fn, lps[0][0], jnp.zeros(x_aval.shape, x_aval.dtype))
-        ops = StageOps(model, mask, x_aval)
         batch = jax.tree.map(lambda a: a.reshape((M, a.shape[0] // M) + a.shape[1:]), batch)
+        ops, _ = StageOps.build(model, lps[0][0], jnp.zeros(x_aval.shape, x_aval.dtype),
+                                jax.tree.map(lambda a: a[0], batch))
+        replica = lax.axis_index("pipe") * mesh.shape["data"] + lax.axis_index("data")
         c = c._replace(ring=jax.tree.map(lambda r, b: write(r, (base + n_fed) % 2, b), c.ring, batch))
         n_fed = n_fed + feed.astype(jnp.int32)
         zx = jnp.zeros(x_aval.shape, x_aval.dtype)
@@ -100,13 +102,14 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
             # loss on G1.  Small outputs only: message, residuals, dL/dy, head gradient, loss.
             g = 1 if k == 2 else 0
 
-            def op(cands, x_f, x_bnd, mb):
+            def op(cands, x_f, x_bnd, mb, ctx):
                 w, pre_p, post_p = cands[k]
                 if g == 0:
                     x = x_f
                 else:
                     x = x_bnd if D == 1 else jnp.where(me == 0, x_bnd, x_f)
-                y, res, head = ops.forward(w, x, mb, pre_p, post_p, first=g == 0 and flag, last=g == 1 and flag)
+                y, res, head = ops.forward(w, x, mb, pre_p, post_p, first=g == 0 and flag, last=g == 1 and flag,
+                                           ctx=ctx)
                 if head is not None:
                     l, _, gq, dy = head
                     return jnp.zeros_like(zx), res, dy.astype(x_aval.dtype), gq, l.astype(jnp.float32)
@@ -125,8 +128,10 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
             lps, _, shadow0, _, _ = st
             k, err = choice(st, g, gb, err)
             mb = mb_of(c, gb, j)
+            # micro-batch j of batch gb on model stage g D + me: the synchronous schedules' keys
+            ctx = ops.context(mb, microbatch_key(seed, gb, replica * M + j), g * D + me)
             send, res, dy, gq, l = lax.switch(2 * k + flag.astype(jnp.int32), fwd_variants,
-                                              (lps[0], shadow0, lps[1]), c.recv_f, read(c.bnd_f, j), mb)
+                                              (lps[0], shadow0, lps[1]), c.recv_f, read(c.bnd_f, j), mb, ctx)
             s0 = jnp.where(g == 0, (gb % 2) * M + j, 2 * M)         # the other group's write: scratch slot
             s1 = jnp.where(g == 1, j, M)
             loss_here = (g == 1) & flag
