@@ -169,7 +169,9 @@ def _shapes(tree) -> Dict[str, list]:
 
 
 def _has_none(tree) -> bool:
-    return any(x is None for x in jax.tree.leaves(tree, is_leaf=lambda x: x is None))
+    """Whether a no-flush state's in-flight buffers (``carry``) are not allocated yet.  (Other ``None``s are
+    legitimate: a tied parameter's post copy is ``None`` in the train state.)"""
+    return hasattr(tree, "carry") and tree.carry is None
 
 
 def nonfinite_leaves(tree):

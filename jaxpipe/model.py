@@ -102,6 +102,7 @@ class PipelineModel:
     head: Optional[Callable] = None   # optional head(post_params, x) -> outputs (logits), for eval/sampling
     context: bool = False             # stage_fn(params, x, ctx) with a StageContext (inputs, key, stage)
     stage_inputs: Tuple[str, ...] = ()   # batch fields stage_fn reads (ctx.inputs); implies context
+    tied: Tuple = ()                  # ((pre_path, post_path), ...): one array used by pre and post_loss
 
     def __post_init__(self):
         if isinstance(self.stage_inputs, str):
@@ -109,6 +110,7 @@ class PipelineModel:
         object.__setattr__(self, "stage_inputs", tuple(self.stage_inputs))
         if self.stage_inputs:
             object.__setattr__(self, "context", True)
+        object.__setattr__(self, "tied", tuple((tuple(a), tuple(b)) for a, b in self.tied))
         if self.pre is None:
             object.__setattr__(self, "pre", _default_pre)
         if self.post_loss is None:

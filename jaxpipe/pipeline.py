@@ -162,9 +162,18 @@ class Pipeline:
         if schedules.is_async(schedule):
             from .async_pipeline import AsyncRunner
             self._async = AsyncRunner(self)
+        from .tying import Ties
+        self._ties = Ties(model)
+        if self._ties and (self._async is not None or self._avg is not None):
+            raise ConfigError(
+                f"tied parameters (PipelineModel(tied=...)) are supported by the synchronous schedules (gpipe, "
+                f"1f1b, interleaved_1f1b, zb_h1, chimera); {schedule} keeps each stage's own copy of pre/post and "
+                f"updates them at different times, so a tied array would drift apart (BUILD_NOTES 'Tied "
+                f"parameters'). Untie them (separate arrays) or use a synchronous schedule")
         stage_sh = jax.tree.map(lambda _: NamedSharding(mesh, P("stage")), model.stage_params)
         rep = lambda t: jax.tree.map(lambda _: NamedSharding(mesh, P()), t)
-        self.param_shardings = (stage_sh, rep(model.pre_params), rep(model.post_params))
+        _, _, post_state = self._ties.strip(model.params)
+        self.param_shardings = (stage_sh, rep(model.pre_params), rep(post_state))
 
     # ------------------------------------------------------------------ public API
     @property
@@ -197,7 +206,7 @@ class Pipeline:
         lay = jnp.asarray(self._layout)
         to_state = lambda p: (jax.tree.map(lambda a: a[lay], p[0]) if self._stored else jax.tree.map(jnp.copy, p[0]),
                               *jax.tree.map(jnp.copy, p[1:]))
-        params = jax.jit(to_state, out_shardings=self.param_shardings)(self.model.params)
+        params = jax.jit(to_state, out_shardings=self.param_shardings)(self._ties.strip(self.model.params))
         rep = NamedSharding(self.mesh, P())
         opt_state = None
         if self.optimizer is not None:
@@ -226,8 +235,8 @@ class Pipeline:
             return self._avg.params(state)
         if self._stored:
             inv = jnp.asarray(self._inverse)
-            return (jax.tree.map(lambda a: a[inv], state.params[0]),) + tuple(state.params[1:])
-        return state.params
+            return self._ties.fill((jax.tree.map(lambda a: a[inv], state.params[0]),) + tuple(state.params[1:]))
+        return self._ties.fill(state.params)
 
     def device_layout(self, state: PipelineState):
         """Stage parameters as the executor holds them: ``[D, chunks, ...]`` (device d, local chunk c holds
@@ -353,7 +362,13 @@ class Pipeline:
 
             seed = self.seed
 
+            ties = self._ties
+
             def lg(params, b, step):
+                loss, grads = lg_full(ties.fill(params), b, step)
+                return loss, ties.fold(grads)       # one gradient per tied array: the sum of its uses
+
+            def lg_full(params, b, step):
                 stage_p, pre_p, post_p = params
                 step_key = jax.random.fold_in(jax.random.PRNGKey(seed), step)   # model.microbatch_key's prefix
                 if identity or stored:

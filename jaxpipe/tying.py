@@ -1,0 +1,87 @@
+"""Tied parameters: one array used by ``pre`` and by ``post_loss`` (a tied input embedding and output head).
+
+``PipelineModel(..., tied=[(pre_path, post_path)])`` says that the leaf at ``post_path`` of ``post_params`` *is*
+the leaf at ``pre_path`` of ``pre_params`` (paths: tuples of dict keys / sequence indices).  The pipeline then
+holds it once: the train state's ``post_params`` has ``None`` at ``post_path`` (so the optimizer keeps one
+state and applies one update), every program gets the full parameters with the pre leaf filled in at the
+post path (bit-identical by construction), and the gradient of the tied array is the sum of its two uses,
+reported at ``pre_path`` (``None`` at ``post_path``).  Synchronous schedules only (docs/design.md §5;
+BUILD_NOTES "Tied parameters" says why the no-flush methods refuse it).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from .errors import ConfigError
+
+Path = Tuple[Any, ...]
+
+
+def _get(tree, path: Path, where: str):
+    node = tree
+    for i, k in enumerate(path):
+        try:
+            node = node[k]
+        except (KeyError, IndexError, TypeError):
+            have = sorted(node) if isinstance(node, dict) else type(node).__name__
+            raise ConfigError(f"tied: {where} has no entry {list(path[:i + 1])} (at that level: {have}); give "
+                              f"paths as tuples of dict keys / indices, e.g. tied=[(('embedding',), "
+                              f"('embedding',))]") from None
+    return node
+
+
+def _set(tree, path: Path, value):
+    if not path:
+        return value
+    k, rest = path[0], path[1:]
+    if isinstance(tree, dict):
+        return {**tree, k: _set(tree[k], rest, value)}
+    if isinstance(tree, (list, tuple)):
+        items = list(tree)
+        items[k] = _set(items[k], rest, value)
+        return type(tree)(items) if isinstance(tree, list) else tuple(items)
+    raise ConfigError(f"tied: cannot replace an entry of a {type(tree).__name__}; use dicts, lists or tuples")
+
+
+class Ties:
+    """The model's tied (pre, post) pairs, checked once; pure functions on ``(stage, pre, post)`` triples."""
+
+    def __init__(self, model):
+        self.pairs: Sequence[Tuple[Path, Path]] = [(tuple(a), tuple(b)) for a, b in model.tied]
+        for a, b in self.pairs:
+            x, y = _get(model.pre_params, a, "pre_params"), _get(model.post_params, b, "post_params")
+            if jnp.shape(x) != jnp.shape(y) or jnp.result_type(x) != jnp.result_type(y):
+                raise ConfigError(f"tied: pre_params{list(a)} is {jnp.result_type(x)}{list(jnp.shape(x))} but "
+                                  f"post_params{list(b)} is {jnp.result_type(y)}{list(jnp.shape(y))}; a tied "
+                                  f"array is one array: use it in the same shape in both (transpose inside "
+                                  f"post_loss, e.g. logits = h @ E.T)")
+
+    def __bool__(self):
+        return bool(self.pairs)
+
+    def strip(self, params):
+        """The train state's form: ``None`` at every tied post path."""
+        s, pre, post = params
+        for _, b in self.pairs:
+            post = _set(post, b, None)
+        return (s, pre, post)
+
+    def fill(self, params):
+        """The model's form: the pre leaf at every tied post path."""
+        s, pre, post = params
+        for a, b in self.pairs:
+            post = _set(post, b, _get(pre, a, "pre_params"))
+        return (s, pre, post)
+
+    def fold(self, grads):
+        """One gradient per tied array: the post use's gradient added to the pre use's, ``None`` at the post
+        path."""
+        gs, gpre, gpost = grads
+        for a, b in self.pairs:
+            g = _get(gpost, b, "the post gradient")
+            gpre = _set(gpre, a, jax.tree.map(jnp.add, _get(gpre, a, "the pre gradient"), g))
+            gpost = _set(gpost, b, None)
+        return (gs, gpre, gpost)
