@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from .errors import ConfigError
 from .optim.policies import make_policy
 from .runtime.async_executor import ALL, empty_carry, make_async_fn
+from .runtime.common import full
 from .runtime.stage import stage_residuals
 
 
@@ -74,7 +75,7 @@ class AsyncRunner:
         w0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), pipe.model.stage_params)
         x_aval = jax.eval_shape(pipe.model.pre, pipe.model.pre_params, mb)
         mask, res_avals = stage_residuals(pipe.model, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), w0),
-                                          jnp.zeros(x_aval.shape, x_aval.dtype),
+                                          full(x_aval, 0),
                                           jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), mb))
         carry = empty_carry(pipe.model, self.D, self.M, n_dev, mb, x_aval, res_avals, pipe.nan_bubbles)
         carry = jax.device_put(carry, NamedSharding(pipe.mesh, P(ALL)))

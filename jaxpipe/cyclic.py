@@ -43,7 +43,7 @@ from .distributed import global_batch
 from .errors import ConfigError
 from .model import PipelineModel
 from .model import microbatch_key
-from .runtime.common import read, write
+from .runtime.common import cast, full, read, where, write
 from .runtime.stage import StageOps, stage_residuals
 
 RULES = ("v1", "v2")
@@ -132,13 +132,13 @@ class CyclicDataParallel:
         w0 = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), model.stage_params)
         xa = jax.eval_shape(model.pre, model.pre_params, mb)
         model.check_activation(xa, model.stage_output_aval(w0, xa, mb))
-        _, res = stage_residuals(model, w0, jnp.zeros(xa.shape, xa.dtype),
+        _, res = stage_residuals(model, w0, full(xa, 0),
                                  jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), mb))
         z = lambda shape, dtype: jnp.zeros((N,) + tuple(shape), dtype)
         lp0 = (w0, model.pre_params, model.post_params)
         carry = dict(
             stash=[z((N,) + tuple(a.shape), a.dtype) for a in res],
-            act=z(xa.shape, xa.dtype), dy=z(xa.shape, xa.dtype),
+            act=full(xa, 0, (N,)), dy=full(xa, 0, (N,)),
             gpost=jax.tree.map(lambda a: z(jnp.shape(a), jnp.asarray(a).dtype), model.post_params),
             partial=jax.tree.map(lambda a: z((N,) + jnp.shape(a), jnp.asarray(a).dtype), lp0),
             bcast=(jax.tree.map(lambda a: z(jnp.shape(a), jnp.asarray(a).dtype), lp0), z((), jnp.int32),
@@ -162,7 +162,7 @@ class CyclicDataParallel:
             me = lax.axis_index("data")
             # this call's micro-batch (one per worker) goes to ring slot (base + n_fed) mod 2
             c["ring"] = jax.tree.map(lambda r, b: write(r, (base + n_fed) % 2, b), c["ring"], batch)
-            ops, _ = StageOps.build(model, jax.tree.map(lambda a: a[0], lp[0]), jnp.zeros(xa.shape, xa.dtype),
+            ops, _ = StageOps.build(model, jax.tree.map(lambda a: a[0], lp[0]), full(xa, 0),
                                     jax.tree.map(lambda a: a[0], c["ring"]))
             _require_mean_loss(model, xa, jax.tree.map(lambda a: a[0], c["ring"]))
             n_fed = n_fed + feed.astype(jnp.int32)
@@ -208,10 +208,10 @@ class CyclicDataParallel:
                     w, pre_p, post_p = stage_of(cands[k], j)
                     y, res, head = ops.forward(w, x_in, mb, pre_p, post_p, first, last, ctx)
                     if not last:
-                        return y.astype(xa.dtype), res, jnp.zeros(xa.shape, xa.dtype), \
+                        return cast(y, xa), res, full(xa, 0), \
                             jax.tree.map(jnp.zeros_like, post_p), jnp.zeros((), jnp.float32)
                     l, _, gq, dy = head
-                    return y.astype(xa.dtype), res, dy.astype(xa.dtype), gq, l.astype(jnp.float32)
+                    return cast(y, xa), res, cast(dy, xa), gq, l.astype(jnp.float32)
                 return f
 
             def bwd_variant(k):
@@ -231,7 +231,7 @@ class CyclicDataParallel:
                 y, res, dy, gq, l = lax.switch(kk * 4 + pos, fwd_variants, (lp, sh), j, c["act"], mb, ctx)
                 last = j == N - 1
                 c = {**c, "stash": [write(a, j, r) for a, r in zip(c["stash"], res)], "act": y,
-                     "dy": jnp.where(last, dy, c["dy"]),
+                     "dy": where(last, dy, c["dy"]),
                      "gpost": jax.tree.map(lambda n, o: jnp.where(last, n, o), gq, c["gpost"])}
                 return c, err, (loss[0] + jnp.where(last, l, 0.0), loss[1] + last.astype(jnp.int32))
 
@@ -240,7 +240,7 @@ class CyclicDataParallel:
                 kk, err = choice(st, j, gk, err)
                 res = [read(a, j) for a in c["stash"]]
                 dw, dx = lax.switch(kk, bwd_variants, (lp, sh), j, res, c["dy"])
-                dx = dx.astype(xa.dtype)
+                dx = cast(dx, xa)
                 pre_p = jax.tree.map(lambda a, b: jnp.where(kk == 1, read(b, j), read(a, j)), lp[1], sh[1])
                 dpre = jax.tree.map(jnp.zeros_like, pre_p)
                 if jax.tree.leaves(pre_p):
@@ -380,9 +380,9 @@ def single_device_grad(model: PipelineModel, num_workers: int, cyclic: bool = Tr
         xa = jax.eval_shape(pre, pre_p, mb0)
         w0 = jax.tree.map(lambda a: a[0], w_all)
         _require_mean_loss(model, xa, mb0)
-        ops, res = StageOps.build(model, w0, jnp.zeros(xa.shape, xa.dtype), mb0)
+        ops, res = StageOps.build(model, w0, full(xa, 0), mb0)
         pool = [jnp.zeros((pool_size(N) + 1,) + tuple(a.shape), a.dtype) for a in res]
-        regs = jnp.zeros((N,) + tuple(xa.shape), xa.dtype)
+        regs = full(xa, 0, (N,))
         gpost_regs = jax.tree.map(lambda a: jnp.zeros((N,) + jnp.shape(a), jnp.asarray(a).dtype), post_p)
         g0 = jax.tree.map(jnp.zeros_like, params)
 
@@ -394,11 +394,11 @@ def single_device_grad(model: PipelineModel, num_workers: int, cyclic: bool = Tr
                 mb = jax.tree.map(lambda a: a[k, i], mbs)
                 y, r, head = ops.forward(w, x_in, mb, pre_p, post_p, first, last,
                                          ops.context(mb, microbatch_key(0, k, i), j))
-                dy, gq = jnp.zeros(xa.shape, xa.dtype), jax.tree.map(jnp.zeros_like, post_p)
+                dy, gq = full(xa, 0), jax.tree.map(jnp.zeros_like, post_p)
                 if last:
                     l, _, gq, d = head
-                    dy, loss = d.astype(xa.dtype), loss + l
-                return r, y.astype(xa.dtype), dy, gq, g, loss
+                    dy, loss = cast(d, xa), loss + l
+                return r, cast(y, xa), dy, gq, g, loss
             return f
 
         def b_op(first, last):
@@ -409,9 +409,9 @@ def single_device_grad(model: PipelineModel, num_workers: int, cyclic: bool = Tr
                 gw = jax.tree.map(lambda a, v: a.at[j].add(v), gw, dw)
                 if first:
                     mb = jax.tree.map(lambda a: a[k, i], mbs)
-                    dpre = ops.pre_grad(pre_p, mb, dx.astype(xa.dtype))
+                    dpre = ops.pre_grad(pre_p, mb, cast(dx, xa))
                     gpre = jax.tree.map(jnp.add, gpre, dpre)
-                return (r_in, x_in, dx.astype(xa.dtype), jax.tree.map(jnp.zeros_like, post_p),
+                return (r_in, x_in, cast(dx, xa), jax.tree.map(jnp.zeros_like, post_p),
                         (gw, gpre, gpo), loss)
             return b
 
@@ -435,15 +435,14 @@ def single_device_grad(model: PipelineModel, num_workers: int, cyclic: bool = Tr
                 br = jnp.where(ok, jnp.where(is_f, 1 + pos, 5 + pos), 0)
                 slot = pool_slot(N, i, j, kk)
                 r_in = [read(a, slot) for a in pool]
-                r, y, d, gq, g, loss = lax.switch(br, branches, i, j, kk, act[i], r_in, dy[i], g, loss)
+                r, y, d, gq, g, loss = lax.switch(br, branches, i, j, kk, read(act, i), r_in, read(dy, i), g, loss)
                 f_last = ok & is_f & (j == N - 1)
                 b_last = ok & ~is_f & (j == N - 1)
                 # the head's gradient joins with the backward of the last stage
                 g = (g[0], g[1], jax.tree.map(lambda a, v: a + jnp.where(b_last, v[i], 0), g[2], gpost))
                 gpost = jax.tree.map(lambda a, v: a.at[i].set(jnp.where(f_last, v, a[i])), gpost, gq)
                 pool = [write(a, jnp.where(ok & is_f, slot, pool_size(N)), v) for a, v in zip(pool, r)]
-                act = act.at[i].set(y)
-                dy = dy.at[i].set(d)
+                act, dy = write(act, i, y), write(dy, i, d)
             return (pool, act, dy, gpost, g, loss), None
 
         c = (pool, regs, regs, gpost_regs, g0, jnp.zeros((), jnp.float32))

@@ -122,7 +122,9 @@ class PipelineModel:
         sizes = {jnp.shape(l)[0] if jnp.ndim(l) else None for l in leaves}
         if len(sizes) != 1 or None in sizes:
             raise ConfigError(f"every stage_params leaf needs the same leading (stage) axis; leading sizes "
-                              f"found: {sorted(map(str, sizes))}")
+                              f"found: {sorted(map(str, sizes))}. Stack one parameter pytree per stage with "
+                              f"jp.stack_stages([params_of_stage_0, params_of_stage_1, ...]) (a list of per-layer "
+                              f"dicts is not a stacked pytree)")
 
     @property
     def num_stages(self) -> int:
@@ -183,7 +185,19 @@ class PipelineModel:
         return x
 
     def check_activation(self, x_aval, y_aval):
-        if x_aval.shape != y_aval.shape or x_aval.dtype != y_aval.dtype:
-            raise ConfigError(f"stage_fn must map an activation to one of the same shape and dtype (it is sent "
-                              f"to the next stage): pre gives {x_aval.dtype}{list(x_aval.shape)}, stage_fn "
-                              f"returns {y_aval.dtype}{list(y_aval.shape)}")
+        """The activation (any pytree of floating-point arrays) must come out of ``stage_fn`` as it went in:
+        it is sent to the next stage into buffers of that structure."""
+        show = lambda t: jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", t)
+        if jax.tree.structure(x_aval) != jax.tree.structure(y_aval) or any(
+                a.shape != b.shape or a.dtype != b.dtype
+                for a, b in zip(jax.tree.leaves(x_aval), jax.tree.leaves(y_aval))):
+            raise ConfigError(f"stage_fn must map an activation to one of the same shape and dtype, leaf by leaf (it "
+                              f"is sent to the next stage): pre gives {show(x_aval)}, stage_fn returns "
+                              f"{show(y_aval)}")
+        bad = [f"{a.dtype}{list(a.shape)}" for a in jax.tree.leaves(x_aval)
+               if not jnp.issubdtype(a.dtype, jnp.floating)]
+        if bad:
+            raise ConfigError(f"the activation has non-floating leaves {bad}: activations are differentiated and "
+                              f"their gradients sent back, so every leaf must be a float array. Pass integer "
+                              f"per-example data (positions, segment ids, masks) to stage_fn as a side input "
+                              f"instead: PipelineModel(stage_inputs=('positions',)) -> ctx.inputs")

@@ -335,8 +335,14 @@ class Pipeline:
         if key in checked:
             return
         try:
-            jax.eval_shape(self.model.loss, self.model.params, example)
+            m = self.model
+            x = jax.eval_shape(m.pre, m.pre_params, example)
+            w0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(jnp.shape(a))[1:], jnp.result_type(a)), m.stage_params)
+            m.check_activation(x, m.stage_output_aval(w0, x, example))     # structure before the loss
+            jax.eval_shape(m.loss, m.params, example)
         except KeyError as e:
+            if isinstance(batch, dict) and e.args and e.args[0] in batch:
+                raise                                   # not a missing batch entry: the model's own KeyError
             keys = list(batch) if isinstance(batch, dict) else type(batch).__name__
             raise ConfigError(f"the model reads batch[{e.args[0]!r}], which the batch lacks (it has {keys}); give "
                               f"the batch that entry or a model whose pre/post_loss reads the batch's keys") from None

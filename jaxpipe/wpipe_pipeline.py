@@ -14,6 +14,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .errors import ConfigError
+from .runtime.common import full
 from .runtime.stage import stage_residuals
 from .runtime.wpipe_executor import ALL, empty_carry, make_wpipe_fn
 
@@ -72,7 +73,7 @@ class WPipeRunner:
         model, mb = self.pipe.model, self._mb(batch)
         w0 = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), model.stage_params)
         xa = jax.eval_shape(model.pre, model.pre_params, mb)
-        _, res = stage_residuals(model, w0, jnp.zeros(xa.shape, xa.dtype),
+        _, res = stage_residuals(model, w0, full(xa, 0),
                                  jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), mb))
         carry = empty_carry(model, self.D, self.M, self.pipe.mesh.size, mb, xa, res, self.pipe.nan_bubbles)
         return state._replace(carry=jax.device_put(carry, NamedSharding(self.pipe.mesh, P(ALL))))

@@ -62,8 +62,8 @@ def serial_reference(model, method: str, opt: optax.GradientTransformation, num_
     ctx_of = lambda mb, i, s: (model.stage_context(mb, microbatch_key(seed, i // M, i % M), s)
                                if model.context else None)
     ctx0 = ctx_of(mbs[0], 0, 0)
-    mask, _ = residual_mask(model.stage_fn, local[0][0], jnp.zeros(x0.shape, x0.dtype), ctx0)
-    x_like = jnp.zeros(x0.shape, x0.dtype)
+    x_like = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), x0)     # activations may be pytrees
+    mask, _ = residual_mask(model.stage_fn, local[0][0], x_like, ctx0)
     ctx_like = jax.tree.map(jnp.zeros_like, ctx0)
     # jitted: a pullback's residuals come out in the same structure as the traced mask only under tracing
     # (eagerly, JAX builds the pullback differently)
@@ -110,7 +110,7 @@ def serial_reference(model, method: str, opt: optax.GradientTransformation, num_
         grads = [None] * D
         for s in reversed(range(D)):
             dw, dy = bwd(wB[s][0], res[s], dy)
-            dy = dy.astype(x0.dtype)
+            dy = jax.tree.map(lambda d, a: d.astype(a.dtype), dy, x0)
             dpre = jax.tree.map(jnp.zeros_like, pre0)
             if s == 0:
                 dpre = jax.vjp(lambda q: model.pre(q, mb), wB[0][1])[1](dy)[0]

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..errors import ConfigError
 from ..model import microbatch_key
-from .common import DP_AXES, read, write
+from .common import DP_AXES, cast, full, read, where, write
 from .stage import StageOps
 
 ALL = ("pipe", "data", "stage")
@@ -98,7 +98,7 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
         lp, opt_state, pstate, carry = sq(params), sq(opt_state), sq(pstate), sq(carry)
         t0, base, n_fed = counters
         me = lax.axis_index("stage")
-        sop, avals = StageOps.build(model, lp[0], jnp.zeros(x_aval.shape, x_aval.dtype),
+        sop, avals = StageOps.build(model, lp[0], full(x_aval, 0),
                                     jax.tree.map(lambda a: a[0], carry.ring))
         replica = lax.axis_index("pipe") * mesh.shape["data"] + lax.axis_index("data")
         if len(avals) != len(carry.stash):
@@ -116,8 +116,8 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             return jax.tree.map(lambda a: read(a, (base + i) % C), carry.ring)
 
         pos = (me == 0).astype(jnp.int32) + 2 * (me == D - 1).astype(jnp.int32)
-        blank = lambda: jnp.full(x_aval.shape, jnp.nan if nan_bubbles else 0, x_aval.dtype)
-        x_like = lambda: jnp.zeros(x_aval.shape, x_aval.dtype)
+        blank = lambda: full(x_aval, jnp.nan if nan_bubbles else 0)
+        x_like = lambda: full(x_aval, 0)
 
         def forward_at(first, last):
             # one position's forward on the weights the policy chose: small outputs only (message,
@@ -126,14 +126,15 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                 w, pre_p, post_p = wF
                 y, res, head = sop.forward(w, x_in, mb, pre_p, post_p, first, last, ctx)
                 if not last:
-                    return y.astype(x_aval.dtype), res, x_like(), zero_like(post_p), jnp.zeros((), jnp.float32)
+                    return cast(y, x_aval), res, x_like(), zero_like(post_p), jnp.zeros((), jnp.float32)
                 l, n, gq, dy = head
                 if summed:
                     # (sum, count): this micro-batch's loss over every replica's real tokens -- scaled here so
                     # that the pmean over replicas in B gives sum over replicas / global count
                     scale = n_dp / lax.psum(n, DP_AXES)
-                    l, gq, dy = l * scale, jax.tree.map(lambda g: g * scale.astype(g.dtype), gq), dy * scale
-                return blank(), res, dy.astype(x_aval.dtype), gq, l.astype(jnp.float32)
+                    l, gq, dy = l * scale, jax.tree.map(lambda g: g * scale.astype(g.dtype), gq), \
+                        jax.tree.map(lambda d: d * scale.astype(d.dtype), dy)
+                return blank(), res, cast(dy, x_aval), gq, l.astype(jnp.float32)
             return op
 
         fwd_variants = [forward_at(*flags[k]) for k in used_pos]
@@ -156,7 +157,7 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                        for w in range(len(cands)) for v in range(n)]
                 msg, res, dy, gq, l = lax.switch(k * n + pos_j, brs, cands, c.recv_f, mb, ctx)
             c = c._replace(stash=[write(a, gi % D, r) for a, r in zip(c.stash, res)],
-                           dy_own=jnp.where(me == D - 1, dy, c.dy_own),
+                           dy_own=where(me == D - 1, dy, c.dy_own),
                            gpost=jax.tree.map(lambda n, o: jnp.where(me == D - 1, n, o), gq, c.gpost))
             last = (me == D - 1)
             loss = (loss[0] + jnp.where(last, l, 0.0), loss[1] + last.astype(jnp.int32))
@@ -170,7 +171,7 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             lp, opt_state, pstate, c = ops
             gi = base + i
             res = [read(a, gi % D) for a in c.stash]
-            dy = jnp.where(me == D - 1, c.dy_own, c.recv_b)
+            dy = where(me == D - 1, c.dy_own, c.recv_b)
             pre_p = lp[1]
             if policy.choose is None:
                 w, pre_p, _ = policy.backward_weights(lp, pstate, gi, me)
@@ -180,7 +181,7 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                 pre_p = None
                 brs = [(lambda v: (lambda cs, r, d: sop.backward(cs[v][0], r, d)))(v) for v in range(len(cands))]
                 dw, dx = lax.switch(k, brs, cands, res, dy)
-            dx = dx.astype(x_aval.dtype)
+            dx = cast(dx, x_aval)
             dpre = zero_like(lp[1])
             if jax.tree.leaves(lp[1]):
                 def pre_grad():
@@ -190,7 +191,7 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             dpost = jax.tree.map(lambda g: jnp.where(me == D - 1, g, jnp.zeros_like(g)), c.gpost)
             g = lax.pmean((dw, dpre, dpost), DP_AXES)
             lp, opt_state, pstate = policy.update(g, lp, opt_state, pstate, gi, me)
-            return (lp, opt_state, pstate), jnp.where(me == 0, blank(), dx)
+            return (lp, opt_state, pstate), where(me == 0, blank(), dx)
 
         def b_idle(i, ops):
             lp, opt_state, pstate, c = ops
@@ -245,9 +246,9 @@ def empty_carry(model, D: int, M: int, n_devices: int, mb_example, x_aval, mask_
     C = ring_capacity(M, D)
     per = lambda shape, dtype: jnp.zeros((n_devices,) + tuple(shape), dtype)
     nan = lambda shape, dtype: jnp.full((n_devices,) + tuple(shape), jnp.nan if nan_bubbles else 0, dtype)
+    msg = lambda: full(x_aval, jnp.nan if nan_bubbles else 0, (n_devices,))
     return AsyncCarry(
         stash=[nan((D,) + tuple(a.shape), a.dtype) for a in mask_avals],
-        recv_f=nan(x_aval.shape, x_aval.dtype), recv_b=nan(x_aval.shape, x_aval.dtype),
-        dy_own=nan(x_aval.shape, x_aval.dtype),
+        recv_f=msg(), recv_b=msg(), dy_own=msg(),
         gpost=jax.tree.map(lambda a: per(jnp.shape(a), jnp.asarray(a).dtype), model.post_params),
         ring=jax.tree.map(lambda a: per((C,) + tuple(a.shape), a.dtype), mb_example))

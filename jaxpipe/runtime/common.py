@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, List, Sequence, Tuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
@@ -122,8 +123,25 @@ def eager_point(sched: Schedule, where=None, lanes=("F", "B")):
 
 
 def read(buf, slot):
-    return lax.dynamic_index_in_dim(buf, slot, 0, False)
+    """Slot ``slot`` of a buffer (or of every buffer of a pytree: activations may be pytrees)."""
+    return jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, slot, 0, False), buf)
 
 
 def write(buf, slot, val):
-    return lax.dynamic_update_index_in_dim(buf, val.astype(buf.dtype), slot, 0)
+    """``buf`` with ``val`` written at ``slot`` (pytrees: leaf by leaf), cast to the buffer's dtype."""
+    return jax.tree.map(lambda b, v: lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), slot, 0), buf, val)
+
+
+def full(avals, value, lead=()):
+    """Arrays shaped like ``avals`` (a pytree of ShapeDtypeStructs) with leading dims ``lead``, all ``value``."""
+    return jax.tree.map(lambda a: jnp.full(tuple(lead) + tuple(a.shape), value, a.dtype), avals)
+
+
+def cast(x, avals):
+    """``x`` with every leaf cast to the dtype of the matching leaf of ``avals``."""
+    return jax.tree.map(lambda v, a: v.astype(a.dtype), x, avals)
+
+
+def where(cond, a, b):
+    """``jnp.where(cond, a, b)`` leaf by leaf."""
+    return jax.tree.map(lambda u, v: jnp.where(cond, u, v), a, b)

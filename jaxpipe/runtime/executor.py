@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from ..schedules.ir import SEND_MINUS, SEND_PLUS, Schedule
 from ..schedules.lanes import F2, L, plan
 from .stage import StageOps
-from .common import DP_AXES, eager_point, exchange_perms, num_chunks, read, vary, write
+from .common import DP_AXES, cast, eager_point, exchange_perms, full, num_chunks, read, vary, where, write
 
 _RECV = {SEND_PLUS: L["recv_p"], SEND_MINUS: L["recv_m"]}
 
@@ -115,10 +115,10 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
         ws, pre_p, post_p, batch = vary((ws, pre_p, post_p, batch))
         batch = jax.tree.map(lambda a: a.reshape((M, a.shape[0] // M) + a.shape[1:]), batch)
         me = lax.axis_index("stage")
-        blank = lambda: vary(fill(x_aval.shape, x_aval.dtype))
-        x_like = lambda: vary(jnp.zeros(x_aval.shape, x_aval.dtype))
+        blank = lambda: vary(full(x_aval, jnp.nan if nan_bubbles else 0))
+        x_like = lambda: vary(full(x_aval, 0))
         ops, stash_avals = StageOps.build(model, ws[0], x_like(), jax.tree.map(lambda a: a[0], batch), x_like,
-                                          zeros=lambda sh, dt: vary(jnp.zeros(sh, dt)))
+                                          zeros=lambda sh, dt: vary(jnp.zeros(sh, dt)), mark=vary)
         # the flat data-parallel replica: micro-batch j of replica r has key microbatch_key(seed, step, r M + j)
         replica = lax.axis_index("pipe") * mesh.shape["data"] + lax.axis_index("data")
         no_res = lambda: [vary(fill(a.shape, a.dtype)) for a in stash_avals]
@@ -144,14 +144,14 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
                     ctx = ops.context(mb, jax.random.fold_in(step_key, replica * M + row[L["mb"]]), row[L["stage"]])
                 y, res, head = ops.forward(ws[chunk], x, mb, pre_p, post_p, first, last, ctx)
                 if not last:
-                    return res, acc, y.astype(x_aval.dtype)
+                    return res, acc, cast(y, x_aval)
                 l, n, gq, dy = head
                 gws, gpre, gpost, (gl, gn) = acc
                 if summed:      # (sum, count) losses: divided by the global count after the pipeline
                     acc = (gws, gpre, add(gpost, gq), (gl + l.astype(jnp.float32), gn + n))
-                    return res, acc, dy.astype(x_aval.dtype)
+                    return res, acc, cast(dy, x_aval)
                 acc = (gws, gpre, add(gpost, jax.tree.map(lambda g: g / M, gq)), (gl + (l / M).astype(jnp.float32), gn))
-                return res, acc, (dy / M).astype(x_aval.dtype)
+                return res, acc, cast(jax.tree.map(lambda d: d / M, dy), x_aval)
             return op
 
         def bwd(chunk, want_dw=True, want_dx=True):
@@ -168,7 +168,7 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
                     gw = add(gw, dw)
                 if not want_dx:
                     return (gw, gpre), blank()
-                dx = dx.astype(x_aval.dtype)
+                dx = cast(dx, x_aval)
                 if jax.tree.leaves(pre_p):
                     def pre_grad(g):
                         return add(g, ops.pre_grad(pre_p, mb_of(row), dx))
@@ -198,7 +198,7 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
                 c = (code - 1) // 4
                 (gws[c], gpre), m = lax.cond(row[L["branch"]] == k, branches[li][k], idle_b, row, stash, mbuf,
                                              (gws[c], gpre))
-                msg = m if msg is None else jnp.where(row[L["branch"]] == k, m, msg)
+                msg = m if msg is None else where(row[L["branch"]] == k, m, msg)
             return (gws, gpre, gpost, gl), blank() if msg is None else msg
 
         def lane(li, row, c):
@@ -226,7 +226,7 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
         zeros = lambda t: vary(jax.tree.map(jnp.zeros_like, t))
         carry = vary((
             [fill((p.stash_capacity + 1,) + a.shape, a.dtype) for a in stash_avals],
-            fill((p.mbuf_capacity + 1,) + x_aval.shape, x_aval.dtype),
+            full(x_aval, jnp.nan if nan_bubbles else 0, (p.mbuf_capacity + 1,)),
             ([zeros(w) for w in ws], zeros(pre_p), zeros(post_p), (jnp.zeros((), jnp.float32),) * 2)))
         for t0, t1, lanes_used in p.phases:
             carry, _ = lax.scan(phase(lanes_used), carry, jnp.asarray(table[t0:t1]))

@@ -45,16 +45,17 @@ class StageOps:
     x_like: Optional[Callable] = None   # a dummy activation for rebuilding pullbacks (default: zeros)
     ctx_aval: Any = None             # the stage context's shapes (context models)
     zeros: Optional[Callable] = None    # (shape, dtype) -> a dummy array (default jnp.zeros)
+    mark: Optional[Callable] = None     # marks values device-varying (the lane executor's vary; default: none)
 
     @classmethod
-    def build(cls, model, w, x, mb, x_like=None, zeros=None):
+    def build(cls, model, w, x, mb, x_like=None, zeros=None, mark=None):
         """Analyse the stage at weights ``w``, activation ``x`` and micro-batch ``mb`` (inside the program:
         how many residuals a pullback has can depend on it); returns ``(ops, stashed residual avals)``."""
         ctx = example_context(model, mb)
         mask, avals = residual_mask(model.stage_fn, w, x, ctx)
         ctx_aval = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype), ctx)
-        x_aval = jax.ShapeDtypeStruct(jnp.shape(x), x.dtype)
-        return cls(model, mask, x_aval, x_like, ctx_aval, zeros), avals
+        x_aval = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype), x)
+        return cls(model, mask, x_aval, x_like, ctx_aval, zeros, mark), avals
 
     def _zeros(self, aval):
         if self.zeros is not None:
@@ -64,7 +65,7 @@ class StageOps:
     def _x_like(self):
         if self.x_like is not None:
             return self.x_like()
-        return self._zeros(self.x_aval)
+        return jax.tree.map(self._zeros, self.x_aval)
 
     def context(self, mb, mb_key, stage):
         """The stage context of model stage ``stage`` for micro-batch ``mb`` with key ``mb_key`` (None for a
@@ -100,4 +101,7 @@ class StageOps:
 
     def pre_grad(self, pre_p, mb, dx):
         """The gradient of ``pre``'s parameters for the micro-batch ``mb`` given dL/dx of the first stage."""
-        return jax.vjp(lambda q: self.model.pre(q, mb), pre_p)[1](dx)[0]
+        # a leaf of pre's output that depends on nothing varying (a constant initial state) must be marked
+        # varying like its cotangent; it has no path to q, so the mark's transpose is never evaluated
+        mark = self.mark or (lambda t: t)
+        return jax.vjp(lambda q: mark(self.model.pre(q, mb)), pre_p)[1](dx)[0]

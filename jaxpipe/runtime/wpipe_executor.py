@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..errors import ConfigError
 from ..model import microbatch_key
-from .common import DP_AXES, read, write
+from .common import DP_AXES, cast, full, read, where, write
 from .stage import StageOps
 
 ALL = ("pipe", "data", "stage")
@@ -62,12 +62,12 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
         t0, base, n_fed = counters
         me = lax.axis_index("stage")
         batch = jax.tree.map(lambda a: a.reshape((M, a.shape[0] // M) + a.shape[1:]), batch)
-        ops, _ = StageOps.build(model, lps[0][0], jnp.zeros(x_aval.shape, x_aval.dtype),
+        ops, _ = StageOps.build(model, lps[0][0], full(x_aval, 0),
                                 jax.tree.map(lambda a: a[0], batch))
         replica = lax.axis_index("pipe") * mesh.shape["data"] + lax.axis_index("data")
         c = c._replace(ring=jax.tree.map(lambda r, b: write(r, (base + n_fed) % 2, b), c.ring, batch))
         n_fed = n_fed + feed.astype(jnp.int32)
-        zx = jnp.zeros(x_aval.shape, x_aval.dtype)
+        zx = full(x_aval, 0)
         zeros = lambda t: jax.tree.map(jnp.zeros_like, t)
 
         def mb_of(c, gb, j):
@@ -107,13 +107,13 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
                 if g == 0:
                     x = x_f
                 else:
-                    x = x_bnd if D == 1 else jnp.where(me == 0, x_bnd, x_f)
+                    x = x_bnd if D == 1 else where(me == 0, x_bnd, x_f)
                 y, res, head = ops.forward(w, x, mb, pre_p, post_p, first=g == 0 and flag, last=g == 1 and flag,
                                            ctx=ctx)
                 if head is not None:
                     l, _, gq, dy = head
-                    return jnp.zeros_like(zx), res, dy.astype(x_aval.dtype), gq, l.astype(jnp.float32)
-                return y.astype(x_aval.dtype), res, zx, zeros(post_p), jnp.zeros((), jnp.float32)
+                    return zeros(zx), res, cast(dy, x_aval), gq, l.astype(jnp.float32)
+                return cast(y, x_aval), res, zx, zeros(post_p), jnp.zeros((), jnp.float32)
             return op
 
         def bwd_variant(k):
@@ -137,7 +137,7 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
             loss_here = (g == 1) & flag
             c = c._replace(stash0=[write(a, s0, r) for a, r in zip(c.stash0, res)],
                            stash1=[write(a, s1, r) for a, r in zip(c.stash1, res)],
-                           dy_own=jnp.where(loss_here, dy, c.dy_own),
+                           dy_own=where(loss_here, dy, c.dy_own),
                            gpost=jax.tree.map(lambda n, o: jnp.where(loss_here, n, o), gq, c.gpost))
             loss = (loss[0] + jnp.where(loss_here, l, 0.0), loss[1] + loss_here.astype(jnp.int32))
             return c, err, loss, send
@@ -151,10 +151,10 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
             r0 = [read(a, (gb % 2) * M + j) for a in c.stash0]
             r1 = [read(a, j) for a in c.stash1]
             res = [jnp.where(g == 0, a, b) for a, b in zip(r0, r1)]
-            dy1 = jnp.where(flag, c.dy_own, c.recv_b)
-            dy0 = read(c.bnd_b, j) if D == 1 else jnp.where(me == D - 1, read(c.bnd_b, j), c.recv_b)
-            dw, dx = lax.switch(k, bwd_variants, (lps[0], sh0, lps[1]), res, jnp.where(g == 0, dy0, dy1))
-            dx = dx.astype(x_aval.dtype)
+            dy1 = where(flag, c.dy_own, c.recv_b)
+            dy0 = read(c.bnd_b, j) if D == 1 else where(me == D - 1, read(c.bnd_b, j), c.recv_b)
+            dw, dx = lax.switch(k, bwd_variants, (lps[0], sh0, lps[1]), res, where(g == 0, dy0, dy1))
+            dx = cast(dx, x_aval)
             pre_p = jax.tree.map(lambda a, b: jnp.where(k == 1, b, a), lps[0][1], sh0[1])   # the version read
             dpre = zeros(pre_p)
             if jax.tree.leaves(pre_p):
@@ -168,12 +168,12 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
             st = (lps, oss, sh0, versions, accs)
             st = lax.cond((j == M - 1) & (g == 0), lambda s: land(0, s), lambda s: s, st)
             st = lax.cond((j == M - 1) & (g == 1), lambda s: land(1, s), lambda s: s, st)
-            return st, err, jnp.where((g == 0) & flag, jnp.zeros_like(dx), dx)
+            return st, err, where((g == 0) & flag, zeros(dx), dx)
 
         def b_idle(gb, j, g, flag, st, c, err):
             return st, err, junk
 
-        junk = jnp.full(x_aval.shape, jnp.nan, x_aval.dtype) if nan_bubbles else zx
+        junk = full(x_aval, jnp.nan) if nan_bubbles else zx
 
         def tick(s, t):
             st, c, err, loss = s
@@ -198,9 +198,9 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
             # buffers are written in place, into slot M (scratch) when nothing arrived for them: a select of
             # the whole buffer would copy it every tick
             c = c._replace(
-                recv_f=jnp.where(of & ~at0, rf, c.recv_f),
+                recv_f=where(of & ~at0, rf, c.recv_f),
                 bnd_f=write(c.bnd_f, jnp.where(of & at0, jf, M), rf),
-                recv_b=jnp.where(ob & ~atl, rb, c.recv_b),
+                recv_b=where(ob & ~atl, rb, c.recv_b),
                 bnd_b=write(c.bnd_b, jnp.where(ob & atl, jb, M), rb))
             return (st, c, err, loss), None
 
@@ -237,12 +237,10 @@ def empty_carry(model, D: int, M: int, n_devices: int, mb_example, x_aval, res_a
     def per(shape, dtype):
         fill = jnp.nan if nan_bubbles and jnp.issubdtype(dtype, jnp.floating) else 0
         return jnp.full((n_devices,) + tuple(shape), fill, dtype)
+    msg = lambda lead: jax.tree.map(lambda a: per(tuple(lead) + tuple(a.shape), a.dtype), x_aval)
     return WPipeCarry(
         stash0=[per((2 * M + 1,) + tuple(a.shape), a.dtype) for a in res_avals],     # + a scratch slot
         stash1=[per((M + 1,) + tuple(a.shape), a.dtype) for a in res_avals],
-        recv_f=per(x_aval.shape, x_aval.dtype), recv_b=per(x_aval.shape, x_aval.dtype),
-        bnd_f=per((M + 1,) + tuple(x_aval.shape), x_aval.dtype),
-        bnd_b=per((M + 1,) + tuple(x_aval.shape), x_aval.dtype),
-        dy_own=per(x_aval.shape, x_aval.dtype),
+        recv_f=msg(()), recv_b=msg(()), bnd_f=msg((M + 1,)), bnd_b=msg((M + 1,)), dy_own=msg(()),
         gpost=jax.tree.map(lambda a: per(jnp.shape(a), jnp.asarray(a).dtype), model.post_params),
         ring=jax.tree.map(lambda a: per((2, M) + tuple(a.shape), a.dtype), mb_example))
