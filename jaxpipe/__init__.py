@@ -25,6 +25,8 @@ _LAZY = {
     "Checkpointer": ("checkpoint", "Checkpointer"),
     "stack_stages": ("model", "stack_stages"),
     "StageContext": ("model", "StageContext"),
+    "Precision": ("precision", "Precision"),
+    "with_precision": ("precision", "with_precision"),
     "microbatch_key": ("model", "microbatch_key"),
     "distributed": ("distributed", None),
     "diagnose": ("diagnose", None),
@@ -37,8 +39,8 @@ _LAZY = {
     "tune": ("tune", None),
 }
 
-__all__ = ["Checkpointer", "ConfigError", "CyclicDataParallel", "Pipeline", "PipelineModel", "PipelineState", "StageContext", "data", "make_mesh",
-           "microbatch_key", "models", "optim",
+__all__ = ["Checkpointer", "ConfigError", "CyclicDataParallel", "Pipeline", "PipelineModel", "PipelineState", "Precision", "StageContext", "data", "make_mesh",
+           "microbatch_key", "models", "optim", "with_precision",
            "schedules", "tune"]
 
 

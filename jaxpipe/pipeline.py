@@ -81,9 +81,19 @@ class Pipeline:
                  nan_bubbles: bool = False, chimera: Optional[dict] = None, virtual: Optional[int] = None,
                  zb: Optional[dict] = None, avgpipe: Optional[dict] = None, wpipe: Optional[dict] = None,
                  skip_nonfinite: bool = False, check_inputs: bool = True, placement: str = "lanes",
-                 recompute: bool = False, seed: int = 0):
+                 recompute: bool = False, seed: int = 0, precision=None):
         if not isinstance(model, PipelineModel):
             raise ConfigError(f"model must be a jp.PipelineModel, got {type(model).__name__}")
+        from .precision import Precision, with_precision
+        if precision is not None and not isinstance(precision, Precision):
+            raise ConfigError(f"precision={precision!r}: give jp.Precision(params='float32', compute='bfloat16')")
+        self.precision = precision
+        if precision is not None:
+            model = with_precision(model, precision)
+            if precision.loss_scale != 1 and (schedules.is_async(schedule) or schedule in ("wpipe", "avgpipe")):
+                raise ConfigError(f"Precision(loss_scale={precision.loss_scale}) unscales the gradients before the "
+                                  f"update, which {schedule} applies inside the pipeline; use loss_scale=1 (bfloat16 "
+                                  f"needs none) or a synchronous schedule")
         if mesh is None:
             from .runtime.mesh import make_mesh
             mesh = make_mesh(stages=model.num_stages)
@@ -348,6 +358,18 @@ class Pipeline:
                               f"the batch that entry or a model whose pre/post_loss reads the batch's keys") from None
         checked.add(key)
 
+    def _scaled(self, scale: float):
+        """The model the executor runs: ``post_loss`` times ``scale`` (static loss scaling; 1: the model)."""
+        if scale == 1.0:
+            return self.model
+        import dataclasses
+        post = self.model.post_loss
+
+        def scaled(p, x, b):
+            out = post(p, x, b)
+            return (out[0] * scale, out[1]) if isinstance(out, (tuple, list)) else out * scale
+        return dataclasses.replace(self.model, post_loss=scaled)
+
     def _fn(self, what: str, batch, state: Optional[PipelineState] = None):
         self._check_batch(batch)
         example = jax.tree.map(lambda l: jax.ShapeDtypeStruct(np.shape(l), getattr(l, "dtype", None) or np.asarray(l).dtype), batch)
@@ -358,8 +380,9 @@ class Pipeline:
         key = (what, jax.tree.structure(example), tuple(jax.tree.leaves(example)),
                None if state_sh is None else (jax.tree.structure(state_sh), tuple(jax.tree.leaves(state_sh))))
         if key not in self._compiled:
-            grad_fn = make_grad_fn(self.model, self.schedule, self.mesh, example, nan_bubbles=self.nan_bubbles,
-                                   lanes=self.lane_plan)
+            scale = 1.0 if self.precision is None else float(self.precision.loss_scale)
+            grad_fn = make_grad_fn(self._scaled(scale), self.schedule, self.mesh, example,
+                                   nan_bubbles=self.nan_bubbles, lanes=self.lane_plan)
 
             lay, identity = jnp.asarray(self._layout), self._identity_layout
             lay_sh = jax.tree.map(lambda _: NamedSharding(self.mesh, P("stage")), self.model.stage_params)
@@ -372,6 +395,8 @@ class Pipeline:
 
             def lg(params, b, step):
                 loss, grads = lg_full(ties.fill(params), b, step)
+                if scale != 1.0:                    # static loss scaling: undo it before anyone sees it
+                    loss, grads = jax.tree.map(lambda a: (a / scale).astype(a.dtype), (loss, grads))
                 return loss, ties.fold(grads)       # one gradient per tied array: the sum of its uses
 
             def lg_full(params, b, step):

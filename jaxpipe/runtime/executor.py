@@ -223,7 +223,8 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
                 return c, None
             return tick
 
-        zeros = lambda t: vary(jax.tree.map(jnp.zeros_like, t))
+        # gradients accumulate in float32 at least (bf16 parameters: float32 sums, cast back at the end)
+        zeros = lambda t: vary(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32)), t))
         carry = vary((
             [fill((p.stash_capacity + 1,) + a.shape, a.dtype) for a in stash_avals],
             full(x_aval, jnp.nan if nan_bubbles else 0, (p.mbuf_capacity + 1,)),
@@ -247,6 +248,9 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
             gw = jax.tree.map(lambda *g: reduce(sum(g))[None], *home)
         else:
             gw = jax.tree.map(lambda *g: reduce(jnp.stack(g)), *gws)
+        like = lambda g, p_: jax.tree.map(lambda a, b: a.astype(b.dtype), g, p_)
+        gw = like(gw, stage_p)
+        gpre, gpost = like(gpre, pre_p), like(gpost, post_p)
         if replicas:
             return jax.tree.map(lambda a: a[None], (loss, (gw, gpre, gpost)))
         return loss, (gw, gpre, gpost)
