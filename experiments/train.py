@@ -44,6 +44,10 @@ flags.DEFINE_integer("seq_len", 64, "gpt: context length in bytes")
 flags.DEFINE_integer("d_model", 64, "gpt: model width / mlp: hidden width")
 flags.DEFINE_integer("heads", 4, "gpt: attention heads")
 flags.DEFINE_integer("blocks_per_stage", 1, "gpt: transformer blocks per stage / mlp: residual blocks per stage")
+flags.DEFINE_float("dropout", 0.0, "gpt: residual dropout rate inside the stages (keys per step, micro-batch, stage)")
+flags.DEFINE_bool("tie_embeddings", False, "gpt: the output head reuses the input embedding (one tied array)")
+flags.DEFINE_bool("pad", False, "gpt: variable-length sequences with a padding mask; exact masked mean loss")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "compute dtype (float32 master weights either way)")
 flags.DEFINE_integer("eval_every", 50, "evaluate on held-out data every this many steps (0: only at the end)")
 flags.DEFINE_integer("eval_batches", 4, "held-out batches per evaluation")
 flags.DEFINE_integer("sample_len", 160, "gpt: bytes of text to sample at the end (0: none)")
@@ -124,12 +128,16 @@ def main(argv):
     if FLAGS.model == "gpt":
         train, val = jp.data.byte_corpus()
         model = jp.models.gpt(n_stages, d_model=FLAGS.d_model, heads=FLAGS.heads,
-                              blocks_per_stage=FLAGS.blocks_per_stage, seq_len=FLAGS.seq_len, seed=FLAGS.seed)
-        batches = jp.data.lm_batches(train, FLAGS.batch, FLAGS.seq_len, seed=FLAGS.seed)
+                              blocks_per_stage=FLAGS.blocks_per_stage, seq_len=FLAGS.seq_len, seed=FLAGS.seed,
+                              dropout=FLAGS.dropout, tie_embeddings=FLAGS.tie_embeddings, masked=FLAGS.pad)
+        batches = jp.data.lm_batches(train, FLAGS.batch, FLAGS.seq_len, seed=FLAGS.seed, pad=FLAGS.pad)
         eval_set = list(__import__("itertools").islice(
-            jp.data.lm_batches(val, FLAGS.batch, FLAGS.seq_len, seed=10_000 + FLAGS.seed), FLAGS.eval_batches))
+            jp.data.lm_batches(val, FLAGS.batch, FLAGS.seq_len, seed=10_000 + FLAGS.seed, pad=FLAGS.pad),
+            FLAGS.eval_batches))
         unit = "bytes"
     else:
+        if FLAGS.dropout or FLAGS.tie_embeddings or FLAGS.pad:
+            raise app.UsageError("--dropout, --tie_embeddings and --pad are options of --model=gpt")
         train, val = jp.data.digits(seed=FLAGS.seed)
         model = jp.models.residual_mlp(n_stages, 64, 10, width=FLAGS.d_model,
                                        layers_per_stage=FLAGS.blocks_per_stage, seed=FLAGS.seed)
@@ -149,7 +157,8 @@ def main(argv):
         raise app.UsageError(f"--on_nonfinite=skip needs a synchronous schedule: {FLAGS.schedule} updates inside "
                              f"the pipeline, so there is no single update to skip; use --on_nonfinite=stop")
     pipe = jp.Pipeline(model, schedule=FLAGS.schedule, num_microbatches=FLAGS.microbatches, optimizer=opt,
-                       mesh=mesh, nan_bubbles=FLAGS.nan_bubbles, skip_nonfinite=guard, **extra)
+                       mesh=mesh, nan_bubbles=FLAGS.nan_bubbles, skip_nonfinite=guard, seed=FLAGS.seed,
+                       precision=jp.Precision(params="float32", compute=FLAGS.dtype), **extra)
     state = pipe.init()
     start, ckpt = 0, None
     if FLAGS.checkpoint_dir:
@@ -169,7 +178,7 @@ def main(argv):
     if n_proc > 1:
         say(f"multi-host: {n_proc} processes x {jax.local_device_count()} {jax.devices()[0].platform} devices; "
             f"each feeds its own devices' shards")
-    eval_loss_fn = jax.jit(model.loss)
+    eval_loss_fn = jax.jit(pipe.model.loss)       # the model as trained (precision policy); no key: no dropout
 
     def evaluate(params):
         params = jp.distributed.to_host(params)      # all processes gather (collective), then evaluate locally

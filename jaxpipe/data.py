@@ -50,12 +50,16 @@ class _Stream:
 
 
 class lm_batches(_Stream):
-    """Endless random windows: ``{"x": int32[batch, seq_len], "y": the next byte of each}``."""
+    """Endless random windows: ``{"x": int32[batch, seq_len], "y": the next byte of each}``.
 
-    def __init__(self, data: np.ndarray, batch: int, seq_len: int, seed: int = 0):
+    ``pad=True``: variable-length sequences, as a real corpus of documents has -- each window keeps a random
+    length in ``[seq_len // 4, seq_len]`` (right-padded with byte 0) and the batch gets ``"mask"``
+    (float32[batch, seq_len], 1 on real tokens), for a masked loss and attention."""
+
+    def __init__(self, data: np.ndarray, batch: int, seq_len: int, seed: int = 0, pad: bool = False):
         if len(data) <= seq_len + 1:
             raise ValueError(f"corpus of {len(data)} bytes is too short for seq_len={seq_len}")
-        self.data, self.batch, self.seq_len = data, batch, seq_len
+        self.data, self.batch, self.seq_len, self.pad = data, batch, seq_len, pad
         self.rng = np.random.default_rng(seed)
         self.position = 0
 
@@ -63,7 +67,13 @@ class lm_batches(_Stream):
         starts = self.rng.integers(0, len(self.data) - self.seq_len - 1, size=self.batch)
         win = np.stack([self.data[s:s + self.seq_len + 1] for s in starts]).astype(np.int32)
         self.position += 1
-        return {"x": win[:, :-1], "y": win[:, 1:]}
+        out = {"x": win[:, :-1], "y": win[:, 1:]}
+        if self.pad:
+            lengths = self.rng.integers(max(1, self.seq_len // 4), self.seq_len + 1, size=self.batch)
+            mask = (np.arange(self.seq_len)[None] < lengths[:, None])
+            out = {"x": np.where(mask, out["x"], 0), "y": np.where(mask, out["y"], 0),
+                   "mask": mask.astype(np.float32)}
+        return out
 
 
 class class_batches(_Stream):

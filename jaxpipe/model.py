@@ -62,7 +62,9 @@ class StageContext:
     ``inputs``: the micro-batch's fields named in ``PipelineModel.stage_inputs`` (attention masks, positions,
     segment ids), sliced to the micro-batch, never sent between stages; ``key``: a PRNG key (raw ``uint32[2]``)
     that depends only on (step, micro-batch, stage) -- :func:`stage_key` -- so dropout is the same in every
-    schedule and in the unpipelined reference; ``stage``: the model stage index (int32)."""
+    schedule and in the unpipelined reference (``None`` when the model is evaluated without a key:
+    ``model.loss(params, batch)`` / ``forward`` -- a stage_fn should then skip dropout); ``stage``: the model
+    stage index (int32)."""
     inputs: Any
     key: Any
     stage: Any
@@ -137,7 +139,7 @@ class PipelineModel:
     def loss(self, params, batch, key=None):
         """The unpipelined loss: ``post_loss(post, stage_fn(...stage_fn(pre(batch))), batch)`` (sum / count
         where ``post_loss`` returns a pair).  ``key``: the micro-batch key of a context model
-        (:func:`microbatch_key`; default ``microbatch_key(0, 0, 0)``)."""
+        (:func:`microbatch_key`); ``None`` (evaluation) gives ``ctx.key = None``: no dropout."""
         total, count = self.loss_sum_count(params, batch, key)
         return total / count
 
@@ -154,7 +156,8 @@ class PipelineModel:
             raise ConfigError(f"stage_inputs names {missing} but the batch has {have}: give the batch those "
                               f"fields, or drop them from PipelineModel(stage_inputs=...)")
         inputs = {k: batch[k] for k in self.stage_inputs}
-        return StageContext(inputs, stage_key(mb_key, stage), jnp.asarray(stage, jnp.int32))
+        key = None if mb_key is None else stage_key(mb_key, stage)
+        return StageContext(inputs, key, jnp.asarray(stage, jnp.int32))
 
     def stage_output_aval(self, w, x, mb):
         """Shape and dtype of one stage's output for weights ``w``, activation ``x`` and micro-batch ``mb``
@@ -177,8 +180,6 @@ class PipelineModel:
         """Unpipelined activations after the last stage (before ``post_loss``)."""
         stage_p, pre_p, _ = params
         x = self.pre(pre_p, batch)
-        if self.context and key is None:
-            key = microbatch_key(0, 0, 0)
         for s in range(jnp.shape(jax.tree.leaves(stage_p)[0])[0]):
             ctx = self.stage_context(batch, key, s) if self.context else None
             x = self.apply_stage(jax.tree.map(lambda a: a[s], stage_p), x, ctx)

@@ -349,7 +349,7 @@ class Pipeline:
             x = jax.eval_shape(m.pre, m.pre_params, example)
             w0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(jnp.shape(a))[1:], jnp.result_type(a)), m.stage_params)
             m.check_activation(x, m.stage_output_aval(w0, x, example))     # structure before the loss
-            jax.eval_shape(m.loss, m.params, example)
+            jax.eval_shape(lambda p, b: m.loss(p, b, key=jax.random.PRNGKey(0)), m.params, example)
         except KeyError as e:
             if isinstance(batch, dict) and e.args and e.args[0] in batch:
                 raise                                   # not a missing batch entry: the model's own KeyError

@@ -22,13 +22,15 @@ class CausalSelfAttention(nnx.Module):
         self.qkv = nnx.Linear(d, 3 * d, rngs=rngs)
         self.proj = nnx.Linear(d, d, rngs=rngs)
 
-    def __call__(self, x):
+    def __call__(self, x, keep=None):
         B, T, d = x.shape
         q, k, v = jnp.split(self.qkv(x), 3, axis=-1)
         split = lambda a: a.reshape(B, T, self.heads, d // self.heads)
         q, k, v = split(q), split(k), split(v)
         att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(d // self.heads).astype(x.dtype)
         mask = jnp.tril(jnp.ones((T, T), bool))
+        if keep is not None:          # key padding: no token attends to padding (the diagonal stays, no NaN)
+            mask = mask & ((keep[:, None, None, :] > 0) | jnp.eye(T, dtype=bool))
         att = jnp.where(mask, att, jnp.finfo(att.dtype).min)
         out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(att, axis=-1), v).reshape(B, T, d)
         return self.proj(out)
@@ -42,18 +44,28 @@ class Block(nnx.Module):
         self.up = nnx.Linear(d, 4 * d, rngs=rngs)
         self.down = nnx.Linear(4 * d, d, rngs=rngs)
 
-    def __call__(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.down(jax.nn.gelu(self.up(self.ln2(x))))
+    def __call__(self, x, key=None, rate=0.0, keep=None):
+        k1, k2 = jax.random.split(key) if key is not None else (None, None)
+        x = x + _dropout(self.attn(self.ln1(x), keep), k1, rate)
+        return x + _dropout(self.down(jax.nn.gelu(self.up(self.ln2(x)))), k2, rate)
+
+
+def _dropout(h, key, rate):
+    """GPT-2's residual dropout (inverted: kept values scaled by 1 / (1 - rate))."""
+    if key is None or not rate:
+        return h
+    keep = jax.random.bernoulli(key, 1.0 - rate, h.shape)
+    return jnp.where(keep, h / (1.0 - rate), 0).astype(h.dtype)
 
 
 class GPTStage(nnx.Module):
     def __init__(self, d: int, heads: int, blocks: int, rngs: nnx.Rngs):
         self.blocks = nnx.List([Block(d, heads, rngs) for _ in range(blocks)])
 
-    def __call__(self, x):
-        for blk in self.blocks:
-            x = blk(x)
+    def __call__(self, x, key=None, rate=0.0, keep=None):
+        keys = jax.random.split(key, len(self.blocks)) if key is not None else [None] * len(self.blocks)
+        for blk, k in zip(self.blocks, keys):
+            x = blk(x, k, rate, keep)
         return x
 
 
@@ -75,19 +87,60 @@ class LMHead(nnx.Module):
         return self.out(self.ln(x))
 
 
+class TiedHead(nnx.Module):
+    """The output head of a tied-embedding LM: logits = LN(h) @ E^T + b, E the input embedding."""
+
+    def __init__(self, d: int, vocab: int, rngs: nnx.Rngs):
+        self.ln = nnx.LayerNorm(d, rngs=rngs)
+        self.bias = nnx.Param(jnp.zeros((vocab,)))
+
+    def __call__(self, x, emb):
+        return self.ln(x) @ emb.T.astype(x.dtype) + self.bias[...].astype(x.dtype)
+
+
 def gpt(num_stages: int, vocab: int = 256, d_model: int = 64, heads: int = 4, blocks_per_stage: int = 1,
-        seq_len: int = 64, seed: int = 0) -> PipelineModel:
-    """A byte-level GPT cut into ``num_stages`` stages; ``model.head(post_params, h)`` gives logits."""
-    stage_fn, stage_params = stacked_stages(lambda r: GPTStage(d_model, heads, blocks_per_stage, r),
-                                            num_stages, seed)
+        seq_len: int = 64, seed: int = 0, dropout: float = 0.0, tie_embeddings: bool = False,
+        masked: bool = False) -> PipelineModel:
+    """A byte-level GPT cut into ``num_stages`` stages; ``model.head(post_params, h)`` gives logits.
+
+    ``dropout``: GPT-2's residual dropout inside the stages (keys from the stage context, so every schedule
+    drops the same units); ``tie_embeddings``: the head is ``LN(h) @ E^T + b`` with ``E`` the input
+    embedding, declared tied (one array); ``masked``: batches carry ``"mask"`` (1 on real tokens,
+    ``jp.data.lm_batches(pad=True)``): padding is masked out of attention and the loss is the exact mean over
+    real tokens (``post_loss`` returns ``(sum, count)``)."""
+    stage_apply, stage_params = stacked_stages(lambda r: GPTStage(d_model, heads, blocks_per_stage, r),
+                                               num_stages, seed)
     emb_def, emb_params = split_pure(Embed(vocab, d_model, seq_len, nnx.Rngs(seed * 1000)))
-    head_def, head_params = split_pure(LMHead(d_model, vocab, nnx.Rngs(seed * 1000 + 999)))
-    embed, head = module_apply(emb_def), module_apply(head_def)
+    embed = module_apply(emb_def)
+    if tie_embeddings:
+        head_def, head_own = split_pure(TiedHead(d_model, vocab, nnx.Rngs(seed * 1000 + 999)))
+        tied_head = module_apply(head_def)
+        head_params = {"head": head_own, "emb": emb_params["tok"]["embedding"]}
+        head = lambda p, h: tied_head(p["head"], h, p["emb"])
+        tied = [(("tok", "embedding"), ("emb",))]
+    else:
+        head_def, head_params = split_pure(LMHead(d_model, vocab, nnx.Rngs(seed * 1000 + 999)))
+        head, tied = module_apply(head_def), ()
+    context = bool(dropout) or masked
+    if context:
+        def stage_fn(w, x, ctx):
+            return stage_apply(w, x, ctx.key if dropout else None, dropout, ctx.inputs.get("mask"))
+    else:
+        stage_fn = stage_apply
+
+    def post_loss(p, h, b):
+        if not masked:
+            return softmax_xent(head(p, h), b["y"])
+        logp = jax.nn.log_softmax(head(p, h).astype(jnp.float32), axis=-1)
+        ce = -jnp.take_along_axis(logp, b["y"][..., None].astype(jnp.int32), axis=-1)[..., 0]
+        m = b["mask"].astype(jnp.float32)
+        return jnp.sum(ce * m), jnp.sum(m)
+
     return PipelineModel(
         stage_fn=stage_fn, stage_params=stage_params,
         pre=lambda p, b: embed(p, b["x"]), pre_params=emb_params,
-        post_loss=lambda p, h, b: softmax_xent(head(p, h), b["y"]), post_params=head_params,
-        head=head)
+        post_loss=post_loss, post_params=head_params, head=head,
+        context=context, stage_inputs=("mask",) if masked else (), tied=tied)
 
 
 def sample(model: PipelineModel, params, prompt: bytes, length: int, seq_len: int, key,
@@ -97,7 +150,10 @@ def sample(model: PipelineModel, params, prompt: bytes, length: int, seq_len: in
 
     @jax.jit
     def next_logits(tokens):
-        h = model.forward(params, {"x": tokens[None]})
+        batch = {"x": tokens[None]}
+        if "mask" in model.stage_inputs:
+            batch["mask"] = jnp.ones((1, tokens.shape[0]), jnp.float32)
+        h = model.forward(params, batch)            # no key: evaluation, no dropout
         return model.head(post_p, h)[0]
 
     toks = list(prompt[-seq_len:]) or [10]
