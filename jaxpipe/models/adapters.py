@@ -1,0 +1,136 @@
+"""Flax adapters: a :class:`~jaxpipe.PipelineModel` from a model someone else wrote as Flax modules.
+
+A transformer is an embedding, a stack of identical blocks and a head.  Give the pieces; the adapter stacks
+the blocks' parameters into ``num_stages`` stages of ``len(blocks) / num_stages`` blocks each (leading axes
+``[stage, block]``; a stage runs its blocks with ``lax.scan``), and gives back a function that turns trained
+parameters into the modules' own layout again.
+
+* :func:`from_nnx` takes NNX module instances (the blocks must share one graph structure);
+* :func:`from_linen` takes Linen modules with their parameter dicts (``module.apply({"params": p}, ...)``).
+
+``loss(outputs, batch)`` gets the head's output (logits) and the micro-batch, and returns a scalar mean or a
+``(sum, count)`` pair (docs/design.md §5); ``inputs(batch)`` picks what the embedding reads (default
+``batch["x"]``).  Blocks called with the block's input only; blocks that need masks or dropout keys take
+``block_call=lambda apply, p, x, ctx: ...`` (a context model: ``stage_inputs=`` names the batch fields).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..errors import ConfigError
+from ..model import PipelineModel
+
+
+def _stack_blocks(per_block: Sequence[Any], num_stages: int):
+    n = len(per_block)
+    if num_stages < 1 or n % num_stages:
+        raise ConfigError(f"{n} blocks cannot be cut into {num_stages} equal stages: give a number of stages "
+                          f"dividing {n} (e.g. {[d for d in range(1, n + 1) if n % d == 0]})")
+    ref = jax.tree.structure(per_block[0])
+    for i, p in enumerate(per_block[1:], 1):
+        if jax.tree.structure(p) != ref or any(
+                jnp.shape(a) != jnp.shape(b) for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(per_block[0]))):
+            raise ConfigError(f"block {i}'s parameters differ in structure or shape from block 0's: a pipeline "
+                              f"stage runs identical blocks (put differing layers into the embedding or head)")
+    per = n // num_stages
+    return jax.tree.map(lambda *xs: jnp.stack(xs).reshape((num_stages, per) + jnp.shape(xs[0])), *per_block)
+
+
+def _stage_fn(apply_block: Callable, block_call: Optional[Callable]):
+    """A stage: its blocks in order (``lax.scan`` over the block axis)."""
+    if block_call is None:
+        def stage(w, x):
+            return lax.scan(lambda h, p: (apply_block(p, h), None), x, w)[0]
+        return stage, False
+
+    def stage_ctx(w, x, ctx):
+        n = jax.tree.leaves(w)[0].shape[0]
+        keys = None if ctx.key is None else jax.random.split(ctx.key, n)
+
+        def one(h, pk):
+            p, k = pk
+            return block_call(apply_block, p, h, ctx.__class__(ctx.inputs, k, ctx.stage)), None
+        return lax.scan(one, x, (w, keys))[0]
+    return stage_ctx, True
+
+
+def _model(apply_block, stacked, apply_embed, embed_p, apply_head, head_p, loss, inputs, block_call,
+           stage_inputs):
+    stage_fn, context = _stage_fn(apply_block, block_call)
+    pick = inputs or (lambda b: b["x"])
+    return PipelineModel(
+        stage_fn=stage_fn, stage_params=stacked,
+        pre=lambda p, b: apply_embed(p, pick(b)), pre_params=embed_p,
+        post_loss=lambda p, h, b: loss(apply_head(p, h), b), post_params=head_p,
+        head=apply_head, context=context or bool(stage_inputs), stage_inputs=tuple(stage_inputs))
+
+
+def from_nnx(blocks: Sequence[Any], embed: Any, head: Any, loss: Callable, num_stages: int, *,
+             inputs: Optional[Callable] = None, block_call: Optional[Callable] = None,
+             stage_inputs: Sequence[str] = ()) -> Tuple[PipelineModel, Callable]:
+    """``(model, to_modules)`` from NNX modules.  ``to_modules(params)`` returns ``(blocks, embed, head)``:
+    new module instances holding ``params`` (``pipe.params(state)``)."""
+    from flax import nnx
+    blocks = list(blocks)
+    if not blocks:
+        raise ConfigError("from_nnx needs at least one block")
+    defs = [nnx.split(b) for b in blocks]
+    gdef = defs[0][0]
+    if any(d != gdef for d, _ in defs[1:]):
+        raise ConfigError("the blocks have different NNX graph structures; a stage runs identical blocks")
+    per_block = [nnx.to_pure_dict(s) for _, s in defs]
+    e_def, e_state = nnx.split(embed)
+    h_def, h_state = nnx.split(head)
+
+    def merged(gd, st):
+        return lambda p, *a: nnx.merge(gd, _restore(st, p))(*a)
+
+    model = _model(merged(gdef, defs[0][1]), _stack_blocks(per_block, num_stages),
+                   merged(e_def, e_state), nnx.to_pure_dict(e_state), merged(h_def, h_state),
+                   nnx.to_pure_dict(h_state), loss, inputs, block_call, stage_inputs)
+
+    def to_modules(params):
+        stage_p, pre_p, post_p = params
+        flat = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), stage_p)
+        out = [nnx.merge(gdef, _restore(defs[0][1], jax.tree.map(lambda a: a[i], flat)))
+               for i in range(len(blocks))]
+        return out, nnx.merge(e_def, _restore(e_state, pre_p)), nnx.merge(h_def, _restore(h_state, post_p))
+
+    return model, to_modules
+
+
+def _restore(state, pure):
+    """An NNX state with the values of the pure dict ``pure`` (a copy; ``state`` is not changed)."""
+    from flax import nnx
+    st = jax.tree.map(lambda x: x, state)
+    nnx.replace_by_pure_dict(st, pure)
+    return st
+
+
+def from_linen(block: Any, block_params: Sequence[Any], embed: Tuple[Any, Any], head: Tuple[Any, Any],
+               loss: Callable, num_stages: int, *, inputs: Optional[Callable] = None,
+               block_call: Optional[Callable] = None,
+               stage_inputs: Sequence[str] = ()) -> Tuple[PipelineModel, Callable]:
+    """``(model, to_params)`` from Linen modules: ``block`` with one ``params`` dict per layer, and
+    ``(module, params)`` for the embedding and the head.  ``to_params(params)`` returns ``(block_params list,
+    embed params, head params)`` in Linen's layout."""
+    block_params = list(block_params)
+    if not block_params:
+        raise ConfigError("from_linen needs the parameters of at least one block")
+    (e_mod, e_p), (h_mod, h_p) = embed, head
+    lin = lambda mod: (lambda p, *a: mod.apply({"params": p}, *a))
+    model = _model(lin(block), _stack_blocks(block_params, num_stages), lin(e_mod), e_p, lin(h_mod), h_p,
+                   loss, inputs, block_call, stage_inputs)
+
+    def to_params(params):
+        stage_p, pre_p, post_p = params
+        flat = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), stage_p)
+        n = jax.tree.leaves(flat)[0].shape[0]
+        blocks: List[Any] = [jax.tree.map(lambda a: a[i], flat) for i in range(n)]
+        return blocks, pre_p, post_p
+
+    return model, to_params

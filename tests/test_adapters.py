@@ -1,0 +1,123 @@
+"""Flax adapters (issue #15): a transformer written as Flax modules by someone else -- NNX instances, or
+Linen modules with their parameter dicts -- pipelines through ``jp.models.from_nnx`` / ``from_linen`` and
+equals the unpipelined modules' own loss and gradients; trained parameters go back into the modules."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxpipe as jp
+from helpers import rel_err
+
+V, D_, T = 17, 16, 6
+
+
+class NBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.ln = nnx.LayerNorm(D_, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=D_, decode=False, rngs=rngs)
+        self.mlp = nnx.Linear(D_, D_, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.ln(x)
+        x = x + self.attn(h, mask=nnx.make_causal_mask(jnp.ones(x.shape[:2])))
+        return x + jax.nn.gelu(self.mlp(x))
+
+
+def xent(logits, b):
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), b["y"][..., None], -1))
+
+
+def close(a, b, tol=1e-5):
+    """Per-leaf relative error, except leaves whose true gradient is zero (attention's key bias cannot
+    change a softmax: its gradient is float32 noise, ~1e-9) -- those must be tiny in absolute terms."""
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        if np.linalg.norm(y) < 1e-6:
+            assert np.max(np.abs(x)) < 1e-6
+        else:
+            assert np.linalg.norm(x - y) / np.linalg.norm(y) <= tol
+    return True
+
+
+def batch_of(n, seed=1):
+    r = np.random.default_rng(seed)
+    return {"x": r.integers(0, V, (n, T)).astype(np.int32), "y": r.integers(0, V, (n, T)).astype(np.int32)}
+
+
+def nnx_pieces():
+    rngs = nnx.Rngs(0)
+    return [NBlock(rngs) for _ in range(4)], nnx.Embed(V, D_, rngs=rngs), nnx.Linear(D_, V, rngs=rngs)
+
+
+def nnx_loss(blocks, embed, head, batch):
+    x = embed(batch["x"])
+    for b in blocks:
+        x = b(x)
+    return xent(head(x), batch)
+
+
+@pytest.mark.parametrize("stages,schedule", [(2, "1f1b"), (4, "gpipe")])
+def test_nnx_model_equals_its_own_modules(stages, schedule):
+    blocks, embed, head = nnx_pieces()
+    model, to_modules = jp.models.from_nnx(blocks, embed, head, xent, num_stages=stages)
+    batch = batch_of(8)
+    pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=2, optimizer=optax.adamw(1e-2),
+                       mesh=jp.make_mesh(stages=stages))
+    loss, grads = pipe.loss_and_grad(pipe.init(), batch)
+    ref = nnx_loss(blocks, embed, head, batch)
+    assert abs(float(loss) - float(ref)) <= 1e-5 * abs(float(ref))
+    # gradients: the modules' own nnx.grad, laid out the adapter's way
+    g_blocks, g_embed, g_head = nnx.grad(lambda bs, e, h: nnx_loss(bs, e, h, batch), argnums=(0, 1, 2))(
+        nnx.List(blocks), embed, head)
+    per = [nnx.to_pure_dict(g_blocks[i]) for i in range(4)]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs).reshape((stages, 4 // stages) + xs[0].shape), *per)
+    assert close(grads, (stacked, nnx.to_pure_dict(g_embed), nnx.to_pure_dict(g_head)))
+    # trained parameters go back into modules that compute the pipeline's own loss
+    state = pipe.init()
+    state, _ = pipe.step(state, batch)
+    nb, ne, nh = to_modules(pipe.params(state))
+    assert abs(float(nnx_loss(nb, ne, nh, batch)) - float(model.loss(pipe.params(state), batch))) <= 1e-5
+
+
+class LBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.LayerNorm()(x)
+        return x + nn.Dense(D_)(jax.nn.gelu(nn.Dense(D_)(h)))
+
+
+def test_linen_model_equals_its_own_modules():
+    keys = jax.random.split(jax.random.PRNGKey(0), 6)
+    x0 = jnp.zeros((2, T, D_))
+    block = LBlock()
+    bps = [block.init(k, x0)["params"] for k in keys[:4]]
+    emb, hd = nn.Embed(V, D_), nn.Dense(V)
+    ep = emb.init(keys[4], jnp.zeros((2, T), jnp.int32))["params"]
+    hp = hd.init(keys[5], x0)["params"]
+    model, to_params = jp.models.from_linen(block, bps, (emb, ep), (hd, hp), xent, num_stages=2)
+    batch = batch_of(8)
+
+    def ref_loss(bps, ep, hp):
+        x = emb.apply({"params": ep}, batch["x"])
+        for p in bps:
+            x = block.apply({"params": p}, x)
+        return xent(hd.apply({"params": hp}, x), batch)
+
+    pipe = jp.Pipeline(model, schedule="zb_h1", num_microbatches=2, optimizer=optax.sgd(0.1),
+                       mesh=jp.make_mesh(stages=2))
+    loss, grads = pipe.loss_and_grad(pipe.init(), batch)
+    rl, (gb, ge, gh) = jax.value_and_grad(ref_loss, argnums=(0, 1, 2))(bps, ep, hp)
+    assert abs(float(loss) - float(rl)) <= 1e-5 * abs(float(rl))
+    blocks, gpre, gpost = to_params(grads)
+    assert rel_err((blocks, gpre, gpost), (gb, ge, gh)) <= 1e-5
+
+
+def test_adapter_errors():
+    blocks, embed, head = nnx_pieces()
+    with pytest.raises(jp.ConfigError, match="equal stages"):
+        jp.models.from_nnx(blocks[:3], embed, head, xent, num_stages=2)
