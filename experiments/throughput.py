@@ -108,6 +108,8 @@ def main(argv):
             devices = FLAGS.stages
             runners.setdefault("accum_v2", plain_runner(m, batch, FLAGS.microbatches, opt))
             base_of[name] = "accum_v2"
+        if name == "1f1b_pytree":     # 1f1b with the activation sent as a pair of halves (same math)
+            m = make_tanh_mlp(FLAGS.stages, FLAGS.layers // FLAGS.stages, FLAGS.width, pytree=True)
         model_of[name] = (m, devices)
         if name in ("pipedream", "pipeoptim", "spectrain"):
             # updates after every micro-batch: the plain step doing the same work runs M (gradient, update)
@@ -133,9 +135,10 @@ def main(argv):
             infos.append(info)
             continue
         pipes = 2 if name == "avgpipe" else 1     # two parallel pipelines, the batch split between them
-        run, info = pipeline_runner(name, m, batch, FLAGS.microbatches, o, devices=devices, pipes=pipes)
+        run, info = pipeline_runner(name.replace("_pytree", ""), m, batch, FLAGS.microbatches, o, devices=devices,
+                                    pipes=pipes)
         runners[name] = run
-        infos.append(info)
+        infos.append({**info, "schedule": name})
     times = interleaved_medians(runners, FLAGS.steps)
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"plain one-device step: accumulating over M={FLAGS.microbatches}: {med['accum'] * 1e3:.1f} ms, "
@@ -145,7 +148,7 @@ def main(argv):
         name = info["schedule"]
         o = jp.optim.by_name(opts.get(name, FLAGS.optimizer), 1e-3)
         m, devices = model_of[name]
-        m2 = compile_time(name, m, batch, FLAGS.compile_m2, o, devices) \
+        m2 = compile_time(name.replace("_pytree", ""), m, batch, FLAGS.compile_m2, o, devices) \
             if FLAGS.compile_m2 and name not in ("avgpipe",) and not name.startswith("cdp_dp_") else None
         base = base_of.get(name, "accum_momentum" if name in opts else "accum")
         if name in opts:

@@ -12,8 +12,12 @@ import optax
 from .model import PipelineModel
 
 
-def make_tanh_mlp(stages: int, layers_per_stage: int, width: int, seed: int = 0) -> PipelineModel:
-    """The benchmark model: ``h = tanh(h @ W)`` layers, W ``width x width``, MSE head on the last output."""
+def make_tanh_mlp(stages: int, layers_per_stage: int, width: int, seed: int = 0,
+                  pytree: bool = False) -> PipelineModel:
+    """The benchmark model: ``h = tanh(h @ W)`` layers, W ``width x width``, MSE head on the last output.
+
+    ``pytree=True``: the same math with the activation sent as a pair of halves ``(h[:, :w/2], h[:, w/2:])``
+    (a pytree of two leaves) -- the cost of pytree activations against one array."""
     key = jax.random.key(seed)
     w = jax.random.normal(key, (stages, layers_per_stage, width, width), jnp.float32) / jnp.sqrt(width)
 
@@ -22,8 +26,15 @@ def make_tanh_mlp(stages: int, layers_per_stage: int, width: int, seed: int = 0)
             h = jnp.tanh(h @ p[i])
         return h
 
-    return PipelineModel(stage_fn=stage_fn, stage_params=w,
-                         post_loss=lambda _, h, b: jnp.mean((h - b["y"]) ** 2))
+    if not pytree:
+        return PipelineModel(stage_fn=stage_fn, stage_params=w,
+                             post_loss=lambda _, h, b: jnp.mean((h - b["y"]) ** 2))
+    half = width // 2
+    split = lambda h: (h[:, :half], h[:, half:])
+    join = lambda t: jnp.concatenate(t, axis=-1)
+    return PipelineModel(stage_fn=lambda p, t: split(stage_fn(p, join(t))), stage_params=w,
+                         pre=lambda _, b: split(b["x"]),
+                         post_loss=lambda _, t, b: jnp.mean((join(t) - b["y"]) ** 2))
 
 
 def plain_train_step(model: PipelineModel, opt: optax.GradientTransformation, num_microbatches: int,

@@ -2,7 +2,6 @@
 dropout, padding masks with an exact masked-mean loss -- pipelined gradients equal the unpipelined tied model
 run micro-batch by micro-batch with the pipeline's keys."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
