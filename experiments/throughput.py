@@ -18,7 +18,7 @@ from absl import app, flags
 
 from experiments import with_device_count
 
-flags.DEFINE_string("schedules", "gpipe,1f1b,interleaved_1f1b,zb_h1,chimera,pipedream,pipedream_2bw,spectrain,"
+flags.DEFINE_string("schedules", "gpipe,1f1b,1f1b_pytree,interleaved_1f1b,zb_h1,chimera,pipedream,pipedream_2bw,spectrain,"
                     "pipeoptim,cdp_v1,cdp_v2,wpipe,avgpipe,cdp_dp_v1,cdp_dp_v2",
                     "comma-separated schedules to benchmark (spectrain runs with SGD-momentum and is compared "
                     "with a plain step using that optimizer when --optimizer has no momentum)")
