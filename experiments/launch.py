@@ -9,6 +9,7 @@ stops the others and exits with its status.  Each process gets ``stages x data x
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -50,16 +51,35 @@ def launch(args, num_processes: int, module: str = "experiments.train", port: in
     for i in range(num_processes):
         cmd = [sys.executable, "-m", module, *args, f"--num_processes={num_processes}", f"--process_id={i}",
                f"--coordinator=127.0.0.1:{port}"]
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ, **({"JAXPIPE_VERBOSE": "1"} if verbose else {})))
+        # own session: a Ctrl-C in the terminal reaches the launcher only, which forwards it once
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                             env=dict(os.environ, **({"JAXPIPE_VERBOSE": "1"} if verbose else {})))
         t = threading.Thread(target=_pump, args=(i, p.stdout, sys.stdout, verbose), daemon=True)
         t.start()
         procs.append(p)
         pumps.append(t)
+    got, got_at = [], [0.0]
+
+    def forward(signum, _frame):
+        # SIGTERM / Ctrl-C to the launcher: pass it on, so every worker checkpoints and exits together (a
+        # second one is passed on too: the workers then exit at once)
+        got.append(signum)
+        got_at[:] = [time.monotonic()]
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     t0, rc = time.monotonic(), 0
     while True:
         codes = [p.poll() for p in procs]
         failed = [c for c in codes if c not in (None, 0)]
-        if failed or all(c == 0 for c in codes):
+        if got:
+            # stopping: every worker saves its share of the checkpoint and exits; wait for all (bounded)
+            if all(c is not None for c in codes) or time.monotonic() - got_at[0] > 120:
+                rc = failed[0] if failed else 0
+                break
+        elif failed or all(c == 0 for c in codes):
             rc = failed[0] if failed else 0
             break
         if timeout and time.monotonic() - t0 > timeout:
@@ -67,14 +87,19 @@ def launch(args, num_processes: int, module: str = "experiments.train", port: in
             rc = 124
             break
         time.sleep(0.2)
+    if got and not rc:
+        rc = next((c for c in (p.returncode for p in procs) if c), 0)
     for p in procs:
         if p.poll() is None:
             p.terminate()
     for p in procs:
         try:
-            p.wait(timeout=30)
+            p.wait(timeout=30)                 # bounded shutdown: then killed
         except subprocess.TimeoutExpired:
+            print(f"launch: process {procs.index(p)} did not exit 30 s after SIGTERM; killing it", file=sys.stderr)
             p.kill()
+    for sig, h in old.items():
+        signal.signal(sig, h)
     for t in pumps:
         t.join(timeout=5)
     if rc:

@@ -114,7 +114,6 @@ def main(argv):
     primary = jax.process_index() == 0
     say = print if primary else (lambda *a, **k: None)
     os.makedirs(FLAGS.out_dir, exist_ok=True)
-    key = jax.random.key(FLAGS.seed)
     n_stages = FLAGS.stages * (FLAGS.virtual if FLAGS.schedule == "interleaved_1f1b" else
                                2 if FLAGS.schedule == "wpipe" else 1)      # wpipe: G0 and G1 on each device
     extra = {}
@@ -162,12 +161,15 @@ def main(argv):
     state = pipe.init()
     start, ckpt = 0, None
     if FLAGS.checkpoint_dir:
-        ckpt = jp.Checkpointer(FLAGS.checkpoint_dir, pipe, keep=FLAGS.checkpoint_keep, every=FLAGS.checkpoint_every)
+        ckpt = jp.Checkpointer(FLAGS.checkpoint_dir, pipe, keep=FLAGS.checkpoint_keep, every=FLAGS.checkpoint_every,
+                               writer=True)      # one writer per directory: a second run fails here, not later
         if ckpt.latest_step() is not None:
             example = jax.tree.map(np.zeros_like, next(copy.deepcopy(batches)))
-            state, extra_saved, start = ckpt.restore(pipe.prepare(state, example))
-            batches.load_state_dict(extra_saved["data"])
-            say(f"resumed from {FLAGS.checkpoint_dir} at step {start} (data position {batches.position})")
+            # the newest intact checkpoint: a corrupt or unreadable one is reported and skipped
+            state, extra_saved, start = ckpt.restore_latest(pipe.prepare(state, example), report=say)
+            if start:
+                batches.load_state_dict(extra_saved["data"])
+                say(f"resumed from {FLAGS.checkpoint_dir} at step {start} (data position {batches.position})")
     r = pipe.schedule.simulate(f=1.0, b=1.0, w=1.0) if pipe.schedule.has_w() else pipe.schedule.simulate(f=1.0, b=2.0)
     say(f"jaxpipe: {FLAGS.model} ({sum(x.size for x in jax.tree.leaves(model.params)):,} parameters), "
           f"{FLAGS.schedule}, mesh data={FLAGS.data} x stage={FLAGS.stages}, M={FLAGS.microbatches}, "
@@ -200,7 +202,33 @@ def main(argv):
     log = open(path, "w") if primary else open(os.devnull, "w")
     log.writelines(kept)
     stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append("SIGTERM"))   # preemption: save, then exit
+
+    def on_signal(signum, _frame):
+        # preemption (SIGTERM) and Ctrl-C (SIGINT) alike: finish the step, save, exit 143; a second signal
+        # exits at once (a scheduler's "I said stop", or a user pressing Ctrl-C twice)
+        name = signal.Signals(signum).name
+        if stop:
+            sys.stderr.write(f"\njaxpipe: second {name} while stopping: exiting now without a checkpoint\n")
+            sys.stderr.flush()
+            os._exit(130 if signum == signal.SIGINT else 143)
+        stop.append(name)
+        sys.stderr.write(f"\njaxpipe: {name}: stopping after this step (checkpoint, then exit 143); send it again "
+                         f"to exit at once\n")
+        sys.stderr.flush()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    def agreed_stop() -> bool:
+        """Whether any process was told to stop: every process must stop after the same step, or the
+        collective checkpoint save of one waits forever for the others (a tiny allgather per step)."""
+        if n_proc == 1:
+            return bool(stop)
+        from jax.experimental import multihost_utils
+        flags_ = multihost_utils.process_allgather(np.int32(1 if stop else 0))
+        if np.any(flags_) and not stop:
+            stop.append(f"a stop signal to process {int(np.argmax(flags_))}")
+        return bool(np.any(flags_))
     t_start = time.perf_counter()
     t_first = None
     last_eval = {}
@@ -250,7 +278,7 @@ def main(argv):
         bar.set_postfix(loss=f"{loss:.3f}", **{k: f"{v:.3f}" for k, v in last_eval.items()})
         if FLAGS.stop_at_step and done == FLAGS.stop_at_step and done < FLAGS.steps:
             stop.append(f"--stop_at_step={done}")
-        if stop:
+        if agreed_stop():
             bar.close()
             save(done, force=True)
             if ckpt is not None:
@@ -312,7 +340,7 @@ def _stop_nonfinite(jp, pipe, model, state, batch, metrics, step, ckpt, update_s
     sys.stderr.write(
         f"\njaxpipe: non-finite loss {float(metrics['loss'])} / grad_norm {np.asarray(metrics.get('grad_norm', np.nan))} "
         f"at step {step}, {at}. Stopped; nothing was checkpointed after it"
-        f"{f' (last good checkpoint: step {last})' if last is not None else ''}. Lower --lr, add clipping, "
+        f"{f' (newest checkpoint: step {last}, of a finite state; a resumed run verifies its checksums and falls back to an older one if it is damaged)' if last is not None else ''}. Lower --lr, add clipping, "
         f"or pass --on_nonfinite=skip to skip such updates\n")
     sys.exit(3)
 

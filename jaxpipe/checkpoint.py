@@ -14,7 +14,14 @@ iterator position and RNG) and a fingerprint of the model, schedule and mesh tha
 
 Atomicity: Orbax writes a step into ``<step>.orbax-checkpoint-tmp-*`` and renames it when every file is
 written; ``latest_step`` only lists finalized steps, so a write torn by a crash is never picked.  Retention
-(``keep``) deletes the oldest finalized steps.  All processes of a multi-host job call save/restore; Orbax
+(``keep``) deletes the oldest finalized steps.
+
+Verification: the metadata holds a checksum of every array (two 32-bit sums of its bits, computed on the
+devices when the save starts); ``restore`` recomputes them and refuses an array that differs.
+``restore_latest`` falls back from a corrupt or unreadable newest checkpoint to the newest intact one and
+says which it skipped and why.  One writer per directory: a lock file (``.jaxpipe.lock``: host, pid, time)
+is taken by the first save (or at once with ``writer=True``) and released on ``close``; a lock left by a dead process on this host
+is taken over (said so); a live owner is a ConfigError naming it.  All processes of a multi-host job call save/restore; Orbax
 writes each array's shards from the process that holds them and the metadata from process 0.
 """
 from __future__ import annotations
@@ -46,7 +53,10 @@ class Checkpointer:
     ``num_microbatches`` and ``mesh``; pass ``pipe=None`` to skip the fingerprint check)."""
 
     def __init__(self, directory: str, pipe=None, *, keep: Optional[int] = 3, every: int = 0,
-                 async_save: bool = True):
+                 async_save: bool = True, writer: bool = False):
+        """``writer=True`` takes the directory's lock now (a training run: fail before step 1 if another run
+        writes there); otherwise the lock is taken by the first save, and a Checkpointer that only restores
+        never takes it."""
         import orbax.checkpoint as ocp
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
             raise ConfigError(f"Checkpointer keep={keep!r}: give how many checkpoints to keep (>= 1) or None for all")
@@ -55,6 +65,13 @@ class Checkpointer:
                               f"asked (save(..., force=True))")
         self.directory = os.path.abspath(os.fspath(directory))
         self.every, self.keep = every, keep
+        os.makedirs(self.directory, exist_ok=True)
+        if not os.access(self.directory, os.W_OK):
+            raise ConfigError(f"checkpoint directory {self.directory} is not writable by this user: give a writable "
+                              f"--checkpoint_dir (checked before step 1, not at the first save)")
+        self._lock = None
+        if writer:
+            self._take_lock()
         self.fingerprint = fingerprint(pipe) if pipe is not None else None
         self._ocp = ocp
         opts = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=max(every, 1),
@@ -84,10 +101,16 @@ class Checkpointer:
             raise ConfigError(f"refusing to checkpoint step {step}: the state holds NaN/Inf in {bad[:3]}"
                               f"{' ...' if len(bad) > 3 else ''}; the last good checkpoint is step "
                               f"{self.latest_step()}")
-        meta = {"step": int(step), "fingerprint": self.fingerprint, "extra": extra or {}, "shapes": _shapes(state)}
+        self._take_lock()
+        meta = {"step": int(step), "fingerprint": self.fingerprint, "extra": extra or {}, "shapes": _shapes(state),
+                "checksums": checksums(state)}
         args = self._ocp.args.Composite(state=self._ocp.args.StandardSave(state),
                                         meta=self._ocp.args.JsonSave(meta))
         return bool(self.manager.save(step, args=args, force=True))
+
+    def _take_lock(self):
+        if self._lock is None and jax.process_index() == 0:
+            self._lock = _DirectoryLock(self.directory)
 
     def save(self, step: int, state, extra: Optional[dict] = None) -> bool:
         return self.maybe_save(step, state, extra, force=True)
@@ -99,6 +122,9 @@ class Checkpointer:
     def close(self):
         self.manager.wait_until_finished()
         self.manager.close()
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     # ------------------------------------------------------------------ restore
     def restore(self, template, step: Optional[int] = None) -> Tuple[Any, dict, int]:
@@ -126,13 +152,34 @@ class Checkpointer:
                               f"{sorted(set(saved) ^ set(want))[:2]}): it was written by another schedule or "
                               f"jaxpipe version; resume with the configuration that wrote it, or start afresh")
         out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
+        want_sums = meta.get("checksums")
+        if want_sums is not None:
+            got = checksums(out["state"])
+            bad = [k for k, v in want_sums.items() if got.get(k) != v]
+            if bad:
+                raise CorruptCheckpoint(f"checkpoint step {step} in {self.directory} is corrupt: {len(bad)} array(s) "
+                                        f"differ from the checksums written with them (e.g. {bad[0]})")
         return out["state"], meta.get("extra", {}), int(meta["step"])
 
-    def restore_latest(self, template) -> Tuple[Any, dict, int]:
-        """Like ``restore`` but returns ``(template, {}, 0)`` when the directory holds no checkpoint."""
-        if self.latest_step() is None:
-            return template, {}, 0
-        return self.restore(template)
+    def restore_latest(self, template, report=print) -> Tuple[Any, dict, int]:
+        """Like ``restore`` from the newest checkpoint that is intact: a corrupt or unreadable one (a flipped
+        bit, a missing file) is reported through ``report`` and the next older one tried.  ``(template, {},
+        0)`` when the directory holds none (or none intact, said so)."""
+        steps = sorted(self.all_steps(), reverse=True)
+        for i, step in enumerate(steps):
+            try:
+                return self.restore(template, step)
+            except ConfigError as e:
+                if not isinstance(e, CorruptCheckpoint):
+                    raise                         # a checkpoint of another configuration: the user decides
+                why = str(e)
+            except Exception as e:                # Orbax / tensorstore / JSON: unreadable files
+                why = (f"checkpoint step {step} in {self.directory} cannot be read ({type(e).__name__}: "
+                       f"{str(e).splitlines()[0][:200] if str(e) else ''})")
+            nxt = steps[i + 1] if i + 1 < len(steps) else None
+            report(f"jaxpipe: {why}; " + (f"falling back to step {nxt}" if nxt is not None else
+                                          "no older checkpoint: starting afresh"))
+        return template, {}, 0
 
     def _check_fingerprint(self, saved: Optional[dict], step: int):
         mine = self.fingerprint
@@ -161,6 +208,89 @@ class Checkpointer:
             f"It was written on mesh {was}, this run has {now}; this schedule's state (in-flight pipeline, "
             f"replicas) is laid out per {per}. Resume on mesh {was}, or (synchronous schedules, whose state does "
             f"not depend on the 'data' axis) change only 'data'") from None
+
+
+class CorruptCheckpoint(ConfigError):
+    """A checkpoint whose arrays do not match the checksums saved with them (or that cannot be read)."""
+
+
+def checksums(tree) -> Dict[str, list]:
+    """Per array leaf: two 32-bit sums of its bits (plain and position-weighted), computed on the devices:
+    any single flipped bit changes the first; reordered values change the second."""
+    import jax.numpy as jnp
+    flat = [(jax.tree_util.keystr(k), v) for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]
+            if hasattr(v, "dtype") and hasattr(v, "shape")]
+
+    def digest(a):
+        a = jnp.asarray(a)
+        if a.dtype == jnp.bool_:
+            a = a.astype(jnp.uint8)
+        bits = a.view({1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[a.dtype.itemsize]).ravel()
+        bits = bits.astype(jnp.uint32)
+        pos = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
+        return jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * pos, dtype=jnp.uint32)])
+
+    sums = jax.jit(lambda xs: [digest(x) for x in xs])([v for _, v in flat]) if flat else []
+    if jax.process_count() == 1:
+        sums = jax.device_get(sums)
+    else:                                   # replicated results of a collective: every process has them
+        from jax.experimental import multihost_utils
+        sums = [multihost_utils.process_allgather(s) for s in sums]
+    return {k: [int(x) for x in np.asarray(s).reshape(-1)[:2]] for (k, _), s in zip(flat, sums)}
+
+
+class _DirectoryLock:
+    """``<dir>/.jaxpipe.lock`` created exclusively (host, pid, time); a lock of a dead process on this host is
+    taken over."""
+
+    def __init__(self, directory: str):
+        import json
+        import socket
+        import time
+        self.path = os.path.join(directory, ".jaxpipe.lock")
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                try:
+                    owner = json.load(open(self.path))
+                except (OSError, ValueError):
+                    owner = {}
+                if owner.get("host") == me["host"] and not _alive(owner.get("pid")):
+                    print(f"jaxpipe: taking over the lock of {directory} left by process {owner.get('pid')} "
+                          f"(no longer running)", flush=True)
+                    os.unlink(self.path)
+                    continue
+                raise ConfigError(
+                    f"checkpoint directory {directory} is in use by process {owner.get('pid')} on host "
+                    f"{owner.get('host')} (since {owner.get('since')}): two runs writing one directory would mix "
+                    f"their steps. Stop that run, use another --checkpoint_dir, or delete {self.path} if that "
+                    f"process is gone") from None
+            with os.fdopen(fd, "w") as fh:
+                json.dump(me, fh)
+            self.owner = me
+            return
+
+    def release(self):
+        try:
+            import json
+            if json.load(open(self.path)).get("pid") == os.getpid():
+                os.unlink(self.path)
+        except (OSError, ValueError):
+            pass
+
+
+def _alive(pid) -> bool:
+    if not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _shapes(tree) -> Dict[str, list]:

@@ -105,6 +105,7 @@ class PipelineModel:
     context: bool = False             # stage_fn(params, x, ctx) with a StageContext (inputs, key, stage)
     stage_inputs: Tuple[str, ...] = ()   # batch fields stage_fn reads (ctx.inputs); implies context
     tied: Tuple = ()                  # ((pre_path, post_path), ...): one array used by pre and post_loss
+    integer_inputs: Any = None        # {batch key: bound or None}: integer ids checked in [0, bound)
 
     def __post_init__(self):
         if isinstance(self.stage_inputs, str):

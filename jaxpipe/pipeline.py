@@ -44,6 +44,30 @@ def require_finite(batch, opt_out: str):
                           f"{opt_out} if non-finite inputs are intended")
 
 
+def check_integer_inputs(model, batch, opt_out: str):
+    """ConfigError unless every batch field the model declares in ``integer_inputs`` (key -> number of classes
+    or vocabulary size, or None for "non-negative") holds integers in ``[0, bound)``: a label 99 of 5 classes
+    gives a NaN loss, -1 silently reads the last class, a token id past the vocabulary poisons every weight."""
+    for key, bound in (model.integer_inputs or {}).items():
+        if not isinstance(batch, dict) or key not in batch:
+            continue
+        v = batch[key]
+        dtype = getattr(v, "dtype", None) or np.asarray(v).dtype
+        if not jnp.issubdtype(dtype, jnp.integer):
+            raise ConfigError(f"batch[{key!r}] is {dtype} but the model reads integer ids from it (class or token "
+                              f"ids{f' in [0, {bound})' if bound else ''}); a float 2.7 would be truncated to 2. "
+                              f"Convert it: batch[{key!r}].astype(np.int32)")
+        if isinstance(v, jax.Array) and not v.is_fully_addressable:
+            continue                        # another process's rows: checked by that process
+        lo, hi = (int(jnp.min(v)), int(jnp.max(v))) if isinstance(v, jax.Array) else (int(np.min(v)), int(np.max(v)))
+        if lo < 0 or (bound is not None and hi >= bound):
+            bad = lo if lo < 0 else hi
+            raise ConfigError(f"batch[{key!r}] holds {bad}, outside [0, {bound if bound is not None else 'inf'}) "
+                              f"that the model accepts ({'negative ids read the last rows' if bad < 0 else 'past the table: NaN loss or NaN weights'}). "
+                              f"Fix the data, or declare the right size in PipelineModel(integer_inputs=...); "
+                              f"{opt_out} turns the check off")
+
+
 class PipelineState(NamedTuple):
     """Train state: parameters ``(stage, pre, post)``, optimizer state, and the number of updates applied."""
     params: Tuple[Any, Any, Any]
@@ -84,6 +108,11 @@ class Pipeline:
                  recompute: bool = False, seed: int = 0, precision=None):
         if not isinstance(model, PipelineModel):
             raise ConfigError(f"model must be a jp.PipelineModel, got {type(model).__name__}")
+        if optimizer is not None and not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+            hint = (f"{getattr(optimizer, '__module__', '')}.{getattr(optimizer, '__name__', '')} is the function "
+                    f"that builds one; call it, e.g. optax.adam(1e-3)" if callable(optimizer) else
+                    "give an optax GradientTransformation, e.g. optax.adamw(1e-3)")
+            raise ConfigError(f"optimizer={optimizer!r} is not an optax optimizer: {hint}")
         from .precision import Precision, with_precision
         if precision is not None and not isinstance(precision, Precision):
             raise ConfigError(f"precision={precision!r}: give jp.Precision(params='float32', compute='bfloat16')")
@@ -267,6 +296,45 @@ class Pipeline:
         self._check_values(batch)
         return self._fn("grad", batch)(state.params, batch, state.step)
 
+    def _check_state(self, state):
+        """A clear error for a state that is not this pipeline's: None, the parameters, another schedule's or
+        another configuration's (optimizer, model)."""
+        if state is None:
+            raise ConfigError("state is None: start from state = pipe.init() (or a restored checkpoint)")
+        want = self.__dict__.get("_state_example")
+        if want is None:
+            want = self._state_example = jax.eval_shape(self.init)
+        if type(state) is not type(want):
+            what = ("the model's parameters" if isinstance(state, tuple) and len(state) == 3 and
+                    not hasattr(state, "_fields") else f"a {type(state).__name__}")
+            raise ConfigError(f"step() got {what}; it needs this pipeline's train state ({type(want).__name__}, from "
+                              f"pipe.init() or the previous step) -- a state of another schedule or runner "
+                              f"does not fit {self.schedule.name!r}")
+        for field in ("params", "opt_state"):
+            a, b = getattr(state, field), getattr(want, field)
+            sa, sb = jax.tree.structure(a), jax.tree.structure(b)
+            shapes = [(tuple(np.shape(x)), tuple(np.shape(y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
+            if sa != sb or any(x != y for x, y in shapes):
+                raise ConfigError(
+                    f"this state's {field} do not match this pipeline's ({'structure differs' if sa != sb else 'shapes differ'}): "
+                    f"it was made by a Pipeline with another model, optimizer or schedule. Use this pipeline's "
+                    f"pipe.init(), or restore a checkpoint written by the same configuration")
+
+    def _check_inflight(self, state, batch):
+        """A no-flush pipeline keeps earlier micro-batches in flight: every step must feed the same shapes."""
+        ring = getattr(getattr(state, "carry", None), "ring", None)
+        if ring is None or not isinstance(batch, dict):
+            return
+        per = self.data_parallel * self.num_microbatches
+        for (k, r), b in zip(jax.tree_util.tree_flatten_with_path(ring)[0], jax.tree.leaves(batch)):
+            mb = (np.shape(b)[0] // per,) + tuple(np.shape(b)[1:])
+            if tuple(r.shape[-len(mb):]) != mb:
+                raise ConfigError(
+                    f"this {self.schedule.name} pipeline holds micro-batches shaped {list(r.shape[-len(mb):])} in "
+                    f"flight (batch entry {jax.tree_util.keystr(k)}), and this batch gives {list(mb)}: a no-flush "
+                    f"pipeline needs the same batch shapes every step. Keep the batch size, or drain() and start "
+                    f"a fresh state with pipe.init()")
+
     def step(self, state: PipelineState, batch):
         """One optimizer step on ``batch``; returns ``(state, metrics)`` (metrics: loss, grad_norm, step).
 
@@ -275,6 +343,8 @@ class Pipeline:
         ``losses_computed``, ``microbatches_fed``, ``microbatches_finished`` (backward done on every stage).
         """
         self._check_values(batch)
+        self._check_state(state)
+        self._check_inflight(state, batch)
         if self._async is not None:
             return self._async.step(state, self.shard_batch(batch))
         if self._avg is not None:
@@ -310,11 +380,21 @@ class Pipeline:
 
     # ------------------------------------------------------------------ internals
     def _check_batch(self, batch):
+        if not isinstance(batch, dict):
+            raise ConfigError(f"the batch is a {type(batch).__name__}; give a dict of arrays with a leading batch "
+                              f"axis, e.g. {{'x': float32[n, ...], 'y': int32[n]}} (pre/post_loss read it by key)")
         leaves = jax.tree.leaves(batch)
         if not leaves:
             raise ConfigError(f"the batch {batch!r} has no arrays: give a pytree of arrays with a leading batch "
                               f"axis, e.g. {{'x': float32[n, ...], 'y': int32[n]}}")
+        scalars = [k for k, v in jax.tree_util.tree_flatten_with_path(batch)[0] if np.ndim(v) == 0]
+        if scalars:
+            raise ConfigError(f"batch entry {jax.tree_util.keystr(scalars[0])} is a scalar: every entry needs a "
+                              f"leading batch axis (one row per example)")
         sizes = {int(jnp.shape(l)[0]) for l in leaves}
+        if sizes == {0}:
+            raise ConfigError("the batch has 0 rows: a step needs at least one example per micro-batch and replica "
+                              "(an empty batch would give a NaN loss and still update the optimizer state)")
         if len(sizes) != 1:
             raise ConfigError(f"every batch leaf needs the same leading (batch) size; found {sorted(sizes)}")
         n = sizes.pop()
@@ -333,6 +413,7 @@ class Pipeline:
         self._check_keys(batch)
         if self.check_inputs:
             require_finite(batch, "Pipeline(..., check_inputs=False)")
+            check_integer_inputs(self.model, batch, "Pipeline(..., check_inputs=False)")
 
     def _check_keys(self, batch):
         """Trace the unpipelined loss once per batch structure: a key or shape the model reads and the batch

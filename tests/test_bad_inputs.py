@@ -48,8 +48,50 @@ def identity_stage_model():
                             post_loss=lambda q, x, b: jnp.mean(x))
 
 
+def labeled(y):
+    b = BATCH(8)
+    b["y"] = y
+    return b
+
+
+def other_optimizer_state():
+    a, b = pipe(opt=optax.sgd(0.1)), pipe(opt=optax.adam(1e-3))
+    return a.step(b.init(), BATCH(8))
+
+
+def async_batch_size_changes():
+    p = pipe("pipedream", M=2)
+    st, _ = p.step(p.init(), BATCH(8))
+    p.step(st, BATCH(16))
+
+
 # (id, action(tmp_path), regex the message must match: value, reason, fix)
 CASES = [
+    ("label_past_num_classes", lambda t: step(pipe(), labeled(np.full(8, 99, np.int32))),
+     r"batch\['y'\] holds 99, outside \[0, 5\).*NaN.*integer_inputs"),
+    ("label_negative", lambda t: step(pipe("pipeoptim"), labeled(np.full(8, -1, np.int32))),
+     r"batch\['y'\] holds -1, outside \[0, 5\).*negative ids read the last rows"),
+    ("float_labels", lambda t: step(pipe(), labeled(np.full(8, 2.7, np.float32))),
+     r"batch\['y'\] is float32 but the model reads integer ids.*truncated.*astype"),
+    ("token_past_vocabulary", lambda t: step(pipe(model=small_model("gpt", 2)[0]), {
+        "x": np.full((8, 8), 40, np.int32), "y": np.zeros((8, 8), np.int32)}),
+     r"batch\['x'\] holds 40, outside \[0, 32\)"),
+    ("zero_row_batch", lambda t: step(pipe(), {"x": np.zeros((0, 12), np.float32), "y": np.zeros(0, np.int32)}),
+     r"the batch has 0 rows.*NaN loss"),
+    ("scalar_batch_leaf", lambda t: step(pipe(), {"x": np.zeros((8, 12), np.float32), "y": np.int32(1)}),
+     r"batch entry \['y'\] is a scalar: every entry needs a leading batch axis"),
+    ("batch_as_tuple", lambda t: step(pipe(), (np.zeros((8, 12), np.float32), np.zeros(8, np.int32))),
+     r"the batch is a tuple; give a dict of arrays"),
+    ("optimizer_not_called", lambda t: pipe(opt=optax.adam), r"not an optax optimizer: .*adam is the function.*call it"),
+    ("step_of_none", lambda t: pipe().step(None, BATCH(8)), r"state is None: start from state = pipe.init\(\)"),
+    ("step_of_params", lambda t: pipe().step(MLP2.params, BATCH(8)),
+     r"step\(\) got the model's parameters; it needs this pipeline's train state \(PipelineState"),
+    ("state_of_other_schedule", lambda t: pipe("pipedream").step(pipe().init(), BATCH(8)),
+     r"step\(\) got a PipelineState; it needs this pipeline's train state \(AsyncState"),
+    ("state_of_other_optimizer", lambda t: other_optimizer_state(),
+     r"this state's opt_state do not match this pipeline's.*another model, optimizer or schedule"),
+    ("async_batch_size_changes", lambda t: async_batch_size_changes(),
+     r"holds micro-batches shaped \[4, 12\] in flight.*this batch gives \[8, 12\].*same batch shapes"),
     ("batch_not_divisible", lambda t: pipe(M=4, data=2).loss_and_grad(pipe(M=4, data=2).init(), BATCH(12)),
      r"batch size 12 does not split into 2 data-parallel .* 4 micro-batches .*multiple of 8"),
     ("batch_smaller_than_microbatches", lambda t: step(pipe(M=8), BATCH(4)),

@@ -87,3 +87,50 @@ def test_skip_nonfinite_updates(tmp_path):
     assert summary["skipped_updates"] > 0
     params = np.load(tmp_path / "p.npz")
     assert all(np.all(np.isfinite(params[k])) for k in params.files)
+
+
+def test_sigterm_to_one_process_of_two_stops_both_at_one_step(tmp_path):
+    """Issue #16: SIGTERM to one process of a 2-process job (through the launcher: SIGTERM to the launcher,
+    which forwards it) -- both processes agree on the stop step, save one checkpoint together and exit 143;
+    before, the job deadlocked. Then a second SIGTERM exits at once. Bounded by timeouts, never hangs."""
+    ck = tmp_path / "ck"
+    args = ["--schedule=1f1b", "--steps=400", "--checkpoint_every=0", f"--checkpoint_dir={ck}",
+            f"--out_dir={tmp_path}/run", "--throttle_s=0.2", "--stages=2"]
+    e = env()
+    e["XLA_FLAGS"] = ""        # each process emulates its own devices
+    job = subprocess.Popen([sys.executable, "-m", "experiments.launch", "--num_processes=2", "--",
+                            *[a for a in BASE if not a.startswith("--stages")], *args],
+                           cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    seen = []
+    while time.monotonic() < deadline:         # wait until training runs (a few steps logged)
+        if os.path.exists(tmp_path / "run" / "metrics.jsonl") and \
+                len(open(tmp_path / "run" / "metrics.jsonl").readlines()) >= 3:
+            break
+        time.sleep(0.2)
+    assert job.poll() is None, job.stdout.read()[-3000:]
+    job.send_signal(signal.SIGTERM)
+    try:
+        out, _ = job.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        raise AssertionError("the job did not stop within 180 s of SIGTERM (deadlock)")
+    assert job.returncode == 143, out[-3000:]
+    assert out.count("stopped by") == 1 or "stopped by" in out, out[-3000:]
+    steps = finalized(ck)
+    assert len(steps) == 1 and steps[0] >= 3, (steps, out[-2000:])
+
+
+def test_second_run_on_the_same_checkpoint_directory_is_refused(tmp_path):
+    ck = tmp_path / "ck"
+    args = ["--schedule=1f1b", "--steps=400", f"--checkpoint_dir={ck}", "--throttle_s=0.2"]
+    first = train(args + [f"--out_dir={tmp_path}/a"])
+    deadline = time.monotonic() + 120
+    while not os.path.exists(ck / ".jaxpipe.lock") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    second = train(args + [f"--out_dir={tmp_path}/b"])
+    out, err = second.communicate(timeout=120)
+    first.send_signal(signal.SIGTERM)
+    first.communicate(timeout=120)
+    assert second.returncode != 0 and f"is in use by process {first.pid}" in err, err[-2000:]
+    assert first.returncode == 143

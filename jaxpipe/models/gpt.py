@@ -140,7 +140,8 @@ def gpt(num_stages: int, vocab: int = 256, d_model: int = 64, heads: int = 4, bl
         stage_fn=stage_fn, stage_params=stage_params,
         pre=lambda p, b: embed(p, b["x"]), pre_params=emb_params,
         post_loss=post_loss, post_params=head_params, head=head,
-        context=context, stage_inputs=("mask",) if masked else (), tied=tied)
+        context=context, stage_inputs=("mask",) if masked else (), tied=tied,
+        integer_inputs={"x": vocab, "y": vocab})
 
 
 def sample(model: PipelineModel, params, prompt: bytes, length: int, seq_len: int, key,

@@ -52,4 +52,4 @@ def residual_mlp(num_stages: int, in_dim: int, num_classes: int, width: int = 64
         stage_fn=stage_fn, stage_params=stage_params,
         pre=lambda p, b: embed(p, b["x"]), pre_params=emb_params,
         post_loss=lambda p, h, b: softmax_xent(head(p, h), b["y"]), post_params=head_params,
-        head=head)
+        head=head, integer_inputs={"y": num_classes})
