@@ -233,9 +233,10 @@ def checksums(tree) -> Dict[str, list]:
     sums = jax.jit(lambda xs: [digest(x) for x in xs])([v for _, v in flat]) if flat else []
     if jax.process_count() == 1:
         sums = jax.device_get(sums)
-    else:                                   # replicated results of a collective: every process has them
+    else:                                   # results of a collective: every process reads them locally
         from jax.experimental import multihost_utils
-        sums = [multihost_utils.process_allgather(s) for s in sums]
+        sums = [np.asarray(s.addressable_shards[0].data) if s.sharding.is_fully_replicated
+                else multihost_utils.process_allgather(s, tiled=True) for s in sums]
     return {k: [int(x) for x in np.asarray(s).reshape(-1)[:2]] for (k, _), s in zip(flat, sums)}
 
 
