@@ -43,7 +43,15 @@ def fingerprint(pipe) -> Dict[str, Any]:
     shapes = [(jax.tree_util.keystr(k), tuple(int(d) for d in np.shape(v)), str(v.dtype if hasattr(v, "dtype") else np.result_type(v)))
               for k, v in jax.tree_util.tree_flatten_with_path(pipe.model.params)[0]]
     digest = hashlib.sha256(repr(shapes).encode()).hexdigest()[:16]
-    return {"model": digest, "model_parameters": int(sum(int(np.prod(s[1])) for s in shapes)),
+    opt = getattr(pipe, "optimizer", None)
+    opt_digest = None
+    if opt is not None and hasattr(opt, "init"):
+        try:
+            o = jax.eval_shape(opt.init, pipe.model.params)
+            opt_digest = hashlib.sha256(repr(jax.tree.structure(o)).encode()).hexdigest()[:16]
+        except Exception:                    # an optimizer that cannot init on the model's layout: no check
+            opt_digest = None
+    return {"model": digest, "optimizer": opt_digest, "model_parameters": int(sum(int(np.prod(s[1])) for s in shapes)),
             "model_stages": int(pipe.model.num_stages), "schedule": pipe.schedule.name,
             "microbatches": int(pipe.num_microbatches), "mesh": {k: int(v) for k, v in pipe.mesh.shape.items()}}
 
@@ -192,6 +200,11 @@ class Checkpointer:
                 f"{saved['model_stages']} stages (fingerprint {saved['model']}), this run's model has "
                 f"{mine['model_parameters']:,} in {mine['model_stages']} (fingerprint {mine['model']}); "
                 f"build the same model, or point --checkpoint_dir at an empty directory to start afresh")
+        if saved.get("optimizer") and mine.get("optimizer") and saved["optimizer"] != mine["optimizer"]:
+            raise ConfigError(
+                f"{where} was written with another optimizer (its state has another structure, fingerprint "
+                f"{saved['optimizer']} vs {mine['optimizer']}): resume with the optimizer that wrote it (e.g. the same "
+                f"--optimizer), or start afresh in another directory")
         for k in ("schedule", "microbatches"):
             if saved[k] != mine[k]:
                 raise ConfigError(
@@ -202,6 +215,12 @@ class Checkpointer:
     def _mesh_error(self, step, fp, detail):
         was = (fp or {}).get("mesh")
         now = self.fingerprint["mesh"] if self.fingerprint else None
+        if was is not None and was == now:
+            raise ConfigError(
+                f"checkpoint step {step} holds arrays of other shapes than this run's state ({detail}) on the same "
+                f"mesh {now}: the in-flight pipeline of a no-flush schedule is sized by the micro-batch, so the batch "
+                f"size (or sequence length) differs from the run that wrote it. Resume with that batch size, or "
+                f"start afresh in another directory") from None
         per = "pipe replica" if was and now and was.get("pipe") != now.get("pipe") else "device"
         raise ConfigError(
             f"checkpoint step {step} cannot be restored onto this mesh: an array differs in shape ({detail}). "

@@ -129,3 +129,20 @@ def test_read_only_directory_is_refused_before_training(tmp_path):
     pipe, _ = make()
     with pytest.raises(jp.ConfigError, match="not writable"):
         jp.Checkpointer(d, pipe)
+
+
+def test_restore_with_another_optimizer_or_batch_size_names_the_cause(tmp_path):
+    model, batch_fn = small_model("mlp", 2)
+    mk = lambda opt: jp.Pipeline(model, schedule="pipeoptim", num_microbatches=2, optimizer=opt,
+                                 mesh=jp.make_mesh(stages=2))
+    p = mk(optax.adam(1e-2))
+    st, _ = p.step(p.init(), batch_fn(8))
+    ck = jp.Checkpointer(tmp_path / "ck", p, async_save=False)
+    ck.save(1, st)
+    ck.close()
+    q = mk(optax.sgd(0.1))
+    with pytest.raises(jp.ConfigError, match="another optimizer"):
+        jp.Checkpointer(tmp_path / "ck", q).restore(q.prepare(q.init(), batch_fn(8)))
+    r = mk(optax.adam(1e-2))
+    with pytest.raises(jp.ConfigError, match="batch size"):
+        jp.Checkpointer(tmp_path / "ck", r).restore(r.prepare(r.init(), batch_fn(16)))
