@@ -61,6 +61,8 @@ flags.DEFINE_integer("num_processes", None, "multi-host: number of processes (or
 flags.DEFINE_integer("process_id", None, "multi-host: this process's index (or JAX_PROCESS_ID)")
 flags.DEFINE_bool("verbose", False, "multi-host: also print the collective library's connection lines ('[Gloo] Rank i "
                   "is connected to ...'), dropped by default")
+flags.DEFINE_integer("heartbeat_timeout", 15, "multi-host: seconds without a heartbeat after which a dead process "
+                     "is declared and the job aborts (JAX's default: 100)")
 flags.DEFINE_integer("init_timeout", 60, "multi-host: seconds to wait for the coordinator before failing")
 flags.DEFINE_string("checkpoint_dir", None, "Orbax checkpoints of the whole train state; a run finding one resumes")
 flags.DEFINE_integer("checkpoint_every", 0, "save every this many steps (0: only at exit); asynchronous writes")
@@ -110,7 +112,8 @@ def main(argv):
     import jaxpipe as jp
 
     if n_proc > 1:
-        jp.distributed.initialize(coordinator, n_proc, proc, timeout_s=FLAGS.init_timeout, verbose=FLAGS.verbose)
+        jp.distributed.initialize(coordinator, n_proc, proc, timeout_s=FLAGS.init_timeout, verbose=FLAGS.verbose,
+                                  heartbeat_timeout_s=FLAGS.heartbeat_timeout)
     primary = jax.process_index() == 0
     say = print if primary else (lambda *a, **k: None)
     os.makedirs(FLAGS.out_dir, exist_ok=True)

@@ -48,7 +48,7 @@ def settings(coordinator: Optional[str] = None, num_processes: Optional[int] = N
 
 def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] = None,
                process_id: Optional[int] = None, *, timeout_s: int = 60, auto: bool = False,
-               verbose: bool = False) -> int:
+               verbose: bool = False, heartbeat_timeout_s: int = 15) -> int:
     """Join a multi-process job (a no-op for one process unless ``auto`` finds a cluster); returns the
     number of processes.  Must run before anything touches JAX devices.
 
@@ -56,6 +56,8 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
     cannot reach the coordinator within ``timeout_s`` raises ``RuntimeError`` naming the address, instead
     of waiting forever.  Gloo's connection chatter ("[Gloo] Rank 0 is connected to ...", printed by C++ on
     the process's standard output) is dropped unless ``verbose`` or ``JAXPIPE_VERBOSE=1`` (see :func:`quiet_native_stdout`).
+    A process that dies (SIGKILL, OOM) is detected by the coordination service's heartbeats within
+    ``heartbeat_timeout_s`` (JAX's default is 100 s) and the job aborts instead of waiting in a collective.
     """
     coordinator, n, pid = settings(coordinator, num_processes, process_id)
     import jax
@@ -74,10 +76,10 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
               f"other processes do not join)", file=sys.stderr, flush=True)
     try:
         if n == 1:
-            jax.distributed.initialize(initialization_timeout=timeout_s)
+            jax.distributed.initialize(initialization_timeout=timeout_s, heartbeat_timeout_seconds=heartbeat_timeout_s)
         else:
             jax.distributed.initialize(coordinator_address=coordinator, num_processes=n, process_id=pid,
-                                       initialization_timeout=timeout_s)
+                                       initialization_timeout=timeout_s, heartbeat_timeout_seconds=heartbeat_timeout_s)
     except Exception as e:   # XLA raises its own error types (DEADLINE_EXCEEDED, UNAVAILABLE, ...)
         raise RuntimeError(
             f"process {pid} of {n} could not join the job through the coordinator at {coordinator} within "

@@ -134,3 +134,34 @@ def test_second_run_on_the_same_checkpoint_directory_is_refused(tmp_path):
     first.communicate(timeout=120)
     assert second.returncode != 0 and f"is in use by process {first.pid}" in err, err[-2000:]
     assert first.returncode == 143
+
+
+def test_sigkill_of_one_process_is_detected_in_seconds(tmp_path):
+    """Issue #16: a process killed with SIGKILL -- the survivor used to wait ~94 s in a collective, then abort.
+    With a 5 s heartbeat timeout the coordination service declares the task dead and the survivor exits
+    (non-zero, naming the unhealthy task) well within the 60 s this test allows."""
+    e = env()
+    e["XLA_FLAGS"] = ""
+    port = 12600 + os.getpid() % 300
+    common = [sys.executable, "-m", "experiments.train", "--model=mlp", "--stages=4", "--steps=500",
+              "--throttle_s=0.2", "--progress=false", "--eval_every=0", "--num_processes=2", "--heartbeat_timeout=5",
+              f"--coordinator=127.0.0.1:{port}", f"--out_dir={tmp_path}/run"]
+    p0 = subprocess.Popen(common + ["--process_id=0"], cwd=ROOT, env=e, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    p1 = subprocess.Popen(common + ["--process_id=1"], cwd=ROOT, env=e, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 180
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    while time.monotonic() < deadline and p0.poll() is None:
+        if metrics.exists() and len(open(metrics).readlines()) >= 2:
+            break
+        time.sleep(0.2)
+    p1.send_signal(signal.SIGKILL)
+    p1.wait()
+    try:
+        out, _ = p0.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        p0.kill()
+        raise AssertionError("the surviving process did not notice its dead peer within 60 s")
+    assert p0.returncode != 0
+    assert "unhealthy" in out or "heartbeat" in out, out[-2000:]
