@@ -331,9 +331,17 @@ def main(argv):
 def _stop_nonfinite(jp, pipe, model, state, batch, metrics, step, ckpt, update_skipped):
     """Exit 3 with the step and the stage where the NaN/Inf first appears (an unpipelined replay)."""
     import numpy as np
+    last = None
     if ckpt is not None:
         ckpt.close()       # the writes in flight (all of finite states) finish; nothing new starts
-    last = ckpt.latest_step() if ckpt is not None else None
+        # name a checkpoint that really is good: restore the newest intact one (checksums verified; a damaged
+        # one is reported and skipped) -- every process takes part, as in a resume
+        reader = jp.Checkpointer(ckpt.directory, pipe)
+        try:
+            _, _, last = reader.restore_latest(state, report=lambda m: sys.stderr.write(m + "\n"))
+        finally:
+            reader.close()
+        last = last or None
     where = jp.diagnose.locate_nonfinite(model, jp.distributed.to_host(pipe.params(state)), batch)
     used = ("the weights this step used (its update was not applied)" if update_skipped else
             "the weights after this step's updates (asynchronous: updated inside the pipeline)")
@@ -343,7 +351,7 @@ def _stop_nonfinite(jp, pipe, model, state, batch, metrics, step, ckpt, update_s
     sys.stderr.write(
         f"\njaxpipe: non-finite loss {float(metrics['loss'])} / grad_norm {np.asarray(metrics.get('grad_norm', np.nan))} "
         f"at step {step}, {at}. Stopped; nothing was checkpointed after it"
-        f"{f' (newest checkpoint: step {last}, of a finite state; a resumed run verifies its checksums and falls back to an older one if it is damaged)' if last is not None else ''}. Lower --lr, add clipping, "
+        f"{f' (last good checkpoint, verified just now: step {last})' if last is not None else ''}. Lower --lr, add clipping, "
         f"or pass --on_nonfinite=skip to skip such updates\n")
     sys.exit(3)
 

@@ -71,6 +71,7 @@ def test_nan_loss_stops_with_step_and_stage(tmp_path):
     assert "first at stage " in err
     good = finalized(ck)
     assert good and max(good) < step
+    assert f"last good checkpoint, verified just now: step {max(good)}" in err
     import jax
     import orbax.checkpoint as ocp
     restored = ocp.StandardCheckpointer().restore(ck / str(max(good)) / "state")
