@@ -334,7 +334,7 @@ class CyclicDataParallel:
         ``version_errors`` (always 0 unless the timeline is broken)."""
         self._check_batch(batch)
         if self.check_inputs:
-            from .pipeline import require_finite
+            from .checks import require_finite
             require_finite(batch, "CyclicDataParallel(..., check_inputs=False)")
         batch = global_batch(batch, NamedSharding(self.mesh, P("data")))
         if state.carry is None:

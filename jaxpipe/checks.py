@@ -1,0 +1,61 @@
+"""Checks of what users feed the pipelines: batch values (NaN/Inf, integer ids in range), shared by
+``jp.Pipeline`` and ``jp.CyclicDataParallel``."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .errors import ConfigError
+
+
+def check_finite(batch):
+    """Key paths and counts of the floating-point batch leaves holding NaN/Inf (host arrays checked on the
+    host, device arrays on their devices; global arrays of other processes are left to those processes)."""
+    bad = []
+    for k, v in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        if isinstance(v, jax.Array):
+            if not v.is_fully_addressable or not jnp.issubdtype(v.dtype, jnp.floating):
+                continue
+            n = int(jnp.sum(~jnp.isfinite(v)))
+        else:
+            v = np.asarray(v)
+            if not np.issubdtype(v.dtype, np.floating):
+                continue
+            n = int(np.sum(~np.isfinite(v)))
+        if n:
+            bad.append(f"{jax.tree_util.keystr(k) or 'batch'} ({n} value(s))")
+    return bad
+
+
+def require_finite(batch, opt_out: str):
+    """ConfigError if the batch holds NaN or Inf (``opt_out``: how the caller's user turns the check off)."""
+    bad = check_finite(batch)
+    if bad:
+        raise ConfigError(f"the batch holds NaN or Inf in {', '.join(bad)}: a pipeline would spread it into every "
+                          f"stage's weights. Clean the data (np.nan_to_num, drop the rows), or pass "
+                          f"{opt_out} if non-finite inputs are intended")
+
+
+def check_integer_inputs(model, batch, opt_out: str):
+    """ConfigError unless every batch field the model declares in ``integer_inputs`` (key -> number of classes
+    or vocabulary size, or None for "non-negative") holds integers in ``[0, bound)``: a label 99 of 5 classes
+    gives a NaN loss, -1 silently reads the last class, a token id past the vocabulary poisons every weight."""
+    for key, bound in (model.integer_inputs or {}).items():
+        if not isinstance(batch, dict) or key not in batch:
+            continue
+        v = batch[key]
+        dtype = getattr(v, "dtype", None) or np.asarray(v).dtype
+        if not jnp.issubdtype(dtype, jnp.integer):
+            raise ConfigError(f"batch[{key!r}] is {dtype} but the model reads integer ids from it (class or token "
+                              f"ids{f' in [0, {bound})' if bound else ''}); a float 2.7 would be truncated to 2. "
+                              f"Convert it: batch[{key!r}].astype(np.int32)")
+        if isinstance(v, jax.Array) and not v.is_fully_addressable:
+            continue                        # another process's rows: checked by that process
+        lo, hi = (int(jnp.min(v)), int(jnp.max(v))) if isinstance(v, jax.Array) else (int(np.min(v)), int(np.max(v)))
+        if lo < 0 or (bound is not None and hi >= bound):
+            bad = lo if lo < 0 else hi
+            raise ConfigError(f"batch[{key!r}] holds {bad}, outside [0, {bound if bound is not None else 'inf'}) "
+                              f"that the model accepts ({'negative ids read the last rows' if bad < 0 else 'past the table: NaN loss or NaN weights'}). "
+                              f"Fix the data, or declare the right size in PipelineModel(integer_inputs=...); "
+                              f"{opt_out} turns the check off")
