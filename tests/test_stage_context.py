@@ -142,3 +142,17 @@ def test_context_model_in_no_flush_methods_equals_the_serial_reference(schedule)
     other = serial_reference(model, schedule, opt, M, batches, seed=12)
     other_change = jax.tree.map(lambda a, b: a - b, other["params"], model.params)
     assert rel_err(other_change, ref_change) > 1e-2
+
+
+@pytest.mark.parametrize("schedule,kw", [("1f1b", {"recompute": True}),
+                                         ("chimera", {"chimera": {"concat": "forward_doubling"}})])
+def test_context_with_recomputation(schedule, kw):
+    """jax.checkpoint keeps the context (stage index, key) as residuals: they must be stashed like the
+    activation (a stage-varying index once broke the lane executor's branch types)."""
+    model = context_model(4)
+    batch = batch_of(16)
+    pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=8, optimizer=optax.sgd(0.1),
+                       mesh=jp.make_mesh(stages=4), seed=7, **kw)
+    loss, grads = pipe.loss_and_grad(pipe.init(), batch)
+    ref_loss, ref_grads = reference(model, model.params, batch, 8, 1, seed=7, step=0)
+    assert rel_err(grads, ref_grads) <= 1e-5

@@ -86,6 +86,8 @@ class StageOps:
         if m.context and ctx is None:
             raise RuntimeError("a context model's stage needs its StageContext (executor bug)")
         y, res, _, _ = split_residuals(m.stage_fn, w, x, self.mask, ctx if m.context else None)
+        if self.mark is not None:     # residuals of the context (a stage index, a key) vary like the rest
+            res = [self.mark(r) for r in res]
         if not last:
             return y, res, None
         (value, count), (g_post, dy) = jax.value_and_grad(
