@@ -117,8 +117,10 @@ def main(argv):
     primary = jax.process_index() == 0
     say = print if primary else (lambda *a, **k: None)
     os.makedirs(FLAGS.out_dir, exist_ok=True)
-    n_stages = FLAGS.stages * (FLAGS.virtual if FLAGS.schedule == "interleaved_1f1b" else
-                               2 if FLAGS.schedule == "wpipe" else 1)      # wpipe: G0 and G1 on each device
+    if FLAGS.schedule not in jp.schedules.METHODS:
+        raise app.UsageError(f"--schedule={FLAGS.schedule}: choose one of {', '.join(jp.schedules.available())}")
+    # model stages per device (interleaved: --virtual chunks; wpipe: G0 and G1), as the registry declares it
+    n_stages = FLAGS.stages * jp.schedules.method(FLAGS.schedule).stages_per_device({"virtual": FLAGS.virtual})
     extra = {}
     if FLAGS.schedule == "avgpipe":
         extra["avgpipe"] = {"advance": "auto" if FLAGS.advance == "auto" else int(FLAGS.advance)}
@@ -154,7 +156,7 @@ def main(argv):
     mesh = jp.make_mesh(stages=FLAGS.stages, data=FLAGS.data, pipes=FLAGS.pipes)
     # synchronous schedules guard every update (a non-finite step leaves the state as it was), so a stop
     # can say where the NaN came from with the very weights the step used; --on_nonfinite decides what next
-    guard = not (jp.schedules.is_async(FLAGS.schedule) or FLAGS.schedule in ("wpipe", "avgpipe"))
+    guard = not jp.schedules.method(FLAGS.schedule).updates_inside
     if FLAGS.on_nonfinite == "skip" and not guard:
         raise app.UsageError(f"--on_nonfinite=skip needs a synchronous schedule: {FLAGS.schedule} updates inside "
                              f"the pipeline, so there is no single update to skip; use --on_nonfinite=stop")

@@ -62,13 +62,15 @@ class Pipeline:
                     f"that builds one; call it, e.g. optax.adam(1e-3)" if callable(optimizer) else
                     "give an optax GradientTransformation, e.g. optax.adamw(1e-3)")
             raise ConfigError(f"optimizer={optimizer!r} is not an optax optimizer: {hint}")
+        if schedule not in schedules.available():
+            raise ConfigError(f"unknown schedule {schedule!r}; available: {', '.join(schedules.available())}")
         from .precision import Precision, with_precision
         if precision is not None and not isinstance(precision, Precision):
             raise ConfigError(f"precision={precision!r}: give jp.Precision(params='float32', compute='bfloat16')")
         self.precision = precision
         if precision is not None:
             model = with_precision(model, precision)
-            if precision.loss_scale != 1 and (schedules.is_async(schedule) or schedule in ("wpipe", "avgpipe")):
+            if precision.loss_scale != 1 and schedules.method(schedule).updates_inside:
                 raise ConfigError(f"Precision(loss_scale={precision.loss_scale}) unscales the gradients before the "
                                   f"update, which {schedule} applies inside the pipeline; use loss_scale=1 (bfloat16 "
                                   f"needs none) or a synchronous schedule")
@@ -79,8 +81,6 @@ class Pipeline:
         if missing:
             raise ConfigError(f"mesh needs axes ('pipe', 'data', 'stage'), it lacks {missing}; build it with "
                               f"jp.make_mesh(stages=..., data=...)")
-        if schedule not in schedules.available():
-            raise ConfigError(f"unknown schedule {schedule!r}; available: {', '.join(schedules.available())}")
         D = mesh.shape["stage"]
         if not isinstance(num_microbatches, int) or isinstance(num_microbatches, bool) or num_microbatches < 1:
             raise ConfigError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
@@ -135,7 +135,7 @@ class Pipeline:
         self.seed = seed
         self.skip_nonfinite = bool(skip_nonfinite)
         self.check_inputs = bool(check_inputs)
-        if skip_nonfinite and (schedules.is_async(schedule) or schedule in ("wpipe", "avgpipe")):
+        if skip_nonfinite and schedules.method(schedule).updates_inside:
             raise ConfigError(f"skip_nonfinite=True needs one update per step to skip; {schedule} updates inside "
                               f"the pipeline (per micro-batch or per pipeline replica). Use a synchronous schedule "
                               f"(gpipe, 1f1b, interleaved_1f1b, zb_h1, chimera) or stop on a non-finite loss")
@@ -152,7 +152,7 @@ class Pipeline:
             self._async = AsyncRunner(self)
         from .tying import Ties
         self._ties = Ties(model)
-        if self._ties and (self._async is not None or self._avg is not None):
+        if self._ties and schedules.method(schedule).updates_inside:
             raise ConfigError(
                 f"tied parameters (PipelineModel(tied=...)) are supported by the synchronous schedules (gpipe, "
                 f"1f1b, interleaved_1f1b, zb_h1, chimera); {schedule} keeps each stage's own copy of pre/post and "

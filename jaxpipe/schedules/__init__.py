@@ -16,6 +16,7 @@ from .interleaved import build_interleaved_1f1b
 from .ir import Action, B, F, W, Schedule, ScheduleError, Tables
 from .one_f_one_b import build_1f1b
 from .zero_bubble import build_zb_h1
+from .registry import METHODS, Method, method
 from .simulate import SimReport, simulate
 
 BUILDERS: Dict[str, Callable[..., Schedule]] = {
@@ -100,5 +101,8 @@ def build(name: str, num_stages: int, num_microbatches: int, **options) -> Sched
     return BUILDERS[name](num_stages, num_microbatches, **options).validate()
 
 
-__all__ = ["ASYNCHRONOUS", "Action", "B", "BUILDERS", "WEIGHT_VERSIONS", "is_async", "F", "W", "Schedule", "ScheduleError", "options_for", "SimReport", "Tables",
-           "available", "build", "simulate"]
+assert set(METHODS) == set(BUILDERS), "every method needs a builder and a registry entry"
+
+__all__ = ["ASYNCHRONOUS", "Action", "B", "BUILDERS", "METHODS", "Method", "WEIGHT_VERSIONS", "is_async", "F", "W",
+           "Schedule", "ScheduleError", "method", "options_for", "SimReport", "Tables", "available", "build",
+           "simulate"]

@@ -25,7 +25,8 @@ class Candidate:
 
     @property
     def model_stages(self) -> int:
-        return 2 * self.D if self.schedule == "interleaved_1f1b" else self.D
+        opts = {"virtual": 2} if self.schedule == "interleaved_1f1b" else {}
+        return self.D * schedules.method(self.schedule).stages_per_device(opts)
 
     def label(self) -> str:
         return f"{self.schedule} W={self.W} D={self.D} B={self.B} N={self.N}"
