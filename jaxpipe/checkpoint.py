@@ -146,7 +146,7 @@ class Checkpointer:
             raise ConfigError(f"no finalized checkpoint in {self.directory}")
         meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         self._check_fingerprint(meta.get("fingerprint"), step)
-        if _has_none(template):
+        if _carry_missing(template):
             raise ConfigError("the restore template has empty in-flight state (carry=None): build it with "
                               "pipe.prepare(pipe.init(), example_batch) so the buffers exist")
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
@@ -233,23 +233,26 @@ class CorruptCheckpoint(ConfigError):
     """A checkpoint whose arrays do not match the checksums saved with them (or that cannot be read)."""
 
 
+def _digest(a):
+    import jax.numpy as jnp
+    if a.dtype == jnp.bool_:
+        a = a.astype(jnp.uint8)
+    bits = a.view({1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[a.dtype.itemsize]).ravel()
+    bits = bits.astype(jnp.uint32)
+    pos = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
+    return jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * pos, dtype=jnp.uint32)])
+
+
+# one program per state structure, compiled once (not again at every save)
+_digests = jax.jit(lambda xs: [_digest(x) for x in xs])
+
+
 def checksums(tree) -> Dict[str, list]:
     """Per array leaf: two 32-bit sums of its bits (plain and position-weighted), computed on the devices:
     any single flipped bit changes the first; reordered values change the second."""
-    import jax.numpy as jnp
     flat = [(jax.tree_util.keystr(k), v) for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]
             if hasattr(v, "dtype") and hasattr(v, "shape")]
-
-    def digest(a):
-        a = jnp.asarray(a)
-        if a.dtype == jnp.bool_:
-            a = a.astype(jnp.uint8)
-        bits = a.view({1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[a.dtype.itemsize]).ravel()
-        bits = bits.astype(jnp.uint32)
-        pos = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
-        return jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * pos, dtype=jnp.uint32)])
-
-    sums = jax.jit(lambda xs: [digest(x) for x in xs])([v for _, v in flat]) if flat else []
+    sums = _digests([v for _, v in flat]) if flat else []
     if jax.process_count() == 1:
         sums = jax.device_get(sums)
     else:                                   # results of a collective: every process reads them locally
@@ -318,7 +321,7 @@ def _shapes(tree) -> Dict[str, list]:
             for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def _has_none(tree) -> bool:
+def _carry_missing(tree) -> bool:
     """Whether a no-flush state's in-flight buffers (``carry``) are not allocated yet.  (Other ``None``s are
     legitimate: a tied parameter's post copy is ``None`` in the train state.)"""
     return hasattr(tree, "carry") and tree.carry is None

@@ -160,12 +160,15 @@ class PipelineModel:
         key = None if mb_key is None else stage_key(mb_key, stage)
         return StageContext(inputs, key, jnp.asarray(stage, jnp.int32))
 
+    def example_context(self, mb):
+        """A context of the right structure for tracing ``stage_fn`` on micro-batch ``mb`` (None for a
+        context-free model)."""
+        return self.stage_context(mb, microbatch_key(0, 0, 0), 0) if self.context else None
+
     def stage_output_aval(self, w, x, mb):
         """Shape and dtype of one stage's output for weights ``w``, activation ``x`` and micro-batch ``mb``
         (avals or arrays)."""
-        def f(w_, x_, b):
-            return self.apply_stage(w_, x_, self.stage_context(b, microbatch_key(0, 0, 0), 0) if self.context else None)
-        return jax.eval_shape(f, w, x, mb)
+        return jax.eval_shape(lambda w_, x_, b: self.apply_stage(w_, x_, self.example_context(b)), w, x, mb)
 
     def apply_stage(self, w, x, ctx=None):
         """``stage_fn(w, x)``, or ``stage_fn(w, x, ctx)`` for a context model."""

@@ -15,6 +15,7 @@ parameters into the modules' own layout again.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import jax
@@ -53,7 +54,7 @@ def _stage_fn(apply_block: Callable, block_call: Optional[Callable]):
 
         def one(h, pk):
             p, k = pk
-            return block_call(apply_block, p, h, ctx.__class__(ctx.inputs, k, ctx.stage)), None
+            return block_call(apply_block, p, h, dataclasses.replace(ctx, key=k)), None
         return lax.scan(one, x, (w, keys))[0]
     return stage_ctx, True
 

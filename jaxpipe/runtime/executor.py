@@ -94,8 +94,7 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
     model.check_activation(x_aval, y_aval)
     summed = model.reduction(y_aval, mb_example) == "sum"
 
-    def fill(shape, dtype):
-        return jnp.full(shape, jnp.nan if nan_bubbles else 0, dtype)
+    blank_value = jnp.nan if nan_bubbles else 0      # what unwritten buffers and idle lanes hold
 
     perms = exchange_perms(sched)
     eager = eager_point(sched, p.where) if getattr(sched, "options", {}).get("eager_reduce") else None
@@ -115,13 +114,13 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
         ws, pre_p, post_p, batch = vary((ws, pre_p, post_p, batch))
         batch = jax.tree.map(lambda a: a.reshape((M, a.shape[0] // M) + a.shape[1:]), batch)
         me = lax.axis_index("stage")
-        blank = lambda: vary(full(x_aval, jnp.nan if nan_bubbles else 0))
+        blank = lambda: vary(full(x_aval, blank_value))
         x_like = lambda: vary(full(x_aval, 0))
         ops, stash_avals = StageOps.build(model, ws[0], x_like(), jax.tree.map(lambda a: a[0], batch), x_like,
                                           zeros=lambda sh, dt: vary(jnp.zeros(sh, dt)), mark=vary)
         # the flat data-parallel replica: micro-batch j of replica r has key microbatch_key(seed, step, r M + j)
         replica = lax.axis_index("pipe") * mesh.shape["data"] + lax.axis_index("data")
-        no_res = lambda: [vary(fill(a.shape, a.dtype)) for a in stash_avals]
+        no_res = lambda: vary(full(stash_avals, blank_value))
         mb_of = lambda row: jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, row[L["mb"]], 0, False), batch)
         add = lambda a, d: jax.tree.map(lambda u, v: u + v.astype(u.dtype), a, d)
 
@@ -226,8 +225,8 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
         # gradients accumulate in float32 at least (bf16 parameters: float32 sums, cast back at the end)
         zeros = lambda t: vary(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32)), t))
         carry = vary((
-            [fill((p.stash_capacity + 1,) + a.shape, a.dtype) for a in stash_avals],
-            full(x_aval, jnp.nan if nan_bubbles else 0, (p.mbuf_capacity + 1,)),
+            full(stash_avals, blank_value, (p.stash_capacity + 1,)),
+            full(x_aval, blank_value, (p.mbuf_capacity + 1,)),
             ([zeros(w) for w in ws], zeros(pre_p), zeros(post_p), (jnp.zeros((), jnp.float32),) * 2)))
         for t0, t1, lanes_used in p.phases:
             carry, _ = lax.scan(phase(lanes_used), carry, jnp.asarray(table[t0:t1]))

@@ -20,21 +20,14 @@ from typing import Any, Callable, List, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from ..model import loss_terms, microbatch_key
+from ..model import loss_terms
 from .common import rebuild_pullback, residual_mask, split_residuals
-
-
-def example_context(model, mb):
-    """A context of the right structure for analysing ``stage_fn`` (None for a context-free model)."""
-    if not model.context:
-        return None
-    return model.stage_context(mb, microbatch_key(0, 0, 0), 0)
 
 
 def stage_residuals(model, w, x, mb):
     """``(mask, stashed avals)`` of the model's stage (:func:`~jaxpipe.runtime.common.residual_mask`, with the
     stage context of the micro-batch ``mb`` counted as per-micro-batch input)."""
-    return residual_mask(model.stage_fn, w, x, example_context(model, mb))
+    return residual_mask(model.stage_fn, w, x, model.example_context(mb))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +44,7 @@ class StageOps:
     def build(cls, model, w, x, mb, x_like=None, zeros=None, mark=None):
         """Analyse the stage at weights ``w``, activation ``x`` and micro-batch ``mb`` (inside the program:
         how many residuals a pullback has can depend on it); returns ``(ops, stashed residual avals)``."""
-        ctx = example_context(model, mb)
+        ctx = model.example_context(mb)
         mask, avals = residual_mask(model.stage_fn, w, x, ctx)
         ctx_aval = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype), ctx)
         x_aval = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype), x)
