@@ -40,7 +40,9 @@ class AsyncRunner:
         if pipe.optimizer is None:
             raise ConfigError(f"{pipe.schedule.name} updates the weights inside the pipeline: give "
                               f"Pipeline(..., optimizer=optax.sgd(0.1, momentum=0.9)) or another optax optimizer")
-        lp_example = jax.eval_shape(self._local, model.params)
+        from .tying import Ties
+        self.ties = Ties(model)     # tied arrays: held once, in stage 0's pre (jaxpipe.tying)
+        lp_example = jax.eval_shape(self._local, self.ties.strip(model.params))
         opt_example = jax.eval_shape(pipe.optimizer.init, lp_example)
         self.policy = make_policy(pipe.schedule.name, pipe.optimizer, D, self.M, opt_example)
         self._fns = {}
@@ -55,7 +57,7 @@ class AsyncRunner:
     # ------------------------------------------------------------------ state
     def init(self, batch_example=None) -> AsyncState:
         pipe, D = self.pipe, self.D
-        w, pre, post = pipe.model.params
+        w, pre, post = self.ties.strip(pipe.model.params)
         stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (D,) + jnp.shape(a)).copy(), t)
         params = (jax.tree.map(jnp.copy, w), stack(pre), stack(post))
         opt_state = jax.vmap(pipe.optimizer.init)(params)
@@ -137,4 +139,4 @@ class AsyncRunner:
 
     def params(self, state: AsyncState):
         w, pre, post = state.params
-        return (w, jax.tree.map(lambda a: a[0], pre), jax.tree.map(lambda a: a[self.D - 1], post))
+        return self.ties.fill((w, jax.tree.map(lambda a: a[0], pre), jax.tree.map(lambda a: a[self.D - 1], post)))

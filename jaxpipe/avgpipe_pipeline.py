@@ -69,12 +69,13 @@ class AvgPipeRunner:
         mesh, model = self.pipe.mesh, self.pipe.model
         w = jax.tree.map(lambda _: NamedSharding(mesh, P("pipe", "stage")), model.stage_params)
         r = lambda t: jax.tree.map(lambda _: NamedSharding(mesh, P("pipe")), t)
-        return (w, r(model.pre_params), r(model.post_params))
+        return (w, r(model.pre_params), r(self.pipe._ties.strip(model.params)[2]))
 
     def init(self) -> AvgPipeState:
         N = self.N
         stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (N,) + jnp.shape(a)), t)
-        params = jax.jit(stack, out_shardings=self._shardings())(self.pipe.model.params)
+        # tied arrays (jaxpipe.tying): held once per replica, at their pre path
+        params = jax.jit(stack, out_shardings=self._shardings())(self.pipe._ties.strip(self.pipe.model.params))
         # each replica's optimizer state lives with the replica (over 'pipe' x 'stage'), not replicated
         example = jax.eval_shape(self.pipe.optimizer.init, jax.tree.map(lambda a: a[0], params))
         pipe_sh = NamedSharding(self.pipe.mesh, P("pipe"))
@@ -89,7 +90,7 @@ class AvgPipeRunner:
 
     def params(self, state: AvgPipeState):
         """The reference model (the mean of the replicas), in the model's layout."""
-        return state.opt_state.ref
+        return self.pipe._ties.fill(state.opt_state.ref)
 
     # ------------------------------------------------------------------ programs
     def schedule(self, advance: int):
@@ -105,10 +106,12 @@ class AvgPipeRunner:
                                    nan_bubbles=pipe.nan_bubbles, replicas=True)
             tx = self.tx
 
-            seed = pipe.seed
+            seed, ties = pipe.seed, pipe._ties
 
             def step(state: AvgPipeState, b):
-                losses, grads = grad_fn(*state.params, b, jax.random.fold_in(jax.random.PRNGKey(seed), state.step))
+                losses, grads = grad_fn(*ties.fill(state.params), b,
+                                        jax.random.fold_in(jax.random.PRNGKey(seed), state.step))
+                grads = ties.fold(grads)        # one gradient per tied array: the sum of its uses
                 updates, opt_state = tx.update(grads, state.opt_state, state.params)
                 params = optax.apply_updates(state.params, updates)
                 gnorm = jax.vmap(optax.tree.norm)(grads)

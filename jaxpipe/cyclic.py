@@ -93,11 +93,15 @@ class CyclicDataParallel:
                               f"jp.make_mesh(data={model.num_stages})")
         self.model, self.opt, self.rule, self.mesh, self.N = model, optimizer, rule, mesh, N
         self.check_inputs = bool(check_inputs)
+        from .tying import Ties
+        # tied arrays: held once, in stage 0's pre; a worker's micro-batch reads the version its stage-0 forward
+        # read (kept in the worker's carry) and its head gradient joins that micro-batch's stage-0 gradient
+        self.ties = Ties(model)
         self._fns = {}
 
     # ------------------------------------------------------------------ state
     def init(self) -> CyclicState:
-        N, (w, pre, post) = self.N, self.model.params
+        N, (w, pre, post) = self.N, self.ties.strip(self.model.params)
         per_stage = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (N,) + jnp.shape(a)), t)
         lp = (w, per_stage(pre), per_stage(post))                   # [S, ...]
         opt = jax.vmap(self.opt.init)(lp)
@@ -114,7 +118,7 @@ class CyclicDataParallel:
         """The model's parameters ``(stage, pre, post)`` (worker 0's replica; all replicas are equal once
         every update has arrived, e.g. after ``drain``)."""
         w, pre, post = jax.tree.map(lambda a: a[0], state.params)
-        return (w, jax.tree.map(lambda a: a[0], pre), jax.tree.map(lambda a: a[self.N - 1], post))
+        return self.ties.fill((w, jax.tree.map(lambda a: a[0], pre), jax.tree.map(lambda a: a[self.N - 1], post)))
 
     def _mb_example(self, batch):
         return jax.tree.map(lambda l: jax.ShapeDtypeStruct((np.shape(l)[0] // self.N,) + tuple(np.shape(l)[1:]),
@@ -135,11 +139,14 @@ class CyclicDataParallel:
         _, res = stage_residuals(model, w0, full(xa, 0),
                                  jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), mb))
         z = lambda shape, dtype: jnp.zeros((N,) + tuple(shape), dtype)
-        lp0 = (w0, model.pre_params, model.post_params)
+        lp0 = (w0, model.pre_params, self.ties.strip(model.params)[2])
+        tied = self.ties.pre_leaves(model.pre_params)
         carry = dict(
+            tie=jax.tree.map(lambda a: z(jnp.shape(a), a.dtype), tied),
+            gtie=jax.tree.map(lambda a: z(jnp.shape(a), a.dtype), tied),
             stash=[z((N,) + tuple(a.shape), a.dtype) for a in res],
             act=full(xa, 0, (N,)), dy=full(xa, 0, (N,)),
-            gpost=jax.tree.map(lambda a: z(jnp.shape(a), jnp.asarray(a).dtype), model.post_params),
+            gpost=jax.tree.map(lambda a: z(jnp.shape(a), jnp.asarray(a).dtype), lp0[2]),
             partial=jax.tree.map(lambda a: z((N,) + jnp.shape(a), jnp.asarray(a).dtype), lp0),
             bcast=(jax.tree.map(lambda a: z(jnp.shape(a), jnp.asarray(a).dtype), lp0), z((), jnp.int32),
                    z((), jnp.bool_)),
@@ -152,7 +159,7 @@ class CyclicDataParallel:
         if key in self._fns:
             return self._fns[key]
         model, opt, N, v2 = self.model, self.opt, self.N, self.rule == "v2"
-        seed = self.seed
+        seed, ties = self.seed, self.ties
         _, xa = self._empty_carry(batch)
 
         def body(params, shadow, versions, opt_state, carry, counters, errors, batch, feed):
@@ -204,14 +211,17 @@ class CyclicDataParallel:
 
             def fwd_variant(k, first, last):
                 # small outputs only: activation, residuals, dL/dy, head gradient, loss
-                def f(cands, j, x_in, mb, ctx):
+                def f(cands, j, x_in, mb, ctx, t_reg):
                     w, pre_p, post_p = stage_of(cands[k], j)
-                    y, res, head = ops.forward(w, x_in, mb, pre_p, post_p, first, last, ctx)
+                    t_mine = ties.pre_leaves(pre_p) if first else t_reg      # the micro-batch's tied version
+                    y, res, head = ops.forward(w, x_in, mb, pre_p, ties.post_with(post_p, t_mine), first, last, ctx)
                     if not last:
                         return cast(y, xa), res, full(xa, 0), \
-                            jax.tree.map(jnp.zeros_like, post_p), jnp.zeros((), jnp.float32)
+                            jax.tree.map(jnp.zeros_like, post_p), jnp.zeros((), jnp.float32), \
+                            cast(t_mine, t_reg), jax.tree.map(jnp.zeros_like, t_reg)
                     l, _, gq, dy = head
-                    return cast(y, xa), res, cast(dy, xa), gq, l.astype(jnp.float32)
+                    gq, gt = ties.take_post(gq)
+                    return cast(y, xa), res, cast(dy, xa), gq, l.astype(jnp.float32), cast(t_mine, t_reg), gt
                 return f
 
             def bwd_variant(k):
@@ -228,9 +238,11 @@ class CyclicDataParallel:
                 kk, err = choice(st, j, gk, err)
                 mb = jax.tree.map(lambda a: read(a, gk % 2), c["ring"])
                 ctx = ops.context(mb, microbatch_key(seed, gk, me), j)     # worker me's micro-batch of step gk
-                y, res, dy, gq, l = lax.switch(kk * 4 + pos, fwd_variants, (lp, sh), j, c["act"], mb, ctx)
+                y, res, dy, gq, l, t_mine, gt = lax.switch(kk * 4 + pos, fwd_variants, (lp, sh), j, c["act"], mb, ctx,
+                                                           c["tie"])
                 last = j == N - 1
                 c = {**c, "stash": [write(a, j, r) for a, r in zip(c["stash"], res)], "act": y,
+                     "tie": t_mine, "gtie": where(last, gt, c["gtie"]),
                      "dy": where(last, dy, c["dy"]),
                      "gpost": jax.tree.map(lambda n, o: jnp.where(last, n, o), gq, c["gpost"])}
                 return c, err, (loss[0] + jnp.where(last, l, 0.0), loss[1] + last.astype(jnp.int32))
@@ -245,7 +257,7 @@ class CyclicDataParallel:
                 dpre = jax.tree.map(jnp.zeros_like, pre_p)
                 if jax.tree.leaves(pre_p):
                     mb = jax.tree.map(lambda a: read(a, gk % 2), c["ring"])
-                    dpre = lax.cond(j == 0, lambda: ops.pre_grad(pre_p, mb, dx),
+                    dpre = lax.cond(j == 0, lambda: ties.add_to_pre(ops.pre_grad(pre_p, mb, dx), c["gtie"]),
                                     lambda: jax.tree.map(jnp.zeros_like, pre_p))
                 dpost = jax.tree.map(lambda a: jnp.where(j == N - 1, a, jnp.zeros_like(a)), c["gpost"])
                 # ring reduction: the partial sum from worker me - 1, plus this worker's gradient

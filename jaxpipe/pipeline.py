@@ -141,6 +141,8 @@ class Pipeline:
                               f"(gpipe, 1f1b, interleaved_1f1b, zb_h1, chimera) or stop on a non-finite loss")
         self._compiled: Dict[Any, Any] = {}
         self._async = self._avg = None
+        from .tying import Ties
+        self._ties = Ties(model)
         if schedule == "wpipe":
             from .wpipe_pipeline import WPipeRunner
             self._async = WPipeRunner(self)
@@ -150,14 +152,6 @@ class Pipeline:
         if schedules.is_async(schedule):
             from .async_pipeline import AsyncRunner
             self._async = AsyncRunner(self)
-        from .tying import Ties
-        self._ties = Ties(model)
-        if self._ties and schedules.method(schedule).updates_inside:
-            raise ConfigError(
-                f"tied parameters (PipelineModel(tied=...)) are supported by the synchronous schedules (gpipe, "
-                f"1f1b, interleaved_1f1b, zb_h1, chimera); {schedule} keeps each stage's own copy of pre/post and "
-                f"updates them at different times, so a tied array would drift apart (BUILD_NOTES 'Tied "
-                f"parameters'). Untie them (separate arrays) or use a synchronous schedule")
         stage_sh = jax.tree.map(lambda _: NamedSharding(mesh, P("stage")), model.stage_params)
         rep = lambda t: jax.tree.map(lambda _: NamedSharding(mesh, P()), t)
         _, _, post_state = self._ties.strip(model.params)

@@ -5,8 +5,15 @@ the leaf at ``pre_path`` of ``pre_params`` (paths: tuples of dict keys / sequenc
 holds it once: the train state's ``post_params`` has ``None`` at ``post_path`` (so the optimizer keeps one
 state and applies one update), every program gets the full parameters with the pre leaf filled in at the
 post path (bit-identical by construction), and the gradient of the tied array is the sum of its two uses,
-reported at ``pre_path`` (``None`` at ``post_path``).  Synchronous schedules only (docs/design.md §5;
-BUILD_NOTES "Tied parameters" says why the no-flush methods refuse it).
+reported at ``pre_path`` (``None`` at ``post_path``).
+
+Synchronous schedules and AvgPipe do all of it outside the executor (``strip``/``fill``/``fold``).  The
+asynchronous 1F1B family (pipedream, 2BW, spectrain, pipeoptim, CDP) keeps the array where ``pre`` is trained,
+on stage 0, and gives it one rule (BUILD_NOTES "Tied parameters"): a micro-batch reads *one* version of a tied
+array -- the version stage 0's forward read under the method's own rule, which travels with the activation
+(``pre_leaves`` / ``post_with``) -- and the last stage's gradient of it travels back with dL/dy and joins stage
+0's gradient of the same micro-batch (``take_post`` / ``add_to_pre``): one gradient, one optimizer state, one
+update, at stage 0's update time.
 """
 from __future__ import annotations
 
@@ -85,3 +92,27 @@ class Ties:
             gpre = _set(gpre, a, jax.tree.map(jnp.add, _get(gpre, a, "the pre gradient"), g))
             gpost = _set(gpost, b, None)
         return (gs, gpre, gpost)
+
+    # ------------------------------------------------------------- executor side (no-flush methods)
+    def pre_leaves(self, pre) -> tuple:
+        """The tied arrays as ``pre`` holds them (what travels with a micro-batch's activation)."""
+        return tuple(_get(pre, a, "pre_params") for a, _ in self.pairs)
+
+    def post_with(self, post, leaves):
+        """``post`` (train-state form, ``None`` at tied paths) with ``leaves`` put at the tied paths."""
+        for (_, b), v in zip(self.pairs, leaves):
+            post = _set(post, b, v)
+        return post
+
+    def take_post(self, gpost):
+        """Split a full post gradient into (train-state form, the tied arrays' gradients)."""
+        got = tuple(_get(gpost, b, "the post gradient") for _, b in self.pairs)
+        for _, b in self.pairs:
+            gpost = _set(gpost, b, None)
+        return gpost, got
+
+    def add_to_pre(self, gpre, leaves):
+        """``gpre`` with the tied arrays' other gradients added at their pre paths."""
+        for (a, _), g in zip(self.pairs, leaves):
+            gpre = _set(gpre, a, jax.tree.map(jnp.add, _get(gpre, a, "the pre gradient"), g))
+        return gpre

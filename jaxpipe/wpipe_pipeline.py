@@ -41,7 +41,7 @@ class WPipeRunner:
         self._fns = {}
 
     def init(self) -> WPipeState:
-        D, (w, pre, post) = self.D, self.pipe.model.params
+        D, (w, pre, post) = self.D, self.pipe._ties.strip(self.pipe.model.params)   # tied: once, in pre
         stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (D,) + jnp.shape(a)).copy(), t)
         lp0 = (jax.tree.map(lambda a: a[:D], w), stack(pre), stack(post))
         lp1 = (jax.tree.map(lambda a: a[D:], w), stack(pre), stack(post))
@@ -60,7 +60,7 @@ class WPipeRunner:
     def params(self, state: WPipeState):
         (w0, pre, _), (w1, _, post) = state.params
         w = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), w0, w1)
-        return (w, jax.tree.map(lambda a: a[0], pre), jax.tree.map(lambda a: a[self.D - 1], post))
+        return self.pipe._ties.fill((w, jax.tree.map(lambda a: a[0], pre), jax.tree.map(lambda a: a[self.D - 1], post)))
 
     def _mb(self, batch):
         per = self.pipe.data_parallel * self.M

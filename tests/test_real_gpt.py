@@ -50,7 +50,7 @@ def test_tied_dropout_masked_gpt_equals_reference(schedule):
 
 
 def test_real_gpt_options_in_a_no_flush_method():
-    """pipedream runs dropout + masks (per-micro-batch exact mean) and refuses tying with a reason."""
+    """pipedream runs dropout + masks (per-micro-batch exact mean)."""
     model = jp.models.gpt(2, vocab=32, d_model=16, heads=2, seq_len=8, dropout=0.1, masked=True)
     pipe = jp.Pipeline(model, schedule="pipedream", num_microbatches=2, optimizer=optax.sgd(0.05),
                        mesh=jp.make_mesh(stages=2))
@@ -59,7 +59,28 @@ def test_real_gpt_options_in_a_no_flush_method():
         state, m = pipe.step(state, batch_of(4, seed=s))
     state, _ = pipe.drain(state)
     assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(pipe.params(state)))
-    tied = jp.models.gpt(2, vocab=32, d_model=16, heads=2, seq_len=8, tie_embeddings=True)
-    with pytest.raises(jp.ConfigError, match="drift apart"):
-        jp.Pipeline(tied, schedule="pipedream", num_microbatches=2, optimizer=optax.sgd(0.05),
-                    mesh=jp.make_mesh(stages=2))
+
+
+def test_tied_dropout_masked_gpt_in_a_no_flush_method_equals_serial_reference():
+    """pipedream and pipeoptim on the GPT with everything at once: tied head, dropout from the stage keys,
+    padding masks with the exact per-micro-batch masked mean.  SGD-momentum, not Adam: the attention key bias
+    has a mathematically zero gradient (float32 noise), which Adam's normalisation turns into lr-sized steps of
+    arbitrary sign -- a comparison of noise, not of the method (measured: 0.16 on that leaf with AdamW)."""
+    from jaxpipe.optim.reference import serial_reference
+    model = jp.models.gpt(2, vocab=32, d_model=16, heads=2, seq_len=8, dropout=0.1, tie_embeddings=True,
+                          masked=True)
+    batches = [batch_of(4, seed=s) for s in range(3)]
+    for method in ("pipedream", "pipeoptim"):
+        pipe = jp.Pipeline(model, schedule=method, num_microbatches=2, optimizer=optax.sgd(0.05, momentum=0.9),
+                           mesh=jp.make_mesh(stages=2), seed=3)
+        state = pipe.init()
+        for b in batches:
+            state, _ = pipe.step(state, b)
+        state, _ = pipe.drain(state)
+        got = pipe.params(state)
+        ref = serial_reference(model, method, optax.sgd(0.05, momentum=0.9), 2, batches, seed=3)["params"]
+        d = lambda p: jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64), p,
+                                   model.params)
+        assert rel_err(d(got), d(ref)) <= 1e-5
+        emb = got[1]["tok"]["embedding"]
+        assert np.array_equal(np.asarray(emb), np.asarray(got[2]["emb"]))

@@ -13,7 +13,9 @@ spectrain   F: w_s[c_F] + (s//2 + D-1-s) u_s[c_F];  B: w_s[i] + (s//2) u_s[i]
 wpipe       (2D partitions) as 2bw on G0 = stages < D, and F, B of batch b read w_s[b] on G1 (WPipe eq. 1)
 where ``u_s[c]`` is the update that produced ``w_s[c]`` (zero for c = 0).  Each stage has its own
 optimizer state over its local parameters (w_s, pre, post); only stage 0 gets gradients for ``pre`` and
-only stage D-1 for ``post``.  F keeps the activations it computed; B backpropagates through them with the
+only stage D-1 for ``post``.  Tied arrays (``PipelineModel(tied=...)``, ``jaxpipe.tying``) live in stage 0's
+``pre`` only: the last stage's use of micro-batch ``i`` reads the version stage 0's F read for ``i``, and its
+gradient joins stage 0's gradient of ``i``.  F keeps the activations it computed; B backpropagates through them with the
 weights B reads (``rebuild_pullback``), as PipeOptim's and SpecTrain's implementations do.
 """
 from __future__ import annotations
@@ -27,6 +29,7 @@ import optax
 
 from ..model import loss_terms, microbatch_key
 from ..runtime.common import rebuild_pullback, residual_mask, split_residuals
+from ..tying import Ties
 
 
 def global_microbatches(batch, num_microbatches: int, data_parallel: int = 1) -> List[dict]:
@@ -52,7 +55,8 @@ def serial_reference(model, method: str, opt: optax.GradientTransformation, num_
         raise ValueError("the serial reference of a context model runs one replica (its global micro-batches "
                          "join the replicas', which have their own keys); use data_parallel=1")
     D, M = model.num_stages, num_microbatches
-    w0, pre0, post0 = model.params
+    ties = Ties(model)
+    w0, pre0, post0 = ties.strip(model.params)
     local = [(jax.tree.map(lambda a: a[s], w0), pre0, post0) for s in range(D)]
     hist = [[lp] for lp in local]                         # hist[s][c]: version after c updates
     upd = [[jax.tree.map(jnp.zeros_like, lp)] for lp in local]   # upd[s][c]: the update that made it
@@ -105,7 +109,10 @@ def serial_reference(model, method: str, opt: optax.GradientTransformation, num_
             res.append(r)
         # a (sum, count) loss is this global micro-batch's sum over its count (what a per-micro-batch update reads)
         mean_of = lambda q, y: (lambda sc: sc[0] / sc[1])(loss_terms(model.post_loss(q, y, mb)))
-        loss, (gpost, dy) = jax.value_and_grad(mean_of, argnums=(0, 1))(wF[D - 1][2], x)
+        # tied arrays: the last stage reads the version stage 0's forward read; their gradient joins stage 0's
+        q_last = ties.post_with(wF[D - 1][2], ties.pre_leaves(wF[0][1]))
+        loss, (gpost, dy) = jax.value_and_grad(mean_of, argnums=(0, 1))(q_last, x)
+        gpost, g_tied = ties.take_post(gpost)
         losses.append(float(loss))
         grads = [None] * D
         for s in reversed(range(D)):
@@ -113,7 +120,7 @@ def serial_reference(model, method: str, opt: optax.GradientTransformation, num_
             dy = jax.tree.map(lambda d, a: d.astype(a.dtype), dy, x0)
             dpre = jax.tree.map(jnp.zeros_like, pre0)
             if s == 0:
-                dpre = jax.vjp(lambda q: model.pre(q, mb), wB[0][1])[1](dy)[0]
+                dpre = ties.add_to_pre(jax.vjp(lambda q: model.pre(q, mb), wB[0][1])[1](dy)[0], g_tied)
             dpost = gpost if s == D - 1 else jax.tree.map(jnp.zeros_like, post0)
             grads[s] = (dw, dpre, dpost)
         for s in range(D):
@@ -131,7 +138,7 @@ def serial_reference(model, method: str, opt: optax.GradientTransformation, num_
 
     final = [h[-1] for h in hist]
     w = jax.tree.map(lambda *a: jnp.stack(a), *[f[0] for f in final])
-    return {"params": (w, final[0][1], final[D - 1][2]), "losses": losses}
+    return {"params": ties.fill((w, final[0][1], final[D - 1][2])), "losses": losses}
 
 
 def avgpipe_reference(model, opt: optax.GradientTransformation, num_pipes: int, num_microbatches: int,
@@ -139,16 +146,19 @@ def avgpipe_reference(model, opt: optax.GradientTransformation, num_pipes: int, 
     """AvgPipe serially: for each global batch, pipeline ``i`` takes rows ``[i n/N, (i+1) n/N)``, computes
     its loss and gradient with plain ``jax.grad`` of the unpipelined model (the mean over its M x data
     micro-batches), its local update with its own optimizer state, and then every replica is diluted with
-    the reference, ``w_i <- (1 - a) w_i + a ref + u_i``, ``ref <- ref + mean_i u_i`` (AvgPipe §3.2).
+    the reference, ``w_i <- (1 - a) w_i + a ref + u_i``, ``ref <- ref + mean_i u_i`` (AvgPipe §3.2).  Tied
+    arrays are held once (at their pre path) with the sum of their uses as gradient.
     Returns ``{"params": reference model, "replicas": [per pipe], "losses": [per step, per pipe]}``."""
     from .elastic import check_alpha
     N, M = num_pipes, num_microbatches
     a = check_alpha(alpha, N)
-    reps = [jax.tree.map(jnp.asarray, model.params) for _ in range(N)]
+    ties = Ties(model)
+    reps = [jax.tree.map(jnp.asarray, ties.strip(model.params)) for _ in range(N)]
     states = [opt.init(p) for p in reps]
-    ref = jax.tree.map(jnp.asarray, model.params)
+    ref = jax.tree.map(jnp.asarray, ties.strip(model.params))
 
     def mean_loss(params, mbs):
+        params = ties.fill(params)
         terms = [model.loss_sum_count(params, mb) for mb in mbs]
         if model.reduction(jax.eval_shape(model.forward, params, mbs[0]), mbs[0]) == "sum":
             return sum(t[0] for t in terms) / sum(t[1] for t in terms)
@@ -171,4 +181,4 @@ def avgpipe_reference(model, opt: optax.GradientTransformation, num_pipes: int, 
             for i in range(N)]
         mean_u = jax.tree.map(lambda *u: jnp.mean(jnp.stack(u), axis=0), *us)
         ref = jax.tree.map(lambda r, uu: r + uu.astype(r.dtype), ref, mean_u)
-    return {"params": ref, "replicas": reps, "losses": losses}
+    return {"params": ties.fill(ref), "replicas": [ties.fill(r) for r in reps], "losses": losses}

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..errors import ConfigError
 from ..model import microbatch_key
+from ..tying import Ties
 from .common import DP_AXES, cast, full, read, where, write
 from .stage import StageOps
 
@@ -37,6 +38,9 @@ class AsyncCarry(NamedTuple):
     dy_own: Any      # last stage: dL/dy of the micro-batch whose F ran last tick
     gpost: Any       # last stage: head gradient of that micro-batch (applied with its B)
     ring: Any        # the recent micro-batches, slot i mod (M + D)
+    tie_f: Any = ()  # tied arrays (``jaxpipe.tying``): stage 0's version of them, received with recv_f
+    tie_b: Any = ()  # their last-stage gradient, received with recv_b
+    gtie: Any = ()   # last stage: that gradient of the micro-batch whose F ran last tick
 
 
 def ring_capacity(M: int, D: int) -> int:
@@ -81,6 +85,8 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             f"{policy.name}, or use a synchronous schedule (gpipe, 1f1b, ...) or a per-micro-batch updater "
             f"(pipedream, pipeoptim, spectrain), which divide by the exact count")
     # forward variants by position (first, last); only the positions some device has are compiled
+    ties = Ties(model)
+    tie_avals = ties.pre_leaves(model.pre_params)
     flags = [(False, False), (True, False), (False, True), (True, True)]
     used_pos = sorted({int(d == 0) + 2 * int(d == D - 1) for d in range(D)})
     remap = np.zeros(4, np.int32)
@@ -117,24 +123,28 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
 
         pos = (me == 0).astype(jnp.int32) + 2 * (me == D - 1).astype(jnp.int32)
         blank = lambda: full(x_aval, jnp.nan if nan_bubbles else 0)
+        blank_tie = lambda: full(tie_avals, jnp.nan if nan_bubbles else 0)
         x_like = lambda: full(x_aval, 0)
 
         def forward_at(first, last):
             # one position's forward on the weights the policy chose: small outputs only (message,
             # residuals, dL/dy and head gradient of the last stage, its loss)
-            def op(wF, x_in, mb, ctx):
+            def op(wF, x_in, t_in, mb, ctx):
                 w, pre_p, post_p = wF
-                y, res, head = sop.forward(w, x_in, mb, pre_p, post_p, first, last, ctx)
+                # tied arrays: the version stage 0 reads for this micro-batch, carried to the last stage
+                t_mine = ties.pre_leaves(pre_p) if first else t_in
+                y, res, head = sop.forward(w, x_in, mb, pre_p, ties.post_with(post_p, t_mine), first, last, ctx)
                 if not last:
-                    return cast(y, x_aval), res, x_like(), zero_like(post_p), jnp.zeros((), jnp.float32)
+                    return (cast(y, x_aval), res, x_like(), zero_like(post_p), jnp.zeros((), jnp.float32),
+                            cast(t_mine, tie_avals), zero_like(tie_avals))
                 l, n, gq, dy = head
+                gq, gt = ties.take_post(gq)
                 if summed:
                     # (sum, count): this micro-batch's loss over every replica's real tokens -- scaled here so
                     # that the pmean over replicas in B gives sum over replicas / global count
                     scale = n_dp / lax.psum(n, DP_AXES)
-                    l, gq, dy = l * scale, jax.tree.map(lambda g: g * scale.astype(g.dtype), gq), \
-                        jax.tree.map(lambda d: d * scale.astype(d.dtype), dy)
-                return blank(), res, cast(dy, x_aval), gq, l.astype(jnp.float32)
+                    l, gq, gt, dy = l * scale, *jax.tree.map(lambda g: g * scale.astype(g.dtype), (gq, gt, dy))
+                return blank(), res, cast(dy, x_aval), gq, l.astype(jnp.float32), blank_tie(), gt
             return op
 
         fwd_variants = [forward_at(*flags[k]) for k in used_pos]
@@ -149,23 +159,24 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             ctx = sop.context(mb, model_key(gi // M, replica * M + gi % M), me)
             if policy.choose is None:
                 wF, pstate = policy.forward_weights(lp, pstate, gi, me)
-                msg, res, dy, gq, l = lax.switch(pos_j, fwd_variants, wF, c.recv_f, mb, ctx)
+                msg, res, dy, gq, l, t_out, gt = lax.switch(pos_j, fwd_variants, wF, c.recv_f, c.tie_f, mb, ctx)
             else:     # one branch per stored version and position: the chosen version is never copied
                 k, cands = policy.choose(lp, pstate, gi, me)
                 n = len(fwd_variants)
-                brs = [(lambda w, v=v: (lambda cs, x, m, cx: fwd_variants[v](cs[w], x, m, cx)))(w)
+                brs = [(lambda w, v=v: (lambda cs, x, tx, m, cx: fwd_variants[v](cs[w], x, tx, m, cx)))(w)
                        for w in range(len(cands)) for v in range(n)]
-                msg, res, dy, gq, l = lax.switch(k * n + pos_j, brs, cands, c.recv_f, mb, ctx)
+                msg, res, dy, gq, l, t_out, gt = lax.switch(k * n + pos_j, brs, cands, c.recv_f, c.tie_f, mb, ctx)
             c = c._replace(stash=[write(a, gi % D, r) for a, r in zip(c.stash, res)],
                            dy_own=where(me == D - 1, dy, c.dy_own),
-                           gpost=jax.tree.map(lambda n, o: jnp.where(me == D - 1, n, o), gq, c.gpost))
+                           gpost=jax.tree.map(lambda n, o: jnp.where(me == D - 1, n, o), gq, c.gpost),
+                           gtie=where(me == D - 1, gt, c.gtie))
             last = (me == D - 1)
             loss = (loss[0] + jnp.where(last, l, 0.0), loss[1] + last.astype(jnp.int32))
-            return (pstate, c, loss), msg
+            return (pstate, c, loss), (msg, t_out)
 
         def f_idle(i, ops):
             lp, pstate, c, loss = ops
-            return (pstate, c, loss), blank()
+            return (pstate, c, loss), (blank(), blank_tie())
 
         def b_lane(i, ops):
             lp, opt_state, pstate, c = ops
@@ -183,19 +194,21 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                 dw, dx = lax.switch(k, brs, cands, res, dy)
             dx = cast(dx, x_aval)
             dpre = zero_like(lp[1])
+            # the tied arrays' last-stage gradient of this micro-batch, on its way to stage 0
+            t_grad = where(me == D - 1, c.gtie, c.tie_b)
             if jax.tree.leaves(lp[1]):
                 def pre_grad():
                     q0 = pre_p if pre_p is not None else policy.backward_weights(lp, pstate, gi, me)[1]
-                    return sop.pre_grad(q0, mb_of(i), dx)
+                    return ties.add_to_pre(sop.pre_grad(q0, mb_of(i), dx), t_grad)
                 dpre = lax.cond(me == 0, pre_grad, lambda: zero_like(lp[1]))
             dpost = jax.tree.map(lambda g: jnp.where(me == D - 1, g, jnp.zeros_like(g)), c.gpost)
             g = lax.pmean((dw, dpre, dpost), DP_AXES)
             lp, opt_state, pstate = policy.update(g, lp, opt_state, pstate, gi, me)
-            return (lp, opt_state, pstate), where(me == 0, blank(), dx)
+            return (lp, opt_state, pstate), (where(me == 0, blank(), dx), where(me == 0, blank_tie(), t_grad))
 
         def b_idle(i, ops):
             lp, opt_state, pstate, c = ops
-            return (lp, opt_state, pstate), blank()
+            return (lp, opt_state, pstate), (blank(), blank_tie())
 
         pos_j = jnp.asarray(remap)[pos]
         table = jnp.asarray(periodic.table())
@@ -207,10 +220,12 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             lp, opt_state, pstate, c, loss = st
             (pstate, c, loss), send_f = lax.cond(is_f, f_lane, f_idle, i, (lp, pstate, c, loss))
             if D > 1:
-                c = c._replace(recv_f=lax.ppermute(send_f, "stage", ring_f))
+                recv_f, tie_f = lax.ppermute(send_f, "stage", ring_f)
+                c = c._replace(recv_f=recv_f, tie_f=tie_f)
             (lp, opt_state, pstate), send_b = lax.cond(is_b, b_lane, b_idle, i, (lp, opt_state, pstate, c))
             if D > 1:
-                c = c._replace(recv_b=lax.ppermute(send_b, "stage", ring_b))
+                recv_b, tie_b = lax.ppermute(send_b, "stage", ring_b)
+                c = c._replace(recv_b=recv_b, tie_b=tie_b)
             return (lp, opt_state, pstate, c, loss), None
 
         loss0 = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
@@ -247,8 +262,11 @@ def empty_carry(model, D: int, M: int, n_devices: int, mb_example, x_aval, mask_
     per = lambda shape, dtype: jnp.zeros((n_devices,) + tuple(shape), dtype)
     nan = lambda shape, dtype: jnp.full((n_devices,) + tuple(shape), jnp.nan if nan_bubbles else 0, dtype)
     msg = lambda: full(x_aval, jnp.nan if nan_bubbles else 0, (n_devices,))
+    ties = Ties(model)
+    tie_msg = lambda: full(ties.pre_leaves(model.pre_params), jnp.nan if nan_bubbles else 0, (n_devices,))
     return AsyncCarry(
         stash=[nan((D,) + tuple(a.shape), a.dtype) for a in mask_avals],
         recv_f=msg(), recv_b=msg(), dy_own=msg(),
-        gpost=jax.tree.map(lambda a: per(jnp.shape(a), jnp.asarray(a).dtype), model.post_params),
-        ring=jax.tree.map(lambda a: per((C,) + tuple(a.shape), a.dtype), mb_example))
+        gpost=jax.tree.map(lambda a: per(jnp.shape(a), jnp.asarray(a).dtype), ties.strip(model.params)[2]),
+        ring=jax.tree.map(lambda a: per((C,) + tuple(a.shape), a.dtype), mb_example),
+        tie_f=tie_msg(), tie_b=tie_msg(), gtie=tie_msg())

@@ -10,6 +10,12 @@ tick, except the two wrap-around messages (G0 -> G1 activation on device 0, G1 -
 D - 1), which wait 2M - D ticks in a buffer indexed by micro-batch.  A group's update lands on a device after
 its backward of the batch's last micro-batch there: G1's is read by the next batch's forwards, G0's only by
 the batch after next (the shadow keeps the previous version for the backwards in between).
+
+Tied arrays (``jaxpipe.tying``) are held once, in device 0's G0 ``pre``, and follow G0's rule: a batch reads
+the G0 version of them that device 0's forwards read, carried with G0's forward messages to device D - 1
+(kept there per batch parity for its G1 forwards), and their head gradient, summed over the batch on device
+D - 1, travels back with G0's backward message of the batch's last micro-batch into device 0's G0
+accumulator before G0's update lands.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..errors import ConfigError
 from ..model import microbatch_key
+from ..tying import Ties
 from .common import DP_AXES, cast, full, read, where, write
 from .stage import StageOps
 
@@ -39,6 +46,10 @@ class WPipeCarry(NamedTuple):
     dy_own: Any     # device D - 1: dL/dy of the last F1 (its B1 is the next tick)
     gpost: Any      # device D - 1: the head's gradient of that micro-batch
     ring: Any       # the device's micro-batches of the last two batches, [2, M, ...]
+    tie_f: Any = ()  # tied arrays: G0's version, received with recv_f
+    tie_b: Any = ()  # their head gradient summed over a batch, received with recv_b
+    tie_v: Any = ()  # device D - 1: G0's version of batch b, slot b mod 2 (read by its G1 forwards)
+    gtie: Any = ()   # device D - 1: the head gradient of batch b so far, slot b mod 2
 
 
 def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: bool = False, seed: int = 0):
@@ -55,6 +66,8 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
             "would silently be the mean of micro-batch means. Return a scalar mean loss for wpipe, or use a "
             "synchronous schedule (gpipe, 1f1b, ...), which divides by the exact count")
     T = 4 * M
+    ties = Ties(model)
+    tie_avals = ties.pre_leaves(model.pre_params)
 
     def body(lps, oss, shadow0, versions, accs, errors, carry, counters, batch, feed):
         sq = lambda t: jax.tree.map(lambda a: a[0], t)
@@ -102,18 +115,22 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
             # loss on G1.  Small outputs only: message, residuals, dL/dy, head gradient, loss.
             g = 1 if k == 2 else 0
 
-            def op(cands, x_f, x_bnd, mb, ctx):
+            def op(cands, x_f, x_bnd, mb, ctx, t_f, t_v):
                 w, pre_p, post_p = cands[k]
                 if g == 0:
                     x = x_f
                 else:
                     x = x_bnd if D == 1 else where(me == 0, x_bnd, x_f)
-                y, res, head = ops.forward(w, x, mb, pre_p, post_p, first=g == 0 and flag, last=g == 1 and flag,
-                                           ctx=ctx)
+                # tied arrays: G0's version of this batch (device 0's own; others receive it with x_f)
+                t_mine = ties.pre_leaves(pre_p) if (g == 0 and flag) else (t_f if g == 0 else t_v)
+                y, res, head = ops.forward(w, x, mb, pre_p, ties.post_with(post_p, t_mine),
+                                           first=g == 0 and flag, last=g == 1 and flag, ctx=ctx)
                 if head is not None:
                     l, _, gq, dy = head
-                    return zeros(zx), res, cast(dy, x_aval), gq, l.astype(jnp.float32)
-                return cast(y, x_aval), res, zx, zeros(post_p), jnp.zeros((), jnp.float32)
+                    gq, gt = ties.take_post(gq)
+                    return zeros(zx), res, cast(dy, x_aval), gq, l.astype(jnp.float32), t_mine, gt
+                return (cast(y, x_aval), res, zx, zeros(post_p), jnp.zeros((), jnp.float32),
+                        cast(t_mine, tie_avals), zeros(tie_avals))
             return op
 
         def bwd_variant(k):
@@ -130,8 +147,9 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
             mb = mb_of(c, gb, j)
             # micro-batch j of batch gb on model stage g D + me: the synchronous schedules' keys
             ctx = ops.context(mb, microbatch_key(seed, gb, replica * M + j), g * D + me)
-            send, res, dy, gq, l = lax.switch(2 * k + flag.astype(jnp.int32), fwd_variants,
-                                              (lps[0], shadow0, lps[1]), c.recv_f, read(c.bnd_f, j), mb, ctx)
+            send, res, dy, gq, l, t_mine, gt = lax.switch(
+                2 * k + flag.astype(jnp.int32), fwd_variants, (lps[0], shadow0, lps[1]), c.recv_f,
+                read(c.bnd_f, j), mb, ctx, c.tie_f, read(c.tie_v, gb % 2))
             s0 = jnp.where(g == 0, (gb % 2) * M + j, 2 * M)         # the other group's write: scratch slot
             s1 = jnp.where(g == 1, j, M)
             loss_here = (g == 1) & flag
@@ -139,11 +157,16 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
                            stash1=[write(a, s1, r) for a, r in zip(c.stash1, res)],
                            dy_own=where(loss_here, dy, c.dy_own),
                            gpost=jax.tree.map(lambda n, o: jnp.where(loss_here, n, o), gq, c.gpost))
+            if ties:
+                # device D - 1 keeps G0's version of batch gb for its G1 forwards and sums the head gradient
+                so_far = jax.tree.map(lambda a, n: jnp.where(j == 0, n, a + n), read(c.gtie, gb % 2), gt)
+                c = c._replace(tie_v=write(c.tie_v, jnp.where((g == 0) & (me == D - 1), gb % 2, 2), t_mine),
+                               gtie=write(c.gtie, jnp.where(loss_here, gb % 2, 2), so_far))
             loss = (loss[0] + jnp.where(loss_here, l, 0.0), loss[1] + loss_here.astype(jnp.int32))
-            return c, err, loss, send
+            return c, err, loss, (send, t_mine)
 
         def f_idle(gb, j, g, flag, st, c, err, loss):
-            return c, err, loss, junk
+            return c, err, loss, (junk, junk_tie)
 
         def b_lane(gb, j, g, flag, st, c, err):
             lps, oss, sh0, versions, accs = st
@@ -157,8 +180,14 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
             dx = cast(dx, x_aval)
             pre_p = jax.tree.map(lambda a, b: jnp.where(k == 1, b, a), lps[0][1], sh0[1])   # the version read
             dpre = zeros(pre_p)
+            # tied arrays' head gradient of batch gb: leaves device D - 1 with G0's backward of the last
+            # micro-batch (zero with the others), joins device 0's G0 gradient
+            last_b0 = (g == 0) & (j == M - 1)
+            own = jax.tree.map(lambda a: jnp.where(last_b0, a, jnp.zeros_like(a)), read(c.gtie, gb % 2))
+            t_grad = where(me == D - 1, own, c.tie_b)
             if jax.tree.leaves(pre_p):
-                dpre = lax.cond((g == 0) & flag, lambda: ops.pre_grad(pre_p, mb_of(c, gb, j), dx),
+                dpre = lax.cond((g == 0) & flag,
+                                lambda: ties.add_to_pre(ops.pre_grad(pre_p, mb_of(c, gb, j), dx), t_grad),
                                 lambda: zeros(pre_p))
             dpost = jax.tree.map(lambda a: jnp.where((g == 1) & flag, a, jnp.zeros_like(a)), c.gpost)
             grad = lax.pmean((dw, dpre, dpost), DP_AXES)
@@ -168,12 +197,13 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
             st = (lps, oss, sh0, versions, accs)
             st = lax.cond((j == M - 1) & (g == 0), lambda s: land(0, s), lambda s: s, st)
             st = lax.cond((j == M - 1) & (g == 1), lambda s: land(1, s), lambda s: s, st)
-            return st, err, where((g == 0) & flag, zeros(dx), dx)
+            return st, err, (where((g == 0) & flag, zeros(dx), dx), t_grad)
 
         def b_idle(gb, j, g, flag, st, c, err):
-            return st, err, junk
+            return st, err, (junk, junk_tie)
 
         junk = full(x_aval, jnp.nan) if nan_bubbles else zx
+        junk_tie = full(tie_avals, jnp.nan if nan_bubbles else 0)
 
         def tick(s, t):
             st, c, err, loss = s
@@ -192,13 +222,14 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
             okf = active & even & ~((g == 1) & flag)
             okb = active & ~even & ~((g == 0) & flag)
             # forwards travel d -> d + 1, backwards d -> d - 1; the wrap-arounds land in the buffers
-            rf, jf, of = lax.ppermute((mf, j, okf), "stage", [(d, (d + 1) % D) for d in range(D)])
-            rb, jb, ob = lax.ppermute((mb_, j, okb), "stage", [(d, (d - 1) % D) for d in range(D)])
+            (rf, tf), jf, of = lax.ppermute((mf, j, okf), "stage", [(d, (d + 1) % D) for d in range(D)])
+            (rb, tb), jb, ob = lax.ppermute((mb_, j, okb), "stage", [(d, (d - 1) % D) for d in range(D)])
             at0, atl = me == 0, me == D - 1
             # buffers are written in place, into slot M (scratch) when nothing arrived for them: a select of
             # the whole buffer would copy it every tick
             c = c._replace(
-                recv_f=where(of & ~at0, rf, c.recv_f),
+                recv_f=where(of & ~at0, rf, c.recv_f), tie_f=where(of & ~at0, tf, c.tie_f),
+                tie_b=where(ob & ~atl, tb, c.tie_b),
                 bnd_f=write(c.bnd_f, jnp.where(of & at0, jf, M), rf),
                 recv_b=where(ob & ~atl, rb, c.recv_b),
                 bnd_b=write(c.bnd_b, jnp.where(ob & atl, jb, M), rb))
@@ -238,9 +269,12 @@ def empty_carry(model, D: int, M: int, n_devices: int, mb_example, x_aval, res_a
         fill = jnp.nan if nan_bubbles and jnp.issubdtype(dtype, jnp.floating) else 0
         return jnp.full((n_devices,) + tuple(shape), fill, dtype)
     msg = lambda lead: jax.tree.map(lambda a: per(tuple(lead) + tuple(a.shape), a.dtype), x_aval)
+    tied = lambda lead: jax.tree.map(lambda a: per(tuple(lead) + jnp.shape(a), jnp.asarray(a).dtype),
+                                     Ties(model).pre_leaves(model.pre_params))
     return WPipeCarry(
         stash0=[per((2 * M + 1,) + tuple(a.shape), a.dtype) for a in res_avals],     # + a scratch slot
         stash1=[per((M + 1,) + tuple(a.shape), a.dtype) for a in res_avals],
         recv_f=msg(()), recv_b=msg(()), bnd_f=msg((M + 1,)), bnd_b=msg((M + 1,)), dy_own=msg(()),
-        gpost=jax.tree.map(lambda a: per(jnp.shape(a), jnp.asarray(a).dtype), model.post_params),
-        ring=jax.tree.map(lambda a: per((2, M) + tuple(a.shape), a.dtype), mb_example))
+        gpost=jax.tree.map(lambda a: per(jnp.shape(a), jnp.asarray(a).dtype), Ties(model).strip(model.params)[2]),
+        ring=jax.tree.map(lambda a: per((2, M) + tuple(a.shape), a.dtype), mb_example),
+        tie_f=tied(()), tie_b=tied(()), tie_v=tied((3,)), gtie=tied((3,)))      # slot 2: scratch
