@@ -82,6 +82,12 @@ def test_phases_do_not_grow_with_microbatches(name, D, opts):
     active = p.table[..., L["op"]] > 0
     for t0, t1, used in p.phases:                     # no phase compiles a lane that none of its ticks uses
         assert all(active[t0:t1, :, li].any() for li in used)
+    # a lane the executor runs without a conditional is busy on every device in every tick of its phase
+    assert len(p.full) == len(p.phases)
+    for (t0, t1, used), full in zip(p.phases, p.full):
+        assert set(full) <= set(used) and all(active[t0:t1, :, li].all() for li in full)
+    if name in ("1f1b", "gpipe"):                     # the steady state: both lanes on every device
+        assert any(set(f) == {0, 1} and t1 - t0 >= 16 * D - 2 * D for (t0, t1, _), f in zip(p.phases, p.full))
 
 
 def _pipe(kind, name, D, M, opts, **kw):

@@ -135,22 +135,38 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
             return acc, blank()
 
         def fwd(chunk, first, last):
+            # first/last: the position, static (one branch per position), or None: decided per row by
+            # small conds around pre and the head, for lanes every device runs (no branch at all)
+            dyn = first is None
+            S = sched.num_model_stages
+
             def op(row, stash, mbuf, acc):
-                mb = mb_of(row) if (first or last or model.context) else None
+                mb = mb_of(row) if (dyn or first or last or model.context) else None
                 x = None if first else read(mbuf, row[L["in"]])
                 ctx = None
                 if model.context:
                     ctx = ops.context(mb, jax.random.fold_in(step_key, replica * M + row[L["mb"]]), row[L["stage"]])
-                y, res, head = ops.forward(ws[chunk], x, mb, pre_p, post_p, first, last, ctx)
-                if not last:
-                    return res, acc, cast(y, x_aval)
+                if not dyn:
+                    y, res, head = ops.forward(ws[chunk], x, mb, pre_p, post_p, first, last, ctx)
+                    if not last:
+                        return res, acc, cast(y, x_aval)
+                else:
+                    is_first, is_last = row[L["stage"]] == 0, row[L["stage"]] == S - 1
+                    x = lax.cond(is_first, lambda: cast(vary(pre(pre_p, mb)), x_aval), lambda: x)
+                    y, res, _ = ops.forward(ws[chunk], x, mb, pre_p, post_p, False, False, ctx)
+                    head = lax.cond(is_last, lambda: vary(ops.head(post_p, y, mb)),
+                                    lambda: vary(jax.tree.map(jnp.zeros_like, ops.head(post_p, y, mb))))
                 l, n, gq, dy = head
                 gws, gpre, gpost, (gl, gn) = acc
                 if summed:      # (sum, count) losses: divided by the global count after the pipeline
                     acc = (gws, gpre, add(gpost, gq), (gl + l.astype(jnp.float32), gn + n))
-                    return res, acc, cast(dy, x_aval)
-                acc = (gws, gpre, add(gpost, jax.tree.map(lambda g: g / M, gq)), (gl + (l / M).astype(jnp.float32), gn))
-                return res, acc, cast(jax.tree.map(lambda d: d / M, dy), x_aval)
+                else:
+                    acc = (gws, gpre, add(gpost, jax.tree.map(lambda g: g / M, gq)),
+                           (gl + (l / M).astype(jnp.float32), gn))
+                    dy = jax.tree.map(lambda d: d / M, dy)
+                # the last stage keeps dL/dy for its B; the others send their output
+                msg = where(is_last, cast(dy, x_aval), cast(y, x_aval)) if dyn else cast(dy, x_aval)
+                return res, acc, msg
             return op
 
         def bwd(chunk, want_dw=True, want_dx=True):
@@ -200,12 +216,20 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
                 msg = m if msg is None else where(row[L["branch"]] == k, m, msg)
             return (gws, gpre, gpost, gl), blank() if msg is None else msg
 
-        def lane(li, row, c):
+        def lane(li, row, c, direct=None):
+            # direct: the op of a lane every device runs in this phase (no conditional around it)
             stash, mbuf, acc = c
             if p.lanes[li] in ("F", F2):
-                res, acc, msg = lax.switch(row[L["branch"]], branches[li], row, stash, mbuf, acc)
+                if direct is not None:
+                    res, acc, msg = direct(row, stash, mbuf, acc)
+                else:
+                    res, acc, msg = lax.switch(row[L["branch"]], branches[li], row, stash, mbuf, acc)
                 slot = jnp.where(row[L["op"]] > 0, row[L["stash"]], p.stash_capacity)
                 stash = [write(a, slot, r) for a, r in zip(stash, res)]
+            elif direct is not None:
+                gws, gpre, gpost, gl = acc
+                (g0, gpre), msg = direct(row, stash, mbuf, (gws[0], gpre))
+                acc = ([g0] + list(gws[1:]), gpre, gpost, gl)
             else:
                 acc, msg = backward_lane(li, row, stash, mbuf, acc)
             if p.keeps[li]:
@@ -214,11 +238,26 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
                 mbuf = write(mbuf, row[_RECV[ch]], lax.ppermute(msg, "stage", ring[ch]))
             return stash, mbuf, acc
 
-        def phase(lanes_used):
+        def direct_op(t0, t1, li):
+            """The op a lane runs without a conditional in ticks [t0, t1) where every device is busy in it
+            (docs/design.md §2: a conditional costs ~8% of the step on CPU at D = 1, measured), or None:
+            one chunk only (several need a switch over the chunks' weights)."""
+            if nchunk != 1:
+                return None
+            codes = np.unique(table[t0:t1, :, li, L["branch"]])
+            if len(codes) == 1:                 # one position (D = 1): the branch itself
+                return branches[li][int(codes[0])]
+            if p.lanes[li] in ("F", F2):
+                return fwd(0, None, None)
+            return None
+
+        def phase(t0, t1, lanes_used, full):
+            direct = {li: direct_op(t0, t1, li) for li in full}
+
             def tick(c, rows):
                 row = rows[me]
                 for li in lanes_used:
-                    c = lane(li, row[li], c)
+                    c = lane(li, row[li], c, direct.get(li))
                 return c, None
             return tick
 
@@ -228,8 +267,9 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
             full(stash_avals, blank_value, (p.stash_capacity + 1,)),
             full(x_aval, blank_value, (p.mbuf_capacity + 1,)),
             ([zeros(w) for w in ws], zeros(pre_p), zeros(post_p), (jnp.zeros((), jnp.float32),) * 2)))
-        for t0, t1, lanes_used in p.phases:
-            carry, _ = lax.scan(phase(lanes_used), carry, jnp.asarray(table[t0:t1]))
+        full_sets = p.full or ((),) * len(p.phases)
+        for (t0, t1, lanes_used), full_lanes in zip(p.phases, full_sets):
+            carry, _ = lax.scan(phase(t0, t1, lanes_used, full_lanes), carry, jnp.asarray(table[t0:t1]))
             if eager is not None and t1 == eager[0]:
                 carry = _eager_exchange(carry, eager, me)
         _, _, (gws, gpre, gpost, (loss, count)) = carry

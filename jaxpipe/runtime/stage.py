@@ -83,9 +83,13 @@ class StageOps:
             res = [self.mark(r) for r in res]
         if not last:
             return y, res, None
+        return y, res, self.head(post_p, y, mb)
+
+    def head(self, post_p, y, mb):
+        """``(value, count, g_post, dy)`` of ``post_loss`` at the last stage's output ``y``."""
         (value, count), (g_post, dy) = jax.value_and_grad(
-            lambda q, v: loss_terms(m.post_loss(q, v, mb)), argnums=(0, 1), has_aux=True)(post_p, y)
-        return y, res, (value, count, g_post, dy)
+            lambda q, v: loss_terms(self.model.post_loss(q, v, mb)), argnums=(0, 1), has_aux=True)(post_p, y)
+        return value, count, g_post, dy
 
     def backward(self, w, res: List[Any], dy):
         """``(dw, dx)`` of the stage at the weights ``w`` from its stashed residuals."""

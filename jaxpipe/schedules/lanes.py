@@ -40,7 +40,7 @@ PLACEMENTS = ("lanes", "ordered")
 #: (SEND_*), its slot when it stays on the device, receive slots for the two channels, branch index.
 LCOLS = ("op", "mb", "stage", "chunk", "stash", "in", "send", "keep", "recv_p", "recv_m", "branch")
 L = {c: i for i, c in enumerate(LCOLS)}
-MAX_PHASES = 5
+MAX_PHASES = 7
 
 
 @dataclasses.dataclass
@@ -56,6 +56,7 @@ class LanePlan:
     channels: Tuple[Tuple[int, ...], ...]                    # per lane: channels it sends on
     keeps: Tuple[bool, ...]                                  # per lane: does it keep a message on-device
     phases: Tuple[Tuple[int, int, Tuple[int, ...]], ...]     # (first tick, end tick, lanes compiled)
+    full: Tuple[Tuple[int, ...], ...] = ()                   # per phase: lanes busy on every device, every tick
 
     @property
     def num_ticks(self) -> int:
@@ -168,24 +169,29 @@ def _place_ordered(s: Schedule, lanes: Sequence[str]) -> Dict[tuple, Tuple[int, 
     return where
 
 
-def _phases(active: np.ndarray) -> Tuple[Tuple[int, int, Tuple[int, ...]], ...]:
-    """Cut ticks into runs with the same set of used lanes; merge the shortest runs until at most
-    :data:`MAX_PHASES` remain (compile time must not grow with the number of micro-batches)."""
-    used = [tuple(int(i) for i in np.nonzero(active[t].any(axis=0))[0]) for t in range(active.shape[0])]
+def _phases(active: np.ndarray):
+    """Cut ticks into runs with the same set of used lanes and the same set of *full* lanes (busy on every
+    device: the executor runs those without an idle branch); merge the shortest runs until at most
+    :data:`MAX_PHASES` remain (compile time must not grow with the number of micro-batches).  Returns the
+    phases ``(t0, t1, used lanes)`` and, per phase, its full lanes."""
+    T = active.shape[0]
+    used = [set(int(i) for i in np.nonzero(active[t].any(axis=0))[0]) for t in range(T)]
+    full = [set(int(i) for i in np.nonzero(active[t].all(axis=0))[0]) for t in range(T)]
     runs: List[list] = []
-    for t, u in enumerate(used):
-        if runs and runs[-1][2] == set(u):
+    for t in range(T):
+        if runs and runs[-1][2] == used[t] and runs[-1][3] == full[t]:
             runs[-1][1] = t + 1
         else:
-            runs.append([t, t + 1, set(u)])
+            runs.append([t, t + 1, used[t], full[t]])
     while len(runs) > MAX_PHASES:
         i = min(range(len(runs)), key=lambda k: runs[k][1] - runs[k][0])
         j = i - 1 if i == len(runs) - 1 or (i > 0 and runs[i - 1][1] - runs[i - 1][0] <=
                                                    runs[i + 1][1] - runs[i + 1][0]) else i + 1
         a, b = sorted((i, j))
-        runs[a] = [runs[a][0], runs[b][1], runs[a][2] | runs[b][2]]
+        runs[a] = [runs[a][0], runs[b][1], runs[a][2] | runs[b][2], runs[a][3] & runs[b][3]]
         del runs[b]
-    return tuple((a, b, tuple(sorted(u))) for a, b, u in runs)
+    return (tuple((a, b, tuple(sorted(u))) for a, b, u, _ in runs),
+            tuple(tuple(sorted(f)) for *_, f in runs))
 
 
 def plan(s: Schedule, placement: str = "lanes", cut: Sequence[int] = ()) -> LanePlan:
@@ -264,13 +270,14 @@ def plan(s: Schedule, placement: str = "lanes", cut: Sequence[int] = ()) -> Lane
     last = (tab[..., L["stage"]] == S - 1).astype(np.int64)
     tab[..., L["branch"]] = np.where(tab[..., L["op"]] > 0, 1 + tab[..., L["chunk"]] * 4 + first + 2 * last, 0)
     active = tab[..., L["op"]] > 0
-    phases = list(_phases(active))
+    phases, full = map(list, _phases(active))
     for c in sorted(set(cut)):
         for i, (a0, b0, u) in enumerate(phases):
             if a0 < c < b0:
                 phases[i:i + 1] = [(a0, c, u), (c, b0, u)]
+                full[i:i + 1] = [full[i], full[i]]
                 break
     out = LanePlan(s, placement, lanes, where, tab.astype(np.int32), cap_s, cap_m,
-                   tuple(tuple(sorted(c)) for c in channels), tuple(keeps), tuple(phases))
+                   tuple(tuple(sorted(c)) for c in channels), tuple(keeps), tuple(phases), tuple(full))
     out._dev = dev
     return out
