@@ -144,12 +144,13 @@ class CyclicDataParallel:
         carry = dict(
             tie=jax.tree.map(lambda a: z(jnp.shape(a), a.dtype), tied),
             gtie=jax.tree.map(lambda a: z(jnp.shape(a), a.dtype), tied),
+            cnt=z((), jnp.float32), pcnt=z((N,), jnp.float32),     # (sum, count) losses: own / partial counts
             stash=[z((N,) + tuple(a.shape), a.dtype) for a in res],
             act=full(xa, 0, (N,)), dy=full(xa, 0, (N,)),
             gpost=jax.tree.map(lambda a: z(jnp.shape(a), jnp.asarray(a).dtype), lp0[2]),
             partial=jax.tree.map(lambda a: z((N,) + jnp.shape(a), jnp.asarray(a).dtype), lp0),
-            bcast=(jax.tree.map(lambda a: z(jnp.shape(a), jnp.asarray(a).dtype), lp0), z((), jnp.int32),
-                   z((), jnp.bool_)),
+            bcast=((jax.tree.map(lambda a: z(jnp.shape(a), jnp.asarray(a).dtype), lp0), z((), jnp.float32)),
+                   z((), jnp.int32), z((), jnp.bool_)),
             ring=jax.tree.map(lambda a: z((2,) + tuple(a.shape), a.dtype), mb))
         return jax.device_put(carry, NamedSharding(self.mesh, P("data"))), xa
 
@@ -171,7 +172,10 @@ class CyclicDataParallel:
             c["ring"] = jax.tree.map(lambda r, b: write(r, (base + n_fed) % 2, b), c["ring"], batch)
             ops, _ = StageOps.build(model, jax.tree.map(lambda a: a[0], lp[0]), full(xa, 0),
                                     jax.tree.map(lambda a: a[0], c["ring"]))
-            _require_mean_loss(model, xa, jax.tree.map(lambda a: a[0], c["ring"]))
+            # (sum, count) losses: gradients of the sums are reduced, each with the workers' summed count, and
+            # a stage's update divides by that count (the step's exact masked mean) instead of by N
+            summed = model.reduction(xa, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
+                                                       c["ring"])) == "sum"
             n_fed = n_fed + feed.astype(jnp.int32)
             stage_of = lambda t, j: jax.tree.map(lambda a: read(a, j), t)
             put = lambda t, j, v: jax.tree.map(lambda a, b: write(a, j, b), t, v)
@@ -182,7 +186,8 @@ class CyclicDataParallel:
                 # from buffers that the same branch updates in place made XLA copy the whole stacked model
                 lp, sh, ver, os_ = st
                 cur, o = cur_o
-                g = jax.tree.map(lambda a: a / N, g_sum)
+                g_sum, n = g_sum
+                g = jax.tree.map(lambda a: a / (n.astype(a.dtype) if summed else N), g_sum)
                 u, o = opt.update(g, o, cur)
                 new = optax.apply_updates(cur, u)
                 return (put(lp, j, new), put(sh, j, cur), ver.at[j].add(1), put(os_, j, o))
@@ -217,11 +222,12 @@ class CyclicDataParallel:
                     y, res, head = ops.forward(w, x_in, mb, pre_p, ties.post_with(post_p, t_mine), first, last, ctx)
                     if not last:
                         return cast(y, xa), res, full(xa, 0), \
-                            jax.tree.map(jnp.zeros_like, post_p), jnp.zeros((), jnp.float32), \
+                            jax.tree.map(jnp.zeros_like, post_p), (jnp.zeros((), jnp.float32),) * 2, \
                             cast(t_mine, t_reg), jax.tree.map(jnp.zeros_like, t_reg)
-                    l, _, gq, dy = head
+                    l, n, gq, dy = head
                     gq, gt = ties.take_post(gq)
-                    return cast(y, xa), res, cast(dy, xa), gq, l.astype(jnp.float32), cast(t_mine, t_reg), gt
+                    return (cast(y, xa), res, cast(dy, xa), gq, (l.astype(jnp.float32), jnp.asarray(n, jnp.float32)),
+                            cast(t_mine, t_reg), gt)
                 return f
 
             def bwd_variant(k):
@@ -242,10 +248,13 @@ class CyclicDataParallel:
                                                            c["tie"])
                 last = j == N - 1
                 c = {**c, "stash": [write(a, j, r) for a, r in zip(c["stash"], res)], "act": y,
-                     "tie": t_mine, "gtie": where(last, gt, c["gtie"]),
+                     "tie": t_mine, "gtie": where(last, gt, c["gtie"]), "cnt": jnp.where(last, l[1], c["cnt"]),
                      "dy": where(last, dy, c["dy"]),
                      "gpost": jax.tree.map(lambda n, o: jnp.where(last, n, o), gq, c["gpost"])}
-                return c, err, (loss[0] + jnp.where(last, l, 0.0), loss[1] + last.astype(jnp.int32))
+                # the metric: summed losses and their counts (exact mean), or the micro-batch means and their number
+                l_add, n_add = l if summed else (l[0], jnp.ones((), jnp.float32))
+                return c, err, (loss[0] + jnp.where(last, l_add, 0.0), loss[1] + jnp.where(last, n_add, 0.0),
+                                loss[2] + last.astype(jnp.int32))
 
             def b_lane(st, c, j, k, gk, err):
                 lp, sh, _, _ = st
@@ -263,10 +272,11 @@ class CyclicDataParallel:
                 # ring reduction: the partial sum from worker me - 1, plus this worker's gradient
                 g = jax.tree.map(lambda p, a: jnp.where(me > 0, p, jnp.zeros_like(p)) + a.astype(p.dtype),
                                  stage_of(c["partial"], j), (dw, dpre, dpost))
-                return g, dx, err
+                n = jnp.where(me > 0, read(c["pcnt"], j), 0.0) + c["cnt"]
+                return (g, n), dx, err
 
             def b_idle(st, c, j, k, gk, err):
-                return zeros_lp, c["dy"], err
+                return (zeros_lp, jnp.zeros((), jnp.float32)), c["dy"], err
 
             def tick(s, t):
                 st, c, err, loss = s
@@ -295,7 +305,8 @@ class CyclicDataParallel:
                 if N > 1:
                     ring = [(i, i + 1) for i in range(N - 1)]
                     got = lax.ppermute((g, j, fwd_ok), "data", ring)
-                    c = {**c, "partial": lax.cond(got[2], lambda q: put(q, got[1], got[0]), lambda q: q, c["partial"])}
+                    c = {**c, "partial": lax.cond(got[2], lambda q: put(q, got[1], got[0][0]), lambda q: q, c["partial"]),
+                         "pcnt": jnp.where(got[2], c["pcnt"].at[got[1]].set(got[0][1]), c["pcnt"])}
                     done = sent & (me == N - 1)
                     acc = None
                     for dst in range(N - 1):
@@ -305,14 +316,14 @@ class CyclicDataParallel:
                     c = {**c, "bcast": acc}
                 return (st, c, err, loss), None
 
-            loss0 = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
-            (st, c, err, (lsum, lcount)), _ = lax.scan(
+            loss0 = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+            (st, c, err, (lsum, lweight, lcount)), _ = lax.scan(
                 tick, ((lp, sh, ver, os_), c, err, loss0), t0 + jnp.arange(2 * N, dtype=jnp.int32))
             lp, sh, ver, os_ = st
-            lsum, lcount = lax.psum((lsum, lcount), "data")
+            lsum, lweight, lcount = lax.psum((lsum, lweight, lcount), "data")
             ex = lambda t: jax.tree.map(lambda a: a[None], t)
             return (ex(lp), ex(sh), ex(ver), ex(os_), ex(c), (t0 + 2 * N, base, n_fed), ex(err),
-                    (lsum, lcount))
+                    (lsum, lweight, lcount))
 
         d = lambda t: jax.tree.map(lambda _: P("data"), t)
         r = lambda t: jax.tree.map(lambda _: P(), t)
@@ -322,9 +333,9 @@ class CyclicDataParallel:
                     state.errors)
             specs = tuple(d(a) for a in args[:5]) + (r(state.counters), d(state.errors))
             out = jax.shard_map(body, mesh=self.mesh, in_specs=specs + (d(batch), P()),
-                                out_specs=specs + ((P(), P()),), check_vma=False)(*args, batch, feed)
-            lsum, lcount = out[7]
-            metrics = {"loss": jnp.where(lcount > 0, lsum / jnp.maximum(lcount, 1), jnp.nan),
+                                out_specs=specs + ((P(), P(), P()),), check_vma=False)(*args, batch, feed)
+            lsum, lweight, lcount = out[7]
+            metrics = {"loss": jnp.where(lcount > 0, lsum / jnp.where(lweight > 0, lweight, 1.0), jnp.nan),
                        "losses_computed": lcount, "version_errors": jnp.sum(out[6])}
             return CyclicState(*out[:7]), metrics
 
@@ -342,7 +353,8 @@ class CyclicDataParallel:
 
     def step(self, state: CyclicState, batch):
         """Feed one micro-batch per worker (the batch's rows split over the workers in order) and run 2N
-        time steps.  Metrics: ``loss`` (mean of the losses computed in this call), ``losses_computed``,
+        time steps.  Metrics: ``loss`` (mean of the losses computed in this call; a (sum, count) loss: their
+        summed values over their summed counts), ``losses_computed``,
         ``version_errors`` (always 0 unless the timeline is broken)."""
         self._check_batch(batch)
         if self.check_inputs:

@@ -41,7 +41,8 @@ ASYNC_METHODS = ("pipedream", "pipedream_2bw", "spectrain", "pipeoptim", "cdp_v1
 
 class WeightPolicy(NamedTuple):
     """``init(lp) -> ps``; ``forward_weights(lp, ps, i, s) -> (w_F, ps)``; ``backward_weights(lp, ps, i, s)
-    -> w_B``; ``update(g, lp, opt_state, ps, i, s) -> (lp, opt_state, ps)``.  ``i``: global micro-batch
+    -> w_B``; ``update(g, lp, opt_state, ps, i, s, count=None) -> (lp, opt_state, ps)`` (``count``: the
+    micro-batch's global count of a (sum, count) loss, for the policies that accumulate a step).  ``i``: global micro-batch
     index, ``s``: the stage (traced ints).  ``versions(D)``: weight versions per stage (Table II).
 
     ``choose`` (optional): ``choose(lp, ps, i, s) -> (k, candidates)`` where the weights an op reads are
@@ -80,7 +81,7 @@ def pipedream(opt: optax.GradientTransformation, num_stages: int) -> WeightPolic
     def backward_weights(lp, stash, i, s):
         return jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, i % D, 0, False), stash)
 
-    def update(g, lp, opt_state, stash, i, s):
+    def update(g, lp, opt_state, stash, i, s, count=None):
         lp, opt_state, _ = _apply(opt, g, lp, opt_state)
         return lp, opt_state, stash
 
@@ -92,6 +93,7 @@ class TwoBWState(NamedTuple):
     shadow: Any          # the previous version w(n - 1)
     acc: Any             # gradient sum of the current batch
     n_updates: jax.Array  # versions produced so far: lp holds w(n_updates)
+    count: Any = None    # (sum, count) losses: the batch's global count so far (acc / count lands)
 
 
 def pipedream_2bw(opt: optax.GradientTransformation, num_stages: int, num_microbatches: int,
@@ -105,7 +107,8 @@ def pipedream_2bw(opt: optax.GradientTransformation, num_stages: int, num_microb
     M, D = num_microbatches, num_stages
 
     def init(lp):
-        return TwoBWState(jax.tree.map(jnp.copy, lp), jax.tree.map(jnp.zeros_like, lp), jnp.zeros((), jnp.int32))
+        return TwoBWState(jax.tree.map(jnp.copy, lp), jax.tree.map(jnp.zeros_like, lp), jnp.zeros((), jnp.int32),
+                          jnp.zeros((), jnp.float32))
 
     def version(lp, ps, i, s):
         now = latest(ps, i, s)
@@ -129,17 +132,22 @@ def pipedream_2bw(opt: optax.GradientTransformation, num_stages: int, num_microb
     def choose(lp, ps, i, s):
         return jnp.where(latest(ps, i, s), 0, 1), (lp, ps.shadow)
 
-    def update(g, lp, opt_state, ps, i, s):
+    def update(g, lp, opt_state, ps, i, s, count=None):
+        # count: this micro-batch's global token/example count when post_loss returns (sum, count) -- ``g`` is
+        # then the gradient of the sum, and the batch's update is the summed gradient over the batch's count
         acc = jax.tree.map(jnp.add, ps.acc, g)
+        n = ps.count + (0.0 if count is None else count)
 
         def land(args):
             lp, opt_state, acc = args
-            new, opt_state, _ = _apply(opt, jax.tree.map(lambda a: a / M, acc), lp, opt_state)
-            return new, opt_state, TwoBWState(lp, jax.tree.map(jnp.zeros_like, acc), ps.n_updates + 1)
+            div = (lambda a: a / M) if count is None else (lambda a: a / n.astype(a.dtype))
+            new, opt_state, _ = _apply(opt, jax.tree.map(div, acc), lp, opt_state)
+            return new, opt_state, TwoBWState(lp, jax.tree.map(jnp.zeros_like, acc), ps.n_updates + 1,
+                                              jnp.zeros_like(n))
 
         def keep(args):
             lp, opt_state, acc = args
-            return lp, opt_state, TwoBWState(ps.shadow, acc, ps.n_updates)
+            return lp, opt_state, TwoBWState(ps.shadow, acc, ps.n_updates, n)
 
         return lax.cond(i % M == M - 1, land, keep, (lp, opt_state, acc))
 
@@ -161,7 +169,7 @@ def _predicting(name: str, opt, fwd_distance: Callable, bwd_distance: Callable, 
             return lp
         return _axpy(bwd_distance(s), u_last, lp)
 
-    def update(g, lp, opt_state, u_last, i, s):
+    def update(g, lp, opt_state, u_last, i, s, count=None):
         lp, opt_state, u = _apply(opt, g, lp, opt_state)
         return lp, opt_state, u
 

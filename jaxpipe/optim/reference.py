@@ -75,6 +75,9 @@ def serial_reference(model, method: str, opt: optax.GradientTransformation, num_
     bwd = jax.jit(lambda w, res, dy: rebuild_pullback(model.stage_fn, w, x_like, res, mask, ctx_like)(dy))
     axpy = lambda a, x, y: jax.tree.map(lambda xx, yy: yy + jnp.asarray(a, yy.dtype) * xx, x, y)
     losses, acc = [], [None] * D
+    accumulating = method in ("pipedream_2bw", "cdp_v1", "cdp_v2", "wpipe")
+    summed = model.reduction(jax.eval_shape(model.forward, model.params, mbs[0]), mbs[0]) == "sum"
+    step_count = 0.0
 
     for i, mb in enumerate(mbs):
         b = i // M
@@ -107,11 +110,18 @@ def serial_reference(model, method: str, opt: optax.GradientTransformation, num_
         for s in range(D):
             x, r = fwd(wF[s][0], x, ctx_of(mb, i, s))
             res.append(r)
-        # a (sum, count) loss is this global micro-batch's sum over its count (what a per-micro-batch update reads)
-        mean_of = lambda q, y: (lambda sc: sc[0] / sc[1])(loss_terms(model.post_loss(q, y, mb)))
         # tied arrays: the last stage reads the version stage 0's forward read; their gradient joins stage 0's
         q_last = ties.post_with(wF[D - 1][2], ties.pre_leaves(wF[0][1]))
-        loss, (gpost, dy) = jax.value_and_grad(mean_of, argnums=(0, 1))(q_last, x)
+        # a (sum, count) loss: a per-micro-batch update reads this global micro-batch's sum over its count; an
+        # accumulating method sums the micro-batches' gradients of the sums and divides by the step's count
+        terms = lambda q, y: loss_terms(model.post_loss(q, y, mb))
+        if accumulating and summed:
+            (loss_sum, n_mb), (gpost, dy) = jax.value_and_grad(terms, argnums=(0, 1), has_aux=True)(q_last, x)
+            loss = loss_sum / n_mb
+        else:
+            n_mb = 1.0
+            loss, (gpost, dy) = jax.value_and_grad(lambda q, y: (lambda sc: sc[0] / sc[1])(terms(q, y)),
+                                                   argnums=(0, 1))(q_last, x)
         gpost, g_tied = ties.take_post(gpost)
         losses.append(float(loss))
         grads = [None] * D
@@ -124,11 +134,16 @@ def serial_reference(model, method: str, opt: optax.GradientTransformation, num_
             dpost = gpost if s == D - 1 else jax.tree.map(jnp.zeros_like, post0)
             grads[s] = (dw, dpre, dpost)
         for s in range(D):
-            if method in ("pipedream_2bw", "cdp_v1", "cdp_v2", "wpipe"):
+            if accumulating:
                 acc[s] = grads[s] if acc[s] is None else jax.tree.map(jnp.add, acc[s], grads[s])
+                if s == 0:
+                    step_count += n_mb
                 if i % M != M - 1:
                     continue
-                g, acc[s] = jax.tree.map(lambda a: a / M, acc[s]), None
+                div = M if not summed else step_count
+                g, acc[s] = jax.tree.map(lambda a: a / div, acc[s]), None
+                if s == D - 1:
+                    step_count = 0.0
             else:
                 g = grads[s]
             cur = hist[s][-1]

@@ -21,7 +21,6 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from ..errors import ConfigError
 from ..model import microbatch_key
 from ..tying import Ties
 from .common import DP_AXES, cast, full, read, where, write
@@ -41,6 +40,8 @@ class AsyncCarry(NamedTuple):
     tie_f: Any = ()  # tied arrays (``jaxpipe.tying``): stage 0's version of them, received with recv_f
     tie_b: Any = ()  # their last-stage gradient, received with recv_b
     gtie: Any = ()   # last stage: that gradient of the micro-batch whose F ran last tick
+    cnt_b: Any = 0.0   # (sum, count) losses in accumulating policies: the micro-batch's global count,
+    cnt_own: Any = 0.0  # received with recv_b / on the last stage, of the micro-batch whose F ran last tick
 
 
 def ring_capacity(M: int, D: int) -> int:
@@ -77,13 +78,10 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
     summed = model.reduction(y_aval, mb_example) == "sum"
     n_dp = mesh.shape["pipe"] * mesh.shape["data"]
     model_key = lambda step, mb: microbatch_key(seed, step, mb)
-    if summed and not policy.per_microbatch:
-        raise ConfigError(
-            f"{policy.name} accumulates a step's micro-batch gradients on each stage, and post_loss returns a "
-            f"(sum, count) pair: the step's global count is not known on the stages that apply the update, so the "
-            f"normalisation would silently be the mean of micro-batch means. Return a scalar mean loss for "
-            f"{policy.name}, or use a synchronous schedule (gpipe, 1f1b, ...) or a per-micro-batch updater "
-            f"(pipedream, pipeoptim, spectrain), which divide by the exact count")
+    # (sum, count) losses: per-micro-batch updaters scale each micro-batch at the loss by replicas / its global
+    # count; accumulating policies (2BW, CDP) get unscaled sums, and each micro-batch's global count travels
+    # back with dL/dy so that every stage divides its step's summed gradient by the step's count
+    counting = summed and not policy.per_microbatch
     # forward variants by position (first, last); only the positions some device has are compiled
     ties = Ties(model)
     tie_avals = ties.pre_leaves(model.pre_params)
@@ -136,15 +134,18 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                 y, res, head = sop.forward(w, x_in, mb, pre_p, ties.post_with(post_p, t_mine), first, last, ctx)
                 if not last:
                     return (cast(y, x_aval), res, x_like(), zero_like(post_p), jnp.zeros((), jnp.float32),
-                            cast(t_mine, tie_avals), zero_like(tie_avals))
+                            cast(t_mine, tie_avals), zero_like(tie_avals), jnp.zeros((), jnp.float32))
                 l, n, gq, dy = head
                 gq, gt = ties.take_post(gq)
-                if summed:
+                n_glob = lax.psum(n, DP_AXES).astype(jnp.float32) if summed else jnp.zeros((), jnp.float32)
+                if counting:
+                    l = lax.psum(l, DP_AXES) / n_glob          # the metric: this micro-batch's exact mean
+                elif summed:
                     # (sum, count): this micro-batch's loss over every replica's real tokens -- scaled here so
                     # that the pmean over replicas in B gives sum over replicas / global count
                     scale = n_dp / lax.psum(n, DP_AXES)
                     l, gq, gt, dy = l * scale, *jax.tree.map(lambda g: g * scale.astype(g.dtype), (gq, gt, dy))
-                return blank(), res, cast(dy, x_aval), gq, l.astype(jnp.float32), blank_tie(), gt
+                return blank(), res, cast(dy, x_aval), gq, l.astype(jnp.float32), blank_tie(), gt, n_glob
             return op
 
         fwd_variants = [forward_at(*flags[k]) for k in used_pos]
@@ -159,17 +160,18 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             ctx = sop.context(mb, model_key(gi // M, replica * M + gi % M), me)
             if policy.choose is None:
                 wF, pstate = policy.forward_weights(lp, pstate, gi, me)
-                msg, res, dy, gq, l, t_out, gt = lax.switch(pos_j, fwd_variants, wF, c.recv_f, c.tie_f, mb, ctx)
+                msg, res, dy, gq, l, t_out, gt, cnt = lax.switch(pos_j, fwd_variants, wF, c.recv_f, c.tie_f, mb, ctx)
             else:     # one branch per stored version and position: the chosen version is never copied
                 k, cands = policy.choose(lp, pstate, gi, me)
                 n = len(fwd_variants)
                 brs = [(lambda w, v=v: (lambda cs, x, tx, m, cx: fwd_variants[v](cs[w], x, tx, m, cx)))(w)
                        for w in range(len(cands)) for v in range(n)]
-                msg, res, dy, gq, l, t_out, gt = lax.switch(k * n + pos_j, brs, cands, c.recv_f, c.tie_f, mb, ctx)
+                msg, res, dy, gq, l, t_out, gt, cnt = lax.switch(k * n + pos_j, brs, cands, c.recv_f, c.tie_f, mb,
+                                                                 ctx)
             c = c._replace(stash=[write(a, gi % D, r) for a, r in zip(c.stash, res)],
                            dy_own=where(me == D - 1, dy, c.dy_own),
                            gpost=jax.tree.map(lambda n, o: jnp.where(me == D - 1, n, o), gq, c.gpost),
-                           gtie=where(me == D - 1, gt, c.gtie))
+                           gtie=where(me == D - 1, gt, c.gtie), cnt_own=jnp.where(me == D - 1, cnt, c.cnt_own))
             last = (me == D - 1)
             loss = (loss[0] + jnp.where(last, l, 0.0), loss[1] + last.astype(jnp.int32))
             return (pstate, c, loss), (msg, t_out)
@@ -202,13 +204,19 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                     return ties.add_to_pre(sop.pre_grad(q0, mb_of(i), dx), t_grad)
                 dpre = lax.cond(me == 0, pre_grad, lambda: zero_like(lp[1]))
             dpost = jax.tree.map(lambda g: jnp.where(me == D - 1, g, jnp.zeros_like(g)), c.gpost)
-            g = lax.pmean((dw, dpre, dpost), DP_AXES)
-            lp, opt_state, pstate = policy.update(g, lp, opt_state, pstate, gi, me)
-            return (lp, opt_state, pstate), (where(me == 0, blank(), dx), where(me == 0, blank_tie(), t_grad))
+            cnt = jnp.where(me == D - 1, c.cnt_own, c.cnt_b)
+            if counting:        # sums over replicas; the policy divides the step's sum by the step's count
+                g = lax.psum((dw, dpre, dpost), DP_AXES)
+                lp, opt_state, pstate = policy.update(g, lp, opt_state, pstate, gi, me, count=cnt)
+            else:
+                g = lax.pmean((dw, dpre, dpost), DP_AXES)
+                lp, opt_state, pstate = policy.update(g, lp, opt_state, pstate, gi, me)
+            return (lp, opt_state, pstate), (where(me == 0, blank(), dx), where(me == 0, blank_tie(), t_grad), cnt)
 
         def b_idle(i, ops):
             lp, opt_state, pstate, c = ops
-            return (lp, opt_state, pstate), (blank(), blank_tie())
+            return (lp, opt_state, pstate), (blank(), blank_tie(), jnp.full((), jnp.nan if nan_bubbles else 0,
+                                                                          jnp.float32))
 
         pos_j = jnp.asarray(remap)[pos]
         table = jnp.asarray(periodic.table())
@@ -224,8 +232,8 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                 c = c._replace(recv_f=recv_f, tie_f=tie_f)
             (lp, opt_state, pstate), send_b = lax.cond(is_b, b_lane, b_idle, i, (lp, opt_state, pstate, c))
             if D > 1:
-                recv_b, tie_b = lax.ppermute(send_b, "stage", ring_b)
-                c = c._replace(recv_b=recv_b, tie_b=tie_b)
+                recv_b, tie_b, cnt_b = lax.ppermute(send_b, "stage", ring_b)
+                c = c._replace(recv_b=recv_b, tie_b=tie_b, cnt_b=cnt_b)
             return (lp, opt_state, pstate, c, loss), None
 
         loss0 = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
@@ -269,4 +277,6 @@ def empty_carry(model, D: int, M: int, n_devices: int, mb_example, x_aval, mask_
         recv_f=msg(), recv_b=msg(), dy_own=msg(),
         gpost=jax.tree.map(lambda a: per(jnp.shape(a), jnp.asarray(a).dtype), ties.strip(model.params)[2]),
         ring=jax.tree.map(lambda a: per((C,) + tuple(a.shape), a.dtype), mb_example),
-        tie_f=tie_msg(), tie_b=tie_msg(), gtie=tie_msg())
+        tie_f=tie_msg(), tie_b=tie_msg(), gtie=tie_msg(),
+        cnt_b=jnp.full((n_devices,), jnp.nan if nan_bubbles else 0, jnp.float32),
+        cnt_own=jnp.full((n_devices,), jnp.nan if nan_bubbles else 0, jnp.float32))

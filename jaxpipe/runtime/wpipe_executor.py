@@ -27,7 +27,6 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from ..errors import ConfigError
 from ..model import microbatch_key
 from ..tying import Ties
 from .common import DP_AXES, cast, full, read, where, write
@@ -50,6 +49,10 @@ class WPipeCarry(NamedTuple):
     tie_b: Any = ()  # their head gradient summed over a batch, received with recv_b
     tie_v: Any = ()  # device D - 1: G0's version of batch b, slot b mod 2 (read by its G1 forwards)
     gtie: Any = ()   # device D - 1: the head gradient of batch b so far, slot b mod 2
+    cnt_b: Any = 0.0     # (sum, count) losses: a micro-batch's global count, received with recv_b
+    cnt_own: Any = 0.0   # device D - 1: the count of the last F1's micro-batch
+    bnd_cnt: Any = 0.0   # device D - 1: counts of the G1 -> G0 wrap-around, slot j (slot M: scratch)
+    cnt_acc: Any = 0.0   # [2]: each group's count of the batch it accumulates
 
 
 def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: bool = False, seed: int = 0):
@@ -59,12 +62,9 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
     x_aval = jax.eval_shape(pre, model.pre_params, mb_example)
     y_aval = model.stage_output_aval(w_example, x_aval, mb_example)
     model.check_activation(x_aval, y_aval)
-    if model.reduction(y_aval, mb_example) == "sum":
-        raise ConfigError(
-            "wpipe accumulates each group's micro-batch gradients over a batch, and post_loss returns a (sum, "
-            "count) pair: the batch's global count is not known where the groups update, so the normalisation "
-            "would silently be the mean of micro-batch means. Return a scalar mean loss for wpipe, or use a "
-            "synchronous schedule (gpipe, 1f1b, ...), which divides by the exact count")
+    # (sum, count) losses: gradients of the sums accumulate, and each micro-batch's global count travels back
+    # with dL/dy (and through the wrap-around) so that each group divides its batch sum by the batch's count
+    summed = model.reduction(y_aval, mb_example) == "sum"
     T = 4 * M
     ties = Ties(model)
     tie_avals = ties.pre_leaves(model.pre_params)
@@ -86,13 +86,13 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
         def mb_of(c, gb, j):
             return jax.tree.map(lambda a: read(read(a, gb % 2), j), c.ring)
 
-        def land(g, st):
+        def land(g, st, n):
             """The update of group g after its last backward of a batch on this device (G0 keeps the
-            version it replaces as the shadow)."""
+            version it replaces as the shadow); ``n``: the batch's count of a (sum, count) loss."""
             lps, oss, shadow0, versions, accs = st
             if g == 0:
                 shadow0 = lps[0]
-            acc = jax.tree.map(lambda a: a / M, accs[g])
+            acc = jax.tree.map(lambda a: a / (n.astype(a.dtype) if summed else M), accs[g])
             u, o = opt.update(acc, oss[g], lps[g])
             new = optax.apply_updates(lps[g], u)
             lps = (new, lps[1]) if g == 0 else (lps[0], new)
@@ -126,11 +126,15 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
                 y, res, head = ops.forward(w, x, mb, pre_p, ties.post_with(post_p, t_mine),
                                            first=g == 0 and flag, last=g == 1 and flag, ctx=ctx)
                 if head is not None:
-                    l, _, gq, dy = head
+                    l, n, gq, dy = head
                     gq, gt = ties.take_post(gq)
-                    return zeros(zx), res, cast(dy, x_aval), gq, l.astype(jnp.float32), t_mine, gt
+                    n_glob = jnp.zeros((), jnp.float32)
+                    if summed:          # the metric: this micro-batch's exact mean over every replica
+                        n_glob = lax.psum(n, DP_AXES).astype(jnp.float32)
+                        l = lax.psum(l, DP_AXES) / n_glob
+                    return zeros(zx), res, cast(dy, x_aval), gq, l.astype(jnp.float32), t_mine, gt, n_glob
                 return (cast(y, x_aval), res, zx, zeros(post_p), jnp.zeros((), jnp.float32),
-                        cast(t_mine, tie_avals), zeros(tie_avals))
+                        cast(t_mine, tie_avals), zeros(tie_avals), jnp.zeros((), jnp.float32))
             return op
 
         def bwd_variant(k):
@@ -147,7 +151,7 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
             mb = mb_of(c, gb, j)
             # micro-batch j of batch gb on model stage g D + me: the synchronous schedules' keys
             ctx = ops.context(mb, microbatch_key(seed, gb, replica * M + j), g * D + me)
-            send, res, dy, gq, l, t_mine, gt = lax.switch(
+            send, res, dy, gq, l, t_mine, gt, cnt = lax.switch(
                 2 * k + flag.astype(jnp.int32), fwd_variants, (lps[0], shadow0, lps[1]), c.recv_f,
                 read(c.bnd_f, j), mb, ctx, c.tie_f, read(c.tie_v, gb % 2))
             s0 = jnp.where(g == 0, (gb % 2) * M + j, 2 * M)         # the other group's write: scratch slot
@@ -156,7 +160,8 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
             c = c._replace(stash0=[write(a, s0, r) for a, r in zip(c.stash0, res)],
                            stash1=[write(a, s1, r) for a, r in zip(c.stash1, res)],
                            dy_own=where(loss_here, dy, c.dy_own),
-                           gpost=jax.tree.map(lambda n, o: jnp.where(loss_here, n, o), gq, c.gpost))
+                           gpost=jax.tree.map(lambda n, o: jnp.where(loss_here, n, o), gq, c.gpost),
+                           cnt_own=jnp.where(loss_here, cnt, c.cnt_own))
             if ties:
                 # device D - 1 keeps G0's version of batch gb for its G1 forwards and sums the head gradient
                 so_far = jax.tree.map(lambda a, n: jnp.where(j == 0, n, a + n), read(c.gtie, gb % 2), gt)
@@ -177,6 +182,10 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
             dy1 = where(flag, c.dy_own, c.recv_b)
             dy0 = read(c.bnd_b, j) if D == 1 else where(me == D - 1, read(c.bnd_b, j), c.recv_b)
             dw, dx = lax.switch(k, bwd_variants, (lps[0], sh0, lps[1]), res, where(g == 0, dy0, dy1))
+            cnt1 = jnp.where(flag, c.cnt_own, c.cnt_b)          # the count travels like dL/dy
+            cnt0 = read(c.bnd_cnt, j) if D == 1 else jnp.where(me == D - 1, read(c.bnd_cnt, j), c.cnt_b)
+            cnt = jnp.where(g == 0, cnt0, cnt1)
+            cnt_acc = c.cnt_acc.at[g].add(cnt)
             dx = cast(dx, x_aval)
             pre_p = jax.tree.map(lambda a, b: jnp.where(k == 1, b, a), lps[0][1], sh0[1])   # the version read
             dpre = zeros(pre_p)
@@ -190,20 +199,23 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
                                 lambda: ties.add_to_pre(ops.pre_grad(pre_p, mb_of(c, gb, j), dx), t_grad),
                                 lambda: zeros(pre_p))
             dpost = jax.tree.map(lambda a: jnp.where((g == 1) & flag, a, jnp.zeros_like(a)), c.gpost)
-            grad = lax.pmean((dw, dpre, dpost), DP_AXES)
+            # (sum, count): sums over replicas, divided by the batch's count when the group lands
+            grad = lax.psum((dw, dpre, dpost), DP_AXES) if summed else lax.pmean((dw, dpre, dpost), DP_AXES)
             # one cond per group: each output slot is either its operand or a new value (no copies)
             add = lambda a: jax.tree.map(jnp.add, a, grad)
             accs = (lax.cond(g == 0, add, lambda a: a, accs[0]), lax.cond(g == 1, add, lambda a: a, accs[1]))
             st = (lps, oss, sh0, versions, accs)
-            st = lax.cond((j == M - 1) & (g == 0), lambda s: land(0, s), lambda s: s, st)
-            st = lax.cond((j == M - 1) & (g == 1), lambda s: land(1, s), lambda s: s, st)
-            return st, err, (where((g == 0) & flag, zeros(dx), dx), t_grad)
+            st = lax.cond((j == M - 1) & (g == 0), lambda s: land(0, s, cnt_acc[0]), lambda s: s, st)
+            st = lax.cond((j == M - 1) & (g == 1), lambda s: land(1, s, cnt_acc[1]), lambda s: s, st)
+            cnt_acc = jnp.where(j == M - 1, cnt_acc.at[g].set(0.0), cnt_acc)
+            return st, err, (where((g == 0) & flag, zeros(dx), dx), t_grad, cnt), cnt_acc
 
         def b_idle(gb, j, g, flag, st, c, err):
-            return st, err, (junk, junk_tie)
+            return st, err, (junk, junk_tie, junk_cnt), c.cnt_acc
 
         junk = full(x_aval, jnp.nan) if nan_bubbles else zx
         junk_tie = full(tie_avals, jnp.nan if nan_bubbles else 0)
+        junk_cnt = jnp.full((), jnp.nan if nan_bubbles else 0, jnp.float32)
 
         def tick(s, t):
             st, c, err, loss = s
@@ -218,18 +230,20 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
             gb = base + b
             # F lane and B lane: predicate conds around small switches (docs/design.md §2); one op per tick
             c, err, loss, mf = lax.cond(active & even, f_lane, f_idle, gb, j, g, flag, st, c, err, loss)
-            st, err, mb_ = lax.cond(active & ~even, b_lane, b_idle, gb, j, g, flag, st, c, err)
+            st, err, mb_, cnt_acc = lax.cond(active & ~even, b_lane, b_idle, gb, j, g, flag, st, c, err)
+            c = c._replace(cnt_acc=cnt_acc)
             okf = active & even & ~((g == 1) & flag)
             okb = active & ~even & ~((g == 0) & flag)
             # forwards travel d -> d + 1, backwards d -> d - 1; the wrap-arounds land in the buffers
             (rf, tf), jf, of = lax.ppermute((mf, j, okf), "stage", [(d, (d + 1) % D) for d in range(D)])
-            (rb, tb), jb, ob = lax.ppermute((mb_, j, okb), "stage", [(d, (d - 1) % D) for d in range(D)])
+            (rb, tb, cb), jb, ob = lax.ppermute((mb_, j, okb), "stage", [(d, (d - 1) % D) for d in range(D)])
             at0, atl = me == 0, me == D - 1
             # buffers are written in place, into slot M (scratch) when nothing arrived for them: a select of
             # the whole buffer would copy it every tick
             c = c._replace(
                 recv_f=where(of & ~at0, rf, c.recv_f), tie_f=where(of & ~at0, tf, c.tie_f),
-                tie_b=where(ob & ~atl, tb, c.tie_b),
+                tie_b=where(ob & ~atl, tb, c.tie_b), cnt_b=jnp.where(ob & ~atl, cb, c.cnt_b),
+                bnd_cnt=write(c.bnd_cnt, jnp.where(ob & atl, jb, M), cb),
                 bnd_f=write(c.bnd_f, jnp.where(of & at0, jf, M), rf),
                 recv_b=where(ob & ~atl, rb, c.recv_b),
                 bnd_b=write(c.bnd_b, jnp.where(ob & atl, jb, M), rb))
@@ -277,4 +291,6 @@ def empty_carry(model, D: int, M: int, n_devices: int, mb_example, x_aval, res_a
         recv_f=msg(()), recv_b=msg(()), bnd_f=msg((M + 1,)), bnd_b=msg((M + 1,)), dy_own=msg(()),
         gpost=jax.tree.map(lambda a: per(jnp.shape(a), jnp.asarray(a).dtype), Ties(model).strip(model.params)[2]),
         ring=jax.tree.map(lambda a: per((2, M) + tuple(a.shape), a.dtype), mb_example),
-        tie_f=tied(()), tie_b=tied(()), tie_v=tied((3,)), gtie=tied((3,)))      # slot 2: scratch
+        tie_f=tied(()), tie_b=tied(()), tie_v=tied((3,)), gtie=tied((3,)),      # slot 2: scratch
+        cnt_b=per((), jnp.float32), cnt_own=per((), jnp.float32), bnd_cnt=per((M + 1,), jnp.float32),
+        cnt_acc=jnp.zeros((n_devices, 2), jnp.float32))
