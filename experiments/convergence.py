@@ -73,7 +73,7 @@ def run_one(task, opt_name, schedule, seed, steps, lr):
     elif name == "avgpipe":
         # N pipelines, each on its share of the global batch (same samples per step as dp)
         pipe = jp.Pipeline(model, schedule=name, num_microbatches=M, optimizer=opt,
-                           mesh=jp.make_mesh(pipes=FLAGS.avgpipe_pipes, stages=D), avgpipe={"advance": 0})
+                           mesh=jp.make_mesh(pipes=FLAGS.avgpipe_pipes, stages=D), options={"advance": 0})
     else:
         pipe = jp.Pipeline(model, schedule=name, num_microbatches=M, optimizer=opt, mesh=jp.make_mesh(stages=D))
     loss_fn = jax.jit(model.loss)

@@ -121,14 +121,14 @@ def main(argv):
         raise app.UsageError(f"--schedule={FLAGS.schedule}: choose one of {', '.join(jp.schedules.available())}")
     # model stages per device (interleaved: --virtual chunks; wpipe: G0 and G1), as the registry declares it
     n_stages = FLAGS.stages * jp.schedules.method(FLAGS.schedule).stages_per_device({"virtual": FLAGS.virtual})
-    extra = {}
-    if FLAGS.schedule == "avgpipe":
-        extra["avgpipe"] = {"advance": "auto" if FLAGS.advance == "auto" else int(FLAGS.advance)}
-    elif FLAGS.pipes != 1:
+    # the flags that set schedule options, passed to the methods whose registry schema has them
+    method = jp.schedules.method(FLAGS.schedule)
+    flag_options = {"virtual": FLAGS.virtual, "pipelines": FLAGS.chimera_pipelines, "concat": FLAGS.chimera_concat,
+                    "eager_reduce": FLAGS.chimera_eager,
+                    "advance": "auto" if FLAGS.advance == "auto" else int(FLAGS.advance)}
+    extra = {"options": {k: v for k, v in flag_options.items() if k in method.options}}
+    if FLAGS.pipes != 1 and method.runner != "avgpipe":
         raise app.UsageError(f"--pipes={FLAGS.pipes} is for --schedule=avgpipe (parallel pipelines)")
-    if FLAGS.schedule == "chimera":
-        extra["chimera"] = {"pipelines": FLAGS.chimera_pipelines, "concat": FLAGS.chimera_concat,
-                            "eager_reduce": FLAGS.chimera_eager}
     if FLAGS.model == "gpt":
         train, val = jp.data.byte_corpus()
         model = jp.models.gpt(n_stages, d_model=FLAGS.d_model, heads=FLAGS.heads,

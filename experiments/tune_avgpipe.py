@@ -74,11 +74,11 @@ def main(argv):
         # memory of the 1F1B program (eq. 8 scales activations with the micro-batch size, 1F1B's case),
         # time of AFAB (the case eqs. 1-7 predict; advance forward propagation approaches it)
         pipe = jp.Pipeline(model, schedule="avgpipe", num_microbatches=m, optimizer=opt,
-                           mesh=jp.make_mesh(pipes=n, stages=D), avgpipe={"advance": 0})
+                           mesh=jp.make_mesh(pipes=n, stages=D), options={"advance": 0})
         state, batch = pipe.init(), batch_for(n)
         ma = pipe.lower("step", state, batch).compile().memory_analysis()
         pipe = jp.Pipeline(model, schedule="avgpipe", num_microbatches=m, optimizer=opt,
-                           mesh=jp.make_mesh(pipes=n, stages=D), avgpipe={"advance": m - 1})
+                           mesh=jp.make_mesh(pipes=n, stages=D), options={"advance": m - 1})
         for _ in range(2):
             state, met = pipe.step(state, batch)
         jax.block_until_ready(met["loss"])

@@ -1,7 +1,7 @@
 """``jp.Pipeline``: a model, a schedule, an optimizer and a mesh, compiled into one train step."""
 from __future__ import annotations
 
-from typing import Any, Dict, NamedTuple, Optional, Tuple
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -13,15 +13,7 @@ from . import schedules
 from .checks import check_integer_inputs, require_finite
 from .errors import ConfigError
 from .model import PipelineModel
-from .runtime.common import DP_AXES
-from .runtime.executor import make_grad_fn
-
-
-class PipelineState(NamedTuple):
-    """Train state: parameters ``(stage, pre, post)``, optimizer state, and the number of updates applied."""
-    params: Tuple[Any, Any, Any]
-    opt_state: Any
-    step: jax.Array
+from .runners.sync import PipelineState
 
 
 class Pipeline:
@@ -34,9 +26,14 @@ class Pipeline:
     ``nan_bubbles=True`` is a debugging aid: buffers start as NaN and idle ticks send NaN, so anything a bubble
     leaks into the result shows up as NaN.
 
-    Schedule options: ``chimera={"pipelines", "concat", "eager_reduce"}``, ``virtual=`` (interleaved_1f1b),
-    ``zb={"max_deferred_w"}`` (zb_h1), ``avgpipe={"alpha", "advance", "memory_limit"}`` (needs a mesh with
-    ``pipes=N``), ``wpipe={"recompute"}`` (the model has 2 x stage-axis partitions).  ``skip_nonfinite=True`` (synchronous
+    Schedule options: ``options={...}``, checked against the method's schema in
+    :mod:`jaxpipe.schedules.registry` (``jp.schedules.method(name).options`` lists them with their defaults):
+    chimera ``pipelines``, ``concat``, ``eager_reduce``; interleaved_1f1b ``virtual``; zb_h1 ``max_deferred_w``;
+    avgpipe ``alpha``, ``advance``, ``memory_limit``, ``tolerance`` (needs a mesh with ``pipes=N``); wpipe
+    ``recompute`` (the model has 2 x stage-axis partitions).  The per-method keywords ``chimera=``, ``virtual=``,
+    ``zb=``, ``avgpipe=``, ``wpipe=`` still work for this release and warn (DeprecationWarning).
+    ``schedule`` may also be a built :class:`~jaxpipe.schedules.Schedule` of a registered method (its own
+    options are used).  ``skip_nonfinite=True`` (synchronous
     schedules): a step whose loss or gradient norm is NaN/Inf leaves parameters and optimizer state unchanged
     (``metrics["skipped"]``).  ``check_inputs`` (default on): a batch holding NaN or Inf is refused before it
     reaches the pipeline.  ``wpipe`` and the
@@ -54,7 +51,7 @@ class Pipeline:
                  nan_bubbles: bool = False, chimera: Optional[dict] = None, virtual: Optional[int] = None,
                  zb: Optional[dict] = None, avgpipe: Optional[dict] = None, wpipe: Optional[dict] = None,
                  skip_nonfinite: bool = False, check_inputs: bool = True, placement: str = "lanes",
-                 recompute: bool = False, seed: int = 0, precision=None):
+                 recompute: bool = False, seed: int = 0, precision=None, options: Optional[dict] = None):
         if not isinstance(model, PipelineModel):
             raise ConfigError(f"model must be a jp.PipelineModel, got {type(model).__name__}")
         if optimizer is not None and not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
@@ -62,8 +59,16 @@ class Pipeline:
                     f"that builds one; call it, e.g. optax.adam(1e-3)" if callable(optimizer) else
                     "give an optax GradientTransformation, e.g. optax.adamw(1e-3)")
             raise ConfigError(f"optimizer={optimizer!r} is not an optax optimizer: {hint}")
+        built = schedule if isinstance(schedule, schedules.Schedule) else None
+        if built is not None:
+            schedule = built.name
+            if options:
+                raise ConfigError("options= goes with a schedule name; a built Schedule carries its own options")
+            options = dict(built.options)
         if schedule not in schedules.available():
             raise ConfigError(f"unknown schedule {schedule!r}; available: {', '.join(schedules.available())}")
+        options = _merge_legacy(schedule, options, chimera=chimera, virtual=virtual, zb=zb, avgpipe=avgpipe,
+                                wpipe=wpipe)
         from .precision import Precision, with_precision
         if precision is not None and not isinstance(precision, Precision):
             raise ConfigError(f"precision={precision!r}: give jp.Precision(params='float32', compute='bfloat16')")
@@ -94,12 +99,17 @@ class Pipeline:
         self.placement, self.recompute = placement, recompute
         self.model, self.mesh, self.optimizer = model, mesh, optimizer
         self.num_microbatches = num_microbatches
+        self.method = schedules.method(schedule)
         try:
-            options = schedules.options_for(schedule, model.num_stages, D, chimera=chimera, virtual=virtual, zb=zb,
-                                            avgpipe=avgpipe)
-            self.schedule = schedules.build(schedule, num_stages=D, num_microbatches=num_microbatches, **options)
+            self.options = self.method.resolve(options, model.num_stages, D)
+            self.schedule = built if built is not None else schedules.build(
+                schedule, num_stages=D, num_microbatches=num_microbatches, **self.method.builder_options(self.options))
         except schedules.ScheduleError as e:
             raise ConfigError(str(e)) from None
+        if built is not None and (built.D, built.num_microbatches) != (D, num_microbatches):
+            raise ConfigError(f"the Schedule was built for {built.D} devices and {built.num_microbatches} "
+                              f"micro-batches; this pipeline has {D} 'stage' devices and num_microbatches="
+                              f"{num_microbatches}")
         if self.schedule.num_model_stages != model.num_stages:
             per = self.schedule.num_model_stages // D
             raise ConfigError(
@@ -107,28 +117,12 @@ class Pipeline:
                 f"axis has {D} devices and {schedule} puts {per} stage(s) on each, {self.schedule.num_model_stages} "
                 f"in all; stack {self.schedule.num_model_stages} stages' parameters or use "
                 f"jp.make_mesh(stages={max(model.num_stages // max(per, 1), 1)}, ...)")
-        if wpipe is not None:
-            unknown = set(wpipe) - {"recompute"}
-            if schedule != "wpipe" or unknown:
-                raise ConfigError(f"wpipe={wpipe!r}: " + (f"unknown option(s) {sorted(unknown)}; known: ['recompute']"
-                                                          if unknown else f"an option of schedule 'wpipe', not {schedule!r}"))
         # Recomputation: the stash keeps each stage's input only and the backward recomputes the rest --
-        # WPipe-R (§3.3) on request; Chimera's forward doubling always (it holds two micro-batches'
-        # activations per forward tick, §3.5)
-        if (recompute or (schedule == "wpipe" and (wpipe or {}).get("recompute")) or
-                (schedule == "chimera" and options.get("concat") == "forward_doubling")):
+        # on request, or where the method says (WPipe-R §3.3 by option; Chimera's forward doubling always: it
+        # holds two micro-batches' activations per forward tick, §3.5)
+        if recompute or self.method.recompute(self.options):
             import dataclasses
             self.model = model = dataclasses.replace(model, stage_fn=jax.checkpoint(model.stage_fn))
-        from .runtime.common import exchange_perms, layout_index
-        self._layout = layout_index(self.schedule)
-        # one stage per device in the model's order (replicas fetched inside the program), or a gather
-        self._identity_layout = exchange_perms(self.schedule) is not None
-        # where every model stage sits in exactly one device-local chunk (interleaved 1F1B), the state holds
-        # the stage parameters in that order (``a[layout]``), so no step gathers weights across devices;
-        # params() gives them back in the model's order
-        self._stored = (not self._identity_layout and
-                        sorted(self._layout.tolist()) == list(range(self.schedule.num_model_stages)))
-        self._inverse = np.argsort(self._layout)
         self.nan_bubbles = nan_bubbles
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ConfigError(f"seed={seed!r}: give an int (the stage keys of a context model derive from it)")
@@ -139,105 +133,65 @@ class Pipeline:
             raise ConfigError(f"skip_nonfinite=True needs one update per step to skip; {schedule} updates inside "
                               f"the pipeline (per micro-batch or per pipeline replica). Use a synchronous schedule "
                               f"(gpipe, 1f1b, interleaved_1f1b, zb_h1, chimera) or stop on a non-finite loss")
-        self._compiled: Dict[Any, Any] = {}
-        self._async = self._avg = None
+        from .runners import RunContext, make_runner
         from .tying import Ties
-        self._ties = Ties(model)
-        if schedule == "wpipe":
-            from .wpipe_pipeline import WPipeRunner
-            self._async = WPipeRunner(self)
-        if schedule == "avgpipe":
-            from .avgpipe_pipeline import AvgPipeRunner
-            self._avg = AvgPipeRunner(self, avgpipe)
-        if schedules.is_async(schedule):
-            from .async_pipeline import AsyncRunner
-            self._async = AsyncRunner(self)
         stage_sh = jax.tree.map(lambda _: NamedSharding(mesh, P("stage")), model.stage_params)
         rep = lambda t: jax.tree.map(lambda _: NamedSharding(mesh, P()), t)
-        _, _, post_state = self._ties.strip(model.params)
+        ties = Ties(model)
+        _, _, post_state = ties.strip(model.params)
         self.param_shardings = (stage_sh, rep(model.pre_params), rep(post_state))
+        self.context = RunContext(
+            model=model, mesh=mesh, schedule=self.schedule, method=self.method, options=self.options,
+            optimizer=optimizer, num_microbatches=num_microbatches, ties=ties, nan_bubbles=nan_bubbles, seed=seed,
+            precision=precision, skip_nonfinite=self.skip_nonfinite, placement=placement,
+            param_shardings=self.param_shardings)
+        self._runner = make_runner(self.context)      # which one: the method's registry entry
 
     # ------------------------------------------------------------------ public API
     @property
     def lane_plan(self):
         """What the executor runs: the schedule placed on lanes (``jaxpipe.schedules.lanes.LanePlan``)."""
-        if getattr(self, "_lane_plan", None) is None:
-            from .runtime.executor import lane_plan
-            self._lane_plan = lane_plan(self.schedule, self.placement)
-        return self._lane_plan
+        return self.context.lane_plan
 
     @property
     def data_parallel(self) -> int:
-        return self.mesh.shape["pipe"] * self.mesh.shape["data"]
+        return self.context.data_parallel
 
     @property
     def is_async(self) -> bool:
-        """True for the no-flush schedules (pipedream, pipedream_2bw, spectrain, pipeoptim, cdp_v1, cdp_v2,
-        wpipe)."""
-        return self._async is not None
+        """True where the train state carries micro-batches between steps (pipedream, pipedream_2bw,
+        spectrain, pipeoptim, cdp_v1, cdp_v2, wpipe): ``drain`` before reading final parameters."""
+        return self._runner.in_flight
 
     def init(self):
         """Parameters placed on the mesh (stage leaves sharded over ``stage``), optimizer state, step 0.
 
-        Asynchronous schedules return an ``AsyncState`` that also carries the pipeline's in-flight state."""
-        if self._async is not None:
-            return self._async.init()
-        if self._avg is not None:
-            return self._avg.init()
-        # A copy made by jit: step() donates the state, and the model's own arrays must survive that.
-        lay = jnp.asarray(self._layout)
-        to_state = lambda p: (jax.tree.map(lambda a: a[lay], p[0]) if self._stored else jax.tree.map(jnp.copy, p[0]),
-                              *jax.tree.map(jnp.copy, p[1:]))
-        params = jax.jit(to_state, out_shardings=self.param_shardings)(self._ties.strip(self.model.params))
-        rep = NamedSharding(self.mesh, P())
-        opt_state = None
-        if self.optimizer is not None:
-            # Optimizer state shaped like a stage leaf (Adam's moments, momentum) lives with its stage: left
-            # to jit, it came out replicated and every device updated every stage (measured: +20% per step).
-            stage_avals = {(tuple(a.shape), a.dtype) for a in jax.tree.leaves(params[0])}
-            stage_sh = NamedSharding(self.mesh, P("stage"))
-            shapes = jax.eval_shape(self.optimizer.init, params)
-            out_sh = jax.tree.map(lambda a: stage_sh if (tuple(a.shape), a.dtype) in stage_avals else rep, shapes)
-            opt_state = jax.jit(self.optimizer.init, out_shardings=out_sh)(params)
-        return PipelineState(params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), rep))
+        No-flush schedules return a state that also carries the pipeline's in-flight state."""
+        return self._runner.init()
 
     def prepare(self, state, batch):
         """The state with every buffer allocated: the no-flush schedules create their in-flight pipeline state
         (``carry``) on the first step, sized from the batch; ``prepare`` does it now (a no-op otherwise), so
         the state has its final structure -- what ``jp.Checkpointer.restore`` needs as a template."""
-        if self._async is not None:
-            return self._async._ensure_carry(state, self.shard_batch(batch))
-        return state
+        self._check_batch(batch)
+        return self._runner.prepare(state, batch)
 
-    def params(self, state: PipelineState):
+    def params(self, state):
         """``(stage_params, pre_params, post_params)`` as the model gave them (stage leaves stacked)."""
-        if self._async is not None:
-            return self._async.params(state)
-        if self._avg is not None:
-            return self._avg.params(state)
-        if self._stored:
-            inv = jnp.asarray(self._inverse)
-            return self._ties.fill((jax.tree.map(lambda a: a[inv], state.params[0]),) + tuple(state.params[1:]))
-        return self._ties.fill(state.params)
+        return self._runner.params(state)
 
-    def device_layout(self, state: PipelineState):
+    def device_layout(self, state):
         """Stage parameters as the executor holds them: ``[D, chunks, ...]`` (device d, local chunk c holds
         model stage ``schedule.stage_of_chunk()[d, c]``; Chimera: two replicas per device)."""
+        from .runtime.common import layout_index
         D = self.mesh.shape["stage"]
-        lay = jnp.asarray(self._layout)
+        lay = jnp.asarray(layout_index(self.schedule))
         return jax.tree.map(lambda a: a[lay].reshape((D, -1) + a.shape[1:]), self.params(state)[0])
 
-    def loss_and_grad(self, state: PipelineState, batch):
+    def loss_and_grad(self, state, batch):
         """Mean loss over the batch and its gradient ``(g_stage, g_pre, g_post)``; no update."""
-        if self._async is not None:
-            raise ConfigError(f"{self.schedule.name} is asynchronous: every stage updates its weights after each "
-                              f"micro-batch, so there is no single gradient of a batch; use step(), or a "
-                              f"synchronous schedule (gpipe, 1f1b) for loss_and_grad")
-        if self._avg is not None:
-            raise ConfigError("avgpipe trains one replica per 'pipe' index, each with its own gradient; use "
-                              "step() (metrics['pipe_losses'] has each pipeline's loss)")
         self._check_values(batch)
-        return self._fn("grad", batch)(state.params, batch, state.step)
+        return self._runner.loss_and_grad(state, batch)
 
     def _check_state(self, state):
         """A clear error for a state that is not this pipeline's: None, the parameters, another schedule's or
@@ -288,38 +242,23 @@ class Pipeline:
         self._check_values(batch)
         self._check_state(state)
         self._check_inflight(state, batch)
-        if self._async is not None:
-            return self._async.step(state, self.shard_batch(batch))
-        if self._avg is not None:
-            return self._avg.step(state, self.shard_batch(batch))
-        if self.optimizer is None:
-            raise ConfigError("Pipeline.step needs an optimizer: Pipeline(..., optimizer=optax.adamw(1e-3))")
-        return self._fn("step", batch, state)(state, batch)
+        return self._runner.step(state, batch)
 
     def drain(self, state):
-        """Asynchronous schedules: finish every micro-batch in flight (2D - 1 ticks, no new data).
+        """No-flush schedules: finish every micro-batch in flight (2D - 1 ticks, no new data).
 
         The next ``step`` refills the pipeline.  Synchronous schedules flush every step: returns the state."""
-        if self._async is None:
-            return state, {}
-        return self._async.drain(state)
+        return self._runner.drain(state)
 
     def shard_batch(self, batch):
         """Place a global batch on the mesh (leading axis split over ``pipe`` x ``data``)."""
         self._check_batch(batch)
-        from .distributed import global_batch
-        return global_batch(batch, NamedSharding(self.mesh, P(DP_AXES)))
+        return self.context.shard_batch(batch)
 
-    def lower(self, what: str, state: PipelineState, batch):
+    def lower(self, what: str, state, batch):
         """The lowered ``"grad"`` or ``"step"`` program (for ``.compile().memory_analysis()``)."""
-        if self._async is not None:
-            if what != "step":
-                raise ConfigError(f"{self.schedule.name} is asynchronous: only the 'step' program exists")
-            return self._async.lower(state, self.shard_batch(batch))
-        if self._avg is not None:
-            return self._avg.lower(state, self.shard_batch(batch))
-        fn = self._fn(what, batch, state if what == "step" else None)
-        return fn.lower(*((state.params, batch, state.step) if what == "grad" else (state, batch)))
+        self._check_batch(batch)
+        return self._runner.lower(what, state, batch)
 
     # ------------------------------------------------------------------ internals
     def _check_batch(self, batch):
@@ -382,81 +321,27 @@ class Pipeline:
                               f"the batch that entry or a model whose pre/post_loss reads the batch's keys") from None
         checked.add(key)
 
-    def _scaled(self, scale: float):
-        """The model the executor runs: ``post_loss`` times ``scale`` (static loss scaling; 1: the model)."""
-        if scale == 1.0:
-            return self.model
-        import dataclasses
-        post = self.model.post_loss
 
-        def scaled(p, x, b):
-            out = post(p, x, b)
-            return (out[0] * scale, out[1]) if isinstance(out, (tuple, list)) else out * scale
-        return dataclasses.replace(self.model, post_loss=scaled)
+_LEGACY = {"chimera": "chimera", "virtual": "interleaved_1f1b", "zb": "zb_h1", "avgpipe": "avgpipe", "wpipe": "wpipe"}
 
-    def _fn(self, what: str, batch, state: Optional[PipelineState] = None):
-        self._check_batch(batch)
-        example = jax.tree.map(lambda l: jax.ShapeDtypeStruct(np.shape(l), getattr(l, "dtype", None) or np.asarray(l).dtype), batch)
-        # The step returns the state with the shardings it came in with, so the second call does not compile
-        # again (XLA would otherwise pick its own output shardings for the optimizer state).
-        state_sh = None if state is None else jax.tree.map(
-            lambda a: a.sharding if isinstance(a, jax.Array) else NamedSharding(self.mesh, P()), state)
-        key = (what, jax.tree.structure(example), tuple(jax.tree.leaves(example)),
-               None if state_sh is None else (jax.tree.structure(state_sh), tuple(jax.tree.leaves(state_sh))))
-        if key not in self._compiled:
-            scale = 1.0 if self.precision is None else float(self.precision.loss_scale)
-            grad_fn = make_grad_fn(self._scaled(scale), self.schedule, self.mesh, example,
-                                   nan_bubbles=self.nan_bubbles, lanes=self.lane_plan)
 
-            lay, identity = jnp.asarray(self._layout), self._identity_layout
-            lay_sh = jax.tree.map(lambda _: NamedSharding(self.mesh, P("stage")), self.model.stage_params)
-
-            stored, inv = self._stored, jnp.asarray(self._inverse)
-
-            seed = self.seed
-
-            ties = self._ties
-
-            def lg(params, b, step):
-                loss, grads = lg_full(ties.fill(params), b, step)
-                if scale != 1.0:                    # static loss scaling: undo it before anyone sees it
-                    loss, grads = jax.tree.map(lambda a: (a / scale).astype(a.dtype), (loss, grads))
-                return loss, ties.fold(grads)       # one gradient per tied array: the sum of its uses
-
-            def lg_full(params, b, step):
-                stage_p, pre_p, post_p = params
-                step_key = jax.random.fold_in(jax.random.PRNGKey(seed), step)   # model.microbatch_key's prefix
-                if identity or stored:
-                    return grad_fn(stage_p, pre_p, post_p, b, step_key)
-                # the executor's layout: device-major chunks (Chimera: each device holds two replicas;
-                # interleaved: stages d, d + D, ...); gradients of replicas are summed back per stage
-                local = jax.lax.with_sharding_constraint(jax.tree.map(lambda a: a[lay], stage_p), lay_sh)
-                loss, (g_local, g_pre, g_post) = grad_fn(local, pre_p, post_p, b, step_key)
-                g_stage = jax.tree.map(lambda a, g: jnp.zeros_like(a).at[lay].add(g), stage_p, g_local)
-                return loss, (g_stage, g_pre, g_post)
-
-            if what == "grad":
-                def grad_in_model_order(params, b, step):
-                    loss, (g, g_pre, g_post) = lg(params, b, step)
-                    return loss, (jax.tree.map(lambda a: a[inv], g) if stored else g, g_pre, g_post)
-                self._compiled[key] = jax.jit(grad_in_model_order)
-            else:
-                opt, skip = self.optimizer, self.skip_nonfinite
-
-                def step(state: PipelineState, b):
-                    loss, grads = lg(state.params, b, state.step)
-                    updates, opt_state = opt.update(grads, state.opt_state, state.params)
-                    params = optax.apply_updates(state.params, updates)
-                    gnorm = optax.tree.norm(grads)
-                    metrics = {"loss": loss, "grad_norm": gnorm, "step": state.step + 1}
-                    if skip:
-                        ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
-                        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
-                        params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
-                        metrics["skipped"] = ~ok
-                    return PipelineState(params, opt_state, state.step + 1), metrics
-
-                rep = NamedSharding(self.mesh, P())
-                self._compiled[key] = jax.jit(step, donate_argnums=(0,), out_shardings=(
-                    state_sh, {"loss": rep, "grad_norm": rep, "step": rep, **({"skipped": rep} if skip else {})}))
-        return self._compiled[key]
+def _merge_legacy(schedule: str, options: Optional[dict], **legacy) -> dict:
+    """``options`` with the deprecated per-method keywords (``chimera={...}``, ``virtual=2``, ...) merged in."""
+    if options is not None and not isinstance(options, dict):
+        raise ConfigError(f"options={options!r}: give a dict of the schedule's options, e.g. "
+                          f"options={{'concat': 'forward_doubling'}} for chimera")
+    out = dict(options or {})
+    for kw, value in legacy.items():
+        if value is None:
+            continue
+        owner = _LEGACY[kw]
+        if owner != schedule:
+            raise ConfigError(f"{kw}={value!r} given for schedule {schedule!r}; it is an option of {owner!r} only")
+        import warnings
+        new = {"virtual": value} if kw == "virtual" else value
+        if not isinstance(new, dict):
+            raise ConfigError(f"{kw}={value!r}: give a dict of {owner}'s options")
+        warnings.warn(f"Pipeline({kw}={value!r}) is deprecated: use Pipeline(..., options={new!r})",
+                      DeprecationWarning, stacklevel=3)
+        out.update(new)
+    return out

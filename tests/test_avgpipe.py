@@ -107,12 +107,12 @@ def test_advance_trades_memory_for_overlap():
 
 def test_auto_advance_follows_algorithm_1():
     pipe, state, *_ = run(N=2, D=2, M=4, steps=8)
-    r = pipe._avg
+    r = pipe._runner
     assert r.settled and 0 <= r.advance <= 3 and r.log
     assert all("verdict" in e and e["seconds"] > 0 for e in r.log)
     # a memory limit no program meets keeps 1F1B
     pipe, state, *_ = run(N=2, D=2, M=4, steps=3, memory_limit=1)
-    assert pipe._avg.settled and pipe._avg.advance == 0 and "memory_limit" in pipe._avg.log[-1]["verdict"]
+    assert pipe._runner.settled and pipe._runner.advance == 0 and "memory_limit" in pipe._runner.log[-1]["verdict"]
 
 
 @pytest.mark.parametrize("opts,match", [

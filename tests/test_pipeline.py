@@ -54,7 +54,7 @@ def test_model_params_survive_donation_and_compile_is_reused():
     state = pipe.init()
     for i in range(3):
         state, _ = pipe.step(state, batch_fn(4, s=i))
-    assert len(pipe._compiled) == 1
+    assert len(pipe._runner._compiled) == 1
     jax.tree.map(lambda a: np.asarray(a), model.params)   # still alive after donated steps
     state2 = pipe.init()
     assert rel_err(pipe.params(state2), model.params) == 0.0

@@ -36,7 +36,6 @@ from jax import lax
 from ..errors import ConfigError
 from ..schedules.asynchronous import WEIGHT_VERSIONS
 
-ASYNC_METHODS = ("pipedream", "pipedream_2bw", "spectrain", "pipeoptim", "cdp_v1", "cdp_v2")
 
 
 class WeightPolicy(NamedTuple):
@@ -206,19 +205,29 @@ def spectrain(opt: optax.GradientTransformation, num_stages: int, opt_state_exam
     return _predicting("spectrain", opt, f, b, WEIGHT_VERSIONS["spectrain"])
 
 
-def make_policy(name: str, opt, num_stages: int, num_microbatches: int, opt_state_example=None) -> WeightPolicy:
-    if name == "pipedream":
-        return pipedream(opt, num_stages)
-    if name in ("pipedream_2bw", "cdp_v1", "cdp_v2"):
-        if num_microbatches < num_stages:
+def _two_versions(name: str, fresh: bool):
+    def make(opt, D: int, M: int, opt_state_example=None) -> WeightPolicy:
+        if M < D:
             raise ConfigError(
-                f"{name} needs num_microbatches >= num_stages (got M={num_microbatches}, "
-                f"D={num_stages}): a step's micro-batches must cover the pipeline so that only two weight "
-                f"versions are ever in flight (PipeDream-2BW §3.1, m >= d; CDP uses M = D). Use "
-                f"num_microbatches={num_stages} or more.")
-        return pipedream_2bw(opt, num_stages, num_microbatches, fresh=name == "cdp_v2", name=name)
-    if name == "pipeoptim":
-        return pipeoptim(opt, num_stages)
-    if name == "spectrain":
-        return spectrain(opt, num_stages, opt_state_example)
-    raise ConfigError(f"unknown weight policy {name!r}; available: {', '.join(ASYNC_METHODS)}")
+                f"{name} needs num_microbatches >= num_stages (got M={M}, D={D}): a step's micro-batches must "
+                f"cover the pipeline so that only two weight versions are ever in flight (PipeDream-2BW §3.1, "
+                f"m >= d; CDP uses M = D). Use num_microbatches={D} or more.")
+        return pipedream_2bw(opt, D, M, fresh=fresh, name=name)
+    return make
+
+
+#: weight policy name (a registry entry's ``policy``) -> ``make(opt, D, M, opt_state_example)``
+POLICIES = {
+    "pipedream": lambda opt, D, M, ex=None: pipedream(opt, D),
+    "pipedream_2bw": _two_versions("pipedream_2bw", False),
+    "cdp_v1": _two_versions("cdp_v1", False),       # CDP-v1 is 2BW's rule
+    "cdp_v2": _two_versions("cdp_v2", True),
+    "pipeoptim": lambda opt, D, M, ex=None: pipeoptim(opt, D),
+    "spectrain": lambda opt, D, M, ex=None: spectrain(opt, D, ex),
+}
+
+
+def make_policy(name: str, opt, num_stages: int, num_microbatches: int, opt_state_example=None) -> WeightPolicy:
+    if name not in POLICIES:
+        raise ConfigError(f"unknown weight policy {name!r}; available: {', '.join(POLICIES)}")
+    return POLICIES[name](opt, num_stages, num_microbatches, opt_state_example)

@@ -46,6 +46,29 @@ def global_microbatches(batch, num_microbatches: int, data_parallel: int = 1) ->
     return out
 
 
+def _same(v):
+    return lambda h: (h[v], h[v])
+
+
+#: method -> (stage s, micro-batch i, batch b, D, M, versions h of stage s, updates u, axpy) -> (w_F, w_B), with
+#: c_F = max(0, i - (D - 1 - s)) the updates stage s applied when i's F runs there (module docstring)
+RULES = {
+    "pipedream": lambda s, i, b, D, M, h, u, axpy: _same(max(0, i - (D - 1 - s)))(h),
+    "pipeoptim": lambda s, i, b, D, M, h, u, axpy: (
+        axpy(D - 1 - s, u[max(0, i - (D - 1 - s))], h[max(0, i - (D - 1 - s))]), h[i]),
+    "spectrain": lambda s, i, b, D, M, h, u, axpy: (
+        axpy(s // 2 + D - 1 - s, u[max(0, i - (D - 1 - s))], h[max(0, i - (D - 1 - s))]),
+        axpy(s // 2, u[i], h[i])),
+    "pipedream_2bw": lambda s, i, b, D, M, h, u, axpy: _same(max(b - 1, 0))(h),
+    "cdp_v1": lambda s, i, b, D, M, h, u, axpy: _same(max(b - 1, 0))(h),
+    # eq. (1): G0 (stages < D/2 of the 2D-partition model) one delay, G1 none
+    "wpipe": lambda s, i, b, D, M, h, u, axpy: _same(max(b - 1, 0) if s < D // 2 else b)(h),
+    # eq. (CDP-v2): micro-batch j reads the fresh version w(b) on stages s >= D - 1 - j
+    "cdp_v2": lambda s, i, b, D, M, h, u, axpy: _same(b if (i % M) + s >= D - 1 else max(b - 1, 0))(h),
+}
+ACCUMULATING = ("pipedream_2bw", "cdp_v1", "cdp_v2", "wpipe")     # a step's gradients summed, one update
+
+
 def serial_reference(model, method: str, opt: optax.GradientTransformation, num_microbatches: int,
                      batches, data_parallel: int = 1, seed: int = 0) -> Dict[str, object]:
     """Run ``method`` serially over ``batches`` (global batches, each of M micro-batches), fill and drain
@@ -75,35 +98,19 @@ def serial_reference(model, method: str, opt: optax.GradientTransformation, num_
     bwd = jax.jit(lambda w, res, dy: rebuild_pullback(model.stage_fn, w, x_like, res, mask, ctx_like)(dy))
     axpy = lambda a, x, y: jax.tree.map(lambda xx, yy: yy + jnp.asarray(a, yy.dtype) * xx, x, y)
     losses, acc = [], [None] * D
-    accumulating = method in ("pipedream_2bw", "cdp_v1", "cdp_v2", "wpipe")
-    summed = model.reduction(jax.eval_shape(model.forward, model.params, mbs[0]), mbs[0]) == "sum"
+    if method not in RULES:
+        raise ValueError(f"no serial reference for {method!r}; known: {', '.join(RULES)}")
+    accumulating = method in ACCUMULATING
+    summed = model.reduction(jax.eval_shape(lambda p, b: model.forward(p, b, key=jax.random.PRNGKey(0)),
+                                            model.params, mbs[0]), mbs[0]) == "sum"
     step_count = 0.0
 
     for i, mb in enumerate(mbs):
         b = i // M
         wF, wB = [], []
         for s in range(D):
-            cF = max(0, i - (D - 1 - s))
-            if method == "pipedream":
-                wF.append(hist[s][cF]); wB.append(hist[s][cF])
-            elif method == "pipeoptim":
-                wF.append(axpy(D - 1 - s, upd[s][cF], hist[s][cF])); wB.append(hist[s][i])
-            elif method == "spectrain":
-                wF.append(axpy(s // 2 + D - 1 - s, upd[s][cF], hist[s][cF]))
-                wB.append(axpy(s // 2, upd[s][i], hist[s][i]))
-            elif method in ("pipedream_2bw", "cdp_v1"):
-                v = max(b - 1, 0)
-                wF.append(hist[s][v]); wB.append(hist[s][v])
-            elif method == "wpipe":
-                # eq. (1): G0 (stages < D/2 of the 2D-partition model) one delay, G1 none
-                v = max(b - 1, 0) if s < D // 2 else b
-                wF.append(hist[s][v]); wB.append(hist[s][v])
-            elif method == "cdp_v2":
-                # eq. (CDP-v2): micro-batch j reads the fresh version w(b) on stages s >= D - 1 - j
-                v = b if (i % M) + s >= D - 1 else max(b - 1, 0)
-                wF.append(hist[s][v]); wB.append(hist[s][v])
-            else:
-                raise ValueError(method)
+            f, bw = RULES[method](s, i, b, D, M, hist[s], upd[s], axpy)
+            wF.append(f); wB.append(bw)
         # forward, stage by stage, keeping each stage's activation residuals
         x = model.pre(wF[0][1], mb)
         res = []
@@ -175,7 +182,8 @@ def avgpipe_reference(model, opt: optax.GradientTransformation, num_pipes: int, 
     def mean_loss(params, mbs):
         params = ties.fill(params)
         terms = [model.loss_sum_count(params, mb) for mb in mbs]
-        if model.reduction(jax.eval_shape(model.forward, params, mbs[0]), mbs[0]) == "sum":
+        y = jax.eval_shape(lambda p, b: model.forward(p, b, key=jax.random.PRNGKey(0)), params, mbs[0])
+        if model.reduction(y, mbs[0]) == "sum":
             return sum(t[0] for t in terms) / sum(t[1] for t in terms)
         return sum(t[0] for t in terms) / M
 

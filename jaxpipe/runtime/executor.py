@@ -37,7 +37,7 @@ _RECV = {SEND_PLUS: L["recv_p"], SEND_MINUS: L["recv_m"]}
 def lane_plan(sched: Schedule, placement: str = "lanes"):
     """The plan the executor runs (with a phase cut at Chimera's eager-reduction point)."""
     p = plan(sched, placement)
-    if getattr(sched, "options", {}).get("eager_reduce"):
+    if sched.options.get("eager_reduce"):
         t_e = eager_point(sched, p.where)[0]
         p = plan(sched, placement, cut=(t_e,))
     return p
@@ -97,7 +97,7 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
     blank_value = jnp.nan if nan_bubbles else 0      # what unwritten buffers and idle lanes hold
 
     perms = exchange_perms(sched)
-    eager = eager_point(sched, p.where) if getattr(sched, "options", {}).get("eager_reduce") else None
+    eager = eager_point(sched, p.where) if sched.options.get("eager_reduce") else None
     red = ("data",) if replicas else DP_AXES
     split = sched.has_w()
     ring = {SEND_PLUS: [(d, (d + 1) % D) for d in range(D)], SEND_MINUS: [(d, (d - 1) % D) for d in range(D)]}

@@ -5,7 +5,7 @@
 """
 from __future__ import annotations
 
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 from .asynchronous import ASYNC_BUILDERS, WEIGHT_VERSIONS
 from .avgpipe import build_avgpipe
@@ -36,55 +36,11 @@ def is_async(name: str) -> bool:
     return name in ASYNCHRONOUS
 
 
-def options_for(name: str, model_stages: int, devices: int, chimera=None, virtual=None, zb=None,
-                avgpipe=None) -> dict:
-    """Builder options for ``name`` from the user's settings; raises ``ScheduleError`` on bad ones.
-
-    interleaved_1f1b: ``virtual`` (chunks per device) defaults to model_stages / devices.
-    chimera: ``chimera={"pipelines": 2, "concat": "direct", "eager_reduce": False}``.
-    avgpipe: ``avgpipe={"alpha": None, "advance": "auto" | int, "memory_limit": None}``; the schedule takes
-    ``advance`` (``"auto"`` starts as 1F1B, advance 0, and the runner raises it, Algorithm 1).
-    """
-    if avgpipe is not None and name != "avgpipe":
-        raise ScheduleError(f"avgpipe={avgpipe!r} given for schedule {name!r}; it is an option of 'avgpipe' only")
-    if name == "avgpipe":
-        known = {"alpha", "advance", "memory_limit"}
-        unknown = set(avgpipe or {}) - known
-        if unknown:
-            raise ScheduleError(f"avgpipe: unknown option(s) {sorted(unknown)}; known: {sorted(known)}")
-        adv = (avgpipe or {}).get("advance", "auto")
-        if adv == "auto" or adv is None:
-            adv = 0
-        return {"advance": adv}
-    if zb is not None and name != "zb_h1":
-        raise ScheduleError(f"zb={zb!r} given for schedule {name!r}; it is an option of 'zb_h1' only")
-    if name == "zb_h1":
-        unknown = set(zb or {}) - {"max_deferred_w"}
-        if unknown:
-            raise ScheduleError(f"zb_h1: unknown option(s) {sorted(unknown)}; known: ['max_deferred_w']")
-        return dict(zb or {})
-    if chimera is not None and name != "chimera":
-        raise ScheduleError(f"chimera={chimera!r} given for schedule {name!r}; it is an option of 'chimera' only")
-    if virtual is not None and name != "interleaved_1f1b":
-        raise ScheduleError(f"virtual={virtual!r} given for schedule {name!r}; it is an option of "
-                            f"'interleaved_1f1b' only")
-    if name == "interleaved_1f1b":
-        if virtual is None:
-            if model_stages % devices:
-                raise ScheduleError(
-                    f"interleaved_1f1b: the model has {model_stages} stages, not a multiple of the {devices} "
-                    f"'stage' devices; each device holds model_stages / devices chunks: stack a multiple of "
-                    f"{devices} stages (e.g. {2 * devices})")
-            virtual = model_stages // devices
-        return {"virtual": virtual}
-    if name == "chimera":
-        opts = {"pipelines": 2, "concat": "direct", "eager_reduce": False}
-        unknown = set(chimera or {}) - set(opts)
-        if unknown:
-            raise ScheduleError(f"chimera: unknown option(s) {sorted(unknown)}; known: {sorted(opts)}")
-        opts.update(chimera or {})
-        return opts
-    return {}
+def options_for(name: str, model_stages: int, devices: int, options: Optional[dict] = None) -> dict:
+    """The full options of ``name`` (its registry defaults updated with ``options``) checked against its schema;
+    ``ScheduleError`` naming the valid keys on an unknown one.  :meth:`Method.builder_options` turns them
+    into the builder's keywords."""
+    return method(name).resolve(options, model_stages, devices)
 
 
 def available() -> list:

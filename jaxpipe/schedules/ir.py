@@ -64,6 +64,7 @@ class Schedule:
     actions: List[List[Action]]
     num_model_stages: Optional[int] = None
     weight_versions: Optional[Sequence[int]] = None   # per device, in units of one stage's weights
+    options: dict = dataclasses.field(default_factory=dict)   # the builder options it was built with
 
     def __post_init__(self):
         if self.num_model_stages is None:

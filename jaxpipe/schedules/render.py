@@ -107,8 +107,8 @@ def render_png(s: Schedule, path: Optional[str] = None, f: float = 1.0, b: float
 
 def _chunk_names(s: Schedule, nchunk: int):
     """Legend words for a device's chunks: Chimera's pipelines, interleaved's virtual stages."""
-    if s.name == "chimera":
-        p = getattr(s, "options", {}).get("pipelines", 2)
+    if "pipelines" in s.options:          # bidirectional pipelines (Chimera)
+        p = s.options["pipelines"]
         f = p // 2
         return [(f"down pipeline {c}" if c < f else f"up pipeline {c - f}") if f > 1 else
                 ("down pipeline" if c == 0 else "up pipeline") for c in range(nchunk)]

@@ -19,14 +19,19 @@ class Candidate:
     B: int               # micro-batch size
     N: int               # micro-batches per replica per step
 
+    def options(self) -> dict:
+        """The method's options as the search uses them: its defaults, two model chunks per device where the
+        method stacks chunks (interleaved's ``virtual``)."""
+        m = schedules.method(self.schedule)
+        return m.resolve({"virtual": 2} if "virtual" in m.options else {}, 2 * self.D, self.D)
+
     def build(self) -> "schedules.Schedule":
-        opts = {"virtual": 2} if self.schedule == "interleaved_1f1b" else {}
-        return schedules.build(self.schedule, self.D, self.N, **opts)
+        m = schedules.method(self.schedule)
+        return schedules.build(self.schedule, self.D, self.N, **m.builder_options(self.options()))
 
     @property
     def model_stages(self) -> int:
-        opts = {"virtual": 2} if self.schedule == "interleaved_1f1b" else {}
-        return self.D * schedules.method(self.schedule).stages_per_device(opts)
+        return self.D * schedules.method(self.schedule).stages_per_device(self.options())
 
     def label(self) -> str:
         return f"{self.schedule} W={self.W} D={self.D} B={self.B} N={self.N}"
@@ -67,8 +72,9 @@ def memory_estimate(c: Candidate, stage_param_bytes: float, stash_bytes_per_mb: 
     s = c.build()
     t = s.tables()
     copies = int(s.stage_of_chunk().shape[1])
-    if c.schedule == "interleaved_1f1b":
-        stage_param_bytes = stage_param_bytes / 2
-        stash_bytes_per_mb = stash_bytes_per_mb / 2
+    per = schedules.method(c.schedule).stages_per_device(c.options())
+    if per > 1 and copies == per:       # the D-stage cut's stage split in chunks: each chunk holds 1/per of it
+        stage_param_bytes = stage_param_bytes / per
+        stash_bytes_per_mb = stash_bytes_per_mb / per
     weights = copies * stage_param_bytes * (2 + optimizer_copies)     # params, grads, optimizer state
     return weights + (t.stash_capacity + 1) * stash_bytes_per_mb + (t.mbuf_capacity + 1) * message_bytes

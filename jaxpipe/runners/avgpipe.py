@@ -23,10 +23,10 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from . import schedules
-from .errors import ConfigError
-from .optim.elastic import check_alpha, elastic_averaging
-from .runtime.executor import make_grad_fn
+from .. import schedules
+from ..errors import ConfigError
+from ..optim.elastic import check_alpha, elastic_averaging
+from ..runtime.executor import make_grad_fn
 
 
 class AvgPipeState(NamedTuple):
@@ -36,12 +36,12 @@ class AvgPipeState(NamedTuple):
 
 
 class AvgPipeRunner:
-    def __init__(self, pipe, options: Optional[dict]):
-        opts = dict(options or {})
-        self.pipe = pipe
-        self.N = pipe.mesh.shape["pipe"]
-        self.D = pipe.mesh.shape["stage"]
-        self.M = pipe.num_microbatches
+    def __init__(self, ctx):
+        opts = dict(ctx.options)
+        self.ctx = ctx
+        self.N = ctx.mesh.shape["pipe"]
+        self.D = ctx.mesh.shape["stage"]
+        self.M = ctx.num_microbatches
         self.alpha = check_alpha(opts.get("alpha"), self.N)
         adv = opts.get("advance", "auto")
         self.auto = adv in ("auto", None)
@@ -54,10 +54,10 @@ class AvgPipeRunner:
                                               not isinstance(self.memory_limit, (int, float)) or self.memory_limit <= 0):
             raise ConfigError(f"avgpipe memory_limit={self.memory_limit!r}: give bytes per device (> 0) or None")
         self.tolerance = float(opts.get("tolerance", 0.02))
-        if pipe.optimizer is None:
+        if ctx.optimizer is None:
             raise ConfigError("avgpipe trains each parallel model with the optimizer you give: "
                               "Pipeline(..., optimizer=optax.adam(1e-3)) or another optax optimizer")
-        self.tx = elastic_averaging(pipe.optimizer, self.N, self.alpha)
+        self.tx = elastic_averaging(ctx.optimizer, self.N, self.alpha)
         self._fns: Dict[Any, Any] = {}
         self._calls: Dict[int, int] = {}
         self.log: List[dict] = []          # Algorithm 1's decisions: advance, seconds, temp bytes, verdict
@@ -66,31 +66,31 @@ class AvgPipeRunner:
 
     # ------------------------------------------------------------------ state
     def _shardings(self):
-        mesh, model = self.pipe.mesh, self.pipe.model
+        mesh, model = self.ctx.mesh, self.ctx.model
         w = jax.tree.map(lambda _: NamedSharding(mesh, P("pipe", "stage")), model.stage_params)
         r = lambda t: jax.tree.map(lambda _: NamedSharding(mesh, P("pipe")), t)
-        return (w, r(model.pre_params), r(self.pipe._ties.strip(model.params)[2]))
+        return (w, r(model.pre_params), r(self.ctx.ties.strip(model.params)[2]))
 
     def init(self) -> AvgPipeState:
         N = self.N
         stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (N,) + jnp.shape(a)), t)
         # tied arrays (jaxpipe.tying): held once per replica, at their pre path
-        params = jax.jit(stack, out_shardings=self._shardings())(self.pipe._ties.strip(self.pipe.model.params))
+        params = jax.jit(stack, out_shardings=self._shardings())(self.ctx.ties.strip(self.ctx.model.params))
         # each replica's optimizer state lives with the replica (over 'pipe' x 'stage'), not replicated
-        example = jax.eval_shape(self.pipe.optimizer.init, jax.tree.map(lambda a: a[0], params))
-        pipe_sh = NamedSharding(self.pipe.mesh, P("pipe"))
-        inner_sh = optax.tree_map_params(self.pipe.optimizer, lambda _, sh: sh, example, self._shardings(),
+        example = jax.eval_shape(self.ctx.optimizer.init, jax.tree.map(lambda a: a[0], params))
+        pipe_sh = NamedSharding(self.ctx.mesh, P("pipe"))
+        inner_sh = optax.tree_map_params(self.ctx.optimizer, lambda _, sh: sh, example, self._shardings(),
                                          transform_non_params=lambda _: pipe_sh)
         opt_state = jax.jit(self.tx.init)(params)
         opt_state = opt_state._replace(inner=jax.device_put(opt_state.inner, inner_sh))
         # the reference model is laid out like the model (stage leaves over 'stage'), not gathered anywhere
-        opt_state = opt_state._replace(ref=jax.device_put(opt_state.ref, self.pipe.param_shardings))
-        rep = NamedSharding(self.pipe.mesh, P())
+        opt_state = opt_state._replace(ref=jax.device_put(opt_state.ref, self.ctx.param_shardings))
+        rep = NamedSharding(self.ctx.mesh, P())
         return AvgPipeState(params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), rep))
 
     def params(self, state: AvgPipeState):
         """The reference model (the mean of the replicas), in the model's layout."""
-        return self.pipe._ties.fill(state.opt_state.ref)
+        return self.ctx.ties.fill(state.opt_state.ref)
 
     # ------------------------------------------------------------------ programs
     def schedule(self, advance: int):
@@ -101,12 +101,12 @@ class AvgPipeRunner:
         state_sh = jax.tree.map(lambda a: a.sharding, state)
         key = (advance, jax.tree.structure(example), tuple(jax.tree.leaves(example)))
         if key not in self._fns:
-            pipe = self.pipe
-            grad_fn = make_grad_fn(pipe.model, self.schedule(advance), pipe.mesh, example,
-                                   nan_bubbles=pipe.nan_bubbles, replicas=True)
+            ctx = self.ctx
+            grad_fn = make_grad_fn(ctx.model, self.schedule(advance), ctx.mesh, example,
+                                   nan_bubbles=ctx.nan_bubbles, replicas=True)
             tx = self.tx
 
-            seed, ties = pipe.seed, pipe._ties
+            seed, ties = ctx.seed, ctx.ties
 
             def step(state: AvgPipeState, b):
                 losses, grads = grad_fn(*ties.fill(state.params), b,
@@ -119,19 +119,36 @@ class AvgPipeRunner:
                            "step": state.step + 1}
                 return AvgPipeState(params, opt_state, state.step + 1), metrics
 
-            rep = NamedSharding(pipe.mesh, P())
+            rep = NamedSharding(ctx.mesh, P())
             self._fns[key] = jax.jit(step, donate_argnums=(0,), out_shardings=(
                 state_sh, {"loss": rep, "pipe_losses": rep, "grad_norm": rep, "step": rep}))
         return self._fns[key]
 
-    def lower(self, state, batch, advance: Optional[int] = None):
+    in_flight = False           # every pipeline flushes each step
+
+    def prepare(self, state, batch):
+        return state
+
+    def drain(self, state):
+        return state, {}
+
+    def loss_and_grad(self, state, batch):
+        raise ConfigError("avgpipe trains one replica per 'pipe' index, each with its own gradient; use step() "
+                          "(metrics['pipe_losses'] has each pipeline's loss)")
+
+    def lower(self, what: str, state, batch, advance: Optional[int] = None):
+        if what != "step":
+            raise ConfigError("avgpipe: only the 'step' program exists (one gradient per replica, then the "
+                              "elastic average)")
+        batch = self.ctx.shard_batch(batch)
         a = self.advance if advance is None else advance
         return self._fn(a, batch, state).lower(state, batch)
 
     def temp_bytes(self, state, batch, advance: int) -> int:
-        return int(self.lower(state, batch, advance).compile().memory_analysis().temp_size_in_bytes)
+        return int(self.lower("step", state, batch, advance).compile().memory_analysis().temp_size_in_bytes)
 
     def step(self, state: AvgPipeState, batch):
+        batch = self.ctx.shard_batch(batch)
         a = self.advance
         fn = self._fn(a, batch, state)
         n = self._calls.get(a, 0)

@@ -13,10 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .errors import ConfigError
-from .runtime.common import full
-from .runtime.stage import stage_residuals
-from .runtime.wpipe_executor import ALL, empty_carry, make_wpipe_fn
+from ..errors import ConfigError
+from ..runtime.common import full
+from ..runtime.stage import stage_residuals
+from ..runtime.wpipe_executor import ALL, empty_carry, make_wpipe_fn
+from .no_flush import InFlightRunner
 
 
 class WPipeState(NamedTuple):
@@ -31,28 +32,28 @@ class WPipeState(NamedTuple):
     step: jax.Array
 
 
-class WPipeRunner:
-    def __init__(self, pipe):
-        self.pipe = pipe
-        self.D, self.M = pipe.mesh.shape["stage"], pipe.num_microbatches
-        if pipe.optimizer is None:
+class WPipeRunner(InFlightRunner):
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.D, self.M = ctx.mesh.shape["stage"], ctx.num_microbatches
+        if ctx.optimizer is None:
             raise ConfigError("wpipe updates its two groups inside the pipeline: give Pipeline(..., "
                               "optimizer=optax.adam(1e-3)) or another optax optimizer")
         self._fns = {}
 
     def init(self) -> WPipeState:
-        D, (w, pre, post) = self.D, self.pipe._ties.strip(self.pipe.model.params)   # tied: once, in pre
+        D, (w, pre, post) = self.D, self.ctx.ties.strip(self.ctx.model.params)   # tied: once, in pre
         stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (D,) + jnp.shape(a)).copy(), t)
         lp0 = (jax.tree.map(lambda a: a[:D], w), stack(pre), stack(post))
         lp1 = (jax.tree.map(lambda a: a[D:], w), stack(pre), stack(post))
-        opt = self.pipe.optimizer
+        opt = self.ctx.optimizer
         oss = (jax.vmap(opt.init)(lp0), jax.vmap(opt.init)(lp1))
         accs = jax.tree.map(jnp.zeros_like, (lp0, lp1))
-        sh = NamedSharding(self.pipe.mesh, P("stage"))
+        sh = NamedSharding(self.ctx.mesh, P("stage"))
         params, oss, shadow0, accs = jax.device_put(((lp0, lp1), oss, jax.tree.map(jnp.copy, lp0), accs), sh)
         versions = jax.device_put(jnp.zeros((D, 2), jnp.int32), sh)
         errors = jax.device_put(jnp.zeros((D,), jnp.int32), sh)
-        rep = NamedSharding(self.pipe.mesh, P())
+        rep = NamedSharding(self.ctx.mesh, P())
         counters = jax.device_put(tuple(jnp.zeros((), jnp.int32) for _ in range(3)), rep)
         return WPipeState(params, oss, shadow0, versions, accs, errors, None, counters,
                           jax.device_put(jnp.zeros((), jnp.int32), rep))
@@ -60,29 +61,29 @@ class WPipeRunner:
     def params(self, state: WPipeState):
         (w0, pre, _), (w1, _, post) = state.params
         w = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), w0, w1)
-        return self.pipe._ties.fill((w, jax.tree.map(lambda a: a[0], pre), jax.tree.map(lambda a: a[self.D - 1], post)))
+        return self.ctx.ties.fill((w, jax.tree.map(lambda a: a[0], pre), jax.tree.map(lambda a: a[self.D - 1], post)))
 
     def _mb(self, batch):
-        per = self.pipe.data_parallel * self.M
+        per = self.ctx.data_parallel * self.M
         return jax.tree.map(lambda l: jax.ShapeDtypeStruct((np.shape(l)[0] // per,) + tuple(np.shape(l)[1:]),
                                                            l.dtype), batch)
 
     def _ensure_carry(self, state, batch):
         if state.carry is not None:
             return state
-        model, mb = self.pipe.model, self._mb(batch)
+        model, mb = self.ctx.model, self._mb(batch)
         w0 = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), model.stage_params)
         xa = jax.eval_shape(model.pre, model.pre_params, mb)
         _, res = stage_residuals(model, w0, full(xa, 0),
                                  jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), mb))
-        carry = empty_carry(model, self.D, self.M, self.pipe.mesh.size, mb, xa, res, self.pipe.nan_bubbles)
-        return state._replace(carry=jax.device_put(carry, NamedSharding(self.pipe.mesh, P(ALL))))
+        carry = empty_carry(model, self.D, self.M, self.ctx.mesh.size, mb, xa, res, self.ctx.nan_bubbles)
+        return state._replace(carry=jax.device_put(carry, NamedSharding(self.ctx.mesh, P(ALL))))
 
     def _fn(self, batch):
         key = (jax.tree.structure(batch), tuple((np.shape(l), str(l.dtype)) for l in jax.tree.leaves(batch)))
         if key not in self._fns:
-            fn, _ = make_wpipe_fn(self.pipe.model, self.pipe.optimizer, self.D, self.M, self.pipe.mesh,
-                                  self._mb(batch), nan_bubbles=self.pipe.nan_bubbles, seed=self.pipe.seed)
+            fn, _ = make_wpipe_fn(self.ctx.model, self.ctx.optimizer, self.D, self.M, self.ctx.mesh,
+                                  self._mb(batch), nan_bubbles=self.ctx.nan_bubbles, seed=self.ctx.seed)
 
             def run(state: WPipeState, batch, feed):
                 out = fn(state.params, state.opt_state, state.shadow0, state.versions, state.accs, state.errors,
@@ -96,21 +97,13 @@ class WPipeRunner:
             self._fns[key] = jax.jit(run, donate_argnums=(0,))
         return self._fns[key]
 
-    def step(self, state, batch):
-        state = self._ensure_carry(state, batch)
-        return self._fn(batch)(state, batch, jnp.asarray(True))
-
-    def lower(self, state, batch):
-        state = self._ensure_carry(state, batch)
-        return self._fn(batch).lower(state, batch, jnp.asarray(True))
-
     def drain(self, state):
         """One call without new data finishes every batch in flight (its last G0 backward ends 2M + 2D - 3
         ticks into the next period, within it as M >= D - 1); then the counters restart the stream."""
         if state.carry is None:
             return state, {}
-        per = self.pipe.data_parallel * self.M
-        dummy = self.pipe.shard_batch(jax.tree.map(
+        per = self.ctx.data_parallel * self.M
+        dummy = self.ctx.shard_batch(jax.tree.map(
             lambda r: jnp.zeros((r.shape[3] * per,) + tuple(r.shape[4:]), r.dtype), state.carry.ring))
         state, m = self._fn(dummy)(state, dummy, jnp.asarray(False))
         t, base, fed = state.counters

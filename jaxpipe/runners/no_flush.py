@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .errors import ConfigError
-from .optim.policies import make_policy
-from .runtime.async_executor import ALL, empty_carry, make_async_fn
-from .runtime.common import full
-from .runtime.stage import stage_residuals
+from ..errors import ConfigError
+from ..optim.policies import make_policy
+from ..runtime.async_executor import ALL, empty_carry, make_async_fn
+from ..runtime.common import full
+from ..runtime.stage import stage_residuals
 
 
 class AsyncState(NamedTuple):
@@ -30,21 +30,48 @@ class AsyncState(NamedTuple):
     step: jax.Array    # calls of step()
 
 
-class AsyncRunner:
+class InFlightRunner:
+    """The protocol half every no-flush runner shares: its state carries micro-batches between calls; a
+    program is compiled per batch structure (``_fn``) and the in-flight buffers are sized from the first
+    batch (``_ensure_carry``)."""
+    in_flight = True
+
+    def prepare(self, state, batch):
+        return self._ensure_carry(state, self.ctx.shard_batch(batch))
+
+    def step(self, state, batch):
+        batch = self.ctx.shard_batch(batch)
+        state = self._ensure_carry(state, batch)
+        return self._fn(batch)(state, batch, jnp.asarray(True))
+
+    def lower(self, what: str, state, batch):
+        if what != "step":
+            raise ConfigError(f"{self.ctx.schedule.name} never flushes: only the 'step' program exists")
+        batch = self.ctx.shard_batch(batch)
+        state = self._ensure_carry(state, batch)
+        return self._fn(batch).lower(state, batch, jnp.asarray(True))
+
+    def loss_and_grad(self, state, batch):
+        raise ConfigError(f"{self.ctx.schedule.name} is asynchronous (never flushes): its stages update their weights inside the "
+                          f"pipeline (per micro-batch or per group), so there is no single gradient of a batch; use "
+                          f"step(), or a synchronous schedule (gpipe, 1f1b) for loss_and_grad")
+
+
+class AsyncRunner(InFlightRunner):
     """Builds and caches the step/drain programs of one asynchronous ``Pipeline``."""
 
-    def __init__(self, pipe):
-        self.pipe = pipe
-        model, D = pipe.model, pipe.mesh.shape["stage"]
-        self.D, self.M = D, pipe.num_microbatches
-        if pipe.optimizer is None:
-            raise ConfigError(f"{pipe.schedule.name} updates the weights inside the pipeline: give "
+    def __init__(self, ctx):
+        self.ctx = ctx
+        model, D = ctx.model, ctx.mesh.shape["stage"]
+        self.D, self.M = D, ctx.num_microbatches
+        if ctx.optimizer is None:
+            raise ConfigError(f"{ctx.schedule.name} updates the weights inside the pipeline: give "
                               f"Pipeline(..., optimizer=optax.sgd(0.1, momentum=0.9)) or another optax optimizer")
-        from .tying import Ties
+        from ..tying import Ties
         self.ties = Ties(model)     # tied arrays: held once, in stage 0's pre (jaxpipe.tying)
         lp_example = jax.eval_shape(self._local, self.ties.strip(model.params))
-        opt_example = jax.eval_shape(pipe.optimizer.init, lp_example)
-        self.policy = make_policy(pipe.schedule.name, pipe.optimizer, D, self.M, opt_example)
+        opt_example = jax.eval_shape(ctx.optimizer.init, lp_example)
+        self.policy = make_policy(ctx.method.policy, ctx.optimizer, D, self.M, opt_example)
         self._fns = {}
         self._mb_example = None
 
@@ -56,35 +83,35 @@ class AsyncRunner:
 
     # ------------------------------------------------------------------ state
     def init(self, batch_example=None) -> AsyncState:
-        pipe, D = self.pipe, self.D
-        w, pre, post = self.ties.strip(pipe.model.params)
+        ctx, D = self.ctx, self.D
+        w, pre, post = self.ties.strip(ctx.model.params)
         stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (D,) + jnp.shape(a)).copy(), t)
         params = (jax.tree.map(jnp.copy, w), stack(pre), stack(post))
-        opt_state = jax.vmap(pipe.optimizer.init)(params)
+        opt_state = jax.vmap(ctx.optimizer.init)(params)
         pstate = jax.vmap(self.policy.init)(params)
-        sh = NamedSharding(pipe.mesh, P("stage"))
+        sh = NamedSharding(ctx.mesh, P("stage"))
         params, opt_state, pstate = jax.device_put((params, opt_state, pstate), sh)
-        rep = NamedSharding(pipe.mesh, P())
+        rep = NamedSharding(ctx.mesh, P())
         counters = jax.device_put(tuple(jnp.zeros((), jnp.int32) for _ in range(3)), rep)
         return AsyncState(params, opt_state, pstate, None, counters, jax.device_put(jnp.zeros((), jnp.int32), rep))
 
     def _ensure_carry(self, state: AsyncState, batch) -> AsyncState:
         if state.carry is not None:
             return state
-        pipe = self.pipe
+        ctx = self.ctx
         mb = self._mb(batch)
-        n_dev = pipe.mesh.size
-        w0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), pipe.model.stage_params)
-        x_aval = jax.eval_shape(pipe.model.pre, pipe.model.pre_params, mb)
-        mask, res_avals = stage_residuals(pipe.model, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), w0),
+        n_dev = ctx.mesh.size
+        w0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), ctx.model.stage_params)
+        x_aval = jax.eval_shape(ctx.model.pre, ctx.model.pre_params, mb)
+        mask, res_avals = stage_residuals(ctx.model, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), w0),
                                           full(x_aval, 0),
                                           jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), mb))
-        carry = empty_carry(pipe.model, self.D, self.M, n_dev, mb, x_aval, res_avals, pipe.nan_bubbles)
-        carry = jax.device_put(carry, NamedSharding(pipe.mesh, P(ALL)))
+        carry = empty_carry(ctx.model, self.D, self.M, n_dev, mb, x_aval, res_avals, ctx.nan_bubbles)
+        carry = jax.device_put(carry, NamedSharding(ctx.mesh, P(ALL)))
         return state._replace(carry=carry)
 
     def _mb(self, batch):
-        per = self.pipe.data_parallel * self.M
+        per = self.ctx.data_parallel * self.M
         return jax.tree.map(lambda l: jax.ShapeDtypeStruct((np.shape(l)[0] // per,) + tuple(np.shape(l)[1:]),
                                                            jnp.asarray(l).dtype if not hasattr(l, "dtype") else l.dtype), batch)
 
@@ -93,10 +120,10 @@ class AsyncRunner:
         key = (jax.tree.structure(batch_like), tuple((tuple(np.shape(l)), str(l.dtype))
                                                      for l in jax.tree.leaves(batch_like)))
         if key not in self._fns:
-            pipe = self.pipe
-            fn, _ = make_async_fn(pipe.model, self.policy, pipe.optimizer, self.D, self.M, pipe.mesh,
-                                  self._mb(batch_like), nan_bubbles=pipe.nan_bubbles,
-                                  periodic=pipe.schedule.periodic, seed=pipe.seed)
+            ctx = self.ctx
+            fn, _ = make_async_fn(ctx.model, self.policy, ctx.optimizer, self.D, self.M, ctx.mesh,
+                                  self._mb(batch_like), nan_bubbles=ctx.nan_bubbles,
+                                  periodic=ctx.schedule.periodic, seed=ctx.seed)
 
             def run(state: AsyncState, batch, feed):
                 params, opt_state, pstate, carry, counters, (lsum, lcount, done) = fn(
@@ -110,21 +137,13 @@ class AsyncRunner:
             self._fns[key] = jax.jit(run, donate_argnums=(0,))
         return self._fns[key]
 
-    def step(self, state: AsyncState, batch):
-        state = self._ensure_carry(state, batch)
-        return self._fn(batch)(state, batch, jnp.asarray(True))
-
-    def lower(self, state: AsyncState, batch):
-        state = self._ensure_carry(state, batch)
-        return self._fn(batch).lower(state, batch, jnp.asarray(True))
-
     def drain(self, state: AsyncState):
         """Run the step program without new micro-batches until everything in flight finished (2D - 1 ticks
         are needed; calls of 2M ticks), then reset the counters so the next step refills the pipeline."""
         if state.carry is None:
             return state, {}
-        per = self.pipe.data_parallel * self.M
-        dummy = self.pipe.shard_batch(jax.tree.map(
+        per = self.ctx.data_parallel * self.M
+        dummy = self.ctx.shard_batch(jax.tree.map(
             lambda r: jnp.zeros((r.shape[2] * per,) + tuple(r.shape[3:]), r.dtype), state.carry.ring))
         calls = -(-(2 * self.D - 1) // (2 * self.M))
         lsum, lcount = 0.0, 0

@@ -1,0 +1,84 @@
+"""Runners: what turns a configured pipeline into compiled programs and a train state (issue #17).
+
+Every runner implements one small protocol and receives a plain :class:`RunContext` (never the
+``Pipeline``)::
+
+    init() -> state                         prepare(state, batch) -> state (every buffer allocated)
+    step(state, batch) -> (state, metrics)  drain(state) -> (state, metrics)
+    params(state) -> (stage, pre, post)     loss_and_grad(state, batch) -> (loss, grads)
+    lower(what, state, batch) -> jax.stages.Lowered
+
+and says whether its state carries micro-batches between calls (``in_flight``).  Which runner runs a method
+is data: the method's registry entry (``jaxpipe.schedules.registry.Method.runner``).  ``jp.Pipeline``
+checks the user's input and delegates.
+
+* ``sync`` (:mod:`.sync`): the flushing schedules -- the lane executor's gradient, one optimizer update;
+* ``async`` (:mod:`.no_flush`): the asynchronous 1F1B family and CDP's pipeline form (weight policies);
+* ``wpipe`` (:mod:`.wpipe`): WPipe's two groups;
+* ``avgpipe`` (:mod:`.avgpipe`): AvgPipe's parallel pipelines with elastic averaging.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from ..runtime.common import DP_AXES
+
+
+@dataclasses.dataclass
+class RunContext:
+    """What a runner needs to know: the (precision-wrapped, recompute-wrapped) model, the mesh, the built
+    schedule and its method's options, the optimizer and the run's flags."""
+    model: Any
+    mesh: Any
+    schedule: Any                   # jaxpipe.schedules.Schedule
+    method: Any                     # jaxpipe.schedules.registry.Method
+    options: dict
+    optimizer: Any
+    num_microbatches: int
+    ties: Any                       # jaxpipe.tying.Ties
+    nan_bubbles: bool = False
+    seed: int = 0
+    precision: Any = None
+    skip_nonfinite: bool = False
+    placement: str = "lanes"
+    param_shardings: Optional[tuple] = None
+    _lane_plan: Any = None
+
+    @property
+    def data_parallel(self) -> int:
+        return self.mesh.shape["pipe"] * self.mesh.shape["data"]
+
+    @property
+    def lane_plan(self):
+        """The lane plan the flushing executor runs (``jaxpipe.schedules.lanes.LanePlan``)."""
+        if self._lane_plan is None:
+            from ..runtime.executor import lane_plan
+            self._lane_plan = lane_plan(self.schedule, self.placement)
+        return self._lane_plan
+
+    def shard_batch(self, batch):
+        """A global batch placed on the mesh (leading axis split over ``pipe`` x ``data``; each process copies
+        in its own rows)."""
+        from ..distributed import global_batch
+        return global_batch(batch, NamedSharding(self.mesh, P(DP_AXES)))
+
+
+#: a registry entry's ``runner`` -> (module, class)
+RUNNERS = {"sync": (".sync", "SyncRunner"), "async": (".no_flush", "AsyncRunner"), "wpipe": (".wpipe", "WPipeRunner"),
+           "avgpipe": (".avgpipe", "AvgPipeRunner")}
+
+
+def make_runner(ctx: RunContext):
+    """The runner the method's registry entry names."""
+    kind = ctx.method.runner
+    if kind not in RUNNERS:
+        raise ValueError(f"registry entry {ctx.method.name!r} names runner {kind!r}; known: {', '.join(RUNNERS)}")
+    import importlib
+    module, cls = RUNNERS[kind]
+    return getattr(importlib.import_module(module, __name__), cls)(ctx)
+
+
+__all__ = ["RUNNERS", "RunContext", "make_runner"]

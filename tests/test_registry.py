@@ -1,0 +1,78 @@
+"""Methods as data (issue #17): one registry entry per method, options checked against its schema, the runner
+chosen by the entry, no code outside the registry and the builders asks a method's name."""
+import ast
+import glob
+import warnings
+
+import optax
+import pytest
+
+import jaxpipe as jp
+from jaxpipe import schedules
+from helpers import small_model
+
+
+def test_every_method_is_declared_once_with_a_builder_and_a_runner():
+    assert set(schedules.METHODS) == set(schedules.BUILDERS)
+    for name, m in schedules.METHODS.items():
+        assert m.name == name and m.runner in ("sync", "async", "wpipe", "avgpipe")
+        assert m.flushes == (m.runner == "sync") and m.updates_inside == (m.runner != "sync")
+        assert set(m.builder_keys) <= set(m.options)
+        opts = m.resolve({}, 8, 4)
+        schedules.build(name, 4, 8, **m.builder_options(opts))         # the defaults build
+
+
+def test_unknown_options_name_the_valid_ones_and_their_owner():
+    with pytest.raises(schedules.ScheduleError, match=r"unknown option\(s\) \['virtual'\]; known: none "
+                                                      r"\('virtual' is an option of interleaved_1f1b\)"):
+        schedules.options_for("1f1b", 4, 4, {"virtual": 2})
+    model, _ = small_model("mlp", 4)
+    with pytest.raises(jp.ConfigError, match=r"known: \['concat', 'eager_reduce', 'pipelines'\]"):
+        jp.Pipeline(model, schedule="chimera", num_microbatches=4, optimizer=optax.sgd(0.1),
+                    mesh=jp.make_mesh(stages=4), options={"pipes": 2})
+    with pytest.raises(jp.ConfigError, match="give a dict"):
+        jp.Pipeline(model, schedule="chimera", num_microbatches=4, optimizer=optax.sgd(0.1),
+                    mesh=jp.make_mesh(stages=4), options=["direct"])
+
+
+def test_options_and_the_deprecated_keywords_build_the_same_pipeline():
+    model, batch_fn = small_model("mlp", 4)
+    kw = dict(schedule="chimera", num_microbatches=8, optimizer=optax.sgd(0.1), mesh=jp.make_mesh(stages=4))
+    new = jp.Pipeline(model, options={"concat": "backward_halving"}, **kw)
+    with pytest.warns(DeprecationWarning, match=r"use Pipeline\(\.\.\., options="):
+        old = jp.Pipeline(model, chimera={"concat": "backward_halving"}, **kw)
+    assert new.options == old.options and new.schedule.options == old.schedule.options
+    assert new.schedule.M == 16                      # backward halving: each micro-batch split in two
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")               # the new form does not warn
+        jp.Pipeline(model, options={"pipelines": 2}, **kw)
+
+
+def test_a_built_schedule_runs_with_its_own_options():
+    model, batch_fn = small_model("mlp", 4)
+    sched = schedules.build("chimera", 4, 4, concat="direct", eager_reduce=True)
+    pipe = jp.Pipeline(model, schedule=sched, num_microbatches=4, optimizer=optax.sgd(0.1),
+                       mesh=jp.make_mesh(stages=4))
+    assert pipe.schedule is sched and pipe.options["eager_reduce"] is True
+    state, m = pipe.step(pipe.init(), batch_fn(8))
+    assert float(m["loss"]) > 0
+    with pytest.raises(jp.ConfigError, match="built for 4 devices and 4 micro-batches"):
+        jp.Pipeline(model, schedule=sched, num_microbatches=8, optimizer=optax.sgd(0.1), mesh=jp.make_mesh(stages=4))
+
+
+def _name_comparisons(path):
+    names = set(schedules.METHODS)
+    n = 0
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Compare):
+            for c in [node.left] + node.comparators:
+                items = [c] if isinstance(c, ast.Constant) else getattr(c, "elts", [])
+                if any(isinstance(i, ast.Constant) and i.value in names for i in items):
+                    n += 1
+                    break
+    return n
+
+
+def test_the_pipeline_and_its_runners_never_ask_a_method_name():
+    files = ["jaxpipe/pipeline.py", "jaxpipe/optim/policies.py"] + glob.glob("jaxpipe/runners/*.py")
+    assert {f: _name_comparisons(f) for f in files} == {f: 0 for f in files}
