@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 from .errors import ConfigError
+from .validate import is_int
 
 
 def fingerprint(pipe) -> Dict[str, Any]:
@@ -66,9 +67,9 @@ class Checkpointer:
         writes there); otherwise the lock is taken by the first save, and a Checkpointer that only restores
         never takes it."""
         import orbax.checkpoint as ocp
-        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        if keep is not None and not is_int(keep, 1):
             raise ConfigError(f"Checkpointer keep={keep!r}: give how many checkpoints to keep (>= 1) or None for all")
-        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        if not is_int(every, 0):
             raise ConfigError(f"Checkpointer every={every!r}: give a step interval >= 1, or 0 to save only when "
                               f"asked (save(..., force=True))")
         self.directory = os.path.abspath(os.fspath(directory))

@@ -59,11 +59,6 @@ class CyclicState(NamedTuple):
     errors: Any       # [W] int32: reads of a version a worker no longer held (must stay 0)
 
 
-def _local(params):
-    w, pre, post = params
-    return (jax.tree.map(lambda a: a[0], w), pre, post)
-
-
 class CyclicDataParallel:
     """Cyclic Data Parallelism over the mesh's ``data`` axis (see the module docstring)."""
 

@@ -19,6 +19,7 @@ import time
 from typing import Optional
 
 from .errors import ConfigError
+from .validate import is_int
 
 
 def settings(coordinator: Optional[str] = None, num_processes: Optional[int] = None,
@@ -32,7 +33,7 @@ def settings(coordinator: Optional[str] = None, num_processes: Optional[int] = N
         int(env["JAX_PROCESS_ID"]) if env.get("JAX_PROCESS_ID") else None)
     if num_processes is None or num_processes == 1:
         return coordinator, num_processes or 1, process_id or 0
-    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
+    if not is_int(num_processes, 1):
         raise ConfigError(f"num_processes={num_processes!r}: give the number of processes (>= 1)")
     if coordinator is None:
         raise ConfigError(f"num_processes={num_processes} needs the coordinator's address: --coordinator=HOST:PORT "

@@ -14,6 +14,7 @@ from .checks import check_integer_inputs, require_finite
 from .errors import ConfigError
 from .model import PipelineModel
 from .runners.sync import PipelineState
+from .validate import is_int
 
 
 class Pipeline:
@@ -87,7 +88,7 @@ class Pipeline:
             raise ConfigError(f"mesh needs axes ('pipe', 'data', 'stage'), it lacks {missing}; build it with "
                               f"jp.make_mesh(stages=..., data=...)")
         D = mesh.shape["stage"]
-        if not isinstance(num_microbatches, int) or isinstance(num_microbatches, bool) or num_microbatches < 1:
+        if not is_int(num_microbatches, 1):
             raise ConfigError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
         from .schedules.lanes import PLACEMENTS
         if placement not in PLACEMENTS:
@@ -124,7 +125,7 @@ class Pipeline:
             import dataclasses
             self.model = model = dataclasses.replace(model, stage_fn=jax.checkpoint(model.stage_fn))
         self.nan_bubbles = nan_bubbles
-        if not isinstance(seed, int) or isinstance(seed, bool):
+        if not is_int(seed):
             raise ConfigError(f"seed={seed!r}: give an int (the stage keys of a context model derive from it)")
         self.seed = seed
         self.skip_nonfinite = bool(skip_nonfinite)

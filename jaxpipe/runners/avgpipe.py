@@ -27,6 +27,7 @@ from .. import schedules
 from ..errors import ConfigError
 from ..optim.elastic import check_alpha, elastic_averaging
 from ..runtime.executor import make_grad_fn
+from ..validate import is_int
 
 
 class AvgPipeState(NamedTuple):
@@ -45,7 +46,7 @@ class AvgPipeRunner:
         self.alpha = check_alpha(opts.get("alpha"), self.N)
         adv = opts.get("advance", "auto")
         self.auto = adv in ("auto", None)
-        if not self.auto and (isinstance(adv, bool) or not isinstance(adv, int) or adv < 0):
+        if not self.auto and not is_int(adv, 0):
             raise ConfigError(f"avgpipe advance={adv!r}: give a non-negative integer (forwards issued beyond "
                               f"1F1B's warm-up: 0 = 1F1B, {max(self.M - 1, 0)} = all forwards first) or 'auto'")
         self.advance = 0 if self.auto else min(adv, max(self.M - 1, 0))

@@ -73,7 +73,6 @@ class AsyncRunner(InFlightRunner):
         opt_example = jax.eval_shape(ctx.optimizer.init, lp_example)
         self.policy = make_policy(ctx.method.policy, ctx.optimizer, D, self.M, opt_example)
         self._fns = {}
-        self._mb_example = None
 
     @staticmethod
     def _local(params):
@@ -82,7 +81,7 @@ class AsyncRunner(InFlightRunner):
         return (jax.tree.map(lambda a: a[0], w), pre, post)
 
     # ------------------------------------------------------------------ state
-    def init(self, batch_example=None) -> AsyncState:
+    def init(self) -> AsyncState:
         ctx, D = self.ctx, self.D
         w, pre, post = self.ties.strip(ctx.model.params)
         stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (D,) + jnp.shape(a)).copy(), t)

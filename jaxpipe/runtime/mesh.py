@@ -5,6 +5,7 @@ import jax
 from jax.sharding import AxisType
 
 from ..errors import ConfigError
+from ..validate import is_int
 
 AXES = ("pipe", "data", "stage")
 
@@ -17,7 +18,7 @@ def make_mesh(stages: int = 1, data: int = 1, pipes: int = 1, devices=None) -> j
     optimizer update outside them is left to XLA's sharding propagation.
     """
     for name, v in (("stages", stages), ("data", data), ("pipes", pipes)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        if not is_int(v, 1):
             raise ConfigError(f"make_mesh: {name} must be a positive integer, got {v!r}")
     devs = list(jax.devices() if devices is None else devices)
     need = pipes * data * stages

@@ -18,6 +18,7 @@ from .one_f_one_b import build_1f1b
 from .zero_bubble import build_zb_h1
 from .registry import METHODS, Method, method
 from .simulate import SimReport, simulate
+from ..validate import is_int
 
 BUILDERS: Dict[str, Callable[..., Schedule]] = {
     "gpipe": build_gpipe,
@@ -52,7 +53,7 @@ def build(name: str, num_stages: int, num_microbatches: int, **options) -> Sched
     if name not in BUILDERS:
         raise ValueError(f"unknown schedule {name!r}; available: {', '.join(available())}")
     for what, v in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        if not is_int(v, 1):
             raise ValueError(f"{what} must be a positive integer, got {v!r}")
     return BUILDERS[name](num_stages, num_microbatches, **options).validate()
 

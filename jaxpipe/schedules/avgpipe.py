@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import List
 
 from .ir import Action, B, F, Schedule, ScheduleError
+from ..validate import is_int
 
 
 def advance_order(d: int, D: int, M: int, advance: int) -> List[Action]:
@@ -35,7 +36,7 @@ def max_advance(D: int, M: int) -> int:
 
 def build_avgpipe(num_stages: int, num_microbatches: int, advance: int = 0) -> Schedule:
     D, M = num_stages, num_microbatches
-    if not isinstance(advance, int) or isinstance(advance, bool) or advance < 0:
+    if not is_int(advance, 0):
         raise ScheduleError(f"avgpipe: advance must be a non-negative integer (forwards issued beyond 1F1B's "
                             f"warm-up; 0 = 1F1B, {max_advance(D, M)} = all forwards first), got {advance!r}")
     advance = min(advance, max_advance(D, M))

@@ -31,9 +31,7 @@ def live_units(N: int, tick: int, cyclic: bool = True) -> int:
     total = 0
     for i in range(N):
         kind, j, _ = op_of(N, i, tick, cyclic)
-        if kind == "F":
-            total += j + 1
-        elif kind == "B":
+        if kind:                        # F of stage j holds stages 0..j; B of stage j still reads them too
             total += j + 1
     return total
 

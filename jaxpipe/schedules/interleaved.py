@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import List
 
 from .ir import Action, B, F, Schedule, ScheduleError
+from ..validate import is_int
 
 
 def _fwd_unit(k: int, D: int, v: int):
@@ -53,7 +54,7 @@ def interleaved_order(d: int, D: int, M: int, v: int) -> List[Action]:
 
 def build_interleaved_1f1b(num_stages: int, num_microbatches: int, virtual: int = 2) -> Schedule:
     D, M, v = num_stages, num_microbatches, virtual
-    if not isinstance(v, int) or v < 1:
+    if not is_int(v, 1):
         raise ScheduleError(f"interleaved_1f1b: virtual (model chunks per device) must be a positive integer, "
                             f"got {v!r}")
     if M % D:
