@@ -75,9 +75,7 @@ def test_bf16_parameters_get_bf16_gradients_accumulated_in_f32():
     _, grads = pipe.loss_and_grad(state, batch)
     assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(grads))
     ref_loss, ref_grads = microbatched(jp.with_precision(model, policy), state.params, batch, 8)
-    # two bf16 programs with different fusion points: each ~1.1% from the float32 gradient of the same
-    # bf16 parameters (measured 1.15% pipelined, 1.08% this reference), 1.2% apart
-    assert rel_err(grads, ref_grads) <= 2e-2
+    assert rel_err(grads, ref_grads) <= 1e-2      # bf16 rounding of the final result only
 
 
 def test_bad_precision_is_a_clear_error():

@@ -135,38 +135,22 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
             return acc, blank()
 
         def fwd(chunk, first, last):
-            # first/last: the position, static (one branch per position), or None: decided per row by
-            # small conds around pre and the head, for lanes every device runs (no branch at all)
-            dyn = first is None
-            S = sched.num_model_stages
-
             def op(row, stash, mbuf, acc):
-                mb = mb_of(row) if (dyn or first or last or model.context) else None
+                mb = mb_of(row) if (first or last or model.context) else None
                 x = None if first else read(mbuf, row[L["in"]])
                 ctx = None
                 if model.context:
                     ctx = ops.context(mb, jax.random.fold_in(step_key, replica * M + row[L["mb"]]), row[L["stage"]])
-                if not dyn:
-                    y, res, head = ops.forward(ws[chunk], x, mb, pre_p, post_p, first, last, ctx)
-                    if not last:
-                        return res, acc, cast(y, x_aval)
-                else:
-                    is_first, is_last = row[L["stage"]] == 0, row[L["stage"]] == S - 1
-                    x = lax.cond(is_first, lambda: cast(vary(pre(pre_p, mb)), x_aval), lambda: x)
-                    y, res, _ = ops.forward(ws[chunk], x, mb, pre_p, post_p, False, False, ctx)
-                    head = lax.cond(is_last, lambda: vary(ops.head(post_p, y, mb)),
-                                    lambda: vary(jax.tree.map(jnp.zeros_like, ops.head(post_p, y, mb))))
+                y, res, head = ops.forward(ws[chunk], x, mb, pre_p, post_p, first, last, ctx)
+                if not last:
+                    return res, acc, cast(y, x_aval)
                 l, n, gq, dy = head
                 gws, gpre, gpost, (gl, gn) = acc
                 if summed:      # (sum, count) losses: divided by the global count after the pipeline
                     acc = (gws, gpre, add(gpost, gq), (gl + l.astype(jnp.float32), gn + n))
-                else:
-                    acc = (gws, gpre, add(gpost, jax.tree.map(lambda g: g / M, gq)),
-                           (gl + (l / M).astype(jnp.float32), gn))
-                    dy = jax.tree.map(lambda d: d / M, dy)
-                # the last stage keeps dL/dy for its B; the others send their output
-                msg = where(is_last, cast(dy, x_aval), cast(y, x_aval)) if dyn else cast(dy, x_aval)
-                return res, acc, msg
+                    return res, acc, cast(dy, x_aval)
+                acc = (gws, gpre, add(gpost, jax.tree.map(lambda g: g / M, gq)), (gl + (l / M).astype(jnp.float32), gn))
+                return res, acc, cast(jax.tree.map(lambda d: d / M, dy), x_aval)
             return op
 
         def bwd(chunk, want_dw=True, want_dx=True):
@@ -239,17 +223,15 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
             return stash, mbuf, acc
 
         def direct_op(t0, t1, li):
-            """The op a lane runs without a conditional in ticks [t0, t1) where every device is busy in it
-            (docs/design.md §2: a conditional costs ~8% of the step on CPU at D = 1, measured), or None:
-            one chunk only (several need a switch over the chunks' weights)."""
-            if nchunk != 1:
+            """The op a lane runs without a conditional in ticks [t0, t1) where it is busy in every tick: on
+            one device (D = 1) with one chunk, the lane's only branch.  Measured (BUILD_NOTES, "Where the
+            remaining time goes"): a conditional costs ~4-8% of the step at D = 1; at D = 4 dropping the
+            conditionals of busy lanes was slower (1f1b 1.16x -> 1.20-1.26x) and took 4 MiB more temp, so
+            D > 1 keeps them."""
+            if D != 1 or nchunk != 1:
                 return None
             codes = np.unique(table[t0:t1, :, li, L["branch"]])
-            if len(codes) == 1:                 # one position (D = 1): the branch itself
-                return branches[li][int(codes[0])]
-            if p.lanes[li] in ("F", F2):
-                return fwd(0, None, None)
-            return None
+            return branches[li][int(codes[0])] if len(codes) == 1 else None
 
         def phase(t0, t1, lanes_used, full):
             direct = {li: direct_op(t0, t1, li) for li in full}

@@ -40,7 +40,7 @@ PLACEMENTS = ("lanes", "ordered")
 #: (SEND_*), its slot when it stays on the device, receive slots for the two channels, branch index.
 LCOLS = ("op", "mb", "stage", "chunk", "stash", "in", "send", "keep", "recv_p", "recv_m", "branch")
 L = {c: i for i, c in enumerate(LCOLS)}
-MAX_PHASES = 7
+MAX_PHASES = 5
 
 
 @dataclasses.dataclass
@@ -170,17 +170,18 @@ def _place_ordered(s: Schedule, lanes: Sequence[str]) -> Dict[tuple, Tuple[int, 
 
 
 def _phases(active: np.ndarray):
-    """Cut ticks into runs with the same set of used lanes and the same set of *full* lanes (busy on every
-    device: the executor runs those without an idle branch); merge the shortest runs until at most
+    """Cut ticks into runs with the same set of used lanes; merge the shortest runs until at most
     :data:`MAX_PHASES` remain (compile time must not grow with the number of micro-batches).  Returns the
-    phases ``(t0, t1, used lanes)`` and, per phase, its full lanes."""
+    phases ``(t0, t1, used lanes)`` and, per phase, its *full* lanes (busy on every device in every tick:
+    at D = 1 the executor runs those without a conditional)."""
     T = active.shape[0]
     used = [set(int(i) for i in np.nonzero(active[t].any(axis=0))[0]) for t in range(T)]
     full = [set(int(i) for i in np.nonzero(active[t].all(axis=0))[0]) for t in range(T)]
     runs: List[list] = []
     for t in range(T):
-        if runs and runs[-1][2] == used[t] and runs[-1][3] == full[t]:
+        if runs and runs[-1][2] == used[t]:
             runs[-1][1] = t + 1
+            runs[-1][3] &= full[t]
         else:
             runs.append([t, t + 1, used[t], full[t]])
     while len(runs) > MAX_PHASES:
