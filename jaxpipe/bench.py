@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from .model import PipelineModel
+from .axes import DATA
 
 
 def make_tanh_mlp(stages: int, layers_per_stage: int, width: int, seed: int = 0,
@@ -167,7 +168,7 @@ def cyclic_runner(rule: str, model: PipelineModel, batch, opt):
     from . import CyclicDataParallel, make_mesh
     N = model.num_stages
     cdp = CyclicDataParallel(model, opt, rule=rule, mesh=make_mesh(data=N))
-    b = jax.device_put(batch, jax.sharding.NamedSharding(cdp.mesh, jax.sharding.PartitionSpec("data")))
+    b = jax.device_put(batch, jax.sharding.NamedSharding(cdp.mesh, jax.sharding.PartitionSpec(DATA)))
     state = cdp.init()
     state = state._replace(carry=cdp._empty_carry(b)[0])
     t0 = time.perf_counter()

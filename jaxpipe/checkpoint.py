@@ -35,6 +35,7 @@ import numpy as np
 
 from .errors import ConfigError
 from .validate import is_int
+from .axes import PIPE
 
 
 def fingerprint(pipe) -> Dict[str, Any]:
@@ -222,7 +223,7 @@ class Checkpointer:
                 f"mesh {now}: the in-flight pipeline of a no-flush schedule is sized by the micro-batch, so the batch "
                 f"size (or sequence length) differs from the run that wrote it. Resume with that batch size, or "
                 f"start afresh in another directory") from None
-        per = "pipe replica" if was and now and was.get("pipe") != now.get("pipe") else "device"
+        per = "pipe replica" if was and now and was.get(PIPE) != now.get(PIPE) else "device"
         raise ConfigError(
             f"checkpoint step {step} cannot be restored onto this mesh: an array differs in shape ({detail}). "
             f"It was written on mesh {was}, this run has {now}; this schedule's state (in-flight pipeline, "

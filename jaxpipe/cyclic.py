@@ -45,6 +45,7 @@ from .model import PipelineModel
 from .model import microbatch_key
 from .runtime.common import cast, full, read, where, write
 from .runtime.stage import StageOps, stage_residuals
+from .axes import DATA, PIPE, STAGE
 
 RULES = ("v1", "v2")
 
@@ -76,11 +77,11 @@ class CyclicDataParallel:
         if mesh is None:
             from .runtime.mesh import make_mesh
             mesh = make_mesh(data=model.num_stages)
-        if mesh.shape.get("stage", 1) != 1 or mesh.shape.get("pipe", 1) != 1:
+        if mesh.shape.get(STAGE, 1) != 1 or mesh.shape.get(PIPE, 1) != 1:
             raise ConfigError(f"CyclicDataParallel runs N workers on the 'data' axis, each with the whole model; "
                               f"the mesh has stage={mesh.shape.get('stage')} pipe={mesh.shape.get('pipe')}: "
                               f"use jp.make_mesh(data=N)")
-        N = mesh.shape["data"]
+        N = mesh.shape[DATA]
         if model.num_stages != N:
             raise ConfigError(f"Cyclic Data Parallelism cuts the model into as many stages as workers (one time "
                               f"step per stage, workers 2 steps apart): the model has {model.num_stages} stages "
@@ -101,7 +102,7 @@ class CyclicDataParallel:
         lp = (w, per_stage(pre), per_stage(post))                   # [S, ...]
         opt = jax.vmap(self.opt.init)(lp)
         workers = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(a, (N,) + a.shape).copy(), t)
-        sh = NamedSharding(self.mesh, P("data"))
+        sh = NamedSharding(self.mesh, P(DATA))
         params, shadow, opt = jax.device_put((workers(lp), workers(lp), workers(opt)), sh)
         versions = jax.device_put(jnp.zeros((N, N), jnp.int32), sh)
         rep = NamedSharding(self.mesh, P())
@@ -147,7 +148,7 @@ class CyclicDataParallel:
             bcast=((jax.tree.map(lambda a: z(jnp.shape(a), jnp.asarray(a).dtype), lp0), z((), jnp.float32)),
                    z((), jnp.int32), z((), jnp.bool_)),
             ring=jax.tree.map(lambda a: z((2,) + tuple(a.shape), a.dtype), mb))
-        return jax.device_put(carry, NamedSharding(self.mesh, P("data"))), xa
+        return jax.device_put(carry, NamedSharding(self.mesh, P(DATA))), xa
 
     # ------------------------------------------------------------------ program
     def _program(self, batch):
@@ -162,7 +163,7 @@ class CyclicDataParallel:
             sq = lambda t: jax.tree.map(lambda a: a[0], t)
             lp, sh, ver, os_, c, err = sq(params), sq(shadow), sq(versions), sq(opt_state), sq(carry), sq(errors)
             t0, base, n_fed = counters
-            me = lax.axis_index("data")
+            me = lax.axis_index(DATA)
             # this call's micro-batch (one per worker) goes to ring slot (base + n_fed) mod 2
             c["ring"] = jax.tree.map(lambda r, b: write(r, (base + n_fed) % 2, b), c["ring"], batch)
             ops, _ = StageOps.build(model, jax.tree.map(lambda a: a[0], lp[0]), full(xa, 0),
@@ -299,13 +300,13 @@ class CyclicDataParallel:
                 fwd_ok = sent & (me < N - 1)
                 if N > 1:
                     ring = [(i, i + 1) for i in range(N - 1)]
-                    got = lax.ppermute((g, j, fwd_ok), "data", ring)
+                    got = lax.ppermute((g, j, fwd_ok), DATA, ring)
                     c = {**c, "partial": lax.cond(got[2], lambda q: put(q, got[1], got[0][0]), lambda q: q, c["partial"]),
                          "pcnt": jnp.where(got[2], c["pcnt"].at[got[1]].set(got[0][1]), c["pcnt"])}
                     done = sent & (me == N - 1)
                     acc = None
                     for dst in range(N - 1):
-                        m = lax.ppermute((g, j, done), "data", [(N - 1, dst)])
+                        m = lax.ppermute((g, j, done), DATA, [(N - 1, dst)])
                         acc = m if acc is None else jax.tree.map(
                             lambda a, b: jnp.where(m[2], b, a) if a.dtype != jnp.bool_ else a | b, acc, m)
                     c = {**c, "bcast": acc}
@@ -315,12 +316,12 @@ class CyclicDataParallel:
             (st, c, err, (lsum, lweight, lcount)), _ = lax.scan(
                 tick, ((lp, sh, ver, os_), c, err, loss0), t0 + jnp.arange(2 * N, dtype=jnp.int32))
             lp, sh, ver, os_ = st
-            lsum, lweight, lcount = lax.psum((lsum, lweight, lcount), "data")
+            lsum, lweight, lcount = lax.psum((lsum, lweight, lcount), DATA)
             ex = lambda t: jax.tree.map(lambda a: a[None], t)
             return (ex(lp), ex(sh), ex(ver), ex(os_), ex(c), (t0 + 2 * N, base, n_fed), ex(err),
                     (lsum, lweight, lcount))
 
-        d = lambda t: jax.tree.map(lambda _: P("data"), t)
+        d = lambda t: jax.tree.map(lambda _: P(DATA), t)
         r = lambda t: jax.tree.map(lambda _: P(), t)
 
         def run(state: CyclicState, batch, feed):
@@ -343,7 +344,7 @@ class CyclicDataParallel:
         self._check_batch(batch)
         if state.carry is None:
             state = state._replace(carry=self._empty_carry(
-                global_batch(batch, NamedSharding(self.mesh, P("data"))))[0])
+                global_batch(batch, NamedSharding(self.mesh, P(DATA))))[0])
         return state
 
     def step(self, state: CyclicState, batch):
@@ -355,7 +356,7 @@ class CyclicDataParallel:
         if self.check_inputs:
             from .checks import require_finite
             require_finite(batch, "CyclicDataParallel(..., check_inputs=False)")
-        batch = global_batch(batch, NamedSharding(self.mesh, P("data")))
+        batch = global_batch(batch, NamedSharding(self.mesh, P(DATA)))
         if state.carry is None:
             state = state._replace(carry=self._empty_carry(batch)[0])
         return self._program(batch)(state, batch, jnp.asarray(True))
@@ -367,7 +368,7 @@ class CyclicDataParallel:
             return state, {}
         dummy = jax.tree.map(lambda r: jnp.zeros((r.shape[0] * r.shape[2],) + r.shape[3:], r.dtype),
                              state.carry["ring"])
-        dummy = jax.device_put(dummy, NamedSharding(self.mesh, P("data")))
+        dummy = jax.device_put(dummy, NamedSharding(self.mesh, P(DATA)))
         state, m = self._program(dummy)(state, dummy, jnp.asarray(False))
         t, base, fed = state.counters
         return state._replace(counters=(jnp.zeros_like(t), base + fed, jnp.zeros_like(fed))), m

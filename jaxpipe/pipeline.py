@@ -15,6 +15,7 @@ from .errors import ConfigError
 from .model import PipelineModel
 from .runners.sync import PipelineState
 from .validate import is_int
+from .axes import DATA, PIPE, STAGE
 
 
 class Pipeline:
@@ -83,11 +84,11 @@ class Pipeline:
         if mesh is None:
             from .runtime.mesh import make_mesh
             mesh = make_mesh(stages=model.num_stages)
-        missing = [a for a in ("pipe", "data", "stage") if a not in mesh.axis_names]
+        missing = [a for a in (PIPE, DATA, STAGE) if a not in mesh.axis_names]
         if missing:
             raise ConfigError(f"mesh needs axes ('pipe', 'data', 'stage'), it lacks {missing}; build it with "
                               f"jp.make_mesh(stages=..., data=...)")
-        D = mesh.shape["stage"]
+        D = mesh.shape[STAGE]
         if not is_int(num_microbatches, 1):
             raise ConfigError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
         from .schedules.lanes import PLACEMENTS
@@ -136,7 +137,7 @@ class Pipeline:
                               f"(gpipe, 1f1b, interleaved_1f1b, zb_h1, chimera) or stop on a non-finite loss")
         from .runners import RunContext, make_runner
         from .tying import Ties
-        stage_sh = jax.tree.map(lambda _: NamedSharding(mesh, P("stage")), model.stage_params)
+        stage_sh = jax.tree.map(lambda _: NamedSharding(mesh, P(STAGE)), model.stage_params)
         rep = lambda t: jax.tree.map(lambda _: NamedSharding(mesh, P()), t)
         ties = Ties(model)
         _, _, post_state = ties.strip(model.params)
@@ -185,7 +186,7 @@ class Pipeline:
         """Stage parameters as the executor holds them: ``[D, chunks, ...]`` (device d, local chunk c holds
         model stage ``schedule.stage_of_chunk()[d, c]``; Chimera: two replicas per device)."""
         from .runtime.common import layout_index
-        D = self.mesh.shape["stage"]
+        D = self.mesh.shape[STAGE]
         lay = jnp.asarray(layout_index(self.schedule))
         return jax.tree.map(lambda a: a[lay].reshape((D, -1) + a.shape[1:]), self.params(state)[0])
 

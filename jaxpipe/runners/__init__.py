@@ -24,7 +24,8 @@ from typing import Any, Optional
 
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ..runtime.common import DP_AXES
+
+from ..axes import DATA, DP_AXES, PIPE
 
 
 @dataclasses.dataclass
@@ -49,7 +50,7 @@ class RunContext:
 
     @property
     def data_parallel(self) -> int:
-        return self.mesh.shape["pipe"] * self.mesh.shape["data"]
+        return self.mesh.shape[PIPE] * self.mesh.shape[DATA]
 
     @property
     def lane_plan(self):

@@ -28,6 +28,7 @@ from ..errors import ConfigError
 from ..optim.elastic import check_alpha, elastic_averaging
 from ..runtime.executor import make_grad_fn
 from ..validate import is_int
+from ..axes import PIPE, STAGE
 
 
 class AvgPipeState(NamedTuple):
@@ -40,8 +41,8 @@ class AvgPipeRunner:
     def __init__(self, ctx):
         opts = dict(ctx.options)
         self.ctx = ctx
-        self.N = ctx.mesh.shape["pipe"]
-        self.D = ctx.mesh.shape["stage"]
+        self.N = ctx.mesh.shape[PIPE]
+        self.D = ctx.mesh.shape[STAGE]
         self.M = ctx.num_microbatches
         self.alpha = check_alpha(opts.get("alpha"), self.N)
         adv = opts.get("advance", "auto")
@@ -68,8 +69,8 @@ class AvgPipeRunner:
     # ------------------------------------------------------------------ state
     def _shardings(self):
         mesh, model = self.ctx.mesh, self.ctx.model
-        w = jax.tree.map(lambda _: NamedSharding(mesh, P("pipe", "stage")), model.stage_params)
-        r = lambda t: jax.tree.map(lambda _: NamedSharding(mesh, P("pipe")), t)
+        w = jax.tree.map(lambda _: NamedSharding(mesh, P(PIPE, STAGE)), model.stage_params)
+        r = lambda t: jax.tree.map(lambda _: NamedSharding(mesh, P(PIPE)), t)
         return (w, r(model.pre_params), r(self.ctx.ties.strip(model.params)[2]))
 
     def init(self) -> AvgPipeState:
@@ -79,7 +80,7 @@ class AvgPipeRunner:
         params = jax.jit(stack, out_shardings=self._shardings())(self.ctx.ties.strip(self.ctx.model.params))
         # each replica's optimizer state lives with the replica (over 'pipe' x 'stage'), not replicated
         example = jax.eval_shape(self.ctx.optimizer.init, jax.tree.map(lambda a: a[0], params))
-        pipe_sh = NamedSharding(self.ctx.mesh, P("pipe"))
+        pipe_sh = NamedSharding(self.ctx.mesh, P(PIPE))
         inner_sh = optax.tree_map_params(self.ctx.optimizer, lambda _, sh: sh, example, self._shardings(),
                                          transform_non_params=lambda _: pipe_sh)
         opt_state = jax.jit(self.tx.init)(params)

@@ -19,6 +19,7 @@ from ..optim.policies import make_policy
 from ..runtime.async_executor import ALL, empty_carry, make_async_fn
 from ..runtime.common import full
 from ..runtime.stage import stage_residuals
+from ..axes import STAGE
 
 
 class AsyncState(NamedTuple):
@@ -62,7 +63,7 @@ class AsyncRunner(InFlightRunner):
 
     def __init__(self, ctx):
         self.ctx = ctx
-        model, D = ctx.model, ctx.mesh.shape["stage"]
+        model, D = ctx.model, ctx.mesh.shape[STAGE]
         self.D, self.M = D, ctx.num_microbatches
         if ctx.optimizer is None:
             raise ConfigError(f"{ctx.schedule.name} updates the weights inside the pipeline: give "
@@ -88,7 +89,7 @@ class AsyncRunner(InFlightRunner):
         params = (jax.tree.map(jnp.copy, w), stack(pre), stack(post))
         opt_state = jax.vmap(ctx.optimizer.init)(params)
         pstate = jax.vmap(self.policy.init)(params)
-        sh = NamedSharding(ctx.mesh, P("stage"))
+        sh = NamedSharding(ctx.mesh, P(STAGE))
         params, opt_state, pstate = jax.device_put((params, opt_state, pstate), sh)
         rep = NamedSharding(ctx.mesh, P())
         counters = jax.device_put(tuple(jnp.zeros((), jnp.int32) for _ in range(3)), rep)

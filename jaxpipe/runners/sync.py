@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ..errors import ConfigError
 from ..runtime.common import exchange_perms, layout_index
 from ..runtime.executor import make_grad_fn
+from ..axes import STAGE
 
 
 class PipelineState(NamedTuple):
@@ -51,7 +52,7 @@ class SyncRunner:
             # Optimizer state shaped like a stage leaf (Adam's moments, momentum) lives with its stage: left
             # to jit, it came out replicated and every device updated every stage (measured: +20% per step).
             stage_avals = {(tuple(a.shape), a.dtype) for a in jax.tree.leaves(params[0])}
-            stage_sh = NamedSharding(ctx.mesh, P("stage"))
+            stage_sh = NamedSharding(ctx.mesh, P(STAGE))
             shapes = jax.eval_shape(ctx.optimizer.init, params)
             out_sh = jax.tree.map(lambda a: stage_sh if (tuple(a.shape), a.dtype) in stage_avals else rep, shapes)
             opt_state = jax.jit(ctx.optimizer.init, out_shardings=out_sh)(params)
@@ -107,7 +108,7 @@ class SyncRunner:
                                    nan_bubbles=self.ctx.nan_bubbles, lanes=self.ctx.lane_plan)
 
             lay, identity = jnp.asarray(self._layout), self._identity_layout
-            lay_sh = jax.tree.map(lambda _: NamedSharding(self.ctx.mesh, P("stage")), self.ctx.model.stage_params)
+            lay_sh = jax.tree.map(lambda _: NamedSharding(self.ctx.mesh, P(STAGE)), self.ctx.model.stage_params)
 
             stored, inv = self._stored, jnp.asarray(self._inverse)
 

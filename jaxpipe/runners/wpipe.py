@@ -18,6 +18,7 @@ from ..runtime.common import full
 from ..runtime.stage import stage_residuals
 from ..runtime.wpipe_executor import ALL, empty_carry, make_wpipe_fn
 from .no_flush import InFlightRunner
+from ..axes import STAGE
 
 
 class WPipeState(NamedTuple):
@@ -35,7 +36,7 @@ class WPipeState(NamedTuple):
 class WPipeRunner(InFlightRunner):
     def __init__(self, ctx):
         self.ctx = ctx
-        self.D, self.M = ctx.mesh.shape["stage"], ctx.num_microbatches
+        self.D, self.M = ctx.mesh.shape[STAGE], ctx.num_microbatches
         if ctx.optimizer is None:
             raise ConfigError("wpipe updates its two groups inside the pipeline: give Pipeline(..., "
                               "optimizer=optax.adam(1e-3)) or another optax optimizer")
@@ -49,7 +50,7 @@ class WPipeRunner(InFlightRunner):
         opt = self.ctx.optimizer
         oss = (jax.vmap(opt.init)(lp0), jax.vmap(opt.init)(lp1))
         accs = jax.tree.map(jnp.zeros_like, (lp0, lp1))
-        sh = NamedSharding(self.ctx.mesh, P("stage"))
+        sh = NamedSharding(self.ctx.mesh, P(STAGE))
         params, oss, shadow0, accs = jax.device_put(((lp0, lp1), oss, jax.tree.map(jnp.copy, lp0), accs), sh)
         versions = jax.device_put(jnp.zeros((D, 2), jnp.int32), sh)
         errors = jax.device_put(jnp.zeros((D,), jnp.int32), sh)

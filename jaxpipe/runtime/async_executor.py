@@ -23,10 +23,11 @@ from jax.sharding import PartitionSpec as P
 
 from ..model import microbatch_key
 from ..tying import Ties
-from .common import DP_AXES, cast, full, read, where, write
+from .common import cast, full, read, where, write
 from .stage import StageOps
+from ..axes import AXES, DATA, DP_AXES, PIPE, STAGE
 
-ALL = ("pipe", "data", "stage")
+ALL = AXES
 
 
 class AsyncCarry(NamedTuple):
@@ -76,7 +77,7 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
     y_aval = model.stage_output_aval(w_example, x_aval, mb_example)
     model.check_activation(x_aval, y_aval)
     summed = model.reduction(y_aval, mb_example) == "sum"
-    n_dp = mesh.shape["pipe"] * mesh.shape["data"]
+    n_dp = mesh.shape[PIPE] * mesh.shape[DATA]
     model_key = lambda step, mb: microbatch_key(seed, step, mb)
     # (sum, count) losses: per-micro-batch updaters scale each micro-batch at the loss by replicas / its global
     # count; accumulating policies (2BW, CDP) get unscaled sums, and each micro-batch's global count travels
@@ -101,10 +102,10 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
         sq = lambda t: jax.tree.map(lambda a: a[0], t)
         lp, opt_state, pstate, carry = sq(params), sq(opt_state), sq(pstate), sq(carry)
         t0, base, n_fed = counters
-        me = lax.axis_index("stage")
+        me = lax.axis_index(STAGE)
         sop, avals = StageOps.build(model, lp[0], full(x_aval, 0),
                                     jax.tree.map(lambda a: a[0], carry.ring))
-        replica = lax.axis_index("pipe") * mesh.shape["data"] + lax.axis_index("data")
+        replica = lax.axis_index(PIPE) * mesh.shape[DATA] + lax.axis_index(DATA)
         if len(avals) != len(carry.stash):
             raise RuntimeError(f"stage_fn's pullback stashes {len(avals)} residuals inside the program but "
                                f"{len(carry.stash)} were allocated; stage_fn must trace the same way every time")
@@ -228,11 +229,11 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             lp, opt_state, pstate, c, loss = st
             (pstate, c, loss), send_f = lax.cond(is_f, f_lane, f_idle, i, (lp, pstate, c, loss))
             if D > 1:
-                recv_f, tie_f = lax.ppermute(send_f, "stage", ring_f)
+                recv_f, tie_f = lax.ppermute(send_f, STAGE, ring_f)
                 c = c._replace(recv_f=recv_f, tie_f=tie_f)
             (lp, opt_state, pstate), send_b = lax.cond(is_b, b_lane, b_idle, i, (lp, opt_state, pstate, c))
             if D > 1:
-                recv_b, tie_b, cnt_b = lax.ppermute(send_b, "stage", ring_b)
+                recv_b, tie_b, cnt_b = lax.ppermute(send_b, STAGE, ring_b)
                 c = c._replace(recv_b=recv_b, tie_b=tie_b, cnt_b=cnt_b)
             return (lp, opt_state, pstate, c, loss), None
 
@@ -240,7 +241,7 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
         st = (lp, opt_state, pstate, carry, loss0)
         st, _ = lax.scan(tick, st, t0 + jnp.arange(num_ticks, dtype=jnp.int32))
         lp, opt_state, pstate, carry, (lsum, lcount) = st
-        lsum, lcount = lax.psum((lsum, lcount), "stage")
+        lsum, lcount = lax.psum((lsum, lcount), STAGE)
         lsum = lax.pmean(lsum, DP_AXES)
         lcount = lax.pmax(lcount, DP_AXES)
         ex = lambda t: jax.tree.map(lambda a: a[None], t)
@@ -249,7 +250,7 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
         counters = (t1, base, n_fed)
         return ex(lp), ex(opt_state), ex(pstate), ex(carry), counters, (lsum, lcount, base + done)
 
-    stage = lambda t: jax.tree.map(lambda _: P("stage"), t)
+    stage = lambda t: jax.tree.map(lambda _: P(STAGE), t)
     dev = lambda t: jax.tree.map(lambda _: P(ALL), t)
     rep = lambda t: jax.tree.map(lambda _: P(), t)
 

@@ -10,9 +10,10 @@ import numpy as np
 from jax import lax
 
 from ..schedules.ir import Schedule
+from ..axes import AXES
 
-AXES = ("pipe", "data", "stage")
-DP_AXES = ("pipe", "data")
+
+
 
 
 def vary(x, axes: Sequence[str] = AXES):

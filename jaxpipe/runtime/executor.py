@@ -29,7 +29,8 @@ from jax.sharding import PartitionSpec as P
 from ..schedules.ir import SEND_MINUS, SEND_PLUS, Schedule
 from ..schedules.lanes import F2, L, plan
 from .stage import StageOps
-from .common import DP_AXES, cast, eager_point, exchange_perms, full, num_chunks, read, vary, where, write
+from .common import cast, eager_point, exchange_perms, full, num_chunks, read, vary, where, write
+from ..axes import DATA, DP_AXES, PIPE, STAGE
 
 _RECV = {SEND_PLUS: L["recv_p"], SEND_MINUS: L["recv_m"]}
 
@@ -81,7 +82,7 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
     p = lanes if lanes is not None else lane_plan(sched, placement)
     table, used = _branch_codes(p)
     nchunk = num_chunks(sched)
-    n_dp = mesh.shape["pipe"] * mesh.shape["data"]
+    n_dp = mesh.shape[PIPE] * mesh.shape[DATA]
     pre = model.pre
 
     leaves = jax.tree.leaves(batch_example)
@@ -98,7 +99,7 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
 
     perms = exchange_perms(sched)
     eager = eager_point(sched, p.where) if sched.options.get("eager_reduce") else None
-    red = ("data",) if replicas else DP_AXES
+    red = (DATA,) if replicas else DP_AXES
     split = sched.has_w()
     ring = {SEND_PLUS: [(d, (d + 1) % D) for d in range(D)], SEND_MINUS: [(d, (d - 1) % D) for d in range(D)]}
 
@@ -107,19 +108,19 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
             stage_p, pre_p, post_p = jax.tree.map(lambda a: a[0], (stage_p, pre_p, post_p))
         if perms is not None:      # one stage per device; Chimera's replicas fetched from their owners
             own = jax.tree.map(lambda a: a[0], stage_p)
-            ws = [own if pm is None else jax.tree.map(lambda a: lax.ppermute(a, "stage", pm), own)
+            ws = [own if pm is None else jax.tree.map(lambda a: lax.ppermute(a, STAGE, pm), own)
                   for pm in perms]
         else:
             ws = [jax.tree.map(lambda a: a[c], stage_p) for c in range(nchunk)]
         ws, pre_p, post_p, batch = vary((ws, pre_p, post_p, batch))
         batch = jax.tree.map(lambda a: a.reshape((M, a.shape[0] // M) + a.shape[1:]), batch)
-        me = lax.axis_index("stage")
+        me = lax.axis_index(STAGE)
         blank = lambda: vary(full(x_aval, blank_value))
         x_like = lambda: vary(full(x_aval, 0))
         ops, stash_avals = StageOps.build(model, ws[0], x_like(), jax.tree.map(lambda a: a[0], batch), x_like,
                                           zeros=lambda sh, dt: vary(jnp.zeros(sh, dt)), mark=vary)
         # the flat data-parallel replica: micro-batch j of replica r has key microbatch_key(seed, step, r M + j)
-        replica = lax.axis_index("pipe") * mesh.shape["data"] + lax.axis_index("data")
+        replica = lax.axis_index(PIPE) * mesh.shape[DATA] + lax.axis_index(DATA)
         no_res = lambda: vary(full(stash_avals, blank_value))
         mb_of = lambda row: jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, row[L["mb"]], 0, False), batch)
         add = lambda a, d: jax.tree.map(lambda u, v: u + v.astype(u.dtype), a, d)
@@ -219,7 +220,7 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
             if p.keeps[li]:
                 mbuf = write(mbuf, row[L["keep"]], msg)
             for ch in p.channels[li]:
-                mbuf = write(mbuf, row[_RECV[ch]], lax.ppermute(msg, "stage", ring[ch]))
+                mbuf = write(mbuf, row[_RECV[ch]], lax.ppermute(msg, STAGE, ring[ch]))
             return stash, mbuf, acc
 
         def direct_op(t0, t1, li):
@@ -256,15 +257,15 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
                 carry = _eager_exchange(carry, eager, me)
         _, _, (gws, gpre, gpost, (loss, count)) = carry
         if summed:      # the mean over every real token/example of the step: sum over all, then / count
-            total = lax.psum(lax.psum(count, "stage"), red)
+            total = lax.psum(lax.psum(count, STAGE), red)
             reduce = lambda t: jax.tree.map(lambda a: a / total.astype(a.dtype), lax.psum(t, red))
         else:           # the mean over replicas of the micro-batch means
             reduce = lambda t: lax.pmean(t, red)
-        loss = reduce(lax.psum(loss, "stage"))
-        gpre, gpost = reduce(lax.psum((gpre, gpost), "stage"))
+        loss = reduce(lax.psum(loss, STAGE))
+        gpre, gpost = reduce(lax.psum((gpre, gpost), STAGE))
         if perms is not None:
             # each replica's gradient goes home to the stage's owner and is summed there
-            home = [g if pm is None else jax.tree.map(lambda a: lax.ppermute(a, "stage", [(d, s_) for s_, d in pm]), g)
+            home = [g if pm is None else jax.tree.map(lambda a: lax.ppermute(a, STAGE, [(d, s_) for s_, d in pm]), g)
                     for g, pm in zip(gws, perms)]
             gw = jax.tree.map(lambda *g: reduce(sum(g))[None], *home)
         else:
@@ -276,13 +277,13 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
             return jax.tree.map(lambda a: a[None], (loss, (gw, gpre, gpost)))
         return loss, (gw, gpre, gpost)
 
-    stage_spec = jax.tree.map(lambda _: P("pipe", "stage") if replicas else P("stage"), model.stage_params)
-    rep = lambda t: jax.tree.map(lambda _: P("pipe") if replicas else P(), t)
+    stage_spec = jax.tree.map(lambda _: P(PIPE, STAGE) if replicas else P(STAGE), model.stage_params)
+    rep = lambda t: jax.tree.map(lambda _: P(PIPE) if replicas else P(), t)
     batch_spec = jax.tree.map(lambda _: P(DP_AXES), batch_example)
     program = jax.shard_map(
         body, mesh=mesh,
         in_specs=(stage_spec, rep(model.pre_params), rep(model.post_params), batch_spec, P()),
-        out_specs=(P("pipe") if replicas else P(), (stage_spec, rep(model.pre_params), rep(model.post_params))))
+        out_specs=(P(PIPE) if replicas else P(), (stage_spec, rep(model.pre_params), rep(model.post_params))))
 
     def fn(stage_p, pre_p, post_p, batch, step_key=None):
         """``step_key``: ``fold_in(PRNGKey(seed), step)`` of a context model (default: step 0 of seed 0)."""
@@ -299,7 +300,7 @@ def _eager_exchange(carry, eager, me):
     t_e, src, c_r, dst = eager
     stash, mbuf, (gws, gpre, gpost, loss) = carry
     gws = list(gws)
-    got = jax.tree.map(lambda a: lax.ppermute(a, "stage", [(src, dst)]), gws[c_r])
+    got = jax.tree.map(lambda a: lax.ppermute(a, STAGE, [(src, dst)]), gws[c_r])
     gws[0] = jax.tree.map(lambda a, b: a + b, gws[0], got)
     gws[c_r] = jax.tree.map(lambda a: jnp.where(me == src, jnp.zeros_like(a), a), gws[c_r])
     return stash, mbuf, (gws, gpre, gpost, loss)

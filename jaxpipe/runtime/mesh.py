@@ -6,8 +6,8 @@ from jax.sharding import AxisType
 
 from ..errors import ConfigError
 from ..validate import is_int
+from ..axes import AXES
 
-AXES = ("pipe", "data", "stage")
 
 
 def make_mesh(stages: int = 1, data: int = 1, pipes: int = 1, devices=None) -> jax.sharding.Mesh:

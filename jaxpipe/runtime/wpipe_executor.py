@@ -29,10 +29,11 @@ from jax.sharding import PartitionSpec as P
 
 from ..model import microbatch_key
 from ..tying import Ties
-from .common import DP_AXES, cast, full, read, where, write
+from .common import cast, full, read, where, write
 from .stage import StageOps
+from ..axes import AXES, DATA, DP_AXES, PIPE, STAGE
 
-ALL = ("pipe", "data", "stage")
+ALL = AXES
 
 
 class WPipeCarry(NamedTuple):
@@ -73,11 +74,11 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
         sq = lambda t: jax.tree.map(lambda a: a[0], t)
         lps, oss, shadow0, versions, accs, errors, c = map(sq, (lps, oss, shadow0, versions, accs, errors, carry))
         t0, base, n_fed = counters
-        me = lax.axis_index("stage")
+        me = lax.axis_index(STAGE)
         batch = jax.tree.map(lambda a: a.reshape((M, a.shape[0] // M) + a.shape[1:]), batch)
         ops, _ = StageOps.build(model, lps[0][0], full(x_aval, 0),
                                 jax.tree.map(lambda a: a[0], batch))
-        replica = lax.axis_index("pipe") * mesh.shape["data"] + lax.axis_index("data")
+        replica = lax.axis_index(PIPE) * mesh.shape[DATA] + lax.axis_index(DATA)
         c = c._replace(ring=jax.tree.map(lambda r, b: write(r, (base + n_fed) % 2, b), c.ring, batch))
         n_fed = n_fed + feed.astype(jnp.int32)
         zx = full(x_aval, 0)
@@ -235,8 +236,8 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
             okf = active & even & ~((g == 1) & flag)
             okb = active & ~even & ~((g == 0) & flag)
             # forwards travel d -> d + 1, backwards d -> d - 1; the wrap-arounds land in the buffers
-            (rf, tf), jf, of = lax.ppermute((mf, j, okf), "stage", [(d, (d + 1) % D) for d in range(D)])
-            (rb, tb, cb), jb, ob = lax.ppermute((mb_, j, okb), "stage", [(d, (d - 1) % D) for d in range(D)])
+            (rf, tf), jf, of = lax.ppermute((mf, j, okf), STAGE, [(d, (d + 1) % D) for d in range(D)])
+            (rb, tb, cb), jb, ob = lax.ppermute((mb_, j, okb), STAGE, [(d, (d - 1) % D) for d in range(D)])
             at0, atl = me == 0, me == D - 1
             # buffers are written in place, into slot M (scratch) when nothing arrived for them: a select of
             # the whole buffer would copy it every tick
@@ -254,14 +255,14 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
         (st, c, errors, (lsum, lcount)), _ = lax.scan(tick, (st, c, errors, loss0),
                                                      t0 + jnp.arange(T, dtype=jnp.int32))
         lps, oss, shadow0, versions, accs = st
-        lsum, lcount = lax.psum((lsum, lcount), "stage")
+        lsum, lcount = lax.psum((lsum, lcount), STAGE)
         lsum = lax.pmean(lsum, DP_AXES)
         lcount = lax.pmax(lcount, DP_AXES)
         ex = lambda t: jax.tree.map(lambda a: a[None], t)
         return (ex(lps), ex(oss), ex(shadow0), ex(versions), ex(accs), ex(errors), ex(c),
                 (t0 + T, base, n_fed), (lsum, lcount))
 
-    stage = lambda t: jax.tree.map(lambda _: P("stage"), t)
+    stage = lambda t: jax.tree.map(lambda _: P(STAGE), t)
     dev = lambda t: jax.tree.map(lambda _: P(ALL), t)
     rep = lambda t: jax.tree.map(lambda _: P(), t)
 
