@@ -15,7 +15,7 @@ speed/memory trade-off, so the search cannot change what training computes.
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, NamedTuple, Optional
+from typing import Any, Dict, List, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -138,16 +138,17 @@ class AvgPipeRunner:
         raise ConfigError("avgpipe trains one replica per 'pipe' index, each with its own gradient; use step() "
                           "(metrics['pipe_losses'] has each pipeline's loss)")
 
-    def lower(self, what: str, state, batch, advance: Optional[int] = None):
+    def lower(self, what: str, state, batch):
         if what != "step":
             raise ConfigError("avgpipe: only the 'step' program exists (one gradient per replica, then the "
                               "elastic average)")
         batch = self.ctx.shard_batch(batch)
-        a = self.advance if advance is None else advance
-        return self._fn(a, batch, state).lower(state, batch)
+        return self._fn(self.advance, batch, state).lower(state, batch)
 
     def temp_bytes(self, state, batch, advance: int) -> int:
-        return int(self.lower("step", state, batch, advance).compile().memory_analysis().temp_size_in_bytes)
+        # ``batch`` is already on the mesh (called from step's tuning)
+        lowered = self._fn(advance, batch, state).lower(state, batch)
+        return int(lowered.compile().memory_analysis().temp_size_in_bytes)
 
     def step(self, state: AvgPipeState, batch):
         batch = self.ctx.shard_batch(batch)

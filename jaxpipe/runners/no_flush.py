@@ -68,8 +68,7 @@ class AsyncRunner(InFlightRunner):
         if ctx.optimizer is None:
             raise ConfigError(f"{ctx.schedule.name} updates the weights inside the pipeline: give "
                               f"Pipeline(..., optimizer=optax.sgd(0.1, momentum=0.9)) or another optax optimizer")
-        from ..tying import Ties
-        self.ties = Ties(model)     # tied arrays: held once, in stage 0's pre (jaxpipe.tying)
+        self.ties = ctx.ties        # tied arrays: held once, in stage 0's pre (jaxpipe.tying)
         lp_example = jax.eval_shape(self._local, self.ties.strip(model.params))
         opt_example = jax.eval_shape(ctx.optimizer.init, lp_example)
         self.policy = make_policy(ctx.method.policy, ctx.optimizer, D, self.M, opt_example)

@@ -144,7 +144,7 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                 elif summed:
                     # (sum, count): this micro-batch's loss over every replica's real tokens -- scaled here so
                     # that the pmean over replicas in B gives sum over replicas / global count
-                    scale = n_dp / lax.psum(n, DP_AXES)
+                    scale = n_dp / n_glob
                     l, gq, gt, dy = l * scale, *jax.tree.map(lambda g: g * scale.astype(g.dtype), (gq, gt, dy))
                 return blank(), res, cast(dy, x_aval), gq, l.astype(jnp.float32), blank_tie(), gt, n_glob
             return op
