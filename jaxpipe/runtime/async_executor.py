@@ -206,18 +206,20 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                 dpre = lax.cond(me == 0, pre_grad, lambda: zero_like(lp[1]))
             dpost = jax.tree.map(lambda g: jnp.where(me == D - 1, g, jnp.zeros_like(g)), c.gpost)
             cnt = jnp.where(me == D - 1, c.cnt_own, c.cnt_b)
-            if counting:        # sums over replicas; the policy divides the step's sum by the step's count
-                g = lax.psum((dw, dpre, dpost), DP_AXES)
-                lp, opt_state, pstate = policy.update(g, lp, opt_state, pstate, gi, me, count=cnt)
-            else:
-                g = lax.pmean((dw, dpre, dpost), DP_AXES)
-                lp, opt_state, pstate = policy.update(g, lp, opt_state, pstate, gi, me)
-            return (lp, opt_state, pstate), (where(me == 0, blank(), dx), where(me == 0, blank_tie(), t_grad), cnt)
+            return (dw, dpre, dpost), (where(me == 0, blank(), dx), where(me == 0, blank_tie(), t_grad), cnt)
 
         def b_idle(i, ops):
             lp, opt_state, pstate, c = ops
-            return (lp, opt_state, pstate), (blank(), blank_tie(), jnp.full((), jnp.nan if nan_bubbles else 0,
-                                                                          jnp.float32))
+            return zero_like((lp[0], lp[1], c.gpost)), (blank(), blank_tie(), jnp.full((), jnp.nan if nan_bubbles
+                                                                                        else 0, jnp.float32))
+
+        def b_apply(i, g, cnt, lp, opt_state, pstate):
+            # the update, in a conditional of its own: one that also ran the backward (reading the weights
+            # it then updates) made XLA copy the weights twice per tick (HLO-checked, BUILD_NOTES)
+            gi = base + i
+            if counting:        # sums over replicas; the policy divides the step's sum by the step's count
+                return policy.update(lax.psum(g, DP_AXES), lp, opt_state, pstate, gi, me, count=cnt)
+            return policy.update(lax.pmean(g, DP_AXES), lp, opt_state, pstate, gi, me)
 
         pos_j = jnp.asarray(remap)[pos]
         table = jnp.asarray(periodic.table())
@@ -231,7 +233,9 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             if D > 1:
                 recv_f, tie_f = lax.ppermute(send_f, STAGE, ring_f)
                 c = c._replace(recv_f=recv_f, tie_f=tie_f)
-            (lp, opt_state, pstate), send_b = lax.cond(is_b, b_lane, b_idle, i, (lp, opt_state, pstate, c))
+            g, send_b = lax.cond(is_b, b_lane, b_idle, i, (lp, opt_state, pstate, c))
+            lp, opt_state, pstate = lax.cond(is_b, b_apply, lambda i, g, cnt, *a: a, i, g, send_b[2], lp,
+                                             opt_state, pstate)
             if D > 1:
                 recv_b, tie_b, cnt_b = lax.ppermute(send_b, STAGE, ring_b)
                 c = c._replace(recv_b=recv_b, tie_b=tie_b, cnt_b=cnt_b)
