@@ -55,6 +55,17 @@ class WeightPolicy(NamedTuple):
     versions: Callable[[int], List[int]]
     choose: Any = None
     per_microbatch: bool = True     # one update per micro-batch (False: a step's gradients accumulated)
+    #: accumulating policies: ``update`` only adds the micro-batch's gradient; ``land(lp, opt_state, ps,
+    #: counting) -> (lp, opt_state, ps)`` applies the step's update after the B of micro-batch ``i`` where
+    #: ``lands(i)``.  The executor runs it apart from ``update``, in the few ticks where some stage lands
+    #: (a conditional holding the version swap made XLA copy the weights in every tick it was compiled in)
+    land: Any = None
+    lands: Any = None
+    #: ``apply_pending(lp, ps) -> lp``: ``update`` left the weights as they were and put the update in the
+    #: state (PipeOptim/SpecTrain keep it for their prediction); the executor adds it in a conditional of its
+    #: own: one that wrote the weights and kept an update computed from them (AdamW's decay) made XLA copy
+    #: the weights every tick (HLO-checked, BUILD_NOTES)
+    apply_pending: Any = None
 
 
 def _apply(opt, g, lp, opt_state):
@@ -136,22 +147,17 @@ def pipedream_2bw(opt: optax.GradientTransformation, num_stages: int, num_microb
         # then the gradient of the sum, and the batch's update is the summed gradient over the batch's count
         acc = jax.tree.map(jnp.add, ps.acc, g)
         n = ps.count + (0.0 if count is None else count)
+        return lp, opt_state, ps._replace(acc=acc, count=n)
 
-        def land(args):
-            lp, opt_state, acc = args
-            div = (lambda a: a / M) if count is None else (lambda a: a / n.astype(a.dtype))
-            new, opt_state, _ = _apply(opt, jax.tree.map(div, acc), lp, opt_state)
-            return new, opt_state, TwoBWState(lp, jax.tree.map(jnp.zeros_like, acc), ps.n_updates + 1,
-                                              jnp.zeros_like(n))
-
-        def keep(args):
-            lp, opt_state, acc = args
-            return lp, opt_state, TwoBWState(ps.shadow, acc, ps.n_updates, n)
-
-        return lax.cond(i % M == M - 1, land, keep, (lp, opt_state, acc))
+    def land(lp, opt_state, ps, counting=False):
+        # after the batch's last backward: w(n+1) = w(n) + update(mean gradient of the batch, read on w(n-1))
+        div = (lambda a: a / ps.count.astype(a.dtype)) if counting else (lambda a: a / M)
+        new, opt_state, _ = _apply(opt, jax.tree.map(div, ps.acc), lp, opt_state)
+        return new, opt_state, TwoBWState(lp, jax.tree.map(jnp.zeros_like, ps.acc), ps.n_updates + 1,
+                                          jnp.zeros_like(ps.count))
 
     return WeightPolicy(name, init, forward_weights, backward_weights, update, WEIGHT_VERSIONS[name], choose,
-                        per_microbatch=False)
+                        per_microbatch=False, land=land, lands=lambda i: i % M == M - 1)
 
 
 def _predicting(name: str, opt, fwd_distance: Callable, bwd_distance: Callable, versions) -> WeightPolicy:
@@ -169,10 +175,12 @@ def _predicting(name: str, opt, fwd_distance: Callable, bwd_distance: Callable, 
         return _axpy(bwd_distance(s), u_last, lp)
 
     def update(g, lp, opt_state, u_last, i, s, count=None):
-        lp, opt_state, u = _apply(opt, g, lp, opt_state)
+        # the new update u is the state; it lands on the weights in ``apply_pending`` (see WeightPolicy)
+        u, opt_state = opt.update(g, opt_state, lp)
         return lp, opt_state, u
 
-    return WeightPolicy(name, init, forward_weights, backward_weights, update, versions)
+    return WeightPolicy(name, init, forward_weights, backward_weights, update, versions,
+                        apply_pending=optax.apply_updates)
 
 
 def pipeoptim_distance(num_stages: int) -> Callable:

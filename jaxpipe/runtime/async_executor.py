@@ -58,6 +58,19 @@ def op_at(t, me, table, period: int, n_fed):
     return live & (code == 1), live & (code == 2), i
 
 
+def landing_segments(periodic, M: int, D: int):
+    """The call's ticks cut into ``(start, stop, landing)`` scans so that only the ticks where some stage runs
+    the B of a batch's last micro-batch compile the landing of an accumulating policy.  A call runs
+    ``period * M`` ticks from a tick that is a multiple of that (calls feed M micro-batches each), so stage
+    ``s`` lands at offset ``(tick(B, s, M - 1)) mod (period * M)`` of every call."""
+    n = periodic.period * M
+    offs = sorted({periodic.tick("B", s, M - 1) % n for s in range(D)})
+    lo, hi = offs[0], offs[-1] + 1
+    if hi - lo > n // 2:        # spread over the call: one scan that may land in every tick
+        return [(0, n, True)]
+    return [seg for seg in ((0, lo, False), (lo, hi, True), (hi, n, False)) if seg[1] > seg[0]]
+
+
 def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubbles: bool = False,
                   periodic=None, seed: int = 0):
     """``fn(params, opt_state, policy_state, carry, counters, batch, feed) -> (same..., metrics)``: 2M ticks.
@@ -97,6 +110,7 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
     period = periodic.period
     num_ticks = period * M
     b_first = periodic.tick("B", 0, 0)         # stage 0's backward of micro-batch 0: the pipeline's latency
+    segments = landing_segments(periodic, M, D) if policy.land is not None else [(0, num_ticks, False)]
 
     def body(params, opt_state, pstate, carry, counters, batch, feed):
         sq = lambda t: jax.tree.map(lambda a: a[0], t)
@@ -226,7 +240,7 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
         ring_f = [(d, (d + 1) % D) for d in range(D)]
         ring_b = [(d, (d - 1) % D) for d in range(D)]
 
-        def tick(st, t):
+        def tick(st, t, landing=True):
             is_f, is_b, i = op_at(t, me, table, period, n_fed)
             lp, opt_state, pstate, c, loss = st
             (pstate, c, loss), send_f = lax.cond(is_f, f_lane, f_idle, i, (lp, pstate, c, loss))
@@ -236,6 +250,12 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             g, send_b = lax.cond(is_b, b_lane, b_idle, i, (lp, opt_state, pstate, c))
             lp, opt_state, pstate = lax.cond(is_b, b_apply, lambda i, g, cnt, *a: a, i, g, send_b[2], lp,
                                              opt_state, pstate)
+            if policy.apply_pending is not None:
+                lp = lax.cond(is_b, policy.apply_pending, lambda lp, ps: lp, lp, pstate)
+            if policy.land is not None and landing:
+                lp, opt_state, pstate = lax.cond(is_b & policy.lands(base + i),
+                                                 lambda *a: policy.land(*a, counting=counting), lambda *a: a,
+                                                 lp, opt_state, pstate)
             if D > 1:
                 recv_b, tie_b, cnt_b = lax.ppermute(send_b, STAGE, ring_b)
                 c = c._replace(recv_b=recv_b, tie_b=tie_b, cnt_b=cnt_b)
@@ -243,7 +263,8 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
 
         loss0 = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
         st = (lp, opt_state, pstate, carry, loss0)
-        st, _ = lax.scan(tick, st, t0 + jnp.arange(num_ticks, dtype=jnp.int32))
+        for a, b, landing in segments:
+            st, _ = lax.scan(lambda s_, t: tick(s_, t, landing), st, t0 + jnp.arange(a, b, dtype=jnp.int32))
         lp, opt_state, pstate, carry, (lsum, lcount) = st
         lsum, lcount = lax.psum((lsum, lcount), STAGE)
         lsum = lax.pmean(lsum, DP_AXES)
