@@ -124,3 +124,46 @@ def test_nan_bubbles_stay_finite_and_exact(method):
     assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(pipe.params(state)))
     ref = serial_reference(model, method, opt, 4, batches)
     assert rel_err(pipe.params(state), ref["params"]) <= 1e-5
+
+
+def _pipeoptim_run(options, opt, D=4, M=4, steps=3):
+    model, batch_fn = small_model("mlp", D)
+    pipe = jp.Pipeline(model, schedule="pipeoptim", num_microbatches=M, optimizer=opt,
+                       mesh=jp.make_mesh(stages=D), options=options)
+    batches = [batch_fn(2 * M, s=k) for k in range(steps)]
+    state = pipe.init()
+    for b in batches:
+        state, _ = pipe.step(state, b)
+    state, _ = pipe.drain(state)
+    return pipe, pipe.params(state), model, batches
+
+
+@pytest.mark.parametrize("options", [{"distance": "code"}, {"prediction": "decay_free"},
+                                     {"distance": "code", "prediction": "decay_free"}])
+def test_pipeoptim_variants_match_their_reference_and_differ_from_the_default(options):
+    """PipeOptim's paper distance (eq. 4, the default) vs the authors' code (s = D - rank, the last stage
+    predicts too); the last optax update (decay included) vs Table I's AdamW direction without decay."""
+    opt = optax.adamw(3e-2, eps=1e-3, weight_decay=0.5)
+    pipe, got, model, batches = _pipeoptim_run(options, opt)
+    ref = serial_reference(model, "pipeoptim", opt, 4, batches, options=options)
+    assert rel_err(got, ref["params"]) <= 1e-5
+    default = serial_reference(model, "pipeoptim", opt, 4, batches)["params"]
+    init = model.params
+    delta = lambda p: jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), p, init)
+    # the variant's parameter change is not the default's: far more than the tolerance apart
+    assert rel_err(delta(got), delta(default)) >= 1e-4
+    assert pipe.schedule.weight_versions == pipe._runner.policy.versions(4) != [2, 2, 2, 1]
+
+
+def test_pipeoptim_decay_free_equals_the_default_without_decay():
+    opt = optax.adam(3e-2, eps=1e-3)
+    a = _pipeoptim_run({"prediction": "decay_free"}, opt)[1]
+    b = _pipeoptim_run({}, opt)[1]
+    assert rel_err(a, b) <= 1e-6
+
+
+def test_pipeoptim_bad_option_names_the_choices():
+    model, _ = small_model("mlp", 2)
+    with pytest.raises(jp.ConfigError, match="distance='fresh'.*paper.*code"):
+        jp.Pipeline(model, schedule="pipeoptim", num_microbatches=2, optimizer=optax.sgd(0.1),
+                    mesh=jp.make_mesh(stages=2), options={"distance": "fresh"})

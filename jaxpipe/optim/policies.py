@@ -160,31 +160,51 @@ def pipedream_2bw(opt: optax.GradientTransformation, num_stages: int, num_microb
                         per_microbatch=False, land=land, lands=lambda i: i % M == M - 1)
 
 
-def _predicting(name: str, opt, fwd_distance: Callable, bwd_distance: Callable, versions) -> WeightPolicy:
-    """Weight prediction w_hat = w + s * u_last (u_last: the last update the wrapped optimizer applied)."""
+class Prediction(NamedTuple):
+    """PipeOptim's state with ``prediction="decay_free"``: the update to apply and the direction to predict
+    with (the same update computed without its parameter terms: Table I's AdamW, no decoupled decay)."""
+    pending: Any
+    direction: Any
+
+
+def _predicting(name: str, opt, fwd_distance: Callable, bwd_distance: Callable, versions,
+                decay_free: bool = False) -> WeightPolicy:
+    """Weight prediction w_hat = w + s * u_last (u_last: the last update the wrapped optimizer applied;
+    ``decay_free``: that update recomputed with zero parameters, which drops parameter-proportional terms such
+    as AdamW's decoupled decay -- PipeOptim Table I's form; same moments, the state not advanced twice)."""
+    direction = (lambda ps: ps.direction) if decay_free else (lambda ps: ps)
+    pending = (lambda ps: ps.pending) if decay_free else (lambda ps: ps)
 
     def init(lp):
-        return jax.tree.map(jnp.zeros_like, lp)
+        z = jax.tree.map(jnp.zeros_like, lp)
+        return Prediction(z, jax.tree.map(jnp.zeros_like, lp)) if decay_free else z
 
-    def forward_weights(lp, u_last, i, s):
-        return _axpy(fwd_distance(s), u_last, lp), u_last
+    def forward_weights(lp, ps, i, s):
+        return _axpy(fwd_distance(s), direction(ps), lp), ps
 
-    def backward_weights(lp, u_last, i, s):
+    def backward_weights(lp, ps, i, s):
         if bwd_distance is None:          # B reads the current weights (PipeOptim): no weight-sized axpy by 0
             return lp
-        return _axpy(bwd_distance(s), u_last, lp)
+        return _axpy(bwd_distance(s), direction(ps), lp)
 
-    def update(g, lp, opt_state, u_last, i, s, count=None):
-        # the new update u is the state; it lands on the weights in ``apply_pending`` (see WeightPolicy)
-        u, opt_state = opt.update(g, opt_state, lp)
-        return lp, opt_state, u
+    def update(g, lp, opt_state, ps, i, s, count=None):
+        # the new update is the state; it lands on the weights in ``apply_pending`` (see WeightPolicy)
+        u, new_state = opt.update(g, opt_state, lp)
+        if decay_free:
+            d, _ = opt.update(g, opt_state, jax.tree.map(jnp.zeros_like, lp))
+            return lp, new_state, Prediction(u, d)
+        return lp, new_state, u
 
     return WeightPolicy(name, init, forward_weights, backward_weights, update, versions,
-                        apply_pending=optax.apply_updates)
+                        apply_pending=lambda lp, ps: optax.apply_updates(lp, pending(ps)))
 
 
-def pipeoptim_distance(num_stages: int) -> Callable:
-    return lambda s: num_stages - 1 - s
+def pipeoptim_distance(num_stages: int, distance: str = "paper") -> Callable:
+    """PipeOptim's version difference s of stage ``rank``: ``"paper"``, eq. (4), s = D - rank - 1 (the
+    updates jaxpipe's timeline applies between a micro-batch's F and its B: the last stage predicts nothing);
+    ``"code"``, the authors' public code, s = D - rank (every stage predicts, the last one update ahead)."""
+    D = num_stages
+    return (lambda s: D - s) if distance == "code" else (lambda s: D - 1 - s)
 
 
 def spectrain_distances(num_stages: int):
@@ -192,9 +212,25 @@ def spectrain_distances(num_stages: int):
     return (lambda s: s // 2 + D - 1 - s), (lambda s: s // 2)
 
 
-def pipeoptim(opt: optax.GradientTransformation, num_stages: int) -> WeightPolicy:
+PIPEOPTIM_OPTIONS = {"distance": ("paper", "code"), "prediction": ("update", "decay_free")}
+
+
+def pipeoptim(opt: optax.GradientTransformation, num_stages: int, distance: str = "paper",
+              prediction: str = "update") -> WeightPolicy:
+    """``distance``: see :func:`pipeoptim_distance`; ``prediction``: ``"update"`` (the last update the
+    optimizer applied, decay included: optimizer-agnostic) or ``"decay_free"`` (Table I's AdamW form)."""
+    for key, value in (("distance", distance), ("prediction", prediction)):
+        if value not in PIPEOPTIM_OPTIONS[key]:
+            raise ConfigError(f"pipeoptim option {key}={value!r}: choose one of {PIPEOPTIM_OPTIONS[key]} "
+                              f"(PipeOptim eq. (4) / the authors' code; Table I's AdamW without decay)")
+
+    def versions(n):    # Table II: w and u_last where a stage predicts, one more when the direction is apart
+        v = [2] * n if distance == "code" else list(WEIGHT_VERSIONS["pipeoptim"](n))
+        return [x + 1 if x > 1 else x for x in v] if prediction == "decay_free" else v
+
     # B reads the current weights (distance None: lp itself)
-    return _predicting("pipeoptim", opt, pipeoptim_distance(num_stages), None, WEIGHT_VERSIONS["pipeoptim"])
+    return _predicting("pipeoptim", opt, pipeoptim_distance(num_stages, distance), None, versions,
+                       decay_free=prediction == "decay_free")
 
 
 def has_momentum(opt_state) -> bool:
@@ -230,12 +266,14 @@ POLICIES = {
     "pipedream_2bw": _two_versions("pipedream_2bw", False),
     "cdp_v1": _two_versions("cdp_v1", False),       # CDP-v1 is 2BW's rule
     "cdp_v2": _two_versions("cdp_v2", True),
-    "pipeoptim": lambda opt, D, M, ex=None: pipeoptim(opt, D),
+    "pipeoptim": lambda opt, D, M, ex=None, **o: pipeoptim(opt, D, **o),
     "spectrain": lambda opt, D, M, ex=None: spectrain(opt, D, ex),
 }
 
 
-def make_policy(name: str, opt, num_stages: int, num_microbatches: int, opt_state_example=None) -> WeightPolicy:
+def make_policy(name: str, opt, num_stages: int, num_microbatches: int, opt_state_example=None,
+                options=None) -> WeightPolicy:
+    """``options``: the method's policy options (its registry entry's ``policy_keys``), as keywords."""
     if name not in POLICIES:
         raise ConfigError(f"unknown weight policy {name!r}; available: {', '.join(POLICIES)}")
-    return POLICIES[name](opt, num_stages, num_microbatches, opt_state_example)
+    return POLICIES[name](opt, num_stages, num_microbatches, opt_state_example, **(options or {}))

@@ -54,8 +54,10 @@ def _same(v):
 #: c_F = max(0, i - (D - 1 - s)) the updates stage s applied when i's F runs there (module docstring)
 RULES = {
     "pipedream": lambda s, i, b, D, M, h, u, axpy: _same(max(0, i - (D - 1 - s)))(h),
-    "pipeoptim": lambda s, i, b, D, M, h, u, axpy: (
-        axpy(D - 1 - s, u[max(0, i - (D - 1 - s))], h[max(0, i - (D - 1 - s))]), h[i]),
+    # options: distance "paper" s = D - 1 - s (eq. 4), "code" s = D - s; u is what the options predict with
+    "pipeoptim": lambda s, i, b, D, M, h, u, axpy, o=None: (
+        axpy(D - s - ((o or {}).get("distance", "paper") != "code"), u[max(0, i - (D - 1 - s))],
+             h[max(0, i - (D - 1 - s))]), h[i]),
     "spectrain": lambda s, i, b, D, M, h, u, axpy: (
         axpy(s // 2 + D - 1 - s, u[max(0, i - (D - 1 - s))], h[max(0, i - (D - 1 - s))]),
         axpy(s // 2, u[i], h[i])),
@@ -70,9 +72,10 @@ ACCUMULATING = ("pipedream_2bw", "cdp_v1", "cdp_v2", "wpipe")     # a step's gra
 
 
 def serial_reference(model, method: str, opt: optax.GradientTransformation, num_microbatches: int,
-                     batches, data_parallel: int = 1, seed: int = 0) -> Dict[str, object]:
+                     batches, data_parallel: int = 1, seed: int = 0, options=None) -> Dict[str, object]:
     """Run ``method`` serially over ``batches`` (global batches, each of M micro-batches), fill and drain
-    included.  Returns ``{"params": (w [D..], pre, post), "losses": [per micro-batch]}``.  A context model's
+    included.  Returns ``{"params": (w [D..], pre, post), "losses": [per micro-batch]}``.  ``options``: the
+    method's options where its rule depends on them (PipeOptim's ``distance`` and ``prediction``).  A context model's
     stage s gets micro-batch i's key ``stage_key(microbatch_key(seed, i // M, i % M), s)`` (one replica)."""
     if model.context and data_parallel != 1:
         raise ValueError("the serial reference of a context model runs one replica (its global micro-batches "
@@ -109,7 +112,7 @@ def serial_reference(model, method: str, opt: optax.GradientTransformation, num_
         b = i // M
         wF, wB = [], []
         for s in range(D):
-            f, bw = RULES[method](s, i, b, D, M, hist[s], upd[s], axpy)
+            f, bw = RULES[method](s, i, b, D, M, hist[s], upd[s], axpy, **({"o": options} if options else {}))
             wF.append(f); wB.append(bw)
         # forward, stage by stage, keeping each stage's activation residuals
         x = model.pre(wF[0][1], mb)
@@ -154,8 +157,11 @@ def serial_reference(model, method: str, opt: optax.GradientTransformation, num_
             else:
                 g = grads[s]
             cur = hist[s][-1]
-            u, ostate[s] = opt.update(g, ostate[s], cur)
+            u, new_state = opt.update(g, ostate[s], cur)
             hist[s].append(optax.apply_updates(cur, u))
+            if (options or {}).get("prediction") == "decay_free":     # PipeOptim Table I: without decay
+                u = opt.update(g, ostate[s], jax.tree.map(jnp.zeros_like, cur))[0]
+            ostate[s] = new_state
             upd[s].append(u)
 
     final = [h[-1] for h in hist]

@@ -71,7 +71,10 @@ class AsyncRunner(InFlightRunner):
         self.ties = ctx.ties        # tied arrays: held once, in stage 0's pre (jaxpipe.tying)
         lp_example = jax.eval_shape(self._local, self.ties.strip(model.params))
         opt_example = jax.eval_shape(ctx.optimizer.init, lp_example)
-        self.policy = make_policy(ctx.method.policy, ctx.optimizer, D, self.M, opt_example)
+        self.policy = make_policy(ctx.method.policy, ctx.optimizer, D, self.M, opt_example,
+                                  {k: ctx.options[k] for k in ctx.method.policy_keys})
+        # what the simulator and the picture report: the versions this policy (with its options) keeps
+        ctx.schedule.weight_versions = list(self.policy.versions(D))
         self._fns = {}
 
     @staticmethod

@@ -29,6 +29,7 @@ class Method:
     policy: Optional[str] = None
     options: Dict[str, Any] = dataclasses.field(default_factory=dict)
     builder_keys: Tuple[str, ...] = ()
+    policy_keys: Tuple[str, ...] = ()      # options the weight policy takes (``optim.policies.make_policy``)
     recompute: Callable[[dict], bool] = lambda opts: False
     # option defaults that depend on the model and the mesh, and builder values that differ from the user's
     finish: Callable[[dict, int, int], dict] = lambda opts, model_stages, devices: opts
@@ -91,7 +92,9 @@ METHODS: Dict[str, Method] = {m.name: m for m in [
            **_ASYNC),
     Method("pipedream_2bw", paper="Narayanan et al. 2021, PipeDream-2BW", policy="pipedream_2bw", **_ASYNC),
     Method("spectrain", paper="Chen et al. 2018, SpecTrain", policy="spectrain", **_ASYNC),
-    Method("pipeoptim", paper="Guan et al., PipeOptim", policy="pipeoptim", **_ASYNC),
+    Method("pipeoptim", paper="Guan et al., PipeOptim", policy="pipeoptim",
+           options={"distance": "paper", "prediction": "update"}, policy_keys=("distance", "prediction"),
+           **_ASYNC),
     Method("cdp_v1", paper="Fournier & Oyallon, Cyclic Data Parallelism (v1, pipeline form)", policy="cdp_v1",
            **_ASYNC),
     Method("cdp_v2", paper="Fournier & Oyallon, Cyclic Data Parallelism (v2, pipeline form)", policy="cdp_v2",
