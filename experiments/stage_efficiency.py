@@ -43,7 +43,6 @@ def main(argv):
     import jax
     import jax.numpy as jnp
     import optax
-    import jaxpipe as jp
     from jaxpipe.bench import make_tanh_mlp, pipeline_runner, plain_runner, interleaved_medians, median_ratio
 
     jax.config.update("jax_default_matmul_precision", FLAGS.precision)

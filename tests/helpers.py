@@ -1,6 +1,5 @@
 """Shared test helpers: small reference models and the comparison against unpipelined ``jax.grad``."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import jaxpipe as jp

@@ -2,7 +2,6 @@
 versions and stashes, in-flight pipeline, elastic-averaging reference -- survives save/restore, and a run
 resumed from a checkpoint ends bit-equal to the uninterrupted run.  Retention, torn writes, a checkpoint
 from another model or onto another mesh."""
-import os
 import shutil
 
 import jax

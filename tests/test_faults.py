@@ -9,7 +9,6 @@ import sys
 import time
 
 import numpy as np
-import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = ["--model=mlp", "--stages=2", "--microbatches=4", "--batch=32", "--eval_every=0", "--progress=false",
@@ -103,7 +102,6 @@ def test_sigterm_to_one_process_of_two_stops_both_at_one_step(tmp_path):
                             *[a for a in BASE if not a.startswith("--stages")], *args],
                            cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 240
-    seen = []
     while time.monotonic() < deadline:         # wait until training runs (a few steps logged)
         if os.path.exists(tmp_path / "run" / "metrics.jsonl") and \
                 len(open(tmp_path / "run" / "metrics.jsonl").readlines()) >= 3:

@@ -1,6 +1,5 @@
 """Weight prediction for any optax optimizer: u_last (the last update the wrapped optimizer produced) equals
 -lr * Delta W_t of PipeOptim Table I for SGD-momentum, Adam and AdamW (AdamW: plus its decoupled decay)."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
