@@ -52,6 +52,9 @@ def main(argv):
                   f"device G0 {ss.g0_inflight} G1 {ss.g1_inflight} micro-batches ({ss.activations_units:g} "
                   f"partition-activations in all; WPipe Table 1's (4M-N+1)/4 S_a is {ss.table1_units:g}), "
                   f"G0 two versions + G1 one")
+            print("| WPipe | paper (Table 1, §3.2) | this timeline |\n|---|---|---|")
+            for what, paper, here in ss.table1():
+                print(f"| {what} | {paper} | {here} |")
     except ValueError as e:
         raise app.UsageError(str(e))
     if FLAGS.text:

@@ -137,3 +137,14 @@ def test_recomputation_keeps_the_numbers_and_stashes_less():
     with pytest.raises(jp.ConfigError, match="recompute"):
         jp.Pipeline(model, schedule="wpipe", num_microbatches=2, optimizer=OPTS["sgd"](),
                     mesh=jp.make_mesh(stages=2), wpipe={"recomp": True})
+
+
+def test_table1_comparison_names_each_difference():
+    """The simulator's side-by-side with WPipe Table 1: the paper's figures and this timeline's, measured."""
+    ss = wp.steady_state(4, 8)
+    rows = {what: (paper, here) for what, paper, here in ss.table1()}
+    assert rows["condition"][0] == "M >= N (N = D stages)" and rows["condition"][1].startswith("M >= D - 1")
+    assert ss.g1_inflight == [4, 3, 2, 1] and "[8, 7, 6, 5]" in rows["G1 in flight on stage d"][0]
+    assert ss.g0_inflight == [12, 11, 10, 9]
+    assert (ss.activations_units, ss.table1_units) == (52.0, 58.0)
+    assert wp.steady_state(8, 8).activations_units > wp.steady_state(8, 8).table1_units    # larger below M = D + 2

@@ -76,6 +76,26 @@ class WPipeSteadyState:
     weight_buffer_partitions: int   # G0's two versions on every device (S_m in Table 1's accounting)
     boundary_wait: int          # ticks the G0 -> G1 activation and the G1 -> G0 gradient wait
 
+    def table1(self) -> List[Tuple[str, str, str]]:
+        """(quantity, WPipe's Table 1 / §3.2-3.3, this timeline) -- and why they differ where they do."""
+        D, M = self.D, self.M
+        return [
+            ("condition", "M >= N (N = D stages)",
+             f"M >= D - 1: each group's run of M units sits M + 1 units from the other group's, which already "
+             f"separates G1's batches and keeps G0 at two versions when M = D - 1 (replayed: 0 version errors)"),
+            ("bubble", "0", f"{self.bubble:g} in the steady state (unit ticks; fill and drain only at start/end)"),
+            ("weight buffers", "S_m (G0's second version)", f"{self.weight_buffer_partitions} partitions = G0's "
+             f"2 x D partitions: S_m as Table 1 counts it"),
+            ("G0 in flight on stage d", f"M = {M}",
+             f"min(M + D - d, 2M) = {self.g0_inflight}: a G0 activation lives a whole period plus the V unit's "
+             f"skew (its forward moved one period ahead of its backward, then D - d ticks of the pipe)"),
+            ("G1 in flight on stage d", f"M - d = {[M - d for d in range(D)]}",
+             f"min(D - d, M) = {self.g1_inflight}: G1 runs 1F1B-like units, the paper's Figure 5 keeps G1's "
+             f"forwards of a batch before its backwards"),
+            ("activations, sum over stages", f"(4M - N + 1)/4 S_a = {self.table1_units:g} units of S_a / 2N",
+             f"{self.activations_units:g} units: smaller when M > D + 1, larger below"),
+        ]
+
 
 def steady_state(D: int, M: int, periods: int = 6) -> WPipeSteadyState:
     """Replay ``periods`` batches of the timeline and measure the middle ones."""
