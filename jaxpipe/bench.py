@@ -119,9 +119,12 @@ def pipeline_runner(name: str, model: PipelineModel, batch, num_microbatches: in
     mem = compiled.memory_analysis()
     split = pipe.schedule.has_w()          # zero-bubble: B and W each half of a backward
     rep = pipe.schedule.simulate(f=1.0, b=1.0, w=1.0) if split else pipe.schedule.simulate(f=1.0, b=2.0)
-    # asynchronous schedules never flush: in steady state every tick holds one F or one B per device, so
-    # the only lockstep loss is a tick costing max(f, b): 1 - (f + b) / (2 max(f, b))
-    lock_bubble = 1.0 - 3.0 / 4.0 if pipe.is_async else rep.lockstep_bubble_ratio
+    # asynchronous schedules never flush: in steady state the alternating timeline holds one F or one B per
+    # device per tick, so its only lockstep loss is a tick costing max(f, b): 1 - (f + b) / (2 max(f, b));
+    # the lanes timeline (F and B lanes every tick) loses nothing in steady state
+    periodic = getattr(pipe.schedule, "periodic", None)
+    lanes = periodic is not None and periodic.two_lanes
+    lock_bubble = (0.0 if lanes else 1.0 - 3.0 / 4.0) if pipe.is_async else rep.lockstep_bubble_ratio
     b = pipe.shard_batch(batch)
     st = {"s": state}
 

@@ -167,3 +167,50 @@ def test_pipeoptim_bad_option_names_the_choices():
     with pytest.raises(jp.ConfigError, match="distance='fresh'.*paper.*code"):
         jp.Pipeline(model, schedule="pipeoptim", num_microbatches=2, optimizer=optax.sgd(0.1),
                     mesh=jp.make_mesh(stages=2), options={"distance": "fresh"})
+
+
+@pytest.mark.parametrize("method,D,M", [("pipedream_2bw", 2, 2), ("pipedream_2bw", 4, 6), ("cdp_v1", 4, 7)])
+def test_per_batch_rules_on_the_lanes_timeline(method, D, M):
+    """2BW and CDP-v1 read a version per batch, so they may run F and B lanes in every tick (period 1) when
+    M >= 2D - 2: the same numbers as their serial reference and as the alternating timeline."""
+    from jaxpipe.optim.reference import serial_reference as ref_fn
+    model, batch_fn = small_model("mlp", D)
+    opt = OPTS["adamw"]()
+    batches = [batch_fn(2 * M, s=k) for k in range(3)]
+    out = {}
+    for tl in ("lanes", "alternating"):
+        pipe = jp.Pipeline(model, schedule=method, num_microbatches=M, optimizer=opt, mesh=jp.make_mesh(stages=D),
+                           options={"timeline": tl}, nan_bubbles=True)
+        assert pipe.schedule.periodic.period == (1 if tl == "lanes" else 2)
+        state = pipe.init()
+        for b in batches:
+            state, _ = pipe.step(state, b)
+        state, m = pipe.drain(state)
+        assert int(m["microbatches_finished"]) == 3 * M
+        out[tl] = pipe.params(state)
+    assert rel_err(out["lanes"], ref_fn(model, method, opt, M, batches)["params"]) <= 1e-5
+    assert rel_err(out["lanes"], out["alternating"]) <= 1e-6
+
+
+def test_lanes_timeline_is_refused_where_it_would_change_the_method():
+    model, _ = small_model("mlp", 4)
+    mk = lambda name, M: jp.Pipeline(model, schedule=name, num_microbatches=M, optimizer=optax.sgd(0.1),
+                                     mesh=jp.make_mesh(stages=4), options={"timeline": "lanes"})
+    with pytest.raises(jp.ConfigError, match="2D - 2 = 6"):
+        mk("pipedream_2bw", 5)
+    with pytest.raises(jp.ConfigError, match="unknown option"):
+        mk("pipeoptim", 8)          # its rule follows the ticks: no timeline option at all
+    auto = jp.Pipeline(model, schedule="cdp_v1", num_microbatches=5, optimizer=optax.sgd(0.1),
+                       mesh=jp.make_mesh(stages=4))
+    assert auto.schedule.periodic.period == 2      # auto falls back to the alternating timeline below 2D - 2
+
+
+@pytest.mark.parametrize("D,M", [(1, 3), (2, 4), (4, 6), (8, 14)])
+def test_lanes_periodic_is_what_the_lane_plan_draws(D, M):
+    from jaxpipe.schedules.lanes import plan
+    from jaxpipe.schedules.periodic import no_flush_lanes
+    p = no_flush_lanes("x", D)
+    lp = plan(p.expand(M), "lanes")
+    assert all(t == p.tick(k, s, i) for (k, s, i), (t, _) in lp.where.items())
+    assert [p.updates_between(d) for d in range(D)] == [2 * (D - 1 - d) for d in range(D)]
+    assert p.max_inflight() == 2 * D - 1

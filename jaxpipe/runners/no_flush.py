@@ -108,7 +108,8 @@ class AsyncRunner(InFlightRunner):
         mask, res_avals = stage_residuals(ctx.model, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), w0),
                                           full(x_aval, 0),
                                           jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), mb))
-        carry = empty_carry(ctx.model, self.D, self.M, n_dev, mb, x_aval, res_avals, ctx.nan_bubbles)
+        carry = empty_carry(ctx.model, ctx.schedule.periodic, self.M, n_dev, mb, x_aval, res_avals,
+                            ctx.nan_bubbles)
         carry = jax.device_put(carry, NamedSharding(ctx.mesh, P(ALL)))
         return state._replace(carry=carry)
 
@@ -140,14 +141,17 @@ class AsyncRunner(InFlightRunner):
         return self._fns[key]
 
     def drain(self, state: AsyncState):
-        """Run the step program without new micro-batches until everything in flight finished (2D - 1 ticks
-        are needed; calls of 2M ticks), then reset the counters so the next step refills the pipeline."""
+        """Run the step program without new micro-batches until everything in flight finished (until stage 0's
+        B of the last micro-batch; calls of period x M ticks), then reset the counters so the next step
+        refills the pipeline."""
         if state.carry is None:
             return state, {}
         per = self.ctx.data_parallel * self.M
         dummy = self.ctx.shard_batch(jax.tree.map(
             lambda r: jnp.zeros((r.shape[2] * per,) + tuple(r.shape[3:]), r.dtype), state.carry.ring))
-        calls = -(-(2 * self.D - 1) // (2 * self.M))
+        p = self.ctx.schedule.periodic
+        call = p.period * self.M
+        calls = max(1, -(-(p.tick("B", 0, self.M - 1) + 1 - call) // call))
         lsum, lcount = 0.0, 0
         for _ in range(calls):
             state, m = self._fn(dummy)(state, dummy, jnp.asarray(False))

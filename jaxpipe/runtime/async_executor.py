@@ -45,17 +45,19 @@ class AsyncCarry(NamedTuple):
     cnt_own: Any = 0.0  # received with recv_b / on the last stage, of the micro-batch whose F ran last tick
 
 
-def ring_capacity(M: int, D: int) -> int:
-    return M + D
+def ring_capacity(M: int, periodic) -> int:
+    """Recent micro-batches kept (stage 0's B needs its micro-batch for the embedding's backward, ``tick(B, 0,
+    0) / period`` micro-batches after its F): M + D for the 2-tick pattern, M + 2D - 1 on lanes."""
+    return M + periodic.tick("B", 0, 0) // periodic.period + 1
 
 
-def op_at(t, me, table, period: int, n_fed):
-    """(is_f, is_b, i) of device ``me`` at tick ``t`` (relative to the last (re)start), read from the
-    periodic schedule's table (``jaxpipe.schedules.periodic.Periodic.table``)."""
-    code, off = table[t % period, me, 0], table[t % period, me, 1]
+def op_at(t, me, table, period: int, n_fed, kind: int):
+    """(runs, i): whether device ``me`` runs op ``kind`` (0: F, 1: B) at tick ``t`` (relative to the last
+    (re)start) and of which micro-batch, read from the periodic schedule's table
+    (``jaxpipe.schedules.periodic.Periodic.table``)."""
+    off = table[t % period, me, kind]
     i = (t - off) // period
-    live = (t >= off) & (i < n_fed)
-    return live & (code == 1), live & (code == 2), i
+    return (off >= 0) & (t >= off) & (i < n_fed), i
 
 
 def landing_segments(periodic, M: int, D: int):
@@ -84,7 +86,11 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
     since then, micro-batches fed since then.  ``mb_example``: one micro-batch per data replica.
     """
     pre = model.pre
-    C = ring_capacity(M, D)
+    if periodic is None:
+        from ..schedules.periodic import no_flush_1f1b
+        periodic = no_flush_1f1b(policy.name, D)
+    C = ring_capacity(M, periodic)
+    S = periodic.max_inflight()                 # stash slots: micro-batch i in slot i mod S
     w_example = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), model.stage_params)
     x_aval = jax.eval_shape(pre, model.pre_params, mb_example)
     y_aval = model.stage_output_aval(w_example, x_aval, mb_example)
@@ -104,9 +110,6 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
     remap = np.zeros(4, np.int32)
     remap[used_pos] = np.arange(len(used_pos))
 
-    if periodic is None:
-        from ..schedules.periodic import no_flush_1f1b
-        periodic = no_flush_1f1b(policy.name, D)
     period = periodic.period
     num_ticks = period * M
     b_first = periodic.tick("B", 0, 0)         # stage 0's backward of micro-batch 0: the pipeline's latency
@@ -183,7 +186,7 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                        for w in range(len(cands)) for v in range(n)]
                 msg, res, dy, gq, l, t_out, gt, cnt = lax.switch(k * n + pos_j, brs, cands, c.recv_f, c.tie_f, mb,
                                                                  ctx)
-            c = c._replace(stash=[write(a, gi % D, r) for a, r in zip(c.stash, res)],
+            c = c._replace(stash=[write(a, gi % S, r) for a, r in zip(c.stash, res)],
                            dy_own=where(me == D - 1, dy, c.dy_own),
                            gpost=jax.tree.map(lambda n, o: jnp.where(me == D - 1, n, o), gq, c.gpost),
                            gtie=where(me == D - 1, gt, c.gtie), cnt_own=jnp.where(me == D - 1, cnt, c.cnt_own))
@@ -198,7 +201,7 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
         def b_lane(i, ops):
             lp, opt_state, pstate, c = ops
             gi = base + i
-            res = [read(a, gi % D) for a in c.stash]
+            res = [read(a, gi % S) for a in c.stash]
             dy = where(me == D - 1, c.dy_own, c.recv_b)
             pre_p = lp[1]
             if policy.choose is None:
@@ -241,9 +244,10 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
         ring_b = [(d, (d - 1) % D) for d in range(D)]
 
         def tick(st, t, landing=True):
-            is_f, is_b, i = op_at(t, me, table, period, n_fed)
+            is_f, i_f = op_at(t, me, table, period, n_fed, 0)
+            is_b, i = op_at(t, me, table, period, n_fed, 1)
             lp, opt_state, pstate, c, loss = st
-            (pstate, c, loss), send_f = lax.cond(is_f, f_lane, f_idle, i, (lp, pstate, c, loss))
+            (pstate, c, loss), send_f = lax.cond(is_f, f_lane, f_idle, i_f, (lp, pstate, c, loss))
             if D > 1:
                 recv_f, tie_f = lax.ppermute(send_f, STAGE, ring_f)
                 c = c._replace(recv_f=recv_f, tie_f=tie_f)
@@ -289,17 +293,19 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
     return fn, x_aval
 
 
-def empty_carry(model, D: int, M: int, n_devices: int, mb_example, x_aval, mask_avals, nan_bubbles: bool = False):
+def empty_carry(model, periodic, M: int, n_devices: int, mb_example, x_aval, mask_avals,
+                nan_bubbles: bool = False):
     """The in-flight state of an empty pipeline, with a leading axis of one entry per device (``nan_bubbles``:
     residual and message buffers start NaN, so a test shows nothing unwritten reaches a result)."""
-    C = ring_capacity(M, D)
+    C = ring_capacity(M, periodic)
+    S = periodic.max_inflight()
     per = lambda shape, dtype: jnp.zeros((n_devices,) + tuple(shape), dtype)
     nan = lambda shape, dtype: jnp.full((n_devices,) + tuple(shape), jnp.nan if nan_bubbles else 0, dtype)
     msg = lambda: full(x_aval, jnp.nan if nan_bubbles else 0, (n_devices,))
     ties = Ties(model)
     tie_msg = lambda: full(ties.pre_leaves(model.pre_params), jnp.nan if nan_bubbles else 0, (n_devices,))
     return AsyncCarry(
-        stash=[nan((D,) + tuple(a.shape), a.dtype) for a in mask_avals],
+        stash=[nan((S,) + tuple(a.shape), a.dtype) for a in mask_avals],
         recv_f=msg(), recv_b=msg(), dy_own=msg(),
         gpost=jax.tree.map(lambda a: per(jnp.shape(a), jnp.asarray(a).dtype), ties.strip(model.params)[2]),
         ring=jax.tree.map(lambda a: per((C,) + tuple(a.shape), a.dtype), mb_example),

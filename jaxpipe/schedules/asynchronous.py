@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List
 
-from .ir import Schedule
-from .periodic import no_flush_1f1b
+from .ir import Schedule, ScheduleError
+from .periodic import no_flush_1f1b, no_flush_lanes
 
 #: weight versions held per stage (Table II): PipeDream [1, D] (stage s: D - s), PipeDream-2BW 2,
 #: SpecTrain 2 (weights + momentum step), PipeOptim [1, 2] (the last stage predicts nothing)
@@ -27,11 +27,35 @@ WEIGHT_VERSIONS: Dict[str, Callable[[int], List[int]]] = {
 }
 
 
+#: methods whose rule is per batch (a batch reads version b - 1 in F and B, its update lands after its last
+#: B): their numbers do not depend on the ticks, so they may run the lanes timeline
+#: (:func:`.periodic.no_flush_lanes`: F + B per tick on every device instead of F and B ticks alternating
+#: across devices), which keeps two versions iff M >= 2D - 2 (batch b + 2's first F after batch b's update).
+PER_BATCH_RULE = ("pipedream_2bw", "cdp_v1")
+TIMELINES = ("auto", "lanes", "alternating")
+
+
+def timeline(name: str, D: int, M: int, choice: str = "auto") -> str:
+    """``"lanes"`` or ``"alternating"`` (the 2-tick no-flush 1F1B) for method ``name``: ``"auto"`` takes lanes
+    where the method's numbers allow them; asking for lanes where they do not is a ScheduleError."""
+    if choice not in TIMELINES:
+        raise ScheduleError(f"{name}: timeline={choice!r}; choose one of {TIMELINES}")
+    ok = name in PER_BATCH_RULE and M >= 2 * D - 2
+    if choice == "lanes" and not ok:
+        why = (f"needs num_microbatches >= 2D - 2 = {2 * D - 2} (got {M}) so that two weight versions suffice"
+               if name in PER_BATCH_RULE else "its weight rule follows the ticks (lanes would double the "
+               "updates between a micro-batch's F and its B)")
+        raise ScheduleError(f"{name}: timeline='lanes' {why}; use timeline='alternating' or 'auto'")
+    return "lanes" if ok and choice != "alternating" else "alternating"
+
+
 def builder(name: str):
-    def build(num_stages: int, num_microbatches: int) -> Schedule:
-        """One step's M micro-batches of the periodic no-flush 1F1B at the ticks the executor runs them (fill
-        and drain included); ``.periodic`` is the steady-state pattern the executor reads."""
-        return no_flush_1f1b(name, num_stages).expand(num_microbatches, WEIGHT_VERSIONS[name](num_stages))
+    def build(num_stages: int, num_microbatches: int, timeline_choice: str = "auto") -> Schedule:
+        """One step's M micro-batches of the method's periodic no-flush timeline at the ticks the executor
+        runs them (fill and drain included); ``.periodic`` is the steady-state pattern the executor reads."""
+        D, M = num_stages, num_microbatches
+        make = no_flush_lanes if timeline(name, D, M, timeline_choice) == "lanes" else no_flush_1f1b
+        return make(name, D).expand(M, WEIGHT_VERSIONS[name](D))
 
     return build
 

@@ -72,6 +72,9 @@ def _auto_advance(b: dict) -> dict:
 
 _one = lambda opts: 1
 _ASYNC = dict(flushes=False, updates_inside=True, stages_per_device=_one, runner="async")
+# per-batch rules may run the lanes timeline (schedules.asynchronous.timeline): "auto", "lanes", "alternating"
+_TIMELINE = dict(options={"timeline": "auto"}, builder_keys=("timeline",),
+                 to_builder=lambda o: {"timeline_choice": o["timeline"]})
 METHODS: Dict[str, Method] = {m.name: m for m in [
     Method("gpipe", True, False, _one, "Huang et al. 2019, GPipe"),
     Method("1f1b", True, False, _one, "Narayanan et al. 2019/2021, PipeDream-Flush (1F1B)"),
@@ -90,13 +93,14 @@ METHODS: Dict[str, Method] = {m.name: m for m in [
            options={"recompute": False}, recompute=lambda o: bool(o.get("recompute"))),        # WPipe-R, §3.3
     Method("pipedream", paper="Narayanan et al. 2019, PipeDream (weight stashing)", policy="pipedream",
            **_ASYNC),
-    Method("pipedream_2bw", paper="Narayanan et al. 2021, PipeDream-2BW", policy="pipedream_2bw", **_ASYNC),
+    Method("pipedream_2bw", paper="Narayanan et al. 2021, PipeDream-2BW", policy="pipedream_2bw", **_TIMELINE,
+           **_ASYNC),
     Method("spectrain", paper="Chen et al. 2018, SpecTrain", policy="spectrain", **_ASYNC),
     Method("pipeoptim", paper="Guan et al., PipeOptim", policy="pipeoptim",
            options={"distance": "paper", "prediction": "update"}, policy_keys=("distance", "prediction"),
            **_ASYNC),
     Method("cdp_v1", paper="Fournier & Oyallon, Cyclic Data Parallelism (v1, pipeline form)", policy="cdp_v1",
-           **_ASYNC),
+           **_TIMELINE, **_ASYNC),
     Method("cdp_v2", paper="Fournier & Oyallon, Cyclic Data Parallelism (v2, pipeline form)", policy="cdp_v2",
            **_ASYNC),
 ]}
