@@ -50,7 +50,7 @@ def main(argv):
             size = _BYTES.get(m.group(1), 4)
             for d in dims:
                 size *= d
-            copies.append((size, comp, line.strip()[:140]))
+            copies.append((size, comp or "?", line.strip()[:140]))
     copies.sort(reverse=True)
     print(f"{jax.devices()[0].platform}: {len(copies)} copies, {sum(c[0] for c in copies) / 2**20:.1f} MiB in all")
     for size, comp, line in copies[:FLAGS.top]:

@@ -61,6 +61,8 @@ class WeightPolicy(NamedTuple):
     #: (a conditional holding the version swap made XLA copy the weights in every tick it was compiled in)
     land: Any = None
     lands: Any = None
+    #: land once after the call's scan, for the batch whose last backward ran in it (instead of in the scan)
+    land_at_call_end: bool = False
     #: ``apply_pending(lp, ps) -> lp``: ``update`` left the weights as they were and put the update in the
     #: state (PipeOptim/SpecTrain keep it for their prediction); the executor adds it in a conditional of its
     #: own: one that wrote the weights and kept an update computed from them (AdamW's decay) made XLA copy
@@ -101,9 +103,9 @@ def pipedream(opt: optax.GradientTransformation, num_stages: int) -> WeightPolic
 
 class TwoBWState(NamedTuple):
     shadow: Any          # the previous version w(n - 1)
-    acc: Any             # gradient sum of the current batch
+    acc: Any             # gradient sums by batch parity ([2, ...] per leaf): batch b adds to acc[b % 2]
     n_updates: jax.Array  # versions produced so far: lp holds w(n_updates)
-    count: Any = None    # (sum, count) losses: the batch's global count so far (acc / count lands)
+    count: Any = None    # (sum, count) losses: [2] global counts by batch parity (acc / count lands)
 
 
 def pipedream_2bw(opt: optax.GradientTransformation, num_stages: int, num_microbatches: int,
@@ -117,8 +119,8 @@ def pipedream_2bw(opt: optax.GradientTransformation, num_stages: int, num_microb
     M, D = num_microbatches, num_stages
 
     def init(lp):
-        return TwoBWState(jax.tree.map(jnp.copy, lp), jax.tree.map(jnp.zeros_like, lp), jnp.zeros((), jnp.int32),
-                          jnp.zeros((), jnp.float32))
+        return TwoBWState(jax.tree.map(jnp.copy, lp), jax.tree.map(lambda a: jnp.zeros((2,) + a.shape, a.dtype), lp),
+                          jnp.zeros((), jnp.int32), jnp.zeros((2,), jnp.float32))
 
     def version(lp, ps, i, s):
         now = latest(ps, i, s)
@@ -144,20 +146,28 @@ def pipedream_2bw(opt: optax.GradientTransformation, num_stages: int, num_microb
 
     def update(g, lp, opt_state, ps, i, s, count=None):
         # count: this micro-batch's global token/example count when post_loss returns (sum, count) -- ``g`` is
-        # then the gradient of the sum, and the batch's update is the summed gradient over the batch's count
-        acc = jax.tree.map(jnp.add, ps.acc, g)
-        n = ps.count + (0.0 if count is None else count)
+        # then the gradient of the sum, and the batch's update is the summed gradient over the batch's count.
+        # Two accumulators by batch parity: a call may run the last backwards of batch b - 1 and the first of b
+        p = (i // M) % 2
+        acc = jax.tree.map(lambda a, x: a.at[p].add(x.astype(a.dtype)), ps.acc, g)
+        n = ps.count.at[p].add(0.0 if count is None else count)
         return lp, opt_state, ps._replace(acc=acc, count=n)
 
-    def land(lp, opt_state, ps, counting=False):
-        # after the batch's last backward: w(n+1) = w(n) + update(mean gradient of the batch, read on w(n-1))
-        div = (lambda a: a / ps.count.astype(a.dtype)) if counting else (lambda a: a / M)
-        new, opt_state, _ = _apply(opt, jax.tree.map(div, ps.acc), lp, opt_state)
-        return new, opt_state, TwoBWState(lp, jax.tree.map(jnp.zeros_like, ps.acc), ps.n_updates + 1,
-                                          jnp.zeros_like(ps.count))
+    def land(lp, opt_state, ps, counting=False, b=0):
+        # batch b's gradient is complete: w(n+1) = w(n) + update(mean gradient of batch b, read on w(n-1))
+        p = b % 2
+        acc = jax.tree.map(lambda a: a[p], ps.acc)
+        div = (lambda a: a / ps.count[p].astype(a.dtype)) if counting else (lambda a: a / M)
+        new, opt_state, _ = _apply(opt, jax.tree.map(div, acc), lp, opt_state)
+        return new, opt_state, TwoBWState(lp, jax.tree.map(lambda a: a.at[p].set(0), ps.acc), ps.n_updates + 1,
+                                          ps.count.at[p].set(0.0))
 
+    # 2BW / CDP-v1: w(b + 1), made from batch b's gradient, is first read by batch b + 2, so the landing may
+    # wait for the end of the call that completes batch b (no conditional inside the scan); CDP-v2's fresh
+    # reads need it at the tick of batch b's last backward
     return WeightPolicy(name, init, forward_weights, backward_weights, update, WEIGHT_VERSIONS[name], choose,
-                        per_microbatch=False, land=land, lands=lambda i: i % M == M - 1)
+                        per_microbatch=False, land=land, lands=lambda i: i % M == M - 1,
+                        land_at_call_end=not fresh)
 
 
 class Prediction(NamedTuple):

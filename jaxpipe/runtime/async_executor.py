@@ -113,7 +113,14 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
     period = periodic.period
     num_ticks = period * M
     b_first = periodic.tick("B", 0, 0)         # stage 0's backward of micro-batch 0: the pipeline's latency
-    segments = landing_segments(periodic, M, D) if policy.land is not None else [(0, num_ticks, False)]
+    in_scan = policy.land is not None and not policy.land_at_call_end
+    segments = landing_segments(periodic, M, D) if in_scan else [(0, num_ticks, False)]
+    # calls after a batch's call in which every stage runs that batch's last backward (1 for D > 1, 0 at D = 1)
+    lags = {(periodic.tick("B", s, M - 1)) // num_ticks for s in range(D)}
+    if policy.land is not None and policy.land_at_call_end and len(lags) != 1:
+        raise ValueError(f"{policy.name}: stages finish a batch in different calls ({sorted(lags)}); "
+                         f"land in the scan instead")
+    lag = lags.pop()
 
     def body(params, opt_state, pstate, carry, counters, batch, feed):
         sq = lambda t: jax.tree.map(lambda a: a[0], t)
@@ -258,8 +265,8 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                 lp = lax.cond(is_b, policy.apply_pending, lambda lp, ps: lp, lp, pstate)
             if policy.land is not None and landing:
                 lp, opt_state, pstate = lax.cond(is_b & policy.lands(base + i),
-                                                 lambda *a: policy.land(*a, counting=counting), lambda *a: a,
-                                                 lp, opt_state, pstate)
+                                                 lambda *a: policy.land(*a, counting=counting, b=(base + i) // M),
+                                                 lambda *a: a, lp, opt_state, pstate)
             if D > 1:
                 recv_b, tie_b, cnt_b = lax.ppermute(send_b, STAGE, ring_b)
                 c = c._replace(recv_b=recv_b, tie_b=tie_b, cnt_b=cnt_b)
@@ -269,6 +276,14 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
         st = (lp, opt_state, pstate, carry, loss0)
         for a, b, landing in segments:
             st, _ = lax.scan(lambda s_, t: tick(s_, t, landing), st, t0 + jnp.arange(a, b, dtype=jnp.int32))
+        if policy.land is not None and policy.land_at_call_end:
+            # the batch whose last backward ran in this call (``lag`` calls after it was fed) lands once
+            lp, opt_state, pstate, c_, loss_ = st
+            bk = t0 // num_ticks - lag
+            lp, opt_state, pstate = lax.cond(
+                (bk >= 0) & (bk * M < n_fed), lambda *a: policy.land(*a, counting=counting, b=base // M + bk),
+                lambda *a: a, lp, opt_state, pstate)
+            st = (lp, opt_state, pstate, c_, loss_)
         lp, opt_state, pstate, carry, (lsum, lcount) = st
         lsum, lcount = lax.psum((lsum, lcount), STAGE)
         lsum = lax.pmean(lsum, DP_AXES)

@@ -81,8 +81,8 @@ class WPipeSteadyState:
         D, M = self.D, self.M
         return [
             ("condition", "M >= N (N = D stages)",
-             f"M >= D - 1: each group's run of M units sits M + 1 units from the other group's, which already "
-             f"separates G1's batches and keeps G0 at two versions when M = D - 1 (replayed: 0 version errors)"),
+             "M >= D - 1: each group's run of M units sits M + 1 units from the other group's, which already "
+             "separates G1's batches and keeps G0 at two versions when M = D - 1 (replayed: 0 version errors)"),
             ("bubble", "0", f"{self.bubble:g} in the steady state (unit ticks; fill and drain only at start/end)"),
             ("weight buffers", "S_m (G0's second version)", f"{self.weight_buffer_partitions} partitions = G0's "
              f"2 x D partitions: S_m as Table 1 counts it"),
