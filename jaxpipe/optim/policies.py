@@ -103,9 +103,9 @@ def pipedream(opt: optax.GradientTransformation, num_stages: int) -> WeightPolic
 
 class TwoBWState(NamedTuple):
     shadow: Any          # the previous version w(n - 1)
-    acc: Any             # gradient sums by batch parity ([2, ...] per leaf): batch b adds to acc[b % 2]
+    acc: Any             # gradient sums ([K, ...] per leaf): batch b adds to acc[b % K] (K = 2: by parity)
     n_updates: jax.Array  # versions produced so far: lp holds w(n_updates)
-    count: Any = None    # (sum, count) losses: [2] global counts by batch parity (acc / count lands)
+    count: Any = None    # (sum, count) losses: [K] global counts, as acc (acc / count lands)
 
 
 def pipedream_2bw(opt: optax.GradientTransformation, num_stages: int, num_microbatches: int,
@@ -118,9 +118,13 @@ def pipedream_2bw(opt: optax.GradientTransformation, num_stages: int, num_microb
     fresh parameters on its last i stages.  Same two versions as 2BW (CDP-v1 is 2BW's rule)."""
     M, D = num_microbatches, num_stages
 
+    # land at the end of the call (2BW, CDP-v1) -> two accumulators by batch parity (a call runs the last
+    # backwards of batch b - 1 and the first of batch b); in the scan (CDP-v2) -> one, zeroed as it lands
+    K = 1 if fresh else 2
+
     def init(lp):
-        return TwoBWState(jax.tree.map(jnp.copy, lp), jax.tree.map(lambda a: jnp.zeros((2,) + a.shape, a.dtype), lp),
-                          jnp.zeros((), jnp.int32), jnp.zeros((2,), jnp.float32))
+        return TwoBWState(jax.tree.map(jnp.copy, lp), jax.tree.map(lambda a: jnp.zeros((K,) + a.shape, a.dtype), lp),
+                          jnp.zeros((), jnp.int32), jnp.zeros((K,), jnp.float32))
 
     def version(lp, ps, i, s):
         now = latest(ps, i, s)
@@ -147,15 +151,14 @@ def pipedream_2bw(opt: optax.GradientTransformation, num_stages: int, num_microb
     def update(g, lp, opt_state, ps, i, s, count=None):
         # count: this micro-batch's global token/example count when post_loss returns (sum, count) -- ``g`` is
         # then the gradient of the sum, and the batch's update is the summed gradient over the batch's count.
-        # Two accumulators by batch parity: a call may run the last backwards of batch b - 1 and the first of b
-        p = (i // M) % 2
+        p = (i // M) % K
         acc = jax.tree.map(lambda a, x: a.at[p].add(x.astype(a.dtype)), ps.acc, g)
         n = ps.count.at[p].add(0.0 if count is None else count)
         return lp, opt_state, ps._replace(acc=acc, count=n)
 
     def land(lp, opt_state, ps, counting=False, b=0):
         # batch b's gradient is complete: w(n+1) = w(n) + update(mean gradient of batch b, read on w(n-1))
-        p = b % 2
+        p = b % K
         acc = jax.tree.map(lambda a: a[p], ps.acc)
         div = (lambda a: a / ps.count[p].astype(a.dtype)) if counting else (lambda a: a / M)
         new, opt_state, _ = _apply(opt, jax.tree.map(div, acc), lp, opt_state)
