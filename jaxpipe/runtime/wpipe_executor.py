@@ -23,7 +23,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
@@ -57,15 +56,6 @@ class WPipeCarry(NamedTuple):
     cnt_acc: Any = 0.0   # [2]: each group's count of the batch it accumulates
 
 
-def tick_segments(num_ticks: int, marked):
-    """``[(start, stop, marked)]``: the ticks ``0 .. num_ticks - 1`` cut into runs with and without a marked
-    tick (the marked runs compile a conditional the others leave out)."""
-    marks = np.zeros(num_ticks, bool)
-    marks[list(marked)] = True
-    cuts = [0] + [t for t in range(1, num_ticks) if marks[t] != marks[t - 1]] + [num_ticks]
-    return [(a, b, bool(marks[a])) for a, b in zip(cuts[:-1], cuts[1:])]
-
-
 def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: bool = False, seed: int = 0):
     """``fn(lps, opt_states, shadow0, versions, accs, errors, carry, counters, batch, feed)``: 4M ticks."""
     pre = model.pre
@@ -77,9 +67,9 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
     # with dL/dy (and through the wrap-around) so that each group divides its batch sum by the batch's count
     summed = model.reduction(y_aval, mb_example) == "sum"
     T = 4 * M
-    # a call runs 4M ticks from a multiple of 4M: device d lands group g at B of micro-batch M - 1 of g, tick
-    # offset (2 (g M + M - 1) + 2D - 1 - d) mod 4M
-    segments = tick_segments(T, [(2 * (g * M + M - 1) + 2 * D - 1 - d) % T for g in (0, 1) for d in range(D)])
+    # a call runs 4M ticks from a multiple of 4M; the scan is cut where every device has finished G1's last
+    # backward of the previous batch (tick offset 2D - 3 - d) and none has started G1's next forward (2M + d)
+    cut = 2 * D - 2
     ties = Ties(model)
     tie_avals = ties.pre_leaves(model.pre_params)
 
@@ -228,7 +218,7 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
         junk_tie = full(tie_avals, jnp.nan if nan_bubbles else 0)
         junk_cnt = jnp.full((), jnp.nan if nan_bubbles else 0, jnp.float32)
 
-        def tick(s, t, landing=True):
+        def tick(s, t):
             st, c, err, loss = s
             even = (t - me) % 2 == 0
             u = jnp.where(even, t - me, t - 2 * D + 1 + me) // 2
@@ -242,14 +232,6 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
             # F lane and B lane: predicate conds around small switches (docs/design.md §2); one op per tick
             c, err, loss, mf = lax.cond(active & even, f_lane, f_idle, gb, j, g, flag, st, c, err, loss)
             st, err, mb_, cnt_acc = lax.cond(active & ~even, b_lane, b_idle, gb, j, g, flag, st, c, err)
-            if landing:
-                # a group's update after its last backward of a batch, in conditionals of their own compiled
-                # only in the ticks where some device lands (inside the backward's, XLA copied the weights
-                # in every tick: HLO-checked, BUILD_NOTES)
-                last = active & ~even & (j == M - 1)
-                st = lax.cond(last & (g == 0), lambda s: land(0, s, cnt_acc[0]), lambda s: s, st)
-                st = lax.cond(last & (g == 1), lambda s: land(1, s, cnt_acc[1]), lambda s: s, st)
-                cnt_acc = jnp.where(last, cnt_acc.at[g].set(0.0), cnt_acc)
             c = c._replace(cnt_acc=cnt_acc)
             okf = active & even & ~((g == 1) & flag)
             okb = active & ~even & ~((g == 0) & flag)
@@ -270,9 +252,21 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
 
         loss0 = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
         st = (lps, oss, shadow0, versions, accs)
+        # the groups land between the scans, not in them (a landing conditional in the scan made XLA copy the
+        # weights every tick it was compiled in): call k completes batch k - 1 of both groups -- G1's last
+        # backward at tick 2D - 3 - d, before the cut at 2D - 2 and before G1's first forward of batch k + 1
+        # (2M + d, next call); G0's within the call, and G0's next version is read from call k + 1 on
         s_ = (st, c, errors, loss0)
-        for a, b, landing in segments:
-            s_, _ = lax.scan(lambda x, t: tick(x, t, landing), s_, t0 + jnp.arange(a, b, dtype=jnp.int32))
+        bk = t0 // T - 1
+        landing = (bk >= 0) & (bk < n_fed)
+        for a, b in ((0, cut), (cut, T)):
+            if b > a:
+                s_, _ = lax.scan(tick, s_, t0 + jnp.arange(a, b, dtype=jnp.int32))
+            st, c, errors, loss = s_
+            g = 1 if b == cut else 0
+            st = lax.cond(landing, lambda s: land(g, s, c.cnt_acc[g]), lambda s: s, st)
+            c = c._replace(cnt_acc=jnp.where(landing, c.cnt_acc.at[g].set(0.0), c.cnt_acc))
+            s_ = (st, c, errors, loss)
         st, c, errors, (lsum, lcount) = s_
         lps, oss, shadow0, versions, accs = st
         lsum, lcount = lax.psum((lsum, lcount), STAGE)
