@@ -103,6 +103,34 @@ def plain_runner(model: PipelineModel, batch, num_microbatches: int, opt, per_mi
     return run
 
 
+def sync_dp_runner(model: PipelineModel, batch, workers: int, opt) -> Callable[[], object]:
+    """A closure running synchronous data parallelism on ``workers`` devices of this process: each device's
+    gradient of its ``batch / workers`` rows, one ``psum``, the optimizer replicated (the textbook
+    ``shard_map`` DP step) -- what Cyclic Data Parallelism replaces, on the same emulated devices."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from . import make_mesh
+    mesh = make_mesh(data=workers)
+
+    def step(params, opt_state, b):
+        loss, g = jax.value_and_grad(model.loss)(params, b)
+        g, loss = jax.lax.pmean((g, loss), DATA)
+        u, opt_state = opt.update(g, opt_state, params)
+        return optax.apply_updates(params, u), opt_state, loss
+
+    fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P(DATA)), out_specs=(P(), P(), P()),
+                               check_vma=False), donate_argnums=(0, 1))
+    rep = NamedSharding(mesh, P())
+    b = jax.device_put(batch, NamedSharding(mesh, P(DATA)))
+    params = jax.device_put(model.params, rep, may_alias=False)
+    st = {"p": params, "o": jax.device_put(jax.jit(opt.init)(params), rep)}
+
+    def run():
+        st["p"], st["o"], loss = fn(st["p"], st["o"], b)
+        return loss
+
+    return run
+
+
 def pipeline_runner(name: str, model: PipelineModel, batch, num_microbatches: int, opt, data: int = 1,
                     devices: int = 0, pipes: int = 1):
     """``(run, info)``: a closure running ``Pipeline.step`` and its compile time, memory and simulation.

@@ -14,9 +14,10 @@ stage ``j`` at ``2Nk + 2i + 2N - 1 - j``.  Nothing waits at a barrier and nothin
 Gradients are reduced by point-to-point ``ppermute``s spread over the step, never one all-reduce: when
 worker ``i`` finishes stage ``j``'s backward it adds its gradient to the partial sum worker ``i - 1`` sent
 it (two ticks earlier) and sends the sum on to ``i + 1``; worker ``N - 1`` completes the sum, applies the
-update and sends the summed gradient directly to every other worker (one stage per tick), which apply the
-same update on arrival (every worker keeps a full replica, so the optimizer runs replicated and the
-replicas stay bit-identical).
+update (it alone runs the optimizer and holds its state) and sends the updated stage directly to every other
+worker, which lands it at the start of the next tick (every worker keeps a full replica; the replicas stay
+bit-identical without running the optimizer N times).  Whether a sum completes in a tick depends on the tick
+only, so the sends run under a predicate every worker agrees on: on N of the 2N ticks.
 
 Update rules (eq. CDP): micro-batch ``i`` of step ``t`` reads stage ``j`` at version
 * ``v1``: ``t - 1`` everywhere (eq. CDP-v1, PipeDream-2BW's rule),
@@ -54,7 +55,7 @@ class CyclicState(NamedTuple):
     params: Any       # (w [W, S, ...], pre [W, S, ...], post [W, S, ...]): each worker's replica, per stage
     shadow: Any       # the previous version of every stage, same layout
     versions: Any     # [W, S] int32: updates applied to each stage on each worker
-    opt_state: Any    # the optimizer's state per worker and stage
+    opt_state: Any    # the optimizer's state per worker and stage (worker N - 1's is the one used)
     carry: Any        # in-flight state per worker (stash, activation, dL/dy, partial sums, micro-batches)
     counters: Any     # (tick, base, fed) int32: ticks since the (re)start, first step index, steps fed since
     errors: Any       # [W] int32: reads of a version a worker no longer held (must stay 0)
@@ -64,7 +65,7 @@ class CyclicDataParallel:
     """Cyclic Data Parallelism over the mesh's ``data`` axis (see the module docstring)."""
 
     def __init__(self, model: PipelineModel, optimizer: optax.GradientTransformation, rule: str = "v2",
-                 mesh=None, *, check_inputs: bool = True, seed: int = 0):
+                 mesh=None, *, check_inputs: bool = True, seed: int = 0, nan_bubbles: bool = False):
         self.seed = seed
         if not isinstance(model, PipelineModel):
             raise ConfigError(f"model must be a jp.PipelineModel cut into N stages, got {type(model).__name__}")
@@ -89,6 +90,9 @@ class CyclicDataParallel:
                               f"jp.make_mesh(data={model.num_stages})")
         self.model, self.opt, self.rule, self.mesh, self.N = model, optimizer, rule, mesh, N
         self.check_inputs = bool(check_inputs)
+        # a debugging aid (as ``jp.Pipeline``'s): in-flight buffers start NaN and idle backward lanes send NaN
+        # partial sums, so a bubble read into a result shows as a non-finite number
+        self.nan_bubbles = bool(nan_bubbles)
         from .tying import Ties
         # tied arrays: held once, in stage 0's pre; a worker's micro-batch reads the version its stage-0 forward
         # read (kept in the worker's carry) and its head gradient joins that micro-batch's stage-0 gradient
@@ -134,7 +138,10 @@ class CyclicDataParallel:
         model.check_activation(xa, model.stage_output_aval(w0, xa, mb))
         _, res = stage_residuals(model, w0, full(xa, 0),
                                  jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), mb))
-        z = lambda shape, dtype: jnp.zeros((N,) + tuple(shape), dtype)
+        blank = jnp.nan if self.nan_bubbles else 0
+
+        def z(shape, dtype):
+            return jnp.full((N,) + tuple(shape), blank if jnp.issubdtype(dtype, jnp.floating) else 0, dtype)
         lp0 = (w0, model.pre_params, self.ties.strip(model.params)[2])
         tied = self.ties.pre_leaves(model.pre_params)
         carry = dict(
@@ -142,10 +149,10 @@ class CyclicDataParallel:
             gtie=jax.tree.map(lambda a: z(jnp.shape(a), a.dtype), tied),
             cnt=z((), jnp.float32), pcnt=z((N,), jnp.float32),     # (sum, count) losses: own / partial counts
             stash=[z((N,) + tuple(a.shape), a.dtype) for a in res],
-            act=full(xa, 0, (N,)), dy=full(xa, 0, (N,)),
+            act=full(xa, blank, (N,)), dy=full(xa, blank, (N,)),
             gpost=jax.tree.map(lambda a: z(jnp.shape(a), jnp.asarray(a).dtype), lp0[2]),
             partial=jax.tree.map(lambda a: z((N,) + jnp.shape(a), jnp.asarray(a).dtype), lp0),
-            bcast=((jax.tree.map(lambda a: z(jnp.shape(a), jnp.asarray(a).dtype), lp0), z((), jnp.float32)),
+            bcast=(jax.tree.map(lambda a: z(jnp.shape(a), jnp.asarray(a).dtype), lp0),
                    z((), jnp.int32), z((), jnp.bool_)),
             ring=jax.tree.map(lambda a: z((2,) + tuple(a.shape), a.dtype), mb))
         return jax.device_put(carry, NamedSharding(self.mesh, P(DATA))), xa
@@ -175,11 +182,12 @@ class CyclicDataParallel:
             n_fed = n_fed + feed.astype(jnp.int32)
             stage_of = lambda t, j: jax.tree.map(lambda a: read(a, j), t)
             put = lambda t, j, v: jax.tree.map(lambda a, b: write(a, j, b), t, v)
-            zeros_lp = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), lp)
+            idle_lp = jax.tree.map(lambda a: jnp.full(a.shape[1:], jnp.nan if self.nan_bubbles else 0, a.dtype), lp)
 
             def update(st, j, g_sum, cur_o):
-                # stage j's weights and optimizer state are sliced outside the cond (``cur_o``): new values read
-                # from buffers that the same branch updates in place made XLA copy the whole stacked model
+                # worker N - 1 (where every sum completes) runs the optimizer; stage j's weights and optimizer
+                # state are sliced outside the cond (``cur_o``): new values read from buffers that the same
+                # branch updates in place made XLA copy the whole stacked model
                 lp, sh, ver, os_ = st
                 cur, o = cur_o
                 g_sum, n = g_sum
@@ -187,6 +195,12 @@ class CyclicDataParallel:
                 u, o = opt.update(g, o, cur)
                 new = optax.apply_updates(cur, u)
                 return (put(lp, j, new), put(sh, j, cur), ver.at[j].add(1), put(os_, j, o))
+
+            def land(st, j, new, cur):
+                # the other workers receive the updated stage and keep the one it replaces (no optimizer:
+                # the replicas stay bit-identical without running it N times)
+                lp, sh, ver, os_ = st
+                return (put(lp, j, new), put(sh, j, cur), ver.at[j].add(1), os_)
 
             def weights(st, j, gk, err):
                 lp, sh, ver, _ = st
@@ -272,14 +286,21 @@ class CyclicDataParallel:
                 return (g, n), dx, err
 
             def b_idle(st, c, j, k, gk, err):
-                return (zeros_lp, jnp.zeros((), jnp.float32)), c["dy"], err
+                return (idle_lp, jnp.full((), jnp.nan if self.nan_bubbles else 0, jnp.float32)), c["dy"], err
 
-            def tick(s, t):
+            def tick_fn(may_land, may_update):
+                """One tick; ``may_land`` / ``may_update``: whether this phase of the period can land an arrived
+                stage / complete a sum on worker N - 1 (static: the ticks that cannot skip the weight-sized
+                slices those conditionals need, which every worker would otherwise pay every tick)."""
+                return lambda s, t: tick(s, t, may_land, may_update)
+
+            def tick(s, t, may_land, may_update):
                 st, c, err, loss = s
-                # a summed gradient that arrived from worker N - 1: apply it first
-                g_in, j_in, ok = c["bcast"]
-                st = lax.cond(ok & (me < N - 1), lambda s, cur: update(s, j_in, g_in, cur), lambda s, cur: s, st,
-                              (stage_of(st[0], j_in), stage_of(st[3], j_in)))
+                # an updated stage that arrived from worker N - 1: land it first
+                new_in, j_in, ok = c["bcast"]
+                if may_land:
+                    st = lax.cond(ok & (me < N - 1), lambda s, cur: land(s, j_in, new_in, cur), lambda s, cur: s, st,
+                                  stage_of(st[0], j_in))
                 tau = t - 2 * me
                 k = jnp.floor_divide(tau, 2 * N)
                 p = jnp.mod(tau, 2 * N)
@@ -294,8 +315,9 @@ class CyclicDataParallel:
                 sent = active & ~is_f
                 g, dx, err = lax.cond(sent, b_lane, b_idle, st, c, j, k, base + k, err)
                 c = {**c, "dy": dx}
-                st = lax.cond(sent & (me == N - 1), lambda s, cur: update(s, j, g, cur), lambda s, cur: s, st,
-                              (stage_of(st[0], j), stage_of(st[3], j)))
+                if may_update:
+                    st = lax.cond(sent & (me == N - 1), lambda s, cur: update(s, j, g, cur), lambda s, cur: s, st,
+                                  (stage_of(st[0], j), stage_of(st[3], j)))
                 # partial sums travel me -> me + 1; the complete sum goes from N - 1 straight to every worker
                 fwd_ok = sent & (me < N - 1)
                 if N > 1:
@@ -303,18 +325,29 @@ class CyclicDataParallel:
                     got = lax.ppermute((g, j, fwd_ok), DATA, ring)
                     c = {**c, "partial": lax.cond(got[2], lambda q: put(q, got[1], got[0][0]), lambda q: q, c["partial"]),
                          "pcnt": jnp.where(got[2], c["pcnt"].at[got[1]].set(got[0][1]), c["pcnt"])}
-                    done = sent & (me == N - 1)
-                    acc = None
-                    for dst in range(N - 1):
-                        m = lax.ppermute((g, j, done), DATA, [(N - 1, dst)])
-                        acc = m if acc is None else jax.tree.map(
-                            lambda a, b: jnp.where(m[2], b, a) if a.dtype != jnp.bool_ else a | b, acc, m)
-                    c = {**c, "bcast": acc}
+                    # whether worker N - 1 completed a sum this tick is the same on every worker (it depends on
+                    # the tick only): the broadcast runs under a uniform predicate, on N of the 2N ticks
+                    tau_l = t - 2 * (N - 1)
+                    done_any = (tau_l >= 0) & (jnp.floor_divide(tau_l, 2 * N) < n_fed) & (jnp.mod(tau_l, 2 * N) >= N)
+
+                    def bcast(held, j):
+                        new = stage_of(st[0], j)
+                        acc = None
+                        for dst in range(N - 1):
+                            m = lax.ppermute((new, j), DATA, [(N - 1, dst)])
+                            acc = m if acc is None else jax.tree.map(lambda a, b: jnp.where(me == dst, b, a), acc, m)
+                        return (acc[0], acc[1], me < N - 1)
+
+                    none = lambda held, j: held[:2] + (jnp.zeros((), bool),)
+                    c = {**c, "bcast": lax.cond(done_any, bcast, none, c["bcast"], j) if may_update
+                         else none(c["bcast"], j)}
                 return (st, c, err, loss), None
 
             loss0 = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
-            (st, c, err, (lsum, lweight, lcount)), _ = lax.scan(
-                tick, ((lp, sh, ver, os_), c, err, loss0), t0 + jnp.arange(2 * N, dtype=jnp.int32))
+            carry = ((lp, sh, ver, os_), c, err, loss0)
+            for a, b, flags in phase_segments(N):    # a call is one period: t0 is a multiple of 2N
+                carry, _ = lax.scan(tick_fn(*flags), carry, t0 + jnp.arange(a, b, dtype=jnp.int32))
+            st, c, err, (lsum, lweight, lcount) = carry
             lp, sh, ver, os_ = st
             lsum, lweight, lcount = lax.psum((lsum, lweight, lcount), DATA)
             ex = lambda t: jax.tree.map(lambda a: a[None], t)
@@ -372,6 +405,22 @@ class CyclicDataParallel:
         state, m = self._program(dummy)(state, dummy, jnp.asarray(False))
         t, base, fed = state.counters
         return state._replace(counters=(jnp.zeros_like(t), base + fed, jnp.zeros_like(fed))), m
+
+
+def phase_segments(N: int):
+    """The 2N ticks of a call cut into ``(start, stop, (may_land, may_update))`` runs of equal flags: worker
+    N - 1 completes a stage's sum (runs a backward) at phases ``(s - 2(N - 1)) mod 2N >= N``, i.e. ``N - 2 ..
+    2N - 3``, and the other workers land it one tick later."""
+    upd = {s for s in range(2 * N) if (s - 2 * (N - 1)) % (2 * N) >= N}
+    land = {(s + 1) % (2 * N) for s in upd} if N > 1 else set()
+    segs = []
+    for s in range(2 * N):
+        flags = (s in land, s in upd)
+        if segs and segs[-1][2] == flags:
+            segs[-1] = (segs[-1][0], s + 1, flags)
+        else:
+            segs.append((s, s + 1, flags))
+    return segs
 
 
 def single_device_grad(model: PipelineModel, num_workers: int, cyclic: bool = True):
