@@ -121,7 +121,8 @@ def sync_dp_runner(model: PipelineModel, batch, workers: int, opt) -> Callable[[
                                check_vma=False), donate_argnums=(0, 1))
     rep = NamedSharding(mesh, P())
     b = jax.device_put(batch, NamedSharding(mesh, P(DATA)))
-    params = jax.device_put(model.params, rep, may_alias=False)
+    # a copy of our own: the step donates its inputs, and a replicated device_put may alias device 0's shard
+    params = jax.device_put(jax.tree.map(lambda a: jnp.array(a, copy=True), model.params), rep)
     st = {"p": params, "o": jax.device_put(jax.jit(opt.init)(params), rep)}
 
     def run():

@@ -49,6 +49,7 @@ from .runtime.stage import StageOps, stage_residuals
 from .axes import DATA, PIPE, STAGE
 
 RULES = ("v1", "v2")
+BROADCASTS = ("direct", "balanced")
 
 
 class CyclicState(NamedTuple):
@@ -65,8 +66,15 @@ class CyclicDataParallel:
     """Cyclic Data Parallelism over the mesh's ``data`` axis (see the module docstring)."""
 
     def __init__(self, model: PipelineModel, optimizer: optax.GradientTransformation, rule: str = "v2",
-                 mesh=None, *, check_inputs: bool = True, seed: int = 0, nan_bubbles: bool = False):
+                 mesh=None, *, check_inputs: bool = True, seed: int = 0, nan_bubbles: bool = False,
+                 broadcast: str = "direct"):
         self.seed = seed
+        if broadcast not in BROADCASTS:
+            raise ConfigError(f"CyclicDataParallel broadcast={broadcast!r}: choose 'direct' (worker N - 1 sends the "
+                              f"updated stage to each other worker: (N - 1) x the stage per step from one worker) "
+                              f"or 'balanced' (scattered in N - 1 chunks, then all-gathered among the receivers: "
+                              f"no worker sends more than the stage, as in the paper's Table 1)")
+        self.broadcast = broadcast
         if not isinstance(model, PipelineModel):
             raise ConfigError(f"model must be a jp.PipelineModel cut into N stages, got {type(model).__name__}")
         if rule not in RULES:
@@ -163,7 +171,7 @@ class CyclicDataParallel:
         if key in self._fns:
             return self._fns[key]
         model, opt, N, v2 = self.model, self.opt, self.N, self.rule == "v2"
-        seed, ties = self.seed, self.ties
+        seed, ties, balanced = self.seed, self.ties, self.broadcast == "balanced"
         _, xa = self._empty_carry(batch)
 
         def body(params, shadow, versions, opt_state, carry, counters, errors, batch, feed):
@@ -332,6 +340,8 @@ class CyclicDataParallel:
 
                     def bcast(held, j):
                         new = stage_of(st[0], j)
+                        if balanced:
+                            return (balanced_broadcast(new, N, me, DATA), balanced_broadcast(j, N, me, DATA), me < N - 1)
                         acc = None
                         for dst in range(N - 1):
                             m = lax.ppermute((new, j), DATA, [(N - 1, dst)])
@@ -405,6 +415,28 @@ class CyclicDataParallel:
         state, m = self._program(dummy)(state, dummy, jnp.asarray(False))
         t, base, fed = state.counters
         return state._replace(counters=(jnp.zeros_like(t), base + fed, jnp.zeros_like(fed))), m
+
+
+def balanced_broadcast(x, N: int, me, axis):
+    """``x`` (a pytree) of worker ``N - 1`` on every other worker, no worker sending more than ``x``'s size:
+    worker ``N - 1`` scatters ``x`` in ``N - 1`` chunks (chunk ``r`` to worker ``r``), then the receivers
+    all-gather them along a ring (``N - 2`` shifts; each sends ``(N - 2) / (N - 1)`` of ``x``).  The direct
+    alternative sends ``(N - 1)`` copies from one worker.  Exact (a permutation of bytes; leaves of mixed
+    float dtypes travel in their common dtype and come back exactly).  Worker ``N - 1``'s result is garbage."""
+    from jax.flatten_util import ravel_pytree
+    flat, unravel = ravel_pytree(x)
+    R, n = N - 1, flat.shape[0]
+    size = -(-n // R)
+    chunks = jnp.pad(flat, (0, size * R - n)).reshape(R, size)
+    mine = jnp.zeros((size,), flat.dtype)
+    for r in range(R):
+        got = lax.ppermute(chunks[r], axis, [(N - 1, r)])
+        mine = jnp.where(me == r, got, mine)
+    out = jnp.zeros((R, size), flat.dtype).at[jnp.minimum(me, R - 1)].set(mine)
+    for shift in range(1, R):
+        got = lax.ppermute(mine, axis, [(i, (i + shift) % R) for i in range(R)])
+        out = out.at[jnp.mod(me - shift, R)].set(got)
+    return unravel(out.reshape(-1)[:n])
 
 
 def phase_segments(N: int):

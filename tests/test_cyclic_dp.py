@@ -43,6 +43,45 @@ def test_matches_serial_reference(rule, N, opt):
         assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(r), jax.tree.leaves(reps[0])))
 
 
+@pytest.mark.parametrize("N,rule", [(2, "v2"), (3, "v1"), (4, "v2")])
+def test_balanced_broadcast_equals_direct(N, rule):
+    """The updated stage scattered in N - 1 chunks and all-gathered among the receivers (no worker sends
+    more than one stage per update) lands exactly what the direct sends land: bit-identical parameters."""
+    a = run(rule, N, "adamw")
+    b = run(rule, N, "adamw", broadcast="balanced")
+    assert a[4] == 0 and b[4] == 0
+    for x, y in zip(jax.tree.leaves(a[1].params), jax.tree.leaves(b[1].params)):
+        assert np.array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_balanced_broadcast_sends_at_most_one_copy_per_worker():
+    """balanced_broadcast delivers worker N-1's pytree to every other worker, and in the compiled program no
+    worker sends more elements than the pytree holds (rounded up to N-1 chunks); the direct sends would
+    make worker N-1 send N-1 copies."""
+    import re
+    from jax.sharding import PartitionSpec as P
+    from jaxpipe.cyclic import balanced_broadcast
+    N, n = 4, 17
+    mesh = jp.make_mesh(data=N)
+    x = {"a": jnp.arange(N * 10, dtype=jnp.float32).reshape(N, 10), "b": -jnp.arange(N * 7, dtype=jnp.float32).reshape(N, 7)}
+    f = jax.jit(jax.shard_map(lambda t: jax.tree.map(lambda a: a[None], balanced_broadcast(
+        jax.tree.map(lambda a: a[0], t), N, jax.lax.axis_index("data"), "data")), mesh=mesh,
+        in_specs=P("data"), out_specs=P("data"), check_vma=False))
+    out = f(x)
+    for w in range(N - 1):
+        for k in x:
+            assert np.array_equal(np.asarray(out[k][w]), np.asarray(x[k][N - 1]))
+    sent = {}
+    for line in f.lower(x).compile().as_text().splitlines():
+        if "collective-permute(" not in line and "collective-permute-start(" not in line:
+            continue
+        elems = int(np.prod([int(d) for d in re.search(r"\[([0-9,]*)\]", line.split("=")[1]).group(1).split(",") if d]))
+        for src, _ in re.findall(r"\{(\d+),(\d+)\}", line.split("source_target_pairs=")[1]):
+            sent[int(src)] = sent.get(int(src), 0) + elems
+    chunk = -(-n // (N - 1))
+    assert sent and max(sent.values()) <= chunk * (N - 1), sent
+
+
 @pytest.mark.parametrize("rule", ["v1", "v2"])
 def test_nan_bubbles_do_not_leak(rule):
     """Every in-flight buffer starts NaN and idle backward lanes send NaN partial sums around the ring: the
