@@ -296,6 +296,16 @@ class CyclicDataParallel:
             def b_idle(st, c, j, k, gk, err):
                 return (idle_lp, jnp.full((), jnp.nan if self.nan_bubbles else 0, jnp.float32)), c["dy"], err
 
+            def role(t, w):
+                """(active, is_f, stage, step) of worker ``w``'s op at tick ``t``: every worker can compute any
+                worker's, so messages carry no indices or flags (each would be one more collective-permute, a
+                rendezvous of every device, per tick)."""
+                tau = t - 2 * w
+                k = jnp.floor_divide(tau, 2 * N)
+                p = jnp.mod(tau, 2 * N)
+                is_f = p < N
+                return (tau >= 0) & (k < n_fed), is_f, jnp.where(is_f, p, 2 * N - 1 - p), k
+
             def tick_fn(may_land, may_update):
                 """One tick; ``may_land`` / ``may_update``: whether this phase of the period can land an arrived
                 stage / complete a sum on worker N - 1 (static: the ticks that cannot skip the weight-sized
@@ -309,12 +319,7 @@ class CyclicDataParallel:
                 if may_land:
                     st = lax.cond(ok & (me < N - 1), lambda s, cur: land(s, j_in, new_in, cur), lambda s, cur: s, st,
                                   stage_of(st[0], j_in))
-                tau = t - 2 * me
-                k = jnp.floor_divide(tau, 2 * N)
-                p = jnp.mod(tau, 2 * N)
-                active = (tau >= 0) & (k < n_fed)
-                is_f = p < N
-                j = jnp.where(is_f, p, 2 * N - 1 - p)
+                active, is_f, j, k = role(t, me)
                 pos = (j == 0).astype(jnp.int32) + 2 * (j == N - 1).astype(jnp.int32)
                 # F lane and B lane: predicate conds around small switches (docs/design.md §2; a multi-way switch that
                 # passes the model through copies it every tick)
@@ -327,30 +332,33 @@ class CyclicDataParallel:
                     st = lax.cond(sent & (me == N - 1), lambda s, cur: update(s, j, g, cur), lambda s, cur: s, st,
                                   (stage_of(st[0], j), stage_of(st[3], j)))
                 # partial sums travel me -> me + 1; the complete sum goes from N - 1 straight to every worker
-                fwd_ok = sent & (me < N - 1)
                 if N > 1:
                     ring = [(i, i + 1) for i in range(N - 1)]
-                    got = lax.ppermute((g, j, fwd_ok), DATA, ring)
-                    c = {**c, "partial": lax.cond(got[2], lambda q: put(q, got[1], got[0][0]), lambda q: q, c["partial"]),
-                         "pcnt": jnp.where(got[2], c["pcnt"].at[got[1]].set(got[0][1]), c["pcnt"])}
-                    # whether worker N - 1 completed a sum this tick is the same on every worker (it depends on
-                    # the tick only): the broadcast runs under a uniform predicate, on N of the 2N ticks
-                    tau_l = t - 2 * (N - 1)
-                    done_any = (tau_l >= 0) & (jnp.floor_divide(tau_l, 2 * N) < n_fed) & (jnp.mod(tau_l, 2 * N) >= N)
+                    got = lax.ppermute(g if summed else g[0], DATA, ring)
+                    got_g, got_n = got if summed else (got, None)
+                    s_active, s_f, s_j, _ = role(t, me - 1)            # what worker me - 1 sent (nothing if me = 0)
+                    got_ok = s_active & ~s_f & (me > 0)
+                    c = {**c, "partial": lax.cond(got_ok, lambda q: put(q, s_j, got_g), lambda q: q, c["partial"])}
+                    if summed:
+                        c["pcnt"] = jnp.where(got_ok, c["pcnt"].at[s_j].set(got_n), c["pcnt"])
+                    # whether worker N - 1 completed a sum this tick, and of which stage, is known to every worker:
+                    # the broadcast runs under a predicate they agree on, on N of the 2N ticks
+                    l_active, l_f, l_j, _ = role(t, N - 1)
+                    done_any = l_active & ~l_f
 
-                    def bcast(held, j):
-                        new = stage_of(st[0], j)
+                    def bcast(held):
+                        new = stage_of(st[0], l_j)
                         if balanced:
-                            return (balanced_broadcast(new, N, me, DATA), balanced_broadcast(j, N, me, DATA), me < N - 1)
+                            return balanced_broadcast(new, N, me, DATA)
                         acc = None
                         for dst in range(N - 1):
-                            m = lax.ppermute((new, j), DATA, [(N - 1, dst)])
+                            m = lax.ppermute(new, DATA, [(N - 1, dst)])
                             acc = m if acc is None else jax.tree.map(lambda a, b: jnp.where(me == dst, b, a), acc, m)
-                        return (acc[0], acc[1], me < N - 1)
+                        return acc
 
-                    none = lambda held, j: held[:2] + (jnp.zeros((), bool),)
-                    c = {**c, "bcast": lax.cond(done_any, bcast, none, c["bcast"], j) if may_update
-                         else none(c["bcast"], j)}
+                    held = c["bcast"][0]
+                    arrived = lax.cond(done_any, bcast, lambda h: h, held) if may_update else held
+                    c = {**c, "bcast": (arrived, l_j, done_any & (me < N - 1))}
                 return (st, c, err, loss), None
 
             loss0 = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
