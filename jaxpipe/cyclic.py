@@ -98,8 +98,8 @@ class CyclicDataParallel:
                               f"jp.make_mesh(data={model.num_stages})")
         self.model, self.opt, self.rule, self.mesh, self.N = model, optimizer, rule, mesh, N
         self.check_inputs = bool(check_inputs)
-        # a debugging aid (as ``jp.Pipeline``'s): in-flight buffers start NaN and idle backward lanes send NaN
-        # partial sums, so a bubble read into a result shows as a non-finite number
+        # a debugging aid (as ``jp.Pipeline``'s): in-flight buffers start NaN (the ring's message buffer too,
+        # which idle backward lanes resend), so a bubble read into a result shows as a non-finite number
         self.nan_bubbles = bool(nan_bubbles)
         from .tying import Ties
         # tied arrays: held once, in stage 0's pre; a worker's micro-batch reads the version its stage-0 forward
@@ -160,6 +160,7 @@ class CyclicDataParallel:
             act=full(xa, blank, (N,)), dy=full(xa, blank, (N,)),
             gpost=jax.tree.map(lambda a: z(jnp.shape(a), jnp.asarray(a).dtype), lp0[2]),
             partial=jax.tree.map(lambda a: z((N,) + jnp.shape(a), jnp.asarray(a).dtype), lp0),
+            gbuf=(jax.tree.map(lambda a: z(jnp.shape(a), jnp.asarray(a).dtype), lp0), z((), jnp.float32)),
             bcast=(jax.tree.map(lambda a: z(jnp.shape(a), jnp.asarray(a).dtype), lp0),
                    z((), jnp.int32), z((), jnp.bool_)),
             ring=jax.tree.map(lambda a: z((2,) + tuple(a.shape), a.dtype), mb))
@@ -190,7 +191,6 @@ class CyclicDataParallel:
             n_fed = n_fed + feed.astype(jnp.int32)
             stage_of = lambda t, j: jax.tree.map(lambda a: read(a, j), t)
             put = lambda t, j, v: jax.tree.map(lambda a, b: write(a, j, b), t, v)
-            idle_lp = jax.tree.map(lambda a: jnp.full(a.shape[1:], jnp.nan if self.nan_bubbles else 0, a.dtype), lp)
 
             def update(st, j, g_sum, cur_o):
                 # worker N - 1 (where every sum completes) runs the optimizer; stage j's weights and optimizer
@@ -294,7 +294,9 @@ class CyclicDataParallel:
                 return (g, n), dx, err
 
             def b_idle(st, c, j, k, gk, err):
-                return (idle_lp, jnp.full((), jnp.nan if self.nan_bubbles else 0, jnp.float32)), c["dy"], err
+                # the last message buffer passes through (a fresh zero/NaN fill would be a weight-sized write
+                # every forward tick); what it holds is not read: the receiver knows no backward ran
+                return c["gbuf"], c["dy"], err
 
             def role(t, w):
                 """(active, is_f, stage, step) of worker ``w``'s op at tick ``t``: every worker can compute any
@@ -327,7 +329,7 @@ class CyclicDataParallel:
                                         st, c, j, k, base + k, err, loss, pos)
                 sent = active & ~is_f
                 g, dx, err = lax.cond(sent, b_lane, b_idle, st, c, j, k, base + k, err)
-                c = {**c, "dy": dx}
+                c = {**c, "dy": dx, "gbuf": g}
                 if may_update:
                     st = lax.cond(sent & (me == N - 1), lambda s, cur: update(s, j, g, cur), lambda s, cur: s, st,
                                   (stage_of(st[0], j), stage_of(st[3], j)))

@@ -84,8 +84,8 @@ def test_balanced_broadcast_sends_at_most_one_copy_per_worker():
 
 @pytest.mark.parametrize("rule", ["v1", "v2"])
 def test_nan_bubbles_do_not_leak(rule):
-    """Every in-flight buffer starts NaN and idle backward lanes send NaN partial sums around the ring: the
-    result still equals the serial reference, every replica stays finite and the losses are finite."""
+    """Every in-flight buffer starts NaN (idle backward lanes resend the ring's message buffer, NaN at first):
+    the result still equals the serial reference, every replica stays finite and the losses are finite."""
     cdp, state, batches, model, errors = run(rule, 4, "adamw", nan_bubbles=True)
     assert cdp.nan_bubbles and errors == 0
     assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(state.params))
