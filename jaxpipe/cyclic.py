@@ -9,7 +9,9 @@
 N workers on the mesh's ``data`` axis each hold the whole model (cut into N stages, one time step per stage's
 forward or backward) and run micro-batch after micro-batch on their own data, worker ``i`` delayed by
 ``2i`` time steps: worker ``i``'s training step ``k`` runs F of stage ``j`` at tick ``2Nk + 2i + j`` and B of
-stage ``j`` at ``2Nk + 2i + 2N - 1 - j``.  Nothing waits at a barrier and nothing flushes between calls.
+stage ``j`` at ``2Nk + 2i + 2N - 1 - j``.  The program reads this timeline as data, from
+:func:`jaxpipe.schedules.cyclic.period_table` (the pictures' :func:`~jaxpipe.schedules.cyclic.op_of`).
+Nothing waits at a barrier and nothing flushes between calls.
 
 Gradients are reduced by point-to-point ``ppermute``s spread over the step, never one all-reduce: when
 worker ``i`` finishes stage ``j``'s backward it adds its gradient to the partial sum worker ``i - 1`` sent
@@ -46,6 +48,7 @@ from .model import PipelineModel
 from .model import microbatch_key
 from .runtime.common import cast, full, read, where, write
 from .runtime.stage import StageOps, stage_residuals
+from .schedules import cyclic as cyc
 from .axes import DATA, PIPE, STAGE
 
 RULES = ("v1", "v2")
@@ -298,15 +301,15 @@ class CyclicDataParallel:
                 # every forward tick); what it holds is not read: the receiver knows no backward ran
                 return c["gbuf"], c["dy"], err
 
+            table = jnp.asarray(cyc.period_table(N))
+
             def role(t, w):
                 """(active, is_f, stage, step) of worker ``w``'s op at tick ``t``: every worker can compute any
                 worker's, so messages carry no indices or flags (each would be one more collective-permute, a
                 rendezvous of every device, per tick)."""
-                tau = t - 2 * w
-                k = jnp.floor_divide(tau, 2 * N)
-                p = jnp.mod(tau, 2 * N)
-                is_f = p < N
-                return (tau >= 0) & (k < n_fed), is_f, jnp.where(is_f, p, 2 * N - 1 - p), k
+                row = table[jnp.mod(t, 2 * N), w]
+                k = jnp.floor_divide(t, 2 * N) + row[2]
+                return (k >= 0) & (k < n_fed), row[0] == 1, row[1], k
 
             def tick_fn(may_land, may_update):
                 """One tick; ``may_land`` / ``may_update``: whether this phase of the period can land an arrived
@@ -453,7 +456,7 @@ def phase_segments(N: int):
     """The 2N ticks of a call cut into ``(start, stop, (may_land, may_update))`` runs of equal flags: worker
     N - 1 completes a stage's sum (runs a backward) at phases ``(s - 2(N - 1)) mod 2N >= N``, i.e. ``N - 2 ..
     2N - 3``, and the other workers land it one tick later."""
-    upd = {s for s in range(2 * N) if (s - 2 * (N - 1)) % (2 * N) >= N}
+    upd = set(cyc.update_phases(N))
     land = {(s + 1) % (2 * N) for s in upd} if N > 1 else set()
     segs = []
     for s in range(2 * N):
@@ -474,7 +477,6 @@ def single_device_grad(model: PipelineModel, num_workers: int, cyclic: bool = Tr
     ``jax.grad``).  ``cyclic=False`` runs the same program with every worker in step (DP's order: no delay,
     a pool of N x N slots), so XLA's temp bytes of the two differ only by the order.
     :func:`single_device_dp_grad` is plain ``jax.grad`` over each step's N micro-batches, for reference."""
-    from .schedules import cyclic as cyc
     N = num_workers
     delay = 2 if cyclic else 0
     size = cyc.pool_size(N) if cyclic else N * N

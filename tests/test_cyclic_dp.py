@@ -174,3 +174,21 @@ def test_bad_batch():
     cdp = jp.CyclicDataParallel(model, optax.sgd(0.1), mesh=jp.make_mesh(data=2))
     with pytest.raises(jp.ConfigError, match="divisible"):
         cdp.step(cdp.init(), batch_fn(3))
+
+
+@pytest.mark.parametrize("N", [1, 2, 3, 4, 8])
+def test_period_table_is_the_pictured_timeline(N):
+    """The executor's table (one period, per worker: kind, stage, step offset) replays the timeline the
+    pictures draw (op_of) tick for tick over several periods, and its update phases are where worker N-1
+    runs a backward."""
+    tab = cyc.period_table(N)
+    for t in range(6 * N):
+        for i in range(N):
+            kind, j, k = cyc.op_of(N, i, t)
+            code, stage, off = tab[t % (2 * N), i]
+            step = t // (2 * N) + off
+            if not kind:
+                assert step < 0
+            else:
+                assert (code, stage, step) == (1 if kind == "F" else 2, j, k)
+    assert cyc.update_phases(N) == [s for s in range(2 * N) if cyc.op_of(N, N - 1, 4 * N + s)[0] == "B"]
