@@ -148,3 +148,19 @@ def test_table1_comparison_names_each_difference():
     assert ss.g0_inflight == [12, 11, 10, 9]
     assert (ss.activations_units, ss.table1_units) == (52.0, 58.0)
     assert wp.steady_state(8, 8).activations_units > wp.steady_state(8, 8).table1_units    # larger below M = D + 2
+
+
+@pytest.mark.parametrize("D,M", [(1, 1), (2, 1), (4, 3), (4, 8)])
+def test_period_table_is_the_pictured_timeline(D, M):
+    """The executor's table (one batch period: kind, group, batch offset, micro-batch per device) replays
+    the timeline the pictures draw (op_at) tick for tick, idle where op_at has nothing yet."""
+    tab = wp.period_table(D, M)
+    for t in range(12 * M + 2 * D):
+        for d in range(D):
+            kind, g, off, j = tab[t % (4 * M), d]
+            b = t // (4 * M) + off
+            op = wp.op_at(t, d, D, M)
+            if op is None or op[2] < 0:
+                assert b < 0
+            else:
+                assert (kind, g, b, j) == (1 if op[0] == "F" else 2, op[1], op[2], op[3])

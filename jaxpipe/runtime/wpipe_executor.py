@@ -5,7 +5,8 @@ chunks: G0's partition ``d`` (chunk 0, with two versions: current and shadow) an
 (chunk 1, one version), each with its own optimizer state and gradient accumulator (``lp_c = (w_c, pre,
 post)``; only device 0's ``pre`` and device D-1's ``post`` are trained, as in the asynchronous executor).
 At tick ``t`` device ``d`` runs the down op (a forward) of stream unit ``(t - d) / 2`` or the up op (a
-backward) of unit ``(t - 2D + 1 + d) / 2``; forwards go to ``d + 1`` and backwards to ``d - 1`` the next
+backward) of unit ``(t - 2D + 1 + d) / 2`` (read from :func:`jaxpipe.schedules.wpipe.period_table`, the
+timeline the pictures draw); forwards go to ``d + 1`` and backwards to ``d - 1`` the next
 tick, except the two wrap-around messages (G0 -> G1 activation on device 0, G1 -> G0 gradient on device
 D - 1), which wait 2M - D ticks in a buffer indexed by micro-batch.  A group's update lands on a device after
 its backward of the batch's last micro-batch there: G1's is read by the next batch's forwards, G0's only by
@@ -28,6 +29,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from ..model import microbatch_key
+from ..schedules import wpipe as wpipe_schedule
 from ..tying import Ties
 from .common import cast, full, read, where, write
 from .stage import StageOps
@@ -218,26 +220,34 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
         junk_tie = full(tie_avals, jnp.nan if nan_bubbles else 0)
         junk_cnt = jnp.full((), jnp.nan if nan_bubbles else 0, jnp.float32)
 
+        table = jnp.asarray(wpipe_schedule.period_table(D, M))
+
+        def role(t, d):
+            """(active, down, group, batch, micro-batch, flag, sends) of device ``d``'s op at tick ``t``, read from
+            the timeline's table; every device can compute any device's, so messages carry no indices or flags
+            (each would be one more collective-permute -- a rendezvous of every device -- per tick)."""
+            row = table[jnp.mod(t, T), d]
+            even, g, j = row[0] == 1, row[1], row[3]
+            b = jnp.floor_divide(t, T) + row[2]            # forwards: G0's is the next batch's
+            active = (b >= 0) & (b < n_fed)
+            flag = jnp.where(g == 0, d == 0, d == D - 1)     # pre on G0's first, loss on G1's last
+            sends = active & jnp.where(even, ~((g == 1) & flag), ~((g == 0) & flag))
+            return active, even, g, b, j, flag, sends
+
         def tick(s, t):
             st, c, err, loss = s
-            even = (t - me) % 2 == 0
-            u = jnp.where(even, t - me, t - 2 * D + 1 + me) // 2
-            P_, r = jnp.floor_divide(u, 2 * M), jnp.mod(u, 2 * M)
-            g = (r >= M).astype(jnp.int32)
-            j = r - g * M
-            b = jnp.where(even, P_, P_ - 1 + g)            # forwards: batch P (G0's is the next batch's)
-            active = (u >= 0) & (b >= 0) & (b < n_fed)
-            flag = jnp.where(g == 0, me == 0, me == D - 1)     # pre on G0's first, loss on G1's last
+            active, even, g, b, j, flag, _ = role(t, me)
             gb = base + b
             # F lane and B lane: predicate conds around small switches (docs/design.md §2); one op per tick
             c, err, loss, mf = lax.cond(active & even, f_lane, f_idle, gb, j, g, flag, st, c, err, loss)
             st, err, mb_, cnt_acc = lax.cond(active & ~even, b_lane, b_idle, gb, j, g, flag, st, c, err)
             c = c._replace(cnt_acc=cnt_acc)
-            okf = active & even & ~((g == 1) & flag)
-            okb = active & ~even & ~((g == 0) & flag)
             # forwards travel d -> d + 1, backwards d -> d - 1; the wrap-arounds land in the buffers
-            (rf, tf), jf, of = lax.ppermute((mf, j, okf), STAGE, [(d, (d + 1) % D) for d in range(D)])
-            (rb, tb, cb), jb, ob = lax.ppermute((mb_, j, okb), STAGE, [(d, (d - 1) % D) for d in range(D)])
+            rf, tf = lax.ppermute(mf, STAGE, [(d, (d + 1) % D) for d in range(D)])
+            rb, tb, cb = lax.ppermute(mb_, STAGE, [(d, (d - 1) % D) for d in range(D)])
+            _, f_down, _, _, jf, _, f_sends = role(t, jnp.mod(me - 1, D))      # what arrived, and for which
+            _, b_down, _, _, jb, _, b_sends = role(t, jnp.mod(me + 1, D))      # micro-batch
+            of, ob = f_sends & f_down, b_sends & ~b_down
             at0, atl = me == 0, me == D - 1
             # buffers are written in place, into slot M (scratch) when nothing arrived for them: a select of
             # the whole buffer would copy it every tick

@@ -63,6 +63,21 @@ def op_at(t: int, d: int, D: int, M: int) -> Optional[Tuple[str, int, int, int]]
     return ("B", g, p, j)
 
 
+def period_table(D: int, M: int):
+    """The timeline as data for the executor (``runtime/wpipe_executor.py`` reads it; pictures read
+    :func:`op_at`, the same function): ``[4M, D, 4]`` int32, at phase ``s`` of a period (tick ``t = 4M q + s``,
+    one batch per period) device ``d`` runs ``(kind, group, batch offset, micro-batch)``: kind 1 = down
+    (forward), 2 = up (backward), of batch ``q + offset``; a batch outside ``[0, batches fed)`` idles."""
+    import numpy as np
+    check(D, M)
+    tab = np.zeros((4 * M, D, 4), np.int32)
+    for s in range(4 * M):
+        for d in range(D):
+            kind, g, b, j = op_at(8 * M + s, d, D, M)      # a steady-state period (q = 2)
+            tab[s, d] = (1 if kind == F else 2, g, b - 2, j)
+    return tab
+
+
 @dataclasses.dataclass
 class WPipeSteadyState:
     D: int
