@@ -204,3 +204,53 @@ def test_eager_reduction_point_is_early(D, N):
     t_e, src, chunk, dst = eager_point(s)
     assert (src, chunk, dst) == (0, 1, D - 1)
     assert t_e < s.num_ticks - D // 2
+
+
+# ---------------------------------------------------------------------- forward doubling as one 2B micro-batch
+@pytest.mark.parametrize("kind,D,M,data", [("mlp", 4, 8, 1), ("mlp", 4, 12, 2), ("mlp", 2, 4, 1), ("gpt", 4, 8, 1)])
+def test_double_batch_matches_jax_grad_in_one_forward(kind, D, M, data):
+    """Chimera §3.5: each forward pair runs as ONE stage forward over both micro-batches concatenated (the
+    stage function is traced at twice the micro-batch's rows), and the loss and gradients still equal plain
+    jax.grad; the NaN-filled bubbles stay out of them."""
+    import dataclasses
+    model, batch_fn = small_model(kind, D)
+    rows_seen = set()
+
+    def traced(w, x):
+        rows_seen.add(int(jax.tree.leaves(x)[0].shape[0]))
+        return model.stage_fn(w, x)
+
+    m = dataclasses.replace(model, stage_fn=traced)
+    batch = batch_fn(2 * M * data)
+    rows = 2 * M * data // (M * data)
+    for nan in (False, True):
+        pipe = jp.Pipeline(m, schedule="chimera", num_microbatches=M, optimizer=optax.sgd(0.1), placement="ordered",
+                           mesh=jp.make_mesh(stages=D, data=data), nan_bubbles=nan,
+                           options={"concat": "forward_doubling", "double_batch": True})
+        loss, grads = pipe.loss_and_grad(pipe.init(), batch)
+        ref_loss, ref_grads = reference(model, batch)
+        assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+        assert rel_err(grads, ref_grads) <= 1e-5
+    assert 2 * rows in rows_seen          # the doubled forward ran (and the recomputing backward at `rows`)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(options={"concat": "direct", "double_batch": True}), "needs concat='forward_doubling'"),
+    (dict(options={"concat": "forward_doubling", "double_batch": True}), "placement='ordered'"),
+])
+def test_double_batch_bad_configuration(kw, match):
+    model, batch_fn = small_model("mlp", 4)
+    with pytest.raises((jp.ConfigError, schedules.ScheduleError), match=match):
+        pipe = jp.Pipeline(model, schedule="chimera", num_microbatches=8, optimizer=optax.sgd(0.1),
+                           mesh=jp.make_mesh(stages=4), **kw)
+        pipe.loss_and_grad(pipe.init(), batch_fn(16))
+
+
+def test_double_batch_refuses_a_context_model():
+    """A stage context (dropout key per micro-batch) cannot be reproduced by one forward of two micro-batches."""
+    model = jp.models.gpt(4, vocab=32, d_model=16, heads=2, seq_len=8, dropout=0.1)
+    pipe = jp.Pipeline(model, schedule="chimera", num_microbatches=8, optimizer=optax.sgd(0.1), placement="ordered",
+                       mesh=jp.make_mesh(stages=4), options={"concat": "forward_doubling", "double_batch": True})
+    t = np.random.default_rng(0).integers(0, 32, (16, 9)).astype(np.int32)
+    with pytest.raises(jp.ConfigError, match="stage context"):
+        pipe.loss_and_grad(pipe.init(), {"x": t[:, :-1], "y": t[:, 1:]})

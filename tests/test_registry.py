@@ -27,7 +27,7 @@ def test_unknown_options_name_the_valid_ones_and_their_owner():
                                                       r"\('virtual' is an option of interleaved_1f1b\)"):
         schedules.options_for("1f1b", 4, 4, {"virtual": 2})
     model, _ = small_model("mlp", 4)
-    with pytest.raises(jp.ConfigError, match=r"known: \['concat', 'eager_reduce', 'pipelines'\]"):
+    with pytest.raises(jp.ConfigError, match=r"known: \['concat', 'double_batch', 'eager_reduce', 'pipelines'\]"):
         jp.Pipeline(model, schedule="chimera", num_microbatches=4, optimizer=optax.sgd(0.1),
                     mesh=jp.make_mesh(stages=4), options={"pipes": 2})
     with pytest.raises(jp.ConfigError, match="give a dict"):

@@ -60,6 +60,42 @@ def _branch_codes(p):
     return tab, used
 
 
+def double_pair(model, p, table, used, x_aval, mb_example):
+    """``(F lane, F2 lane)`` for Chimera's forward doubling as one double-size micro-batch, after checking
+    that it computes what the paired forwards compute: a context-free model (a stage context is per
+    micro-batch), activations and stashed residuals with the micro-batch's rows on their leading axis (the
+    pair is split back there), and wherever F2 runs, F runs the same stage position."""
+    from ..errors import ConfigError
+    from .common import residual_mask
+    if F2 not in p.lanes:
+        raise ConfigError("double_batch=True runs paired forwards as one: it needs Chimera with "
+                          "concat='forward_doubling' and placement='ordered' (the lanes placement runs forwards "
+                          "one per F lane beside the backwards, unpaired)")
+    la, lb = p.lanes.index("F"), p.lanes.index(F2)
+    if model.context:
+        raise ConfigError("double_batch=True: this model takes a stage context (a key per micro-batch), which "
+                          "one forward of two micro-batches cannot reproduce; use double_batch=False (paired "
+                          "forwards, the same numbers)")
+    rows = {int(np.shape(a)[0]) for a in jax.tree.leaves(mb_example)}
+    xs = {int(np.shape(a)[0]) if np.ndim(a) else -1 for a in jax.tree.leaves(x_aval)}
+    w = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), model.stage_params)
+    x2 = jax.tree.map(lambda a: jax.ShapeDtypeStruct((2 * a.shape[0],) + tuple(a.shape[1:]), a.dtype), x_aval)
+    _, r1 = residual_mask(model.stage_fn, w, x_aval, None)
+    _, r2 = residual_mask(model.stage_fn, w, x2, None)
+    ok_res = len(r1) == len(r2) and all(tuple(b.shape) == (2 * a.shape[0],) + tuple(a.shape[1:])
+                                        for a, b in zip(r1, r2))
+    if len(rows) != 1 or xs != rows or not ok_res:
+        raise ConfigError(f"double_batch=True concatenates two micro-batches along the leading axis: every "
+                          f"activation leaf and stashed residual must lead with the micro-batch's rows "
+                          f"(micro-batch rows {sorted(rows)}, activation leading sizes {sorted(xs)}, residuals "
+                          f"split {'ok' if ok_res else 'not along the rows'}); use double_batch=False")
+    both = (table[:, :, lb, L["op"]] > 0)
+    if np.any(both & (table[:, :, la, L["op"]] <= 0)) or np.any(
+            both & (np.asarray(used[la])[table[:, :, la, L["branch"]]] != np.asarray(used[lb])[table[:, :, lb, L["branch"]]])):
+        raise ConfigError("double_batch=True: the plan pairs forwards of different stage positions (executor bug)")
+    return la, lb
+
+
 def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bool = False,
                  replicas: bool = False, placement: str = "lanes", lanes=None) -> Callable:
     """Return ``fn(stage_params, pre_params, post_params, batch) -> (loss, (g_stage, g_pre, g_post))``.
@@ -98,6 +134,7 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
     blank_value = jnp.nan if nan_bubbles else 0      # what unwritten buffers and idle lanes hold
 
     perms = exchange_perms(sched)
+    pair = double_pair(model, p, table, used, x_aval, mb_example) if sched.options.get("double_batch") else None
     eager = eager_point(sched, p.where) if sched.options.get("eager_reduce") else None
     red = (DATA,) if replicas else DP_AXES
     split = sched.has_w()
@@ -145,13 +182,40 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
                 y, res, head = ops.forward(ws[chunk], x, mb, pre_p, post_p, first, last, ctx)
                 if not last:
                     return res, acc, cast(y, x_aval)
-                l, n, gq, dy = head
-                gws, gpre, gpost, (gl, gn) = acc
-                if summed:      # (sum, count) losses: divided by the global count after the pipeline
-                    acc = (gws, gpre, add(gpost, gq), (gl + l.astype(jnp.float32), gn + n))
-                    return res, acc, cast(dy, x_aval)
-                acc = (gws, gpre, add(gpost, jax.tree.map(lambda g: g / M, gq)), (gl + (l / M).astype(jnp.float32), gn))
-                return res, acc, cast(jax.tree.map(lambda d: d / M, dy), x_aval)
+                acc, dy = account(acc, head)
+                return res, acc, dy
+            return op
+
+        def account(acc, head):
+            """The last stage's loss and head gradient added to the accumulators; returns (acc, dL/dy)."""
+            l, n, gq, dy = head
+            gws, gpre, gpost, (gl, gn) = acc
+            if summed:      # (sum, count) losses: divided by the global count after the pipeline
+                return (gws, gpre, add(gpost, gq), (gl + l.astype(jnp.float32), gn + n)), cast(dy, x_aval)
+            acc = (gws, gpre, add(gpost, jax.tree.map(lambda g: g / M, gq)), (gl + (l / M).astype(jnp.float32), gn))
+            return acc, cast(jax.tree.map(lambda d: d / M, dy), x_aval)
+
+        def fwd_double(chunk, first, last):
+            """Chimera §3.5's forward doubling as one micro-batch of twice the size: the pair's inputs
+            concatenated along the batch axis, one stage forward, the output and the stashed residuals (the
+            stage input: forward doubling recomputes) split back per micro-batch; the loss head runs per
+            micro-batch (a mean over each, as the unpaired forward)."""
+            def op(ra, rb, stash, mbuf, acc):
+                mba, mbb = mb_of(ra), mb_of(rb)
+                if first:
+                    xa, xb = model.pre(pre_p, mba), model.pre(pre_p, mbb)
+                else:
+                    xa, xb = read(mbuf, ra[L["in"]]), read(mbuf, rb[L["in"]])
+                x = jax.tree.map(lambda a, b: jnp.concatenate([a, b], 0), xa, xb)
+                y, res, _ = ops.forward(ws[chunk], x, None, pre_p, post_p, False, False, None)
+                half = lambda t, k: jax.tree.map(lambda a: a[k * (a.shape[0] // 2):(k + 1) * (a.shape[0] // 2)], t)
+                ya, yb = half(y, 0), half(y, 1)
+                res_a, res_b = [half(r, 0) for r in res], [half(r, 1) for r in res]
+                if not last:
+                    return res_a, res_b, acc, cast(ya, x_aval), cast(yb, x_aval)
+                acc, dya = account(acc, ops.head(post_p, ya, mba))
+                acc, dyb = account(acc, ops.head(post_p, yb, mbb))
+                return res_a, res_b, acc, dya, dyb
             return op
 
         def bwd(chunk, want_dw=True, want_dx=True):
@@ -188,6 +252,12 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
             return bwd(chunk, want_dx=False)
 
         branches = [[make(kind, c) for c in used[li]] for li, kind in enumerate(p.lanes)]
+        pair_branches = None
+        if pair is not None:          # indexed like the F lane's branches (same codes, checked in double_pair)
+            pair_branches = [lambda ra, rb, stash, mbuf, acc: (no_res(), no_res(), acc, blank(), blank())]
+            for code in used[pair[0]][1:]:
+                chunk, f = divmod(int(code) - 1, 4)
+                pair_branches.append(fwd_double(chunk, bool(f & 1), bool(f & 2)))
 
         def backward_lane(li, row, stash, mbuf, acc):
             # one predicate cond per chunk, each passing through only that chunk's gradient (and g_pre): a
@@ -217,11 +287,33 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
                 acc = ([g0] + list(gws[1:]), gpre, gpost, gl)
             else:
                 acc, msg = backward_lane(li, row, stash, mbuf, acc)
+            return stash, deliver(li, row, msg, mbuf), acc
+
+        def deliver(li, row, msg, mbuf):
+            """The lane's message kept on the device and/or sent on its channels (one ppermute each)."""
             if p.keeps[li]:
                 mbuf = write(mbuf, row[L["keep"]], msg)
             for ch in p.channels[li]:
                 mbuf = write(mbuf, row[_RECV[ch]], lax.ppermute(msg, STAGE, ring[ch]))
-            return stash, mbuf, acc
+            return mbuf
+
+        def lane_pair(la, lb, ra, rb, c):
+            """The F lane and its F2 pair lane as one doubled forward where both run (fwd_double), the F
+            lane alone where only it does."""
+            stash, mbuf, acc = c
+
+            def single(ra, rb, stash, mbuf, acc):
+                res, acc, msg = lax.switch(ra[L["branch"]], branches[la], ra, stash, mbuf, acc)
+                return res, no_res(), acc, msg, blank()
+
+            def double(ra, rb, stash, mbuf, acc):
+                return lax.switch(ra[L["branch"]], pair_branches, ra, rb, stash, mbuf, acc)
+
+            res_a, res_b, acc, msg_a, msg_b = lax.cond(rb[L["op"]] > 0, double, single, ra, rb, stash, mbuf, acc)
+            slot_a = jnp.where(ra[L["op"]] > 0, ra[L["stash"]], p.stash_capacity)
+            slot_b = jnp.where(rb[L["op"]] > 0, rb[L["stash"]], p.stash_capacity)
+            stash = [write(write(a, slot_a, r), slot_b, q) for a, r, q in zip(stash, res_a, res_b)]
+            return stash, deliver(lb, rb, msg_b, deliver(la, ra, msg_a, mbuf)), acc
 
         def direct_op(t0, t1, li):
             """The op a lane runs without a conditional in ticks [t0, t1) where it is busy in every tick: on
@@ -240,7 +332,12 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
             def tick(c, rows):
                 row = rows[me]
                 for li in lanes_used:
-                    c = lane(li, row[li], c, direct.get(li))
+                    if pair is not None and li == pair[1] and pair[0] in lanes_used:
+                        continue                            # run with its F lane
+                    if pair is not None and li == pair[0] and pair[1] in lanes_used:
+                        c = lane_pair(pair[0], pair[1], row[pair[0]], row[pair[1]], c)
+                    else:
+                        c = lane(li, row[li], c, direct.get(li))
                 return c, None
             return tick
 

@@ -117,15 +117,21 @@ def list_schedule(priority: List[List[Action]], D: int, M: int) -> List[List[Act
 
 
 def build_chimera(num_stages: int, num_microbatches: int, pipelines: int = 2, concat: str = "direct",
-                  eager_reduce: bool = False) -> Schedule:
+                  eager_reduce: bool = False, double_batch: bool = False) -> Schedule:
+    """``double_batch`` (forward doubling only): the executor runs each forward pair as one micro-batch of
+    twice the size (§3.5: the point is the arithmetic intensity), not as two forwards in one tick."""
     D, M = num_stages, num_microbatches
     check(D, M, pipelines, concat)
     if eager_reduce and pipelines != 2:
         raise ScheduleError(f"chimera: eager_reduce=True is implemented for 2 pipelines (the last stage's two "
                             f"replicas); got pipelines={pipelines}: use eager_reduce=False")
+    if double_batch and concat != "forward_doubling":
+        raise ScheduleError(f"chimera: double_batch=True runs forward doubling's pairs as one double-size "
+                            f"micro-batch; it needs concat='forward_doubling' (got concat={concat!r})")
     if concat != "direct":
         s = build_doubled(D, M, pipelines, concat)
         s.options["eager_reduce"] = eager_reduce
+        s.options["double_batch"] = bool(double_batch)
         return s
     units = [merge(unit_ticks(D, split_microbatches(list(range(m0, min(m0 + D, M))), pipelines), pipelines), D)
              for m0 in range(0, M, D)]

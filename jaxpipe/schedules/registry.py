@@ -83,8 +83,8 @@ METHODS: Dict[str, Method] = {m.name: m for m in [
     Method("zb_h1", True, False, _one, "Qi et al. 2024, Zero Bubble (ZB-H1)",
            options={"max_deferred_w": None}, builder_keys=("max_deferred_w",)),
     Method("chimera", True, False, _one, "Li & Hoefler 2021, Chimera",
-           options={"pipelines": 2, "concat": "direct", "eager_reduce": False},
-           builder_keys=("pipelines", "concat", "eager_reduce"),
+           options={"pipelines": 2, "concat": "direct", "eager_reduce": False, "double_batch": False},
+           builder_keys=("pipelines", "concat", "eager_reduce", "double_batch"),
            recompute=lambda o: o.get("concat") == "forward_doubling"),     # §3.5
     Method("avgpipe", False, True, _one, "AvgPipe: elastic averaging of parallel pipelines", runner="avgpipe",
            options={"alpha": None, "advance": "auto", "memory_limit": None, "tolerance": 0.02},
