@@ -26,7 +26,7 @@ flags.DEFINE_string("schedules", "gpipe,pipedream,pipedream_2bw,spectrain,pipeop
                     "cdp_v1, cdp_v2 (cyclic data parallelism, pipeline form; the DP form jp.CyclicDataParallel "
                     "computes the same numbers, tested), avgpipe (--avgpipe_pipes parallel pipelines, the global "
                     "batch split over them, elastic averaging with alpha = 1/N), wpipe (the same --stages partitions "
-                    "on stages/2 devices)")
+                    "on stages/2 devices), wpipe_apc (wpipe with float16-compressed messages, APC)")
 flags.DEFINE_integer("avgpipe_pipes", 2, "parallel pipelines N of avgpipe (N x stages devices)")
 flags.DEFINE_float("target_slack", 0.05, "steps-to-target: the first evaluation whose eval loss is within this "
                    "fraction of the dp baseline's final eval loss (AvgPipe Fig. 14)")
@@ -64,12 +64,15 @@ def run_one(task, opt_name, schedule, seed, steps, lr):
     # "dp": the synchronous baseline -- plain data-parallel SGD semantics (one update per step from the
     # gradient at the current weights), which every synchronous schedule computes exactly; run as GPipe
     name = "gpipe" if schedule == "dp" else schedule
+    # "wpipe_apc": WPipe with its automatic precision compression of activations/gradients (appendix A.3)
+    apc = name == "wpipe_apc"
+    name = "wpipe" if apc else name
     if name == "wpipe":
         # the same model (D partitions) on D/2 devices: G0 = partitions 0..D/2-1, G1 the rest
         if D % 2:
             raise app.UsageError(f"wpipe cuts the model into 2 x devices partitions: --stages={D} must be even")
         pipe = jp.Pipeline(model, schedule=name, num_microbatches=M, optimizer=opt,
-                           mesh=jp.make_mesh(stages=D // 2))
+                           mesh=jp.make_mesh(stages=D // 2), options={"apc": apc})
     elif name == "avgpipe":
         # N pipelines, each on its share of the global batch (same samples per step as dp)
         pipe = jp.Pipeline(model, schedule=name, num_microbatches=M, optimizer=opt,

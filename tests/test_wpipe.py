@@ -164,3 +164,46 @@ def test_period_table_is_the_pictured_timeline(D, M):
                 assert b < 0
             else:
                 assert (kind, g, b, j) == (1 if op[0] == "F" else 2, op[1], op[2], op[3])
+
+
+def test_apc_roundtrip_is_float16_exact_to_its_mantissa():
+    """WPipe's automatic precision compression (appendix A.3): float16 payload with a power-of-2 scaler per
+    leaf; values within 2^14 of the leaf's largest come back within 2^-11 relative; integer leaves and
+    non-finite values pass as they are."""
+    import jax.numpy as jnp
+    from jaxpipe.runtime.wpipe_executor import apc_pack, apc_unpack
+    r = np.random.default_rng(0)
+    for scale in (1e-6, 1.0, 1e6):
+        x = {"a": jnp.asarray(r.standard_t(3, size=(32, 16)).astype(np.float32) * scale),
+             "i": jnp.arange(4, dtype=jnp.int32)}
+        packed = apc_pack(x)
+        assert packed[0]["a"].dtype == jnp.float16 and packed[0]["i"].dtype == jnp.int32
+        y = apc_unpack(packed, x)
+        a, b = np.asarray(x["a"]), np.asarray(y["a"])
+        normal = np.abs(a) > np.abs(a).max() * 2.0 ** -14
+        assert b.dtype == np.float32 and np.all(np.abs(b - a)[normal] <= 2.0 ** -11 * np.abs(a)[normal])
+        assert np.array_equal(np.asarray(y["i"]), np.arange(4))
+    z = apc_unpack(apc_pack(jnp.asarray([1.0, jnp.inf, jnp.nan])), jnp.zeros(3))
+    assert not np.isfinite(np.asarray(z)).all()
+
+
+def test_apc_compresses_messages_and_stays_close():
+    """options={"apc": True}: the step's messages travel as float16 (compiled collective-permutes), and the
+    trained parameters stay within float16's precision of the exact run -- but are not equal to it."""
+    import re
+    import jax.numpy as jnp
+    model, batch_fn = small_model("mlp", 8)
+    out = {}
+    for apc in (False, True):
+        pipe = jp.Pipeline(model, schedule="wpipe", num_microbatches=4, optimizer=optax.sgd(0.1),
+                           mesh=jp.make_mesh(stages=4), options={"apc": apc})
+        st = pipe.init()
+        for k in range(3):
+            st, m = pipe.step(st, batch_fn(8, s=k))
+        fn = next(iter(pipe._runner._fns.values()))
+        hlo = fn.lower(st, batch_fn(8, s=0), jnp.asarray(True)).compile().as_text()
+        out[apc] = (pipe.params(pipe.drain(st)[0]), re.findall(r"= (\w+)\[[0-9,]+\][^=]*collective-permute\(", hlo))
+    assert "f16" in out[True][1] and "f16" not in out[False][1]
+    change = lambda p: jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), p, model.params)
+    err = rel_err(change(out[True][0]), change(out[False][0]))
+    assert 1e-6 < err < 1e-2, err

@@ -84,7 +84,8 @@ class WPipeRunner(InFlightRunner):
         key = (jax.tree.structure(batch), tuple((np.shape(l), str(l.dtype)) for l in jax.tree.leaves(batch)))
         if key not in self._fns:
             fn, _ = make_wpipe_fn(self.ctx.model, self.ctx.optimizer, self.D, self.M, self.ctx.mesh,
-                                  self._mb(batch), nan_bubbles=self.ctx.nan_bubbles, seed=self.ctx.seed)
+                                  self._mb(batch), nan_bubbles=self.ctx.nan_bubbles, seed=self.ctx.seed,
+                                  apc=bool(self.ctx.options.get("apc")))
 
             def run(state: WPipeState, batch, feed):
                 out = fn(state.params, state.opt_state, state.shadow0, state.versions, state.accs, state.errors,

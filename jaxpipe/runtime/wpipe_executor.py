@@ -58,8 +58,34 @@ class WPipeCarry(NamedTuple):
     cnt_acc: Any = 0.0   # [2]: each group's count of the batch it accumulates
 
 
-def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: bool = False, seed: int = 0):
-    """``fn(lps, opt_states, shadow0, versions, accs, errors, carry, counters, batch, feed)``: 4M ticks."""
+def apc_pack(x):
+    """WPipe's automatic precision compression (appendix A.3, Figure 12), for one message: every floating leaf
+    divided by a power-of-2 scaler and sent as float16 with it.  The scaler 2^e is chosen from the leaf's
+    largest magnitude so that the quotient stays below 2^14: the conversion cannot overflow, so the paper's
+    full-precision fallback never triggers for finite values (a non-finite leaf stays non-finite, as in
+    float32).  What is lost: the float16 mantissa (11 bits) and values below 2^(e - 24)."""
+    def one(a):
+        if not jnp.issubdtype(a.dtype, jnp.floating) or a.dtype.itemsize <= 2:
+            return a, jnp.zeros((), jnp.float32)
+        m = jnp.max(jnp.abs(a)).astype(jnp.float32)
+        e = jnp.where(jnp.isfinite(m) & (m > 0), jnp.ceil(jnp.log2(jnp.where(m > 0, m, 1.0))) - 14.0, 0.0)
+        return (a * jnp.exp2(-e).astype(a.dtype)).astype(jnp.float16), e
+    leaves, tdef = jax.tree.flatten(x)
+    packed = [one(a) for a in leaves]
+    return tdef.unflatten([q for q, _ in packed]), tdef.unflatten([e for _, e in packed])
+
+
+def apc_unpack(packed, like):
+    """The receiver's side of :func:`apc_pack`: back to the original dtypes of ``like``, times the scaler."""
+    payload, e = packed
+    return jax.tree.map(lambda q, s, a: q if q.dtype == a.dtype else (q.astype(a.dtype) * jnp.exp2(s).astype(a.dtype)),
+                        payload, e, like)
+
+
+def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: bool = False, seed: int = 0,
+                  apc: bool = False):
+    """``fn(lps, opt_states, shadow0, versions, accs, errors, carry, counters, batch, feed)``: 4M ticks.
+    ``apc``: activations and gradients travel compressed (:func:`apc_pack`)."""
     pre = model.pre
     w_example = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), model.stage_params)
     x_aval = jax.eval_shape(pre, model.pre_params, mb_example)
@@ -243,8 +269,15 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
             st, err, mb_, cnt_acc = lax.cond(active & ~even, b_lane, b_idle, gb, j, g, flag, st, c, err)
             c = c._replace(cnt_acc=cnt_acc)
             # forwards travel d -> d + 1, backwards d -> d - 1; the wrap-arounds land in the buffers
-            rf, tf = lax.ppermute(mf, STAGE, [(d, (d + 1) % D) for d in range(D)])
-            rb, tb, cb = lax.ppermute(mb_, STAGE, [(d, (d - 1) % D) for d in range(D)])
+            fwd_pairs, bwd_pairs = [(d, (d + 1) % D) for d in range(D)], [(d, (d - 1) % D) for d in range(D)]
+            if apc:      # the activation and the gradient travel compressed; ties and counts as they are
+                rf = apc_unpack(lax.ppermute(apc_pack(mf[0]), STAGE, fwd_pairs), mf[0])
+                rb = apc_unpack(lax.ppermute(apc_pack(mb_[0]), STAGE, bwd_pairs), mb_[0])
+                tf = lax.ppermute(mf[1], STAGE, fwd_pairs)
+                tb, cb = lax.ppermute(mb_[1:], STAGE, bwd_pairs)
+            else:
+                rf, tf = lax.ppermute(mf, STAGE, fwd_pairs)
+                rb, tb, cb = lax.ppermute(mb_, STAGE, bwd_pairs)
             _, f_down, _, _, jf, _, f_sends = role(t, jnp.mod(me - 1, D))      # what arrived, and for which
             _, b_down, _, _, jb, _, b_sends = role(t, jnp.mod(me + 1, D))      # micro-batch
             of, ob = f_sends & f_down, b_sends & ~b_down

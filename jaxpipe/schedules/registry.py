@@ -90,7 +90,8 @@ METHODS: Dict[str, Method] = {m.name: m for m in [
            options={"alpha": None, "advance": "auto", "memory_limit": None, "tolerance": 0.02},
            builder_keys=("advance",), to_builder=_auto_advance),
     Method("wpipe", False, True, lambda o: 2, "Yang et al., WPipe (2GW)", runner="wpipe", policy="wpipe",
-           options={"recompute": False}, recompute=lambda o: bool(o.get("recompute"))),        # WPipe-R, §3.3
+           options={"recompute": False, "apc": False},                 # WPipe-R §3.3; APC appendix A.3
+           recompute=lambda o: bool(o.get("recompute"))),
     Method("pipedream", paper="Narayanan et al. 2019, PipeDream (weight stashing)", policy="pipedream",
            **_ASYNC),
     Method("pipedream_2bw", paper="Narayanan et al. 2021, PipeDream-2BW", policy="pipedream_2bw", **_TIMELINE,
