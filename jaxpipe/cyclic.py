@@ -46,7 +46,7 @@ from .distributed import global_batch
 from .errors import ConfigError
 from .model import PipelineModel
 from .model import microbatch_key
-from .runtime.common import cast, full, read, where, write
+from .runtime.common import cast, full, ppermute_bits, read, where, write
 from .runtime.stage import StageOps, stage_residuals
 from .schedules import cyclic as cyc
 from .axes import DATA, PIPE, STAGE
@@ -339,7 +339,7 @@ class CyclicDataParallel:
                 # partial sums travel me -> me + 1; the complete sum goes from N - 1 straight to every worker
                 if N > 1:
                     ring = [(i, i + 1) for i in range(N - 1)]
-                    got = lax.ppermute(g if summed else g[0], DATA, ring)
+                    got = ppermute_bits(g if summed else g[0], DATA, ring)
                     got_g, got_n = got if summed else (got, None)
                     s_active, s_f, s_j, _ = role(t, me - 1)            # what worker me - 1 sent (nothing if me = 0)
                     got_ok = s_active & ~s_f & (me > 0)
@@ -357,7 +357,7 @@ class CyclicDataParallel:
                             return balanced_broadcast(new, N, me, DATA)
                         acc = None
                         for dst in range(N - 1):
-                            m = lax.ppermute(new, DATA, [(N - 1, dst)])
+                            m = ppermute_bits(new, DATA, [(N - 1, dst)])
                             acc = m if acc is None else jax.tree.map(lambda a, b: jnp.where(me == dst, b, a), acc, m)
                         return acc
 

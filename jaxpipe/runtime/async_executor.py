@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..model import microbatch_key
 from ..tying import Ties
-from .common import cast, full, read, where, write
+from .common import cast, full, ppermute_bits, read, where, write
 from .stage import StageOps
 from ..axes import AXES, DATA, DP_AXES, PIPE, STAGE
 
@@ -256,7 +256,7 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             lp, opt_state, pstate, c, loss = st
             (pstate, c, loss), send_f = lax.cond(is_f, f_lane, f_idle, i_f, (lp, pstate, c, loss))
             if D > 1:
-                recv_f, tie_f = lax.ppermute(send_f, STAGE, ring_f)
+                recv_f, tie_f = ppermute_bits(send_f, STAGE, ring_f)
                 c = c._replace(recv_f=recv_f, tie_f=tie_f)
             g, send_b = lax.cond(is_b, b_lane, b_idle, i, (lp, opt_state, pstate, c))
             lp, opt_state, pstate = lax.cond(is_b, b_apply, lambda i, g, cnt, *a: a, i, g, send_b[2], lp,
@@ -268,7 +268,7 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                                                  lambda *a: policy.land(*a, counting=counting, b=(base + i) // M),
                                                  lambda *a: a, lp, opt_state, pstate)
             if D > 1:
-                recv_b, tie_b, cnt_b = lax.ppermute(send_b, STAGE, ring_b)
+                recv_b, tie_b, cnt_b = ppermute_bits(send_b, STAGE, ring_b)
                 c = c._replace(recv_b=recv_b, tie_b=tie_b, cnt_b=cnt_b)
             return (lp, opt_state, pstate, c, loss), None
 

@@ -146,3 +146,22 @@ def cast(x, avals):
 def where(cond, a, b):
     """``jnp.where(cond, a, b)`` leaf by leaf."""
     return jax.tree.map(lambda u, v: jnp.where(cond, u, v), a, b)
+
+
+_INT_OF_WIDTH = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
+
+
+def ppermute_bits(x, axis, perm):
+    """``lax.ppermute`` of a pytree with every floating leaf sent as the integers of its bits (bitcast, the
+    same bytes: exact).  Measured on XLA CPU (BUILD_NOTES, "Messages as bits"): the same no-flush program
+    ran 10-20% faster when its float messages travelled this way -- the collective-permute itself costs the
+    same (micro-benchmark), the difference is in how XLA schedules the float result's consumers."""
+    def to_bits(a):
+        if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize in _INT_OF_WIDTH:
+            return jax.lax.bitcast_convert_type(a, _INT_OF_WIDTH[a.dtype.itemsize])
+        return a
+
+    def from_bits(b, a):
+        return jax.lax.bitcast_convert_type(b, a.dtype) if b.dtype != a.dtype else b
+
+    return jax.tree.map(from_bits, jax.lax.ppermute(jax.tree.map(to_bits, x), axis, perm), x)

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from ..schedules.ir import SEND_MINUS, SEND_PLUS, Schedule
 from ..schedules.lanes import F2, L, plan
 from .stage import StageOps
-from .common import cast, eager_point, exchange_perms, full, num_chunks, read, vary, where, write
+from .common import cast, eager_point, exchange_perms, full, num_chunks, ppermute_bits, read, vary, where, write
 from ..axes import DATA, DP_AXES, PIPE, STAGE
 
 _RECV = {SEND_PLUS: L["recv_p"], SEND_MINUS: L["recv_m"]}
@@ -294,7 +294,7 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
             if p.keeps[li]:
                 mbuf = write(mbuf, row[L["keep"]], msg)
             for ch in p.channels[li]:
-                mbuf = write(mbuf, row[_RECV[ch]], lax.ppermute(msg, STAGE, ring[ch]))
+                mbuf = write(mbuf, row[_RECV[ch]], ppermute_bits(msg, STAGE, ring[ch]))
             return mbuf
 
         def lane_pair(la, lb, ra, rb, c):
