@@ -254,3 +254,22 @@ def test_double_batch_refuses_a_context_model():
     t = np.random.default_rng(0).integers(0, 32, (16, 9)).astype(np.int32)
     with pytest.raises(jp.ConfigError, match="stage context"):
         pipe.loss_and_grad(pipe.init(), {"x": t[:, :-1], "y": t[:, 1:]})
+
+
+@pytest.mark.parametrize("D,N", [(4, 4), (4, 8), (8, 8)])
+def test_eager_synchronisation_covers_every_stage(D, N):
+    """§3.2 for every stage: each stage's replica gradient goes home (mirror device -> owner) right after the
+    stage's last backward, in tick order; only a stage whose last backward is the pipeline's last tick waits
+    for the final exchange.  The executor's plan has a phase boundary at each point."""
+    from jaxpipe.runtime.common import eager_points
+    from jaxpipe.runtime.executor import lane_plan
+    s = schedules.build("chimera", D, N, eager_reduce=True)
+    pts = eager_points(s)
+    pairs = [p for _, ps in pts for p in ps]
+    ticks = [t for t, _ in pts]
+    assert ticks == sorted(ticks) and ticks[-1] < s.num_ticks
+    assert sorted(pairs) == sorted((d, D - 1 - d) for d in range(D) if (d, D - 1 - d) in pairs)
+    assert len(pairs) >= D - 1 and pairs[0] == (0, D - 1)       # the last stage's (eager_point's) first
+    p = lane_plan(s)
+    starts = {a for a, _, _ in p.phases}
+    assert all(t in starts for t, _ in eager_points(s, p.where))

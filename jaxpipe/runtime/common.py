@@ -123,6 +123,28 @@ def eager_point(sched: Schedule, where=None, lanes=("F", "B")):
     return t_e, d, c, S - 1
 
 
+def eager_points(sched: Schedule, where=None):
+    """Chimera §3.2's eager gradient synchronisation for every stage: ``[(tick, pairs)]`` -- after ``tick``
+    the replica gradients of some stages are final (every backward of the stage has run, on both its
+    devices), and ``pairs`` ``[(replica device, owner device)]`` send them home (chunk 1 -> chunk 0).  Grouped
+    by tick, in order; a stage whose last backward is the pipeline's last tick has nothing to gain and is
+    left to the final exchange.  The last stage's point is :func:`eager_point`'s."""
+    soc = sched.stage_of_chunk()
+    perms = exchange_perms(sched)
+    if perms is None or soc.shape[1] != 2 or perms[1] is None:
+        raise ValueError(f"{sched.name}: eager reduction needs two replicas of each stage (2 pipelines)")
+    ticks = sched.ticks() if where is None else {k: v[0] for k, v in where.items()}
+    last = "W" if sched.has_w() else "B"
+    end = 1 + max(ticks.values())
+    groups = {}
+    for d in range(sched.D):
+        st = int(soc[d, 1])
+        t_s = 1 + max(t for (k, s_, m), t in ticks.items() if k == last and s_ == st)
+        if t_s < end:
+            groups.setdefault(t_s, []).append((d, int(np.nonzero(soc[:, 0] == st)[0][0])))
+    return sorted((t, tuple(sorted(p))) for t, p in groups.items())
+
+
 def read(buf, slot):
     """Slot ``slot`` of a buffer (or of every buffer of a pytree: activations may be pytrees)."""
     return jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, slot, 0, False), buf)

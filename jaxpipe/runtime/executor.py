@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from ..schedules.ir import SEND_MINUS, SEND_PLUS, Schedule
 from ..schedules.lanes import F2, L, plan
 from .stage import StageOps
-from .common import cast, eager_point, exchange_perms, full, num_chunks, ppermute_bits, read, vary, where, write
+from .common import cast, eager_points, exchange_perms, full, num_chunks, ppermute_bits, read, vary, where, write
 from ..axes import DATA, DP_AXES, PIPE, STAGE
 
 _RECV = {SEND_PLUS: L["recv_p"], SEND_MINUS: L["recv_m"]}
@@ -39,8 +39,7 @@ def lane_plan(sched: Schedule, placement: str = "lanes"):
     """The plan the executor runs (with a phase cut at Chimera's eager-reduction point)."""
     p = plan(sched, placement)
     if sched.options.get("eager_reduce"):
-        t_e = eager_point(sched, p.where)[0]
-        p = plan(sched, placement, cut=(t_e,))
+        p = plan(sched, placement, cut=tuple(t for t, _ in eager_points(sched, p.where)))
     return p
 
 
@@ -135,7 +134,7 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
 
     perms = exchange_perms(sched)
     pair = double_pair(model, p, table, used, x_aval, mb_example) if sched.options.get("double_batch") else None
-    eager = eager_point(sched, p.where) if sched.options.get("eager_reduce") else None
+    eager = dict(eager_points(sched, p.where)) if sched.options.get("eager_reduce") else {}
     red = (DATA,) if replicas else DP_AXES
     split = sched.has_w()
     ring = {SEND_PLUS: [(d, (d + 1) % D) for d in range(D)], SEND_MINUS: [(d, (d - 1) % D) for d in range(D)]}
@@ -350,8 +349,8 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
         full_sets = p.full or ((),) * len(p.phases)
         for (t0, t1, lanes_used), full_lanes in zip(p.phases, full_sets):
             carry, _ = lax.scan(phase(t0, t1, lanes_used, full_lanes), carry, jnp.asarray(table[t0:t1]))
-            if eager is not None and t1 == eager[0]:
-                carry = _eager_exchange(carry, eager, me)
+            if t1 in eager:
+                carry = _eager_exchange(carry, eager[t1], me)
         _, _, (gws, gpre, gpost, (loss, count)) = carry
         if summed:      # the mean over every real token/example of the step: sum over all, then / count
             total = lax.psum(lax.psum(count, STAGE), red)
@@ -390,14 +389,16 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
     return fn
 
 
-def _eager_exchange(carry, eager, me):
-    """Chimera §3.2 eager reduction: the last stage's replica gradient is final early (its backwards come
-    first in both directions); send it home between two phases, where it may overlap the rest of the
-    pipeline, instead of after the pipeline.  The sent copy is zeroed: the final exchange then adds 0."""
-    t_e, src, c_r, dst = eager
+def _eager_exchange(carry, pairs, me):
+    """Chimera §3.2 eager gradient synchronisation: the replica gradients of the stages whose backwards are
+    all done go home now (one ``ppermute`` for the group, chunk 1 of each replica device -> chunk 0 of the
+    stage's owner), between two phases where the transfer may overlap the rest of the pipeline, instead of
+    after it.  The sent copies are zeroed: the final exchange then adds 0 for them."""
     stash, mbuf, (gws, gpre, gpost, loss) = carry
     gws = list(gws)
-    got = jax.tree.map(lambda a: lax.ppermute(a, STAGE, [(src, dst)]), gws[c_r])
-    gws[0] = jax.tree.map(lambda a, b: a + b, gws[0], got)
-    gws[c_r] = jax.tree.map(lambda a: jnp.where(me == src, jnp.zeros_like(a), a), gws[c_r])
+    got = jax.tree.map(lambda a: lax.ppermute(a, STAGE, list(pairs)), gws[1])
+    dst = jnp.isin(me, jnp.asarray([d for _, d in pairs]))
+    src = jnp.isin(me, jnp.asarray([r for r, _ in pairs]))
+    gws[0] = jax.tree.map(lambda a, b: jnp.where(dst, a + b, a), gws[0], got)
+    gws[1] = jax.tree.map(lambda a: jnp.where(src, jnp.zeros_like(a), a), gws[1])
     return stash, mbuf, (gws, gpre, gpost, loss)
