@@ -68,3 +68,33 @@ def test_microbenchmarks_run_and_are_positive():
     c = mb.measure(lambda w, x: jnp.tanh(x @ w), jnp.ones((16, 16)) * 0.1, jnp.ones((4, 16)), devices=2)
     assert len(c.op["F"]) == 2 and all(t > 0 for t in c.op["F"] + c.op["B"])
     assert c.p2p_alpha >= 0 and c.p2p_beta >= 0 and c.ar_alpha >= 0 and c.ar_beta >= 0
+
+
+def test_chimera_free_regions_figure6():
+    """Figure 6 (N = D = 6): a device's free regions after a replica's last backward are its bubbles inside
+    the step -- regions (a), (b) -- and the tail -- region (c); they add up to the step minus its busy time
+    from that point on; some device has a bubble before the tail."""
+    from jaxpipe.tune.perf_model import free_regions
+    s = schedules.build("chimera", 6, 6)
+    place = s.place(1.0, 2.0)
+    end = max(place["finish"].values())
+    inner = 0
+    for d in range(6):
+        regions = free_regions(s, d, 0.0, place)
+        busy = sum(place["finish"][k] - place["start"][k] for k, dev in place["device"].items() if dev == d)
+        assert sum(b - a for a, b in regions) == pytest.approx(end - busy)
+        assert all(b > a for a, b in regions)
+        inner += sum(1 for a, b in regions if b < end)
+    assert inner > 0
+
+
+def test_unoverlapped_allreduce_fills_free_regions_first():
+    """Short all-reduces fit into the free regions, except the one of the replica whose last backward is the
+    step's last op (nothing is left to overlap it); beyond the regions every extra second of all-reduce
+    (two per device: two replicas) is a second of step time."""
+    from jaxpipe.tune.perf_model import unoverlapped_allreduce
+    s = schedules.build("chimera", 6, 6)
+    un = lambda alpha: unoverlapped_allreduce(s, _costs(6, alpha=alpha), grad_bytes=0, replicas=2)
+    assert un(1e-3) == pytest.approx(2 * 1e-3)      # exactly one all-reduce (2 alpha) stays exposed
+    big1, big2 = un(100.0), un(200.0)      # allreduce(0 bytes, 2 replicas) = 2 alpha
+    assert big2 - big1 == pytest.approx(2 * 2 * 100.0)

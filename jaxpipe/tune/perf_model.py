@@ -96,25 +96,49 @@ def lockstep_profile(s: Schedule) -> Dict[Tuple[str, int], int]:
     return out
 
 
+def free_regions(s: Schedule, d: int, after: float, place) -> List[Tuple[float, float]]:
+    """Chimera Figure 6's free regions of device ``d`` from time ``after`` on: the intervals where it
+    computes nothing before the step ends (bubbles between its ops -- regions (a), (b) -- and the tail after
+    its last op -- region (c)), from the event-driven placement ``place``."""
+    end = max(place["finish"].values())
+    busy = sorted((place["start"][k], place["finish"][k]) for k, dev in place["device"].items() if dev == d)
+    out, t = [], after
+    for a, b in busy:
+        if b <= t:
+            continue
+        if a > t:
+            out.append((t, a))
+        t = max(t, b)
+    if t < end:
+        out.append((t, end))
+    return out
+
+
 def unoverlapped_allreduce(s: Schedule, costs: Costs, grad_bytes: float, replicas: int) -> float:
-    """The paper's max_i Comm_unoverlapped(i): each device's all-reduce may start after its last backward
-    of a stage and overlap the remaining computation of the step (event-driven times with measured F/B)."""
+    """The paper's max_i Comm_unoverlapped(i) (§3.3, Figure 6): on each device, each stage replica's
+    all-reduce may start after the device's last backward of it and runs in the device's free regions
+    (:func:`free_regions`: its bubbles, then the tail), one all-reduce after the other, the earliest-finished
+    replica first; what does not fit before the step's end is unoverlapped (event-driven times with the
+    measured F/B)."""
     f, b = costs.op_time(F, 1), costs.op_time(B, 1)
     place = s.place(f, b, costs.op_time(W, 1) if s.has_w() else 1.0)
-    end = max(place["finish"].values())
-    worst = 0.0
     last = W if s.has_w() else B
+    worst = 0.0
     for d, acts in enumerate(s.actions):
         chunks = {}
         for a in acts:
             if a.kind == last:
                 chunks[a.chunk] = max(chunks.get(a.chunk, 0.0), place["finish"][(a.kind, a.stage, a.mb)])
-        free = 0.0
-        total = 0.0
-        for c, t_done in sorted(chunks.items(), key=lambda x: x[1]):
-            total += costs.allreduce(grad_bytes, replicas)
-            free = end - t_done
-        worst = max(worst, max(0.0, total - free))
+        left, clock = 0.0, 0.0
+        for _, t_done in sorted(chunks.items(), key=lambda x: x[1]):
+            need = costs.allreduce(grad_bytes, replicas) + left     # a later replica waits for the earlier
+            for a0, a1 in free_regions(s, d, max(t_done, clock), place):
+                use = min(need, a1 - a0)
+                need, clock = need - use, a0 + use
+                if need <= 0:
+                    break
+            left = max(need, 0.0)
+        worst = max(worst, left)
     return worst
 
 
