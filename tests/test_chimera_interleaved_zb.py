@@ -273,3 +273,16 @@ def test_eager_synchronisation_covers_every_stage(D, N):
     p = lane_plan(s)
     starts = {a for a, _, _ in p.phases}
     assert all(t in starts for t, _ in eager_points(s, p.where))
+
+
+@pytest.mark.parametrize("schedule,D,M,data,opts", [
+    ("chimera", 4, 4, 1, {"pipelines": 4}), ("zb_h1", 4, 8, 1, {"max_deferred_w": 3}),
+    ("1f1b", 4, 8, 2, {}), ("chimera", 4, 4, 2, {"eager_reduce": True}),
+    ("interleaved_1f1b", 2, 4, 2, {"virtual": 2}), ("zb_h1", 2, 4, 2, {"max_deferred_w": 1})])
+def test_nan_filled_bubbles_stay_finite_with_options_and_data(schedule, D, M, data, opts):
+    """The NaN mode in the configurations the executor issue named: data > 1, eager_reduce, pipelines=4,
+    max_deferred_w -- buffers start NaN and idle lanes send NaN; results finite and equal to jax.grad."""
+    model, pipe, batch = _pipe("mlp", schedule, D, M, data, opts, nan_bubbles=True)
+    loss, grads = pipe.loss_and_grad(pipe.init(), batch)
+    assert np.isfinite(float(loss)) and all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+    assert rel_err(grads, reference(model, batch)[1]) <= 1e-5
