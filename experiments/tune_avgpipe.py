@@ -35,6 +35,8 @@ flags.DEFINE_string("ms", "1,2,4,8", "micro-batch counts M to consider")
 flags.DEFINE_string("ns", "1,2,4", "parallel pipeline counts N to consider")
 flags.DEFINE_float("memory_limit", 0.0, "MiB per device (0: no limit)")
 flags.DEFINE_integer("steps", 5, "timed steps per setting (median)")
+flags.DEFINE_boolean("shared", False, "the paper's setting: the N pipelines share the same D devices "
+                     "(options={'shared': N}, eq. 8's n*/n memory terms) instead of N x D devices on the pipe axis")
 flags.DEFINE_string("out", "runs/tune_avgpipe.json", "JSON output")
 flags.DEFINE_string("markdown", "runs/tune_avgpipe.md", "Markdown table output ('' to skip; the recorded table is docs/tune_avgpipe.md)")
 FLAGS = flags.FLAGS
@@ -73,12 +75,14 @@ def main(argv):
     def run_setting(m, n, steps):
         # memory of the 1F1B program (eq. 8 scales activations with the micro-batch size, 1F1B's case),
         # time of AFAB (the case eqs. 1-7 predict; advance forward propagation approaches it)
-        pipe = jp.Pipeline(model, schedule="avgpipe", num_microbatches=m, optimizer=opt,
-                           mesh=jp.make_mesh(pipes=n, stages=D), options={"advance": 0})
+        where = dict(mesh=jp.make_mesh(stages=D), shared={"shared": n}) if FLAGS.shared else \
+            dict(mesh=jp.make_mesh(pipes=n, stages=D), shared={})
+        pipe = jp.Pipeline(model, schedule="avgpipe", num_microbatches=m, optimizer=opt, mesh=where["mesh"],
+                           options={"advance": 0, **where["shared"]})
         state, batch = pipe.init(), batch_for(n)
         ma = pipe.lower("step", state, batch).compile().memory_analysis()
-        pipe = jp.Pipeline(model, schedule="avgpipe", num_microbatches=m, optimizer=opt,
-                           mesh=jp.make_mesh(pipes=n, stages=D), options={"advance": m - 1})
+        pipe = jp.Pipeline(model, schedule="avgpipe", num_microbatches=m, optimizer=opt, mesh=where["mesh"],
+                           options={"advance": m - 1, **where["shared"]})
         for _ in range(2):
             state, met = pipe.step(state, batch)
         jax.block_until_ready(met["loss"])
@@ -102,7 +106,7 @@ def main(argv):
     one = make_tanh_mlp(FLAGS.layers, 1, FLAGS.width)
     w1 = jax.tree.map(lambda a: a[0], one.stage_params)
     x = jnp.ones((B // m0, FLAGS.width), jnp.float32) * 0.1
-    busy = n0 * D
+    busy = D if FLAGS.shared else n0 * D
     ops = mb.op_costs(one.stage_fn, w1, x, busy, busy=[busy])
     per_mb = (ops["F"][-1] + ops["B"][-1]) * (FLAGS.layers // D)
     act_bytes = int(np.prod(x.shape)) * 4
@@ -119,7 +123,7 @@ def main(argv):
     f_dat = [min(D - k, m0) * per_mb_bytes for k in range(D)]
     total = prof["args_bytes"] + prof["temp_bytes"]
     profile = AvgPipeProfile(m0, n0, t_gpu, [prof["util"]] * D, t_comm, [total - f for f in f_dat], f_dat,
-                             shared_compute=True, shared_memory=False)
+                             shared_compute=True, shared_memory=FLAGS.shared)
     raw = predict(profile, m0, n0).step
     profile.tick_overhead = calibrate_tick_overhead(profile, prof["step_s"])
     print(f"profile: step {prof['step_s'] * 1e3:.1f} ms, CPU utilisation {prof['util']:.2f}, compute "
@@ -128,7 +132,7 @@ def main(argv):
 
     ms = [int(v) for v in FLAGS.ms.split(",")]
     ns = [int(v) for v in FLAGS.ns.split(",")]
-    settings = [(m, n) for n in ns for m in ms if n * D <= P and B % m == 0]
+    settings = [(m, n) for n in ns for m in ms if (D if FLAGS.shared else n * D) <= P and B % m == 0]
     limit = FLAGS.memory_limit * 2 ** 20 if FLAGS.memory_limit > 0 else None
     best, preds = choose(profile, settings, limit, batch_per_pipe=B)
     rows = []

@@ -171,3 +171,49 @@ def test_tuner_on_separate_devices():
     assert predict(p, 4, 4).step == predict(p, 4, 1).step and predict(p, 4, 4).memory == 140.0
     c = calibrate_tick_overhead(p, measured_step=predict(p, 4, 1).step + 10 * 0.5)   # 10 ticks at M=4, K=2
     assert abs(c - 0.5) < 1e-12
+
+
+# ---------------------------------------------------------------------- the paper's setting: shared devices
+def run_shared(kind="mlp", N=2, D=2, M=2, opt="adam", steps=3, nan_bubbles=False, advance=0):
+    model, batch_fn = small_model(kind, D)
+    pipe = jp.Pipeline(model, schedule="avgpipe", num_microbatches=M, optimizer=OPTS[opt](),
+                       mesh=jp.make_mesh(stages=D), nan_bubbles=nan_bubbles,
+                       options={"shared": N, "advance": advance})
+    state = pipe.init()
+    batches = [batch_fn(N * M * 2, s=k) for k in range(steps)]
+    losses = []
+    for b in batches:
+        state, m = pipe.step(state, b)
+        losses.append(float(m["loss"]))
+    return pipe, state, batches, np.array(losses), model
+
+
+@pytest.mark.parametrize("kind,N,D,M,opt,advance", [("mlp", 2, 2, 2, "adam", 0), ("mlp", 3, 4, 4, "momentum", 1),
+                                                    ("gpt", 2, 2, 2, "sgd", 0)])
+def test_shared_devices_match_serial_reference(kind, N, D, M, opt, advance):
+    """AvgPipe §3.2 in the paper's setting: N pipelines on the SAME D devices (each device holds its stage of
+    every replica), equal to the serial reference (and so to the pipe-axis form on N x D devices): every
+    replica, the reference model and the mean loss; NaN-filled bubbles change nothing."""
+    for nan in (False, True):
+        pipe, state, batches, losses, model = run_shared(kind, N, D, M, opt, nan_bubbles=nan, advance=advance)
+        ref = avgpipe_reference(model, OPTS[opt](), N, M, batches)
+        assert np.allclose(losses, np.mean(np.array(ref["losses"]), axis=1), rtol=1e-5)
+        assert rel_err(pipe.params(state), ref["params"]) < 1e-5
+        assert rel_err(state.params, jax.tree.map(lambda *a: np.stack(a), *ref["replicas"])) < 1e-5
+        # every replica of a stage lives on that stage's device
+        w = jax.tree.leaves(state.params[0])[0]
+        assert w.shape[:2] == (N, D) and w.sharding.spec[:2] == (None, "stage")
+
+
+def test_shared_devices_bad_configuration():
+    model, batch_fn = small_model("mlp", 2)
+    with pytest.raises(jp.ConfigError, match="pipes=2"):
+        jp.Pipeline(model, schedule="avgpipe", num_microbatches=2, optimizer=optax.sgd(0.1),
+                    mesh=jp.make_mesh(pipes=2, stages=2), options={"shared": 2}).init()
+    with pytest.raises(jp.ConfigError, match="shared=0"):
+        jp.Pipeline(model, schedule="avgpipe", num_microbatches=2, optimizer=optax.sgd(0.1),
+                    mesh=jp.make_mesh(stages=2), options={"shared": 0}).init()
+    gpt = jp.models.gpt(2, vocab=32, d_model=16, heads=2, seq_len=8, dropout=0.1)
+    with pytest.raises(jp.ConfigError, match="stage context"):
+        jp.Pipeline(gpt, schedule="avgpipe", num_microbatches=2, optimizer=optax.sgd(0.1),
+                    mesh=jp.make_mesh(stages=2), options={"shared": 2}).init()

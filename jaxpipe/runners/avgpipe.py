@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .. import schedules
 from ..errors import ConfigError
+from ..avgpipe_shared import check_shareable, from_executor, interleave_shares, shared_model, to_executor
 from ..optim.elastic import check_alpha, elastic_averaging
 from ..runtime.executor import make_grad_fn
 from ..validate import is_int
@@ -42,6 +43,18 @@ class AvgPipeRunner:
         opts = dict(ctx.options)
         self.ctx = ctx
         self.N = ctx.mesh.shape[PIPE]
+        # shared=N: the paper's setting, N pipelines on the same stage devices (jaxpipe.avgpipe_shared)
+        self.shared = opts.get("shared")
+        if self.shared is not None:
+            if not is_int(self.shared, 1):
+                raise ConfigError(f"avgpipe shared={self.shared!r}: give the number N >= 1 of parallel pipelines "
+                                  f"that share the stage devices, or None for one pipeline per 'pipe' index")
+            if self.N != 1:
+                raise ConfigError(f"avgpipe shared={self.shared} runs the pipelines on the same stage devices, and "
+                                  f"the mesh has pipes={self.N}: use jp.make_mesh(stages=D) (pipes=1), or drop "
+                                  f"'shared' to run one pipeline per 'pipe' index")
+            check_shareable(ctx.model, self.shared)
+            self.N = int(self.shared)
         self.D = ctx.mesh.shape[STAGE]
         self.M = ctx.num_microbatches
         self.alpha = check_alpha(opts.get("alpha"), self.N)
@@ -69,8 +82,9 @@ class AvgPipeRunner:
     # ------------------------------------------------------------------ state
     def _shardings(self):
         mesh, model = self.ctx.mesh, self.ctx.model
-        w = jax.tree.map(lambda _: NamedSharding(mesh, P(PIPE, STAGE)), model.stage_params)
-        r = lambda t: jax.tree.map(lambda _: NamedSharding(mesh, P(PIPE)), t)
+        rep_axis = None if self.shared is not None else PIPE       # shared: every replica on every stage device
+        w = jax.tree.map(lambda _: NamedSharding(mesh, P(rep_axis, STAGE)), model.stage_params)
+        r = lambda t: jax.tree.map(lambda _: NamedSharding(mesh, P(rep_axis)), t)
         return (w, r(model.pre_params), r(self.ctx.ties.strip(model.params)[2]))
 
     def init(self) -> AvgPipeState:
@@ -80,7 +94,7 @@ class AvgPipeRunner:
         params = jax.jit(stack, out_shardings=self._shardings())(self.ctx.ties.strip(self.ctx.model.params))
         # each replica's optimizer state lives with the replica (over 'pipe' x 'stage'), not replicated
         example = jax.eval_shape(self.ctx.optimizer.init, jax.tree.map(lambda a: a[0], params))
-        pipe_sh = NamedSharding(self.ctx.mesh, P(PIPE))
+        pipe_sh = NamedSharding(self.ctx.mesh, P(PIPE) if self.shared is None else P())
         inner_sh = optax.tree_map_params(self.ctx.optimizer, lambda _, sh: sh, example, self._shardings(),
                                          transform_non_params=lambda _: pipe_sh)
         opt_state = jax.jit(self.tx.init)(params)
@@ -104,26 +118,38 @@ class AvgPipeRunner:
         key = (advance, jax.tree.structure(example), tuple(jax.tree.leaves(example)))
         if key not in self._fns:
             ctx = self.ctx
-            grad_fn = make_grad_fn(ctx.model, self.schedule(advance), ctx.mesh, example,
-                                   nan_bubbles=ctx.nan_bubbles, replicas=True)
-            tx = self.tx
-
+            tx, N, M = self.tx, self.N, self.M
             seed, ties = ctx.seed, ctx.ties
+            if self.shared is None:
+                grad_fn = make_grad_fn(ctx.model, self.schedule(advance), ctx.mesh, example,
+                                       nan_bubbles=ctx.nan_bubbles, replicas=True)
+
+                def replica_grads(params, b, key):
+                    losses, grads = grad_fn(*ties.fill(params), b, key)
+                    return losses, ties.fold(grads)      # one gradient per tied array: the sum of its uses
+            else:
+                avals = jax.eval_shape(to_executor, state.params)
+                grad_fn = make_grad_fn(shared_model(ctx.model, N, avals), self.schedule(advance), ctx.mesh,
+                                       example, nan_bubbles=ctx.nan_bubbles)
+
+                def replica_grads(params, b, key):
+                    total, grads = grad_fn(*to_executor(params), interleave_shares(b, N, M), key)
+                    return total / N, from_executor(grads)   # the replicas' mean loss (not separated per replica)
 
             def step(state: AvgPipeState, b):
-                losses, grads = grad_fn(*ties.fill(state.params), b,
-                                        jax.random.fold_in(jax.random.PRNGKey(seed), state.step))
-                grads = ties.fold(grads)        # one gradient per tied array: the sum of its uses
+                losses, grads = replica_grads(state.params, b,
+                                              jax.random.fold_in(jax.random.PRNGKey(seed), state.step))
                 updates, opt_state = tx.update(grads, state.opt_state, state.params)
                 params = optax.apply_updates(state.params, updates)
                 gnorm = jax.vmap(optax.tree.norm)(grads)
-                metrics = {"loss": jnp.mean(losses), "pipe_losses": losses, "grad_norm": gnorm,
-                           "step": state.step + 1}
+                metrics = {"loss": jnp.mean(losses), "grad_norm": gnorm, "step": state.step + 1}
+                if self.shared is None:          # shared: one summed loss, no per-pipeline split
+                    metrics["pipe_losses"] = losses
                 return AvgPipeState(params, opt_state, state.step + 1), metrics
 
             rep = NamedSharding(ctx.mesh, P())
-            self._fns[key] = jax.jit(step, donate_argnums=(0,), out_shardings=(
-                state_sh, {"loss": rep, "pipe_losses": rep, "grad_norm": rep, "step": rep}))
+            names = ("loss", "grad_norm", "step") + (("pipe_losses",) if self.shared is None else ())
+            self._fns[key] = jax.jit(step, donate_argnums=(0,), out_shardings=(state_sh, {k: rep for k in names}))
         return self._fns[key]
 
     in_flight = False           # every pipeline flushes each step

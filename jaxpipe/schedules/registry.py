@@ -87,7 +87,7 @@ METHODS: Dict[str, Method] = {m.name: m for m in [
            builder_keys=("pipelines", "concat", "eager_reduce", "double_batch"),
            recompute=lambda o: o.get("concat") == "forward_doubling"),     # §3.5
     Method("avgpipe", False, True, _one, "AvgPipe: elastic averaging of parallel pipelines", runner="avgpipe",
-           options={"alpha": None, "advance": "auto", "memory_limit": None, "tolerance": 0.02},
+           options={"alpha": None, "advance": "auto", "memory_limit": None, "tolerance": 0.02, "shared": None},
            builder_keys=("advance",), to_builder=_auto_advance),
     Method("wpipe", False, True, lambda o: 2, "Yang et al., WPipe (2GW)", runner="wpipe", policy="wpipe",
            options={"recompute": False, "apc": False},                 # WPipe-R §3.3; APC appendix A.3
