@@ -150,7 +150,7 @@ CASES = [
     ("avgpipe_negative_advance", lambda t: pipe("avgpipe", pipes=2, avgpipe={"advance": -1}),
      r"advance must be a non-negative integer .*0 = 1F1B.*got -1"),
     ("wpipe_unknown_option", lambda t: pipe("wpipe", model=MLP4, wpipe={"recomp": True}),
-     r"unknown option\(s\) \['recomp'\]; known: \['recompute'\]"),
+     r"unknown option\(s\) \['recomp'\]; known: \['apc', 'recompute'\]"),
     ("cdp_bad_rule", lambda t: jp.CyclicDataParallel(MLP4, optax.sgd(0.1), rule="v3", mesh=jp.make_mesh(data=4)),
      r"rule='v3': choose 'v1'"),
     ("checkpoint_keep_zero", lambda t: jp.Checkpointer(t / "c", None, keep=0), r"keep=0: give how many checkpoints"),
