@@ -204,26 +204,14 @@ class CyclicDataParallel:
                 g_sum, n = g_sum
                 g = jax.tree.map(lambda a: a / (n.astype(a.dtype) if summed else N), g_sum)
                 u, o = opt.update(g, o, cur)
-                new = optax.apply_updates(cur, u)
-                return (put(lp, j, new), put(sh, j, cur), ver.at[j].add(1), put(os_, j, o))
+                lp, sh, ver, _ = land(st, j, optax.apply_updates(cur, u), cur)
+                return lp, sh, ver, put(os_, j, o)
 
             def land(st, j, new, cur):
                 # the other workers receive the updated stage and keep the one it replaces (no optimizer:
                 # the replicas stay bit-identical without running it N times)
                 lp, sh, ver, os_ = st
                 return (put(lp, j, new), put(sh, j, cur), ver.at[j].add(1), os_)
-
-            def weights(st, j, gk, err):
-                lp, sh, ver, _ = st
-                if v2:
-                    v = jnp.where(j >= N - 1 - me, gk, gk - 1)
-                else:
-                    v = gk - 1
-                v = jnp.maximum(v, 0)
-                have = ver[j]
-                fresh = have == v
-                err = err + (~fresh & (have - 1 != v)).astype(jnp.int32)
-                return jax.tree.map(lambda a, b: jnp.where(fresh, a, b), stage_of(lp, j), stage_of(sh, j)), err
 
             def choice(st, j, gk, err):
                 """0: the stage's current weights, 1: its shadow (the version the rule reads), and the count of

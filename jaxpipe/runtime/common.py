@@ -107,20 +107,16 @@ def exchange_perms(sched: Schedule):
     return perms
 
 
-def eager_point(sched: Schedule, where=None, lanes=("F", "B")):
-    """For Chimera's eager reduction: (tick after which the last stage's replica gradient is final, the
-    device holding that replica, its chunk, the owner device).  ``where``: a lane plan's placement
-    (``(kind, stage, mb) -> (tick, lane)``); default the schedule's own ticks."""
-    soc, S = sched.stage_of_chunk(), sched.num_model_stages
-    perms = exchange_perms(sched)
-    src = [(d, c) for d in range(sched.D) for c in range(soc.shape[1]) if soc[d, c] == S - 1 and c > 0]
-    if perms is None or len(src) != 1 or perms[src[0][1]] is None:
-        raise ValueError(f"{sched.name}: eager reduction needs exactly one replica of the last stage")
-    d, c = src[0]
-    ticks = sched.ticks() if where is None else {k: v[0] for k, v in where.items()}
-    last = "W" if sched.has_w() else "B"
-    t_e = 1 + max(t for (k, st, m), t in ticks.items() if k == last and st == S - 1)
-    return t_e, d, c, S - 1
+def eager_point(sched: Schedule, where=None):
+    """For Chimera's eager reduction of the last stage alone: (tick after which its replica gradient is
+    final, the device holding that replica, its chunk, the owner device) -- its entry in
+    :func:`eager_points`."""
+    owner = sched.D - 1
+    for t, pairs in eager_points(sched, where):
+        for src, dst in pairs:
+            if dst == owner:
+                return t, src, 1, dst
+    raise ValueError(f"{sched.name}: the last stage's replica gradient is only final at the pipeline's end")
 
 
 def eager_points(sched: Schedule, where=None):
@@ -128,7 +124,7 @@ def eager_points(sched: Schedule, where=None):
     the replica gradients of some stages are final (every backward of the stage has run, on both its
     devices), and ``pairs`` ``[(replica device, owner device)]`` send them home (chunk 1 -> chunk 0).  Grouped
     by tick, in order; a stage whose last backward is the pipeline's last tick has nothing to gain and is
-    left to the final exchange.  The last stage's point is :func:`eager_point`'s."""
+    left to the final exchange."""
     soc = sched.stage_of_chunk()
     perms = exchange_perms(sched)
     if perms is None or soc.shape[1] != 2 or perms[1] is None:
