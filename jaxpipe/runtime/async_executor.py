@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..model import microbatch_key
 from ..tying import Ties
-from .common import cast, full, ppermute_bits, read, where, write
+from .common import cast, full, pmean_over, ppermute_bits, psum_over, read, where, write
 from .stage import StageOps
 from ..axes import AXES, DATA, DP_AXES, PIPE, STAGE
 
@@ -162,9 +162,9 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                             cast(t_mine, tie_avals), zero_like(tie_avals), jnp.zeros((), jnp.float32))
                 l, n, gq, dy = head
                 gq, gt = ties.take_post(gq)
-                n_glob = lax.psum(n, DP_AXES).astype(jnp.float32) if summed else jnp.zeros((), jnp.float32)
+                n_glob = psum_over(n, mesh, DP_AXES).astype(jnp.float32) if summed else jnp.zeros((), jnp.float32)
                 if counting:
-                    l = lax.psum(l, DP_AXES) / n_glob          # the metric: this micro-batch's exact mean
+                    l = psum_over(l, mesh, DP_AXES) / n_glob          # the metric: this micro-batch's exact mean
                 elif summed:
                     # (sum, count): this micro-batch's loss over every replica's real tokens -- scaled here so
                     # that the pmean over replicas in B gives sum over replicas / global count
@@ -242,8 +242,8 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             # it then updates) made XLA copy the weights twice per tick (HLO-checked, BUILD_NOTES)
             gi = base + i
             if counting:        # sums over replicas; the policy divides the step's sum by the step's count
-                return policy.update(lax.psum(g, DP_AXES), lp, opt_state, pstate, gi, me, count=cnt)
-            return policy.update(lax.pmean(g, DP_AXES), lp, opt_state, pstate, gi, me)
+                return policy.update(psum_over(g, mesh, DP_AXES), lp, opt_state, pstate, gi, me, count=cnt)
+            return policy.update(pmean_over(g, mesh, DP_AXES), lp, opt_state, pstate, gi, me)
 
         pos_j = jnp.asarray(remap)[pos]
         table = jnp.asarray(periodic.table())
@@ -286,7 +286,7 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             st = (lp, opt_state, pstate, c_, loss_)
         lp, opt_state, pstate, carry, (lsum, lcount) = st
         lsum, lcount = lax.psum((lsum, lcount), STAGE)
-        lsum = lax.pmean(lsum, DP_AXES)
+        lsum = pmean_over(lsum, mesh, DP_AXES)
         lcount = lax.pmax(lcount, DP_AXES)
         ex = lambda t: jax.tree.map(lambda a: a[None], t)
         t1 = t0 + num_ticks

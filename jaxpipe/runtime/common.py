@@ -183,3 +183,24 @@ def ppermute_bits(x, axis, perm):
         return jax.lax.bitcast_convert_type(b, a.dtype) if b.dtype != a.dtype else b
 
     return jax.tree.map(from_bits, jax.lax.ppermute(jax.tree.map(to_bits, x), axis, perm), x)
+
+
+def live_axes(mesh, axes: Sequence[str]) -> Tuple[str, ...]:
+    """The axes of ``axes`` with more than one device in ``mesh``."""
+    return tuple(a for a in axes if mesh.shape[a] > 1)
+
+
+def psum_over(x, mesh, axes: Sequence[str]):
+    """``lax.psum`` over the axes of ``axes`` that have more than one device; the identity where none has.
+    XLA keeps an all-reduce over one-device groups (``replica_groups={{0},{1},...}``): the no-flush executors
+    ran a weight-sized one in every tick without data parallelism (BUILD_NOTES, "Collectives over one
+    device"); a sum over one device is its operand, exactly.  Only for ``check_vma=False`` programs: with
+    varying-axis checks the skipped reduction changes the value's type (the lane executor keeps ``lax.psum``)."""
+    live = live_axes(mesh, axes)
+    return lax.psum(x, live) if live else x
+
+
+def pmean_over(x, mesh, axes: Sequence[str]):
+    """``lax.pmean`` over the axes with more than one device (see :func:`psum_over`)."""
+    live = live_axes(mesh, axes)
+    return lax.pmean(x, live) if live else x

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from ..model import microbatch_key
 from ..schedules import wpipe as wpipe_schedule
 from ..tying import Ties
-from .common import cast, full, ppermute_bits, read, where, write
+from .common import cast, full, pmean_over, ppermute_bits, psum_over, read, where, write
 from .stage import StageOps
 from ..axes import AXES, DATA, DP_AXES, PIPE, STAGE
 
@@ -162,8 +162,8 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
                     gq, gt = ties.take_post(gq)
                     n_glob = jnp.zeros((), jnp.float32)
                     if summed:          # the metric: this micro-batch's exact mean over every replica
-                        n_glob = lax.psum(n, DP_AXES).astype(jnp.float32)
-                        l = lax.psum(l, DP_AXES) / n_glob
+                        n_glob = psum_over(n, mesh, DP_AXES).astype(jnp.float32)
+                        l = psum_over(l, mesh, DP_AXES) / n_glob
                     return zeros(zx), res, cast(dy, x_aval), gq, l.astype(jnp.float32), t_mine, gt, n_glob
                 return (cast(y, x_aval), res, zx, zeros(post_p), jnp.zeros((), jnp.float32),
                         cast(t_mine, tie_avals), zeros(tie_avals), jnp.zeros((), jnp.float32))
@@ -232,7 +232,7 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
                                 lambda: zeros(pre_p))
             dpost = jax.tree.map(lambda a: jnp.where((g == 1) & flag, a, jnp.zeros_like(a)), c.gpost)
             # (sum, count): sums over replicas, divided by the batch's count when the group lands
-            grad = lax.psum((dw, dpre, dpost), DP_AXES) if summed else lax.pmean((dw, dpre, dpost), DP_AXES)
+            grad = (psum_over if summed else pmean_over)((dw, dpre, dpost), mesh, DP_AXES)
             # one cond per group: each output slot is either its operand or a new value (no copies)
             add = lambda a: jax.tree.map(jnp.add, a, grad)
             accs = (lax.cond(g == 0, add, lambda a: a, accs[0]), lax.cond(g == 1, add, lambda a: a, accs[1]))
@@ -313,7 +313,7 @@ def make_wpipe_fn(model, opt, D: int, M: int, mesh, mb_example, nan_bubbles: boo
         st, c, errors, (lsum, lcount) = s_
         lps, oss, shadow0, versions, accs = st
         lsum, lcount = lax.psum((lsum, lcount), STAGE)
-        lsum = lax.pmean(lsum, DP_AXES)
+        lsum = pmean_over(lsum, mesh, DP_AXES)
         lcount = lax.pmax(lcount, DP_AXES)
         ex = lambda t: jax.tree.map(lambda a: a[None], t)
         return (ex(lps), ex(oss), ex(shadow0), ex(versions), ex(accs), ex(errors), ex(c),
