@@ -17,7 +17,7 @@ OPTS = {"sgd": lambda: optax.sgd(0.1), "momentum": lambda: optax.sgd(0.05, momen
 def run(kind="mlp", N=2, D=4, M=4, data=1, opt="adam", steps=3, nan_bubbles=False, **avg):
     model, batch_fn = small_model(kind, D)
     pipe = jp.Pipeline(model, schedule="avgpipe", num_microbatches=M, optimizer=OPTS[opt](),
-                       mesh=jp.make_mesh(pipes=N, data=data, stages=D), avgpipe=avg or None,
+                       mesh=jp.make_mesh(pipes=N, data=data, stages=D), options=avg or None,
                        nan_bubbles=nan_bubbles)
     state = pipe.init()
     batches = [batch_fn(N * data * M * 2, s=k) for k in range(steps)]
@@ -122,7 +122,7 @@ def test_bad_options(opts, match):
     model, _ = small_model("mlp", 2)
     with pytest.raises(jp.ConfigError, match=match):
         jp.Pipeline(model, schedule="avgpipe", num_microbatches=2, optimizer=optax.sgd(0.1),
-                    mesh=jp.make_mesh(pipes=2, stages=2), avgpipe=opts)
+                    mesh=jp.make_mesh(pipes=2, stages=2), options=opts)
 
 
 def test_misuse_errors():

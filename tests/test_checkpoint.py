@@ -18,7 +18,7 @@ from helpers import small_model
 # last update; spectrain / cdp_v* share those), WPipeState, AvgPipeState; CyclicState below
 CASES = {"1f1b": (2, {}, 1), "chimera": (2, {}, 1), "interleaved_1f1b": (2, {}, 1), "pipeoptim": (2, {}, 1),
          "pipedream": (2, {}, 1), "pipedream_2bw": (2, {}, 1), "wpipe": (2, {}, 1),
-         "avgpipe": (2, {"avgpipe": {"advance": 1}}, 2)}
+         "avgpipe": (2, {"options": {"advance": 1}}, 2)}
 
 
 def make(schedule, data=1):

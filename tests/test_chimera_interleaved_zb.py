@@ -34,7 +34,7 @@ CASES = [
 def _pipe(kind, schedule, D, M, data, opts, **kw):
     v = opts.get("virtual", 1)
     model, batch_fn = small_model(kind, D * v)
-    extra = {"chimera": opts} if schedule == "chimera" else {"zb": opts} if schedule == "zb_h1" and opts else {}
+    extra = {"options": opts} if schedule in ("chimera", "zb_h1") and opts else {}
     pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=M, optimizer=optax.sgd(0.1),
                        mesh=jp.make_mesh(stages=D, data=data), **extra, **kw)
     return model, pipe, batch_fn(2 * M * data)
@@ -123,7 +123,7 @@ def test_forward_doubling_recomputes():
     from jaxpipe.runtime.common import residual_mask
     model, _ = small_model("gpt", 4)
     pipe = jp.Pipeline(model, schedule="chimera", num_microbatches=8, optimizer=optax.sgd(0.1),
-                       mesh=jp.make_mesh(stages=4), chimera={"concat": "forward_doubling"})
+                       mesh=jp.make_mesh(stages=4), options={"concat": "forward_doubling"})
     w = jax.tree.map(lambda a: a[0], model.stage_params)
     x = np.zeros((2, 8, 16), np.float32)
     size = lambda avals: sum(int(np.prod(a.shape)) for a in avals)
@@ -175,14 +175,14 @@ def test_zb_h1_deferred_w_is_a_third_of_1f1b(D, M):
 
 @pytest.mark.parametrize("bad,match", [
     (dict(schedule="chimera", D=3), "even number of stages"),
-    (dict(schedule="chimera", D=4, chimera={"pipelines": 3}), "2f with f dividing"),
-    (dict(schedule="chimera", D=4, chimera={"concat": "sideways"}), "unknown concat"),
-    (dict(schedule="chimera", D=4, M=6, chimera={"concat": "forward_doubling"}), "needs N >= 8 and a multiple of 4"),
-    (dict(schedule="chimera", D=4, chimera={"eager_reduce": True, "pipelines": 4}), "implemented for 2 pipelines"),
-    (dict(schedule="chimera", D=4, chimera={"lanes": 2}), "unknown option"),
+    (dict(schedule="chimera", D=4, options={"pipelines": 3}), "2f with f dividing"),
+    (dict(schedule="chimera", D=4, options={"concat": "sideways"}), "unknown concat"),
+    (dict(schedule="chimera", D=4, M=6, options={"concat": "forward_doubling"}), "needs N >= 8 and a multiple of 4"),
+    (dict(schedule="chimera", D=4, options={"eager_reduce": True, "pipelines": 4}), "implemented for 2 pipelines"),
+    (dict(schedule="chimera", D=4, options={"lanes": 2}), "unknown option"),
     (dict(schedule="1f1b", D=4, chimera={"pipelines": 2}), "option of 'chimera' only"),
     (dict(schedule="1f1b", D=4, zb={"max_deferred_w": 2}), "option of 'zb_h1' only"),
-    (dict(schedule="zb_h1", D=4, zb={"max_deferred_w": -1}), "must be >= 0"),
+    (dict(schedule="zb_h1", D=4, options={"max_deferred_w": -1}), "must be >= 0"),
     (dict(schedule="interleaved_1f1b", D=4, M=6, stages=8), "whole groups of D=4"),
     (dict(schedule="interleaved_1f1b", D=4, stages=6), "not a multiple of the 4"),
     (dict(schedule="1f1b", D=2, stages=4), "axis has 2 devices and 1f1b puts 1 stage"),
@@ -190,7 +190,7 @@ def test_zb_h1_deferred_w_is_a_third_of_1f1b(D, M):
 def test_clear_errors(bad, match):
     D = bad["D"]
     model, _ = small_model("mlp", bad.get("stages", D))
-    kw = {k: bad[k] for k in ("chimera", "zb") if k in bad}
+    kw = {k: bad[k] for k in ("options", "chimera", "zb") if k in bad}   # chimera=/zb=: the deprecated keywords
     with pytest.raises(jp.ConfigError, match=match):
         jp.Pipeline(model, schedule=bad["schedule"], num_microbatches=bad.get("M", 4), optimizer=optax.sgd(0.1),
                     mesh=jp.make_mesh(stages=D), **kw)

@@ -49,7 +49,7 @@ def test_tied_gradient_is_the_sum_of_both_uses(schedule, kw):
     model = tied_lm(D * kw.get("virtual", 1))
     batch = batch_of(8)
     pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=4, optimizer=optax.adamw(1e-2),
-                       mesh=jp.make_mesh(stages=D), **kw)
+                       mesh=jp.make_mesh(stages=D), options=kw or None)
     loss, grads = pipe.loss_and_grad(pipe.init(), batch)
     ref_loss, ref_grads = jax.value_and_grad(tied_loss(model))(canonical(model), batch)
     assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
@@ -204,7 +204,7 @@ def test_tied_cyclic_data_parallel_and_avgpipe():
     assert rel_err(change(got, model), change(ref, model)) <= 1e-5
     model = tied_lm(2)
     pipe = jp.Pipeline(model, schedule="avgpipe", num_microbatches=2, optimizer=opt,
-                       mesh=jp.make_mesh(stages=2, pipes=2), avgpipe={"advance": 0}, nan_bubbles=True)
+                       mesh=jp.make_mesh(stages=2, pipes=2), options={"advance": 0}, nan_bubbles=True)
     st = pipe.init()
     assert st.params[2]["emb"] is None                   # held once per replica
     for b in batches:

@@ -123,7 +123,7 @@ def test_recomputation_keeps_the_numbers_and_stashes_less():
     stash, params = [], []
     for rc in (False, True):
         pipe = jp.Pipeline(model, schedule="wpipe", num_microbatches=2, optimizer=OPTS["momentum"](),
-                           mesh=jp.make_mesh(stages=2), wpipe={"recompute": rc})
+                           mesh=jp.make_mesh(stages=2), options={"recompute": rc})
         state = pipe.init()
         for b in batches:
             state, _ = pipe.step(state, b)
@@ -136,7 +136,7 @@ def test_recomputation_keeps_the_numbers_and_stashes_less():
     assert rel_err(params[1], ref["params"]) <= 1e-5
     with pytest.raises(jp.ConfigError, match="recompute"):
         jp.Pipeline(model, schedule="wpipe", num_microbatches=2, optimizer=OPTS["sgd"](),
-                    mesh=jp.make_mesh(stages=2), wpipe={"recomp": True})
+                    mesh=jp.make_mesh(stages=2), options={"recomp": True})
 
 
 def test_table1_comparison_names_each_difference():
