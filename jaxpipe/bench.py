@@ -133,14 +133,16 @@ def sync_dp_runner(model: PipelineModel, batch, workers: int, opt) -> Callable[[
 
 
 def pipeline_runner(name: str, model: PipelineModel, batch, num_microbatches: int, opt, data: int = 1,
-                    devices: int = 0, pipes: int = 1):
+                    devices: int = 0, pipes: int = 1, options=None):
     """``(run, info)``: a closure running ``Pipeline.step`` and its compile time, memory and simulation.
-    ``devices``: the mesh's stage size (default: one device per model stage; interleaved uses fewer)."""
+    ``devices``: the mesh's stage size (default: one device per model stage; interleaved uses fewer).
+    ``options``: the schedule's options (default: none; a tunable advance, AvgPipe's, timed at 0)."""
     from . import Pipeline, make_mesh, schedules
     pipe = Pipeline(model, schedule=name, num_microbatches=num_microbatches, optimizer=opt,
                     mesh=make_mesh(stages=devices or model.num_stages, data=data, pipes=pipes),
                     # a method with a tunable advance (AvgPipe) is timed at 0, without Algorithm 1's search
-                    options={"advance": 0} if "advance" in schedules.method(name).options else None)
+                    options=options if options is not None else (
+                        {"advance": 0} if "advance" in schedules.method(name).options else None))
     state = pipe.init()
     t0 = time.perf_counter()
     compiled = pipe.lower("step", state, batch).compile()

@@ -30,7 +30,7 @@ class Pipeline:
 
     Schedule options: ``options={...}``, checked against the method's schema in
     :mod:`jaxpipe.schedules.registry` (``jp.schedules.method(name).options`` lists them with their defaults):
-    chimera ``pipelines``, ``concat``, ``eager_reduce``; interleaved_1f1b ``virtual``; zb_h1 ``max_deferred_w``;
+    chimera ``pipelines``, ``concat``, ``eager_reduce``; interleaved_1f1b ``virtual``; zb_h1 ``max_deferred_w``, ``w_from``;
     avgpipe ``alpha``, ``advance``, ``memory_limit``, ``tolerance`` (needs a mesh with ``pipes=N``); wpipe
     ``recompute`` (the model has 2 x stage-axis partitions).  The per-method keywords ``chimera=``, ``virtual=``,
     ``zb=``, ``avgpipe=``, ``wpipe=`` still work for this release and warn (DeprecationWarning).

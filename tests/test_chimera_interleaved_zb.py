@@ -28,6 +28,7 @@ CASES = [
     ("interleaved_1f1b", 8, 8, 1, {"virtual": 2}), ("interleaved_1f1b", 1, 2, 1, {"virtual": 2}),
     ("zb_h1", 2, 3, 1, {}), ("zb_h1", 4, 4, 1, {}), ("zb_h1", 4, 8, 2, {}), ("zb_h1", 8, 8, 1, {}),
     ("zb_h1", 4, 8, 1, {"max_deferred_w": 3}), ("zb_h1", 2, 4, 2, {"max_deferred_w": 1}),
+    ("zb_h1", 4, 8, 2, {"w_from": "recompute"}),
 ]
 
 

@@ -18,7 +18,7 @@ pre/post parameters and ``pmean`` over ``pipe``/``data``.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from ..schedules.ir import SEND_MINUS, SEND_PLUS, Schedule
 from ..schedules.lanes import F2, L, plan
 from .stage import StageOps
+from .wsplit import split_backward
 from .common import cast, eager_points, exchange_perms, full, num_chunks, ppermute_bits, read, vary, where, write
 from ..axes import DATA, DP_AXES, PIPE, STAGE
 
@@ -96,7 +97,8 @@ def double_pair(model, p, table, used, x_aval, mb_example):
 
 
 def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bool = False,
-                 replicas: bool = False, placement: str = "lanes", lanes=None) -> Callable:
+                 replicas: bool = False, placement: str = "lanes", lanes=None,
+                 w_split: Optional[bool] = None) -> Callable:
     """Return ``fn(stage_params, pre_params, post_params, batch) -> (loss, (g_stage, g_pre, g_post))``.
 
     ``stage_params`` here are in the executor's layout: leading axis ``D * chunks``, device-major (see
@@ -137,6 +139,8 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
     eager = dict(eager_points(sched, p.where)) if sched.options.get("eager_reduce") else {}
     red = (DATA,) if replicas else DP_AXES
     split = sched.has_w()
+    if w_split is None:
+        w_split = sched.options.get("w_from", "frontier") == "frontier"
     ring = {SEND_PLUS: [(d, (d + 1) % D) for d in range(D)], SEND_MINUS: [(d, (d - 1) % D) for d in range(D)]}
 
     def body(stage_p, pre_p, post_p, batch, step_key):
@@ -158,6 +162,10 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
         # the flat data-parallel replica: micro-batch j of replica r has key microbatch_key(seed, step, r M + j)
         replica = lax.axis_index(PIPE) * mesh.shape[DATA] + lax.axis_index(DATA)
         no_res = lambda: vary(full(stash_avals, blank_value))
+        n_res = len(stash_avals)
+        # ZB's W from the per-layer output gradients B kept (wsplit): none where the stage cannot be split
+        wsp = split_backward(ops.backward, ws[0], no_res(), x_like(), stash_avals) if split and w_split else None
+        no_front = lambda: vary(full(wsp.frontier_avals, blank_value)) if wsp is not None else []
         mb_of = lambda row: jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, row[L["mb"]], 0, False), batch)
         add = lambda a, d: jax.tree.map(lambda u, v: u + v.astype(u.dtype), a, d)
 
@@ -170,6 +178,9 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
 
         def idle_b(row, stash, mbuf, acc):       # acc = (g_w of one chunk, g_pre)
             return acc, blank()
+
+        def idle_b_front(row, stash, mbuf, acc):
+            return acc, blank(), no_front()
 
         def fwd(chunk, first, last):
             def op(row, stash, mbuf, acc):
@@ -224,9 +235,15 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
             # the fewer branches pass the gradient accumulators through, the fewer copies XLA makes.
             def op(row, stash, mbuf, acc):
                 gw, gpre = acc
-                res = [read(a, row[L["stash"]]) for a in stash]
+                res = [read(a, row[L["stash"]]) for a in stash[:n_res]]
                 dy = read(mbuf, row[L["in"]])
-                dw, dx = ops.backward(ws[chunk], res, dy)
+                front = None
+                if wsp is not None and not want_dx:           # W: the weight-gradient equations only
+                    dw = wsp.weight_part(ws[chunk], res, dy, [read(a, row[L["stash"]]) for a in stash[n_res:]])
+                elif wsp is not None and not want_dw:         # B: input gradient, frontier kept for W
+                    dx, front = wsp.input_part(ws[chunk], res, dy)
+                else:
+                    dw, dx = ops.backward(ws[chunk], res, dy)
                 if want_dw:
                     gw = add(gw, dw)
                 if not want_dx:
@@ -236,6 +253,8 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
                     def pre_grad(g):
                         return add(g, ops.pre_grad(pre_p, mb_of(row), dx))
                     gpre = lax.cond(row[L["stage"]] == 0, pre_grad, lambda g: g, gpre)
+                if front is not None:
+                    return (gw, gpre), dx, front
                 return (gw, gpre), dx
             return op
 
@@ -262,13 +281,20 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
             # one predicate cond per chunk, each passing through only that chunk's gradient (and g_pre): a
             # pass-through of accumulators in a multi-way conditional makes XLA copy them every tick
             gws, gpre, gpost, gl = acc
-            gws, msg = list(gws), None
+            gws, msg, front = list(gws), None, None
+            fronts = wsp is not None and p.lanes[li] == "B"
             for k, code in enumerate(used[li][1:], 1):
                 c = (code - 1) // 4
-                (gws[c], gpre), m = lax.cond(row[L["branch"]] == k, branches[li][k], idle_b, row, stash, mbuf,
-                                             (gws[c], gpre))
+                out = lax.cond(row[L["branch"]] == k, branches[li][k], idle_b_front if fronts else idle_b, row,
+                               stash, mbuf, (gws[c], gpre))
+                (gws[c], gpre), m = out[:2]
                 msg = m if msg is None else where(row[L["branch"]] == k, m, msg)
-            return (gws, gpre, gpost, gl), blank() if msg is None else msg
+                if fronts:
+                    front = out[2] if front is None else where(row[L["branch"]] == k, out[2], front)
+            if fronts:      # the frontier into the micro-batch's slot beside its residuals (scratch when idle)
+                slot = jnp.where(row[L["op"]] > 0, row[L["stash"]], p.stash_capacity)
+                stash = list(stash[:n_res]) + [write(a, slot, f) for a, f in zip(stash[n_res:], front or no_front())]
+            return stash, (gws, gpre, gpost, gl), blank() if msg is None else msg
 
         def lane(li, row, c, direct=None):
             # direct: the op of a lane every device runs in this phase (no conditional around it)
@@ -279,13 +305,13 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
                 else:
                     res, acc, msg = lax.switch(row[L["branch"]], branches[li], row, stash, mbuf, acc)
                 slot = jnp.where(row[L["op"]] > 0, row[L["stash"]], p.stash_capacity)
-                stash = [write(a, slot, r) for a, r in zip(stash, res)]
-            elif direct is not None:
+                stash = [write(a, slot, r) for a, r in zip(stash, res)] + list(stash[n_res:])
+            elif direct is not None and wsp is None:
                 gws, gpre, gpost, gl = acc
                 (g0, gpre), msg = direct(row, stash, mbuf, (gws[0], gpre))
                 acc = ([g0] + list(gws[1:]), gpre, gpost, gl)
             else:
-                acc, msg = backward_lane(li, row, stash, mbuf, acc)
+                stash, acc, msg = backward_lane(li, row, stash, mbuf, acc)
             return stash, deliver(li, row, msg, mbuf), acc
 
         def deliver(li, row, msg, mbuf):
@@ -311,7 +337,7 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
             res_a, res_b, acc, msg_a, msg_b = lax.cond(rb[L["op"]] > 0, double, single, ra, rb, stash, mbuf, acc)
             slot_a = jnp.where(ra[L["op"]] > 0, ra[L["stash"]], p.stash_capacity)
             slot_b = jnp.where(rb[L["op"]] > 0, rb[L["stash"]], p.stash_capacity)
-            stash = [write(write(a, slot_a, r), slot_b, q) for a, r, q in zip(stash, res_a, res_b)]
+            stash = [write(write(a, slot_a, r), slot_b, q) for a, r, q in zip(stash, res_a, res_b)] + list(stash[n_res:])
             return stash, deliver(lb, rb, msg_b, deliver(la, ra, msg_a, mbuf)), acc
 
         def direct_op(t0, t1, li):
@@ -343,7 +369,8 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
         # gradients accumulate in float32 at least (bf16 parameters: float32 sums, cast back at the end)
         zeros = lambda t: vary(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32)), t))
         carry = vary((
-            full(stash_avals, blank_value, (p.stash_capacity + 1,)),
+            full(stash_avals, blank_value, (p.stash_capacity + 1,)) + (
+                full(wsp.frontier_avals, blank_value, (p.stash_capacity + 1,)) if wsp is not None else []),
             full(x_aval, blank_value, (p.mbuf_capacity + 1,)),
             ([zeros(w) for w in ws], zeros(pre_p), zeros(post_p), (jnp.zeros((), jnp.float32),) * 2)))
         full_sets = p.full or ((),) * len(p.phases)

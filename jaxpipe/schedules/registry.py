@@ -81,7 +81,7 @@ METHODS: Dict[str, Method] = {m.name: m for m in [
     Method("interleaved_1f1b", True, False, lambda o: int(o.get("virtual") or 2), "Narayanan et al. 2021, §2.2",
            options={"virtual": None}, builder_keys=("virtual",), finish=_virtual),
     Method("zb_h1", True, False, _one, "Qi et al. 2024, Zero Bubble (ZB-H1)",
-           options={"max_deferred_w": None}, builder_keys=("max_deferred_w",)),
+           options={"max_deferred_w": None, "w_from": "frontier"}, builder_keys=("max_deferred_w", "w_from")),
     Method("chimera", True, False, _one, "Li & Hoefler 2021, Chimera",
            options={"pipelines": 2, "concat": "direct", "eager_reduce": False, "double_batch": False},
            builder_keys=("pipelines", "concat", "eager_reduce", "double_batch"),

@@ -15,13 +15,32 @@ from typing import List, Optional
 from .ir import Action, B, F, W, Schedule, ScheduleError
 
 
-def build_zb_h1(num_stages: int, num_microbatches: int, max_deferred_w: Optional[int] = None) -> Schedule:
+W_FROM = ("frontier", "recompute")
+
+
+def build_zb_h1(num_stages: int, num_microbatches: int, max_deferred_w: Optional[int] = None,
+                w_from: str = "frontier") -> Schedule:
+    """The ZB-H1 order (``max_deferred_w`` below) with ``options["w_from"]``: how the executor computes W --
+    ``"frontier"`` (default; the paper's form) from the per-layer output gradients B keeps for it
+    (:mod:`jaxpipe.runtime.wsplit`), ``"recompute"`` by back-propagating through the stage again (no
+    memory beside the residual stash)."""
+    if w_from not in W_FROM:
+        raise ScheduleError(f"zb_h1: w_from={w_from!r}; choose one of {W_FROM} (W from the per-layer output "
+                            f"gradients B keeps, or recomputed through the stage)")
+    s = _build(num_stages, num_microbatches, max_deferred_w)
+    s.options = {**s.options, "w_from": w_from}
+    return s
+
+
+def _build(num_stages: int, num_microbatches: int, max_deferred_w: Optional[int] = None) -> Schedule:
     """``max_deferred_w=None``: 1F1B's peak memory (above).  ``max_deferred_w=k``: forwards limited as in
     1F1B (at most D - d micro-batches between F and B on stage d) and up to k + 1 backwards whose W is
     still pending; a W is forced once more are pending.  k = D - 1 gives exactly a third of 1F1B's bubble
     (the paper's (D-1)(f+b-w)), but a pending W keeps its micro-batch's whole residual stash in this
     executor (W of a multi-layer stage back-propagates through the stage again), so stage 0 then holds up
-    to 2D - 1 micro-batches against 1F1B's D (the simulator's ``peak_inflight`` shows it)."""
+    to 2D - 1 micro-batches against 1F1B's D (the simulator's ``peak_inflight`` shows it: W reads the
+    stashed layer inputs, so they stay until W; with ``w_from="frontier"`` the per-layer output gradients
+    stay beside them)."""
     D, M = num_stages, num_microbatches
     if max_deferred_w is not None:
         return _deferred(D, M, int(max_deferred_w))

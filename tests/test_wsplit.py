@@ -1,0 +1,90 @@
+"""ZB's W from the per-layer output gradients B keeps (jaxpipe.runtime.wsplit): B and W together compute
+what the fused backward computes -- the same bits, no matmul twice -- and the executor runs it that way."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxpipe as jp
+from jaxpipe.bench import make_tanh_mlp
+from jaxpipe.runtime.common import full
+from jaxpipe.runtime.stage import StageOps
+from jaxpipe.runtime.wsplit import split_backward
+from helpers import reference, rel_err, small_model
+
+
+def _dots(f, *args) -> int:
+    """Matrix products in the compiled program (XLA drops the dead ones)."""
+    return jax.jit(f).lower(*args).compile().as_text().count(" dot(")
+
+
+def _stage(kind):
+    if kind == "tanh":
+        model, mb, width = make_tanh_mlp(4, 3, 32), None, 32
+    else:
+        model, batch_fn = small_model(kind, 4)
+        mb = jax.tree.map(jnp.asarray, batch_fn(4))
+        width = 16
+    w = jax.tree.map(lambda a: a[0], model.stage_params)
+    x = model.pre(model.pre_params, mb) if mb is not None else jnp.ones((4, width))
+    ops, avals = StageOps.build(model, w, x, mb)
+    k = jax.random.split(jax.random.key(0), 3)
+    res = [jax.random.normal(k[0], a.shape, a.dtype) if jnp.issubdtype(a.dtype, jnp.floating)
+           else jnp.zeros(a.shape, a.dtype) for a in avals]
+    dy = jax.tree.map(lambda a: jax.random.normal(k[1], a.shape, a.dtype), x)
+    return ops, avals, w, res, dy
+
+
+@pytest.mark.parametrize("kind", ["tanh", "mlp", "gpt"])
+def test_split_is_the_fused_backward_without_recomputation(kind):
+    ops, avals, w, res, dy = _stage(kind)
+    sp = split_backward(ops.backward, w, res, dy, avals)
+    assert sp is not None
+    dw, dx = jax.jit(ops.backward)(w, res, dy)
+    dx2, front = jax.jit(sp.input_part)(w, res, dy)
+    dw2 = jax.jit(sp.weight_part)(w, res, dy, front)
+    for a, b in zip(jax.tree.leaves((dw, dx)), jax.tree.leaves((dw2, dx2))):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    fused = _dots(ops.backward, w, res, dy)
+    b_only, w_only = _dots(sp.input_part, w, res, dy), _dots(sp.weight_part, w, res, dy, front)
+    w_recomputed = _dots(lambda *a: ops.backward(*a)[0], w, res, dy)
+    assert b_only + w_only == fused
+    assert w_only < w_recomputed, (w_only, w_recomputed)     # the old W went through the stage again
+
+
+def test_layers_inside_one_scan_are_not_split():
+    """A stage whose layers are one lax.scan: its weight gradients come out of the scan B runs, so there is
+    nothing to split there (the executor recomputes W, as before)."""
+    def stage_fn(p, h):
+        return jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), h, p)[0]
+    w, x = jnp.ones((3, 8, 8)) / 8, jnp.ones((4, 8))
+    model = jp.PipelineModel(stage_fn=stage_fn, stage_params=jnp.stack([w, w]),
+                             post_loss=lambda p, h, b: jnp.mean(h ** 2))
+    ops, avals = StageOps.build(model, w, x, None)
+    assert split_backward(ops.backward, w, full(avals, 0.0), x, avals) is None
+
+
+@pytest.mark.parametrize("w_from", ["frontier", "recompute"])
+def test_executor_runs_w_from_the_frontier(w_from):
+    """The compiled zb_h1 program has fewer matrix products with the frontier (W no longer goes through the
+    stage again), and both forms equal jax.grad."""
+    model, batch_fn = small_model("mlp", 2)
+    batch = batch_fn(8)
+    counts = {}
+    for wf in ("frontier", "recompute"):
+        pipe = jp.Pipeline(model, schedule="zb_h1", num_microbatches=4, optimizer=optax.sgd(0.1),
+                           mesh=jp.make_mesh(stages=2), options={"w_from": wf})
+        state = pipe.init()
+        counts[wf] = pipe.lower("step", state, batch).compile().as_text().count(" dot(")
+        if wf == w_from:
+            loss, grads = pipe.loss_and_grad(state, batch)
+            assert rel_err(grads, reference(model, batch)[1]) <= 1e-5
+    assert counts["frontier"] < counts["recompute"], counts
+
+
+def test_bad_w_from():
+    model, _ = small_model("mlp", 2)
+    with pytest.raises(jp.ConfigError, match="w_from='both'"):
+        jp.Pipeline(model, schedule="zb_h1", num_microbatches=4, optimizer=optax.sgd(0.1),
+                    mesh=jp.make_mesh(stages=2), options={"w_from": "both"})
