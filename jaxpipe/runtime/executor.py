@@ -12,7 +12,9 @@ Backward is explicit: F calls ``jax.vjp(stage_fn, w, x)`` and writes the pullbac
 residuals straight into their stash slot (inside the branch: no branch output in between); the residuals
 that depend on the weights alone are not copied -- B rebuilds them from the weights and the pullback from
 both.  The last stage's F also runs the loss and its gradient and keeps dL/dy on the device for its B.
-Stage 0's B recomputes ``pre``'s pullback (an embedding: cheap).  Gradients accumulate inside the B (W)
+Stage 0's B recomputes ``pre``'s pullback (an embedding: cheap).  Where a schedule splits the backward (ZB-H1),
+B runs the input-gradient half of the pullback's jaxpr and keeps the per-layer output gradients in a slot
+beside the residuals; W runs only the weight-gradient equations on them (:mod:`.wsplit`).  Gradients accumulate inside the B (W)
 branches (divided by M at the source: the mean loss), then ``psum`` over ``stage`` for the replicated
 pre/post parameters and ``pmean`` over ``pipe``/``data``.
 """
