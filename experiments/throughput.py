@@ -21,7 +21,9 @@ from experiments import with_device_count
 flags.DEFINE_string("schedules", "gpipe,1f1b,1f1b_pytree,interleaved_1f1b,zb_h1,chimera,pipedream,pipedream_2bw,spectrain,"
                     "pipeoptim,cdp_v1,cdp_v2,wpipe,avgpipe,cdp_dp_v1,cdp_dp_v2",
                     "comma-separated schedules to benchmark (spectrain runs with SGD-momentum and is compared "
-                    "with a plain step using that optimizer when --optimizer has no momentum)")
+                    "with a plain step using that optimizer when --optimizer has no momentum). Variants: "
+                    "1f1b_pytree (the activation as a pytree of two halves), zb_h1_recompute (ZB-H1 with "
+                    "options={'w_from': 'recompute'}: W back-propagates through the stage again)")
 flags.DEFINE_integer("stages", 4, "pipeline stages D (CPU-emulated devices)")
 flags.DEFINE_integer("microbatches", 8, "micro-batches M per step")
 flags.DEFINE_integer("layers", 8, "MLP layers h = tanh(h @ W) in total (split evenly over stages)")
@@ -99,7 +101,8 @@ def main(argv):
     runners = {"accum": plain_runner(model, batch, FLAGS.microbatches, opt),
                "unchunked": plain_runner(model, batch, 1, opt)}
     infos = []
-    opts, base_of, model_of = {}, {}, {}
+    opts, base_of, model_of, variant_opts = {}, {}, {}, {}
+    base_name = lambda n: {"1f1b_pytree": "1f1b", "zb_h1_recompute": "zb_h1"}.get(n, n)
     for name in FLAGS.schedules.split(","):
         o, m, devices = opt, model, 0
         if name in ("interleaved_1f1b", "wpipe"):
@@ -114,6 +117,8 @@ def main(argv):
         if name == "1f1b_pytree":     # 1f1b with the activation sent as a pair of halves (same math)
             m = make_tanh_mlp(FLAGS.stages, FLAGS.layers // FLAGS.stages, FLAGS.width, pytree=True)
         model_of[name] = (m, devices)
+        if name == "zb_h1_recompute":
+            variant_opts[name] = {"w_from": "recompute"}
         if name in ("pipedream", "pipeoptim", "spectrain"):
             # updates after every micro-batch: the plain step doing the same work runs M (gradient, update)
             # micro-steps
@@ -140,8 +145,8 @@ def main(argv):
             infos.append(info)
             continue
         pipes = 2 if name == "avgpipe" else 1     # two parallel pipelines, the batch split between them
-        run, info = pipeline_runner(name.replace("_pytree", ""), m, batch, FLAGS.microbatches, o, devices=devices,
-                                    pipes=pipes)
+        run, info = pipeline_runner(base_name(name), m, batch, FLAGS.microbatches, o, devices=devices,
+                                    pipes=pipes, options=variant_opts.get(name))
         runners[name] = run
         infos.append({**info, "schedule": name})
     times = interleaved_medians(runners, FLAGS.steps)
@@ -153,7 +158,7 @@ def main(argv):
         name = info["schedule"]
         o = jp.optim.by_name(opts.get(name, FLAGS.optimizer), 1e-3)
         m, devices = model_of[name]
-        m2 = compile_time(name.replace("_pytree", ""), m, batch, FLAGS.compile_m2, o, devices) \
+        m2 = compile_time(base_name(name), m, batch, FLAGS.compile_m2, o, devices, variant_opts.get(name)) \
             if FLAGS.compile_m2 and name not in ("avgpipe",) and not name.startswith("cdp_dp_") else None
         base = base_of.get(name, "accum_momentum" if name in opts else "accum")
         if name in opts:

@@ -192,8 +192,9 @@ def median_ratio(a, b) -> float:
     return statistics.median(x / y for x, y in zip(a, b))
 
 
-def compile_time(name: str, model: PipelineModel, batch, num_microbatches: int, opt, devices: int = 0) -> float:
-    return pipeline_runner(name, model, batch, num_microbatches, opt, devices=devices)[1]["compile_s"]
+def compile_time(name: str, model: PipelineModel, batch, num_microbatches: int, opt, devices: int = 0,
+                 options=None) -> float:
+    return pipeline_runner(name, model, batch, num_microbatches, opt, devices=devices, options=options)[1]["compile_s"]
 
 
 def cyclic_runner(rule: str, model: PipelineModel, batch, opt):
