@@ -170,8 +170,9 @@ def main(argv):
     if FLAGS.markdown:
         os.makedirs(os.path.dirname(FLAGS.markdown) or ".", exist_ok=True)
         with open(FLAGS.markdown, "w") as f:
+            shown = (f"--shared --devices={FLAGS.devices} " if FLAGS.shared else "") + f"--memory_limit={FLAGS.memory_limit:g}"
             f.write(f"# AvgPipe tuning (§5.2): predicted vs measured\n\n`python -m experiments.tune_avgpipe "
-                    f"--memory_limit={FLAGS.memory_limit:g}`: tanh MLP {FLAGS.layers}x{FLAGS.width}², {D} stages, "
+                    f"{shown}`: tanh MLP {FLAGS.layers}x{FLAGS.width}², {D} stages, "
                     f"batch {B} per pipeline, Adam, {P} CPU-emulated devices on {cores} cores; profiled "
                     f"(M={m0}, N={n0}); predictions add the executor's per-tick cost calibrated on the profiled run "
                     f"({profile.tick_overhead * 1e3:.2f} ms/tick; eqs. 1-7 alone gave {raw * 1e3:.1f} ms "
