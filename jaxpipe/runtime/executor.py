@@ -20,7 +20,7 @@ pre/post parameters and ``pmean`` over ``pipe``/``data``.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -99,8 +99,7 @@ def double_pair(model, p, table, used, x_aval, mb_example):
 
 
 def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bool = False,
-                 replicas: bool = False, placement: str = "lanes", lanes=None,
-                 w_split: Optional[bool] = None) -> Callable:
+                 replicas: bool = False, placement: str = "lanes", lanes=None) -> Callable:
     """Return ``fn(stage_params, pre_params, post_params, batch) -> (loss, (g_stage, g_pre, g_post))``.
 
     ``stage_params`` here are in the executor's layout: leading axis ``D * chunks``, device-major (see
@@ -141,8 +140,7 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
     eager = dict(eager_points(sched, p.where)) if sched.options.get("eager_reduce") else {}
     red = (DATA,) if replicas else DP_AXES
     split = sched.has_w()
-    if w_split is None:
-        w_split = sched.options.get("w_from", "frontier") == "frontier"
+    w_split = split and sched.options.get("w_from", "frontier") == "frontier"
     ring = {SEND_PLUS: [(d, (d + 1) % D) for d in range(D)], SEND_MINUS: [(d, (d - 1) % D) for d in range(D)]}
 
     def body(stage_p, pre_p, post_p, batch, step_key):
@@ -166,7 +164,7 @@ def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bo
         no_res = lambda: vary(full(stash_avals, blank_value))
         n_res = len(stash_avals)
         # ZB's W from the per-layer output gradients B kept (wsplit): none where the stage cannot be split
-        wsp = split_backward(ops.backward, ws[0], no_res(), x_like(), stash_avals) if split and w_split else None
+        wsp = split_backward(ops.backward, ws[0], no_res(), x_like(), stash_avals) if w_split else None
         no_front = lambda: vary(full(wsp.frontier_avals, blank_value)) if wsp is not None else []
         mb_of = lambda row: jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, row[L["mb"]], 0, False), batch)
         add = lambda a, d: jax.tree.map(lambda u, v: u + v.astype(u.dtype), a, d)

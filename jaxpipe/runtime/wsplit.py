@@ -30,12 +30,15 @@ def _is_literal(v) -> bool:
     return hasattr(v, "val")
 
 
+def _read(env, v):
+    return v.val if _is_literal(v) else env[v]
+
+
 def _eval_eqns(eqns, env, inline: bool = False):
     """Bind ``eqns`` in order on the values in ``env`` (a dict var -> value, updated); ``inline``: evaluate
     calls of jitted functions equation by equation (so that tracing this gives a flat jaxpr)."""
-    read = lambda v: v.val if _is_literal(v) else env[v]
     for eqn in eqns:
-        invals = [read(v) for v in eqn.invars]
+        invals = [_read(env, v) for v in eqn.invars]
         inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr")) if eqn.primitive.name in _CALLS else None
         if inline and inner is not None:
             closed = inner if hasattr(inner, "consts") else None
@@ -43,7 +46,7 @@ def _eval_eqns(eqns, env, inline: bool = False):
             sub = dict(zip(jx.constvars, closed.consts if closed is not None else []))
             sub.update(zip(jx.invars, invals))
             _eval_eqns(jx.eqns, sub, inline=True)
-            outs = [sub[v] if not _is_literal(v) else v.val for v in jx.outvars]
+            outs = [_read(sub, v) for v in jx.outvars]
         else:
             outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
             if not eqn.primitive.multiple_results:
@@ -77,21 +80,20 @@ def _nbytes(avals) -> int:
 def split_backward(bwd: Callable, w, res, dy, stash_avals) -> Optional[BackwardSplit]:
     """The split of ``bwd(w, res, dy) -> (dw, dx)`` (pytrees) traced at these arguments, or None where it
     would not pay (see the module docstring).  Call it where the executor traces (inside the ``shard_map``)."""
-    args = (w, res, dy)
-    flat_args, in_tree = jax.tree.flatten(args)
+    flat_args, in_tree = jax.tree.flatten((w, res, dy))
+    nested, out_shape = jax.make_jaxpr(lambda *a: bwd(*jax.tree.unflatten(in_tree, a)),
+                                       return_shape=True)(*flat_args)
 
-    def flat_bwd(*leaves):
-        env = {}
-        closed = jax.make_jaxpr(lambda *a: bwd(*jax.tree.unflatten(in_tree, a)))(*leaves)
-        env.update(zip(closed.jaxpr.constvars, closed.consts))
-        env.update(zip(closed.jaxpr.invars, leaves))
-        _eval_eqns(closed.jaxpr.eqns, env, inline=True)
-        return [v.val if _is_literal(v) else env[v] for v in closed.jaxpr.outvars]
+    def flat_bwd(*leaves):          # the same equations with jitted calls inlined
+        env = dict(zip(nested.jaxpr.constvars, nested.consts))
+        env.update(zip(nested.jaxpr.invars, leaves))
+        _eval_eqns(nested.jaxpr.eqns, env, inline=True)
+        return [_read(env, v) for v in nested.jaxpr.outvars]
 
     closed = jax.make_jaxpr(flat_bwd)(*flat_args)
-    out_tree = jax.tree.structure(jax.eval_shape(bwd, *args))
+    out_tree = jax.tree.structure(out_shape)
     jx = closed.jaxpr
-    n_dw = len(jax.tree.leaves(jax.eval_shape(bwd, *args)[0]))
+    n_dw = len(jax.tree.leaves(out_shape[0]))
     dw_vars, dx_vars = jx.outvars[:n_dw], jx.outvars[n_dw:]
     b_set = _needed(jx.eqns, dx_vars)
     w_only = sorted(_needed(jx.eqns, dw_vars) - b_set)
@@ -121,14 +123,12 @@ def split_backward(bwd: Callable, w, res, dy, stash_avals) -> Optional[BackwardS
     def input_part(w_, res_, dy_):
         env = start(w_, res_, dy_)
         _eval_eqns(b_eqns, env)
-        read = lambda v: v.val if _is_literal(v) else env[v]
-        return jax.tree.unflatten(dx_tree, [read(v) for v in dx_vars]), [env[v] for v in front]
+        return jax.tree.unflatten(dx_tree, [_read(env, v) for v in dx_vars]), [env[v] for v in front]
 
     def weight_part(w_, res_, dy_, frontier):
         env = start(w_, res_, dy_)
         env.update(zip(front, frontier))
         _eval_eqns(w_eqns, env)
-        read = lambda v: v.val if _is_literal(v) else env[v]
-        return jax.tree.unflatten(out_tree.children()[0], [read(v) for v in dw_vars])
+        return jax.tree.unflatten(out_tree.children()[0], [_read(env, v) for v in dw_vars])
 
     return BackwardSplit(input_part, weight_part, [v.aval for v in front])
