@@ -349,8 +349,12 @@ class CyclicDataParallel:
                             acc = m if acc is None else jax.tree.map(lambda a, b: jnp.where(me == dst, b, a), acc, m)
                         return acc
 
+                    # on the ticks that may complete a sum the sends run unconditionally (in the steady state
+                    # every such tick completes one), so no collective sits inside a conditional (BUILD_NOTES,
+                    # "The CI crash in the CDP test"); what arrives when nothing completed is never landed (the
+                    # flag below is false)
                     held = c["bcast"][0]
-                    arrived = lax.cond(done_any, bcast, lambda h: h, held) if may_update else held
+                    arrived = bcast(held) if may_update else held
                     c = {**c, "bcast": (arrived, l_j, done_any & (me < N - 1))}
                 return (st, c, err, loss), None
 

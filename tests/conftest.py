@@ -16,6 +16,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # (multi-process, README commands) inherit it, and many tests compile the same programs (references, the same
 # pipelines in other tests): 159 -> 107 s for tests/test_exactness.py + test_lanes.py from a cold cache
 # (BUILD_NOTES, "CI time"). Keyed by XLA on the program, flags and versions; set the variable to move it.
+import re  # noqa: E402
 import tempfile  # noqa: E402
 
 import pytest  # noqa: E402
@@ -24,10 +25,13 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettemp
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-# A crashed xdist worker (a fatal signal, XLA's abort) prints faulthandler's Python stacks in the middle of the
-# run's output, which CI shows only in part: each worker's faulthandler writes to a file instead, and the
-# summary prints the file of a worker that went down.
+# A crashed xdist worker (a fatal signal, XLA's abort) loses what it printed: pytest's per-test fd capture keeps it
+# in an unnamed temporary file.  So the tests capture at the sys level (pyproject: addopts = "--capture=sys"),
+# each worker points its file descriptor 2 -- XLA's C++ log (a rendezvous "may be stuck" warning, a failed
+# CHECK, the termination message) and faulthandler's stacks -- at a file of its own, and the summary prints the
+# file of a worker that went down, and XLA's stuck-rendezvous warnings from any worker.
 _LOG_DIR = os.environ.setdefault("JAXPIPE_TEST_WORKER_LOGS", os.path.join(tempfile.gettempdir(), "jaxpipe-test-workers"))
+_NOTABLE = re.compile(r"^[FE]\d{4} |stuck|Check failed|[Tt]ermination|rendezvous|Fatal|terminate called")
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own faulthandler plugin pointed it at the worker's stderr
@@ -36,22 +40,39 @@ def pytest_configure(config):
         import faulthandler
         os.makedirs(_LOG_DIR, exist_ok=True)
         name = f"{os.environ['PYTEST_XDIST_TESTRUNUID']}-{os.environ['PYTEST_XDIST_WORKER']}.txt"
-        config._jaxpipe_crash_log = open(os.path.join(_LOG_DIR, name), "a")
+        config._jaxpipe_crash_log = open(os.path.join(_LOG_DIR, name), "a", buffering=1)
+        if config.getoption("capture") == "sys":
+            os.dup2(config._jaxpipe_crash_log.fileno(), 2)
         faulthandler.enable(file=config._jaxpipe_crash_log, all_threads=True)
 
 
-_CRASHED = []
+_CRASHED, _WORKER_LOGS = [], set()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    _WORKER_LOGS.add(f"{node.workerinput['testrunuid']}-{node.gateway.id}.txt")
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
     if error:
-        _CRASHED.append(f"{node.workerinput['testrunuid']}-{node.gateway.id}")
+        _CRASHED.append(f"{node.workerinput['testrunuid']}-{node.gateway.id}.txt")
+
+
+def _read(name):
+    path = os.path.join(_LOG_DIR, name)
+    return open(path, errors="replace").read().splitlines() if os.path.exists(path) else []
 
 
 def pytest_terminal_summary(terminalreporter):
-    for wid in _CRASHED:
-        path = os.path.join(_LOG_DIR, wid + ".txt")
-        tail = open(path, errors="replace").read().splitlines()[-80:] if os.path.exists(path) else []
-        terminalreporter.section(f"faulthandler of crashed worker {wid} (last {len(tail)} lines of {path})")
-        terminalreporter.write_line("\n".join(tail) or "(empty)")
+    for name in _CRASHED:
+        lines = _read(name)
+        notable = [ln for ln in lines if _NOTABLE.search(ln)][:40]
+        terminalreporter.section(f"crashed worker: {os.path.join(_LOG_DIR, name)} ({len(lines)} lines); its "
+                                 "notable lines, then the last 60")
+        terminalreporter.write_line("\n".join(notable + ["..."] + lines[-60:]) if lines else "(empty)")
+    stuck = [f"{name}: {ln}" for name in sorted(_WORKER_LOGS) for ln in _read(name) if "stuck" in ln]
+    if stuck:
+        terminalreporter.section(f"XLA rendezvous warnings in the worker logs ({len(stuck)}, first 20)")
+        terminalreporter.write_line("\n".join(stuck[:20]))

@@ -10,7 +10,7 @@ import jaxpipe as jp
 from helpers import small_model
 
 CASES = {"1f1b": (4, {}), "pipeoptim": (4, {}), "chimera": (4, {}), "wpipe": (2, {}),
-         "avgpipe": (2, {"avgpipe": {"advance": 1}})}
+         "avgpipe": (2, {"options": {"advance": 1}})}
 
 
 def train(schedule, seed=0):

@@ -95,9 +95,7 @@ def test_phases_do_not_grow_with_microbatches(name, D, opts):
 def _pipe(kind, name, D, M, opts, **kw):
     model, batch_fn = small_model(kind, D * (opts.get("virtual", 1)))
     pipe = jp.Pipeline(model, schedule=name, num_microbatches=M, optimizer=optax.adam(1e-2),
-                       mesh=jp.make_mesh(stages=D), **{k: v for k, v in opts.items() if k == "virtual"},
-                       **({"chimera": {k: v for k, v in opts.items()}} if name == "chimera" else {}),
-                       **({"zb": opts} if name == "zb_h1" and opts else {}), **kw)
+                       mesh=jp.make_mesh(stages=D), options=dict(opts), **kw)
     return model, pipe, batch_fn
 
 

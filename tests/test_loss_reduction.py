@@ -42,10 +42,10 @@ def padded_batch(n, seed=1):
 
 @pytest.mark.parametrize("schedule,kw,data", [
     ("gpipe", {}, 1), ("1f1b", {}, 2), ("1f1b", {"placement": "ordered"}, 1), ("zb_h1", {}, 1),
-    ("interleaved_1f1b", {"virtual": 2}, 1), ("chimera", {}, 1)])
+    ("interleaved_1f1b", {"options": {"virtual": 2}}, 1), ("chimera", {}, 1)])
 def test_summed_loss_equals_full_batch_masked_mean(schedule, kw, data):
     D, M = 2 if schedule == "interleaved_1f1b" else 4, 4
-    model, _ = masked_gpt(D * kw.get("virtual", 1))
+    model, _ = masked_gpt(D * kw.get("options", {}).get("virtual", 1))
     batch = padded_batch(2 * M * data)
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(model.loss))(model.params, batch)
     pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=M, optimizer=optax.sgd(0.1),

@@ -41,10 +41,10 @@ def batch_of(n, seed=1):
 
 
 @pytest.mark.parametrize("schedule,kw,data", [("gpipe", {}, 1), ("1f1b", {}, 2), ("zb_h1", {}, 1),
-                                              ("interleaved_1f1b", {"virtual": 2}, 1), ("chimera", {}, 1)])
+                                              ("interleaved_1f1b", {"options": {"virtual": 2}}, 1), ("chimera", {}, 1)])
 def test_pytree_activation_equals_jax_grad(schedule, kw, data):
     D, M = (2 if schedule == "interleaved_1f1b" else 4), 4
-    model = pytree_model(D * kw.get("virtual", 1))
+    model = pytree_model(D * kw.get("options", {}).get("virtual", 1))
     batch = batch_of(2 * M * data)
     pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=M, optimizer=optax.sgd(0.1),
                        mesh=jp.make_mesh(stages=D, data=data), nan_bubbles=True, **kw)

@@ -64,11 +64,11 @@ def reference(model, params, batch, M, R, seed, step):
 
 
 @pytest.mark.parametrize("schedule,kw,data", [
-    ("gpipe", {}, 1), ("1f1b", {}, 2), ("zb_h1", {}, 1), ("interleaved_1f1b", {"virtual": 2}, 1),
+    ("gpipe", {}, 1), ("1f1b", {}, 2), ("zb_h1", {}, 1), ("interleaved_1f1b", {"options": {"virtual": 2}}, 1),
     ("chimera", {}, 1)])
 def test_context_model_equals_its_microbatched_reference(schedule, kw, data):
     D, M = (2 if schedule == "interleaved_1f1b" else 4), 4
-    model = context_model(D * kw.get("virtual", 1))
+    model = context_model(D * kw.get("options", {}).get("virtual", 1))
     batch = batch_of(2 * M * data)
     pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=M, optimizer=optax.sgd(0.1),
                        mesh=jp.make_mesh(stages=D, data=data), seed=7, **kw)
@@ -145,7 +145,7 @@ def test_context_model_in_no_flush_methods_equals_the_serial_reference(schedule)
 
 
 @pytest.mark.parametrize("schedule,kw", [("1f1b", {"recompute": True}),
-                                         ("chimera", {"chimera": {"concat": "forward_doubling"}})])
+                                         ("chimera", {"options": {"concat": "forward_doubling"}})])
 def test_context_with_recomputation(schedule, kw):
     """jax.checkpoint keeps the context (stage index, key) as residuals: they must be stashed like the
     activation (a stage-varying index once broke the lane executor's branch types)."""
