@@ -5,7 +5,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxpipe.optim.policies import pipeoptim, spectrain_distances, pipeoptim_distance
+from jaxpipe.optim.policies import pipeoptim, pipeoptim_distance, spectrain, spectrain_distances
 
 
 def run(opt, grads, w):
@@ -46,14 +46,18 @@ def test_u_last_is_table1_delta(name):
 
 
 def test_prediction_reads_w_plus_s_u_last():
+    """After stage s's update u (the weights now w + u), its next F reads w + u + (D - 1 - s) u and its B
+    reads w + u, whether the policy predicts when it updates or when it reads."""
     D = 4
     opt = optax.sgd(0.1, momentum=0.9)
     pol = pipeoptim(opt, D)
     lp = (jnp.ones((3,)), jnp.zeros(()), jnp.zeros(()))
-    os_, ps = opt.init(lp), pol.init(lp)
     g = (jnp.full((3,), 2.0), jnp.zeros(()), jnp.zeros(()))
-    lp1, os_, ps = pol.update(g, lp, os_, ps, 0, 0)
     for s in range(D):
+        lp1, _, ps = pol.update(g, lp, opt.init(lp), pol.init(lp), 0, jnp.int32(s))
+        if pol.apply_pending is not None:
+            lp1 = pol.apply_pending(lp1, ps)
+        np.testing.assert_allclose(np.asarray(lp1[0]), 1.0 - 0.2, rtol=1e-6)
         wF, _ = pol.forward_weights(lp1, ps, 1, jnp.int32(s))
         np.testing.assert_allclose(np.asarray(wF[0]), np.asarray(lp1[0]) + (D - 1 - s) * (-0.1 * 2.0), rtol=1e-6)
         np.testing.assert_allclose(np.asarray(pol.backward_weights(lp1, ps, 1, jnp.int32(s))[0]), np.asarray(lp1[0]))
@@ -61,6 +65,12 @@ def test_prediction_reads_w_plus_s_u_last():
     f, b = spectrain_distances(D)
     assert [f(s) for s in range(D)] == [3, 2, 2, 1] and [b(s) for s in range(D)] == [0, 0, 1, 1]
     assert all(f(s) - b(s) == D - 1 - s for s in range(D))   # F and B predict the same version
+    # the ops that predict by 0 read the weights themselves (the executor skips their axpy)
+    spec = spectrain(opt, D)
+    assert [bool(spec.backward_is_current(jnp.int32(s))) for s in range(D)] == [True, True, False, False]
+    assert not any(bool(spec.forward_is_current(jnp.int32(s))) for s in range(D))
+    assert [bool(pol.forward_is_current(jnp.int32(s))) for s in range(D)] == [False, False, False, True]
+    assert pol.backward_is_current is None          # PipeOptim's B always reads the current weights
 
 
 @pytest.mark.parametrize("D", [1, 2, 4, 8])

@@ -68,6 +68,12 @@ class WeightPolicy(NamedTuple):
     #: own: one that wrote the weights and kept an update computed from them (AdamW's decay) made XLA copy
     #: the weights every tick (HLO-checked, BUILD_NOTES)
     apply_pending: Any = None
+    #: ``forward_is_current(s)`` / ``backward_is_current(s)`` (optional, traced bool): the F / B of stage ``s``
+    #: reads the current weights (a prediction by distance 0: SpecTrain's B on its first stages, PipeOptim's F
+    #: on the last).  The executor then runs that op on the weights themselves, in a branch of its own, instead
+    #: of materialising ``w + 0 * u`` (a weight-sized axpy per micro-batch)
+    forward_is_current: Any = None
+    backward_is_current: Any = None
 
 
 def _apply(opt, g, lp, opt_state):
@@ -208,8 +214,10 @@ def _predicting(name: str, opt, fwd_distance: Callable, bwd_distance: Callable, 
             return lp, new_state, Prediction(u, d)
         return lp, new_state, u
 
+    zero = lambda dist: None if dist is None else (lambda s: dist(s) == 0)
     return WeightPolicy(name, init, forward_weights, backward_weights, update, versions,
-                        apply_pending=lambda lp, ps: optax.apply_updates(lp, pending(ps)))
+                        apply_pending=lambda lp, ps: optax.apply_updates(lp, pending(ps)),
+                        forward_is_current=zero(fwd_distance), backward_is_current=zero(bwd_distance))
 
 
 def pipeoptim_distance(num_stages: int, distance: str = "paper") -> Callable:

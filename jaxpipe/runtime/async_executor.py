@@ -184,8 +184,15 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             # global micro-batch gi is micro-batch gi mod M of step gi // M: the synchronous schedules' keys
             ctx = sop.context(mb, model_key(gi // M, replica * M + gi % M), me)
             if policy.choose is None:
+                def fwd(wF):
+                    return lax.switch(pos_j, fwd_variants, wF, c.recv_f, c.tie_f, mb, ctx)
                 wF, pstate = policy.forward_weights(lp, pstate, gi, me)
-                msg, res, dy, gq, l, t_out, gt, cnt = lax.switch(pos_j, fwd_variants, wF, c.recv_f, c.tie_f, mb, ctx)
+                if policy.forward_is_current is None:
+                    msg, res, dy, gq, l, t_out, gt, cnt = fwd(wF)
+                else:        # stages predicting by 0 read lp itself: no weight-sized axpy
+                    msg, res, dy, gq, l, t_out, gt, cnt = lax.cond(
+                        policy.forward_is_current(me), lambda: fwd(lp),
+                        lambda: fwd(policy.forward_weights(lp, pstate, gi, me)[0]))
             else:     # one branch per stored version and position: the chosen version is never copied
                 k, cands = policy.choose(lp, pstate, gi, me)
                 n = len(fwd_variants)
@@ -211,7 +218,11 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             res = [read(a, gi % S) for a in c.stash]
             dy = where(me == D - 1, c.dy_own, c.recv_b)
             pre_p = lp[1]
-            if policy.choose is None:
+            if policy.choose is None and policy.backward_is_current is not None:
+                pre_p = None         # stages predicting by 0 read lp itself: no weight-sized axpy
+                dw, dx = lax.cond(policy.backward_is_current(me), lambda: sop.backward(lp[0], res, dy),
+                                  lambda: sop.backward(policy.backward_weights(lp, pstate, gi, me)[0], res, dy))
+            elif policy.choose is None:
                 w, pre_p, _ = policy.backward_weights(lp, pstate, gi, me)
                 dw, dx = sop.backward(w, res, dy)
             else:
