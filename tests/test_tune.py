@@ -50,6 +50,13 @@ def test_predict_adds_communication_and_allreduce():
     assert with_comm["lockstep"] == pytest.approx(base + with_comm["p2p"] + with_comm["allreduce"])
 
 
+def test_op_overhead_counts_every_device_op_of_every_pipeline():
+    s = schedules.build("1f1b", 4, 8)
+    base = predict(s, _costs(4), 0, 0, replicas=1, width=2)["lockstep"]
+    more = predict(s, _costs(4), 0, 0, replicas=1, width=2, op_overhead=1e-3)["lockstep"]
+    assert more - base == pytest.approx(1e-3 * 2 * (2 * 4 * 8))     # 2 pipelines x (F + B) x D x M
+
+
 def test_search_space_and_memory():
     cands = enumerate_candidates(8, 64, 8, micro_batch_sizes=[4, 8])
     assert {c.schedule for c in cands} >= {"gpipe", "1f1b", "chimera", "zb_h1", "interleaved_1f1b"}

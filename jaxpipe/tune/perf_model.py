@@ -8,7 +8,7 @@ after its last backward counts (:func:`unoverlapped_allreduce`).
 
 jaxpipe's SPMD executor runs lockstep ticks (one op per device per tick, every device waits for the tick's
 slowest op, one ``ppermute`` per channel each tick) and reduces gradients after the pipeline, so its model is
-    T = sum_ticks [ cost(op kind, busy devices) + channels * Comm_p2p ] + Comm_allreduce + T_update,
+    T = sum_ticks [ cost(op kind, busy devices) + channels * Comm_p2p ] + ops * c_op + Comm_allreduce + T_update,
 with ``cost(kind, k)`` the measured time of k devices running that op at once (a flat function of k on a GPU
 per device; on CPU-emulated devices sharing cores it grows with k, which is why it is measured per k).
 No JAX here: the measured numbers come from :mod:`.microbench`.
@@ -144,7 +144,7 @@ def unoverlapped_allreduce(s: Schedule, costs: Costs, grad_bytes: float, replica
 
 def predict(s: Schedule, costs: Costs, act_bytes: float, grad_bytes: float, replicas: int,
             width: int = 1, channels: Optional[int] = None, tick_overhead: float = 0.0,
-            chunk_tick_overhead: float = 0.0) -> Dict[str, float]:
+            chunk_tick_overhead: float = 0.0, op_overhead: float = 0.0) -> Dict[str, float]:
     """Predicted step time, seconds: ``lockstep`` (jaxpipe's executor) and ``paper`` (equation (1)).
 
     act_bytes: one micro-batch's activation message; grad_bytes: one stage's gradients; replicas: how many
@@ -152,14 +152,17 @@ def predict(s: Schedule, costs: Costs, act_bytes: float, grad_bytes: float, repl
     running at once (data-parallel W), so a tick with k busy devices per pipeline has k x W busy devices;
     tick_overhead: the executor's fixed cost per tick (slot reads/writes, switch), calibrated once;
     chunk_tick_overhead: the extra per tick for each model chunk beyond the first (more weights and gradient
-    accumulators carried through the tick), calibrated once."""
+    accumulators carried through the tick), calibrated once; op_overhead: the executor's fixed cost of one
+    device's op (F, B or W), times the ops of all ``width`` pipelines -- on CPU-emulated devices sharing cores
+    this is what grows with the micro-batch count at a fixed batch, calibrated once."""
     ch = len(s.tables().channels) if channels is None else channels
     prof = lockstep_profile(s)
     idle_ticks = s.num_ticks - sum(prof.values())
     compute = sum(n * costs.op_time(kind, k * width) for (kind, k), n in prof.items())
     nchunk = int(s.stage_of_chunk().shape[1])
     p2p = s.num_ticks * (ch * costs.p2p(act_bytes) if s.D > 1 else 0.0) + \
-        s.num_ticks * (tick_overhead + (nchunk - 1) * chunk_tick_overhead)
+        s.num_ticks * (tick_overhead + (nchunk - 1) * chunk_tick_overhead) + \
+        op_overhead * width * sum(len(a) for a in s.actions)
     ar = nchunk * costs.allreduce(grad_bytes, replicas)
     # Chimera: each extra replica is fetched from its owner by one ppermute and its gradient sent back by
     # another; interleaved: the step gathers the device's chunks and scatter-adds their gradients
