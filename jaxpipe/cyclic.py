@@ -339,7 +339,7 @@ class CyclicDataParallel:
                     l_active, l_f, l_j, _ = role(t, N - 1)
                     done_any = l_active & ~l_f
 
-                    def bcast(held):
+                    def bcast():
                         new = stage_of(st[0], l_j)
                         if balanced:
                             return balanced_broadcast(new, N, me, DATA)
@@ -353,8 +353,7 @@ class CyclicDataParallel:
                     # every such tick completes one), so no collective sits inside a conditional (BUILD_NOTES,
                     # "The CI crash in the CDP test"); what arrives when nothing completed is never landed (the
                     # flag below is false)
-                    held = c["bcast"][0]
-                    arrived = bcast(held) if may_update else held
+                    arrived = bcast() if may_update else c["bcast"][0]
                     c = {**c, "bcast": (arrived, l_j, done_any & (me < N - 1))}
                 return (st, c, err, loss), None
 

@@ -143,14 +143,13 @@ def unoverlapped_allreduce(s: Schedule, costs: Costs, grad_bytes: float, replica
 
 
 def predict(s: Schedule, costs: Costs, act_bytes: float, grad_bytes: float, replicas: int,
-            width: int = 1, channels: Optional[int] = None, tick_overhead: float = 0.0,
-            chunk_tick_overhead: float = 0.0, op_overhead: float = 0.0) -> Dict[str, float]:
+            width: int = 1, channels: Optional[int] = None, chunk_tick_overhead: float = 0.0,
+            op_overhead: float = 0.0) -> Dict[str, float]:
     """Predicted step time, seconds: ``lockstep`` (jaxpipe's executor) and ``paper`` (equation (1)).
 
     act_bytes: one micro-batch's activation message; grad_bytes: one stage's gradients; replicas: how many
     copies of a stage's gradients are reduced (data-parallel width x replicas per pipeline); width: pipelines
     running at once (data-parallel W), so a tick with k busy devices per pipeline has k x W busy devices;
-    tick_overhead: the executor's fixed cost per tick (slot reads/writes, switch), calibrated once;
     chunk_tick_overhead: the extra per tick for each model chunk beyond the first (more weights and gradient
     accumulators carried through the tick), calibrated once; op_overhead: the executor's fixed cost of one
     device's op (F, B or W), times the ops of all ``width`` pipelines -- on CPU-emulated devices sharing cores
@@ -161,7 +160,7 @@ def predict(s: Schedule, costs: Costs, act_bytes: float, grad_bytes: float, repl
     compute = sum(n * costs.op_time(kind, k * width) for (kind, k), n in prof.items())
     nchunk = int(s.stage_of_chunk().shape[1])
     p2p = s.num_ticks * (ch * costs.p2p(act_bytes) if s.D > 1 else 0.0) + \
-        s.num_ticks * (tick_overhead + (nchunk - 1) * chunk_tick_overhead) + \
+        s.num_ticks * (nchunk - 1) * chunk_tick_overhead + \
         op_overhead * width * sum(len(a) for a in s.actions)
     ar = nchunk * costs.allreduce(grad_bytes, replicas)
     # Chimera: each extra replica is fetched from its owner by one ppermute and its gradient sent back by
