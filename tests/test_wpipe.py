@@ -127,7 +127,7 @@ def test_recomputation_keeps_the_numbers_and_stashes_less():
         state = pipe.init()
         for b in batches:
             state, _ = pipe.step(state, b)
-        stash.append(sum(a.nbytes for a in state.carry.stash0 + state.carry.stash1))
+        stash.append(sum(a.nbytes for a in state.carry.stash))
         state, _ = pipe.drain(state)
         params.append(pipe.params(state))
     assert stash[1] < stash[0]
@@ -151,19 +151,23 @@ def test_table1_comparison_names_each_difference():
 
 
 @pytest.mark.parametrize("D,M", [(1, 1), (2, 1), (4, 3), (4, 8)])
-def test_period_table_is_the_pictured_timeline(D, M):
-    """The executor's table (one batch period: kind, group, batch offset, micro-batch per device) replays
-    the timeline the pictures draw (op_at) tick for tick, idle where op_at has nothing yet."""
-    tab = wp.period_table(D, M)
-    for t in range(12 * M + 2 * D):
+def test_stream_is_the_pictured_timeline(D, M):
+    """What the executor runs (the no-flush 1F1B over WPipe's V units, two chunks per device: wp.stream) replays
+    the timeline the pictures draw (op_at) tick for tick: every op with its chunk (group), batch and micro-batch,
+    nothing where op_at has nothing yet."""
+    p = wp.stream(D, M)
+    calls = 4
+    ran = {(t, d, kind): (c, g // M, g % M) for t, d, kind, c, g in p.events(M, calls=calls)}
+    assert len(ran) == len(set(ran))
+    for t in range(calls * 4 * M):
         for d in range(D):
-            kind, g, off, j = tab[t % (4 * M), d]
-            b = t // (4 * M) + off
             op = wp.op_at(t, d, D, M)
             if op is None or op[2] < 0:
-                assert b < 0
+                assert not any((t, d, k) in ran for k in ("F", "B"))
             else:
-                assert (kind, g, b, j) == (1 if op[0] == "F" else 2, op[1], op[2], op[3])
+                assert ran[(t, d, op[0])] == (op[1], op[2], op[3])
+    buf = p.buffers(M)
+    assert buf["stash"][1] <= M and buf["stash"][0] <= 2 * M       # G1 1F1B-like, G0 a batch plus the V's skew
 
 
 def test_apc_roundtrip_is_float16_exact_to_its_mantissa():
@@ -171,7 +175,7 @@ def test_apc_roundtrip_is_float16_exact_to_its_mantissa():
     leaf; values within 2^14 of the leaf's largest come back within 2^-11 relative; integer leaves and
     non-finite values pass as they are."""
     import jax.numpy as jnp
-    from jaxpipe.runtime.wpipe_executor import apc_pack, apc_unpack
+    from jaxpipe.runtime.apc import apc_pack, apc_unpack
     r = np.random.default_rng(0)
     for scale in (1e-6, 1.0, 1e6):
         x = {"a": jnp.asarray(r.standard_t(3, size=(32, 16)).astype(np.float32) * scale),

@@ -74,6 +74,14 @@ class WeightPolicy(NamedTuple):
     #: of materialising ``w + 0 * u`` (a weight-sized axpy per micro-batch)
     forward_is_current: Any = None
     backward_is_current: Any = None
+    #: accumulating policies: batch ``b`` reads version ``b - stale`` (2BW 1, WPipe's G1 0): the executor lands
+    #: batch b's update after its last backward and before batch ``b + 1 + stale``'s first op, and checks that
+    #: its timeline leaves room for that, with ``accumulators`` batches accumulating at once
+    stale: int = 1
+    accumulators: int = 1
+    #: ``held(ps, i, s)`` (optional, traced bool): the version micro-batch ``i`` must read on stage ``s`` is
+    #: one the policy holds; the executor counts the reads where it is not (metric ``version_errors``)
+    held: Any = None
 
 
 def _apply(opt, g, lp, opt_state):
@@ -115,7 +123,7 @@ class TwoBWState(NamedTuple):
 
 
 def pipedream_2bw(opt: optax.GradientTransformation, num_stages: int, num_microbatches: int,
-                  fresh: bool = False, name: str = "pipedream_2bw") -> WeightPolicy:
+                  fresh: bool = False, name: str = "pipedream_2bw", accumulators: int = None) -> WeightPolicy:
     """PipeDream-2BW's rule; ``fresh=True`` is Cyclic Data Parallelism's CDP-v2 in pipeline form (Fournier &
     Oyallon, §3.2, eq. (CDP-v2)): micro-batch j of batch b reads on stage s the freshest version present
     when its forward reaches the stage -- w(b) once the update of batch b-1 has landed there, which in this
@@ -126,7 +134,7 @@ def pipedream_2bw(opt: optax.GradientTransformation, num_stages: int, num_microb
 
     # land at the end of the call (2BW, CDP-v1) -> two accumulators by batch parity (a call runs the last
     # backwards of batch b - 1 and the first of batch b); in the scan (CDP-v2) -> one, zeroed as it lands
-    K = 1 if fresh else 2
+    K = accumulators or (1 if fresh else 2)
 
     def init(lp):
         return TwoBWState(jax.tree.map(jnp.copy, lp), jax.tree.map(lambda a: jnp.zeros((K,) + a.shape, a.dtype), lp),
@@ -139,10 +147,7 @@ def pipedream_2bw(opt: optax.GradientTransformation, num_stages: int, num_microb
     def latest(ps, i, s):
         # batch b = i // M reads w(b - 1) (w(-1) = w(0)); CDP-v2: w(b) where j + s >= D - 1.  lp holds
         # w(n_updates), the shadow w(n_updates - 1).
-        b = i // M
-        v = b - 1
-        if fresh:
-            v = jnp.where(i % M + s >= D - 1, b, b - 1)
+        v = read_version(i, s)
         return (ps.n_updates == v) | ((v < 0) & (ps.n_updates == 0))
 
     def forward_weights(lp, ps, i, s):
@@ -153,6 +158,13 @@ def pipedream_2bw(opt: optax.GradientTransformation, num_stages: int, num_microb
 
     def choose(lp, ps, i, s):
         return jnp.where(latest(ps, i, s), 0, 1), (lp, ps.shadow)
+
+    def held(ps, i, s):
+        return latest(ps, i, s) | (ps.n_updates - 1 == read_version(i, s))
+
+    def read_version(i, s):
+        b = i // M
+        return jnp.where(i % M + s >= D - 1, b, b - 1) if fresh else b - 1
 
     def update(g, lp, opt_state, ps, i, s, count=None):
         # count: this micro-batch's global token/example count when post_loss returns (sum, count) -- ``g`` is
@@ -174,9 +186,46 @@ def pipedream_2bw(opt: optax.GradientTransformation, num_stages: int, num_microb
     # 2BW / CDP-v1: w(b + 1), made from batch b's gradient, is first read by batch b + 2, so the landing may
     # wait for the end of the call that completes batch b (no conditional inside the scan); CDP-v2's fresh
     # reads need it at the tick of batch b's last backward
-    return WeightPolicy(name, init, forward_weights, backward_weights, update, WEIGHT_VERSIONS[name], choose,
+    return WeightPolicy(name, init, forward_weights, backward_weights, update, lambda D: [2] * D, choose,
                         per_microbatch=False, land=land, lands=lambda i: i % M == M - 1,
-                        land_at_call_end=not fresh)
+                        land_at_call_end=not fresh, stale=1, accumulators=K, held=held)
+
+
+class AccumState(NamedTuple):
+    acc: Any              # the batch's gradient sum
+    n_updates: jax.Array  # versions produced so far: lp holds w(n_updates)
+    count: Any            # (sum, count) losses: the batch's global count
+
+
+def accumulate(opt: optax.GradientTransformation, num_microbatches: int, name: str = "accumulate") -> WeightPolicy:
+    """One version, as data parallelism: batch b reads w(b) in F and B; its mean gradient lands before batch
+    b + 1's first op (WPipe's G1, eq. (1) with i = 1)."""
+    M = num_microbatches
+
+    def init(lp):
+        return AccumState(jax.tree.map(jnp.zeros_like, lp), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
+
+    def update(g, lp, opt_state, ps, i, s, count=None):
+        acc = jax.tree.map(lambda a, x: a + x.astype(a.dtype), ps.acc, g)
+        return lp, opt_state, ps._replace(acc=acc, count=ps.count + (0.0 if count is None else count))
+
+    def land(lp, opt_state, ps, counting=False, b=0):
+        div = (lambda a: a / ps.count.astype(a.dtype)) if counting else (lambda a: a / M)
+        new, opt_state, _ = _apply(opt, jax.tree.map(div, ps.acc), lp, opt_state)
+        return new, opt_state, AccumState(jax.tree.map(jnp.zeros_like, ps.acc), ps.n_updates + 1,
+                                          jnp.zeros((), jnp.float32))
+
+    return WeightPolicy(name, init, lambda lp, ps, i, s: (lp, ps), lambda lp, ps, i, s: lp, update,
+                        lambda D: [1] * D, choose=lambda lp, ps, i, s: (jnp.zeros((), jnp.int32), (lp,)),
+                        per_microbatch=False, land=land, lands=lambda i: i % M == M - 1, land_at_call_end=True,
+                        stale=0, accumulators=1, held=lambda ps, i, s: ps.n_updates == i // M)
+
+
+def wpipe(opt: optax.GradientTransformation, num_stages: int, num_microbatches: int):
+    """WPipe's 2GW (§3.2, eq. (1)): per chunk of a device, G0 with one delay (2BW's rule: batch b reads
+    w(b - 1), two versions) and G1 without (one version, as data parallelism)."""
+    return (pipedream_2bw(opt, num_stages, num_microbatches, name="wpipe_g0", accumulators=1),
+            accumulate(opt, num_microbatches, name="wpipe_g1"))
 
 
 class Prediction(NamedTuple):
@@ -289,12 +338,14 @@ POLICIES = {
     "cdp_v2": _two_versions("cdp_v2", True),
     "pipeoptim": lambda opt, D, M, ex=None, **o: pipeoptim(opt, D, **o),
     "spectrain": lambda opt, D, M, ex=None: spectrain(opt, D, ex),
+    "wpipe": lambda opt, D, M, ex=None: wpipe(opt, D, M),
 }
 
 
 def make_policy(name: str, opt, num_stages: int, num_microbatches: int, opt_state_example=None,
-                options=None) -> WeightPolicy:
-    """``options``: the method's policy options (its registry entry's ``policy_keys``), as keywords."""
+                options=None):
+    """``options``: the method's policy options (its registry entry's ``policy_keys``), as keywords.  A
+    :class:`WeightPolicy`, or a tuple of one per model chunk of a device (WPipe's two groups)."""
     if name not in POLICIES:
         raise ConfigError(f"unknown weight policy {name!r}; available: {', '.join(POLICIES)}")
     return POLICIES[name](opt, num_stages, num_microbatches, opt_state_example, **(options or {}))

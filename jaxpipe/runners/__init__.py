@@ -13,8 +13,8 @@ is data: the method's registry entry (``jaxpipe.schedules.registry.Method.runner
 checks the user's input and delegates.
 
 * ``sync`` (:mod:`.sync`): the flushing schedules -- the lane executor's gradient, one optimizer update;
-* ``async`` (:mod:`.no_flush`): the asynchronous 1F1B family and CDP's pipeline form (weight policies);
-* ``wpipe`` (:mod:`.wpipe`): WPipe's two groups;
+* ``async`` (:mod:`.no_flush`): the no-flush methods -- the asynchronous 1F1B family, CDP's pipeline form and
+  WPipe's two groups (one weight policy per chunk);
 * ``avgpipe`` (:mod:`.avgpipe`): AvgPipe's parallel pipelines with elastic averaging.
 """
 from __future__ import annotations
@@ -68,7 +68,7 @@ class RunContext:
 
 
 #: a registry entry's ``runner`` -> (module, class)
-RUNNERS = {"sync": (".sync", "SyncRunner"), "async": (".no_flush", "AsyncRunner"), "wpipe": (".wpipe", "WPipeRunner"),
+RUNNERS = {"sync": (".sync", "SyncRunner"), "async": (".no_flush", "AsyncRunner"),
            "avgpipe": (".avgpipe", "AvgPipeRunner")}
 
 

@@ -24,8 +24,9 @@ from ..axes import STAGE
 
 class AsyncState(NamedTuple):
     params: Any        # (w [D, ...], pre [D, ...], post [D, ...]): stage s's local parameters at index s
-    opt_state: Any     # the wrapped optimizer's state per stage (leading axis D)
-    policy_state: Any  # weight stash / shadow copy / last update, per stage (leading axis D)
+                       # (several chunks per device -- WPipe's groups --: a tuple of those, chunk c = stages c D..)
+    opt_state: Any     # the wrapped optimizer's state per stage (leading axis D; per chunk, as params)
+    policy_state: Any  # weight stash / shadow copy / last update, per stage (leading axis D; per chunk)
     carry: Any         # AsyncCarry: in-flight residuals, messages, recent micro-batches (one per device)
     counters: Any      # (tick, base, fed) int32: ticks since the (re)start, first micro-batch index, fed since
     step: jax.Array    # calls of step()
@@ -69,12 +70,16 @@ class AsyncRunner(InFlightRunner):
             raise ConfigError(f"{ctx.schedule.name} updates the weights inside the pipeline: give "
                               f"Pipeline(..., optimizer=optax.sgd(0.1, momentum=0.9)) or another optax optimizer")
         self.ties = ctx.ties        # tied arrays: held once, in stage 0's pre (jaxpipe.tying)
+        self.K = ctx.schedule.periodic.chunks       # model chunks per device (stage c D + d on device d)
         lp_example = jax.eval_shape(self._local, self.ties.strip(model.params))
         opt_example = jax.eval_shape(ctx.optimizer.init, lp_example)
         self.policy = make_policy(ctx.method.policy, ctx.optimizer, D, self.M, opt_example,
                                   {k: ctx.options[k] for k in ctx.method.policy_keys})
-        # what the simulator and the picture report: the versions this policy (with its options) keeps
-        ctx.schedule.weight_versions = list(self.policy.versions(D))
+        self.policies = (self.policy,) if hasattr(self.policy, "_fields") else tuple(self.policy)
+        if len(self.policies) != self.K:
+            raise ConfigError(f"{ctx.schedule.name}: {len(self.policies)} weight policies for {self.K} chunks")
+        # what the simulator and the picture report: the versions the policies (with their options) keep
+        ctx.schedule.weight_versions = [sum(v) for v in zip(*(p.versions(D) for p in self.policies))]
         self._fns = {}
 
     @staticmethod
@@ -88,9 +93,13 @@ class AsyncRunner(InFlightRunner):
         ctx, D = self.ctx, self.D
         w, pre, post = self.ties.strip(ctx.model.params)
         stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (D,) + jnp.shape(a)).copy(), t)
-        params = (jax.tree.map(jnp.copy, w), stack(pre), stack(post))
-        opt_state = jax.vmap(ctx.optimizer.init)(params)
-        pstate = jax.vmap(self.policy.init)(params)
+        chunks = tuple((jax.tree.map(lambda a: a[c * D:(c + 1) * D], w), stack(pre), stack(post))
+                       for c in range(self.K))
+        opt_state = tuple(jax.vmap(ctx.optimizer.init)(lp) for lp in chunks)
+        pstate = tuple(jax.vmap(p.init)(lp) for p, lp in zip(self.policies, chunks))
+        params = chunks
+        if self.K == 1:
+            params, opt_state, pstate = params[0], opt_state[0], pstate[0]
         sh = NamedSharding(ctx.mesh, P(STAGE))
         params, opt_state, pstate = jax.device_put((params, opt_state, pstate), sh)
         rep = NamedSharding(ctx.mesh, P())
@@ -126,23 +135,23 @@ class AsyncRunner(InFlightRunner):
             ctx = self.ctx
             fn, _ = make_async_fn(ctx.model, self.policy, ctx.optimizer, self.D, self.M, ctx.mesh,
                                   self._mb(batch_like), nan_bubbles=ctx.nan_bubbles,
-                                  periodic=ctx.schedule.periodic, seed=ctx.seed)
+                                  periodic=ctx.schedule.periodic, seed=ctx.seed, apc=bool(ctx.options.get("apc")))
 
             def run(state: AsyncState, batch, feed):
-                params, opt_state, pstate, carry, counters, (lsum, lcount, done) = fn(
+                params, opt_state, pstate, carry, counters, (lsum, lcount, done, errors) = fn(
                     state.params, state.opt_state, state.policy_state, state.carry, state.counters, batch, feed)
                 step = state.step + feed.astype(jnp.int32)
                 metrics = {"loss": jnp.where(lcount > 0, lsum / jnp.maximum(lcount, 1), jnp.nan),
                            "losses_computed": lcount, "microbatches_finished": done,
-                           "microbatches_fed": counters[1] + counters[2], "step": step}
+                           "microbatches_fed": counters[1] + counters[2], "version_errors": errors, "step": step}
                 return AsyncState(params, opt_state, pstate, carry, counters, step), metrics
 
             self._fns[key] = jax.jit(run, donate_argnums=(0,))
         return self._fns[key]
 
     def drain(self, state: AsyncState):
-        """Run the step program without new micro-batches until everything in flight finished (until stage 0's
-        B of the last micro-batch; calls of period x M ticks), then reset the counters so the next step
+        """Run the step program without new micro-batches until every micro-batch in flight finished (its last
+        op ran: ``microbatches_finished`` reaches ``microbatches_fed``), then reset the counters so the next step
         refills the pipeline."""
         if state.carry is None:
             return state, {}
@@ -150,18 +159,23 @@ class AsyncRunner(InFlightRunner):
         dummy = self.ctx.shard_batch(jax.tree.map(
             lambda r: jnp.zeros((r.shape[2] * per,) + tuple(r.shape[3:]), r.dtype), state.carry.ring))
         p = self.ctx.schedule.periodic
-        call = p.period * self.M
-        calls = max(1, -(-(p.tick("B", 0, self.M - 1) + 1 - call) // call))
+        # calls a micro-batch may still need after the call that fed it (the stream's latency, in calls)
+        bound = -(-(max(t for t, *_ in p.events(self.M, calls=3)) + 1) // p.call_ticks(self.M)) + 1
         lsum, lcount = 0.0, 0
-        for _ in range(calls):
+        for _ in range(bound):
             state, m = self._fn(dummy)(state, dummy, jnp.asarray(False))
             n = int(m["losses_computed"])
             lsum, lcount = lsum + (float(m["loss"]) * n if n else 0.0), lcount + n
+            if int(m["microbatches_finished"]) >= int(m["microbatches_fed"]):
+                break
         t, base, fed = state.counters
         state = state._replace(counters=(jnp.zeros_like(t), base + fed, jnp.zeros_like(fed)))
         m = {**m, "loss": lsum / lcount if lcount else float("nan"), "losses_computed": lcount}
         return state, m
 
     def params(self, state: AsyncState):
-        w, pre, post = state.params
+        """The model's parameters: the chunks' stages in model order, stage 0's pre, the last stage's post."""
+        chunks = state.params if self.K > 1 else (state.params,)
+        w = jax.tree.map(lambda *a: jnp.concatenate(a), *(lp[0] for lp in chunks))
+        pre, post = chunks[0][1], chunks[-1][2]
         return self.ties.fill((w, jax.tree.map(lambda a: a[0], pre), jax.tree.map(lambda a: a[self.D - 1], post)))

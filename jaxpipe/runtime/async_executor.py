@@ -1,15 +1,23 @@
-"""The no-flush executor of the asynchronous 1F1B family (PipeDream, PipeDream-2BW, SpecTrain, PipeOptim).
+"""The no-flush executor: PipeDream, PipeDream-2BW, SpecTrain, PipeOptim, CDP's pipeline form and WPipe.
 
-One ``shard_map`` program per call, a ``lax.scan`` over lockstep ticks.  The schedule is the steady-state
-1F1B of PipeOptim Fig. 1(d)-(e) with one op per device per tick: stage ``s`` runs F of micro-batch ``i``
-(counted from the last (re)start) at tick ``2i + s`` and B of it at tick ``2i + 2D - 1 - s``; F and B ticks
-never collide (opposite parity) and every message is consumed the tick after it is sent, so the wire is one
-activation each way.  Nothing flushes between calls: the train state carries the stashed residuals, the
-messages on the wire, the last stage's dL/dy, the recent micro-batches (stage 0 and D-1 need them for the
-embedding's backward and the loss) and each stage's weights, optimizer state and policy state.
-``step`` feeds M micro-batches and runs 2M ticks; ``drain`` runs the 2D - 1 ticks that finish everything
-in flight.  Each stage updates its own weights with the wrapped optax optimizer when its policy says so
-(``jaxpipe.optim.policies``), after averaging the micro-batch gradient over ``pipe`` x ``data``.
+One ``shard_map`` program per call, a ``lax.scan`` over lockstep ticks, read from a periodic schedule of the IR
+(:class:`jaxpipe.schedules.periodic.Periodic`): on device ``d`` the F of stream unit ``i`` runs at tick
+``period * i + offset_F[d]`` and its B at ``period * i + offset_B[d]`` (the 1F1B family: PipeOptim Fig. 1(d)-(e),
+or F and B lanes in every tick).  A unit is a micro-batch on one of the device's model chunks
+(:meth:`Periodic.unit_table`: WPipe's V units carry G0's forward of batch p + 1 and G0's backward of batch p);
+chunk ``c`` of device ``d`` is model stage ``c D + d``, so an activation leaving the last device on chunk ``c``
+waits on device 0 for chunk ``c + 1`` (and a gradient the other way) in a buffer indexed like the ring of
+micro-batches.  Every capacity comes from replaying the stream (:meth:`Periodic.buffers`).
+
+Nothing flushes between calls: the train state carries the stashed residuals, the messages on the wire, the
+last stage's dL/dy, the recent micro-batches and, per chunk, each stage's weights, optimizer state and policy
+state.  ``step`` feeds M micro-batches and runs ``period * U`` ticks (U units per call); ``drain`` runs calls
+without feeding until everything in flight is finished.  Which weights an op reads and when updates land come
+from the chunk's weight policy (``jaxpipe.optim.policies``): the executor never asks a method's name.
+A tick is an F lane and a B lane, each a predicate ``lax.cond`` around a switch over small outputs (nothing
+weight-sized passes through a multi-way conditional: XLA copies such pass-throughs); the update runs in a
+conditional of its own per chunk; accumulating policies land between scans, at the tick the timeline allows
+(:func:`landing_points`), or in the ticks where some stage lands (:func:`landing_segments`).
 """
 from __future__ import annotations
 
@@ -21,8 +29,10 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from ..errors import ConfigError
 from ..model import microbatch_key
 from ..tying import Ties
+from .apc import apc_pack, apc_unpack
 from .common import cast, full, pmean_over, ppermute_bits, psum_over, read, where, write
 from .stage import StageOps
 from ..axes import AXES, DATA, DP_AXES, PIPE, STAGE
@@ -32,39 +42,27 @@ ALL = AXES
 
 class AsyncCarry(NamedTuple):
     """Per-device in-flight state (leading axis: one entry per device, sharded over all mesh axes)."""
-    stash: Any       # list of [D, ...] residual buffers (slot i mod D)
-    recv_f: Any      # activation received from the previous stage last tick
-    recv_b: Any      # gradient received from the next stage last tick
-    dy_own: Any      # last stage: dL/dy of the micro-batch whose F ran last tick
+    stash: Any       # list of residual buffers: micro-batch g of chunk c in slot stash_offset[c] + g mod S[c]
+    recv_f: Any      # activation received from the previous device last tick
+    recv_b: Any      # gradient received from the next device last tick
+    dy_own: Any      # last stage: dL/dy of the micro-batch whose F ran last
     gpost: Any       # last stage: head gradient of that micro-batch (applied with its B)
-    ring: Any        # the recent micro-batches, slot i mod (M + D)
+    ring: Any        # the recent micro-batches, slot g mod C
     tie_f: Any = ()  # tied arrays (``jaxpipe.tying``): stage 0's version of them, received with recv_f
     tie_b: Any = ()  # their last-stage gradient, received with recv_b
-    gtie: Any = ()   # last stage: that gradient of the micro-batch whose F ran last tick
+    gtie: Any = ()   # last stage: that gradient of the micro-batch whose F ran last
     cnt_b: Any = 0.0   # (sum, count) losses in accumulating policies: the micro-batch's global count,
-    cnt_own: Any = 0.0  # received with recv_b / on the last stage, of the micro-batch whose F ran last tick
-
-
-def ring_capacity(M: int, periodic) -> int:
-    """Recent micro-batches kept (stage 0's B needs its micro-batch for the embedding's backward, ``tick(B, 0,
-    0) / period`` micro-batches after its F): M + D for the 2-tick pattern, M + 2D - 1 on lanes."""
-    return M + periodic.tick("B", 0, 0) // periodic.period + 1
-
-
-def op_at(t, me, table, period: int, n_fed, kind: int):
-    """(runs, i): whether device ``me`` runs op ``kind`` (0: F, 1: B) at tick ``t`` (relative to the last
-    (re)start) and of which micro-batch, read from the periodic schedule's table
-    (``jaxpipe.schedules.periodic.Periodic.table``)."""
-    off = table[t % period, me, kind]
-    i = (t - off) // period
-    return (off >= 0) & (t >= off) & (i < n_fed), i
+    cnt_own: Any = 0.0  # received with recv_b / on the last stage, of the micro-batch whose F ran last
+    wrap_f: Any = ()   # chunks > 1, device 0: (activation, tied arrays) from the last device, slot g mod C
+    wrap_b: Any = ()   # chunks > 1, last device: (gradient, tie gradient, count) from device 0, slot g mod C
+    errors: Any = 0    # reads of a weight version the policy no longer held (metric version_errors; stays 0)
 
 
 def landing_segments(periodic, M: int, D: int):
     """The call's ticks cut into ``(start, stop, landing)`` scans so that only the ticks where some stage runs
-    the B of a batch's last micro-batch compile the landing of an accumulating policy.  A call runs
-    ``period * M`` ticks from a tick that is a multiple of that (calls feed M micro-batches each), so stage
-    ``s`` lands at offset ``(tick(B, s, M - 1)) mod (period * M)`` of every call."""
+    the B of a batch's last micro-batch compile the in-scan landing of an accumulating policy (one chunk).
+    A call runs ``period * M`` ticks from a tick that is a multiple of that, so stage ``s`` lands at offset
+    ``(tick(B, s, M - 1)) mod (period * M)`` of every call."""
     n = periodic.period * M
     offs = sorted({periodic.tick("B", s, M - 1) % n for s in range(D)})
     lo, hi = offs[0], offs[-1] + 1
@@ -73,61 +71,109 @@ def landing_segments(periodic, M: int, D: int):
     return [seg for seg in ((0, lo, False), (lo, hi, True), (hi, n, False)) if seg[1] > seg[0]]
 
 
+def landing_points(periodic, M: int, chunk: int, policy, b: int = 4):
+    """``(lag, tau)`` for a policy that lands between scans: batch ``q - lag``'s update lands at tick offset
+    ``tau`` of call ``q`` (``tau = period * U``: after the call), after every device ran that batch's last B
+    of ``chunk`` and before any op of batch ``q - lag + 1 + stale`` (the first to read the new version) --
+    read off the replayed stream; a ConfigError when the timeline leaves no such point or makes more batches
+    accumulate at once than the policy keeps."""
+    T = periodic.call_ticks(M)
+    ends = periodic.batch_ticks(M, chunk, b)["last_b"]
+    calls = {t // T for t in ends}
+    if len(calls) != 1:
+        raise ConfigError(f"{policy.name}: stages finish a batch in different calls ({sorted(calls)}); it must "
+                          f"land inside the scan (land_at_call_end=False)")
+    q = calls.pop()
+    start = max(t % T for t in ends) + 1
+    first = min(periodic.batch_ticks(M, chunk, b + 1 + policy.stale)["first"])
+    if first >= (q + 1) * T:
+        tau = T
+    elif first >= q * T + start:
+        tau = start
+    else:
+        raise ConfigError(f"{policy.name}: with D={periodic.num_devices}, M={M} batch {b + 1 + policy.stale} "
+                          f"starts (tick {first}) before batch {b}'s update can land (tick {q * T + start})")
+    open_ = {}
+    for t, d, kind, c, g in periodic.events(M, calls=b + 6):
+        if c == chunk and kind == "B":
+            open_.setdefault((t - tau) // T, set()).add(g // M)
+    if max(len(v) for v in open_.values()) > policy.accumulators:
+        raise ConfigError(f"{policy.name}: this timeline accumulates {max(len(v) for v in open_.values())} "
+                          f"batches at once; the policy keeps {policy.accumulators}")
+    return q - b, tau
+
+
 def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubbles: bool = False,
-                  periodic=None, seed: int = 0):
-    """``fn(params, opt_state, policy_state, carry, counters, batch, feed) -> (same..., metrics)``: 2M ticks.
+                  periodic=None, seed: int = 0, apc: bool = False):
+    """``fn(params, opt_state, policy_state, carry, counters, batch, feed) -> (same..., metrics)``.
 
+    ``policy``: a :class:`~jaxpipe.optim.policies.WeightPolicy`, or a tuple of one per chunk; ``params``,
+    ``opt_state`` and ``policy_state`` are then tuples over chunks, each ``(w [D..], pre [D..], post [D..])``
+    per stage (pre/post: each stage's copy; stage 0's pre and the last stage's post are the trained ones).
     ``feed`` (traced bool): whether ``batch``'s M micro-batches enter the pipeline; ``drain`` calls the same
-    program with ``feed=False`` (the batch is then written to ring slots no micro-batch in flight uses), so
-    one compiled program serves both.
-
-    ``params = (w [D..], pre [D..], post [D..])`` per stage (pre/post: each stage's copy); ``counters =
-    (t, base, n_fed)`` int32 scalars: tick since the last (re)start, global index of the first micro-batch
-    since then, micro-batches fed since then.  ``mb_example``: one micro-batch per data replica.
+    program with ``feed=False`` (the batch is then written to ring slots no micro-batch in flight uses).
+    ``counters = (t, base, n_fed)`` int32 scalars: tick since the last (re)start, global index of the first
+    micro-batch since then, micro-batches fed since then.  ``mb_example``: one micro-batch per data replica.
+    ``apc``: activations and gradients travel compressed (WPipe appendix A.3, :mod:`.apc`).
     """
-    pre = model.pre
+    chunked = not hasattr(policy, "_fields")       # a WeightPolicy is a NamedTuple; chunks: a tuple of them
+    policies = tuple(policy) if chunked else (policy,)
+    K = len(policies)
     if periodic is None:
         from ..schedules.periodic import no_flush_1f1b
-        periodic = no_flush_1f1b(policy.name, D)
-    C = ring_capacity(M, periodic)
-    S = periodic.max_inflight()                 # stash slots: micro-batch i in slot i mod S
+        periodic = no_flush_1f1b(policies[0].name, D)
+    if periodic.chunks != K:
+        raise ConfigError(f"the timeline has {periodic.chunks} chunks per device, the policy {K}")
+    by_branch = K > 1 or policies[0].choose is not None
+    if K > 1 and any(p.choose is None or (p.land is not None and not p.land_at_call_end) for p in policies):
+        raise ConfigError("a timeline of several chunks runs policies that choose among stored versions and "
+                          "land between scans")
+    if len({p.per_microbatch for p in policies}) != 1:
+        raise ConfigError("the chunks' policies must all update per micro-batch or all per batch")
+    units = periodic.unit_table(M)
+    U = len(units)
+    buf = periodic.buffers(M)
+    C, S = buf["ring"], buf["stash"]
+    S_off = np.concatenate([[0], np.cumsum(S)])
     w_example = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), model.stage_params)
-    x_aval = jax.eval_shape(pre, model.pre_params, mb_example)
+    x_aval = jax.eval_shape(model.pre, model.pre_params, mb_example)
     y_aval = model.stage_output_aval(w_example, x_aval, mb_example)
     model.check_activation(x_aval, y_aval)
     summed = model.reduction(y_aval, mb_example) == "sum"
     n_dp = mesh.shape[PIPE] * mesh.shape[DATA]
     model_key = lambda step, mb: microbatch_key(seed, step, mb)
     # (sum, count) losses: per-micro-batch updaters scale each micro-batch at the loss by replicas / its global
-    # count; accumulating policies (2BW, CDP) get unscaled sums, and each micro-batch's global count travels
-    # back with dL/dy so that every stage divides its step's summed gradient by the step's count
-    counting = summed and not policy.per_microbatch
-    # forward variants by position (first, last); only the positions some device has are compiled
+    # count; accumulating policies (2BW, CDP, WPipe) get unscaled sums, and each micro-batch's global count
+    # travels back with dL/dy so that every stage divides its step's summed gradient by the step's count
+    counting = summed and not policies[0].per_microbatch
     ties = Ties(model)
     tie_avals = ties.pre_leaves(model.pre_params)
-    flags = [(False, False), (True, False), (False, True), (True, True)]
-    used_pos = sorted({int(d == 0) + 2 * int(d == D - 1) for d in range(D)})
-    remap = np.zeros(4, np.int32)
-    remap[used_pos] = np.arange(len(used_pos))
-
     period = periodic.period
-    num_ticks = period * M
-    b_first = periodic.tick("B", 0, 0)         # stage 0's backward of micro-batch 0: the pipeline's latency
-    in_scan = policy.land is not None and not policy.land_at_call_end
-    segments = landing_segments(periodic, M, D) if in_scan else [(0, num_ticks, False)]
-    # calls after a batch's call in which every stage runs that batch's last backward (1 for D > 1, 0 at D = 1)
-    lags = {(periodic.tick("B", s, M - 1)) // num_ticks for s in range(D)}
-    if policy.land is not None and policy.land_at_call_end and len(lags) != 1:
-        raise ValueError(f"{policy.name}: stages finish a batch in different calls ({sorted(lags)}); "
-                         f"land in the scan instead")
-    lag = lags.pop()
+    T = period * U
+    in_scan = policies[0].land is not None and not policies[0].land_at_call_end
+    segments = landing_segments(periodic, M, D) if in_scan else [(0, T, False)]
+    lands = {c: landing_points(periodic, M, c, p) for c, p in enumerate(policies)
+             if p.land is not None and p.land_at_call_end}
+    cuts = sorted({tau for _, tau in lands.values() if tau < T})
+    if cuts:
+        segments = [(a, b, False) for a, b in zip([0] + cuts, cuts + [T])]
+    # positions: chunk c of device d is first (pre) where c = 0 and d = 0, last (loss) where c = K-1, d = D-1;
+    # only the (chunk, position) pairs some device has are compiled
+    pos_of = lambda c, d: int(c == 0 and d == 0) + 2 * int(c == K - 1 and d == D - 1)
+    used_pos = [sorted({pos_of(c, d) for d in range(D)}) for c in range(K)]
+    remap = np.zeros((K, 4), np.int32)
+    for c in range(K):
+        remap[c, used_pos[c]] = np.arange(len(used_pos[c]))
+    done_tab = np.asarray(buf["done"], np.int32)
 
     def body(params, opt_state, pstate, carry, counters, batch, feed):
         sq = lambda t: jax.tree.map(lambda a: a[0], t)
-        lp, opt_state, pstate, carry = sq(params), sq(opt_state), sq(pstate), sq(carry)
+        lps, oss, pss, carry = sq(params), sq(opt_state), sq(pstate), sq(carry)
+        if not chunked:
+            lps, oss, pss = (lps,), (oss,), (pss,)
         t0, base, n_fed = counters
         me = lax.axis_index(STAGE)
-        sop, avals = StageOps.build(model, lp[0], full(x_aval, 0),
+        sop, avals = StageOps.build(model, lps[0][0], full(x_aval, 0),
                                     jax.tree.map(lambda a: a[0], carry.ring))
         replica = lax.axis_index(PIPE) * mesh.shape[DATA] + lax.axis_index(DATA)
         if len(avals) != len(carry.stash):
@@ -140,14 +186,32 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
         n_fed = n_fed + M * feed.astype(jnp.int32)
         carry = carry._replace(ring=ring)
         zero_like = lambda t: jax.tree.map(jnp.zeros_like, t)
-
-        def mb_of(i):
-            return jax.tree.map(lambda a: read(a, (base + i) % C), carry.ring)
-
-        pos = (me == 0).astype(jnp.int32) + 2 * (me == D - 1).astype(jnp.int32)
+        mb_of = lambda g: jax.tree.map(lambda a: read(a, (base + g) % C), carry.ring)
         blank = lambda: full(x_aval, jnp.nan if nan_bubbles else 0)
         blank_tie = lambda: full(tie_avals, jnp.nan if nan_bubbles else 0)
         x_like = lambda: full(x_aval, 0)
+        table, unit_tab = jnp.asarray(periodic.table()), jnp.asarray(units)
+        s_off, s_cap = jnp.asarray(S_off[:-1], jnp.int32), jnp.asarray(S, jnp.int32)
+        slot_of = lambda c, g: s_off[c] + g % s_cap[c]
+
+        def op_of(t, d, kind):
+            """(runs, chunk, g): device ``d``'s op ``kind`` (0: F, 1: B) at tick ``t``, of micro-batch ``g``."""
+            off = table[t % period, d, kind]
+            i = (t - off) // period
+            row = unit_tab[i % U]
+            g = (i // U + row[1 + kind]) * M + row[3]
+            return (off >= 0) & (t >= off) & (g >= 0) & (g < n_fed), row[0], g
+
+        def position(c: int):
+            """The position code of this device's chunk ``c``: 1 first (pre), 2 last (loss), 3 both."""
+            return ((me == 0) & (c == 0)).astype(jnp.int32) + 2 * ((me == D - 1) & (c == K - 1)).astype(jnp.int32)
+
+        def pick(c, values):
+            """``values[c]`` for a traced chunk index (scalars)."""
+            out = values[0]
+            for cc in range(1, K):
+                out = jnp.where(c == cc, values[cc], out)
+            return out
 
         def forward_at(first, last):
             # one position's forward on the weights the policy chose: small outputs only (message,
@@ -173,137 +237,212 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                 return blank(), res, cast(dy, x_aval), gq, l.astype(jnp.float32), blank_tie(), gt, n_glob
             return op
 
-        fwd_variants = [forward_at(*flags[k]) for k in used_pos]
+        variants = [[forward_at(bool(p & 1), bool(p & 2)) for p in used_pos[c]] for c in range(K)]
 
-        def f_lane(i, ops):
+        def choices(g, lps, pss):
+            """Per chunk: (version index, candidates) the policy chooses for micro-batch ``g`` on this device."""
+            return [p.choose(lp, ps, base + g, me) for p, lp, ps in zip(policies, lps, pss)]
+
+        def f_lane(c, g, x_in, t_in, ops):
             # F lane (docs/design.md §2 lanes): a predicate cond around the position switch, so that nothing
             # big passes through a multi-way conditional (XLA copies such pass-throughs every tick)
-            lp, pstate, c, loss = ops
-            gi = base + i
-            mb = mb_of(i)
-            # global micro-batch gi is micro-batch gi mod M of step gi // M: the synchronous schedules' keys
-            ctx = sop.context(mb, model_key(gi // M, replica * M + gi % M), me)
-            if policy.choose is None:
+            lps, pss, cr, loss = ops
+            gi = base + g
+            mb = mb_of(g)
+            pos = pick(c, [jnp.asarray(remap[cc])[position(cc)] for cc in range(K)])
+            # global micro-batch gi is micro-batch gi mod M of step gi // M on model stage c D + me: the
+            # synchronous schedules' keys
+            ctx = sop.context(mb, model_key(gi // M, replica * M + gi % M), c * D + me)
+            if not by_branch:
+                policy, lp, ps = policies[0], lps[0], pss[0]
+
                 def fwd(wF):
-                    return lax.switch(pos_j, fwd_variants, wF, c.recv_f, c.tie_f, mb, ctx)
-                wF, pstate = policy.forward_weights(lp, pstate, gi, me)
+                    return lax.switch(pos, variants[0], wF, x_in, t_in, mb, ctx)
+                wF, ps = policy.forward_weights(lp, ps, gi, me)
+                pss = (ps,)
                 if policy.forward_is_current is None:
-                    msg, res, dy, gq, l, t_out, gt, cnt = fwd(wF)
+                    out = fwd(wF)
                 else:        # stages predicting by 0 read lp itself: no weight-sized axpy
-                    msg, res, dy, gq, l, t_out, gt, cnt = lax.cond(
-                        policy.forward_is_current(me), lambda: fwd(lp),
-                        lambda: fwd(policy.forward_weights(lp, pstate, gi, me)[0]))
-            else:     # one branch per stored version and position: the chosen version is never copied
-                k, cands = policy.choose(lp, pstate, gi, me)
-                n = len(fwd_variants)
-                brs = [(lambda w, v=v: (lambda cs, x, tx, m, cx: fwd_variants[v](cs[w], x, tx, m, cx)))(w)
-                       for w in range(len(cands)) for v in range(n)]
-                msg, res, dy, gq, l, t_out, gt, cnt = lax.switch(k * n + pos_j, brs, cands, c.recv_f, c.tie_f, mb,
-                                                                 ctx)
-            c = c._replace(stash=[write(a, gi % S, r) for a, r in zip(c.stash, res)],
-                           dy_own=where(me == D - 1, dy, c.dy_own),
-                           gpost=jax.tree.map(lambda n, o: jnp.where(me == D - 1, n, o), gq, c.gpost),
-                           gtie=where(me == D - 1, gt, c.gtie), cnt_own=jnp.where(me == D - 1, cnt, c.cnt_own))
-            last = (me == D - 1)
+                    out = lax.cond(policy.forward_is_current(me), lambda: fwd(lp),
+                                   lambda: fwd(policy.forward_weights(lp, ps, gi, me)[0]))
+            else:     # one branch per chunk, stored version and position: the chosen version is never copied
+                ch = choices(g, lps, pss)
+                brs, start = [], []
+                for cc, (_, cands) in enumerate(ch):
+                    start.append(len(brs))
+                    n = len(variants[cc])
+                    brs += [(lambda cc, w, v: (lambda cs, *a: variants[cc][v](cs[cc][w], *a)))(cc, w, v)
+                            for w in range(len(cands)) for v in range(n)]
+                k = pick(c, [kk for kk, _ in ch])
+                idx = pick(c, [start[cc] + k * len(variants[cc]) for cc in range(K)]) + pos
+                out = lax.switch(idx, brs, [cands for _, cands in ch], x_in, t_in, mb, ctx)
+            msg, res, dy, gq, l, t_out, gt, cnt = out
+            last = (me == D - 1) & (c == K - 1)
+            slot = slot_of(c, g)
+            cr = cr._replace(stash=[write(a, slot, r) for a, r in zip(cr.stash, res)],
+                             dy_own=where(last, dy, cr.dy_own),
+                             gpost=jax.tree.map(lambda n, o: jnp.where(last, n, o), gq, cr.gpost),
+                             gtie=where(last, gt, cr.gtie), cnt_own=jnp.where(last, cnt, cr.cnt_own))
             loss = (loss[0] + jnp.where(last, l, 0.0), loss[1] + last.astype(jnp.int32))
-            return (pstate, c, loss), (msg, t_out)
+            return (pss, cr, loss), (msg, t_out)
 
-        def f_idle(i, ops):
-            lp, pstate, c, loss = ops
-            return (pstate, c, loss), (blank(), blank_tie())
+        def f_idle(c, g, x_in, t_in, ops):
+            lps, pss, cr, loss = ops
+            return (pss, cr, loss), (blank(), blank_tie())
 
-        def b_lane(i, ops):
-            lp, opt_state, pstate, c = ops
-            gi = base + i
-            res = [read(a, gi % S) for a in c.stash]
-            dy = where(me == D - 1, c.dy_own, c.recv_b)
-            pre_p = lp[1]
-            if policy.choose is None and policy.backward_is_current is not None:
-                pre_p = None         # stages predicting by 0 read lp itself: no weight-sized axpy
+        def b_lane(c, g, dy_in, t_in, ops):
+            lps, pss, cr = ops
+            gi = base + g
+            res = [read(a, slot_of(c, g)) for a in cr.stash]
+            last = (me == D - 1) & (c == K - 1)
+            first = (me == 0) & (c == 0)
+            dy = where(last, cr.dy_own, dy_in)
+            policy, lp, ps = policies[0], lps[0], pss[0]
+            pre_p = None
+            if not by_branch and policy.backward_is_current is not None:
+                # stages predicting by 0 read lp itself: no weight-sized axpy
                 dw, dx = lax.cond(policy.backward_is_current(me), lambda: sop.backward(lp[0], res, dy),
-                                  lambda: sop.backward(policy.backward_weights(lp, pstate, gi, me)[0], res, dy))
-            elif policy.choose is None:
-                w, pre_p, _ = policy.backward_weights(lp, pstate, gi, me)
+                                  lambda: sop.backward(policy.backward_weights(lp, ps, gi, me)[0], res, dy))
+            elif not by_branch:
+                w, pre_p, _ = policy.backward_weights(lp, ps, gi, me)
                 dw, dx = sop.backward(w, res, dy)
             else:
-                k, cands = policy.choose(lp, pstate, gi, me)
-                pre_p = None
-                brs = [(lambda v: (lambda cs, r, d: sop.backward(cs[v][0], r, d)))(v) for v in range(len(cands))]
-                dw, dx = lax.switch(k, brs, cands, res, dy)
+                ch = choices(g, lps, pss)
+                brs, start = [], []
+                for cc, (_, cands) in enumerate(ch):
+                    start.append(len(brs))
+                    brs += [(lambda cc, v: (lambda cs, r, d: sop.backward(cs[cc][v][0], r, d)))(cc, v)
+                            for v in range(len(cands))]
+                idx = pick(c, [start[cc] + ch[cc][0] for cc in range(K)])
+                dw, dx = lax.switch(idx, brs, [cands for _, cands in ch], res, dy)
             dx = cast(dx, x_aval)
             dpre = zero_like(lp[1])
             # the tied arrays' last-stage gradient of this micro-batch, on its way to stage 0
-            t_grad = where(me == D - 1, c.gtie, c.tie_b)
+            t_grad = where(last, cr.gtie, t_in)
             if jax.tree.leaves(lp[1]):
                 def pre_grad():
-                    q0 = pre_p if pre_p is not None else policy.backward_weights(lp, pstate, gi, me)[1]
-                    return ties.add_to_pre(sop.pre_grad(q0, mb_of(i), dx), t_grad)
-                dpre = lax.cond(me == 0, pre_grad, lambda: zero_like(lp[1]))
-            dpost = jax.tree.map(lambda g: jnp.where(me == D - 1, g, jnp.zeros_like(g)), c.gpost)
-            cnt = jnp.where(me == D - 1, c.cnt_own, c.cnt_b)
-            return (dw, dpre, dpost), (where(me == 0, blank(), dx), where(me == 0, blank_tie(), t_grad), cnt)
+                    q0 = pre_p if pre_p is not None else policy.backward_weights(lp, ps, gi, me)[1]
+                    return ties.add_to_pre(sop.pre_grad(q0, mb_of(g), dx), t_grad)
+                dpre = lax.cond(first, pre_grad, lambda: zero_like(lp[1]))
+            dpost = jax.tree.map(lambda a: jnp.where(last, a, jnp.zeros_like(a)), cr.gpost)
+            return (dw, dpre, dpost), (where(first, blank(), dx), where(first, blank_tie(), t_grad))
 
-        def b_idle(i, ops):
-            lp, opt_state, pstate, c = ops
-            return zero_like((lp[0], lp[1], c.gpost)), (blank(), blank_tie(), jnp.full((), jnp.nan if nan_bubbles
-                                                                                        else 0, jnp.float32))
+        def b_idle(c, g, dy_in, t_in, ops):
+            lps, pss, cr = ops
+            return zero_like((lps[0][0], lps[0][1], cr.gpost)), (blank(), blank_tie())
 
-        def b_apply(i, g, cnt, lp, opt_state, pstate):
+        def b_apply(c, g, grad, cnt, lp, os_, ps):
             # the update, in a conditional of its own: one that also ran the backward (reading the weights
             # it then updates) made XLA copy the weights twice per tick (HLO-checked, BUILD_NOTES)
-            gi = base + i
+            gi = base + g
+            policy = policies[c]
             if counting:        # sums over replicas; the policy divides the step's sum by the step's count
-                return policy.update(psum_over(g, mesh, DP_AXES), lp, opt_state, pstate, gi, me, count=cnt)
-            return policy.update(pmean_over(g, mesh, DP_AXES), lp, opt_state, pstate, gi, me)
+                return policy.update(psum_over(grad, mesh, DP_AXES), lp, os_, ps, gi, me, count=cnt)
+            return policy.update(pmean_over(grad, mesh, DP_AXES), lp, os_, ps, gi, me)
 
-        pos_j = jnp.asarray(remap)[pos]
-        table = jnp.asarray(periodic.table())
         ring_f = [(d, (d + 1) % D) for d in range(D)]
         ring_b = [(d, (d - 1) % D) for d in range(D)]
 
+        def send(x, pairs):
+            """A lane's message to the next (previous) device: its bits, or APC-compressed activation/gradient."""
+            if not apc:
+                return ppermute_bits(x, STAGE, pairs)
+            head, rest = x[0], x[1:]
+            return (apc_unpack(lax.ppermute(apc_pack(head), STAGE, pairs), head),) + tuple(
+                ppermute_bits(rest, STAGE, pairs))
+
+        def errors_of(c, g, runs, pss):
+            """1 where the op would read a version its chunk's policy no longer holds."""
+            ok = [p.held(ps, base + g, me) if p.held is not None else jnp.asarray(True)
+                  for p, ps in zip(policies, pss)]
+            return (runs & ~pick(c, ok)).astype(jnp.int32)
+
         def tick(st, t, landing=True):
-            is_f, i_f = op_at(t, me, table, period, n_fed, 0)
-            is_b, i = op_at(t, me, table, period, n_fed, 1)
-            lp, opt_state, pstate, c, loss = st
-            (pstate, c, loss), send_f = lax.cond(is_f, f_lane, f_idle, i_f, (lp, pstate, c, loss))
-            if D > 1:
-                recv_f, tie_f = ppermute_bits(send_f, STAGE, ring_f)
-                c = c._replace(recv_f=recv_f, tie_f=tie_f)
-            g, send_b = lax.cond(is_b, b_lane, b_idle, i, (lp, opt_state, pstate, c))
-            lp, opt_state, pstate = lax.cond(is_b, b_apply, lambda i, g, cnt, *a: a, i, g, send_b[2], lp,
-                                             opt_state, pstate)
-            if policy.apply_pending is not None:
-                lp = lax.cond(is_b, policy.apply_pending, lambda lp, ps: lp, lp, pstate)
-            if policy.land is not None and landing:
-                lp, opt_state, pstate = lax.cond(is_b & policy.lands(base + i),
-                                                 lambda *a: policy.land(*a, counting=counting, b=(base + i) // M),
-                                                 lambda *a: a, lp, opt_state, pstate)
-            if D > 1:
-                recv_b, tie_b, cnt_b = ppermute_bits(send_b, STAGE, ring_b)
-                c = c._replace(recv_b=recv_b, tie_b=tie_b, cnt_b=cnt_b)
-            return (lp, opt_state, pstate, c, loss), None
+            lps, oss, pss, cr, loss = st
+            is_f, cf, gf = op_of(t, me, 0)
+            is_b, cb, gb = op_of(t, me, 1)
+            err = errors_of(cf, gf, is_f, pss)
+            x_in, t_in = cr.recv_f, cr.tie_f
+            if K > 1:      # device 0's later chunks read the last device's output from the wrap buffer
+                wx, wt = jax.tree.map(lambda a: read(a, gf % C), cr.wrap_f)
+                on_wrap = (me == 0) & (cf > 0)
+                x_in, t_in = where(on_wrap, wx, x_in), where(on_wrap, wt, t_in)
+            (pss, cr, loss), send_f = lax.cond(is_f, f_lane, f_idle, cf, gf, x_in, t_in, (lps, pss, cr, loss))
+            if D > 1 or K > 1:
+                recv_f, tie_f = send(send_f, ring_f)
+                cr = cr._replace(recv_f=recv_f, tie_f=tie_f)
+                if K > 1:
+                    runs_s, c_s, g_s = op_of(t, D - 1, 0)
+                    slot = jnp.where((me == 0) & runs_s & (c_s < K - 1), g_s % C, C)
+                    cr = cr._replace(wrap_f=jax.tree.map(lambda a, v: write(a, slot, v), cr.wrap_f, (recv_f, tie_f)))
+            err = err + errors_of(cb, gb, is_b, pss)
+            dy_in, tb_in, cnt = cr.recv_b, cr.tie_b, cr.cnt_b
+            if K > 1:      # the last device's earlier chunks read device 0's gradient from the wrap buffer
+                wd, wt, wc = jax.tree.map(lambda a: read(a, gb % C), cr.wrap_b)
+                on_wrap = (me == D - 1) & (cb < K - 1)
+                dy_in, tb_in, cnt = where(on_wrap, wd, dy_in), where(on_wrap, wt, tb_in), jnp.where(on_wrap, wc, cnt)
+            cnt = jnp.where((me == D - 1) & (cb == K - 1), cr.cnt_own, cnt)
+            grad, send_b = lax.cond(is_b, b_lane, b_idle, cb, gb, dy_in, tb_in, (lps, pss, cr))
+            send_b = send_b + (jnp.where(is_b & ~((me == 0) & (cb == 0)), cnt,
+                                         jnp.full((), jnp.nan if nan_bubbles else 0, jnp.float32)),)
+            lps, oss, pss = list(lps), list(oss), list(pss)
+            for c in range(K):
+                # one conditional per chunk: each output is either its operand or a new value (no copies)
+                lps[c], oss[c], pss[c] = lax.cond(
+                    is_b & (cb == c), lambda *a, c=c: b_apply(c, *a), lambda g, gr, n, *a: a, gb, grad, cnt,
+                    lps[c], oss[c], pss[c])
+                if policies[c].apply_pending is not None:
+                    lps[c] = lax.cond(is_b & (cb == c), policies[c].apply_pending, lambda lp, ps: lp, lps[c], pss[c])
+                if in_scan and landing:
+                    lps[c], oss[c], pss[c] = lax.cond(
+                        is_b & (cb == c) & policies[c].lands(base + gb),
+                        lambda *a, c=c: policies[c].land(*a, counting=counting, b=(base + gb) // M),
+                        lambda *a: a, lps[c], oss[c], pss[c])
+            if D > 1 or K > 1:
+                recv_b, tie_b, cnt_b = send(send_b, ring_b)
+                cr = cr._replace(recv_b=recv_b, tie_b=tie_b, cnt_b=cnt_b)
+                if K > 1:
+                    runs_s, c_s, g_s = op_of(t, 0, 1)
+                    slot = jnp.where((me == D - 1) & runs_s & (c_s > 0), g_s % C, C)
+                    cr = cr._replace(wrap_b=jax.tree.map(lambda a, v: write(a, slot, v), cr.wrap_b,
+                                                         (recv_b, tie_b, cnt_b)))
+            cr = cr._replace(errors=cr.errors + err)
+            return (tuple(lps), tuple(oss), tuple(pss), cr, loss), None
+
+        def land_between(st, tau):
+            """The chunks whose batch completes by tick offset ``tau`` land it now (``lag`` calls after it was
+            fed), outside any scan: a landing conditional in a scan made XLA copy the weights every tick."""
+            lps, oss, pss, cr, loss = st
+            lps, oss, pss = list(lps), list(oss), list(pss)
+            for c, (lag, tc) in lands.items():
+                if tc != tau:
+                    continue
+                bk = t0 // T - lag
+                lps[c], oss[c], pss[c] = lax.cond(
+                    (bk >= 0) & (bk * M < n_fed),
+                    lambda *a, c=c: policies[c].land(*a, counting=counting, b=base // M + bk),
+                    lambda *a: a, lps[c], oss[c], pss[c])
+            return tuple(lps), tuple(oss), tuple(pss), cr, loss
 
         loss0 = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
-        st = (lp, opt_state, pstate, carry, loss0)
+        st = (lps, oss, pss, carry, loss0)
         for a, b, landing in segments:
             st, _ = lax.scan(lambda s_, t: tick(s_, t, landing), st, t0 + jnp.arange(a, b, dtype=jnp.int32))
-        if policy.land is not None and policy.land_at_call_end:
-            # the batch whose last backward ran in this call (``lag`` calls after it was fed) lands once
-            lp, opt_state, pstate, c_, loss_ = st
-            bk = t0 // num_ticks - lag
-            lp, opt_state, pstate = lax.cond(
-                (bk >= 0) & (bk * M < n_fed), lambda *a: policy.land(*a, counting=counting, b=base // M + bk),
-                lambda *a: a, lp, opt_state, pstate)
-            st = (lp, opt_state, pstate, c_, loss_)
-        lp, opt_state, pstate, carry, (lsum, lcount) = st
+            st = land_between(st, b)
+        lps, oss, pss, carry, (lsum, lcount) = st
         lsum, lcount = lax.psum((lsum, lcount), STAGE)
         lsum = pmean_over(lsum, mesh, DP_AXES)
         lcount = lax.pmax(lcount, DP_AXES)
+        errors = lax.psum(carry.errors, STAGE)
         ex = lambda t: jax.tree.map(lambda a: a[None], t)
-        t1 = t0 + num_ticks
-        done = jnp.clip((t1 - b_first + period - 1) // period, 0, n_fed)   # B on stage 0 finished: micro-batch complete
-        counters = (t1, base, n_fed)
-        return ex(lp), ex(opt_state), ex(pstate), ex(carry), counters, (lsum, lcount, base + done)
+        q = t0 // T
+        done = jnp.where(q < len(done_tab), jnp.asarray(done_tab)[jnp.minimum(q, len(done_tab) - 1)],
+                         M * q + buf["done_steady"])
+        done = jnp.clip(done, 0, n_fed)               # every op of these micro-batches has run
+        counters = (t0 + T, base, n_fed)
+        if not chunked:
+            lps, oss, pss = lps[0], oss[0], pss[0]
+        return ex(lps), ex(oss), ex(pss), ex(carry), counters, (lsum, lcount, base + done, errors)
 
     stage = lambda t: jax.tree.map(lambda _: P(STAGE), t)
     dev = lambda t: jax.tree.map(lambda _: P(ALL), t)
@@ -312,7 +451,8 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
     def fn(params, opt_state, pstate, carry, counters, batch, feed):
         in_specs = (stage(params), stage(opt_state), stage(pstate), dev(carry), rep(counters),
                     jax.tree.map(lambda _: P(DP_AXES), batch), P())
-        out_specs = (stage(params), stage(opt_state), stage(pstate), dev(carry), rep(counters), (P(), P(), P()))
+        out_specs = (stage(params), stage(opt_state), stage(pstate), dev(carry), rep(counters),
+                     (P(), P(), P(), P()))
         return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
             params, opt_state, pstate, carry, counters, batch, feed)
 
@@ -323,18 +463,23 @@ def empty_carry(model, periodic, M: int, n_devices: int, mb_example, x_aval, mas
                 nan_bubbles: bool = False):
     """The in-flight state of an empty pipeline, with a leading axis of one entry per device (``nan_bubbles``:
     residual and message buffers start NaN, so a test shows nothing unwritten reaches a result)."""
-    C = ring_capacity(M, periodic)
-    S = periodic.max_inflight()
+    buf = periodic.buffers(M)
+    C, S = buf["ring"], sum(buf["stash"])
     per = lambda shape, dtype: jnp.zeros((n_devices,) + tuple(shape), dtype)
     nan = lambda shape, dtype: jnp.full((n_devices,) + tuple(shape), jnp.nan if nan_bubbles else 0, dtype)
-    msg = lambda: full(x_aval, jnp.nan if nan_bubbles else 0, (n_devices,))
+    msg = lambda lead=(): full(x_aval, jnp.nan if nan_bubbles else 0, (n_devices,) + tuple(lead))
     ties = Ties(model)
-    tie_msg = lambda: full(ties.pre_leaves(model.pre_params), jnp.nan if nan_bubbles else 0, (n_devices,))
+    tie_msg = lambda lead=(): full(ties.pre_leaves(model.pre_params), jnp.nan if nan_bubbles else 0,
+                                   (n_devices,) + tuple(lead))
+    wrap_f = wrap_b = ()
+    if periodic.chunks > 1:        # slot C: scratch (written where nothing arrives for the buffer)
+        wrap_f = (msg((C + 1,)), tie_msg((C + 1,)))
+        wrap_b = (msg((C + 1,)), tie_msg((C + 1,)), nan((C + 1,), jnp.float32))
     return AsyncCarry(
         stash=[nan((S,) + tuple(a.shape), a.dtype) for a in mask_avals],
         recv_f=msg(), recv_b=msg(), dy_own=msg(),
         gpost=jax.tree.map(lambda a: per(jnp.shape(a), jnp.asarray(a).dtype), ties.strip(model.params)[2]),
         ring=jax.tree.map(lambda a: per((C,) + tuple(a.shape), a.dtype), mb_example),
         tie_f=tie_msg(), tie_b=tie_msg(), gtie=tie_msg(),
-        cnt_b=jnp.full((n_devices,), jnp.nan if nan_bubbles else 0, jnp.float32),
-        cnt_own=jnp.full((n_devices,), jnp.nan if nan_bubbles else 0, jnp.float32))
+        cnt_b=nan((), jnp.float32), cnt_own=nan((), jnp.float32), wrap_f=wrap_f, wrap_b=wrap_b,
+        errors=jnp.zeros((n_devices,), jnp.int32))

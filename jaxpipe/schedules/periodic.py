@@ -7,10 +7,20 @@ of PipeDream, PipeDream-2BW, SpecTrain, PipeOptim and CDP's pipeline form (PipeO
 device never collide, and every message is consumed the tick after it is sent.
 
 The executor reads :meth:`Periodic.table` (``[period, D, 2]``: at phase ``t mod period`` device ``d`` runs
-``kind`` of the micro-batch whose op is due at ``t - offset``); the weight policies take their distances
+``kind`` of the *unit* whose op is due at ``t - offset``); the weight policies take their distances
 from :meth:`Periodic.updates_between` (the updates a stage applies between a micro-batch's F and its B);
 :meth:`Periodic.expand` gives the finite schedule of ``M`` micro-batches at the ticks that really run, for
 pictures and the simulator.  What you see is what runs.
+
+Units and chunks.  A unit is one slot of the stream: its F runs down the devices, its B back up.  In the
+1F1B family unit ``i`` is micro-batch ``i`` on the device's only chunk.  A stream may instead carry ``chunks``
+model chunks per device (chunk ``c`` of device ``d`` is model stage ``c D + d``; a micro-batch leaving chunk
+``c`` on the last device enters chunk ``c + 1`` on device 0, and its gradient the other way) and map each
+unit to ``(chunk, F batch offset, B batch offset, micro-batch j)`` (:meth:`Periodic.unit_table`): WPipe's
+cross-spliced V units (``jaxpipe.schedules.wpipe.stream``) run G0's forward of batch ``p + 1`` and G0's
+backward of batch ``p`` in one unit.  :meth:`Periodic.events` replays the stream; :meth:`Periodic.buffers`
+derives from it every capacity the executor allocates (stash slots per chunk, the ring of recent
+micro-batches) and :meth:`Periodic.batch_ticks` when a chunk's batch starts and ends (landing points).
 """
 from __future__ import annotations
 
@@ -30,6 +40,10 @@ class Periodic:
     num_devices: int
     period: int
     offsets: Dict[str, Tuple[int, ...]]          # kind -> per-device tick offset
+    chunks: int = 1                              # model chunks per device (stage c D + d on device d)
+    #: per unit of a call: (chunk, F batch offset, B batch offset, micro-batch j); None: unit u of a call is
+    #: micro-batch u of the call's batch on chunk 0 (a call feeds one batch of M micro-batches)
+    units: Optional[Tuple[Tuple[int, int, int, int], ...]] = None
 
     def tick(self, kind: str, d: int, i: int) -> int:
         return self.period * i + self.offsets[kind][d]
@@ -94,6 +108,87 @@ class Periodic:
     def max_inflight(self) -> int:
         """Micro-batches a device holds at most (F run, B not yet): the stash slots the executor needs."""
         return max((self.tick(B, d, 0) - self.tick(F, d, 0)) // self.period + 1 for d in range(self.num_devices))
+
+    def unit_table(self, M: int) -> np.ndarray:
+        """``[U, 4]`` int32: unit ``u`` of a call (``U`` units, ``period * U`` ticks, one batch of ``M``
+        micro-batches fed) runs ``(chunk, F batch offset, B batch offset, micro-batch j)``: its F is of
+        micro-batch ``(q + F offset) M + j`` of the stream, its B of ``(q + B offset) M + j``, in call ``q``."""
+        if self.units is None:
+            return np.asarray([(0, 0, 0, u) for u in range(M)], np.int32).reshape(M, 4)
+        tab = np.asarray(self.units, np.int32)
+        if len(tab) % M or tab[:, 3].max() >= M:
+            raise ScheduleError(f"{self.name}: {len(tab)} units per call do not fit M = {M} micro-batches")
+        return tab
+
+    def call_ticks(self, M: int) -> int:
+        return self.period * len(self.unit_table(M))
+
+    def events(self, M: int, calls: int = 12) -> List[Tuple[int, int, str, int, int]]:
+        """``(tick, device, kind, chunk, micro-batch)`` of every op of the first ``calls`` calls with a batch
+        fed in each, in execution order (tick, then lane: F before B)."""
+        units, U, P = self.unit_table(M), len(self.unit_table(M)), self.period
+        tab, out = self.table(), []
+        for t in range(calls * U * P):
+            for k, kind in enumerate((F, B)):
+                for d in range(self.num_devices):
+                    off = tab[t % P, d, k]
+                    if off < 0 or t < off:
+                        continue
+                    i = (t - off) // P
+                    c, fo, bo, j = (int(v) for v in units[i % U])
+                    g = (i // U + (fo if kind == F else bo)) * M + j
+                    if g >= 0:
+                        out.append((t, d, kind, c, g))
+        return out
+
+    def buffers(self, M: int) -> Dict[str, object]:
+        """What the executor allocates, derived by replaying the stream: ``stash`` -- slots per chunk (micro-batch
+        ``g`` of chunk ``c`` in slot ``g mod stash[c]``: a slot is rewritten only after its B read it; a B after
+        an F in the same tick counts as later); ``ring`` -- recent micro-batches kept (``g`` in slot ``g mod
+        ring``; a call writes its batch before its first tick, so ``g + ring`` must be fed after ``g``'s last
+        op); ``done`` -- per call ``q``, the micro-batches whose every op has run by its end (steady state:
+        ``done_steady + M q``)."""
+        T, D = self.call_ticks(M), self.num_devices
+        ev = self.events(M)
+        calls = ev[-1][0] // T + 1
+        stash = []
+        for c in range(self.chunks):
+            need = 1
+            while True:
+                live, ok = [set() for _ in range(D)], True
+                for t, d, kind, cc, g in ev:
+                    if cc != c:
+                        continue
+                    if kind == F:
+                        ok &= all(h % need != g % need for h in live[d])
+                        live[d].add(g)
+                    else:
+                        live[d].discard(g)
+                if ok:
+                    break
+                need += 1
+            stash.append(need)
+        last: Dict[int, int] = {}
+        for t, d, kind, c, g in ev:
+            last[g] = max(last.get(g, t), t)
+        steady = [g for g in last if (calls - 4) * M > g >= 2 * M]     # away from the replay's ends
+        ring = M
+        while any((g + ring) // M <= last[g] // T for g in steady):
+            ring += 1
+        done = [sum(1 for g, t in last.items() if t < (q + 1) * T) for q in range(calls - 3)]
+        return {"stash": stash, "ring": ring, "done": done[:-1], "done_steady": done[-1] - M * (len(done) - 1)}
+
+    def batch_ticks(self, M: int, chunk: int, b: int = 4) -> Dict[str, List[int]]:
+        """Per device, for batch ``b`` (steady state) of ``chunk``: the tick of its first op (``first``) and of
+        its last B (``last_b``)."""
+        first, last_b = {}, {}
+        for t, d, kind, c, g in self.events(M, calls=b + 6):
+            if c == chunk and g // M == b:
+                first.setdefault(d, t)
+                if kind == B:
+                    last_b[d] = t
+        return {"first": [first[d] for d in range(self.num_devices)],
+                "last_b": [last_b[d] for d in range(self.num_devices)]}
 
     def expand(self, num_microbatches: int, weight_versions=None) -> Schedule:
         """The finite schedule of ``M`` micro-batches (fill, steady state, drain) at the ticks that run.  With

@@ -4,7 +4,7 @@
 A :class:`Method` says: whether the pipeline flushes every step (``flushes``) and whether the optimizer runs
 inside the pipeline program (``updates_inside``: per micro-batch, per group or per replica -- there is then
 no single update to skip or unscale); which runner executes it (``runner``: ``"sync"``, ``"async"``,
-``"wpipe"``, ``"avgpipe"``) and with which weight policy (``policy``, :mod:`jaxpipe.optim.policies`); its user
+``"avgpipe"``) and with which weight policy (``policy``, :mod:`jaxpipe.optim.policies`); its user
 options with their defaults (``options``: the schema ``Pipeline(options=...)`` is checked against); how many
 model stages each device holds (``stages_per_device(options)``); which options feed the schedule builder
 (``builder_keys``); whether the stage's forward is recomputed in the backward (``recompute(options)``); and the
@@ -89,7 +89,7 @@ METHODS: Dict[str, Method] = {m.name: m for m in [
     Method("avgpipe", False, True, _one, "AvgPipe: elastic averaging of parallel pipelines", runner="avgpipe",
            options={"alpha": None, "advance": "auto", "memory_limit": None, "tolerance": 0.02, "shared": None},
            builder_keys=("advance",), to_builder=_auto_advance),
-    Method("wpipe", False, True, lambda o: 2, "Yang et al., WPipe (2GW)", runner="wpipe", policy="wpipe",
+    Method("wpipe", False, True, lambda o: 2, "Yang et al., WPipe (2GW)", runner="async", policy="wpipe",
            options={"recompute": False, "apc": False},                 # WPipe-R §3.3; APC appendix A.3
            recompute=lambda o: bool(o.get("recompute"))),
     Method("pipedream", paper="Narayanan et al. 2019, PipeDream (weight stashing)", policy="pipedream",

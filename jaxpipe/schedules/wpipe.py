@@ -63,19 +63,17 @@ def op_at(t: int, d: int, D: int, M: int) -> Optional[Tuple[str, int, int, int]]
     return ("B", g, p, j)
 
 
-def period_table(D: int, M: int):
-    """The timeline as data for the executor (``runtime/wpipe_executor.py`` reads it; pictures read
-    :func:`op_at`, the same function): ``[4M, D, 4]`` int32, at phase ``s`` of a period (tick ``t = 4M q + s``,
-    one batch per period) device ``d`` runs ``(kind, group, batch offset, micro-batch)``: kind 1 = down
-    (forward), 2 = up (backward), of batch ``q + offset``; a batch outside ``[0, batches fed)`` idles."""
-    import numpy as np
+def stream(D: int, M: int):
+    """The timeline as data for the executor (``runtime/async_executor.py`` runs it; pictures read
+    :func:`op_at`, and a test replays one against the other tick for tick): the no-flush 1F1B of
+    :func:`.periodic.no_flush_1f1b` over stream units, two chunks per device, unit ``u`` of a call (one batch,
+    2M units) G0's ``(F of batch q, B of batch q - 1, micro-batch u)`` for ``u < M`` and G1's ``(F and B of
+    batch q, micro-batch u - M)`` after them."""
+    from .periodic import Periodic
     check(D, M)
-    tab = np.zeros((4 * M, D, 4), np.int32)
-    for s in range(4 * M):
-        for d in range(D):
-            kind, g, b, j = op_at(8 * M + s, d, D, M)      # a steady-state period (q = 2)
-            tab[s, d] = (1 if kind == F else 2, g, b - 2, j)
-    return tab
+    units = tuple((0, 0, -1, j) for j in range(M)) + tuple((1, 0, 0, j) for j in range(M))
+    return Periodic("wpipe", D, 2, {F: tuple(range(D)), B: tuple(2 * D - 1 - d for d in range(D))},
+                    chunks=2, units=units).validate()
 
 
 @dataclasses.dataclass
@@ -144,7 +142,8 @@ def steady_state(D: int, M: int, periods: int = 6) -> WPipeSteadyState:
 def build_wpipe(num_stages: int, num_microbatches: int, batches: int = 2) -> Schedule:
     """Per-device actions of ``batches`` consecutive batches through the stream, fill and drain included
     (micro-batch index ``p M + j``; stage ``d`` is G0's partition on device d, ``D + d`` G1's).  The trainer
-    never flushes (``jaxpipe.runtime.wpipe_executor``); this view is for the simulator and pictures."""
+    never flushes (``jaxpipe.runtime.async_executor`` runs :func:`stream`); this view is for the simulator
+    and pictures."""
     D, M = num_stages, num_microbatches
     check(D, M)
     acts: List[List[Action]] = [[] for _ in range(D)]
@@ -168,4 +167,5 @@ def build_wpipe_step(num_stages: int, num_microbatches: int) -> Schedule:
     """The registered builder: one batch's view (what ``jp.Pipeline`` shows); see :func:`build_wpipe`."""
     s = build_wpipe(num_stages, num_microbatches, batches=1)
     s.num_microbatches = num_microbatches
+    s.periodic = stream(num_stages, num_microbatches)
     return s
