@@ -93,7 +93,7 @@ class AsyncRunner(InFlightRunner):
         ctx, D = self.ctx, self.D
         w, pre, post = self.ties.strip(ctx.model.params)
         stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (D,) + jnp.shape(a)).copy(), t)
-        chunks = tuple((jax.tree.map(lambda a: a[c * D:(c + 1) * D], w), stack(pre), stack(post))
+        chunks = tuple((jax.tree.map(lambda a: jnp.copy(a[c * D:(c + 1) * D]), w), stack(pre), stack(post))
                        for c in range(self.K))
         opt_state = tuple(jax.vmap(ctx.optimizer.init)(lp) for lp in chunks)
         pstate = tuple(jax.vmap(p.init)(lp) for p, lp in zip(self.policies, chunks))
