@@ -70,6 +70,8 @@ def run_groups(argv) -> None:
             print(f"| {r['schedule']} | {r['devices']} | {r['step_s'] * 1e3:.1f} | {r['baseline']} | {r['overhead']:.3f}x | "
                   f"{r['vs_unchunked']:.3f}x | {r['temp_bytes'] / 2**20:.1f} |")
     for r in rows:
+        if "vs_predicting" in r:
+            print(f"{r['schedule']}: {r['vs_predicting']:.3f}x the plain micro-steps that make its weight predictions")
         if "vs_sync_dp" in r:
             print(f"{r['schedule']}: {r['vs_sync_dp']:.3f}x synchronous DP on the same devices")
     if FLAGS.json_out:
@@ -86,7 +88,8 @@ def main(argv):
     import jaxpipe as jp
     import statistics
     from jaxpipe.bench import (compile_time, cyclic_runner, interleaved_medians, make_tanh_mlp, median_ratio,
-                               pipeline_runner, plain_runner, sync_dp_runner)
+                               pipeline_runner, plain_predicting_runner, plain_runner, sync_dp_runner)
+    from jaxpipe.optim.policies import pipeoptim_distance, spectrain_distances
 
     if FLAGS.layers % FLAGS.stages:
         raise app.UsageError(f"--layers={FLAGS.layers} must be a multiple of --stages={FLAGS.stages}")
@@ -101,7 +104,7 @@ def main(argv):
     runners = {"accum": plain_runner(model, batch, FLAGS.microbatches, opt),
                "unchunked": plain_runner(model, batch, 1, opt)}
     infos = []
-    opts, base_of, model_of, variant_opts = {}, {}, {}, {}
+    opts, base_of, model_of, variant_opts, predicting = {}, {}, {}, {}, {}
     base_name = lambda n: {"1f1b_pytree": "1f1b", "zb_h1_recompute": "zb_h1"}.get(n, n)
     for name in FLAGS.schedules.split(","):
         o, m, devices = opt, model, 0
@@ -127,6 +130,14 @@ def main(argv):
             runners.setdefault(key_, plain_runner(model, batch, FLAGS.microbatches,
                                                   jp.optim.by_name(oname, 1e-3), per_microbatch=True))
             base_of[name] = key_
+            if name != "pipedream":
+                # and the same micro-steps with the method's own weight predictions (one device, no pipeline):
+                # the work prediction adds, which the pipeline cannot remove
+                dist = spectrain_distances(FLAGS.stages) if name == "spectrain" else (
+                    pipeoptim_distance(FLAGS.stages), None)
+                predicting[name] = f"{key_}_predicting_{name}"
+                runners.setdefault(predicting[name], plain_predicting_runner(
+                    model, batch, FLAGS.microbatches, jp.optim.by_name(oname, 1e-3), *dist))
         if name == "avgpipe":     # one plain accumulating step per pipeline's share of the batch
             runners.setdefault("accum_shares2", plain_runner(model, batch, FLAGS.microbatches, opt, parts=2))
             base_of[name] = "accum_shares2"
@@ -180,6 +191,14 @@ def main(argv):
           "steps: accum = gradient accumulated over the M micro-batches, one update; micro_<opt> = M (gradient, "
           "update) micro-steps; accum_v2 = the same layers cut into 2D stages; accum_D = D micro-batches; "
           "accum_shares2 = one accumulating step per pipeline's half of the batch; unchunked = one gradient)")
+    for r in rows:
+        name = r["schedule"].split(" ")[0]
+        if name in predicting:
+            k = predicting[name]
+            r["vs_predicting"] = median_ratio(times[name], times[k])
+            print(f"{r['schedule']}: the plain micro-steps with its own weight predictions ({k}) take "
+                  f"{med[k] * 1e3:.1f} ms = {median_ratio(times[k], times[r['baseline']]):.3f}x {r['baseline']}; "
+                  f"the pipelined step is {r['vs_predicting']:.3f}x of that")
     if "sync_dp" in times:
         print(f"\nsynchronous DP on the same {FLAGS.stages} emulated devices (per-device gradient, psum, replicated "
               f"{FLAGS.optimizer}): {med['sync_dp'] * 1e3:.1f} ms = "

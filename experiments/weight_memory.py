@@ -55,22 +55,24 @@ def measure(name: str, options: dict):
     ma = pipe.lower("step", state, batch).compile().memory_analysis()
     unit = _bytes(model.stage_params) / stages            # M_θ: one stage's weights
     per_dev = lambda b: b / D / unit
-    if name == "wpipe":          # two model stages per device: G0 current + shadow, G1 current
-        versions = per_dev(_bytes(state.params[0][0]) + _bytes(state.params[1][0]) + _bytes(state.shadow0[0]))
-        updates, accs = 0.0, per_dev(_bytes(state.accs[0][0]) + _bytes(state.accs[1][0]))
-    else:
-        ps = state.policy_state
-        v = u = a = 0
+    # per model chunk of a device (WPipe: G0 and G1), its weights and what its policy keeps beside them
+    K = pipe.schedule.periodic.chunks
+    params, pstates = (state.params, state.policy_state) if K > 1 else ((state.params,), (state.policy_state,))
+    v = u = a = 0
+    for lp, ps in zip(params, pstates):
+        v += _bytes(lp[0])
         fields = getattr(ps, "_fields", ())
-        if "shadow" in fields:                       # 2BW / CDP: the previous version and the accumulator
-            v, a = _bytes(ps.shadow[0]), _bytes(ps.acc[0])
+        if "shadow" in fields:                       # 2BW / CDP / WPipe's G0: the previous version and the sums
+            v, a = v + _bytes(ps.shadow[0]), a + _bytes(ps.acc[0])
+        elif "acc" in fields:                        # WPipe's G1: one version and the batch's sum
+            a += _bytes(ps.acc[0])
         elif "pending" in fields:                    # PipeOptim decay_free: the update and its direction
-            u = _bytes(ps.pending[0]) + _bytes(ps.direction[0])
+            u += _bytes(ps.pending[0]) + _bytes(ps.direction[0])
         elif name == "pipedream":                    # the stash: D slots of every stage's versions
-            v = _bytes(ps[0])
+            v += _bytes(ps[0])
         else:                                        # PipeOptim / SpecTrain: the last update
-            u = _bytes(ps[0])
-        versions, updates, accs = per_dev(_bytes(state.params[0]) + v), per_dev(u), per_dev(a)
+            u += _bytes(ps[0])
+    versions, updates, accs = per_dev(v), per_dev(u), per_dev(a)
     return {"declared": list(pipe.schedule.weight_versions), "versions": versions, "updates": updates,
             "accs": accs, "temp": ma.temp_size_in_bytes / unit, "unit_mib": unit / 2 ** 20}
 

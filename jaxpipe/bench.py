@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import jax
 import jax.numpy as jnp
@@ -84,6 +84,63 @@ def plain_train_step(model: PipelineModel, opt: optax.GradientTransformation, nu
 
     fn = micro_steps if per_microbatch else (shares if parts > 1 else step)
     return jax.jit(fn, donate_argnums=(0, 1))
+
+
+def plain_predicting_step(model: PipelineModel, opt: optax.GradientTransformation, num_microbatches: int,
+                          fwd_distance: Callable[[int], int], bwd_distance: Optional[Callable[[int], int]] = None):
+    """One-device step doing a predicting method's own work without a pipeline: M (gradient, update)
+    micro-steps in a ``lax.scan`` where stage ``s``'s forward reads ``w_s + fwd_distance(s) u_s`` and its
+    backward ``w_s + bwd_distance(s) u_s`` (``u_s``: the stage's last update; distance 0 or ``None``: ``w_s``
+    itself, no axpy), through the executor's own ``StageOps`` -- the weight predictions SpecTrain and
+    PipeOptim add to the plain micro-steps, which a pipeline cannot make cheaper."""
+    from .runtime.stage import StageOps
+    D, M = model.num_stages, num_microbatches
+
+    def read(w, u, s, dist):
+        ws = jax.tree.map(lambda a: a[s], w)
+        d = 0 if dist is None else dist(s)
+        return ws if d == 0 else jax.tree.map(lambda a, b: a + d * b[s], ws, u)
+
+    def one(c, mb):
+        params, opt_state, u, loss = c
+        (w, pre_p, post_p) = params
+        x = jax.eval_shape(model.pre, pre_p, mb)
+        ops, _ = StageOps.build(model, jax.tree.map(lambda a: a[0], w), jax.tree.map(
+            lambda a: jnp.zeros(a.shape, a.dtype), x), mb)
+        h, stash = None, []
+        for s in range(D):
+            h, res, head = ops.forward(read(w, u[0], s, fwd_distance), h, mb, pre_p, post_p, s == 0, s == D - 1)
+            stash.append(res)
+        l, _, g_post, dy = head
+        dws = [None] * D
+        for s in reversed(range(D)):
+            dws[s], dy = ops.backward(read(w, u[0], s, bwd_distance), stash[s], dy)
+        g = (jax.tree.map(lambda *a: jnp.stack(a), *dws), ops.pre_grad(pre_p, mb, dy), g_post)
+        upd, opt_state = opt.update(g, opt_state, params)
+        return (optax.apply_updates(params, upd), opt_state, upd, loss + l / M), None
+
+    def step(params, opt_state, u, batch):
+        mbs = jax.tree.map(lambda a: a.reshape((M, a.shape[0] // M) + a.shape[1:]), batch)
+        params, opt_state, u, loss = jax.lax.scan(one, (params, opt_state, u, jnp.zeros(())), mbs)[0]
+        return params, opt_state, u, loss
+
+    return jax.jit(step, donate_argnums=(0, 1, 2))
+
+
+def plain_predicting_runner(model: PipelineModel, batch, num_microbatches: int, opt, fwd_distance,
+                            bwd_distance=None) -> Callable[[], object]:
+    """A closure running :func:`plain_predicting_step` on one device."""
+    dev = jax.devices()[0]
+    fn = plain_predicting_step(model, opt, num_microbatches, fwd_distance, bwd_distance)
+    b = jax.device_put(batch, dev)
+    params = jax.device_put(jax.tree.map(lambda a: jnp.array(a, copy=True), model.params), dev)
+    st = {"p": params, "o": jax.jit(opt.init)(params), "u": jax.tree.map(jnp.zeros_like, params)}
+
+    def run():
+        st["p"], st["o"], st["u"], loss = fn(st["p"], st["o"], st["u"], b)
+        return loss
+
+    return run
 
 
 def plain_runner(model: PipelineModel, batch, num_microbatches: int, opt, per_microbatch: bool = False,

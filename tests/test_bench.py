@@ -1,0 +1,30 @@
+"""The benchmark's plain baselines compute what they claim (they are the denominators of every speed figure)."""
+import jax
+import jax.numpy as jnp
+import optax
+
+from helpers import rel_err
+from jaxpipe.bench import make_tanh_mlp, plain_predicting_step, plain_train_step
+
+
+def _batch(n=16, width=8):
+    x = jax.random.normal(jax.random.key(0), (n, width), jnp.float32)
+    return {"x": x, "y": jnp.tanh(x[:, ::-1])}
+
+
+def test_predicting_step_at_distance_zero_is_the_plain_micro_step():
+    """With every distance 0 the predicting baseline is the plain (gradient, update) micro-steps, to rounding;
+    with SpecTrain's distances it reads other weights and ends elsewhere."""
+    model, opt, batch = make_tanh_mlp(4, 1, 8), optax.sgd(0.1, momentum=0.9), _batch()
+    plain = jax.jit(plain_train_step(model, opt, 4, per_microbatch=True))
+    p, o, _ = plain(model.params, opt.init(model.params), batch)
+    p, o, _ = plain(p, o, batch)
+    zero = lambda s: 0
+    for fwd, bwd, close in ((zero, None, True), (lambda s: s // 2 + 3 - s, lambda s: s // 2, False)):
+        fn = plain_predicting_step(model, opt, 4, fwd, bwd)
+        q = jax.tree.map(jnp.copy, model.params)
+        st = (q, opt.init(q), jax.tree.map(jnp.zeros_like, q))
+        for _ in range(2):
+            *st, _ = fn(*st, batch)
+        err = rel_err(st[0], p)
+        assert (err <= 1e-5) if close else (err > 1e-4), err
