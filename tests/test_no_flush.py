@@ -1,0 +1,47 @@
+"""The one no-flush executor (``runtime/async_executor.py``) runs every pipeline-form no-flush method from the
+IR's stream: each equals its serial reference with NaN-filled bubbles and data parallelism at once, reads no
+weight version its policy no longer holds, and drains to the last micro-batch."""
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jaxpipe as jp
+from helpers import rel_err, small_model
+from jaxpipe.optim.reference import serial_reference
+
+METHODS = ["pipedream", "pipedream_2bw", "spectrain", "pipeoptim", "cdp_v1", "cdp_v2", "wpipe"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_nan_bubbles_and_data_parallel_equal_the_serial_reference(method):
+    D, M, data, steps = 2, 2, 2, 3
+    model, batch_fn = small_model("mlp", 2 * D if method == "wpipe" else D)
+    opt = optax.sgd(0.05, momentum=0.9)
+    pipe = jp.Pipeline(model, schedule=method, num_microbatches=M, optimizer=opt,
+                       mesh=jp.make_mesh(stages=D, data=data), nan_bubbles=True)
+    batches = [batch_fn(2 * M * data, s=k) for k in range(steps)]
+    state = pipe.init()
+    for b in batches:
+        state, m = pipe.step(state, b)
+    state, m = pipe.drain(state)
+    assert int(m["microbatches_finished"]) == int(m["microbatches_fed"]) == steps * M
+    assert int(m["version_errors"]) == 0
+    got = pipe.params(state)
+    assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(got))
+    ref = serial_reference(model, method, opt, M, batches, data_parallel=data)
+    assert rel_err(got, ref["params"]) <= 1e-5
+
+
+def test_stream_buffers_fit_the_old_formulas():
+    """The capacities read off the replay are what the 1F1B family's closed forms gave: D (alternating) or
+    2D - 1 (lanes) stash slots, and a ring no larger than M + latency."""
+    from jaxpipe.schedules.periodic import no_flush_1f1b, no_flush_lanes
+    for D, M in [(1, 3), (2, 4), (4, 8), (8, 16)]:
+        for make, slots in ((no_flush_1f1b, D), (no_flush_lanes, 2 * D - 1)):
+            p = make("x", D)
+            buf = p.buffers(M)
+            assert buf["stash"] == [slots] == [p.max_inflight()]
+            assert M <= buf["ring"] <= M + p.tick("B", 0, 0) // p.period + 1
+            done = buf["done"] + [buf["done_steady"] + M * q for q in range(len(buf["done"]), len(buf["done"]) + 3)]
+            assert all(a <= b for a, b in zip(done, done[1:])) and done[-1] - done[-2] == M
