@@ -45,3 +45,21 @@ def test_stream_buffers_fit_the_old_formulas():
             assert M <= buf["ring"] <= M + p.tick("B", 0, 0) // p.period + 1
             done = buf["done"] + [buf["done_steady"] + M * q for q in range(len(buf["done"]), len(buf["done"]) + 3)]
             assert all(a <= b for a, b in zip(done, done[1:])) and done[-1] - done[-2] == M
+
+
+def test_drain_runs_as_many_calls_as_the_stream_needs():
+    """M = 1 at D = 4: a micro-batch's last backward runs calls after the one that fed it (the replay's
+    ``latency``); drain runs them and the run ends equal to the serial reference."""
+    from jaxpipe.schedules.periodic import no_flush_1f1b
+    assert no_flush_1f1b("pipedream", 4).buffers(1)["latency"] == 3
+    model, batch_fn = small_model("mlp", 4)
+    opt = optax.sgd(0.05, momentum=0.9)
+    pipe = jp.Pipeline(model, schedule="pipedream", num_microbatches=1, optimizer=opt, mesh=jp.make_mesh(stages=4))
+    batches = [batch_fn(2, s=k) for k in range(2)]
+    state = pipe.init()
+    for b in batches:
+        state, m = pipe.step(state, b)
+    assert int(m["microbatches_finished"]) < 2
+    state, m = pipe.drain(state)
+    assert int(m["microbatches_finished"]) == int(m["microbatches_fed"]) == 2
+    assert rel_err(pipe.params(state), serial_reference(model, "pipedream", opt, 1, batches)["params"]) <= 1e-5

@@ -158,9 +158,8 @@ class AsyncRunner(InFlightRunner):
         per = self.ctx.data_parallel * self.M
         dummy = self.ctx.shard_batch(jax.tree.map(
             lambda r: jnp.zeros((r.shape[2] * per,) + tuple(r.shape[3:]), r.dtype), state.carry.ring))
-        p = self.ctx.schedule.periodic
-        # calls a micro-batch may still need after the call that fed it (the stream's latency, in calls)
-        bound = -(-(max(t for t, *_ in p.events(self.M, calls=3)) + 1) // p.call_ticks(self.M)) + 1
+        # at most the stream's latency in calls (Periodic.buffers); fewer where the last feed finished earlier
+        bound = max(1, self.ctx.schedule.periodic.buffers(self.M)["latency"])
         lsum, lcount = 0.0, 0
         for _ in range(bound):
             state, m = self._fn(dummy)(state, dummy, jnp.asarray(False))

@@ -147,13 +147,18 @@ class Periodic:
         an F in the same tick counts as later); ``ring`` -- recent micro-batches kept (``g`` in slot ``g mod
         ring``; a call writes its batch before its first tick, so ``g + ring`` must be fed after ``g``'s last
         op); ``done`` -- per call ``q``, the micro-batches whose every op has run by its end (steady state:
-        ``done_steady + M q``)."""
+        ``done_steady + M q``); ``latency`` -- calls after its feeding call in which a micro-batch's last op may
+        run (what ``drain`` runs)."""
         T, D = self.call_ticks(M), self.num_devices
         ev = self.events(M)
         calls = ev[-1][0] // T + 1
         stash = []
         for c in range(self.chunks):
-            need = 1
+            live, need = [set() for _ in range(D)], 1          # the most micro-batches held at once: a floor
+            for t, d, kind, cc, g in ev:
+                if cc == c:
+                    (live[d].add if kind == F else live[d].discard)(g)
+                    need = max(need, len(live[d]))
             while True:
                 live, ok = [set() for _ in range(D)], True
                 for t, d, kind, cc, g in ev:
@@ -176,7 +181,9 @@ class Periodic:
         while any((g + ring) // M <= last[g] // T for g in steady):
             ring += 1
         done = [sum(1 for g, t in last.items() if t < (q + 1) * T) for q in range(calls - 3)]
-        return {"stash": stash, "ring": ring, "done": done[:-1], "done_steady": done[-1] - M * (len(done) - 1)}
+        latency = max(last[g] // T - g // M for g in steady)
+        return {"stash": stash, "ring": ring, "done": done[:-1], "done_steady": done[-1] - M * (len(done) - 1),
+                "latency": latency}
 
     def batch_ticks(self, M: int, chunk: int, b: int = 4) -> Dict[str, List[int]]:
         """Per device, for batch ``b`` (steady state) of ``chunk``: the tick of its first op (``first``) and of
