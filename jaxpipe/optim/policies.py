@@ -56,12 +56,12 @@ class WeightPolicy(NamedTuple):
     choose: Any = None
     per_microbatch: bool = True     # one update per micro-batch (False: a step's gradients accumulated)
     #: accumulating policies: ``update`` only adds the micro-batch's gradient; ``land(lp, opt_state, ps,
-    #: counting, b) -> (lp, opt_state, ps)`` applies batch ``b``'s update.  The executor runs it between scans
-    #: (a conditional holding the version swap made XLA copy the weights in every tick it was compiled in), at
-    #: the points its timeline allows (``runtime.async_executor.landing_points``)
+    #: counting) -> (lp, opt_state, ps)`` applies the step's update after the B of micro-batch ``i`` where
+    #: ``lands(i)``.  The executor runs it apart from ``update``, in the few ticks where some stage lands
+    #: (a conditional holding the version swap made XLA copy the weights in every tick it was compiled in)
     land: Any = None
-    #: land at one point for every device, before any op of batch ``b + 1 + stale`` (else: each device right
-    #: after its own last backward of the batch -- CDP-v2's fresh reads)
+    lands: Any = None
+    #: land once after the call's scan, for the batch whose last backward ran in it (instead of in the scan)
     land_at_call_end: bool = False
     #: ``apply_pending(lp, ps) -> lp``: ``update`` left the weights as they were and put the update in the
     #: state (PipeOptim/SpecTrain keep it for their prediction); the executor adds it in a conditional of its
@@ -187,8 +187,8 @@ def pipedream_2bw(opt: optax.GradientTransformation, num_stages: int, num_microb
     # wait for the end of the call that completes batch b (no conditional inside the scan); CDP-v2's fresh
     # reads need it at the tick of batch b's last backward
     return WeightPolicy(name, init, forward_weights, backward_weights, update, lambda D: [2] * D, choose,
-                        per_microbatch=False, land=land, land_at_call_end=not fresh, stale=1, accumulators=K,
-                        held=held)
+                        per_microbatch=False, land=land, lands=lambda i: i % M == M - 1,
+                        land_at_call_end=not fresh, stale=1, accumulators=K, held=held)
 
 
 class AccumState(NamedTuple):
@@ -217,7 +217,7 @@ def accumulate(opt: optax.GradientTransformation, num_microbatches: int, name: s
 
     return WeightPolicy(name, init, lambda lp, ps, i, s: (lp, ps), lambda lp, ps, i, s: lp, update,
                         lambda D: [1] * D, choose=lambda lp, ps, i, s: (jnp.zeros((), jnp.int32), (lp,)),
-                        per_microbatch=False, land=land, land_at_call_end=True,
+                        per_microbatch=False, land=land, lands=lambda i: i % M == M - 1, land_at_call_end=True,
                         stale=0, accumulators=1, held=lambda ps, i, s: ps.n_updates == i // M)
 
 

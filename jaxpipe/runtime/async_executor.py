@@ -16,8 +16,8 @@ without feeding until everything in flight is finished.  Which weights an op rea
 from the chunk's weight policy (``jaxpipe.optim.policies``): the executor never asks a method's name.
 A tick is an F lane and a B lane, each a predicate ``lax.cond`` around a switch over small outputs (nothing
 weight-sized passes through a multi-way conditional: XLA copies such pass-throughs); the update runs in a
-conditional of its own per chunk; accumulating policies land between scans, at the ticks the timeline allows
-(:func:`landing_points`: one point for every device, or each device's own).
+conditional of its own per chunk; accumulating policies land between scans, at the tick the timeline allows
+(:func:`landing_points`), or in the ticks where some stage lands (:func:`landing_segments`).
 """
 from __future__ import annotations
 
@@ -58,48 +58,49 @@ class AsyncCarry(NamedTuple):
     errors: Any = 0    # reads of a weight version the policy no longer held (metric version_errors; stays 0)
 
 
+def landing_segments(periodic, M: int, D: int):
+    """The call's ticks cut into ``(start, stop, landing)`` scans so that only the ticks where some stage runs
+    the B of a batch's last micro-batch compile the in-scan landing of an accumulating policy (one chunk).
+    A call runs ``period * M`` ticks from a tick that is a multiple of that, so stage ``s`` lands at offset
+    ``(tick(B, s, M - 1)) mod (period * M)`` of every call."""
+    n = periodic.period * M
+    offs = sorted({periodic.tick("B", s, M - 1) % n for s in range(D)})
+    lo, hi = offs[0], offs[-1] + 1
+    if hi - lo > n // 2:        # spread over the call: one scan that may land in every tick
+        return [(0, n, True)]
+    return [seg for seg in ((0, lo, False), (lo, hi, True), (hi, n, False)) if seg[1] > seg[0]]
+
+
 def landing_points(periodic, M: int, chunk: int, policy, b: int = 4):
-    """Per device ``d``: ``(lag, tau)`` -- batch ``q - lag``'s update of ``chunk`` lands at tick offset ``tau`` of
-    call ``q`` (``tau = period * U``: after the call), outside any scan (a landing conditional inside a scan made
-    XLA copy the weights in every tick it was compiled in).  Read off the replayed stream: after the device's
-    last B of the batch, and
-
-    * ``land_at_call_end`` policies (one version per batch, ``stale``): at one point for every device, before any
-      op of batch ``b + 1 + stale`` -- the call's end where that is early enough, else right after the last
-      device's last B (WPipe's G1: the cut at 2D - 2);
-    * the others (CDP-v2's fresh reads): on each device right after its own last B of the batch, the earliest
-      point (the policy's ``held`` check counts any read of a version not yet landed).
-
-    A ConfigError when the timeline leaves no such point, or accumulates more batches at once than the policy
-    keeps."""
+    """``(lag, tau)`` for a policy that lands between scans: batch ``q - lag``'s update lands at tick offset
+    ``tau`` of call ``q`` (``tau = period * U``: after the call), after every device ran that batch's last B
+    of ``chunk`` and before any op of batch ``q - lag + 1 + stale`` (the first to read the new version) --
+    read off the replayed stream; a ConfigError when the timeline leaves no such point or makes more batches
+    accumulate at once than the policy keeps."""
     T = periodic.call_ticks(M)
     ends = periodic.batch_ticks(M, chunk, b)["last_b"]
-    D = len(ends)
-    if policy.land_at_call_end:
-        calls = {t // T for t in ends}
-        if len(calls) != 1:
-            raise ConfigError(f"{policy.name}: stages finish a batch in different calls ({sorted(calls)}); "
-                              f"it must land per device (land_at_call_end=False)")
-        q = calls.pop()
-        start = max(t % T for t in ends) + 1
-        first = min(periodic.batch_ticks(M, chunk, b + 1 + policy.stale)["first"])
-        if first >= (q + 1) * T:
-            points = [(q - b, T)] * D
-        elif first >= q * T + start:
-            points = [(q - b, start)] * D
-        else:
-            raise ConfigError(f"{policy.name}: with D={D}, M={M} batch {b + 1 + policy.stale} starts (tick "
-                              f"{first}) before batch {b}'s update can land (tick {q * T + start})")
+    calls = {t // T for t in ends}
+    if len(calls) != 1:
+        raise ConfigError(f"{policy.name}: stages finish a batch in different calls ({sorted(calls)}); it must "
+                          f"land inside the scan (land_at_call_end=False)")
+    q = calls.pop()
+    start = max(t % T for t in ends) + 1
+    first = min(periodic.batch_ticks(M, chunk, b + 1 + policy.stale)["first"])
+    if first >= (q + 1) * T:
+        tau = T
+    elif first >= q * T + start:
+        tau = start
     else:
-        points = [(t // T - b, t % T + 1) for t in ends]
+        raise ConfigError(f"{policy.name}: with D={periodic.num_devices}, M={M} batch {b + 1 + policy.stale} "
+                          f"starts (tick {first}) before batch {b}'s update can land (tick {q * T + start})")
     open_ = {}
     for t, d, kind, c, g in periodic.events(M, calls=b + 6):
         if c == chunk and kind == "B":
-            open_.setdefault((d, (t - points[d][1]) // T), set()).add(g // M)
+            open_.setdefault((t - tau) // T, set()).add(g // M)
     if max(len(v) for v in open_.values()) > policy.accumulators:
         raise ConfigError(f"{policy.name}: this timeline accumulates {max(len(v) for v in open_.values())} "
                           f"batches at once; the policy keeps {policy.accumulators}")
-    return points
+    return q - b, tau
 
 
 def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubbles: bool = False,
@@ -124,8 +125,9 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
     if periodic.chunks != K:
         raise ConfigError(f"the timeline has {periodic.chunks} chunks per device, the policy {K}")
     by_branch = K > 1 or policies[0].choose is not None
-    if K > 1 and any(p.choose is None for p in policies):
-        raise ConfigError("a timeline of several chunks runs policies that choose among stored versions")
+    if K > 1 and any(p.choose is None or (p.land is not None and not p.land_at_call_end) for p in policies):
+        raise ConfigError("a timeline of several chunks runs policies that choose among stored versions and "
+                          "land between scans")
     if len({p.per_microbatch for p in policies}) != 1:
         raise ConfigError("the chunks' policies must all update per micro-batch or all per batch")
     units = periodic.unit_table(M)
@@ -148,10 +150,13 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
     tie_avals = ties.pre_leaves(model.pre_params)
     period = periodic.period
     T = period * U
-    # accumulating policies land between scans: the call's ticks are cut where some device lands
-    lands = {c: landing_points(periodic, M, c, p) for c, p in enumerate(policies) if p.land is not None}
-    cuts = sorted({tau for pts in lands.values() for _, tau in pts if tau < T})
-    segments = list(zip([0] + cuts, cuts + [T]))
+    in_scan = policies[0].land is not None and not policies[0].land_at_call_end
+    segments = landing_segments(periodic, M, D) if in_scan else [(0, T, False)]
+    lands = {c: landing_points(periodic, M, c, p) for c, p in enumerate(policies)
+             if p.land is not None and p.land_at_call_end}
+    cuts = sorted({tau for _, tau in lands.values() if tau < T})
+    if cuts:
+        segments = [(a, b, False) for a, b in zip([0] + cuts, cuts + [T])]
     # positions: chunk c of device d is first (pre) where c = 0 and d = 0, last (loss) where c = K-1, d = D-1;
     # only the (chunk, position) pairs some device has are compiled
     pos_of = lambda c, d: int(c == 0 and d == 0) + 2 * int(c == K - 1 and d == D - 1)
@@ -358,7 +363,7 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                   for p, ps in zip(policies, pss)]
             return (runs & ~pick(c, ok)).astype(jnp.int32)
 
-        def tick(st, t):
+        def tick(st, t, landing=True):
             lps, oss, pss, cr, loss = st
             is_f, cf, gf = op_of(t, me, 0)
             is_b, cb, gb = op_of(t, me, 1)
@@ -394,6 +399,11 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                     lps[c], oss[c], pss[c])
                 if policies[c].apply_pending is not None:
                     lps[c] = lax.cond(is_b & (cb == c), policies[c].apply_pending, lambda lp, ps: lp, lps[c], pss[c])
+                if in_scan and landing:
+                    lps[c], oss[c], pss[c] = lax.cond(
+                        is_b & (cb == c) & policies[c].lands(base + gb),
+                        lambda *a, c=c: policies[c].land(*a, counting=counting, b=(base + gb) // M),
+                        lambda *a: a, lps[c], oss[c], pss[c])
             if D > 1 or K > 1:
                 recv_b, tie_b, cnt_b = send(send_b, ring_b)
                 cr = cr._replace(recv_b=recv_b, tie_b=tie_b, cnt_b=cnt_b)
@@ -406,27 +416,24 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             return (tuple(lps), tuple(oss), tuple(pss), cr, loss), None
 
         def land_between(st, tau):
-            """Where a chunk's batch completes by tick offset ``tau`` on this device, it lands now (``lag`` calls
-            after it was fed), outside any scan: a landing conditional in a scan made XLA copy the weights in
-            every tick it was compiled in."""
+            """The chunks whose batch completes by tick offset ``tau`` land it now (``lag`` calls after it was
+            fed), outside any scan: a landing conditional in a scan made XLA copy the weights every tick."""
             lps, oss, pss, cr, loss = st
             lps, oss, pss = list(lps), list(oss), list(pss)
-            for c, pts in lands.items():
-                here = [d for d, (_, tc) in enumerate(pts) if tc == tau]
-                if not here:
+            for c, (lag, tc) in lands.items():
+                if tc != tau:
                     continue
-                bk = t0 // T - jnp.asarray([lag for lag, _ in pts], jnp.int32)[me]
+                bk = t0 // T - lag
                 lps[c], oss[c], pss[c] = lax.cond(
-                    jnp.isin(me, jnp.asarray(here)) & (bk >= 0) & (bk * M < n_fed),
+                    (bk >= 0) & (bk * M < n_fed),
                     lambda *a, c=c: policies[c].land(*a, counting=counting, b=base // M + bk),
                     lambda *a: a, lps[c], oss[c], pss[c])
             return tuple(lps), tuple(oss), tuple(pss), cr, loss
 
         loss0 = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
         st = (lps, oss, pss, carry, loss0)
-        for a, b in segments:
-            if b > a:
-                st, _ = lax.scan(tick, st, t0 + jnp.arange(a, b, dtype=jnp.int32))
+        for a, b, landing in segments:
+            st, _ = lax.scan(lambda s_, t: tick(s_, t, landing), st, t0 + jnp.arange(a, b, dtype=jnp.int32))
             st = land_between(st, b)
         lps, oss, pss, carry, (lsum, lcount) = st
         lsum, lcount = lax.psum((lsum, lcount), STAGE)
