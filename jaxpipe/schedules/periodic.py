@@ -197,18 +197,20 @@ class Periodic:
         return {"first": [first[d] for d in range(self.num_devices)],
                 "last_b": [last_b[d] for d in range(self.num_devices)]}
 
-    def expand(self, num_microbatches: int, weight_versions=None) -> Schedule:
-        """The finite schedule of ``M`` micro-batches (fill, steady state, drain) at the ticks that run.  With
-        two lanes the actions are in lane order and the IR places them itself (``placement="lanes"``: an F
-        lane and a B lane per tick, as the executor runs them; tested equal to this pattern's ticks)."""
+    def expand(self, num_microbatches: int, weight_versions=None, batches: int = 1) -> Schedule:
+        """The finite schedule of ``batches`` batches of ``M`` micro-batches (fill, steady state, drain) at the
+        ticks that run.  With two lanes the actions are in lane order and the IR places them itself
+        (``placement="lanes"``: an F lane and a B lane per tick, as the executor runs them; tested equal to this
+        pattern's ticks); otherwise the schedule carries the stream's own ticks (``fixed_ticks``), chunks
+        included (stage ``c D + d`` on device ``d``): the simulator and the picture show what runs."""
         D, M = self.num_devices, num_microbatches
-        acts = []
-        ticks = {}
-        for d in range(D):
-            ops = sorted((self.tick(k, d, i), k != F, k, i) for k in (F, B) for i in range(M))
-            acts.append([Action(k, i, d) for _, _, k, i in ops])
-            ticks.update({(k, d, i): t for t, _, k, i in ops})
-        s = Schedule(self.name, D, M, acts, weight_versions=weight_versions)
+        n = batches * M
+        ev = [e for e in self.events(M, calls=batches + self.buffers(M)["latency"] + 1) if e[4] < n]
+        acts, ticks = [[] for _ in range(D)], {}
+        for t, d, kind, c, g in ev:          # in execution order: tick, then lane (F before B)
+            acts[d].append(Action(kind, int(g), c * D + d, c))
+            ticks[(kind, c * D + d, int(g))] = t
+        s = Schedule(self.name, D, n, acts, num_model_stages=self.chunks * D, weight_versions=weight_versions)
         if not self.two_lanes:
             s.fixed_ticks = ticks
         s.periodic = self

@@ -141,24 +141,10 @@ def steady_state(D: int, M: int, periods: int = 6) -> WPipeSteadyState:
 
 def build_wpipe(num_stages: int, num_microbatches: int, batches: int = 2) -> Schedule:
     """Per-device actions of ``batches`` consecutive batches through the stream, fill and drain included
-    (micro-batch index ``p M + j``; stage ``d`` is G0's partition on device d, ``D + d`` G1's).  The trainer
-    never flushes (``jaxpipe.runtime.async_executor`` runs :func:`stream`); this view is for the simulator
-    and pictures."""
-    D, M = num_stages, num_microbatches
-    check(D, M)
-    acts: List[List[Action]] = [[] for _ in range(D)]
-    t = 0
-    remaining = 4 * M * batches * D
-    while remaining:
-        for d in range(D):
-            op = op_at(t, d, D, M)
-            if op is None or not 0 <= op[2] < batches:
-                continue
-            kind, g, p, j = op
-            acts[d].append(Action(F if kind == "F" else B, p * M + j, g * D + d, g))
-            remaining -= 1
-        t += 1
-    s = Schedule("wpipe", D, M * batches, acts, num_model_stages=2 * D, weight_versions=[3] * D)
+    (micro-batch index ``p M + j``; stage ``d`` is G0's partition on device d, ``D + d`` G1's), at the ticks the
+    executor runs them: the expansion of :func:`stream` (replayed against :func:`op_at` in the tests)."""
+    s = stream(num_stages, num_microbatches).expand(num_microbatches, weight_versions=[3] * num_stages,
+                                                    batches=batches)
     s.options = {"batches": batches}
     return s
 
@@ -167,5 +153,4 @@ def build_wpipe_step(num_stages: int, num_microbatches: int) -> Schedule:
     """The registered builder: one batch's view (what ``jp.Pipeline`` shows); see :func:`build_wpipe`."""
     s = build_wpipe(num_stages, num_microbatches, batches=1)
     s.num_microbatches = num_microbatches
-    s.periodic = stream(num_stages, num_microbatches)
     return s
