@@ -82,6 +82,11 @@ class WeightPolicy(NamedTuple):
     #: ``held(ps, i, s)`` (optional, traced bool): the version micro-batch ``i`` must read on stage ``s`` is
     #: one the policy holds; the executor counts the reads where it is not (metric ``version_errors``)
     held: Any = None
+    #: ring reduction (Cyclic DP's workers on ``data``, each with every stage): ``apply_sum(g_sum, count, lp,
+    #: opt_state, ps, counting) -> (lp, opt_state, ps)`` -- the last worker's update from the ring's complete sum;
+    #: ``receive(new, lp, ps) -> (lp, ps)`` -- the other workers land the stage it sends
+    apply_sum: Any = None
+    receive: Any = None
 
 
 def _apply(opt, g, lp, opt_state):
@@ -219,6 +224,50 @@ def accumulate(opt: optax.GradientTransformation, num_microbatches: int, name: s
                         lambda D: [1] * D, choose=lambda lp, ps, i, s: (jnp.zeros((), jnp.int32), (lp,)),
                         per_microbatch=False, land=land, lands=lambda i: i % M == M - 1, land_at_call_end=True,
                         stale=0, accumulators=1, held=lambda ps, i, s: ps.n_updates == i // M)
+
+
+class CyclicState(NamedTuple):
+    shadow: Any           # the version the current one replaced
+    n_updates: jax.Array  # versions produced so far: lp holds w(n_updates)
+
+
+def cyclic_dp(opt: optax.GradientTransformation, num_workers: int, stage: int, rule: str = "v2") -> WeightPolicy:
+    """Cyclic Data Parallelism's DP form (Fournier & Oyallon §3.2, eqs. CDP-v1/v2) for one stage of a worker's
+    replica: worker ``w``'s micro-batch of step ``k`` (``i = k``: one per worker and step) reads the stage at
+    version ``k - 1`` (v1), or ``k`` where ``stage >= N - 1 - w`` (v2: the update of step k - 1 has arrived); two
+    versions.  The workers are the mesh's ``data`` axis; the ring's complete sum is the last worker's update
+    (``apply_sum``), which the others land (``receive``)."""
+    from ..axes import DATA
+    N, j = num_workers, stage
+
+    def version(i):
+        v = i - 1 if rule == "v1" else jnp.where(j >= N - 1 - lax.axis_index(DATA), i, i - 1)
+        return jnp.maximum(v, 0)
+
+    def init(lp):
+        return CyclicState(jax.tree.map(jnp.copy, lp), jnp.zeros((), jnp.int32))
+
+    def choose(lp, ps, i, s):
+        return jnp.where(ps.n_updates == version(i), 0, 1), (lp, ps.shadow)
+
+    def weights(lp, ps, i, s):
+        return jax.tree.map(lambda a, b: jnp.where(ps.n_updates == version(i), a, b), lp, ps.shadow)
+
+    def apply_sum(g_sum, count, lp, opt_state, ps, counting=False):
+        g = jax.tree.map(lambda a: a / (count.astype(a.dtype) if counting else N), g_sum)
+        new, opt_state, _ = _apply(opt, g, lp, opt_state)
+        return new, opt_state, CyclicState(lp, ps.n_updates + 1)
+
+    def receive(new, lp, ps):
+        return new, CyclicState(lp, ps.n_updates + 1)
+
+    def unused(*a, **k):
+        raise RuntimeError("cyclic_dp's updates come from the ring's sum (apply_sum), not per micro-batch")
+
+    return WeightPolicy(f"cdp_dp_{rule}", init, lambda lp, ps, i, s: (weights(lp, ps, i, s), ps), weights,
+                        unused, lambda D: [2] * D, choose=choose, per_microbatch=False,
+                        held=lambda ps, i, s: (ps.n_updates == version(i)) | (ps.n_updates - 1 == version(i)),
+                        apply_sum=apply_sum, receive=receive)
 
 
 def wpipe(opt: optax.GradientTransformation, num_stages: int, num_microbatches: int):

@@ -138,10 +138,10 @@ class AsyncRunner(InFlightRunner):
                                   periodic=ctx.schedule.periodic, seed=ctx.seed, apc=bool(ctx.options.get("apc")))
 
             def run(state: AsyncState, batch, feed):
-                params, opt_state, pstate, carry, counters, (lsum, lcount, done, errors) = fn(
+                params, opt_state, pstate, carry, counters, (loss, lcount, done, errors) = fn(
                     state.params, state.opt_state, state.policy_state, state.carry, state.counters, batch, feed)
                 step = state.step + feed.astype(jnp.int32)
-                metrics = {"loss": jnp.where(lcount > 0, lsum / jnp.maximum(lcount, 1), jnp.nan),
+                metrics = {"loss": loss,
                            "losses_computed": lcount, "microbatches_finished": done,
                            "microbatches_fed": counters[1] + counters[2], "version_errors": errors, "step": step}
                 return AsyncState(params, opt_state, pstate, carry, counters, step), metrics

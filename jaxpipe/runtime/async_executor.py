@@ -33,7 +33,7 @@ from ..errors import ConfigError
 from ..model import microbatch_key
 from ..tying import Ties
 from .apc import apc_pack, apc_unpack
-from .common import cast, full, pmean_over, ppermute_bits, psum_over, read, where, write
+from .common import balanced_broadcast, cast, full, pmean_over, ppermute_bits, psum_over, read, where, write
 from .stage import StageOps
 from ..axes import AXES, DATA, DP_AXES, PIPE, STAGE
 
@@ -56,6 +56,18 @@ class AsyncCarry(NamedTuple):
     wrap_f: Any = ()   # chunks > 1, device 0: (activation, tied arrays) from the last device, slot g mod C
     wrap_b: Any = ()   # chunks > 1, last device: (gradient, tie gradient, count) from device 0, slot g mod C
     errors: Any = 0    # reads of a weight version the policy no longer held (metric version_errors; stays 0)
+    reduce: Any = ()   # a ring reduction's buffers (RingState): Cyclic DP's partial sums and broadcast
+
+
+class RingState(NamedTuple):
+    """The ring reduction's buffers on one worker (each a chunk's local parameter set in shape)."""
+    partial: Any       # [K + 1, ...]: the partial sum of chunk c from the previous worker (slot K: scratch)
+    pcnt: Any          # [K + 1]: its count ((sum, count) losses)
+    gbuf: Any          # the last sum this worker sent on (idle backward lanes resend it)
+    gcnt: Any
+    bnew: Any          # the stage the last worker sent last tick, to land now
+    bchunk: Any        # its chunk
+    bok: Any           # whether it is one (only the last worker's completed sums are)
 
 
 def landing_segments(periodic, M: int, D: int):
@@ -103,8 +115,18 @@ def landing_points(periodic, M: int, chunk: int, policy, b: int = 4):
     return q - b, tau
 
 
+def ring_phases(periodic, M: int, workers: int):
+    """Per tick offset of a call: (may_land, may_update) -- whether the last worker (``workers - 1`` replica
+    delays late) may complete a ring sum in that tick, or in the one before (the others land it then)."""
+    T = periodic.call_ticks(M)
+    tab = periodic.call_table(M)
+    late = periodic.replica_delay * (workers - 1)
+    upd = [bool(tab[(tau - late) % T, 0, 1, 0] >= 0) for tau in range(T)]
+    return [(upd[(tau - 1) % T] and workers > 1, upd[tau]) for tau in range(T)]
+
+
 def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubbles: bool = False,
-                  periodic=None, seed: int = 0, apc: bool = False):
+                  periodic=None, seed: int = 0, apc: bool = False, broadcast: str = "direct"):
     """``fn(params, opt_state, policy_state, carry, counters, batch, feed) -> (same..., metrics)``.
 
     ``policy``: a :class:`~jaxpipe.optim.policies.WeightPolicy`, or a tuple of one per chunk; ``params``,
@@ -115,6 +137,14 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
     ``counters = (t, base, n_fed)`` int32 scalars: tick since the last (re)start, global index of the first
     micro-batch since then, micro-batches fed since then.  ``mb_example``: one micro-batch per data replica.
     ``apc``: activations and gradients travel compressed (WPipe appendix A.3, :mod:`.apc`).
+
+    Ring reduction (policies with ``apply_sum``: Cyclic DP's workers on ``data``, ``D = 1``, every stage a chunk
+    of the worker): replica ``r`` runs the stream ``r * replica_delay`` ticks late; a backward adds the previous
+    worker's partial sum of its chunk and sends the sum on (one ``ppermute`` per tick); the last worker's sum
+    is complete: it updates the stage (``apply_sum``) and sends it to the others (``broadcast``: ``"direct"``
+    or ``"balanced"``, :func:`.common.balanced_broadcast`), which land it (``receive``) the next tick.  No
+    collective runs inside a conditional, and none but point-to-point ones in the scan.  ``params``,
+    ``opt_state`` and ``policy_state`` then carry one replica per worker (leading axis over data and stage).
     """
     chunked = not hasattr(policy, "_fields")       # a WeightPolicy is a NamedTuple; chunks: a tuple of them
     policies = tuple(policy) if chunked else (policy,)
@@ -130,9 +160,14 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                           "land between scans")
     if len({p.per_microbatch for p in policies}) != 1:
         raise ConfigError("the chunks' policies must all update per micro-batch or all per batch")
+    ring = policies[0].apply_sum is not None
+    W = mesh.shape[DATA]
+    if ring and (D != 1 or mesh.shape[PIPE] != 1 or any(p.apply_sum is None for p in policies)):
+        raise ConfigError("a ring reduction runs every stage on each worker of the 'data' axis (stage = pipe = 1)")
     units = periodic.unit_table(M)
     U = len(units)
-    buf = periodic.buffers(M)
+    n_dp = mesh.shape[PIPE] * mesh.shape[DATA]
+    buf = periodic.buffers(M, periodic.replica_delay * (n_dp - 1))
     C, S = buf["ring"], buf["stash"]
     S_off = np.concatenate([[0], np.cumsum(S)])
     w_example = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), model.stage_params)
@@ -140,16 +175,15 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
     y_aval = model.stage_output_aval(w_example, x_aval, mb_example)
     model.check_activation(x_aval, y_aval)
     summed = model.reduction(y_aval, mb_example) == "sum"
-    n_dp = mesh.shape[PIPE] * mesh.shape[DATA]
     model_key = lambda step, mb: microbatch_key(seed, step, mb)
     # (sum, count) losses: per-micro-batch updaters scale each micro-batch at the loss by replicas / its global
     # count; accumulating policies (2BW, CDP, WPipe) get unscaled sums, and each micro-batch's global count
     # travels back with dL/dy so that every stage divides its step's summed gradient by the step's count
-    counting = summed and not policies[0].per_microbatch
+    # (the ring reduction sums each micro-batch's count along the ring with its gradient)
+    counting = summed and (ring or not policies[0].per_microbatch)
     ties = Ties(model)
     tie_avals = ties.pre_leaves(model.pre_params)
-    period = periodic.period
-    T = period * U
+    T = periodic.call_ticks(M)
     in_scan = policies[0].land is not None and not policies[0].land_at_call_end
     segments = landing_segments(periodic, M, D) if in_scan else [(0, T, False)]
     lands = {c: landing_points(periodic, M, c, p) for c, p in enumerate(policies)
@@ -157,6 +191,14 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
     cuts = sorted({tau for _, tau in lands.values() if tau < T})
     if cuts:
         segments = [(a, b, False) for a, b in zip([0] + cuts, cuts + [T])]
+    if ring:        # runs of ticks with the same (may land, may update): only those compile the broadcast
+        flags = ring_phases(periodic, M, W)
+        segments = []
+        for tau, f in enumerate(flags):
+            if segments and segments[-1][2] == f:
+                segments[-1] = (segments[-1][0], tau + 1, f)
+            else:
+                segments.append((tau, tau + 1, f))
     # positions: chunk c of device d is first (pre) where c = 0 and d = 0, last (loss) where c = K-1, d = D-1;
     # only the (chunk, position) pairs some device has are compiled
     pos_of = lambda c, d: int(c == 0 and d == 0) + 2 * int(c == K - 1 and d == D - 1)
@@ -181,26 +223,29 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                                f"{len(carry.stash)} were allocated; stage_fn must trace the same way every time")
         # this call's micro-batches go to ring slots (base + n_fed + j) mod C; counted only when fed
         batch = jax.tree.map(lambda a: a.reshape((M, a.shape[0] // M) + a.shape[1:]), batch)
-        ring = lax.fori_loop(0, M, lambda j, r: jax.tree.map(
+        recent = lax.fori_loop(0, M, lambda j, r: jax.tree.map(
             lambda rb, b: write(rb, (base + n_fed + j) % C, b[j]), r, batch), carry.ring)
         n_fed = n_fed + M * feed.astype(jnp.int32)
-        carry = carry._replace(ring=ring)
+        carry = carry._replace(ring=recent)
         zero_like = lambda t: jax.tree.map(jnp.zeros_like, t)
         mb_of = lambda g: jax.tree.map(lambda a: read(a, (base + g) % C), carry.ring)
         blank = lambda: full(x_aval, jnp.nan if nan_bubbles else 0)
         blank_tie = lambda: full(tie_avals, jnp.nan if nan_bubbles else 0)
         x_like = lambda: full(x_aval, 0)
-        table, unit_tab = jnp.asarray(periodic.table()), jnp.asarray(units)
+        ctab, unit_tab = jnp.asarray(periodic.call_table(M)), jnp.asarray(units)
         s_off, s_cap = jnp.asarray(S_off[:-1], jnp.int32), jnp.asarray(S, jnp.int32)
         slot_of = lambda c, g: s_off[c] + g % s_cap[c]
 
-        def op_of(t, d, kind):
-            """(runs, chunk, g): device ``d``'s op ``kind`` (0: F, 1: B) at tick ``t``, of micro-batch ``g``."""
-            off = table[t % period, d, kind]
-            i = (t - off) // period
-            row = unit_tab[i % U]
-            g = (i // U + row[1 + kind]) * M + row[3]
-            return (off >= 0) & (t >= off) & (g >= 0) & (g < n_fed), row[0], g
+        def op_of(t, d, kind, r=None):
+            """(runs, chunk, g): device ``d``'s op ``kind`` (0: F, 1: B) at tick ``t``, of micro-batch ``g``, on
+            replica ``r`` (default: this one; it runs ``r * replica_delay`` ticks late)."""
+            if periodic.replica_delay:
+                t = t - (replica if r is None else r) * periodic.replica_delay
+            u, shift = ctab[t % T, d, kind, 0], ctab[t % T, d, kind, 1]
+            q = t // T - shift
+            row = unit_tab[jnp.maximum(u, 0)]
+            g = (q + row[1 + kind]) * M + row[3]
+            return (u >= 0) & (q >= 0) & (g >= 0) & (g < n_fed), row[0], g
 
         def position(c: int):
             """The position code of this device's chunk ``c``: 1 first (pre), 2 last (loss), 3 both."""
@@ -226,6 +271,9 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                             cast(t_mine, tie_avals), zero_like(tie_avals), jnp.zeros((), jnp.float32))
                 l, n, gq, dy = head
                 gq, gt = ties.take_post(gq)
+                if ring:     # workers run this at different ticks: nothing collective; counts travel the ring
+                    n = jnp.asarray(n, jnp.float32) if summed else jnp.zeros((), jnp.float32)
+                    return blank(), res, cast(dy, x_aval), gq, l.astype(jnp.float32), blank_tie(), gt, n
                 n_glob = psum_over(n, mesh, DP_AXES).astype(jnp.float32) if summed else jnp.zeros((), jnp.float32)
                 if counting:
                     l = psum_over(l, mesh, DP_AXES) / n_glob          # the metric: this micro-batch's exact mean
@@ -289,7 +337,10 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                              dy_own=where(last, dy, cr.dy_own),
                              gpost=jax.tree.map(lambda n, o: jnp.where(last, n, o), gq, cr.gpost),
                              gtie=where(last, gt, cr.gtie), cnt_own=jnp.where(last, cnt, cr.cnt_own))
-            loss = (loss[0] + jnp.where(last, l, 0.0), loss[1] + last.astype(jnp.int32))
+            # the metric: losses over their weight -- 1 each, or a (sum, count) loss's count on a ring
+            weight = cnt if ring and summed else jnp.ones((), jnp.float32)
+            loss = (loss[0] + jnp.where(last, l, 0.0), loss[1] + last.astype(jnp.int32),
+                    loss[2] + jnp.where(last, weight, 0.0))
             return (pss, cr, loss), (msg, t_out)
 
         def f_idle(c, g, x_in, t_in, ops):
@@ -331,10 +382,16 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                     return ties.add_to_pre(sop.pre_grad(q0, mb_of(g), dx), t_grad)
                 dpre = lax.cond(first, pre_grad, lambda: zero_like(lp[1]))
             dpost = jax.tree.map(lambda a: jnp.where(last, a, jnp.zeros_like(a)), cr.gpost)
-            return (dw, dpre, dpost), (where(first, blank(), dx), where(first, blank_tie(), t_grad))
+            grad = (dw, dpre, dpost)
+            if ring:        # the previous worker's partial sum of this chunk (none on the first worker)
+                grad = jax.tree.map(lambda p_, a: jnp.where(replica > 0, p_, jnp.zeros_like(p_)) + a.astype(p_.dtype),
+                                    jax.tree.map(lambda b: read(b, c), cr.reduce.partial), grad)
+            return grad, (where(first, blank(), dx), where(first, blank_tie(), t_grad))
 
         def b_idle(c, g, dy_in, t_in, ops):
             lps, pss, cr = ops
+            if ring:        # the last sum passes through (a fresh fill would be a weight-sized write per tick)
+                return cr.reduce.gbuf, (blank(), blank_tie())
             return zero_like((lps[0][0], lps[0][1], cr.gpost)), (blank(), blank_tie())
 
         def b_apply(c, g, grad, cnt, lp, os_, ps):
@@ -363,8 +420,51 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                   for p, ps in zip(policies, pss)]
             return (runs & ~pick(c, ok)).astype(jnp.int32)
 
+        def receive_arrived(lps, pss, rs):
+            """Ring: the stage the last worker sent last tick lands (shadow := the version it replaces)."""
+            lps, pss = list(lps), list(pss)
+            for c in range(K):
+                lps[c], pss[c] = lax.cond(rs.bok & (rs.bchunk == c), policies[c].receive, lambda n, lp, ps: (lp, ps),
+                                          rs.bnew, lps[c], pss[c])
+            return tuple(lps), tuple(pss)
+
+        def ring_exchange(t, lps, oss, pss, rs, is_b, cb, g_sum, cnt, may_update):
+            """Ring: the last worker updates from its complete sum; every worker sends its sum on to the next
+            and keeps what the previous one sent; the updated stage goes from the last worker to the others
+            (only in ticks where it may complete a sum: no collective inside a conditional)."""
+            n_sum = jnp.where(replica > 0, read(rs.pcnt, cb), 0.0) + cnt
+            n_sum = jnp.where(is_b, n_sum, rs.gcnt)
+            lps, oss, pss = list(lps), list(oss), list(pss)
+            for c in range(K):
+                lps[c], oss[c], pss[c] = lax.cond(
+                    is_b & (cb == c) & (replica == W - 1),
+                    lambda g_, n_, *a, c=c: policies[c].apply_sum(g_, n_, *a, counting=counting),
+                    lambda g_, n_, *a: a, g_sum, n_sum, lps[c], oss[c], pss[c])
+            rs = rs._replace(gbuf=g_sum, gcnt=n_sum)
+            if W > 1:
+                got, got_n = ppermute_bits((g_sum, n_sum), DATA, [(i, i + 1) for i in range(W - 1)])
+                runs_s, c_s, _ = op_of(t, 0, 1, r=replica - 1)
+                slot = jnp.where(runs_s & (replica > 0), c_s, K)
+                rs = rs._replace(partial=jax.tree.map(lambda a, v: write(a, slot, v), rs.partial, got),
+                                 pcnt=write(rs.pcnt, slot, got_n))
+                l_runs, l_c, _ = op_of(t, 0, 1, r=W - 1)
+                if may_update:
+                    new = lax.switch(l_c, [(lambda c: lambda: lps[c])(c) for c in range(K)])
+                    if broadcast == "balanced":
+                        arrived = balanced_broadcast(new, W, replica, DATA)
+                    else:
+                        arrived = None
+                        for dst in range(W - 1):
+                            m = ppermute_bits(new, DATA, [(W - 1, dst)])
+                            arrived = m if arrived is None else where(replica == dst, m, arrived)
+                    rs = rs._replace(bnew=arrived)
+                rs = rs._replace(bchunk=l_c, bok=l_runs & (replica < W - 1))
+            return tuple(lps), tuple(oss), tuple(pss), rs
+
         def tick(st, t, landing=True):
             lps, oss, pss, cr, loss = st
+            if ring and landing[0]:
+                lps, pss = receive_arrived(lps, pss, cr.reduce)
             is_f, cf, gf = op_of(t, me, 0)
             is_b, cb, gb = op_of(t, me, 1)
             err = errors_of(cf, gf, is_f, pss)
@@ -391,8 +491,11 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             grad, send_b = lax.cond(is_b, b_lane, b_idle, cb, gb, dy_in, tb_in, (lps, pss, cr))
             send_b = send_b + (jnp.where(is_b & ~((me == 0) & (cb == 0)), cnt,
                                          jnp.full((), jnp.nan if nan_bubbles else 0, jnp.float32)),)
+            if ring:
+                lps, oss, pss, rs = ring_exchange(t, lps, oss, pss, cr.reduce, is_b, cb, grad, cnt, landing[1])
+                cr = cr._replace(reduce=rs)
             lps, oss, pss = list(lps), list(oss), list(pss)
-            for c in range(K):
+            for c in range(K if not ring else 0):
                 # one conditional per chunk: each output is either its operand or a new value (no copies)
                 lps[c], oss[c], pss[c] = lax.cond(
                     is_b & (cb == c), lambda *a, c=c: b_apply(c, *a), lambda g, gr, n, *a: a, gb, grad, cnt,
@@ -430,16 +533,22 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                     lambda *a: a, lps[c], oss[c], pss[c])
             return tuple(lps), tuple(oss), tuple(pss), cr, loss
 
-        loss0 = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+        loss0 = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
         st = (lps, oss, pss, carry, loss0)
         for a, b, landing in segments:
             st, _ = lax.scan(lambda s_, t: tick(s_, t, landing), st, t0 + jnp.arange(a, b, dtype=jnp.int32))
             st = land_between(st, b)
-        lps, oss, pss, carry, (lsum, lcount) = st
-        lsum, lcount = lax.psum((lsum, lcount), STAGE)
-        lsum = pmean_over(lsum, mesh, DP_AXES)
-        lcount = lax.pmax(lcount, DP_AXES)
-        errors = lax.psum(carry.errors, STAGE)
+        lps, oss, pss, carry, (lsum, lcount, lweight) = st
+        if ring:        # every worker's own micro-batches: the call's losses over their summed weight
+            lsum, lcount, lweight = lax.psum((lsum, lcount, lweight), (DATA, STAGE))
+            loss = jnp.where(lweight > 0, lsum / jnp.where(lweight > 0, lweight, 1.0), jnp.nan)
+            errors = lax.psum(carry.errors, (DATA, STAGE))
+        else:
+            lsum, lcount = lax.psum((lsum, lcount), STAGE)
+            lsum = pmean_over(lsum, mesh, DP_AXES)
+            lcount = lax.pmax(lcount, DP_AXES)
+            loss = jnp.where(lcount > 0, lsum / jnp.maximum(lcount, 1), jnp.nan)
+            errors = lax.psum(carry.errors, STAGE)
         ex = lambda t: jax.tree.map(lambda a: a[None], t)
         q = t0 // T
         done = jnp.where(q < len(done_tab), jnp.asarray(done_tab)[jnp.minimum(q, len(done_tab) - 1)],
@@ -448,9 +557,10 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
         counters = (t0 + T, base, n_fed)
         if not chunked:
             lps, oss, pss = lps[0], oss[0], pss[0]
-        return ex(lps), ex(oss), ex(pss), ex(carry), counters, (lsum, lcount, base + done, errors)
+        return ex(lps), ex(oss), ex(pss), ex(carry), counters, (loss, lcount, base + done, errors)
 
-    stage = lambda t: jax.tree.map(lambda _: P(STAGE), t)
+    # a ring's workers each hold a replica of their own (one per data index); otherwise stage s's at index s
+    stage = lambda t: jax.tree.map(lambda _: P((DATA, STAGE)) if ring else P(STAGE), t)
     dev = lambda t: jax.tree.map(lambda _: P(ALL), t)
     rep = lambda t: jax.tree.map(lambda _: P(), t)
 
@@ -466,10 +576,12 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
 
 
 def empty_carry(model, periodic, M: int, n_devices: int, mb_example, x_aval, mask_avals,
-                nan_bubbles: bool = False):
+                nan_bubbles: bool = False, ring_lp=None, replicas: int = 1):
     """The in-flight state of an empty pipeline, with a leading axis of one entry per device (``nan_bubbles``:
-    residual and message buffers start NaN, so a test shows nothing unwritten reaches a result)."""
-    buf = periodic.buffers(M)
+    residual and message buffers start NaN, so a test shows nothing unwritten reaches a result).  ``ring_lp``:
+    one chunk's local parameters (shapes), for a ring reduction's buffers; ``replicas``: data-parallel
+    replicas (a delayed stream's last one finishes later)."""
+    buf = periodic.buffers(M, periodic.replica_delay * (replicas - 1))
     C, S = buf["ring"], sum(buf["stash"])
     per = lambda shape, dtype: jnp.zeros((n_devices,) + tuple(shape), dtype)
     nan = lambda shape, dtype: jnp.full((n_devices,) + tuple(shape), jnp.nan if nan_bubbles else 0, dtype)
@@ -488,4 +600,15 @@ def empty_carry(model, periodic, M: int, n_devices: int, mb_example, x_aval, mas
         ring=jax.tree.map(lambda a: per((C,) + tuple(a.shape), a.dtype), mb_example),
         tie_f=tie_msg(), tie_b=tie_msg(), gtie=tie_msg(),
         cnt_b=nan((), jnp.float32), cnt_own=nan((), jnp.float32), wrap_f=wrap_f, wrap_b=wrap_b,
-        errors=jnp.zeros((n_devices,), jnp.int32))
+        errors=jnp.zeros((n_devices,), jnp.int32), reduce=() if ring_lp is None else ring_buffers(
+            ring_lp, periodic.chunks, n_devices, nan_bubbles))
+
+
+def ring_buffers(lp, K: int, n_devices: int, nan_bubbles: bool = False) -> RingState:
+    """A ring reduction's buffers, one per device (float buffers NaN in the NaN mode)."""
+    fill = lambda shape, dtype: jnp.full((n_devices,) + tuple(shape), jnp.nan if nan_bubbles and jnp.issubdtype(
+        dtype, jnp.floating) else 0, dtype)
+    like = lambda lead: jax.tree.map(lambda a: fill(tuple(lead) + tuple(np.shape(a)), a.dtype), lp)
+    return RingState(partial=like((K + 1,)), pcnt=fill((K + 1,), jnp.float32), gbuf=like(()),
+                     gcnt=fill((), jnp.float32), bnew=like(()), bchunk=fill((), jnp.int32),
+                     bok=jnp.zeros((n_devices,), jnp.bool_))

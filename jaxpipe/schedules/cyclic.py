@@ -100,3 +100,16 @@ def check_pool(N: int, periods: int = 4) -> int:
             if kind == "B":
                 del live[pool_slot(N, i, j, k)]
     return peak
+
+
+def stream(N: int):
+    """The DP form as data for the no-flush executor (``runtime/async_executor.py`` runs it; pictures read
+    :func:`op_of`, and a test replays one against the other): every worker holds the N stages as chunks of one
+    device, a call is one step of 2N ticks in which the worker's micro-batch runs F down the stages (stage j at
+    tick j) and B back up (stage j at 2N - 1 - j), and worker i runs it 2i ticks late (``replica_delay``)."""
+    from .ir import B, F
+    from .periodic import Periodic
+    return Periodic("cdp_dp", 1, 2 * N, {F: (0,), B: (2 * N - 1,)}, chunks=N,
+                    units=tuple((j, 0, 0, 0) for j in range(N)),
+                    unit_offsets={F: tuple((j,) for j in range(N)), B: tuple((2 * N - 1 - j,) for j in range(N))},
+                    call_length=2 * N, replica_delay=2).validate()

@@ -44,15 +44,28 @@ class Periodic:
     #: per unit of a call: (chunk, F batch offset, B batch offset, micro-batch j); None: unit u of a call is
     #: micro-batch u of the call's batch on chunk 0 (a call feeds one batch of M micro-batches)
     units: Optional[Tuple[Tuple[int, int, int, int], ...]] = None
+    #: per-unit timing instead of ``period * i + offsets``: kind -> per unit of a call -> per device, the tick
+    #: offset from the call's start (a call lasts ``call_length`` ticks; Cyclic DP's worker runs the N stages
+    #: of its micro-batch down and back up in one call)
+    unit_offsets: Optional[Dict[str, Tuple[Tuple[int, ...], ...]]] = None
+    call_length: Optional[int] = None
+    #: data-parallel replica r runs the stream ``r * replica_delay`` ticks late (Cyclic DP: workers 2 apart)
+    replica_delay: int = 0
 
     def tick(self, kind: str, d: int, i: int) -> int:
+        if self.unit_offsets is not None:
+            U = len(self.unit_offsets[kind])
+            return self.call_length * (i // U) + self.unit_offsets[kind][i % U][d]
         return self.period * i + self.offsets[kind][d]
 
     def validate(self) -> "Periodic":
         """Raise :class:`ScheduleError` unless every dependency holds with one tick per message between
         devices (F(s, i) -> F(s+1, i); F(D-1, i) -> B(D-1, i); B(s+1, i) -> B(s, i)).  F and B of a device may
         share a phase (``two_lanes``): the tick then runs the F lane before the B lane, so the last stage's B
-        may run in the tick of its own F."""
+        may run in the tick of its own F.  A stream with per-unit offsets is checked on its replay instead
+        (:meth:`validate_stream`)."""
+        if self.unit_offsets is not None:
+            return self.validate_stream(1)
         D, P = self.num_devices, self.period
         for d in range(D):
             phases = [self.offsets[k][d] % P for k in (F, B)]
@@ -121,34 +134,70 @@ class Periodic:
         return tab
 
     def call_ticks(self, M: int) -> int:
-        return self.period * len(self.unit_table(M))
+        return self.call_length if self.unit_offsets is not None else self.period * len(self.unit_table(M))
+
+    def call_table(self, M: int) -> np.ndarray:
+        """``[T, D, 2, 2]`` int32 (``T`` ticks per call): at tick offset ``tau`` of call ``q`` device ``d``'s F
+        (``[..., 0, :]``) / B (``[..., 1, :]``) lane runs unit ``u`` of call ``q - shift`` as ``(u, shift)``;
+        ``u = -1``: the lane idles.  What the executor reads."""
+        T, D, U = self.call_ticks(M), self.num_devices, len(self.unit_table(M))
+        out = np.full((T, D, 2, 2), -1, np.int32)
+        for u in range(U):
+            for k, kind in enumerate((F, B)):
+                for d in range(D):
+                    t = self.tick(kind, d, u)
+                    if out[t % T, d, k, 0] >= 0:
+                        raise ScheduleError(f"{self.name}: device {d} runs two {kind} ops at tick offset {t % T}")
+                    out[t % T, d, k] = (u, t // T)
+        return out
+
+    def validate_stream(self, M: int) -> "Periodic":
+        """Raise :class:`ScheduleError` unless the replayed stream keeps every dependency of each micro-batch:
+        model stage k + 1's F after stage k's, B after F on the last stage, stage k's B after stage k + 1's --
+        one tick later across devices, a later lane of the same tick on one device."""
+        D = self.num_devices
+        when = {}
+        for t, d, kind, c, g in self.events(M, calls=4):
+            when[(kind, c * D + d, g)] = (t, int(kind == B), d)
+        for (kind, k, g), (t, lane, d) in when.items():
+            prev = [(F, k - 1)] if kind == F else [(B, k + 1)] if k + 1 < self.chunks * D else [(F, k)]
+            for pk, pstage in prev:
+                if pstage < 0 or (pk, pstage, g) not in when:
+                    continue
+                pt, plane, pd = when[(pk, pstage, g)]
+                ok = (t, lane) > (pt, plane) if pd == d else t > pt
+                if not ok:
+                    raise ScheduleError(f"{self.name}: {kind} of stage {k}, micro-batch {g} at tick {t} does "
+                                        f"not follow {pk} of stage {pstage} (tick {pt})")
+        return self
 
     def events(self, M: int, calls: int = 12) -> List[Tuple[int, int, str, int, int]]:
         """``(tick, device, kind, chunk, micro-batch)`` of every op of the first ``calls`` calls with a batch
         fed in each, in execution order (tick, then lane: F before B)."""
-        units, U, P = self.unit_table(M), len(self.unit_table(M)), self.period
-        tab, out = self.table(), []
-        for t in range(calls * U * P):
+        units, T = self.unit_table(M), self.call_ticks(M)
+        tab, out = self.call_table(M), []
+        for t in range(calls * T):
             for k, kind in enumerate((F, B)):
                 for d in range(self.num_devices):
-                    off = tab[t % P, d, k]
-                    if off < 0 or t < off:
+                    u, shift = tab[t % T, d, k]
+                    q = t // T - shift
+                    if u < 0 or q < 0:
                         continue
-                    i = (t - off) // P
-                    c, fo, bo, j = (int(v) for v in units[i % U])
-                    g = (i // U + (fo if kind == F else bo)) * M + j
+                    c, fo, bo, j = (int(v) for v in units[u])
+                    g = (q + (fo if kind == F else bo)) * M + j
                     if g >= 0:
                         out.append((t, d, kind, c, g))
         return out
 
-    def buffers(self, M: int) -> Dict[str, object]:
+    def buffers(self, M: int, span: int = 0) -> Dict[str, object]:
         """What the executor allocates, derived by replaying the stream: ``stash`` -- slots per chunk (micro-batch
         ``g`` of chunk ``c`` in slot ``g mod stash[c]``: a slot is rewritten only after its B read it; a B after
         an F in the same tick counts as later); ``ring`` -- recent micro-batches kept (``g`` in slot ``g mod
         ring``; a call writes its batch before its first tick, so ``g + ring`` must be fed after ``g``'s last
         op); ``done`` -- per call ``q``, the micro-batches whose every op has run by its end (steady state:
         ``done_steady + M q``); ``latency`` -- calls after its feeding call in which a micro-batch's last op may
-        run (what ``drain`` runs)."""
+        run (what ``drain`` runs).  ``span``: ticks the last replica runs behind the first
+        (``replica_delay * (replicas - 1)``): its ops count that much later."""
         T, D = self.call_ticks(M), self.num_devices
         ev = self.events(M)
         calls = ev[-1][0] // T + 1
@@ -175,7 +224,7 @@ class Periodic:
             stash.append(need)
         last: Dict[int, int] = {}
         for t, d, kind, c, g in ev:
-            last[g] = max(last.get(g, t), t)
+            last[g] = max(last.get(g, t), t + span)
         steady = [g for g in last if (calls - 4) * M > g >= 2 * M]     # away from the replay's ends
         ring = M
         while any((g + ring) // M <= last[g] // T for g in steady):
