@@ -407,7 +407,11 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
         ring_b = [(d, (d - 1) % D) for d in range(D)]
 
         def send(x, pairs):
-            """A lane's message to the next (previous) device: its bits, or APC-compressed activation/gradient."""
+            """A lane's message to the next (previous) device: its bits, or APC-compressed activation/gradient.
+            One device (chunks wrapping around on it): the message stays -- a collective over a one-device group
+            is still a rendezvous of every device on XLA CPU (BUILD_NOTES, "Collectives over one device")."""
+            if D == 1:
+                return x
             if not apc:
                 return ppermute_bits(x, STAGE, pairs)
             head, rest = x[0], x[1:]
