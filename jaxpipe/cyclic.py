@@ -58,9 +58,9 @@ BROADCASTS = ("direct", "balanced")
 
 
 class CyclicState(NamedTuple):
-    params: Any        # per stage (chunk) j: (w [W, ...], pre [W, ...], post [W, ...]) -- each worker's replica
-    opt_state: Any     # the optimizer's state per stage and worker (worker N - 1's is the one used)
-    policy_state: Any  # per stage and worker: the previous version and the updates applied (optim.policies.cyclic_dp)
+    params: Any        # (w [W, S, ...], pre [W, S, ...], post [W, S, ...]): each worker's replica, per stage
+    opt_state: Any     # the optimizer's state per worker and stage (worker N - 1's is the one used)
+    policy_state: Any  # per worker and stage: the previous version and the updates applied (policies.cyclic_dp)
     carry: Any         # in-flight state per worker (stash, messages, ring partial sums, broadcast, micro-batches)
     counters: Any      # (tick, base, fed) int32: ticks since the (re)start, first step index, steps fed since
     step: Any = None
@@ -115,15 +115,17 @@ class CyclicDataParallel:
 
     # ------------------------------------------------------------------ state
     def _chunks(self):
-        """Stage j's local parameters (w_j, pre, post) with a leading axis of one replica per worker."""
+        """Every stage's local parameters (w_j, pre, post), stacked: ``[worker, stage, ...]`` (one replica per
+        worker; the executor's ring reduction keeps a worker's stages stacked and writes them in place)."""
         N, (w, pre, post) = self.N, self.ties.strip(self.model.params)
-        rep = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (N,) + jnp.shape(a)).copy(), t)
-        return tuple((rep(jax.tree.map(lambda a: a[j], w)), rep(pre), rep(post)) for j in range(N))
+        per = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (N,) + jnp.shape(a)), t)
+        lp = (w, per(pre), per(post))
+        return jax.tree.map(lambda a: jnp.broadcast_to(a, (N,) + a.shape).copy(), lp)
 
     def init(self) -> CyclicState:
         chunks = self._chunks()
-        opt = tuple(jax.vmap(self.opt.init)(lp) for lp in chunks)
-        ps = tuple(jax.vmap(p.init)(lp) for p, lp in zip(self.policies, chunks))
+        opt = jax.vmap(jax.vmap(self.opt.init))(chunks)
+        ps = jax.vmap(jax.vmap(self.policies[0].init))(chunks)
         sh = NamedSharding(self.mesh, P((DATA, STAGE)))
         rep = NamedSharding(self.mesh, P())
         counters = jax.device_put(tuple(jnp.zeros((), jnp.int32) for _ in range(3)), rep)
@@ -133,9 +135,8 @@ class CyclicDataParallel:
     def params(self, state: CyclicState):
         """The model's parameters ``(stage, pre, post)`` (worker 0's replica; all replicas are equal once
         every update has arrived, e.g. after ``drain``)."""
-        w = jax.tree.map(lambda *a: jnp.stack([x[0] for x in a]), *(lp[0] for lp in state.params))
-        pre, post = state.params[0][1], state.params[-1][2]
-        return self.ties.fill((w, jax.tree.map(lambda a: a[0], pre), jax.tree.map(lambda a: a[0], post)))
+        w, pre, post = jax.tree.map(lambda a: a[0], state.params)
+        return self.ties.fill((w, jax.tree.map(lambda a: a[0], pre), jax.tree.map(lambda a: a[self.N - 1], post)))
 
     def _mb_example(self, batch):
         return jax.tree.map(lambda l: jax.ShapeDtypeStruct((np.shape(l)[0] // self.N,) + tuple(np.shape(l)[1:]),
@@ -154,7 +155,7 @@ class CyclicDataParallel:
         xa = jax.eval_shape(model.pre, model.pre_params, mb)
         model.check_activation(xa, model.stage_output_aval(w0, xa, mb))
         _, res = stage_residuals(model, w0, full(xa, 0), jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), mb))
-        lp = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), self._chunks()[0])
+        lp = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), self._chunks())
         carry = empty_carry(model, self.periodic, 1, self.N, mb, xa, res, self.nan_bubbles, ring_lp=lp,
                             replicas=self.N)
         return jax.device_put(carry, NamedSharding(self.mesh, P(AXES))), xa

@@ -83,10 +83,11 @@ class WeightPolicy(NamedTuple):
     #: one the policy holds; the executor counts the reads where it is not (metric ``version_errors``)
     held: Any = None
     #: ring reduction (Cyclic DP's workers on ``data``, each with every stage): ``apply_sum(g_sum, count, lp,
-    #: opt_state, ps, counting) -> (lp, opt_state, ps)`` -- the last worker's update from the ring's complete sum;
-    #: ``receive(new, lp, ps) -> (lp, ps)`` -- the other workers land the stage it sends
+    #: opt_state, counting) -> (lp, opt_state)`` -- the last worker's update from the ring's complete sum, which
+    #: the other workers land as it arrives; ``retire(lp, ps) -> ps`` -- the state once a new version replaces
+    #: ``lp`` (the executor writes both into its stacked chunks in place)
     apply_sum: Any = None
-    receive: Any = None
+    retire: Any = None
 
 
 def _apply(opt, g, lp, opt_state):
@@ -253,13 +254,14 @@ def cyclic_dp(opt: optax.GradientTransformation, num_workers: int, stage: int, r
     def weights(lp, ps, i, s):
         return jax.tree.map(lambda a, b: jnp.where(ps.n_updates == version(i), a, b), lp, ps.shadow)
 
-    def apply_sum(g_sum, count, lp, opt_state, ps, counting=False):
+    def apply_sum(g_sum, count, lp, opt_state, counting=False):
         g = jax.tree.map(lambda a: a / (count.astype(a.dtype) if counting else N), g_sum)
         new, opt_state, _ = _apply(opt, g, lp, opt_state)
-        return new, opt_state, CyclicState(lp, ps.n_updates + 1)
+        return new, opt_state
 
-    def receive(new, lp, ps):
-        return new, CyclicState(lp, ps.n_updates + 1)
+    def retire(lp, ps):
+        """What the state keeps when a new version replaces ``lp``: it, as the shadow."""
+        return CyclicState(lp, ps.n_updates + 1)
 
     def unused(*a, **k):
         raise RuntimeError("cyclic_dp's updates come from the ring's sum (apply_sum), not per micro-batch")
@@ -267,7 +269,7 @@ def cyclic_dp(opt: optax.GradientTransformation, num_workers: int, stage: int, r
     return WeightPolicy(f"cdp_dp_{rule}", init, lambda lp, ps, i, s: (weights(lp, ps, i, s), ps), weights,
                         unused, lambda D: [2] * D, choose=choose, per_microbatch=False,
                         held=lambda ps, i, s: (ps.n_updates == version(i)) | (ps.n_updates - 1 == version(i)),
-                        apply_sum=apply_sum, receive=receive)
+                        apply_sum=apply_sum, retire=retire)
 
 
 def wpipe(opt: optax.GradientTransformation, num_stages: int, num_microbatches: int):

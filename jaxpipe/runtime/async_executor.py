@@ -215,7 +215,9 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             lps, oss, pss = (lps,), (oss,), (pss,)
         t0, base, n_fed = counters
         me = lax.axis_index(STAGE)
-        sop, avals = StageOps.build(model, lps[0][0], full(x_aval, 0),
+        view = lambda stack, c: jax.tree.map(lambda a: a[c], stack)
+        views = lambda stack: tuple(view(stack, c) for c in range(K))
+        sop, avals = StageOps.build(model, (views(lps) if ring else lps)[0][0], full(x_aval, 0),
                                     jax.tree.map(lambda a: a[0], carry.ring))
         replica = lax.axis_index(PIPE) * mesh.shape[DATA] + lax.axis_index(DATA)
         if len(avals) != len(carry.stash):
@@ -291,6 +293,21 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             """Per chunk: (version index, candidates) the policy chooses for micro-batch ``g`` on this device."""
             return [p.choose(lp, ps, base + g, me) for p, lp, ps in zip(policies, lps, pss)]
 
+        def operands(ch, lps, pss):
+            """The switch's weight operands: every chunk's candidates (each read in place by its branch) -- or, on
+            a ring, the stacked candidates (``lps``, ``pss``: the stacks), each branch slicing its chunk (views
+            sliced outside were materialised: 173 MiB of temp)."""
+            if ring:
+                return policies[0].choose(lps, pss, base, me)[1]
+            return [cands for _, cands in ch]
+
+        def per_chunk(lps, pss):
+            """The chunks' (weights, policy state): views of the stacks on a ring, else as they are."""
+            return (views(lps), views(pss)) if ring else (lps, pss)
+
+        def candidate(cs, cc, w):
+            return jax.tree.map(lambda a: a[cc], cs[w]) if ring else cs[cc][w]
+
         def f_lane(c, g, x_in, t_in, ops):
             # F lane (docs/design.md §2 lanes): a predicate cond around the position switch, so that nothing
             # big passes through a multi-way conditional (XLA copies such pass-throughs every tick)
@@ -320,16 +337,16 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                     out = lax.cond(policy.forward_is_current(me), lambda: fwd(lp), lambda: lax.switch(
                         pos, [predicted(v) for v in range(len(variants[0]))], lp, ps, x_in, t_in, mb, ctx))
             else:     # one branch per chunk, stored version and position: the chosen version is never copied
-                ch = choices(g, lps, pss)
+                ch = choices(g, *per_chunk(lps, pss))
                 brs, start = [], []
                 for cc, (_, cands) in enumerate(ch):
                     start.append(len(brs))
                     n = len(variants[cc])
-                    brs += [(lambda cc, w, v: (lambda cs, *a: variants[cc][v](cs[cc][w], *a)))(cc, w, v)
+                    brs += [(lambda cc, w, v: (lambda cs, *a: variants[cc][v](candidate(cs, cc, w), *a)))(cc, w, v)
                             for w in range(len(cands)) for v in range(n)]
                 k = pick(c, [kk for kk, _ in ch])
                 idx = pick(c, [start[cc] + k * len(variants[cc]) for cc in range(K)]) + pos
-                out = lax.switch(idx, brs, [cands for _, cands in ch], x_in, t_in, mb, ctx)
+                out = lax.switch(idx, brs, operands(ch, lps, pss), x_in, t_in, mb, ctx)
             msg, res, dy, gq, l, t_out, gt, cnt = out
             last = (me == D - 1) & (c == K - 1)
             slot = slot_of(c, g)
@@ -354,7 +371,7 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             last = (me == D - 1) & (c == K - 1)
             first = (me == 0) & (c == 0)
             dy = where(last, cr.dy_own, dy_in)
-            policy, lp, ps = policies[0], lps[0], pss[0]
+            policy, (lp,), (ps,) = policies[0], *(v[:1] for v in per_chunk(lps, pss))
             pre_p = None
             if not by_branch and policy.backward_is_current is not None:
                 # stages predicting by 0 read lp itself: no weight-sized axpy
@@ -364,14 +381,14 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                 w, pre_p, _ = policy.backward_weights(lp, ps, gi, me)
                 dw, dx = sop.backward(w, res, dy)
             else:
-                ch = choices(g, lps, pss)
+                ch = choices(g, *per_chunk(lps, pss))
                 brs, start = [], []
                 for cc, (_, cands) in enumerate(ch):
                     start.append(len(brs))
-                    brs += [(lambda cc, v: (lambda cs, r, d: sop.backward(cs[cc][v][0], r, d)))(cc, v)
+                    brs += [(lambda cc, v: (lambda cs, r, d: sop.backward(candidate(cs, cc, v)[0], r, d)))(cc, v)
                             for v in range(len(cands))]
                 idx = pick(c, [start[cc] + ch[cc][0] for cc in range(K)])
-                dw, dx = lax.switch(idx, brs, [cands for _, cands in ch], res, dy)
+                dw, dx = lax.switch(idx, brs, operands(ch, lps, pss), res, dy)
             dx = cast(dx, x_aval)
             dpre = zero_like(lp[1])
             # the tied arrays' last-stage gradient of this micro-batch, on its way to stage 0
@@ -424,13 +441,19 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                   for p, ps in zip(policies, pss)]
             return (runs & ~pick(c, ok)).astype(jnp.int32)
 
+        def land_stacked(j, new, cur, lp_st, ps_st, extra=()):
+            """Ring: chunk ``j`` of the stacked state gets version ``new``, its policy retiring ``cur`` (written by
+            dynamic-update-slice: XLA updates stacked buffers in place, where a conditional swapping per-chunk
+            buffers copied the weights every tick -- HLO-checked)."""
+            put = lambda st, v: jax.tree.map(lambda a, b: lax.dynamic_update_index_in_dim(a, b, j, 0), st, v)
+            ps_j = policies[0].retire(cur, view(ps_st, j))
+            return (put(lp_st, new), put(ps_st, ps_j)) + tuple(put(a, b) for a, b in extra)
+
         def receive_arrived(lps, pss, rs):
-            """Ring: the stage the last worker sent last tick lands (shadow := the version it replaces)."""
-            lps, pss = list(lps), list(pss)
-            for c in range(K):
-                lps[c], pss[c] = lax.cond(rs.bok & (rs.bchunk == c), policies[c].receive, lambda n, lp, ps: (lp, ps),
-                                          rs.bnew, lps[c], pss[c])
-            return tuple(lps), tuple(pss)
+            """Ring: the stage the last worker sent last tick lands (its current version retired)."""
+            cur = jax.tree.map(lambda a: read(a, rs.bchunk), lps)      # sliced outside the conditional
+            return lax.cond(rs.bok, lambda lp_, ps_, cur_: land_stacked(rs.bchunk, rs.bnew, cur_, lp_, ps_),
+                            lambda lp_, ps_, cur_: (lp_, ps_), lps, pss, cur)
 
         def ring_exchange(t, lps, oss, pss, rs, is_b, cb, g_sum, cnt, may_update):
             """Ring: the last worker updates from its complete sum; every worker sends its sum on to the next
@@ -438,12 +461,17 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             (only in ticks where it may complete a sum: no collective inside a conditional)."""
             n_sum = jnp.where(replica > 0, read(rs.pcnt, cb), 0.0) + cnt
             n_sum = jnp.where(is_b, n_sum, rs.gcnt)
-            lps, oss, pss = list(lps), list(oss), list(pss)
-            for c in range(K):
-                lps[c], oss[c], pss[c] = lax.cond(
-                    is_b & (cb == c) & (replica == W - 1),
-                    lambda g_, n_, *a, c=c: policies[c].apply_sum(g_, n_, *a, counting=counting),
-                    lambda g_, n_, *a: a, g_sum, n_sum, lps[c], oss[c], pss[c])
+            if may_update:      # the last worker completes sums only in these ticks
+                # the stage and its optimizer state sliced outside the conditional, written back in place
+                cur, o_cur = jax.tree.map(lambda a: read(a, cb), (lps, oss))
+
+                def apply(lp_, os_, ps_, cur_, o_):
+                    new, o_new = policies[0].apply_sum(g_sum, n_sum, cur_, o_, counting=counting)
+                    lp_, ps_, os_ = land_stacked(cb, new, cur_, lp_, ps_, ((os_, o_new),))
+                    return lp_, os_, ps_
+
+                lps, oss, pss = lax.cond(is_b & (replica == W - 1), apply, lambda lp_, os_, ps_, c_, o_: (lp_, os_, ps_),
+                                         lps, oss, pss, cur, o_cur)
             rs = rs._replace(gbuf=g_sum, gcnt=n_sum)
             if W > 1:
                 got, got_n = ppermute_bits((g_sum, n_sum), DATA, [(i, i + 1) for i in range(W - 1)])
@@ -453,7 +481,7 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                                  pcnt=write(rs.pcnt, slot, got_n))
                 l_runs, l_c, _ = op_of(t, 0, 1, r=W - 1)
                 if may_update:
-                    new = lax.switch(l_c, [(lambda c: lambda: lps[c])(c) for c in range(K)])
+                    new = jax.tree.map(lambda a: read(a, l_c), lps)
                     if broadcast == "balanced":
                         arrived = balanced_broadcast(new, W, replica, DATA)
                     else:
@@ -463,15 +491,17 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                             arrived = m if arrived is None else where(replica == dst, m, arrived)
                     rs = rs._replace(bnew=arrived)
                 rs = rs._replace(bchunk=l_c, bok=l_runs & (replica < W - 1))
-            return tuple(lps), tuple(oss), tuple(pss), rs
+            return lps, oss, pss, rs
 
         def tick(st, t, landing=True):
             lps, oss, pss, cr, loss = st
-            if ring and landing[0]:
-                lps, pss = receive_arrived(lps, pss, cr.reduce)
+            if ring:            # stacked chunks: the lanes read static views of them
+                if landing[0]:
+                    lps, pss = receive_arrived(lps, pss, cr.reduce)
+                stacks = (lps, oss, pss)
             is_f, cf, gf = op_of(t, me, 0)
             is_b, cb, gb = op_of(t, me, 1)
-            err = errors_of(cf, gf, is_f, pss)
+            err = errors_of(cf, gf, is_f, per_chunk(lps, pss)[1])
             x_in, t_in = cr.recv_f, cr.tie_f
             if K > 1:      # device 0's later chunks read the last device's output from the wrap buffer
                 wx, wt = jax.tree.map(lambda a: read(a, gf % C), cr.wrap_f)
@@ -485,7 +515,7 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                     runs_s, c_s, g_s = op_of(t, D - 1, 0)
                     slot = jnp.where((me == 0) & runs_s & (c_s < K - 1), g_s % C, C)
                     cr = cr._replace(wrap_f=jax.tree.map(lambda a, v: write(a, slot, v), cr.wrap_f, (recv_f, tie_f)))
-            err = err + errors_of(cb, gb, is_b, pss)
+            err = err + errors_of(cb, gb, is_b, per_chunk(lps, pss)[1])
             dy_in, tb_in, cnt = cr.recv_b, cr.tie_b, cr.cnt_b
             if K > 1:      # the last device's earlier chunks read device 0's gradient from the wrap buffer
                 wd, wt, wc = jax.tree.map(lambda a: read(a, gb % C), cr.wrap_b)
@@ -496,9 +526,9 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             send_b = send_b + (jnp.where(is_b & ~((me == 0) & (cb == 0)), cnt,
                                          jnp.full((), jnp.nan if nan_bubbles else 0, jnp.float32)),)
             if ring:
-                lps, oss, pss, rs = ring_exchange(t, lps, oss, pss, cr.reduce, is_b, cb, grad, cnt, landing[1])
+                lps, oss, pss, rs = ring_exchange(t, *stacks, cr.reduce, is_b, cb, grad, cnt, landing[1])
                 cr = cr._replace(reduce=rs)
-            lps, oss, pss = list(lps), list(oss), list(pss)
+            lps, oss, pss = (lps, oss, pss) if ring else (list(lps), list(oss), list(pss))
             for c in range(K if not ring else 0):
                 # one conditional per chunk: each output is either its operand or a new value (no copies)
                 lps[c], oss[c], pss[c] = lax.cond(
@@ -520,11 +550,15 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                     cr = cr._replace(wrap_b=jax.tree.map(lambda a, v: write(a, slot, v), cr.wrap_b,
                                                          (recv_b, tie_b, cnt_b)))
             cr = cr._replace(errors=cr.errors + err)
-            return (tuple(lps), tuple(oss), tuple(pss), cr, loss), None
+            if not ring:
+                lps, oss, pss = tuple(lps), tuple(oss), tuple(pss)
+            return (lps, oss, pss, cr, loss), None
 
         def land_between(st, tau):
             """The chunks whose batch completes by tick offset ``tau`` land it now (``lag`` calls after it was
             fed), outside any scan: a landing conditional in a scan made XLA copy the weights every tick."""
+            if not any(tc == tau for _, tc in lands.values()):
+                return st
             lps, oss, pss, cr, loss = st
             lps, oss, pss = list(lps), list(oss), list(pss)
             for c, (lag, tc) in lands.items():
