@@ -9,17 +9,22 @@
 N workers on the mesh's ``data`` axis each hold the whole model (cut into N stages, one time step per stage's
 forward or backward) and run micro-batch after micro-batch on their own data, worker ``i`` delayed by
 ``2i`` time steps: worker ``i``'s training step ``k`` runs F of stage ``j`` at tick ``2Nk + 2i + j`` and B of
-stage ``j`` at ``2Nk + 2i + 2N - 1 - j``.  The program reads this timeline as data, from
-:func:`jaxpipe.schedules.cyclic.period_table` (the pictures' :func:`~jaxpipe.schedules.cyclic.op_of`).
-Nothing waits at a barrier and nothing flushes between calls.
+stage ``j`` at ``2Nk + 2i + 2N - 1 - j``.  It runs on the one no-flush executor
+(``runtime/async_executor.py``), which reads this timeline as data from :func:`jaxpipe.schedules.cyclic.stream`
+(every stage a chunk of the worker's device, worker ``i`` ``2i`` ticks late; replayed against the pictures'
+:func:`~jaxpipe.schedules.cyclic.op_of` in the tests) in its ring-reduction mode, with one weight policy per
+stage (:func:`jaxpipe.optim.policies.cyclic_dp`).  Nothing waits at a barrier and nothing flushes between
+calls.
 
 Gradients are reduced by point-to-point ``ppermute``s spread over the step, never one all-reduce: when
 worker ``i`` finishes stage ``j``'s backward it adds its gradient to the partial sum worker ``i - 1`` sent
 it (two ticks earlier) and sends the sum on to ``i + 1``; worker ``N - 1`` completes the sum, applies the
 update (it alone runs the optimizer and holds its state) and sends the updated stage directly to every other
-worker, which lands it at the start of the next tick (every worker keeps a full replica; the replicas stay
-bit-identical without running the optimizer N times).  Whether a sum completes in a tick depends on the tick
-only, so the sends run under a predicate every worker agrees on: on N of the 2N ticks.
+worker (``broadcast="balanced"``: scattered and all-gathered, :func:`jaxpipe.runtime.common.balanced_broadcast`),
+which lands it at the start of the next tick (every worker keeps a full replica, its stages stacked and
+written in place; the replicas stay bit-identical without running the optimizer N times).  Whether a sum
+completes in a tick depends on the tick only, so the broadcast is compiled into those ticks alone: no
+collective inside a conditional.
 
 Update rules (eq. CDP): micro-batch ``i`` of step ``t`` reads stage ``j`` at version
 * ``v1``: ``t - 1`` everywhere (eq. CDP-v1, PipeDream-2BW's rule),
@@ -47,11 +52,16 @@ from .errors import ConfigError
 from .model import PipelineModel
 from .model import microbatch_key
 from .optim.policies import cyclic_dp
-from .runtime.async_executor import empty_carry, make_async_fn
-from .runtime.common import balanced_broadcast, cast, full, read, where, write  # noqa: F401 (re-exported)
+from .runtime.async_executor import make_async_fn
+from .runtime.inflight import empty_carry
+from .runtime.common import cast, full, read, write
+from .runtime.common import balanced_broadcast
 from .runtime.stage import StageOps, stage_residuals
 from .schedules import cyclic as cyc
 from .axes import AXES, DATA, PIPE, STAGE
+
+__all__ = ["BROADCASTS", "RULES", "CyclicDataParallel", "CyclicState", "balanced_broadcast", "single_device_dp_grad",
+           "single_device_grad"]
 
 RULES = ("v1", "v2")
 BROADCASTS = ("direct", "balanced")

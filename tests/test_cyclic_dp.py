@@ -177,18 +177,16 @@ def test_bad_batch():
 
 
 @pytest.mark.parametrize("N", [1, 2, 3, 4, 8])
-def test_period_table_is_the_pictured_timeline(N):
-    """The executor's table (one period, per worker: kind, stage, step offset) replays the timeline the
-    pictures draw (op_of) tick for tick over several periods, and its update phases are where worker N-1
-    runs a backward."""
-    tab = cyc.period_table(N)
-    for t in range(6 * N):
-        for i in range(N):
+def test_stream_is_the_pictured_timeline(N):
+    """What the no-flush executor runs (schedules.cyclic.stream: every stage a chunk of the worker, worker i
+    2i ticks late) replays the timeline the pictures draw (op_of) tick for tick for every worker, and the ticks
+    where the ring may complete a sum are where worker N-1 runs a backward."""
+    from jaxpipe.runtime.async_executor import ring_phases
+    p = cyc.stream(N)
+    for i in range(N):
+        ran = {t + p.replica_delay * i: (kind, c, g) for t, d, kind, c, g in p.events(1, calls=4)}
+        for t in range(8 * N):
             kind, j, k = cyc.op_of(N, i, t)
-            code, stage, off = tab[t % (2 * N), i]
-            step = t // (2 * N) + off
-            if not kind:
-                assert step < 0
-            else:
-                assert (code, stage, step) == (1 if kind == "F" else 2, j, k)
-    assert cyc.update_phases(N) == [s for s in range(2 * N) if cyc.op_of(N, N - 1, 4 * N + s)[0] == "B"]
+            assert ran.get(t) == ((kind, j, k) if kind else None)
+    updates = [s for s in range(2 * N) if cyc.op_of(N, N - 1, 4 * N + s)[0] == "B"]
+    assert [s for s, (_, upd) in enumerate(ring_phases(p, 1, N)) if upd] == updates

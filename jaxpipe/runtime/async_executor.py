@@ -21,8 +21,6 @@ conditional of its own per chunk; accumulating policies land between scans, at t
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,36 +36,6 @@ from .stage import StageOps
 from ..axes import AXES, DATA, DP_AXES, PIPE, STAGE
 
 ALL = AXES
-
-
-class AsyncCarry(NamedTuple):
-    """Per-device in-flight state (leading axis: one entry per device, sharded over all mesh axes)."""
-    stash: Any       # list of residual buffers: micro-batch g of chunk c in slot stash_offset[c] + g mod S[c]
-    recv_f: Any      # activation received from the previous device last tick
-    recv_b: Any      # gradient received from the next device last tick
-    dy_own: Any      # last stage: dL/dy of the micro-batch whose F ran last
-    gpost: Any       # last stage: head gradient of that micro-batch (applied with its B)
-    ring: Any        # the recent micro-batches, slot g mod C
-    tie_f: Any = ()  # tied arrays (``jaxpipe.tying``): stage 0's version of them, received with recv_f
-    tie_b: Any = ()  # their last-stage gradient, received with recv_b
-    gtie: Any = ()   # last stage: that gradient of the micro-batch whose F ran last
-    cnt_b: Any = 0.0   # (sum, count) losses in accumulating policies: the micro-batch's global count,
-    cnt_own: Any = 0.0  # received with recv_b / on the last stage, of the micro-batch whose F ran last
-    wrap_f: Any = ()   # chunks > 1, device 0: (activation, tied arrays) from the last device, slot g mod C
-    wrap_b: Any = ()   # chunks > 1, last device: (gradient, tie gradient, count) from device 0, slot g mod C
-    errors: Any = 0    # reads of a weight version the policy no longer held (metric version_errors; stays 0)
-    reduce: Any = ()   # a ring reduction's buffers (RingState): Cyclic DP's partial sums and broadcast
-
-
-class RingState(NamedTuple):
-    """The ring reduction's buffers on one worker (each a chunk's local parameter set in shape)."""
-    partial: Any       # [K + 1, ...]: the partial sum of chunk c from the previous worker (slot K: scratch)
-    pcnt: Any          # [K + 1]: its count ((sum, count) losses)
-    gbuf: Any          # the last sum this worker sent on (idle backward lanes resend it)
-    gcnt: Any
-    bnew: Any          # the stage the last worker sent last tick, to land now
-    bchunk: Any        # its chunk
-    bok: Any           # whether it is one (only the last worker's completed sums are)
 
 
 def landing_segments(periodic, M: int, D: int):
@@ -165,7 +133,6 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
     if ring and (D != 1 or mesh.shape[PIPE] != 1 or any(p.apply_sum is None for p in policies)):
         raise ConfigError("a ring reduction runs every stage on each worker of the 'data' axis (stage = pipe = 1)")
     units = periodic.unit_table(M)
-    U = len(units)
     n_dp = mesh.shape[PIPE] * mesh.shape[DATA]
     buf = periodic.buffers(M, periodic.replica_delay * (n_dp - 1))
     C, S = buf["ring"], buf["stash"]
@@ -611,42 +578,3 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             params, opt_state, pstate, carry, counters, batch, feed)
 
     return fn, x_aval
-
-
-def empty_carry(model, periodic, M: int, n_devices: int, mb_example, x_aval, mask_avals,
-                nan_bubbles: bool = False, ring_lp=None, replicas: int = 1):
-    """The in-flight state of an empty pipeline, with a leading axis of one entry per device (``nan_bubbles``:
-    residual and message buffers start NaN, so a test shows nothing unwritten reaches a result).  ``ring_lp``:
-    one chunk's local parameters (shapes), for a ring reduction's buffers; ``replicas``: data-parallel
-    replicas (a delayed stream's last one finishes later)."""
-    buf = periodic.buffers(M, periodic.replica_delay * (replicas - 1))
-    C, S = buf["ring"], sum(buf["stash"])
-    per = lambda shape, dtype: jnp.zeros((n_devices,) + tuple(shape), dtype)
-    nan = lambda shape, dtype: jnp.full((n_devices,) + tuple(shape), jnp.nan if nan_bubbles else 0, dtype)
-    msg = lambda lead=(): full(x_aval, jnp.nan if nan_bubbles else 0, (n_devices,) + tuple(lead))
-    ties = Ties(model)
-    tie_msg = lambda lead=(): full(ties.pre_leaves(model.pre_params), jnp.nan if nan_bubbles else 0,
-                                   (n_devices,) + tuple(lead))
-    wrap_f = wrap_b = ()
-    if periodic.chunks > 1:        # slot C: scratch (written where nothing arrives for the buffer)
-        wrap_f = (msg((C + 1,)), tie_msg((C + 1,)))
-        wrap_b = (msg((C + 1,)), tie_msg((C + 1,)), nan((C + 1,), jnp.float32))
-    return AsyncCarry(
-        stash=[nan((S,) + tuple(a.shape), a.dtype) for a in mask_avals],
-        recv_f=msg(), recv_b=msg(), dy_own=msg(),
-        gpost=jax.tree.map(lambda a: per(jnp.shape(a), jnp.asarray(a).dtype), ties.strip(model.params)[2]),
-        ring=jax.tree.map(lambda a: per((C,) + tuple(a.shape), a.dtype), mb_example),
-        tie_f=tie_msg(), tie_b=tie_msg(), gtie=tie_msg(),
-        cnt_b=nan((), jnp.float32), cnt_own=nan((), jnp.float32), wrap_f=wrap_f, wrap_b=wrap_b,
-        errors=jnp.zeros((n_devices,), jnp.int32), reduce=() if ring_lp is None else ring_buffers(
-            ring_lp, periodic.chunks, n_devices, nan_bubbles))
-
-
-def ring_buffers(lp, K: int, n_devices: int, nan_bubbles: bool = False) -> RingState:
-    """A ring reduction's buffers, one per device (float buffers NaN in the NaN mode)."""
-    fill = lambda shape, dtype: jnp.full((n_devices,) + tuple(shape), jnp.nan if nan_bubbles and jnp.issubdtype(
-        dtype, jnp.floating) else 0, dtype)
-    like = lambda lead: jax.tree.map(lambda a: fill(tuple(lead) + tuple(np.shape(a)), a.dtype), lp)
-    return RingState(partial=like((K + 1,)), pcnt=fill((K + 1,), jnp.float32), gbuf=like(()),
-                     gcnt=fill((), jnp.float32), bnew=like(()), bchunk=fill((), jnp.int32),
-                     bok=jnp.zeros((n_devices,), jnp.bool_))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Dict, List, Tuple
 
-import numpy as np
 
 
 def op_of(N: int, worker: int, tick: int, cyclic: bool = True) -> Tuple[str, int, int]:
@@ -25,25 +24,6 @@ def op_of(N: int, worker: int, tick: int, cyclic: bool = True) -> Tuple[str, int
         return "", -1, -1
     k, p = divmod(tau, 2 * N)
     return ("F", p, k) if p < N else ("B", 2 * N - 1 - p, k)
-
-
-def period_table(N: int, cyclic: bool = True) -> np.ndarray:
-    """The timeline as data for the executor (:class:`jaxpipe.CyclicDataParallel` reads it; pictures read
-    :func:`op_of`, the same function): ``[2N, N, 3]`` int32, at phase ``s`` of a period (tick ``t = 2N q + s``)
-    worker ``i`` runs ``(kind, stage, step offset)``: kind 1 = F, 2 = B, of stage ``stage`` for its step
-    ``q + offset`` (offset -1 or 0); a step index outside ``[0, steps fed)`` means the worker idles."""
-    tab = np.zeros((2 * N, N, 3), np.int32)
-    for s in range(2 * N):
-        for i in range(N):
-            kind, j, k = op_of(N, i, 4 * N + s, cyclic)      # a steady-state period (q = 2)
-            tab[s, i] = (1 if kind == "F" else 2, j, k - 2)
-    return tab
-
-
-def update_phases(N: int) -> List[int]:
-    """Phases of a period where worker N - 1 (the last to add its gradient to a stage's ring sum) runs a
-    backward: where a stage's sum completes and its update happens."""
-    return [s for s, row in enumerate(period_table(N)) if row[N - 1, 0] == 2]
 
 
 def live_units(N: int, tick: int, cyclic: bool = True) -> int:

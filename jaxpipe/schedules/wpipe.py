@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Optional, Tuple
 
-from .ir import Action, B, F, Schedule, ScheduleError
+from .ir import B, F, Schedule, ScheduleError
 
 
 def check(D: int, M: int):
