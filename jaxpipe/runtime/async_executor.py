@@ -1,13 +1,15 @@
-"""The no-flush executor: PipeDream, PipeDream-2BW, SpecTrain, PipeOptim, CDP's pipeline form and WPipe.
+"""The no-flush executor: PipeDream, PipeDream-2BW, SpecTrain, PipeOptim, CDP (both forms) and WPipe.
 
 One ``shard_map`` program per call, a ``lax.scan`` over lockstep ticks, read from a periodic schedule of the IR
-(:class:`jaxpipe.schedules.periodic.Periodic`): on device ``d`` the F of stream unit ``i`` runs at tick
-``period * i + offset_F[d]`` and its B at ``period * i + offset_B[d]`` (the 1F1B family: PipeOptim Fig. 1(d)-(e),
-or F and B lanes in every tick).  A unit is a micro-batch on one of the device's model chunks
+(:class:`jaxpipe.schedules.periodic.Periodic`, read as a call table): on device ``d`` the F of stream unit ``i``
+runs at tick ``period * i + offset_F[d]`` and its B at ``period * i + offset_B[d]`` (the 1F1B family: PipeOptim
+Fig. 1(d)-(e), or F and B lanes in every tick), or at per-unit offsets of a call (Cyclic DP: a worker's F down
+its N stages and B back up).  A unit is a micro-batch on one of the device's model chunks
 (:meth:`Periodic.unit_table`: WPipe's V units carry G0's forward of batch p + 1 and G0's backward of batch p);
 chunk ``c`` of device ``d`` is model stage ``c D + d``, so an activation leaving the last device on chunk ``c``
 waits on device 0 for chunk ``c + 1`` (and a gradient the other way) in a buffer indexed like the ring of
-micro-batches.  Every capacity comes from replaying the stream (:meth:`Periodic.buffers`).
+micro-batches.  Every capacity comes from replaying the stream (:meth:`Periodic.buffers`).  Data replicas may
+run the stream late (``replica_delay``) and reduce along a ring (below: Cyclic DP's DP form).
 
 Nothing flushes between calls: the train state carries the stashed residuals, the messages on the wire, the
 last stage's dL/dy, the recent micro-batches and, per chunk, each stage's weights, optimizer state and policy
@@ -110,9 +112,11 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
     of the worker): replica ``r`` runs the stream ``r * replica_delay`` ticks late; a backward adds the previous
     worker's partial sum of its chunk and sends the sum on (one ``ppermute`` per tick); the last worker's sum
     is complete: it updates the stage (``apply_sum``) and sends it to the others (``broadcast``: ``"direct"``
-    or ``"balanced"``, :func:`.common.balanced_broadcast`), which land it (``receive``) the next tick.  No
-    collective runs inside a conditional, and none but point-to-point ones in the scan.  ``params``,
-    ``opt_state`` and ``policy_state`` then carry one replica per worker (leading axis over data and stage).
+    or ``"balanced"``, :func:`.common.balanced_broadcast`), which land it the next tick.  No collective runs
+    inside a conditional, and none but point-to-point ones in the scan.  ``params``, ``opt_state`` and
+    ``policy_state`` are then one replica per worker (leading axis over data and stage) with the worker's chunks
+    stacked (``[K, ...]``): the lanes slice their chunk inside their branches, a stage lands by dynamic-update-
+    slice (``land_stacked``; per-chunk buffers swapped in conditionals were copied every tick).
     """
     chunked = not hasattr(policy, "_fields")       # a WeightPolicy is a NamedTuple; chunks: a tuple of them
     policies = tuple(policy) if chunked else (policy,)
