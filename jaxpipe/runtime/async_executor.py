@@ -464,10 +464,12 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                 rs = rs._replace(bchunk=l_c, bok=l_runs & (replica < W - 1))
             return lps, oss, pss, rs
 
-        def tick(st, t, landing=True):
+        def tick(st, t, flags=True):
+            """One tick.  ``flags`` (static, per scan segment): whether an in-scan landing may happen in it; on a
+            ring, (may land an arrived stage, may complete a sum)."""
             lps, oss, pss, cr, loss = st
             if ring:            # stacked chunks: the lanes read static views of them
-                if landing[0]:
+                if flags[0]:
                     lps, pss = receive_arrived(lps, pss, cr.reduce)
                 stacks = (lps, oss, pss)
             is_f, cf, gf = op_of(t, me, 0)
@@ -497,7 +499,7 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             send_b = send_b + (jnp.where(is_b & ~((me == 0) & (cb == 0)), cnt,
                                          jnp.full((), jnp.nan if nan_bubbles else 0, jnp.float32)),)
             if ring:
-                lps, oss, pss, rs = ring_exchange(t, *stacks, cr.reduce, is_b, cb, grad, cnt, landing[1])
+                lps, oss, pss, rs = ring_exchange(t, *stacks, cr.reduce, is_b, cb, grad, cnt, flags[1])
                 cr = cr._replace(reduce=rs)
             lps, oss, pss = (lps, oss, pss) if ring else (list(lps), list(oss), list(pss))
             for c in range(K if not ring else 0):
@@ -507,7 +509,7 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                     lps[c], oss[c], pss[c])
                 if policies[c].apply_pending is not None:
                     lps[c] = lax.cond(is_b & (cb == c), policies[c].apply_pending, lambda lp, ps: lp, lps[c], pss[c])
-                if in_scan and landing:
+                if in_scan and flags:
                     lps[c], oss[c], pss[c] = lax.cond(
                         is_b & (cb == c) & policies[c].lands(base + gb),
                         lambda *a, c=c: policies[c].land(*a, counting=counting, b=(base + gb) // M),
@@ -544,8 +546,8 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
 
         loss0 = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
         st = (lps, oss, pss, carry, loss0)
-        for a, b, landing in segments:
-            st, _ = lax.scan(lambda s_, t: tick(s_, t, landing), st, t0 + jnp.arange(a, b, dtype=jnp.int32))
+        for a, b, flags in segments:
+            st, _ = lax.scan(lambda s_, t: tick(s_, t, flags), st, t0 + jnp.arange(a, b, dtype=jnp.int32))
             st = land_between(st, b)
         lps, oss, pss, carry, (lsum, lcount, lweight) = st
         if ring:        # every worker's own micro-batches: the call's losses over their summed weight
