@@ -190,3 +190,27 @@ def test_stream_is_the_pictured_timeline(N):
             assert ran.get(t) == ((kind, j, k) if kind else None)
     updates = [s for s in range(2 * N) if cyc.op_of(N, N - 1, 4 * N + s)[0] == "B"]
     assert [s for s, (_, upd) in enumerate(ring_phases(p, 1, N)) if upd] == updates
+
+
+def test_no_weight_sized_copy_in_the_step():
+    """The ring reduction lands a stage by dynamic-update-slice into the worker's stacked stages: the compiled
+    step copies no stage-weight-sized array (a version swap of per-chunk buffers inside conditionals made XLA
+    copy the weights in every tick -- BUILD_NOTES, "One no-flush executor")."""
+    import re
+    from jaxpipe.bench import make_tanh_mlp
+    model = make_tanh_mlp(4, 2, 48)
+    cdp = jp.CyclicDataParallel(model, optax.adamw(1e-3), rule="v2", mesh=jp.make_mesh(data=4))
+    batch = {"x": jnp.zeros((8, 48), jnp.float32), "y": jnp.zeros((8, 48), jnp.float32)}
+    b = jax.device_put(batch, jax.sharding.NamedSharding(cdp.mesh, jax.sharding.PartitionSpec("data")))
+    state = cdp.prepare(cdp.init(), batch)
+    hlo = cdp._program(b).lower(state, b, jnp.asarray(True)).compile().as_text()
+    weight = {tuple(a.shape[1:]) for a in jax.tree.leaves(model.stage_params)}       # one stage's leaves
+    copies, comp = [], None
+    for line in hlo.splitlines():          # copies inside the ticks' computations (not the call's entry)
+        if line.endswith("{") and " -> " in line:
+            comp = line.split(" ")[0]
+        m = re.search(r"= \w+\[([0-9,]*)\]\{[^}]*\} copy\(", line)
+        if m and comp != "ENTRY":
+            copies.append(tuple(int(d) for d in m.group(1).split(",") if d))
+    assert copies, "expected some copies (scalars, activations) in the ticks"
+    assert not [c for c in copies if c in weight or c[1:] in weight], [c for c in copies if c in weight or c[1:] in weight]
