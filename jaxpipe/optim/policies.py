@@ -88,6 +88,10 @@ class WeightPolicy(NamedTuple):
     #: ``lp`` (the executor writes both into its stacked chunks in place)
     apply_sum: Any = None
     retire: Any = None
+    #: ``finish(ps, reduce, counting) -> ps`` (optional): the policy takes each micro-batch's *local* gradient
+    #: in ``update`` and reduces once after the call (``reduce``: the sum (counting) or mean over data
+    #: replicas) -- the gradient of a flushing schedule's step, returned instead of applied
+    finish: Any = None
 
 
 def _apply(opt, g, lp, opt_state):
@@ -225,6 +229,30 @@ def accumulate(opt: optax.GradientTransformation, num_microbatches: int, name: s
                         lambda D: [1] * D, choose=lambda lp, ps, i, s: (jnp.zeros((), jnp.int32), (lp,)),
                         per_microbatch=False, land=land, lands=lambda i: i % M == M - 1, land_at_call_end=True,
                         stale=0, accumulators=1, held=lambda ps, i, s: ps.n_updates == i // M)
+
+
+def gradient(num_microbatches: int, name: str = "gradient") -> WeightPolicy:
+    """No update inside the pipeline: the step's gradient, summed over its micro-batches in the policy state
+    (one version: every op reads the weights it was given) and reduced over the data replicas once, after the
+    call (``finish``): a flushing schedule (GPipe, 1F1B, interleaved 1F1B) run as a stream of one call, whose
+    runner applies the optimizer to the gradient it returns."""
+    M = num_microbatches
+
+    def init(lp):       # float32 sums at least (bf16 parameters: the runner casts the gradient back)
+        acc = jax.tree.map(lambda a: jnp.zeros(jnp.shape(a), jnp.promote_types(a.dtype, jnp.float32)), lp)
+        return AccumState(acc, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
+
+    def update(g, lp, opt_state, ps, i, s, count=None):
+        acc = jax.tree.map(lambda a, x: a + x.astype(a.dtype), ps.acc, g)
+        return lp, opt_state, ps._replace(acc=acc, count=ps.count + (0.0 if count is None else count))
+
+    def finish(ps, reduce, counting=False):
+        div = (lambda a: a / ps.count.astype(a.dtype)) if counting else (lambda a: a / M)
+        return ps._replace(acc=jax.tree.map(div, reduce(ps.acc)))
+
+    return WeightPolicy(name, init, lambda lp, ps, i, s: (lp, ps), lambda lp, ps, i, s: lp, update,
+                        lambda D: [1] * D, choose=lambda lp, ps, i, s: (jnp.zeros((), jnp.int32), (lp,)),
+                        per_microbatch=False, stale=0, accumulators=1, finish=finish)
 
 
 class CyclicState(NamedTuple):

@@ -13,6 +13,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ..errors import ConfigError
 from ..runtime.common import exchange_perms, layout_index
 from ..runtime.executor import make_grad_fn
+from ..runtime.gradient import make_stream_grad_fn, stream_layout_ok
+from ..schedules.ir import ScheduleError
+from ..schedules.periodic import one_call
 from ..axes import STAGE
 
 
@@ -38,6 +41,15 @@ class SyncRunner:
                         sorted(self._layout.tolist()) == list(range(ctx.schedule.num_model_stages)))
         self._inverse = np.argsort(self._layout)
         self._compiled: Dict[Any, Any] = {}
+        #: the flushing schedule as a stream of one call on the one executor, where its plan routes as a stream
+        #: does (GPipe, 1F1B, interleaved 1F1B on lanes); else None: the lane executor runs it
+        self.stream = None
+        s = ctx.schedule
+        if stream_layout_ok(self._layout, s.D, s.num_model_stages // s.D):
+            try:
+                self.stream = one_call(ctx.lane_plan)
+            except ScheduleError:
+                pass
 
     def init(self) -> PipelineState:
         ctx = self.ctx
@@ -104,8 +116,15 @@ class SyncRunner:
                None if state_sh is None else (jax.tree.structure(state_sh), tuple(jax.tree.leaves(state_sh))))
         if key not in self._compiled:
             scale = 1.0 if self.ctx.precision is None else float(self.ctx.precision.loss_scale)
-            grad_fn = make_grad_fn(self._scaled(scale), self.ctx.schedule, self.ctx.mesh, example,
-                                   nan_bubbles=self.ctx.nan_bubbles, lanes=self.ctx.lane_plan)
+            if self.stream is not None:
+                M, n_dp = self.ctx.num_microbatches, self.ctx.data_parallel
+                mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // (n_dp * M),) + tuple(a.shape[1:]),
+                                                                 a.dtype), example)
+                grad_fn = make_stream_grad_fn(self._scaled(scale), self.stream, self.ctx.mesh, mb, M,
+                                              nan_bubbles=self.ctx.nan_bubbles, seed=self.ctx.seed)
+            else:
+                grad_fn = make_grad_fn(self._scaled(scale), self.ctx.schedule, self.ctx.mesh, example,
+                                       nan_bubbles=self.ctx.nan_bubbles, lanes=self.ctx.lane_plan)
 
             lay, identity = jnp.asarray(self._layout), self._identity_layout
             lay_sh = jax.tree.map(lambda _: NamedSharding(self.ctx.mesh, P(STAGE)), self.ctx.model.stage_params)
@@ -117,6 +136,12 @@ class SyncRunner:
             ties = self.ctx.ties
 
             def lg(params, b, step):
+                if self.stream is not None:     # tied arrays travel inside; their gradients come back folded
+                    stage_p, pre_p, post_p = params
+                    loss, grads = grad_fn(stage_p, pre_p, post_p, b, step)
+                    if scale != 1.0:
+                        loss, grads = jax.tree.map(lambda a: (a / scale).astype(a.dtype), (loss, grads))
+                    return loss, grads
                 loss, grads = lg_full(ties.fill(params), b, step)
                 if scale != 1.0:                    # static loss scaling: undo it before anyone sees it
                     loss, grads = jax.tree.map(lambda a: (a / scale).astype(a.dtype), (loss, grads))

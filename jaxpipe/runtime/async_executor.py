@@ -249,7 +249,7 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                     return blank(), res, cast(dy, x_aval), gq, l.astype(jnp.float32), blank_tie(), gt, n
                 n_glob = psum_over(n, mesh, DP_AXES).astype(jnp.float32) if summed else jnp.zeros((), jnp.float32)
                 if counting:
-                    l = psum_over(l, mesh, DP_AXES) / n_glob          # the metric: this micro-batch's exact mean
+                    l = psum_over(l, mesh, DP_AXES)     # the metric: summed, over the summed counts (below)
                 elif summed:
                     # (sum, count): this micro-batch's loss over every replica's real tokens -- scaled here so
                     # that the pmean over replicas in B gives sum over replicas / global count
@@ -326,7 +326,7 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                              gpost=jax.tree.map(lambda n, o: jnp.where(last, n, o), gq, cr.gpost),
                              gtie=where(last, gt, cr.gtie), cnt_own=jnp.where(last, cnt, cr.cnt_own))
             # the metric: losses over their weight -- 1 each, or a (sum, count) loss's count on a ring
-            weight = cnt if ring and summed else jnp.ones((), jnp.float32)
+            weight = cnt if counting else jnp.ones((), jnp.float32)
             loss = (loss[0] + jnp.where(last, l, 0.0), loss[1] + last.astype(jnp.int32),
                     loss[2] + jnp.where(last, weight, 0.0))
             return (pss, cr, loss), (msg, t_out)
@@ -387,6 +387,8 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             # it then updates) made XLA copy the weights twice per tick (HLO-checked, BUILD_NOTES)
             gi = base + g
             policy = policies[c]
+            if policy.finish is not None:       # local sums, reduced once after the call
+                return policy.update(grad, lp, os_, ps, gi, me, count=cnt if counting else None)
             if counting:        # sums over replicas; the policy divides the step's sum by the step's count
                 return policy.update(psum_over(grad, mesh, DP_AXES), lp, os_, ps, gi, me, count=cnt)
             return policy.update(pmean_over(grad, mesh, DP_AXES), lp, os_, ps, gi, me)
@@ -555,10 +557,13 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             loss = jnp.where(lweight > 0, lsum / jnp.where(lweight > 0, lweight, 1.0), jnp.nan)
             errors = lax.psum(carry.errors, (DATA, STAGE))
         else:
-            lsum, lcount = lax.psum((lsum, lcount), STAGE)
+            lsum, lcount, lweight = lax.psum((lsum, lcount, lweight), STAGE)
             lsum = pmean_over(lsum, mesh, DP_AXES)
             lcount = lax.pmax(lcount, DP_AXES)
-            loss = jnp.where(lcount > 0, lsum / jnp.maximum(lcount, 1), jnp.nan)
+            if counting:    # the summed loss over the summed counts of the call's micro-batches (global already)
+                loss = jnp.where(lweight > 0, lsum / jnp.where(lweight > 0, lweight, 1.0), jnp.nan)
+            else:
+                loss = jnp.where(lcount > 0, lsum / jnp.maximum(lcount, 1), jnp.nan)
             errors = lax.psum(carry.errors, STAGE)
         ex = lambda t: jax.tree.map(lambda a: a[None], t)
         q = t0 // T
@@ -566,6 +571,9 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                          M * q + buf["done_steady"])
         done = jnp.clip(done, 0, n_fed)               # every op of these micro-batches has run
         counters = (t0 + T, base, n_fed)
+        reduce = (lambda t: psum_over(t, mesh, DP_AXES)) if counting else (lambda t: pmean_over(t, mesh, DP_AXES))
+        if not ring:
+            pss = tuple(p.finish(ps, reduce, counting) if p.finish is not None else ps for p, ps in zip(policies, pss))
         if not chunked:
             lps, oss, pss = lps[0], oss[0], pss[0]
         return ex(lps), ex(oss), ex(pss), ex(carry), counters, (loss, lcount, base + done, errors)

@@ -280,3 +280,45 @@ def no_flush_lanes(name: str, num_devices: int) -> Periodic:
     micro-batch's F and its B -- only methods whose rule is per batch (2BW, CDP-v1) keep their numbers."""
     D = num_devices
     return Periodic(name, D, 1, {F: tuple(range(D)), B: tuple(2 * D - 2 - s for s in range(D))}).validate()
+
+
+def one_call(lane_plan) -> Periodic:
+    """A flushing schedule's lane plan as a stream of one call: unit ``c M + j`` is micro-batch ``j`` on chunk
+    ``c``, its F and B at the ticks the plan placed them, nothing left in flight when the call ends -- what the
+    one executor runs (with the ``gradient`` policy: the step's gradient, applied by the runner).
+
+    Raises :class:`ScheduleError` (naming what) where the plan needs what a stream does not route: a W or a
+    paired-forward lane, a chunk that is not model stage ``c D + d`` on device ``d`` (Chimera's mirrored
+    replicas), or a message not consumed the tick after it was sent (except the wrap-around from the last
+    device to device 0 between chunks, which waits in a buffer) or the last stage's dL/dy overwritten by its
+    next forward before its backward read it."""
+    s = lane_plan.schedule
+    D, M, S = s.D, s.M, s.num_model_stages
+    where, dev = lane_plan.where, lane_plan._dev
+    if tuple(lane_plan.lanes) != (F, B):
+        raise ScheduleError(f"{s.name}: lanes {lane_plan.lanes}; a stream runs an F and a B lane")
+    K = S // D
+    if S % D or any(dev[(F, k, 0)] != k % D for k in range(S)):
+        raise ScheduleError(f"{s.name}: model stage k must sit on device k mod D (chunk k // D) for a stream")
+    for (kind, k, m), (t, _) in where.items():
+        d = dev[(kind, k, m)]
+        if kind == F and k > 0:
+            src, wrap = (F, k - 1, m), d == 0 and D > 1 or (D == 1)
+        elif kind == B and k < S - 1:
+            src, wrap = (B, k + 1, m), d == D - 1 and D > 1 or (D == 1)
+        else:
+            continue
+        if not (where[src][0] == t - 1 or (wrap and where[src][0] < t)):
+            raise ScheduleError(f"{s.name}: {kind} of stage {k}, micro-batch {m} reads a message sent "
+                                f"{t - where[src][0]} ticks before; a stream consumes messages the next tick")
+    last = sorted((where[(F, S - 1, m)][0], m) for m in range(M))
+    for (t, m), nxt in zip(last, last[1:] + [(None, None)]):
+        tb = where[(B, S - 1, m)][0]
+        if nxt[0] is not None and nxt[0] <= tb:
+            raise ScheduleError(f"{s.name}: the last stage runs F of micro-batch {nxt[1]} before B of {m}; a stream "
+                                f"keeps one dL/dy")
+    units = tuple((c, 0, 0, j) for c in range(K) for j in range(M))
+    tick = lambda kind, c, j: tuple(int(where[(kind, c * D + d, j)][0]) for d in range(D))
+    offs = {F: tuple(tick(F, c, j) for c, _, _, j in units), B: tuple(tick(B, c, j) for c, _, _, j in units)}
+    return Periodic(s.name, D, 1, {}, chunks=K, units=units, unit_offsets=offs,
+                    call_length=lane_plan.num_ticks).validate_stream(M)

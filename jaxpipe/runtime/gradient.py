@@ -1,0 +1,59 @@
+"""A flushing schedule's gradient on the one executor (:mod:`.async_executor`): its lane plan as a stream of one
+call (:func:`jaxpipe.schedules.periodic.one_call`), every chunk under the ``gradient`` policy (the micro-batches'
+gradients summed, reduced over the data replicas after the call), nothing carried between calls."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from ..axes import STAGE
+from ..optim.policies import gradient
+from .async_executor import ALL, make_async_fn
+from .inflight import empty_carry
+from .stage import stage_residuals
+from .common import full
+
+
+def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubbles: bool = False, seed: int = 0):
+    """``fn(stage_p, pre_p, post_p, batch, step) -> (loss, (g_stage, g_pre, g_post))`` with ``stage_p`` in the
+    executor's layout (leading axis ``D * chunks``, device-major: index ``d K + c`` holds model stage
+    ``c D + d``), as the lane executor's ``make_grad_fn``; parameters and gradients without tied copies (a tied
+    array's gradient comes back summed into ``pre``'s)."""
+    D, K = periodic.num_devices, periodic.chunks
+    policies = tuple(gradient(M) for _ in range(K))
+    run, x_aval = make_async_fn(model, policies if K > 1 else policies[0], None, D, M, mesh, mb_example,
+                                nan_bubbles=nan_bubbles, periodic=periodic, seed=seed)
+    w0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), model.stage_params)
+    _, res_avals = stage_residuals(model, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), w0), full(x_aval, 0),
+                                   jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), mb_example))
+    n_dev = mesh.size
+    on_stage = NamedSharding(mesh, P(STAGE))
+
+    def fn(stage_p, pre_p, post_p, batch, step):
+        bcast = lambda t: jax.tree.map(lambda a: jax.lax.with_sharding_constraint(
+            jnp.broadcast_to(a, (D,) + jnp.shape(a)), on_stage), t)
+        per_dev = jax.tree.map(lambda a: a.reshape((D, K) + a.shape[1:]), stage_p)
+        chunks = tuple((jax.tree.map(lambda a: a[:, c], per_dev), bcast(pre_p), bcast(post_p)) for c in range(K))
+        pstate = tuple(jax.vmap(p.init)(lp) for p, lp in zip(policies, chunks))
+        carry = jax.lax.with_sharding_constraint(
+            empty_carry(model, periodic, M, n_dev, mb_example, x_aval, res_avals, nan_bubbles),
+            NamedSharding(mesh, P(ALL)))
+        counters = (jnp.zeros((), jnp.int32), (step * M).astype(jnp.int32), jnp.zeros((), jnp.int32))
+        one = (lambda t: t[0]) if K == 1 else (lambda t: t)
+        _, _, pss, _, _, (loss, _, _, _) = run(one(chunks), one(tuple(() for _ in range(K))), one(pstate), carry,
+                                               counters, batch, jnp.asarray(True))
+        pss = (pss,) if K == 1 else pss
+        g_w = jax.tree.map(lambda *g: jnp.stack(g, 1).reshape((D * K,) + g[0].shape[1:]), *(ps.acc[0] for ps in pss))
+        g_pre = jax.tree.map(lambda *g: sum(a.sum(0) for a in g), *(ps.acc[1] for ps in pss))
+        g_post = jax.tree.map(lambda *g: sum(a.sum(0) for a in g), *(ps.acc[2] for ps in pss))
+        like = lambda g, q: jax.tree.map(lambda a, b: a.astype(b.dtype), g, q)
+        return loss, (like(g_w, stage_p), like(g_pre, pre_p), like(g_post, post_p))
+    return fn
+
+
+def stream_layout_ok(layout, D: int, K: int) -> bool:
+    """Whether the runner's executor layout is the stream's (index ``d K + c`` = model stage ``c D + d``)."""
+    return np.array_equal(np.asarray(layout), [c * D + d for d in range(D) for c in range(K)])
+
