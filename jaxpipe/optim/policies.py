@@ -88,9 +88,9 @@ class WeightPolicy(NamedTuple):
     #: ``lp`` (the executor writes both into its stacked chunks in place)
     apply_sum: Any = None
     retire: Any = None
-    #: ``finish(ps, reduce, counting) -> ps`` (optional): the policy takes each micro-batch's *local* gradient
-    #: in ``update`` and reduces once after the call (``reduce``: the sum (counting) or mean over data
-    #: replicas) -- the gradient of a flushing schedule's step, returned instead of applied
+    #: ``finish(ps, reduce, count) -> ps`` (optional): the policy takes each micro-batch's *local* gradient
+    #: in ``update`` and reduces once after the call (``reduce``: the sum ((sum, count) losses, ``count``: the
+    #: call's global count) or mean over data replicas) -- a flushing schedule's gradient, returned not applied
     finish: Any = None
 
 
@@ -246,8 +246,8 @@ def gradient(num_microbatches: int, name: str = "gradient") -> WeightPolicy:
         acc = jax.tree.map(lambda a, x: a + x.astype(a.dtype), ps.acc, g)
         return lp, opt_state, ps._replace(acc=acc, count=ps.count + (0.0 if count is None else count))
 
-    def finish(ps, reduce, counting=False):
-        div = (lambda a: a / ps.count.astype(a.dtype)) if counting else (lambda a: a / M)
+    def finish(ps, reduce, count=None):
+        div = (lambda a: a / count.astype(a.dtype)) if count is not None else (lambda a: a / M)
         return ps._replace(acc=jax.tree.map(div, reduce(ps.acc)))
 
     return WeightPolicy(name, init, lambda lp, ps, i, s: (lp, ps), lambda lp, ps, i, s: lp, update,

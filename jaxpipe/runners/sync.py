@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ..errors import ConfigError
 from ..runtime.common import exchange_perms, layout_index
 from ..runtime.executor import make_grad_fn
-from ..runtime.gradient import make_stream_grad_fn, stream_layout_ok
+from ..runtime.gradient import make_stream_grad_fn
 from ..schedules.ir import ScheduleError
 from ..schedules.periodic import one_call
 from ..axes import STAGE
@@ -44,12 +44,10 @@ class SyncRunner:
         #: the flushing schedule as a stream of one call on the one executor, where its plan routes as a stream
         #: does (GPipe, 1F1B, interleaved 1F1B on lanes); else None: the lane executor runs it
         self.stream = None
-        s = ctx.schedule
-        if stream_layout_ok(self._layout, s.D, s.num_model_stages // s.D):
-            try:
-                self.stream = one_call(ctx.lane_plan)
-            except ScheduleError:
-                pass
+        try:
+            self.stream = one_call(ctx.lane_plan)
+        except ScheduleError:
+            pass
 
     def init(self) -> PipelineState:
         ctx = self.ctx
@@ -117,7 +115,7 @@ class SyncRunner:
         if key not in self._compiled:
             scale = 1.0 if self.ctx.precision is None else float(self.ctx.precision.loss_scale)
             if self.stream is not None:
-                M, n_dp = self.ctx.num_microbatches, self.ctx.data_parallel
+                M, n_dp = self.ctx.schedule.M, self.ctx.data_parallel      # backward halving: M units
                 mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // (n_dp * M),) + tuple(a.shape[1:]),
                                                                  a.dtype), example)
                 grad_fn = make_stream_grad_fn(self._scaled(scale), self.stream, self.ctx.mesh, mb, M,
@@ -137,8 +135,7 @@ class SyncRunner:
 
             def lg(params, b, step):
                 if self.stream is not None:     # tied arrays travel inside; their gradients come back folded
-                    stage_p, pre_p, post_p = params
-                    loss, grads = grad_fn(stage_p, pre_p, post_p, b, step)
+                    loss, grads = lg_stream(params, b, step)
                     if scale != 1.0:
                         loss, grads = jax.tree.map(lambda a: (a / scale).astype(a.dtype), (loss, grads))
                     return loss, grads
@@ -146,6 +143,17 @@ class SyncRunner:
                 if scale != 1.0:                    # static loss scaling: undo it before anyone sees it
                     loss, grads = jax.tree.map(lambda a: (a / scale).astype(a.dtype), (loss, grads))
                 return loss, ties.fold(grads)       # one gradient per tied array: the sum of its uses
+
+            def lg_stream(params, b, step):
+                stage_p, pre_p, post_p = params
+                if stored or np.array_equal(self._layout, np.arange(len(self._layout))):
+                    return grad_fn(stage_p, pre_p, post_p, b, step)
+                # the executor's layout: device-major chunks (Chimera: each device holds a replica per
+                # pipeline); the gradients of a stage's replicas are summed back
+                local = jax.lax.with_sharding_constraint(jax.tree.map(lambda a: a[lay], stage_p), lay_sh)
+                loss, (g_local, g_pre, g_post) = grad_fn(local, pre_p, post_p, b, step)
+                return loss, (jax.tree.map(lambda a, g: jnp.zeros_like(a).at[lay].add(g), stage_p, g_local),
+                              g_pre, g_post)
 
             def lg_full(params, b, step):
                 stage_p, pre_p, post_p = params

@@ -36,8 +36,13 @@ from .apc import apc_pack, apc_unpack
 from .common import balanced_broadcast, cast, full, pmean_over, ppermute_bits, psum_over, read, where, write
 from .stage import StageOps
 from ..axes import AXES, DATA, DP_AXES, PIPE, STAGE
+from ..schedules.ir import SEND_PLUS
+from ..schedules.lanes import L as _L
 
 ALL = AXES
+#: a lane plan's columns the slot routing reads: stash slot, input slot, kept-message slot, arrival slots
+_ROUTE = ("stash", "in", "keep", "recv_p", "recv_m")
+_R = {k: i for i, k in enumerate(_ROUTE)}
 
 
 def landing_segments(periodic, M: int, D: int):
@@ -170,9 +175,16 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                 segments[-1] = (segments[-1][0], tau + 1, f)
             else:
                 segments.append((tau, tau + 1, f))
-    # positions: chunk c of device d is first (pre) where c = 0 and d = 0, last (loss) where c = K-1, d = D-1;
-    # only the (chunk, position) pairs some device has are compiled
-    pos_of = lambda c, d: int(c == 0 and d == 0) + 2 * int(c == K - 1 and d == D - 1)
+    # positions: chunk c of device d is first (pre) where it holds model stage 0, last (loss) where it holds
+    # the last; only the (chunk, position) pairs some device has are compiled
+    stg = periodic.stage_table()
+    n_st = periodic.num_stages
+    pos_of = lambda c, d: int(stg[c, d] == 0) + 2 * int(stg[c, d] == n_st - 1)
+    # a stream of one call made from a lane plan: residuals and messages in the plan's slots (below)
+    slots = periodic.plan is not None
+    if slots and any(p.finish is None for p in policies):
+        raise ConfigError("a lane plan's stream runs under a policy that returns the call's gradient ('gradient')")
+    routes = np.asarray(periodic.plan.table[..., [_L[k] for k in _ROUTE]]) if slots else None
     used_pos = [sorted({pos_of(c, d) for d in range(D)}) for c in range(K)]
     remap = np.zeros((K, 4), np.int32)
     for c in range(K):
@@ -220,9 +232,13 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             g = (q + row[1 + kind]) * M + row[3]
             return (u >= 0) & (q >= 0) & (g >= 0) & (g < n_fed), row[0], g
 
+        stage_of = lambda c: jnp.asarray(stg)[c, me]          # the model stage of this device's chunk c
+        is_first = lambda c: stage_of(c) == 0
+        is_last = lambda c: stage_of(c) == n_st - 1
+
         def position(c: int):
             """The position code of this device's chunk ``c``: 1 first (pre), 2 last (loss), 3 both."""
-            return ((me == 0) & (c == 0)).astype(jnp.int32) + 2 * ((me == D - 1) & (c == K - 1)).astype(jnp.int32)
+            return is_first(c).astype(jnp.int32) + 2 * is_last(c).astype(jnp.int32)
 
         def pick(c, values):
             """``values[c]`` for a traced chunk index (scalars)."""
@@ -279,7 +295,7 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
         def candidate(cs, cc, w):
             return jax.tree.map(lambda a: a[cc], cs[w]) if ring else cs[cc][w]
 
-        def f_lane(c, g, x_in, t_in, ops):
+        def f_lane(c, g, slot, x_in, t_in, ops):
             # F lane (docs/design.md §2 lanes): a predicate cond around the position switch, so that nothing
             # big passes through a multi-way conditional (XLA copies such pass-throughs every tick)
             lps, pss, cr, loss = ops
@@ -288,7 +304,7 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             pos = pick(c, [jnp.asarray(remap[cc])[position(cc)] for cc in range(K)])
             # global micro-batch gi is micro-batch gi mod M of step gi // M on model stage c D + me: the
             # synchronous schedules' keys
-            ctx = sop.context(mb, model_key(gi // M, replica * M + gi % M), c * D + me)
+            ctx = sop.context(mb, model_key(gi // M, replica * M + gi % M), stage_of(c))
             if not by_branch:
                 policy, lp, ps = policies[0], lps[0], pss[0]
 
@@ -319,29 +335,35 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                 idx = pick(c, [start[cc] + k * len(variants[cc]) for cc in range(K)]) + pos
                 out = lax.switch(idx, brs, operands(ch, lps, pss), x_in, t_in, mb, ctx)
             msg, res, dy, gq, l, t_out, gt, cnt = out
-            last = (me == D - 1) & (c == K - 1)
-            slot = slot_of(c, g)
-            cr = cr._replace(stash=[write(a, slot, r) for a, r in zip(cr.stash, res)],
-                             dy_own=where(last, dy, cr.dy_own),
-                             gpost=jax.tree.map(lambda n, o: jnp.where(last, n, o), gq, cr.gpost),
-                             gtie=where(last, gt, cr.gtie), cnt_own=jnp.where(last, cnt, cr.cnt_own))
+            last = is_last(c)
+            cr = cr._replace(stash=[write(a, slot, r) for a, r in zip(cr.stash, res)])
+            if slots:       # dL/dy leaves as the lane's message (kept in the plan's slot); post's gradient summed
+                cr = cr._replace(gpost=jax.tree.map(lambda n, o: o + jnp.where(last, n, 0).astype(o.dtype), gq,
+                                                    cr.gpost))
+                send = (where(last, dy, msg), where(last, gt, t_out), jnp.where(last, cnt, 0.0))
+            else:
+                cr = cr._replace(dy_own=where(last, dy, cr.dy_own),
+                                 gpost=jax.tree.map(lambda n, o: jnp.where(last, n, o), gq, cr.gpost),
+                                 gtie=where(last, gt, cr.gtie), cnt_own=jnp.where(last, cnt, cr.cnt_own))
+                send = (msg, t_out)
             # the metric: losses over their weight -- 1 each, or a (sum, count) loss's count on a ring
             weight = cnt if counting else jnp.ones((), jnp.float32)
             loss = (loss[0] + jnp.where(last, l, 0.0), loss[1] + last.astype(jnp.int32),
                     loss[2] + jnp.where(last, weight, 0.0))
-            return (pss, cr, loss), (msg, t_out)
+            return (pss, cr, loss), send
 
-        def f_idle(c, g, x_in, t_in, ops):
+        def f_idle(c, g, slot, x_in, t_in, ops):
             lps, pss, cr, loss = ops
-            return (pss, cr, loss), (blank(), blank_tie())
+            nothing = (blank(), blank_tie()) + ((jnp.full((), jnp.nan if nan_bubbles else 0, jnp.float32),)
+                                                if slots else ())
+            return (pss, cr, loss), nothing
 
-        def b_lane(c, g, dy_in, t_in, ops):
+        def b_lane(c, g, slot, dy_in, t_in, ops):
             lps, pss, cr = ops
             gi = base + g
-            res = [read(a, slot_of(c, g)) for a in cr.stash]
-            last = (me == D - 1) & (c == K - 1)
-            first = (me == 0) & (c == 0)
-            dy = where(last, cr.dy_own, dy_in)
+            res = [read(a, slot) for a in cr.stash]
+            last, first = is_last(c), is_first(c)
+            dy = dy_in if slots else where(last, cr.dy_own, dy_in)
             policy, (lp,), (ps,) = policies[0], *(v[:1] for v in per_chunk(lps, pss))
             pre_p = None
             if not by_branch and policy.backward_is_current is not None:
@@ -363,24 +385,24 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             dx = cast(dx, x_aval)
             dpre = zero_like(lp[1])
             # the tied arrays' last-stage gradient of this micro-batch, on its way to stage 0
-            t_grad = where(last, cr.gtie, t_in)
+            t_grad = t_in if slots else where(last, cr.gtie, t_in)
             if jax.tree.leaves(lp[1]):
                 def pre_grad():
                     q0 = pre_p if pre_p is not None else policy.backward_weights(lp, ps, gi, me)[1]
                     return ties.add_to_pre(sop.pre_grad(q0, mb_of(g), dx), t_grad)
                 dpre = lax.cond(first, pre_grad, lambda: zero_like(lp[1]))
-            dpost = jax.tree.map(lambda a: jnp.where(last, a, jnp.zeros_like(a)), cr.gpost)
+            dpost = jax.tree.map(lambda a, q: jnp.where(last & (not slots), a, 0).astype(q.dtype), cr.gpost, lp[2])
             grad = (dw, dpre, dpost)
             if ring:        # the previous worker's partial sum of this chunk (none on the first worker)
                 grad = jax.tree.map(lambda p_, a: jnp.where(replica > 0, p_, jnp.zeros_like(p_)) + a.astype(p_.dtype),
                                     jax.tree.map(lambda b: read(b, c), cr.reduce.partial), grad)
             return grad, (where(first, blank(), dx), where(first, blank_tie(), t_grad))
 
-        def b_idle(c, g, dy_in, t_in, ops):
+        def b_idle(c, g, slot, dy_in, t_in, ops):
             lps, pss, cr = ops
             if ring:        # the last sum passes through (a fresh fill would be a weight-sized write per tick)
                 return cr.reduce.gbuf, (blank(), blank_tie())
-            return zero_like((lps[0][0], lps[0][1], cr.gpost)), (blank(), blank_tie())
+            return zero_like(lps[0]), (blank(), blank_tie())
 
         def b_apply(c, g, grad, cnt, lp, os_, ps):
             # the update, in a conditional of its own: one that also ran the backward (reading the weights
@@ -407,6 +429,16 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             head, rest = x[0], x[1:]
             return (apc_unpack(lax.ppermute(apc_pack(head), STAGE, pairs), head),) + tuple(
                 ppermute_bits(rest, STAGE, pairs))
+
+        def deliver(li, rr, msg, mbuf):
+            """A lane plan's stream: lane ``li``'s message kept on the device and/or sent on the plan's channels
+            (one ``ppermute`` each), written to the slots the plan gave it (``rr``: this device's route row)."""
+            if periodic.plan.keeps[li]:
+                mbuf = write(mbuf, rr[_R["keep"]], msg)
+            for ch in periodic.plan.channels[li]:
+                fwd = ch == SEND_PLUS
+                mbuf = write(mbuf, rr[_R["recv_p" if fwd else "recv_m"]], send(msg, ring_f if fwd else ring_b))
+            return mbuf
 
         def errors_of(c, g, runs, pss):
             """1 where the op would read a version its chunk's policy no longer holds."""
@@ -477,13 +509,20 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             is_f, cf, gf = op_of(t, me, 0)
             is_b, cb, gb = op_of(t, me, 1)
             err = errors_of(cf, gf, is_f, per_chunk(lps, pss)[1])
-            x_in, t_in = cr.recv_f, cr.tie_f
-            if K > 1:      # device 0's later chunks read the last device's output from the wrap buffer
+            if slots:       # the plan's slots: what each lane reads and where its stash goes
+                rr = jnp.asarray(routes)[t % T, me]
+                x_in, t_in = (read(a, rr[0, _R["in"]]) for a in cr.mbuf[:2])
+                sf = rr[0, _R["stash"]]
+            else:
+                x_in, t_in, sf = cr.recv_f, cr.tie_f, slot_of(cf, gf)
+            if K > 1 and not slots:   # device 0's later chunks read the last device's output from the wrap buffer
                 wx, wt = jax.tree.map(lambda a: read(a, gf % C), cr.wrap_f)
                 on_wrap = (me == 0) & (cf > 0)
                 x_in, t_in = where(on_wrap, wx, x_in), where(on_wrap, wt, t_in)
-            (pss, cr, loss), send_f = lax.cond(is_f, f_lane, f_idle, cf, gf, x_in, t_in, (lps, pss, cr, loss))
-            if D > 1 or K > 1:
+            (pss, cr, loss), send_f = lax.cond(is_f, f_lane, f_idle, cf, gf, sf, x_in, t_in, (lps, pss, cr, loss))
+            if slots:
+                cr = cr._replace(mbuf=deliver(0, rr[0], send_f, cr.mbuf))
+            elif D > 1 or K > 1:
                 recv_f, tie_f = send(send_f, ring_f)
                 cr = cr._replace(recv_f=recv_f, tie_f=tie_f)
                 if K > 1:
@@ -491,14 +530,19 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                     slot = jnp.where((me == 0) & runs_s & (c_s < K - 1), g_s % C, C)
                     cr = cr._replace(wrap_f=jax.tree.map(lambda a, v: write(a, slot, v), cr.wrap_f, (recv_f, tie_f)))
             err = err + errors_of(cb, gb, is_b, per_chunk(lps, pss)[1])
-            dy_in, tb_in, cnt = cr.recv_b, cr.tie_b, cr.cnt_b
-            if K > 1:      # the last device's earlier chunks read device 0's gradient from the wrap buffer
+            if slots:
+                dy_in, tb_in, cnt = (read(a, rr[1, _R["in"]]) for a in cr.mbuf)
+                sb = rr[1, _R["stash"]]
+            else:
+                dy_in, tb_in, cnt, sb = cr.recv_b, cr.tie_b, cr.cnt_b, slot_of(cb, gb)
+            if K > 1 and not slots:   # the last device's earlier chunks read device 0's gradient from the wrap buffer
                 wd, wt, wc = jax.tree.map(lambda a: read(a, gb % C), cr.wrap_b)
                 on_wrap = (me == D - 1) & (cb < K - 1)
                 dy_in, tb_in, cnt = where(on_wrap, wd, dy_in), where(on_wrap, wt, tb_in), jnp.where(on_wrap, wc, cnt)
-            cnt = jnp.where((me == D - 1) & (cb == K - 1), cr.cnt_own, cnt)
-            grad, send_b = lax.cond(is_b, b_lane, b_idle, cb, gb, dy_in, tb_in, (lps, pss, cr))
-            send_b = send_b + (jnp.where(is_b & ~((me == 0) & (cb == 0)), cnt,
+            if not slots:
+                cnt = jnp.where(is_last(cb), cr.cnt_own, cnt)
+            grad, send_b = lax.cond(is_b, b_lane, b_idle, cb, gb, sb, dy_in, tb_in, (lps, pss, cr))
+            send_b = send_b + (jnp.where(is_b & ~is_first(cb), cnt,
                                          jnp.full((), jnp.nan if nan_bubbles else 0, jnp.float32)),)
             if ring:
                 lps, oss, pss, rs = ring_exchange(t, *stacks, cr.reduce, is_b, cb, grad, cnt, flags[1])
@@ -516,7 +560,9 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                         is_b & (cb == c) & policies[c].lands(base + gb),
                         lambda *a, c=c: policies[c].land(*a, counting=counting, b=(base + gb) // M),
                         lambda *a: a, lps[c], oss[c], pss[c])
-            if D > 1 or K > 1:
+            if slots:
+                cr = cr._replace(mbuf=deliver(1, rr[1], send_b, cr.mbuf))
+            elif D > 1 or K > 1:
                 recv_b, tie_b, cnt_b = send(send_b, ring_b)
                 cr = cr._replace(recv_b=recv_b, tie_b=tie_b, cnt_b=cnt_b)
                 if K > 1:
@@ -571,9 +617,15 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                          M * q + buf["done_steady"])
         done = jnp.clip(done, 0, n_fed)               # every op of these micro-batches has run
         counters = (t0 + T, base, n_fed)
+        if slots:           # post's gradient, summed over the call's last-stage forwards, to the policy's sums
+            w0, p0, _ = lps[0]
+            g0 = (zero_like(w0), zero_like(p0), carry.gpost)
+            pss = (policies[0].update(g0, *lps[0:1], oss[0], pss[0], base, me, count=0.0 if counting else None)[2],) \
+                + tuple(pss[1:])
         reduce = (lambda t: psum_over(t, mesh, DP_AXES)) if counting else (lambda t: pmean_over(t, mesh, DP_AXES))
-        if not ring:
-            pss = tuple(p.finish(ps, reduce, counting) if p.finish is not None else ps for p, ps in zip(policies, pss))
+        if not ring:        # (sum, count) losses: the call's global count (a chunk may see some micro-batches only)
+            total = lweight if counting else None
+            pss = tuple(p.finish(ps, reduce, total) if p.finish is not None else ps for p, ps in zip(policies, pss))
         if not chunked:
             lps, oss, pss = lps[0], oss[0], pss[0]
         return ex(lps), ex(oss), ex(pss), ex(carry), counters, (loss, lcount, base + done, errors)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..axes import STAGE
@@ -51,9 +50,4 @@ def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubble
         like = lambda g, q: jax.tree.map(lambda a, b: a.astype(b.dtype), g, q)
         return loss, (like(g_w, stage_p), like(g_pre, pre_p), like(g_post, post_p))
     return fn
-
-
-def stream_layout_ok(layout, D: int, K: int) -> bool:
-    """Whether the runner's executor layout is the stream's (index ``d K + c`` = model stage ``c D + d``)."""
-    return np.array_equal(np.asarray(layout), [c * D + d for d in range(D) for c in range(K)])
 

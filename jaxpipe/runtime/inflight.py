@@ -31,6 +31,7 @@ class AsyncCarry(NamedTuple):
     wrap_b: Any = ()   # chunks > 1, last device: (gradient, tie gradient, count) from device 0, slot g mod C
     errors: Any = 0    # reads of a weight version the policy no longer held (metric version_errors; stays 0)
     reduce: Any = ()   # a ring reduction's buffers (RingState): Cyclic DP's partial sums and broadcast
+    mbuf: Any = ()     # a lane plan's stream: (messages, tied arrays, counts) in the plan's slots (last: scratch)
 
 
 class RingState(NamedTuple):
@@ -52,6 +53,9 @@ def empty_carry(model, periodic, M: int, n_devices: int, mb_example, x_aval, mas
     replicas (a delayed stream's last one finishes later)."""
     buf = periodic.buffers(M, periodic.replica_delay * (replicas - 1))
     C, S = buf["ring"], sum(buf["stash"])
+    plan = periodic.plan
+    if plan is not None:            # the plan's slots, and a scratch slot where nothing is written
+        S = plan.stash_capacity + 1
     per = lambda shape, dtype: jnp.zeros((n_devices,) + tuple(shape), dtype)
     nan = lambda shape, dtype: jnp.full((n_devices,) + tuple(shape), jnp.nan if nan_bubbles else 0, dtype)
     msg = lambda lead=(): full(x_aval, jnp.nan if nan_bubbles else 0, (n_devices,) + tuple(lead))
@@ -62,10 +66,15 @@ def empty_carry(model, periodic, M: int, n_devices: int, mb_example, x_aval, mas
     if periodic.chunks > 1:        # slot C: scratch (written where nothing arrives for the buffer)
         wrap_f = (msg((C + 1,)), tie_msg((C + 1,)))
         wrap_b = (msg((C + 1,)), tie_msg((C + 1,)), nan((C + 1,), jnp.float32))
+    mbuf, sums = (), lambda dt: dt
+    if plan is not None:            # post's gradient: a float32 sum over the call
+        cap = plan.mbuf_capacity + 1
+        mbuf = (msg((cap,)), tie_msg((cap,)), nan((cap,), jnp.float32))
+        sums = lambda dt: jnp.promote_types(dt, jnp.float32)
     return AsyncCarry(
         stash=[nan((S,) + tuple(a.shape), a.dtype) for a in mask_avals],
-        recv_f=msg(), recv_b=msg(), dy_own=msg(),
-        gpost=jax.tree.map(lambda a: per(jnp.shape(a), jnp.asarray(a).dtype), ties.strip(model.params)[2]),
+        recv_f=msg(), recv_b=msg(), dy_own=msg(), mbuf=mbuf,
+        gpost=jax.tree.map(lambda a: per(jnp.shape(a), sums(jnp.asarray(a).dtype)), ties.strip(model.params)[2]),
         ring=jax.tree.map(lambda a: per((C,) + tuple(a.shape), a.dtype), mb_example),
         tie_f=tie_msg(), tie_b=tie_msg(), gtie=tie_msg(),
         cnt_b=nan((), jnp.float32), cnt_own=nan((), jnp.float32), wrap_f=wrap_f, wrap_b=wrap_b,

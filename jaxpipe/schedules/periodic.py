@@ -51,6 +51,22 @@ class Periodic:
     call_length: Optional[int] = None
     #: data-parallel replica r runs the stream ``r * replica_delay`` ticks late (Cyclic DP: workers 2 apart)
     replica_delay: int = 0
+    #: per chunk, per device: the model stage it holds (None: ``c D + d``; Chimera's up pipeline mirrors it)
+    stages: Optional[Tuple[Tuple[int, ...], ...]] = None
+    #: a stream of one call made from a lane plan (:func:`one_call`): the executor routes messages and stashes
+    #: residuals in the slots the plan allocated (its ``table``), instead of the stream's own registers
+    plan: object = dataclasses.field(default=None, compare=False, repr=False)
+
+    def stage_table(self) -> np.ndarray:
+        """``[chunks, D]``: the model stage chunk ``c`` of device ``d`` holds."""
+        if self.stages is not None:
+            return np.asarray(self.stages, np.int32)
+        D = self.num_devices
+        return np.asarray([[c * D + d for d in range(D)] for c in range(self.chunks)], np.int32)
+
+    @property
+    def num_stages(self) -> int:
+        return int(self.stage_table().max()) + 1
 
     def tick(self, kind: str, d: int, i: int) -> int:
         if self.unit_offsets is not None:
@@ -155,12 +171,11 @@ class Periodic:
         """Raise :class:`ScheduleError` unless the replayed stream keeps every dependency of each micro-batch:
         model stage k + 1's F after stage k's, B after F on the last stage, stage k's B after stage k + 1's --
         one tick later across devices, a later lane of the same tick on one device."""
-        D = self.num_devices
-        when = {}
+        when, st, S = {}, self.stage_table(), self.num_stages
         for t, d, kind, c, g in self.events(M, calls=4):
-            when[(kind, c * D + d, g)] = (t, int(kind == B), d)
+            when[(kind, int(st[c, d]), g)] = (t, int(kind == B), d)
         for (kind, k, g), (t, lane, d) in when.items():
-            prev = [(F, k - 1)] if kind == F else [(B, k + 1)] if k + 1 < self.chunks * D else [(F, k)]
+            prev = [(F, k - 1)] if kind == F else [(B, k + 1)] if k + 1 < S else [(F, k)]
             for pk, pstage in prev:
                 if pstage < 0 or (pk, pstage, g) not in when:
                     continue
@@ -256,10 +271,11 @@ class Periodic:
         n = batches * M
         ev = [e for e in self.events(M, calls=batches + self.buffers(M)["latency"] + 1) if e[4] < n]
         acts, ticks = [[] for _ in range(D)], {}
+        st = self.stage_table()
         for t, d, kind, c, g in ev:          # in execution order: tick, then lane (F before B)
-            acts[d].append(Action(kind, int(g), c * D + d, c))
-            ticks[(kind, c * D + d, int(g))] = t
-        s = Schedule(self.name, D, n, acts, num_model_stages=self.chunks * D, weight_versions=weight_versions)
+            acts[d].append(Action(kind, int(g), int(st[c, d]), c))
+            ticks[(kind, int(st[c, d]), int(g))] = t
+        s = Schedule(self.name, D, n, acts, num_model_stages=self.num_stages, weight_versions=weight_versions)
         if not self.two_lanes:
             s.fixed_ticks = ticks
         s.periodic = self
@@ -282,43 +298,45 @@ def no_flush_lanes(name: str, num_devices: int) -> Periodic:
     return Periodic(name, D, 1, {F: tuple(range(D)), B: tuple(2 * D - 2 - s for s in range(D))}).validate()
 
 
-def one_call(lane_plan) -> Periodic:
-    """A flushing schedule's lane plan as a stream of one call: unit ``c M + j`` is micro-batch ``j`` on chunk
-    ``c``, its F and B at the ticks the plan placed them, nothing left in flight when the call ends -- what the
-    one executor runs (with the ``gradient`` policy: the step's gradient, applied by the runner).
 
-    Raises :class:`ScheduleError` (naming what) where the plan needs what a stream does not route: a W or a
-    paired-forward lane, a chunk that is not model stage ``c D + d`` on device ``d`` (Chimera's mirrored
-    replicas), or a message not consumed the tick after it was sent (except the wrap-around from the last
-    device to device 0 between chunks, which waits in a buffer) or the last stage's dL/dy overwritten by its
-    next forward before its backward read it."""
+def one_call(lane_plan) -> Periodic:
+    """A flushing schedule's lane plan as a stream of one call: one unit per (micro-batch, chunk it passes
+    through), its F and B at the ticks the plan placed them, nothing left in flight when the call ends -- what
+    the one executor runs (with the ``gradient`` policy: the step's gradient, applied by the runner).  The
+    stream carries the plan: the executor stashes residuals and routes messages (both directions, waiting
+    where the plan makes them wait, the last stage's dL/dy kept on the device) in the slots the plan
+    allocated.  Raises :class:`ScheduleError` where the plan has a lane a stream does not run (W, paired F)."""
     s = lane_plan.schedule
-    D, M, S = s.D, s.M, s.num_model_stages
-    where, dev = lane_plan.where, lane_plan._dev
+    D, M = s.D, s.M
+    where = lane_plan.where
     if tuple(lane_plan.lanes) != (F, B):
         raise ScheduleError(f"{s.name}: lanes {lane_plan.lanes}; a stream runs an F and a B lane")
-    K = S // D
-    if S % D or any(dev[(F, k, 0)] != k % D for k in range(S)):
-        raise ScheduleError(f"{s.name}: model stage k must sit on device k mod D (chunk k // D) for a stream")
-    for (kind, k, m), (t, _) in where.items():
-        d = dev[(kind, k, m)]
-        if kind == F and k > 0:
-            src, wrap = (F, k - 1, m), d == 0 and D > 1 or (D == 1)
-        elif kind == B and k < S - 1:
-            src, wrap = (B, k + 1, m), d == D - 1 and D > 1 or (D == 1)
-        else:
-            continue
-        if not (where[src][0] == t - 1 or (wrap and where[src][0] < t)):
-            raise ScheduleError(f"{s.name}: {kind} of stage {k}, micro-batch {m} reads a message sent "
-                                f"{t - where[src][0]} ticks before; a stream consumes messages the next tick")
-    last = sorted((where[(F, S - 1, m)][0], m) for m in range(M))
-    for (t, m), nxt in zip(last, last[1:] + [(None, None)]):
-        tb = where[(B, S - 1, m)][0]
-        if nxt[0] is not None and nxt[0] <= tb:
-            raise ScheduleError(f"{s.name}: the last stage runs F of micro-batch {nxt[1]} before B of {m}; a stream "
-                                f"keeps one dL/dy")
-    units = tuple((c, 0, 0, j) for c in range(K) for j in range(M))
-    tick = lambda kind, c, j: tuple(int(where[(kind, c * D + d, j)][0]) for d in range(D))
-    offs = {F: tuple(tick(F, c, j) for c, _, _, j in units), B: tuple(tick(B, c, j) for c, _, _, j in units)}
-    return Periodic(s.name, D, 1, {}, chunks=K, units=units, unit_offsets=offs,
-                    call_length=lane_plan.num_ticks).validate_stream(M)
+    for opt in ("eager_reduce", "double_batch"):     # the lane executor's own: replica exchange, paired forward
+        if s.options.get(opt):
+            raise ScheduleError(f"{s.name}: {opt}=True runs on the lane executor")
+    soc = s.stage_of_chunk()                                 # [D, chunks]
+    K = soc.shape[1]
+    if (soc < 0).any():
+        raise ScheduleError(f"{s.name}: a device leaves a chunk unused; a stream's chunks hold a stage each")
+    units, offs = [], {F: [], B: []}
+    for c in range(K):
+        for j in range(M):
+            ticks = {kind: [None] * D for kind in (F, B)}
+            for d in range(D):
+                k = int(soc[d, c])
+                for kind in (F, B):
+                    if (kind, k, j) in where and lane_plan._dev[(kind, k, j)] == d:
+                        ticks[kind][d] = int(where[(kind, k, j)][0])
+            if any(t is None for t in ticks[F] + ticks[B]):
+                if any(t is not None for t in ticks[F] + ticks[B]):
+                    raise ScheduleError(f"{s.name}: micro-batch {j} visits chunk {c} on some devices only")
+                continue
+            units.append((c, 0, 0, j))
+            for kind in (F, B):
+                offs[kind].append(tuple(ticks[kind]))
+    if len(units) % M or len(units) != sum(1 for k in where if k[0] == F) // D:
+        raise ScheduleError(f"{s.name}: its micro-batches do not each pass every device once per chunk")
+    return Periodic(s.name, D, 1, {}, chunks=K, units=tuple(units), unit_offsets={k: tuple(v) for k, v in offs.items()},
+                    call_length=lane_plan.num_ticks, stages=tuple(tuple(int(soc[d, c]) for d in range(D))
+                                                                  for c in range(K)),
+                    plan=lane_plan).validate_stream(M)
