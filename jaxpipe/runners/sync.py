@@ -119,7 +119,8 @@ class SyncRunner:
                 mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // (n_dp * M),) + tuple(a.shape[1:]),
                                                                  a.dtype), example)
                 grad_fn = make_stream_grad_fn(self._scaled(scale), self.stream, self.ctx.mesh, mb, M,
-                                              nan_bubbles=self.ctx.nan_bubbles, seed=self.ctx.seed)
+                                              nan_bubbles=self.ctx.nan_bubbles, seed=self.ctx.seed,
+                                              perms=exchange_perms(self.ctx.schedule) if self._identity_layout else None)
             else:
                 grad_fn = make_grad_fn(self._scaled(scale), self.ctx.schedule, self.ctx.mesh, example,
                                        nan_bubbles=self.ctx.nan_bubbles, lanes=self.ctx.lane_plan)
@@ -146,7 +147,7 @@ class SyncRunner:
 
             def lg_stream(params, b, step):
                 stage_p, pre_p, post_p = params
-                if stored or np.array_equal(self._layout, np.arange(len(self._layout))):
+                if stored or identity:
                     return grad_fn(stage_p, pre_p, post_p, b, step)
                 # the executor's layout: device-major chunks (Chimera: each device holds a replica per
                 # pipeline); the gradients of a stage's replicas are summed back

@@ -15,11 +15,14 @@ from .stage import stage_residuals
 from .common import full
 
 
-def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubbles: bool = False, seed: int = 0):
+def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubbles: bool = False, seed: int = 0,
+                        perms=None):
     """``fn(stage_p, pre_p, post_p, batch, step) -> (loss, (g_stage, g_pre, g_post))`` with ``stage_p`` in the
     executor's layout (leading axis ``D * chunks``, device-major: index ``d K + c`` holds model stage
     ``c D + d``), as the lane executor's ``make_grad_fn``; parameters and gradients without tied copies (a tied
-    array's gradient comes back summed into ``pre``'s)."""
+    array's gradient comes back summed into ``pre``'s).  ``perms`` (:func:`.common.exchange_perms`, Chimera):
+    ``stage_p`` is in the model's order, one stage per device; chunk ``c`` is fetched with one ``ppermute``
+    and its gradient goes home the same way, summed with the owner's (no gather of every stage)."""
     D, K = periodic.num_devices, periodic.chunks
     policies = tuple(gradient(M) for _ in range(K))
     run, x_aval = make_async_fn(model, policies if K > 1 else policies[0], None, D, M, mesh, mb_example,
@@ -30,11 +33,24 @@ def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubble
     n_dev = mesh.size
     on_stage = NamedSharding(mesh, P(STAGE))
 
+    def permute(t, pairs):
+        spec = jax.tree.map(lambda _: P(STAGE), t)
+        return jax.shard_map(lambda a: jax.tree.map(lambda x: jax.lax.ppermute(x, STAGE, pairs), a), mesh=mesh,
+                             in_specs=(spec,), out_specs=spec)(t)
+
     def fn(stage_p, pre_p, post_p, batch, step):
         bcast = lambda t: jax.tree.map(lambda a: jax.lax.with_sharding_constraint(
             jnp.broadcast_to(a, (D,) + jnp.shape(a)), on_stage), t)
-        per_dev = jax.tree.map(lambda a: a.reshape((D, K) + a.shape[1:]), stage_p)
-        chunks = tuple((jax.tree.map(lambda a: a[:, c], per_dev), bcast(pre_p), bcast(post_p)) for c in range(K))
+        pin = lambda t: jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, on_stage), t)
+        if perms is not None:
+            chunks = tuple((stage_p if pm is None else permute(stage_p, pm), bcast(pre_p), bcast(post_p))
+                           for pm in perms)
+        elif K == 1:
+            chunks = ((stage_p, bcast(pre_p), bcast(post_p)),)
+        else:
+            per_dev = jax.tree.map(lambda a: a.reshape((D, K) + a.shape[1:]), stage_p)
+            chunks = tuple((pin(jax.tree.map(lambda a: a[:, c], per_dev)), bcast(pre_p), bcast(post_p))
+                           for c in range(K))
         pstate = tuple(jax.vmap(p.init)(lp) for p, lp in zip(policies, chunks))
         carry = jax.lax.with_sharding_constraint(
             empty_carry(model, periodic, M, n_dev, mb_example, x_aval, res_avals, nan_bubbles),
@@ -44,7 +60,15 @@ def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubble
         _, _, pss, _, _, (loss, _, _, _) = run(one(chunks), one(tuple(() for _ in range(K))), one(pstate), carry,
                                                counters, batch, jnp.asarray(True))
         pss = (pss,) if K == 1 else pss
-        g_w = jax.tree.map(lambda *g: jnp.stack(g, 1).reshape((D * K,) + g[0].shape[1:]), *(ps.acc[0] for ps in pss))
+        if perms is not None:       # each replica's gradient home to its stage's owner, summed there
+            home = [ps.acc[0] if pm is None else permute(ps.acc[0], [(d, s_) for s_, d in pm])
+                    for ps, pm in zip(pss, perms)]
+            g_w = jax.tree.map(lambda *g: sum(g), *home)
+        elif K == 1:
+            g_w = pss[0].acc[0]
+        else:
+            g_w = pin(jax.tree.map(lambda *g: jnp.stack(g, 1).reshape((D * K,) + g[0].shape[1:]),
+                                   *(ps.acc[0] for ps in pss)))
         g_pre = jax.tree.map(lambda *g: sum(a.sum(0) for a in g), *(ps.acc[1] for ps in pss))
         g_post = jax.tree.map(lambda *g: sum(a.sum(0) for a in g), *(ps.acc[2] for ps in pss))
         like = lambda g, q: jax.tree.map(lambda a, b: a.astype(b.dtype), g, q)
