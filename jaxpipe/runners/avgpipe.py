@@ -27,9 +27,11 @@ from .. import schedules
 from ..errors import ConfigError
 from ..avgpipe_shared import check_shareable, from_executor, interleave_shares, shared_model, to_executor
 from ..optim.elastic import check_alpha, elastic_averaging
-from ..runtime.executor import make_grad_fn
+from ..runtime.executor import lane_plan
+from ..runtime.gradient import make_stream_grad_fn
+from ..schedules.periodic import one_call
 from ..validate import is_int
-from ..axes import PIPE, STAGE
+from ..axes import DATA, PIPE, STAGE
 
 
 class AvgPipeState(NamedTuple):
@@ -119,26 +121,29 @@ class AvgPipeRunner:
         if key not in self._fns:
             ctx = self.ctx
             tx, N, M = self.tx, self.N, self.M
-            seed, ties = ctx.seed, ctx.ties
+            seed = ctx.seed
+            stream = one_call(lane_plan(self.schedule(advance)))
+            n_dp = ctx.mesh.shape[PIPE] * ctx.mesh.shape[DATA]
+            mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // (n_dp * M),) + tuple(a.shape[1:]),
+                                                             a.dtype), example)
             if self.shared is None:
-                grad_fn = make_grad_fn(ctx.model, self.schedule(advance), ctx.mesh, example,
-                                       nan_bubbles=ctx.nan_bubbles, replicas=True)
+                # tied arrays travel inside the program; their gradients come back folded into pre's
+                grad_fn = make_stream_grad_fn(ctx.model, stream, ctx.mesh, mb, M, nan_bubbles=ctx.nan_bubbles,
+                                              seed=seed, replicas=True)
 
-                def replica_grads(params, b, key):
-                    losses, grads = grad_fn(*ties.fill(params), b, key)
-                    return losses, ties.fold(grads)      # one gradient per tied array: the sum of its uses
+                def replica_grads(params, b, step):
+                    return grad_fn(*params, b, step)
             else:
                 avals = jax.eval_shape(to_executor, state.params)
-                grad_fn = make_grad_fn(shared_model(ctx.model, N, avals), self.schedule(advance), ctx.mesh,
-                                       example, nan_bubbles=ctx.nan_bubbles)
+                grad_fn = make_stream_grad_fn(shared_model(ctx.model, N, avals), stream, ctx.mesh, mb, M,
+                                              nan_bubbles=ctx.nan_bubbles, seed=seed)
 
-                def replica_grads(params, b, key):
-                    total, grads = grad_fn(*to_executor(params), interleave_shares(b, N, M), key)
+                def replica_grads(params, b, step):
+                    total, grads = grad_fn(*to_executor(params), interleave_shares(b, N, M), step)
                     return total / N, from_executor(grads)   # the replicas' mean loss (not separated per replica)
 
             def step(state: AvgPipeState, b):
-                losses, grads = replica_grads(state.params, b,
-                                              jax.random.fold_in(jax.random.PRNGKey(seed), state.step))
+                losses, grads = replica_grads(state.params, b, state.step)
                 updates, opt_state = tx.update(grads, state.opt_state, state.params)
                 params = optax.apply_updates(state.params, updates)
                 gnorm = jax.vmap(optax.tree.norm)(grads)

@@ -101,7 +101,8 @@ def ring_phases(periodic, M: int, workers: int):
 
 
 def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubbles: bool = False,
-                  periodic=None, seed: int = 0, apc: bool = False, broadcast: str = "direct"):
+                  periodic=None, seed: int = 0, apc: bool = False, broadcast: str = "direct",
+                  replicas: bool = False):
     """``fn(params, opt_state, policy_state, carry, counters, batch, feed) -> (same..., metrics)``.
 
     ``policy``: a :class:`~jaxpipe.optim.policies.WeightPolicy`, or a tuple of one per chunk; ``params``,
@@ -143,6 +144,9 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
         raise ConfigError("a ring reduction runs every stage on each worker of the 'data' axis (stage = pipe = 1)")
     units = periodic.unit_table(M)
     n_dp = mesh.shape[PIPE] * mesh.shape[DATA]
+    # replicas (AvgPipe's parallel pipelines): one set of weights per 'pipe' index, averaged over 'data' only
+    RED = (DATA,) if replicas else DP_AXES
+    n_red = mesh.shape[DATA] if replicas else n_dp
     buf = periodic.buffers(M, periodic.replica_delay * (n_dp - 1))
     C, S = buf["ring"], buf["stash"]
     S_off = np.concatenate([[0], np.cumsum(S)])
@@ -264,13 +268,13 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                 if ring:     # workers run this at different ticks: nothing collective; counts travel the ring
                     n = jnp.asarray(n, jnp.float32) if summed else jnp.zeros((), jnp.float32)
                     return blank(), res, cast(dy, x_aval), gq, l.astype(jnp.float32), blank_tie(), gt, n
-                n_glob = psum_over(n, mesh, DP_AXES).astype(jnp.float32) if summed else jnp.zeros((), jnp.float32)
+                n_glob = psum_over(n, mesh, RED).astype(jnp.float32) if summed else jnp.zeros((), jnp.float32)
                 if counting:
-                    l = psum_over(l, mesh, DP_AXES)     # the metric: summed, over the summed counts (below)
+                    l = psum_over(l, mesh, RED)     # the metric: summed, over the summed counts (below)
                 elif summed:
                     # (sum, count): this micro-batch's loss over every replica's real tokens -- scaled here so
                     # that the pmean over replicas in B gives sum over replicas / global count
-                    scale = n_dp / n_glob
+                    scale = n_red / n_glob
                     l, gq, gt, dy = l * scale, *jax.tree.map(lambda g: g * scale.astype(g.dtype), (gq, gt, dy))
                 return blank(), res, cast(dy, x_aval), gq, l.astype(jnp.float32), blank_tie(), gt, n_glob
             return op
@@ -413,8 +417,8 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             if policy.finish is not None:       # local sums, reduced once after the call
                 return policy.update(grad, lp, os_, ps, gi, me, count=cnt if counting else None)
             if counting:        # sums over replicas; the policy divides the step's sum by the step's count
-                return policy.update(psum_over(grad, mesh, DP_AXES), lp, os_, ps, gi, me, count=cnt)
-            return policy.update(pmean_over(grad, mesh, DP_AXES), lp, os_, ps, gi, me)
+                return policy.update(psum_over(grad, mesh, RED), lp, os_, ps, gi, me, count=cnt)
+            return policy.update(pmean_over(grad, mesh, RED), lp, os_, ps, gi, me)
 
         ring_f = [(d, (d + 1) % D) for d in range(D)]
         ring_b = [(d, (d - 1) % D) for d in range(D)]
@@ -625,7 +629,7 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             errors = lax.psum(carry.errors, (DATA, STAGE))
         else:
             lsum, lcount, lweight = lax.psum((lsum, lcount, lweight), STAGE)
-            lsum = pmean_over(lsum, mesh, DP_AXES)
+            lsum = pmean_over(lsum, mesh, RED)
             lcount = lax.pmax(lcount, DP_AXES)
             if counting:    # the summed loss over the summed counts of the call's micro-batches (global already)
                 loss = jnp.where(lweight > 0, lsum / jnp.where(lweight > 0, lweight, 1.0), jnp.nan)
@@ -643,16 +647,20 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             g0 = (zero_like(w0), zero_like(p0), carry.gpost)
             pss = (policies[0].update(g0, *lps[0:1], oss[0], pss[0], base, me, count=0.0 if counting else None)[2],) \
                 + tuple(pss[1:])
-        reduce = (lambda t: psum_over(t, mesh, DP_AXES)) if counting else (lambda t: pmean_over(t, mesh, DP_AXES))
+        reduce = (lambda t: psum_over(t, mesh, RED)) if counting else (lambda t: pmean_over(t, mesh, RED))
         if not ring:        # (sum, count) losses: the call's global count (a chunk may see some micro-batches only)
             total = lweight if counting else None
             pss = tuple(p.finish(ps, reduce, total) if p.finish is not None else ps for p, ps in zip(policies, pss))
         if not chunked:
             lps, oss, pss = lps[0], oss[0], pss[0]
+        if replicas:        # each pipeline's own loss
+            loss = loss[None]
         return ex(lps), ex(oss), ex(pss), ex(carry), counters, (loss, lcount, base + done, errors)
 
-    # a ring's workers each hold a replica of their own (one per data index); otherwise stage s's at index s
-    stage = lambda t: jax.tree.map(lambda _: P((DATA, STAGE)) if ring else P(STAGE), t)
+    # a ring's workers each hold a replica of their own (one per data index), AvgPipe's pipelines one per pipe
+    # index; otherwise stage s's at index s
+    own = P((DATA, STAGE)) if ring else P((PIPE, STAGE)) if replicas else P(STAGE)
+    stage = lambda t: jax.tree.map(lambda _: own, t)
     dev = lambda t: jax.tree.map(lambda _: P(ALL), t)
     rep = lambda t: jax.tree.map(lambda _: P(), t)
 
@@ -660,7 +668,7 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
         in_specs = (stage(params), stage(opt_state), stage(pstate), dev(carry), rep(counters),
                     jax.tree.map(lambda _: P(DP_AXES), batch), P())
         out_specs = (stage(params), stage(opt_state), stage(pstate), dev(carry), rep(counters),
-                     (P(), P(), P(), P()))
+                     (P(PIPE) if replicas else P(), P(), P(), P()))
         return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
             params, opt_state, pstate, carry, counters, batch, feed)
 

@@ -74,7 +74,8 @@ def empty_carry(model, periodic, M: int, n_devices: int, mb_example, x_aval, mas
     return AsyncCarry(
         stash=[nan((S,) + tuple(a.shape), a.dtype) for a in mask_avals],
         recv_f=msg(), recv_b=msg(), dy_own=msg(), mbuf=mbuf,
-        gpost=jax.tree.map(lambda a: per(jnp.shape(a), sums(jnp.asarray(a).dtype)), ties.strip(model.params)[2]),
+        gpost=jax.tree.map(lambda a: per(jnp.shape(a), sums(getattr(a, "dtype", None) or jnp.asarray(a).dtype)),
+                           ties.strip(model.params)[2]),
         ring=jax.tree.map(lambda a: per((C,) + tuple(a.shape), a.dtype), mb_example),
         tie_f=tie_msg(), tie_b=tie_msg(), gtie=tie_msg(),
         cnt_b=nan((), jnp.float32), cnt_own=nan((), jnp.float32), wrap_f=wrap_f, wrap_b=wrap_b,
