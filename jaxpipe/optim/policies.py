@@ -92,6 +92,9 @@ class WeightPolicy(NamedTuple):
     #: in ``update`` and reduces once after the call (``reduce``: the sum ((sum, count) losses, ``count``: the
     #: call's global count) or mean over data replicas) -- a flushing schedule's gradient, returned not applied
     finish: Any = None
+    #: ``(get(ps), put(ps, sums) -> ps)`` (optional): the stage's gradient sums in the state, for an exchange
+    #: between chunks inside the call (Chimera's eager reduction)
+    sums: Any = None
 
 
 def _apply(opt, g, lp, opt_state):
@@ -243,7 +246,9 @@ def gradient(num_microbatches: int, name: str = "gradient") -> WeightPolicy:
         return AccumState(acc, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
 
     def update(g, lp, opt_state, ps, i, s, count=None):
-        acc = jax.tree.map(lambda a, x: a + x.astype(a.dtype), ps.acc, g)
+        # a part of g that is None adds nothing (ZB's B adds pre's gradient, its W the stage's)
+        acc = tuple(a if x is None else jax.tree.map(lambda u, v: u + v.astype(u.dtype), a, x)
+                    for a, x in zip(ps.acc, g))
         return lp, opt_state, ps._replace(acc=acc, count=ps.count + (0.0 if count is None else count))
 
     def finish(ps, reduce, count=None):
@@ -252,7 +257,8 @@ def gradient(num_microbatches: int, name: str = "gradient") -> WeightPolicy:
 
     return WeightPolicy(name, init, lambda lp, ps, i, s: (lp, ps), lambda lp, ps, i, s: lp, update,
                         lambda D: [1] * D, choose=lambda lp, ps, i, s: (jnp.zeros((), jnp.int32), (lp,)),
-                        per_microbatch=False, stale=0, accumulators=1, finish=finish)
+                        per_microbatch=False, stale=0, accumulators=1, finish=finish,
+                        sums=(lambda ps: ps.acc[0], lambda ps, v: ps._replace(acc=(v,) + tuple(ps.acc[1:]))))
 
 
 class CyclicState(NamedTuple):

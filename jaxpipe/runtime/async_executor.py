@@ -33,8 +33,9 @@ from ..errors import ConfigError
 from ..model import microbatch_key
 from ..tying import Ties
 from .apc import apc_pack, apc_unpack
-from .common import balanced_broadcast, cast, full, pmean_over, ppermute_bits, psum_over, read, where, write
+from .common import balanced_broadcast, cast, eager_points, full, pmean_over, ppermute_bits, psum_over, read, where, write
 from .stage import StageOps
+from .wsplit import split_backward
 from ..axes import AXES, DATA, DP_AXES, PIPE, STAGE
 from ..schedules.ir import SEND_PLUS
 from ..schedules.lanes import L as _L
@@ -190,6 +191,19 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
         raise ConfigError("a lane plan's stream runs under a policy that returns the call's gradient ('gradient')")
     routes = np.asarray(periodic.plan.table[..., [_L[k] for k in _ROUTE]]) if slots else None
     fused = all(p.finish is not None for p in policies) and not ring
+    # ZB's split backward (a plan with a W lane): B computes the input gradient and keeps the per-layer output
+    # gradients (the frontier, :mod:`.wsplit`) beside the residuals; W adds the weight gradient from them
+    split = slots and len(periodic.kinds) == 3
+    w_frontier = split and periodic.plan.schedule.options.get("w_from", "frontier") == "frontier"
+    # Chimera §3.2's eager gradient synchronisation: after these ticks some stages' replica gradients are final
+    # and go home between two scans (chunk 1 of the replica device -> chunk 0 of the owner)
+    eager = dict(eager_points(periodic.plan.schedule, periodic.plan.where)) if (
+        slots and periodic.plan.schedule.options.get("eager_reduce")) else {}
+    if eager:
+        if K != 2 or any(p.sums is None for p in policies):
+            raise ConfigError("eager_reduce moves one chunk's gradient sums to another's: two chunks whose policies "
+                              "expose their sums")
+        segments = [(a, b, False) for a, b in zip([0] + sorted(eager), sorted(eager) + [T])]
     used_pos = [sorted({pos_of(c, d) for d in range(D)}) for c in range(K)]
     remap = np.zeros((K, 4), np.int32)
     for c in range(K):
@@ -211,6 +225,12 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
         if len(avals) != len(carry.stash):
             raise RuntimeError(f"stage_fn's pullback stashes {len(avals)} residuals inside the program but "
                                f"{len(carry.stash)} were allocated; stage_fn must trace the same way every time")
+        wsp = None
+        if w_frontier:      # W from the frontier B keeps (none where the stage cannot be split: W recomputes)
+            wsp = split_backward(sop.backward, lps[0][0], full(avals, 0), full(x_aval, 0), avals)
+        if wsp is not None:     # in the plan's stash slots (last: scratch), for this call only
+            carry = carry._replace(front=full(wsp.frontier_avals, jnp.nan if nan_bubbles else 0,
+                                              (periodic.plan.stash_capacity + 1,)))
         # this call's micro-batches go to ring slots (base + n_fed + j) mod C; counted only when fed
         batch = jax.tree.map(lambda a: a.reshape((M, a.shape[0] // M) + a.shape[1:]), batch)
         recent = lax.fori_loop(0, M, lambda j, r: jax.tree.map(
@@ -234,7 +254,7 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             u, shift = ctab[t % T, d, kind, 0], ctab[t % T, d, kind, 1]
             q = t // T - shift
             row = unit_tab[jnp.maximum(u, 0)]
-            g = (q + row[1 + kind]) * M + row[3]
+            g = (q + row[1 + min(kind, 1)]) * M + row[3]           # W: the B's micro-batch
             return (u >= 0) & (q >= 0) & (g >= 0) & (g < n_fed), row[0], g
 
         stage_of = lambda c: jnp.asarray(stg)[c, me]          # the model stage of this device's chunk c
@@ -363,6 +383,15 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                                                 if slots else ())
             return (pss, cr, loss), nothing
 
+        def bwd(w, res, dy):
+            """``(dw, dx, frontier)`` of a backward; split: ``dw`` is None (W computes it) and the frontier is
+            what W reads (none where W recomputes)."""
+            if not split:
+                return (*sop.backward(w, res, dy), ())
+            if wsp is not None:
+                return (None, *wsp.input_part(w, res, dy))
+            return None, sop.backward(w, res, dy)[1], ()
+
         def b_lane(c, g, slot, dy_in, t_in, ops):
             lps, pss, cr = ops
             gi = base + g
@@ -373,20 +402,20 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             pre_p = None
             if not by_branch and policy.backward_is_current is not None:
                 # stages predicting by 0 read lp itself: no weight-sized axpy
-                dw, dx = lax.cond(policy.backward_is_current(me), lambda: sop.backward(lp[0], res, dy),
-                                  lambda: sop.backward(policy.backward_weights(lp, ps, gi, me)[0], res, dy))
+                dw, dx, front = lax.cond(policy.backward_is_current(me), lambda: bwd(lp[0], res, dy),
+                                         lambda: bwd(policy.backward_weights(lp, ps, gi, me)[0], res, dy))
             elif not by_branch:
                 w, pre_p, _ = policy.backward_weights(lp, ps, gi, me)
-                dw, dx = sop.backward(w, res, dy)
+                dw, dx, front = bwd(w, res, dy)
             else:
                 ch = choices(g, *per_chunk(lps, pss))
                 brs, start = [], []
                 for cc, (_, cands) in enumerate(ch):
                     start.append(len(brs))
-                    brs += [(lambda cc, v: (lambda cs, r, d: sop.backward(candidate(cs, cc, v)[0], r, d)))(cc, v)
+                    brs += [(lambda cc, v: (lambda cs, r, d: bwd(candidate(cs, cc, v)[0], r, d)))(cc, v)
                             for v in range(len(cands))]
                 idx = pick(c, [start[cc] + ch[cc][0] for cc in range(K)])
-                dw, dx = lax.switch(idx, brs, operands(ch, lps, pss), res, dy)
+                dw, dx, front = lax.switch(idx, brs, operands(ch, lps, pss), res, dy)
             dx = cast(dx, x_aval)
             dpre = zero_like(lp[1])
             # the tied arrays' last-stage gradient of this micro-batch, on its way to stage 0
@@ -396,18 +425,19 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                     q0 = pre_p if pre_p is not None else policy.backward_weights(lp, ps, gi, me)[1]
                     return ties.add_to_pre(sop.pre_grad(q0, mb_of(g), dx), t_grad)
                 dpre = lax.cond(first, pre_grad, lambda: zero_like(lp[1]))
-            dpost = jax.tree.map(lambda a, q: jnp.where(last & (not slots), a, 0).astype(q.dtype), cr.gpost, lp[2])
+            # a lane plan's stream summed post's gradient at its forwards (None: nothing to add here)
+            dpost = None if slots else jax.tree.map(lambda a, q: jnp.where(last, a, 0).astype(q.dtype), cr.gpost, lp[2])
             grad = (dw, dpre, dpost)
             if ring:        # the previous worker's partial sum of this chunk (none on the first worker)
                 grad = jax.tree.map(lambda p_, a: jnp.where(replica > 0, p_, jnp.zeros_like(p_)) + a.astype(p_.dtype),
                                     jax.tree.map(lambda b: read(b, c), cr.reduce.partial), grad)
-            return grad, (where(first, blank(), dx), where(first, blank_tie(), t_grad))
+            return grad, (where(first, blank(), dx), where(first, blank_tie(), t_grad)), front
 
         def b_idle(c, g, slot, dy_in, t_in, ops):
             lps, pss, cr = ops
             if ring:        # the last sum passes through (a fresh fill would be a weight-sized write per tick)
-                return cr.reduce.gbuf, (blank(), blank_tie())
-            return zero_like(lps[0]), (blank(), blank_tie())
+                return cr.reduce.gbuf, (blank(), blank_tie()), ()
+            return zero_like(lps[0]), (blank(), blank_tie()), ()
 
         def b_apply(c, g, grad, cnt, lp, os_, ps):
             # the update, in a conditional of its own: one that also ran the backward (reading the weights
@@ -456,17 +486,38 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             backward and adds its gradient to the chunk's sums in place -- a weight-sized gradient handed out
             of the backward's conditional to an update's was written and read again every tick (+25% on a
             flushing schedule, measured against the lane executor)."""
-            pss, send_b = list(pss), None
+            pss, send_b, fb = list(pss), None, cr.front
             for c in range(K):
-                def run(g, slot, dy, t_in, n, ps, c=c):
-                    grad, snd = b_lane(c, g, slot, dy, t_in, (lps, tuple(pss[:c]) + (ps,) + tuple(pss[c + 1:]), cr))
-                    return b_apply(c, g, grad, n, lps[c], oss[c], ps)[2], snd
+                def run(g, slot, dy, t_in, n, ps, fb, c=c):
+                    grad, snd, front = b_lane(c, g, slot, dy, t_in,
+                                              (lps, tuple(pss[:c]) + (ps,) + tuple(pss[c + 1:]), cr))
+                    if wsp is not None:     # the frontier into the micro-batch's slot beside its residuals
+                        fb = [write(a, slot, f) for a, f in zip(fb, front)]
+                    return b_apply(c, g, grad, n, lps[c], oss[c], ps)[2], fb, snd
 
-                def idle(g, slot, dy, t_in, n, ps):
-                    return ps, (blank(), blank_tie())
-                pss[c], snd = lax.cond(is_b & (cb == c), run, idle, gb, sb, dy_in, tb_in, cnt, pss[c])
+                def idle(g, slot, dy, t_in, n, ps, fb):
+                    return ps, fb, (blank(), blank_tie())
+                pss[c], fb, snd = lax.cond(is_b & (cb == c), run, idle, gb, sb, dy_in, tb_in, cnt, pss[c], fb)
                 send_b = snd if send_b is None else where(cb == c, snd, send_b)
-            return tuple(pss), send_b
+            return tuple(pss), cr._replace(front=fb), send_b
+
+        def w_lanes(t, rw, lps, oss, pss, cr):
+            """ZB's W lane: the weight gradient of the micro-batch whose B ran earlier, from its residuals and
+            its dL/dy (kept in their slots until now) and, split at the frontier, the per-layer output
+            gradients its B kept; added to the chunk's sums (one predicate conditional per chunk)."""
+            is_w, cw, gw = op_of(t, me, 2)
+            pss = list(pss)
+            for c in range(K):
+                def run(g, rw, ps, c=c):
+                    res = [read(a, rw[_R["stash"]]) for a in cr.stash]
+                    dy = read(cr.mbuf[0], rw[_R["in"]])
+                    if wsp is not None:
+                        dw = wsp.weight_part(lps[c][0], res, dy, [read(a, rw[_R["stash"]]) for a in cr.front])
+                    else:
+                        dw = sop.backward(lps[c][0], res, dy)[0]
+                    return policies[c].update((dw, None, None), lps[c], oss[c], ps, base + g, me)[2]
+                pss[c] = lax.cond(is_w & (cw == c), run, lambda g, rw, ps: ps, gw, rw, pss[c])
+            return tuple(pss)
 
         def land_stacked(j, new, cur, lp_st, ps_st, extra=()):
             """Ring: chunk ``j`` of the stacked state gets version ``new``, its policy retiring ``cur`` (written by
@@ -564,9 +615,9 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             if not slots:
                 cnt = jnp.where(is_last(cb), cr.cnt_own, cnt)
             if fused:
-                pss, send_b = b_lanes_summing(cb, gb, sb, dy_in, tb_in, cnt, is_b, lps, oss, pss, cr)
+                pss, cr, send_b = b_lanes_summing(cb, gb, sb, dy_in, tb_in, cnt, is_b, lps, oss, pss, cr)
             else:
-                grad, send_b = lax.cond(is_b, b_lane, b_idle, cb, gb, sb, dy_in, tb_in, (lps, pss, cr))
+                grad, send_b, _ = lax.cond(is_b, b_lane, b_idle, cb, gb, sb, dy_in, tb_in, (lps, pss, cr))
             send_b = send_b + (jnp.where(is_b & ~is_first(cb), cnt,
                                          jnp.full((), jnp.nan if nan_bubbles else 0, jnp.float32)),)
             if ring:
@@ -587,6 +638,8 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                         lambda *a: a, lps[c], oss[c], pss[c])
             if slots:
                 cr = cr._replace(mbuf=deliver(1, rr[1], send_b, cr.mbuf))
+            if split:
+                pss = w_lanes(t, rr[2], lps, oss, pss, cr)
             elif D > 1 or K > 1:
                 recv_b, tie_b, cnt_b = send(send_b, ring_b)
                 cr = cr._replace(recv_b=recv_b, tie_b=tie_b, cnt_b=cnt_b)
@@ -617,12 +670,28 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                     lambda *a: a, lps[c], oss[c], pss[c])
             return tuple(lps), tuple(oss), tuple(pss), cr, loss
 
+        def exchange_between(st, pairs):
+            """Chimera §3.2: the replica gradients of the stages whose backwards are all done go home now
+            (one ``ppermute`` for the group), where the transfer may overlap the rest of the pipeline; the sent
+            sums are zeroed, so the exchange after the call adds nothing for them."""
+            lps, oss, pss, cr, loss = st
+            (get0, put0), (get1, put1) = policies[0].sums, policies[1].sums
+            got = jax.tree.map(lambda a: lax.ppermute(a, STAGE, list(pairs)), get1(pss[1]))
+            dst = jnp.isin(me, jnp.asarray([d for _, d in pairs]))
+            src = jnp.isin(me, jnp.asarray([r for r, _ in pairs]))
+            p0 = put0(pss[0], jax.tree.map(lambda a, b: jnp.where(dst, a + b, a), get0(pss[0]), got))
+            p1 = put1(pss[1], jax.tree.map(lambda a: jnp.where(src, jnp.zeros_like(a), a), get1(pss[1])))
+            return lps, oss, (p0, p1), cr, loss
+
         loss0 = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
         st = (lps, oss, pss, carry, loss0)
         for a, b, flags in segments:
             st, _ = lax.scan(lambda s_, t: tick(s_, t, flags), st, t0 + jnp.arange(a, b, dtype=jnp.int32))
             st = land_between(st, b)
+            if b in eager:
+                st = exchange_between(st, eager[b])
         lps, oss, pss, carry, (lsum, lcount, lweight) = st
+        carry = carry._replace(front=())
         if ring:        # every worker's own micro-batches: the call's losses over their summed weight
             lsum, lcount, lweight = lax.psum((lsum, lcount, lweight), (DATA, STAGE))
             loss = jnp.where(lweight > 0, lsum / jnp.where(lweight > 0, lweight, 1.0), jnp.nan)

@@ -32,6 +32,7 @@ class AsyncCarry(NamedTuple):
     errors: Any = 0    # reads of a weight version the policy no longer held (metric version_errors; stays 0)
     reduce: Any = ()   # a ring reduction's buffers (RingState): Cyclic DP's partial sums and broadcast
     mbuf: Any = ()     # a lane plan's stream: (messages, tied arrays, counts) in the plan's slots (last: scratch)
+    front: Any = ()    # a split backward's frontiers during a call (beside the residuals; not carried)
 
 
 class RingState(NamedTuple):

@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .ir import Action, B, F, Schedule, ScheduleError
+from .ir import Action, B, F, W, Schedule, ScheduleError
 
 KIND_CODE = {F: 1, B: 2}
 
@@ -56,6 +56,11 @@ class Periodic:
     #: a stream of one call made from a lane plan (:func:`one_call`): the executor routes messages and stashes
     #: residuals in the slots the plan allocated (its ``table``), instead of the stream's own registers
     plan: object = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def kinds(self) -> Tuple[str, ...]:
+        """The lanes of a tick, in order: F, B, and W where a stream of one call splits the backward (ZB)."""
+        return (F, B, W) if self.unit_offsets is not None and W in self.unit_offsets else (F, B)
 
     def stage_table(self) -> np.ndarray:
         """``[chunks, D]``: the model stage chunk ``c`` of device ``d`` holds."""
@@ -153,13 +158,13 @@ class Periodic:
         return self.call_length if self.unit_offsets is not None else self.period * len(self.unit_table(M))
 
     def call_table(self, M: int) -> np.ndarray:
-        """``[T, D, 2, 2]`` int32 (``T`` ticks per call): at tick offset ``tau`` of call ``q`` device ``d``'s F
-        (``[..., 0, :]``) / B (``[..., 1, :]``) lane runs unit ``u`` of call ``q - shift`` as ``(u, shift)``;
-        ``u = -1``: the lane idles.  What the executor reads."""
+        """``[T, D, lanes, 2]`` int32 (``T`` ticks per call): at tick offset ``tau`` of call ``q`` device ``d``'s F
+        (``[..., 0, :]``) / B (``[..., 1, :]``) / W (``[..., 2, :]``, where split) lane runs unit ``u`` of call
+        ``q - shift`` as ``(u, shift)``; ``u = -1``: the lane idles.  What the executor reads."""
         T, D, U = self.call_ticks(M), self.num_devices, len(self.unit_table(M))
-        out = np.full((T, D, 2, 2), -1, np.int32)
+        out = np.full((T, D, len(self.kinds), 2), -1, np.int32)
         for u in range(U):
-            for k, kind in enumerate((F, B)):
+            for k, kind in enumerate(self.kinds):
                 for d in range(D):
                     t = self.tick(kind, d, u)
                     if out[t % T, d, k, 0] >= 0:
@@ -169,13 +174,13 @@ class Periodic:
 
     def validate_stream(self, M: int) -> "Periodic":
         """Raise :class:`ScheduleError` unless the replayed stream keeps every dependency of each micro-batch:
-        model stage k + 1's F after stage k's, B after F on the last stage, stage k's B after stage k + 1's --
-        one tick later across devices, a later lane of the same tick on one device."""
+        model stage k + 1's F after stage k's, B after F on the last stage, stage k's B after stage k + 1's, W after
+        its B -- one tick later across devices, a later lane of the same tick on one device."""
         when, st, S = {}, self.stage_table(), self.num_stages
         for t, d, kind, c, g in self.events(M, calls=4):
-            when[(kind, int(st[c, d]), g)] = (t, int(kind == B), d)
+            when[(kind, int(st[c, d]), g)] = (t, self.kinds.index(kind), d)
         for (kind, k, g), (t, lane, d) in when.items():
-            prev = [(F, k - 1)] if kind == F else [(B, k + 1)] if k + 1 < S else [(F, k)]
+            prev = [(F, k - 1)] if kind == F else [(B, k)] if kind == W else [(B, k + 1)] if k + 1 < S else [(F, k)]
             for pk, pstage in prev:
                 if pstage < 0 or (pk, pstage, g) not in when:
                     continue
@@ -188,11 +193,11 @@ class Periodic:
 
     def events(self, M: int, calls: int = 12) -> List[Tuple[int, int, str, int, int]]:
         """``(tick, device, kind, chunk, micro-batch)`` of every op of the first ``calls`` calls with a batch
-        fed in each, in execution order (tick, then lane: F before B)."""
+        fed in each, in execution order (tick, then lane: F before B before W)."""
         units, T = self.unit_table(M), self.call_ticks(M)
         tab, out = self.call_table(M), []
         for t in range(calls * T):
-            for k, kind in enumerate((F, B)):
+            for k, kind in enumerate(self.kinds):
                 for d in range(self.num_devices):
                     u, shift = tab[t % T, d, k]
                     q = t // T - shift
@@ -309,11 +314,11 @@ def one_call(lane_plan) -> Periodic:
     s = lane_plan.schedule
     D, M = s.D, s.M
     where = lane_plan.where
-    if tuple(lane_plan.lanes) != (F, B):
-        raise ScheduleError(f"{s.name}: lanes {lane_plan.lanes}; a stream runs an F and a B lane")
-    for opt in ("eager_reduce", "double_batch"):     # the lane executor's own: replica exchange, paired forward
-        if s.options.get(opt):
-            raise ScheduleError(f"{s.name}: {opt}=True runs on the lane executor")
+    kinds = tuple(lane_plan.lanes)
+    if kinds not in ((F, B), (F, B, W)):
+        raise ScheduleError(f"{s.name}: lanes {lane_plan.lanes}; a stream runs an F, a B and a W lane")
+    if s.options.get("double_batch"):       # the lane executor's own: paired forwards as one
+        raise ScheduleError(f"{s.name}: double_batch=True runs on the lane executor")
     soc = s.stage_of_chunk()                                 # [D, chunks]
     K = soc.shape[1]
     if (soc < 0).any():
@@ -321,19 +326,20 @@ def one_call(lane_plan) -> Periodic:
     units, offs = [], {F: [], B: []}
     for c in range(K):
         for j in range(M):
-            ticks = {kind: [None] * D for kind in (F, B)}
+            ticks = {kind: [None] * D for kind in kinds}
             for d in range(D):
                 k = int(soc[d, c])
-                for kind in (F, B):
+                for kind in kinds:
                     if (kind, k, j) in where and lane_plan._dev[(kind, k, j)] == d:
                         ticks[kind][d] = int(where[(kind, k, j)][0])
-            if any(t is None for t in ticks[F] + ticks[B]):
-                if any(t is not None for t in ticks[F] + ticks[B]):
+            every = sum((ticks[k] for k in kinds), [])
+            if any(t is None for t in every):
+                if any(t is not None for t in every):
                     raise ScheduleError(f"{s.name}: micro-batch {j} visits chunk {c} on some devices only")
                 continue
             units.append((c, 0, 0, j))
-            for kind in (F, B):
-                offs[kind].append(tuple(ticks[kind]))
+            for kind in kinds:
+                offs.setdefault(kind, []).append(tuple(ticks[kind]))
     if len(units) % M or len(units) != sum(1 for k in where if k[0] == F) // D:
         raise ScheduleError(f"{s.name}: its micro-batches do not each pass every device once per chunk")
     return Periodic(s.name, D, 1, {}, chunks=K, units=tuple(units), unit_offsets={k: tuple(v) for k, v in offs.items()},
