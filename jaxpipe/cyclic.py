@@ -10,7 +10,7 @@ N workers on the mesh's ``data`` axis each hold the whole model (cut into N stag
 forward or backward) and run micro-batch after micro-batch on their own data, worker ``i`` delayed by
 ``2i`` time steps: worker ``i``'s training step ``k`` runs F of stage ``j`` at tick ``2Nk + 2i + j`` and B of
 stage ``j`` at ``2Nk + 2i + 2N - 1 - j``.  It runs on the one no-flush executor
-(``runtime/async_executor.py``), which reads this timeline as data from :func:`jaxpipe.schedules.cyclic.stream`
+(``runtime/executor.py``), which reads this timeline as data from :func:`jaxpipe.schedules.cyclic.stream`
 (every stage a chunk of the worker's device, worker ``i`` ``2i`` ticks late; replayed against the pictures'
 :func:`~jaxpipe.schedules.cyclic.op_of` in the tests) in its ring-reduction mode, with one weight policy per
 stage (:func:`jaxpipe.optim.policies.cyclic_dp`).  Nothing waits at a barrier and nothing flushes between
@@ -52,7 +52,7 @@ from .errors import ConfigError
 from .model import PipelineModel
 from .model import microbatch_key
 from .optim.policies import cyclic_dp
-from .runtime.async_executor import make_async_fn
+from .runtime.executor import make_async_fn
 from .runtime.inflight import empty_carry
 from .runtime.common import cast, full, read, write
 from .runtime.common import balanced_broadcast

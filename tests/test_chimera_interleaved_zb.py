@@ -263,7 +263,7 @@ def test_eager_synchronisation_covers_every_stage(D, N):
     stage's last backward, in tick order; only a stage whose last backward is the pipeline's last tick waits
     for the final exchange.  The executor's plan has a phase boundary at each point."""
     from jaxpipe.runtime.common import eager_points
-    from jaxpipe.runtime.executor import lane_plan
+    from jaxpipe.runtime.common import lane_plan
     s = schedules.build("chimera", D, N, eager_reduce=True)
     pts = eager_points(s)
     pairs = [p for _, ps in pts for p in ps]

@@ -1,4 +1,4 @@
-"""The one no-flush executor (``runtime/async_executor.py``) runs every pipeline-form no-flush method from the
+"""The one no-flush executor (``runtime/executor.py``) runs every pipeline-form no-flush method from the
 IR's stream: each equals its serial reference with NaN-filled bubbles and data parallelism at once, reads no
 weight version its policy no longer holds, and drains to the last micro-batch."""
 import jax

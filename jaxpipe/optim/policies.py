@@ -6,7 +6,7 @@ A policy wraps the user's optax optimizer and says which weights a micro-batch's
 stage 0 / stage D-1 use and train) and is pure: ``(init, forward_weights, backward_weights, update)``
 with state as pytrees, like an optax ``GradientTransformation``.
 
-Timeline (jaxpipe's lockstep no-flush 1F1B, ``jaxpipe.runtime.async_executor``, the no-flush executor): stage ``s`` runs F of
+Timeline (jaxpipe's lockstep no-flush 1F1B, ``jaxpipe.runtime.executor``, the no-flush executor): stage ``s`` runs F of
 micro-batch ``i`` at tick ``2i + s`` and its B at tick ``2i + 2D - 1 - s``.  Between them the stage runs
 the B (and so the update) of micro-batches ``i-(D-1-s) .. i-1``: **D - 1 - s updates**.
 

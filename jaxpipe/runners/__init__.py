@@ -12,7 +12,7 @@ and says whether its state carries micro-batches between calls (``in_flight``). 
 is data: the method's registry entry (``jaxpipe.schedules.registry.Method.runner``).  ``jp.Pipeline``
 checks the user's input and delegates.
 
-* ``sync`` (:mod:`.sync`): the flushing schedules -- the lane executor's gradient, one optimizer update;
+* ``sync`` (:mod:`.sync`): the flushing schedules -- the one executor's gradient of the lane plan (a stream of one call), one optimizer update;
 * ``async`` (:mod:`.no_flush`): the no-flush methods -- the asynchronous 1F1B family, CDP's pipeline form and
   WPipe's two groups (one weight policy per chunk);
 * ``avgpipe`` (:mod:`.avgpipe`): AvgPipe's parallel pipelines with elastic averaging.
@@ -56,7 +56,7 @@ class RunContext:
     def lane_plan(self):
         """The lane plan the flushing executor runs (``jaxpipe.schedules.lanes.LanePlan``)."""
         if self._lane_plan is None:
-            from ..runtime.executor import lane_plan
+            from ..runtime.common import lane_plan
             self._lane_plan = lane_plan(self.schedule, self.placement)
         return self._lane_plan
 

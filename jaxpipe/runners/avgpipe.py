@@ -27,7 +27,7 @@ from .. import schedules
 from ..errors import ConfigError
 from ..avgpipe_shared import check_shareable, from_executor, interleave_shares, shared_model, to_executor
 from ..optim.elastic import check_alpha, elastic_averaging
-from ..runtime.executor import lane_plan
+from ..runtime.common import lane_plan
 from ..runtime.gradient import make_stream_grad_fn
 from ..schedules.periodic import one_call
 from ..validate import is_int

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..errors import ConfigError
 from ..optim.policies import make_policy
-from ..runtime.async_executor import ALL, make_async_fn
+from ..runtime.executor import ALL, make_async_fn
 from ..runtime.inflight import empty_carry
 from ..runtime.common import full
 from ..runtime.stage import stage_residuals

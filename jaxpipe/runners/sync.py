@@ -1,5 +1,6 @@
-"""The runner of the flushing schedules (gpipe, 1f1b, interleaved_1f1b, zb_h1, chimera): the lane
-executor's gradient of the step's micro-batches, then one optimizer update (``jaxpipe.runners``' protocol)."""
+"""The runner of the flushing schedules (gpipe, 1f1b, interleaved_1f1b, zb_h1, chimera): the one executor runs
+the schedule's lane plan as a stream of one call (:func:`jaxpipe.schedules.periodic.one_call`) under the
+``gradient`` policy; the step's gradient, then one optimizer update (``jaxpipe.runners``' protocol)."""
 from __future__ import annotations
 
 from typing import Any, Dict, NamedTuple, Optional, Tuple
@@ -12,9 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..errors import ConfigError
 from ..runtime.common import exchange_perms, layout_index
-from ..runtime.executor import make_grad_fn
 from ..runtime.gradient import make_stream_grad_fn
-from ..schedules.ir import ScheduleError
 from ..schedules.periodic import one_call
 from ..axes import STAGE
 
@@ -41,13 +40,8 @@ class SyncRunner:
                         sorted(self._layout.tolist()) == list(range(ctx.schedule.num_model_stages)))
         self._inverse = np.argsort(self._layout)
         self._compiled: Dict[Any, Any] = {}
-        #: the flushing schedule as a stream of one call on the one executor, where its plan routes as a stream
-        #: does (GPipe, 1F1B, interleaved 1F1B on lanes); else None: the lane executor runs it
-        self.stream = None
-        try:
-            self.stream = one_call(ctx.lane_plan)
-        except ScheduleError:
-            pass
+        #: the flushing schedule as a stream of one call (its lane plan: what the executor runs)
+        self.stream = one_call(ctx.lane_plan)
 
     def init(self) -> PipelineState:
         ctx = self.ctx
@@ -114,36 +108,23 @@ class SyncRunner:
                None if state_sh is None else (jax.tree.structure(state_sh), tuple(jax.tree.leaves(state_sh))))
         if key not in self._compiled:
             scale = 1.0 if self.ctx.precision is None else float(self.ctx.precision.loss_scale)
-            if self.stream is not None:
-                M, n_dp = self.ctx.schedule.M, self.ctx.data_parallel      # backward halving: M units
-                mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // (n_dp * M),) + tuple(a.shape[1:]),
-                                                                 a.dtype), example)
-                grad_fn = make_stream_grad_fn(self._scaled(scale), self.stream, self.ctx.mesh, mb, M,
-                                              nan_bubbles=self.ctx.nan_bubbles, seed=self.ctx.seed,
-                                              perms=exchange_perms(self.ctx.schedule) if self._identity_layout else None)
-            else:
-                grad_fn = make_grad_fn(self._scaled(scale), self.ctx.schedule, self.ctx.mesh, example,
-                                       nan_bubbles=self.ctx.nan_bubbles, lanes=self.ctx.lane_plan)
+            M, n_dp = self.ctx.schedule.M, self.ctx.data_parallel      # backward halving: M units
+            mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // (n_dp * M),) + tuple(a.shape[1:]),
+                                                             a.dtype), example)
+            grad_fn = make_stream_grad_fn(self._scaled(scale), self.stream, self.ctx.mesh, mb, M,
+                                          nan_bubbles=self.ctx.nan_bubbles, seed=self.ctx.seed,
+                                          perms=exchange_perms(self.ctx.schedule) if self._identity_layout else None)
 
             lay, identity = jnp.asarray(self._layout), self._identity_layout
             lay_sh = jax.tree.map(lambda _: NamedSharding(self.ctx.mesh, P(STAGE)), self.ctx.model.stage_params)
-
             stored, inv = self._stored, jnp.asarray(self._inverse)
 
-            seed = self.ctx.seed
-
-            ties = self.ctx.ties
-
             def lg(params, b, step):
-                if self.stream is not None:     # tied arrays travel inside; their gradients come back folded
-                    loss, grads = lg_stream(params, b, step)
-                    if scale != 1.0:
-                        loss, grads = jax.tree.map(lambda a: (a / scale).astype(a.dtype), (loss, grads))
-                    return loss, grads
-                loss, grads = lg_full(ties.fill(params), b, step)
+                # tied arrays travel inside the program; their gradients come back folded into pre's
+                loss, grads = lg_stream(params, b, step)
                 if scale != 1.0:                    # static loss scaling: undo it before anyone sees it
                     loss, grads = jax.tree.map(lambda a: (a / scale).astype(a.dtype), (loss, grads))
-                return loss, ties.fold(grads)       # one gradient per tied array: the sum of its uses
+                return loss, grads
 
             def lg_stream(params, b, step):
                 stage_p, pre_p, post_p = params
@@ -155,18 +136,6 @@ class SyncRunner:
                 loss, (g_local, g_pre, g_post) = grad_fn(local, pre_p, post_p, b, step)
                 return loss, (jax.tree.map(lambda a, g: jnp.zeros_like(a).at[lay].add(g), stage_p, g_local),
                               g_pre, g_post)
-
-            def lg_full(params, b, step):
-                stage_p, pre_p, post_p = params
-                step_key = jax.random.fold_in(jax.random.PRNGKey(seed), step)   # model.microbatch_key's prefix
-                if identity or stored:
-                    return grad_fn(stage_p, pre_p, post_p, b, step_key)
-                # the executor's layout: device-major chunks (Chimera: each device holds two replicas;
-                # interleaved: stages d, d + D, ...); gradients of replicas are summed back per stage
-                local = jax.lax.with_sharding_constraint(jax.tree.map(lambda a: a[lay], stage_p), lay_sh)
-                loss, (g_local, g_pre, g_post) = grad_fn(local, pre_p, post_p, b, step_key)
-                g_stage = jax.tree.map(lambda a, g: jnp.zeros_like(a).at[lay].add(g), stage_p, g_local)
-                return loss, (g_stage, g_pre, g_post)
 
             if what == "grad":
                 def grad_in_model_order(params, b, step):

@@ -1,5 +1,5 @@
 """Executors: the shard_map programs that run schedule tables on a mesh."""
-from .executor import make_grad_fn
+from .gradient import make_grad_fn
 from .mesh import make_mesh
 
 __all__ = ["make_grad_fn", "make_mesh"]

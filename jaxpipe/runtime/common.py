@@ -1,5 +1,6 @@
-"""Pieces every executor shares: device-varying marks, the vjp residual split, stash reads/writes, and
-the layout of model stages over devices (which device-local chunk holds which stage)."""
+"""Pieces of the executor kept apart: the vjp residual split, stash reads/writes, collectives over live axes,
+the lane plan it runs, and the layout of model stages over devices (which device-local chunk holds which
+stage)."""
 from __future__ import annotations
 
 from typing import Any, List, Sequence, Tuple
@@ -10,23 +11,7 @@ import numpy as np
 from jax import lax
 
 from ..schedules.ir import Schedule
-from ..axes import AXES
 
-
-
-
-
-def vary(x, axes: Sequence[str] = AXES):
-    """Mark ``x`` device-varying over ``axes`` (only the axes it does not vary over yet)."""
-    def one(a):
-        t = jax.typeof(a)
-        # JAX 0.10: aval.manual_axis_type.varying; JAX 0.9: aval.vma
-        have = getattr(getattr(t, "manual_axis_type", None), "varying", None)
-        if have is None:
-            have = getattr(t, "vma", frozenset())
-        missing = tuple(ax for ax in axes if ax not in have)
-        return lax.pcast(a, missing, to="varying") if missing else a
-    return jax.tree.map(one, x)
 
 
 def residual_mask(stage_fn, w, x, ctx=None) -> Tuple[Tuple[bool, ...], list]:
@@ -74,10 +59,6 @@ def rebuild_pullback(stage_fn, w, x_like, stashed: List[Any], mask: Sequence[boo
     _, _, fresh, treedef = split_residuals(stage_fn, w, x_like, mask, ctx_like)
     it = iter(stashed)
     return jax.tree.unflatten(treedef, [next(it) if m else f for f, m in zip(fresh, mask)])
-
-
-def num_chunks(sched: Schedule) -> int:
-    return int(sched.stage_of_chunk().shape[1])
 
 
 def layout_index(sched: Schedule) -> np.ndarray:
@@ -195,7 +176,7 @@ def psum_over(x, mesh, axes: Sequence[str]):
     XLA keeps an all-reduce over one-device groups (``replica_groups={{0},{1},...}``): the no-flush executors
     ran a weight-sized one in every tick without data parallelism (BUILD_NOTES, "Collectives over one
     device"); a sum over one device is its operand, exactly.  Only for ``check_vma=False`` programs: with
-    varying-axis checks the skipped reduction changes the value's type (the lane executor keeps ``lax.psum``)."""
+    varying-axis checks the skipped reduction changes the value's type (the executor runs with ``check_vma=False``)."""
     live = live_axes(mesh, axes)
     return lax.psum(x, live) if live else x
 
@@ -226,3 +207,14 @@ def balanced_broadcast(x, N: int, me, axis):
         got = lax.ppermute(mine, axis, [(i, (i + shift) % R) for i in range(R)])
         out = out.at[jnp.mod(me - shift, R)].set(got)
     return unravel(out.reshape(-1)[:n])
+
+
+def lane_plan(sched: Schedule, placement: str = "lanes"):
+    """The lane plan the executor runs (:func:`jaxpipe.schedules.lanes.plan`), with a phase cut at each of
+    Chimera's eager-reduction points (the executor exchanges the finished replica gradients between its scans
+    there)."""
+    from ..schedules.lanes import plan
+    p = plan(sched, placement)
+    if sched.options.get("eager_reduce"):
+        p = plan(sched, placement, cut=tuple(t for t, _ in eager_points(sched, p.where)))
+    return p

@@ -1,26 +1,36 @@
-"""The SPMD executor of the flushing schedules: one ``shard_map`` program that runs a lane plan.
+"""The one executor: every method -- GPipe, 1F1B, interleaved 1F1B, ZB-H1, Chimera, AvgPipe, PipeDream,
+PipeDream-2BW, SpecTrain, PipeOptim, CDP (both forms) and WPipe -- runs here, from the schedule IR as data.
 
-Mesh axes ``("pipe", "data", "stage")`` (docs/design.md §2).  Every device runs the same program: the ticks of a
-:class:`~jaxpipe.schedules.lanes.LanePlan`, cut into phases (warm-up, steady, cool-down), each phase one
-``lax.scan``.  A tick runs the lanes its phase compiles -- F, then B (then W for a split backward; F2 for
-paired forwards in the ordered placement) -- and after each lane one ``ppermute`` per direction moves the
-message that lane produced (an activation forward, a gradient backward); arriving messages go to the
-receive-buffer slots the plan assigned.  A device idle in a lane skips it (``lax.switch`` on its branch
-index, branch 0 computes nothing): on CPU-emulated devices idle work costs real time.
+One ``shard_map`` program per call, a ``lax.scan`` over lockstep ticks, read from a stream of the IR
+(:class:`jaxpipe.schedules.periodic.Periodic`, read as a call table): on device ``d`` the F of stream unit ``i``
+runs at tick ``period * i + offset_F[d]`` and its B at ``period * i + offset_B[d]`` (the no-flush 1F1B family:
+PipeOptim Fig. 1(d)-(e), or F and B lanes in every tick), or at per-unit offsets of a call (Cyclic DP: a worker's
+F down its N stages and B back up; a flushing schedule: its lane plan as a stream of one call).  A unit is a
+micro-batch on one of the device's model chunks (:meth:`Periodic.unit_table`: WPipe's V units carry G0's
+forward of batch p + 1 and G0's backward of batch p); chunk ``c`` of device ``d`` holds the model stage of the
+stream's stage table (``c D + d``, or Chimera's mirrored pipelines).  Every capacity comes from replaying the
+stream (:meth:`Periodic.buffers`).  Data replicas may run the stream late (``replica_delay``) and reduce along
+a ring (below: Cyclic DP's DP form); AvgPipe's pipelines each train their own weights (``replicas``).
 
-Backward is explicit: F calls ``jax.vjp(stage_fn, w, x)`` and writes the pullback's activation-dependent
-residuals straight into their stash slot (inside the branch: no branch output in between); the residuals
-that depend on the weights alone are not copied -- B rebuilds them from the weights and the pullback from
-both.  The last stage's F also runs the loss and its gradient and keeps dL/dy on the device for its B.
-Stage 0's B recomputes ``pre``'s pullback (an embedding: cheap).  Where a schedule splits the backward (ZB-H1),
-B runs the input-gradient half of the pullback's jaxpr and keeps the per-layer output gradients in a slot
-beside the residuals; W runs only the weight-gradient equations on them (:mod:`.wsplit`).  Gradients accumulate inside the B (W)
-branches (divided by M at the source: the mean loss), then ``psum`` over ``stage`` for the replicated
-pre/post parameters and ``pmean`` over ``pipe``/``data``.
+Messages.  A periodic stream consumes every message the tick after it was sent (a register per direction;
+a wrap-around buffer between chunks, indexed like the ring of micro-batches).  A stream of one call made from a
+lane plan (``periodic.plan``) routes in the plan's slots instead: messages in both directions, kept or waiting
+where the plan says, residuals in its stash slots; its lanes may include Chimera's paired forward (F2: one
+doubled forward) and ZB's W (the weight gradient from the frontier B kept).
+
+Nothing flushes between calls: the train state carries the stashed residuals, the messages on the wire, the
+last stage's dL/dy, the recent micro-batches and, per chunk, each stage's weights, optimizer state and policy
+state.  ``step`` feeds M micro-batches and runs ``period * U`` ticks (U units per call); ``drain`` runs calls
+without feeding until everything in flight is finished.  Which weights an op reads and when updates land come
+from the chunk's weight policy (``jaxpipe.optim.policies``; a flushing schedule's: ``gradient``, which sums and
+returns): the executor never asks a method's name.  A tick is an F lane and a B lane (and F2/W where the plan
+has them), each a predicate ``lax.cond`` around a switch over small outputs (nothing weight-sized passes
+through a multi-way conditional: XLA copies such pass-throughs); the update runs in a conditional of its own
+per chunk (a sum-only policy adds inside the backward's); accumulating policies land between scans, at the
+tick the timeline allows (:func:`landing_points`), or in the ticks where some stage lands
+(:func:`landing_segments`).
 """
 from __future__ import annotations
-
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -28,404 +38,736 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from ..schedules.ir import SEND_MINUS, SEND_PLUS, Schedule
-from ..schedules.lanes import F2, L, plan
+from ..errors import ConfigError
+from ..model import microbatch_key
+from ..tying import Ties
+from .apc import apc_pack, apc_unpack
+from .common import balanced_broadcast, cast, eager_points, full, pmean_over, ppermute_bits, psum_over, read, where, write
+from .landing import landing_points, landing_segments, ring_phases
 from .stage import StageOps
 from .wsplit import split_backward
-from .common import cast, eager_points, exchange_perms, full, num_chunks, ppermute_bits, read, vary, where, write
-from ..axes import DATA, DP_AXES, PIPE, STAGE
+from ..axes import AXES, DATA, DP_AXES, PIPE, STAGE
+from ..schedules.ir import SEND_PLUS
+from ..schedules.lanes import L as _L
 
-_RECV = {SEND_PLUS: L["recv_p"], SEND_MINUS: L["recv_m"]}
-
-
-def lane_plan(sched: Schedule, placement: str = "lanes"):
-    """The plan the executor runs (with a phase cut at Chimera's eager-reduction point)."""
-    p = plan(sched, placement)
-    if sched.options.get("eager_reduce"):
-        p = plan(sched, placement, cut=tuple(t for t, _ in eager_points(sched, p.where)))
-    return p
+ALL = AXES
+#: a lane plan's columns the slot routing reads: stash slot, input slot, kept-message slot, arrival slots
+_ROUTE = ("stash", "in", "keep", "recv_p", "recv_m")
+_R = {k: i for i, k in enumerate(_ROUTE)}
 
 
-def _branch_codes(p):
-    """Per lane: the branch codes (0 idle, ``1 + chunk*4 + first + 2*last``) used, and the table with codes
-    replaced by their index in that list (only used branches are compiled)."""
-    tab = p.table.copy()
-    used = []
-    for li, kind in enumerate(p.lanes):
-        if kind in ("B", "W"):         # one backward branch per chunk, every position (see bwd)
-            b = tab[:, :, li, L["branch"]]
-            b[b > 0] = 1 + 4 * tab[:, :, li, L["chunk"]][b > 0]
-        u = np.unique(tab[:, :, li, L["branch"]])
-        u = u if u[0] == 0 else np.concatenate([[0], u])
-        tab[:, :, li, L["branch"]] = np.searchsorted(u, tab[:, :, li, L["branch"]])
-        used.append([int(c) for c in u])
-    return tab, used
+def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubbles: bool = False,
+                  periodic=None, seed: int = 0, apc: bool = False, broadcast: str = "direct",
+                  replicas: bool = False):
+    """``fn(params, opt_state, policy_state, carry, counters, batch, feed) -> (same..., metrics)``.
 
+    ``policy``: a :class:`~jaxpipe.optim.policies.WeightPolicy`, or a tuple of one per chunk; ``params``,
+    ``opt_state`` and ``policy_state`` are then tuples over chunks, each ``(w [D..], pre [D..], post [D..])``
+    per stage (pre/post: each stage's copy; stage 0's pre and the last stage's post are the trained ones).
+    ``feed`` (traced bool): whether ``batch``'s M micro-batches enter the pipeline; ``drain`` calls the same
+    program with ``feed=False`` (the batch is then written to ring slots no micro-batch in flight uses).
+    ``counters = (t, base, n_fed)`` int32 scalars: tick since the last (re)start, global index of the first
+    micro-batch since then, micro-batches fed since then.  ``mb_example``: one micro-batch per data replica.
+    ``apc``: activations and gradients travel compressed (WPipe appendix A.3, :mod:`.apc`).
 
-def double_pair(model, p, table, used, x_aval, mb_example):
-    """``(F lane, F2 lane)`` for Chimera's forward doubling as one double-size micro-batch, after checking
-    that it computes what the paired forwards compute: a context-free model (a stage context is per
-    micro-batch), activations and stashed residuals with the micro-batch's rows on their leading axis (the
-    pair is split back there), and wherever F2 runs, F runs the same stage position."""
-    from ..errors import ConfigError
-    from .common import residual_mask
-    if F2 not in p.lanes:
-        raise ConfigError("double_batch=True runs paired forwards as one: it needs Chimera with "
-                          "concat='forward_doubling' and placement='ordered' (the lanes placement runs forwards "
-                          "one per F lane beside the backwards, unpaired)")
-    la, lb = p.lanes.index("F"), p.lanes.index(F2)
-    if model.context:
-        raise ConfigError("double_batch=True: this model takes a stage context (a key per micro-batch), which "
-                          "one forward of two micro-batches cannot reproduce; use double_batch=False (paired "
-                          "forwards, the same numbers)")
-    rows = {int(np.shape(a)[0]) for a in jax.tree.leaves(mb_example)}
-    xs = {int(np.shape(a)[0]) if np.ndim(a) else -1 for a in jax.tree.leaves(x_aval)}
-    w = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), model.stage_params)
-    x2 = jax.tree.map(lambda a: jax.ShapeDtypeStruct((2 * a.shape[0],) + tuple(a.shape[1:]), a.dtype), x_aval)
-    _, r1 = residual_mask(model.stage_fn, w, x_aval, None)
-    _, r2 = residual_mask(model.stage_fn, w, x2, None)
-    ok_res = len(r1) == len(r2) and all(tuple(b.shape) == (2 * a.shape[0],) + tuple(a.shape[1:])
-                                        for a, b in zip(r1, r2))
-    if len(rows) != 1 or xs != rows or not ok_res:
-        raise ConfigError(f"double_batch=True concatenates two micro-batches along the leading axis: every "
-                          f"activation leaf and stashed residual must lead with the micro-batch's rows "
-                          f"(micro-batch rows {sorted(rows)}, activation leading sizes {sorted(xs)}, residuals "
-                          f"split {'ok' if ok_res else 'not along the rows'}); use double_batch=False")
-    both = (table[:, :, lb, L["op"]] > 0)
-    if np.any(both & (table[:, :, la, L["op"]] <= 0)) or np.any(
-            both & (np.asarray(used[la])[table[:, :, la, L["branch"]]] != np.asarray(used[lb])[table[:, :, lb, L["branch"]]])):
-        raise ConfigError("double_batch=True: the plan pairs forwards of different stage positions (executor bug)")
-    return la, lb
-
-
-def make_grad_fn(model, sched: Schedule, mesh, batch_example, *, nan_bubbles: bool = False,
-                 replicas: bool = False, placement: str = "lanes", lanes=None) -> Callable:
-    """Return ``fn(stage_params, pre_params, post_params, batch) -> (loss, (g_stage, g_pre, g_post))``.
-
-    ``stage_params`` here are in the executor's layout: leading axis ``D * chunks``, device-major (see
-    :func:`layout_index`; :class:`jaxpipe.Pipeline` gathers them from the model's stage order and
-    scatter-adds the gradients back, which sums the gradients of a stage's replicas).
-    ``batch_example`` (arrays or ShapeDtypeStructs, global shapes) fixes the shapes the program is built for.
-    With ``nan_bubbles`` every buffer starts NaN and idle lanes send NaN: a test that the results stay finite
-    proves nothing computed in a bubble or left in an unused slot reaches the loss or the gradients.
-    ``placement``: ``"lanes"`` (F and B lanes in every tick) or ``"ordered"`` (the schedule's own one action
-    per tick: its memory bound); see :mod:`jaxpipe.schedules.lanes`.  ``lanes``: a ready
-    :class:`~jaxpipe.schedules.lanes.LanePlan` of ``sched`` (default: built from ``placement``).
-
-    ``replicas=True`` (AvgPipe's parallel pipelines): every parameter has a leading axis of one replica per
-    ``pipe`` index, each pipeline trains its own, and gradients and losses are averaged over ``data`` only;
-    the loss comes back per replica (shape ``[pipes]``).
+    Ring reduction (policies with ``apply_sum``: Cyclic DP's workers on ``data``, ``D = 1``, every stage a chunk
+    of the worker): replica ``r`` runs the stream ``r * replica_delay`` ticks late; a backward adds the previous
+    worker's partial sum of its chunk and sends the sum on (one ``ppermute`` per tick); the last worker's sum
+    is complete: it updates the stage (``apply_sum``) and sends it to the others (``broadcast``: ``"direct"``
+    or ``"balanced"``, :func:`.common.balanced_broadcast`), which land it the next tick.  No collective runs
+    inside a conditional, and none but point-to-point ones in the scan.  ``params``, ``opt_state`` and
+    ``policy_state`` are then one replica per worker (leading axis over data and stage) with the worker's chunks
+    stacked (``[K, ...]``): the lanes slice their chunk inside their branches, a stage lands by dynamic-update-
+    slice (``land_stacked``; per-chunk buffers swapped in conditionals were copied every tick).
     """
-    D, M = sched.D, sched.M
-    p = lanes if lanes is not None else lane_plan(sched, placement)
-    table, used = _branch_codes(p)
-    nchunk = num_chunks(sched)
+    chunked = not hasattr(policy, "_fields")       # a WeightPolicy is a NamedTuple; chunks: a tuple of them
+    policies = tuple(policy) if chunked else (policy,)
+    K = len(policies)
+    if periodic is None:
+        from ..schedules.periodic import no_flush_1f1b
+        periodic = no_flush_1f1b(policies[0].name, D)
+    if periodic.chunks != K:
+        raise ConfigError(f"the timeline has {periodic.chunks} chunks per device, the policy {K}")
+    by_branch = K > 1 or policies[0].choose is not None
+    if K > 1 and any(p.choose is None or (p.land is not None and not p.land_at_call_end) for p in policies):
+        raise ConfigError("a timeline of several chunks runs policies that choose among stored versions and "
+                          "land between scans")
+    if len({p.per_microbatch for p in policies}) != 1:
+        raise ConfigError("the chunks' policies must all update per micro-batch or all per batch")
+    ring = policies[0].apply_sum is not None
+    W = mesh.shape[DATA]
+    if ring and (D != 1 or mesh.shape[PIPE] != 1 or any(p.apply_sum is None for p in policies)):
+        raise ConfigError("a ring reduction runs every stage on each worker of the 'data' axis (stage = pipe = 1)")
+    units = periodic.unit_table(M)
     n_dp = mesh.shape[PIPE] * mesh.shape[DATA]
-    pre = model.pre
-
-    leaves = jax.tree.leaves(batch_example)
-    mbs = leaves[0].shape[0] // (n_dp * M)
-    mb_example = jax.tree.map(lambda a: jax.ShapeDtypeStruct((mbs,) + tuple(a.shape[1:]), a.dtype),
-                              batch_example)
+    # replicas (AvgPipe's parallel pipelines): one set of weights per 'pipe' index, averaged over 'data' only
+    RED = (DATA,) if replicas else DP_AXES
+    n_red = mesh.shape[DATA] if replicas else n_dp
+    buf = periodic.buffers(M, periodic.replica_delay * (n_dp - 1))
+    C, S = buf["ring"], buf["stash"]
+    S_off = np.concatenate([[0], np.cumsum(S)])
     w_example = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), model.stage_params)
-    x_aval = jax.eval_shape(pre, model.pre_params, mb_example)
+    x_aval = jax.eval_shape(model.pre, model.pre_params, mb_example)
     y_aval = model.stage_output_aval(w_example, x_aval, mb_example)
     model.check_activation(x_aval, y_aval)
     summed = model.reduction(y_aval, mb_example) == "sum"
-
-    blank_value = jnp.nan if nan_bubbles else 0      # what unwritten buffers and idle lanes hold
-
-    perms = exchange_perms(sched)
-    pair = double_pair(model, p, table, used, x_aval, mb_example) if sched.options.get("double_batch") else None
-    eager = dict(eager_points(sched, p.where)) if sched.options.get("eager_reduce") else {}
-    red = (DATA,) if replicas else DP_AXES
-    split = sched.has_w()
-    w_split = split and sched.options.get("w_from", "frontier") == "frontier"
-    ring = {SEND_PLUS: [(d, (d + 1) % D) for d in range(D)], SEND_MINUS: [(d, (d - 1) % D) for d in range(D)]}
-
-    def body(stage_p, pre_p, post_p, batch, step_key):
-        if replicas:
-            stage_p, pre_p, post_p = jax.tree.map(lambda a: a[0], (stage_p, pre_p, post_p))
-        if perms is not None:      # one stage per device; Chimera's replicas fetched from their owners
-            own = jax.tree.map(lambda a: a[0], stage_p)
-            ws = [own if pm is None else jax.tree.map(lambda a: lax.ppermute(a, STAGE, pm), own)
-                  for pm in perms]
-        else:
-            ws = [jax.tree.map(lambda a: a[c], stage_p) for c in range(nchunk)]
-        ws, pre_p, post_p, batch = vary((ws, pre_p, post_p, batch))
-        batch = jax.tree.map(lambda a: a.reshape((M, a.shape[0] // M) + a.shape[1:]), batch)
-        me = lax.axis_index(STAGE)
-        blank = lambda: vary(full(x_aval, blank_value))
-        x_like = lambda: vary(full(x_aval, 0))
-        ops, stash_avals = StageOps.build(model, ws[0], x_like(), jax.tree.map(lambda a: a[0], batch), x_like,
-                                          zeros=lambda sh, dt: vary(jnp.zeros(sh, dt)), mark=vary)
-        # the flat data-parallel replica: micro-batch j of replica r has key microbatch_key(seed, step, r M + j)
-        replica = lax.axis_index(PIPE) * mesh.shape[DATA] + lax.axis_index(DATA)
-        no_res = lambda: vary(full(stash_avals, blank_value))
-        n_res = len(stash_avals)
-        # ZB's W from the per-layer output gradients B kept (wsplit): none where the stage cannot be split
-        wsp = split_backward(ops.backward, ws[0], no_res(), x_like(), stash_avals) if w_split else None
-        no_front = lambda: vary(full(wsp.frontier_avals, blank_value)) if wsp is not None else []
-        mb_of = lambda row: jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, row[L["mb"]], 0, False), batch)
-        add = lambda a, d: jax.tree.map(lambda u, v: u + v.astype(u.dtype), a, d)
-
-        # An F branch maps (row, stash, mbuf, acc) -> (stash, acc, message), a B/W branch (row, stash, mbuf,
-        # acc) -> (acc, message): the stash is an operand there, never an output, so XLA does not copy it
-        # through the conditional.  acc = (g_w per chunk, g_pre, g_post, loss); a branch that adds nothing
-        # passes the accumulators through (XLA keeps them in place).
-        def idle_f(row, stash, mbuf, acc):
-            return no_res(), acc, blank()
-
-        def idle_b(row, stash, mbuf, acc):       # acc = (g_w of one chunk, g_pre)
-            return acc, blank()
-
-        def idle_b_front(row, stash, mbuf, acc):
-            return acc, blank(), no_front()
-
-        def fwd(chunk, first, last):
-            def op(row, stash, mbuf, acc):
-                mb = mb_of(row) if (first or last or model.context) else None
-                x = None if first else read(mbuf, row[L["in"]])
-                ctx = None
-                if model.context:
-                    ctx = ops.context(mb, jax.random.fold_in(step_key, replica * M + row[L["mb"]]), row[L["stage"]])
-                y, res, head = ops.forward(ws[chunk], x, mb, pre_p, post_p, first, last, ctx)
-                if not last:
-                    return res, acc, cast(y, x_aval)
-                acc, dy = account(acc, head)
-                return res, acc, dy
-            return op
-
-        def account(acc, head):
-            """The last stage's loss and head gradient added to the accumulators; returns (acc, dL/dy)."""
-            l, n, gq, dy = head
-            gws, gpre, gpost, (gl, gn) = acc
-            if summed:      # (sum, count) losses: divided by the global count after the pipeline
-                return (gws, gpre, add(gpost, gq), (gl + l.astype(jnp.float32), gn + n)), cast(dy, x_aval)
-            acc = (gws, gpre, add(gpost, jax.tree.map(lambda g: g / M, gq)), (gl + (l / M).astype(jnp.float32), gn))
-            return acc, cast(jax.tree.map(lambda d: d / M, dy), x_aval)
-
-        def fwd_double(chunk, first, last):
-            """Chimera §3.5's forward doubling as one micro-batch of twice the size: the pair's inputs
-            concatenated along the batch axis, one stage forward, the output and the stashed residuals (the
-            stage input: forward doubling recomputes) split back per micro-batch; the loss head runs per
-            micro-batch (a mean over each, as the unpaired forward)."""
-            def op(ra, rb, stash, mbuf, acc):
-                mba, mbb = mb_of(ra), mb_of(rb)
-                if first:
-                    xa, xb = model.pre(pre_p, mba), model.pre(pre_p, mbb)
-                else:
-                    xa, xb = read(mbuf, ra[L["in"]]), read(mbuf, rb[L["in"]])
-                x = jax.tree.map(lambda a, b: jnp.concatenate([a, b], 0), xa, xb)
-                y, res, _ = ops.forward(ws[chunk], x, None, pre_p, post_p, False, False, None)
-                half = lambda t, k: jax.tree.map(lambda a: a[k * (a.shape[0] // 2):(k + 1) * (a.shape[0] // 2)], t)
-                ya, yb = half(y, 0), half(y, 1)
-                res_a, res_b = [half(r, 0) for r in res], [half(r, 1) for r in res]
-                if not last:
-                    return res_a, res_b, acc, cast(ya, x_aval), cast(yb, x_aval)
-                acc, dya = account(acc, ops.head(post_p, ya, mba))
-                acc, dyb = account(acc, ops.head(post_p, yb, mbb))
-                return res_a, res_b, acc, dya, dyb
-            return op
-
-        def bwd(chunk, want_dw=True, want_dx=True):
-            # want_dw=False: zero-bubble B (input gradient only); want_dx=False: its deferred W.  XLA drops
-            # the half of the pullback whose result is not used.  One branch for every position (dL/dy is in
-            # the message buffer on the last stage too; stage 0's pre pullback under its own small cond):
-            # the fewer branches pass the gradient accumulators through, the fewer copies XLA makes.
-            def op(row, stash, mbuf, acc):
-                gw, gpre = acc
-                res = [read(a, row[L["stash"]]) for a in stash[:n_res]]
-                dy = read(mbuf, row[L["in"]])
-                front = None
-                if wsp is not None and not want_dx:           # W: the weight-gradient equations only
-                    dw = wsp.weight_part(ws[chunk], res, dy, [read(a, row[L["stash"]]) for a in stash[n_res:]])
-                elif wsp is not None and not want_dw:         # B: input gradient, frontier kept for W
-                    dx, front = wsp.input_part(ws[chunk], res, dy)
-                else:
-                    dw, dx = ops.backward(ws[chunk], res, dy)
-                if want_dw:
-                    gw = add(gw, dw)
-                if not want_dx:
-                    return (gw, gpre), blank()
-                dx = cast(dx, x_aval)
-                if jax.tree.leaves(pre_p):
-                    def pre_grad(g):
-                        return add(g, ops.pre_grad(pre_p, mb_of(row), dx))
-                    gpre = lax.cond(row[L["stage"]] == 0, pre_grad, lambda g: g, gpre)
-                if front is not None:
-                    return (gw, gpre), dx, front
-                return (gw, gpre), dx
-            return op
-
-        def make(kind, code):
-            if code == 0:
-                return idle_f if kind in ("F", F2) else idle_b
-            chunk, f = divmod(code - 1, 4)
-            first, last = bool(f & 1), bool(f & 2)
-            if kind in ("F", F2):
-                return fwd(chunk, first, last)
-            if kind == "B":
-                return bwd(chunk, want_dw=not split)
-            return bwd(chunk, want_dx=False)
-
-        branches = [[make(kind, c) for c in used[li]] for li, kind in enumerate(p.lanes)]
-        pair_branches = None
-        if pair is not None:          # indexed like the F lane's branches (same codes, checked in double_pair)
-            pair_branches = [lambda ra, rb, stash, mbuf, acc: (no_res(), no_res(), acc, blank(), blank())]
-            for code in used[pair[0]][1:]:
-                chunk, f = divmod(int(code) - 1, 4)
-                pair_branches.append(fwd_double(chunk, bool(f & 1), bool(f & 2)))
-
-        def backward_lane(li, row, stash, mbuf, acc):
-            # one predicate cond per chunk, each passing through only that chunk's gradient (and g_pre): a
-            # pass-through of accumulators in a multi-way conditional makes XLA copy them every tick
-            gws, gpre, gpost, gl = acc
-            gws, msg, front = list(gws), None, None
-            fronts = wsp is not None and p.lanes[li] == "B"
-            for k, code in enumerate(used[li][1:], 1):
-                c = (code - 1) // 4
-                out = lax.cond(row[L["branch"]] == k, branches[li][k], idle_b_front if fronts else idle_b, row,
-                               stash, mbuf, (gws[c], gpre))
-                (gws[c], gpre), m = out[:2]
-                msg = m if msg is None else where(row[L["branch"]] == k, m, msg)
-                if fronts:
-                    front = out[2] if front is None else where(row[L["branch"]] == k, out[2], front)
-            if fronts:      # the frontier into the micro-batch's slot beside its residuals (scratch when idle)
-                slot = jnp.where(row[L["op"]] > 0, row[L["stash"]], p.stash_capacity)
-                stash = list(stash[:n_res]) + [write(a, slot, f) for a, f in zip(stash[n_res:], front or no_front())]
-            return stash, (gws, gpre, gpost, gl), blank() if msg is None else msg
-
-        def lane(li, row, c, direct=None):
-            # direct: the op of a lane every device runs in this phase (no conditional around it)
-            stash, mbuf, acc = c
-            if p.lanes[li] in ("F", F2):
-                if direct is not None:
-                    res, acc, msg = direct(row, stash, mbuf, acc)
-                else:
-                    res, acc, msg = lax.switch(row[L["branch"]], branches[li], row, stash, mbuf, acc)
-                slot = jnp.where(row[L["op"]] > 0, row[L["stash"]], p.stash_capacity)
-                stash = [write(a, slot, r) for a, r in zip(stash, res)] + list(stash[n_res:])
-            elif direct is not None and wsp is None:
-                gws, gpre, gpost, gl = acc
-                (g0, gpre), msg = direct(row, stash, mbuf, (gws[0], gpre))
-                acc = ([g0] + list(gws[1:]), gpre, gpost, gl)
+    model_key = lambda step, mb: microbatch_key(seed, step, mb)
+    # (sum, count) losses: per-micro-batch updaters scale each micro-batch at the loss by replicas / its global
+    # count; accumulating policies (2BW, CDP, WPipe) get unscaled sums, and each micro-batch's global count
+    # travels back with dL/dy so that every stage divides its step's summed gradient by the step's count
+    # (the ring reduction sums each micro-batch's count along the ring with its gradient)
+    counting = summed and (ring or not policies[0].per_microbatch)
+    ties = Ties(model)
+    tie_avals = ties.pre_leaves(model.pre_params)
+    T = periodic.call_ticks(M)
+    in_scan = policies[0].land is not None and not policies[0].land_at_call_end
+    segments = landing_segments(periodic, M, D) if in_scan else [(0, T, False)]
+    lands = {c: landing_points(periodic, M, c, p) for c, p in enumerate(policies)
+             if p.land is not None and p.land_at_call_end}
+    cuts = sorted({tau for _, tau in lands.values() if tau < T})
+    if cuts:
+        segments = [(a, b, False) for a, b in zip([0] + cuts, cuts + [T])]
+    if ring:        # runs of ticks with the same (may land, may update): only those compile the broadcast
+        flags = ring_phases(periodic, M, W)
+        segments = []
+        for tau, f in enumerate(flags):
+            if segments and segments[-1][2] == f:
+                segments[-1] = (segments[-1][0], tau + 1, f)
             else:
-                stash, acc, msg = backward_lane(li, row, stash, mbuf, acc)
-            return stash, deliver(li, row, msg, mbuf), acc
+                segments.append((tau, tau + 1, f))
+    # positions: chunk c of device d is first (pre) where it holds model stage 0, last (loss) where it holds
+    # the last; only the (chunk, position) pairs some device has are compiled
+    stg = periodic.stage_table()
+    n_st = periodic.num_stages
+    pos_of = lambda c, d: int(stg[c, d] == 0) + 2 * int(stg[c, d] == n_st - 1)
+    # a stream of one call made from a lane plan: residuals and messages in the plan's slots (below)
+    slots = periodic.plan is not None
+    if slots and any(p.finish is None for p in policies):
+        raise ConfigError("a lane plan's stream runs under a policy that returns the call's gradient ('gradient')")
+    routes = np.asarray(periodic.plan.table[..., [_L[k] for k in _ROUTE]]) if slots else None
+    fused = all(p.finish is not None for p in policies) and not ring
+    # ZB's split backward (a plan with a W lane): B computes the input gradient and keeps the per-layer output
+    # gradients (the frontier, :mod:`.wsplit`) beside the residuals; W adds the weight gradient from them
+    kinds = periodic.kinds          # the lanes of a tick: F, (F2,) B, (W)
+    KB, KW, KF2 = kinds.index("B"), kinds.index("W") if "W" in kinds else -1, kinds.index("F2") if "F2" in kinds else -1
+    split, paired = KW >= 0, KF2 >= 0
+    w_frontier = split and periodic.plan.schedule.options.get("w_from", "frontier") == "frontier"
+    # Chimera §3.2's eager gradient synchronisation: after these ticks some stages' replica gradients are final
+    # and go home between two scans (chunk 1 of the replica device -> chunk 0 of the owner)
+    eager = dict(eager_points(periodic.plan.schedule, periodic.plan.where)) if (
+        slots and periodic.plan.schedule.options.get("eager_reduce")) else {}
+    if eager:
+        if K != 2 or any(p.sums is None for p in policies):
+            raise ConfigError("eager_reduce moves one chunk's gradient sums to another's: two chunks whose policies "
+                              "expose their sums")
+        segments = [(a, b, False) for a, b in zip([0] + sorted(eager), sorted(eager) + [T])]
+    used_pos = [sorted({pos_of(c, d) for d in range(D)}) for c in range(K)]
+    remap = np.zeros((K, 4), np.int32)
+    for c in range(K):
+        remap[c, used_pos[c]] = np.arange(len(used_pos[c]))
+    done_tab = np.asarray(buf["done"], np.int32)
 
-        def deliver(li, row, msg, mbuf):
-            """The lane's message kept on the device and/or sent on its channels (one ppermute each)."""
-            if p.keeps[li]:
-                mbuf = write(mbuf, row[L["keep"]], msg)
-            for ch in p.channels[li]:
-                mbuf = write(mbuf, row[_RECV[ch]], ppermute_bits(msg, STAGE, ring[ch]))
+    def body(params, opt_state, pstate, carry, counters, batch, feed):
+        sq = lambda t: jax.tree.map(lambda a: a[0], t)
+        lps, oss, pss, carry = sq(params), sq(opt_state), sq(pstate), sq(carry)
+        if not chunked:
+            lps, oss, pss = (lps,), (oss,), (pss,)
+        t0, base, n_fed = counters
+        me = lax.axis_index(STAGE)
+        view = lambda stack, c: jax.tree.map(lambda a: a[c], stack)
+        views = lambda stack: tuple(view(stack, c) for c in range(K))
+        sop, avals = StageOps.build(model, (views(lps) if ring else lps)[0][0], full(x_aval, 0),
+                                    jax.tree.map(lambda a: a[0], carry.ring))
+        replica = lax.axis_index(PIPE) * mesh.shape[DATA] + lax.axis_index(DATA)
+        if len(avals) != len(carry.stash):
+            raise RuntimeError(f"stage_fn's pullback stashes {len(avals)} residuals inside the program but "
+                               f"{len(carry.stash)} were allocated; stage_fn must trace the same way every time")
+        wsp = None
+        if w_frontier:      # W from the frontier B keeps (none where the stage cannot be split: W recomputes)
+            wsp = split_backward(sop.backward, lps[0][0], full(avals, 0), full(x_aval, 0), avals)
+        if wsp is not None:     # in the plan's stash slots (last: scratch), for this call only
+            carry = carry._replace(front=full(wsp.frontier_avals, jnp.nan if nan_bubbles else 0,
+                                              (periodic.plan.stash_capacity + 1,)))
+        # this call's micro-batches go to ring slots (base + n_fed + j) mod C; counted only when fed
+        batch = jax.tree.map(lambda a: a.reshape((M, a.shape[0] // M) + a.shape[1:]), batch)
+        recent = lax.fori_loop(0, M, lambda j, r: jax.tree.map(
+            lambda rb, b: write(rb, (base + n_fed + j) % C, b[j]), r, batch), carry.ring)
+        n_fed = n_fed + M * feed.astype(jnp.int32)
+        carry = carry._replace(ring=recent)
+        zero_like = lambda t: jax.tree.map(jnp.zeros_like, t)
+        mb_of = lambda g: jax.tree.map(lambda a: read(a, (base + g) % C), carry.ring)
+        blank = lambda: full(x_aval, jnp.nan if nan_bubbles else 0)
+        blank_tie = lambda: full(tie_avals, jnp.nan if nan_bubbles else 0)
+        x_like = lambda: full(x_aval, 0)
+        ctab, unit_tab = jnp.asarray(periodic.call_table(M)), jnp.asarray(units)
+        s_off, s_cap = jnp.asarray(S_off[:-1], jnp.int32), jnp.asarray(S, jnp.int32)
+        slot_of = lambda c, g: s_off[c] + g % s_cap[c]
+
+        def op_of(t, d, kind, r=None):
+            """(runs, chunk, g): device ``d``'s op ``kind`` (0: F, 1: B) at tick ``t``, of micro-batch ``g``, on
+            replica ``r`` (default: this one; it runs ``r * replica_delay`` ticks late)."""
+            if periodic.replica_delay:
+                t = t - (replica if r is None else r) * periodic.replica_delay
+            u, shift = ctab[t % T, d, kind, 0], ctab[t % T, d, kind, 1]
+            q = t // T - shift
+            row = unit_tab[jnp.maximum(u, 0)]
+            g = (q + jnp.where(kind in (0, KF2), row[1], row[2])) * M + row[3]     # W: the B's micro-batch
+            return (u >= 0) & (q >= 0) & (g >= 0) & (g < n_fed), row[0], g
+
+        stage_of = lambda c: jnp.asarray(stg)[c, me]          # the model stage of this device's chunk c
+        is_first = lambda c: stage_of(c) == 0
+        is_last = lambda c: stage_of(c) == n_st - 1
+
+        def position(c: int):
+            """The position code of this device's chunk ``c``: 1 first (pre), 2 last (loss), 3 both."""
+            return is_first(c).astype(jnp.int32) + 2 * is_last(c).astype(jnp.int32)
+
+        def pick(c, values):
+            """``values[c]`` for a traced chunk index (scalars)."""
+            out = values[0]
+            for cc in range(1, K):
+                out = jnp.where(c == cc, values[cc], out)
+            return out
+
+        def forward_at(first, last):
+            # one position's forward on the weights the policy chose: small outputs only (message,
+            # residuals, dL/dy and head gradient of the last stage, its loss)
+            def op(wF, x_in, t_in, mb, ctx):
+                w, pre_p, post_p = wF
+                # tied arrays: the version stage 0 reads for this micro-batch, carried to the last stage
+                t_mine = ties.pre_leaves(pre_p) if first else t_in
+                y, res, head = sop.forward(w, x_in, mb, pre_p, ties.post_with(post_p, t_mine), first, last, ctx)
+                if not last:
+                    return (cast(y, x_aval), res, x_like(), zero_like(post_p), jnp.zeros((), jnp.float32),
+                            cast(t_mine, tie_avals), zero_like(tie_avals), jnp.zeros((), jnp.float32))
+                return head_out(res, head)
+            return op
+
+        def head_out(res, head):
+            """The last stage's outputs of one micro-batch's forward from its loss head."""
+            l, n, gq, dy = head
+            gq, gt = ties.take_post(gq)
+            if ring:     # workers run this at different ticks: nothing collective; counts travel the ring
+                n = jnp.asarray(n, jnp.float32) if summed else jnp.zeros((), jnp.float32)
+                return blank(), res, cast(dy, x_aval), gq, l.astype(jnp.float32), blank_tie(), gt, n
+            n_glob = psum_over(n, mesh, RED).astype(jnp.float32) if summed else jnp.zeros((), jnp.float32)
+            if counting:
+                l = psum_over(l, mesh, RED)     # the metric: summed, over the summed counts (below)
+            elif summed:
+                # (sum, count): this micro-batch's loss over every replica's real tokens -- scaled here so
+                # that the pmean over replicas in B gives sum over replicas / global count
+                scale = n_red / n_glob
+                l, gq, gt, dy = l * scale, *jax.tree.map(lambda g: g * scale.astype(g.dtype), (gq, gt, dy))
+            return blank(), res, cast(dy, x_aval), gq, l.astype(jnp.float32), blank_tie(), gt, n_glob
+
+        def double_at(first, last):
+            """Chimera §3.5's forward doubling as one micro-batch of twice the size (``double_batch``): the pair's
+            inputs concatenated along the batch axis, one stage forward, the output and the stashed residuals
+            split back per micro-batch; the loss head runs per micro-batch.  Two forward outputs, as
+            :func:`forward_at`'s."""
+            def op(wF, xs, ts, mbs):
+                w, pre_p, post_p = wF
+                if first:
+                    xs = tuple(model.pre(pre_p, mb) for mb in mbs)
+                    ts = (ties.pre_leaves(pre_p),) * 2
+                x = jax.tree.map(lambda a, b: jnp.concatenate([a, b], 0), *xs)
+                y, res, _ = sop.forward(w, x, None, pre_p, post_p, False, False, None)
+                half = lambda t, k: jax.tree.map(lambda a: a[k * (a.shape[0] // 2):(k + 1) * (a.shape[0] // 2)], t)
+                outs = []
+                for k in range(2):
+                    yk, rk = half(y, k), [half(r, k) for r in res]
+                    if last:
+                        outs.append(head_out(rk, sop.head(ties.post_with(post_p, ts[k]), yk, mbs[k])))
+                    else:
+                        outs.append((cast(yk, x_aval), rk, x_like(), zero_like(post_p), jnp.zeros((), jnp.float32),
+                                     cast(ts[k], tie_avals), zero_like(tie_avals), jnp.zeros((), jnp.float32)))
+                return tuple(outs)
+            return op
+
+        variants = [[forward_at(bool(p & 1), bool(p & 2)) for p in used_pos[c]] for c in range(K)]
+        doubles = [[double_at(bool(p & 1), bool(p & 2)) for p in used_pos[c]] for c in range(K)] if paired else None
+        cr_mbuf = lambda ops: ops[2].mbuf
+
+        def choices(g, lps, pss):
+            """Per chunk: (version index, candidates) the policy chooses for micro-batch ``g`` on this device."""
+            return [p.choose(lp, ps, base + g, me) for p, lp, ps in zip(policies, lps, pss)]
+
+        def operands(ch, lps, pss):
+            """The switch's weight operands: every chunk's candidates (each read in place by its branch) -- or, on
+            a ring, the stacked candidates (``lps``, ``pss``: the stacks), each branch slicing its chunk (views
+            sliced outside were materialised: 173 MiB of temp)."""
+            if ring:
+                return policies[0].choose(lps, pss, base, me)[1]
+            return [cands for _, cands in ch]
+
+        def per_chunk(lps, pss):
+            """The chunks' (weights, policy state): views of the stacks on a ring, else as they are."""
+            return (views(lps), views(pss)) if ring else (lps, pss)
+
+        def candidate(cs, cc, w):
+            return jax.tree.map(lambda a: a[cc], cs[w]) if ring else cs[cc][w]
+
+        def f_lane(c, g, slot, x_in, t_in, ops):
+            # F lane (docs/design.md §2 lanes): a predicate cond around the position switch, so that nothing
+            # big passes through a multi-way conditional (XLA copies such pass-throughs every tick)
+            lps, pss, cr, loss = ops
+            gi = base + g
+            mb = mb_of(g)
+            pos = pick(c, [jnp.asarray(remap[cc])[position(cc)] for cc in range(K)])
+            # global micro-batch gi is micro-batch gi mod M of step gi // M on model stage c D + me: the
+            # synchronous schedules' keys
+            ctx = sop.context(mb, model_key(gi // M, replica * M + gi % M), stage_of(c))
+            if not by_branch:
+                policy, lp, ps = policies[0], lps[0], pss[0]
+
+                def fwd(wF):
+                    return lax.switch(pos, variants[0], wF, x_in, t_in, mb, ctx)
+                wF, ps = policy.forward_weights(lp, ps, gi, me)
+                pss = (ps,)
+                if policy.forward_is_current is None:
+                    out = fwd(wF)
+                else:
+                    # stages predicting by 0 read lp itself (no weight-sized axpy); the others predict inside
+                    # each position's branch, beside the forward that reads the prediction: made outside and
+                    # passed in, the predicted weights were materialised (spectrain 1.28-1.35x -> 1.19-1.24x of
+                    # micro_momentum, pipeoptim 0.95 -> 0.89x of micro_adamw, one-process A/B, BUILD_NOTES)
+                    def predicted(v):
+                        return lambda lp_, ps_, *a: variants[0][v](policy.forward_weights(lp_, ps_, gi, me)[0], *a)
+                    out = lax.cond(policy.forward_is_current(me), lambda: fwd(lp), lambda: lax.switch(
+                        pos, [predicted(v) for v in range(len(variants[0]))], lp, ps, x_in, t_in, mb, ctx))
+            else:     # one branch per chunk, stored version and position: the chosen version is never copied
+                ch = choices(g, *per_chunk(lps, pss))
+                brs, start = [], []
+                for cc, (_, cands) in enumerate(ch):
+                    start.append(len(brs))
+                    n = len(variants[cc])
+                    brs += [(lambda cc, w, v: (lambda cs, *a: variants[cc][v](candidate(cs, cc, w), *a)))(cc, w, v)
+                            for w in range(len(cands)) for v in range(n)]
+                k = pick(c, [kk for kk, _ in ch])
+                idx = pick(c, [start[cc] + k * len(variants[cc]) for cc in range(K)]) + pos
+                out = lax.switch(idx, brs, operands(ch, lps, pss), x_in, t_in, mb, ctx)
+            cr, loss, send = f_account(c, slot, out, cr, loss)
+            return (pss, cr, loss), send
+
+        def f_account(c, slot, out, cr, loss):
+            """One forward's outputs into the state: residuals to their stash slot, the last stage's dL/dy and
+            head gradient, the loss; returns the lane's message."""
+            msg, res, dy, gq, l, t_out, gt, cnt = out
+            last = is_last(c)
+            cr = cr._replace(stash=[write(a, slot, r) for a, r in zip(cr.stash, res)])
+            if slots:       # dL/dy leaves as the lane's message (kept in the plan's slot); post's gradient summed
+                cr = cr._replace(gpost=jax.tree.map(lambda n, o: o + jnp.where(last, n, 0).astype(o.dtype), gq,
+                                                    cr.gpost))
+                send = (where(last, dy, msg), where(last, gt, t_out), jnp.where(last, cnt, 0.0))
+            else:
+                cr = cr._replace(dy_own=where(last, dy, cr.dy_own),
+                                 gpost=jax.tree.map(lambda n, o: jnp.where(last, n, o), gq, cr.gpost),
+                                 gtie=where(last, gt, cr.gtie), cnt_own=jnp.where(last, cnt, cr.cnt_own))
+                send = (msg, t_out)
+            # the metric: losses over their weight -- 1 each, or a (sum, count) loss's count on a ring
+            weight = cnt if counting else jnp.ones((), jnp.float32)
+            loss = (loss[0] + jnp.where(last, l, 0.0), loss[1] + last.astype(jnp.int32),
+                    loss[2] + jnp.where(last, weight, 0.0))
+            return cr, loss, send
+
+        def f_lanes_paired(t, rr, is_f, cf, gf, sf, x_in, t_in, ops):
+            """The F lane and its F2 pair lane (Chimera's forward doubling on the ordered placement): one doubled
+            forward where both run (the plan pairs forwards of one stage position), the F lane alone where only
+            it does.  A sum-only policy's current weights (no version choice)."""
+            is_f2, cf2, gf2 = op_of(t, me, KF2)
+            x2_in, t2_in = (read(a, rr[KF2, _R["in"]]) for a in cr_mbuf(ops)[:2])
+            s2 = rr[KF2, _R["stash"]]
+            nothing = (blank(), blank_tie(), jnp.full((), jnp.nan if nan_bubbles else 0, jnp.float32))
+
+            def single(ops):
+                (pss, cr, loss), send = lax.cond(is_f, f_lane, f_idle, cf, gf, sf, x_in, t_in, ops)
+                return (ops[0], pss, cr, loss), send, nothing
+
+            def double(ops):
+                lps, pss, cr, loss = ops
+                pos = pick(cf, [jnp.asarray(remap[cc])[position(cc)] for cc in range(K)])
+                brs, start = [], []
+                for cc in range(K):
+                    start.append(len(brs))
+                    brs += [(lambda cc, v: lambda lps_, *a: doubles[cc][v](lps_[cc], *a))(cc, v)
+                            for v in range(len(doubles[cc]))]
+                idx = pick(cf, start) + pos
+                oa, ob = lax.switch(idx, brs, lps, (x_in, x2_in), (t_in, t2_in), (mb_of(gf), mb_of(gf2)))
+                cr, loss, send_a = f_account(cf, sf, oa, cr, loss)
+                cr, loss, send_b = f_account(cf, s2, ob, cr, loss)
+                return (lps, pss, cr, loss), send_a, send_b
+            (_, pss, cr, loss), send_a, send_b = lax.cond(is_f2, double, single, ops)
+            return (pss, cr, loss), send_a, send_b
+
+        def f_idle(c, g, slot, x_in, t_in, ops):
+            lps, pss, cr, loss = ops
+            nothing = (blank(), blank_tie()) + ((jnp.full((), jnp.nan if nan_bubbles else 0, jnp.float32),)
+                                                if slots else ())
+            return (pss, cr, loss), nothing
+
+        def bwd(w, res, dy):
+            """``(dw, dx, frontier)`` of a backward; split: ``dw`` is None (W computes it) and the frontier is
+            what W reads (none where W recomputes)."""
+            if not split:
+                return (*sop.backward(w, res, dy), ())
+            if wsp is not None:
+                return (None, *wsp.input_part(w, res, dy))
+            return None, sop.backward(w, res, dy)[1], ()
+
+        def b_lane(c, g, slot, dy_in, t_in, ops):
+            lps, pss, cr = ops
+            gi = base + g
+            res = [read(a, slot) for a in cr.stash]
+            last, first = is_last(c), is_first(c)
+            dy = dy_in if slots else where(last, cr.dy_own, dy_in)
+            policy, (lp,), (ps,) = policies[0], *(v[:1] for v in per_chunk(lps, pss))
+            pre_p = None
+            if not by_branch and policy.backward_is_current is not None:
+                # stages predicting by 0 read lp itself: no weight-sized axpy
+                dw, dx, front = lax.cond(policy.backward_is_current(me), lambda: bwd(lp[0], res, dy),
+                                         lambda: bwd(policy.backward_weights(lp, ps, gi, me)[0], res, dy))
+            elif not by_branch:
+                w, pre_p, _ = policy.backward_weights(lp, ps, gi, me)
+                dw, dx, front = bwd(w, res, dy)
+            else:
+                ch = choices(g, *per_chunk(lps, pss))
+                brs, start = [], []
+                for cc, (_, cands) in enumerate(ch):
+                    start.append(len(brs))
+                    brs += [(lambda cc, v: (lambda cs, r, d: bwd(candidate(cs, cc, v)[0], r, d)))(cc, v)
+                            for v in range(len(cands))]
+                idx = pick(c, [start[cc] + ch[cc][0] for cc in range(K)])
+                dw, dx, front = lax.switch(idx, brs, operands(ch, lps, pss), res, dy)
+            dx = cast(dx, x_aval)
+            dpre = zero_like(lp[1])
+            # the tied arrays' last-stage gradient of this micro-batch, on its way to stage 0
+            t_grad = t_in if slots else where(last, cr.gtie, t_in)
+            if jax.tree.leaves(lp[1]):
+                def pre_grad():
+                    q0 = pre_p if pre_p is not None else policy.backward_weights(lp, ps, gi, me)[1]
+                    return ties.add_to_pre(sop.pre_grad(q0, mb_of(g), dx), t_grad)
+                dpre = lax.cond(first, pre_grad, lambda: zero_like(lp[1]))
+            # a lane plan's stream summed post's gradient at its forwards (None: nothing to add here)
+            dpost = None if slots else jax.tree.map(lambda a, q: jnp.where(last, a, 0).astype(q.dtype), cr.gpost, lp[2])
+            grad = (dw, dpre, dpost)
+            if ring:        # the previous worker's partial sum of this chunk (none on the first worker)
+                grad = jax.tree.map(lambda p_, a: jnp.where(replica > 0, p_, jnp.zeros_like(p_)) + a.astype(p_.dtype),
+                                    jax.tree.map(lambda b: read(b, c), cr.reduce.partial), grad)
+            return grad, (where(first, blank(), dx), where(first, blank_tie(), t_grad)), front
+
+        def b_idle(c, g, slot, dy_in, t_in, ops):
+            lps, pss, cr = ops
+            if ring:        # the last sum passes through (a fresh fill would be a weight-sized write per tick)
+                return cr.reduce.gbuf, (blank(), blank_tie()), ()
+            return zero_like(lps[0]), (blank(), blank_tie()), ()
+
+        def b_apply(c, g, grad, cnt, lp, os_, ps):
+            # the update, in a conditional of its own: one that also ran the backward (reading the weights
+            # it then updates) made XLA copy the weights twice per tick (HLO-checked, BUILD_NOTES)
+            gi = base + g
+            policy = policies[c]
+            if policy.finish is not None:       # local sums, reduced once after the call
+                return policy.update(grad, lp, os_, ps, gi, me, count=cnt if counting else None)
+            if counting:        # sums over replicas; the policy divides the step's sum by the step's count
+                return policy.update(psum_over(grad, mesh, RED), lp, os_, ps, gi, me, count=cnt)
+            return policy.update(pmean_over(grad, mesh, RED), lp, os_, ps, gi, me)
+
+        ring_f = [(d, (d + 1) % D) for d in range(D)]
+        ring_b = [(d, (d - 1) % D) for d in range(D)]
+
+        def send(x, pairs):
+            """A lane's message to the next (previous) device: its bits, or APC-compressed activation/gradient.
+            One device (chunks wrapping around on it): the message stays -- a collective over a one-device group
+            is still a rendezvous of every device on XLA CPU (BUILD_NOTES, "Collectives over one device")."""
+            if D == 1:
+                return x
+            if not apc:
+                return ppermute_bits(x, STAGE, pairs)
+            head, rest = x[0], x[1:]
+            return (apc_unpack(lax.ppermute(apc_pack(head), STAGE, pairs), head),) + tuple(
+                ppermute_bits(rest, STAGE, pairs))
+
+        def deliver(li, rr, msg, mbuf):
+            """A lane plan's stream: lane ``li``'s message kept on the device and/or sent on the plan's channels
+            (one ``ppermute`` each), written to the slots the plan gave it (``rr``: this device's route row)."""
+            if periodic.plan.keeps[li]:
+                mbuf = write(mbuf, rr[_R["keep"]], msg)
+            for ch in periodic.plan.channels[li]:
+                fwd = ch == SEND_PLUS
+                mbuf = write(mbuf, rr[_R["recv_p" if fwd else "recv_m"]], send(msg, ring_f if fwd else ring_b))
             return mbuf
 
-        def lane_pair(la, lb, ra, rb, c):
-            """The F lane and its F2 pair lane as one doubled forward where both run (fwd_double), the F
-            lane alone where only it does."""
-            stash, mbuf, acc = c
+        def errors_of(c, g, runs, pss):
+            """1 where the op would read a version its chunk's policy no longer holds."""
+            ok = [p.held(ps, base + g, me) if p.held is not None else jnp.asarray(True)
+                  for p, ps in zip(policies, pss)]
+            return (runs & ~pick(c, ok)).astype(jnp.int32)
 
-            def single(ra, rb, stash, mbuf, acc):
-                res, acc, msg = lax.switch(ra[L["branch"]], branches[la], ra, stash, mbuf, acc)
-                return res, no_res(), acc, msg, blank()
+        def b_lanes_summing(cb, gb, sb, dy_in, tb_in, cnt, is_b, lps, oss, pss, cr):
+            """Policies that only sum gradients (``finish``): one predicate conditional per chunk runs the
+            backward and adds its gradient to the chunk's sums in place -- a weight-sized gradient handed out
+            of the backward's conditional to an update's was written and read again every tick (+25% on a
+            flushing schedule, measured against the deleted lane executor)."""
+            pss, send_b, fb = list(pss), None, cr.front
+            for c in range(K):
+                def run(g, slot, dy, t_in, n, ps, fb, c=c):
+                    grad, snd, front = b_lane(c, g, slot, dy, t_in,
+                                              (lps, tuple(pss[:c]) + (ps,) + tuple(pss[c + 1:]), cr))
+                    if wsp is not None:     # the frontier into the micro-batch's slot beside its residuals
+                        fb = [write(a, slot, f) for a, f in zip(fb, front)]
+                    return b_apply(c, g, grad, n, lps[c], oss[c], ps)[2], fb, snd
 
-            def double(ra, rb, stash, mbuf, acc):
-                return lax.switch(ra[L["branch"]], pair_branches, ra, rb, stash, mbuf, acc)
+                def idle(g, slot, dy, t_in, n, ps, fb):
+                    return ps, fb, (blank(), blank_tie())
+                pss[c], fb, snd = lax.cond(is_b & (cb == c), run, idle, gb, sb, dy_in, tb_in, cnt, pss[c], fb)
+                send_b = snd if send_b is None else where(cb == c, snd, send_b)
+            return tuple(pss), cr._replace(front=fb), send_b
 
-            res_a, res_b, acc, msg_a, msg_b = lax.cond(rb[L["op"]] > 0, double, single, ra, rb, stash, mbuf, acc)
-            slot_a = jnp.where(ra[L["op"]] > 0, ra[L["stash"]], p.stash_capacity)
-            slot_b = jnp.where(rb[L["op"]] > 0, rb[L["stash"]], p.stash_capacity)
-            stash = [write(write(a, slot_a, r), slot_b, q) for a, r, q in zip(stash, res_a, res_b)] + list(stash[n_res:])
-            return stash, deliver(lb, rb, msg_b, deliver(la, ra, msg_a, mbuf)), acc
-
-        def direct_op(t0, t1, li):
-            """The op a lane runs without a conditional in ticks [t0, t1) where it is busy in every tick: on
-            one device (D = 1) with one chunk, the lane's only branch.  Measured (BUILD_NOTES, "Where the
-            remaining time goes"): a conditional costs ~4-8% of the step at D = 1; at D = 4 dropping the
-            conditionals of busy lanes was slower (1f1b 1.16x -> 1.20-1.26x) and took 4 MiB more temp, so
-            D > 1 keeps them."""
-            if D != 1 or nchunk != 1:
-                return None
-            codes = np.unique(table[t0:t1, :, li, L["branch"]])
-            return branches[li][int(codes[0])] if len(codes) == 1 else None
-
-        def phase(t0, t1, lanes_used, full):
-            direct = {li: direct_op(t0, t1, li) for li in full}
-
-            def tick(c, rows):
-                row = rows[me]
-                for li in lanes_used:
-                    if pair is not None and li == pair[1] and pair[0] in lanes_used:
-                        continue                            # run with its F lane
-                    if pair is not None and li == pair[0] and pair[1] in lanes_used:
-                        c = lane_pair(pair[0], pair[1], row[pair[0]], row[pair[1]], c)
+        def w_lanes(t, rw, lps, oss, pss, cr):
+            """ZB's W lane: the weight gradient of the micro-batch whose B ran earlier, from its residuals and
+            its dL/dy (kept in their slots until now) and, split at the frontier, the per-layer output
+            gradients its B kept; added to the chunk's sums (one predicate conditional per chunk)."""
+            is_w, cw, gw = op_of(t, me, KW)
+            pss = list(pss)
+            for c in range(K):
+                def run(g, rw, ps, c=c):
+                    res = [read(a, rw[_R["stash"]]) for a in cr.stash]
+                    dy = read(cr.mbuf[0], rw[_R["in"]])
+                    if wsp is not None:
+                        dw = wsp.weight_part(lps[c][0], res, dy, [read(a, rw[_R["stash"]]) for a in cr.front])
                     else:
-                        c = lane(li, row[li], c, direct.get(li))
-                return c, None
-            return tick
+                        dw = sop.backward(lps[c][0], res, dy)[0]
+                    return policies[c].update((dw, None, None), lps[c], oss[c], ps, base + g, me)[2]
+                pss[c] = lax.cond(is_w & (cw == c), run, lambda g, rw, ps: ps, gw, rw, pss[c])
+            return tuple(pss)
 
-        # gradients accumulate in float32 at least (bf16 parameters: float32 sums, cast back at the end)
-        zeros = lambda t: vary(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.promote_types(a.dtype, jnp.float32)), t))
-        carry = vary((
-            full(stash_avals, blank_value, (p.stash_capacity + 1,)) + (
-                full(wsp.frontier_avals, blank_value, (p.stash_capacity + 1,)) if wsp is not None else []),
-            full(x_aval, blank_value, (p.mbuf_capacity + 1,)),
-            ([zeros(w) for w in ws], zeros(pre_p), zeros(post_p), (jnp.zeros((), jnp.float32),) * 2)))
-        full_sets = p.full or ((),) * len(p.phases)
-        for (t0, t1, lanes_used), full_lanes in zip(p.phases, full_sets):
-            carry, _ = lax.scan(phase(t0, t1, lanes_used, full_lanes), carry, jnp.asarray(table[t0:t1]))
-            if t1 in eager:
-                carry = _eager_exchange(carry, eager[t1], me)
-        _, _, (gws, gpre, gpost, (loss, count)) = carry
-        if summed:      # the mean over every real token/example of the step: sum over all, then / count
-            total = lax.psum(lax.psum(count, STAGE), red)
-            reduce = lambda t: jax.tree.map(lambda a: a / total.astype(a.dtype), lax.psum(t, red))
-        else:           # the mean over replicas of the micro-batch means
-            reduce = lambda t: lax.pmean(t, red)
-        loss = reduce(lax.psum(loss, STAGE))
-        gpre, gpost = reduce(lax.psum((gpre, gpost), STAGE))
-        if perms is not None:
-            # each replica's gradient goes home to the stage's owner and is summed there
-            home = [g if pm is None else jax.tree.map(lambda a: lax.ppermute(a, STAGE, [(d, s_) for s_, d in pm]), g)
-                    for g, pm in zip(gws, perms)]
-            gw = jax.tree.map(lambda *g: reduce(sum(g))[None], *home)
+        def land_stacked(j, new, cur, lp_st, ps_st, extra=()):
+            """Ring: chunk ``j`` of the stacked state gets version ``new``, its policy retiring ``cur`` (written by
+            dynamic-update-slice: XLA updates stacked buffers in place, where a conditional swapping per-chunk
+            buffers copied the weights every tick -- HLO-checked)."""
+            put = lambda st, v: jax.tree.map(lambda a, b: lax.dynamic_update_index_in_dim(a, b, j, 0), st, v)
+            ps_j = policies[0].retire(cur, view(ps_st, j))
+            return (put(lp_st, new), put(ps_st, ps_j)) + tuple(put(a, b) for a, b in extra)
+
+        def receive_arrived(lps, pss, rs):
+            """Ring: the stage the last worker sent last tick lands (its current version retired)."""
+            cur = jax.tree.map(lambda a: read(a, rs.bchunk), lps)      # sliced outside the conditional
+            return lax.cond(rs.bok, lambda lp_, ps_, cur_: land_stacked(rs.bchunk, rs.bnew, cur_, lp_, ps_),
+                            lambda lp_, ps_, cur_: (lp_, ps_), lps, pss, cur)
+
+        def ring_exchange(t, lps, oss, pss, rs, is_b, cb, g_sum, cnt, may_update):
+            """Ring: the last worker updates from its complete sum; every worker sends its sum on to the next
+            and keeps what the previous one sent; the updated stage goes from the last worker to the others
+            (only in ticks where it may complete a sum: no collective inside a conditional)."""
+            n_sum = jnp.where(replica > 0, read(rs.pcnt, cb), 0.0) + cnt
+            n_sum = jnp.where(is_b, n_sum, rs.gcnt)
+            if may_update:      # the last worker completes sums only in these ticks
+                # the stage and its optimizer state sliced outside the conditional, written back in place
+                cur, o_cur = jax.tree.map(lambda a: read(a, cb), (lps, oss))
+
+                def apply(lp_, os_, ps_, cur_, o_):
+                    new, o_new = policies[0].apply_sum(g_sum, n_sum, cur_, o_, counting=counting)
+                    lp_, ps_, os_ = land_stacked(cb, new, cur_, lp_, ps_, ((os_, o_new),))
+                    return lp_, os_, ps_
+
+                lps, oss, pss = lax.cond(is_b & (replica == W - 1), apply, lambda lp_, os_, ps_, c_, o_: (lp_, os_, ps_),
+                                         lps, oss, pss, cur, o_cur)
+            rs = rs._replace(gbuf=g_sum, gcnt=n_sum)
+            if W > 1:
+                got, got_n = ppermute_bits((g_sum, n_sum), DATA, [(i, i + 1) for i in range(W - 1)])
+                runs_s, c_s, _ = op_of(t, 0, 1, r=replica - 1)
+                slot = jnp.where(runs_s & (replica > 0), c_s, K)
+                rs = rs._replace(partial=jax.tree.map(lambda a, v: write(a, slot, v), rs.partial, got),
+                                 pcnt=write(rs.pcnt, slot, got_n))
+                l_runs, l_c, _ = op_of(t, 0, 1, r=W - 1)
+                if may_update:
+                    new = jax.tree.map(lambda a: read(a, l_c), lps)
+                    if broadcast == "balanced":
+                        arrived = balanced_broadcast(new, W, replica, DATA)
+                    else:
+                        arrived = None
+                        for dst in range(W - 1):
+                            m = ppermute_bits(new, DATA, [(W - 1, dst)])
+                            arrived = m if arrived is None else where(replica == dst, m, arrived)
+                    rs = rs._replace(bnew=arrived)
+                rs = rs._replace(bchunk=l_c, bok=l_runs & (replica < W - 1))
+            return lps, oss, pss, rs
+
+        def tick(st, t, flags=True):
+            """One tick.  ``flags`` (static, per scan segment): whether an in-scan landing may happen in it; on a
+            ring, (may land an arrived stage, may complete a sum)."""
+            lps, oss, pss, cr, loss = st
+            if ring:            # stacked chunks: the lanes read static views of them
+                if flags[0]:
+                    lps, pss = receive_arrived(lps, pss, cr.reduce)
+                stacks = (lps, oss, pss)
+            is_f, cf, gf = op_of(t, me, 0)
+            is_b, cb, gb = op_of(t, me, KB)
+            err = errors_of(cf, gf, is_f, per_chunk(lps, pss)[1])
+            if slots:       # the plan's slots: what each lane reads and where its stash goes
+                rr = jnp.asarray(routes)[t % T, me]
+                x_in, t_in = (read(a, rr[0, _R["in"]]) for a in cr.mbuf[:2])
+                sf = rr[0, _R["stash"]]
+            else:
+                x_in, t_in, sf = cr.recv_f, cr.tie_f, slot_of(cf, gf)
+            if K > 1 and not slots:   # device 0's later chunks read the last device's output from the wrap buffer
+                wx, wt = jax.tree.map(lambda a: read(a, gf % C), cr.wrap_f)
+                on_wrap = (me == 0) & (cf > 0)
+                x_in, t_in = where(on_wrap, wx, x_in), where(on_wrap, wt, t_in)
+            if paired:      # F2 pairs with F: one forward of the two micro-batches where both run
+                (pss, cr, loss), send_f, send_f2 = f_lanes_paired(t, rr, is_f, cf, gf, sf, x_in, t_in,
+                                                                  (lps, pss, cr, loss))
+                cr = cr._replace(mbuf=deliver(KF2, rr[KF2], send_f2, deliver(0, rr[0], send_f, cr.mbuf)))
+            else:
+                (pss, cr, loss), send_f = lax.cond(is_f, f_lane, f_idle, cf, gf, sf, x_in, t_in,
+                                                   (lps, pss, cr, loss))
+            if slots:
+                if not paired:
+                    cr = cr._replace(mbuf=deliver(0, rr[0], send_f, cr.mbuf))
+            elif D > 1 or K > 1:
+                recv_f, tie_f = send(send_f, ring_f)
+                cr = cr._replace(recv_f=recv_f, tie_f=tie_f)
+                if K > 1:
+                    runs_s, c_s, g_s = op_of(t, D - 1, 0)
+                    slot = jnp.where((me == 0) & runs_s & (c_s < K - 1), g_s % C, C)
+                    cr = cr._replace(wrap_f=jax.tree.map(lambda a, v: write(a, slot, v), cr.wrap_f, (recv_f, tie_f)))
+            err = err + errors_of(cb, gb, is_b, per_chunk(lps, pss)[1])
+            if slots:
+                dy_in, tb_in, cnt = (read(a, rr[KB, _R["in"]]) for a in cr.mbuf)
+                sb = rr[KB, _R["stash"]]
+            else:
+                dy_in, tb_in, cnt, sb = cr.recv_b, cr.tie_b, cr.cnt_b, slot_of(cb, gb)
+            if K > 1 and not slots:   # the last device's earlier chunks read device 0's gradient from the wrap buffer
+                wd, wt, wc = jax.tree.map(lambda a: read(a, gb % C), cr.wrap_b)
+                on_wrap = (me == D - 1) & (cb < K - 1)
+                dy_in, tb_in, cnt = where(on_wrap, wd, dy_in), where(on_wrap, wt, tb_in), jnp.where(on_wrap, wc, cnt)
+            if not slots:
+                cnt = jnp.where(is_last(cb), cr.cnt_own, cnt)
+            if fused:
+                pss, cr, send_b = b_lanes_summing(cb, gb, sb, dy_in, tb_in, cnt, is_b, lps, oss, pss, cr)
+            else:
+                grad, send_b, _ = lax.cond(is_b, b_lane, b_idle, cb, gb, sb, dy_in, tb_in, (lps, pss, cr))
+            send_b = send_b + (jnp.where(is_b & ~is_first(cb), cnt,
+                                         jnp.full((), jnp.nan if nan_bubbles else 0, jnp.float32)),)
+            if ring:
+                lps, oss, pss, rs = ring_exchange(t, *stacks, cr.reduce, is_b, cb, grad, cnt, flags[1])
+                cr = cr._replace(reduce=rs)
+            lps, oss, pss = (lps, oss, pss) if ring else (list(lps), list(oss), list(pss))
+            for c in range(K if not (ring or fused) else 0):
+                # one conditional per chunk: each output is either its operand or a new value (no copies)
+                lps[c], oss[c], pss[c] = lax.cond(
+                    is_b & (cb == c), lambda *a, c=c: b_apply(c, *a), lambda g, gr, n, *a: a, gb, grad, cnt,
+                    lps[c], oss[c], pss[c])
+                if policies[c].apply_pending is not None:
+                    lps[c] = lax.cond(is_b & (cb == c), policies[c].apply_pending, lambda lp, ps: lp, lps[c], pss[c])
+                if in_scan and flags:
+                    lps[c], oss[c], pss[c] = lax.cond(
+                        is_b & (cb == c) & policies[c].lands(base + gb),
+                        lambda *a, c=c: policies[c].land(*a, counting=counting, b=(base + gb) // M),
+                        lambda *a: a, lps[c], oss[c], pss[c])
+            if slots:
+                cr = cr._replace(mbuf=deliver(KB, rr[KB], send_b, cr.mbuf))
+            if split:
+                pss = w_lanes(t, rr[KW], lps, oss, pss, cr)
+            elif D > 1 or K > 1:
+                recv_b, tie_b, cnt_b = send(send_b, ring_b)
+                cr = cr._replace(recv_b=recv_b, tie_b=tie_b, cnt_b=cnt_b)
+                if K > 1:
+                    runs_s, c_s, g_s = op_of(t, 0, 1)
+                    slot = jnp.where((me == D - 1) & runs_s & (c_s > 0), g_s % C, C)
+                    cr = cr._replace(wrap_b=jax.tree.map(lambda a, v: write(a, slot, v), cr.wrap_b,
+                                                         (recv_b, tie_b, cnt_b)))
+            cr = cr._replace(errors=cr.errors + err)
+            if not ring:
+                lps, oss, pss = tuple(lps), tuple(oss), tuple(pss)
+            return (lps, oss, pss, cr, loss), None
+
+        def land_between(st, tau):
+            """The chunks whose batch completes by tick offset ``tau`` land it now (``lag`` calls after it was
+            fed), outside any scan: a landing conditional in a scan made XLA copy the weights every tick."""
+            if not any(tc == tau for _, tc in lands.values()):
+                return st
+            lps, oss, pss, cr, loss = st
+            lps, oss, pss = list(lps), list(oss), list(pss)
+            for c, (lag, tc) in lands.items():
+                if tc != tau:
+                    continue
+                bk = t0 // T - lag
+                lps[c], oss[c], pss[c] = lax.cond(
+                    (bk >= 0) & (bk * M < n_fed),
+                    lambda *a, c=c: policies[c].land(*a, counting=counting, b=base // M + bk),
+                    lambda *a: a, lps[c], oss[c], pss[c])
+            return tuple(lps), tuple(oss), tuple(pss), cr, loss
+
+        def exchange_between(st, pairs):
+            """Chimera §3.2: the replica gradients of the stages whose backwards are all done go home now
+            (one ``ppermute`` for the group), where the transfer may overlap the rest of the pipeline; the sent
+            sums are zeroed, so the exchange after the call adds nothing for them."""
+            lps, oss, pss, cr, loss = st
+            (get0, put0), (get1, put1) = policies[0].sums, policies[1].sums
+            got = jax.tree.map(lambda a: lax.ppermute(a, STAGE, list(pairs)), get1(pss[1]))
+            dst = jnp.isin(me, jnp.asarray([d for _, d in pairs]))
+            src = jnp.isin(me, jnp.asarray([r for r, _ in pairs]))
+            p0 = put0(pss[0], jax.tree.map(lambda a, b: jnp.where(dst, a + b, a), get0(pss[0]), got))
+            p1 = put1(pss[1], jax.tree.map(lambda a: jnp.where(src, jnp.zeros_like(a), a), get1(pss[1])))
+            return lps, oss, (p0, p1), cr, loss
+
+        loss0 = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
+        st = (lps, oss, pss, carry, loss0)
+        for a, b, flags in segments:
+            st, _ = lax.scan(lambda s_, t: tick(s_, t, flags), st, t0 + jnp.arange(a, b, dtype=jnp.int32))
+            st = land_between(st, b)
+            if b in eager:
+                st = exchange_between(st, eager[b])
+        lps, oss, pss, carry, (lsum, lcount, lweight) = st
+        carry = carry._replace(front=())
+        if ring:        # every worker's own micro-batches: the call's losses over their summed weight
+            lsum, lcount, lweight = lax.psum((lsum, lcount, lweight), (DATA, STAGE))
+            loss = jnp.where(lweight > 0, lsum / jnp.where(lweight > 0, lweight, 1.0), jnp.nan)
+            errors = lax.psum(carry.errors, (DATA, STAGE))
         else:
-            gw = jax.tree.map(lambda *g: reduce(jnp.stack(g)), *gws)
-        like = lambda g, p_: jax.tree.map(lambda a, b: a.astype(b.dtype), g, p_)
-        gw = like(gw, stage_p)
-        gpre, gpost = like(gpre, pre_p), like(gpost, post_p)
-        if replicas:
-            return jax.tree.map(lambda a: a[None], (loss, (gw, gpre, gpost)))
-        return loss, (gw, gpre, gpost)
+            lsum, lcount, lweight = lax.psum((lsum, lcount, lweight), STAGE)
+            lsum = pmean_over(lsum, mesh, RED)
+            lcount = lax.pmax(lcount, DP_AXES)
+            if counting:    # the summed loss over the summed counts of the call's micro-batches (global already)
+                loss = jnp.where(lweight > 0, lsum / jnp.where(lweight > 0, lweight, 1.0), jnp.nan)
+            else:
+                loss = jnp.where(lcount > 0, lsum / jnp.maximum(lcount, 1), jnp.nan)
+            errors = lax.psum(carry.errors, STAGE)
+        ex = lambda t: jax.tree.map(lambda a: a[None], t)
+        q = t0 // T
+        done = jnp.where(q < len(done_tab), jnp.asarray(done_tab)[jnp.minimum(q, len(done_tab) - 1)],
+                         M * q + buf["done_steady"])
+        done = jnp.clip(done, 0, n_fed)               # every op of these micro-batches has run
+        counters = (t0 + T, base, n_fed)
+        if slots:           # post's gradient, summed over the call's last-stage forwards, to the policy's sums
+            w0, p0, _ = lps[0]
+            g0 = (zero_like(w0), zero_like(p0), carry.gpost)
+            pss = (policies[0].update(g0, *lps[0:1], oss[0], pss[0], base, me, count=0.0 if counting else None)[2],) \
+                + tuple(pss[1:])
+        reduce = (lambda t: psum_over(t, mesh, RED)) if counting else (lambda t: pmean_over(t, mesh, RED))
+        if not ring:        # (sum, count) losses: the call's global count (a chunk may see some micro-batches only)
+            total = lweight if counting else None
+            pss = tuple(p.finish(ps, reduce, total) if p.finish is not None else ps for p, ps in zip(policies, pss))
+        if not chunked:
+            lps, oss, pss = lps[0], oss[0], pss[0]
+        if replicas:        # each pipeline's own loss
+            loss = loss[None]
+        return ex(lps), ex(oss), ex(pss), ex(carry), counters, (loss, lcount, base + done, errors)
 
-    stage_spec = jax.tree.map(lambda _: P(PIPE, STAGE) if replicas else P(STAGE), model.stage_params)
-    rep = lambda t: jax.tree.map(lambda _: P(PIPE) if replicas else P(), t)
-    batch_spec = jax.tree.map(lambda _: P(DP_AXES), batch_example)
-    program = jax.shard_map(
-        body, mesh=mesh,
-        in_specs=(stage_spec, rep(model.pre_params), rep(model.post_params), batch_spec, P()),
-        out_specs=(P(PIPE) if replicas else P(), (stage_spec, rep(model.pre_params), rep(model.post_params))))
+    # a ring's workers each hold a replica of their own (one per data index), AvgPipe's pipelines one per pipe
+    # index; otherwise stage s's at index s
+    own = P((DATA, STAGE)) if ring else P((PIPE, STAGE)) if replicas else P(STAGE)
+    stage = lambda t: jax.tree.map(lambda _: own, t)
+    dev = lambda t: jax.tree.map(lambda _: P(ALL), t)
+    rep = lambda t: jax.tree.map(lambda _: P(), t)
 
-    def fn(stage_p, pre_p, post_p, batch, step_key=None):
-        """``step_key``: ``fold_in(PRNGKey(seed), step)`` of a context model (default: step 0 of seed 0)."""
-        if step_key is None:
-            step_key = jax.random.fold_in(jax.random.PRNGKey(0), 0)
-        return program(stage_p, pre_p, post_p, batch, step_key)
-    return fn
+    def fn(params, opt_state, pstate, carry, counters, batch, feed):
+        in_specs = (stage(params), stage(opt_state), stage(pstate), dev(carry), rep(counters),
+                    jax.tree.map(lambda _: P(DP_AXES), batch), P())
+        out_specs = (stage(params), stage(opt_state), stage(pstate), dev(carry), rep(counters),
+                     (P(PIPE) if replicas else P(), P(), P(), P()))
+        return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
+            params, opt_state, pstate, carry, counters, batch, feed)
 
-
-def _eager_exchange(carry, pairs, me):
-    """Chimera §3.2 eager gradient synchronisation: the replica gradients of the stages whose backwards are
-    all done go home now (one ``ppermute`` for the group, chunk 1 of each replica device -> chunk 0 of the
-    stage's owner), between two phases where the transfer may overlap the rest of the pipeline, instead of
-    after it.  The sent copies are zeroed: the final exchange then adds 0 for them."""
-    stash, mbuf, (gws, gpre, gpost, loss) = carry
-    gws = list(gws)
-    got = jax.tree.map(lambda a: lax.ppermute(a, STAGE, list(pairs)), gws[1])
-    dst = jnp.isin(me, jnp.asarray([d for _, d in pairs]))
-    src = jnp.isin(me, jnp.asarray([r for r, _ in pairs]))
-    gws[0] = jax.tree.map(lambda a, b: jnp.where(dst, a + b, a), gws[0], got)
-    gws[1] = jax.tree.map(lambda a: jnp.where(src, jnp.zeros_like(a), a), gws[1])
-    return stash, mbuf, (gws, gpre, gpost, loss)
+    return fn, x_aval

@@ -1,15 +1,16 @@
-"""A flushing schedule's gradient on the one executor (:mod:`.async_executor`): its lane plan as a stream of one
+"""A flushing schedule's gradient on the one executor (:mod:`.executor`): its lane plan as a stream of one
 call (:func:`jaxpipe.schedules.periodic.one_call`), every chunk under the ``gradient`` policy (the micro-batches'
 gradients summed, reduced over the data replicas after the call), nothing carried between calls."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..axes import PIPE, STAGE
 from ..optim.policies import gradient
-from .async_executor import ALL, make_async_fn
+from .executor import ALL, make_async_fn
 from .inflight import empty_carry
 from .stage import stage_residuals
 from .common import full
@@ -19,8 +20,9 @@ def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubble
                         perms=None, replicas: bool = False):
     """``fn(stage_p, pre_p, post_p, batch, step) -> (loss, (g_stage, g_pre, g_post))`` with ``stage_p`` in the
     executor's layout (leading axis ``D * chunks``, device-major: index ``d K + c`` holds model stage
-    ``c D + d``), as the lane executor's ``make_grad_fn``; parameters and gradients without tied copies (a tied
-    array's gradient comes back summed into ``pre``'s).  ``perms`` (:func:`.common.exchange_perms`, Chimera):
+    ``soc[d, c]``, :func:`.common.layout_index`); parameters and gradients without tied copies (a tied
+    array's gradient comes back summed into ``pre``'s).  ``step``: the step index (a context model's keys are
+    ``model.microbatch_key(seed, step, replica * M + j)``).  ``perms`` (:func:`.common.exchange_perms`, Chimera):
     ``stage_p`` is in the model's order, one stage per device; chunk ``c`` is fetched with one ``ppermute``
     and its gradient goes home the same way, summed with the owner's (no gather of every stage).
     ``replicas`` (AvgPipe's parallel pipelines): every parameter and gradient has a leading axis of one replica
@@ -32,6 +34,8 @@ def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubble
     w0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), model.stage_params)
     _, res_avals = stage_residuals(model, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), w0), full(x_aval, 0),
                                    jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), mb_example))
+    if periodic.plan is not None and periodic.plan.schedule.options.get("double_batch"):
+        check_double_batch(model, periodic.plan, x_aval, mb_example)
     n_dev = mesh.size
     on_stage = NamedSharding(mesh, P(STAGE))
     on_own = NamedSharding(mesh, P((PIPE, STAGE)))
@@ -96,3 +100,56 @@ def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubble
         return loss, (like(g_w, stage_p), like(g_pre, pre_p), like(g_post, post_p))
     return fn
 
+
+
+def check_double_batch(model, plan, x_aval, mb_example):
+    """Chimera's forward doubling as one double-size micro-batch computes what the paired forwards compute:
+    a context-free model (a stage context is per micro-batch), activations and stashed residuals with the
+    micro-batch's rows on their leading axis (the pair is split back there), and wherever F2 runs, F runs the
+    same stage (the executor doubles only such pairs).  A ConfigError naming what is off otherwise."""
+    from ..errors import ConfigError
+    from ..schedules.lanes import F2, L
+    from .common import residual_mask
+    if F2 not in plan.lanes:
+        raise ConfigError("double_batch=True runs paired forwards as one: it needs Chimera with "
+                          "concat='forward_doubling' and placement='ordered' (the lanes placement runs forwards "
+                          "one per F lane beside the backwards, unpaired)")
+    if model.context:
+        raise ConfigError("double_batch=True: this model takes a stage context (a key per micro-batch), which "
+                          "one forward of two micro-batches cannot reproduce; use double_batch=False (paired "
+                          "forwards, the same numbers)")
+    rows = {int(np.shape(a)[0]) for a in jax.tree.leaves(mb_example)}
+    xs = {int(np.shape(a)[0]) if np.ndim(a) else -1 for a in jax.tree.leaves(x_aval)}
+    w = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), model.stage_params)
+    x2 = jax.tree.map(lambda a: jax.ShapeDtypeStruct((2 * a.shape[0],) + tuple(a.shape[1:]), a.dtype), x_aval)
+    _, r1 = residual_mask(model.stage_fn, w, x_aval, None)
+    _, r2 = residual_mask(model.stage_fn, w, x2, None)
+    ok_res = len(r1) == len(r2) and all(tuple(b.shape) == (2 * a.shape[0],) + tuple(a.shape[1:])
+                                        for a, b in zip(r1, r2))
+    if len(rows) != 1 or xs != rows or not ok_res:
+        raise ConfigError(f"double_batch=True concatenates two micro-batches along the leading axis: every "
+                          f"activation leaf and stashed residual must lead with the micro-batch's rows "
+                          f"(micro-batch rows {sorted(rows)}, activation leading sizes {sorted(xs)}, residuals "
+                          f"split {'ok' if ok_res else 'not along the rows'}); use double_batch=False")
+    la, lb = plan.lanes.index("F"), plan.lanes.index(F2)
+    tab = plan.table
+    both = tab[:, :, lb, L["op"]] > 0
+    if np.any(both & ((tab[:, :, la, L["op"]] <= 0) | (tab[:, :, la, L["stage"]] != tab[:, :, lb, L["stage"]]))):
+        raise ConfigError("double_batch=True: the plan pairs forwards of different stages (executor bug)")
+
+
+def make_grad_fn(model, sched, mesh, batch_example, *, nan_bubbles: bool = False, placement: str = "lanes",
+                 seed: int = 0):
+    """The gradient of a flushing schedule's step on the one executor:
+    ``fn(stage_p, pre_p, post_p, batch, step) -> (loss, (g_stage, g_pre, g_post))`` with ``stage_p`` in the
+    executor's layout (:func:`.common.layout_index`: leading axis ``D * chunks``, device-major) and no tied
+    copies.  ``batch_example`` (arrays or ShapeDtypeStructs, global shapes) fixes the shapes.
+    :class:`jaxpipe.Pipeline` (``loss_and_grad``, ``step``) is the usual way in; this is the program under it."""
+    from ..axes import DATA
+    from ..schedules.periodic import one_call
+    from .common import lane_plan
+    M, n_dp = sched.M, mesh.shape[PIPE] * mesh.shape[DATA]
+    mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // (n_dp * M),) + tuple(a.shape[1:]), a.dtype),
+                      batch_example)
+    return make_stream_grad_fn(model, one_call(lane_plan(sched, placement)), mesh, mb, M,
+                               nan_bubbles=nan_bubbles, seed=seed)

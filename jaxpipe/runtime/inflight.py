@@ -1,4 +1,4 @@
-"""The no-flush executor's in-flight state (``runtime/async_executor.py``): what a pipeline carries between
+"""The no-flush executor's in-flight state (``runtime/executor.py``): what a pipeline carries between
 calls -- stashed residuals, messages on the wire, the last stage's dL/dy, recent micro-batches, wrap-around
 buffers between chunks, a ring reduction's partial sums -- and its empty form, sized from the replayed stream
 (:meth:`jaxpipe.schedules.periodic.Periodic.buffers`)."""

@@ -1,7 +1,7 @@
-"""One stage's forward and backward, written once for every executor (docs/design.md §2).
+"""One stage's forward and backward, written once (docs/design.md §2).
 
-Every executor -- the lane executor of the flushing schedules, the no-flush executors, the cyclic
-data-parallel program -- runs the same three pieces of model code through :class:`StageOps`:
+The one executor (:mod:`.executor`: every method, flushing or not) runs the same three pieces of model code
+through :class:`StageOps`:
 
 * ``forward``: ``pre`` on the first stage, ``jax.vjp(stage_fn)`` split into the residuals to stash (those
   that depend on the activation; see :func:`~jaxpipe.runtime.common.residual_mask`) and the rest, and on the
@@ -38,7 +38,7 @@ class StageOps:
     x_like: Optional[Callable] = None   # a dummy activation for rebuilding pullbacks (default: zeros)
     ctx_aval: Any = None             # the stage context's shapes (context models)
     zeros: Optional[Callable] = None    # (shape, dtype) -> a dummy array (default jnp.zeros)
-    mark: Optional[Callable] = None     # marks values device-varying (the lane executor's vary; default: none)
+    mark: Optional[Callable] = None     # marks values device-varying (for check_vma programs; default: none)
 
     @classmethod
     def build(cls, model, w, x, mb, x_like=None, zeros=None, mark=None):

@@ -83,7 +83,7 @@ def check_pool(N: int, periods: int = 4) -> int:
 
 
 def stream(N: int):
-    """The DP form as data for the no-flush executor (``runtime/async_executor.py`` runs it; pictures read
+    """The DP form as data for the no-flush executor (``runtime/executor.py`` runs it; pictures read
     :func:`op_of`, and a test replays one against the other): every worker holds the N stages as chunks of one
     device, a call is one step of 2N ticks in which the worker's micro-batch runs F down the stages (stage j at
     tick j) and B back up (stage j at 2N - 1 - j), and worker i runs it 2i ticks late (``replica_delay``)."""

@@ -31,6 +31,8 @@ import numpy as np
 
 from .ir import Action, B, F, W, Schedule, ScheduleError
 
+F2 = "F2"       # a paired forward's lane (jaxpipe.schedules.lanes.F2)
+
 KIND_CODE = {F: 1, B: 2}
 
 
@@ -59,8 +61,16 @@ class Periodic:
 
     @property
     def kinds(self) -> Tuple[str, ...]:
-        """The lanes of a tick, in order: F, B, and W where a stream of one call splits the backward (ZB)."""
-        return (F, B, W) if self.unit_offsets is not None and W in self.unit_offsets else (F, B)
+        """The lanes of a tick, in order: F, F2 where a stream of one call pairs forwards (Chimera's forward
+        doubling), B, and W where it splits the backward (ZB)."""
+        if self.unit_offsets is None:
+            return (F, B)
+        return tuple(k for k in (F, F2, B, W) if k in self.unit_offsets)
+
+    def runs(self, kind: str, d: int, u: int) -> bool:
+        """Whether unit ``u``'s op ``kind`` runs in that lane on device ``d`` (a paired stream's forward runs in
+        the F or the F2 lane: offset -1 in the other)."""
+        return self.unit_offsets is None or self.unit_offsets[kind][u][d] >= 0
 
     def stage_table(self) -> np.ndarray:
         """``[chunks, D]``: the model stage chunk ``c`` of device ``d`` holds."""
@@ -166,6 +176,8 @@ class Periodic:
         for u in range(U):
             for k, kind in enumerate(self.kinds):
                 for d in range(D):
+                    if not self.runs(kind, d, u):
+                        continue
                     t = self.tick(kind, d, u)
                     if out[t % T, d, k, 0] >= 0:
                         raise ScheduleError(f"{self.name}: device {d} runs two {kind} ops at tick offset {t % T}")
@@ -178,7 +190,7 @@ class Periodic:
         its B -- one tick later across devices, a later lane of the same tick on one device."""
         when, st, S = {}, self.stage_table(), self.num_stages
         for t, d, kind, c, g in self.events(M, calls=4):
-            when[(kind, int(st[c, d]), g)] = (t, self.kinds.index(kind), d)
+            when[(F if kind == F2 else kind, int(st[c, d]), g)] = (t, self.kinds.index(kind), d)
         for (kind, k, g), (t, lane, d) in when.items():
             prev = [(F, k - 1)] if kind == F else [(B, k)] if kind == W else [(B, k + 1)] if k + 1 < S else [(F, k)]
             for pk, pstage in prev:
@@ -204,7 +216,7 @@ class Periodic:
                     if u < 0 or q < 0:
                         continue
                     c, fo, bo, j = (int(v) for v in units[u])
-                    g = (q + (fo if kind == F else bo)) * M + j
+                    g = (q + (fo if kind in (F, F2) else bo)) * M + j
                     if g >= 0:
                         out.append((t, d, kind, c, g))
         return out
@@ -226,14 +238,14 @@ class Periodic:
             live, need = [set() for _ in range(D)], 1          # the most micro-batches held at once: a floor
             for t, d, kind, cc, g in ev:
                 if cc == c:
-                    (live[d].add if kind == F else live[d].discard)(g)
+                    (live[d].add if kind in (F, F2) else live[d].discard)(g)
                     need = max(need, len(live[d]))
             while True:
                 live, ok = [set() for _ in range(D)], True
                 for t, d, kind, cc, g in ev:
                     if cc != c:
                         continue
-                    if kind == F:
+                    if kind in (F, F2):
                         ok &= all(h % need != g % need for h in live[d])
                         live[d].add(g)
                     else:
@@ -315,10 +327,8 @@ def one_call(lane_plan) -> Periodic:
     D, M = s.D, s.M
     where = lane_plan.where
     kinds = tuple(lane_plan.lanes)
-    if kinds not in ((F, B), (F, B, W)):
-        raise ScheduleError(f"{s.name}: lanes {lane_plan.lanes}; a stream runs an F, a B and a W lane")
-    if s.options.get("double_batch"):       # the lane executor's own: paired forwards as one
-        raise ScheduleError(f"{s.name}: double_batch=True runs on the lane executor")
+    if kinds not in ((F, B), (F, B, W), (F, F2, B)):
+        raise ScheduleError(f"{s.name}: lanes {lane_plan.lanes}; a stream runs F, F2, B and W lanes")
     soc = s.stage_of_chunk()                                 # [D, chunks]
     K = soc.shape[1]
     if (soc < 0).any():
@@ -330,8 +340,11 @@ def one_call(lane_plan) -> Periodic:
             for d in range(D):
                 k = int(soc[d, c])
                 for kind in kinds:
-                    if (kind, k, j) in where and lane_plan._dev[(kind, k, j)] == d:
-                        ticks[kind][d] = int(where[(kind, k, j)][0])
+                    key = (F if kind == F2 else kind, k, j)
+                    if key in where and lane_plan._dev[key] == d:
+                        t, lane = where[key]
+                        # a paired forward runs in the F2 lane: -1 in the lane it does not run in
+                        ticks[kind][d] = int(t) if lane == kinds.index(kind) or kind not in (F, F2) else -1
             every = sum((ticks[k] for k in kinds), [])
             if any(t is None for t in every):
                 if any(t is not None for t in every):

@@ -64,7 +64,7 @@ def op_at(t: int, d: int, D: int, M: int) -> Optional[Tuple[str, int, int, int]]
 
 
 def stream(D: int, M: int):
-    """The timeline as data for the executor (``runtime/async_executor.py`` runs it; pictures read
+    """The timeline as data for the executor (``runtime/executor.py`` runs it; pictures read
     :func:`op_at`, and a test replays one against the other tick for tick): the no-flush 1F1B of
     :func:`.periodic.no_flush_1f1b` over stream units, two chunks per device, unit ``u`` of a call (one batch,
     2M units) G0's ``(F of batch q, B of batch q - 1, micro-batch u)`` for ``u < M`` and G1's ``(F and B of
