@@ -54,6 +54,8 @@ ALL = AXES
 #: a lane plan's columns the slot routing reads: stash slot, input slot, kept-message slot, arrival slots
 _ROUTE = ("stash", "in", "keep", "recv_p", "recv_m")
 _R = {k: i for i, k in enumerate(_ROUTE)}
+#: the in-flight fields a forward lane writes (the rest pass through its conditional untouched)
+_F_OUT = ("stash", "gpost", "dy_own", "gtie", "cnt_own")
 
 
 def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubbles: bool = False,
@@ -380,8 +382,8 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             nothing = (blank(), blank_tie(), jnp.full((), jnp.nan if nan_bubbles else 0, jnp.float32))
 
             def single(ops):
-                (pss, cr, loss), send = lax.cond(is_f, f_lane, f_idle, cf, gf, sf, x_in, t_in, ops)
-                return (ops[0], pss, cr, loss), send, nothing
+                (pss, cr, loss), send = f_cond(is_f, cf, gf, sf, x_in, t_in, ops=ops)
+                return (pss, cr, loss), send, nothing
 
             def double(ops):
                 lps, pss, cr, loss = ops
@@ -395,9 +397,29 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                 oa, ob = lax.switch(idx, brs, lps, (x_in, x2_in), (t_in, t2_in), (mb_of(gf), mb_of(gf2)))
                 cr, loss, send_a = f_account(cf, sf, oa, cr, loss)
                 cr, loss, send_b = f_account(cf, s2, ob, cr, loss)
-                return (lps, pss, cr, loss), send_a, send_b
-            (_, pss, cr, loss), send_a, send_b = lax.cond(is_f2, double, single, ops)
-            return (pss, cr, loss), send_a, send_b
+                return (pss, cr, loss), send_a, send_b
+            return f_cond(is_f2, ops=ops, branches=(double, single))
+
+        def f_cond(pred, *args, ops, branches=None):
+            """``lax.cond(pred, f_lane, f_idle, *args, ops)`` (or ``branches(ops)``) with only what a forward
+            writes as the conditional's outputs -- the stash, the last stage's registers, the loss (and the
+            policy states where a forward may change them): the rest of the in-flight state (ring of
+            micro-batches, message buffers) and a sum-only policy's gradient sums stay operands, which XLA does
+            not copy; passed through, they were (+6-13% on the flushing schedules, HLO temp +4 MiB)."""
+            lps, pss, cr, loss = ops
+
+            def slim(fn):
+                def run(*a):
+                    (pss_, cr_, loss_), *sends = fn(*a)
+                    return ((() if fused else pss_), tuple(getattr(cr_, f) for f in _F_OUT), loss_), *sends
+                return run
+            if branches is None:
+                out = lax.cond(pred, slim(f_lane), slim(f_idle), *args, ops)
+            else:
+                out = lax.cond(pred, slim(branches[0]), slim(branches[1]), ops)
+            (pss_out, fields, loss), *sends = out
+            cr = cr._replace(**dict(zip(_F_OUT, fields)))
+            return (pss if fused else pss_out, cr, loss), *sends
 
         def f_idle(c, g, slot, x_in, t_in, ops):
             lps, pss, cr, loss = ops
@@ -481,6 +503,10 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             is still a rendezvous of every device on XLA CPU (BUILD_NOTES, "Collectives over one device")."""
             if D == 1:
                 return x
+            if len(x) == 3 and not counting:
+                # (message, tied arrays, count): a count only matters to (sum, count) losses; each leaf is a
+                # collective-permute of its own -- a rendezvous of every device on XLA CPU
+                return tuple(send(x[:2], pairs)) + (x[2],)
             if not apc:
                 return ppermute_bits(x, STAGE, pairs)
             head, rest = x[0], x[1:]
@@ -619,8 +645,7 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                                                                   (lps, pss, cr, loss))
                 cr = cr._replace(mbuf=deliver(KF2, rr[KF2], send_f2, deliver(0, rr[0], send_f, cr.mbuf)))
             else:
-                (pss, cr, loss), send_f = lax.cond(is_f, f_lane, f_idle, cf, gf, sf, x_in, t_in,
-                                                   (lps, pss, cr, loss))
+                (pss, cr, loss), send_f = f_cond(is_f, cf, gf, sf, x_in, t_in, ops=(lps, pss, cr, loss))
             if slots:
                 if not paired:
                     cr = cr._replace(mbuf=deliver(0, rr[0], send_f, cr.mbuf))
@@ -715,7 +740,13 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
         loss0 = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
         st = (lps, oss, pss, carry, loss0)
         for a, b, flags in segments:
-            st, _ = lax.scan(lambda s_, t: tick(s_, t, flags), st, t0 + jnp.arange(a, b, dtype=jnp.int32))
+            if fused:       # sum-only policies never write the weights: they stay out of the loop's state
+                def scan_tick(s_, t, fixed=st[:2], flags=flags):
+                    return tick(fixed + s_, t, flags)[0][2:], None
+                rest, _ = lax.scan(scan_tick, st[2:], t0 + jnp.arange(a, b, dtype=jnp.int32))
+                st = st[:2] + rest
+            else:
+                st, _ = lax.scan(lambda s_, t: tick(s_, t, flags), st, t0 + jnp.arange(a, b, dtype=jnp.int32))
             st = land_between(st, b)
             if b in eager:
                 st = exchange_between(st, eager[b])
