@@ -173,7 +173,7 @@ def live_axes(mesh, axes: Sequence[str]) -> Tuple[str, ...]:
 
 def psum_over(x, mesh, axes: Sequence[str]):
     """``lax.psum`` over the axes of ``axes`` that have more than one device; the identity where none has.
-    XLA keeps an all-reduce over one-device groups (``replica_groups={{0},{1},...}``): the no-flush executors
+    XLA keeps an all-reduce over one-device groups (``replica_groups={{0},{1},...}``): the no-flush methods
     ran a weight-sized one in every tick without data parallelism (BUILD_NOTES, "Collectives over one
     device"); a sum over one device is its operand, exactly.  Only for ``check_vma=False`` programs: with
     varying-axis checks the skipped reduction changes the value's type (the executor runs with ``check_vma=False``)."""

@@ -192,12 +192,14 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
                                               (periodic.plan.stash_capacity + 1,)))
         # this call's micro-batches go to ring slots (base + n_fed + j) mod C; counted only when fed
         batch = jax.tree.map(lambda a: a.reshape((M, a.shape[0] // M) + a.shape[1:]), batch)
-        recent = lax.fori_loop(0, M, lambda j, r: jax.tree.map(
-            lambda rb, b: write(rb, (base + n_fed + j) % C, b[j]), r, batch), carry.ring)
+        if slots:       # a stream of one call reads its own batch (micro-batch g of the call), kept nowhere
+            mb_of = lambda g: jax.tree.map(lambda a: read(a, g), batch)
+        else:
+            carry = carry._replace(ring=lax.fori_loop(0, M, lambda j, r: jax.tree.map(
+                lambda rb, b: write(rb, (base + n_fed + j) % C, b[j]), r, batch), carry.ring))
+            mb_of = lambda g: jax.tree.map(lambda a: read(a, (base + g) % C), carry.ring)
         n_fed = n_fed + M * feed.astype(jnp.int32)
-        carry = carry._replace(ring=recent)
         zero_like = lambda t: jax.tree.map(jnp.zeros_like, t)
-        mb_of = lambda g: jax.tree.map(lambda a: read(a, (base + g) % C), carry.ring)
         blank = lambda: full(x_aval, jnp.nan if nan_bubbles else 0)
         blank_tie = lambda: full(tie_avals, jnp.nan if nan_bubbles else 0)
         x_like = lambda: full(x_aval, 0)

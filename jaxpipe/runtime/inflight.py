@@ -55,8 +55,9 @@ def empty_carry(model, periodic, M: int, n_devices: int, mb_example, x_aval, mas
     buf = periodic.buffers(M, periodic.replica_delay * (replicas - 1))
     C, S = buf["ring"], sum(buf["stash"])
     plan = periodic.plan
-    if plan is not None:            # the plan's slots, and a scratch slot where nothing is written
-        S = plan.stash_capacity + 1
+    if plan is not None:            # the plan's slots, and a scratch slot where nothing is written; the call
+        S = plan.stash_capacity + 1  # reads its own batch (one ring slot: the micro-batch's shapes)
+        C = 1
     per = lambda shape, dtype: jnp.zeros((n_devices,) + tuple(shape), dtype)
     nan = lambda shape, dtype: jnp.full((n_devices,) + tuple(shape), jnp.nan if nan_bubbles else 0, dtype)
     msg = lambda lead=(): full(x_aval, jnp.nan if nan_bubbles else 0, (n_devices,) + tuple(lead))
