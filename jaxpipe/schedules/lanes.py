@@ -3,9 +3,10 @@
 A lockstep tick holds *lanes* run one after the other on every device -- an ``F`` lane, a ``B`` lane, a
 ``W`` lane where the schedule splits the backward, an ``F2`` lane where Chimera pairs forwards (§3.5) --
 each followed by a ``ppermute`` of the messages it produced.  A device runs at most one action per lane per
-tick; a lane no device uses in a stretch of ticks is not compiled there (the tick loop is cut into
-*phases*), and a device idle in a lane skips it (``lax.cond``): on CPU-emulated devices idle work costs real
-time, since the emulated devices share the cores.
+tick, and a device idle in a lane skips it (``lax.cond``): on CPU-emulated devices idle work costs real time,
+since the emulated devices share the cores.  The one executor runs a plan as a stream of one call
+(:func:`jaxpipe.schedules.periodic.one_call`), routing in the slots allocated here; the *phases* (runs of
+ticks using the same lanes) are where Chimera's eager reduction may cut the call's scan.
 
 Two placements of the same :class:`~jaxpipe.schedules.ir.Schedule`:
 
