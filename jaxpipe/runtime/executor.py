@@ -158,11 +158,14 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
     # and go home between two scans (chunk 1 of the replica device -> chunk 0 of the owner)
     eager = dict(eager_points(periodic.plan.schedule, periodic.plan.where)) if (
         slots and periodic.plan.schedule.options.get("eager_reduce")) else {}
-    if eager:
-        if K != 2 or any(p.sums is None for p in policies):
-            raise ConfigError("eager_reduce moves one chunk's gradient sums to another's: two chunks whose policies "
-                              "expose their sums")
-        segments = [(a, b, False) for a, b in zip([0] + sorted(eager), sorted(eager) + [T])]
+    if eager and (K != 2 or any(p.sums is None for p in policies)):
+        raise ConfigError("eager_reduce moves one chunk's gradient sums to another's: two chunks whose policies "
+                          "expose their sums")
+    if slots:       # one scan per phase of the plan, compiling only the lanes some device uses there (its cuts
+        # include the eager-reduction points); a lane idle on every device costs a conditional per tick else
+        segments = [(a, b, frozenset(u)) for a, b, u in periodic.plan.phases]
+        if not {b for _, b, _ in segments} >= set(eager):
+            raise ConfigError("the plan's phases must end at its eager-reduction points (runtime.common.lane_plan)")
     used_pos = [sorted({pos_of(c, d) for d in range(D)}) for c in range(K)]
     remap = np.zeros((K, 4), np.int32)
     for c in range(K):
@@ -625,6 +628,9 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             """One tick.  ``flags`` (static, per scan segment): whether an in-scan landing may happen in it; on a
             ring, (may land an arrived stage, may complete a sum)."""
             lps, oss, pss, cr, loss = st
+            # a lane plan's phase: the lanes some device uses in these ticks (the others are not compiled here)
+            run = [li in flags for li in range(len(kinds))] if slots else [True] * len(kinds)
+            rr = jnp.asarray(routes)[t % T, me] if slots else None     # this device's route rows
             if ring:            # stacked chunks: the lanes read static views of them
                 if flags[0]:
                     lps, pss = receive_arrived(lps, pss, cr.reduce)
@@ -632,78 +638,79 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             is_f, cf, gf = op_of(t, me, 0)
             is_b, cb, gb = op_of(t, me, KB)
             err = errors_of(cf, gf, is_f, per_chunk(lps, pss)[1])
-            if slots:       # the plan's slots: what each lane reads and where its stash goes
-                rr = jnp.asarray(routes)[t % T, me]
-                x_in, t_in = (read(a, rr[0, _R["in"]]) for a in cr.mbuf[:2])
-                sf = rr[0, _R["stash"]]
-            else:
-                x_in, t_in, sf = cr.recv_f, cr.tie_f, slot_of(cf, gf)
-            if K > 1 and not slots:   # device 0's later chunks read the last device's output from the wrap buffer
-                wx, wt = jax.tree.map(lambda a: read(a, gf % C), cr.wrap_f)
-                on_wrap = (me == 0) & (cf > 0)
-                x_in, t_in = where(on_wrap, wx, x_in), where(on_wrap, wt, t_in)
-            if paired:      # F2 pairs with F: one forward of the two micro-batches where both run
-                (pss, cr, loss), send_f, send_f2 = f_lanes_paired(t, rr, is_f, cf, gf, sf, x_in, t_in,
-                                                                  (lps, pss, cr, loss))
-                cr = cr._replace(mbuf=deliver(KF2, rr[KF2], send_f2, deliver(0, rr[0], send_f, cr.mbuf)))
-            else:
-                (pss, cr, loss), send_f = f_cond(is_f, cf, gf, sf, x_in, t_in, ops=(lps, pss, cr, loss))
-            if slots:
-                if not paired:
-                    cr = cr._replace(mbuf=deliver(0, rr[0], send_f, cr.mbuf))
-            elif D > 1 or K > 1:
-                recv_f, tie_f = send(send_f, ring_f)
-                cr = cr._replace(recv_f=recv_f, tie_f=tie_f)
-                if K > 1:
-                    runs_s, c_s, g_s = op_of(t, D - 1, 0)
-                    slot = jnp.where((me == 0) & runs_s & (c_s < K - 1), g_s % C, C)
-                    cr = cr._replace(wrap_f=jax.tree.map(lambda a, v: write(a, slot, v), cr.wrap_f, (recv_f, tie_f)))
-            err = err + errors_of(cb, gb, is_b, per_chunk(lps, pss)[1])
-            if slots:
-                dy_in, tb_in, cnt = (read(a, rr[KB, _R["in"]]) for a in cr.mbuf)
-                sb = rr[KB, _R["stash"]]
-            else:
-                dy_in, tb_in, cnt, sb = cr.recv_b, cr.tie_b, cr.cnt_b, slot_of(cb, gb)
-            if K > 1 and not slots:   # the last device's earlier chunks read device 0's gradient from the wrap buffer
-                wd, wt, wc = jax.tree.map(lambda a: read(a, gb % C), cr.wrap_b)
-                on_wrap = (me == D - 1) & (cb < K - 1)
-                dy_in, tb_in, cnt = where(on_wrap, wd, dy_in), where(on_wrap, wt, tb_in), jnp.where(on_wrap, wc, cnt)
-            if not slots:
-                cnt = jnp.where(is_last(cb), cr.cnt_own, cnt)
-            if fused:
-                pss, cr, send_b = b_lanes_summing(cb, gb, sb, dy_in, tb_in, cnt, is_b, lps, oss, pss, cr)
-            else:
-                grad, send_b, _ = lax.cond(is_b, b_lane, b_idle, cb, gb, sb, dy_in, tb_in, (lps, pss, cr))
-            send_b = send_b + (jnp.where(is_b & ~is_first(cb), cnt,
-                                         jnp.full((), jnp.nan if nan_bubbles else 0, jnp.float32)),)
-            if ring:
-                lps, oss, pss, rs = ring_exchange(t, *stacks, cr.reduce, is_b, cb, grad, cnt, flags[1])
-                cr = cr._replace(reduce=rs)
-            lps, oss, pss = (lps, oss, pss) if ring else (list(lps), list(oss), list(pss))
-            for c in range(K if not (ring or fused) else 0):
-                # one conditional per chunk: each output is either its operand or a new value (no copies)
-                lps[c], oss[c], pss[c] = lax.cond(
-                    is_b & (cb == c), lambda *a, c=c: b_apply(c, *a), lambda g, gr, n, *a: a, gb, grad, cnt,
-                    lps[c], oss[c], pss[c])
-                if policies[c].apply_pending is not None:
-                    lps[c] = lax.cond(is_b & (cb == c), policies[c].apply_pending, lambda lp, ps: lp, lps[c], pss[c])
-                if in_scan and flags:
+            if run[0]:
+                if slots:       # the plan's slots: what each lane reads and where its stash goes
+                    x_in, t_in = (read(a, rr[0, _R["in"]]) for a in cr.mbuf[:2])
+                    sf = rr[0, _R["stash"]]
+                else:
+                    x_in, t_in, sf = cr.recv_f, cr.tie_f, slot_of(cf, gf)
+                if K > 1 and not slots:   # device 0's later chunks read the last device's output from the wrap buffer
+                    wx, wt = jax.tree.map(lambda a: read(a, gf % C), cr.wrap_f)
+                    on_wrap = (me == 0) & (cf > 0)
+                    x_in, t_in = where(on_wrap, wx, x_in), where(on_wrap, wt, t_in)
+                if paired and run[KF2]:     # F2 pairs with F: one forward of the two micro-batches where both run
+                    (pss, cr, loss), send_f, send_f2 = f_lanes_paired(t, rr, is_f, cf, gf, sf, x_in, t_in,
+                                                                      (lps, pss, cr, loss))
+                    cr = cr._replace(mbuf=deliver(KF2, rr[KF2], send_f2, deliver(0, rr[0], send_f, cr.mbuf)))
+                else:
+                    (pss, cr, loss), send_f = f_cond(is_f, cf, gf, sf, x_in, t_in, ops=(lps, pss, cr, loss))
+                if slots:
+                    if not (paired and run[KF2]):
+                        cr = cr._replace(mbuf=deliver(0, rr[0], send_f, cr.mbuf))
+                elif D > 1 or K > 1:
+                    recv_f, tie_f = send(send_f, ring_f)
+                    cr = cr._replace(recv_f=recv_f, tie_f=tie_f)
+                    if K > 1:
+                        runs_s, c_s, g_s = op_of(t, D - 1, 0)
+                        slot = jnp.where((me == 0) & runs_s & (c_s < K - 1), g_s % C, C)
+                        cr = cr._replace(wrap_f=jax.tree.map(lambda a, v: write(a, slot, v), cr.wrap_f, (recv_f, tie_f)))
+            if run[KB]:
+                err = err + errors_of(cb, gb, is_b, per_chunk(lps, pss)[1])
+                if slots:
+                    dy_in, tb_in, cnt = (read(a, rr[KB, _R["in"]]) for a in cr.mbuf)
+                    sb = rr[KB, _R["stash"]]
+                else:
+                    dy_in, tb_in, cnt, sb = cr.recv_b, cr.tie_b, cr.cnt_b, slot_of(cb, gb)
+                if K > 1 and not slots:   # the last device's earlier chunks read device 0's gradient from the wrap buffer
+                    wd, wt, wc = jax.tree.map(lambda a: read(a, gb % C), cr.wrap_b)
+                    on_wrap = (me == D - 1) & (cb < K - 1)
+                    dy_in, tb_in, cnt = where(on_wrap, wd, dy_in), where(on_wrap, wt, tb_in), jnp.where(on_wrap, wc, cnt)
+                if not slots:
+                    cnt = jnp.where(is_last(cb), cr.cnt_own, cnt)
+                if fused:
+                    pss, cr, send_b = b_lanes_summing(cb, gb, sb, dy_in, tb_in, cnt, is_b, lps, oss, pss, cr)
+                else:
+                    grad, send_b, _ = lax.cond(is_b, b_lane, b_idle, cb, gb, sb, dy_in, tb_in, (lps, pss, cr))
+                send_b = send_b + (jnp.where(is_b & ~is_first(cb), cnt,
+                                             jnp.full((), jnp.nan if nan_bubbles else 0, jnp.float32)),)
+                if ring:
+                    lps, oss, pss, rs = ring_exchange(t, *stacks, cr.reduce, is_b, cb, grad, cnt, flags[1])
+                    cr = cr._replace(reduce=rs)
+                lps, oss, pss = (lps, oss, pss) if ring else (list(lps), list(oss), list(pss))
+                for c in range(K if not (ring or fused) else 0):
+                    # one conditional per chunk: each output is either its operand or a new value (no copies)
                     lps[c], oss[c], pss[c] = lax.cond(
-                        is_b & (cb == c) & policies[c].lands(base + gb),
-                        lambda *a, c=c: policies[c].land(*a, counting=counting, b=(base + gb) // M),
-                        lambda *a: a, lps[c], oss[c], pss[c])
-            if slots:
-                cr = cr._replace(mbuf=deliver(KB, rr[KB], send_b, cr.mbuf))
-            if split:
-                pss = w_lanes(t, rr[KW], lps, oss, pss, cr)
-            elif D > 1 or K > 1:
-                recv_b, tie_b, cnt_b = send(send_b, ring_b)
-                cr = cr._replace(recv_b=recv_b, tie_b=tie_b, cnt_b=cnt_b)
-                if K > 1:
-                    runs_s, c_s, g_s = op_of(t, 0, 1)
-                    slot = jnp.where((me == D - 1) & runs_s & (c_s > 0), g_s % C, C)
-                    cr = cr._replace(wrap_b=jax.tree.map(lambda a, v: write(a, slot, v), cr.wrap_b,
-                                                         (recv_b, tie_b, cnt_b)))
+                        is_b & (cb == c), lambda *a, c=c: b_apply(c, *a), lambda g, gr, n, *a: a, gb, grad, cnt,
+                        lps[c], oss[c], pss[c])
+                    if policies[c].apply_pending is not None:
+                        lps[c] = lax.cond(is_b & (cb == c), policies[c].apply_pending, lambda lp, ps: lp, lps[c], pss[c])
+                    if in_scan and flags:
+                        lps[c], oss[c], pss[c] = lax.cond(
+                            is_b & (cb == c) & policies[c].lands(base + gb),
+                            lambda *a, c=c: policies[c].land(*a, counting=counting, b=(base + gb) // M),
+                            lambda *a: a, lps[c], oss[c], pss[c])
+                if slots:
+                    cr = cr._replace(mbuf=deliver(KB, rr[KB], send_b, cr.mbuf))
+                    if split and run[KW]:
+                        pss = w_lanes(t, rr[KW], lps, oss, pss, cr)
+                elif D > 1 or K > 1:
+                    recv_b, tie_b, cnt_b = send(send_b, ring_b)
+                    cr = cr._replace(recv_b=recv_b, tie_b=tie_b, cnt_b=cnt_b)
+                    if K > 1:
+                        runs_s, c_s, g_s = op_of(t, 0, 1)
+                        slot = jnp.where((me == D - 1) & runs_s & (c_s > 0), g_s % C, C)
+                        cr = cr._replace(wrap_b=jax.tree.map(lambda a, v: write(a, slot, v), cr.wrap_b,
+                                                             (recv_b, tie_b, cnt_b)))
             cr = cr._replace(errors=cr.errors + err)
             if not ring:
                 lps, oss, pss = tuple(lps), tuple(oss), tuple(pss)
