@@ -1,5 +1,6 @@
 """One executor runs every method (issue #13): the flushing schedules' lane plans become streams of one call
 that the same executor as the no-flush methods runs; what the plan draws is what the stream runs."""
+import jax
 import optax
 import pytest
 
@@ -66,3 +67,19 @@ def test_no_lane_executor_left():
     with pytest.raises(ImportError):
         importlib.import_module("jaxpipe.runtime.async_executor")
     assert rt.make_grad_fn.__module__ == "jaxpipe.runtime.gradient"
+
+
+@pytest.mark.parametrize("name,opts", [("gpipe", {}), ("zb_h1", {}), ("chimera", {})])
+def test_one_collective_permute_per_lane_channel_and_phase(name, opts):
+    """The compiled step sends exactly what the plan routes: one collective-permute per channel of each lane a
+    phase compiles (each is a rendezvous of every device on XLA CPU) -- nothing else in the ticks."""
+    import re
+    model, batch_fn = small_model("mlp", 4)
+    pipe = jp.Pipeline(model, schedule=name, num_microbatches=8, optimizer=optax.sgd(0.1),
+                       mesh=jp.make_mesh(stages=4), options=opts or None)
+    txt = pipe.lower("grad", pipe.init(), batch_fn(16)).compile().as_text()
+    p = pipe.lane_plan
+    # Chimera: its replicas fetched and their gradients sent home, one collective-permute per stage leaf each way
+    perms = 2 * len(jax.tree.leaves(model.stage_params)) if name == "chimera" else 0
+    expect = sum(len(p.channels[li]) for _, _, used in p.phases for li in used) + perms
+    assert len(re.findall(r"collective-permute-start\(|collective-permute\(", txt)) == expect

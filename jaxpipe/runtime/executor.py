@@ -509,8 +509,8 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             if D == 1:
                 return x
             if len(x) == 3 and not counting:
-                # (message, tied arrays, count): a count only matters to (sum, count) losses; each leaf is a
-                # collective-permute of its own -- a rendezvous of every device on XLA CPU
+                # (message, tied arrays, count): a count only matters to (sum, count) losses (XLA drops an unused
+                # one too; this does not rely on it)
                 return tuple(send(x[:2], pairs)) + (x[2],)
             if not apc:
                 return ppermute_bits(x, STAGE, pairs)
