@@ -210,6 +210,14 @@ class AccumState(NamedTuple):
     count: Any            # (sum, count) losses: the batch's global count
 
 
+def _add_to_sums(g, lp, opt_state, ps, i, s, count=None):
+    """``update`` of the one-version summing policies (``accumulate``, ``gradient``): the micro-batch's
+    gradient (and count) added to the sums; a part of ``g`` that is None adds nothing (ZB's B adds pre's
+    gradient, its W the stage's)."""
+    acc = tuple(a if x is None else jax.tree.map(lambda u, v: u + v.astype(u.dtype), a, x) for a, x in zip(ps.acc, g))
+    return lp, opt_state, ps._replace(acc=acc, count=ps.count + (0.0 if count is None else count))
+
+
 def accumulate(opt: optax.GradientTransformation, num_microbatches: int, name: str = "accumulate") -> WeightPolicy:
     """One version, as data parallelism: batch b reads w(b) in F and B; its mean gradient lands before batch
     b + 1's first op (WPipe's G1, eq. (1) with i = 1)."""
@@ -218,17 +226,13 @@ def accumulate(opt: optax.GradientTransformation, num_microbatches: int, name: s
     def init(lp):
         return AccumState(jax.tree.map(jnp.zeros_like, lp), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
 
-    def update(g, lp, opt_state, ps, i, s, count=None):
-        acc = jax.tree.map(lambda a, x: a + x.astype(a.dtype), ps.acc, g)
-        return lp, opt_state, ps._replace(acc=acc, count=ps.count + (0.0 if count is None else count))
-
     def land(lp, opt_state, ps, counting=False, b=0):
         div = (lambda a: a / ps.count.astype(a.dtype)) if counting else (lambda a: a / M)
         new, opt_state, _ = _apply(opt, jax.tree.map(div, ps.acc), lp, opt_state)
         return new, opt_state, AccumState(jax.tree.map(jnp.zeros_like, ps.acc), ps.n_updates + 1,
                                           jnp.zeros((), jnp.float32))
 
-    return WeightPolicy(name, init, lambda lp, ps, i, s: (lp, ps), lambda lp, ps, i, s: lp, update,
+    return WeightPolicy(name, init, lambda lp, ps, i, s: (lp, ps), lambda lp, ps, i, s: lp, _add_to_sums,
                         lambda D: [1] * D, choose=lambda lp, ps, i, s: (jnp.zeros((), jnp.int32), (lp,)),
                         per_microbatch=False, land=land, lands=lambda i: i % M == M - 1, land_at_call_end=True,
                         stale=0, accumulators=1, held=lambda ps, i, s: ps.n_updates == i // M)
@@ -245,17 +249,11 @@ def gradient(num_microbatches: int, name: str = "gradient") -> WeightPolicy:
         acc = jax.tree.map(lambda a: jnp.zeros(jnp.shape(a), jnp.promote_types(a.dtype, jnp.float32)), lp)
         return AccumState(acc, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
 
-    def update(g, lp, opt_state, ps, i, s, count=None):
-        # a part of g that is None adds nothing (ZB's B adds pre's gradient, its W the stage's)
-        acc = tuple(a if x is None else jax.tree.map(lambda u, v: u + v.astype(u.dtype), a, x)
-                    for a, x in zip(ps.acc, g))
-        return lp, opt_state, ps._replace(acc=acc, count=ps.count + (0.0 if count is None else count))
-
     def finish(ps, reduce, count=None):
         div = (lambda a: a / count.astype(a.dtype)) if count is not None else (lambda a: a / M)
         return ps._replace(acc=jax.tree.map(div, reduce(ps.acc)))
 
-    return WeightPolicy(name, init, lambda lp, ps, i, s: (lp, ps), lambda lp, ps, i, s: lp, update,
+    return WeightPolicy(name, init, lambda lp, ps, i, s: (lp, ps), lambda lp, ps, i, s: lp, _add_to_sums,
                         lambda D: [1] * D, choose=lambda lp, ps, i, s: (jnp.zeros((), jnp.int32), (lp,)),
                         per_microbatch=False, stale=0, accumulators=1, finish=finish,
                         sums=(lambda ps: ps.acc[0], lambda ps, v: ps._replace(acc=(v,) + tuple(ps.acc[1:]))))

@@ -293,7 +293,6 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
 
         variants = [[forward_at(bool(p & 1), bool(p & 2)) for p in used_pos[c]] for c in range(K)]
         doubles = [[double_at(bool(p & 1), bool(p & 2)) for p in used_pos[c]] for c in range(K)] if paired else None
-        cr_mbuf = lambda ops: ops[2].mbuf
 
         def choices(g, lps, pss):
             """Per chunk: (version index, candidates) the policy chooses for micro-batch ``g`` on this device."""
@@ -382,7 +381,7 @@ def make_async_fn(model, policy, opt, D: int, M: int, mesh, mb_example, nan_bubb
             forward where both run (the plan pairs forwards of one stage position), the F lane alone where only
             it does.  A sum-only policy's current weights (no version choice)."""
             is_f2, cf2, gf2 = op_of(t, me, KF2)
-            x2_in, t2_in = (read(a, rr[KF2, _R["in"]]) for a in cr_mbuf(ops)[:2])
+            x2_in, t2_in = (read(a, rr[KF2, _R["in"]]) for a in ops[2].mbuf[:2])
             s2 = rr[KF2, _R["stash"]]
             nothing = (blank(), blank_tie(), jnp.full((), jnp.nan if nan_bubbles else 0, jnp.float32))
 

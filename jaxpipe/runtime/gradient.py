@@ -40,6 +40,8 @@ def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubble
     on_stage = NamedSharding(mesh, P(STAGE))
     on_own = NamedSharding(mesh, P((PIPE, STAGE)))
 
+    like = lambda g, q: jax.tree.map(lambda a, b: a.astype(b.dtype), g, q)     # gradients in the params' dtypes
+
     def permute(t, pairs):
         spec = jax.tree.map(lambda _: P(STAGE), t)
         return jax.shard_map(lambda a: jax.tree.map(lambda x: jax.lax.ppermute(x, STAGE, pairs), a), mesh=mesh,
@@ -54,7 +56,6 @@ def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubble
             loss, (g_w, g_pre, g_post) = one_call(flat(stage_p), spread(pre_p), spread(post_p), batch, step)
             back = lambda g: jax.tree.map(lambda a: a.reshape((R, D) + a.shape[1:]), g)
             sums = lambda g: jax.tree.map(lambda a: a.sum(1), back(g))
-            like = lambda g, q: jax.tree.map(lambda a, b: a.astype(b.dtype), g, q)
             return loss, (like(back(g_w), stage_p), like(sums(g_pre), pre_p), like(sums(g_post), post_p))
         return one_call(stage_p, pre_p, post_p, batch, step)
 
@@ -96,7 +97,6 @@ def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubble
         g_post = jax.tree.map(lambda *g: sum(total(a) for a in g), *(ps.acc[2] for ps in pss))
         if replicas:
             return loss, (g_w, g_pre, g_post)
-        like = lambda g, q: jax.tree.map(lambda a, b: a.astype(b.dtype), g, q)
         return loss, (like(g_w, stage_p), like(g_pre, pre_p), like(g_post, post_p))
     return fn
 
