@@ -42,24 +42,36 @@ def devices_needed(name: str, stages: int) -> int:
     return 2 * stages if name == "avgpipe" else stages
 
 
+def spawn_group(module: str, names, n: int, json_out: str = "") -> None:
+    """Run ``python -m module --child --schedules=names`` in a process emulating exactly ``n`` devices,
+    with this process's other flags."""
+    import subprocess
+    env = dict(os.environ, XLA_FLAGS=with_device_count(os.environ.get("XLA_FLAGS", ""), n))
+    args = [a for a in sys.argv[1:] if not a.startswith(("--schedules", "--json_out", "--child"))]
+    cmd = [sys.executable, "-m", module, "--child", f"--schedules={','.join(names)}"] + (
+        [f"--json_out={json_out}"] if json_out else []) + args
+    subprocess.run(cmd, env=env, check=True)
+
+
+def groups_by_devices(names):
+    """Schedules grouped by the devices their meshes use (each group runs in its own process)."""
+    groups = {}
+    for name in names:
+        groups.setdefault(devices_needed(name, FLAGS.stages), []).append(name)
+    return dict(sorted(groups.items()))
+
+
 def run_groups(argv) -> None:
     """One child process per device count, each emulating exactly the devices its meshes use (emulating
     more slows the plain one-device baseline: the emulated devices share the cores' thread pools), each
     timing its own plain steps; the rows are printed together."""
     import json
-    import subprocess
     import tempfile
-    groups = {}
-    for name in FLAGS.schedules.split(","):
-        groups.setdefault(devices_needed(name, FLAGS.stages), []).append(name)
+    groups = groups_by_devices(FLAGS.schedules.split(","))
     rows = []
-    for n, names in sorted(groups.items()):
+    for n, names in groups.items():
         with tempfile.NamedTemporaryFile(suffix=".json") as fh:
-            env = dict(os.environ, XLA_FLAGS=with_device_count(os.environ.get("XLA_FLAGS", ""), n))
-            args = [a for a in sys.argv[1:] if not a.startswith(("--schedules", "--json_out", "--child"))]
-            cmd = [sys.executable, "-m", "experiments.throughput", "--child", f"--schedules={','.join(names)}",
-                   f"--json_out={fh.name}"] + args
-            subprocess.run(cmd, env=env, check=True)
+            spawn_group("experiments.throughput", names, n, fh.name)
             out = json.load(open(fh.name))
             rows += [dict(r, devices=n, plain_ms=out["plain_ms"]) for r in out["rows"]]
     if len(groups) > 1:
@@ -79,34 +91,22 @@ def run_groups(argv) -> None:
             json.dump({"rows": rows}, fh, indent=1)
 
 
-def main(argv):
-    if not FLAGS.child and "jax" not in sys.modules:
-        return run_groups(argv)
-    import json
-    import jax
-    import jax.numpy as jnp
+def build_runners(names, model, batch, opt):
+    """Every runner the rows of ``names`` need, with the plain steps each is compared with: a namespace of
+    ``runners`` (name -> closure running one step), ``infos`` (one per schedule), ``base_of`` (schedule ->
+    its plain runner), ``model_of``, ``opts`` (schedules run with another optimizer), ``variant_opts`` and
+    ``predicting`` (schedule -> the plain step making its weight predictions)."""
+    import types
     import jaxpipe as jp
-    import statistics
-    from jaxpipe.bench import (compile_time, cyclic_runner, interleaved_medians, make_tanh_mlp, median_ratio,
-                               pipeline_runner, plain_predicting_runner, plain_runner, sync_dp_runner)
+    from jaxpipe.bench import (cyclic_runner, make_tanh_mlp, pipeline_runner, plain_predicting_runner,
+                               plain_runner, sync_dp_runner)
     from jaxpipe.optim.policies import pipeoptim_distance, spectrain_distances
-
-    if FLAGS.layers % FLAGS.stages:
-        raise app.UsageError(f"--layers={FLAGS.layers} must be a multiple of --stages={FLAGS.stages}")
-    opt = jp.optim.by_name(FLAGS.optimizer, 1e-3)
-    model = make_tanh_mlp(FLAGS.stages, FLAGS.layers // FLAGS.stages, FLAGS.width)
-    key = jax.random.key(1)
-    batch = {"x": jax.random.normal(key, (FLAGS.batch, FLAGS.width), jnp.float32),
-             "y": jnp.zeros((FLAGS.batch, FLAGS.width), jnp.float32)}
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform} x{len(jax.devices())}, "
-          f"MLP {FLAGS.layers} x {FLAGS.width}^2 tanh, batch {FLAGS.batch}, D={FLAGS.stages}, "
-          f"M={FLAGS.microbatches}, optimizer {FLAGS.optimizer}; {FLAGS.steps} interleaved rounds", flush=True)
     runners = {"accum": plain_runner(model, batch, FLAGS.microbatches, opt),
                "unchunked": plain_runner(model, batch, 1, opt)}
     infos = []
     opts, base_of, model_of, variant_opts, predicting = {}, {}, {}, {}, {}
     base_name = lambda n: {"1f1b_pytree": "1f1b", "zb_h1_recompute": "zb_h1"}.get(n, n)
-    for name in FLAGS.schedules.split(","):
+    for name in names:
         o, m, devices = opt, model, 0
         if name in ("interleaved_1f1b", "wpipe"):
             # two model chunks per device: the same layers cut into 2D stages, the same plain step math
@@ -160,6 +160,33 @@ def main(argv):
                                     pipes=pipes, options=variant_opts.get(name))
         runners[name] = run
         infos.append({**info, "schedule": name})
+    return types.SimpleNamespace(runners=runners, infos=infos, base_of=base_of, model_of=model_of, opts=opts,
+                                 variant_opts=variant_opts, predicting=predicting, base_name=base_name)
+
+
+def main(argv):
+    if not FLAGS.child and "jax" not in sys.modules:
+        return run_groups(argv)
+    import json
+    import jax
+    import jax.numpy as jnp
+    import jaxpipe as jp
+    import statistics
+    from jaxpipe.bench import compile_time, interleaved_medians, make_tanh_mlp, median_ratio
+
+    if FLAGS.layers % FLAGS.stages:
+        raise app.UsageError(f"--layers={FLAGS.layers} must be a multiple of --stages={FLAGS.stages}")
+    opt = jp.optim.by_name(FLAGS.optimizer, 1e-3)
+    model = make_tanh_mlp(FLAGS.stages, FLAGS.layers // FLAGS.stages, FLAGS.width)
+    key = jax.random.key(1)
+    batch = {"x": jax.random.normal(key, (FLAGS.batch, FLAGS.width), jnp.float32),
+             "y": jnp.zeros((FLAGS.batch, FLAGS.width), jnp.float32)}
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform} x{len(jax.devices())}, "
+          f"MLP {FLAGS.layers} x {FLAGS.width}^2 tanh, batch {FLAGS.batch}, D={FLAGS.stages}, "
+          f"M={FLAGS.microbatches}, optimizer {FLAGS.optimizer}; {FLAGS.steps} interleaved rounds", flush=True)
+    r = build_runners(FLAGS.schedules.split(","), model, batch, opt)
+    runners, infos, base_of, model_of = r.runners, r.infos, r.base_of, r.model_of
+    opts, variant_opts, predicting, base_name = r.opts, r.variant_opts, r.predicting, r.base_name
     times = interleaved_medians(runners, FLAGS.steps)
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"plain one-device step: accumulating over M={FLAGS.microbatches}: {med['accum'] * 1e3:.1f} ms, "

@@ -17,6 +17,7 @@ QUICK = {
     "timeline": [],
     "bubbles": [],
     "throughput": ["--steps=1", "--compile_m2=0", "--layers=8", "--width=32", "--batch=64"],
+    "op_profile": ["--schedules=chimera,cdp_dp_v1", "--steps=1", "--layers=4", "--width=32", "--batch=64"],
     "tune": ["--devices=4", "--layers=4", "--width=32", "--batch=16", "--validate=1", "--micro_batch_sizes=4"],
     "stage_efficiency": ["--widths=64", "--layers=2", "--microbatch_sizes=8", "--reps=2"],
     "tune_avgpipe": ["--devices=4", "--width=32", "--batch=16", "--ms=1,2", "--ns=1", "--steps=1"],

@@ -1,0 +1,94 @@
+"""Where a pipelined step's time goes, next to the plain step it is compared with: a ``jax.profiler`` trace
+of each, cut into operation categories (``jaxpipe.profiling``).
+
+    python -m experiments.op_profile                                   # gpipe, chimera, spectrain, cdp_dp_v1
+    python -m experiments.op_profile --schedules=chimera --steps=5 --trace_dir=/tmp/prof
+
+Same model, batch and flags as ``experiments.throughput``; every process emulates exactly the devices its
+meshes use.  For each schedule it traces ``--steps`` pipelined steps and ``--steps`` of each plain step it
+is compared with (throughput's baseline; SpecTrain/PipeOptim also the plain step making their weight
+predictions; the DP form of Cyclic Data Parallelism also synchronous DP), then prints per step: wall time,
+and the thread milliseconds of XLA's worker threads by category (matmul, elementwise, data movement,
+control = conditionals and loops, collective = ppermute/all-reduce including waiting for the peer, pool
+wait = an operation's parallel share waiting for busy pool threads) with how many operations of the
+category ran.  The traces stay under ``--trace_dir`` for TensorBoard / Perfetto (``vm.xplane.pb``,
+``perfetto_trace.json.gz``).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from absl import app, flags
+
+from experiments import throughput  # noqa: F401  (its model and batch flags are this runner's flags)
+
+flags.DEFINE_string("trace_dir", "/tmp/jaxpipe_op_profile", "where the traces are written (one folder per step)")
+flags.DEFINE_integer("top_ops", 6, "operations listed per traced step, by thread time")
+FLAGS = flags.FLAGS
+DEFAULT_SCHEDULES = "gpipe,chimera,spectrain,cdp_dp_v1"
+
+
+def _table(cols, breakdowns):
+    """A markdown table: one column per traced step, a row per category (thread ms/step, operations/step)."""
+    from jaxpipe.profiling import CATEGORIES
+    cats = [c for c, _ in CATEGORIES] + ["elementwise"]
+    print("| per step | " + " | ".join(cols) + " |")
+    print("|---|" + "---|" * len(cols))
+    print("| wall ms | " + " | ".join(f"{b.wall_ms:.1f}" for b in breakdowns) + " |")
+    for c in cats:
+        print(f"| {c} ms (ops) | " + " | ".join(f"{b.ms.get(c, 0.0):.1f} ({b.calls.get(c, 0):.0f})"
+                                              for b in breakdowns) + " |")
+    print("| all threads ms | " + " | ".join(f"{b.total:.1f}" for b in breakdowns) + " |")
+
+
+def profile_group(names):
+    import logging
+    logging.getLogger("jax._src.profiler").setLevel(logging.WARNING)   # "Writing perfetto_trace.json.gz..."
+    import jax
+    import jax.numpy as jnp
+    import jaxpipe as jp
+    from jaxpipe.bench import make_tanh_mlp
+    from jaxpipe.profiling import trace_steps
+    opt = jp.optim.by_name(FLAGS.optimizer, 1e-3)
+    model = make_tanh_mlp(FLAGS.stages, FLAGS.layers // FLAGS.stages, FLAGS.width)
+    key = jax.random.key(1)
+    batch = {"x": jax.random.normal(key, (FLAGS.batch, FLAGS.width), jnp.float32),
+             "y": jnp.zeros((FLAGS.batch, FLAGS.width), jnp.float32)}
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform} x{len(jax.devices())}, MLP {FLAGS.layers} x "
+          f"{FLAGS.width}^2 tanh, batch {FLAGS.batch}, D={FLAGS.stages}, M={FLAGS.microbatches}, "
+          f"{FLAGS.optimizer}; traced steps: {FLAGS.steps if FLAGS['steps'].present else 3} each", flush=True)
+    steps = FLAGS.steps if FLAGS["steps"].present else 3
+    r = throughput.build_runners(names, model, batch, opt)
+    done = {}
+
+    def traced(key):
+        if key not in done:
+            done[key] = trace_steps(r.runners[key], steps, os.path.join(FLAGS.trace_dir, key))
+        return done[key]
+
+    for name in names:
+        base = r.base_of.get(name, "accum_momentum" if name in r.opts else "accum")
+        cols = [name, base] + ([r.predicting[name]] if name in r.predicting else []) + (
+            ["sync_dp"] if name.startswith("cdp_dp_") else [])
+        bds = [traced(c) for c in cols]
+        print(f"\n{name}: {bds[0].wall_ms / bds[1].wall_ms:.3f}x {base} in wall time (traced steps)")
+        _table(cols, bds)
+        top = sorted(bds[0].ops.items(), key=lambda kv: -kv[1])[:FLAGS.top_ops]
+        print(f"  {name}'s largest operations (thread ms/step): " + ", ".join(f"{k} {v:.1f}" for k, v in top))
+    print(f"\ntraces: {FLAGS.trace_dir}/<step>/plugins/profile/*/ (TensorBoard's profile plugin, or "
+          f"perfetto_trace.json.gz in ui.perfetto.dev)")
+
+
+def main(argv):
+    names = (FLAGS.schedules if FLAGS["schedules"].present else DEFAULT_SCHEDULES).split(",")
+    if FLAGS.layers % FLAGS.stages:
+        raise app.UsageError(f"--layers={FLAGS.layers} must be a multiple of --stages={FLAGS.stages}")
+    if FLAGS.child or "jax" in sys.modules:
+        return profile_group(names)
+    for n, group in throughput.groups_by_devices(names).items():
+        throughput.spawn_group("experiments.op_profile", group, n)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,41 @@
+"""`jaxpipe.profiling`: a jax.profiler trace read back into operation categories."""
+import jax
+import jax.numpy as jnp
+
+from jaxpipe.profiling import Breakdown, category, trace_steps
+
+
+def test_categories_of_xla_operation_names():
+    assert category("ynn_fusion.14") == "matmul"
+    assert category("dot.3") == "matmul"
+    assert category("ppermute.29") == "collective"
+    assert category("Rendezvous") == "collective"
+    assert category("all-reduce.1") == "collective"
+    assert category("conditional.21") == "control"
+    assert category("while.70") == "control"
+    assert category("dynamic-slice_bitcast_fusion.41") == "data movement"
+    assert category("copy.223") == "data movement"
+    assert category("Wait: pending_threads=1/4") == "pool wait"
+    assert category("wrapped_tanh") == "elementwise"
+
+
+def test_trace_of_a_step_counts_its_matmuls_and_collectives(tmp_path):
+    mesh = jax.make_mesh((4,), ("s",), axis_types=(jax.sharding.AxisType.Explicit,))
+    spec = jax.sharding.PartitionSpec("s")
+
+    def body(x, w):
+        for _ in range(3):
+            x = jnp.tanh(x @ w)
+        return jax.lax.ppermute(x, "s", [(i, (i + 1) % 4) for i in range(4)])
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, None), out_specs=spec))
+    x = jax.device_put(jnp.ones((64, 128)), jax.sharding.NamedSharding(mesh, spec))
+    w = jnp.eye(128) * 0.5
+    b = trace_steps(lambda: f(x, w), steps=2, log_dir=str(tmp_path))
+    assert isinstance(b, Breakdown) and b.wall_ms > 0
+    # 3 matmuls and 1 collective-permute per device per step, 4 devices
+    assert b.calls["matmul"] >= 12 and b.ms["matmul"] > 0
+    assert b.calls["collective"] >= 4 and b.ms["collective"] > 0
+    assert all(n == "ppermute" or n.startswith(("ppermute", "Rendezvous", "collective"))
+               for n, _, _ in b.top("collective", 5))
+    assert abs(b.total - sum(b.ms.values())) < 1e-9
