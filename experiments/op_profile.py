@@ -31,8 +31,8 @@ DEFAULT_SCHEDULES = "gpipe,chimera,spectrain,cdp_dp_v1"
 
 def _table(cols, breakdowns):
     """A markdown table: one column per traced step, a row per category (thread ms/step, operations/step)."""
-    from jaxpipe.profiling import CATEGORIES
-    cats = [c for c, _ in CATEGORIES] + ["elementwise"]
+    from jaxpipe.profiling import CATEGORY_NAMES
+    cats = CATEGORY_NAMES
     print("| per step | " + " | ".join(cols) + " |")
     print("|---|" + "---|" * len(cols))
     print("| wall ms | " + " | ".join(f"{b.wall_ms:.1f}" for b in breakdowns) + " |")
@@ -40,6 +40,19 @@ def _table(cols, breakdowns):
         print(f"| {c} ms (ops) | " + " | ".join(f"{b.ms.get(c, 0.0):.1f} ({b.calls.get(c, 0):.0f})"
                                               for b in breakdowns) + " |")
     print("| all threads ms | " + " | ".join(f"{b.total:.1f}" for b in breakdowns) + " |")
+
+
+def _per_device(name, b):
+    """Per emulated device: its operations' exclusive ms per step by category (their sum is about the
+    step's wall time: a device runs its program in order), and the largest operations of the step."""
+    from jaxpipe.profiling import CATEGORY_NAMES
+    cats = CATEGORY_NAMES
+    print(f"  {name} per device, ms/step: " + "; ".join(
+        f"device {d}: " + " ".join(f"{c.split()[0]} {ms.get(c, 0.0):.0f}" for c in cats) + f" = {sum(ms.values()):.0f}"
+        for d, ms in b.per_device.items()))
+    top = sorted(b.ops.items(), key=lambda kv: -kv[1])[:FLAGS.top_ops]
+    print(f"  {name}'s largest operations (thread ms/step, calls): " + ", ".join(
+        f"{k} {v:.1f} (x{b.op_calls.get(k, 0):.0f})" for k, v in top))
 
 
 def profile_group(names):
@@ -74,8 +87,7 @@ def profile_group(names):
         bds = [traced(c) for c in cols]
         print(f"\n{name}: {bds[0].wall_ms / bds[1].wall_ms:.3f}x {base} in wall time (traced steps)")
         _table(cols, bds)
-        top = sorted(bds[0].ops.items(), key=lambda kv: -kv[1])[:FLAGS.top_ops]
-        print(f"  {name}'s largest operations (thread ms/step): " + ", ".join(f"{k} {v:.1f}" for k, v in top))
+        _per_device(name, bds[0])
     print(f"\ntraces: {FLAGS.trace_dir}/<step>/plugins/profile/*/ (TensorBoard's profile plugin, or "
           f"perfetto_trace.json.gz in ui.perfetto.dev)")
 

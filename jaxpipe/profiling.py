@@ -3,7 +3,7 @@
 :func:`trace_steps` records ``steps`` calls of a runner with ``jax.profiler`` (a Perfetto trace beside
 the XPlane file); :func:`op_breakdown` reads the Perfetto trace back and sums each XLA operation's
 *exclusive* time (its span minus the spans nested in it, per thread) into the categories of
-:data:`CATEGORIES`, per step.  The numbers are thread time summed over XLA's worker threads: on CPU-emulated
+:data:`CATEGORY_NAMES`, per step.  The numbers are thread time summed over XLA's worker threads: on CPU-emulated
 devices every emulated device's operations run on one shared pool, so a category's share of the pool's
 time -- and how it moves between a pipelined step and the plain step doing the same work -- is what the
 profile says, not a per-device timeline.  On a GPU the same trace holds the device's kernels as well.
@@ -29,17 +29,23 @@ CATEGORIES = (
     ("pool wait", r"^Wait: pending_threads"),             # an op's parallel share waiting for pool threads
     ("control", r"^(conditional|while|call|ThunkExecutor::Execute$)"),
     ("matmul", r"(^ynn_fusion|^dot|dot_|convolution|gemm|cublas)"),
-    ("data movement", r"(copy|slice|bitcast|concatenate|transpose|broadcast|^pad|gather|scatter|select)"),
 )
+# a fusion is named after its operations ("select_dynamic-update-slice_fusion.7"): data movement when every
+# one of them only moves or selects values, elementwise when any computes ("broadcast_multiply_fusion")
+_MOVES = {"copy", "slice", "dynamic-slice", "dynamic-update-slice", "bitcast", "bitcast-convert", "concatenate",
+          "transpose", "broadcast", "pad", "gather", "scatter", "select", "reshape", "iota", "memcpy"}
+CATEGORY_NAMES = ("matmul", "elementwise", "data movement", "control", "collective", "pool wait")
 _SKIP = re.compile(r"^(end: |ThreadpoolListener::|ThunkExecutor::Execute \(wait for completion\))")
 
 
 def category(name: str) -> str:
-    """The category of an operation named ``name`` in a trace ('elementwise' when nothing else matches)."""
+    """The category of an operation named ``name`` in a trace: one of :data:`CATEGORIES`, 'data movement'
+    or 'elementwise' (everything else: arithmetic fusions, the runtime's own small spans)."""
     for cat, pattern in CATEGORIES:
         if re.search(pattern, name):
             return cat
-    return "elementwise"
+    parts = {p for p in re.split(r"[_.]", name) if p and not p.isdigit()} - {"fusion", "wrapped"}
+    return "data movement" if parts and parts <= _MOVES else "elementwise"
 
 
 @dataclass
@@ -52,6 +58,7 @@ class Breakdown:
     calls: Dict[str, float]
     op_calls: Dict[str, float] = field(default_factory=dict)
     wall_ms: float = 0.0
+    per_device: Dict[int, Dict[str, float]] = field(default_factory=dict)   # device ordinal -> ms by category
 
     def top(self, cat: str, n: int):
         """The ``n`` operations of category ``cat`` with the most thread time: ``(name, ms, calls)`` per step."""
@@ -64,13 +71,16 @@ class Breakdown:
 
 
 def _exclusive(events):
-    """Each event's span minus the spans directly nested in it (events of one thread)."""
+    """Each event's span minus the spans directly nested in it (events of one thread), and the device it
+    ran for: its own ``device_ordinal`` argument, else the enclosing event's (-1: none)."""
     events.sort(key=lambda e: (e["ts"], -e["dur"]))
     stack = []
     for e in events:
         while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"] + 1e-6:
             stack.pop()
         e["_ex"] = e["dur"]
+        own = (e.get("args") or {}).get("device_ordinal")
+        e["_dev"] = int(own) if own is not None else (stack[-1]["_dev"] if stack else -1)
         if stack:
             stack[-1]["_ex"] -= e["dur"]
         stack.append(e)
@@ -91,6 +101,7 @@ def op_breakdown(trace_path: str, steps: int) -> Breakdown:
         if (e.get("pid"), e.get("tid")) not in python:
             by_thread[(e.get("pid"), e.get("tid"))].append(e)
     ms, ops, calls, op_calls = (collections.Counter() for _ in range(4))
+    per_device = collections.defaultdict(collections.Counter)
     for evs in by_thread.values():
         for e in _exclusive(evs):
             if _SKIP.match(e["name"]):
@@ -100,7 +111,10 @@ def op_breakdown(trace_path: str, steps: int) -> Breakdown:
             ops[e["name"]] += e["_ex"] / 1e3 / steps
             calls[cat] += 1 / steps
             op_calls[e["name"]] += 1 / steps
-    return Breakdown(dict(ms), dict(ops), dict(calls), dict(op_calls))
+            if e["_dev"] >= 0:
+                per_device[e["_dev"]][cat] += e["_ex"] / 1e3 / steps
+    return Breakdown(dict(ms), dict(ops), dict(calls), dict(op_calls),
+                     per_device={d: dict(c) for d, c in sorted(per_device.items())})
 
 
 def trace_steps(run: Callable[[], object], steps: int, log_dir: str, warmup: int = 2) -> Breakdown:

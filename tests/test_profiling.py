@@ -17,6 +17,11 @@ def test_categories_of_xla_operation_names():
     assert category("copy.223") == "data movement"
     assert category("Wait: pending_threads=1/4") == "pool wait"
     assert category("wrapped_tanh") == "elementwise"
+    # fusions: data movement only when every fused operation moves values
+    assert category("select_dynamic-update-slice_fusion.7") == "data movement"
+    assert category("slice_bitcast_fusion.14") == "data movement"
+    assert category("broadcast_multiply_fusion") == "elementwise"
+    assert category("pad_add_fusion.1") == "elementwise"
 
 
 def test_trace_of_a_step_counts_its_matmuls_and_collectives(tmp_path):
