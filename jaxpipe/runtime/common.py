@@ -14,6 +14,15 @@ from ..schedules.ir import Schedule
 
 
 
+
+#: a lane plan's columns the executor's slot routing reads: stash slot, input slot, kept-message slot,
+#: arrival slots (``ROUTE[name]``: the column's index in a device's route row)
+ROUTE_COLUMNS = ("stash", "in", "keep", "recv_p", "recv_m")
+ROUTE = {k: i for i, k in enumerate(ROUTE_COLUMNS)}
+#: the in-flight fields a forward lane writes (the rest pass through its conditional untouched)
+F_OUT = ("stash", "gpost", "dy_own", "gtie", "cnt_own")
+
+
 def residual_mask(stage_fn, w, x, ctx=None) -> Tuple[Tuple[bool, ...], list]:
     """Which leaves of ``jax.vjp(stage_fn, w, x)``'s pullback depend on the activation ``x``.
 
