@@ -56,11 +56,7 @@ class Pipeline:
                  recompute: bool = False, seed: int = 0, precision=None, options: Optional[dict] = None):
         if not isinstance(model, PipelineModel):
             raise ConfigError(f"model must be a jp.PipelineModel, got {type(model).__name__}")
-        if optimizer is not None and not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
-            hint = (f"{getattr(optimizer, '__module__', '')}.{getattr(optimizer, '__name__', '')} is the function "
-                    f"that builds one; call it, e.g. optax.adam(1e-3)" if callable(optimizer) else
-                    "give an optax GradientTransformation, e.g. optax.adamw(1e-3)")
-            raise ConfigError(f"optimizer={optimizer!r} is not an optax optimizer: {hint}")
+        _check_optimizer(optimizer)
         built = schedule if isinstance(schedule, schedules.Schedule) else None
         if built is not None:
             schedule = built.name
@@ -81,23 +77,9 @@ class Pipeline:
                 raise ConfigError(f"Precision(loss_scale={precision.loss_scale}) unscales the gradients before the "
                                   f"update, which {schedule} applies inside the pipeline; use loss_scale=1 (bfloat16 "
                                   f"needs none) or a synchronous schedule")
-        if mesh is None:
-            from .runtime.mesh import make_mesh
-            mesh = make_mesh(stages=model.num_stages)
-        missing = [a for a in (PIPE, DATA, STAGE) if a not in mesh.axis_names]
-        if missing:
-            raise ConfigError(f"mesh needs axes ('pipe', 'data', 'stage'), it lacks {missing}; build it with "
-                              f"jp.make_mesh(stages=..., data=...)")
+        mesh = _checked_mesh(mesh, model)
         D = mesh.shape[STAGE]
-        if not is_int(num_microbatches, 1):
-            raise ConfigError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
-        from .schedules.lanes import PLACEMENTS
-        if placement not in PLACEMENTS:
-            raise ConfigError(f"placement={placement!r}: use 'lanes' (an F and a B lane in every tick: a tick costs "
-                              f"f + b, stage 0 holds up to 2D - 1 micro-batches) or 'ordered' (the schedule's own "
-                              f"one action per tick: its memory bound, e.g. D for 1F1B, at max(f, b) per tick)")
-        if not isinstance(recompute, bool):
-            raise ConfigError(f"recompute must be True or False, got {recompute!r}")
+        _check_scalars(num_microbatches, placement, recompute, seed)
         self.placement, self.recompute = placement, recompute
         self.model, self.mesh, self.optimizer = model, mesh, optimizer
         self.num_microbatches = num_microbatches
@@ -108,17 +90,7 @@ class Pipeline:
                 schedule, num_stages=D, num_microbatches=num_microbatches, **self.method.builder_options(self.options))
         except schedules.ScheduleError as e:
             raise ConfigError(str(e)) from None
-        if built is not None and (built.D, built.num_microbatches) != (D, num_microbatches):
-            raise ConfigError(f"the Schedule was built for {built.D} devices and {built.num_microbatches} "
-                              f"micro-batches; this pipeline has {D} 'stage' devices and num_microbatches="
-                              f"{num_microbatches}")
-        if self.schedule.num_model_stages != model.num_stages:
-            per = self.schedule.num_model_stages // D
-            raise ConfigError(
-                f"the model has {model.num_stages} stages (leading axis of stage_params) but the mesh's 'stage' "
-                f"axis has {D} devices and {schedule} puts {per} stage(s) on each, {self.schedule.num_model_stages} "
-                f"in all; stack {self.schedule.num_model_stages} stages' parameters or use "
-                f"jp.make_mesh(stages={max(model.num_stages // max(per, 1), 1)}, ...)")
+        _check_fit(built, self.schedule, model, D, num_microbatches, schedule)
         # Recomputation: the stash keeps each stage's input only and the backward recomputes the rest --
         # on request, or where the method says (WPipe-R §3.3 by option; Chimera's forward doubling always: it
         # holds two micro-batches' activations per forward tick, §3.5)
@@ -126,8 +98,6 @@ class Pipeline:
             import dataclasses
             self.model = model = dataclasses.replace(model, stage_fn=jax.checkpoint(model.stage_fn))
         self.nan_bubbles = nan_bubbles
-        if not is_int(seed):
-            raise ConfigError(f"seed={seed!r}: give an int (the stage keys of a context model derive from it)")
         self.seed = seed
         self.skip_nonfinite = bool(skip_nonfinite)
         self.check_inputs = bool(check_inputs)
@@ -347,3 +317,52 @@ def _merge_legacy(schedule: str, options: Optional[dict], **legacy) -> dict:
                       DeprecationWarning, stacklevel=3)
         out.update(new)
     return out
+
+
+def _check_optimizer(optimizer) -> None:
+    if optimizer is not None and not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+        hint = (f"{getattr(optimizer, '__module__', '')}.{getattr(optimizer, '__name__', '')} is the function "
+                f"that builds one; call it, e.g. optax.adam(1e-3)" if callable(optimizer) else
+                "give an optax GradientTransformation, e.g. optax.adamw(1e-3)")
+        raise ConfigError(f"optimizer={optimizer!r} is not an optax optimizer: {hint}")
+
+
+def _checked_mesh(mesh, model):
+    """The mesh (default: one 'stage' device per model stage), with the axes the executor needs."""
+    if mesh is None:
+        from .runtime.mesh import make_mesh
+        mesh = make_mesh(stages=model.num_stages)
+    missing = [a for a in (PIPE, DATA, STAGE) if a not in mesh.axis_names]
+    if missing:
+        raise ConfigError(f"mesh needs axes ('pipe', 'data', 'stage'), it lacks {missing}; build it with "
+                          f"jp.make_mesh(stages=..., data=...)")
+    return mesh
+
+
+def _check_scalars(num_microbatches, placement, recompute, seed) -> None:
+    if not is_int(num_microbatches, 1):
+        raise ConfigError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
+    from .schedules.lanes import PLACEMENTS
+    if placement not in PLACEMENTS:
+        raise ConfigError(f"placement={placement!r}: use 'lanes' (an F and a B lane in every tick: a tick costs "
+                          f"f + b, stage 0 holds up to 2D - 1 micro-batches) or 'ordered' (the schedule's own "
+                          f"one action per tick: its memory bound, e.g. D for 1F1B, at max(f, b) per tick)")
+    if not isinstance(recompute, bool):
+        raise ConfigError(f"recompute must be True or False, got {recompute!r}")
+    if not is_int(seed):
+        raise ConfigError(f"seed={seed!r}: give an int (the stage keys of a context model derive from it)")
+
+
+def _check_fit(built, sched, model, D, num_microbatches, name) -> None:
+    """A user-built Schedule matches the mesh and M; the schedule's model stages match the model's."""
+    if built is not None and (built.D, built.num_microbatches) != (D, num_microbatches):
+        raise ConfigError(f"the Schedule was built for {built.D} devices and {built.num_microbatches} "
+                          f"micro-batches; this pipeline has {D} 'stage' devices and num_microbatches="
+                          f"{num_microbatches}")
+    if sched.num_model_stages != model.num_stages:
+        per = sched.num_model_stages // D
+        raise ConfigError(
+            f"the model has {model.num_stages} stages (leading axis of stage_params) but the mesh's 'stage' "
+            f"axis has {D} devices and {name} puts {per} stage(s) on each, {sched.num_model_stages} "
+            f"in all; stack {sched.num_model_stages} stages' parameters or use "
+            f"jp.make_mesh(stages={max(model.num_stages // max(per, 1), 1)}, ...)")
