@@ -24,6 +24,8 @@ from absl import app, flags
 from experiments import throughput  # noqa: F401  (its model and batch flags are this runner's flags)
 
 flags.DEFINE_string("trace_dir", "/tmp/jaxpipe_op_profile", "where the traces are written (one folder per step)")
+flags.DEFINE_string("out", "", "optional picture (.png/.svg/.pdf): per traced step and device, its time by "
+                    "operation kind (several device-count groups: one file each, suffixed _<n>dev)")
 flags.DEFINE_integer("top_ops", 6, "operations listed per traced step, by thread time")
 FLAGS = flags.FLAGS
 DEFAULT_SCHEDULES = "gpipe,chimera,spectrain,cdp_dp_v1"
@@ -73,7 +75,7 @@ def profile_group(names):
           f"{FLAGS.optimizer}; traced steps: {FLAGS.steps if FLAGS['steps'].present else 3} each", flush=True)
     steps = FLAGS.steps if FLAGS["steps"].present else 3
     r = throughput.build_runners(names, model, batch, opt)
-    done = {}
+    done, pictured = {}, []
 
     def traced(key):
         if key not in done:
@@ -88,6 +90,16 @@ def profile_group(names):
         print(f"\n{name}: {bds[0].wall_ms / bds[1].wall_ms:.3f}x {base} in wall time (traced steps)")
         _table(cols, bds)
         _per_device(name, bds[0])
+        pictured += [(c, b) for c, b in zip(cols, bds) if c not in {p for p, _ in pictured}]
+    if FLAGS.out:
+        from jaxpipe.profiling import plot_breakdowns
+        path = FLAGS.out
+        if os.environ.get("JAXPIPE_OP_PROFILE_GROUPS", "1") != "1":
+            stem, ext = os.path.splitext(path)
+            path = f"{stem}_{len(jax.devices())}dev{ext}"
+        plot_breakdowns(pictured, path, f"MLP {FLAGS.layers} x {FLAGS.width}^2, batch {FLAGS.batch}, "
+                        f"D={FLAGS.stages}, M={FLAGS.microbatches}, {FLAGS.optimizer}, {len(jax.devices())} devices")
+        print(f"picture: {path}")
     print(f"\ntraces: {FLAGS.trace_dir}/<step>/plugins/profile/*/ (TensorBoard's profile plugin, or "
           f"perfetto_trace.json.gz in ui.perfetto.dev)")
 
@@ -98,7 +110,9 @@ def main(argv):
         raise app.UsageError(f"--layers={FLAGS.layers} must be a multiple of --stages={FLAGS.stages}")
     if FLAGS.child or "jax" in sys.modules:
         return profile_group(names)
-    for n, group in throughput.groups_by_devices(names).items():
+    groups = throughput.groups_by_devices(names)
+    os.environ["JAXPIPE_OP_PROFILE_GROUPS"] = str(len(groups))     # the children name their pictures by it
+    for n, group in groups.items():
         throughput.spawn_group("experiments.op_profile", group, n)
 
 

@@ -139,3 +139,36 @@ def trace_steps(run: Callable[[], object], steps: int, log_dir: str, warmup: int
     b = op_breakdown(paths[-1], steps)
     b.wall_ms = sorted(walls)[len(walls) // 2] * 1e3
     return b
+
+
+def plot_breakdowns(rows, path: str, title: str = "") -> None:
+    """A picture of traced steps: one horizontal bar per ``(label, Breakdown)`` row and per emulated device
+    of it (a plain one-device step: one bar), stacked by category in exclusive milliseconds per step, with the
+    step's wall time marked.  Written to ``path`` (PNG, SVG or PDF by its extension)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    colors = dict(zip(CATEGORY_NAMES, ("#4477aa", "#66ccee", "#228833", "#ccbb44", "#ee6677", "#bbbbbb")))
+    bars = []                                   # (label, ms by category, wall)
+    for label, b in rows:
+        devices = b.per_device or {0: b.ms}
+        for d, ms in devices.items():
+            bars.append((f"{label} · device {d}" if len(devices) > 1 else label, ms, b.wall_ms))
+    fig, ax = plt.subplots(figsize=(9, 0.32 * len(bars) + 1.4))
+    for i, (label, ms, wall) in enumerate(bars):
+        left = 0.0
+        for cat in CATEGORY_NAMES:
+            v = ms.get(cat, 0.0)
+            ax.barh(i, v, left=left, color=colors[cat], label=cat if i == 0 else None)
+            left += v
+        if wall:
+            ax.plot([wall, wall], [i - 0.4, i + 0.4], color="black", lw=1)
+    ax.set_yticks(range(len(bars)), [b[0] for b in bars], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("exclusive ms per step (black tick: the step's wall time)")
+    if title:
+        ax.set_title(title, fontsize=9)
+    ax.legend(ncol=len(CATEGORY_NAMES), fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.35 / max(len(bars), 4) - 0.12))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -2,7 +2,7 @@
 import jax
 import jax.numpy as jnp
 
-from jaxpipe.profiling import Breakdown, category, trace_steps
+from jaxpipe.profiling import Breakdown, category, plot_breakdowns, trace_steps
 
 
 def test_categories_of_xla_operation_names():
@@ -44,3 +44,7 @@ def test_trace_of_a_step_counts_its_matmuls_and_collectives(tmp_path):
     assert all(n == "ppermute" or n.startswith(("ppermute", "Rendezvous", "collective"))
                for n, _, _ in b.top("collective", 5))
     assert abs(b.total - sum(b.ms.values())) < 1e-9
+    # the picture: one bar per device of the traced step, beside a one-device row
+    out = tmp_path / "prof.png"
+    plot_breakdowns([("sharded", b), ("plain", Breakdown({"matmul": 1.0}, {}, {}, wall_ms=2.0))], str(out))
+    assert out.stat().st_size > 1000 and out.read_bytes()[:4] == b"\x89PNG"
