@@ -30,6 +30,9 @@ flags.DEFINE_integer("layers", 8, "MLP layers h = tanh(h @ W) in total (split ev
 flags.DEFINE_integer("width", 1024, "hidden width (W is width x width)")
 flags.DEFINE_integer("batch", 512, "global batch size")
 flags.DEFINE_integer("steps", 7, "timed steps per configuration (median reported)")
+flags.DEFINE_integer("block", 5, "also time each runner this many steps in a row (consecutive steps, as in "
+                     "training), --block_rounds times; 0 = skip. Reported as the 'consecutive' overhead")
+flags.DEFINE_integer("block_rounds", 3, "rounds of the consecutive-steps timing")
 flags.DEFINE_integer("compile_m2", 64, "second micro-batch count for the compile-time check (0 = skip)")
 flags.DEFINE_string("optimizer", "adamw", "optax optimizer applied by both the plain and the pipelined step")
 flags.DEFINE_string("json_out", "", "optional path: write the table as JSON")
@@ -51,6 +54,10 @@ def spawn_group(module: str, names, n: int, json_out: str = "") -> None:
     cmd = [sys.executable, "-m", module, "--child", f"--schedules={','.join(names)}"] + (
         [f"--json_out={json_out}"] if json_out else []) + args
     subprocess.run(cmd, env=env, check=True)
+
+
+def _x(ratio) -> str:
+    return "-" if ratio is None else f"{ratio:.3f}x"
 
 
 def groups_by_devices(names):
@@ -76,11 +83,12 @@ def run_groups(argv) -> None:
             rows += [dict(r, devices=n, plain_ms=out["plain_ms"]) for r in out["rows"]]
     if len(groups) > 1:
         print("\nall groups (each ratio against the plain steps timed in its own process):")
-        print("| schedule | devices emulated | step ms | compared with | overhead | / unchunked | XLA temp MiB/device |")
-        print("|---|---|---|---|---|---|---|")
+        print("| schedule | devices emulated | step ms | compared with | overhead | consecutive | / unchunked | "
+              "XLA temp MiB/device |")
+        print("|---|---|---|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['schedule']} | {r['devices']} | {r['step_s'] * 1e3:.1f} | {r['baseline']} | {r['overhead']:.3f}x | "
-                  f"{r['vs_unchunked']:.3f}x | {r['temp_bytes'] / 2**20:.1f} |")
+                  f"{_x(r['consecutive'])} | {r['vs_unchunked']:.3f}x | {r['temp_bytes'] / 2**20:.1f} |")
     for r in rows:
         if "vs_predicting" in r:
             print(f"{r['schedule']}: {r['vs_predicting']:.3f}x the plain micro-steps that make its weight predictions")
@@ -172,7 +180,7 @@ def main(argv):
     import jax.numpy as jnp
     import jaxpipe as jp
     import statistics
-    from jaxpipe.bench import compile_time, interleaved_medians, make_tanh_mlp, median_ratio
+    from jaxpipe.bench import block_medians, compile_time, interleaved_medians, make_tanh_mlp, median_ratio
 
     if FLAGS.layers % FLAGS.stages:
         raise app.UsageError(f"--layers={FLAGS.layers} must be a multiple of --stages={FLAGS.stages}")
@@ -188,6 +196,7 @@ def main(argv):
     runners, infos, base_of, model_of = r.runners, r.infos, r.base_of, r.model_of
     opts, variant_opts, predicting, base_name = r.opts, r.variant_opts, r.predicting, r.base_name
     times = interleaved_medians(runners, FLAGS.steps)
+    blocks = block_medians(runners, FLAGS.block_rounds, FLAGS.block) if FLAGS.block else None
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"plain one-device step: accumulating over M={FLAGS.microbatches}: {med['accum'] * 1e3:.1f} ms, "
           f"unchunked: {med['unchunked'] * 1e3:.1f} ms", flush=True)
@@ -203,18 +212,22 @@ def main(argv):
             info = {**info, "schedule": f"{name} (momentum)"}
         rows.append({**info, "baseline": base, "baseline_ms": med[base] * 1e3,
                      "step_s": med[name], "overhead": median_ratio(times[name], times[base]),
+                     "consecutive": median_ratio(blocks[name], blocks[base]) if blocks else None,
                      "vs_unchunked": median_ratio(times[name], times["unchunked"]), "compile_s_m2": m2})
     m2_hdr = f"compile s M={FLAGS.compile_m2}" if FLAGS.compile_m2 else "compile s M2 (skipped)"
-    hdr = (f"| schedule | step ms | plain step it is compared with (ms) | overhead | / unchunked plain | sim. lockstep bubble "
+    hdr = (f"| schedule | step ms | plain step it is compared with (ms) | overhead | consecutive | / unchunked plain "
+           f"| sim. lockstep bubble "
            f"| XLA temp MiB/device | state+batch MiB/device | weight versions | compile s M={FLAGS.microbatches} | {m2_hdr} |")
     print("\n" + hdr)
     print("|" + "---|" * (hdr.count("|") - 1))
     for r in rows:
         m2 = "-" if r["compile_s_m2"] is None else f"{r['compile_s_m2']:.2f}"
-        print(f"| {r['schedule']} | {r['step_s'] * 1e3:.1f} | {r['baseline']} ({r['baseline_ms']:.0f}) | {r['overhead']:.3f}x | {r['vs_unchunked']:.3f}x | "
+        print(f"| {r['schedule']} | {r['step_s'] * 1e3:.1f} | {r['baseline']} ({r['baseline_ms']:.0f}) | {r['overhead']:.3f}x | "
+              f"{_x(r['consecutive'])} | {r['vs_unchunked']:.3f}x | "
               f"{r['lockstep_bubble']:.3f} | {r['temp_bytes'] / 2**20:.1f} | "
               f"{r['state_bytes'] / 2**20:.1f} | {r['weight_versions']} | {r['compile_s']:.2f} | {m2} |")
-    print("(overhead: median over rounds of the per-round ratio; the plain and pipelined steps alternate. Plain "
+    print("(overhead: median over rounds of the per-round ratio; the plain and pipelined steps alternate step by "
+          "step. consecutive: the same ratio over --block steps in a row of each runner, as training runs them. Plain "
           "steps: accum = gradient accumulated over the M micro-batches, one update; micro_<opt> = M (gradient, "
           "update) micro-steps; accum_v2 = the same layers cut into 2D stages; accum_D = D micro-batches; "
           "accum_shares2 = one accumulating step per pipeline's half of the batch; unchunked = one gradient)")
@@ -223,13 +236,17 @@ def main(argv):
         if name in predicting:
             k = predicting[name]
             r["vs_predicting"] = median_ratio(times[name], times[k])
+            r["vs_predicting_consecutive"] = median_ratio(blocks[name], blocks[k]) if blocks else None
             print(f"{r['schedule']}: the plain micro-steps with its own weight predictions ({k}) take "
                   f"{med[k] * 1e3:.1f} ms = {median_ratio(times[k], times[r['baseline']]):.3f}x {r['baseline']}; "
-                  f"the pipelined step is {r['vs_predicting']:.3f}x of that")
+                  f"the pipelined step is {r['vs_predicting']:.3f}x of that "
+                  f"({_x(r['vs_predicting_consecutive'])} in consecutive steps)")
     if "sync_dp" in times:
         print(f"\nsynchronous DP on the same {FLAGS.stages} emulated devices (per-device gradient, psum, replicated "
               f"{FLAGS.optimizer}): {med['sync_dp'] * 1e3:.1f} ms = "
-              f"{median_ratio(times['sync_dp'], times['accum_D']):.3f}x accum_D -- the floor a DP form pays here")
+              f"{median_ratio(times['sync_dp'], times['accum_D']):.3f}x accum_D "
+              f"({_x(median_ratio(blocks['sync_dp'], blocks['accum_D']) if blocks else None)} in consecutive steps) "
+              f"-- the floor a DP form pays here")
         for r in rows:
             if r["schedule"].startswith("cdp_dp_"):
                 r["vs_sync_dp"] = median_ratio(times[r["schedule"]], times["sync_dp"])

@@ -245,6 +245,25 @@ def interleaved_medians(runners: Dict[str, Callable[[], object]], rounds: int, w
     return times
 
 
+def block_medians(runners: Dict[str, Callable[[], object]], rounds: int, block: int = 5) -> Dict[str, list]:
+    """Time each runner ``block`` steps in a row (after one untimed step), runner after runner, for ``rounds``
+    rounds; returns each round's median per runner.  Consecutive steps of one program are what training runs;
+    :func:`interleaved_medians` switches program at every step, which costs the pipelined steps more (their
+    buffers and threads are cold after another program ran: SpecTrain 1.23x round-robin against 1.08-1.16x
+    in blocks, BUILD_NOTES).  Ratios are taken within a round, as there."""
+    times = {k: [] for k in runners}
+    for _ in range(rounds):
+        for k, run in runners.items():
+            jax.block_until_ready(run())
+            ts = []
+            for _ in range(block):
+                t0 = time.perf_counter()
+                jax.block_until_ready(run())
+                ts.append(time.perf_counter() - t0)
+            times[k].append(statistics.median(ts))
+    return times
+
+
 def median_ratio(a, b) -> float:
     return statistics.median(x / y for x, y in zip(a, b))
 

@@ -168,7 +168,7 @@ def plot_breakdowns(rows, path: str, title: str = "") -> None:
     ax.set_xlabel("exclusive ms per step (black tick: the step's wall time)")
     if title:
         ax.set_title(title, fontsize=9)
-    ax.legend(ncol=len(CATEGORY_NAMES), fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.35 / max(len(bars), 4) - 0.12))
-    fig.tight_layout()
+    fig.legend(ncol=len(CATEGORY_NAMES), fontsize=7, loc="lower center")
+    fig.tight_layout(rect=(0, 0.6 / (0.32 * len(bars) + 1.4), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
