@@ -7,7 +7,9 @@ For each schedule it prints: the pipelined ``step`` time (median of ``--steps`` 
 the plain one-device ``jax.jit`` step that accumulates the gradient over the same M micro-batches with a
 ``lax.scan`` and applies the same optax update (the *pipeline overhead*), the ratio to the unchunked plain
 step (one gradient over the whole batch), XLA temporary bytes per device, and compile time at M and at
-``--compile_m2`` micro-batches (must stay nearly flat: the executor scans over ticks).
+``--compile_m2`` micro-batches (must stay nearly flat: the executor scans over ticks).  Two timings: the
+*overhead* alternates the runners step by step (robust to the machine drifting), the *consecutive* one runs
+each ``--block`` steps in a row (as training does; ``bench.block_medians``); both are ratios within a round.
 """
 from __future__ import annotations
 
