@@ -61,19 +61,9 @@ def profile_group(names):
     import logging
     logging.getLogger("jax._src.profiler").setLevel(logging.WARNING)   # "Writing perfetto_trace.json.gz..."
     import jax
-    import jax.numpy as jnp
-    import jaxpipe as jp
-    from jaxpipe.bench import make_tanh_mlp
     from jaxpipe.profiling import trace_steps
-    opt = jp.optim.by_name(FLAGS.optimizer, 1e-3)
-    model = make_tanh_mlp(FLAGS.stages, FLAGS.layers // FLAGS.stages, FLAGS.width)
-    key = jax.random.key(1)
-    batch = {"x": jax.random.normal(key, (FLAGS.batch, FLAGS.width), jnp.float32),
-             "y": jnp.zeros((FLAGS.batch, FLAGS.width), jnp.float32)}
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform} x{len(jax.devices())}, MLP {FLAGS.layers} x "
-          f"{FLAGS.width}^2 tanh, batch {FLAGS.batch}, D={FLAGS.stages}, M={FLAGS.microbatches}, "
-          f"{FLAGS.optimizer}; traced steps: {FLAGS.steps if FLAGS['steps'].present else 3} each", flush=True)
     steps = FLAGS.steps if FLAGS["steps"].present else 3
+    opt, model, batch = throughput.benchmark_setup(f"traced steps: {steps} each")
     r = throughput.build_runners(names, model, batch, opt)
     done, pictured = {}, []
 

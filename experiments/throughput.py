@@ -101,6 +101,24 @@ def run_groups(argv) -> None:
             json.dump({"rows": rows}, fh, indent=1)
 
 
+def benchmark_setup(timing: str):
+    """``(optimizer, model, batch)`` of the flags (the benchmark MLP and a random batch), after printing what
+    runs where; ``timing`` ends the line."""
+    import jax
+    import jax.numpy as jnp
+    import jaxpipe as jp
+    from jaxpipe.bench import make_tanh_mlp
+    opt = jp.optim.by_name(FLAGS.optimizer, 1e-3)
+    model = make_tanh_mlp(FLAGS.stages, FLAGS.layers // FLAGS.stages, FLAGS.width)
+    key = jax.random.key(1)
+    batch = {"x": jax.random.normal(key, (FLAGS.batch, FLAGS.width), jnp.float32),
+             "y": jnp.zeros((FLAGS.batch, FLAGS.width), jnp.float32)}
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform} x{len(jax.devices())}, "
+          f"MLP {FLAGS.layers} x {FLAGS.width}^2 tanh, batch {FLAGS.batch}, D={FLAGS.stages}, "
+          f"M={FLAGS.microbatches}, optimizer {FLAGS.optimizer}; {timing}", flush=True)
+    return opt, model, batch
+
+
 def build_runners(names, model, batch, opt):
     """Every runner the rows of ``names`` need, with the plain steps each is compared with: a namespace of
     ``runners`` (name -> closure running one step), ``infos`` (one per schedule), ``base_of`` (schedule ->
@@ -178,22 +196,13 @@ def main(argv):
     if not FLAGS.child and "jax" not in sys.modules:
         return run_groups(argv)
     import json
-    import jax
-    import jax.numpy as jnp
     import jaxpipe as jp
     import statistics
-    from jaxpipe.bench import block_medians, compile_time, interleaved_medians, make_tanh_mlp, median_ratio
+    from jaxpipe.bench import block_medians, compile_time, interleaved_medians, median_ratio
 
     if FLAGS.layers % FLAGS.stages:
         raise app.UsageError(f"--layers={FLAGS.layers} must be a multiple of --stages={FLAGS.stages}")
-    opt = jp.optim.by_name(FLAGS.optimizer, 1e-3)
-    model = make_tanh_mlp(FLAGS.stages, FLAGS.layers // FLAGS.stages, FLAGS.width)
-    key = jax.random.key(1)
-    batch = {"x": jax.random.normal(key, (FLAGS.batch, FLAGS.width), jnp.float32),
-             "y": jnp.zeros((FLAGS.batch, FLAGS.width), jnp.float32)}
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform} x{len(jax.devices())}, "
-          f"MLP {FLAGS.layers} x {FLAGS.width}^2 tanh, batch {FLAGS.batch}, D={FLAGS.stages}, "
-          f"M={FLAGS.microbatches}, optimizer {FLAGS.optimizer}; {FLAGS.steps} interleaved rounds", flush=True)
+    opt, model, batch = benchmark_setup(f"{FLAGS.steps} interleaved rounds")
     r = build_runners(FLAGS.schedules.split(","), model, batch, opt)
     runners, infos, base_of, model_of = r.runners, r.infos, r.base_of, r.model_of
     opts, variant_opts, predicting, base_name = r.opts, r.variant_opts, r.predicting, r.base_name
