@@ -16,6 +16,7 @@ from .interleaved import build_interleaved_1f1b
 from .ir import Action, B, F, W, Schedule, ScheduleError, Tables
 from .one_f_one_b import build_1f1b
 from .zero_bubble import build_zb_h1
+from .v_shape import build_dualpipe_v, build_zb_v
 from .registry import METHODS, Method, method
 from .simulate import SimReport, simulate
 from ..validate import is_int
@@ -25,6 +26,8 @@ BUILDERS: Dict[str, Callable[..., Schedule]] = {
     "1f1b": build_1f1b,
     "interleaved_1f1b": build_interleaved_1f1b,
     "zb_h1": build_zb_h1,
+    "zb_v": build_zb_v,
+    "dualpipe_v": build_dualpipe_v,
     "chimera": build_chimera,
     "avgpipe": build_avgpipe,
     "wpipe": build_wpipe_step,
