@@ -52,7 +52,7 @@ from .errors import ConfigError
 from .model import PipelineModel
 from .model import microbatch_key
 from .optim.policies import cyclic_dp
-from .runtime.executor import make_async_fn
+from .runtime.executor import make_stream_program
 from .runtime.inflight import empty_carry
 from .runtime.common import cast, full, read, write
 from .runtime.common import balanced_broadcast
@@ -175,7 +175,7 @@ class CyclicDataParallel:
         key = (jax.tree.structure(batch), tuple((np.shape(l), str(l.dtype)) for l in jax.tree.leaves(batch)))
         if key in self._fns:
             return self._fns[key]
-        fn, _ = make_async_fn(self.model, self.policies, self.opt, 1, 1, self.mesh, self._mb_example(batch),
+        fn, _ = make_stream_program(self.model, self.policies, self.opt, 1, 1, self.mesh, self._mb_example(batch),
                               nan_bubbles=self.nan_bubbles, periodic=self.periodic, seed=self.seed,
                               broadcast=self.broadcast)
 

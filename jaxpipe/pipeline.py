@@ -155,7 +155,7 @@ class Pipeline:
     def device_layout(self, state):
         """Stage parameters as the executor holds them: ``[D, chunks, ...]`` (device d, local chunk c holds
         model stage ``schedule.stage_of_chunk()[d, c]``; Chimera: two replicas per device)."""
-        from .runtime.common import layout_index
+        from .schedules.layout import layout_index
         D = self.mesh.shape[STAGE]
         lay = jnp.asarray(layout_index(self.schedule))
         return jax.tree.map(lambda a: a[lay].reshape((D, -1) + a.shape[1:]), self.params(state)[0])

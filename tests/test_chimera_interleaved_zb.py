@@ -200,7 +200,7 @@ def test_clear_errors(bad, match):
 @pytest.mark.parametrize("D,N", [(4, 4), (8, 8), (8, 32)])
 def test_eager_reduction_point_is_early(D, N):
     """§3.2: the last stage's replica gradient is final well before the pipeline ends (P0 and P3 in Fig. 4)."""
-    from jaxpipe.runtime.common import eager_point
+    from jaxpipe.schedules.layout import eager_point
     s = schedules.build("chimera", D, N, eager_reduce=True)
     t_e, src, chunk, dst = eager_point(s)
     assert (src, chunk, dst) == (0, 1, D - 1)
@@ -262,8 +262,8 @@ def test_eager_synchronisation_covers_every_stage(D, N):
     """§3.2 for every stage: each stage's replica gradient goes home (mirror device -> owner) right after the
     stage's last backward, in tick order; only a stage whose last backward is the pipeline's last tick waits
     for the final exchange.  The executor's plan has a phase boundary at each point."""
-    from jaxpipe.runtime.common import eager_points
-    from jaxpipe.runtime.common import lane_plan
+    from jaxpipe.schedules.layout import eager_points
+    from jaxpipe.schedules.layout import lane_plan
     s = schedules.build("chimera", D, N, eager_reduce=True)
     pts = eager_points(s)
     pairs = [p for _, ps in pts for p in ps]

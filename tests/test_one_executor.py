@@ -7,7 +7,7 @@ import pytest
 import jaxpipe as jp
 from helpers import small_model
 from jaxpipe import schedules
-from jaxpipe.runtime.common import lane_plan
+from jaxpipe.schedules.layout import lane_plan
 from jaxpipe.schedules.ir import F
 from jaxpipe.schedules.periodic import F2, one_call
 
@@ -63,7 +63,7 @@ def test_no_lane_executor_left():
     import importlib
     import jaxpipe.runtime as rt
     ex = importlib.import_module("jaxpipe.runtime.executor")
-    assert hasattr(ex, "make_async_fn") and not hasattr(ex, "lane_plan")
+    assert hasattr(ex, "make_stream_program") and not hasattr(ex, "lane_plan")
     with pytest.raises(ImportError):
         importlib.import_module("jaxpipe.runtime.async_executor")
     assert rt.make_grad_fn.__module__ == "jaxpipe.runtime.gradient"

@@ -61,8 +61,6 @@ class WeightPolicy(NamedTuple):
     #: (a conditional holding the version swap made XLA copy the weights in every tick it was compiled in)
     land: Any = None
     lands: Any = None
-    #: land once after the call's scan, for the batch whose last backward ran in it (instead of in the scan)
-    land_at_call_end: bool = False
     #: ``apply_pending(lp, ps) -> lp``: ``update`` left the weights as they were and put the update in the
     #: state (PipeOptim/SpecTrain keep it for their prediction); the executor adds it in a conditional of its
     #: own: one that wrote the weights and kept an update computed from them (AdamW's decay) made XLA copy
@@ -95,6 +93,36 @@ class WeightPolicy(NamedTuple):
     #: ``(get(ps), put(ps, sums) -> ps)`` (optional): the stage's gradient sums in the state, for an exchange
     #: between chunks inside the call (Chimera's eager reduction)
     sums: Any = None
+    #: --- the modes the executor runs the policy in, declared (checked against the hooks by :func:`check`) ---
+    #: ``reduction``: ``"update"`` -- each micro-batch's gradient is reduced over the data replicas and handed
+    #: to ``update``; ``"sum"`` -- ``update`` adds the local gradient to sums in the state and ``finish`` reduces
+    #: them once after the call (a flushing schedule's gradient); ``"ring"`` -- Cyclic DP's ring reduction over
+    #: the data workers (``apply_sum``, ``retire``)
+    reduction: str = "update"
+    #: ``reads``: ``"computed"`` -- ``forward_weights``/``backward_weights`` give the version an op reads;
+    #: ``"stored"`` -- ``choose`` picks one of a few stored versions, run in one branch per candidate
+    reads: str = "computed"
+    #: ``landing``: ``"none"``; ``"in_scan"`` -- ``land`` after the B of the micro-batch where ``lands(i)``,
+    #: inside the scan; ``"call_end"`` -- once after the call's scan, for the batch whose last B ran in it
+    landing: str = "none"
+
+
+#: each declared mode and the hooks it needs
+MODES = {"reduction": {"update": (), "sum": ("finish",), "ring": ("apply_sum", "retire")},
+         "reads": {"computed": (), "stored": ("choose",)},
+         "landing": {"none": (), "in_scan": ("land", "lands"), "call_end": ("land", "lands")}}
+
+
+def check(policy: WeightPolicy) -> WeightPolicy:
+    """``policy`` if every declared mode is known and has the hooks it needs; ConfigError naming them otherwise."""
+    for field, modes in MODES.items():
+        mode = getattr(policy, field)
+        if mode not in modes:
+            raise ConfigError(f"weight policy {policy.name!r}: {field}={mode!r}; choose one of {sorted(modes)}")
+        missing = [h for h in modes[mode] if getattr(policy, h) is None]
+        if missing:
+            raise ConfigError(f"weight policy {policy.name!r}: {field}={mode!r} needs the hooks {missing}")
+    return policy
 
 
 def _apply(opt, g, lp, opt_state):
@@ -201,7 +229,8 @@ def pipedream_2bw(opt: optax.GradientTransformation, num_stages: int, num_microb
     # reads need it at the tick of batch b's last backward
     return WeightPolicy(name, init, forward_weights, backward_weights, update, lambda D: [2] * D, choose,
                         per_microbatch=False, land=land, lands=lambda i: i % M == M - 1,
-                        land_at_call_end=not fresh, stale=1, accumulators=K, held=held)
+                        landing="in_scan" if fresh else "call_end", reads="stored", stale=1, accumulators=K,
+                        held=held)
 
 
 class AccumState(NamedTuple):
@@ -234,8 +263,8 @@ def accumulate(opt: optax.GradientTransformation, num_microbatches: int, name: s
 
     return WeightPolicy(name, init, lambda lp, ps, i, s: (lp, ps), lambda lp, ps, i, s: lp, _add_to_sums,
                         lambda D: [1] * D, choose=lambda lp, ps, i, s: (jnp.zeros((), jnp.int32), (lp,)),
-                        per_microbatch=False, land=land, lands=lambda i: i % M == M - 1, land_at_call_end=True,
-                        stale=0, accumulators=1, held=lambda ps, i, s: ps.n_updates == i // M)
+                        per_microbatch=False, land=land, lands=lambda i: i % M == M - 1, landing="call_end",
+                        reads="stored", stale=0, accumulators=1, held=lambda ps, i, s: ps.n_updates == i // M)
 
 
 def gradient(num_microbatches: int, name: str = "gradient") -> WeightPolicy:
@@ -255,7 +284,7 @@ def gradient(num_microbatches: int, name: str = "gradient") -> WeightPolicy:
 
     return WeightPolicy(name, init, lambda lp, ps, i, s: (lp, ps), lambda lp, ps, i, s: lp, _add_to_sums,
                         lambda D: [1] * D, choose=lambda lp, ps, i, s: (jnp.zeros((), jnp.int32), (lp,)),
-                        per_microbatch=False, stale=0, accumulators=1, finish=finish,
+                        per_microbatch=False, stale=0, accumulators=1, finish=finish, reduction="sum", reads="stored",
                         sums=(lambda ps: ps.acc[0], lambda ps, v: ps._replace(acc=(v,) + tuple(ps.acc[1:]))))
 
 
@@ -301,7 +330,7 @@ def cyclic_dp(opt: optax.GradientTransformation, num_workers: int, stage: int, r
     return WeightPolicy(f"cdp_dp_{rule}", init, lambda lp, ps, i, s: (weights(lp, ps, i, s), ps), weights,
                         unused, lambda D: [2] * D, choose=choose, per_microbatch=False,
                         held=lambda ps, i, s: (ps.n_updates == version(i)) | (ps.n_updates - 1 == version(i)),
-                        apply_sum=apply_sum, retire=retire)
+                        apply_sum=apply_sum, retire=retire, reduction="ring", reads="stored")
 
 
 def wpipe(opt: optax.GradientTransformation, num_stages: int, num_microbatches: int):

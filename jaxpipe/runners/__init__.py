@@ -56,7 +56,7 @@ class RunContext:
     def lane_plan(self):
         """The lane plan the flushing executor runs (``jaxpipe.schedules.lanes.LanePlan``)."""
         if self._lane_plan is None:
-            from ..runtime.common import lane_plan
+            from ..schedules.layout import lane_plan
             self._lane_plan = lane_plan(self.schedule, self.placement)
         return self._lane_plan
 

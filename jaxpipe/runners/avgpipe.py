@@ -27,7 +27,7 @@ from .. import schedules
 from ..errors import ConfigError
 from ..avgpipe_shared import check_shareable, from_executor, interleave_shares, shared_model, to_executor
 from ..optim.elastic import check_alpha, elastic_averaging
-from ..runtime.common import lane_plan
+from ..schedules.layout import lane_plan, stream_options
 from ..runtime.gradient import make_stream_grad_fn
 from ..schedules.periodic import one_call
 from ..validate import is_int
@@ -122,21 +122,22 @@ class AvgPipeRunner:
             ctx = self.ctx
             tx, N, M = self.tx, self.N, self.M
             seed = ctx.seed
-            stream = one_call(lane_plan(self.schedule(advance)))
+            sched = self.schedule(advance)
+            stream, sopts = one_call(lane_plan(sched)), stream_options(sched)
             n_dp = ctx.mesh.shape[PIPE] * ctx.mesh.shape[DATA]
             mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // (n_dp * M),) + tuple(a.shape[1:]),
                                                              a.dtype), example)
             if self.shared is None:
                 # tied arrays travel inside the program; their gradients come back folded into pre's
                 grad_fn = make_stream_grad_fn(ctx.model, stream, ctx.mesh, mb, M, nan_bubbles=ctx.nan_bubbles,
-                                              seed=seed, replicas=True)
+                                              seed=seed, replicas=True, **sopts)
 
                 def replica_grads(params, b, step):
                     return grad_fn(*params, b, step)
             else:
                 avals = jax.eval_shape(to_executor, state.params)
                 grad_fn = make_stream_grad_fn(shared_model(ctx.model, N, avals), stream, ctx.mesh, mb, M,
-                                              nan_bubbles=ctx.nan_bubbles, seed=seed)
+                                              nan_bubbles=ctx.nan_bubbles, seed=seed, **sopts)
 
                 def replica_grads(params, b, step):
                     total, grads = grad_fn(*to_executor(params), interleave_shares(b, N, M), step)

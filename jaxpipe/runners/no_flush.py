@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..errors import ConfigError
 from ..optim.policies import make_policy
-from ..runtime.executor import ALL, make_async_fn
+from ..runtime.executor import ALL, make_stream_program
 from ..runtime.inflight import empty_carry
 from ..runtime.common import full
 from ..runtime.stage import stage_residuals
@@ -134,9 +134,10 @@ class AsyncRunner(InFlightRunner):
                                                      for l in jax.tree.leaves(batch_like)))
         if key not in self._fns:
             ctx = self.ctx
-            fn, _ = make_async_fn(ctx.model, self.policy, ctx.optimizer, self.D, self.M, ctx.mesh,
-                                  self._mb(batch_like), nan_bubbles=ctx.nan_bubbles,
-                                  periodic=ctx.schedule.periodic, seed=ctx.seed, apc=bool(ctx.options.get("apc")))
+            fn, _ = make_stream_program(ctx.model, self.policy, ctx.optimizer, self.D, self.M, ctx.mesh,
+                                        self._mb(batch_like), nan_bubbles=ctx.nan_bubbles,
+                                        periodic=ctx.schedule.periodic, seed=ctx.seed,
+                                        apc=bool(ctx.options.get("apc")))
 
             def run(state: AsyncState, batch, feed):
                 params, opt_state, pstate, carry, counters, (loss, lcount, done, errors) = fn(

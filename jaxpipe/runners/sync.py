@@ -12,7 +12,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..errors import ConfigError
-from ..runtime.common import exchange_perms, layout_index
+from ..schedules.layout import exchange_perms, layout_index, stream_options
 from ..runtime.gradient import make_stream_grad_fn
 from ..schedules.periodic import one_call
 from ..axes import STAGE
@@ -113,7 +113,8 @@ class SyncRunner:
                                                              a.dtype), example)
             grad_fn = make_stream_grad_fn(self._scaled(scale), self.stream, self.ctx.mesh, mb, M,
                                           nan_bubbles=self.ctx.nan_bubbles, seed=self.ctx.seed,
-                                          perms=exchange_perms(self.ctx.schedule) if self._identity_layout else None)
+                                          perms=exchange_perms(self.ctx.schedule) if self._identity_layout else None,
+                                          **stream_options(self.ctx.schedule))
 
             lay, identity = jnp.asarray(self._layout), self._identity_layout
             lay_sh = jax.tree.map(lambda _: NamedSharding(self.ctx.mesh, P(STAGE)), self.ctx.model.stage_params)

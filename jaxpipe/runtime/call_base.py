@@ -1,56 +1,106 @@
 """Where a tick's ops come from: the stream's call table read for a device and a lane, chunk positions,
-the versions a chunk's policy offers.  Methods of the executor's per-trace
-:class:`~jaxpipe.runtime.executor._Call`."""
+the versions a chunk's policy offers.  Functions of the executor's
+:class:`~jaxpipe.runtime.program.Program` and :class:`~jaxpipe.runtime.executor.Trace`."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from .common import full
 
-class CallBase:
-    def op_of(self, t, d, kind, r=None):
-        """(runs, chunk, g): device ``d``'s op ``kind`` (0: F, 1: B) at tick ``t``, of micro-batch ``g``, on
-        replica ``r`` (default: this one; it runs ``r * replica_delay`` ticks late)."""
-        if self.periodic.replica_delay:
-            t = t - (self.replica if r is None else r) * self.periodic.replica_delay
-        u, shift = self.ctab[t % self.T, d, kind, 0], self.ctab[t % self.T, d, kind, 1]
-        q = t // self.T - shift
-        row = self.unit_tab[jnp.maximum(u, 0)]
-        g = (q + jnp.where(kind in (0, self.KF2), row[1], row[2])) * self.M + row[3]     # W: the B's micro-batch
-        return (u >= 0) & (q >= 0) & (g >= 0) & (g < self.n_fed), row[0], g
 
-    def position(self, c: int):
-        """The position code of this device's chunk ``c``: 1 first (pre), 2 last (loss), 3 both."""
-        return self.is_first(c).astype(jnp.int32) + 2 * self.is_last(c).astype(jnp.int32)
+# small readers shared by the lanes
+def view(prog, tr, stack, c):
+    return jax.tree.map(lambda a: a[c], stack)
 
-    def pick(self, c, values):
-        """``values[c]`` for a traced chunk index (scalars)."""
-        out = values[0]
-        for cc in range(1, self.K):
-            out = jnp.where(c == cc, values[cc], out)
-        return out
 
-    def choices(self, g, lps, pss):
-        """Per chunk: (version index, candidates) the policy chooses for micro-batch ``g`` on this device."""
-        return [p.choose(lp, ps, self.base + g, self.me) for p, lp, ps in zip(self.policies, lps, pss)]
+def views(prog, tr, stack):
+    return tuple(view(prog, tr, stack, c) for c in range(prog.K))
 
-    def operands(self, ch, lps, pss):
-        """The switch's weight operands: every chunk's candidates (each read in place by its branch) -- or, on
-        a ring, the stacked candidates (``lps``, ``pss``: the stacks), each branch slicing its chunk (views
-        sliced outside were materialised: 173 MiB of temp)."""
-        if self.ring:
-            return self.policies[0].choose(lps, pss, self.base, self.me)[1]
-        return [cands for _, cands in ch]
 
-    def per_chunk(self, lps, pss):
-        """The chunks' (weights, policy state): views of the stacks on a ring, else as they are."""
-        return (self.views(lps), self.views(pss)) if self.ring else (lps, pss)
+def zero_like(prog, tr, t):
+    return jax.tree.map(jnp.zeros_like, t)
 
-    def candidate(self, cs, cc, w):
-        return jax.tree.map(lambda a: a[cc], cs[w]) if self.ring else cs[cc][w]
 
-    def errors_of(self, c, g, runs, pss):
-        """1 where the op would read a version its chunk's policy no longer holds."""
-        ok = [p.held(ps, self.base + g, self.me) if p.held is not None else jnp.asarray(True)
-              for p, ps in zip(self.policies, pss)]
-        return (runs & ~self.pick(c, ok)).astype(jnp.int32)
+def blank(prog, tr):
+    return full(prog.x_aval, jnp.nan if prog.nan_bubbles else 0)
+
+
+def blank_tie(prog, tr):
+    return full(prog.tie_avals, jnp.nan if prog.nan_bubbles else 0)
+
+
+def x_like(prog, tr):
+    return full(prog.x_aval, 0)
+
+
+def slot_of(prog, tr, c, g):
+    return tr.s_off[c] + g % tr.s_cap[c]
+
+
+def stage_of(prog, tr, c):
+    """The model stage of this device's chunk ``c``."""
+    return jnp.asarray(prog.stg)[c, tr.me]
+
+
+def is_first(prog, tr, c):
+    return stage_of(prog, tr, c) == 0
+
+
+def is_last(prog, tr, c):
+    return stage_of(prog, tr, c) == prog.n_st - 1
+
+
+def op_of(prog, tr, t, d, kind, r=None):
+    """(runs, chunk, g): device ``d``'s op ``kind`` (0: F, 1: B) at tick ``t``, of micro-batch ``g``, on
+    replica ``r`` (default: this one; it runs ``r * replica_delay`` ticks late)."""
+    if prog.periodic.replica_delay:
+        t = t - (tr.replica if r is None else r) * prog.periodic.replica_delay
+    u, shift = tr.ctab[t % prog.T, d, kind, 0], tr.ctab[t % prog.T, d, kind, 1]
+    q = t // prog.T - shift
+    row = tr.unit_tab[jnp.maximum(u, 0)]
+    g = (q + jnp.where(kind in (0, prog.KF2), row[1], row[2])) * prog.M + row[3]     # W: the B's micro-batch
+    return (u >= 0) & (q >= 0) & (g >= 0) & (g < tr.n_fed), row[0], g
+
+
+def position(prog, tr, c: int):
+    """The position code of this device's chunk ``c``: 1 first (pre), 2 last (loss), 3 both."""
+    return is_first(prog, tr, c).astype(jnp.int32) + 2 * is_last(prog, tr, c).astype(jnp.int32)
+
+
+def pick(prog, tr, c, values):
+    """``values[c]`` for a traced chunk index (scalars)."""
+    out = values[0]
+    for cc in range(1, prog.K):
+        out = jnp.where(c == cc, values[cc], out)
+    return out
+
+
+def choices(prog, tr, g, lps, pss):
+    """Per chunk: (version index, candidates) the policy chooses for micro-batch ``g`` on this device."""
+    return [p.choose(lp, ps, tr.base + g, tr.me) for p, lp, ps in zip(prog.policies, lps, pss)]
+
+
+def operands(prog, tr, ch, lps, pss):
+    """The switch's weight operands: every chunk's candidates (each read in place by its branch) -- or, on
+    a ring, the stacked candidates (``lps``, ``pss``: the stacks), each branch slicing its chunk (views
+    sliced outside were materialised: 173 MiB of temp)."""
+    if prog.ring:
+        return prog.policies[0].choose(lps, pss, tr.base, tr.me)[1]
+    return [cands for _, cands in ch]
+
+
+def per_chunk(prog, tr, lps, pss):
+    """The chunks' (weights, policy state): views of the stacks on a ring, else as they are."""
+    return (views(prog, tr, lps), views(prog, tr, pss)) if prog.ring else (lps, pss)
+
+
+def candidate(prog, tr, cs, cc, w):
+    return jax.tree.map(lambda a: a[cc], cs[w]) if prog.ring else cs[cc][w]
+
+
+def errors_of(prog, tr, c, g, runs, pss):
+    """1 where the op would read a version its chunk's policy no longer holds."""
+    ok = [p.held(ps, tr.base + g, tr.me) if p.held is not None else jnp.asarray(True)
+          for p, ps in zip(prog.policies, pss)]
+    return (runs & ~pick(prog, tr, c, ok)).astype(jnp.int32)

@@ -10,14 +10,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..axes import PIPE, STAGE
 from ..optim.policies import gradient
-from .executor import ALL, make_async_fn
+from .executor import ALL, make_stream_program
 from .inflight import empty_carry
 from .stage import stage_residuals
 from .common import full
 
 
 def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubbles: bool = False, seed: int = 0,
-                        perms=None, replicas: bool = False):
+                        perms=None, replicas: bool = False, w_from: str = "frontier", eager_reduce: bool = False,
+                        double_batch: bool = False):
     """``fn(stage_p, pre_p, post_p, batch, step) -> (loss, (g_stage, g_pre, g_post))`` with ``stage_p`` in the
     executor's layout (leading axis ``D * chunks``, device-major: index ``d K + c`` holds model stage
     ``soc[d, c]``, :func:`.common.layout_index`); parameters and gradients without tied copies (a tied
@@ -29,12 +30,13 @@ def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubble
     per ``pipe`` index, each pipeline trains its own (averaged over ``data`` only), the loss is per replica."""
     D, K = periodic.num_devices, periodic.chunks
     policies = tuple(gradient(M) for _ in range(K))
-    run, x_aval = make_async_fn(model, policies if K > 1 else policies[0], None, D, M, mesh, mb_example,
-                                nan_bubbles=nan_bubbles, periodic=periodic, seed=seed, replicas=replicas)
+    run, x_aval = make_stream_program(model, policies if K > 1 else policies[0], None, D, M, mesh, mb_example,
+                                      nan_bubbles=nan_bubbles, periodic=periodic, seed=seed, replicas=replicas,
+                                      w_from=w_from, eager_reduce=eager_reduce)
     w0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), model.stage_params)
     _, res_avals = stage_residuals(model, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), w0), full(x_aval, 0),
                                    jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), mb_example))
-    if periodic.plan is not None and periodic.plan.schedule.options.get("double_batch"):
+    if double_batch:
         check_double_batch(model, periodic.plan, x_aval, mb_example)
     n_dev = mesh.size
     on_stage = NamedSharding(mesh, P(STAGE))
@@ -147,9 +149,9 @@ def make_grad_fn(model, sched, mesh, batch_example, *, nan_bubbles: bool = False
     :class:`jaxpipe.Pipeline` (``loss_and_grad``, ``step``) is the usual way in; this is the program under it."""
     from ..axes import DATA
     from ..schedules.periodic import one_call
-    from .common import lane_plan
+    from ..schedules.layout import lane_plan, stream_options
     M, n_dp = sched.M, mesh.shape[PIPE] * mesh.shape[DATA]
     mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // (n_dp * M),) + tuple(a.shape[1:]), a.dtype),
                       batch_example)
     return make_stream_grad_fn(model, one_call(lane_plan(sched, placement)), mesh, mb, M,
-                               nan_bubbles=nan_bubbles, seed=seed)
+                               nan_bubbles=nan_bubbles, seed=seed, **stream_options(sched))

@@ -30,7 +30,7 @@ def landing_points(periodic, M: int, chunk: int, policy, b: int = 4):
     calls = {t // T for t in ends}
     if len(calls) != 1:
         raise ConfigError(f"{policy.name}: stages finish a batch in different calls ({sorted(calls)}); it must "
-                          f"land inside the scan (land_at_call_end=False)")
+                          f"land inside the scan (landing=\"in_scan\")")
     q = calls.pop()
     start = max(t % T for t in ends) + 1
     first = min(periodic.batch_ticks(M, chunk, b + 1 + policy.stale)["first"])
