@@ -41,8 +41,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from ..axes import AXES, DATA, DP_AXES, PIPE, STAGE
-from .call_base import views, zero_like
-from .common import full, pmean_over, psum_over, read, write
+from .call_base import views
+from .common import full, pmean_over, psum_over
 from .lanes_forward import double_at, forward_at
 from .program import Program, describe
 from .stage import StageOps
@@ -147,7 +147,7 @@ def open_trace(prog: Program, params, opt_state, pstate, carry, counters, batch,
     if wsp is not None:     # in the plan's stash slots (last: scratch), for this call only
         carry = carry._replace(front=full(wsp.frontier_avals, jnp.nan if prog.nan_bubbles else 0,
                                           (prog.periodic.plan.stash_capacity + 1,)))
-    mb_of, carry = _micro_batches(prog, base, n_fed, batch, carry)
+    mb_of, carry = prog.route.micro_batches(prog, base, n_fed, batch, carry)
     tr = Trace(t0=t0, base=base, n_fed=n_fed + prog.M * feed.astype(jnp.int32), me=me, replica=replica,
                sop=sop, wsp=wsp, mb_of=mb_of, ctab=jnp.asarray(prog.periodic.call_table(prog.M)),
                unit_tab=jnp.asarray(prog.units), s_off=jnp.asarray(prog.S_off[:-1], jnp.int32),
@@ -158,20 +158,6 @@ def open_trace(prog: Program, params, opt_state, pstate, carry, counters, batch,
     doubles = [[double_at(prog, tr, bool(p & 1), bool(p & 2)) for p in prog.used_pos[c]]
                for c in range(prog.K)] if prog.paired else None
     return dataclasses.replace(tr, variants=variants, doubles=doubles), (lps, oss, pss, carry)
-
-
-def _micro_batches(prog: Program, base, n_fed, batch, carry):
-    """``(mb_of, carry)``: the reader of micro-batch ``g``.  This call's micro-batches go to ring slots
-    ``(base + n_fed + j) mod C`` (counted only when fed); a stream of one call reads its own batch, kept
-    nowhere."""
-    M, C = prog.M, prog.C
-    batch = jax.tree.map(lambda a: a.reshape((M, a.shape[0] // M) + a.shape[1:]), batch)
-    if prog.slots:
-        return (lambda g: jax.tree.map(lambda a: read(a, g), batch)), carry
-    carry = carry._replace(ring=lax.fori_loop(0, M, lambda j, r: jax.tree.map(
-        lambda rb, b: write(rb, (base + n_fed + j) % C, b[j]), r, batch), carry.ring))
-    ring_buf = carry.ring
-    return (lambda g: jax.tree.map(lambda a: read(a, (base + g) % C), ring_buf)), carry
 
 
 def run_call(prog: Program, tr: Trace, state):
@@ -203,11 +189,7 @@ def run_call(prog: Program, tr: Trace, state):
                      M * q + prog.buf["done_steady"])
     done = jnp.clip(done, 0, tr.n_fed)               # every op of these micro-batches has run
     counters = (tr.t0 + T, tr.base, tr.n_fed)
-    if prog.slots:           # post's gradient, summed over the call's last-stage forwards, to the policy's sums
-        w0, p0, _ = lps[0]
-        g0 = (zero_like(prog, tr, w0), zero_like(prog, tr, p0), carry.gpost)
-        pss = (policies[0].update(g0, *lps[0:1], oss[0], pss[0], tr.base, tr.me,
-                                  count=0.0 if prog.counting else None)[2],) + tuple(pss[1:])
+    pss = prog.route.head_grad_to_sums(prog, tr, lps, oss, pss, carry)
     reduce = (lambda t: psum_over(t, mesh, RED)) if prog.counting else (lambda t: pmean_over(t, mesh, RED))
     if not prog.ring:        # (sum, count) losses: the call's global count (a chunk may see some micro-batches only)
         total = lweight if prog.counting else None

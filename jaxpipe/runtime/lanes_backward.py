@@ -27,7 +27,7 @@ def b_lane(prog, tr, c, g, slot, dy_in, t_in, ops):
     gi = tr.base + g
     res = [read(a, slot) for a in cr.stash]
     last, first = is_last(prog, tr, c), is_first(prog, tr, c)
-    dy = dy_in if prog.slots else where(last, cr.dy_own, dy_in)
+    dy = prog.route.last_dy(prog, cr, last, dy_in)
     policy, (lp,), (ps,) = prog.policies[0], *(v[:1] for v in per_chunk(prog, tr, lps, pss))
     pre_p = None
     if not prog.by_branch and policy.backward_is_current is not None:
@@ -49,14 +49,14 @@ def b_lane(prog, tr, c, g, slot, dy_in, t_in, ops):
     dx = cast(dx, prog.x_aval)
     dpre = zero_like(prog, tr, lp[1])
     # the tied arrays' last-stage gradient of this micro-batch, on its way to stage 0
-    t_grad = t_in if prog.slots else where(last, cr.gtie, t_in)
+    t_grad = prog.route.last_tie_grad(prog, cr, last, t_in)
     if jax.tree.leaves(lp[1]):
         def pre_grad():
             q0 = pre_p if pre_p is not None else policy.backward_weights(lp, ps, gi, tr.me)[1]
             return prog.ties.add_to_pre(tr.sop.pre_grad(q0, tr.mb_of(g), dx), t_grad)
         dpre = lax.cond(first, pre_grad, lambda: zero_like(prog, tr, lp[1]))
     # a lane plan's stream summed post's gradient at its forwards (None: nothing to add here)
-    dpost = None if prog.slots else jax.tree.map(lambda a, q: jnp.where(last, a, 0).astype(q.dtype), cr.gpost, lp[2])
+    dpost = prog.route.last_head_grad(prog, cr, last, lp)
     grad = (dw, dpre, dpost)
     if prog.ring:        # the previous worker's partial sum of this chunk (none on the first worker)
         grad = jax.tree.map(lambda p_, a: jnp.where(tr.replica > 0, p_, jnp.zeros_like(p_)) + a.astype(p_.dtype),

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..schedules.layout import ROUTE
-from .common import F_OUT, cast, psum_over, read, where, write
+from .common import F_OUT, cast, psum_over, read, write
 from .call_base import blank, blank_tie, candidate, choices, is_last, op_of, operands, per_chunk, pick, position, stage_of, x_like, zero_like
 
 
@@ -122,15 +122,7 @@ def f_account(prog, tr, c, slot, out, cr, loss):
     msg, res, dy, gq, l, t_out, gt, cnt = out
     last = is_last(prog, tr, c)
     cr = cr._replace(stash=[write(a, slot, r) for a, r in zip(cr.stash, res)])
-    if prog.slots:       # dL/dy leaves as the lane's message (kept in the plan's slot); post's gradient summed
-        cr = cr._replace(gpost=jax.tree.map(lambda n, o: o + jnp.where(last, n, 0).astype(o.dtype), gq,
-                                            cr.gpost))
-        send = (where(last, dy, msg), where(last, gt, t_out), jnp.where(last, cnt, 0.0))
-    else:
-        cr = cr._replace(dy_own=where(last, dy, cr.dy_own),
-                         gpost=jax.tree.map(lambda n, o: jnp.where(last, n, o), gq, cr.gpost),
-                         gtie=where(last, gt, cr.gtie), cnt_own=jnp.where(last, cnt, cr.cnt_own))
-        send = (msg, t_out)
+    cr, send = prog.route.last_forward(prog, last, msg, dy, gq, t_out, gt, cnt, cr)
     # the metric: losses over their weight -- 1 each, or a (sum, count) loss's count on a ring
     weight = cnt if prog.counting else jnp.ones((), jnp.float32)
     loss = (loss[0] + jnp.where(last, l, 0.0), loss[1] + last.astype(jnp.int32),
@@ -191,6 +183,4 @@ def f_cond(prog, tr, pred, *args, ops, branches=None):
 
 def f_idle(prog, tr, c, g, slot, x_in, t_in, ops):
     lps, pss, cr, loss = ops
-    nothing = (blank(prog, tr), blank_tie(prog, tr)) + ((jnp.full((), jnp.nan if prog.nan_bubbles else 0, jnp.float32),)
-                                        if prog.slots else ())
-    return (pss, cr, loss), nothing
+    return (pss, cr, loss), prog.route.idle_message(prog, blank(prog, tr), blank_tie(prog, tr))

@@ -23,6 +23,7 @@ from ..schedules.lanes import L as _L
 from ..schedules.layout import ROUTE_COLUMNS, eager_points
 from ..tying import Ties
 from .landing import landing_points, landing_segments, ring_phases
+from .routing import ROUTINGS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +97,7 @@ class Program:
     KW = property(lambda self: self.kinds.index("W") if "W" in self.kinds else -1)
     KF2 = property(lambda self: self.kinds.index("F2") if "F2" in self.kinds else -1)
     ring = property(lambda self: self.modes.reduction == "ring")
-    slots = property(lambda self: self.modes.routing == "slots")
+    route = property(lambda self: ROUTINGS[self.modes.routing])   # the message routing strategy (.routing)
     fused = property(lambda self: self.modes.accumulate == "sum")
     by_branch = property(lambda self: self.modes.reads == "branch")
     in_scan = property(lambda self: self.modes.landing == "in_scan")

@@ -10,11 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..axes import STAGE
-from ..schedules.ir import SEND_PLUS
-from .apc import apc_pack, apc_unpack
-from ..schedules.layout import ROUTE
-from .common import ppermute_bits, read, where, write
-from .call_base import errors_of, is_first, is_last, op_of, per_chunk, slot_of
+from .call_base import errors_of, is_first, op_of, per_chunk
 from .lanes_backward import b_apply, b_idle, b_lane, b_lanes_summing, w_lanes
 from .lanes_forward import f_cond, f_lanes_paired
 from .ring import receive_arrived, ring_exchange
@@ -43,8 +39,7 @@ def tick(prog, tr, st, t, flags=True):
     ring, (may land an arrived stage, may complete a sum); a lane plan's phase: the lanes some device
     uses in these ticks (the others are not compiled here)."""
     lps, oss, pss, cr, loss = st
-    run = [li in flags for li in range(len(prog.kinds))] if prog.slots else [True] * len(prog.kinds)
-    rr = jnp.asarray(prog.routes)[t % prog.T, tr.me] if prog.slots else None     # this device's route rows
+    run, rr = prog.route.lanes(prog, tr, t, flags)     # the lanes compiled here; this device's route rows
     stacks = None
     if prog.ring:            # stacked chunks: the lanes read static views of them
         if flags[0]:
@@ -67,47 +62,19 @@ def tick(prog, tr, st, t, flags=True):
 def forward_lanes(prog, tr, t, rr, run, op, lps, pss, cr, loss):
     """The tick's F lane (with its F2 pair where the plan has one) and the messages they send."""
     is_f, cf, gf = op
-    if prog.slots:       # the plan's slots: what each lane reads and where its stash goes
-        x_in, t_in = (read(a, rr[0, ROUTE["in"]]) for a in cr.mbuf[:2])
-        sf = rr[0, ROUTE["stash"]]
-    else:
-        x_in, t_in, sf = cr.recv_f, cr.tie_f, slot_of(prog, tr, cf, gf)
-    if prog.K > 1 and not prog.slots:   # device 0's later chunks read the last device's output from the wrap buffer
-        wx, wt = jax.tree.map(lambda a: read(a, gf % prog.C), cr.wrap_f)
-        on_wrap = (tr.me == 0) & (cf > 0)
-        x_in, t_in = where(on_wrap, wx, x_in), where(on_wrap, wt, t_in)
+    x_in, t_in, sf = prog.route.forward_in(prog, tr, t, rr, cr, cf, gf)
     if prog.paired and run[prog.KF2]:     # F2 pairs with F: one forward of the two micro-batches where both run
         (pss, cr, loss), send_f, send_f2 = f_lanes_paired(prog, tr, t, rr, is_f, cf, gf, sf, x_in, t_in,
                                                                (lps, pss, cr, loss))
-        return pss, cr._replace(mbuf=deliver(prog, tr, prog.KF2, rr[prog.KF2], send_f2,
-                                                  deliver(prog, tr, 0, rr[0], send_f, cr.mbuf))), loss
+        return pss, prog.route.paired_out(prog, tr, t, rr, cr, send_f, send_f2), loss
     (pss, cr, loss), send_f = f_cond(prog, tr, is_f, cf, gf, sf, x_in, t_in, ops=(lps, pss, cr, loss))
-    if prog.slots:
-        cr = cr._replace(mbuf=deliver(prog, tr, 0, rr[0], send_f, cr.mbuf))
-    elif prog.D > 1 or prog.K > 1:
-        recv_f, tie_f = send(prog, tr, send_f, tr.ring_f)
-        cr = cr._replace(recv_f=recv_f, tie_f=tie_f)
-        if prog.K > 1:
-            runs_s, c_s, g_s = op_of(prog, tr, t, prog.D - 1, 0)
-            slot = jnp.where((tr.me == 0) & runs_s & (c_s < prog.K - 1), g_s % prog.C, prog.C)
-            cr = cr._replace(wrap_f=jax.tree.map(lambda a, v: write(a, slot, v), cr.wrap_f, (recv_f, tie_f)))
-    return pss, cr, loss
+    return pss, prog.route.forward_out(prog, tr, t, rr, cr, send_f), loss
 
 
 def backward_lanes(prog, tr, t, rr, run, flags, op, stacks, lps, oss, pss, cr):
     """The tick's B lane, the update it feeds (or the ring's exchange), ZB's W lane, and their messages."""
     is_b, cb, gb = op
-    if prog.slots:
-        dy_in, tb_in, cnt = (read(a, rr[prog.KB, ROUTE["in"]]) for a in cr.mbuf)
-        sb = rr[prog.KB, ROUTE["stash"]]
-    else:
-        dy_in, tb_in, cnt, sb = cr.recv_b, cr.tie_b, cr.cnt_b, slot_of(prog, tr, cb, gb)
-    if prog.K > 1 and not prog.slots:   # the last device's earlier chunks read device 0's gradient from the wrap buffer
-        wd, wt, wc = jax.tree.map(lambda a: read(a, gb % prog.C), cr.wrap_b)
-        on_wrap = (tr.me == prog.D - 1) & (cb < prog.K - 1)
-        dy_in, tb_in, cnt = where(on_wrap, wd, dy_in), where(on_wrap, wt, tb_in), jnp.where(on_wrap, wc, cnt)
-    if not prog.slots:
-        cnt = jnp.where(is_last(prog, tr, cb), cr.cnt_own, cnt)
+    dy_in, tb_in, cnt, sb = prog.route.backward_in(prog, tr, rr, cr, cb, gb)
     if prog.fused:
         pss, cr, send_b = b_lanes_summing(prog, tr, cb, gb, sb, dy_in, tb_in, cnt, is_b, lps, oss, pss, cr)
     else:
@@ -119,18 +86,9 @@ def backward_lanes(prog, tr, t, rr, run, flags, op, stacks, lps, oss, pss, cr):
         cr = cr._replace(reduce=rs)
     elif not prog.fused:
         lps, oss, pss = b_updates(prog, tr, is_b, cb, gb, grad, cnt, flags, lps, oss, pss)
-    if prog.slots:
-        cr = cr._replace(mbuf=deliver(prog, tr, prog.KB, rr[prog.KB], send_b, cr.mbuf))
-        if prog.split and run[prog.KW]:
-            pss = w_lanes(prog, tr, t, rr[prog.KW], lps, oss, pss, cr)
-    elif prog.D > 1 or prog.K > 1:
-        recv_b, tie_b, cnt_b = send(prog, tr, send_b, tr.ring_b)
-        cr = cr._replace(recv_b=recv_b, tie_b=tie_b, cnt_b=cnt_b)
-        if prog.K > 1:
-            runs_s, c_s, g_s = op_of(prog, tr, t, 0, 1)
-            slot = jnp.where((tr.me == prog.D - 1) & runs_s & (c_s > 0), g_s % prog.C, prog.C)
-            cr = cr._replace(wrap_b=jax.tree.map(lambda a, v: write(a, slot, v), cr.wrap_b,
-                                                 (recv_b, tie_b, cnt_b)))
+    cr = prog.route.backward_out(prog, tr, t, rr, cr, send_b)
+    if prog.split and run[prog.KW]:     # ZB's W lane (a lane plan's: W reads its slots)
+        pss = w_lanes(prog, tr, t, rr[prog.KW], lps, oss, pss, cr)
     return lps, oss, pss, cr
 
 
@@ -151,34 +109,6 @@ def b_updates(prog, tr, is_b, cb, gb, grad, cnt, flags, lps, oss, pss):
                 lambda *a, c=c: prog.policies[c].land(*a, counting=prog.counting, b=(tr.base + gb) // prog.M),
                 lambda *a: a, lps[c], oss[c], pss[c])
     return lps, oss, pss
-
-
-def send(prog, tr, x, pairs):
-    """A lane's message to the next (previous) device: its bits, or APC-compressed activation/gradient.
-    One device (chunks wrapping around on it): the message stays -- a collective over a one-device group
-    is still a rendezvous of every device on XLA CPU (BUILD_NOTES, "Collectives over one device")."""
-    if prog.D == 1:
-        return x
-    if len(x) == 3 and not prog.counting:
-        # (message, tied arrays, count): a count only matters to (sum, count) losses (XLA drops an unused
-        # one too; this does not rely on it)
-        return tuple(send(prog, tr, x[:2], pairs)) + (x[2],)
-    if not prog.apc:
-        return ppermute_bits(x, STAGE, pairs)
-    head, rest = x[0], x[1:]
-    return (apc_unpack(lax.ppermute(apc_pack(head), STAGE, pairs), head),) + tuple(
-        ppermute_bits(rest, STAGE, pairs))
-
-
-def deliver(prog, tr, li, rr, msg, mbuf):
-    """A lane plan's stream: lane ``li``'s message kept on the device and/or sent on the plan's channels
-    (one ``ppermute`` each), written to the slots the plan gave it (``rr``: this device's route row)."""
-    if prog.periodic.plan.keeps[li]:
-        mbuf = write(mbuf, rr[ROUTE["keep"]], msg)
-    for ch in prog.periodic.plan.channels[li]:
-        fwd = ch == SEND_PLUS
-        mbuf = write(mbuf, rr[ROUTE["recv_p" if fwd else "recv_m"]], send(prog, tr, msg, tr.ring_f if fwd else tr.ring_b))
-    return mbuf
 
 
 def land_between(prog, tr, st, tau):
