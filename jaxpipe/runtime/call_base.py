@@ -82,21 +82,17 @@ def choices(prog, tr, g, lps, pss):
 
 
 def operands(prog, tr, ch, lps, pss):
-    """The switch's weight operands: every chunk's candidates (each read in place by its branch) -- or, on
-    a ring, the stacked candidates (``lps``, ``pss``: the stacks), each branch slicing its chunk (views
-    sliced outside were materialised: 173 MiB of temp)."""
-    if prog.ring:
-        return prog.policies[0].choose(lps, pss, tr.base, tr.me)[1]
-    return [cands for _, cands in ch]
+    """The version switch's weight operands (``Program.grads``: each chunk's candidates, or a ring's stacks)."""
+    return prog.grads.operands(prog, tr, ch, lps, pss)
 
 
 def per_chunk(prog, tr, lps, pss):
-    """The chunks' (weights, policy state): views of the stacks on a ring, else as they are."""
-    return (views(prog, tr, lps), views(prog, tr, pss)) if prog.ring else (lps, pss)
+    """The chunks' (weights, policy state) (``Program.grads``: as they are, or views of a ring's stacks)."""
+    return prog.grads.per_chunk(prog, tr, lps, pss)
 
 
 def candidate(prog, tr, cs, cc, w):
-    return jax.tree.map(lambda a: a[cc], cs[w]) if prog.ring else cs[cc][w]
+    return prog.grads.candidate(prog, tr, cs, cc, w)
 
 
 def errors_of(prog, tr, c, g, runs, pss):

@@ -41,8 +41,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from ..axes import AXES, DATA, DP_AXES, PIPE, STAGE
-from .call_base import views
-from .common import full, pmean_over, psum_over
+
+from .common import full
 from .lanes_forward import double_at, forward_at
 from .program import Program, describe
 from .stage import StageOps
@@ -88,7 +88,7 @@ def make_stream_program(model, policy, opt, D: int, M: int, mesh, mb_example, na
 
     # a ring's workers each hold a replica of their own (one per data index), AvgPipe's pipelines one per pipe
     # index; otherwise stage s's at index s
-    own = P((DATA, STAGE)) if prog.ring else P((PIPE, STAGE)) if replicas else P(STAGE)
+    own = prog.grads.own_spec(prog)
     stage = lambda t: jax.tree.map(lambda _: own, t)
     dev = lambda t: jax.tree.map(lambda _: P(ALL), t)
     rep = lambda t: jax.tree.map(lambda _: P(), t)
@@ -136,7 +136,7 @@ def open_trace(prog: Program, params, opt_state, pstate, carry, counters, batch,
     t0, base, n_fed = counters
     me = lax.axis_index(STAGE)
     replica = lax.axis_index(PIPE) * prog.mesh.shape[DATA] + lax.axis_index(DATA)
-    first_w = (views(prog, None, lps) if prog.ring else lps)[0][0]
+    first_w = prog.grads.per_chunk(prog, None, lps, ())[0][0][0]     # chunk 0's stage weights
     sop, avals = StageOps.build(prog.model, first_w, full(prog.x_aval, 0), jax.tree.map(lambda a: a[0], carry.ring))
     if len(avals) != len(carry.stash):
         raise RuntimeError(f"stage_fn's pullback stashes {len(avals)} residuals inside the program but "
@@ -164,24 +164,12 @@ def run_call(prog: Program, tr: Trace, state):
     """The call: the scans of its phases (landings and eager exchanges between them), then the metrics,
     the counters, and a gradient policy's reduction."""
     lps, oss, pss, carry = state
-    M, T, policies, mesh, RED = prog.M, prog.T, prog.policies, prog.mesh, prog.RED
+    M, T = prog.M, prog.T
     loss0 = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
     st = scan_phases(prog, tr, (lps, oss, pss, carry, loss0))
     lps, oss, pss, carry, (lsum, lcount, lweight) = st
     carry = carry._replace(front=())
-    if prog.ring:        # every worker's own micro-batches: the call's losses over their summed weight
-        lsum, lcount, lweight = lax.psum((lsum, lcount, lweight), (DATA, STAGE))
-        loss = jnp.where(lweight > 0, lsum / jnp.where(lweight > 0, lweight, 1.0), jnp.nan)
-        errors = lax.psum(carry.errors, (DATA, STAGE))
-    else:
-        lsum, lcount, lweight = lax.psum((lsum, lcount, lweight), STAGE)
-        lsum = pmean_over(lsum, mesh, RED)
-        lcount = lax.pmax(lcount, DP_AXES)
-        if prog.counting:    # the summed loss over the summed counts of the call's micro-batches (global already)
-            loss = jnp.where(lweight > 0, lsum / jnp.where(lweight > 0, lweight, 1.0), jnp.nan)
-        else:
-            loss = jnp.where(lcount > 0, lsum / jnp.maximum(lcount, 1), jnp.nan)
-        errors = lax.psum(carry.errors, STAGE)
+    loss, lcount, lweight, errors = prog.grads.call_loss(prog, lsum, lcount, lweight, carry.errors)
     ex = lambda t: jax.tree.map(lambda a: a[None], t)
     q = tr.t0 // T
     done_tab = prog.done_tab
@@ -190,10 +178,7 @@ def run_call(prog: Program, tr: Trace, state):
     done = jnp.clip(done, 0, tr.n_fed)               # every op of these micro-batches has run
     counters = (tr.t0 + T, tr.base, tr.n_fed)
     pss = prog.route.head_grad_to_sums(prog, tr, lps, oss, pss, carry)
-    reduce = (lambda t: psum_over(t, mesh, RED)) if prog.counting else (lambda t: pmean_over(t, mesh, RED))
-    if not prog.ring:        # (sum, count) losses: the call's global count (a chunk may see some micro-batches only)
-        total = lweight if prog.counting else None
-        pss = tuple(p.finish(ps, reduce, total) if p.finish is not None else ps for p, ps in zip(policies, pss))
+    pss = prog.grads.finish(prog, pss, lweight)
     if not prog.chunked:
         lps, oss, pss = lps[0], oss[0], pss[0]
     if prog.replicas:        # each pipeline's own loss

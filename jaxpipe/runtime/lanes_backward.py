@@ -4,7 +4,6 @@ executor's :class:`~jaxpipe.runtime.program.Program` and :class:`~jaxpipe.runtim
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 
 from ..schedules.layout import ROUTE
@@ -58,17 +57,13 @@ def b_lane(prog, tr, c, g, slot, dy_in, t_in, ops):
     # a lane plan's stream summed post's gradient at its forwards (None: nothing to add here)
     dpost = prog.route.last_head_grad(prog, cr, last, lp)
     grad = (dw, dpre, dpost)
-    if prog.ring:        # the previous worker's partial sum of this chunk (none on the first worker)
-        grad = jax.tree.map(lambda p_, a: jnp.where(tr.replica > 0, p_, jnp.zeros_like(p_)) + a.astype(p_.dtype),
-                            jax.tree.map(lambda b: read(b, c), cr.reduce.partial), grad)
+    grad = prog.grads.with_partial(prog, tr, c, grad, cr)    # a ring: the previous worker's partial sum
     return grad, (where(first, blank(prog, tr), dx), where(first, blank_tie(prog, tr), t_grad)), front
 
 
 def b_idle(prog, tr, c, g, slot, dy_in, t_in, ops):
     lps, pss, cr = ops
-    if prog.ring:        # the last sum passes through (a fresh fill would be a weight-sized write per tick)
-        return cr.reduce.gbuf, (blank(prog, tr), blank_tie(prog, tr)), ()
-    return zero_like(prog, tr, lps[0]), (blank(prog, tr), blank_tie(prog, tr)), ()
+    return prog.grads.idle_grad(prog, tr, lps, cr), (blank(prog, tr), blank_tie(prog, tr)), ()
 
 
 def b_apply(prog, tr, c, g, grad, cnt, lp, os_, ps):
@@ -121,3 +116,22 @@ def w_lanes(prog, tr, t, rw, lps, oss, pss, cr):
             return prog.policies[c].update((dw, None, None), lps[c], oss[c], ps, tr.base + g, tr.me)[2]
         pss[c] = lax.cond(is_w & (cw == c), run, lambda g, rw, ps: ps, gw, rw, pss[c])
     return tuple(pss)
+
+
+def b_updates(prog, tr, is_b, cb, gb, grad, cnt, flags, lps, oss, pss):
+    """The backward's update of its chunk: one conditional per chunk, each output either its operand or a
+    new value (no copies); a pending version applied; an in-scan landing where the policy lands."""
+    lps, oss, pss = list(lps), list(oss), list(pss)
+    for c in range(prog.K):
+        mine = is_b & (cb == c)
+        lps[c], oss[c], pss[c] = lax.cond(
+            mine, lambda *a, c=c: b_apply(prog, tr, c, *a), lambda g, gr, n, *a: a, gb, grad, cnt,
+            lps[c], oss[c], pss[c])
+        if prog.policies[c].apply_pending is not None:
+            lps[c] = lax.cond(mine, prog.policies[c].apply_pending, lambda lp, ps: lp, lps[c], pss[c])
+        if prog.in_scan and flags:
+            lps[c], oss[c], pss[c] = lax.cond(
+                mine & prog.policies[c].lands(tr.base + gb),
+                lambda *a, c=c: prog.policies[c].land(*a, counting=prog.counting, b=(tr.base + gb) // prog.M),
+                lambda *a: a, lps[c], oss[c], pss[c])
+    return lps, oss, pss

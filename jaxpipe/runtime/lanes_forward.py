@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..schedules.layout import ROUTE
-from .common import F_OUT, cast, psum_over, read, write
+from .common import F_OUT, cast, read, write
 from .call_base import blank, blank_tie, candidate, choices, is_last, op_of, operands, per_chunk, pick, position, stage_of, x_like, zero_like
 
 
@@ -34,18 +34,7 @@ def head_out(prog, tr, res, head):
     """The last stage's outputs of one micro-batch's forward from its loss head."""
     l, n, gq, dy = head
     gq, gt = prog.ties.take_post(gq)
-    if prog.ring:     # workers run this at different ticks: nothing collective; counts travel the ring
-        n = jnp.asarray(n, jnp.float32) if prog.summed else jnp.zeros((), jnp.float32)
-        return blank(prog, tr), res, cast(dy, prog.x_aval), gq, l.astype(jnp.float32), blank_tie(prog, tr), gt, n
-    n_glob = psum_over(n, prog.mesh, prog.RED).astype(jnp.float32) if prog.summed else jnp.zeros((), jnp.float32)
-    if prog.counting:
-        l = psum_over(l, prog.mesh, prog.RED)     # the metric: summed, over the summed counts (below)
-    elif prog.summed:
-        # (sum, count): this micro-batch's loss over every replica's real tokens -- scaled here so
-        # that the pmean over replicas in B gives sum over replicas / global count
-        scale = prog.n_red / n_glob
-        l, gq, gt, dy = l * scale, *jax.tree.map(lambda g: g * scale.astype(g.dtype), (gq, gt, dy))
-    return blank(prog, tr), res, cast(dy, prog.x_aval), gq, l.astype(jnp.float32), blank_tie(prog, tr), gt, n_glob
+    return prog.grads.head(prog, tr, res, dy, gq, l, gt, n)
 
 
 def double_at(prog, tr, first, last):

@@ -23,6 +23,7 @@ from ..schedules.lanes import L as _L
 from ..schedules.layout import ROUTE_COLUMNS, eager_points
 from ..tying import Ties
 from .landing import landing_points, landing_segments, ring_phases
+from .reduction import REDUCTIONS
 from .routing import ROUTINGS
 
 
@@ -33,17 +34,17 @@ class Modes:
     ``routing``: ``"slots"`` -- a lane plan's stream of one call: messages and residuals in the slots the plan
     allocated (:mod:`jaxpipe.schedules.lanes`); ``"registers"`` -- a periodic stream: one register per direction,
     consumed the tick after it was sent (and wrap-around buffers between chunks).
-    ``reduction``: ``"allreduce"`` (over the data replicas, per micro-batch or once after the call) or
-    ``"ring"`` (Cyclic DP's ring over the data workers).  ``accumulate``: ``"sum"`` -- the policies only sum
-    gradients in place (a flushing schedule's gradient); ``"update"`` -- a backward feeds the policy's update.
+    ``gradients``: ``"sum"`` -- the policies only sum local gradients in place, reduced over the data replicas
+    once after the call (a flushing schedule's gradient); ``"update"`` -- a backward's gradient, reduced over
+    the replicas, feeds its chunk's update; ``"ring"`` -- Cyclic DP's ring over the data workers
+    (:mod:`.reduction`).
     ``landing``: ``"none"``, ``"in_scan"`` or ``"call_end"`` (accumulating policies).  ``reads``: ``"branch"`` --
     one branch per stored version (and chunk); ``"computed"`` -- the policy computes the version an op reads.
     ``w_lane``: ``"none"``, or ZB's weight-gradient lane computing W ``"frontier"`` (from the per-layer output
     gradients B keeps) or ``"recompute"`` (back-propagating through the stage again).  ``paired``: Chimera's
     doubled forward (an F2 lane).  ``counting``: (sum, count) losses whose counts travel with the gradients."""
     routing: str
-    reduction: str
-    accumulate: str
+    gradients: str
     landing: str
     reads: str
     w_lane: str
@@ -96,9 +97,10 @@ class Program:
     KB = property(lambda self: self.kinds.index("B"))
     KW = property(lambda self: self.kinds.index("W") if "W" in self.kinds else -1)
     KF2 = property(lambda self: self.kinds.index("F2") if "F2" in self.kinds else -1)
-    ring = property(lambda self: self.modes.reduction == "ring")
+    ring = property(lambda self: self.modes.gradients == "ring")
+    grads = property(lambda self: REDUCTIONS[self.modes.gradients])   # the gradient strategy (.reduction)
     route = property(lambda self: ROUTINGS[self.modes.routing])   # the message routing strategy (.routing)
-    fused = property(lambda self: self.modes.accumulate == "sum")
+    fused = property(lambda self: self.modes.gradients == "sum")
     by_branch = property(lambda self: self.modes.reads == "branch")
     in_scan = property(lambda self: self.modes.landing == "in_scan")
     split = property(lambda self: self.modes.w_lane != "none")
@@ -134,8 +136,8 @@ def describe(model, policy, D: int, M: int, mesh, mb_example, *, periodic=None, 
     slots = periodic.plan is not None
     kinds = periodic.kinds                  # the lanes of a tick: F, (F2,) B, (W)
     modes = Modes(
-        routing="slots" if slots else "registers", reduction="ring" if ring else "allreduce",
-        accumulate="sum" if all(p.reduction == "sum" for p in policies) and not ring else "update",
+        routing="slots" if slots else "registers",
+        gradients="ring" if ring else "sum" if all(p.reduction == "sum" for p in policies) else "update",
         landing=policies[0].landing,
         reads="branch" if len(policies) > 1 or policies[0].reads == "stored" else "computed",
         w_lane=w_from if "W" in kinds else "none", paired="F2" in kinds,
@@ -144,7 +146,7 @@ def describe(model, policy, D: int, M: int, mesh, mb_example, *, periodic=None, 
         # count travels back with dL/dy so that every stage divides its step's summed gradient by the step's
         # count (the ring reduction sums each micro-batch's count along the ring with its gradient)
         counting=summed and (ring or not policies[0].per_microbatch))
-    if slots and modes.accumulate != "sum":
+    if slots and modes.gradients != "sum":
         raise ConfigError("a lane plan's stream runs under a policy that returns the call's gradient ('gradient')")
     # replicas (AvgPipe's parallel pipelines): one set of weights per 'pipe' index, averaged over 'data' only
     T = periodic.call_ticks(M)

@@ -3,17 +3,14 @@ phases, and what happens between scans (landings, Chimera's eager exchange).  Fu
 executor's :class:`~jaxpipe.runtime.program.Program` and :class:`~jaxpipe.runtime.executor.Trace`."""
 from __future__ import annotations
 
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from ..axes import STAGE
 from .call_base import errors_of, is_first, op_of, per_chunk
-from .lanes_backward import b_apply, b_idle, b_lane, b_lanes_summing, w_lanes
+from .lanes_backward import w_lanes
 from .lanes_forward import f_cond, f_lanes_paired
-from .ring import receive_arrived, ring_exchange
 
 
 def scan_phases(prog, tr, st):
@@ -40,11 +37,7 @@ def tick(prog, tr, st, t, flags=True):
     uses in these ticks (the others are not compiled here)."""
     lps, oss, pss, cr, loss = st
     run, rr = prog.route.lanes(prog, tr, t, flags)     # the lanes compiled here; this device's route rows
-    stacks = None
-    if prog.ring:            # stacked chunks: the lanes read static views of them
-        if flags[0]:
-            lps, pss = receive_arrived(prog, tr, lps, pss, cr.reduce)
-        stacks = (lps, oss, pss)
+    lps, pss, stacks = prog.grads.before_tick(prog, tr, lps, oss, pss, cr, flags)
     is_f, cf, gf = op_of(prog, tr, t, tr.me, 0)
     is_b, cb, gb = op_of(prog, tr, t, tr.me, prog.KB)
     err = errors_of(prog, tr, cf, gf, is_f, per_chunk(prog, tr, lps, pss)[1])
@@ -54,8 +47,7 @@ def tick(prog, tr, st, t, flags=True):
         err = err + errors_of(prog, tr, cb, gb, is_b, per_chunk(prog, tr, lps, pss)[1])
         lps, oss, pss, cr = backward_lanes(prog, tr, t, rr, run, flags, (is_b, cb, gb), stacks, lps, oss, pss, cr)
     cr = cr._replace(errors=cr.errors + err)
-    if not prog.ring:
-        lps, oss, pss = tuple(lps), tuple(oss), tuple(pss)
+    lps, oss, pss = prog.grads.end_tick(lps, oss, pss)
     return (lps, oss, pss, cr, loss), None
 
 
@@ -75,40 +67,14 @@ def backward_lanes(prog, tr, t, rr, run, flags, op, stacks, lps, oss, pss, cr):
     """The tick's B lane, the update it feeds (or the ring's exchange), ZB's W lane, and their messages."""
     is_b, cb, gb = op
     dy_in, tb_in, cnt, sb = prog.route.backward_in(prog, tr, rr, cr, cb, gb)
-    if prog.fused:
-        pss, cr, send_b = b_lanes_summing(prog, tr, cb, gb, sb, dy_in, tb_in, cnt, is_b, lps, oss, pss, cr)
-    else:
-        grad, send_b, _ = lax.cond(is_b, partial(b_lane, prog, tr), partial(b_idle, prog, tr), cb, gb, sb, dy_in, tb_in, (lps, pss, cr))
+    pss, cr, grad, send_b = prog.grads.backward(prog, tr, (cb, gb, sb, dy_in, tb_in, cnt), is_b, lps, oss, pss, cr)
     send_b = send_b + (jnp.where(is_b & ~is_first(prog, tr, cb), cnt,
                                  jnp.full((), jnp.nan if prog.nan_bubbles else 0, jnp.float32)),)
-    if prog.ring:
-        lps, oss, pss, rs = ring_exchange(prog, tr, t, *stacks, cr.reduce, is_b, cb, grad, cnt, flags[1])
-        cr = cr._replace(reduce=rs)
-    elif not prog.fused:
-        lps, oss, pss = b_updates(prog, tr, is_b, cb, gb, grad, cnt, flags, lps, oss, pss)
+    lps, oss, pss, cr = prog.grads.apply(prog, tr, t, flags, stacks, op, grad, cnt, lps, oss, pss, cr)
     cr = prog.route.backward_out(prog, tr, t, rr, cr, send_b)
     if prog.split and run[prog.KW]:     # ZB's W lane (a lane plan's: W reads its slots)
         pss = w_lanes(prog, tr, t, rr[prog.KW], lps, oss, pss, cr)
     return lps, oss, pss, cr
-
-
-def b_updates(prog, tr, is_b, cb, gb, grad, cnt, flags, lps, oss, pss):
-    """The backward's update of its chunk: one conditional per chunk, each output either its operand or a
-    new value (no copies); a pending version applied; an in-scan landing where the policy lands."""
-    lps, oss, pss = list(lps), list(oss), list(pss)
-    for c in range(prog.K):
-        mine = is_b & (cb == c)
-        lps[c], oss[c], pss[c] = lax.cond(
-            mine, lambda *a, c=c: b_apply(prog, tr, c, *a), lambda g, gr, n, *a: a, gb, grad, cnt,
-            lps[c], oss[c], pss[c])
-        if prog.policies[c].apply_pending is not None:
-            lps[c] = lax.cond(mine, prog.policies[c].apply_pending, lambda lp, ps: lp, lps[c], pss[c])
-        if prog.in_scan and flags:
-            lps[c], oss[c], pss[c] = lax.cond(
-                mine & prog.policies[c].lands(tr.base + gb),
-                lambda *a, c=c: prog.policies[c].land(*a, counting=prog.counting, b=(tr.base + gb) // prog.M),
-                lambda *a: a, lps[c], oss[c], pss[c])
-    return lps, oss, pss
 
 
 def land_between(prog, tr, st, tau):
