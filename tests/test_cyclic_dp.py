@@ -181,7 +181,7 @@ def test_stream_is_the_pictured_timeline(N):
     """What the no-flush executor runs (schedules.cyclic.stream: every stage a chunk of the worker, worker i
     2i ticks late) replays the timeline the pictures draw (op_of) tick for tick for every worker, and the ticks
     where the ring may complete a sum are where worker N-1 runs a backward."""
-    from jaxpipe.runtime.executor import ring_phases
+    from jaxpipe.runtime.landing import ring_phases
     p = cyc.stream(N)
     for i in range(N):
         ran = {t + p.replica_delay * i: (kind, c, g) for t, d, kind, c, g in p.events(1, calls=4)}

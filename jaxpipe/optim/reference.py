@@ -71,6 +71,43 @@ RULES = {
 ACCUMULATING = ("pipedream_2bw", "cdp_v1", "cdp_v2", "wpipe")     # a step's gradients summed, one update
 
 
+def _microbatch_grads(model, ties, fwd, bwd, ctx_of, x0, wF, wB, mb, i, by_count):
+    """One micro-batch through every stage serially: ``(loss, count, grads)`` with ``grads[s] = (dw, dpre,
+    dpost)`` of stage ``s``; F of stage s reads ``wF[s]``, B reads ``wB[s]``.  ``by_count``: a (sum, count) loss
+    whose gradient is of the sum (an accumulating method divides by the step's count)."""
+    D = len(wF)
+    pre0, post0 = wF[0][1], wF[D - 1][2]
+    # forward, stage by stage, keeping each stage's activation residuals
+    x = model.pre(wF[0][1], mb)
+    res = []
+    for s in range(D):
+        x, r = fwd(wF[s][0], x, ctx_of(mb, i, s))
+        res.append(r)
+    # tied arrays: the last stage reads the version stage 0's forward read; their gradient joins stage 0's
+    q_last = ties.post_with(wF[D - 1][2], ties.pre_leaves(wF[0][1]))
+    # a (sum, count) loss: a per-micro-batch update reads this global micro-batch's sum over its count; an
+    # accumulating method sums the micro-batches' gradients of the sums and divides by the step's count
+    terms = lambda q, y: loss_terms(model.post_loss(q, y, mb))
+    if by_count:
+        (loss_sum, n_mb), (gpost, dy) = jax.value_and_grad(terms, argnums=(0, 1), has_aux=True)(q_last, x)
+        loss = loss_sum / n_mb
+    else:
+        n_mb = 1.0
+        loss, (gpost, dy) = jax.value_and_grad(lambda q, y: (lambda sc: sc[0] / sc[1])(terms(q, y)),
+                                               argnums=(0, 1))(q_last, x)
+    gpost, g_tied = ties.take_post(gpost)
+    grads = [None] * D
+    for s in reversed(range(D)):
+        dw, dy = bwd(wB[s][0], res[s], dy)
+        dy = jax.tree.map(lambda d, a: d.astype(a.dtype), dy, x0)
+        dpre = jax.tree.map(jnp.zeros_like, pre0)
+        if s == 0:
+            dpre = ties.add_to_pre(jax.vjp(lambda q: model.pre(q, mb), wB[0][1])[1](dy)[0], g_tied)
+        dpost = gpost if s == D - 1 else jax.tree.map(jnp.zeros_like, post0)
+        grads[s] = (dw, dpre, dpost)
+    return loss, n_mb, grads
+
+
 def serial_reference(model, method: str, opt: optax.GradientTransformation, num_microbatches: int,
                      batches, data_parallel: int = 1, seed: int = 0, options=None) -> Dict[str, object]:
     """Run ``method`` serially over ``batches`` (global batches, each of M micro-batches), fill and drain
@@ -114,35 +151,9 @@ def serial_reference(model, method: str, opt: optax.GradientTransformation, num_
         for s in range(D):
             f, bw = RULES[method](s, i, b, D, M, hist[s], upd[s], axpy, **({"o": options} if options else {}))
             wF.append(f); wB.append(bw)
-        # forward, stage by stage, keeping each stage's activation residuals
-        x = model.pre(wF[0][1], mb)
-        res = []
-        for s in range(D):
-            x, r = fwd(wF[s][0], x, ctx_of(mb, i, s))
-            res.append(r)
-        # tied arrays: the last stage reads the version stage 0's forward read; their gradient joins stage 0's
-        q_last = ties.post_with(wF[D - 1][2], ties.pre_leaves(wF[0][1]))
-        # a (sum, count) loss: a per-micro-batch update reads this global micro-batch's sum over its count; an
-        # accumulating method sums the micro-batches' gradients of the sums and divides by the step's count
-        terms = lambda q, y: loss_terms(model.post_loss(q, y, mb))
-        if accumulating and summed:
-            (loss_sum, n_mb), (gpost, dy) = jax.value_and_grad(terms, argnums=(0, 1), has_aux=True)(q_last, x)
-            loss = loss_sum / n_mb
-        else:
-            n_mb = 1.0
-            loss, (gpost, dy) = jax.value_and_grad(lambda q, y: (lambda sc: sc[0] / sc[1])(terms(q, y)),
-                                                   argnums=(0, 1))(q_last, x)
-        gpost, g_tied = ties.take_post(gpost)
+        loss, n_mb, grads = _microbatch_grads(model, ties, fwd, bwd, ctx_of, x0, wF, wB, mb, i,
+                                              accumulating and summed)
         losses.append(float(loss))
-        grads = [None] * D
-        for s in reversed(range(D)):
-            dw, dy = bwd(wB[s][0], res[s], dy)
-            dy = jax.tree.map(lambda d, a: d.astype(a.dtype), dy, x0)
-            dpre = jax.tree.map(jnp.zeros_like, pre0)
-            if s == 0:
-                dpre = ties.add_to_pre(jax.vjp(lambda q: model.pre(q, mb), wB[0][1])[1](dy)[0], g_tied)
-            dpost = gpost if s == D - 1 else jax.tree.map(jnp.zeros_like, post0)
-            grads[s] = (dw, dpre, dpost)
         for s in range(D):
             if accumulating:
                 acc[s] = grads[s] if acc[s] is None else jax.tree.map(jnp.add, acc[s], grads[s])

@@ -41,7 +41,6 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from ..axes import AXES, DATA, DP_AXES, PIPE, STAGE
-
 from .common import full
 from .lanes_forward import double_at, forward_at
 from .program import Program, describe
