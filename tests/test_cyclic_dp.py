@@ -9,7 +9,7 @@ import pytest
 
 import jaxpipe as jp
 from helpers import rel_err, small_model
-from jaxpipe.cyclic import single_device_dp_grad, single_device_grad
+from jaxpipe.one_device import single_device_dp_grad, single_device_grad
 from jaxpipe.optim.reference import serial_reference
 from jaxpipe.schedules import cyclic as cyc
 
