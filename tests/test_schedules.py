@@ -36,16 +36,24 @@ def test_memory_and_lockstep(D, M):
         assert o.lockstep_makespan > o.makespan
 
 
-def test_tables_consistent():
-    s = schedules.build("1f1b", 4, 8)
-    t = s.tables()
-    assert t.stash_capacity == 4 and t.mbuf_capacity == 2
-    d = t.data
-    # B reads the stash slot its F wrote
-    for dev in range(4):
-        f_slot = {int(d["mb"][k, dev]): int(d["stash"][k, dev]) for k in range(t.num_ticks) if d["op"][k, dev] == 1}
-        b_slot = {int(d["mb"][k, dev]): int(d["stash"][k, dev]) for k in range(t.num_ticks) if d["op"][k, dev] == 2}
-        assert f_slot == b_slot and len(f_slot) == 8
+def test_plan_consistent():
+    """The one lowered table: B (and W) read the stash slot their F wrote, on every device."""
+    from jaxpipe.schedules.lanes import L
+    for name, D, M in [("1f1b", 4, 8), ("zb_h1", 4, 8), ("zb_v", 2, 4)]:
+        s = schedules.build(name, D, M)
+        for placement in ("ordered", "lanes"):
+            p = s.plan(placement)
+            if (name, placement) == ("1f1b", "ordered"):
+                assert p.stash_capacity == 4 and p.mbuf_capacity == 2
+            tab = p.table
+            for dev in range(D):
+                slots = {}
+                for t in range(p.num_ticks):
+                    for li, kind in enumerate(p.lanes):
+                        row = tab[t, dev, li]
+                        if row[L["op"]] > 0:
+                            slots.setdefault((int(row[L["stage"]]), int(row[L["mb"]])), set()).add(int(row[L["stash"]]))
+                assert len(slots) == M * s.num_model_stages // D and all(len(v) == 1 for v in slots.values())
 
 
 def test_validate_catches_errors():

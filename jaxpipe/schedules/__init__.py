@@ -13,7 +13,8 @@ from .wpipe import build_wpipe_step
 from .chimera import build_chimera
 from .gpipe import build_gpipe
 from .interleaved import build_interleaved_1f1b
-from .ir import Action, B, F, W, Schedule, ScheduleError, Tables
+from .ir import Action, B, F, W, Schedule, ScheduleError
+from .lanes import LanePlan
 from .one_f_one_b import build_1f1b
 from .zero_bubble import build_zb_h1
 from .v_shape import build_dualpipe_v, build_zb_v
@@ -64,5 +65,5 @@ def build(name: str, num_stages: int, num_microbatches: int, **options) -> Sched
 assert set(METHODS) == set(BUILDERS), "every method needs a builder and a registry entry"
 
 __all__ = ["ASYNCHRONOUS", "Action", "B", "BUILDERS", "METHODS", "Method", "WEIGHT_VERSIONS", "is_async", "F", "W",
-           "Schedule", "ScheduleError", "method", "options_for", "SimReport", "Tables", "available", "build",
+           "Schedule", "ScheduleError", "method", "options_for", "SimReport", "LanePlan", "available", "build",
            "simulate"]

@@ -10,8 +10,8 @@ and the data dependencies between actions the IR derives everything else:
   lockstep timeline the SPMD executor runs (one action per device per tick, messages arrive next tick);
 * ``validate()``         -- dependencies satisfiable, one action per device per tick, every (stage,
   micro-batch) computed exactly once, slots never collide;
-* ``tables()``           -- int32 tables indexed ``[tick, device]`` that drive the executor (op, micro-batch,
-  stash slot, receive-buffer slots);
+* ``plan(placement)``    -- the lowered table the executor runs (:mod:`.lanes`: per tick, device and lane,
+  the op, its micro-batch, stash slot and message slots);
 * ``simulate()`` / ``render*()`` live in :mod:`.simulate` and :mod:`.render` and use the same object, so what
   you see is what runs.
 
@@ -276,15 +276,19 @@ class Schedule:
             for dep in self.deps(a):
                 if t[key] < t[dep] + 1:
                     raise ScheduleError(f"{self.name}: {key} at tick {t[key]} before its input {dep}")
-        self.tables()  # slot allocation must succeed
+        self.plan("ordered")  # slot allocation must succeed
         return self
 
-    # ------------------------------------------------------------------ executor tables
-    def tables(self) -> "Tables":
-        """Lockstep tables for the SPMD executor; see :class:`Tables`."""
-        if getattr(self, "_tables", None) is None:
-            self._tables = _build_tables(self)
-        return self._tables
+    # ------------------------------------------------------------------ the lowered table
+    def plan(self, placement: str = "lanes"):
+        """The lane plan of this schedule (:func:`jaxpipe.schedules.lanes.plan`): the one lowered table the
+        executor runs, the simulator costs and the renderer draws.  ``placement="ordered"``: one op per device
+        per tick (the schedule's own order); ``"lanes"``: an F and a B lane (and W) in every tick."""
+        cache = self.__dict__.setdefault("_plans", {})
+        if placement not in cache:
+            from .lanes import plan
+            cache[placement] = plan(self, placement)
+        return cache[placement]
 
     def stage_of_chunk(self) -> np.ndarray:
         """``[device, chunk] -> model stage`` (-1 where unused)."""
@@ -313,36 +317,8 @@ class Schedule:
         return chrome_trace(self, path, **kw)
 
 
-# ---------------------------------------------------------------------- tables
-OP_IDLE, OP_F, OP_B, OP_W = 0, 1, 2, 3
-COLS = ("op", "mb", "stage", "chunk", "stash", "in_slot", "keep", "recv_p", "recv_m", "send",
-        "op2", "mb2", "stash2", "in2", "keep2", "recv_p2", "recv_m2", "send2")
-LANE2 = {"op": "op2", "mb": "mb2", "stash": "stash2", "in_slot": "in2", "keep": "keep2", "recv_p": "recv_p2",
-         "recv_m": "recv_m2", "send": "send2"}
+# ---------------------------------------------------------------------- slots and channels
 SEND_NONE, SEND_PLUS, SEND_MINUS, SEND_KEEP = 0, 1, 2, 3
-
-
-@dataclasses.dataclass
-class Tables:
-    """int32 arrays ``[num_ticks, num_devices]`` for the executor.
-
-    op: OP_IDLE/OP_F/OP_B/OP_W; mb, stage, chunk of the action; stash: residual slot written by F and read
-    by B (and W).  Activations and gradients share one message buffer per device: ``in_slot`` is the slot F
-    (its input activation) or B/W (the output gradient dL/dy) reads.  Every action produces at most one
-    message: ``send`` says where it goes -- to device d+1 (``SEND_PLUS`` channel, one ``ppermute``), to
-    d-1 (``SEND_MINUS``), or stays on the device (``SEND_KEEP``: the last stage's dL/dy for its own B, or
-    the next stage when it lives on the same device), written at slot ``keep``; ``recv_p`` / ``recv_m``:
-    where the message arriving on each channel at the end of the tick is written.  Unused writes go to the
-    scratch slot (index = capacity).  Capacities are maxima over devices (one shape everywhere in SPMD).
-    Columns ending in ``2`` are the second lane: a paired forward (Chimera's forward doubling) run in the
-    same tick as the first, with its own message, stash slot and receive slots.
-    """
-    data: Dict[str, np.ndarray]
-    stash_capacity: int
-    mbuf_capacity: int
-    num_ticks: int
-    channels: Tuple[int, ...]        # channels used: subset of (SEND_PLUS, SEND_MINUS)
-
 
 
 class _Slots:
@@ -368,82 +344,3 @@ def _channel(D: int, src: int, dst: int) -> int:
     if dst == (src - 1) % D:
         return SEND_MINUS
     return -1
-
-
-def _build_tables(s: Schedule) -> Tables:
-    T, D, S = s.num_ticks, s.D, s.num_model_stages
-    t = s.ticks()
-    loc = s.location()
-    dev = {k: v[0] for k, v in loc.items()}
-    data = {c: np.full((T, D), -1, np.int64) for c in COLS}
-    data["op"][:] = OP_IDLE
-    data["op2"][:] = OP_IDLE
-    data["send"][:] = SEND_NONE
-    data["send2"][:] = SEND_NONE
-    kind_code = {F: OP_F, B: OP_B, W: OP_W}
-    lane = {}
-    for d, acts in enumerate(s.actions):
-        for a in acts:
-            key = (a.kind, a.stage, a.mb)
-            lane[key] = 2 if a.pair else 1
-            col = (lambda c: LANE2[c]) if a.pair else (lambda c: c)
-            tk = t[key]
-            data[col("op")][tk, d] = kind_code[a.kind]
-            data[col("mb")][tk, d] = a.mb
-            data["stage"][tk, d] = a.stage
-            data["chunk"][tk, d] = a.chunk
-    C = lambda key, c: LANE2[c] if lane[key] == 2 else c
-    # Stash: written at F's tick, last read by W if the schedule splits the backward, else by B.
-    split = s.has_w()
-    last_user = W if split else B
-    stash_alloc = [_Slots() for _ in range(D)]
-    events = sorted((t[(F, st, m)], st, m) for st in range(S) for m in range(s.M))
-    for tk, st, m in events:
-        d = dev[(F, st, m)]
-        slot = stash_alloc[d].alloc(tk, t[(last_user, st, m)])
-        data[C((F, st, m), "stash")][tk, d] = slot
-        data["stash"][t[(B, st, m)], d] = slot
-        if split:
-            data["stash"][t[(W, st, m)], d] = slot
-    # Messages: F(st-1) -> F(st) (activation); B(st+1) -> B(st) (gradient); the last stage's F -> its B
-    # (dL/dy).  With a split backward, W reads the same gradient as B: the slot is held until W.
-    msgs = []
-    for st in range(S):
-        for m in range(s.M):
-            if st > 0:
-                msgs.append((t[(F, st - 1, m)], (F, st - 1, m), dev[(F, st, m)], [(F, st, m)]))
-            src = (B, st + 1, m) if st < S - 1 else (F, st, m)
-            users = [(B, st, m)] + ([(W, st, m)] if split else [])
-            msgs.append((t[src], src, dev[(B, st, m)], users))
-    alloc = [_Slots() for _ in range(D)]
-    channels = set()
-    for tsend, skey, dst, users in sorted(msgs, key=lambda x: x[0]):
-        src = dev[skey]
-        ch = _channel(D, src, dst)
-        if ch < 0:
-            raise ScheduleError(f"{s.name}: a message from device {src} to device {dst} at tick {tsend}; the "
-                                f"executor moves messages to a neighbouring device (d +- 1 mod {D}) only")
-        if ch == SEND_MINUS and D == 2:
-            ch = SEND_PLUS                     # d+1 and d-1 are the same device: one channel suffices
-        slot = alloc[dst].alloc(tsend, max(t[u] for u in users))
-        if data[C(skey, "send")][tsend, src] != SEND_NONE:
-            raise ScheduleError(f"{s.name}: device {src} sends two messages on one lane at tick {tsend}")
-        data[C(skey, "send")][tsend, src] = ch
-        if ch == SEND_KEEP:
-            data[C(skey, "keep")][tsend, src] = slot
-        else:
-            channels.add(ch)
-            col = C(skey, "recv_p" if ch == SEND_PLUS else "recv_m")
-            if data[col][tsend, dst] != -1:
-                raise ScheduleError(f"{s.name}: two messages reach device {dst} on one channel at tick {tsend}")
-            data[col][tsend, dst] = slot
-        for u in users:
-            data[C(u, "in_slot")][t[u], dst] = slot
-    caps = {"stash": max(len(a.busy_until) for a in stash_alloc),
-            "m": max(len(a.busy_until) for a in alloc)}
-    for c in ("keep", "recv_p", "recv_m", "keep2", "recv_p2", "recv_m2"):
-        data[c][data[c] < 0] = caps["m"]
-    for c in ("mb", "stage", "chunk", "stash", "in_slot", "mb2", "stash2", "in2"):
-        data[c][data[c] < 0] = 0
-    return Tables({k: v.astype(np.int32) for k, v in data.items()}, caps["stash"], caps["m"], T,
-                  tuple(sorted(channels)))

@@ -196,37 +196,11 @@ def _phases(active: np.ndarray):
             tuple(tuple(sorted(f)) for *_, f in runs))
 
 
-def plan(s: Schedule, placement: str = "lanes", cut: Sequence[int] = ()) -> LanePlan:
-    """Place ``s`` on lanes and build the executor's tables.  ``cut``: ticks where a phase must begin
-    (Chimera's eager reduction runs between two phases)."""
-    if placement not in PLACEMENTS:
-        raise ScheduleError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
-    lanes = lane_kinds(s, placement)
-    loc = s.location()
-    dev = {k: v[0] for k, v in loc.items()}
-    where = _place_lanes(s, lanes, dev) if placement == "lanes" else _place_ordered(s, lanes)
-    nl, D, S = len(lanes), s.D, s.num_model_stages
-    T = 1 + max(t for t, _ in where.values())
-    pos = lambda key: where[key][0] * nl + where[key][1]
-    tab = np.full((T, D, nl, len(LCOLS)), -1, np.int64)
-    tab[..., L["op"]] = 0
-    tab[..., L["send"]] = SEND_NONE
-    acts = {(a.kind, a.stage, a.mb): a for acts_ in s.actions for a in acts_}
-    for key, (t, li) in where.items():
-        a = acts[key]
-        row = tab[t, dev[key], li]
-        row[L["op"]], row[L["mb"]], row[L["stage"]], row[L["chunk"]] = 1, a.mb, a.stage, a.chunk
-    # stash: written by F, read by B (and W)
-    split = s.has_w()
-    readers = (B, W) if split else (B,)
-    stash_alloc = [_Slots() for _ in range(D)]
-    for key in sorted((k for k in where if k[0] == F), key=pos):
-        _, st, m = key
-        d = dev[key]
-        slot = stash_alloc[d].alloc(pos(key) - 1, max(pos((r, st, m)) for r in readers))
-        for k in [key] + [(r, st, m) for r in readers]:
-            tab[where[k][0], d, where[k][1], L["stash"]] = slot
-    # messages: F(st-1) -> F(st); B(st+1) -> B(st) (and W(st)); the last stage's F -> its B (dL/dy)
+def _route_messages(s: Schedule, where, dev, tab, pos, nl: int, split: bool):
+    """Every message's slots in ``tab`` (in place): F(st-1) -> F(st); B(st+1) -> B(st) (and W(st)); the last
+    stage's F -> its B (dL/dy).  Returns the channels each lane sends on, whether it keeps a message on the
+    device, and the message buffer's capacity."""
+    D, S = s.D, s.num_model_stages
     msgs = []
     for st in range(S):
         for m in range(s.M):
@@ -262,8 +236,41 @@ def plan(s: Schedule, placement: str = "lanes", cut: Sequence[int] = ()) -> Lane
             channels[ls].add(ch)
         for u in users:
             tab[where[u][0], dev[u], where[u][1], L["in"]] = slot
+    return channels, keeps, max(len(x.busy_until) for x in alloc)
+
+
+def plan(s: Schedule, placement: str = "lanes", cut: Sequence[int] = ()) -> LanePlan:
+    """Place ``s`` on lanes and build the executor's tables.  ``cut``: ticks where a phase must begin
+    (Chimera's eager reduction runs between two phases)."""
+    if placement not in PLACEMENTS:
+        raise ScheduleError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    lanes = lane_kinds(s, placement)
+    loc = s.location()
+    dev = {k: v[0] for k, v in loc.items()}
+    where = _place_lanes(s, lanes, dev) if placement == "lanes" else _place_ordered(s, lanes)
+    nl, D, S = len(lanes), s.D, s.num_model_stages
+    T = 1 + max(t for t, _ in where.values())
+    pos = lambda key: where[key][0] * nl + where[key][1]
+    tab = np.full((T, D, nl, len(LCOLS)), -1, np.int64)
+    tab[..., L["op"]] = 0
+    tab[..., L["send"]] = SEND_NONE
+    acts = {(a.kind, a.stage, a.mb): a for acts_ in s.actions for a in acts_}
+    for key, (t, li) in where.items():
+        a = acts[key]
+        row = tab[t, dev[key], li]
+        row[L["op"]], row[L["mb"]], row[L["stage"]], row[L["chunk"]] = 1, a.mb, a.stage, a.chunk
+    # stash: written by F, read by B (and W)
+    split = s.has_w()
+    readers = (B, W) if split else (B,)
+    stash_alloc = [_Slots() for _ in range(D)]
+    for key in sorted((k for k in where if k[0] == F), key=pos):
+        _, st, m = key
+        d = dev[key]
+        slot = stash_alloc[d].alloc(pos(key) - 1, max(pos((r, st, m)) for r in readers))
+        for k in [key] + [(r, st, m) for r in readers]:
+            tab[where[k][0], d, where[k][1], L["stash"]] = slot
+    channels, keeps, cap_m = _route_messages(s, where, dev, tab, pos, nl, split)
     cap_s = max(len(x.busy_until) for x in stash_alloc)
-    cap_m = max(len(x.busy_until) for x in alloc)
     for c in ("keep", "recv_p", "recv_m"):
         tab[..., L[c]][tab[..., L[c]] < 0] = cap_m          # the scratch slot
     for c in ("mb", "stage", "chunk", "stash", "in"):

@@ -28,7 +28,7 @@ class SimReport:
     num_ticks: int
     peak_inflight: List[int]        # per device, micro-batches of one stage's activations held at once
     weight_versions: List[int]      # per device, in units of one stage's weights
-    stash_capacity: int             # slots the SPMD executor allocates on every device
+    stash_capacity: int             # stash slots of the one-op-per-tick ("ordered") plan, on every device
     messages: int                   # point-to-point activation/gradient messages per step
     # what the executor runs with its default "lanes" placement (jaxpipe.schedules.lanes): an F and a B
     # lane per tick (W, where split), each as long as its slowest op; the memory it holds
@@ -92,7 +92,7 @@ def simulate(s: Schedule, f: float = 1.0, b: float = 2.0, w: Optional[float] = N
         lockstep_makespan=lock, lockstep_bubble_ratio=1.0 - work / (s.D * lock),
         num_ticks=len(grid),
         peak_inflight=[max(inflight_profile(s, d), default=0) for d in range(s.D)],
-        weight_versions=list(s.weight_versions), stash_capacity=s.tables().stash_capacity,
+        weight_versions=list(s.weight_versions), stash_capacity=s.plan("ordered").stash_capacity,
         messages=messages, lane_makespan=lane_span, lane_bubble_ratio=1.0 - work / (s.D * lane_span),
         lane_ticks=lp.num_ticks, lane_peak_inflight=lp.peak_inflight(), lane_stash_capacity=lp.stash_capacity,
         lane_placement=placement)

@@ -154,7 +154,7 @@ def predict(s: Schedule, costs: Costs, act_bytes: float, grad_bytes: float, repl
     accumulators carried through the tick), calibrated once; op_overhead: the executor's fixed cost of one
     device's op (F, B or W), times the ops of all ``width`` pipelines -- on CPU-emulated devices sharing cores
     this is what grows with the micro-batch count at a fixed batch, calibrated once."""
-    ch = len(s.tables().channels) if channels is None else channels
+    ch = len(set().union(*s.plan("ordered").channels)) if channels is None else channels
     prof = lockstep_profile(s)
     idle_ticks = s.num_ticks - sum(prof.values())
     compute = sum(n * costs.op_time(kind, k * width) for (kind, k), n in prof.items())

@@ -70,7 +70,7 @@ def memory_estimate(c: Candidate, stage_param_bytes: float, stash_bytes_per_mb: 
     micro-batches), and the message buffer.  Chimera eq.: weights 2f M_theta, activations [(D/2+1), D] M_a.
     ``stage_param_bytes`` / ``stash_bytes_per_mb`` are for one stage of the D-stage cut at micro-batch size B."""
     s = c.build()
-    t = s.tables()
+    t = s.plan("ordered")      # the one-op-per-tick plan's slots (the memory bound the paper formulas state)
     copies = int(s.stage_of_chunk().shape[1])
     per = schedules.method(c.schedule).stages_per_device(c.options())
     if per > 1 and copies == per:       # the D-stage cut's stage split in chunks: each chunk holds 1/per of it
