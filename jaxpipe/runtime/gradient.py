@@ -44,10 +44,7 @@ def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubble
 
     like = lambda g, q: jax.tree.map(lambda a, b: a.astype(b.dtype), g, q)     # gradients in the params' dtypes
 
-    def permute(t, pairs):
-        spec = jax.tree.map(lambda _: P(STAGE), t)
-        return jax.shard_map(lambda a: jax.tree.map(lambda x: jax.lax.ppermute(x, STAGE, pairs), a), mesh=mesh,
-                             in_specs=(spec,), out_specs=spec)(t)
+    permute = lambda t, pairs: _permute(mesh, t, pairs)
 
     def fn(stage_p, pre_p, post_p, batch, step):
         if replicas:     # pipeline r's stage s at r D + s: the executor's parameter layout over (pipe, stage)
@@ -85,15 +82,7 @@ def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubble
         _, _, pss, _, _, (loss, _, _, _) = run(one(chunks), one(tuple(() for _ in range(K))), one(pstate), carry,
                                                counters, batch, jnp.asarray(True))
         pss = (pss,) if K == 1 else pss
-        if perms is not None:       # each replica's gradient home to its stage's owner, summed there
-            home = [ps.acc[0] if pm is None else permute(ps.acc[0], [(d, s_) for s_, d in pm])
-                    for ps, pm in zip(pss, perms)]
-            g_w = jax.tree.map(lambda *g: sum(g), *home)
-        elif K == 1:
-            g_w = pss[0].acc[0]
-        else:
-            g_w = pin(jax.tree.map(lambda *g: jnp.stack(g, 1).reshape((D * K,) + g[0].shape[1:]),
-                                   *(ps.acc[0] for ps in pss)))
+        g_w = _stage_gradient(pss, perms, D, pin, permute)
         total = (lambda a: a) if replicas else (lambda a: a.sum(0))
         g_pre = jax.tree.map(lambda *g: sum(total(a) for a in g), *(ps.acc[1] for ps in pss))
         g_post = jax.tree.map(lambda *g: sum(total(a) for a in g), *(ps.acc[2] for ps in pss))
@@ -102,6 +91,27 @@ def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubble
         return loss, (like(g_w, stage_p), like(g_pre, pre_p), like(g_post, post_p))
     return fn
 
+
+
+def _permute(mesh, t, pairs):
+    """``t`` (leading axis over ``stage``) moved along ``pairs`` (one ``ppermute`` per leaf)."""
+    spec = jax.tree.map(lambda _: P(STAGE), t)
+    return jax.shard_map(lambda a: jax.tree.map(lambda x: jax.lax.ppermute(x, STAGE, pairs), a), mesh=mesh,
+                         in_specs=(spec,), out_specs=spec)(t)
+
+
+def _stage_gradient(pss, perms, D, pin, permute):
+    """The stage weights' gradient in the caller's layout from the chunks' sums: each replica's home to its
+    stage's owner, summed there (``perms``: Chimera), the one chunk's, or the chunks interleaved device-major."""
+    K = len(pss)
+    if perms is not None:
+        home = [ps.acc[0] if pm is None else permute(ps.acc[0], [(d, s_) for s_, d in pm])
+                for ps, pm in zip(pss, perms)]
+        return jax.tree.map(lambda *g: sum(g), *home)
+    if K == 1:
+        return pss[0].acc[0]
+    return pin(jax.tree.map(lambda *g: jnp.stack(g, 1).reshape((D * K,) + g[0].shape[1:]),
+                            *(ps.acc[0] for ps in pss)))
 
 
 def check_double_batch(model, plan, x_aval, mb_example):
