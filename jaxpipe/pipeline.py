@@ -294,7 +294,8 @@ class Pipeline:
         checked.add(key)
 
 
-_LEGACY = {"chimera": "chimera", "virtual": "interleaved_1f1b", "zb": "zb_h1", "avgpipe": "avgpipe", "wpipe": "wpipe"}
+#: deprecated keyword -> the method whose options it carried (each method's declaration names its own)
+_LEGACY = {m.legacy_keyword: name for name, m in schedules.METHODS.items() if m.legacy_keyword}
 
 
 def _merge_legacy(schedule: str, options: Optional[dict], **legacy) -> dict:

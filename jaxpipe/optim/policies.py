@@ -34,7 +34,7 @@ import optax
 from jax import lax
 
 from ..errors import ConfigError
-from ..schedules.asynchronous import WEIGHT_VERSIONS
+from ..schedules.registry import METHODS
 
 
 
@@ -153,7 +153,7 @@ def pipedream(opt: optax.GradientTransformation, num_stages: int) -> WeightPolic
         return lp, opt_state, stash
 
     return WeightPolicy("pipedream", init, forward_weights, backward_weights, update,
-                        WEIGHT_VERSIONS["pipedream"])
+                        METHODS["pipedream"].weight_versions)
 
 
 class TwoBWState(NamedTuple):
@@ -407,7 +407,7 @@ def pipeoptim(opt: optax.GradientTransformation, num_stages: int, distance: str 
                               f"(PipeOptim eq. (4) / the authors' code; Table I's AdamW without decay)")
 
     def versions(n):    # Table II: w and u_last where a stage predicts, one more when the direction is apart
-        v = [2] * n if distance == "code" else list(WEIGHT_VERSIONS["pipeoptim"](n))
+        v = [2] * n if distance == "code" else list(METHODS["pipeoptim"].weight_versions(n))
         return [x + 1 if x > 1 else x for x in v] if prediction == "decay_free" else v
 
     # B reads the current weights (distance None: lp itself)
@@ -428,7 +428,7 @@ def spectrain(opt: optax.GradientTransformation, num_stages: int, opt_state_exam
             "(optax.TraceState). Use optax.sgd(lr, momentum=0.9), or schedule='pipeoptim', which predicts "
             "from whatever update rule the optimizer has.")
     f, b = spectrain_distances(num_stages)
-    return _predicting("spectrain", opt, f, b, WEIGHT_VERSIONS["spectrain"])
+    return _predicting("spectrain", opt, f, b, METHODS["spectrain"].weight_versions)
 
 
 def _two_versions(name: str, fresh: bool):

@@ -16,7 +16,8 @@ optimizer state over its local parameters (w_s, pre, post); only stage 0 gets gr
 only stage D-1 for ``post``.  Tied arrays (``PipelineModel(tied=...)``, ``jaxpipe.tying``) live in stage 0's
 ``pre`` only: the last stage's use of micro-batch ``i`` reads the version stage 0's F read for ``i``, and its
 gradient joins stage 0's gradient of ``i``.  F keeps the activations it computed; B backpropagates through them with the
-weights B reads (``rebuild_pullback``), as PipeOptim's and SpecTrain's implementations do.
+weights B reads (``rebuild_pullback``), as PipeOptim's and SpecTrain's implementations do.  Each rule is
+the ``reference`` of its method's declaration (:mod:`jaxpipe.schedules.registry`).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import optax
 
 from ..model import loss_terms, microbatch_key
 from ..runtime.common import rebuild_pullback, residual_mask, split_residuals
+from ..schedules.registry import METHODS
 from ..tying import Ties
 
 
@@ -46,29 +48,6 @@ def global_microbatches(batch, num_microbatches: int, data_parallel: int = 1) ->
     return out
 
 
-def _same(v):
-    return lambda h: (h[v], h[v])
-
-
-#: method -> (stage s, micro-batch i, batch b, D, M, versions h of stage s, updates u, axpy) -> (w_F, w_B), with
-#: c_F = max(0, i - (D - 1 - s)) the updates stage s applied when i's F runs there (module docstring)
-RULES = {
-    "pipedream": lambda s, i, b, D, M, h, u, axpy: _same(max(0, i - (D - 1 - s)))(h),
-    # options: distance "paper" s = D - 1 - s (eq. 4), "code" s = D - s; u is what the options predict with
-    "pipeoptim": lambda s, i, b, D, M, h, u, axpy, o=None: (
-        axpy(D - s - ((o or {}).get("distance", "paper") != "code"), u[max(0, i - (D - 1 - s))],
-             h[max(0, i - (D - 1 - s))]), h[i]),
-    "spectrain": lambda s, i, b, D, M, h, u, axpy: (
-        axpy(s // 2 + D - 1 - s, u[max(0, i - (D - 1 - s))], h[max(0, i - (D - 1 - s))]),
-        axpy(s // 2, u[i], h[i])),
-    "pipedream_2bw": lambda s, i, b, D, M, h, u, axpy: _same(max(b - 1, 0))(h),
-    "cdp_v1": lambda s, i, b, D, M, h, u, axpy: _same(max(b - 1, 0))(h),
-    # eq. (1): G0 (stages < D/2 of the 2D-partition model) one delay, G1 none
-    "wpipe": lambda s, i, b, D, M, h, u, axpy: _same(max(b - 1, 0) if s < D // 2 else b)(h),
-    # eq. (CDP-v2): micro-batch j reads the fresh version w(b) on stages s >= D - 1 - j
-    "cdp_v2": lambda s, i, b, D, M, h, u, axpy: _same(b if (i % M) + s >= D - 1 else max(b - 1, 0))(h),
-}
-ACCUMULATING = ("pipedream_2bw", "cdp_v1", "cdp_v2", "wpipe")     # a step's gradients summed, one update
 
 
 def _microbatch_grads(model, ties, fwd, bwd, ctx_of, x0, wF, wB, mb, i, by_count):
@@ -138,9 +117,11 @@ def serial_reference(model, method: str, opt: optax.GradientTransformation, num_
     bwd = jax.jit(lambda w, res, dy: rebuild_pullback(model.stage_fn, w, x_like, res, mask, ctx_like)(dy))
     axpy = lambda a, x, y: jax.tree.map(lambda xx, yy: yy + jnp.asarray(a, yy.dtype) * xx, x, y)
     losses, acc = [], [None] * D
-    if method not in RULES:
-        raise ValueError(f"no serial reference for {method!r}; known: {', '.join(RULES)}")
-    accumulating = method in ACCUMULATING
+    rule = METHODS[method].reference if method in METHODS else None
+    if rule is None:
+        known = ", ".join(n for n, m in METHODS.items() if m.reference is not None)
+        raise ValueError(f"no serial reference for {method!r}; known: {known}")
+    accumulating = METHODS[method].accumulating
     summed = model.reduction(jax.eval_shape(lambda p, b: model.forward(p, b, key=jax.random.PRNGKey(0)),
                                             model.params, mbs[0]), mbs[0]) == "sum"
     step_count = 0.0
@@ -149,7 +130,7 @@ def serial_reference(model, method: str, opt: optax.GradientTransformation, num_
         b = i // M
         wF, wB = [], []
         for s in range(D):
-            f, bw = RULES[method](s, i, b, D, M, hist[s], upd[s], axpy, **({"o": options} if options else {}))
+            f, bw = rule(s, i, b, D, M, hist[s], upd[s], axpy, **({"o": options} if options else {}))
             wF.append(f); wB.append(bw)
         loss, n_mb, grads = _microbatch_grads(model, ties, fwd, bwd, ctx_of, x0, wF, wB, mb, i,
                                               accumulating and summed)

@@ -7,34 +7,17 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Optional
 
-from .asynchronous import ASYNC_BUILDERS, WEIGHT_VERSIONS
-from .avgpipe import build_avgpipe
-from .wpipe import build_wpipe_step
-from .chimera import build_chimera
-from .gpipe import build_gpipe
-from .interleaved import build_interleaved_1f1b
 from .ir import Action, B, F, W, Schedule, ScheduleError
 from .lanes import LanePlan
-from .one_f_one_b import build_1f1b
-from .zero_bubble import build_zb_h1
-from .v_shape import build_dualpipe_v, build_zb_v
 from .registry import METHODS, Method, method
 from .simulate import SimReport, simulate
 from ..validate import is_int
 
-BUILDERS: Dict[str, Callable[..., Schedule]] = {
-    "gpipe": build_gpipe,
-    "1f1b": build_1f1b,
-    "interleaved_1f1b": build_interleaved_1f1b,
-    "zb_h1": build_zb_h1,
-    "zb_v": build_zb_v,
-    "dualpipe_v": build_dualpipe_v,
-    "chimera": build_chimera,
-    "avgpipe": build_avgpipe,
-    "wpipe": build_wpipe_step,
-    **ASYNC_BUILDERS,
-}
-ASYNCHRONOUS = tuple(ASYNC_BUILDERS)   # no flush: weight versions change between a micro-batch's F and B
+#: schedule name -> builder (each method's declaration carries its own: :mod:`.registry`)
+BUILDERS: Dict[str, Callable[..., Schedule]] = {name: m.builder for name, m in METHODS.items()}
+#: the asynchronous 1F1B family (no flush: weight versions change between a micro-batch's F and B)
+ASYNCHRONOUS = tuple(name for name, m in METHODS.items() if m.weight_versions is not None)
+WEIGHT_VERSIONS = {name: METHODS[name].weight_versions for name in ASYNCHRONOUS}
 
 
 def is_async(name: str) -> bool:
@@ -62,7 +45,7 @@ def build(name: str, num_stages: int, num_microbatches: int, **options) -> Sched
     return BUILDERS[name](num_stages, num_microbatches, **options).validate()
 
 
-assert set(METHODS) == set(BUILDERS), "every method needs a builder and a registry entry"
+assert all(callable(b) for b in BUILDERS.values()), "every method's declaration names its builder"
 
 __all__ = ["ASYNCHRONOUS", "Action", "B", "BUILDERS", "METHODS", "Method", "WEIGHT_VERSIONS", "is_async", "F", "W",
            "Schedule", "ScheduleError", "method", "options_for", "SimReport", "LanePlan", "available", "build",

@@ -10,54 +10,41 @@ fills once and drains once (``Pipeline.drain``).
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from typing import Callable, List
 
 from .ir import Schedule, ScheduleError
 from .periodic import no_flush_1f1b, no_flush_lanes
 
-#: weight versions held per stage (Table II): PipeDream [1, D] (stage s: D - s), PipeDream-2BW 2,
-#: SpecTrain 2 (weights + momentum step), PipeOptim [1, 2] (the last stage predicts nothing)
-WEIGHT_VERSIONS: Dict[str, Callable[[int], List[int]]] = {
-    "pipedream": lambda D: [D - s for s in range(D)],
-    "pipedream_2bw": lambda D: [2] * D,
-    "spectrain": lambda D: [2] * D,
-    "pipeoptim": lambda D: [2] * (D - 1) + [1],
-    "cdp_v1": lambda D: [2] * D,          # Cyclic Data Parallelism, pipeline form: CDP-v1 is 2BW's rule
-    "cdp_v2": lambda D: [2] * D,          # CDP-v2: fresher reads, the same two versions
-}
-
-
-#: methods whose rule is per batch (a batch reads version b - 1 in F and B, its update lands after its last
-#: B): their numbers do not depend on the ticks, so they may run the lanes timeline
+#: the weight versions each method holds per stage (Table II) and whether its rule is per batch are part of
+#: its declaration (:mod:`.registry`).  A per-batch rule (a batch reads version b - 1 in F and B, its update
+#: lands after its last B) does not depend on the ticks, so it may run the lanes timeline
 #: (:func:`.periodic.no_flush_lanes`: F + B per tick on every device instead of F and B ticks alternating
 #: across devices), which keeps two versions iff M >= 2D - 2 (batch b + 2's first F after batch b's update).
-PER_BATCH_RULE = ("pipedream_2bw", "cdp_v1")
 TIMELINES = ("auto", "lanes", "alternating")
 
 
-def timeline(name: str, D: int, M: int, choice: str = "auto") -> str:
+def timeline(name: str, D: int, M: int, choice: str = "auto", per_batch: bool = False) -> str:
     """``"lanes"`` or ``"alternating"`` (the 2-tick no-flush 1F1B) for method ``name``: ``"auto"`` takes lanes
     where the method's numbers allow them; asking for lanes where they do not is a ScheduleError."""
     if choice not in TIMELINES:
         raise ScheduleError(f"{name}: timeline={choice!r}; choose one of {TIMELINES}")
-    ok = name in PER_BATCH_RULE and M >= 2 * D - 2
+    ok = per_batch and M >= 2 * D - 2
     if choice == "lanes" and not ok:
         why = (f"needs num_microbatches >= 2D - 2 = {2 * D - 2} (got {M}) so that two weight versions suffice"
-               if name in PER_BATCH_RULE else "its weight rule follows the ticks (lanes would double the "
+               if per_batch else "its weight rule follows the ticks (lanes would double the "
                "updates between a micro-batch's F and its B)")
         raise ScheduleError(f"{name}: timeline='lanes' {why}; use timeline='alternating' or 'auto'")
     return "lanes" if ok and choice != "alternating" else "alternating"
 
 
-def builder(name: str):
+def builder(name: str, versions: Callable[[int], List[int]], per_batch: bool = False):
+    """The schedule builder of the no-flush method ``name`` holding ``versions(D)`` weight versions per stage."""
     def build(num_stages: int, num_microbatches: int, timeline_choice: str = "auto") -> Schedule:
         """One step's M micro-batches of the method's periodic no-flush timeline at the ticks the executor
         runs them (fill and drain included); ``.periodic`` is the steady-state pattern the executor reads."""
         D, M = num_stages, num_microbatches
-        make = no_flush_lanes if timeline(name, D, M, timeline_choice) == "lanes" else no_flush_1f1b
-        return make(name, D).expand(M, WEIGHT_VERSIONS[name](D))
+        make = no_flush_lanes if timeline(name, D, M, timeline_choice, per_batch) == "lanes" else no_flush_1f1b
+        return make(name, D).expand(M, versions(D))
 
     return build
 
-
-ASYNC_BUILDERS = {name: builder(name) for name in WEIGHT_VERSIONS}

@@ -1,21 +1,37 @@
-"""One declaration per method: everything the rest of the library may ask about a schedule by name (issue
-#17).  Pure Python, no JAX.
+"""One declaration per method: everything the rest of the library may ask about a schedule by name.  Pure
+Python, no JAX.
 
-A :class:`Method` says: whether the pipeline flushes every step (``flushes``) and whether the optimizer runs
+A :class:`Method` says: how to build its schedule (``builder``), whether the pipeline flushes every step
+(``flushes``) and whether the optimizer runs
 inside the pipeline program (``updates_inside``: per micro-batch, per group or per replica -- there is then
 no single update to skip or unscale); which runner executes it (``runner``: ``"sync"``, ``"async"``,
 ``"avgpipe"``) and with which weight policy (``policy``, :mod:`jaxpipe.optim.policies`); its user
 options with their defaults (``options``: the schema ``Pipeline(options=...)`` is checked against); how many
 model stages each device holds (``stages_per_device(options)``); which options feed the schedule builder
-(``builder_keys``); whether the stage's forward is recomputed in the backward (``recompute(options)``); and the
-paper.  Adding a method = one builder file + one entry here + its tests.
+(``builder_keys``); whether the stage's forward is recomputed in the backward (``recompute(options)``); the
+weight versions each stage holds (``weight_versions``, the no-flush methods, PipeOptim Table II); whether its
+weight rule is per batch (``per_batch_rule``: it may run the lanes timeline) and accumulates a step's gradients
+(``accumulating``); the rule its serial reference applies (``reference``: which versions a micro-batch's F and B
+read, :mod:`jaxpipe.optim.reference`); the deprecated ``Pipeline`` keyword that carried its options
+(``legacy_keyword``); whether the configuration search considers it (``tunable``); and the paper.  Adding a
+method = one builder (a new schedule family: one file) + one entry here + its tests; a new weight rule adds
+its policy to :mod:`jaxpipe.optim.policies` under the entry's ``policy`` name.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from .asynchronous import builder as no_flush_builder
+from .avgpipe import build_avgpipe
+from .chimera import build_chimera
+from .gpipe import build_gpipe
+from .interleaved import build_interleaved_1f1b
 from .ir import ScheduleError
+from .one_f_one_b import build_1f1b
+from .v_shape import build_dualpipe_v, build_zb_v
+from .wpipe import build_wpipe_step
+from .zero_bubble import build_zb_h1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +41,7 @@ class Method:
     updates_inside: bool
     stages_per_device: Callable[[dict], int]
     paper: str
+    builder: Optional[Callable] = None    # (num_stages, num_microbatches, **builder options) -> Schedule
     runner: str = "sync"
     policy: Optional[str] = None
     options: Dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -34,6 +51,13 @@ class Method:
     # option defaults that depend on the model and the mesh, and builder values that differ from the user's
     finish: Callable[[dict, int, int], dict] = lambda opts, model_stages, devices: opts
     to_builder: Callable[[dict], dict] = lambda opts: opts
+    weight_versions: Optional[Callable[[int], List[int]]] = None   # per stage, in units of one stage's weights
+    per_batch_rule: bool = False        # a batch reads version b - 1 in F and B: its numbers ignore the ticks
+    accumulating: bool = False          # a step's gradients summed, one update per step
+    #: (stage s, micro-batch i, batch b, D, M, versions h of stage s, updates u, axpy[, o=options]) -> (w_F, w_B)
+    reference: Optional[Callable] = None
+    legacy_keyword: Optional[str] = None  # the deprecated Pipeline(<keyword>=...) that carried its options
+    tunable: bool = False               # considered by the configuration search (jaxpipe.tune)
 
     def resolve(self, user: Optional[dict], model_stages: int, devices: int) -> dict:
         """The method's full options: its defaults updated with ``user``'s; unknown keys are a
@@ -71,43 +95,83 @@ def _auto_advance(b: dict) -> dict:
 
 
 _one = lambda opts: 1
-_ASYNC = dict(flushes=False, updates_inside=True, stages_per_device=_one, runner="async")
-# per-batch rules may run the lanes timeline (schedules.asynchronous.timeline): "auto", "lanes", "alternating"
-_TIMELINE = dict(options={"timeline": "auto"}, builder_keys=("timeline",),
-                 to_builder=lambda o: {"timeline_choice": o["timeline"]})
+
+
+def _same(v):
+    return lambda h: (h[v], h[v])
+
+
+def _stashed(s, i, b, D, M, h, u, axpy):
+    """PipeDream: F and B of micro-batch i read the version stage s held at i's F (c_F updates applied)."""
+    return _same(max(0, i - (D - 1 - s)))(h)
+
+
+def _predicted(s, i, b, D, M, h, u, axpy, o=None):
+    """PipeOptim: F predicts by distance D - 1 - s ("paper", eq. 4) or D - s ("code"); B reads the current."""
+    c = max(0, i - (D - 1 - s))
+    return axpy(D - s - ((o or {}).get("distance", "paper") != "code"), u[c], h[c]), h[i]
+
+
+def _momentum_predicted(s, i, b, D, M, h, u, axpy):
+    """SpecTrain: F predicts by s // 2 + D - 1 - s, B by s // 2 (both from the momentum step)."""
+    c = max(0, i - (D - 1 - s))
+    return axpy(s // 2 + D - 1 - s, u[c], h[c]), axpy(s // 2, u[i], h[i])
+
+
+def _async(name, versions, paper, reference, per_batch=False, accumulating=False, **kw):
+    """An asynchronous 1F1B-family method: the periodic no-flush 1F1B under its weight policy."""
+    opts = dict(options={"timeline": "auto"}, builder_keys=("timeline",),
+                to_builder=lambda o: {"timeline_choice": o["timeline"]}) if per_batch else {}
+    opts.update(kw)
+    return Method(name, False, True, _one, paper, builder=no_flush_builder(name, versions, per_batch),
+                  runner="async", policy=name, weight_versions=versions, per_batch_rule=per_batch,
+                  accumulating=accumulating, reference=reference, **opts)
+
+
+_two = lambda D: [2] * D
 METHODS: Dict[str, Method] = {m.name: m for m in [
-    Method("gpipe", True, False, _one, "Huang et al. 2019, GPipe"),
-    Method("1f1b", True, False, _one, "Narayanan et al. 2019/2021, PipeDream-Flush (1F1B)"),
+    Method("gpipe", True, False, _one, "Huang et al. 2019, GPipe", builder=build_gpipe, tunable=True),
+    Method("1f1b", True, False, _one, "Narayanan et al. 2019/2021, PipeDream-Flush (1F1B)", builder=build_1f1b,
+           tunable=True),
     Method("interleaved_1f1b", True, False, lambda o: int(o.get("virtual") or 2), "Narayanan et al. 2021, §2.2",
-           options={"virtual": None}, builder_keys=("virtual",), finish=_virtual),
-    Method("zb_h1", True, False, _one, "Qi et al. 2024, Zero Bubble (ZB-H1)",
-           options={"max_deferred_w": None, "w_from": "frontier"}, builder_keys=("max_deferred_w", "w_from")),
+           builder=build_interleaved_1f1b, options={"virtual": None}, builder_keys=("virtual",), finish=_virtual,
+           legacy_keyword="virtual", tunable=True),
+    Method("zb_h1", True, False, _one, "Qi et al. 2024, Zero Bubble (ZB-H1)", builder=build_zb_h1,
+           options={"max_deferred_w": None, "w_from": "frontier"}, builder_keys=("max_deferred_w", "w_from"),
+           legacy_keyword="zb", tunable=True),
     Method("zb_v", True, False, lambda o: 2, "Qi et al. 2024, Zero Bubble (ZB-V: two chunks per device in a V)",
-           options={"w_from": "frontier"}, builder_keys=("w_from",)),
+           builder=build_zb_v, options={"w_from": "frontier"}, builder_keys=("w_from",)),
     Method("dualpipe_v", True, False, lambda o: 2, "DeepSeek-AI 2025, DualPipeV (DualPipe cut in half: a V)",
-           options={"w_from": "frontier"}, builder_keys=("w_from",)),
-    Method("chimera", True, False, _one, "Li & Hoefler 2021, Chimera",
+           builder=build_dualpipe_v, options={"w_from": "frontier"}, builder_keys=("w_from",)),
+    Method("chimera", True, False, _one, "Li & Hoefler 2021, Chimera", builder=build_chimera,
            options={"pipelines": 2, "concat": "direct", "eager_reduce": False, "double_batch": False},
            builder_keys=("pipelines", "concat", "eager_reduce", "double_batch"),
-           recompute=lambda o: o.get("concat") == "forward_doubling"),     # §3.5
+           recompute=lambda o: o.get("concat") == "forward_doubling",     # §3.5
+           legacy_keyword="chimera", tunable=True),
     Method("avgpipe", False, True, _one, "AvgPipe: elastic averaging of parallel pipelines", runner="avgpipe",
+           builder=build_avgpipe,
            options={"alpha": None, "advance": "auto", "memory_limit": None, "tolerance": 0.02, "shared": None},
-           builder_keys=("advance",), to_builder=_auto_advance),
+           builder_keys=("advance",), to_builder=_auto_advance, legacy_keyword="avgpipe"),
+    # eq. (1): G0 (stages < D/2 of the 2D-partition model) one delay, G1 none
     Method("wpipe", False, True, lambda o: 2, "Yang et al., WPipe (2GW)", runner="async", policy="wpipe",
-           options={"recompute": False, "apc": False},                 # WPipe-R §3.3; APC appendix A.3
-           recompute=lambda o: bool(o.get("recompute"))),
-    Method("pipedream", paper="Narayanan et al. 2019, PipeDream (weight stashing)", policy="pipedream",
-           **_ASYNC),
-    Method("pipedream_2bw", paper="Narayanan et al. 2021, PipeDream-2BW", policy="pipedream_2bw", **_TIMELINE,
-           **_ASYNC),
-    Method("spectrain", paper="Chen et al. 2018, SpecTrain", policy="spectrain", **_ASYNC),
-    Method("pipeoptim", paper="Guan et al., PipeOptim", policy="pipeoptim",
-           options={"distance": "paper", "prediction": "update"}, policy_keys=("distance", "prediction"),
-           **_ASYNC),
-    Method("cdp_v1", paper="Fournier & Oyallon, Cyclic Data Parallelism (v1, pipeline form)", policy="cdp_v1",
-           **_TIMELINE, **_ASYNC),
-    Method("cdp_v2", paper="Fournier & Oyallon, Cyclic Data Parallelism (v2, pipeline form)", policy="cdp_v2",
-           **_ASYNC),
+           builder=build_wpipe_step, options={"recompute": False, "apc": False},   # WPipe-R §3.3; APC appendix A.3
+           recompute=lambda o: bool(o.get("recompute")), accumulating=True, legacy_keyword="wpipe",
+           reference=lambda s, i, b, D, M, h, u, axpy: _same(max(b - 1, 0) if s < D // 2 else b)(h)),
+    _async("pipedream", lambda D: [D - s for s in range(D)], "Narayanan et al. 2019, PipeDream (weight stashing)",
+           _stashed),
+    _async("pipedream_2bw", _two, "Narayanan et al. 2021, PipeDream-2BW",
+           lambda s, i, b, D, M, h, u, axpy: _same(max(b - 1, 0))(h), per_batch=True, accumulating=True),
+    # SpecTrain holds the weights and the momentum step; PipeOptim's last stage predicts nothing
+    _async("spectrain", _two, "Chen et al. 2018, SpecTrain", _momentum_predicted),
+    _async("pipeoptim", lambda D: [2] * (D - 1) + [1], "Guan et al., PipeOptim", _predicted,
+           options={"distance": "paper", "prediction": "update"}, policy_keys=("distance", "prediction")),
+    # Cyclic Data Parallelism, pipeline form: CDP-v1 is 2BW's rule; CDP-v2 (eq. CDP-v2): micro-batch j reads the
+    # fresh version w(b) on stages s >= D - 1 - j
+    _async("cdp_v1", _two, "Fournier & Oyallon, Cyclic Data Parallelism (v1, pipeline form)",
+           lambda s, i, b, D, M, h, u, axpy: _same(max(b - 1, 0))(h), per_batch=True, accumulating=True),
+    _async("cdp_v2", _two, "Fournier & Oyallon, Cyclic Data Parallelism (v2, pipeline form)",
+           lambda s, i, b, D, M, h, u, axpy: _same(b if (i % M) + s >= D - 1 else max(b - 1, 0))(h),
+           accumulating=True),
 ]}
 
 

@@ -8,7 +8,7 @@ from typing import Iterable, List, Optional
 
 from .. import schedules
 
-SCHEDULES = ("gpipe", "1f1b", "chimera", "interleaved_1f1b", "zb_h1")
+SCHEDULES = tuple(name for name, m in schedules.METHODS.items() if m.tunable)   # declared: Method.tunable
 
 
 @dataclasses.dataclass(frozen=True)
