@@ -38,25 +38,18 @@ reader (two versions, as in the pipeline form).  Both equal the serial reference
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-from .distributed import global_batch
 from .errors import ConfigError
 from .model import PipelineModel
 from .optim.policies import cyclic_dp
-from .runtime.executor import make_stream_program
-from .runtime.inflight import empty_carry
-from .runtime.common import full
+from .runners.no_flush import AsyncState
 from .runtime.common import balanced_broadcast
-from .runtime.stage import stage_residuals
 from .schedules import cyclic as cyc
-from .axes import AXES, DATA, PIPE, STAGE
+from .axes import DATA, PIPE, STAGE
 
 __all__ = ["BROADCASTS", "RULES", "CyclicDataParallel", "CyclicState", "balanced_broadcast"]
 
@@ -64,13 +57,11 @@ RULES = ("v1", "v2")
 BROADCASTS = ("direct", "balanced")
 
 
-class CyclicState(NamedTuple):
-    params: Any        # (w [W, S, ...], pre [W, S, ...], post [W, S, ...]): each worker's replica, per stage
-    opt_state: Any     # the optimizer's state per worker and stage (worker N - 1's is the one used)
-    policy_state: Any  # per worker and stage: the previous version and the updates applied (policies.cyclic_dp)
-    carry: Any         # in-flight state per worker (stash, messages, ring partial sums, broadcast, micro-batches)
-    counters: Any      # (tick, base, fed) int32: ticks since the (re)start, first step index, steps fed since
-    step: Any = None
+#: the train state (the no-flush runner's): params ``(w [W, S, ...], pre [W, S, ...], post [W, S, ...])``, each
+#: worker's replica per stage; the optimizer's state per worker and stage (worker N - 1's is the one used);
+#: per worker and stage the previous version and the updates applied (``policies.cyclic_dp``); the in-flight
+#: state per worker; the counters ``(tick, base, fed)``; the steps fed
+CyclicState = AsyncState
 
 
 class CyclicDataParallel:
@@ -118,36 +109,29 @@ class CyclicDataParallel:
         self.ties = Ties(model)
         self.periodic = cyc.stream(N)
         self.policies = tuple(cyclic_dp(optimizer, N, j, rule) for j in range(N))
-        self._fns = {}
+        # behind the runner protocol (jaxpipe.runners): the no-flush runner's state, set-up and drain loop
+        from .runners import RunContext
+        from .runners.cyclic import CyclicRunner
+        self._runner = CyclicRunner(RunContext(
+            model=model, mesh=mesh, schedule=self.periodic.expand(1), method=None,
+            options={"policies": self.policies, "broadcast": broadcast}, optimizer=optimizer, num_microbatches=1,
+            ties=self.ties, nan_bubbles=self.nan_bubbles, seed=seed))
 
-    # ------------------------------------------------------------------ state
-    def _chunks(self):
-        """Every stage's local parameters (w_j, pre, post), stacked: ``[worker, stage, ...]`` (one replica per
-        worker; the executor's ring reduction keeps a worker's stages stacked and writes them in place)."""
-        N, (w, pre, post) = self.N, self.ties.strip(self.model.params)
-        per = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (N,) + jnp.shape(a)), t)
-        lp = (w, per(pre), per(post))
-        return jax.tree.map(lambda a: jnp.broadcast_to(a, (N,) + a.shape).copy(), lp)
-
+    # ------------------------------------------------------------------ state and programs (the runner's)
     def init(self) -> CyclicState:
-        chunks = self._chunks()
-        opt = jax.vmap(jax.vmap(self.opt.init))(chunks)
-        ps = jax.vmap(jax.vmap(self.policies[0].init))(chunks)
-        sh = NamedSharding(self.mesh, P((DATA, STAGE)))
-        rep = NamedSharding(self.mesh, P())
-        counters = jax.device_put(tuple(jnp.zeros((), jnp.int32) for _ in range(3)), rep)
-        return CyclicState(*jax.device_put((chunks, opt, ps), sh), None, counters,
-                           jax.device_put(jnp.zeros((), jnp.int32), rep))
+        return self._runner.init()
 
     def params(self, state: CyclicState):
         """The model's parameters ``(stage, pre, post)`` (worker 0's replica; all replicas are equal once
         every update has arrived, e.g. after ``drain``)."""
-        w, pre, post = jax.tree.map(lambda a: a[0], state.params)
-        return self.ties.fill((w, jax.tree.map(lambda a: a[0], pre), jax.tree.map(lambda a: a[self.N - 1], post)))
+        return self._runner.params(state)
 
-    def _mb_example(self, batch):
-        return jax.tree.map(lambda l: jax.ShapeDtypeStruct((np.shape(l)[0] // self.N,) + tuple(np.shape(l)[1:]),
-                                                           l.dtype), batch)
+    def _empty_carry(self, batch):
+        """``(carry, activation avals)`` of an empty cycle, placed one entry per worker."""
+        return self._runner.empty_carry(batch)
+
+    def _program(self, batch):
+        return self._runner._fn(batch)
 
     def _check_batch(self, batch):
         sizes = {int(np.shape(l)[0]) for l in jax.tree.leaves(batch)}
@@ -155,44 +139,11 @@ class CyclicDataParallel:
             raise ConfigError(f"the batch's leading size {sorted(sizes)} must be one size divisible by the "
                               f"{self.N} workers (one micro-batch each); use a multiple of {self.N}")
 
-    def _empty_carry(self, batch):
-        """``(carry, activation avals)`` of an empty cycle, placed one entry per worker."""
-        model, mb = self.model, self._mb_example(batch)
-        w0 = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), model.stage_params)
-        xa = jax.eval_shape(model.pre, model.pre_params, mb)
-        model.check_activation(xa, model.stage_output_aval(w0, xa, mb))
-        _, res = stage_residuals(model, w0, full(xa, 0), jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), mb))
-        lp = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), self._chunks())
-        carry = empty_carry(model, self.periodic, 1, self.N, mb, xa, res, self.nan_bubbles, ring_lp=lp,
-                            replicas=self.N)
-        return jax.device_put(carry, NamedSharding(self.mesh, P(AXES))), xa
-
-    # ------------------------------------------------------------------ program
-    def _program(self, batch):
-        key = (jax.tree.structure(batch), tuple((np.shape(l), str(l.dtype)) for l in jax.tree.leaves(batch)))
-        if key in self._fns:
-            return self._fns[key]
-        fn, _ = make_stream_program(self.model, self.policies, self.opt, 1, 1, self.mesh, self._mb_example(batch),
-                              nan_bubbles=self.nan_bubbles, periodic=self.periodic, seed=self.seed,
-                              broadcast=self.broadcast)
-
-        def run(state: CyclicState, batch, feed):
-            params, opt_state, ps, carry, counters, (loss, lcount, _, errors) = fn(
-                state.params, state.opt_state, state.policy_state, state.carry, state.counters, batch, feed)
-            metrics = {"loss": loss, "losses_computed": lcount, "version_errors": errors}
-            return CyclicState(params, opt_state, ps, carry, counters, state.step + feed.astype(jnp.int32)), metrics
-
-        self._fns[key] = jax.jit(run, donate_argnums=(0,))
-        return self._fns[key]
-
     # ------------------------------------------------------------------ public
     def prepare(self, state: CyclicState, batch) -> CyclicState:
         """The state with the in-flight buffers allocated (``Pipeline.prepare``): a checkpoint template."""
         self._check_batch(batch)
-        if state.carry is None:
-            state = state._replace(carry=self._empty_carry(
-                global_batch(batch, NamedSharding(self.mesh, P(DATA))))[0])
-        return state
+        return self._runner.prepare(state, batch)
 
     def step(self, state: CyclicState, batch):
         """Feed one micro-batch per worker (the batch's rows split over the workers in order) and run 2N
@@ -203,31 +154,12 @@ class CyclicDataParallel:
         if self.check_inputs:
             from .checks import require_finite
             require_finite(batch, "CyclicDataParallel(..., check_inputs=False)")
-        batch = global_batch(batch, NamedSharding(self.mesh, P(DATA)))
-        if state.carry is None:
-            state = state._replace(carry=self._empty_carry(batch)[0])
-        return self._program(batch)(state, batch, jnp.asarray(True))
+        return self._runner.step(state, batch)
 
     def drain(self, state: CyclicState):
-        """Run without new data until every step in flight finished and every update arrived (the last
-        worker's backward of the last step ends 2N - 1 + 2(N - 1) ticks after its feed, and its update lands
-        a tick later: the stream's latency in calls), then reset the counters so the next step restarts the
-        cycle.  Metrics: those of the drain's calls together."""
-        if state.carry is None:
-            return state, {}
-        dummy = jax.tree.map(lambda r: jnp.zeros((r.shape[0] * r.shape[2],) + r.shape[3:], r.dtype),
-                             state.carry.ring)
-        dummy = jax.device_put(dummy, NamedSharding(self.mesh, P(DATA)))
-        span = self.periodic.replica_delay * (self.N - 1) + 1       # + 1: the broadcast lands a tick later
-        calls = max(1, int(self.periodic.buffers(1, span)["latency"]))
-        lsum, lcount, errors = 0.0, 0, 0
-        for _ in range(calls):
-            state, m = self._program(dummy)(state, dummy, jnp.asarray(False))
-            n = int(m["losses_computed"])
-            lsum, lcount, errors = lsum + (float(m["loss"]) * n if n else 0.0), lcount + n, int(m["version_errors"])
-        t, base, fed = state.counters
-        m = {"loss": lsum / lcount if lcount else float("nan"), "losses_computed": lcount, "version_errors": errors}
-        return state._replace(counters=(jnp.zeros_like(t), base + fed, jnp.zeros_like(fed))), m
+        """Run without new data until every step in flight finished and every update arrived, then reset the
+        counters so the next step restarts the cycle.  Metrics: those of the drain's calls together."""
+        return self._runner.drain(state)
 
 
 def _require_mean_loss(model, x_aval, mb):

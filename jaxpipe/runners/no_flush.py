@@ -162,17 +162,9 @@ class AsyncRunner(InFlightRunner):
             lambda r: jnp.zeros((r.shape[2] * per,) + tuple(r.shape[3:]), r.dtype), state.carry.ring))
         # at most the stream's latency in calls (Periodic.buffers); fewer where the last feed finished earlier
         bound = max(1, self.ctx.schedule.periodic.buffers(self.M)["latency"])
-        lsum, lcount = 0.0, 0
-        for _ in range(bound):
-            state, m = self._fn(dummy)(state, dummy, jnp.asarray(False))
-            n = int(m["losses_computed"])
-            lsum, lcount = lsum + (float(m["loss"]) * n if n else 0.0), lcount + n
-            if int(m["microbatches_finished"]) >= int(m["microbatches_fed"]):
-                break
-        t, base, fed = state.counters
-        state = state._replace(counters=(jnp.zeros_like(t), base + fed, jnp.zeros_like(fed)))
-        m = {**m, "loss": lsum / lcount if lcount else float("nan"), "losses_computed": lcount}
-        return state, m
+        done = lambda m: int(m["microbatches_finished"]) >= int(m["microbatches_fed"])
+        state, loss, n, m = drain_calls(self._fn(dummy), state, dummy, bound, done)
+        return state, {**m, "loss": loss, "losses_computed": n}
 
     def params(self, state: AsyncState):
         """The model's parameters: the chunks' stages in model order, stage 0's pre, the last stage's post."""
@@ -180,3 +172,19 @@ class AsyncRunner(InFlightRunner):
         w = jax.tree.map(lambda *a: jnp.concatenate(a), *(lp[0] for lp in chunks))
         pre, post = chunks[0][1], chunks[-1][2]
         return self.ties.fill((w, jax.tree.map(lambda a: a[0], pre), jax.tree.map(lambda a: a[self.D - 1], post)))
+
+
+def drain_calls(run, state, dummy, bound: int, done=None):
+    """Call ``run`` without feeding at most ``bound`` times (fewer once ``done(metrics)``), then reset the
+    counters so the next step refills the pipeline.  Returns ``(state, mean loss of the losses computed, their
+    number, the last call's metrics)``."""
+    lsum, lcount = 0.0, 0
+    for _ in range(bound):
+        state, m = run(state, dummy, jnp.asarray(False))
+        n = int(m["losses_computed"])
+        lsum, lcount = lsum + (float(m["loss"]) * n if n else 0.0), lcount + n
+        if done is not None and done(m):
+            break
+    t, base, fed = state.counters
+    state = state._replace(counters=(jnp.zeros_like(t), base + fed, jnp.zeros_like(fed)))
+    return state, (lsum / lcount if lcount else float("nan")), lcount, m
