@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from .. import schedules
 from ..errors import ConfigError
-from ..avgpipe_shared import check_shareable, from_executor, interleave_shares, shared_model, to_executor
+from .avgpipe_shared import check_shareable, from_executor, interleave_shares, shared_model, to_executor
 from ..optim.elastic import check_alpha, elastic_averaging
 from ..schedules.layout import lane_plan, stream_options
 from ..runtime.gradient import make_stream_grad_fn
@@ -45,7 +45,7 @@ class AvgPipeRunner:
         opts = dict(ctx.options)
         self.ctx = ctx
         self.N = ctx.mesh.shape[PIPE]
-        # shared=N: the paper's setting, N pipelines on the same stage devices (jaxpipe.avgpipe_shared)
+        # shared=N: the paper's setting, N pipelines on the same stage devices (jaxpipe.runners.avgpipe_shared)
         self.shared = opts.get("shared")
         if self.shared is not None:
             if not is_int(self.shared, 1):

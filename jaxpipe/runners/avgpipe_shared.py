@@ -19,8 +19,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from .errors import ConfigError
-from .model import PipelineModel
+from ..errors import ConfigError
+from ..model import PipelineModel
 
 
 def check_shareable(model: PipelineModel, N: int):
