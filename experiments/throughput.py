@@ -20,7 +20,7 @@ from absl import app, flags
 
 from experiments import with_device_count
 
-flags.DEFINE_string("schedules", "gpipe,1f1b,1f1b_pytree,interleaved_1f1b,zb_h1,chimera,pipedream,pipedream_2bw,spectrain,"
+flags.DEFINE_string("schedules", "gpipe,1f1b,1f1b_pytree,interleaved_1f1b,zb_h1,zb_v,dualpipe_v,chimera,pipedream,pipedream_2bw,spectrain,"
                     "pipeoptim,cdp_v1,cdp_v2,wpipe,avgpipe,cdp_dp_v1,cdp_dp_v2",
                     "comma-separated schedules to benchmark (spectrain runs with SGD-momentum and is compared "
                     "with a plain step using that optimizer when --optimizer has no momentum). Variants: "
@@ -136,7 +136,7 @@ def build_runners(names, model, batch, opt):
     base_name = lambda n: {"1f1b_pytree": "1f1b", "zb_h1_recompute": "zb_h1"}.get(n, n)
     for name in names:
         o, m, devices = opt, model, 0
-        if name in ("interleaved_1f1b", "wpipe"):
+        if name in jp.schedules.METHODS and jp.schedules.method(name).stages_per_device({"virtual": 2}) == 2:
             # two model chunks per device: the same layers cut into 2D stages, the same plain step math
             v = 2
             if FLAGS.layers % (v * FLAGS.stages):
