@@ -106,6 +106,10 @@ class PipelineModel:
     stage_inputs: Tuple[str, ...] = ()   # batch fields stage_fn reads (ctx.inputs); implies context
     tied: Tuple = ()                  # ((pre_path, post_path), ...): one array used by pre and post_loss
     integer_inputs: Any = None        # {batch key: bound or None}: integer ids checked in [0, bound)
+    #: (stage_specs, pre_specs, post_specs): PartitionSpecs over the mesh's model axes (fsdp, tensor, ...) for
+    #: ONE stage's leaves (jaxpipe adds the stage axis) and for pre/post_loss's parameters; None: replicated
+    #: (:mod:`jaxpipe.sharding`)
+    param_specs: Any = None
 
     def __post_init__(self):
         if isinstance(self.stage_inputs, str):

@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from . import schedules
 from .checks import check_integer_inputs, require_finite
@@ -53,7 +52,8 @@ class Pipeline:
                  nan_bubbles: bool = False, chimera: Optional[dict] = None, virtual: Optional[int] = None,
                  zb: Optional[dict] = None, avgpipe: Optional[dict] = None, wpipe: Optional[dict] = None,
                  skip_nonfinite: bool = False, check_inputs: bool = True, placement: str = "lanes",
-                 recompute: bool = False, seed: int = 0, precision=None, options: Optional[dict] = None):
+                 recompute: bool = False, seed: int = 0, precision=None, options: Optional[dict] = None,
+                 batch_axes=("data",)):
         if not isinstance(model, PipelineModel):
             raise ConfigError(f"model must be a jp.PipelineModel, got {type(model).__name__}")
         _check_optimizer(optimizer)
@@ -107,16 +107,15 @@ class Pipeline:
                               f"(gpipe, 1f1b, interleaved_1f1b, zb_h1, chimera) or stop on a non-finite loss")
         from .runners import RunContext, make_runner
         from .tying import Ties
-        stage_sh = jax.tree.map(lambda _: NamedSharding(mesh, P(STAGE)), model.stage_params)
-        rep = lambda t: jax.tree.map(lambda _: NamedSharding(mesh, P()), t)
+        from .sharding import check_model_axes_used, param_shardings
         ties = Ties(model)
-        _, _, post_state = ties.strip(model.params)
-        self.param_shardings = (stage_sh, rep(model.pre_params), rep(post_state))
+        self.param_shardings = param_shardings(model, mesh, ties)
+        self.batch_axes = check_model_axes_used(model, mesh, batch_axes)
         self.context = RunContext(
             model=model, mesh=mesh, schedule=self.schedule, method=self.method, options=self.options,
             optimizer=optimizer, num_microbatches=num_microbatches, ties=ties, nan_bubbles=nan_bubbles, seed=seed,
             precision=precision, skip_nonfinite=self.skip_nonfinite, placement=placement,
-            param_shardings=self.param_shardings)
+            param_shardings=self.param_shardings, batch_axes=self.batch_axes)
         self._runner = make_runner(self.context)      # which one: the method's registry entry
 
     # ------------------------------------------------------------------ public API

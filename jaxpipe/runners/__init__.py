@@ -25,7 +25,7 @@ from typing import Any, Optional
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 
-from ..axes import DATA, DP_AXES, PIPE
+from ..axes import DATA, PIPE
 
 
 @dataclasses.dataclass
@@ -46,6 +46,7 @@ class RunContext:
     skip_nonfinite: bool = False
     placement: str = "lanes"
     param_shardings: Optional[tuple] = None
+    batch_axes: tuple = ("data",)   # the batch's leading axis: over pipe, these (data; fsdp for FSDP)
     _lane_plan: Any = None
 
     @property
@@ -64,7 +65,7 @@ class RunContext:
         """A global batch placed on the mesh (leading axis split over ``pipe`` x ``data``; each process copies
         in its own rows)."""
         from ..distributed import global_batch
-        return global_batch(batch, NamedSharding(self.mesh, P(DP_AXES)))
+        return global_batch(batch, NamedSharding(self.mesh, P((PIPE,) + tuple(self.batch_axes))))
 
 
 #: a registry entry's ``runner`` -> (module, class)

@@ -20,7 +20,7 @@ from ..runtime.executor import ALL, make_stream_program
 from ..runtime.inflight import empty_carry
 from ..runtime.common import full
 from ..runtime.stage import stage_residuals
-from ..axes import STAGE
+from ..axes import STAGE, pipeline_devices
 
 
 class AsyncState(NamedTuple):
@@ -112,7 +112,7 @@ class AsyncRunner(InFlightRunner):
             return state
         ctx = self.ctx
         mb = self._mb(batch)
-        n_dev = ctx.mesh.size
+        n_dev = pipeline_devices(ctx.mesh)
         w0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), ctx.model.stage_params)
         x_aval = jax.eval_shape(ctx.model.pre, ctx.model.pre_params, mb)
         mask, res_avals = stage_residuals(ctx.model, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), w0),

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from ..axes import AXES, DATA, DP_AXES, PIPE, STAGE
+from ..axes import AXES, DATA, DP_AXES, PIPE, STAGE, manual
 from .common import full
 from .lanes_forward import double_at, forward_at
 from .program import Program, describe
@@ -97,7 +97,8 @@ def make_stream_program(model, policy, opt, D: int, M: int, mesh, mb_example, na
                     jax.tree.map(lambda _: P(DP_AXES), batch), P())
         out_specs = (stage(params), stage(opt_state), stage(pstate), dev(carry), rep(counters),
                      (P(PIPE) if replicas else P(), P(), P(), P()))
-        return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
+        return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False,
+                             **manual(mesh))(
             params, opt_state, pstate, carry, counters, batch, feed)
 
     return fn, prog.x_aval

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ..axes import PIPE, STAGE
+from ..axes import PIPE, STAGE, manual, pipeline_devices
 from ..optim.policies import gradient
 from .executor import ALL, make_stream_program
 from .inflight import empty_carry
@@ -38,7 +38,7 @@ def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubble
                                    jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), mb_example))
     if double_batch:
         check_double_batch(model, periodic.plan, x_aval, mb_example)
-    n_dev = mesh.size
+    n_dev = pipeline_devices(mesh)
     on_stage = NamedSharding(mesh, P(STAGE))
     on_own = NamedSharding(mesh, P((PIPE, STAGE)))
 
@@ -97,7 +97,7 @@ def _permute(mesh, t, pairs):
     """``t`` (leading axis over ``stage``) moved along ``pairs`` (one ``ppermute`` per leaf)."""
     spec = jax.tree.map(lambda _: P(STAGE), t)
     return jax.shard_map(lambda a: jax.tree.map(lambda x: jax.lax.ppermute(x, STAGE, pairs), a), mesh=mesh,
-                         in_specs=(spec,), out_specs=spec)(t)
+                         in_specs=(spec,), out_specs=spec, **manual(mesh))(t)
 
 
 def _stage_gradient(pss, perms, D, pin, permute):

@@ -1,4 +1,5 @@
-"""Device meshes with jaxpipe's axes ``("pipe", "data", "stage")``."""
+"""Device meshes with jaxpipe's axes ``("pipe", "data", "stage")`` and, where asked, the model axes
+``("fsdp", "tensor")``."""
 from __future__ import annotations
 
 import jax
@@ -6,25 +7,34 @@ from jax.sharding import AxisType
 
 from ..errors import ConfigError
 from ..validate import is_int
-from ..axes import AXES
+from ..axes import AXES, FSDP, TENSOR
 
 
 
-def make_mesh(stages: int = 1, data: int = 1, pipes: int = 1, devices=None) -> jax.sharding.Mesh:
-    """A mesh of shape (pipes, data, stages) over the first pipes*data*stages devices.
+def make_mesh(stages: int = 1, data: int = 1, pipes: int = 1, fsdp: int = 1, tensor: int = 1,
+              devices=None) -> jax.sharding.Mesh:
+    """A mesh of shape (pipes, data, stages) over the first pipes*data*stages devices -- with model axes
+    ``fsdp`` and ``tensor`` after them, shape (pipes, data, stages, fsdp, tensor), where either is above 1.
 
     ``stage`` carries the pipeline, ``data`` replicates it (data parallelism), ``pipe`` holds parallel
-    pipelines (AvgPipe).  Axis types are ``Auto``: jaxpipe's programs are explicit ``shard_map``s and the
-    optimizer update outside them is left to XLA's sharding propagation.
+    pipelines (AvgPipe); ``fsdp`` and ``tensor`` are *model axes*: a stage's weights are sharded over them as
+    the model's ``param_specs`` say, and XLA partitions the stage's computation (jaxpipe's programs are manual
+    over the pipeline axes only).  Axis types are ``Auto``: the optimizer update outside the programs is left
+    to XLA's sharding propagation.
     """
-    for name, v in (("stages", stages), ("data", data), ("pipes", pipes)):
+    sizes = {"stages": stages, "data": data, "pipes": pipes, "fsdp": fsdp, "tensor": tensor}
+    for name, v in sizes.items():
         if not is_int(v, 1):
             raise ConfigError(f"make_mesh: {name} must be a positive integer, got {v!r}")
     devs = list(jax.devices() if devices is None else devices)
-    need = pipes * data * stages
+    need = pipes * data * stages * fsdp * tensor
     if need > len(devs):
+        given = ", ".join(f"{k}={v}" for k, v in sizes.items() if v != 1 or k == "stages")
         raise ConfigError(
-            f"make_mesh(stages={stages}, data={data}, pipes={pipes}) needs {need} devices but "
+            f"make_mesh({given}) needs {need} devices but "
             f"{len(devs)} {devs[0].platform.upper()} device(s) are visible. On CPU, emulate more with "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={need} set before JAX is imported; or shrink the mesh.")
-    return jax.make_mesh((pipes, data, stages), AXES, axis_types=(AxisType.Auto,) * 3, devices=devs[:need])
+    shape, names = (pipes, data, stages), AXES
+    if fsdp > 1 or tensor > 1:
+        shape, names = shape + (fsdp, tensor), AXES + (FSDP, TENSOR)
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names), devices=devs[:need])
