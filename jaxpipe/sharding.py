@@ -116,12 +116,13 @@ def check_model_axes_used(model, mesh, batch_axes) -> Tuple[str, ...]:
     return tuple(a for a in ("data",) + axes if a in batch_axes)
 
 
-def like_params(optimizer, state_shapes, param_shapes, shardings, mesh):
+def like_params(optimizer, state_shapes, param_shapes, shardings, mesh, other=P()):
     """Shardings for an optax state: every leaf that belongs to a parameter (Adam's moments, momentum) takes
     that parameter's sharding (``optax.tree_map_params``); the rest (counts, scalars) is replicated.  An
-    optimizer whose state does not mirror the parameters falls back to matching leaves by shape and dtype."""
+    optimizer whose state does not mirror the parameters falls back to matching leaves by shape and dtype.
+    ``other``: the spec of the rest (per-stage state: ``P('stage')``)."""
     import optax
-    rep = NamedSharding(mesh, P())
+    rep = NamedSharding(mesh, other)
     is_sh = lambda x: isinstance(x, NamedSharding)
     try:
         return optax.tree_map_params(optimizer, lambda _, sh: sh, state_shapes, shardings,
@@ -131,3 +132,25 @@ def like_params(optimizer, state_shapes, param_shapes, shardings, mesh):
         for a, sh in zip(jax.tree.leaves(param_shapes), jax.tree.leaves(shardings, is_leaf=is_sh)):
             by_shape.setdefault((tuple(np.shape(a)), np.dtype(a.dtype)), sh)
         return jax.tree.map(lambda a: by_shape.get((tuple(np.shape(a)), np.dtype(a.dtype)), rep), state_shapes)
+
+
+def per_stage_shardings(tree, local_specs, mesh, lead=(STAGE,)):
+    """Shardings for state held per stage (leading axis over ``lead``): a no-flush method's parameters,
+    optimizer and policy state (stashes, shadow copies, accumulators, predictions).  A leaf whose trailing
+    shape and dtype are those of a local parameter leaf ``(w, pre, post)`` takes that leaf's model-axis spec
+    after the stage axis (and None for any axes between, e.g. a stash's versions); every other leaf is split
+    over the stage axis only."""
+    specs = {}
+    shapes, spec_leaves = local_specs
+    for a, spec in zip(jax.tree.leaves(shapes), jax.tree.leaves(spec_leaves, is_leaf=is_spec)):
+        specs.setdefault((tuple(np.shape(a)), np.dtype(a.dtype)), spec)
+
+    def one(a):
+        shape = tuple(np.shape(a))[1:]
+        for k in range(len(shape), -1, -1):
+            spec = specs.get((shape[len(shape) - k:], np.dtype(a.dtype))) if k else None
+            if spec is not None and any(spec):
+                return NamedSharding(mesh, P(lead if len(lead) > 1 else lead[0],
+                                             *([None] * (len(shape) - k)), *spec))
+        return NamedSharding(mesh, P(lead if len(lead) > 1 else lead[0]))
+    return jax.tree.map(one, tree)

@@ -21,6 +21,7 @@ from ..runtime.inflight import empty_carry
 from ..runtime.common import full
 from ..runtime.stage import stage_residuals
 from ..axes import STAGE, pipeline_devices
+from ..sharding import is_spec, like_params, param_specs, per_stage_shardings
 
 
 class AsyncState(NamedTuple):
@@ -101,11 +102,26 @@ class AsyncRunner(InFlightRunner):
         params = chunks
         if self.K == 1:
             params, opt_state, pstate = params[0], opt_state[0], pstate[0]
-        sh = NamedSharding(ctx.mesh, P(STAGE))
-        params, opt_state, pstate = jax.device_put((params, opt_state, pstate), sh)
+        params, opt_state, pstate = jax.device_put((params, opt_state, pstate), self._state_shardings(
+            params, opt_state, pstate))
         rep = NamedSharding(ctx.mesh, P())
         counters = jax.device_put(tuple(jnp.zeros((), jnp.int32) for _ in range(3)), rep)
         return AsyncState(params, opt_state, pstate, None, counters, jax.device_put(jnp.zeros((), jnp.int32), rep))
+
+    def _state_shardings(self, params, opt_state, pstate):
+        """Per stage, and over the model axes as the parameter each leaf belongs to (:mod:`jaxpipe.sharding`):
+        the parameters by structure, the optimizer state by ``optax.tree_map_params``, the policy state
+        (stashes, shadows, accumulators) by the trailing shape of the parameter it holds a copy of."""
+        ctx, on = self.ctx, lambda spec: NamedSharding(self.ctx.mesh, spec)
+        specs = param_specs(ctx.model, ctx.mesh, self.ties)
+        chunk_sh = tuple(jax.tree.map(lambda s: on(P(STAGE, *s)), t, is_leaf=is_spec) for t in specs)
+        params_sh = chunk_sh if self.K == 1 else tuple(chunk_sh for _ in range(self.K))
+        one = (lambda t: (t,)) if self.K == 1 else (lambda t: t)
+        opt_sh = tuple(like_params(ctx.optimizer, o, p, sh, ctx.mesh, P(STAGE))
+                       for o, p, sh in zip(one(opt_state), one(params), one(params_sh)))
+        local = self._local(self.ties.strip(ctx.model.params))
+        ps_sh = per_stage_shardings(pstate, (local, specs), ctx.mesh)
+        return params_sh, opt_sh[0] if self.K == 1 else opt_sh, ps_sh
 
     def _ensure_carry(self, state: AsyncState, batch) -> AsyncState:
         if state.carry is not None:
