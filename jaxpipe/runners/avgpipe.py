@@ -28,6 +28,7 @@ from ..errors import ConfigError
 from .avgpipe_shared import check_shareable, from_executor, interleave_shares, shared_model, to_executor
 from ..optim.elastic import check_alpha, elastic_averaging
 from ..schedules.layout import lane_plan, stream_options
+from ..sharding import is_spec, param_specs
 from ..runtime.gradient import make_stream_grad_fn
 from ..schedules.periodic import one_call
 from ..validate import is_int
@@ -85,9 +86,11 @@ class AvgPipeRunner:
     def _shardings(self):
         mesh, model = self.ctx.mesh, self.ctx.model
         rep_axis = None if self.shared is not None else PIPE       # shared: every replica on every stage device
-        w = jax.tree.map(lambda _: NamedSharding(mesh, P(rep_axis, STAGE)), model.stage_params)
-        r = lambda t: jax.tree.map(lambda _: NamedSharding(mesh, P(rep_axis)), t)
-        return (w, r(model.pre_params), r(self.ctx.ties.strip(model.params)[2]))
+        # each replica over its stages, and over the model axes as the model's param_specs say
+        s, pre, post = param_specs(model, mesh, self.ctx.ties)
+        on = lambda lead: (lambda spec: NamedSharding(mesh, P(*lead, *spec)))
+        return (jax.tree.map(on((rep_axis, STAGE)), s, is_leaf=is_spec),
+                jax.tree.map(on((rep_axis,)), pre, is_leaf=is_spec), jax.tree.map(on((rep_axis,)), post, is_leaf=is_spec))
 
     def init(self) -> AvgPipeState:
         N = self.N

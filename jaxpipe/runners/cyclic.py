@@ -16,6 +16,7 @@ from ..runtime.common import full
 from ..runtime.executor import make_stream_program
 from ..runtime.inflight import empty_carry
 from ..runtime.stage import stage_residuals
+from ..sharding import param_specs, per_stage_shardings
 from .no_flush import AsyncState, InFlightRunner, drain_calls
 
 
@@ -43,10 +44,15 @@ class CyclicRunner(InFlightRunner):
         mesh, chunks = self.ctx.mesh, self._chunks()
         opt = jax.vmap(jax.vmap(self.ctx.optimizer.init))(chunks)
         ps = jax.vmap(jax.vmap(self.policies[0].init))(chunks)
-        sh, rep = NamedSharding(mesh, P((DATA, STAGE))), NamedSharding(mesh, P())
+        rep = NamedSharding(mesh, P())
         counters = jax.device_put(tuple(jnp.zeros((), jnp.int32) for _ in range(3)), rep)
-        return AsyncState(*jax.device_put((chunks, opt, ps), sh), None, counters,
-                          jax.device_put(jnp.zeros((), jnp.int32), rep))
+        # one replica per worker, its stages stacked; over the model axes as the model's param_specs say
+        local = self.ctx.ties.strip(self.ctx.model.params)
+        local = (jax.tree.map(lambda a: a[0], local[0]), local[1], local[2])
+        specs = param_specs(self.ctx.model, mesh, self.ties)
+        state = (chunks, opt, ps)
+        sh = per_stage_shardings(state, (local, specs), mesh, lead=(DATA, STAGE))
+        return AsyncState(*jax.device_put(state, sh), None, counters, jax.device_put(jnp.zeros((), jnp.int32), rep))
 
     def params(self, state: AsyncState):
         """Worker 0's replica (all replicas are equal once every update has arrived, e.g. after ``drain``)."""
