@@ -6,8 +6,11 @@ cross-entropy.  Batches are ``{"x": int[B, T], "y": int[B, T]}`` with y the next
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 from flax import nnx
 
 from ..model import PipelineModel
@@ -100,14 +103,15 @@ class TiedHead(nnx.Module):
 
 def gpt(num_stages: int, vocab: int = 256, d_model: int = 64, heads: int = 4, blocks_per_stage: int = 1,
         seq_len: int = 64, seed: int = 0, dropout: float = 0.0, tie_embeddings: bool = False,
-        masked: bool = False) -> PipelineModel:
+        masked: bool = False, tensor: Optional[str] = None, fsdp: Optional[str] = None) -> PipelineModel:
     """A byte-level GPT cut into ``num_stages`` stages; ``model.head(post_params, h)`` gives logits.
 
     ``dropout``: GPT-2's residual dropout inside the stages (keys from the stage context, so every schedule
     drops the same units); ``tie_embeddings``: the head is ``LN(h) @ E^T + b`` with ``E`` the input
     embedding, declared tied (one array); ``masked``: batches carry ``"mask"`` (1 on real tokens,
     ``jp.data.lm_batches(pad=True)``): padding is masked out of attention and the loss is the exact mean over
-    real tokens (``post_loss`` returns ``(sum, count)``)."""
+    real tokens (``post_loss`` returns ``(sum, count)``).  ``tensor`` / ``fsdp``: mesh axis names to shard the
+    stages over, Megatron-style (:func:`megatron_specs`: the model's ``param_specs``)."""
     stage_apply, stage_params = stacked_stages(lambda r: GPTStage(d_model, heads, blocks_per_stage, r),
                                                num_stages, seed)
     emb_def, emb_params = split_pure(Embed(vocab, d_model, seq_len, nnx.Rngs(seed * 1000)))
@@ -141,7 +145,37 @@ def gpt(num_stages: int, vocab: int = 256, d_model: int = 64, heads: int = 4, bl
         pre=lambda p, b: embed(p, b["x"]), pre_params=emb_params,
         post_loss=post_loss, post_params=head_params, head=head,
         context=context, stage_inputs=("mask",) if masked else (), tied=tied,
-        integer_inputs={"x": vocab, "y": vocab})
+        integer_inputs={"x": vocab, "y": vocab},
+        param_specs=megatron_specs(stage_params, emb_params, head_params, tensor, fsdp) if tensor or fsdp else None)
+
+
+#: the layers whose kernel is split by output columns (then the next by input rows): Megatron-LM's MLP pair.
+#: The attention's fused q/k/v kernel is laid out [q | k | v]: a column split would cut across heads and make
+#: XLA reshard inside the stage with collective-permutes, which deadlock inside a lane's conditional on XLA
+#: CPU (BUILD_NOTES, "Model axes"); so is an fsdp split of the attention's kernels: attention stays replicated
+COLUMN, ROW = ("up",), ("down",)
+
+
+def megatron_specs(stage_params, pre_params, post_params, tensor: Optional[str] = "tensor",
+                   fsdp: Optional[str] = None):
+    """``(stage, pre, post)`` PartitionSpecs (``PipelineModel.param_specs``) of a GPT stage, Megatron-style
+    (Shoeybi et al. 2019) for the MLP: the up projection split by output columns over ``tensor`` (its bias too),
+    the down projection by input rows, one all-reduce per block; ``fsdp`` additionally shards every kernel's
+    other dimension (ZeRO-3 style: gathered for use, gradients reduce-scattered) and the token embedding's
+    rows.  The attention, layer norms and position embedding stay replicated (see ``COLUMN``)."""
+    def stage_spec(path, a):
+        names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+        layer, leaf = (names[-2] if len(names) > 1 else None), names[-1]
+        if layer in COLUMN:
+            return P(fsdp, tensor) if leaf == "kernel" else P(tensor)
+        if layer in ROW:
+            return P(tensor, fsdp) if leaf == "kernel" else P()
+        return P()
+    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stage_params)
+    stage = jax.tree_util.tree_map_with_path(stage_spec, one)
+    pre = jax.tree_util.tree_map_with_path(
+        lambda path, a: P(fsdp, None) if fsdp and "tok" in str(path) else P(), pre_params)
+    return stage, pre, jax.tree.map(lambda a: P(), post_params)
 
 
 def sample(model: PipelineModel, params, prompt: bytes, length: int, seq_len: int, key,
