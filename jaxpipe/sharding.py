@@ -19,7 +19,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from .axes import AXES, STAGE, model_axes
 from .errors import ConfigError
 
-is_spec = lambda x: isinstance(x, P) or x is None
+is_spec = lambda x: isinstance(x, P) or x is None      # a user's spec tree (None: replicated)
+is_P = lambda x: isinstance(x, P)       # a resolved spec tree (None only at a tied copy's path: no array)
 
 
 def _path(kp) -> str:
@@ -87,8 +88,8 @@ def param_shardings(model, mesh, ties) -> Tuple[Any, Any, Any]:
     """The train state's parameter shardings: stage leaves ``P('stage', *spec)``, pre/post ``spec``."""
     s, pre, post = param_specs(model, mesh, ties)
     on = lambda spec: NamedSharding(mesh, spec)
-    stage = jax.tree.map(lambda spec: on(P(STAGE, *spec)), s, is_leaf=is_spec)
-    return (stage, jax.tree.map(on, pre, is_leaf=is_spec), jax.tree.map(on, post, is_leaf=is_spec))
+    stage = jax.tree.map(lambda spec: on(P(STAGE, *spec)), s, is_leaf=is_P)
+    return (stage, jax.tree.map(on, pre, is_leaf=is_P), jax.tree.map(on, post, is_leaf=is_P))
 
 
 def check_model_axes_used(model, mesh, batch_axes) -> Tuple[str, ...]:
@@ -142,7 +143,7 @@ def per_stage_shardings(tree, local_specs, mesh, lead=(STAGE,)):
     over the stage axis only."""
     specs = {}
     shapes, spec_leaves = local_specs
-    for a, spec in zip(jax.tree.leaves(shapes), jax.tree.leaves(spec_leaves, is_leaf=is_spec)):
+    for a, spec in zip(jax.tree.leaves(shapes), jax.tree.leaves(spec_leaves, is_leaf=is_P)):
         specs.setdefault((tuple(np.shape(a)), np.dtype(a.dtype)), spec)
 
     def one(a):

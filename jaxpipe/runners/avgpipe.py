@@ -28,7 +28,7 @@ from ..errors import ConfigError
 from .avgpipe_shared import check_shareable, from_executor, interleave_shares, shared_model, to_executor
 from ..optim.elastic import check_alpha, elastic_averaging
 from ..schedules.layout import lane_plan, stream_options
-from ..sharding import is_spec, param_specs
+from ..sharding import is_P, param_specs
 from ..runtime.gradient import make_stream_grad_fn
 from ..schedules.periodic import one_call
 from ..validate import is_int
@@ -89,8 +89,8 @@ class AvgPipeRunner:
         # each replica over its stages, and over the model axes as the model's param_specs say
         s, pre, post = param_specs(model, mesh, self.ctx.ties)
         on = lambda lead: (lambda spec: NamedSharding(mesh, P(*lead, *spec)))
-        return (jax.tree.map(on((rep_axis, STAGE)), s, is_leaf=is_spec),
-                jax.tree.map(on((rep_axis,)), pre, is_leaf=is_spec), jax.tree.map(on((rep_axis,)), post, is_leaf=is_spec))
+        return (jax.tree.map(on((rep_axis, STAGE)), s, is_leaf=is_P),
+                jax.tree.map(on((rep_axis,)), pre, is_leaf=is_P), jax.tree.map(on((rep_axis,)), post, is_leaf=is_P))
 
     def init(self) -> AvgPipeState:
         N = self.N

@@ -21,7 +21,7 @@ from ..runtime.inflight import empty_carry
 from ..runtime.common import full
 from ..runtime.stage import stage_residuals
 from ..axes import STAGE, pipeline_devices
-from ..sharding import is_spec, like_params, param_specs, per_stage_shardings
+from ..sharding import is_P, like_params, param_specs, per_stage_shardings
 
 
 class AsyncState(NamedTuple):
@@ -114,7 +114,7 @@ class AsyncRunner(InFlightRunner):
         (stashes, shadows, accumulators) by the trailing shape of the parameter it holds a copy of."""
         ctx, on = self.ctx, lambda spec: NamedSharding(self.ctx.mesh, spec)
         specs = param_specs(ctx.model, ctx.mesh, self.ties)
-        chunk_sh = tuple(jax.tree.map(lambda s: on(P(STAGE, *s)), t, is_leaf=is_spec) for t in specs)
+        chunk_sh = tuple(jax.tree.map(lambda s: on(P(STAGE, *s)), t, is_leaf=is_P) for t in specs)
         params_sh = chunk_sh if self.K == 1 else tuple(chunk_sh for _ in range(self.K))
         one = (lambda t: (t,)) if self.K == 1 else (lambda t: t)
         opt_sh = tuple(like_params(ctx.optimizer, o, p, sh, ctx.mesh, P(STAGE))
