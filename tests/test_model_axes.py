@@ -1,0 +1,147 @@
+"""Model axes inside stages (tensor, FSDP): a stage's weights sharded over mesh axes the pipeline leaves to XLA.
+Exact against jax.grad / the serial references with NaN bubbles on 8 emulated devices (stage x tensor x data,
+stage x fsdp x tensor); the state's shards shrink by the model axes; clear errors for bad specs."""
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxpipe as jp
+from jaxpipe.optim.reference import avgpipe_reference, serial_reference
+from helpers import reference, rel_err, small_model
+
+# Megatron-style column / row split of the residual MLP's up / down projections
+MLP_SPECS = ({"blocks": {0: {"up": {"kernel": P(None, "tensor"), "bias": P("tensor")},
+                             "down": {"kernel": P("tensor", None), "bias": None}, "norm": None}}}, None, None)
+FSDP_SPECS = ({"blocks": {0: {"up": {"kernel": P("fsdp", "tensor"), "bias": P("tensor")},
+                              "down": {"kernel": P("tensor", "fsdp"), "bias": None}, "norm": None}}}, None, None)
+TP = dict(stages=2, data=2, tensor=2)
+
+
+def mlp(stages, specs=MLP_SPECS):
+    model, batch_fn = small_model("mlp", stages)
+    return dataclasses.replace(model, param_specs=specs), batch_fn
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "chimera", "zb_v"])
+def test_sync_matches_jax_grad_tensor_data(schedule):
+    model, batch_fn = mlp(4 if schedule in ("interleaved_1f1b", "zb_v") else 2)
+    pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=4, optimizer=optax.adam(1e-2),
+                       mesh=jp.make_mesh(**TP), nan_bubbles=True)
+    batch = batch_fn(16)
+    loss, grads = pipe.loss_and_grad(pipe.init(), batch)
+    ref_loss, ref_grads = reference(model, batch)
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    assert rel_err(grads, ref_grads) <= 1e-5
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+def test_fsdp_and_tensor(kind):
+    """stage x fsdp x tensor, the batch split over data and fsdp (FSDP: data parallelism, sharded weights);
+    a step is the optimizer's update of jax.grad (parameter changes compared; SGD: Adam's first step divides
+    by |g| and turns float rounding of near-zero gradients into sign flips) and keeps the shardings."""
+    if kind == "mlp":
+        model, batch_fn = mlp(2, FSDP_SPECS)
+    else:
+        model = jp.models.gpt(2, vocab=32, d_model=16, heads=2, seq_len=8, tensor="tensor", fsdp="fsdp")
+        batch_fn = small_model("gpt", 2)[1]
+    pipe = jp.Pipeline(model, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.1),
+                       mesh=jp.make_mesh(stages=2, fsdp=2, tensor=2), batch_axes=("data", "fsdp"),
+                       nan_bubbles=True)
+    batch = batch_fn(8)
+    state = pipe.init()
+    loss, grads = pipe.loss_and_grad(state, batch)
+    ref_loss, ref_grads = reference(model, batch)
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    assert rel_err(grads, ref_grads) <= 1e-5
+    before = jax.tree.map(np.asarray, pipe.params(state))
+    specs = jax.tree.map(lambda a: a.sharding.spec, state.params)
+    state, _ = pipe.step(state, batch)
+    u = jax.tree.map(lambda g: -0.1 * g, ref_grads)     # SGD: the change is linear in the gradient
+    assert rel_err(jax.tree.map(lambda a, b: a - b, pipe.params(state), before), u) <= 1e-4
+    assert jax.tree.map(lambda a: a.sharding.spec, state.params) == specs
+
+
+def test_gpt_tensor_data():
+    model = jp.models.gpt(2, vocab=32, d_model=16, heads=2, seq_len=8, tensor="tensor")
+    batch = small_model("gpt", 2)[1](16)
+    pipe = jp.Pipeline(model, schedule="1f1b", num_microbatches=4, mesh=jp.make_mesh(**TP), nan_bubbles=True)
+    loss, grads = pipe.loss_and_grad(pipe.init(), batch)
+    assert rel_err(grads, reference(model, batch)[1]) <= 1e-5
+
+
+@pytest.mark.parametrize("method", ["pipedream", "pipedream_2bw", "pipeoptim", "spectrain", "cdp_v2", "wpipe"])
+def test_no_flush_matches_serial_reference(method):
+    """Parameter changes (not parameters) against the serial reference: the update itself is checked."""
+    model, batch_fn = mlp(4 if method == "wpipe" else 2)
+    opt = optax.sgd(0.05, momentum=0.9) if method == "spectrain" else optax.adam(1e-2)
+    pipe = jp.Pipeline(model, schedule=method, num_microbatches=4, optimizer=opt, mesh=jp.make_mesh(**TP),
+                       nan_bubbles=True)
+    state = pipe.init()
+    batches = [batch_fn(16, s) for s in range(3)]
+    for b in batches:
+        state, m = pipe.step(state, b)
+    state, _ = pipe.drain(state)
+    ref = serial_reference(model, method, opt, 4, batches, data_parallel=2)
+    delta = lambda p: jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), p, model.params)
+    assert int(m["version_errors"]) == 0
+    assert rel_err(delta(pipe.params(state)), delta(ref["params"])) <= 1e-4
+
+
+def test_avgpipe_and_cyclic_dp():
+    model, batch_fn = mlp(2)
+    opt = optax.sgd(0.1)
+    pipe = jp.Pipeline(model, schedule="avgpipe", num_microbatches=2, optimizer=opt, options={"advance": 0},
+                       mesh=jp.make_mesh(stages=2, pipes=2, tensor=2), nan_bubbles=True)
+    state = pipe.init()
+    assert state.params[0]["blocks"][0]["up"]["kernel"].sharding.spec == P("pipe", "stage", None, "tensor")
+    batches = [batch_fn(8, s) for s in range(2)]
+    for b in batches:
+        state, _ = pipe.step(state, b)
+    assert rel_err(pipe.params(state), avgpipe_reference(model, opt, 2, 2, batches)["params"]) <= 1e-5
+    cdp = jp.CyclicDataParallel(model, opt, rule="v2", mesh=jp.make_mesh(data=2, tensor=2))
+    s = cdp.init()
+    for b in batches:
+        s, _ = cdp.step(s, b)
+    s, _ = cdp.drain(s)
+    ref = serial_reference(model, "cdp_v2", opt, 2, batches)
+    assert rel_err(cdp.params(s), ref["params"]) <= 1e-5
+
+
+def test_state_shards_shrink():
+    """Per device, a sharded leaf's parameter and Adam moments hold 1 / (stages x tensor) of it."""
+    model, _ = mlp(2)
+    pipe = jp.Pipeline(model, schedule="1f1b", num_microbatches=2, optimizer=optax.adam(1e-2),
+                       mesh=jp.make_mesh(**TP))
+    state = pipe.init()
+    for leaf in (state.params[0]["blocks"][0]["up"]["kernel"], state.opt_state[0].mu[0]["blocks"][0]["up"]["kernel"]):
+        shard = leaf.addressable_shards[0].data
+        assert shard.size * 2 * 2 == leaf.size
+
+
+def _up(spec):
+    return ({"blocks": {0: {"up": {"kernel": spec, "bias": None}, "down": None, "norm": None}}}, None, None)
+
+
+@pytest.mark.parametrize("specs,mesh,match", [
+    (_up(P(None, "model")), TP, "names axis 'model'"),
+    (_up(P(None, "stage")), TP, "pipeline axis 'stage'"),
+    (_up(P(None, None, "tensor")), TP, "3 entries for an array of shape"),
+    ((MLP_SPECS[0], None, {"norm": None, "out": {"kernel": P(None, "tensor"), "bias": None}}), TP, "not divisible"),
+    (({"blocks": [P()]}, None, None), TP, "structure differs"),
+    (None, TP, "shards nothing"),
+    ("oops", TP, "triple"),
+])
+def test_bad_specs_are_refused(specs, mesh, match):
+    model, _ = small_model("mlp", 2)
+    with pytest.raises(jp.ConfigError, match=match):
+        jp.Pipeline(dataclasses.replace(model, param_specs=specs), num_microbatches=2, mesh=jp.make_mesh(**mesh))
+
+
+def test_bad_batch_axes():
+    model, _ = mlp(2)
+    with pytest.raises(jp.ConfigError, match="batch_axes"):
+        jp.Pipeline(model, num_microbatches=2, mesh=jp.make_mesh(**TP), batch_axes=("stage",))
