@@ -33,6 +33,10 @@ flags.DEFINE_enum("chimera_concat", "direct", ["direct", "forward_doubling", "ba
                   "chimera: how units of D micro-batches are concatenated when N > D (§3.5)")
 flags.DEFINE_bool("chimera_eager", False, "chimera: reduce the last stage's replica gradients eagerly (§3.2)")
 flags.DEFINE_integer("data", 1, "data-parallel replicas of the pipeline (mesh 'data' axis)")
+flags.DEFINE_integer("tensor", 1, "gpt: tensor parallelism inside each stage (mesh 'tensor' axis): the MLP's up / "
+                     "down projections split Megatron-style")
+flags.DEFINE_integer("fsdp", 1, "gpt: FSDP inside each stage (mesh 'fsdp' axis): the kernels and token embedding "
+                     "sharded, the batch split over it too")
 flags.DEFINE_integer("pipes", 1, "avgpipe: parallel pipelines N (mesh 'pipe' axis; the batch is split over them)")
 flags.DEFINE_string("advance", "auto", "avgpipe: forwards in advance beyond 1F1B (integer) or 'auto' (Algorithm 1)")
 flags.DEFINE_integer("microbatches", 4, "micro-batches per step (per data replica)")
@@ -91,9 +95,9 @@ def main(argv):
         coordinator, n_proc, proc = settings(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
     except ValueError as e:
         raise app.UsageError(str(e))
-    n_dev = FLAGS.stages * FLAGS.data * FLAGS.pipes
+    n_dev = FLAGS.stages * FLAGS.data * FLAGS.pipes * FLAGS.tensor * FLAGS.fsdp
     if n_dev % n_proc:
-        raise app.UsageError(f"the mesh has {n_dev} devices (stages x data x pipes), which {n_proc} processes "
+        raise app.UsageError(f"the mesh has {n_dev} devices (stages x data x pipes x tensor x fsdp), which {n_proc} processes "
                              f"cannot hold equally; use a device count divisible by --num_processes")
     if "jax" not in sys.modules and "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -133,15 +137,16 @@ def main(argv):
         train, val = jp.data.byte_corpus()
         model = jp.models.gpt(n_stages, d_model=FLAGS.d_model, heads=FLAGS.heads,
                               blocks_per_stage=FLAGS.blocks_per_stage, seq_len=FLAGS.seq_len, seed=FLAGS.seed,
-                              dropout=FLAGS.dropout, tie_embeddings=FLAGS.tie_embeddings, masked=FLAGS.pad)
+                              dropout=FLAGS.dropout, tie_embeddings=FLAGS.tie_embeddings, masked=FLAGS.pad,
+                              tensor="tensor" if FLAGS.tensor > 1 else None, fsdp="fsdp" if FLAGS.fsdp > 1 else None)
         batches = jp.data.lm_batches(train, FLAGS.batch, FLAGS.seq_len, seed=FLAGS.seed, pad=FLAGS.pad)
         eval_set = list(__import__("itertools").islice(
             jp.data.lm_batches(val, FLAGS.batch, FLAGS.seq_len, seed=10_000 + FLAGS.seed, pad=FLAGS.pad),
             FLAGS.eval_batches))
         unit = "bytes"
     else:
-        if FLAGS.dropout or FLAGS.tie_embeddings or FLAGS.pad:
-            raise app.UsageError("--dropout, --tie_embeddings and --pad are options of --model=gpt")
+        if FLAGS.dropout or FLAGS.tie_embeddings or FLAGS.pad or FLAGS.tensor > 1 or FLAGS.fsdp > 1:
+            raise app.UsageError("--dropout, --tie_embeddings, --pad, --tensor and --fsdp are options of --model=gpt")
         train, val = jp.data.digits(seed=FLAGS.seed)
         model = jp.models.residual_mlp(n_stages, 64, 10, width=FLAGS.d_model,
                                        layers_per_stage=FLAGS.blocks_per_stage, seed=FLAGS.seed)
@@ -153,7 +158,9 @@ def main(argv):
     warm = max(1, FLAGS.steps // 20)
     sched = optax.warmup_cosine_decay_schedule(0.0, FLAGS.lr, warm, max(FLAGS.steps, warm + 1))
     opt = optax.chain(optax.clip_by_global_norm(1.0), jp.optim.by_name(FLAGS.optimizer, sched))
-    mesh = jp.make_mesh(stages=FLAGS.stages, data=FLAGS.data, pipes=FLAGS.pipes)
+    mesh = jp.make_mesh(stages=FLAGS.stages, data=FLAGS.data, pipes=FLAGS.pipes, tensor=FLAGS.tensor, fsdp=FLAGS.fsdp)
+    if FLAGS.fsdp > 1:
+        extra["batch_axes"] = ("data", "fsdp")       # FSDP: data parallelism with sharded weights
     # synchronous schedules guard every update (a non-finite step leaves the state as it was), so a stop
     # can say where the NaN came from with the very weights the step used; --on_nonfinite decides what next
     guard = not jp.schedules.method(FLAGS.schedule).updates_inside
@@ -177,11 +184,20 @@ def main(argv):
                 say(f"resumed from {FLAGS.checkpoint_dir} at step {start} (data position {batches.position})")
     r = pipe.schedule.simulate(f=1.0, b=1.0, w=1.0) if pipe.schedule.has_w() else pipe.schedule.simulate(f=1.0, b=2.0)
     say(f"jaxpipe: {FLAGS.model} ({sum(x.size for x in jax.tree.leaves(model.params)):,} parameters), "
-          f"{FLAGS.schedule}, mesh data={FLAGS.data} x stage={FLAGS.stages}, M={FLAGS.microbatches}, "
+          f"{FLAGS.schedule}, mesh data={FLAGS.data} x stage={FLAGS.stages}"
+          f"{f' x fsdp={FLAGS.fsdp}' if FLAGS.fsdp > 1 else ''}{f' x tensor={FLAGS.tensor}' if FLAGS.tensor > 1 else ''}, "
+          f"M={FLAGS.microbatches}, "
           f"batch {FLAGS.batch}, {FLAGS.optimizer} lr {FLAGS.lr:g}")
     say(f"schedule: {r.num_ticks} ticks/step, simulated bubble {r.bubble_ratio:.1%} (lockstep "
           f"{r.lockstep_bubble_ratio:.1%}), peak in-flight micro-batches per device {r.peak_inflight}")
 
+    if FLAGS.tensor > 1 or FLAGS.fsdp > 1:
+        held = lambda t: sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(t) if hasattr(x, "nbytes"))
+        full = lambda t: sum(x.nbytes for x in jax.tree.leaves(t) if hasattr(x, "nbytes"))
+        st = (state.params, state.opt_state)
+        say(f"model axes: tensor={FLAGS.tensor} fsdp={FLAGS.fsdp}: parameters + optimizer state "
+            f"{held(st) / 2**20:.2f} MiB on device 0 of {full(st) / 2**20:.2f} MiB in all "
+            f"({full(st) / FLAGS.stages / 2**20:.2f} MiB per stage device unsharded)")
     if n_proc > 1:
         say(f"multi-host: {n_proc} processes x {jax.local_device_count()} {jax.devices()[0].platform} devices; "
             f"each feeds its own devices' shards")
