@@ -145,3 +145,31 @@ def test_bad_batch_axes():
     model, _ = mlp(2)
     with pytest.raises(jp.ConfigError, match="batch_axes"):
         jp.Pipeline(model, num_microbatches=2, mesh=jp.make_mesh(**TP), batch_axes=("stage",))
+
+
+def test_checkpoint_restores_onto_another_layout(tmp_path):
+    """Saved with tensor = 2, restored with fsdp = 2 (same stage count): every array equal, laid out by the new
+    model's specs; the restored run steps on."""
+    def make(**mesh):
+        names = {k: k for k in ("tensor", "fsdp") if mesh.get(k, 1) > 1}
+        model = jp.models.gpt(2, vocab=32, d_model=16, heads=2, seq_len=8, **names)
+        extra = {"batch_axes": ("data", "fsdp")} if "fsdp" in names else {}
+        return jp.Pipeline(model, schedule="1f1b", num_microbatches=2, optimizer=optax.adam(1e-2),
+                           mesh=jp.make_mesh(**mesh), **extra)
+    batch_fn = small_model("gpt", 2)[1]
+    a = make(stages=2, tensor=2)
+    state = a.init()
+    for i in range(2):
+        state, _ = a.step(state, batch_fn(8, i))
+    ck = jp.Checkpointer(str(tmp_path), a, writer=True)
+    ck.save(2, state, {"data": {}})
+    ck.close()
+    b = make(stages=2, fsdp=2)
+    restored, _, step = jp.Checkpointer(str(tmp_path), b).restore_latest(b.init(), report=lambda *_: None)
+    assert step == 2
+    assert rel_err(b.params(restored), a.params(state)) == 0.0
+    assert rel_err(jax.tree.map(np.asarray, restored.opt_state), jax.tree.map(np.asarray, state.opt_state)) == 0.0
+    assert restored.params[0]["blocks"][0]["up"]["kernel"].sharding.spec == P("stage", "fsdp", None)
+    _, m_a = a.step(state, batch_fn(8, 5))
+    _, m_b = b.step(restored, batch_fn(8, 5))
+    assert abs(float(m_a["loss"]) - float(m_b["loss"])) <= 1e-5 * abs(float(m_a["loss"]))
