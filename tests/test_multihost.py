@@ -76,3 +76,20 @@ def test_bad_multihost_flags():
                         "--coordinator=127.0.0.1:1234"], cwd=ROOT, env=env(), capture_output=True, text=True,
                        timeout=120)
     assert p.returncode != 0 and "process_id=5: give this process's index in [0, 1]" in p.stderr
+
+
+def test_two_processes_equal_one_with_model_axes(tmp_path):
+    """2 processes x 4 devices train the GPT on stage 2 x data 2 x tensor 2 exactly like 1 process x 8."""
+    args = ["--model=gpt", "--stages=2", "--data=2", "--tensor=2", "--steps=3", "--microbatches=2", "--batch=8",
+            "--seq_len=16", "--d_model=32", "--heads=2", "--eval_every=0", "--sample_len=0", "--progress=false"]
+    out = {}
+    for name, cmd in (("multi", ["experiments.launch", "--num_processes=2", "--"]), ("single", ["experiments.train"])):
+        d = tmp_path / name
+        p = run(cmd + args + [f"--out_dir={d}", f"--save_params={d}/p.npz"])
+        out[name] = ([json.loads(l)["loss"] for l in open(d / "metrics.jsonl")], np.load(d / "p.npz"))
+        if name == "multi":
+            assert "2 processes x 4 cpu devices" in p.stdout and "tensor=2" in p.stdout
+    (lm, pm), (ls, ps) = out["multi"], out["single"]
+    assert len(lm) == 3 and lm == ls
+    for k in pm.files:
+        np.testing.assert_array_equal(pm[k], ps[k])
