@@ -173,3 +173,64 @@ def test_checkpoint_restores_onto_another_layout(tmp_path):
     _, m_a = a.step(state, batch_fn(8, 5))
     _, m_b = b.step(restored, batch_fn(8, 5))
     assert abs(float(m_a["loss"]) - float(m_b["loss"])) <= 1e-5 * abs(float(m_a["loss"]))
+
+
+def _nnx_pieces():
+    from flax import nnx
+    part = lambda *names: nnx.with_partitioning(nnx.initializers.lecun_normal(), names)
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(8, 16, kernel_init=part("embed", "mlp"), rngs=rngs)
+            self.down = nnx.Linear(16, 8, kernel_init=part("mlp", "embed"), rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.down(jax.nn.tanh(self.up(x)))
+    with nnx.use_eager_sharding(False):
+        rngs = nnx.Rngs(0)
+        return [Block(rngs) for _ in range(4)], nnx.Linear(6, 8, rngs=rngs), nnx.Linear(8, 3, rngs=rngs)
+
+
+def _xent(logits, b):
+    return -jax.numpy.mean(jax.numpy.take_along_axis(jax.nn.log_softmax(logits), b["y"][:, None], 1))
+
+
+def _toy_batch(n):
+    r = np.random.default_rng(0)
+    return {"x": r.normal(size=(n, 6)).astype(np.float32), "y": r.integers(0, 3, n).astype(np.int32)}
+
+
+def test_nnx_partitioning_metadata_becomes_param_specs():
+    blocks, embed, head = _nnx_pieces()
+    model, _ = jp.models.from_nnx(blocks, embed, head, _xent, num_stages=2,
+                                  rules=[("embed", None), ("mlp", "tensor")])
+    assert model.param_specs[0]["up"]["kernel"] == P(None, None, "tensor")       # (block, embed, mlp)
+    assert model.param_specs[0]["down"]["kernel"] == P(None, "tensor", None)
+    pipe = jp.Pipeline(model, num_microbatches=2, mesh=jp.make_mesh(**TP), nan_bubbles=True)
+    batch = _toy_batch(8)
+    state = pipe.init()
+    assert state.params[0]["up"]["kernel"].sharding.spec == P("stage", None, None, "tensor")
+    _, grads = pipe.loss_and_grad(state, batch)
+    assert rel_err(grads, reference(model, batch)[1]) <= 1e-5
+
+
+def test_linen_logical_partitioning_becomes_param_specs():
+    import flax.linen as nn
+    init = lambda *names: nn.with_logical_partitioning(nn.initializers.lecun_normal(), names)
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = jax.nn.tanh(nn.Dense(16, kernel_init=init("embed", "mlp"), name="up")(x))
+            return x + nn.Dense(8, kernel_init=init("mlp", "embed"), name="down")(h)
+    x8, x6 = jax.numpy.ones((1, 8)), jax.numpy.ones((1, 6))
+    block_params = [Block().init(jax.random.key(i), x8)["params"] for i in range(4)]
+    embed, head = nn.Dense(8), nn.Dense(3)
+    model, _ = jp.models.from_linen(Block(), block_params, (embed, embed.init(jax.random.key(9), x6)["params"]),
+                                    (head, head.init(jax.random.key(8), x8)["params"]), _xent, num_stages=2,
+                                    rules=[("mlp", "tensor")])
+    assert model.param_specs[0]["up"]["kernel"] == P(None, None, "tensor")
+    pipe = jp.Pipeline(model, num_microbatches=2, mesh=jp.make_mesh(**TP), nan_bubbles=True)
+    batch = _toy_batch(8)
+    _, grads = pipe.loss_and_grad(pipe.init(), batch)
+    assert rel_err(grads, reference(model, batch)[1]) <= 1e-5

@@ -12,6 +12,12 @@ parameters into the modules' own layout again.
 ``(sum, count)`` pair (docs/design.md §5); ``inputs(batch)`` picks what the embedding reads (default
 ``batch["x"]``).  Blocks called with the block's input only; blocks that need masks or dropout keys take
 ``block_call=lambda apply, p, x, ctx: ...`` (a context model: ``stage_inputs=`` names the batch fields).
+
+Sharding: the modules' own partitioning metadata becomes the model's ``param_specs`` (:mod:`jaxpipe.sharding`):
+``nnx.with_partitioning`` (NNX, variables created with ``nnx.use_eager_sharding(False)`` or under a mesh) or
+``nn.with_logical_partitioning`` (Linen: pass the boxed parameters), with ``rules=[("embed", "fsdp"), ("mlp",
+"tensor"), ...]`` mapping logical axis names to mesh axes (names without a rule are replicated; no rules: the
+names are mesh axes).  A stage's spec gets ``None`` for its block axis.
 """
 from __future__ import annotations
 
@@ -59,22 +65,46 @@ def _stage_fn(apply_block: Callable, block_call: Optional[Callable]):
     return stage_ctx, True
 
 
+def _mesh_spec(spec, rules):
+    """A logical PartitionSpec mapped to mesh axes by ``rules`` (logical name -> mesh axis or None)."""
+    from jax.sharding import PartitionSpec as P
+    if rules is None:
+        return P(*spec)
+    table = dict(rules)
+    one = lambda n: table.get(n) if isinstance(n, str) else (tuple(table.get(x) for x in n if table.get(x)) or None)
+    return P(*(None if e is None else one(e) for e in spec))
+
+
+def _param_specs(block_specs, embed_specs, head_specs, rules):
+    """``param_specs`` from the modules' partition specs (trees of PartitionSpec); None where nothing is
+    sharded."""
+    from jax.sharding import PartitionSpec as P
+    is_p = lambda x: isinstance(x, P)
+    conv = lambda t, lead=(): jax.tree.map(lambda s: P(*lead, *_mesh_spec(s, rules)), t, is_leaf=is_p)
+    out = (conv(block_specs, (None,)), conv(embed_specs), conv(head_specs))
+    if not any(any(e is not None for e in s) for s in jax.tree.leaves(out, is_leaf=is_p)):
+        return None
+    return out
+
+
 def _model(apply_block, stacked, apply_embed, embed_p, apply_head, head_p, loss, inputs, block_call,
-           stage_inputs):
+           stage_inputs, param_specs=None):
     stage_fn, context = _stage_fn(apply_block, block_call)
     pick = inputs or (lambda b: b["x"])
     return PipelineModel(
         stage_fn=stage_fn, stage_params=stacked,
         pre=lambda p, b: apply_embed(p, pick(b)), pre_params=embed_p,
         post_loss=lambda p, h, b: loss(apply_head(p, h), b), post_params=head_p,
-        head=apply_head, context=context or bool(stage_inputs), stage_inputs=tuple(stage_inputs))
+        head=apply_head, context=context or bool(stage_inputs), stage_inputs=tuple(stage_inputs),
+        param_specs=param_specs)
 
 
 def from_nnx(blocks: Sequence[Any], embed: Any, head: Any, loss: Callable, num_stages: int, *,
              inputs: Optional[Callable] = None, block_call: Optional[Callable] = None,
-             stage_inputs: Sequence[str] = ()) -> Tuple[PipelineModel, Callable]:
+             stage_inputs: Sequence[str] = (), rules=None) -> Tuple[PipelineModel, Callable]:
     """``(model, to_modules)`` from NNX modules.  ``to_modules(params)`` returns ``(blocks, embed, head)``:
-    new module instances holding ``params`` (``pipe.params(state)``)."""
+    new module instances holding ``params`` (``pipe.params(state)``).  ``rules``: logical axis name -> mesh
+    axis, for the modules' ``nnx.with_partitioning`` metadata (module docstring)."""
     from flax import nnx
     blocks = list(blocks)
     if not blocks:
@@ -90,9 +120,11 @@ def from_nnx(blocks: Sequence[Any], embed: Any, head: Any, loss: Callable, num_s
     def merged(gd, st):
         return lambda p, *a: nnx.merge(gd, _restore(st, p))(*a)
 
+    spec = lambda st: nnx.to_pure_dict(nnx.get_partition_spec(st))
     model = _model(merged(gdef, defs[0][1]), _stack_blocks(per_block, num_stages),
                    merged(e_def, e_state), nnx.to_pure_dict(e_state), merged(h_def, h_state),
-                   nnx.to_pure_dict(h_state), loss, inputs, block_call, stage_inputs)
+                   nnx.to_pure_dict(h_state), loss, inputs, block_call, stage_inputs,
+                   _param_specs(spec(defs[0][1]), spec(e_state), spec(h_state), rules))
 
     def to_modules(params):
         stage_p, pre_p, post_p = params
@@ -115,17 +147,22 @@ def _restore(state, pure):
 def from_linen(block: Any, block_params: Sequence[Any], embed: Tuple[Any, Any], head: Tuple[Any, Any],
                loss: Callable, num_stages: int, *, inputs: Optional[Callable] = None,
                block_call: Optional[Callable] = None,
-               stage_inputs: Sequence[str] = ()) -> Tuple[PipelineModel, Callable]:
+               stage_inputs: Sequence[str] = (), rules=None) -> Tuple[PipelineModel, Callable]:
     """``(model, to_params)`` from Linen modules: ``block`` with one ``params`` dict per layer, and
     ``(module, params)`` for the embedding and the head.  ``to_params(params)`` returns ``(block_params list,
-    embed params, head params)`` in Linen's layout."""
-    block_params = list(block_params)
+    embed params, head params)`` in Linen's layout (unboxed).  Parameters boxed by
+    ``nn.with_logical_partitioning`` give the model's ``param_specs`` through ``rules`` (module docstring)."""
+    import flax.linen as nn
+    from flax.core import meta
+    specs = [nn.get_partition_spec(p) for p in (list(block_params)[:1] or [{}]) + [embed[1], head[1]]]
+    block_params = [meta.unbox(p) for p in block_params]
+    embed, head = (embed[0], meta.unbox(embed[1])), (head[0], meta.unbox(head[1]))
     if not block_params:
         raise ConfigError("from_linen needs the parameters of at least one block")
     (e_mod, e_p), (h_mod, h_p) = embed, head
     lin = lambda mod: (lambda p, *a: mod.apply({"params": p}, *a))
     model = _model(lin(block), _stack_blocks(block_params, num_stages), lin(e_mod), e_p, lin(h_mod), h_p,
-                   loss, inputs, block_call, stage_inputs)
+                   loss, inputs, block_call, stage_inputs, _param_specs(*specs, rules))
 
     def to_params(params):
         stage_p, pre_p, post_p = params
