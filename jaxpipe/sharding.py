@@ -10,6 +10,7 @@ to.  Checked here, once, with an error naming the leaf, the axis and what would 
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Tuple
 
 import jax
@@ -155,3 +156,62 @@ def per_stage_shardings(tree, local_specs, mesh, lead=(STAGE,)):
                                              *([None] * (len(shape) - k)), *spec))
         return NamedSharding(mesh, P(lead if len(lead) > 1 else lead[0]))
     return jax.tree.map(one, tree)
+
+
+_REF = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)=(%[\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+
+
+def permutes_in_branches(hlo_text: str) -> int:
+    """Collective-permutes inside a conditional's branches (or what they call) in a compiled module's text.
+    jaxpipe itself never puts a collective in a conditional; one there was inserted by XLA to reshard a
+    stage's values over a model axis."""
+    comps, name = {}, None
+    for line in hlo_text.splitlines():
+        m = re.match(r"^(?:ENTRY )?(%[\w.\-]+) ", line)
+        if m and line.rstrip().endswith("{"):
+            name = m.group(1)
+            comps[name] = []
+        elif name is not None:
+            comps[name].append(line)
+    refs = {n: set(_REF.findall("\n".join(t))) | {x.strip() for b in _BRANCHES.findall("\n".join(t))
+                                                  for x in b.split(",")} for n, t in comps.items()}
+    todo = set()
+    for t in comps.values():
+        text = "\n".join(t)
+        todo |= {x.strip() for b in _BRANCHES.findall(text) for x in b.split(",")}
+        todo |= set(re.findall(r"(?:true_computation|false_computation)=(%[\w.\-]+)", text))
+    seen = set()
+    while todo:
+        n = todo.pop()
+        if n in seen or n not in comps:
+            continue
+        seen.add(n)
+        todo |= refs[n]
+    return sum(len(re.findall(r" collective-permute(?:-start)?\(", "\n".join(comps[n]))) for n in seen)
+
+
+def guard_collectives(fn, mesh):
+    """``fn`` (a jitted program), checked at its first call where the mesh has model axes on XLA CPU: a
+    collective-permute inside a lane's conditional deadlocks there (only the stage devices running the lane
+    enter it, a CPU collective-permute waits for every device), so a ConfigError says which spec to change
+    instead of a 40-second hang and an abort."""
+    if not model_axes(mesh) or jax.devices()[0].platform != "cpu":
+        return fn
+    checked = []
+
+    def run(*args):
+        if not checked:
+            n = permutes_in_branches(fn.lower(*args).compile().as_text())
+            if n:
+                raise ConfigError(
+                    f"with these param_specs XLA reshards a stage's values with {n} collective-permute(s) inside "
+                    f"the pipeline's lane conditionals, which deadlock on XLA CPU (a CPU collective-permute waits "
+                    f"for every device; only the stage devices running the lane enter it). Shard so that a "
+                    f"stage needs no resharding -- Megatron-style column then row splits of matmul pairs, an "
+                    f"fsdp split of kernels feeding plain matmuls -- and keep layers whose outputs are split and "
+                    f"reshaped (a fused q/k/v kernel split across heads) replicated; GPUs have no such limit")
+            checked.append(True)
+        return fn(*args)
+    run.lower = fn.lower
+    return run

@@ -234,3 +234,16 @@ def test_linen_logical_partitioning_becomes_param_specs():
     batch = _toy_batch(8)
     _, grads = pipe.loss_and_grad(pipe.init(), batch)
     assert rel_err(grads, reference(model, batch)[1]) <= 1e-5
+
+
+def test_resharding_inside_a_lane_is_refused_not_a_hang():
+    """A column split of the GPT's fused q/k/v kernel cuts across heads: XLA reshards with collective-permutes
+    inside the lanes' conditionals, which deadlock on XLA CPU; the first call says so instead of hanging."""
+    from jaxpipe.models.gpt import megatron_specs
+    model = jp.models.gpt(2, vocab=32, d_model=16, heads=2, seq_len=8, tensor="tensor")
+    stage, pre, post = megatron_specs(model.stage_params, model.pre_params, model.post_params, "tensor")
+    stage["blocks"][0]["attn"]["qkv"]["kernel"] = P(None, "tensor")
+    model = dataclasses.replace(model, param_specs=(stage, pre, post))
+    pipe = jp.Pipeline(model, schedule="gpipe", num_microbatches=2, mesh=jp.make_mesh(stages=2, tensor=2))
+    with pytest.raises(jp.ConfigError, match="collective-permute"):
+        pipe.loss_and_grad(pipe.init(), small_model("gpt", 2)[1](8))

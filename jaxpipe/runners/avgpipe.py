@@ -28,7 +28,7 @@ from ..errors import ConfigError
 from .avgpipe_shared import check_shareable, from_executor, interleave_shares, shared_model, to_executor
 from ..optim.elastic import check_alpha, elastic_averaging
 from ..schedules.layout import lane_plan, stream_options
-from ..sharding import is_P, param_specs
+from ..sharding import is_P, param_specs, guard_collectives
 from ..runtime.gradient import make_stream_grad_fn
 from ..schedules.periodic import one_call
 from ..validate import is_int
@@ -159,6 +159,7 @@ class AvgPipeRunner:
             rep = NamedSharding(ctx.mesh, P())
             names = ("loss", "grad_norm", "step") + (("pipe_losses",) if self.shared is None else ())
             self._fns[key] = jax.jit(step, donate_argnums=(0,), out_shardings=(state_sh, {k: rep for k in names}))
+            self._fns[key] = guard_collectives(self._fns[key], self.ctx.mesh)
         return self._fns[key]
 
     in_flight = False           # every pipeline flushes each step

@@ -16,7 +16,7 @@ from ..runtime.common import full
 from ..runtime.executor import make_stream_program
 from ..runtime.inflight import empty_carry
 from ..runtime.stage import stage_residuals
-from ..sharding import param_specs, per_stage_shardings
+from ..sharding import param_specs, per_stage_shardings, guard_collectives
 from .no_flush import AsyncState, InFlightRunner, drain_calls
 
 
@@ -94,6 +94,7 @@ class CyclicRunner(InFlightRunner):
             return AsyncState(params, opt_state, ps, carry, counters, state.step + feed.astype(jnp.int32)), metrics
 
         self._fns[key] = jax.jit(run, donate_argnums=(0,))
+        self._fns[key] = guard_collectives(self._fns[key], self.ctx.mesh)
         return self._fns[key]
 
     def drain(self, state: AsyncState):

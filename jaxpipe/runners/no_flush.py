@@ -21,7 +21,7 @@ from ..runtime.inflight import empty_carry
 from ..runtime.common import full
 from ..runtime.stage import stage_residuals
 from ..axes import STAGE, pipeline_devices
-from ..sharding import is_P, like_params, param_specs, per_stage_shardings
+from ..sharding import is_P, like_params, param_specs, per_stage_shardings, guard_collectives
 
 
 class AsyncState(NamedTuple):
@@ -165,6 +165,7 @@ class AsyncRunner(InFlightRunner):
                 return AsyncState(params, opt_state, pstate, carry, counters, step), metrics
 
             self._fns[key] = jax.jit(run, donate_argnums=(0,))
+            self._fns[key] = guard_collectives(self._fns[key], self.ctx.mesh)
         return self._fns[key]
 
     def drain(self, state: AsyncState):

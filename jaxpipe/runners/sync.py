@@ -15,7 +15,7 @@ from ..errors import ConfigError
 from ..schedules.layout import exchange_perms, layout_index, stream_options
 from ..runtime.gradient import make_stream_grad_fn
 from ..schedules.periodic import one_call
-from ..sharding import like_params
+from ..sharding import like_params, guard_collectives
 
 
 
@@ -143,6 +143,7 @@ class SyncRunner:
                     loss, (g, g_pre, g_post) = lg(params, b, step)
                     return loss, (jax.tree.map(lambda a: a[inv], g) if stored else g, g_pre, g_post)
                 self._compiled[key] = jax.jit(grad_in_model_order)
+                self._compiled[key] = guard_collectives(self._compiled[key], self.ctx.mesh)
             else:
                 opt, skip = self.ctx.optimizer, self.ctx.skip_nonfinite
 
@@ -162,4 +163,5 @@ class SyncRunner:
                 rep = NamedSharding(self.ctx.mesh, P())
                 self._compiled[key] = jax.jit(step, donate_argnums=(0,), out_shardings=(
                     state_sh, {"loss": rep, "grad_norm": rep, "step": rep, **({"skipped": rep} if skip else {})}))
+                self._compiled[key] = guard_collectives(self._compiled[key], self.ctx.mesh)
         return self._compiled[key]
