@@ -77,6 +77,63 @@ def _nbytes(avals) -> int:
     return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in avals)
 
 
+def _scan_split(eqn, need_b_out, need_w_out):
+    """The split of one ``scan`` equation of B's part whose outputs W alone needs (a stage scanning its layers):
+    B runs the scan's input-gradient equations and stacks, per iteration, the values W's equations read (the
+    layer's output gradient); W maps the weight-gradient equations over the iterations.  Returns None where
+    the body cannot be cut (a carry only W needs)."""
+    body, nc, ncar = eqn.params["jaxpr"], eqn.params["num_consts"], eqn.params["num_carry"]
+    bj = body.jaxpr
+    outs_b = [i for i, v in enumerate(eqn.outvars) if v in need_b_out or i < ncar]
+    outs_w = [i for i, v in enumerate(eqn.outvars) if v in need_w_out and v not in need_b_out]
+    if not outs_w or any(i < ncar for i in outs_w):
+        return None
+    inner_b = _needed(bj.eqns, [bj.outvars[i] for i in outs_b])
+    inner_w = sorted(_needed(bj.eqns, [bj.outvars[i] for i in outs_w]) - inner_b)
+    b_def = {v for k in inner_b for v in bj.eqns[k].outvars} | set(bj.invars[nc:nc + ncar])
+    used = [u for k in inner_w for u in bj.eqns[k].invars] + [bj.outvars[i] for i in outs_w]
+    front = list(dict.fromkeys(v for v in used if not _is_literal(v) and v in b_def))
+    outer_in = sorted({j for j, v in enumerate(bj.invars) if j < nc or j >= nc + ncar
+                       for u in used if u is v})
+    return dict(eqn=eqn, body=body, nc=nc, ncar=ncar, outs_b=outs_b, outs_w=outs_w,
+                b_eqns=[bj.eqns[k] for k in sorted(inner_b)], w_eqns=[bj.eqns[k] for k in inner_w],
+                front=front, outer_in=outer_in)
+
+
+def _run_b_scan(sp, invals):
+    """B's half of a split scan: ``(values of outs_b, stacked frontier)``."""
+    bj, nc, ncar, eqn = sp["body"].jaxpr, sp["nc"], sp["ncar"], sp["eqn"]
+    consts, carry, xs = invals[:nc], invals[nc:nc + ncar], invals[nc + ncar:]
+
+    def step(c, x):
+        env = dict(zip(bj.constvars, sp["body"].consts))
+        env.update(zip(bj.invars, list(consts) + list(c) + list(x)))
+        _eval_eqns(sp["b_eqns"], env)
+        outs = [_read(env, bj.outvars[i]) for i in sp["outs_b"]]
+        return outs[:ncar], (outs[ncar:], [_read(env, v) for v in sp["front"]])
+    carry_out, (ys, front) = jax.lax.scan(step, list(carry), list(xs), length=eqn.params["length"],
+                                          reverse=eqn.params["reverse"])
+    return carry_out + ys, front
+
+
+def _run_w_scan(sp, invals, front):
+    """W's half of a split scan: the weight-gradient outputs, stacked over the iterations."""
+    bj, nc, ncar, eqn = sp["body"].jaxpr, sp["nc"], sp["ncar"], sp["eqn"]
+    consts = {j: invals[j] for j in sp["outer_in"] if j < nc}
+    xs = {j: invals[j] for j in sp["outer_in"] if j >= nc + ncar}
+
+    def step(_, x):
+        xv, fv = x
+        env = dict(zip(bj.constvars, sp["body"].consts))
+        env.update({bj.invars[j]: v for j, v in consts.items()})
+        env.update({bj.invars[j]: v for j, v in zip(xs, xv)})
+        env.update(zip(sp["front"], fv))
+        _eval_eqns(sp["w_eqns"], env)
+        return None, [_read(env, bj.outvars[i]) for i in sp["outs_w"]]
+    _, ys = jax.lax.scan(step, None, (list(xs.values()), list(front)), length=eqn.params["length"])
+    return ys
+
+
 def split_backward(bwd: Callable, w, res, dy, stash_avals) -> Optional[BackwardSplit]:
     """The split of ``bwd(w, res, dy) -> (dw, dx)`` (pytrees) traced at these arguments, or None where it
     would not pay (see the module docstring).  Call it where the executor traces (inside the ``shard_map``)."""
@@ -96,23 +153,40 @@ def split_backward(bwd: Callable, w, res, dy, stash_avals) -> Optional[BackwardS
     n_dw = len(jax.tree.leaves(out_shape[0]))
     dw_vars, dx_vars = jx.outvars[:n_dw], jx.outvars[n_dw:]
     b_set = _needed(jx.eqns, dx_vars)
-    w_only = sorted(_needed(jx.eqns, dw_vars) - b_set)
-    if not w_only:
+    w_need = _needed(jx.eqns, dw_vars)
+    w_only = sorted(w_need - b_set)
+    # a scan over layers in B's part whose outputs W alone needs (the stacked weight gradients) is cut in two
+    read_by = lambda ks: {u for k in ks for u in jx.eqns[k].invars if not _is_literal(u)}
+    need_b_out = read_by(b_set) | set(dx_vars)
+    need_w_out = read_by(w_only) | set(dw_vars)
+    splits = {}
+    for k in sorted(b_set):
+        if jx.eqns[k].primitive.name == "scan":
+            sp = _scan_split(jx.eqns[k], need_b_out, need_w_out)
+            if sp is not None:
+                splits[k] = sp
+    if not w_only and not splits:
         return None
-    b_defined = {v for k in b_set for v in jx.eqns[k].outvars}
+    w_made = {sp["eqn"].outvars[i] for sp in splits.values() for i in sp["outs_w"]}
+    b_defined = {v for k in b_set for v in jx.eqns[k].outvars} - w_made
     front, seen = [], set()
-    for v in [u for k in w_only for u in jx.eqns[k].invars] + list(dw_vars):
+    w_reads = [u for k in w_only for u in jx.eqns[k].invars] + [
+        sp["eqn"].invars[j] for sp in splits.values() for j in sp["outer_in"]] + list(dw_vars)
+    for v in w_reads:
         if not _is_literal(v) and v in b_defined and v not in seen:
             seen.add(v)
             front.append(v)
-    # a frontier value made by an equation with a jaxpr inside (a scan over layers, a remat, a custom
-    # rule) means B would run W's part of that equation too: no split there
+    # a frontier value made by an equation with a jaxpr inside (a remat, a custom rule, a scan that could not
+    # be cut) means B would run W's part of that equation too: no split there
     atomic = {v for k in b_set for v in jx.eqns[k].outvars
-              if any(hasattr(p, "eqns") or hasattr(p, "jaxpr") for p in jx.eqns[k].params.values())}
-    if any(v in atomic for v in front) or _nbytes([v.aval for v in front]) > _nbytes(stash_avals):
+              if any(hasattr(p, "eqns") or hasattr(p, "jaxpr") for p in jx.eqns[k].params.values())} - w_made
+    inner_avals = [jax.ShapeDtypeStruct((sp["eqn"].params["length"],) + tuple(v.aval.shape), v.aval.dtype)
+                   for sp in splits.values() for v in sp["front"]]
+    front_avals = [v.aval for v in front] + inner_avals
+    if any(v in atomic for v in front) or _nbytes(front_avals) > _nbytes(stash_avals):
         return None
-    b_eqns = [jx.eqns[k] for k in sorted(b_set)]
-    w_eqns = [jx.eqns[k] for k in w_only]
+    b_tasks = sorted(b_set)
+    w_tasks = sorted(set(w_only) | set(splits))
     dx_tree = out_tree.children()[1]
 
     def start(w_, res_, dy_):
@@ -121,14 +195,31 @@ def split_backward(bwd: Callable, w, res, dy, stash_avals) -> Optional[BackwardS
         return env
 
     def input_part(w_, res_, dy_):
-        env = start(w_, res_, dy_)
-        _eval_eqns(b_eqns, env)
-        return jax.tree.unflatten(dx_tree, [_read(env, v) for v in dx_vars]), [env[v] for v in front]
+        env, inner = start(w_, res_, dy_), []
+        for k in b_tasks:
+            if k in splits:
+                sp = splits[k]
+                outs, fr = _run_b_scan(sp, [_read(env, v) for v in sp["eqn"].invars])
+                env.update((sp["eqn"].outvars[i], o) for i, o in zip(sp["outs_b"], outs))
+                inner += fr
+            else:
+                _eval_eqns([jx.eqns[k]], env)
+        return jax.tree.unflatten(dx_tree, [_read(env, v) for v in dx_vars]), [env[v] for v in front] + inner
 
     def weight_part(w_, res_, dy_, frontier):
         env = start(w_, res_, dy_)
-        env.update(zip(front, frontier))
-        _eval_eqns(w_eqns, env)
+        env.update(zip(front, frontier[:len(front)]))
+        inner, pos = frontier[len(front):], 0
+        for k in w_tasks:
+            if k in splits:
+                sp = splits[k]
+                n = len(sp["front"])
+                ys = _run_w_scan(sp, [_read(env, v) if _is_literal(v) or v in env else None
+                                      for v in sp["eqn"].invars], inner[pos:pos + n])
+                pos += n
+                env.update((sp["eqn"].outvars[i], y) for i, y in zip(sp["outs_w"], ys))
+            else:
+                _eval_eqns([jx.eqns[k]], env)
         return jax.tree.unflatten(out_tree.children()[0], [_read(env, v) for v in dw_vars])
 
-    return BackwardSplit(input_part, weight_part, [v.aval for v in front])
+    return BackwardSplit(input_part, weight_part, front_avals)
