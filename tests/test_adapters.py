@@ -121,3 +121,69 @@ def test_adapter_errors():
     blocks, embed, head = nnx_pieces()
     with pytest.raises(jp.ConfigError, match="equal stages"):
         jp.models.from_nnx(blocks[:3], embed, head, xent, num_stages=2)
+
+
+def _tied_nnx():
+    from flax import nnx
+    import jax.numpy as jnp
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.l = nnx.Linear(4, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return x + jnp.tanh(self.l(x))
+
+    class Head(nnx.Module):          # the LM head reuses the token embedding's Variable
+        def __init__(self, emb):
+            self.emb, self.b = emb, nnx.Param(jnp.zeros(7))
+
+        def __call__(self, h):
+            return h @ self.emb.embedding[...].T + self.b[...]
+    rngs = nnx.Rngs(0)
+    emb = nnx.Embed(7, 4, rngs=rngs)
+    return [Block(rngs) for _ in range(4)], emb, Head(emb)
+
+
+def _tied_loss(logits, b):
+    return -jax.numpy.mean(jax.numpy.take_along_axis(jax.nn.log_softmax(logits), b["y"][..., None], -1))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "pipedream", "wpipe"])
+def test_from_nnx_finds_and_keeps_a_tie(schedule):
+    """A head sharing the embedding's Variable: from_nnx ties it (one array in the state); the synchronous
+    gradient equals nnx.value_and_grad of the untouched model; every family keeps one array through training
+    (equal to its serial reference) and to_modules shares the Variable again."""
+    from flax import nnx
+    from jaxpipe.optim.reference import serial_reference
+    blocks, emb, head = _tied_nnx()
+    r = np.random.default_rng(0)
+    batch = {"x": r.integers(0, 7, (8, 3)).astype(np.int32), "y": r.integers(0, 7, (8, 3)).astype(np.int32)}
+    model, to_modules = jp.models.from_nnx(blocks, emb, head, _tied_loss, num_stages=4 if schedule == "wpipe" else 2)
+    assert model.tied == ((("embedding",), ("emb", "embedding")),)
+    opt = optax.sgd(0.1)
+    pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=2, optimizer=opt, mesh=jp.make_mesh(stages=2))
+    state = pipe.init()
+    if schedule == "1f1b":
+        class All(nnx.Module):
+            def __init__(self):
+                self.emb, self.blocks, self.head = emb, nnx.List(blocks), head
+
+        def full(m):
+            h = m.emb(batch["x"])
+            for b in m.blocks:
+                h = b(h)
+            return _tied_loss(m.head(h), batch)
+        ref_loss, ref_g = nnx.value_and_grad(full)(All())
+        loss, (g_stage, g_pre, g_post) = pipe.loss_and_grad(state, batch)
+        assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+        np.testing.assert_allclose(g_pre["embedding"], ref_g["emb"]["embedding"][...], rtol=1e-5, atol=1e-7)
+    batches = [batch] * 3
+    for b in batches:
+        state, _ = pipe.step(state, b)
+    if schedule != "1f1b":
+        state, _ = pipe.drain(state)
+        ref = serial_reference(model, schedule, opt, 2, batches)
+        assert rel_err(pipe.params(state), ref["params"]) <= 1e-5
+    _, e2, h2 = to_modules(pipe.params(state))
+    assert h2.emb.embedding is e2.embedding

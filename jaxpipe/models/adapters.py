@@ -87,8 +87,26 @@ def _param_specs(block_specs, embed_specs, head_specs, rules):
     return out
 
 
+def _shared_variables(embed, head):
+    """``[(embed path, head path)]`` of the NNX Variables the embedding and the head share (one object
+    reachable from both: a head reusing the token embedding), in ``to_pure_dict`` paths."""
+    from flax import nnx
+    mine = {id(n): tuple(p) for p, n in nnx.iter_graph(embed) if isinstance(n, nnx.Variable)}
+    return [(mine[id(n)], tuple(p)) for p, n in nnx.iter_graph(head)
+            if isinstance(n, nnx.Variable) and id(n) in mine]
+
+
+def _share(module, path, variable):
+    """``module`` with the Variable at ``path`` replaced by ``variable`` (the tie restored)."""
+    node = module
+    for k in path[:-1]:
+        node = node[k] if isinstance(k, int) else getattr(node, k)
+    setattr(node, path[-1], variable) if not isinstance(path[-1], int) else node.__setitem__(path[-1], variable)
+    return module
+
+
 def _model(apply_block, stacked, apply_embed, embed_p, apply_head, head_p, loss, inputs, block_call,
-           stage_inputs, param_specs=None):
+           stage_inputs, param_specs=None, tied=()):
     stage_fn, context = _stage_fn(apply_block, block_call)
     pick = inputs or (lambda b: b["x"])
     return PipelineModel(
@@ -96,7 +114,7 @@ def _model(apply_block, stacked, apply_embed, embed_p, apply_head, head_p, loss,
         pre=lambda p, b: apply_embed(p, pick(b)), pre_params=embed_p,
         post_loss=lambda p, h, b: loss(apply_head(p, h), b), post_params=head_p,
         head=apply_head, context=context or bool(stage_inputs), stage_inputs=tuple(stage_inputs),
-        param_specs=param_specs)
+        param_specs=param_specs, tied=tuple(tied))
 
 
 def from_nnx(blocks: Sequence[Any], embed: Any, head: Any, loss: Callable, num_stages: int, *,
@@ -104,7 +122,9 @@ def from_nnx(blocks: Sequence[Any], embed: Any, head: Any, loss: Callable, num_s
              stage_inputs: Sequence[str] = (), rules=None) -> Tuple[PipelineModel, Callable]:
     """``(model, to_modules)`` from NNX modules.  ``to_modules(params)`` returns ``(blocks, embed, head)``:
     new module instances holding ``params`` (``pipe.params(state)``).  ``rules``: logical axis name -> mesh
-    axis, for the modules' ``nnx.with_partitioning`` metadata (module docstring)."""
+    axis, for the modules' ``nnx.with_partitioning`` metadata (module docstring).  A Variable the embedding and
+    the head share (a head reusing the token embedding) is found and tied (``PipelineModel.tied``: one array,
+    its two uses' gradients summed); ``to_modules`` gives a head sharing the embedding's Variable again."""
     from flax import nnx
     blocks = list(blocks)
     if not blocks:
@@ -116,6 +136,7 @@ def from_nnx(blocks: Sequence[Any], embed: Any, head: Any, loss: Callable, num_s
     per_block = [nnx.to_pure_dict(s) for _, s in defs]
     e_def, e_state = nnx.split(embed)
     h_def, h_state = nnx.split(head)
+    tied = _shared_variables(embed, head)
 
     def merged(gd, st):
         return lambda p, *a: nnx.merge(gd, _restore(st, p))(*a)
@@ -124,14 +145,20 @@ def from_nnx(blocks: Sequence[Any], embed: Any, head: Any, loss: Callable, num_s
     model = _model(merged(gdef, defs[0][1]), _stack_blocks(per_block, num_stages),
                    merged(e_def, e_state), nnx.to_pure_dict(e_state), merged(h_def, h_state),
                    nnx.to_pure_dict(h_state), loss, inputs, block_call, stage_inputs,
-                   _param_specs(spec(defs[0][1]), spec(e_state), spec(h_state), rules))
+                   _param_specs(spec(defs[0][1]), spec(e_state), spec(h_state), rules), tied)
 
     def to_modules(params):
         stage_p, pre_p, post_p = params
         flat = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), stage_p)
         out = [nnx.merge(gdef, _restore(defs[0][1], jax.tree.map(lambda a: a[i], flat)))
                for i in range(len(blocks))]
-        return out, nnx.merge(e_def, _restore(e_state, pre_p)), nnx.merge(h_def, _restore(h_state, post_p))
+        e_mod, h_mod = nnx.merge(e_def, _restore(e_state, pre_p)), nnx.merge(h_def, _restore(h_state, post_p))
+        for e_path, h_path in tied:            # the head shares the embedding's Variable again
+            node = e_mod
+            for k in e_path:
+                node = node[k] if isinstance(k, int) else getattr(node, k)
+            _share(h_mod, h_path, node)
+        return out, e_mod, h_mod
 
     return model, to_modules
 
