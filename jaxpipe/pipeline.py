@@ -286,6 +286,11 @@ class Pipeline:
             jax.eval_shape(lambda p, b: m.loss(p, b, key=jax.random.PRNGKey(0)), m.params, example)
         except KeyError as e:
             if isinstance(batch, dict) and e.args and e.args[0] in batch:
+                if self.model.context and e.args[0] not in self.model.stage_inputs:
+                    raise ConfigError(
+                        f"the model reads {e.args[0]!r}, which the batch has but the stages do not get: a stage sees "
+                        f"the batch fields named in PipelineModel(stage_inputs=...) (now "
+                        f"{list(self.model.stage_inputs)}) as ctx.inputs; add {e.args[0]!r} there") from None
                 raise                                   # not a missing batch entry: the model's own KeyError
             keys = list(batch) if isinstance(batch, dict) else type(batch).__name__
             raise ConfigError(f"the model reads batch[{e.args[0]!r}], which the batch lacks (it has {keys}); give "

@@ -60,6 +60,11 @@ class Ties:
         self.pairs: Sequence[Tuple[Path, Path]] = [(tuple(a), tuple(b)) for a, b in model.tied]
         for a, b in self.pairs:
             x, y = _get(model.pre_params, a, "pre_params"), _get(model.post_params, b, "post_params")
+            for what, path, v in (("pre_params", a, x), ("post_params", b, y)):
+                if not hasattr(v, "shape"):
+                    kind = f"a dict with keys {sorted(v)}" if isinstance(v, dict) else f"a {type(v).__name__}"
+                    raise ConfigError(f"tied: {what}{list(path)} is {kind}, not an array; a tie names one array "
+                                      f"on each side: extend the path to the leaf, e.g. {list(path) + [sorted(v)[0]] if isinstance(v, dict) and v else list(path)}")
             if jnp.shape(x) != jnp.shape(y) or jnp.result_type(x) != jnp.result_type(y):
                 raise ConfigError(f"tied: pre_params{list(a)} is {jnp.result_type(x)}{list(jnp.shape(x))} but "
                                   f"post_params{list(b)} is {jnp.result_type(y)}{list(jnp.shape(y))}; a tied "

@@ -1,5 +1,6 @@
 """Bad configuration fails early with a message that names the value, the reason and a fix."""
 import jax
+import numpy as np
 import jax.numpy as jnp
 import optax
 import pytest
@@ -52,3 +53,24 @@ def test_bad_microbatches_and_model():
         pipe.loss_and_grad(pipe.init(), {"x": jnp.zeros((4, 3))})
     with pytest.raises(jp.ConfigError, match="no key 'x'"):
         pipe.loss_and_grad(pipe.init(), {"inputs": jnp.zeros((4, 2))})
+
+
+def test_slips_of_a_first_model_get_clear_errors():
+    """A tie naming a dict, a stage reading a field it was not given, interleaving without chunks."""
+    import dataclasses
+    import jax.numpy as jnp
+    from helpers import small_model
+    model, batch_fn = small_model("gpt", 2)
+    with pytest.raises(jp.ConfigError, match="not an array; a tie names one array"):
+        jp.Pipeline(dataclasses.replace(model, tied=[(("tok",), ("out",))]), num_microbatches=2,
+                    mesh=jp.make_mesh(stages=2))
+    ctx_model = jp.PipelineModel(stage_fn=lambda w, x, ctx: x * ctx.inputs["mask"][..., None],
+                                 stage_params=jnp.ones((2, 1)), stage_inputs=("other",),
+                                 post_loss=lambda p, h, b: jnp.mean(h))
+    pipe = jp.Pipeline(ctx_model, num_microbatches=2, mesh=jp.make_mesh(stages=2))
+    batch = {"x": np.ones((4, 3), np.float32), "mask": np.ones((4,), np.float32), "other": np.ones(4, np.float32)}
+    with pytest.raises(jp.ConfigError, match="add 'mask' there"):
+        pipe.loss_and_grad(pipe.init(), batch)
+    with pytest.raises(jp.ConfigError, match="that is plain 1F1B"):
+        jp.Pipeline(small_model("mlp", 2)[0], schedule="interleaved_1f1b", num_microbatches=2,
+                    mesh=jp.make_mesh(stages=2))

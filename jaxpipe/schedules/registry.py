@@ -81,6 +81,11 @@ def _virtual(opts: dict, model_stages: int, devices: int) -> dict:
     """interleaved_1f1b: ``virtual`` (chunks per device) defaults to model_stages / devices."""
     if opts["virtual"] is not None:
         return opts
+    if model_stages == devices:
+        raise ScheduleError(
+            f"interleaved_1f1b: the model has {model_stages} stages for {devices} 'stage' devices, one chunk each: "
+            f"that is plain 1F1B. Interleaving needs several chunks per device: stack {2 * devices} stages "
+            f"(virtual=2), or use schedule='1f1b'")
     if model_stages % devices:
         raise ScheduleError(
             f"interleaved_1f1b: the model has {model_stages} stages, not a multiple of the {devices} 'stage' "
