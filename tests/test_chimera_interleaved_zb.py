@@ -287,3 +287,20 @@ def test_nan_filled_bubbles_stay_finite_with_options_and_data(schedule, D, M, da
     loss, grads = pipe.loss_and_grad(pipe.init(), batch)
     assert np.isfinite(float(loss)) and all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
     assert rel_err(grads, reference(model, batch)[1]) <= 1e-5
+
+
+@pytest.mark.parametrize("schedule,opts", [("chimera", {}), ("interleaved_1f1b", {"virtual": 2}), ("zb_h1", {}),
+                                           ("chimera", {"concat": "backward_halving"})])
+def test_step_is_the_update_of_jax_grad(schedule, opts):
+    """Two steps change the parameters exactly as SGD on jax.grad of the unpipelined model does (the change,
+    not the parameters: a wrong update would hide behind a small learning rate otherwise)."""
+    model, batch_fn = small_model("mlp", 4 * opts.get("virtual", 1))
+    pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=4, optimizer=optax.sgd(0.5),
+                       mesh=jp.make_mesh(stages=4), options=opts or None, nan_bubbles=True)
+    state, p = pipe.init(), model.params
+    for s in range(2):
+        batch = batch_fn(8, s)
+        state, _ = pipe.step(state, batch)
+        p = jax.tree.map(lambda a, g: a - 0.5 * g, p, jax.grad(model.loss)(p, batch))
+    delta = lambda q: jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), q, model.params)
+    assert rel_err(delta(pipe.params(state)), delta(p)) <= 1e-5

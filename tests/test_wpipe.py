@@ -101,7 +101,9 @@ def test_ir_view_validates_and_draws():
     s = schedules.build("wpipe", 4, 4)
     assert s.num_model_stages == 8 and s.M == 4
     s.validate()
-    wp.build_wpipe(4, 4, batches=3).validate().render_text()
+    text = wp.build_wpipe(4, 4, batches=3).validate().render_text()
+    rows = [l for l in text.splitlines() if l.startswith("dev")]
+    assert len(rows) == 4 and all("F" in r and "B" in r for r in rows)
 
 
 def test_errors():
