@@ -1,0 +1,107 @@
+"""The executor's own cost: each schedule's gradient over the plain one-device accumulation of the same
+micro-batches, with every emulated device pinned to ``--cores`` CPU cores (1: nothing runs side by side, so
+the ratio is the work the executor adds, not how emulated devices share cores), beside the textbook scan-GPipe
+(MaxText / praxis pattern: every stage computes every tick, autodiff through the scan) as an anchor.
+
+    python -m experiments.executor_cost --cores=1                      # quiet machine
+    python -m experiments.executor_cost --cores=1 --schedules=1f1b,zb_v,dualpipe_v
+
+The model: ``--layers`` x ``tanh(h @ W)``, W ``--width``^2, each stage a ``lax.scan`` over its layers (the form
+the Flax adapters and MaxText-style models build); D = ``--stages``, M = ``--microbatches``, batch ``--batch``;
+round-robin, medians of ``--rounds``.  Schedules with two chunks per device (interleaved, V-schedules) cut the
+same layers into 2D stages.
+"""
+from __future__ import annotations
+
+import os
+
+from absl import app, flags
+
+flags.DEFINE_integer("cores", 1, "CPU cores the process may use (os.sched_setaffinity); 0: leave as it is")
+flags.DEFINE_string("schedules", "gpipe,1f1b,interleaved_1f1b,zb_h1,zb_v,dualpipe_v,chimera", "schedules to time")
+flags.DEFINE_integer("stages", 4, "devices D (emulated)")
+flags.DEFINE_integer("microbatches", 8, "micro-batches M")
+flags.DEFINE_integer("layers", 8, "layers in total")
+flags.DEFINE_integer("width", 1024, "hidden width")
+flags.DEFINE_integer("batch", 512, "batch size")
+flags.DEFINE_integer("rounds", 7, "timed rounds (median)")
+FLAGS = flags.FLAGS
+
+
+def scan_gpipe(stage_fn, D: int, M: int, mesh):
+    """The textbook scan-GPipe's ``value_and_grad``: every stage computes every one of the M + D - 1 ticks."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    def loss(ws, xs, ys):
+        w, i = ws[0], jax.lax.axis_index("stage")
+        mb = xs.shape[1:]
+
+        def tick(c, t):
+            state, outs = c
+            out = stage_fn(w, jnp.where(i == 0, xs[jnp.clip(t, 0, M - 1)], state))
+            k = t - (D - 1)
+            outs = jnp.where((i == D - 1) & (k >= 0), outs.at[jnp.clip(k, 0, M - 1)].set(out), outs)
+            return (jax.lax.ppermute(out, "stage", [(j, j + 1) for j in range(D - 1)]), outs), None
+        zero = lambda s: jax.lax.pcast(jnp.zeros(s), ("stage",), to="varying")
+        (_, outs), _ = jax.lax.scan(tick, (zero(mb), zero((M,) + mb)), jnp.arange(M + D - 1))
+        return jax.lax.psum(jnp.where(i == D - 1, jnp.mean((outs - ys) ** 2), 0.0), "stage")
+    return jax.jit(jax.value_and_grad(jax.shard_map(loss, mesh=mesh, in_specs=(P("stage"), P(), P()),
+                                                    out_specs=P())))
+
+
+def main(argv):
+    del argv
+    if FLAGS.cores:
+        os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:FLAGS.cores]))
+    from experiments import emulate_cpu_devices
+    D, M, L, H, B = FLAGS.stages, FLAGS.microbatches, FLAGS.layers, FLAGS.width, FLAGS.batch
+    emulate_cpu_devices(D)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import jaxpipe as jp
+    from jaxpipe.bench import interleaved_medians
+
+    W = jax.random.normal(jax.random.PRNGKey(0), (L, H, H)) / np.sqrt(H)
+    x, y = (jax.random.normal(jax.random.PRNGKey(k), (B, H)) for k in (1, 2))
+    stage_fn = lambda w, h: jax.lax.scan(lambda h_, wi: (jnp.tanh(h_ @ wi), None), h, w)[0]
+    loss = lambda w, xb, yb: jnp.mean((stage_fn(w, xb) - yb) ** 2)
+
+    @jax.jit
+    def accum(w, x, y):
+        def body(c, xy):
+            l, g = jax.value_and_grad(loss)(w, *xy)
+            return (c[0] + l / M, c[1] + g / M), None
+        return jax.lax.scan(body, (0.0, jnp.zeros_like(w)), (x.reshape(M, -1, H), y.reshape(M, -1, H)))[0]
+
+    mesh = jax.make_mesh((D,), ("stage",))
+    ws = jax.device_put(W.reshape(D, L // D, H, H), NamedSharding(mesh, P("stage")))
+    xs, ys = (jax.device_put(a.reshape(M, -1, H), NamedSharding(mesh, P())) for a in (x, y))
+    gpipe_anchor = scan_gpipe(stage_fn, D, M, mesh)
+    runs = {"plain accumulation": lambda: accum(W, x, y), "textbook scan-GPipe": lambda: gpipe_anchor(ws, xs, ys)}
+    ref = accum(W, x, y)[1]
+    errs = {"textbook scan-GPipe": gpipe_anchor(ws, xs, ys)[1].reshape(L, H, H)}
+    batch = {"x": x, "y": y}
+    for name in FLAGS.schedules.split(","):
+        S = D * jp.schedules.method(name).stages_per_device({"virtual": 2})
+        model = jp.PipelineModel(stage_fn=stage_fn, stage_params=W.reshape(S, L // S, H, H),
+                                 post_loss=lambda _, h, b: jnp.mean((h - b["y"]) ** 2))
+        pipe = jp.Pipeline(model, schedule=name, num_microbatches=M, mesh=jp.make_mesh(stages=D))
+        state = pipe.init()
+        runs[name] = (lambda p=pipe, s=state: p.loss_and_grad(s, batch))
+        errs[name] = runs[name]()[1][0].reshape(L, H, H)
+    times = interleaved_medians(runs, FLAGS.rounds)
+    base = np.median(times["plain accumulation"])
+    print(f"jax {jax.__version__}, {D} emulated devices on {len(os.sched_getaffinity(0))} core(s); MLP {L} x "
+          f"{H}^2 tanh, each stage a lax.scan over its layers; batch {B}, M={M}; medians of {FLAGS.rounds} rounds")
+    print("| program | ms | x plain accumulation | gradient rel. error |\n|---|---|---|---|")
+    for k, t in times.items():
+        err = 0.0 if k not in errs else float(jnp.linalg.norm(errs[k] - ref) / jnp.linalg.norm(ref))
+        print(f"| {k} | {np.median(t) * 1e3:.1f} | {np.median(t) / base:.3f}x | {err:.1e} |")
+
+
+if __name__ == "__main__":
+    app.run(main)
