@@ -134,6 +134,35 @@ def _run_w_scan(sp, invals, front):
     return ys
 
 
+def _scan_splits(jx, b_set, w_only, dx_vars, dw_vars):
+    """``{equation index: split}`` of the scans over layers in B's part whose outputs W alone needs (the
+    stacked weight gradients): each is cut in two (:func:`_scan_split`)."""
+    read_by = lambda ks: {u for k in ks for u in jx.eqns[k].invars if not _is_literal(u)}
+    need_b_out = read_by(b_set) | set(dx_vars)
+    need_w_out = read_by(w_only) | set(dw_vars)
+    splits = {}
+    for k in sorted(b_set):
+        if jx.eqns[k].primitive.name == "scan":
+            sp = _scan_split(jx.eqns[k], need_b_out, need_w_out)
+            if sp is not None:
+                splits[k] = sp
+    return splits
+
+
+def _frontier(jx, b_set, w_only, splits, dw_vars, w_made):
+    """The values B computes that W reads (in order, once each): W's equations' inputs, the outer inputs of
+    the split scans' weight halves, and weight gradients B makes itself."""
+    b_defined = {v for k in b_set for v in jx.eqns[k].outvars} - w_made
+    front, seen = [], set()
+    w_reads = [u for k in w_only for u in jx.eqns[k].invars] + [
+        sp["eqn"].invars[j] for sp in splits.values() for j in sp["outer_in"]] + list(dw_vars)
+    for v in w_reads:
+        if not _is_literal(v) and v in b_defined and v not in seen:
+            seen.add(v)
+            front.append(v)
+    return front
+
+
 def split_backward(bwd: Callable, w, res, dy, stash_avals) -> Optional[BackwardSplit]:
     """The split of ``bwd(w, res, dy) -> (dw, dx)`` (pytrees) traced at these arguments, or None where it
     would not pay (see the module docstring).  Call it where the executor traces (inside the ``shard_map``)."""
@@ -155,27 +184,11 @@ def split_backward(bwd: Callable, w, res, dy, stash_avals) -> Optional[BackwardS
     b_set = _needed(jx.eqns, dx_vars)
     w_need = _needed(jx.eqns, dw_vars)
     w_only = sorted(w_need - b_set)
-    # a scan over layers in B's part whose outputs W alone needs (the stacked weight gradients) is cut in two
-    read_by = lambda ks: {u for k in ks for u in jx.eqns[k].invars if not _is_literal(u)}
-    need_b_out = read_by(b_set) | set(dx_vars)
-    need_w_out = read_by(w_only) | set(dw_vars)
-    splits = {}
-    for k in sorted(b_set):
-        if jx.eqns[k].primitive.name == "scan":
-            sp = _scan_split(jx.eqns[k], need_b_out, need_w_out)
-            if sp is not None:
-                splits[k] = sp
+    splits = _scan_splits(jx, b_set, w_only, dx_vars, dw_vars)
     if not w_only and not splits:
         return None
     w_made = {sp["eqn"].outvars[i] for sp in splits.values() for i in sp["outs_w"]}
-    b_defined = {v for k in b_set for v in jx.eqns[k].outvars} - w_made
-    front, seen = [], set()
-    w_reads = [u for k in w_only for u in jx.eqns[k].invars] + [
-        sp["eqn"].invars[j] for sp in splits.values() for j in sp["outer_in"]] + list(dw_vars)
-    for v in w_reads:
-        if not _is_literal(v) and v in b_defined and v not in seen:
-            seen.add(v)
-            front.append(v)
+    front = _frontier(jx, b_set, w_only, splits, dw_vars, w_made)
     # a frontier value made by an equation with a jaxpr inside (a remat, a custom rule, a scan that could not
     # be cut) means B would run W's part of that equation too: no split there
     atomic = {v for k in b_set for v in jx.eqns[k].outvars
