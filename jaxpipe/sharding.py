@@ -129,7 +129,7 @@ def like_params(optimizer, state_shapes, param_shapes, shardings, mesh, other=P(
     try:
         return optax.tree_map_params(optimizer, lambda _, sh: sh, state_shapes, shardings,
                                      transform_non_params=lambda _: rep, is_leaf=is_sh)
-    except Exception:
+    except (ValueError, TypeError, KeyError):       # the state's structure does not mirror the parameters
         by_shape = {}
         for a, sh in zip(jax.tree.leaves(param_shapes), jax.tree.leaves(shardings, is_leaf=is_sh)):
             by_shape.setdefault((tuple(np.shape(a)), np.dtype(a.dtype)), sh)
