@@ -82,6 +82,12 @@ def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubble
         _, _, pss, _, _, (loss, _, _, _) = run(one(chunks), one(tuple(() for _ in range(K))), one(pstate), carry,
                                                counters, batch, jnp.asarray(True))
         pss = (pss,) if K == 1 else pss
+        if perms is not None and any(pm is not None for pm in perms):
+            # the replicas' gradients go home by collective-permute only once the loss metric's all-reduce is
+            # done: independent, the two ran in different orders on different devices in XLA CPU's concurrent
+            # thunk executor and deadlocked (once in a CI run: device 0 in the all-reduce, the others in the
+            # permute; BUILD_NOTES, "Traps")
+            loss, pss = jax.lax.optimization_barrier((loss, pss))
         g_w = _stage_gradient(pss, perms, D, pin, permute)
         total = (lambda a: a) if replicas else (lambda a: a.sum(0))
         g_pre = jax.tree.map(lambda *g: sum(total(a) for a in g), *(ps.acc[1] for ps in pss))
