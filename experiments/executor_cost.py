@@ -51,23 +51,27 @@ def scan_gpipe(stage_fn, D: int, M: int, mesh):
                                                     out_specs=P())))
 
 
-def main(argv):
-    del argv
-    if FLAGS.cores:
-        os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:FLAGS.cores]))
-    from experiments import emulate_cpu_devices
-    D, M, L, H, B = FLAGS.stages, FLAGS.microbatches, FLAGS.layers, FLAGS.width, FLAGS.batch
-    emulate_cpu_devices(D)
+def mlp_setup(L: int, H: int, B: int):
+    """The benchmark's model: ``L`` x ``tanh(h @ W)``, each stage a ``lax.scan`` over its layers; W, x, y."""
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    import jaxpipe as jp
-    from jaxpipe.bench import interleaved_medians
-
     W = jax.random.normal(jax.random.PRNGKey(0), (L, H, H)) / np.sqrt(H)
     x, y = (jax.random.normal(jax.random.PRNGKey(k), (B, H)) for k in (1, 2))
     stage_fn = lambda w, h: jax.lax.scan(lambda h_, wi: (jnp.tanh(h_ @ wi), None), h, w)[0]
+    return stage_fn, W, x, y
+
+
+def build_runs(names, D: int, M: int, L: int, H: int, B: int, anchor: bool = True):
+    """``(runs, errs, ref)``: a zero-argument callable per program -- the plain one-device accumulation of
+    the M micro-batches, the scan-GPipe anchor (``anchor``), each schedule's ``loss_and_grad`` -- and each
+    program's stage gradient beside the plain one's (``ref``)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import jaxpipe as jp
+
+    stage_fn, W, x, y = mlp_setup(L, H, B)
     loss = lambda w, xb, yb: jnp.mean((stage_fn(w, xb) - yb) ** 2)
 
     @jax.jit
@@ -77,15 +81,17 @@ def main(argv):
             return (c[0] + l / M, c[1] + g / M), None
         return jax.lax.scan(body, (0.0, jnp.zeros_like(w)), (x.reshape(M, -1, H), y.reshape(M, -1, H)))[0]
 
-    mesh = jax.make_mesh((D,), ("stage",))
-    ws = jax.device_put(W.reshape(D, L // D, H, H), NamedSharding(mesh, P("stage")))
-    xs, ys = (jax.device_put(a.reshape(M, -1, H), NamedSharding(mesh, P())) for a in (x, y))
-    gpipe_anchor = scan_gpipe(stage_fn, D, M, mesh)
-    runs = {"plain accumulation": lambda: accum(W, x, y), "textbook scan-GPipe": lambda: gpipe_anchor(ws, xs, ys)}
+    runs, errs = {"plain accumulation": lambda: accum(W, x, y)}, {}
     ref = accum(W, x, y)[1]
-    errs = {"textbook scan-GPipe": gpipe_anchor(ws, xs, ys)[1].reshape(L, H, H)}
+    if anchor:
+        mesh = jax.make_mesh((D,), ("stage",))
+        ws = jax.device_put(W.reshape(D, L // D, H, H), NamedSharding(mesh, P("stage")))
+        xs, ys = (jax.device_put(a.reshape(M, -1, H), NamedSharding(mesh, P())) for a in (x, y))
+        gpipe_anchor = scan_gpipe(stage_fn, D, M, mesh)
+        runs["textbook scan-GPipe"] = lambda: gpipe_anchor(ws, xs, ys)
+        errs["textbook scan-GPipe"] = gpipe_anchor(ws, xs, ys)[1].reshape(L, H, H)
     batch = {"x": x, "y": y}
-    for name in FLAGS.schedules.split(","):
+    for name in names:
         S = D * jp.schedules.method(name).stages_per_device({"virtual": 2})
         model = jp.PipelineModel(stage_fn=stage_fn, stage_params=W.reshape(S, L // S, H, H),
                                  post_loss=lambda _, h, b: jnp.mean((h - b["y"]) ** 2))
@@ -93,6 +99,27 @@ def main(argv):
         state = pipe.init()
         runs[name] = (lambda p=pipe, s=state: p.loss_and_grad(s, batch))
         errs[name] = runs[name]()[1][0].reshape(L, H, H)
+    return runs, errs, ref
+
+
+def pin_cores(n: int) -> None:
+    """This process (and the threads XLA starts later) on its first ``n`` CPU cores; 0: as it is."""
+    if n:
+        os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:n]))
+
+
+def main(argv):
+    del argv
+    pin_cores(FLAGS.cores)
+    from experiments import emulate_cpu_devices
+    D, M, L, H, B = FLAGS.stages, FLAGS.microbatches, FLAGS.layers, FLAGS.width, FLAGS.batch
+    emulate_cpu_devices(D)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jaxpipe.bench import interleaved_medians
+
+    runs, errs, ref = build_runs(FLAGS.schedules.split(","), D, M, L, H, B)
     times = interleaved_medians(runs, FLAGS.rounds)
     base = np.median(times["plain accumulation"])
     print(f"jax {jax.__version__}, {D} emulated devices on {len(os.sched_getaffinity(0))} core(s); MLP {L} x "

@@ -49,15 +49,20 @@ def op_costs(stage_fn, w, x, devices: int, busy: Sequence[int], reps: int = 8, s
                 return lax.fori_loop(0, reps, lambda i, h: stage_fn(w, h).astype(h.dtype), h)
 
             def b_loop(h):
+                # the weight gradient is added to a carried sum, as the executor does: a scalar sum of it
+                # let XLA skip most of its matmul (W measured at an eighth of B's input part)
                 def one(i, c):
                     dh, acc = c
                     dw, dx = pull(dh)
+                    acc_dw = jax.tree.map(jnp.add, acc, dw)
                     if kind == "W":
-                        return dh, acc + sum(jnp.sum(l) for l in jax.tree.leaves(dw)) * 1e-30
+                        return dh * (1 + 1e-30 * i), acc_dw
                     if kind == "B" and split:
                         return dx.astype(dh.dtype), acc
-                    return dx.astype(dh.dtype), acc + sum(jnp.sum(l) for l in jax.tree.leaves(dw)) * 1e-30
-                return lax.fori_loop(0, reps, one, (h, jnp.zeros((), jnp.float32)))[0]
+                    return dx.astype(dh.dtype), acc_dw
+                zeros = jax.tree.map(jnp.zeros_like, w)
+                dh, acc = lax.fori_loop(0, reps, one, (h, zeros))
+                return dh + 1e-30 * sum(jnp.sum(l[..., :1]) for l in jax.tree.leaves(acc))
 
             run = f_loop if kind == "F" else b_loop
             out = lax.cond(me < n, run, lambda h: h, y)
@@ -73,6 +78,19 @@ def op_costs(stage_fn, w, x, devices: int, busy: Sequence[int], reps: int = 8, s
         xs = sorted(pts)
         out[kind] = [float(np.interp(n, xs, [pts[k] for k in xs])) for n in range(1, devices + 1)]
     return out
+
+
+def layer_costs(stage_fn, w, x, layers: int, reps: int = 8):
+    """:class:`~jaxpipe.tune.lockstep.LayerCosts` per layer, measured on one device: a stage of ``layers``
+    layers (``w``) on one micro-batch ``x``, its F, whole B and zero-bubble's B (the input gradient alone),
+    divided by ``layers``.  W is what the whole B costs beyond the input gradient: the executor's W reads the
+    per-layer output gradients B kept (``runtime.wsplit``), so it runs the weight products alone (W measured
+    apart would back-propagate through the stage again: ``w_from="recompute"``)."""
+    from .lockstep import LayerCosts
+    whole = op_costs(stage_fn, w, x, 1, [1], reps=reps)
+    split = op_costs(stage_fn, w, x, 1, [1], reps=reps, split=True)
+    f, b, b_in = whole["F"][0] / layers, whole["B"][0] / layers, split["B"][0] / layers
+    return LayerCosts(f=f, b=b, b_input=b_in, w=max(b - b_in, 0.0))
 
 
 def p2p_alpha_beta(devices: int, sizes=(1 << 12, 1 << 16, 1 << 20), reps: int = 16):

@@ -1,0 +1,134 @@
+"""What a synchronous schedule's lane plan costs on D real devices, and what it costs on one core (no JAX).
+
+The executor runs a lane plan (:mod:`jaxpipe.schedules.lanes`) in lockstep: every tick runs the lanes its
+phase compiles (F, B, W; F2 where Chimera pairs forwards) one after the other, and each lane ends with one
+``ppermute`` per channel it sends on.  On D real devices a lane lasts as long as its slowest device's op
+(an idle device waits), plus the executor's fixed cost of a lane and its messages:
+
+    T_devices = sum over compiled lane-ticks [ max_d op(d) + tick + channels * (alpha + beta * act_bytes) ]
+                + layout exchange (Chimera: a replica's weights fetched and its gradient sent home)
+
+On one core nothing runs side by side, so the same plan costs the *sum* of every device's work -- what the
+one-core benchmark (``experiments.executor_cost --cores=1``) measures and what this model is checked against:
+
+    T_core = sum over devices and ops of op(d) + D * tick * lane-ticks + messages copied on the core
+
+``op`` is one micro-batch through one stage: layers per stage x the per-layer cost measured on one device
+(:func:`jaxpipe.tune.microbench.layer_costs`): F, the whole backward B, and for the zero-bubble schedules
+their B (input gradient) and W (weight gradient) apart.  ``tick`` -- the executor's own cost of one device's
+compiled lane in one tick (slot reads and writes, the conditionals) -- is the one calibrated number
+(:func:`calibrate_tick`, from one schedule's one-core measurement).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Sequence
+
+import numpy as np
+
+from ..schedules.ir import Schedule
+from ..schedules.lanes import L
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCosts:
+    """Seconds for one micro-batch through ONE layer on one device: ``f`` forward, ``b`` the whole backward,
+    ``b_input`` / ``w`` zero-bubble's input-gradient and weight-gradient parts."""
+    f: float
+    b: float
+    b_input: float
+    w: float
+
+    def scaled(self, k: float) -> "LayerCosts":
+        return LayerCosts(self.f * k, self.b * k, self.b_input * k, self.w * k)
+
+    def op(self, kind: str, split: bool) -> float:
+        return {"F": self.f, "F2": 2 * self.f, "B": self.b_input if split else self.b, "W": self.w}[kind]
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One ``ppermute`` of ``n`` bytes costs ``alpha + beta * n`` seconds (every device sending at once)."""
+    alpha: float
+    beta: float
+
+    def __call__(self, nbytes: float) -> float:
+        return self.alpha + self.beta * nbytes
+
+
+def _lane_ops(s: Schedule, layers_per_stage: float, costs: LayerCosts) -> np.ndarray:
+    """``[tick, device, lane]`` seconds of each planned op (0 where a device is idle in the lane)."""
+    p = s.plan("lanes")
+    split = s.has_w()
+    per_kind = np.array([costs.op(k, split) * layers_per_stage for k in p.lanes])
+    active = p.table[..., L["op"]] > 0
+    return active * per_kind[None, None, :]
+
+
+def _compiled_lane_ticks(s: Schedule) -> np.ndarray:
+    """``[tick, lane]``: 1 where the tick's phase compiles the lane (a lane outside its phase costs nothing)."""
+    p = s.plan("lanes")
+    out = np.zeros((p.num_ticks, len(p.lanes)))
+    for t0, t1, lanes in p.phases:
+        out[t0:t1, list(lanes)] = 1
+    return out
+
+
+def _messages(s: Schedule) -> np.ndarray:
+    """``[tick, lane]`` ppermutes: the lane's channels where it is compiled."""
+    p = s.plan("lanes")
+    return _compiled_lane_ticks(s) * np.array([len(c) for c in p.channels])[None, :]
+
+
+def layout_bytes(s: Schedule, stage_bytes: float) -> float:
+    """Bytes each device moves per step outside the ticks: Chimera's replica of another device's stage,
+    fetched at the step's start and its gradient sent home at its end (the executor's identity layout)."""
+    soc = s.stage_of_chunk()
+    moved = sum(1 for c in range(soc.shape[1]) if s.num_model_stages == s.D and
+                any(int(soc[d, c]) != d for d in range(s.D)))
+    return 2.0 * moved * stage_bytes
+
+
+def predict_devices(s: Schedule, costs: LayerCosts, layers_per_stage: float, tick: float, link: Link,
+                    act_bytes: float, stage_bytes: float) -> Dict[str, float]:
+    """The step's seconds on ``s.D`` real devices (module docstring), and its parts."""
+    ops = _lane_ops(s, layers_per_stage, costs)
+    lanes = _compiled_lane_ticks(s)
+    compute = float(ops.max(axis=1).sum())
+    busy = float(ops.sum() / s.D)                 # one device's share of the work, the bubble-free bound
+    fixed = float(lanes.sum() * tick)
+    msgs = float(_messages(s).sum() * link(act_bytes))
+    n_layout = layout_bytes(s, stage_bytes)
+    layout = link(n_layout / 2) * 2 if n_layout else 0.0
+    return {"step": compute + fixed + msgs + layout, "compute": compute, "busy": busy, "fixed": fixed,
+            "messages": msgs, "layout": layout, "lane_ticks": float(lanes.sum())}
+
+
+def predict_one_core(s: Schedule, costs: LayerCosts, layers_per_stage: float, tick: float, copy: Link,
+                     act_bytes: float, stage_bytes: float) -> Dict[str, float]:
+    """The step's seconds with every device's work on one core (module docstring): ``copy`` is one
+    ``ppermute`` over the D emulated devices (D copies) as measured on that core."""
+    work = float(_lane_ops(s, layers_per_stage, costs).sum())
+    lanes = _compiled_lane_ticks(s)
+    fixed = float(lanes.sum() * s.D * tick)
+    msgs = float(_messages(s).sum() * copy(act_bytes))
+    n_layout = layout_bytes(s, stage_bytes)
+    layout = 2 * copy(n_layout / 2) if n_layout else 0.0
+    return {"step": work + fixed + msgs + layout, "work": work, "fixed": fixed, "messages": msgs,
+            "layout": layout}
+
+
+def calibrate_tick(s: Schedule, costs: LayerCosts, layers_per_stage: float, copy: Link, act_bytes: float,
+                   stage_bytes: float, measured: float, baseline: float = 0.0) -> float:
+    """The per-device, per-lane-tick cost that makes :func:`predict_one_core` of ``s`` equal ``measured``
+    seconds (``baseline``: what the one-core measurement holds besides the plan, e.g. the plain step's
+    own fixed cost; 0 by default).  Clipped at 0."""
+    rest = predict_one_core(s, costs, layers_per_stage, 0.0, copy, act_bytes, stage_bytes)
+    lane_ticks = float(_compiled_lane_ticks(s).sum())
+    return max((measured - baseline - rest["step"]) / (lane_ticks * s.D), 0.0)
+
+
+def fastest(predictions: Dict[str, float]) -> Sequence:
+    """``[(name, seconds, x the fastest)]`` sorted fastest first."""
+    best = min(predictions.values())
+    return [(k, v, v / best) for k, v in sorted(predictions.items(), key=lambda kv: kv[1])]

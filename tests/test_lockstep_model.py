@@ -1,0 +1,94 @@
+"""The lockstep step model (jaxpipe.tune.lockstep): what a lane plan costs on D devices and on one core."""
+import pytest
+
+import jaxpipe as jp
+from jaxpipe.tune import LayerCosts, Link, calibrate_tick, predict_devices, predict_one_core
+from jaxpipe.tune.lockstep import fastest, layout_bytes
+
+UNIT = LayerCosts(f=1.0, b=2.0, b_input=1.0, w=1.0)
+FREE = Link(0.0, 0.0)
+
+
+def build(name, D=4, M=8):
+    keys = jp.schedules.method(name).builder_keys
+    return jp.schedules.build(name, D, M, **({"virtual": 2} if "virtual" in keys else {}))
+
+
+def per_stage(s, layers=None):
+    return (layers or s.num_model_stages) / s.num_model_stages
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved_1f1b", "chimera", "zb_h1", "zb_v"])
+def test_device_compute_is_the_plans_lockstep_makespan(name):
+    s = build(name)
+    lps = 4 / s.num_model_stages                  # a 4-layer model: chunks of two-chunk schedules at half cost
+    p = predict_devices(s, UNIT, lps, 0.0, FREE, 1.0, 1.0)
+    plan = s.plan("lanes")
+    split = s.has_w()
+    assert p["compute"] == pytest.approx(plan.lockstep_makespan(f=lps, b=(1.0 if split else 2.0) * lps,
+                                                               w=lps if split else 0.0))
+    assert p["busy"] <= p["compute"]
+
+
+def test_fewer_bubbles_are_predicted_faster_as_the_simulator_says():
+    # the issue's figures at D = 4, M = 8, b = 2f, chunks at half cost: 1F1B 33, interleaved 28.5, Chimera 30
+    got = {n: predict_devices(build(n), UNIT, 4 / build(n).num_model_stages, 0.0, FREE, 1.0, 1.0)["compute"]
+           for n in ("1f1b", "interleaved_1f1b", "chimera")}
+    assert got == {"1f1b": 33.0, "interleaved_1f1b": 28.5, "chimera": 30.0}
+    order = fastest(got)
+    assert [n for n, _, _ in order] == ["interleaved_1f1b", "chimera", "1f1b"]
+    assert order[-1][2] == pytest.approx(33 / 28.5)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "interleaved_1f1b", "zb_h1", "chimera"])
+def test_one_core_work_is_every_op_of_every_micro_batch(name):
+    s = build(name, 4, 8)
+    lps = 8 / s.num_model_stages
+    p = predict_one_core(s, UNIT, lps, 0.0, FREE, 1.0, 1.0)
+    per_mb = (UNIT.f + UNIT.b_input + UNIT.w) if s.has_w() else (UNIT.f + UNIT.b)
+    assert p["work"] == pytest.approx(8 * 8 * per_mb)          # M micro-batches through 8 layers
+    assert p["fixed"] == 0.0 and p["messages"] == 0.0
+
+
+def test_fixed_cost_counts_the_compiled_lanes_of_every_phase():
+    s = build("zb_h1")
+    lane_ticks = sum((t1 - t0) * len(lanes) for t0, t1, lanes in s.plan("lanes").phases)
+    p = predict_devices(s, UNIT, 1.0, 0.5, FREE, 1.0, 1.0)
+    assert p["lane_ticks"] == lane_ticks and p["fixed"] == pytest.approx(0.5 * lane_ticks)
+    core = predict_one_core(s, UNIT, 1.0, 0.5, FREE, 1.0, 1.0)
+    assert core["fixed"] == pytest.approx(0.5 * lane_ticks * s.D)
+
+
+def test_calibrate_tick_inverts_the_one_core_prediction():
+    s = build("interleaved_1f1b")
+    copy = Link(1e-5, 1e-9)
+    measured = predict_one_core(s, UNIT, 0.5, 0.003, copy, 4096.0, 1e6)["step"]
+    assert calibrate_tick(s, UNIT, 0.5, copy, 4096.0, 1e6, measured) == pytest.approx(0.003)
+    assert calibrate_tick(s, UNIT, 0.5, copy, 4096.0, 1e6, 0.0) == 0.0        # clipped, never negative
+
+
+def test_messages_and_layout():
+    link = Link(1.0, 0.0)            # one second per message, whatever its size
+    one, chim = build("1f1b"), build("chimera")
+    # 1F1B: the F lane sends on one channel, the B lane on one, each where its phase compiles it
+    ch = sum((t1 - t0) * len(lanes) for t0, t1, lanes in one.plan("lanes").phases)
+    assert predict_devices(one, UNIT, 1.0, 0.0, link, 1.0, 1.0)["messages"] == ch
+    # Chimera: both directions every compiled lane; the replica fetched and its gradient sent home
+    assert predict_devices(chim, UNIT, 1.0, 0.0, link, 1.0, 1.0)["messages"] == 2 * sum(
+        (t1 - t0) * len(lanes) for t0, t1, lanes in chim.plan("lanes").phases)
+    assert layout_bytes(chim, 100.0) == 200.0 and layout_bytes(one, 100.0) == 0.0
+    assert layout_bytes(build("interleaved_1f1b"), 100.0) == 0.0
+    assert predict_devices(chim, UNIT, 1.0, 0.0, link, 1.0, 1.0)["layout"] == 2.0
+
+
+def test_layer_costs_measured_on_one_device():
+    import jax
+    import jax.numpy as jnp
+    from jaxpipe.tune.microbench import layer_costs
+    w = jax.random.normal(jax.random.PRNGKey(0), (2, 64, 64)) / 8
+    x = jnp.ones((16, 64))
+    stage = lambda w, h: jax.lax.scan(lambda h_, wi: (jnp.tanh(h_ @ wi), None), h, w)[0]
+    c = layer_costs(stage, w, x, 2, reps=2)
+    assert c.f > 0 and c.b > 0 and c.b_input > 0 and c.w >= 0
+    assert c.w == pytest.approx(max(c.b - c.b_input, 0.0))
+    assert c.scaled(2.0).f == pytest.approx(2 * c.f)
