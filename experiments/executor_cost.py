@@ -5,11 +5,18 @@ the ratio is the work the executor adds, not how emulated devices share cores), 
 
     python -m experiments.executor_cost --cores=1                      # quiet machine
     python -m experiments.executor_cost --cores=1 --schedules=1f1b,zb_v,dualpipe_v
+    python -m experiments.executor_cost --cores=1 --keep_freed_memory   # without the allocator's page faults
 
 The model: ``--layers`` x ``tanh(h @ W)``, W ``--width``^2, each stage a ``lax.scan`` over its layers (the form
 the Flax adapters and MaxText-style models build); D = ``--stages``, M = ``--microbatches``, batch ``--batch``;
 round-robin, medians of ``--rounds``.  Schedules with two chunks per device (interleaved, V-schedules) cut the
 same layers into 2D stages.
+
+On XLA CPU every execution allocates its large buffers afresh (outputs and temps), and glibc's malloc maps
+buffers that large anew and returns them when freed, so each step page-faults its whole footprint again: a
+program that allocates more per step (Chimera: the fetched replica, a second gradient sum, the sum sent home)
+pays for it in time although it computes no more.  ``--keep_freed_memory`` measures with glibc keeping what
+is freed, as GPU allocators pool memory.
 """
 from __future__ import annotations
 
@@ -25,7 +32,15 @@ flags.DEFINE_integer("layers", 8, "layers in total")
 flags.DEFINE_integer("width", 1024, "hidden width")
 flags.DEFINE_integer("batch", 512, "batch size")
 flags.DEFINE_integer("rounds", 7, "timed rounds (median)")
+flags.DEFINE_bool("keep_freed_memory", False, "run with glibc keeping freed memory (MALLOC_MMAP_THRESHOLD_, "
+                  "MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_; the process starts again with them): XLA CPU allocates "
+                  "each execution's large buffers afresh, and with glibc's defaults every step maps and page-faults "
+                  "them anew -- a cost in proportion to the buffers a step allocates that GPU allocators, which "
+                  "pool memory, do not have")
 FLAGS = flags.FLAGS
+#: glibc's malloc told to keep what is freed (no per-step mmap/munmap of large buffers)
+KEEP_FREED = {"MALLOC_MMAP_THRESHOLD_": str(1 << 34), "MALLOC_TRIM_THRESHOLD_": str(1 << 34),
+              "MALLOC_TOP_PAD_": str(1 << 30)}
 
 
 def scan_gpipe(stage_fn, D: int, M: int, mesh):
@@ -108,8 +123,20 @@ def pin_cores(n: int) -> None:
         os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:n]))
 
 
+def keep_freed_memory(module: str) -> str:
+    """Where ``--keep_freed_memory`` is set: this runner started again with :data:`KEEP_FREED` in its
+    environment (glibc reads it at start-up); returns the line that says which allocator the figures are for."""
+    import sys
+    if FLAGS.keep_freed_memory and any(os.environ.get(k) != v for k, v in KEEP_FREED.items()):
+        os.execve(sys.executable, [sys.executable, "-m", module] + sys.argv[1:], {**os.environ, **KEEP_FREED})
+    if all(os.environ.get(k) == v for k, v in KEEP_FREED.items()):
+        return "glibc keeps freed memory (--keep_freed_memory)"
+    return "glibc's default allocator (each step maps its large buffers afresh; --keep_freed_memory: not)"
+
+
 def main(argv):
     del argv
+    alloc = keep_freed_memory("experiments.executor_cost")
     pin_cores(FLAGS.cores)
     from experiments import emulate_cpu_devices
     D, M, L, H, B = FLAGS.stages, FLAGS.microbatches, FLAGS.layers, FLAGS.width, FLAGS.batch
@@ -123,7 +150,8 @@ def main(argv):
     times = interleaved_medians(runs, FLAGS.rounds)
     base = np.median(times["plain accumulation"])
     print(f"jax {jax.__version__}, {D} emulated devices on {len(os.sched_getaffinity(0))} core(s); MLP {L} x "
-          f"{H}^2 tanh, each stage a lax.scan over its layers; batch {B}, M={M}; medians of {FLAGS.rounds} rounds")
+          f"{H}^2 tanh, each stage a lax.scan over its layers; batch {B}, M={M}; medians of {FLAGS.rounds} rounds; "
+          f"{alloc}")
     print("| program | ms | x plain accumulation | gradient rel. error |\n|---|---|---|---|")
     for k, t in times.items():
         err = 0.0 if k not in errs else float(jnp.linalg.norm(errs[k] - ref) / jnp.linalg.norm(ref))

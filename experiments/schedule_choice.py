@@ -104,6 +104,7 @@ def real_devices(names, costs, tick, H, mb):
 
 def main(argv):
     del argv
+    alloc = executor_cost.keep_freed_memory("experiments.schedule_choice")
     executor_cost.pin_cores(FLAGS.cores)
     from experiments import emulate_cpu_devices
     D, M, L, H, B = FLAGS.stages, FLAGS.microbatches, FLAGS.layers, FLAGS.width, FLAGS.batch
@@ -119,7 +120,7 @@ def main(argv):
     k = L // D
     costs = layer_costs(stage_fn, W[:k], x[:B // M], k)
     copy = Link(*p2p_alpha_beta(D))
-    print(f"jax {jax.__version__}, {D} emulated devices on {len(os.sched_getaffinity(0))} core(s). Per layer and "
+    print(f"jax {jax.__version__}, {D} emulated devices on {len(os.sched_getaffinity(0))} core(s), {alloc}. Per layer and "
           f"micro-batch ({B // M} x {H}): F {costs.f * 1e3:.3f} ms, B {costs.b * 1e3:.3f}, zero-bubble B "
           f"{costs.b_input * 1e3:.3f} + W {costs.w * 1e3:.3f}; one ppermute over {D} devices here: "
           f"{copy.alpha * 1e6:.0f} us + {copy.beta * 1e9:.2f} ns/byte")
