@@ -107,6 +107,7 @@ class CyclicDataParallel:
         # tied arrays: held once, in stage 0's pre; a micro-batch reads the version its stage-0 forward read
         # (carried with its activation) and its head gradient joins that micro-batch's stage-0 gradient
         self.ties = Ties(model)
+        self.ties.check_values(model)
         self.periodic = cyc.stream(N)
         self.policies = tuple(cyclic_dp(optimizer, N, j, rule) for j in range(N))
         # behind the runner protocol (jaxpipe.runners): the no-flush runner's state, set-up and drain loop

@@ -109,6 +109,7 @@ class Pipeline:
         from .tying import Ties
         from .sharding import check_model_axes_used, param_shardings
         ties = Ties(model)
+        ties.check_values(model)
         self.param_shardings = param_shardings(model, mesh, ties)
         self.batch_axes = check_model_axes_used(model, mesh, batch_axes)
         self.context = RunContext(
@@ -318,6 +319,11 @@ def _merge_legacy(schedule: str, options: Optional[dict], **legacy) -> dict:
         new = {"virtual": value} if kw == "virtual" else value
         if not isinstance(new, dict):
             raise ConfigError(f"{kw}={value!r}: give a dict of {owner}'s options")
+        clash = {k: (out[k], v) for k, v in new.items() if k in (options or {}) and options[k] != v}
+        if clash:
+            raise ConfigError(f"{kw}={value!r} and options={options!r} disagree on "
+                              + ", ".join(f"{k!r} ({a!r} in options, {b!r} in {kw}=)" for k, (a, b) in clash.items())
+                              + f"; give them once, in options= ({kw}= is deprecated)")
         warnings.warn(f"Pipeline({kw}={value!r}) is deprecated: use Pipeline(..., options={new!r})",
                       DeprecationWarning, stacklevel=3)
         out.update(new)

@@ -74,6 +74,25 @@ class Ties:
     def __bool__(self):
         return bool(self.pairs)
 
+    def check_values(self, model) -> None:
+        """ConfigError where a tie's two arrays hold different values: the pipeline holds the pre one only, so
+        the post one would be dropped silently (abstract arrays -- shapes only -- are not compared)."""
+        import numpy as np
+        for a, b in self.pairs:
+            x, y = _get(model.pre_params, a, "pre_params"), _get(model.post_params, b, "post_params")
+            if x is y or not all(isinstance(v, (jax.Array, np.ndarray)) for v in (x, y)):
+                continue
+            if isinstance(x, jax.core.Tracer) or isinstance(y, jax.core.Tracer):
+                continue
+            xa, ya = np.asarray(x), np.asarray(y)
+            if not np.array_equal(xa, ya, equal_nan=True):
+                diff = float(np.max(np.abs(xa.astype(np.float64) - ya.astype(np.float64))))
+                raise ConfigError(
+                    f"tied: pre_params{list(a)} and post_params{list(b)} hold different values (largest "
+                    f"difference {diff:.3g}); a tied array is one array and the pipeline keeps the pre one, so "
+                    f"the post one would be dropped silently. Give the same array on both sides (post_params "
+                    f"built from pre_params), or remove the tie to train two arrays")
+
     def strip(self, params):
         """The train state's form: ``None`` at every tied post path."""
         s, pre, post = params

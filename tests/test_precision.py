@@ -85,3 +85,16 @@ def test_bad_precision_is_a_clear_error():
     with pytest.raises(jp.ConfigError, match="loss_scale"):
         jp.Pipeline(model, schedule="pipedream", num_microbatches=2, optimizer=optax.sgd(0.1),
                     mesh=jp.make_mesh(stages=2), precision=jp.Precision(loss_scale=8.0))
+
+
+def test_float16_without_a_loss_scale_is_refused():
+    """float16's 5 exponent bits flush small gradients to zero: without a loss scale it is refused, naming
+    both ways out; with one it builds (the synchronous schedules unscale before the update)."""
+    for kw in ({"compute": "float16"}, {"params": "float16", "compute": "float16"}):
+        with pytest.raises(jp.ConfigError, match=r"without a loss scale: float16 flushes gradients .* "
+                                                 r"loss_scale=2\*\*12.* compute='bfloat16'"):
+            jp.Precision(**kw)
+    assert jp.Precision(compute="float16", loss_scale=2.0 ** 12).loss_scale == 4096.0
+    assert jp.Precision(compute="bfloat16").loss_scale == 1.0
+    with pytest.raises(jp.ConfigError, match="positive number"):
+        jp.Precision(loss_scale=True)

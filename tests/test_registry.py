@@ -76,3 +76,47 @@ def _name_comparisons(path):
 def test_the_pipeline_and_its_runners_never_ask_a_method_name():
     files = ["jaxpipe/pipeline.py", "jaxpipe/optim/policies.py"] + glob.glob("jaxpipe/runners/*.py")
     assert {f: _name_comparisons(f) for f in files} == {f: 0 for f in files}
+
+
+@pytest.mark.parametrize("name, opts, says", [
+    ("wpipe", {"apc": "false"}, r"options\['apc'\]='false' \(str\); it must be True or False"),
+    ("wpipe", {"recompute": 1}, r"options\['recompute'\]=1 \(int\); it must be True or False"),
+    ("chimera", {"eager_reduce": "no"}, r"options\['eager_reduce'\]='no'"),
+    ("chimera", {"pipelines": 2.0}, r"options\['pipelines'\]=2.0 \(float\); it must be an integer >= 2"),
+    ("chimera", {"concat": "doubling"}, r"one of 'direct', 'forward_doubling', 'backward_halving'"),
+    ("zb_h1", {"max_deferred_w": 2.7}, r"options\['max_deferred_w'\]=2.7 \(float\); it must be an integer >= 0, "
+                                       r"or None"),
+    ("zb_v", {"w_from": "frontiers"}, r"one of 'frontier', 'recompute'"),
+    ("avgpipe", {"advance": -1}, r"an integer >= 0, or 'auto'"),
+    ("avgpipe", {"alpha": 1.5}, r"a number >= 0 <= 1"),
+    ("pipeoptim", {"prediction": "decay"}, r"one of 'update', 'decay_free'"),
+    ("pipedream_2bw", {"timeline": "lane"}, r"one of 'auto', 'lanes', 'alternating'"),
+    ("interleaved_1f1b", {"virtual": 1}, r"an integer >= 2, or None"),
+])
+def test_option_types_and_ranges_are_checked_before_anything_is_built(name, opts, says):
+    with pytest.raises(schedules.ScheduleError, match=says):
+        schedules.options_for(name, 8, 4, opts)
+
+
+@pytest.mark.parametrize("name, opts", [
+    ("wpipe", {"apc": True, "recompute": False}), ("chimera", {"pipelines": 4, "eager_reduce": True}),
+    ("zb_h1", {"max_deferred_w": 3}), ("avgpipe", {"advance": 2, "alpha": 0.25, "memory_limit": 1.5}),
+    ("pipeoptim", {"distance": "code", "prediction": "decay_free"}), ("interleaved_1f1b", {"virtual": 2}),
+])
+def test_well_typed_options_pass(name, opts):
+    import numpy as np
+    out = schedules.options_for(name, 8, 4, opts)
+    assert all(out[k] == v for k, v in opts.items())
+    if name == "zb_h1":                        # a NumPy integer is an integer
+        assert schedules.options_for(name, 8, 4, {"max_deferred_w": np.int64(3)})["max_deferred_w"] == 3
+
+
+def test_a_deprecated_keyword_that_contradicts_options_is_refused():
+    model, _ = small_model("mlp", 4)
+    kw = dict(schedule="chimera", num_microbatches=8, optimizer=optax.sgd(0.1), mesh=jp.make_mesh(stages=4))
+    with pytest.raises(jp.ConfigError, match=r"disagree on 'concat' \('direct' in options, 'backward_halving' in "
+                                             r"chimera=\)"):
+        jp.Pipeline(model, options={"concat": "direct"}, chimera={"concat": "backward_halving"}, **kw)
+    with pytest.warns(DeprecationWarning):       # agreeing, or on other keys: merged
+        p = jp.Pipeline(model, options={"pipelines": 2}, chimera={"concat": "backward_halving"}, **kw)
+    assert p.options["concat"] == "backward_halving"

@@ -92,6 +92,15 @@ def test_tying_is_checked():
     bad = dataclasses.replace(model, post_params={**model.post_params, "emb": model.post_params["emb"].T})
     with pytest.raises(jp.ConfigError, match="transpose inside"):
         jp.Pipeline(bad, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.1), mesh=jp.make_mesh(stages=2))
+    # two arrays of one shape but different values: the post one would be dropped silently
+    other = dataclasses.replace(model, post_params={**model.post_params, "emb": model.post_params["emb"] * 2})
+    for schedule in ("1f1b", "pipeoptim"):
+        with pytest.raises(jp.ConfigError, match=r"pre_params\['emb'\] and post_params\['emb'\] hold different "
+                                                 r"values \(largest difference [0-9.e+-]+\)"):
+            jp.Pipeline(other, schedule=schedule, num_microbatches=2, optimizer=optax.sgd(0.1),
+                        mesh=jp.make_mesh(stages=2))
+    copy = dataclasses.replace(model, post_params={**model.post_params, "emb": jnp.array(model.post_params["emb"])})
+    jp.Pipeline(copy, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.1), mesh=jp.make_mesh(stages=2))
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "pipeoptim"])

@@ -113,6 +113,13 @@ MODES = {"reduction": {"update": (), "sum": ("finish",), "ring": ("apply_sum", "
          "landing": {"none": (), "in_scan": ("land", "lands"), "call_end": ("land", "lands")}}
 
 
+
+def per_count(a, count):
+    """A (sum, count) loss's summed gradient over its count; where the count is 0 (every token masked) the sum
+    is 0 too and so is the result -- the micro-batch contributes nothing instead of 0/0 = NaN."""
+    n = count.astype(a.dtype)
+    return a / jnp.where(n > 0, n, jnp.ones_like(n))
+
 def check(policy: WeightPolicy) -> WeightPolicy:
     """``policy`` if every declared mode is known and has the hooks it needs; ConfigError naming them otherwise."""
     for field, modes in MODES.items():
@@ -219,7 +226,7 @@ def pipedream_2bw(opt: optax.GradientTransformation, num_stages: int, num_microb
         # batch b's gradient is complete: w(n+1) = w(n) + update(mean gradient of batch b, read on w(n-1))
         p = b % K
         acc = jax.tree.map(lambda a: a[p], ps.acc)
-        div = (lambda a: a / ps.count[p].astype(a.dtype)) if counting else (lambda a: a / M)
+        div = (lambda a: per_count(a, ps.count[p])) if counting else (lambda a: a / M)
         new, opt_state, _ = _apply(opt, jax.tree.map(div, acc), lp, opt_state)
         return new, opt_state, TwoBWState(lp, jax.tree.map(lambda a: a.at[p].set(0), ps.acc), ps.n_updates + 1,
                                           ps.count.at[p].set(0.0))
@@ -256,7 +263,7 @@ def accumulate(opt: optax.GradientTransformation, num_microbatches: int, name: s
         return AccumState(jax.tree.map(jnp.zeros_like, lp), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
 
     def land(lp, opt_state, ps, counting=False, b=0):
-        div = (lambda a: a / ps.count.astype(a.dtype)) if counting else (lambda a: a / M)
+        div = (lambda a: per_count(a, ps.count)) if counting else (lambda a: a / M)
         new, opt_state, _ = _apply(opt, jax.tree.map(div, ps.acc), lp, opt_state)
         return new, opt_state, AccumState(jax.tree.map(jnp.zeros_like, ps.acc), ps.n_updates + 1,
                                           jnp.zeros((), jnp.float32))
@@ -279,7 +286,7 @@ def gradient(num_microbatches: int, name: str = "gradient") -> WeightPolicy:
         return AccumState(acc, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
 
     def finish(ps, reduce, count=None):
-        div = (lambda a: a / count.astype(a.dtype)) if count is not None else (lambda a: a / M)
+        div = (lambda a: per_count(a, count)) if count is not None else (lambda a: a / M)
         return ps._replace(acc=jax.tree.map(div, reduce(ps.acc)))
 
     return WeightPolicy(name, init, lambda lp, ps, i, s: (lp, ps), lambda lp, ps, i, s: lp, _add_to_sums,
@@ -316,7 +323,7 @@ def cyclic_dp(opt: optax.GradientTransformation, num_workers: int, stage: int, r
         return jax.tree.map(lambda a, b: jnp.where(ps.n_updates == version(i), a, b), lp, ps.shadow)
 
     def apply_sum(g_sum, count, lp, opt_state, counting=False):
-        g = jax.tree.map(lambda a: a / (count.astype(a.dtype) if counting else N), g_sum)
+        g = jax.tree.map(lambda a: per_count(a, count) if counting else a / N, g_sum)
         new, opt_state, _ = _apply(opt, g, lp, opt_state)
         return new, opt_state
 

@@ -72,8 +72,9 @@ def _microbatch_grads(model, ties, fwd, bwd, ctx_of, x0, wF, wB, mb, i, by_count
         loss = loss_sum / n_mb
     else:
         n_mb = 1.0
-        loss, (gpost, dy) = jax.value_and_grad(lambda q, y: (lambda sc: sc[0] / sc[1])(terms(q, y)),
-                                               argnums=(0, 1))(q_last, x)
+        # a micro-batch whose every token is masked (count 0) contributes nothing (its sum is 0 too)
+        loss, (gpost, dy) = jax.value_and_grad(
+            lambda q, y: (lambda sc: sc[0] / jnp.where(sc[1] > 0, sc[1], 1.0))(terms(q, y)), argnums=(0, 1))(q_last, x)
     gpost, g_tied = ties.take_post(gpost)
     grads = [None] * D
     for s in reversed(range(D)):
@@ -142,7 +143,7 @@ def serial_reference(model, method: str, opt: optax.GradientTransformation, num_
                     step_count += n_mb
                 if i % M != M - 1:
                     continue
-                div = M if not summed else step_count
+                div = M if not summed else (step_count if step_count > 0 else 1.0)
                 g, acc[s] = jax.tree.map(lambda a: a / div, acc[s]), None
                 if s == D - 1:
                     step_count = 0.0

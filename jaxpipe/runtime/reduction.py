@@ -62,7 +62,8 @@ class AllReduce:
         elif prog.summed:
             # (sum, count): this micro-batch's loss over every replica's real tokens -- scaled here so
             # that the pmean over replicas in B gives sum over replicas / global count
-            scale = prog.n_red / n_glob
+            # a micro-batch whose every token is masked (count 0) contributes nothing, not 0/0
+            scale = jnp.where(n_glob > 0, prog.n_red / jnp.where(n_glob > 0, n_glob, 1.0), 0.0)
             l, gq, gt, dy = l * scale, *jax.tree.map(lambda g: g * scale.astype(g.dtype), (gq, gt, dy))
         return blank(prog, tr), res, cast(dy, prog.x_aval), gq, l.astype(jnp.float32), blank_tie(prog, tr), gt, n_glob
 

@@ -22,12 +22,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .asynchronous import builder as no_flush_builder
+from .asynchronous import TIMELINES, builder as no_flush_builder
 from .avgpipe import build_avgpipe
-from .chimera import build_chimera
+from .chimera import CONCATS, build_chimera
 from .gpipe import build_gpipe
 from .interleaved import build_interleaved_1f1b
 from .ir import ScheduleError
+from .option_types import BOOL, Opt, check_options
 from .one_f_one_b import build_1f1b
 from .v_shape import build_dualpipe_v, build_zb_v
 from .wpipe import build_wpipe_step
@@ -58,6 +59,7 @@ class Method:
     reference: Optional[Callable] = None
     legacy_keyword: Optional[str] = None  # the deprecated Pipeline(<keyword>=...) that carried its options
     tunable: bool = False               # considered by the configuration search (jaxpipe.tune)
+    types: Dict[str, Opt] = dataclasses.field(default_factory=dict)   # each option's type and range
 
     def resolve(self, user: Optional[dict], model_stages: int, devices: int) -> dict:
         """The method's full options: its defaults updated with ``user``'s; unknown keys are a
@@ -70,6 +72,7 @@ class Method:
             raise ScheduleError(
                 f"{self.name}: unknown option(s) {unknown}; known: {sorted(self.options) or 'none'}"
                 + (f" ({where})" if where else ""))
+        check_options(self.name, user, self.types)
         return self.finish({**self.options, **user}, model_stages, devices)
 
     def builder_options(self, opts: dict) -> dict:
@@ -123,10 +126,14 @@ def _momentum_predicted(s, i, b, D, M, h, u, axpy):
     return axpy(s // 2 + D - 1 - s, u[c], h[c]), axpy(s // 2, u[i], h[i])
 
 
+W_FROM = {"w_from": Opt("choice", choices=("frontier", "recompute"))}
+
+
 def _async(name, versions, paper, reference, per_batch=False, accumulating=False, **kw):
     """An asynchronous 1F1B-family method: the periodic no-flush 1F1B under its weight policy."""
     opts = dict(options={"timeline": "auto"}, builder_keys=("timeline",),
-                to_builder=lambda o: {"timeline_choice": o["timeline"]}) if per_batch else {}
+                to_builder=lambda o: {"timeline_choice": o["timeline"]},
+                types={"timeline": Opt("choice", choices=TIMELINES)}) if per_batch else {}
     opts.update(kw)
     return Method(name, False, True, _one, paper, builder=no_flush_builder(name, versions, per_batch),
                   runner="async", policy=name, weight_versions=versions, per_batch_rule=per_batch,
@@ -140,27 +147,34 @@ METHODS: Dict[str, Method] = {m.name: m for m in [
            tunable=True),
     Method("interleaved_1f1b", True, False, lambda o: int(o.get("virtual") or 2), "Narayanan et al. 2021, §2.2",
            builder=build_interleaved_1f1b, options={"virtual": None}, builder_keys=("virtual",), finish=_virtual,
-           legacy_keyword="virtual", tunable=True),
+           legacy_keyword="virtual", tunable=True, types={"virtual": Opt("int", minimum=2, none_ok=True)}),
     Method("zb_h1", True, False, _one, "Qi et al. 2024, Zero Bubble (ZB-H1)", builder=build_zb_h1,
            options={"max_deferred_w": None, "w_from": "frontier"}, builder_keys=("max_deferred_w", "w_from"),
-           legacy_keyword="zb", tunable=True),
+           legacy_keyword="zb", tunable=True,
+           types={"max_deferred_w": Opt("int", minimum=0, none_ok=True), **W_FROM}),
     Method("zb_v", True, False, lambda o: 2, "Qi et al. 2024, Zero Bubble (ZB-V: two chunks per device in a V)",
-           builder=build_zb_v, options={"w_from": "frontier"}, builder_keys=("w_from",)),
+           builder=build_zb_v, options={"w_from": "frontier"}, builder_keys=("w_from",), types=W_FROM),
     Method("dualpipe_v", True, False, lambda o: 2, "DeepSeek-AI 2025, DualPipeV (DualPipe cut in half: a V)",
-           builder=build_dualpipe_v, options={"w_from": "frontier"}, builder_keys=("w_from",)),
+           builder=build_dualpipe_v, options={"w_from": "frontier"}, builder_keys=("w_from",), types=W_FROM),
     Method("chimera", True, False, _one, "Li & Hoefler 2021, Chimera", builder=build_chimera,
            options={"pipelines": 2, "concat": "direct", "eager_reduce": False, "double_batch": False},
            builder_keys=("pipelines", "concat", "eager_reduce", "double_batch"),
            recompute=lambda o: o.get("concat") == "forward_doubling",     # §3.5
-           legacy_keyword="chimera", tunable=True),
+           legacy_keyword="chimera", tunable=True,
+           types={"pipelines": Opt("int", minimum=2), "eager_reduce": BOOL, "double_batch": BOOL,
+                  "concat": Opt("choice", choices=CONCATS)}),
     Method("avgpipe", False, True, _one, "AvgPipe: elastic averaging of parallel pipelines", runner="avgpipe",
            builder=build_avgpipe,
            options={"alpha": None, "advance": "auto", "memory_limit": None, "tolerance": 0.02, "shared": None},
-           builder_keys=("advance",), to_builder=_auto_advance, legacy_keyword="avgpipe"),
+           builder_keys=("advance",), to_builder=_auto_advance, legacy_keyword="avgpipe",
+           types={"alpha": Opt("number", minimum=0, maximum=1, none_ok=True), "advance": Opt("int", minimum=0,
+                  literals=("auto",)), "memory_limit": Opt("number", above=0, none_ok=True),
+                  "tolerance": Opt("number", minimum=0), "shared": Opt("int", minimum=1, none_ok=True)}),
     # eq. (1): G0 (stages < D/2 of the 2D-partition model) one delay, G1 none
     Method("wpipe", False, True, lambda o: 2, "Yang et al., WPipe (2GW)", runner="async", policy="wpipe",
            builder=build_wpipe_step, options={"recompute": False, "apc": False},   # WPipe-R §3.3; APC appendix A.3
            recompute=lambda o: bool(o.get("recompute")), accumulating=True, legacy_keyword="wpipe",
+           types={"recompute": BOOL, "apc": BOOL},
            reference=lambda s, i, b, D, M, h, u, axpy: _same(max(b - 1, 0) if s < D // 2 else b)(h)),
     _async("pipedream", lambda D: [D - s for s in range(D)], "Narayanan et al. 2019, PipeDream (weight stashing)",
            _stashed),
@@ -169,7 +183,9 @@ METHODS: Dict[str, Method] = {m.name: m for m in [
     # SpecTrain holds the weights and the momentum step; PipeOptim's last stage predicts nothing
     _async("spectrain", _two, "Chen et al. 2018, SpecTrain", _momentum_predicted),
     _async("pipeoptim", lambda D: [2] * (D - 1) + [1], "Guan et al., PipeOptim", _predicted,
-           options={"distance": "paper", "prediction": "update"}, policy_keys=("distance", "prediction")),
+           options={"distance": "paper", "prediction": "update"}, policy_keys=("distance", "prediction"),
+           types={"distance": Opt("choice", choices=("paper", "code")),
+                  "prediction": Opt("choice", choices=("update", "decay_free"))}),
     # Cyclic Data Parallelism, pipeline form: CDP-v1 is 2BW's rule; CDP-v2 (eq. CDP-v2): micro-batch j reads the
     # fresh version w(b) on stages s >= D - 1 - j
     _async("cdp_v1", _two, "Fournier & Oyallon, Cyclic Data Parallelism (v1, pipeline form)",
