@@ -62,7 +62,7 @@ def launch(args, num_processes: int, module: str = "experiments.train", port: in
 
     def forward(signum, _frame):
         # SIGTERM / Ctrl-C to the launcher: pass it on, so every worker checkpoints and exits together (a
-        # second one is passed on too: the workers then exit at once)
+        # second one is passed on too: the workers' stop-save gets --stop_grace_s more; a third: exit at once)
         got.append(signum)
         got_at[:] = [time.monotonic()]
         for p in procs:

@@ -74,6 +74,8 @@ flags.DEFINE_integer("checkpoint_keep", 3, "checkpoints kept (the oldest are del
 flags.DEFINE_enum("on_nonfinite", "stop", ["stop", "skip"], "a NaN/Inf loss or gradient: stop with the step and "
                   "the stage where it appeared, or skip that update (synchronous schedules)")
 flags.DEFINE_string("save_params", None, "write the final parameters to this .npz (process 0)")
+flags.DEFINE_float("stop_grace_s", 60.0, "after a second SIGTERM/SIGINT: seconds the stop-save may still take "
+                   "before the process exits (a third signal exits at once)")
 flags.DEFINE_integer("stop_at_step", 0, "debug: act as if preempted (SIGTERM) after this step: checkpoint, exit 143")
 flags.DEFINE_float("throttle_s", 0.0, "debug: sleep this long after each step (fault-injection tests)")
 FLAGS = flags.FLAGS
@@ -104,7 +106,6 @@ def main(argv):
                                    f" --xla_force_host_platform_device_count={n_dev // n_proc}").strip()
     import copy
     import json
-    import signal
     import time
 
     import jax
@@ -222,23 +223,12 @@ def main(argv):
         kept = [l for l in open(path) if l.strip() and json.loads(l).get("step", 0) <= start]
     log = open(path, "w") if primary else open(os.devnull, "w")
     log.writelines(kept)
-    stop = []
-
-    def on_signal(signum, _frame):
-        # preemption (SIGTERM) and Ctrl-C (SIGINT) alike: finish the step, save, exit 143; a second signal
-        # exits at once (a scheduler's "I said stop", or a user pressing Ctrl-C twice)
-        name = signal.Signals(signum).name
-        if stop:
-            sys.stderr.write(f"\njaxpipe: second {name} while stopping: exiting now without a checkpoint\n")
-            sys.stderr.flush()
-            os._exit(130 if signum == signal.SIGINT else 143)
-        stop.append(name)
-        sys.stderr.write(f"\njaxpipe: {name}: stopping after this step (checkpoint, then exit 143); send it again "
-                         f"to exit at once\n")
-        sys.stderr.flush()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    from experiments.stopping import Stop
+    # the newest finished checkpoint, read from the directory (Orbax renames a step's folder when it is done)
+    finished = lambda: max((int(x) for x in os.listdir(FLAGS.checkpoint_dir) if x.isdigit()), default=None) \
+        if ckpt is not None and os.path.isdir(FLAGS.checkpoint_dir) else None
+    stop = Stop(FLAGS.stop_grace_s, last_checkpoint=finished)
+    stop.install()
 
     def agreed_stop() -> bool:
         """Whether any process was told to stop: every process must stop after the same step, or the
@@ -247,8 +237,8 @@ def main(argv):
             return bool(stop)
         from jax.experimental import multihost_utils
         flags_ = multihost_utils.process_allgather(np.int32(1 if stop else 0))
-        if np.any(flags_) and not stop:
-            stop.append(f"a stop signal to process {int(np.argmax(flags_))}")
+        if np.any(flags_):
+            stop.request(f"a stop signal to process {int(np.argmax(flags_))}")
         return bool(np.any(flags_))
     t_start = time.perf_counter()
     t_first = None
@@ -298,13 +288,13 @@ def main(argv):
         log.flush()
         bar.set_postfix(loss=f"{loss:.3f}", **{k: f"{v:.3f}" for k, v in last_eval.items()})
         if FLAGS.stop_at_step and done == FLAGS.stop_at_step and done < FLAGS.steps:
-            stop.append(f"--stop_at_step={done}")
+            stop.request(f"--stop_at_step={done}")
         if agreed_stop():
             bar.close()
             save(done, force=True)
             if ckpt is not None:
                 ckpt.close()
-            say(f"\nstopped by {stop[0]} at step {done}" + (f"; checkpoint saved in {FLAGS.checkpoint_dir}, run "
+            say(f"\nstopped by {stop.reason} at step {done}" + (f"; checkpoint saved in {FLAGS.checkpoint_dir}, run "
                                                             f"again to resume" if ckpt else ""))
             sys.exit(143)
     log.close()

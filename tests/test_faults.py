@@ -92,7 +92,7 @@ def test_skip_nonfinite_updates(tmp_path):
 def test_sigterm_to_one_process_of_two_stops_both_at_one_step(tmp_path):
     """Issue #16: SIGTERM to one process of a 2-process job (through the launcher: SIGTERM to the launcher,
     which forwards it) -- both processes agree on the stop step, save one checkpoint together and exit 143;
-    before, the job deadlocked. Then a second SIGTERM exits at once. Bounded by timeouts, never hangs."""
+    before, the job deadlocked. Bounded by timeouts, never hangs (signals: tests/test_stop_signals.py)."""
     ck = tmp_path / "ck"
     args = ["--schedule=1f1b", "--steps=400", "--checkpoint_every=0", f"--checkpoint_dir={ck}",
             f"--out_dir={tmp_path}/run", "--throttle_s=0.2", "--stages=2"]

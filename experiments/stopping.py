@@ -1,0 +1,78 @@
+"""One agreed stop per job: SIGTERM (preemption), SIGINT (Ctrl-C) or a stop learned from a peer process.
+
+A cluster scheduler signals the processes of a job one after the other (0.5-2 s apart is common), and a
+process may learn of the stop from its peer -- through the per-step agreement in ``experiments.train`` --
+before its own signal arrives.  That signal only confirms the stop already agreed on: it must not count as
+a second one (it did, and the job lost its checkpoint: process 1 exited while process 0 waited in the
+collective save).  So: a process's *first* signal starts the stop or confirms it; its *second* gives the
+stop-save ``grace_s`` seconds more, then exits; a third exits at once.  A forced exit says which step the
+newest finished checkpoint holds.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from typing import Callable, List, Optional
+
+
+class Stop:
+    """The job's stop: ``reason`` (the first cause, None while running), the signals this process got, and
+    the bounded exit after a second one.  ``last_checkpoint()``: the newest finished checkpoint's step."""
+
+    def __init__(self, grace_s: float, last_checkpoint: Callable[[], Optional[int]] = lambda: None,
+                 write: Callable[[str], None] = None):
+        self.reason: Optional[str] = None
+        self.signals: List[str] = []
+        self.grace_s = grace_s
+        self.last_checkpoint = last_checkpoint
+        self.write = write or (lambda s: (sys.stderr.write(s + "\n"), sys.stderr.flush()))
+        self._timer: Optional[threading.Timer] = None
+
+    def __bool__(self) -> bool:
+        return self.reason is not None
+
+    def request(self, reason: str) -> None:
+        """A stop not from a signal (a peer's signal, ``--stop_at_step``); the first cause is kept."""
+        if self.reason is None:
+            self.reason = reason
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self.on_signal)
+        signal.signal(signal.SIGINT, self.on_signal)
+
+    def _exit_code(self, name: str) -> int:
+        return 130 if name == "SIGINT" else 143
+
+    def _where(self) -> str:
+        step = self.last_checkpoint()
+        return (f"the newest finished checkpoint holds step {step}" if step is not None
+                else "no checkpoint was finished")
+
+    def _force_exit(self, name: str, why: str) -> None:
+        self.write(f"jaxpipe: {why}: exiting now; {self._where()}")
+        os._exit(self._exit_code(name))
+
+    def on_signal(self, signum, _frame=None) -> None:
+        name = signal.Signals(signum).name
+        self.signals.append(name)
+        n = len(self.signals)
+        if n == 1:
+            if self.reason is None:
+                self.reason = name
+                self.write(f"\njaxpipe: {name}: stopping after this step (checkpoint, then exit "
+                           f"{self._exit_code(name)}); a second signal allows {self.grace_s:g} s more, a third "
+                           f"exits at once")
+            else:
+                self.write(f"\njaxpipe: {name}: already stopping ({self.reason}); this signal confirms it")
+            return
+        if n == 2:
+            self.write(f"\njaxpipe: second {name}: the stop-save gets at most {self.grace_s:g} s more, then this "
+                       f"process exits; a third signal exits at once")
+            self._timer = threading.Timer(self.grace_s, self._force_exit,
+                                          (name, f"the stop-save did not finish within {self.grace_s:g} s"))
+            self._timer.daemon = True
+            self._timer.start()
+            return
+        self._force_exit(name, f"signal {n} ({name})")
