@@ -17,11 +17,12 @@ written; ``latest_step`` only lists finalized steps, so a write torn by a crash 
 (``keep``) deletes the oldest finalized steps.
 
 Verification: the metadata holds a checksum of every array (two 32-bit sums of its bits, computed on the
-devices when the save starts); ``restore`` recomputes them and refuses an array that differs.
+devices when the save starts) and a SHA-256 of itself; ``restore`` checks the metadata first, recomputes the
+arrays' sums and refuses a checkpoint where either differs.
 ``restore_latest`` falls back from a corrupt or unreadable newest checkpoint to the newest intact one and
-says which it skipped and why.  One writer per directory: a lock file (``.jaxpipe.lock``: host, pid, time)
-is taken by the first save (or at once with ``writer=True``) and released on ``close``; a lock left by a dead process on this host
-is taken over (said so); a live owner is a ConfigError naming it.  All processes of a multi-host job call save/restore; Orbax
+says which it skipped and why.  One writer per directory: a lock file (``.jaxpipe.lock``, held with ``flock``;
+it names host, pid, time) is taken by the first save (or at once with ``writer=True``) and released on
+``close`` or when the process dies (a later run takes it over, said so); a live owner is a ConfigError naming it.  All processes of a multi-host job call save/restore; Orbax
 writes each array's shards from the process that holds them and the metadata from process 0.
 """
 from __future__ import annotations
@@ -114,6 +115,7 @@ class Checkpointer:
         self._take_lock()
         meta = {"step": int(step), "fingerprint": self.fingerprint, "extra": extra or {}, "shapes": _shapes(state),
                 "checksums": checksums(state)}
+        meta["meta_sha256"] = meta_digest(meta)
         args = self._ocp.args.Composite(state=self._ocp.args.StandardSave(state),
                                         meta=self._ocp.args.JsonSave(meta))
         return bool(self.manager.save(step, args=args, force=True))
@@ -123,6 +125,12 @@ class Checkpointer:
             self._lock = _DirectoryLock(self.directory)
 
     def save(self, step: int, state, extra: Optional[dict] = None) -> bool:
+        """Save ``step`` now; a step already saved is not written again (said so, returns False)."""
+        if step in (self.manager.all_steps() or []):
+            import warnings
+            warnings.warn(f"Checkpointer.save: step {step} is already saved in {self.directory}; not written "
+                          f"again (delete it first to replace it)", stacklevel=2)
+            return False
         return self.maybe_save(step, state, extra, force=True)
 
     def wait(self):
@@ -147,6 +155,11 @@ class Checkpointer:
         if step is None:
             raise ConfigError(f"no finalized checkpoint in {self.directory}")
         meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        if "meta_sha256" in meta and meta_digest(meta) != meta["meta_sha256"]:
+            # checked before anything is read from it: a flipped digit would resume at another step or
+            # position in the data, or look like another configuration's checkpoint
+            raise CorruptCheckpoint(f"checkpoint step {step} in {self.directory} is corrupt: its metadata (step, "
+                                    f"data position, fingerprint, checksums) differs from the digest written with it")
         self._check_fingerprint(meta.get("fingerprint"), step)
         if _carry_missing(template):
             raise ConfigError("the restore template has empty in-flight state (carry=None): build it with "
@@ -235,6 +248,13 @@ class CorruptCheckpoint(ConfigError):
     """A checkpoint whose arrays do not match the checksums saved with them (or that cannot be read)."""
 
 
+def meta_digest(meta: dict) -> str:
+    """SHA-256 of the metadata's canonical JSON, its own digest left out."""
+    import json
+    body = {k: v for k, v in meta.items() if k != "meta_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def _digest(a):
     import jax.numpy as jnp
     if a.dtype == jnp.bool_:
@@ -265,57 +285,53 @@ def checksums(tree) -> Dict[str, list]:
 
 
 class _DirectoryLock:
-    """``<dir>/.jaxpipe.lock`` created exclusively (host, pid, time); a lock of a dead process on this host is
-    taken over."""
+    """``<dir>/.jaxpipe.lock``, held with an exclusive ``flock`` for as long as the run lives: the kernel releases
+    it when the process dies, so a dead owner's lock is free at once, and two processes taking it over at the
+    same moment cannot both get it (a lock file of a dead pid, unlinked and created again, let 51 of 300 racing
+    pairs both believe they held it).  The file names its owner (host, pid, time) for the error message."""
 
     def __init__(self, directory: str):
+        import fcntl
         import json
         import socket
         import time
         self.path = os.path.join(directory, ".jaxpipe.lock")
         me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-        for _ in range(2):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                try:
-                    owner = json.load(open(self.path))
-                except (OSError, ValueError):
-                    owner = {}
-                if owner.get("host") == me["host"] and not _alive(owner.get("pid")):
-                    print(f"jaxpipe: taking over the lock of {directory} left by process {owner.get('pid')} "
-                          f"(no longer running)", flush=True)
-                    os.unlink(self.path)
-                    continue
-                raise ConfigError(
-                    f"checkpoint directory {directory} is in use by process {owner.get('pid')} on host "
-                    f"{owner.get('host')} (since {owner.get('since')}): two runs writing one directory would mix "
-                    f"their steps. Stop that run, use another --checkpoint_dir, or delete {self.path} if that "
-                    f"process is gone") from None
-            with os.fdopen(fd, "w") as fh:
-                json.dump(me, fh)
-            self.owner = me
-            return
+        fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = _owner(fd)
+            os.close(fd)
+            who = (f"process {owner['pid']} on host {owner.get('host')} (since {owner.get('since')})"
+                   if owner.get("pid") else "another process (which has not written its name yet)")
+            raise ConfigError(
+                f"checkpoint directory {directory} is in use by {who}: two runs writing one directory would mix "
+                f"their steps. Stop that run or use another --checkpoint_dir") from None
+        before = _owner(fd)
+        if before.get("pid") and before.get("pid") != me["pid"]:
+            print(f"jaxpipe: taking over the lock of {directory} left by process {before.get('pid')} on host "
+                  f"{before.get('host')} (no longer holding it)", flush=True)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+        self.fd, self.owner = fd, me
 
     def release(self):
-        try:
-            import json
-            if json.load(open(self.path)).get("pid") == os.getpid():
-                os.unlink(self.path)
-        except (OSError, ValueError):
-            pass
+        import fcntl
+        if self.fd is not None:
+            os.ftruncate(self.fd, 0)
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
 
 
-def _alive(pid) -> bool:
-    if not isinstance(pid, int):
-        return False
+def _owner(fd) -> dict:
+    """The owner a lock file names ({} when empty or unreadable)."""
+    import json
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        return json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+    except (OSError, ValueError, UnicodeDecodeError):
+        return {}
 
 
 def _shapes(tree) -> Dict[str, list]:

@@ -146,3 +146,85 @@ def test_restore_with_another_optimizer_or_batch_size_names_the_cause(tmp_path):
     r = mk(optax.adam(1e-2))
     with pytest.raises(jp.ConfigError, match="batch size"):
         jp.Checkpointer(tmp_path / "ck", r).restore(r.prepare(r.init(), batch_fn(16)))
+
+
+def _meta_file(step_dir):
+    files = [f for f in glob.glob(os.path.join(step_dir, "meta", "**", "*"), recursive=True)
+             if os.path.isfile(f) and not f.endswith(".txt")]
+    assert len(files) == 1, files
+    return files[0]
+
+
+def test_metadata_is_checksummed_and_covered_by_the_fallback(tmp_path):
+    """A flipped digit in the metadata (the step, the data position) must not resume "at step 6" with step 4's
+    weights: the metadata's own SHA-256 is checked first, and the newest intact checkpoint is used instead."""
+    import json
+    train_and_save(tmp_path)
+    path = _meta_file(tmp_path / "ck" / "4")
+    meta = json.load(open(path))
+    assert len(meta["meta_sha256"]) == 64
+    meta["step"] = 6                                        # one digit changed, the digest left as written
+    json.dump(meta, open(path, "w"))
+    pipe, _ = make()
+    said = []
+    ck = jp.Checkpointer(tmp_path / "ck", pipe)
+    _, extra, step = ck.restore_latest(pipe.init(), report=said.append)
+    ck.close()
+    assert step == 2 and extra == {"k": 2}
+    assert "step 4" in said[0] and "its metadata" in said[0] and "falling back to step 2" in said[0]
+    # the same flip in the data position
+    meta["step"], meta["extra"]["k"] = 4, 5
+    json.dump(meta, open(path, "w"))
+    with pytest.raises(jp.checkpoint.CorruptCheckpoint, match="metadata"):
+        jp.Checkpointer(tmp_path / "ck", pipe).restore(pipe.init(), 4)
+
+
+def test_saving_a_step_again_says_so(tmp_path):
+    pipe, batch_fn = make()
+    state, _ = pipe.step(pipe.init(), batch_fn(8, 1))
+    ck = jp.Checkpointer(tmp_path / "ck", pipe, async_save=False)
+    assert ck.save(1, state) is True
+    with pytest.warns(UserWarning, match="step 1 is already saved"):
+        assert ck.save(1, state) is False
+    ck.close()
+
+
+LOCKER = r"""
+import sys, time
+sys.path.insert(0, {root!r})
+from jaxpipe.checkpoint import _DirectoryLock
+from jaxpipe.errors import ConfigError
+start = float(sys.argv[2])
+while time.time() < start:
+    pass
+out, sys.stdout = sys.stdout, sys.stderr       # the takeover's own message goes to stderr here
+try:
+    lock = _DirectoryLock(sys.argv[1])
+    print("HELD", file=out, flush=True)
+    sys.stdin.readline()                  # hold it until the test has counted
+except ConfigError as e:
+    print("REFUSED", str(e)[:200], file=out, flush=True)
+"""
+
+
+def test_racing_takeovers_of_a_dead_owners_lock_give_it_to_one(tmp_path):
+    """Four processes take over a dead owner's lock at the same instant, five times: exactly one holds it each
+    time (before: unlink-and-create let two both believe they held it in 51 of 300 trials)."""
+    import json
+    import subprocess
+    import sys
+    import time
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for trial in range(5):
+        d = tmp_path / f"ck{trial}"
+        os.makedirs(d)
+        json.dump({"host": "here", "pid": 999999, "since": "earlier"}, open(d / ".jaxpipe.lock", "w"))
+        start = time.time() + 1.0
+        procs = [subprocess.Popen([sys.executable, "-c", LOCKER.format(root=root), str(d), str(start)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                 for _ in range(4)]
+        first = [p.stdout.readline() for p in procs]            # each says HELD or REFUSED, then waits
+        for p in procs:
+            p.communicate("\n", timeout=30)                     # the holder lets go; the others have ended
+        assert sum(l.startswith("HELD") for l in first) == 1, first
+        assert all("is in use by" in l for l in first if l.startswith("REFUSED")), first
