@@ -87,6 +87,11 @@ def printable(text: str) -> str:
                    for c in text)
 
 
+#: this runner's flags that a process may set for itself; every other one of its flags must agree
+PER_PROCESS = {"out_dir", "progress", "coordinator", "process_id", "verbose", "heartbeat_timeout", "init_timeout",
+               "stop_grace_s", "throttle_s"}
+
+
 def main(argv):
     del argv
     from absl import logging
@@ -119,6 +124,9 @@ def main(argv):
     if n_proc > 1:
         jp.distributed.initialize(coordinator, n_proc, proc, timeout_s=FLAGS.init_timeout, verbose=FLAGS.verbose,
                                   heartbeat_timeout_s=FLAGS.heartbeat_timeout)
+        # the flags that shape the computation or its collectives must be the same on every process
+        own = {f.name for f in FLAGS.get_flags_for_module(sys.modules[__name__])}
+        jp.distributed.check_agree({f"--{k}": FLAGS[k].value for k in sorted(own - PER_PROCESS)}, "flags")
     primary = jax.process_index() == 0
     say = print if primary else (lambda *a, **k: None)
     os.makedirs(FLAGS.out_dir, exist_ok=True)
@@ -160,6 +168,7 @@ def main(argv):
     sched = optax.warmup_cosine_decay_schedule(0.0, FLAGS.lr, warm, max(FLAGS.steps, warm + 1))
     opt = optax.chain(optax.clip_by_global_norm(1.0), jp.optim.by_name(FLAGS.optimizer, sched))
     mesh = jp.make_mesh(stages=FLAGS.stages, data=FLAGS.data, pipes=FLAGS.pipes, tensor=FLAGS.tensor, fsdp=FLAGS.fsdp)
+    jp.distributed.check_mesh_covers_processes(mesh)
     if FLAGS.fsdp > 1:
         extra["batch_axes"] = ("data", "fsdp")       # FSDP: data parallelism with sharded weights
     # synchronous schedules guard every update (a non-finite step leaves the state as it was), so a stop

@@ -297,17 +297,25 @@ class _DirectoryLock:
         import time
         self.path = os.path.join(directory, ".jaxpipe.lock")
         me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-        fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = _owner(fd)
+        while True:
+            fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = _owner(fd)
+                os.close(fd)
+                who = (f"process {owner['pid']} on host {owner.get('host')} (since {owner.get('since')})"
+                       if owner.get("pid") else "another process (which has not written its name yet)")
+                raise ConfigError(
+                    f"checkpoint directory {directory} is in use by {who}: two runs writing one directory would "
+                    f"mix their steps. Stop that run or use another --checkpoint_dir") from None
+            # the holder unlinks the file on release: a lock got on a file no longer at the path is no lock
+            try:
+                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
             os.close(fd)
-            who = (f"process {owner['pid']} on host {owner.get('host')} (since {owner.get('since')})"
-                   if owner.get("pid") else "another process (which has not written its name yet)")
-            raise ConfigError(
-                f"checkpoint directory {directory} is in use by {who}: two runs writing one directory would mix "
-                f"their steps. Stop that run or use another --checkpoint_dir") from None
         before = _owner(fd)
         if before.get("pid") and before.get("pid") != me["pid"]:
             print(f"jaxpipe: taking over the lock of {directory} left by process {before.get('pid')} on host "
@@ -319,7 +327,7 @@ class _DirectoryLock:
     def release(self):
         import fcntl
         if self.fd is not None:
-            os.ftruncate(self.fd, 0)
+            os.unlink(self.path)              # while still holding it (see __init__'s check of the path)
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None

@@ -71,6 +71,8 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
     t0 = time.monotonic()
     if n > 1 and pid != 0:
         _wait_for_coordinator(coordinator, pid, n, timeout_s)
+    if n > 1 and pid == 0:
+        _check_port_free(coordinator)
     if n > 1:
         # XLA aborts the process (it cannot be caught) if the job does not assemble in time; say why first
         print(f"jaxpipe: process {pid} of {n} joining the job at {coordinator} (fails after {timeout_s} s if the "
@@ -132,6 +134,21 @@ def quiet_native_stdout(drop: tuple = ("[Gloo] ",)) -> None:
     _NATIVE_FILTER.start()
 
 
+def _check_port_free(coordinator: str) -> None:
+    """Process 0 hosts the coordination service on the coordinator's port: if something listens there already
+    (another job), joining it would abort that job ("different incarnation"); say so instead."""
+    host, _, port = coordinator.rpartition(":")
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("" if host in ("0.0.0.0", "[::]") else host, int(port)))
+        except OSError as e:
+            raise RuntimeError(
+                f"process 0 cannot host the coordinator at {coordinator}: the port is taken ({e.strerror}), "
+                f"probably by another running job; choose another --coordinator port (experiments.launch picks a "
+                f"free one)") from None
+
+
 def _wait_for_coordinator(coordinator: str, pid: int, n: int, timeout_s: float):
     """Process 0 hosts the coordination service; the others first check, with plain TCP, that it listens --
     so an unreachable coordinator gives a clear error after ``timeout_s`` instead of XLA's abort."""
@@ -181,3 +198,51 @@ def to_host(tree):
         return jax.tree.map(np.asarray, tree)
     from jax.experimental import multihost_utils
     return jax.tree.map(lambda a: np.asarray(multihost_utils.process_allgather(a, tiled=True)), tree)
+
+
+def check_agree(values: dict, what: str = "flags") -> None:
+    """Every process of the job must run with the same ``values`` (learning rate, seed, steps, batch,
+    schedule, mesh, ...): processes started by hand with different ones trained inconsistent parameters with no
+    warning, or aborted in a collective whose error named none of them.  Each process hashes each value; the
+    hashes are gathered (one small collective) and a ``ConfigError`` on every process names the keys that
+    differ, with this process's values.  A no-op for one process."""
+    import hashlib
+    import jax
+    import numpy as np
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+    keys = sorted(values)
+    code = lambda v: int.from_bytes(hashlib.sha256(repr(v).encode()).digest()[:4], "little") & 0x7FFFFFFF
+    mine = np.array([len(keys)] + [code(values[k]) for k in keys], np.int32)
+    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), -1)
+    if np.all(every == every[0]):
+        return
+    if np.any(every[:, 0] != every[0, 0]):
+        raise ConfigError(f"the processes of this job disagree on which {what} they check ({len(keys)} here); "
+                          f"start every process with the same jaxpipe version")
+    differ = [k for i, k in enumerate(keys) if np.any(every[:, i + 1] != every[0, i + 1])]
+    groups = {k: sorted({int(p) for p in np.nonzero(every[:, keys.index(k) + 1] != every[0, keys.index(k) + 1])[0]})
+              for k in differ}
+    raise ConfigError(
+        f"process {jax.process_index()}: the processes of this job were started with different {what}: "
+        + "; ".join(f"{k} (this process: {values[k]!r}; processes {groups[k]} differ from process 0)" for k in differ)
+        + ". Every process must run with the same values: start them from one command (experiments.launch) or "
+          "check each process's command line")
+
+
+def check_mesh_covers_processes(mesh) -> None:
+    """Every process must hold devices of ``mesh``: a process without any has nothing to compute and fails later
+    in a collective or reading a result ("spans non-addressable devices"), far from the cause."""
+    import jax
+    n = jax.process_count()
+    held = {d.process_index for d in mesh.devices.flat}
+    left_out = sorted(set(range(n)) - held)
+    if left_out:
+        per = jax.local_device_count()
+        raise ConfigError(
+            f"the mesh {dict(mesh.shape)} uses {mesh.devices.size} device(s), all on process(es) {sorted(held)}; "
+            f"process(es) {left_out} hold none of them. The job has {n} processes x {per} devices = {n * per}: "
+            f"give a mesh of {n * per} devices (e.g. more data-parallel replicas), or start each process with "
+            f"{mesh.devices.size // n or 1} device(s) (XLA_FLAGS=--xla_force_host_platform_device_count on CPU, "
+            f"CUDA_VISIBLE_DEVICES on GPU)")

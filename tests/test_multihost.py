@@ -93,3 +93,54 @@ def test_two_processes_equal_one_with_model_axes(tmp_path):
     assert len(lm) == 3 and lm == ls
     for k in pm.files:
         np.testing.assert_array_equal(pm[k], ps[k])
+
+
+def _two_by_hand(per_process_args, xla_flags="--xla_backend_optimization_level=0", timeout=180):
+    """Processes 0 and 1 started by hand (not through the launcher), each with its own extra flags; returns
+    [(returncode, output)] -- bounded by the subprocess timeout."""
+    from experiments.launch import free_port
+    port = free_port()
+    e = dict(env(), XLA_FLAGS=xla_flags)
+    procs = [subprocess.Popen([sys.executable, "-m", "experiments.train", *ARGS, *extra, "--num_processes=2",
+                               f"--process_id={i}", f"--coordinator=127.0.0.1:{port}", "--init_timeout=60"],
+                              cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i, extra in enumerate(per_process_args)]
+    try:
+        return [(p.wait(timeout=timeout), p.stdout.read()) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def test_flags_that_differ_across_processes_are_named_on_every_process():
+    """Issue #31 item 3: --lr and --seed given differently to the two processes trained inconsistent parameters
+    with no warning; now both processes stop before step 1 naming both flags."""
+    out = _two_by_hand([["--lr=0.01", "--seed=0"], ["--lr=0.02", "--seed=1"]])
+    for i, (rc, text) in enumerate(out):
+        assert rc != 0, text[-2000:]
+        assert f"process {i}: the processes of this job were started with different flags" in text, text[-2000:]
+        assert "--lr (this process: " in text and "--seed (this process: " in text, text[-2000:]
+
+
+def test_a_mesh_that_leaves_a_process_out_is_named():
+    """Two processes of 8 emulated devices each asking for 2 stages: process 1 held none of the mesh's devices
+    and died in float(loss) with "spans non-addressable devices", then the job hung in gloo."""
+    flags_ = "--xla_backend_optimization_level=0 --xla_force_host_platform_device_count=8"
+    out = _two_by_hand([["--stages=2"], ["--stages=2"]], xla_flags=flags_)
+    for rc, text in out:
+        assert rc != 0, text[-2000:]
+        assert "process(es) [1] hold none of them. The job has 2 processes x 8 devices = 16" in text, text[-2000:]
+
+
+def test_a_taken_coordinator_port_is_refused_by_process_0():
+    import socket
+    with socket.socket() as s:                     # "another job" listening on the port
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        p = subprocess.run([sys.executable, "-m", "experiments.train", *ARGS, "--num_processes=2", "--process_id=0",
+                            f"--coordinator=127.0.0.1:{port}", "--init_timeout=5"], cwd=ROOT, env=env(),
+                           capture_output=True, text=True, timeout=90)
+    assert p.returncode != 0
+    assert f"cannot host the coordinator at 127.0.0.1:{port}: the port is taken" in p.stderr, p.stderr[-2000:]
