@@ -4,7 +4,8 @@
 
 Runs ``python -m <module> <args> --num_processes=N --process_id=i --coordinator=127.0.0.1:PORT`` N times
 (a free port unless ``--port``), prefixes each process's output with ``[i]``, and when one process fails
-stops the others and exits with its status.  Each process gets ``stages x data x pipes / N`` CPU devices.
+stops the others and exits with its status.  Workers get SIGTERM when the launcher dies, even by SIGKILL
+(Linux), and then stop as if preempted.  Each process gets ``stages x data x pipes / N`` CPU devices.
 """
 from __future__ import annotations
 
@@ -33,6 +34,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec (Linux): SIGTERM when the launcher dies, even by SIGKILL -- the worker then
+    stops as if preempted (checkpoint, exit) instead of training headless to the end."""
+    import ctypes
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)       # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):                 # not Linux: nothing to set
+        pass
+
+
 def _pump(i, stream, out, verbose=False):
     for line in iter(stream.readline, ""):
         if not verbose and line.startswith("[Gloo] "):
@@ -53,7 +65,8 @@ def launch(args, num_processes: int, module: str = "experiments.train", port: in
                f"--coordinator=127.0.0.1:{port}"]
         # own session: a Ctrl-C in the terminal reaches the launcher only, which forwards it once
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                             env=dict(os.environ, **({"JAXPIPE_VERBOSE": "1"} if verbose else {})))
+                             env=dict(os.environ, **({"JAXPIPE_VERBOSE": "1"} if verbose else {})),
+                             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         t = threading.Thread(target=_pump, args=(i, p.stdout, sys.stdout, verbose), daemon=True)
         t.start()
         procs.append(p)

@@ -39,8 +39,21 @@ class Stop:
             self.reason = reason
 
     def install(self) -> None:
+        self._parent = os.getppid()
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)
+
+    def _orphaned(self) -> None:
+        """The parent (a launcher relaying this process's output) is gone: what is written to the pipe would
+        fail (BrokenPipeError) and end the process before its stop-save, so the output goes to /dev/null."""
+        if getattr(self, "_parent", None) not in (None, os.getppid()):
+            null = os.open(os.devnull, os.O_WRONLY)
+            for fd in (1, 2):
+                os.dup2(null, fd)
+            os.close(null)
+            # Python's own streams may be duplicates of the old descriptors (jaxpipe.distributed.quiet_native_stdout)
+            sys.stdout = sys.stderr = open(os.devnull, "w")
+            self._parent = os.getppid()
 
     def _exit_code(self, name: str) -> int:
         return 130 if name == "SIGINT" else 143
@@ -55,6 +68,7 @@ class Stop:
         os._exit(self._exit_code(name))
 
     def on_signal(self, signum, _frame=None) -> None:
+        self._orphaned()
         name = signal.Signals(signum).name
         self.signals.append(name)
         n = len(self.signals)

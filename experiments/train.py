@@ -77,6 +77,9 @@ flags.DEFINE_string("save_params", None, "write the final parameters to this .np
 flags.DEFINE_float("stop_grace_s", 60.0, "after a second SIGTERM/SIGINT: seconds the stop-save may still take "
                    "before the process exits (a third signal exits at once)")
 flags.DEFINE_integer("stop_at_step", 0, "debug: act as if preempted (SIGTERM) after this step: checkpoint, exit 143")
+flags.DEFINE_integer("fail_at_step", 0, "debug: process --fail_process raises an error after this step (a worker "
+                     "that fails: the job must end in bounded time)")
+flags.DEFINE_integer("fail_process", 0, "debug: the process --fail_at_step fails")
 flags.DEFINE_float("throttle_s", 0.0, "debug: sleep this long after each step (fault-injection tests)")
 FLAGS = flags.FLAGS
 
@@ -89,10 +92,32 @@ def printable(text: str) -> str:
 
 #: this runner's flags that a process may set for itself; every other one of its flags must agree
 PER_PROCESS = {"out_dir", "progress", "coordinator", "process_id", "verbose", "heartbeat_timeout", "init_timeout",
-               "stop_grace_s", "throttle_s"}
+               "stop_grace_s", "throttle_s", "fail_at_step", "fail_process"}
 
 
 def main(argv):
+    """:func:`run`; a process of a multi-process job that fails exits at once with status 1 (its traceback
+    printed): a normal exit runs JAX's distributed shutdown, which waits for the other processes -- stuck in
+    the collective this one will never join -- and hung the job for minutes.  The others notice through the
+    coordination service's heartbeat (``--heartbeat_timeout``)."""
+    try:
+        run(argv)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException:
+        jax = sys.modules.get("jax")
+        if jax is None or not jax.distributed.is_initialized() or jax.process_count() == 1:
+            raise
+        import traceback
+        traceback.print_exc()
+        sys.stderr.write(f"jaxpipe: process {jax.process_index()} of {jax.process_count()} failed (above); exiting "
+                         f"now -- the other processes stop within --heartbeat_timeout={FLAGS.heartbeat_timeout} s\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(1)
+
+
+def run(argv):
     del argv
     from absl import logging
     if not FLAGS["verbosity"].present:
@@ -296,6 +321,8 @@ def main(argv):
         log.write(json.dumps(rec) + "\n")
         log.flush()
         bar.set_postfix(loss=f"{loss:.3f}", **{k: f"{v:.3f}" for k, v in last_eval.items()})
+        if FLAGS.fail_at_step and done == FLAGS.fail_at_step and jax.process_index() == FLAGS.fail_process:
+            raise RuntimeError(f"--fail_at_step={done}: process {FLAGS.fail_process} fails here (debug)")
         if FLAGS.stop_at_step and done == FLAGS.stop_at_step and done < FLAGS.steps:
             stop.request(f"--stop_at_step={done}")
         if agreed_stop():

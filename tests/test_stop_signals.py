@@ -93,3 +93,52 @@ def test_preemption_with_skewed_signals_saves_one_checkpoint(tmp_path, skew):
     assert "second SIGTERM" not in outs[1] and "exiting now" not in outs[1], outs[1][-2500:]
     steps = finalized(ck)
     assert len(steps) == 1 and steps[0] >= 3, (steps, outs[0][-1500:])
+
+
+def test_a_worker_that_fails_ends_the_job_in_bounded_time(tmp_path):
+    """Issue #31 item 2: a worker that raised hung the job for ~5 minutes (its normal exit ran JAX's distributed
+    shutdown, waiting for a peer stuck in a collective it would never join).  Now it exits at once with its
+    traceback, its peer's collective fails, and the launcher reports the failure -- within the timeout."""
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    args = [*[a for a in BASE if not a.startswith("--stages")], "--stages=2", "--schedule=1f1b", "--steps=500",
+            "--throttle_s=0.05", f"--out_dir={tmp_path}/run", "--fail_at_step=3", "--fail_process=1"]
+    p = subprocess.run([sys.executable, "-m", "experiments.launch", "--num_processes=2", "--", *args], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=150)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out[-3000:]
+    assert "[1] RuntimeError: --fail_at_step=3: process 1 fails here (debug)" in out, out[-3000:]
+    assert "process 1 of 2 failed (above); exiting now" in out, out[-3000:]
+    assert "job failed" in out, out[-3000:]
+
+
+def test_workers_stop_when_the_launcher_is_killed(tmp_path):
+    """SIGKILL to the launcher left its workers training headless to the end; now each gets SIGTERM when it
+    dies (PR_SET_PDEATHSIG) and stops as if preempted: one checkpoint, exit 143."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("PR_SET_PDEATHSIG is Linux's")
+    ck = tmp_path / "ck"
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    args = [*[a for a in BASE if not a.startswith("--stages")], "--stages=2", "--schedule=1f1b", "--steps=2000",
+            "--throttle_s=0.1", f"--out_dir={tmp_path}/run", "--checkpoint_every=0", f"--checkpoint_dir={ck}"]
+    job = subprocess.Popen([sys.executable, "-m", "experiments.launch", "--num_processes=2", "--", *args], cwd=ROOT,
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not (log.exists() and len(log.read_text().splitlines()) >= 3):
+        assert job.poll() is None, job.stdout.read()[-2000:]
+        time.sleep(0.1)
+    workers = subprocess.run(["pgrep", "-f", "--", f"experiments.train .*--out_dir={tmp_path}/run"], capture_output=True, text=True).stdout.split()
+    workers = [int(w) for w in workers if int(w) != job.pid]
+    assert len(workers) == 2, workers
+    job.kill()
+    job.wait(timeout=30)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{w}") and
+                                              open(f"/proc/{w}/stat").read().split()[2] != "Z" for w in workers):
+        time.sleep(0.2)
+    alive = [w for w in workers if os.path.exists(f"/proc/{w}") and open(f"/proc/{w}/stat").read().split()[2] != "Z"]
+    for w in alive:
+        os.kill(w, signal.SIGKILL)
+    assert not alive, "workers still running 120 s after the launcher died"
+    steps = finalized(ck)
+    assert len(steps) == 1 and steps[0] >= 3, steps
