@@ -54,7 +54,10 @@ def fingerprint(pipe) -> Dict[str, Any]:
             opt_digest = hashlib.sha256(repr(jax.tree.structure(o)).encode()).hexdigest()[:16]
         except Exception:                    # an optimizer that cannot init on the model's layout: no check
             opt_digest = None
+    ties = [[list(map(str, a)), list(map(str, b))] for a, b in getattr(pipe.model, "tied", ())]
+    digest = hashlib.sha256(repr((shapes, ties) if ties else shapes).encode()).hexdigest()[:16]
     return {"model": digest, "optimizer": opt_digest, "model_parameters": int(sum(int(np.prod(s[1])) for s in shapes)),
+            "model_leaves": [[k, list(sh), dt] for k, sh, dt in shapes], "tied": ties,
             "model_stages": int(pipe.model.num_stages), "schedule": pipe.schedule.name,
             "microbatches": int(pipe.num_microbatches), "mesh": {k: int(v) for k, v in pipe.mesh.shape.items()}}
 
@@ -76,6 +79,9 @@ class Checkpointer:
                               f"asked (save(..., force=True))")
         self.directory = os.path.abspath(os.fspath(directory))
         self.every, self.keep = every, keep
+        if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+            raise ConfigError(f"checkpoint directory {self.directory} is a file, not a directory: give a directory "
+                              f"path (it is created if missing)")
         os.makedirs(self.directory, exist_ok=True)
         if not os.access(self.directory, os.W_OK):
             raise ConfigError(f"checkpoint directory {self.directory} is not writable by this user: give a writable "
@@ -213,8 +219,9 @@ class Checkpointer:
             raise ConfigError(
                 f"{where} is from another model: it holds {saved['model_parameters']:,} parameters in "
                 f"{saved['model_stages']} stages (fingerprint {saved['model']}), this run's model has "
-                f"{mine['model_parameters']:,} in {mine['model_stages']} (fingerprint {mine['model']}); "
-                f"build the same model, or point --checkpoint_dir at an empty directory to start afresh")
+                f"{mine['model_parameters']:,} in {mine['model_stages']} (fingerprint {mine['model']})"
+                f"{model_difference(saved, mine)}; build the same model, or point --checkpoint_dir at an empty "
+                f"directory to start afresh")
         if saved.get("optimizer") and mine.get("optimizer") and saved["optimizer"] != mine["optimizer"]:
             raise ConfigError(
                 f"{where} was written with another optimizer (its state has another structure, fingerprint "
@@ -242,6 +249,22 @@ class Checkpointer:
             f"It was written on mesh {was}, this run has {now}; this schedule's state (in-flight pipeline, "
             f"replicas) is laid out per {per}. Resume on mesh {was}, or (synchronous schedules, whose state does "
             f"not depend on the 'data' axis) change only 'data'") from None
+
+
+def model_difference(saved: dict, mine: dict) -> str:
+    """What differs between two fingerprints' models, in words (ties, then up to three leaves)."""
+    out = []
+    if "tied" in saved and saved.get("tied") != mine.get("tied"):
+        out.append(f"tied arrays {saved.get('tied') or 'none'} in the checkpoint, {mine.get('tied') or 'none'} here")
+    if "model_leaves" in saved:
+        a = {k: (tuple(sh), dt) for k, sh, dt in saved["model_leaves"]}
+        b = {k: (tuple(sh), dt) for k, sh, dt in mine["model_leaves"]}
+        for k in sorted(set(a) | set(b)):
+            if a.get(k) != b.get(k):
+                fmt = lambda v: "absent" if v is None else f"{v[1]}{list(v[0])}"
+                out.append(f"{k or 'params'}: {fmt(a.get(k))} in the checkpoint, {fmt(b.get(k))} here")
+    shown = out[:4]
+    return ("" if not shown else ": " + "; ".join(shown) + (f" (and {len(out) - 4} more)" if len(out) > 4 else ""))
 
 
 class CorruptCheckpoint(ConfigError):

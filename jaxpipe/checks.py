@@ -23,9 +23,25 @@ def check_finite(batch):
             if not np.issubdtype(v.dtype, np.floating):
                 continue
             n = int(np.sum(~np.isfinite(v)))
+            if v.dtype.itemsize > 4 and not jax.config.jax_enable_x64:
+                # float64 becomes float32 on the way in: beyond its range a finite value turns into Inf
+                big = int(np.sum(np.isfinite(v) & (np.abs(v) > np.finfo(np.float32).max)))
+                if big:
+                    bad.append(f"{jax.tree_util.keystr(k) or 'batch'} ({big} float64 value(s) beyond float32's "
+                               f"range, |x| > 3.4e38: they become Inf on the device)")
         if n:
             bad.append(f"{jax.tree_util.keystr(k) or 'batch'} ({n} value(s))")
     return bad
+
+
+def check_dtypes(batch):
+    """ConfigError naming a batch entry that is not numbers (strings, objects): JAX's own error names no key."""
+    for k, v in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        dtype = getattr(v, "dtype", None)
+        dtype = np.asarray(v).dtype if dtype is None else np.dtype(dtype)
+        if dtype.kind in "USOV":
+            raise ConfigError(f"batch entry {jax.tree_util.keystr(k) or 'batch'} holds {dtype} values, not numbers: "
+                              f"encode them first (token ids as int32, features as float32)")
 
 
 def require_finite(batch, opt_out: str):

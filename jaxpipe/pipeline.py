@@ -9,7 +9,7 @@ import numpy as np
 import optax
 
 from . import schedules
-from .checks import check_integer_inputs, require_finite
+from .checks import check_dtypes, check_integer_inputs, require_finite
 from .errors import ConfigError
 from .model import PipelineModel
 from .runners.sync import PipelineState
@@ -179,15 +179,19 @@ class Pipeline:
             raise ConfigError(f"step() got {what}; it needs this pipeline's train state ({type(want).__name__}, from "
                               f"pipe.init() or the previous step) -- a state of another schedule or runner "
                               f"does not fit {self.schedule.name!r}")
-        for field in ("params", "opt_state"):
+        fields = getattr(want, "_fields", ("params", "opt_state"))   # a no-flush state: its stashes and carry too
+        for field in fields:
             a, b = getattr(state, field), getattr(want, field)
+            if field == "carry" and (a is None or b is None):    # allocated by the first step (or prepare)
+                continue
             sa, sb = jax.tree.structure(a), jax.tree.structure(b)
             shapes = [(tuple(np.shape(x)), tuple(np.shape(y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
             if sa != sb or any(x != y for x, y in shapes):
                 raise ConfigError(
                     f"this state's {field} do not match this pipeline's ({'structure differs' if sa != sb else 'shapes differ'}): "
-                    f"it was made by a Pipeline with another model, optimizer or schedule. Use this pipeline's "
-                    f"pipe.init(), or restore a checkpoint written by the same configuration")
+                    f"it was made by a Pipeline with another model, optimizer or schedule (a no-flush state holds "
+                    f"its method's weight versions and in-flight pipeline). Use this pipeline's pipe.init(), or "
+                    f"restore a checkpoint written by the same configuration")
 
     def _check_inflight(self, state, batch):
         """A no-flush pipeline keeps earlier micro-batches in flight: every step must feed the same shapes."""
@@ -241,6 +245,7 @@ class Pipeline:
         if not leaves:
             raise ConfigError(f"the batch {batch!r} has no arrays: give a pytree of arrays with a leading batch "
                               f"axis, e.g. {{'x': float32[n, ...], 'y': int32[n]}}")
+        check_dtypes(batch)
         scalars = [k for k, v in jax.tree_util.tree_flatten_with_path(batch)[0] if np.ndim(v) == 0]
         if scalars:
             raise ConfigError(f"batch entry {jax.tree_util.keystr(scalars[0])} is a scalar: every entry needs a "

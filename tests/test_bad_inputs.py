@@ -148,7 +148,8 @@ CASES = [
     ("skip_nonfinite_async", lambda t: pipe("pipedream", skip_nonfinite=True),
      r"skip_nonfinite=True needs one update per step to skip; pipedream.*synchronous schedule"),
     ("avgpipe_negative_advance", lambda t: pipe("avgpipe", pipes=2, options={"advance": -1}),
-     r"advance must be a non-negative integer .*0 = 1F1B.*got -1"),
+     r"options\['advance'\]=-1 \(int\); it must be an integer >= 0, or 'auto' \(forwards issued beyond 1F1B, "
+     r"0 = 1F1B"),
     ("wpipe_unknown_option", lambda t: pipe("wpipe", model=MLP4, options={"recomp": True}),
      r"unknown option\(s\) \['recomp'\]; known: \['apc', 'recompute'\]"),
     ("cdp_bad_rule", lambda t: jp.CyclicDataParallel(MLP4, optax.sgd(0.1), rule="v3", mesh=jp.make_mesh(data=4)),

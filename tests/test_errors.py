@@ -74,3 +74,54 @@ def test_slips_of_a_first_model_get_clear_errors():
     with pytest.raises(jp.ConfigError, match="that is plain 1F1B"):
         jp.Pipeline(small_model("mlp", 2)[0], schedule="interleaved_1f1b", num_microbatches=2,
                     mesh=jp.make_mesh(stages=2))
+
+
+def test_more_slips_get_clear_errors(tmp_path):
+    """Issue #31 item 6 / point 10: each of these failed deep inside JAX, Orbax or NumPy without naming the cause."""
+    import jax
+    import numpy as np
+    import optax
+    import jaxpipe as jp
+    from helpers import small_model
+    model, batch_fn = small_model("mlp", 2)
+    mk = lambda s: jp.Pipeline(model, schedule=s, num_microbatches=2, optimizer=optax.sgd(0.1),
+                               mesh=jp.make_mesh(stages=2))
+    a, b = mk("pipedream"), mk("pipeoptim")
+    st, _ = a.step(a.init(), batch_fn(8, 1))
+    with pytest.raises(jp.ConfigError, match="this state's policy_state do not match this pipeline's"):
+        b.step(st, batch_fn(8, 2))                     # another no-flush method's state
+    batch = batch_fn(8, 1)
+    with pytest.raises(jp.ConfigError, match=r"batch entry \['x'\] holds <U1 values, not numbers"):
+        a.step(a.init(), {**batch, "x": np.array([["a"] * 12] * 8)})
+    big = {k: np.asarray(v, np.float64) if np.asarray(v).dtype.kind == "f" else v for k, v in batch.items()}
+    big["x"][0, 0] = 1e39
+    with pytest.raises(jp.ConfigError, match=r"1 float64 value\(s\) beyond float32's range"):
+        a.step(a.init(), big)
+    open(tmp_path / "f", "w").close()
+    with pytest.raises(jp.ConfigError, match="is a file, not a directory"):
+        jp.Checkpointer(tmp_path / "f", a)
+    d = jax.devices()[0]
+    with pytest.raises(jp.ConfigError, match="is listed 2 times"):
+        jp.make_mesh(stages=2, devices=[d, d])
+
+
+def test_resuming_another_model_says_what_differs(tmp_path):
+    import dataclasses
+    import optax
+    import jaxpipe as jp
+    from helpers import small_model
+    model, batch_fn = small_model("mlp", 2)
+    pipe = jp.Pipeline(model, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.1), mesh=jp.make_mesh(stages=2))
+    ck = jp.Checkpointer(tmp_path / "ck", pipe, async_save=False)
+    ck.save(1, pipe.init())
+    ck.close()
+    other = dataclasses.replace(model, pre_params=jax_cast(model.pre_params))
+    pipe2 = jp.Pipeline(other, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.1), mesh=jp.make_mesh(stages=2))
+    with pytest.raises(jp.ConfigError, match=r"float32\[.*\] in the checkpoint, bfloat16\[.*\] here"):
+        jp.Checkpointer(tmp_path / "ck", pipe2).restore(pipe2.init())
+
+
+def jax_cast(tree):
+    import jax
+    import jax.numpy as jnp
+    return jax.tree.map(lambda a: a.astype(jnp.bfloat16), tree)

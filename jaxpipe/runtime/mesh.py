@@ -27,6 +27,11 @@ def make_mesh(stages: int = 1, data: int = 1, pipes: int = 1, fsdp: int = 1, ten
         if not is_int(v, 1):
             raise ConfigError(f"make_mesh: {name} must be a positive integer, got {v!r}")
     devs = list(jax.devices() if devices is None else devices)
+    seen = set()
+    twice = [d for d in devs if d in seen or seen.add(d)]
+    if twice:
+        raise ConfigError(f"make_mesh(devices=...): {twice[0]} is listed {devs.count(twice[0])} times; each device "
+                          f"can hold one place of the mesh -- give distinct devices")
     need = pipes * data * stages * fsdp * tensor
     if need > len(devs):
         given = ", ".join(f"{k}={v}" for k, v in sizes.items() if v != 1 or k == "stages")

@@ -22,6 +22,7 @@ class Opt:
     choices: Tuple[Any, ...] = ()
     none_ok: bool = False
     literals: Tuple[Any, ...] = ()
+    meaning: str = ""             # what the option does, said in the error
 
     def accepts(self, v) -> bool:
         if v is None and self.none_ok or (isinstance(v, str) and v in self.literals):
@@ -63,4 +64,4 @@ def check_options(method: str, values: dict, types: dict) -> None:
         spec = types.get(key)
         if spec is not None and not spec.accepts(value):
             raise ScheduleError(f"{method}: options[{key!r}]={value!r} ({type(value).__name__}); it must be "
-                                f"{spec.wants()}")
+                                f"{spec.wants()}" + (f" ({spec.meaning})" if spec.meaning else ""))

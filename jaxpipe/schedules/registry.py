@@ -168,7 +168,7 @@ METHODS: Dict[str, Method] = {m.name: m for m in [
            options={"alpha": None, "advance": "auto", "memory_limit": None, "tolerance": 0.02, "shared": None},
            builder_keys=("advance",), to_builder=_auto_advance, legacy_keyword="avgpipe",
            types={"alpha": Opt("number", minimum=0, maximum=1, none_ok=True), "advance": Opt("int", minimum=0,
-                  literals=("auto",)), "memory_limit": Opt("number", above=0, none_ok=True),
+                  literals=("auto",), meaning="forwards issued beyond 1F1B, 0 = 1F1B; 'auto': AvgPipe's Algorithm 1"), "memory_limit": Opt("number", above=0, none_ok=True),
                   "tolerance": Opt("number", minimum=0), "shared": Opt("int", minimum=1, none_ok=True)}),
     # eq. (1): G0 (stages < D/2 of the 2D-partition model) one delay, G1 none
     Method("wpipe", False, True, lambda o: 2, "Yang et al., WPipe (2GW)", runner="async", policy="wpipe",
