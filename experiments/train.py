@@ -57,7 +57,9 @@ flags.DEFINE_integer("eval_batches", 4, "held-out batches per evaluation")
 flags.DEFINE_integer("sample_len", 160, "gpt: bytes of text to sample at the end (0: none)")
 flags.DEFINE_integer("seed", 0, "seed for parameters and data order")
 flags.DEFINE_string("out_dir", "runs/train", "where metrics.jsonl and summary.json go")
-flags.DEFINE_bool("progress", True, "show a progress bar")
+flags.DEFINE_bool("progress", True, "show progress: a bar on a terminal, a line every --progress_every steps "
+                  "when the output goes to a file or a pipe")
+flags.DEFINE_integer("progress_every", 0, "steps between progress lines when not on a terminal (0: a tenth of the run)")
 flags.DEFINE_bool("nan_bubbles", False, "debug: fill pipeline bubbles with NaN (results must stay finite)")
 flags.DEFINE_string("coordinator", None, "multi-host: process 0's HOST:PORT (or JAX_COORDINATOR_ADDRESS)")
 flags.DEFINE_integer("num_processes", None, "multi-host: number of processes (or JAX_NUM_PROCESSES); the mesh "
@@ -91,7 +93,7 @@ def printable(text: str) -> str:
 
 
 #: this runner's flags that a process may set for itself; every other one of its flags must agree
-PER_PROCESS = {"out_dir", "progress", "coordinator", "process_id", "verbose", "heartbeat_timeout", "init_timeout",
+PER_PROCESS = {"out_dir", "progress", "progress_every", "coordinator", "process_id", "verbose", "heartbeat_timeout", "init_timeout",
                "stop_grace_s", "throttle_s", "fail_at_step", "fail_process"}
 
 
@@ -277,8 +279,13 @@ def run(argv):
     t_start = time.perf_counter()
     t_first = None
     last_eval = {}
-    bar = tqdm(range(start, FLAGS.steps), disable=not (FLAGS.progress and primary), unit="step",
+    # a terminal gets a progress bar; a file or a pipe a plain line every --progress_every steps (a bar's
+    # carriage returns wrote 54 KB of one line into a redirected log)
+    tty = sys.stderr.isatty()
+    bar = tqdm(range(start, FLAGS.steps), disable=not (FLAGS.progress and primary and tty), unit="step",
                dynamic_ncols=True, initial=start, total=FLAGS.steps)
+    every = FLAGS.progress_every or max(1, (FLAGS.steps - start) // 10)
+    lines = FLAGS.progress and primary and not tty
     first_loss, loss, skipped, done = None, float("nan"), 0, start
 
     def save(step, force=False):
@@ -321,6 +328,9 @@ def run(argv):
         log.write(json.dumps(rec) + "\n")
         log.flush()
         bar.set_postfix(loss=f"{loss:.3f}", **{k: f"{v:.3f}" for k, v in last_eval.items()})
+        if lines and (done % every == 0 or done == FLAGS.steps):
+            print(f"step {done}/{FLAGS.steps}  loss {loss:.3f}  {dt * 1e3:.0f} ms/step" +
+                  "".join(f"  {k} {v:.3f}" for k, v in last_eval.items()), flush=True)
         if FLAGS.fail_at_step and done == FLAGS.fail_at_step and jax.process_index() == FLAGS.fail_process:
             raise RuntimeError(f"--fail_at_step={done}: process {FLAGS.fail_process} fails here (debug)")
         if FLAGS.stop_at_step and done == FLAGS.stop_at_step and done < FLAGS.steps:

@@ -67,6 +67,8 @@ class Pipeline:
             raise ConfigError(f"unknown schedule {schedule!r}; available: {', '.join(schedules.available())}")
         options = _merge_legacy(schedule, options, chimera=chimera, virtual=virtual, zb=zb, avgpipe=avgpipe,
                                 wpipe=wpipe)
+        if built is None:
+            model = _recut_for(schedule, options, model, mesh)
         from .precision import Precision, with_precision
         if precision is not None and not isinstance(precision, Precision):
             raise ConfigError(f"precision={precision!r}: give jp.Precision(params='float32', compute='bfloat16')")
@@ -353,6 +355,25 @@ def _checked_mesh(mesh, model):
         raise ConfigError(f"mesh needs axes ('pipe', 'data', 'stage'), it lacks {missing}; build it with "
                           f"jp.make_mesh(stages=..., data=...)")
     return mesh
+
+
+def _recut_for(schedule: str, options: dict, model, mesh):
+    """The model as written, cut into the chunks the schedule needs: a schedule holding v > 1 model stages per
+    device (interleaved 1F1B, the V-schedules) given a model of one stage per device whose ``recut`` can make
+    v x D stages (the Flax adapters' models); otherwise the model unchanged (the schedule's own checks say what
+    to change)."""
+    from .axes import STAGE
+    if model.recut is None or mesh is None or STAGE not in getattr(mesh, "shape", {}):
+        return model
+    D = mesh.shape[STAGE]
+    v = schedules.method(schedule).stages_per_device({"virtual": (options or {}).get("virtual")})
+    if v <= 1 or model.num_stages != D:
+        return model
+    try:
+        return model.recut(v * D)
+    except ConfigError as e:
+        raise ConfigError(f"{schedule} holds {v} model stages per device, {v * D} in all, but this model's "
+                          f"blocks cannot be cut so: {e}") from None
 
 
 def _check_scalars(num_microbatches, placement, recompute, seed) -> None:

@@ -187,3 +187,34 @@ def test_from_nnx_finds_and_keeps_a_tie(schedule):
         assert rel_err(pipe.params(state), ref["params"]) <= 1e-5
     _, e2, h2 = to_modules(pipe.params(state))
     assert h2.emb.embedding is e2.embedding
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zb_v"])
+def test_two_chunk_schedules_cut_the_model_as_written(schedule):
+    """Issue #32 item 5: the model as written (4 blocks in 2 stages, one per device) runs under a schedule that
+    holds two chunks per device: the adapter's model is cut into 4 stages of one block, exact against the
+    modules' own nnx.grad; to_modules gives the blocks back in order."""
+    blocks, embed, head = nnx_pieces()
+    model, to_modules = jp.models.from_nnx(blocks, embed, head, xent, num_stages=2)
+    batch = batch_of(8)
+    pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=4, optimizer=optax.sgd(0.1),
+                       mesh=jp.make_mesh(stages=2))
+    assert pipe.model.num_stages == 4 and model.num_stages == 2
+    loss, grads = pipe.loss_and_grad(pipe.init(), batch)
+    assert abs(float(loss) - float(nnx_loss(blocks, embed, head, batch))) <= 1e-5 * abs(float(loss))
+    g_blocks, g_embed, g_head = nnx.grad(lambda bs, e, h: nnx_loss(bs, e, h, batch), argnums=(0, 1, 2))(
+        nnx.List(blocks), embed, head)
+    per = [nnx.to_pure_dict(g_blocks[i]) for i in range(4)]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs).reshape((4, 1) + xs[0].shape), *per)
+    assert close(grads, (stacked, nnx.to_pure_dict(g_embed), nnx.to_pure_dict(g_head)))
+    nb, ne, nh = to_modules(pipe.params(pipe.init()))
+    assert abs(float(nnx_loss(nb, ne, nh, batch)) - float(loss)) <= 1e-5 * abs(float(loss))
+
+
+def test_a_model_that_cannot_be_cut_says_what_to_change():
+    blocks, embed, head = nnx_pieces()
+    model, _ = jp.models.from_nnx(blocks[:2], embed, head, xent, num_stages=2)      # 2 blocks, 2 stages
+    with pytest.raises(jp.ConfigError, match=r"interleaved_1f1b holds 2 model stages per device, 4 in all, but "
+                                             r"this model's blocks cannot be cut so: 2 blocks cannot be cut into 4"):
+        jp.Pipeline(model, schedule="interleaved_1f1b", num_microbatches=4, optimizer=optax.sgd(0.1),
+                    mesh=jp.make_mesh(stages=2))

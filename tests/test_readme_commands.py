@@ -22,6 +22,8 @@ QUICK = {
     "stage_efficiency": ["--widths=64", "--layers=2", "--microbatch_sizes=8", "--reps=2"],
     "tune_avgpipe": ["--devices=4", "--width=32", "--batch=16", "--ms=1,2", "--ns=1", "--steps=1"],
     "executor_cost": ["--width=32", "--batch=64", "--rounds=1", "--schedules=1f1b,zb_v"],
+    "schedule_choice": ["--width=32", "--batch=64", "--rounds=1", "--devices=4", "--microbatch_counts=8",
+                        "--real_layers=8"],
 }
 
 

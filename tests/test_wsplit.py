@@ -8,7 +8,6 @@ import pytest
 
 import jaxpipe as jp
 from jaxpipe.bench import make_tanh_mlp
-from jaxpipe.runtime.common import full
 from jaxpipe.runtime.stage import StageOps
 from jaxpipe.runtime.wsplit import split_backward
 from helpers import reference, rel_err, small_model

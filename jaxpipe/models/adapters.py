@@ -106,7 +106,7 @@ def _share(module, path, variable):
 
 
 def _model(apply_block, stacked, apply_embed, embed_p, apply_head, head_p, loss, inputs, block_call,
-           stage_inputs, param_specs=None, tied=()):
+           stage_inputs, param_specs=None, tied=(), recut=None):
     stage_fn, context = _stage_fn(apply_block, block_call)
     pick = inputs or (lambda b: b["x"])
     return PipelineModel(
@@ -114,7 +114,7 @@ def _model(apply_block, stacked, apply_embed, embed_p, apply_head, head_p, loss,
         pre=lambda p, b: apply_embed(p, pick(b)), pre_params=embed_p,
         post_loss=lambda p, h, b: loss(apply_head(p, h), b), post_params=head_p,
         head=apply_head, context=context or bool(stage_inputs), stage_inputs=tuple(stage_inputs),
-        param_specs=param_specs, tied=tuple(tied))
+        param_specs=param_specs, tied=tuple(tied), recut=recut)
 
 
 def from_nnx(blocks: Sequence[Any], embed: Any, head: Any, loss: Callable, num_stages: int, *,
@@ -142,10 +142,13 @@ def from_nnx(blocks: Sequence[Any], embed: Any, head: Any, loss: Callable, num_s
         return lambda p, *a: nnx.merge(gd, _restore(st, p))(*a)
 
     spec = lambda st: nnx.to_pure_dict(nnx.get_partition_spec(st))
-    model = _model(merged(gdef, defs[0][1]), _stack_blocks(per_block, num_stages),
-                   merged(e_def, e_state), nnx.to_pure_dict(e_state), merged(h_def, h_state),
-                   nnx.to_pure_dict(h_state), loss, inputs, block_call, stage_inputs,
-                   _param_specs(spec(defs[0][1]), spec(e_state), spec(h_state), rules), tied)
+    specs = _param_specs(spec(defs[0][1]), spec(e_state), spec(h_state), rules)
+
+    def build(n):
+        return _model(merged(gdef, defs[0][1]), _stack_blocks(per_block, n), merged(e_def, e_state),
+                      nnx.to_pure_dict(e_state), merged(h_def, h_state), nnx.to_pure_dict(h_state), loss, inputs,
+                      block_call, stage_inputs, specs, tied, recut=build)
+    model = build(num_stages)
 
     def to_modules(params):
         stage_p, pre_p, post_p = params
@@ -188,8 +191,10 @@ def from_linen(block: Any, block_params: Sequence[Any], embed: Tuple[Any, Any], 
         raise ConfigError("from_linen needs the parameters of at least one block")
     (e_mod, e_p), (h_mod, h_p) = embed, head
     lin = lambda mod: (lambda p, *a: mod.apply({"params": p}, *a))
-    model = _model(lin(block), _stack_blocks(block_params, num_stages), lin(e_mod), e_p, lin(h_mod), h_p,
-                   loss, inputs, block_call, stage_inputs, _param_specs(*specs, rules))
+    def build(n):
+        return _model(lin(block), _stack_blocks(block_params, n), lin(e_mod), e_p, lin(h_mod), h_p, loss, inputs,
+                      block_call, stage_inputs, _param_specs(*specs, rules), recut=build)
+    model = build(num_stages)
 
     def to_params(params):
         stage_p, pre_p, post_p = params
