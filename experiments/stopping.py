@@ -27,7 +27,7 @@ class Stop:
         self.signals: List[str] = []
         self.grace_s = grace_s
         self.last_checkpoint = last_checkpoint
-        self.write = write or (lambda s: (sys.stderr.write(s + "\n"), sys.stderr.flush()))
+        self.write = write or self._stderr
         self._timer: Optional[threading.Timer] = None
 
     def __bool__(self) -> bool:
@@ -38,21 +38,38 @@ class Stop:
         if self.reason is None:
             self.reason = reason
 
+    def done(self) -> None:
+        """The stop-save finished: later signals are ignored while the process exits (its status stays 143)."""
+        if self._timer is not None:
+            self._timer.cancel()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
     def install(self) -> None:
         self._parent = os.getppid()
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)
 
+    def _stderr(self, text: str) -> None:
+        try:
+            sys.stderr.write(text + "\n")
+            sys.stderr.flush()
+        except OSError:               # the reader is gone (a launcher killed): the stop-save must still run
+            self._to_devnull()
+
+    def _to_devnull(self) -> None:
+        null = os.open(os.devnull, os.O_WRONLY)
+        for fd in (1, 2):
+            os.dup2(null, fd)
+        os.close(null)
+        # Python's own streams may be duplicates of the old descriptors (jaxpipe.distributed.quiet_native_stdout)
+        sys.stdout = sys.stderr = open(os.devnull, "w")
+
     def _orphaned(self) -> None:
         """The parent (a launcher relaying this process's output) is gone: what is written to the pipe would
         fail (BrokenPipeError) and end the process before its stop-save, so the output goes to /dev/null."""
         if getattr(self, "_parent", None) not in (None, os.getppid()):
-            null = os.open(os.devnull, os.O_WRONLY)
-            for fd in (1, 2):
-                os.dup2(null, fd)
-            os.close(null)
-            # Python's own streams may be duplicates of the old descriptors (jaxpipe.distributed.quiet_native_stdout)
-            sys.stdout = sys.stderr = open(os.devnull, "w")
+            self._to_devnull()
             self._parent = os.getppid()
 
     def _exit_code(self, name: str) -> int:

@@ -106,16 +106,25 @@ def main(argv):
         run(argv)
     except (SystemExit, KeyboardInterrupt):
         raise
-    except BaseException:
+    except BaseException as e:
         jax = sys.modules.get("jax")
         if jax is None or not jax.distributed.is_initialized() or jax.process_count() == 1:
             raise
+        import time
         import traceback
-        traceback.print_exc()
-        sys.stderr.write(f"jaxpipe: process {jax.process_index()} of {jax.process_count()} failed (above); exiting "
-                         f"now -- the other processes stop within --heartbeat_timeout={FLAGS.heartbeat_timeout} s\n")
-        sys.stderr.flush()
-        sys.stdout.flush()
+        try:
+            traceback.print_exc()
+            sys.stderr.write(f"jaxpipe: process {jax.process_index()} of {jax.process_count()} failed (above); "
+                             f"exiting now -- the other processes stop within --heartbeat_timeout="
+                             f"{FLAGS.heartbeat_timeout} s\n")
+            sys.stderr.flush()
+            sys.stdout.flush()
+        except OSError:
+            pass
+        if jax.process_index() == 0 and type(e).__name__ == "ConfigError":
+            # a start-up check every process makes: process 0 hosts the coordination service, whose end
+            # aborts the others -- give them a moment to say the same
+            time.sleep(3)
         os._exit(1)
 
 
@@ -340,6 +349,7 @@ def run(argv):
             save(done, force=True)
             if ckpt is not None:
                 ckpt.close()
+            stop.done()                 # saved: a signal arriving while the process exits changes nothing
             say(f"\nstopped by {stop.reason} at step {done}" + (f"; checkpoint saved in {FLAGS.checkpoint_dir}, run "
                                                             f"again to resume" if ckpt else ""))
             sys.exit(143)

@@ -238,6 +238,9 @@ def check_mesh_covers_processes(mesh) -> None:
     n = jax.process_count()
     held = {d.process_index for d in mesh.devices.flat}
     left_out = sorted(set(range(n)) - held)
+    if left_out and n > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("jaxpipe mesh check")    # every process says it, then exits
     if left_out:
         per = jax.local_device_count()
         raise ConfigError(

@@ -164,7 +164,7 @@ def test_pipeoptim_decay_free_equals_the_default_without_decay():
 
 def test_pipeoptim_bad_option_names_the_choices():
     model, _ = small_model("mlp", 2)
-    with pytest.raises(jp.ConfigError, match="distance='fresh'.*paper.*code"):
+    with pytest.raises(jp.ConfigError, match=r"options\['distance'\]='fresh' \(str\); it must be one of 'paper', 'code'"):
         jp.Pipeline(model, schedule="pipeoptim", num_microbatches=2, optimizer=optax.sgd(0.1),
                     mesh=jp.make_mesh(stages=2), options={"distance": "fresh"})
 

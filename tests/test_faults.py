@@ -42,6 +42,7 @@ def test_sigkill_then_resume_is_bit_equal(tmp_path):
     assert run.poll() is None, "the run ended before it could be killed"
     run.send_signal(signal.SIGKILL)
     run.wait()
+    assert finalized(ck), "no checkpoint was finalized before the kill (240 s)"
     killed_at = max(finalized(ck))
     assert 8 <= killed_at < 24
     again = train(args + [f"--out_dir={tmp_path}/run", f"--checkpoint_dir={ck}", f"--save_params={tmp_path}/run.npz"])

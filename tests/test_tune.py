@@ -74,7 +74,10 @@ def test_microbenchmarks_run_and_are_positive():
     from jaxpipe.tune import microbench as mb
     c = mb.measure(lambda w, x: jnp.tanh(x @ w), jnp.ones((16, 16)) * 0.1, jnp.ones((4, 16)), devices=2)
     assert len(c.op["F"]) == 2 and all(t > 0 for t in c.op["F"] + c.op["B"])
-    assert c.p2p_alpha >= 0 and c.p2p_beta >= 0 and c.ar_alpha >= 0 and c.ar_beta >= 0
+    # the fits are clamped at 0, so ">= 0" could not fail: a 1 MiB message must cost more than a 4 KiB one
+    # (a fit whose slope came out <= 0 -- clamped to 0 -- fails here), and every cost must be a real time
+    assert c.p2p_beta > 0 and c.p2p(1 << 20) > c.p2p(1 << 12), (c.p2p_alpha, c.p2p_beta)
+    assert c.allreduce(1 << 20, 2) > c.allreduce(1 << 12, 2), (c.ar_alpha, c.ar_beta)
 
 
 def test_chimera_free_regions_figure6():
