@@ -39,3 +39,14 @@ def small_model(kind: str, stages: int, seed: int = 0):
 
 def reference(model, batch):
     return jax.jit(jax.value_and_grad(model.loss))(model.params, batch)
+
+
+def change(p, p0):
+    """``p - p0`` leaf by leaf in float64: what training did to the parameters (compared instead of the
+    parameters themselves, whose least-moved leaves moved ~1% of their norm: an equality at 1e-5 on them is
+    ~1e-3 on the update)."""
+    return jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64), p, p0)
+
+
+#: a "the rule matters" test asserts a difference at least this far above the equality tolerance (1e-5)
+RULE_MARGIN = 100 * 1e-5

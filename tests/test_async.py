@@ -47,9 +47,11 @@ def run_and_compare(method, kind, D, opt_name, data=1, M=4, steps=3):
     return pipe, state
 
 
-# CI time: plain SGD runs at D=2; D=4 runs momentum and AdamW
-@pytest.mark.parametrize("method,D,opt_name", [(m, D, o) for m in METHODS for D in (2, 4)
-                                               for o in ("sgd", "momentum", "adamw") if not (D == 4 and o == "sgd")])
+# CI time: plain SGD runs at D=2; D=4 runs momentum and AdamW.  SpecTrain runs at D=3 instead of 2: at D=2 its
+# rule and PipeOptim's are bit-identical (rel. difference 0.0), so a D=2 test could not tell them apart
+@pytest.mark.parametrize("method,D,opt_name", [(m, 3 if (m, D) == ("spectrain", 2) else D, o) for m in METHODS
+                                               for D in (2, 4) for o in ("sgd", "momentum", "adamw")
+                                               if not (D == 4 and o == "sgd")])
 def test_mlp_matches_serial_reference(method, D, opt_name):
     if method == "spectrain" and opt_name != "momentum":
         with pytest.raises(jp.ConfigError, match="momentum"):

@@ -6,7 +6,7 @@ import optax
 import pytest
 
 import jaxpipe as jp
-from helpers import rel_err, small_model
+from helpers import rel_err, small_model, change, RULE_MARGIN
 from jaxpipe import schedules
 from jaxpipe.optim.reference import avgpipe_reference
 
@@ -53,7 +53,8 @@ def test_reference_is_the_mean_of_the_replicas_and_alpha_matters():
     mean = jax.tree.map(lambda a: np.mean(np.asarray(a), axis=0), state.params)
     assert rel_err(pipe.params(state), mean) < 1e-6
     pipe0, state0, *_ = run(N=4, D=2, M=2, opt="adam", steps=3, alpha=0.0)
-    assert rel_err(pipe0.params(state0), pipe.params(state)) > 1e-5
+    p0 = pipe.model.params      # alpha changes the update by >= 100x the equality tolerance
+    assert rel_err(change(pipe0.params(state0), p0), change(pipe.params(state), p0)) > RULE_MARGIN
     # the replicas were trained on different batches: they differ, and alpha > 0 pulls them together
     spread = lambda st: max(float(np.max(np.std(np.asarray(a), axis=0))) for a in jax.tree.leaves(st.params))
     assert spread(state) > 0 and spread(state) < spread(state0)

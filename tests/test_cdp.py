@@ -6,7 +6,7 @@ import optax
 import pytest
 
 import jaxpipe as jp
-from helpers import rel_err, small_model
+from helpers import rel_err, small_model, change, RULE_MARGIN
 from test_async import OPTS, run_and_compare
 
 
@@ -40,7 +40,9 @@ def test_cdp_v1_is_2bw_and_v2_differs():
     v1, bw, v2 = _final("cdp_v1"), _final("pipedream_2bw"), _final("cdp_v2")
     for a, b in zip(jax.tree.leaves(v1), jax.tree.leaves(bw)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
-    assert rel_err(v2, v1) > 1e-6          # fresher reads change the trajectory
+    p0 = small_model("mlp", 4)[0].params
+    # fresher reads change the trajectory: the updates differ by >= 100x the equality tolerance
+    assert rel_err(change(v2, p0), change(v1, p0)) > RULE_MARGIN
 
 
 def test_cdp_v2_reads_fresh_parameters_on_the_last_i_stages():

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import jaxpipe as jp
-from helpers import rel_err, small_model
+from helpers import rel_err, small_model, change, RULE_MARGIN
 from jaxpipe.one_device import single_device_dp_grad, single_device_grad
 from jaxpipe.optim.reference import serial_reference
 from jaxpipe.schedules import cyclic as cyc
@@ -104,7 +104,8 @@ def test_gpt_matches_serial_reference():
 def test_v1_and_v2_differ_and_restart_after_drain():
     a = run("v1", 4)
     b = run("v2", 4)
-    assert rel_err(a[0].params(a[1]), b[0].params(b[1])) > 1e-6
+    p0 = a[3].params            # the updates of the two rules differ by >= 100x the equality tolerance
+    assert rel_err(change(a[0].params(a[1]), p0), change(b[0].params(b[1]), p0)) > RULE_MARGIN
     cdp, state = b[0], b[1]
     state, m = cdp.step(state, b[2][0])          # the cycle restarts after a drain
     assert np.isfinite(float(m["loss"]))
