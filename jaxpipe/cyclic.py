@@ -65,7 +65,15 @@ CyclicState = AsyncState
 
 
 class CyclicDataParallel:
-    """Cyclic Data Parallelism over the mesh's ``data`` axis (see the module docstring)."""
+    """Cyclic Data Parallelism over the mesh's ``data`` axis (the module docstring has the timeline and rules).
+
+    Arguments: ``model`` (a :class:`PipelineModel` whose ``num_stages`` equals the mesh's ``data`` size: each
+    worker holds the whole model cut into that many stages); ``optimizer`` (an optax transformation, run by
+    the last worker only); ``rule`` (``"v1"``: every stage read at version ``t - 1``; ``"v2"``: fresh versions
+    on a micro-batch's last stages); ``mesh`` (``jp.make_mesh(data=N)``); ``check_inputs`` (NaN/Inf and
+    integer-id checks of every batch); ``seed`` (a context model's keys); ``nan_bubbles`` (idle slots filled
+    with NaN: a test of the executor); ``broadcast`` (``"direct"`` or ``"balanced"``: how the updated stage
+    reaches the other workers).  Methods as :class:`Pipeline`'s: ``init``, ``step``, ``drain``, ``params``."""
 
     def __init__(self, model: PipelineModel, optimizer: optax.GradientTransformation, rule: str = "v2",
                  mesh=None, *, check_inputs: bool = True, seed: int = 0, nan_bubbles: bool = False,

@@ -35,6 +35,12 @@ def _dtype(name, what):
 
 @dataclasses.dataclass(frozen=True)
 class Precision:
+    """A mixed-precision policy (module docstring).  ``params``: the dtype of the master copy the optimizer
+    updates (and of the gradients); ``compute``: the stages' dtype -- parameters are cast to it inside the
+    model's functions, and activations, messages and the stash are in it; ``output``: the loss's dtype;
+    ``loss_scale``: static loss scaling, the loss multiplied before differentiation and the gradients divided
+    after (synchronous schedules; float16 needs it: without one it is refused).  Dtypes are names or numpy
+    dtypes, floating point only."""
     params: Any = "float32"       # the master copy the optimizer updates (and the gradients' dtype)
     compute: Any = "float32"      # stage computation, activations sent between stages, the stash
     output: Any = "float32"       # the loss

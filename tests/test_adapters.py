@@ -218,3 +218,35 @@ def test_a_model_that_cannot_be_cut_says_what_to_change():
                                              r"this model's blocks cannot be cut so: 2 blocks cannot be cut into 4"):
         jp.Pipeline(model, schedule="interleaved_1f1b", num_microbatches=4, optimizer=optax.sgd(0.1),
                     mesh=jp.make_mesh(stages=2))
+
+
+def test_linen_tied_head_is_found_and_exact():
+    """Issue #32 item 1 (Linen): the head is the embedding's own ``attend`` on the same parameters -- found by
+    array identity and tied; and a tie given by path (two equal copies) does the same.  Exact against
+    jax.grad of the Linen model, whose embedding gradient sums both uses."""
+    keys = jax.random.split(jax.random.PRNGKey(0), 5)
+    x0 = jnp.zeros((2, T, D_))
+    block = LBlock()
+    bps = [block.init(k, x0)["params"] for k in keys[:4]]
+    emb = nn.Embed(V, D_)
+    ep = emb.init(keys[4], jnp.zeros((2, T), jnp.int32))["params"]
+    batch = batch_of(8)
+
+    def ref_loss(bps, ep):
+        x = emb.apply({"params": ep}, batch["x"])
+        for p in bps:
+            x = block.apply({"params": p}, x)
+        return xent(emb.apply({"params": ep}, x, method="attend"), batch)
+
+    rl, (gb, ge) = jax.value_and_grad(ref_loss, argnums=(0, 1))(bps, ep)
+    copy = jax.tree.map(jnp.array, ep)                 # equal values, another object: needs tied=
+    for head, tied in (((emb, ep, "attend"), ()), ((emb, copy, "attend"), [(("embedding",), ("embedding",))])):
+        model, to_params = jp.models.from_linen(block, bps, (emb, ep), head, xent, num_stages=2, tied=tied)
+        assert model.tied == ((("embedding",), ("embedding",)),)
+        pipe = jp.Pipeline(model, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.1),
+                           mesh=jp.make_mesh(stages=2))
+        loss, grads = pipe.loss_and_grad(pipe.init(), batch)
+        assert abs(float(loss) - float(rl)) <= 1e-5 * abs(float(rl))
+        blocks, gpre, gpost = to_params(grads)
+        assert rel_err((blocks, gpre), (gb, ge)) <= 1e-5
+        assert gpost["embedding"] is None                # reported once, at the embedding

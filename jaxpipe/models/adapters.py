@@ -96,6 +96,13 @@ def _shared_variables(embed, head):
             if isinstance(n, nnx.Variable) and id(n) in mine]
 
 
+def _same_arrays(a, b):
+    """``[(path in a, path in b)]`` of the leaves ``a`` and ``b`` hold as one object (paths of dict keys)."""
+    key = lambda path: tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+    mine = {id(v): key(p) for p, v in jax.tree_util.tree_flatten_with_path(a)[0]}
+    return [(mine[id(v)], key(p)) for p, v in jax.tree_util.tree_flatten_with_path(b)[0] if id(v) in mine]
+
+
 def _share(module, path, variable):
     """``module`` with the Variable at ``path`` replaced by ``variable`` (the tie restored)."""
     node = module
@@ -176,24 +183,31 @@ def _restore(state, pure):
 
 def from_linen(block: Any, block_params: Sequence[Any], embed: Tuple[Any, Any], head: Tuple[Any, Any],
                loss: Callable, num_stages: int, *, inputs: Optional[Callable] = None,
-               block_call: Optional[Callable] = None,
-               stage_inputs: Sequence[str] = (), rules=None) -> Tuple[PipelineModel, Callable]:
+               block_call: Optional[Callable] = None, stage_inputs: Sequence[str] = (), rules=None,
+               tied: Sequence[Tuple[Tuple, Tuple]] = ()) -> Tuple[PipelineModel, Callable]:
     """``(model, to_params)`` from Linen modules: ``block`` with one ``params`` dict per layer, and
-    ``(module, params)`` for the embedding and the head.  ``to_params(params)`` returns ``(block_params list,
+    ``(module, params)`` for the embedding and the head -- the head may be ``(module, params, method)`` (a tied
+    LM head: ``(embed_module, embed_params, "attend")``).  ``to_params(params)`` returns ``(block_params list,
     embed params, head params)`` in Linen's layout (unboxed).  Parameters boxed by
-    ``nn.with_logical_partitioning`` give the model's ``param_specs`` through ``rules`` (module docstring)."""
+    ``nn.with_logical_partitioning`` give the model's ``param_specs`` through ``rules`` (module docstring).
+    Ties: an array object that the embedding's and the head's parameters both hold is tied (one array, its two
+    uses' gradients summed); ``tied=[(embed_path, head_path)]`` (tuples of dict keys) names others -- the two
+    arrays must then be equal."""
     import flax.linen as nn
     from flax.core import meta
     specs = [nn.get_partition_spec(p) for p in (list(block_params)[:1] or [{}]) + [embed[1], head[1]]]
     block_params = [meta.unbox(p) for p in block_params]
-    embed, head = (embed[0], meta.unbox(embed[1])), (head[0], meta.unbox(head[1]))
+    h_mod, h_p, *h_method = head
+    (e_mod, e_p), h_p = (embed[0], meta.unbox(embed[1])), meta.unbox(h_p)
     if not block_params:
         raise ConfigError("from_linen needs the parameters of at least one block")
-    (e_mod, e_p), (h_mod, h_p) = embed, head
-    lin = lambda mod: (lambda p, *a: mod.apply({"params": p}, *a))
+    lin = lambda mod, *m: (lambda p, *a: mod.apply({"params": p}, *a, **({"method": m[0]} if m else {})))
+    ties = [(tuple(a), tuple(b)) for a, b in tied]
+    ties += [t for t in _same_arrays(e_p, h_p) if t not in ties]
+
     def build(n):
-        return _model(lin(block), _stack_blocks(block_params, n), lin(e_mod), e_p, lin(h_mod), h_p, loss, inputs,
-                      block_call, stage_inputs, _param_specs(*specs, rules), recut=build)
+        return _model(lin(block), _stack_blocks(block_params, n), lin(e_mod), e_p, lin(h_mod, *h_method), h_p, loss,
+                      inputs, block_call, stage_inputs, _param_specs(*specs, rules), ties, recut=build)
     model = build(num_stages)
 
     def to_params(params):
