@@ -145,6 +145,10 @@ def plot_breakdowns(rows, path: str, title: str = "") -> None:
     """A picture of traced steps: one horizontal bar per ``(label, Breakdown)`` row and per emulated device
     of it (a plain one-device step: one bar), stacked by category in exclusive milliseconds per step, with the
     step's wall time marked.  Written to ``path`` (PNG, SVG or PDF by its extension)."""
+    import logging
+    # matplotlib logs its font cache's first build at INFO ("font_manager: generating new fontManager"): a
+    # stray line in a user's run (absl's handler prints INFO)
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -24,3 +24,15 @@ def test_own_transformer_example():
     assert "head shares the embedding's Variable: True" in out, out
     final = float(re.search(r"loss on the first batch ([\d.]+)", out).group(1))
     assert final < float(ref), out                    # training lowered the loss
+
+
+def test_drawing_a_schedule_prints_no_stray_log_line(tmp_path):
+    """Issue #32 item 6: matplotlib's first font-cache build logged "font_manager ... generated new fontManager"
+    through absl's INFO handler into a user's run."""
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", MPLCONFIGDIR=str(tmp_path / "mpl"))
+    p = subprocess.run([sys.executable, "-m", "experiments.timeline", "--schedule=1f1b", "--stages=4",
+                        "--microbatches=8", f"--out={tmp_path}/t.png"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert os.path.exists(tmp_path / "t.png")
+    assert "font_manager" not in p.stdout + p.stderr, (p.stdout + p.stderr)[-2000:]

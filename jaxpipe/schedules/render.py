@@ -57,6 +57,10 @@ def _boxes(s: Schedule, mode: str, f: float, b: float, w: float):
 
 def render_png(s: Schedule, path: Optional[str] = None, f: float = 1.0, b: float = 2.0, w: float = 1.0,
                mode: str = "event", title: Optional[str] = None):
+    import logging
+    # matplotlib logs its font cache's first build at INFO ("font_manager: generating new fontManager"): a
+    # stray line in a user's run (absl's handler prints INFO)
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
