@@ -68,9 +68,12 @@ class Checkpointer:
 
     def __init__(self, directory: str, pipe=None, *, keep: Optional[int] = 3, every: int = 0,
                  async_save: bool = True, writer: bool = False):
-        """``writer=True`` takes the directory's lock now (a training run: fail before step 1 if another run
-        writes there); otherwise the lock is taken by the first save, and a Checkpointer that only restores
-        never takes it."""
+        """``directory``: where the steps go (created if missing); ``pipe``: the pipeline whose fingerprint a
+        restore checks (None: no check); ``keep``: how many finished checkpoints to keep (None: all);
+        ``every``: ``maybe_save`` saves at multiples of it (0: only when forced); ``async_save``: write in the
+        background (``wait``/``close`` block until written).  ``writer=True`` takes the directory's lock now
+        (a training run: fail before step 1 if another run writes there); otherwise the lock is taken by the
+        first save, and a Checkpointer that only restores never takes it."""
         import orbax.checkpoint as ocp
         if keep is not None and not is_int(keep, 1):
             raise ConfigError(f"Checkpointer keep={keep!r}: give how many checkpoints to keep (>= 1) or None for all")

@@ -24,6 +24,13 @@ class Pipeline:
     >>> state = pipe.init()
     >>> state, metrics = pipe.step(state, batch)
 
+    ``model``: a :class:`PipelineModel`; ``schedule``: a method's name (the README's table) or a built
+    Schedule; ``num_microbatches``: M per step and data replica; ``optimizer``: an optax transformation (None:
+    ``loss_and_grad`` only); ``mesh``: ``jp.make_mesh(stages=D, data=..., pipes=..., fsdp=..., tensor=...)``;
+    ``seed``: the root of a context model's dropout keys (``jp.microbatch_key``); ``precision``: a
+    :class:`Precision` (mixed precision, loss scaling); ``batch_axes``: the mesh axes the batch is split over
+    (default ``("data",)``; FSDP: ``("data", "fsdp")``).
+
     ``nan_bubbles=True`` is a debugging aid: buffers start as NaN and idle ticks send NaN, so anything a bubble
     leaks into the result shows up as NaN.
 
