@@ -23,6 +23,10 @@ flags.DEFINE_integer("num_processes", 2, "processes to start")
 flags.DEFINE_integer("port", 0, "coordinator port on 127.0.0.1 (0: pick a free one)")
 flags.DEFINE_string("module", "experiments.train", "the runner every process executes")
 flags.DEFINE_integer("timeout", 0, "seconds before the whole job is stopped (0: none)")
+flags.DEFINE_integer("stall_timeout", 300, "seconds a worker may go without finishing a step (its heartbeat, "
+                     "counted from its first step) before the job is stopped (0: no watchdog)")
+flags.DEFINE_integer("stop_timeout", 120, "seconds the workers get to save and exit after a stop before they "
+                     "are terminated (then killed min(30, this) s later)")
 flags.DEFINE_boolean("verbose", False, "also relay the collective library's connection chatter ('[Gloo] Rank i "
                      "is connected to ...', printed by its C++ code on every process)")
 FLAGS = flags.FLAGS
@@ -53,19 +57,39 @@ def _pump(i, stream, out, verbose=False):
         out.flush()
 
 
+def _stalled(beats, limit: float):
+    """``(workers, age)``: the workers whose heartbeat file (touched after every step) is older than ``limit``
+    seconds, and the oldest age; None if none is.  A worker that has not finished a step yet has no file and is
+    not judged.  Workers waiting in a collective for a stalled peer stall too: all are named."""
+    now, late = time.time(), {}
+    for i, path in enumerate(beats):
+        try:
+            age = now - os.stat(path).st_mtime
+        except FileNotFoundError:
+            continue
+        if age > limit:
+            late[i] = age
+    return (sorted(late), max(late.values())) if late else None
+
+
 def launch(args, num_processes: int, module: str = "experiments.train", port: int = 0, timeout: float = 0,
-           verbose: bool = False) -> int:
-    """Run the job; returns 0 if every process succeeded, else the first failing process's status."""
+           verbose: bool = False, stall_timeout: float = 0, stop_timeout: float = 120) -> int:
+    """Run the job; returns 0 if every process succeeded, else the first failing process's status (124: the job
+    ran past ``timeout``, or a worker stalled past ``stall_timeout``)."""
+    import tempfile
     if num_processes < 1:
         raise app.UsageError(f"--num_processes={num_processes}: give at least 1")
     port = port or free_port()
     procs, pumps = [], []
+    beat_dir = tempfile.mkdtemp(prefix="jaxpipe-heartbeat-")
+    beats = [os.path.join(beat_dir, str(i)) for i in range(num_processes)]
     for i in range(num_processes):
         cmd = [sys.executable, "-m", module, *args, f"--num_processes={num_processes}", f"--process_id={i}",
                f"--coordinator=127.0.0.1:{port}"]
         # own session: a Ctrl-C in the terminal reaches the launcher only, which forwards it once
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                             env=dict(os.environ, **({"JAXPIPE_VERBOSE": "1"} if verbose else {})),
+                             env=dict(os.environ, JAXPIPE_HEARTBEAT=beats[i],
+                                      **({"JAXPIPE_VERBOSE": "1"} if verbose else {})),
                              preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         t = threading.Thread(target=_pump, args=(i, p.stdout, sys.stdout, verbose), daemon=True)
         t.start()
@@ -83,14 +107,19 @@ def launch(args, num_processes: int, module: str = "experiments.train", port: in
                 p.send_signal(signum)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
-    t0, rc = time.monotonic(), 0
+    t0, rc, stall = time.monotonic(), 0, None
     while True:
         codes = [p.poll() for p in procs]
         failed = [c for c in codes if c not in (None, 0)]
+        if not got and stall_timeout and (stall := _stalled(beats, stall_timeout)) is not None:
+            print(f"launch: process(es) {stall[0]} finished no step for {stall[1]:.0f} s (--stall_timeout="
+                  f"{stall_timeout:g}; a process waiting in a collective for a stuck peer stalls with it): "
+                  f"stopping the job", file=sys.stderr, flush=True)
+            forward(signal.SIGTERM, None)
         if got:
             # stopping: every worker saves its share of the checkpoint and exits; wait for all (bounded)
-            if all(c is not None for c in codes) or time.monotonic() - got_at[0] > 120:
-                rc = failed[0] if failed else 0
+            if all(c is not None for c in codes) or time.monotonic() - got_at[0] > stop_timeout:
+                rc = 124 if stall is not None else failed[0] if failed else 0
                 break
         elif failed or all(c == 0 for c in codes):
             rc = failed[0] if failed else 0
@@ -102,14 +131,18 @@ def launch(args, num_processes: int, module: str = "experiments.train", port: in
         time.sleep(0.2)
     if got and not rc:
         rc = next((c for c in (p.returncode for p in procs) if c), 0)
+    import shutil
+    shutil.rmtree(beat_dir, ignore_errors=True)
+    grace = max(5.0, min(30.0, stop_timeout))
     for p in procs:
         if p.poll() is None:
             p.terminate()
     for p in procs:
         try:
-            p.wait(timeout=30)                 # bounded shutdown: then killed
+            p.wait(timeout=grace)              # bounded shutdown: then killed
         except subprocess.TimeoutExpired:
-            print(f"launch: process {procs.index(p)} did not exit 30 s after SIGTERM; killing it", file=sys.stderr)
+            print(f"launch: process {procs.index(p)} did not exit {grace:g} s after SIGTERM; killing it",
+                  file=sys.stderr)
             p.kill()
     for sig, h in old.items():
         signal.signal(sig, h)
@@ -121,7 +154,8 @@ def launch(args, num_processes: int, module: str = "experiments.train", port: in
 
 
 def main(argv):
-    sys.exit(launch(argv[1:], FLAGS.num_processes, FLAGS.module, FLAGS.port, FLAGS.timeout, FLAGS.verbose))
+    sys.exit(launch(argv[1:], FLAGS.num_processes, FLAGS.module, FLAGS.port, FLAGS.timeout, FLAGS.verbose,
+                    FLAGS.stall_timeout, FLAGS.stop_timeout))
 
 
 if __name__ == "__main__":

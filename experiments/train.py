@@ -82,6 +82,8 @@ flags.DEFINE_integer("stop_at_step", 0, "debug: act as if preempted (SIGTERM) af
 flags.DEFINE_integer("fail_at_step", 0, "debug: process --fail_process raises an error after this step (a worker "
                      "that fails: the job must end in bounded time)")
 flags.DEFINE_integer("fail_process", 0, "debug: the process --fail_at_step fails")
+flags.DEFINE_integer("stall_at_step", 0, "debug: process --fail_process stalls (sleeps) after this step (a "
+                     "worker stuck in user code: experiments.launch's watchdog must stop the job)")
 flags.DEFINE_float("throttle_s", 0.0, "debug: sleep this long after each step (fault-injection tests)")
 FLAGS = flags.FLAGS
 
@@ -94,7 +96,7 @@ def printable(text: str) -> str:
 
 #: this runner's flags that a process may set for itself; every other one of its flags must agree
 PER_PROCESS = {"out_dir", "progress", "progress_every", "coordinator", "process_id", "verbose", "heartbeat_timeout", "init_timeout",
-               "stop_grace_s", "throttle_s", "fail_at_step", "fail_process"}
+               "stop_grace_s", "throttle_s", "fail_at_step", "fail_process", "stall_at_step"}
 
 
 def main(argv):
@@ -295,6 +297,7 @@ def run(argv):
                dynamic_ncols=True, initial=start, total=FLAGS.steps)
     every = FLAGS.progress_every or max(1, (FLAGS.steps - start) // 10)
     lines = FLAGS.progress and primary and not tty
+    beat = os.environ.get("JAXPIPE_HEARTBEAT")
     first_loss, loss, skipped, done = None, float("nan"), 0, start
 
     def save(step, force=False):
@@ -340,6 +343,12 @@ def run(argv):
         if lines and (done % every == 0 or done == FLAGS.steps):
             print(f"step {done}/{FLAGS.steps}  loss {loss:.3f}  {dt * 1e3:.0f} ms/step" +
                   "".join(f"  {k} {v:.3f}" for k, v in last_eval.items()), flush=True)
+        if beat:                        # experiments.launch's watchdog: this process finished a step
+            open(beat, "a").close()
+            os.utime(beat)
+        if FLAGS.stall_at_step and done == FLAGS.stall_at_step and jax.process_index() == FLAGS.fail_process:
+            while True:
+                time.sleep(3600)
         if FLAGS.fail_at_step and done == FLAGS.fail_at_step and jax.process_index() == FLAGS.fail_process:
             raise RuntimeError(f"--fail_at_step={done}: process {FLAGS.fail_process} fails here (debug)")
         if FLAGS.stop_at_step and done == FLAGS.stop_at_step and done < FLAGS.steps:

@@ -142,3 +142,22 @@ def test_workers_stop_when_the_launcher_is_killed(tmp_path):
     assert not alive, "workers still running 120 s after the launcher died"
     steps = finalized(ck)
     assert len(steps) == 1 and steps[0] >= 3, steps
+
+
+def test_a_stalled_worker_is_stopped_by_the_launchers_watchdog(tmp_path):
+    """Issue #31 item 2: a worker stuck in user code (here: sleeping after step 3) hung the job with no
+    watchdog.  Each worker now touches a heartbeat file after every step; the launcher stops the job when one
+    is older than --stall_timeout, and ends it within --stop_timeout (+30 s to kill) -- status 124."""
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    args = [*[a for a in BASE if not a.startswith("--stages")], "--stages=2", "--schedule=1f1b", "--steps=500",
+            "--throttle_s=0.05", f"--out_dir={tmp_path}/run", "--stall_at_step=3", "--fail_process=1"]
+    t = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "experiments.launch", "--num_processes=2", "--stall_timeout=5",
+                        "--stop_timeout=5", "--", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=200)
+    out = p.stdout + p.stderr
+    assert p.returncode == 124, out[-3000:]
+    import re
+    named = re.search(r"launch: process\(es\) \[([\d, ]+)\] finished no step for \d+ s \(--stall_timeout=5;", out)
+    assert named and "1" in named.group(1).split(", "), out[-3000:]      # the stuck one is named
+    assert time.monotonic() - t < 150
