@@ -109,6 +109,12 @@ def main(argv):
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as e:
+        if type(e).__name__ == "CheckpointWriteError":     # disk full, a size limit: one line, no traceback
+            try:                                            # (by name: importing it would import JAX too early)
+                sys.stderr.write(f"jaxpipe: {e}\n")
+                sys.stderr.flush()
+            finally:
+                os._exit(1)
         jax = sys.modules.get("jax")
         if jax is None or not jax.distributed.is_initialized() or jax.process_count() == 1:
             raise

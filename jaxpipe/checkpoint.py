@@ -97,6 +97,12 @@ class Checkpointer:
         opts = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=max(every, 1),
                                             enable_async_checkpointing=async_save, create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=opts, item_names=("state", "meta"))
+        import logging
+        for name in ("absl", ""):
+            logger = logging.getLogger(name)
+            if not any(isinstance(f, _QuietOrbaxWrites) for f in logger.filters):
+                logger.addFilter(_QuietOrbaxWrites())
+        self._pending = None          # the step of the write in flight, for the message if it fails
 
     # ------------------------------------------------------------------ save
     def latest_step(self) -> Optional[int]:
@@ -127,7 +133,27 @@ class Checkpointer:
         meta["meta_sha256"] = meta_digest(meta)
         args = self._ocp.args.Composite(state=self._ocp.args.StandardSave(state),
                                         meta=self._ocp.args.JsonSave(meta))
-        return bool(self.manager.save(step, args=args, force=True))
+        started = self._writing(lambda: bool(self.manager.save(step, args=args, force=True)), step)
+        self._pending = step
+        return started
+
+    def _writing(self, fn, step=None):
+        """``fn()``; a failed write (this one, or the asynchronous one before it surfacing now) becomes one
+        :class:`CheckpointWriteError` naming the step, the reason and the newest finished checkpoint."""
+        try:
+            return fn()
+        except Exception as e:  # Orbax surfaces an asynchronous write's failure as whatever its layer raised
+            why = _write_failure(e)
+            if why is None:
+                raise
+            finished = self.all_steps() or []
+            # an asynchronous write surfaces at the next call: the pending step, unless it finished
+            step = self._pending if self._pending is not None and self._pending not in finished else step
+            done = [s for s in finished if s != step]
+            raise CheckpointWriteError(
+                f"checkpoint step {step} could not be written to {self.directory}: {why}. The newest finished "
+                f"checkpoint holds step {max(done) if done else 'none'}; free space or fix the directory, then run "
+                f"again to resume from it") from None
 
     def _take_lock(self):
         if self._lock is None and jax.process_index() == 0:
@@ -144,11 +170,20 @@ class Checkpointer:
 
     def wait(self):
         """Block until the asynchronous write in progress (if any) is on disk."""
-        self.manager.wait_until_finished()
+        self._writing(self.manager.wait_until_finished)
 
     def close(self):
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self._writing(self.manager.wait_until_finished)
+        finally:
+            self._close_quietly()
+
+    def _close_quietly(self):
+        try:
+            self.manager.close()
+        except Exception as e:   # the failed write, raised a second time: already said by wait
+            if _write_failure(e) is None:
+                raise
         if self._lock is not None:
             self._lock.release()
             self._lock = None
@@ -268,6 +303,36 @@ def model_difference(saved: dict, mine: dict) -> str:
                 out.append(f"{k or 'params'}: {fmt(a.get(k))} in the checkpoint, {fmt(b.get(k))} here")
     shown = out[:4]
     return ("" if not shown else ": " + "; ".join(shown) + (f" (and {len(out) - 4} more)" if len(out) > 4 else ""))
+
+
+#: what a failed write says, whatever layer (OSError, tensorstore's ValueError) reports it
+_WRITE_FAILURES = ("File too large", "No space left", "Permission denied", "Read-only file system",
+                   "Disk quota exceeded", "Failed writing")
+
+
+class CheckpointWriteError(ConfigError):
+    """A checkpoint that could not be written (disk full, file-size limit, permissions changed mid-run)."""
+
+
+def _write_failure(e: BaseException) -> Optional[str]:
+    """The reason, in one line, if ``e`` is a failed write; None otherwise."""
+    text = f"{type(e).__name__}: {e}"
+    for phrase in _WRITE_FAILURES:
+        if phrase in text:
+            tail = text.split(phrase, 1)[1].split("[")[0].strip(" :")
+            return (phrase + (f" ({tail[:80]})" if tail and phrase == "Failed writing" else "")).strip()
+    return "OSError: " + str(e)[:120] if isinstance(e, OSError) else None
+
+
+class _QuietOrbaxWrites:
+    """A logging filter for Orbax's background threads: a failed write is logged there with every traceback
+    (hundreds of lines) before it reaches the caller, which gets it as one :class:`CheckpointWriteError`."""
+
+    def filter(self, record) -> bool:
+        if "orbax" not in (record.pathname or "") or record.levelno < 40:
+            return True
+        text = record.getMessage() + (str(record.exc_info[1]) if record.exc_info and record.exc_info[1] else "")
+        return not any(p in text for p in _WRITE_FAILURES)
 
 
 class CorruptCheckpoint(ConfigError):
