@@ -234,16 +234,16 @@ def test_a_write_that_fails_is_one_clear_error(tmp_path):
     """Disk full / a file-size limit: Orbax's asynchronous write failed in its threads and the run ended in
     hundreds of lines of tracebacks; the caller now gets one CheckpointWriteError naming the step, the reason
     and the newest finished checkpoint (experiments.train prints it as one line and exits 1)."""
-    import resource
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))    # 100 kB per file
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
-    p = subprocess.run([sys.executable, "-m", "experiments.train", "--model=mlp", "--steps=12", "--batch=32",
-                        "--microbatches=4", "--stages=2", "--eval_every=0", "--progress=false",
-                        f"--checkpoint_dir={tmp_path}/ck", "--checkpoint_every=4", f"--out_dir={tmp_path}/run"],
-                       cwd=root, env=env, capture_output=True, text=True, timeout=300, preexec_fn=limit)
+    # the shell sets the limit (100 KiB per file) and becomes the run: no fork of this JAX process
+    p = subprocess.run(["bash", "-c", 'ulimit -f 100 && exec "$@"', "bash", sys.executable, "-m", "experiments.train",
+                        "--model=mlp", "--steps=12", "--batch=32", "--microbatches=4", "--stages=2", "--eval_every=0",
+                        "--progress=false", f"--checkpoint_dir={tmp_path}/ck", "--checkpoint_every=4",
+                        f"--out_dir={tmp_path}/run"],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 1, p.stderr[-3000:]
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("jaxpipe: checkpoint step 4 could not be written to") and "File too large" in last, last
