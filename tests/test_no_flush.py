@@ -63,3 +63,22 @@ def test_drain_runs_as_many_calls_as_the_stream_needs():
     state, m = pipe.drain(state)
     assert int(m["microbatches_finished"]) == int(m["microbatches_fed"]) == 2
     assert rel_err(pipe.params(state), serial_reference(model, "pipedream", opt, 1, batches)["params"]) <= 1e-5
+
+
+@pytest.mark.parametrize("method", ["pipedream_2bw", "cdp_v2"])
+def test_version_errors_counts_a_wrong_read(method):
+    """Issue #33 item 3: the ``version_errors`` metric is not vacuous.  An honest run reads only versions the
+    policy holds (0 errors); the same state with its version counter shifted by 3 -- the policy then holds
+    w(n+3), w(n+2) while the micro-batches need w(b-1) or w(b) -- counts every read as wrong."""
+    model, batch_fn = small_model("mlp", 4)
+    pipe = jp.Pipeline(model, schedule=method, num_microbatches=4, optimizer=optax.sgd(0.1),
+                       mesh=jp.make_mesh(stages=4))
+    state, m = pipe.step(pipe.init(), batch_fn(16, s=0))
+    assert int(m["version_errors"]) == 0
+    copy = jax.tree.map(lambda a: a.copy() if hasattr(a, "copy") else a, state)     # step() donates its state
+    _, m_honest = pipe.step(state, batch_fn(16, s=1))
+    assert int(m_honest["version_errors"]) == 0
+    ps = copy.policy_state
+    shifted = copy._replace(policy_state=ps._replace(n_updates=ps.n_updates + 3))
+    _, m = pipe.step(shifted, batch_fn(16, s=1))
+    assert int(m["version_errors"]) >= 4 * 4 // 2, int(m["version_errors"])      # many reads, on every stage
