@@ -82,3 +82,54 @@ def test_version_errors_counts_a_wrong_read(method):
     shifted = copy._replace(policy_state=ps._replace(n_updates=ps.n_updates + 3))
     _, m = pipe.step(shifted, batch_fn(16, s=1))
     assert int(m["version_errors"]) >= 4 * 4 // 2, int(m["version_errors"])      # many reads, on every stage
+
+
+def test_leak_probe_registers_routing():
+    """Issue #33 item 3, registers routing (a periodic no-flush stream): device 2's forwards moved one tick
+    late read the register after the one their input came in -- a NaN blank in NaN mode -- and the run goes
+    NaN; the honest stream stays finite.  (Plan-slot routing: tests/test_exactness.py's leak probe.)"""
+    import dataclasses
+    model, batch_fn = small_model("mlp", 4)
+
+    def run(shift):
+        pipe = jp.Pipeline(model, schedule="pipedream", num_microbatches=4, optimizer=optax.sgd(0.1),
+                           mesh=jp.make_mesh(stages=4), nan_bubbles=True)
+        per = pipe.schedule.periodic
+        if shift:
+            f = list(per.offsets["F"])
+            f[2] += shift
+            pipe.schedule.periodic = dataclasses.replace(per, offsets={**per.offsets, "F": tuple(f)})
+        state = pipe.init()
+        for k in range(2):
+            state, m = pipe.step(state, batch_fn(16, s=k))
+        return float(m["loss"])
+
+    assert np.isfinite(run(0)) and not np.isfinite(run(1))
+
+
+def test_leak_probe_ring_routing():
+    """Ring routing (Cyclic DP's DP form): worker 0 running stage 2's forward before stage 1's is caught --
+    reads of versions the stages do not hold are counted, and the parameters leave the serial reference."""
+    model, batch_fn = small_model("mlp", 4)
+    batches = [batch_fn(8, s=k) for k in range(3)]
+
+    def run(swap):
+        cdp = jp.CyclicDataParallel(model, optax.sgd(0.1), rule="v2", mesh=jp.make_mesh(data=4), nan_bubbles=True)
+        if swap:
+            import dataclasses
+            per = cdp._runner.periodic
+            uo = {k: [list(r) for r in v] for k, v in per.unit_offsets.items()}
+            uo["F"][1][0], uo["F"][2][0] = uo["F"][2][0], uo["F"][1][0]
+            cdp._runner.periodic = dataclasses.replace(
+                per, unit_offsets={k: tuple(tuple(r) for r in v) for k, v in uo.items()})
+        state = cdp.init()
+        for b in batches:
+            state, _ = cdp.step(state, b)
+        state, m = cdp.drain(state)
+        return cdp.params(state), int(m["version_errors"])
+
+    ref = serial_reference(model, "cdp_v2", optax.sgd(0.1), 4, batches)["params"]
+    honest, e0 = run(False)
+    wrong, e1 = run(True)
+    assert e0 == 0 and rel_err(honest, ref) <= 1e-5
+    assert e1 > 0 or rel_err(wrong, ref) > 1e-3, (e1, rel_err(wrong, ref))
