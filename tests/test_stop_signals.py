@@ -161,3 +161,29 @@ def test_a_stalled_worker_is_stopped_by_the_launchers_watchdog(tmp_path):
     named = re.search(r"launch: process\(es\) \[([\d, ]+)\] finished no step for \d+ s \(--stall_timeout=5;", out)
     assert named and "1" in named.group(1).split(", "), out[-3000:]      # the stuck one is named
     assert time.monotonic() - t < 150
+
+
+def test_sigterm_to_one_process_saves_and_exits_143(tmp_path):
+    """Issue #33 item 5: the one-process SIGTERM branch, end to end -- the step finishes, one checkpoint is
+    written, the run says what stopped it and exits 143; a run started again resumes from that step."""
+    ck = tmp_path / "ck"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
+    args = [*BASE, "--schedule=1f1b", "--steps=2000", "--checkpoint_every=0", f"--checkpoint_dir={ck}",
+            "--throttle_s=0.05", f"--out_dir={tmp_path}/run"]
+    p = subprocess.Popen([sys.executable, "-m", "experiments.train", *args], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not (log.exists() and len(log.read_text().splitlines()) >= 3):
+        assert p.poll() is None, p.communicate()[1][-2000:]
+        time.sleep(0.1)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 143, err[-2000:]
+    assert "SIGTERM: stopping after this step" in err and "stopped by SIGTERM at step" in out, (out + err)[-2000:]
+    steps = finalized(ck)
+    assert len(steps) == 1 and steps[0] >= 3
+    again = subprocess.run([sys.executable, "-m", "experiments.train", *args[:-4], f"--steps={steps[0] + 2}",
+                            f"--checkpoint_dir={ck}", f"--out_dir={tmp_path}/run"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=240)
+    assert again.returncode == 0 and f"at step {steps[0]}" in again.stdout, again.stdout[-2000:] + again.stderr[-2000:]
