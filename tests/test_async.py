@@ -11,7 +11,7 @@ import pytest
 
 import jaxpipe as jp
 from jaxpipe.optim.reference import serial_reference
-from helpers import rel_err, small_model
+from helpers import rel_err, small_model, change
 
 OPTS = {"sgd": lambda: optax.sgd(0.05), "momentum": lambda: optax.sgd(0.05, momentum=0.9),
         # eps 1e-3: Adam divides by sqrt(v) + eps, and a leaf whose true gradient is 0 (an attention key bias:
@@ -37,6 +37,9 @@ def run_and_compare(method, kind, D, opt_name, data=1, M=4, steps=3):
     assert int(m["microbatches_finished"]) == steps * M
     ref = serial_reference(model, method, opt, M, batches, data_parallel=data)
     assert rel_err(pipe.params(state), ref["params"]) <= 1e-5
+    # the update itself, leaf by leaf relative to each leaf's change (issue #33 item 2): an equality of the
+    # parameters at 1e-5 is ~1e-3 on their least-moved leaves' updates
+    assert rel_err(change(pipe.params(state), model.params), change(ref["params"], model.params)) <= 1e-5
     # losses: the last stage computes micro-batch i's loss at tick 2i + D - 1; call k runs ticks [2Mk, 2M(k+1))
     done = 0
     for loss, n in call_losses:

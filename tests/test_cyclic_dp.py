@@ -37,6 +37,7 @@ def test_matches_serial_reference(rule, N, opt):
     ref = serial_reference(model, f"cdp_{rule}", OPTS[opt](), N, batches)
     assert errors == 0
     assert rel_err(cdp.params(state), ref["params"]) <= 1e-5
+    assert rel_err(change(cdp.params(state), model.params), change(ref["params"], model.params)) <= 1e-5
     # every worker applied the same updates to its replica: bit-identical
     reps = [jax.tree.map(lambda a: np.asarray(a[i]), state.params) for i in range(N)]
     for r in reps[1:]:

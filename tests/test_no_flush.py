@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import jaxpipe as jp
-from helpers import rel_err, small_model
+from helpers import rel_err, small_model, change
 from jaxpipe.optim.reference import serial_reference
 
 METHODS = ["pipedream", "pipedream_2bw", "spectrain", "pipeoptim", "cdp_v1", "cdp_v2", "wpipe"]
@@ -31,6 +31,9 @@ def test_nan_bubbles_and_data_parallel_equal_the_serial_reference(method):
     assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(got))
     ref = serial_reference(model, method, opt, M, batches, data_parallel=data)
     assert rel_err(got, ref["params"]) <= 1e-5
+    # the update itself, leaf by leaf relative to each leaf's change (issue #33 item 2): an equality of the
+    # parameters at 1e-5 is ~1e-3 on their least-moved leaves' updates
+    assert rel_err(change(got, model.params), change(ref["params"], model.params)) <= 1e-5
 
 
 def test_stream_buffers_fit_the_old_formulas():

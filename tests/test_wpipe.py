@@ -34,15 +34,18 @@ def test_matches_serial_reference(D, M, opt):
     ref = serial_reference(model, "wpipe", OPTS[opt](), M, batches)
     assert int(m["version_errors"]) == 0
     assert rel_err(pipe.params(state), ref["params"]) <= 1e-5
+    assert rel_err(change(pipe.params(state), model.params), change(ref["params"], model.params)) <= 1e-5
 
 
 def test_gpt_and_data_parallel():
     pipe, state, batches, model, m = run(2, 2, "momentum", kind="gpt", steps=2)
     ref = serial_reference(model, "wpipe", OPTS["momentum"](), 2, batches)
     assert rel_err(pipe.params(state), ref["params"]) <= 1e-5
+    assert rel_err(change(pipe.params(state), model.params), change(ref["params"], model.params)) <= 1e-5
     pipe, state, batches, model, m = run(2, 2, "momentum", data=2)
     ref = serial_reference(model, "wpipe", OPTS["momentum"](), 2, batches, data_parallel=2)
     assert rel_err(pipe.params(state), ref["params"]) <= 1e-5
+    assert rel_err(change(pipe.params(state), model.params), change(ref["params"], model.params)) <= 1e-5
 
 
 def test_bubbles_do_not_leak():
@@ -50,6 +53,7 @@ def test_bubbles_do_not_leak():
     assert all(np.all(np.isfinite(np.asarray(a))) for a in jax.tree.leaves(pipe.params(state)))
     ref = serial_reference(model, "wpipe", OPTS["momentum"](), 4, batches)
     assert rel_err(pipe.params(state), ref["params"]) <= 1e-5
+    assert rel_err(change(pipe.params(state), model.params), change(ref["params"], model.params)) <= 1e-5
 
 
 def test_eq1_semantics_differ_from_2bw_and_dp():
