@@ -78,7 +78,9 @@ def empty_carry(model, periodic, M: int, n_devices: int, mb_example, x_aval, mas
         recv_f=msg(), recv_b=msg(), dy_own=msg(), mbuf=mbuf,
         gpost=jax.tree.map(lambda a: per(jnp.shape(a), sums(getattr(a, "dtype", None) or jnp.asarray(a).dtype)),
                            ties.strip(model.params)[2]),
-        ring=jax.tree.map(lambda a: per((C,) + tuple(a.shape), a.dtype), mb_example),
+        # the recent micro-batches: NaN-filled too (float fields), so an op reading a slot no feed wrote shows
+        ring=jax.tree.map(lambda a: (nan if jnp.issubdtype(a.dtype, jnp.floating) else per)(
+            (C,) + tuple(a.shape), a.dtype), mb_example),
         tie_f=tie_msg(), tie_b=tie_msg(), gtie=tie_msg(),
         cnt_b=nan((), jnp.float32), cnt_own=nan((), jnp.float32), wrap_f=wrap_f, wrap_b=wrap_b,
         errors=jnp.zeros((n_devices,), jnp.int32), reduce=() if ring_lp is None else ring_buffers(
