@@ -25,7 +25,7 @@ def run_and_compare(method, kind, D, opt_name, data=1, M=4, steps=3):
     model, batch_fn = small_model(kind, D)
     opt = OPTS[opt_name]()
     pipe = jp.Pipeline(model, schedule=method, num_microbatches=M, optimizer=opt,
-                       mesh=jp.make_mesh(stages=D, data=data))
+                       mesh=jp.make_mesh(stages=D, data=data), nan_bubbles=True)    # NaN mode in every case
     batches = [batch_fn(2 * M * data, s=k) for k in range(steps)]
     state = pipe.init()
     call_losses = []

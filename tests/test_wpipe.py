@@ -15,7 +15,7 @@ OPTS = {"sgd": lambda: optax.sgd(0.1), "momentum": lambda: optax.sgd(0.05, momen
         "adamw": lambda: optax.adamw(1e-2, weight_decay=1e-2)}
 
 
-def run(D, M, opt="momentum", kind="mlp", data=1, steps=3, nan_bubbles=False, method="wpipe"):
+def run(D, M, opt="momentum", kind="mlp", data=1, steps=3, nan_bubbles=True, method="wpipe"):
     model, batch_fn = small_model(kind, 2 * D)
     pipe = jp.Pipeline(model, schedule=method, num_microbatches=M, optimizer=OPTS[opt](),
                        mesh=jp.make_mesh(stages=D, data=data), nan_bubbles=nan_bubbles)
