@@ -14,7 +14,7 @@ OPTS = {"sgd": lambda: optax.sgd(0.1), "momentum": lambda: optax.sgd(0.05, momen
         "adam": lambda: optax.adam(1e-2)}
 
 
-def run(kind="mlp", N=2, D=4, M=4, data=1, opt="adam", steps=3, nan_bubbles=False, **avg):
+def run(kind="mlp", N=2, D=4, M=4, data=1, opt="adam", steps=3, nan_bubbles=True, **avg):
     model, batch_fn = small_model(kind, D)
     pipe = jp.Pipeline(model, schedule="avgpipe", num_microbatches=M, optimizer=OPTS[opt](),
                        mesh=jp.make_mesh(pipes=N, data=data, stages=D), options=avg or None,

@@ -19,7 +19,8 @@ OPTS = {"sgd": lambda: optax.sgd(0.1), "momentum": lambda: optax.sgd(0.05, momen
 
 def run(rule, N, opt="momentum", kind="mlp", steps=3, rows=2, **kw):
     model, batch_fn = small_model(kind, N)
-    cdp = jp.CyclicDataParallel(model, OPTS[opt](), rule=rule, mesh=jp.make_mesh(data=N), **kw)
+    cdp = jp.CyclicDataParallel(model, OPTS[opt](), rule=rule, mesh=jp.make_mesh(data=N),
+                                **{"nan_bubbles": True, **kw})          # NaN mode unless a test says otherwise
     state = cdp.init()
     batches = [batch_fn(N * rows, s=k) for k in range(steps)]
     losses = []
