@@ -17,6 +17,38 @@ import threading
 from typing import Callable, List, Optional
 
 
+class SafeStream:
+    """A text stream whose writes survive the reader's end: once a write fails (the launcher relaying this
+    process's output died), everything goes to /dev/null -- a print must not end the process before its
+    stop-save.  Wraps ``sys.stdout`` / ``sys.stderr`` (:func:`guard_streams`)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except OSError:
+            self._stream = open(os.devnull, "w")
+            return len(text)
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except OSError:
+            self._stream = open(os.devnull, "w")
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def guard_streams() -> None:
+    """``sys.stdout`` and ``sys.stderr`` as :class:`SafeStream` (idempotent)."""
+    for name in ("stdout", "stderr"):
+        if not isinstance(getattr(sys, name), SafeStream):
+            setattr(sys, name, SafeStream(getattr(sys, name)))
+
+
 class Stop:
     """The job's stop: ``reason`` (the first cause, None while running), the signals this process got, and
     the bounded exit after a second one.  ``last_checkpoint()``: the newest finished checkpoint's step."""

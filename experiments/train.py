@@ -276,7 +276,8 @@ def run(argv):
         kept = [l for l in open(path) if l.strip() and json.loads(l).get("step", 0) <= start]
     log = open(path, "w") if primary else open(os.devnull, "w")
     log.writelines(kept)
-    from experiments.stopping import Stop
+    from experiments.stopping import Stop, guard_streams
+    guard_streams()              # a launcher that dies takes our output's reader with it: writes must not raise
     # the newest finished checkpoint, read from the directory (Orbax renames a step's folder when it is done)
     finished = lambda: max((int(x) for x in os.listdir(FLAGS.checkpoint_dir) if x.isdigit()), default=None) \
         if ckpt is not None and os.path.isdir(FLAGS.checkpoint_dir) else None
