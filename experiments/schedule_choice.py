@@ -49,11 +49,12 @@ def one_core_check(names, costs, copy, D, M, L, H, B):
     # an op inside a step streams its weights from memory and adds to gradient sums, which the isolated
     # micro-benchmark (one stage's weights, hot in cache) does not: scaled so the plain step is its ops
     scale = plain / (M * L * (costs.f + costs.b))
-    costs, baseline = costs.scaled(scale), 0.0
-    args = lambda n: (build(n, D, M), costs, L / build(n, D, M).num_model_stages)
-    stage = lambda n: L / build(n, D, M).num_model_stages * H * H * 4
+    costs = costs.scaled(scale)
+    built = {n: build(n, D, M) for n in names}
+    args = lambda n: (built[n], costs, L / built[n].num_model_stages)
+    stage = lambda n: L / built[n].num_model_stages * H * H * 4
     # the median of what each schedule's measurement implies: one schedule alone is at the noise (+-3%)
-    implied = {n: calibrate_tick(*args(n), copy, act, stage(n), t[n], baseline) for n in names}
+    implied = {n: calibrate_tick(*args(n), copy, act, stage(n), t[n]) for n in names}
     tick = float(np.median(list(implied.values())))
     print(f"\nOne core, D = {D}, M = {M}: plain accumulation {plain * 1e3:.1f} ms = its {M * L * 2} layer ops at "
           f"{scale:.2f}x their isolated cost; the executor's fixed cost per device and lane-tick "
@@ -63,7 +64,7 @@ def one_core_check(names, costs, copy, D, M, L, H, B):
     print("|---|---|---|---|---|")
     for n in names:
         p = predict_one_core(*args(n), tick, copy, act, stage(n))
-        step = p["step"] + baseline
+        step = p["step"]
         print(f"| {n} | {t[n] * 1e3:.1f} | {t[n] / plain:.3f}x | {step * 1e3:.1f} ({p['work'] * 1e3:.0f} + "
               f"{p['fixed'] * 1e3:.0f} + {p['messages'] * 1e3:.0f} + {p['layout'] * 1e3:.0f}) | "
               f"{(step - t[n]) / t[n] * 100:+.1f}% |")
