@@ -85,7 +85,12 @@ class Checkpointer:
         if os.path.exists(self.directory) and not os.path.isdir(self.directory):
             raise ConfigError(f"checkpoint directory {self.directory} is a file, not a directory: give a directory "
                               f"path (it is created if missing)")
-        os.makedirs(self.directory, exist_ok=True)
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+        except OSError as e:      # a path under a regular file, a read-only parent, an immutable one
+            raise ConfigError(f"checkpoint directory {self.directory} cannot be created: {e.strerror}"
+                              f"{' (a part of the path is a file)' if isinstance(e, NotADirectoryError) else ''}; "
+                              f"give a writable --checkpoint_dir") from None
         if not os.access(self.directory, os.W_OK):
             raise ConfigError(f"checkpoint directory {self.directory} is not writable by this user: give a writable "
                               f"--checkpoint_dir (checked before step 1, not at the first save)")
@@ -102,6 +107,7 @@ class Checkpointer:
             logger = logging.getLogger(name)
             if not any(isinstance(f, _QuietOrbaxWrites) for f in logger.filters):
                 logger.addFilter(_QuietOrbaxWrites())
+        _quiet_closed_loop_callbacks()
         self._pending = None          # the step of the write in flight, for the message if it fails
 
     # ------------------------------------------------------------------ save
@@ -306,7 +312,8 @@ def model_difference(saved: dict, mine: dict) -> str:
 
 
 #: what a failed write says, whatever layer (OSError, tensorstore's ValueError) reports it
-_WRITE_FAILURES = ("File too large", "No space left", "Permission denied", "Read-only file system",
+_WRITE_FAILURES = ("File too large", "No space left", "Permission denied", "Operation not permitted",
+                   "Read-only file system",
                    "Disk quota exceeded", "Failed writing")
 
 
@@ -333,6 +340,31 @@ class _QuietOrbaxWrites:
             return True
         text = record.getMessage() + (str(record.exc_info[1]) if record.exc_info and record.exc_info[1] else "")
         return not any(p in text for p in _WRITE_FAILURES)
+
+
+def _closed_loop_callback(u) -> bool:
+    """Whether an unraisable exception is tensorstore's completion callback finding Orbax's event loop closed
+    (``call_soon_threadsafe`` -> "Event loop is closed"): after a failed write Orbax closes its loop while
+    tensorstore's threads still report the other files' writes, each as a traceback on stderr."""
+    if not (isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed"):
+        return False
+    tb = u.exc_traceback
+    return tb is not None and tb.tb_frame.f_code.co_name == "call_soon_threadsafe"
+
+
+def _quiet_closed_loop_callbacks():
+    """Drop :func:`_closed_loop_callback` reports (a failed write reaches the caller as one
+    :class:`CheckpointWriteError`); every other unraisable exception goes to the hook that was there."""
+    import sys
+    previous = sys.unraisablehook
+    if getattr(previous, "_jaxpipe_quiet", False):
+        return
+
+    def hook(u):
+        if not _closed_loop_callback(u):
+            previous(u)
+    hook._jaxpipe_quiet = True
+    sys.unraisablehook = hook
 
 
 class CorruptCheckpoint(ConfigError):

@@ -50,3 +50,32 @@ def change(p, p0):
 
 #: a "the rule matters" test asserts a difference at least this far above the equality tolerance (1e-5)
 RULE_MARGIN = 100 * 1e-5
+
+
+class read_only:
+    """A directory made unwritable for this user, also as root (CI runs as root, who writes through 0o555):
+    ``chmod 0o555`` for a user, the immutable attribute (``chattr +i``) for root. Undone on exit. Raises
+    ``OSError`` if neither can be set here (a filesystem without the attribute, no CAP_LINUX_IMMUTABLE)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __enter__(self):
+        import os
+        import subprocess
+        if os.geteuid() != 0:
+            os.chmod(self.path, 0o555)
+        else:
+            r = subprocess.run(["chattr", "+i", self.path], capture_output=True, text=True)
+            if r.returncode:
+                raise OSError(f"chattr +i {self.path}: {r.stderr.strip()}")
+        return self
+
+    def __exit__(self, *exc):
+        import os
+        import subprocess
+        if os.geteuid() != 0:
+            os.chmod(self.path, 0o755)
+        else:
+            subprocess.run(["chattr", "-i", self.path], capture_output=True)
+        return False
