@@ -119,7 +119,12 @@ def launch(args, num_processes: int, module: str = "experiments.train", port: in
         if got:
             # stopping: every worker saves its share of the checkpoint and exits; wait for all (bounded)
             if all(c is not None for c in codes) or time.monotonic() - got_at[0] > stop_timeout:
-                rc = 124 if stall is not None else failed[0] if failed else 0
+                late = [i for i, c in enumerate(codes) if c is None]
+                if late:       # a step that cannot finish (a stuck peer, user code): the stop-save never came
+                    print(f"launch: process(es) {late} did not finish the stop within --stop_timeout="
+                          f"{stop_timeout:g} s (a step that cannot finish); ending them without their save",
+                          file=sys.stderr, flush=True)
+                rc = 124 if stall is not None or late else failed[0] if failed else 0
                 break
         elif failed or all(c == 0 for c in codes):
             rc = failed[0] if failed else 0

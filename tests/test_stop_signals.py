@@ -163,6 +163,33 @@ def test_a_stalled_worker_is_stopped_by_the_launchers_watchdog(tmp_path):
     assert time.monotonic() - t < 150
 
 
+def test_sigterm_ends_a_job_whose_step_cannot_finish(tmp_path):
+    """Issue #31 item 2: SIGTERM to the launcher while worker 1 is stuck in user code (no watchdog: its
+    --stall_timeout is far off) and worker 0 waits for it in a collective. No step can finish, so no
+    stop-save can; the launcher ends the job --stop_timeout after the signal (+ its kill grace), says which
+    processes did not finish the stop, and exits 124 -- not 0, which a stop that never saved must not look like."""
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    out_dir = tmp_path / "run"
+    args = [*[a for a in BASE if not a.startswith("--stages")], "--stages=2", "--schedule=1f1b", "--steps=500",
+            "--throttle_s=0.05", f"--out_dir={out_dir}", "--stall_at_step=3", "--fail_process=1",
+            f"--checkpoint_dir={tmp_path}/ck", "--checkpoint_every=0"]
+    p = subprocess.Popen([sys.executable, "-m", "experiments.launch", "--num_processes=2", "--stall_timeout=600",
+                          "--stop_timeout=5", "--", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    log = out_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not (log.exists() and len(log.read_text().splitlines()) >= 3):
+        assert p.poll() is None, p.communicate()[0][-3000:]
+        time.sleep(0.1)
+    assert log.exists(), "no step was logged"
+    t = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 124, out[-3000:]
+    assert "did not finish the stop within --stop_timeout=5 s" in out, out[-3000:]
+    assert time.monotonic() - t < 60, time.monotonic() - t        # 5 s + at most 30 s to kill, bounded
+
+
 def test_sigterm_to_one_process_saves_and_exits_143(tmp_path):
     """Issue #33 item 5: the one-process SIGTERM branch, end to end -- the step finishes, one checkpoint is
     written, the run says what stopped it and exits 143; a run started again resumes from that step."""
