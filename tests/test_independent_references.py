@@ -1,101 +1,237 @@
-"""Independent references for no-flush methods (issue #33 item 1): nothing from ``jaxpipe.runtime`` or
-``jaxpipe.optim.reference`` -- only the model's own functions, ``jax.grad`` and optax.  Per micro-batch, the
-gradient of the unpipelined per-micro-batch loss is taken stage by stage at the weight version the method's
-rule says each stage read (the version table written out by hand from the papers), then the method's
-optimizer rule is applied per stage.  Parameter changes are compared leaf by leaf at 1e-5 of each change.
+"""Independent references for the no-flush methods (issue #33 item 1): nothing from ``jaxpipe.runtime`` or
+``jaxpipe.optim.reference`` -- only the model's own functions (``loss_sum_count``, its keys), ``jax.grad`` and
+optax.  Per micro-batch, the gradient of the unpipelined per-micro-batch loss is taken with every stage at
+the weight version the method's rule says that stage read (the version table written out by hand from the
+papers), then the method's optimizer rule is applied per stage.  Parameter changes are compared leaf by leaf
+at 1e-5 of each change; the pipelines run with NaN bubbles.  The existing serial references stay as a second
+opinion (the other test files).
+
+Version tables (``i``: global micro-batch index, ``j = i mod M`` its place in batch ``b``; ``S`` model stages):
 
 * PipeDream (weight stashing, Narayanan et al. 2019 §3.3): micro-batch i's forward and backward on stage s
-  read the version with every update of micro-batches before i - (D - 1 - s) applied -- 1F1B keeps D - s
-  micro-batches in flight on stage s, so the backwards of micro-batches 0 .. i - (D - s) finished before
-  i's forward; the stash makes its backward read that same version.  Each backward updates its stage.
-* PipeDream-2BW (Narayanan et al. 2021 §3.1): every micro-batch of batch b reads w(b - 1) on every stage
-  (w(-1) = w(0)); the batch's mean gradient updates w(b) into w(b + 1).
+  read the version with the updates of micro-batches before i - (S - 1 - s) applied -- 1F1B keeps S - s
+  micro-batches in flight on stage s; the stash makes the backward read the forward's version.  Each
+  backward updates its stage.
+* PipeDream-2BW (Narayanan et al. 2021 §3.1) and CDP-v1 (Fournier & Oyallon eq. CDP-v1): every micro-batch
+  of batch b reads w(b - 1) on every stage (w(-1) = w(0)); the batch's mean gradient makes w(b + 1).
+* CDP-v2 (eq. CDP-v2, 0-based): micro-batch j reads w(b) on stages s >= S - 1 - j and w(b - 1) before them
+  (the paper's f_i(theta^1_{t-1}, ..., theta^{N-i}_{t-1}, theta^{N-i+1}_t, ..., theta^N_t)).  The same table
+  for the pipeline form (M = S micro-batches) and the DP form (N = S workers, worker i's rows are
+  micro-batch i).
+* WPipe (Yang et al., eq. (1)): the model cut into 2D partitions; group G0 (partitions < D) reads
+  w(b - 1 + 0), group G1 reads w(b - 1 + 1) = w(b).
+* PipeOptim / SpecTrain: the forward reads a *predicted* version and the backward back-propagates through the
+  forward's activations with other weights, which ``jax.grad`` of one function cannot state; their
+  independent reference is the NumPy backward of a tanh MLP written by hand (``hand_backward.py``).
+
+Tied arrays (the GPT's head and embedding) belong to stage 0; the last stage's use reads the version stage 0
+read for the same micro-batch, and both uses' gradients update stage 0's copy.
 """
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
 import jaxpipe as jp
+from jaxpipe.model import microbatch_key
+from hand_backward import LR, MU, batches as tanh_batches, numpy_predicting, tanh_mlp
 from helpers import RULE_MARGIN, change, rel_err, small_model
 
-D, M, STEPS = 4, 4, 3
+SEED = 3                     # the pipelines' dropout seed (context models)
 
 
-def stage_params(model, s):
-    """Stage s's own parameters: its slice of ``stage_params``, plus ``pre``'s on the first stage and
-    ``post_loss``'s on the last (they are trained where they run)."""
-    w = jax.tree.map(lambda a: a[s], model.stage_params)
-    return (w, model.pre_params if s == 0 else (), model.post_params if s == D - 1 else ())
+# ------------------------------------------------------------------ the version tables, by hand
+def pipedream_reads(S, M, lag=None):
+    lag = lag or (lambda s: S - 1 - s)
+    return lambda s, i, j, b: ("update", max(0, i - lag(s)))
 
 
-def microbatch_loss(model, per_stage, mb):
-    """The unpipelined loss of one micro-batch, each stage at its own parameters."""
-    x = model.pre(per_stage[0][1], mb)
-    for s in range(D):
-        x = model.stage_fn(per_stage[s][0], x)
-    return model.post_loss(per_stage[D - 1][2], x, mb)
+def delayed_reads(S, M):                     # PipeDream-2BW, CDP-v1
+    return lambda s, i, j, b: ("batch", max(b - 1, 0))
 
 
-def microbatches(batches):
-    """Micro-batch j of batch b is rows [j n/M, (j+1) n/M) of batch b, in order."""
-    out = []
-    for b in batches:
-        n = len(b["x"]) // M
-        out += [{k: v[j * n:(j + 1) * n] for k, v in b.items()} for j in range(M)]
+def cdp_v2_reads(S, M):
+    return lambda s, i, j, b: ("batch", b if s >= S - 1 - j else max(b - 1, 0))
+
+
+def wpipe_reads(S, M):                        # S = 2D partitions; G0 = partitions < D
+    return lambda s, i, j, b: ("batch", max(b - 1, 0) if s < S // 2 else b)
+
+
+def current_reads(S, M):                      # what no method does: every read fresh (the rule-matters check)
+    return lambda s, i, j, b: ("batch", b)
+
+
+# ------------------------------------------------------------------ the model, stage by stage
+def _get(tree, path):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _set(tree, path, value):
+    if not path:
+        return value
+    out = dict(tree)
+    out[path[0]] = _set(tree[path[0]], path[1:], value)
     return out
 
 
-def pipedream_reference(model, opt, batches, lag=lambda s: D - 1 - s):
-    """``lag(s)``: how many of the latest updates stage s's reads miss (the paper's D - 1 - s; 0: plain
-    per-micro-batch SGD on current weights)."""
-    hist = [[stage_params(model, s)] for s in range(D)]        # hist[s][v]: stage s after v updates
-    states = [opt.init(hist[s][0]) for s in range(D)]
-    grad = jax.jit(jax.grad(lambda ps, mb: microbatch_loss(model, ps, mb)))
-    for i, mb in enumerate(microbatches(batches)):
-        read = [hist[s][max(0, i - lag(s))] for s in range(D)]
-        g = grad(read, mb)
-        for s in range(D):                      # stage s's backward of micro-batch i: its update
-            u, states[s] = opt.update(g[s], states[s], hist[s][-1])
-            hist[s].append(optax.apply_updates(hist[s][-1], u))
-    return [h[-1] for h in hist]
+def stage_parts(model, s):
+    """Stage s's own parameters: its slice of ``stage_params``, plus ``pre``'s on the first stage and
+    ``post_loss``'s on the last (they are trained where they run)."""
+    S = model.num_stages
+    w = jax.tree.map(lambda a: a[s], model.stage_params)
+    return (w, model.pre_params if s == 0 else (), model.post_params if s == S - 1 else ())
 
 
-def two_bw_reference(model, opt, batches):
-    w = [[stage_params(model, s)] for s in range(D)]           # w[s][b]: stage s's version b
-    states = [opt.init(w[s][0]) for s in range(D)]
-    grad = jax.jit(jax.grad(lambda ps, mb: microbatch_loss(model, ps, mb)))
-    mbs = microbatches(batches)
-    for b in range(len(batches)):
-        read = [w[s][max(b - 1, 0)] for s in range(D)]
-        gs = [grad(read, mb) for mb in mbs[b * M:(b + 1) * M]]
-        for s in range(D):
-            mean = jax.tree.map(lambda *x: sum(x) / M, *(g[s] for g in gs))
-            u, states[s] = opt.update(mean, states[s], w[s][-1])
-            w[s].append(optax.apply_updates(w[s][-1], u))
-    return [v[-1] for v in w]
+def assemble(model, per_stage):
+    """``(stacked w, pre, post)`` for ``model.loss_sum_count``; a tied leaf of ``post`` is stage 0's array (the
+    version stage 0 read), so its gradient flows to stage 0 and the last stage's own copy gets none."""
+    S = model.num_stages
+    pre, post = per_stage[0][1], per_stage[S - 1][2]
+    for pre_path, post_path in model.tied:
+        post = _set(post, post_path, _get(pre, pre_path))
+    return jax.tree.map(lambda *a: jnp.stack(a), *(p[0] for p in per_stage)), pre, post
 
 
-def as_pipeline_params(per_stage):
-    stacked = jax.tree.map(lambda *a: jnp.stack(a), *(p[0] for p in per_stage))
-    return stacked, per_stage[0][1], per_stage[D - 1][2]
+def version_table_reference(model, opt, batches, M, reads, per_microbatch):
+    """The method's rule from its version table: ``reads(s, i, j, b)`` names the version stage s reads for
+    micro-batch i = (b, j), as ``("update", n)`` (after n per-micro-batch updates) or ``("batch", b')``
+    (after b' per-batch updates).  ``per_microbatch``: each backward updates its stage (the mean-loss
+    gradient of that micro-batch); else the batch's summed gradient over its summed count updates every
+    stage once (a mean loss counts 1 per micro-batch: the mean of the gradients)."""
+    S = model.num_stages
+    hist = [[stage_parts(model, s)] for s in range(S)]
+    states = [opt.init(h[0]) for h in hist]
+    sum_and_count = lambda ps, mb, key: model.loss_sum_count(assemble(model, ps), mb, key=key)
+    grad = jax.jit(jax.grad(sum_and_count, has_aux=True))
+    for b, batch in enumerate(batches):
+        n = len(batch["x"]) // M
+        acc, count = None, 0.0
+        for j in range(M):
+            i = b * M + j
+            mb = {k: v[j * n:(j + 1) * n] for k, v in batch.items()}
+            g, c = grad([hist[s][reads(s, i, j, b)[1]] for s in range(S)], mb, microbatch_key(SEED, b, j))
+            if per_microbatch:
+                for s in range(S):
+                    gs = jax.tree.map(lambda a: a / c, g[s])
+                    u, states[s] = opt.update(gs, states[s], hist[s][-1])
+                    hist[s].append(optax.apply_updates(hist[s][-1], u))
+            else:
+                acc = g if acc is None else jax.tree.map(jnp.add, acc, g)
+                count += float(c)
+        if not per_microbatch:
+            for s in range(S):
+                gs = jax.tree.map(lambda a: a / count, acc[s])
+                u, states[s] = opt.update(gs, states[s], hist[s][-1])
+                hist[s].append(optax.apply_updates(hist[s][-1], u))
+    stacked, pre, post = assemble(model, [h[-1] for h in hist])
+    return stacked, pre, post
 
 
-@pytest.mark.parametrize("method,reference", [("pipedream", pipedream_reference),
-                                              ("pipedream_2bw", two_bw_reference)])
-def test_no_flush_method_equals_its_hand_written_version_table(method, reference):
-    model, batch_fn = small_model("mlp", D)
-    opt = optax.sgd(0.05, momentum=0.9)
-    batches = [batch_fn(2 * M, s=k) for k in range(STEPS)]
+# ------------------------------------------------------------------ the methods against their tables
+CASES = {  # method: (version table, per-micro-batch updates, model stages for D devices)
+    "pipedream": (pipedream_reads, True, lambda D: D),
+    "pipedream_2bw": (delayed_reads, False, lambda D: D),
+    "cdp_v1": (delayed_reads, False, lambda D: D),
+    "cdp_v2": (cdp_v2_reads, False, lambda D: D),
+    "wpipe": (wpipe_reads, False, lambda D: 2 * D),
+}
+
+
+def run_pipeline(model, method, opt, batches, M, D):
     pipe = jp.Pipeline(model, schedule=method, num_microbatches=M, optimizer=opt, mesh=jp.make_mesh(stages=D),
-                       nan_bubbles=True)
+                       nan_bubbles=True, seed=SEED)
     state = pipe.init()
     for b in batches:
         state, _ = pipe.step(state, b)
     state, _ = pipe.drain(state)
-    got = pipe.params(state)
-    want = as_pipeline_params(reference(model, opt, batches))
+    return pipe.params(state)
+
+
+def gpt_model(S):
+    """The reference GPT with everything that touches the version table: dropout keyed by (step,
+    micro-batch, stage), padding masks with the exact masked mean, the head tied to the token embedding."""
+    model = jp.models.gpt(S, vocab=32, d_model=16, heads=2, seq_len=8, dropout=0.1, tie_embeddings=True,
+                          masked=True)
+
+    def batch(n, s):
+        r = np.random.default_rng(s)
+        t = r.integers(0, 32, (n, 9)).astype(np.int32)
+        mask = (np.arange(8)[None] < r.integers(3, 9, (n, 1))).astype(np.float32)
+        return {"x": t[:, :-1], "y": t[:, 1:], "mask": mask}
+    return model, batch
+
+
+@pytest.mark.parametrize("method,D", [("pipedream", 2), ("pipedream", 4), ("pipedream_2bw", 2),
+                                      ("pipedream_2bw", 4), ("cdp_v1", 4), ("cdp_v2", 2), ("cdp_v2", 4),
+                                      ("wpipe", 2), ("wpipe", 4)])
+def test_no_flush_method_equals_its_hand_written_version_table(method, D):
+    reads, per_mb, stages = CASES[method]
+    S = stages(D)
+    M = D if method == "cdp_v2" else 4            # CDP-v2's table is the paper's with N = M = S micro-batches
+    model, batch_fn = small_model("mlp", S)
+    opt = optax.sgd(0.05, momentum=0.9)
+    batches = [batch_fn(2 * M, s=k) for k in range(3)]
+    got = run_pipeline(model, method, opt, batches, M, D)
+    want = version_table_reference(model, opt, batches, M, reads(S, M), per_mb)
     assert rel_err(change(got, model.params), change(want, model.params)) <= 1e-5
-    # the version table matters: per-micro-batch SGD on the current weights moves them otherwise
-    current = as_pipeline_params(pipedream_reference(model, opt, batches, lag=lambda s: 0))
-    assert rel_err(change(current, model.params), change(want, model.params)) > RULE_MARGIN
+    # the table matters: every stage reading the freshest version moves the parameters otherwise
+    fresh = version_table_reference(model, opt, batches, M, current_reads(S, M), per_mb)
+    assert rel_err(change(fresh, model.params), change(want, model.params)) > RULE_MARGIN
+
+
+@pytest.mark.parametrize("method", ["pipedream", "pipedream_2bw", "cdp_v2", "wpipe"])
+def test_gpt_with_dropout_masks_and_tying_equals_its_version_table(method):
+    reads, per_mb, stages = CASES[method]
+    D, M = 2, 2
+    S = stages(D)
+    model, batch_fn = gpt_model(S)
+    opt = optax.sgd(0.05, momentum=0.9)     # not Adam: a zero-gradient bias would compare float noise
+    batches = [batch_fn(2 * M, s=k) for k in range(3)]
+    got = run_pipeline(model, method, opt, batches, M, D)
+    want = version_table_reference(model, opt, batches, M, reads(S, M), per_mb)
+    assert rel_err(change(got, model.params), change(want, model.params)) <= 1e-5
+    emb = got[1]["tok"]["embedding"]
+    assert np.array_equal(np.asarray(emb), np.asarray(got[2]["emb"]))     # still one array
+
+
+@pytest.mark.parametrize("rule,N", [("v1", 2), ("v2", 2), ("v2", 4)])
+def test_cyclic_data_parallel_equals_the_papers_table(rule, N):
+    """The DP form: N workers, worker i's rows are micro-batch i, N stages of one time step each."""
+    model, batch_fn = small_model("mlp", N)
+    opt = optax.sgd(0.05, momentum=0.9)
+    cdp = jp.CyclicDataParallel(model, opt, rule=rule, mesh=jp.make_mesh(data=N), nan_bubbles=True)
+    state = cdp.init()
+    batches = [batch_fn(2 * N, s=k) for k in range(3)]
+    for b in batches:
+        state, _ = cdp.step(state, b)
+    state, _ = cdp.drain(state)
+    reads = (delayed_reads if rule == "v1" else cdp_v2_reads)(N, N)
+    want = version_table_reference(model, opt, batches, N, reads, False)
+    assert rel_err(change(cdp.params(state), model.params), change(want, model.params)) <= 1e-5
+
+
+@pytest.mark.parametrize("method,D", [("pipeoptim", 2), ("pipeoptim", 4), ("spectrain", 3), ("spectrain", 4)])
+def test_predicting_method_equals_the_hand_written_backward(method, D):
+    """PipeOptim: F at w(c_F) + (D-1-s) u(c_F), B through F's activations with w(i) (Algorithm 1, Table I for
+    SGD-momentum: u, the last update).  SpecTrain: F at distance s//2 + D-1-s, B at distance s//2 (Chen et al.
+    §4, its "version difference" for each pass).  SpecTrain runs at D = 3: at D = 2 both rules coincide."""
+    M = 4
+    model, w0 = tanh_mlp(D)
+    bs = tanh_batches(2, M)
+    fwd = (lambda s, D: D - 1 - s) if method == "pipeoptim" else (lambda s, D: s // 2 + D - 1 - s)
+    bwd = (lambda s, D: 0) if method == "pipeoptim" else (lambda s, D: s // 2)
+    want = numpy_predicting(w0, bs, M, fwd, bwd, True)
+    pipe = jp.Pipeline(model, schedule=method, num_microbatches=M, optimizer=optax.sgd(LR, momentum=MU),
+                       mesh=jp.make_mesh(stages=D), nan_bubbles=True)
+    state = pipe.init()
+    for b in bs:
+        state, _ = pipe.step(state, b)
+    state, _ = pipe.drain(state)
+    got = np.asarray(pipe.params(state)[0], np.float64)
+    assert rel_err(got - w0, want - w0) <= 1e-5
+    plain = numpy_predicting(w0, bs, M, lambda s, D: 0, lambda s, D: 0, True)   # no prediction at all
+    assert rel_err(plain - w0, want - w0) > RULE_MARGIN
