@@ -8,12 +8,10 @@ the rule degenerates (one stage: no staleness); and (3) each rule against its ne
 configuration, on parameter *changes*, by at least 10x the 1e-5 tolerance.
 """
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
-import jaxpipe as jp
 from jaxpipe.optim.reference import global_microbatches, serial_reference
 from helpers import rel_err, small_model, RULE_MARGIN
 from hand_backward import LR, MU, batches, numpy_predicting, tanh_mlp
