@@ -1,0 +1,27 @@
+"""The suite runs with XLA's backend optimisation off (conftest: half the compile time).  Comparisons across
+different compiled programs -- the fused against the split backward, balanced against direct broadcast,
+AvgPipe's advance 0 against 3, Chimera's two replicas, a pipeline against its independent reference -- must
+hold in an optimised build too, where XLA fuses and reorders differently (issue #33 item 6).  This runs a
+sample of them in a pytest of its own with optimisation on (JAXPIPE_TEST_XLA_OPTIMISED=1); the whole set of
+those files passed that way once (BUILD_NOTES, "Tests that would catch a wrong executor")."""
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SAMPLE = ["tests/test_wsplit.py::test_split_is_the_fused_backward_without_recomputation",
+          "tests/test_cyclic_dp.py::test_balanced_broadcast_equals_direct[2-v2]",
+          "tests/test_avgpipe.py::test_advance_changes_speed_and_memory_never_numbers",
+          "tests/test_chimera_interleaved_zb.py::test_chimera_replicas_bit_identical_after_steps",
+          "tests/test_independent_references.py::test_no_flush_method_equals_its_hand_written_version_table"
+          "[pipedream_2bw-2]",
+          "tests/test_exactness.py::test_data_x_stage_mesh_equals_stage_only_and_no_pipeline[1f1b]"]
+
+
+def test_cross_program_comparisons_hold_in_an_optimised_build(tmp_path):
+    env = dict(os.environ, JAXPIPE_TEST_XLA_OPTIMISED="1", XLA_FLAGS="",
+               JAX_COMPILATION_CACHE_DIR=str(tmp_path / "xla-cache"))
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                        *SAMPLE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    assert " passed" in p.stdout and "failed" not in p.stdout, p.stdout[-2000:]
