@@ -59,6 +59,47 @@ def test_sigkill_then_resume_is_bit_equal(tmp_path):
     assert len(finalized(ck)) <= 3                         # retention (--checkpoint_keep=3)
 
 
+def _kill_during_a_write(ck, args):
+    """Start a run and SIGKILL it on first sight of a checkpoint's temporary folder (after one finished
+    checkpoint). Returns the torn step if its folder is still unfinished after the kill, else None (the write
+    finished in the instant between sight and kill)."""
+    run = train(args)
+    torn, deadline = None, time.monotonic() + 240
+    while torn is None and time.monotonic() < deadline and run.poll() is None:
+        names = os.listdir(ck) if ck.is_dir() else []
+        tmp = [n for n in names if "tmp" in n and n.split(".")[0].isdigit()]
+        if tmp and finalized(ck):
+            run.send_signal(signal.SIGKILL)
+            torn = (int(tmp[0].split(".")[0]), tmp[0])
+        else:
+            time.sleep(0.0005)
+    run.kill()
+    run.wait()
+    assert torn is not None, "no checkpoint write was seen under way (240 s)"
+    return torn[0] if (ck / torn[1]).exists() else None
+
+
+def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_intact_one(tmp_path):
+    """Issue #33 item 5: the kill lands while a checkpoint is being written -- its temporary folder exists and
+    is not finalized (event-driven: the test watches the directory and kills on first sight; a write that
+    finished in that instant is tried again in a new directory).  The torn step is never restored: the run
+    resumes from the newest finished one."""
+    for attempt in range(3):
+        ck = tmp_path / f"ck{attempt}"
+        args = ["--schedule=1f1b", "--steps=400", "--checkpoint_every=2", f"--out_dir={tmp_path}/run{attempt}",
+                f"--checkpoint_dir={ck}"]
+        torn = _kill_during_a_write(ck, args)
+        if torn is not None:
+            break
+    assert torn is not None, "every kill came after the write it saw had finished"
+    done = finalized(ck)
+    assert done and torn not in done and torn > max(done), (torn, done, os.listdir(ck))
+    again = train([*args[:1], f"--steps={max(done) + 2}", *args[2:]])
+    out, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err[-3000:]
+    assert f"resumed from {ck} at step {max(done)}" in out, out[-2000:]
+
+
 def test_nan_loss_stops_with_step_and_stage(tmp_path):
     ck = tmp_path / "ck"
     p = train(["--schedule=1f1b", "--steps=20", "--optimizer=sgd", "--lr=1e30", "--checkpoint_every=1",
