@@ -136,3 +136,34 @@ def test_leak_probe_ring_routing():
     wrong, e1 = run(True)
     assert e0 == 0 and rel_err(honest, ref) <= 1e-5
     assert e1 > 0 or rel_err(wrong, ref) > 1e-3, (e1, rel_err(wrong, ref))
+
+
+def test_leak_probe_weight_stash(monkeypatch):
+    """Issue #33 item 3, the weight stash: NaN mode starts PipeDream's stash as NaN (every slot a backward
+    reads is written by its micro-batch's forward first).  A backward reading the slot one behind its own
+    -- the stash of another micro-batch, or one never written -- turns the run NaN; the honest policy stays
+    finite.  (Without NaN mode the wrong read would return a real, stale version: a wrong number that looks fine.)"""
+    from jax import lax
+    from jaxpipe.optim import policies
+    model, batch_fn = small_model("mlp", 4)
+    honest = policies.POLICIES["pipedream"]
+
+    def one_behind(opt, D, M, ex=None):
+        p = honest(opt, D, M, ex)
+        wrong = lambda lp, stash, i, s: jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, (i + D - 1) % D, 0, False),
+                                                     stash)
+        return p._replace(backward_weights=wrong)
+
+    def run(nan):
+        pipe = jp.Pipeline(model, schedule="pipedream", num_microbatches=4, optimizer=optax.sgd(0.1),
+                           mesh=jp.make_mesh(stages=4), nan_bubbles=nan)
+        state = pipe.init()
+        for k in range(2):
+            state, m = pipe.step(state, batch_fn(16, s=k))
+        state, _ = pipe.drain(state)
+        return all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(pipe.params(state)))
+
+    assert run(True)
+    monkeypatch.setitem(policies.POLICIES, "pipedream", one_behind)
+    assert not run(True)
+    assert run(False)            # the same wrong read without NaN mode: finite, silently wrong

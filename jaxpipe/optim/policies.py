@@ -55,6 +55,9 @@ class WeightPolicy(NamedTuple):
     versions: Callable[[int], List[int]]
     choose: Any = None
     per_microbatch: bool = True     # one update per micro-batch (False: a step's gradients accumulated)
+    #: the state ``init`` makes is scratch: every slot a backward reads was written by that micro-batch's
+    #: forward first (PipeDream's stash), so NaN mode (``nan_bubbles=True``) starts it as NaN
+    scratch_state: bool = False
     #: accumulating policies: ``update`` only adds the micro-batch's gradient; ``land(lp, opt_state, ps,
     #: counting) -> (lp, opt_state, ps)`` applies the step's update after the B of micro-batch ``i`` where
     #: ``lands(i)``.  The executor runs it apart from ``update``, in the few ticks where some stage lands
@@ -160,7 +163,7 @@ def pipedream(opt: optax.GradientTransformation, num_stages: int) -> WeightPolic
         return lp, opt_state, stash
 
     return WeightPolicy("pipedream", init, forward_weights, backward_weights, update,
-                        METHODS["pipedream"].weight_versions)
+                        METHODS["pipedream"].weight_versions, scratch_state=True)
 
 
 class TwoBWState(NamedTuple):
