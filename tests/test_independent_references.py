@@ -59,8 +59,8 @@ def wpipe_reads(S, M):                        # S = 2D partitions; G0 = partitio
     return lambda s, i, j, b: ("batch", max(b - 1, 0) if s < S // 2 else b)
 
 
-def current_reads(S, M):                      # what no method does: every read fresh (the rule-matters check)
-    return lambda s, i, j, b: ("batch", b)
+def fresh_reads(S, M):                        # what no method does: every read the newest version (rule-matters)
+    return lambda s, i, j, b: ("fresh", -1)
 
 
 # ------------------------------------------------------------------ the model, stage by stage
@@ -98,8 +98,8 @@ def assemble(model, per_stage):
 
 def version_table_reference(model, opt, batches, M, reads, per_microbatch):
     """The method's rule from its version table: ``reads(s, i, j, b)`` names the version stage s reads for
-    micro-batch i = (b, j), as ``("update", n)`` (after n per-micro-batch updates) or ``("batch", b')``
-    (after b' per-batch updates).  ``per_microbatch``: each backward updates its stage (the mean-loss
+    micro-batch i = (b, j), as ``("update", n)`` (after n per-micro-batch updates), ``("batch", b')``
+    (after b' per-batch updates) or ``("fresh", -1)`` (the newest version).  ``per_microbatch``: each backward updates its stage (the mean-loss
     gradient of that micro-batch); else the batch's summed gradient over its summed count updates every
     stage once (a mean loss counts 1 per micro-batch: the mean of the gradients)."""
     S = model.num_stages
@@ -179,7 +179,7 @@ def test_no_flush_method_equals_its_hand_written_version_table(method, D):
     want = version_table_reference(model, opt, batches, M, reads(S, M), per_mb)
     assert rel_err(change(got, model.params), change(want, model.params)) <= 1e-5
     # the table matters: every stage reading the freshest version moves the parameters otherwise
-    fresh = version_table_reference(model, opt, batches, M, current_reads(S, M), per_mb)
+    fresh = version_table_reference(model, opt, batches, M, fresh_reads(S, M), per_mb)
     assert rel_err(change(fresh, model.params), change(want, model.params)) > RULE_MARGIN
 
 

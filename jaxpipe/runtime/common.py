@@ -75,8 +75,16 @@ def write(buf, slot, val):
 
 
 def full(avals, value, lead=()):
-    """Arrays shaped like ``avals`` (a pytree of ShapeDtypeStructs) with leading dims ``lead``, all ``value``."""
-    return jax.tree.map(lambda a: jnp.full(tuple(lead) + tuple(a.shape), value, a.dtype), avals)
+    """Arrays shaped like ``avals`` (a pytree of ShapeDtypeStructs) with leading dims ``lead``, all ``value``
+    (NaN mode's NaN only where the dtype has it: integer leaves, such as a stashed PRNG key, get 0)."""
+    return jax.tree.map(lambda a: jnp.full(tuple(lead) + tuple(a.shape), fill_value(value, a.dtype), a.dtype),
+                        avals)
+
+
+def fill_value(value, dtype):
+    """``value``, or 0 where it is NaN and ``dtype`` cannot hold NaN (casting NaN to an integer is undefined)."""
+    nan = isinstance(value, float) and value != value
+    return 0 if nan and not jnp.issubdtype(dtype, jnp.inexact) else value
 
 
 def cast(x, avals):

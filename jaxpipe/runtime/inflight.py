@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..tying import Ties
-from .common import full
+from .common import fill_value, full
 
 
 class AsyncCarry(NamedTuple):
@@ -59,7 +59,8 @@ def empty_carry(model, periodic, M: int, n_devices: int, mb_example, x_aval, mas
         S = plan.stash_capacity + 1  # reads its own batch (one ring slot: the micro-batch's shapes)
         C = 1
     per = lambda shape, dtype: jnp.zeros((n_devices,) + tuple(shape), dtype)
-    nan = lambda shape, dtype: jnp.full((n_devices,) + tuple(shape), jnp.nan if nan_bubbles else 0, dtype)
+    nan = lambda shape, dtype: jnp.full((n_devices,) + tuple(shape), fill_value(jnp.nan if nan_bubbles else 0, dtype),
+                                        dtype)
     msg = lambda lead=(): full(x_aval, jnp.nan if nan_bubbles else 0, (n_devices,) + tuple(lead))
     ties = Ties(model)
     tie_msg = lambda lead=(): full(ties.pre_leaves(model.pre_params), jnp.nan if nan_bubbles else 0,
