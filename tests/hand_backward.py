@@ -59,3 +59,66 @@ def numpy_predicting(w0, bs, M, fwd_dist, bwd_dist, momentum):
             hist[s].append(hist[s][-1] + u)
             upd[s].append(u)
     return np.stack([h_[-1] for h_ in hist])
+
+
+def weights_read_at_backward(fn, w_f, w_b, x, ctx, dy):
+    """PyTorch's autograd semantics when the parameters are swapped between the forward and the backward
+    (PipeOptim's code restores the cached weights before ``backward()``), written as a small interpreter of
+    ``fn``'s jaxpr, independent of jaxpipe's residual machinery: the forward runs at ``w_f`` and keeps every
+    value; the backward visits the equations in reverse and takes each one's own VJP with the values that
+    depend on the weights alone (a weight, its transpose, ...) recomputed at ``w_b`` and every other value
+    (activations, masks, dropout bits) as the forward computed it.  Returns ``(y, dw, dx)``."""
+    import jax
+    with jax.disable_jit():                 # nested jits inlined: one flat list of primitives
+        closed = jax.make_jaxpr(lambda w, x_: fn(w, x_, ctx))(w_f, x)
+    jaxpr = closed.jaxpr
+    wl_f, wl_b, xl = jax.tree.leaves(w_f), jax.tree.leaves(w_b), jax.tree.leaves(x)
+    n_w = len(wl_f)
+    is_lit = lambda v: type(v).__name__ == "Literal"
+
+    def run(weights, only_weights):
+        env = dict(zip(jaxpr.constvars, closed.consts))
+        env.update(zip(jaxpr.invars, list(weights) + xl))
+        weight_only = set(jaxpr.invars[:n_w]) | set(jaxpr.constvars)
+        for e in jaxpr.eqns:
+            ins = [v.val if is_lit(v) else env.get(v) for v in e.invars]
+            pure = all(is_lit(v) or v in weight_only for v in e.invars)
+            if only_weights and not pure:
+                continue
+            outs = e.primitive.bind(*ins, **e.params)
+            outs = outs if e.primitive.multiple_results else [outs]
+            env.update(zip(e.outvars, outs))
+            if pure:
+                weight_only.update(e.outvars)
+        return env, weight_only
+
+    env_f, weight_only = run(wl_f, False)
+    env_b, _ = run(wl_b, True)
+    read = lambda v: v.val if is_lit(v) else (env_b[v] if v in weight_only else env_f[v])
+    ct = dict(zip(jaxpr.outvars, jax.tree.leaves(dy)))
+    floating = lambda a: jnp.issubdtype(jnp.result_type(a), jnp.inexact)
+    for e in reversed(jaxpr.eqns):
+        cts = [ct.get(v) for v in e.outvars]
+        if all(c is None for c in cts):
+            continue
+        ins = [read(v) for v in e.invars]
+        diff = [i for i, (v, a) in enumerate(zip(e.invars, ins)) if not is_lit(v) and floating(a)]
+        if not diff:
+            continue
+
+        def op(*d, e=e, ins=ins, diff=diff):
+            args = list(ins)
+            for i, a in zip(diff, d):
+                args[i] = a
+            out = e.primitive.bind(*args, **e.params)
+            return out if e.primitive.multiple_results else [out]
+        outs, pull = jax.vjp(op, *[ins[i] for i in diff])
+        grads = pull([c if c is not None else jnp.zeros_like(o) for c, o in zip(cts, outs)])
+        for i, g in zip(diff, grads):
+            v = e.invars[i]
+            ct[v] = g if v not in ct else ct[v] + g
+    zeros = lambda v, a: ct.get(v, jnp.zeros_like(a))
+    dw = jax.tree.unflatten(jax.tree.structure(w_f), [zeros(v, a) for v, a in zip(jaxpr.invars[:n_w], wl_f)])
+    dx = jax.tree.unflatten(jax.tree.structure(x), [zeros(v, a) for v, a in zip(jaxpr.invars[n_w:], xl)])
+    y = jax.tree.unflatten(jax.tree.structure(dy), [read(v) if not is_lit(v) else v.val for v in jaxpr.outvars])
+    return y, dw, dx
