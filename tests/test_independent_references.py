@@ -165,9 +165,8 @@ def gpt_model(S):
     return model, batch
 
 
-@pytest.mark.parametrize("method,D", [("pipedream", 2), ("pipedream", 4), ("pipedream_2bw", 2),
-                                      ("pipedream_2bw", 4), ("cdp_v1", 4), ("cdp_v2", 2), ("cdp_v2", 4),
-                                      ("wpipe", 2), ("wpipe", 4)])
+@pytest.mark.parametrize("method", list(CASES))
+@pytest.mark.parametrize("D", [2, 4])
 def test_no_flush_method_equals_its_hand_written_version_table(method, D):
     reads, per_mb, stages = CASES[method]
     S = stages(D)
@@ -183,10 +182,11 @@ def test_no_flush_method_equals_its_hand_written_version_table(method, D):
     assert rel_err(change(fresh, model.params), change(want, model.params)) > RULE_MARGIN
 
 
-@pytest.mark.parametrize("method", ["pipedream", "pipedream_2bw", "cdp_v2", "wpipe"])
-def test_gpt_with_dropout_masks_and_tying_equals_its_version_table(method):
+@pytest.mark.parametrize("method", list(CASES))
+@pytest.mark.parametrize("D", [2, 4])
+def test_gpt_with_dropout_masks_and_tying_equals_its_version_table(method, D):
     reads, per_mb, stages = CASES[method]
-    D, M = 2, 2
+    M = D                                  # the GPT: M = D (2BW, CDP and WPipe need M >= D)
     S = stages(D)
     model, batch_fn = gpt_model(S)
     opt = optax.sgd(0.05, momentum=0.9)     # not Adam: a zero-gradient bias would compare float noise
@@ -279,9 +279,9 @@ def predicting_reference(model, opt, batches, M, fwd_dist, bwd_dist):
     return assemble(model, [h_[-1] for h_ in hist])
 
 
-@pytest.mark.parametrize("method,D", [("pipeoptim", 2), ("spectrain", 3)])
+@pytest.mark.parametrize("method,D", [("pipeoptim", 2), ("pipeoptim", 4), ("spectrain", 3), ("spectrain", 4)])
 def test_predicting_method_on_the_gpt_equals_weights_read_at_backward(method, D):
-    """PipeOptim (D = 2) and SpecTrain (D = 3, where it differs from PipeOptim) on the GPT with dropout, masks
+    """PipeOptim (D = 2, 4) and SpecTrain (D = 3, 4; at D = 2 it is PipeOptim) on the GPT with dropout, masks
     and a tied head, against the prediction table and the jaxpr-interpreting backward above."""
     M = 2
     model, batch_fn = gpt_model(D)
