@@ -14,7 +14,7 @@ SAMPLE = ["tests/test_wsplit.py::test_split_is_the_fused_backward_without_recomp
           "tests/test_avgpipe.py::test_advance_changes_speed_and_memory_never_numbers",
           "tests/test_chimera_interleaved_zb.py::test_chimera_replicas_bit_identical_after_steps",
           "tests/test_independent_references.py::test_no_flush_method_equals_its_hand_written_version_table"
-          "[pipedream_2bw-2]",
+          "[2-pipedream_2bw]",
           "tests/test_exactness.py::test_data_x_stage_mesh_equals_stage_only_and_no_pipeline[1f1b]"]
 
 
