@@ -98,7 +98,8 @@ class AsyncRunner(InFlightRunner):
         chunks = tuple((jax.tree.map(lambda a: jnp.copy(a[c * D:(c + 1) * D]), w), stack(pre), stack(post))
                        for c in range(self.K))
         opt_state = tuple(jax.vmap(ctx.optimizer.init)(lp) for lp in chunks)
-        pstate = tuple(_poisoned(jax.vmap(p.init)(lp)) if ctx.nan_bubbles and p.scratch_state
+        # NaN mode: a scratch state (PipeDream's stash) starts as NaN, so a read before its write shows
+        pstate = tuple(full(jax.vmap(p.init)(lp), jnp.nan) if ctx.nan_bubbles and p.scratch_state
                        else jax.vmap(p.init)(lp) for p, lp in zip(self.policies, chunks))
         params = chunks
         if self.K == 1:
@@ -206,8 +207,3 @@ def drain_calls(run, state, dummy, bound: int, done=None):
     t, base, fed = state.counters
     state = state._replace(counters=(jnp.zeros_like(t), base + fed, jnp.zeros_like(fed)))
     return state, (lsum / lcount if lcount else float("nan")), lcount, m
-
-
-def _poisoned(tree):
-    """NaN in every floating leaf (NaN mode's start of a scratch weight state: a read before its write shows)."""
-    return jax.tree.map(lambda a: jnp.full_like(a, jnp.nan) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)

@@ -80,8 +80,7 @@ def empty_carry(model, periodic, M: int, n_devices: int, mb_example, x_aval, mas
         gpost=jax.tree.map(lambda a: per(jnp.shape(a), sums(getattr(a, "dtype", None) or jnp.asarray(a).dtype)),
                            ties.strip(model.params)[2]),
         # the recent micro-batches: NaN-filled too (float fields), so an op reading a slot no feed wrote shows
-        ring=jax.tree.map(lambda a: (nan if jnp.issubdtype(a.dtype, jnp.floating) else per)(
-            (C,) + tuple(a.shape), a.dtype), mb_example),
+        ring=jax.tree.map(lambda a: nan((C,) + tuple(a.shape), a.dtype), mb_example),
         tie_f=tie_msg(), tie_b=tie_msg(), gtie=tie_msg(),
         cnt_b=nan((), jnp.float32), cnt_own=nan((), jnp.float32), wrap_f=wrap_f, wrap_b=wrap_b,
         errors=jnp.zeros((n_devices,), jnp.int32), reduce=() if ring_lp is None else ring_buffers(
@@ -90,8 +89,8 @@ def empty_carry(model, periodic, M: int, n_devices: int, mb_example, x_aval, mas
 
 def ring_buffers(lp, K: int, n_devices: int, nan_bubbles: bool = False) -> RingState:
     """A ring reduction's buffers, one per device (float buffers NaN in the NaN mode)."""
-    fill = lambda shape, dtype: jnp.full((n_devices,) + tuple(shape), jnp.nan if nan_bubbles and jnp.issubdtype(
-        dtype, jnp.floating) else 0, dtype)
+    fill = lambda shape, dtype: jnp.full((n_devices,) + tuple(shape), fill_value(jnp.nan if nan_bubbles else 0, dtype),
+                                         dtype)
     like = lambda lead: jax.tree.map(lambda a: fill(tuple(lead) + tuple(np.shape(a)), a.dtype), lp)
     return RingState(partial=like((K + 1,)), pcnt=fill((K + 1,), jnp.float32), gbuf=like(()),
                      gcnt=fill((), jnp.float32), bnew=like(()), bchunk=fill((), jnp.int32),
