@@ -5,7 +5,7 @@ the ratio is the work the executor adds, not how emulated devices share cores), 
 
     python -m experiments.executor_cost --cores=1                      # quiet machine
     python -m experiments.executor_cost --cores=1 --schedules=1f1b,zb_v,dualpipe_v
-    python -m experiments.executor_cost --cores=1 --keep_freed_memory   # without the allocator's page faults
+    python -m experiments.executor_cost --cores=1 --allocator=default   # glibc's defaults only
 
 The model: ``--layers`` x ``tanh(h @ W)``, W ``--width``^2, each stage a ``lax.scan`` over its layers (the form
 the Flax adapters and MaxText-style models build); D = ``--stages``, M = ``--microbatches``, batch ``--batch``;
@@ -15,8 +15,10 @@ same layers into 2D stages.
 On XLA CPU every execution allocates its large buffers afresh (outputs and temps), and glibc's malloc maps
 buffers that large anew and returns them when freed, so each step page-faults its whole footprint again: a
 program that allocates more per step (Chimera: the fetched replica, a second gradient sum, the sum sent home)
-pays for it in time although it computes no more.  ``--keep_freed_memory`` measures with glibc keeping what
-is freed, as GPU allocators pool memory.
+pays for it in time although it computes no more.  So every program is timed twice in the one process
+(``--allocator=both``): first with glibc's defaults, then after ``jaxpipe.host_memory.keep_freed_memory()``
+(glibc keeps what is freed, as accelerator allocators pool memory); beside each time, the page faults and
+kernel time per step, which say how much of it the allocator is.
 """
 from __future__ import annotations
 
@@ -32,15 +34,12 @@ flags.DEFINE_integer("layers", 8, "layers in total")
 flags.DEFINE_integer("width", 1024, "hidden width")
 flags.DEFINE_integer("batch", 512, "batch size")
 flags.DEFINE_integer("rounds", 7, "timed rounds (median)")
-flags.DEFINE_bool("keep_freed_memory", False, "run with glibc keeping freed memory (MALLOC_MMAP_THRESHOLD_, "
-                  "MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_; the process starts again with them): XLA CPU allocates "
-                  "each execution's large buffers afresh, and with glibc's defaults every step maps and page-faults "
-                  "them anew -- a cost in proportion to the buffers a step allocates that GPU allocators, which "
-                  "pool memory, do not have")
+flags.DEFINE_enum("allocator", "both", ["both", "default", "keep_freed"],
+                  "host allocator the programs are timed with: glibc's defaults (XLA CPU allocates each execution's "
+                  "large buffers afresh, and every step maps and page-faults them anew -- a cost in proportion to "
+                  "the buffers a step allocates, which accelerator allocators, pooling memory, do not have), "
+                  "keep_freed (jaxpipe.host_memory.keep_freed_memory()), or both, one after the other in this process")
 FLAGS = flags.FLAGS
-#: glibc's malloc told to keep what is freed (no per-step mmap/munmap of large buffers)
-KEEP_FREED = {"MALLOC_MMAP_THRESHOLD_": str(1 << 34), "MALLOC_TRIM_THRESHOLD_": str(1 << 34),
-              "MALLOC_TOP_PAD_": str(1 << 30)}
 
 
 def scan_gpipe(stage_fn, D: int, M: int, mesh):
@@ -123,39 +122,65 @@ def pin_cores(n: int) -> None:
         os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:n]))
 
 
-def keep_freed_memory(module: str) -> str:
-    """Where ``--keep_freed_memory`` is set: this runner started again with :data:`KEEP_FREED` in its
-    environment (glibc reads it at start-up); returns the line that says which allocator the figures are for."""
-    import sys
-    if FLAGS.keep_freed_memory and any(os.environ.get(k) != v for k, v in KEEP_FREED.items()):
-        os.execve(sys.executable, [sys.executable, "-m", module] + sys.argv[1:], {**os.environ, **KEEP_FREED})
-    if all(os.environ.get(k) == v for k, v in KEEP_FREED.items()):
-        return "glibc keeps freed memory (--keep_freed_memory)"
-    return "glibc's default allocator (each step maps its large buffers afresh; --keep_freed_memory: not)"
+def timed(runs, rounds: int):
+    """Per program: median ms per step, and the median page faults and kernel ms per step (this process's
+    ``getrusage`` around each call), the programs round-robin for ``rounds`` rounds."""
+    import resource
+    import jax
+    import numpy as np
+    from jaxpipe.bench import interleaved_medians
+    usage = {k: [] for k in runs}
+
+    def counted(k, run):
+        def call():
+            r0 = resource.getrusage(resource.RUSAGE_SELF)
+            out = jax.block_until_ready(run())
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
+            usage[k].append((r1.ru_minflt - r0.ru_minflt, 1e3 * (r1.ru_stime - r0.ru_stime)))
+            return out
+        return call
+    times = interleaved_medians({k: counted(k, r) for k, r in runs.items()}, rounds)
+    return {k: (1e3 * float(np.median(times[k])), float(np.median([u[0] for u in usage[k][-rounds:]])),
+                float(np.median([u[1] for u in usage[k][-rounds:]]))) for k in runs}
+
+
+def allocator_phases(which: str):
+    """The allocator phases ``--allocator`` asks for, in the order they must run: glibc's defaults can only
+    be measured before ``keep_freed_memory`` (which is permanent); yields each phase's name after setting it."""
+    from jaxpipe import host_memory
+    if which in ("both", "default"):
+        if host_memory.keeps_freed_memory():
+            raise app.UsageError("glibc was started keeping freed memory (MALLOC_*_ in the environment), so its "
+                                 "defaults cannot be measured here: unset them, or pass --allocator=keep_freed")
+        yield "glibc defaults"
+    if which in ("both", "keep_freed"):
+        if not host_memory.keep_freed_memory():
+            print(f"--allocator={which}: {host_memory.describe()}; the kept-memory phase is skipped")
+            return
+        yield "freed memory kept"
 
 
 def main(argv):
     del argv
-    alloc = keep_freed_memory("experiments.executor_cost")
     pin_cores(FLAGS.cores)
     from experiments import emulate_cpu_devices
     D, M, L, H, B = FLAGS.stages, FLAGS.microbatches, FLAGS.layers, FLAGS.width, FLAGS.batch
     emulate_cpu_devices(D)
     import jax
     import jax.numpy as jnp
-    import numpy as np
-    from jaxpipe.bench import interleaved_medians
 
     runs, errs, ref = build_runs(FLAGS.schedules.split(","), D, M, L, H, B)
-    times = interleaved_medians(runs, FLAGS.rounds)
-    base = np.median(times["plain accumulation"])
+    phases = {name: timed(runs, FLAGS.rounds) for name in allocator_phases(FLAGS.allocator)}
     print(f"jax {jax.__version__}, {D} emulated devices on {len(os.sched_getaffinity(0))} core(s); MLP {L} x "
-          f"{H}^2 tanh, each stage a lax.scan over its layers; batch {B}, M={M}; medians of {FLAGS.rounds} rounds; "
-          f"{alloc}")
-    print("| program | ms | x plain accumulation | gradient rel. error |\n|---|---|---|---|")
-    for k, t in times.items():
+          f"{H}^2 tanh, each stage a lax.scan over its layers; batch {B}, M={M}; medians of {FLAGS.rounds} rounds "
+          f"per allocator phase (one process: " + " first, then ".join(phases) + ")")
+    head = "".join(f" {p}: ms | x plain | faults/step | kernel ms |" for p in phases)
+    print(f"| program |{head} gradient rel. error |\n|---|" + "---|---|---|---|" * len(phases) + "---|")
+    for k in runs:
+        cells = "".join(f" {t[k][0]:.1f} | {t[k][0] / t['plain accumulation'][0]:.3f}x | {t[k][1]:.0f} | {t[k][2]:.1f} |"
+                        for t in phases.values())
         err = 0.0 if k not in errs else float(jnp.linalg.norm(errs[k] - ref) / jnp.linalg.norm(ref))
-        print(f"| {k} | {np.median(t) * 1e3:.1f} | {np.median(t) / base:.3f}x | {err:.1e} |")
+        print(f"| {k} |{cells} {err:.1e} |")
 
 
 if __name__ == "__main__":

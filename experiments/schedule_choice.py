@@ -9,7 +9,9 @@ what can be measured here -- the one-core step, where every device's work adds u
    on one micro-batch, one ``ppermute`` over the emulated devices, and each schedule's ``loss_and_grad`` at
    D = ``--stages``, M = ``--microbatches`` beside the plain accumulation (``experiments.executor_cost``'s
    model).  The executor's fixed cost per device and lane-tick is the median of what each schedule's time
-   implies; each schedule's one-core step is then predicted and compared with its measurement.
+   implies; each schedule's one-core step is then predicted and compared with its measurement.  Timed with
+   glibc keeping freed memory (``jaxpipe.host_memory``: no per-step page faults, which accelerators do not
+   have) unless ``--allocator=default``.
 2. For D in ``--devices`` and M in ``--microbatch_counts`` it predicts the step on D real devices, each as
    fast as this core at these ops, linked at ``--link_gbps`` GB/s with ``--link_us`` per message, for a
    model of ``--real_layers`` layers of the same width cut evenly, and says which schedule is fastest.
@@ -105,7 +107,10 @@ def real_devices(names, costs, tick, H, mb):
 
 def main(argv):
     del argv
-    alloc = executor_cost.keep_freed_memory("experiments.schedule_choice")
+    from jaxpipe import host_memory
+    if FLAGS.allocator != "default":  # measured once: with freed memory kept, unless glibc's defaults are asked for
+        host_memory.keep_freed_memory()
+    alloc = host_memory.describe()
     executor_cost.pin_cores(FLAGS.cores)
     from experiments import emulate_cpu_devices
     D, M, L, H, B = FLAGS.stages, FLAGS.microbatches, FLAGS.layers, FLAGS.width, FLAGS.batch

@@ -38,6 +38,9 @@ flags.DEFINE_integer("block_rounds", 3, "rounds of the consecutive-steps timing"
 flags.DEFINE_integer("compile_m2", 64, "second micro-batch count for the compile-time check (0 = skip)")
 flags.DEFINE_string("optimizer", "adamw", "optax optimizer applied by both the plain and the pipelined step")
 flags.DEFINE_string("json_out", "", "optional path: write the table as JSON")
+flags.DEFINE_boolean("keep_freed_memory", False, "time with glibc keeping freed memory (jaxpipe.host_memory): "
+                     "no per-step mapping and page-faulting of XLA CPU's large buffers; the default measures glibc's "
+                     "defaults")
 flags.DEFINE_boolean("child", False, "internal: this process measures one device-count group")
 FLAGS = flags.FLAGS
 
@@ -107,7 +110,10 @@ def benchmark_setup(timing: str):
     import jax
     import jax.numpy as jnp
     import jaxpipe as jp
+    from jaxpipe import host_memory
     from jaxpipe.bench import make_tanh_mlp
+    if FLAGS.keep_freed_memory:
+        host_memory.keep_freed_memory()
     opt = jp.optim.by_name(FLAGS.optimizer, 1e-3)
     model = make_tanh_mlp(FLAGS.stages, FLAGS.layers // FLAGS.stages, FLAGS.width)
     key = jax.random.key(1)
@@ -115,7 +121,7 @@ def benchmark_setup(timing: str):
              "y": jnp.zeros((FLAGS.batch, FLAGS.width), jnp.float32)}
     print(f"jax {jax.__version__} on {jax.devices()[0].platform} x{len(jax.devices())}, "
           f"MLP {FLAGS.layers} x {FLAGS.width}^2 tanh, batch {FLAGS.batch}, D={FLAGS.stages}, "
-          f"M={FLAGS.microbatches}, optimizer {FLAGS.optimizer}; {timing}", flush=True)
+          f"M={FLAGS.microbatches}, optimizer {FLAGS.optimizer}; {host_memory.describe()}; {timing}", flush=True)
     return opt, model, batch
 
 

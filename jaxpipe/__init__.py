@@ -37,6 +37,7 @@ _LAZY = {
     "runtime": ("runtime", None),
     "bench": ("bench", None),
     "tune": ("tune", None),
+    "host_memory": ("host_memory", None),
 }
 
 __all__ = ["Checkpointer", "ConfigError", "CyclicDataParallel", "Pipeline", "PipelineModel", "PipelineState", "Precision", "StageContext", "data", "make_mesh",
