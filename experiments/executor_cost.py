@@ -169,6 +169,8 @@ def main(argv):
     import jax
     import jax.numpy as jnp
 
+    from jaxpipe import host_memory
+    host_memory.choose(FLAGS.allocator == "keep_freed")   # the Pipelines built next leave the defaults alone
     runs, errs, ref = build_runs(FLAGS.schedules.split(","), D, M, L, H, B)
     phases = {name: timed(runs, FLAGS.rounds) for name in allocator_phases(FLAGS.allocator)}
     print(f"jax {jax.__version__}, {D} emulated devices on {len(os.sched_getaffinity(0))} core(s); MLP {L} x "

@@ -108,8 +108,7 @@ def real_devices(names, costs, tick, H, mb):
 def main(argv):
     del argv
     from jaxpipe import host_memory
-    if FLAGS.allocator != "default":  # measured once: with freed memory kept, unless glibc's defaults are asked for
-        host_memory.keep_freed_memory()
+    host_memory.choose(FLAGS.allocator != "default")   # measured once: memory kept unless defaults are asked for
     alloc = host_memory.describe()
     executor_cost.pin_cores(FLAGS.cores)
     from experiments import emulate_cpu_devices

@@ -38,9 +38,9 @@ flags.DEFINE_integer("block_rounds", 3, "rounds of the consecutive-steps timing"
 flags.DEFINE_integer("compile_m2", 64, "second micro-batch count for the compile-time check (0 = skip)")
 flags.DEFINE_string("optimizer", "adamw", "optax optimizer applied by both the plain and the pipelined step")
 flags.DEFINE_string("json_out", "", "optional path: write the table as JSON")
-flags.DEFINE_boolean("keep_freed_memory", False, "time with glibc keeping freed memory (jaxpipe.host_memory): "
-                     "no per-step mapping and page-faulting of XLA CPU's large buffers; the default measures glibc's "
-                     "defaults")
+flags.DEFINE_boolean("keep_freed_memory", True, "time with glibc keeping freed memory (jaxpipe.host_memory, what a "
+                     "Pipeline on CPU devices does by default): no per-step mapping and page-faulting of XLA CPU's "
+                     "large buffers; false: glibc's defaults")
 flags.DEFINE_boolean("child", False, "internal: this process measures one device-count group")
 FLAGS = flags.FLAGS
 
@@ -112,8 +112,7 @@ def benchmark_setup(timing: str):
     import jaxpipe as jp
     from jaxpipe import host_memory
     from jaxpipe.bench import make_tanh_mlp
-    if FLAGS.keep_freed_memory:
-        host_memory.keep_freed_memory()
+    host_memory.choose(FLAGS.keep_freed_memory)
     opt = jp.optim.by_name(FLAGS.optimizer, 1e-3)
     model = make_tanh_mlp(FLAGS.stages, FLAGS.layers // FLAGS.stages, FLAGS.width)
     key = jax.random.key(1)

@@ -60,9 +60,9 @@ flags.DEFINE_string("out_dir", "runs/train", "where metrics.jsonl and summary.js
 flags.DEFINE_bool("progress", True, "show progress: a bar on a terminal, a line every --progress_every steps "
                   "when the output goes to a file or a pipe")
 flags.DEFINE_integer("progress_every", 0, "steps between progress lines when not on a terminal (0: a tenth of the run)")
-flags.DEFINE_bool("keep_freed_memory", True, "CPU: glibc keeps freed memory for the next step instead of mapping and "
-                  "page-faulting each step's large buffers again (jaxpipe.host_memory; the process keeps its peak "
-                  "memory); false: glibc's defaults")
+flags.DEFINE_bool("keep_freed_memory", True, "glibc keeps freed memory for the next step instead of mapping and "
+                  "page-faulting each step's large buffers again (jaxpipe.host_memory; what a Pipeline on CPU "
+                  "devices does by default; the process keeps its peak memory); false: glibc's defaults")
 flags.DEFINE_bool("nan_bubbles", False, "debug: fill pipeline bubbles with NaN (results must stay finite)")
 flags.DEFINE_string("coordinator", None, "multi-host: process 0's HOST:PORT (or JAX_COORDINATOR_ADDRESS)")
 flags.DEFINE_integer("num_processes", None, "multi-host: number of processes (or JAX_NUM_PROCESSES); the mesh "
@@ -160,9 +160,8 @@ def run(argv):
     import json
     import time
 
-    if FLAGS.keep_freed_memory:
-        from jaxpipe import host_memory
-        host_memory.keep_freed_memory()
+    from jaxpipe import host_memory
+    host_memory.choose(FLAGS.keep_freed_memory)
     import jax
     import jax.numpy as jnp
     import numpy as np

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from . import host_memory
 from .errors import ConfigError
 from .model import PipelineModel
 from .optim.policies import cyclic_dp
@@ -100,6 +101,7 @@ class CyclicDataParallel:
             raise ConfigError(f"CyclicDataParallel runs N workers on the 'data' axis, each with the whole model; "
                               f"the mesh has stage={mesh.shape.get('stage')} pipe={mesh.shape.get('pipe')}: "
                               f"use jp.make_mesh(data=N)")
+        host_memory.keep_freed_memory_for(mesh)     # CPU: no per-step page faults (jaxpipe.host_memory)
         N = mesh.shape[DATA]
         if model.num_stages != N:
             raise ConfigError(f"Cyclic Data Parallelism cuts the model into as many stages as workers (one time "

@@ -11,9 +11,10 @@ sum), page-faulted ~110 MiB more per step and spent ~60 ms of a ~450 ms step in 
 
 :func:`keep_freed_memory` sets glibc's ``mallopt`` so that freed memory stays in the process (no per-step
 mapping, no trimming): the next step reuses it without faults. It is process-wide and permanent (the
-process's resident memory stays at its peak), so the library never calls it for you: the experiment runners
-call it where their ``--keep_freed_memory`` flag says so, and a user's training script may call it once at
-start. On anything but glibc (macOS, musl) it changes nothing and says so.
+process's resident memory stays at its peak, as it does with an accelerator's allocator). ``Pipeline`` and
+``CyclicDataParallel`` call it when built on a mesh of CPU devices (:func:`keep_freed_memory_for`), unless the
+environment says ``JAXPIPE_KEEP_FREED_MEMORY=0``; a script may call it itself at any time. On anything but
+glibc (macOS, musl) it changes nothing and says so.
 """
 from __future__ import annotations
 
@@ -69,6 +70,30 @@ def keep_freed_memory() -> bool:
         return False
     _state["kept"] = True
     return True
+
+
+#: the environment variable that turns off what :func:`keep_freed_memory_for` does ("0": glibc's defaults stay)
+OPT_OUT = "JAXPIPE_KEEP_FREED_MEMORY"
+
+
+def keep_freed_memory_for(mesh) -> bool:
+    """What ``Pipeline`` and ``CyclicDataParallel`` do when built: on a mesh with CPU devices,
+    :func:`keep_freed_memory`, unless ``JAXPIPE_KEEP_FREED_MEMORY=0``; returns whether memory is kept now."""
+    if os.environ.get(OPT_OUT, "1").strip().lower() in ("0", "false", "no", "off"):
+        return keeps_freed_memory()
+    if not any(d.platform == "cpu" for d in mesh.devices.flat):
+        return keeps_freed_memory()
+    return keep_freed_memory()
+
+
+def choose(keep: bool) -> bool:
+    """A runner's ``--keep_freed_memory`` flag: True keeps freed memory now; False sets
+    ``JAXPIPE_KEEP_FREED_MEMORY=0`` so that no ``Pipeline`` built later turns it on (glibc's defaults stay,
+    unless they were already changed).  Returns whether memory is kept."""
+    if keep:
+        return keep_freed_memory()
+    os.environ[OPT_OUT] = "0"
+    return keeps_freed_memory()
 
 
 def keeps_freed_memory() -> bool:

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from . import schedules
+from . import host_memory, schedules
 from .checks import check_dtypes, check_integer_inputs, require_finite
 from .errors import ConfigError
 from .model import PipelineModel
@@ -87,6 +87,7 @@ class Pipeline:
                                   f"update, which {schedule} applies inside the pipeline; use loss_scale=1 (bfloat16 "
                                   f"needs none) or a synchronous schedule")
         mesh = _checked_mesh(mesh, model)
+        host_memory.keep_freed_memory_for(mesh)     # CPU: no per-step page faults (jaxpipe.host_memory)
         D = mesh.shape[STAGE]
         _check_scalars(num_microbatches, placement, recompute, seed)
         self.placement, self.recompute = placement, recompute

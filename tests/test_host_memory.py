@@ -88,3 +88,32 @@ def test_not_glibc_changes_nothing_and_says_why(monkeypatch):
     assert "musl" in host_memory.describe() and "left as it is" in host_memory.describe()
     monkeypatch.setattr(host_memory.sys, "platform", "darwin")
     assert host_memory.keep_freed_memory() is False and "not Linux" in host_memory.describe()
+
+
+BUILD = """
+import json, os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import jax.numpy as jnp
+import jaxpipe as jp
+model = jp.PipelineModel(stage_fn=lambda w, h: jnp.tanh(h @ w), stage_params=jnp.ones((2, 4, 4)),
+                         post_loss=lambda _, h, b: jnp.mean(h ** 2))
+before = jp.host_memory.keeps_freed_memory()
+jp.Pipeline(model, schedule="1f1b", num_microbatches=2, mesh=jp.make_mesh(stages=2))
+print(json.dumps([before, jp.host_memory.keeps_freed_memory(), jp.host_memory.describe()]))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+                    reason="keeping freed memory needs glibc")
+@pytest.mark.parametrize("opt_out", ["", "0"])
+def test_a_pipeline_on_cpu_keeps_freed_memory_unless_told_not_to(opt_out):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != host_memory.OPT_OUT}
+    env.update(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    if opt_out:
+        env[host_memory.OPT_OUT] = opt_out
+    p = subprocess.run([sys.executable, "-c", BUILD], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    before, after, line = json.loads(p.stdout.strip().splitlines()[-1])
+    assert before is False
+    assert after is (not opt_out), line
+    assert ("keeps freed memory" in line) is (not opt_out)
