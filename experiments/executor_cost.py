@@ -34,6 +34,8 @@ flags.DEFINE_integer("layers", 8, "layers in total")
 flags.DEFINE_integer("width", 1024, "hidden width")
 flags.DEFINE_integer("batch", 512, "batch size")
 flags.DEFINE_integer("rounds", 7, "timed rounds (median)")
+flags.DEFINE_integer("block", 3, "consecutive steps per program and round in the second timing (as training runs "
+                     "them; the first switches program at every step); 0: round-robin only")
 flags.DEFINE_enum("allocator", "both", ["both", "default", "keep_freed"],
                   "host allocator the programs are timed with: glibc's defaults (XLA CPU allocates each execution's "
                   "large buffers afresh, and every step maps and page-faults them anew -- a cost in proportion to "
@@ -122,13 +124,15 @@ def pin_cores(n: int) -> None:
         os.sched_setaffinity(0, set(sorted(os.sched_getaffinity(0))[:n]))
 
 
-def timed(runs, rounds: int):
-    """Per program: median ms per step, and the median page faults and kernel ms per step (this process's
-    ``getrusage`` around each call), the programs round-robin for ``rounds`` rounds."""
+def timed(runs, rounds: int, block: int):
+    """Per program: median ms per step, the median page faults and kernel ms per step (this process's
+    ``getrusage`` around each call), the programs round-robin for ``rounds`` rounds; then (``block`` > 0) the
+    ratio to the plain step with each program run ``block`` steps in a row per round (median of the rounds'
+    ratios; nan where ``block`` is 0)."""
     import resource
     import jax
     import numpy as np
-    from jaxpipe.bench import interleaved_medians
+    from jaxpipe.bench import block_medians, interleaved_medians, median_ratio
     usage = {k: [] for k in runs}
 
     def counted(k, run):
@@ -140,8 +144,11 @@ def timed(runs, rounds: int):
             return out
         return call
     times = interleaved_medians({k: counted(k, r) for k, r in runs.items()}, rounds)
-    return {k: (1e3 * float(np.median(times[k])), float(np.median([u[0] for u in usage[k][-rounds:]])),
-                float(np.median([u[1] for u in usage[k][-rounds:]]))) for k in runs}
+    out = {k: (1e3 * float(np.median(times[k])), float(np.median([u[0] for u in usage[k][-rounds:]])),
+               float(np.median([u[1] for u in usage[k][-rounds:]]))) for k in runs}
+    blocks = block_medians(runs, rounds, block) if block else None
+    return {k: v + (median_ratio(blocks[k], blocks["plain accumulation"]) if blocks else float("nan"),)
+            for k, v in out.items()}
 
 
 def allocator_phases(which: str):
@@ -172,15 +179,16 @@ def main(argv):
     from jaxpipe import host_memory
     host_memory.choose(FLAGS.allocator == "keep_freed")   # the Pipelines built next leave the defaults alone
     runs, errs, ref = build_runs(FLAGS.schedules.split(","), D, M, L, H, B)
-    phases = {name: timed(runs, FLAGS.rounds) for name in allocator_phases(FLAGS.allocator)}
+    phases = {name: timed(runs, FLAGS.rounds, FLAGS.block) for name in allocator_phases(FLAGS.allocator)}
     print(f"jax {jax.__version__}, {D} emulated devices on {len(os.sched_getaffinity(0))} core(s); MLP {L} x "
           f"{H}^2 tanh, each stage a lax.scan over its layers; batch {B}, M={M}; medians of {FLAGS.rounds} rounds "
-          f"per allocator phase (one process: " + " first, then ".join(phases) + ")")
-    head = "".join(f" {p}: ms | x plain | faults/step | kernel ms |" for p in phases)
-    print(f"| program |{head} gradient rel. error |\n|---|" + "---|---|---|---|" * len(phases) + "---|")
+          f"per allocator phase (one process: " + " first, then ".join(phases) + "); x plain: programs "
+          f"round-robin, step by step; consecutive: {FLAGS.block} steps in a row of each")
+    head = "".join(f" {p}: ms | x plain | consecutive | faults/step | kernel ms |" for p in phases)
+    print(f"| program |{head} gradient rel. error |\n|---|" + "---|---|---|---|---|" * len(phases) + "---|")
     for k in runs:
-        cells = "".join(f" {t[k][0]:.1f} | {t[k][0] / t['plain accumulation'][0]:.3f}x | {t[k][1]:.0f} | {t[k][2]:.1f} |"
-                        for t in phases.values())
+        cells = "".join(f" {t[k][0]:.1f} | {t[k][0] / t['plain accumulation'][0]:.3f}x | {t[k][3]:.3f}x | "
+                        f"{t[k][1]:.0f} | {t[k][2]:.1f} |" for t in phases.values())
         err = 0.0 if k not in errs else float(jnp.linalg.norm(errs[k] - ref) / jnp.linalg.norm(ref))
         print(f"| {k} |{cells} {err:.1e} |")
 
