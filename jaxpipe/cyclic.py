@@ -101,7 +101,6 @@ class CyclicDataParallel:
             raise ConfigError(f"CyclicDataParallel runs N workers on the 'data' axis, each with the whole model; "
                               f"the mesh has stage={mesh.shape.get('stage')} pipe={mesh.shape.get('pipe')}: "
                               f"use jp.make_mesh(data=N)")
-        host_memory.keep_freed_memory_for(mesh)     # CPU: no per-step page faults (jaxpipe.host_memory)
         N = mesh.shape[DATA]
         if model.num_stages != N:
             raise ConfigError(f"Cyclic Data Parallelism cuts the model into as many stages as workers (one time "
@@ -127,6 +126,7 @@ class CyclicDataParallel:
             model=model, mesh=mesh, schedule=self.periodic.expand(1), method=None,
             options={"policies": self.policies, "broadcast": broadcast}, optimizer=optimizer, num_microbatches=1,
             ties=self.ties, nan_bubbles=self.nan_bubbles, seed=seed))
+        host_memory.keep_freed_memory_for(mesh)     # once built: on CPU no per-step page faults (host_memory)
 
     # ------------------------------------------------------------------ state and programs (the runner's)
     def init(self) -> CyclicState:

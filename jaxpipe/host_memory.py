@@ -79,9 +79,8 @@ OPT_OUT = "JAXPIPE_KEEP_FREED_MEMORY"
 def keep_freed_memory_for(mesh) -> bool:
     """What ``Pipeline`` and ``CyclicDataParallel`` do when built: on a mesh with CPU devices,
     :func:`keep_freed_memory`, unless ``JAXPIPE_KEEP_FREED_MEMORY=0``; returns whether memory is kept now."""
-    if os.environ.get(OPT_OUT, "1").strip().lower() in ("0", "false", "no", "off"):
-        return keeps_freed_memory()
-    if not any(d.platform == "cpu" for d in mesh.devices.flat):
+    opted_out = os.environ.get(OPT_OUT, "1").strip().lower() in ("0", "false", "no", "off")
+    if opted_out or not any(d.platform == "cpu" for d in mesh.devices.flat):
         return keeps_freed_memory()
     return keep_freed_memory()
 

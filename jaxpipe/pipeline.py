@@ -87,7 +87,6 @@ class Pipeline:
                                   f"update, which {schedule} applies inside the pipeline; use loss_scale=1 (bfloat16 "
                                   f"needs none) or a synchronous schedule")
         mesh = _checked_mesh(mesh, model)
-        host_memory.keep_freed_memory_for(mesh)     # CPU: no per-step page faults (jaxpipe.host_memory)
         D = mesh.shape[STAGE]
         _check_scalars(num_microbatches, placement, recompute, seed)
         self.placement, self.recompute = placement, recompute
@@ -128,6 +127,7 @@ class Pipeline:
             precision=precision, skip_nonfinite=self.skip_nonfinite, placement=placement,
             param_shardings=self.param_shardings, batch_axes=self.batch_axes)
         self._runner = make_runner(self.context)      # which one: the method's registry entry
+        host_memory.keep_freed_memory_for(mesh)     # once built: on CPU no per-step page faults (host_memory)
 
     # ------------------------------------------------------------------ public API
     @property
