@@ -95,7 +95,7 @@ def real_devices(names, costs, tick, H, mb):
             order = fastest(preds)
             (best, tb, _), (second, ts, _) = order[0], order[1]
             print(f"\nD = {D}, M = {M}: fastest **{best}** ({tb * 1e3:.1f} ms), {(ts / tb - 1) * 100:.1f}% ahead of "
-                  f"{second}; 1f1b {(preds['1f1b'] / tb - 1) * 100:+.1f}%" +
+                  f"{second}" + (f"; 1f1b {(preds['1f1b'] / tb - 1) * 100:+.1f}%" if "1f1b" in preds else "") +
                   (f"; not built: {', '.join(refused)}" if refused else ""))
             print("| schedule | predicted ms | x fastest | bubble-free ms | lane-ticks | fixed ms | messages ms |")
             print("|---|---|---|---|---|---|---|")
@@ -129,8 +129,19 @@ def main(argv):
           f"micro-batch ({B // M} x {H}): F {costs.f * 1e3:.3f} ms, B {costs.b * 1e3:.3f}, zero-bubble B "
           f"{costs.b_input * 1e3:.3f} + W {costs.w * 1e3:.3f}; one ppermute over {D} devices here: "
           f"{copy.alpha * 1e6:.0f} us + {copy.beta * 1e9:.2f} ns/byte")
-    costs, tick = one_core_check(list(SYNC), costs, copy, D, M, L, H, B)
-    real_devices(list(SYNC), costs, tick, H, B // M)
+    names = chosen_schedules(FLAGS.schedules)
+    costs, tick = one_core_check(names, costs, copy, D, M, L, H, B)
+    real_devices(names, costs, tick, H, B // M)
+
+
+def chosen_schedules(flag: str):
+    """The ``--schedules`` to compare: synchronous ones (those the performance model predicts), two or more."""
+    names = [n.strip() for n in flag.split(",") if n.strip()]
+    bad = [n for n in names if n not in SYNC]
+    if bad or len(names) < 2:
+        raise app.UsageError(f"--schedules={flag!r}: give two or more of {', '.join(SYNC)}"
+                             + (f" ({', '.join(bad)} is not one)" if bad else " to compare"))
+    return names
 
 
 if __name__ == "__main__":

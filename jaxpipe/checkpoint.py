@@ -98,6 +98,8 @@ class Checkpointer:
         if writer:
             self._take_lock()
         self.fingerprint = fingerprint(pipe) if pipe is not None else None
+        # the pipeline's pending on-device checks: a state whose step failed them is never written
+        self._check_pipe = getattr(pipe, "check", None)
         self._ocp = ocp
         opts = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=max(every, 1),
                                             enable_async_checkpointing=async_save, create=True)
@@ -126,6 +128,8 @@ class Checkpointer:
         The state is refused if its trained values (not the in-flight buffers) hold NaN or Inf (a diverged run must never overwrite a good checkpoint)."""
         if not force and (self.every == 0 or step % self.every):
             return False
+        if self._check_pipe is not None:
+            self._check_pipe()        # the last step's checks: raises where that step failed them
         if step in (self.manager.all_steps() or []):
             return False
         # the trained values only: a no-flush state's in-flight buffers (``.carry``) hold NaN in their idle slots

@@ -10,25 +10,23 @@ from .errors import ConfigError
 
 
 def check_finite(batch):
-    """Key paths and counts of the floating-point batch leaves holding NaN/Inf (host arrays checked on the
-    host, device arrays on their devices; global arrays of other processes are left to those processes)."""
+    """Key paths and counts of the floating-point *host* (numpy) batch leaves holding NaN/Inf, or float64 values
+    beyond float32's range.  Device arrays are checked inside the step's program, never read back here
+    (:mod:`jaxpipe.step_checks`)."""
     bad = []
     for k, v in jax.tree_util.tree_flatten_with_path(batch)[0]:
         if isinstance(v, jax.Array):
-            if not v.is_fully_addressable or not jnp.issubdtype(v.dtype, jnp.floating):
-                continue
-            n = int(jnp.sum(~jnp.isfinite(v)))
-        else:
-            v = np.asarray(v)
-            if not np.issubdtype(v.dtype, np.floating):
-                continue
-            n = int(np.sum(~np.isfinite(v)))
-            if v.dtype.itemsize > 4 and not jax.config.jax_enable_x64:
-                # float64 becomes float32 on the way in: beyond its range a finite value turns into Inf
-                big = int(np.sum(np.isfinite(v) & (np.abs(v) > np.finfo(np.float32).max)))
-                if big:
-                    bad.append(f"{jax.tree_util.keystr(k) or 'batch'} ({big} float64 value(s) beyond float32's "
-                               f"range, |x| > 3.4e38: they become Inf on the device)")
+            continue
+        v = np.asarray(v)
+        if not np.issubdtype(v.dtype, np.floating):
+            continue
+        n = int(np.sum(~np.isfinite(v)))
+        if v.dtype.itemsize > 4 and not jax.config.jax_enable_x64:
+            # float64 becomes float32 on the way in: beyond its range a finite value turns into Inf
+            big = int(np.sum(np.isfinite(v) & (np.abs(v) > np.finfo(np.float32).max)))
+            if big:
+                bad.append(f"{jax.tree_util.keystr(k) or 'batch'} ({big} float64 value(s) beyond float32's "
+                           f"range, |x| > 3.4e38: they become Inf on the device)")
         if n:
             bad.append(f"{jax.tree_util.keystr(k) or 'batch'} ({n} value(s))")
     return bad
@@ -44,8 +42,9 @@ def check_dtypes(batch):
                               f"encode them first (token ids as int32, features as float32)")
 
 
-def require_finite(batch, opt_out: str):
-    """ConfigError if the batch holds NaN or Inf (``opt_out``: how the caller's user turns the check off)."""
+def require_finite_on_host(batch, opt_out: str):
+    """ConfigError if the batch's host arrays hold NaN or Inf (``opt_out``: how the caller's user turns the check
+    off); its device arrays are the step program's to check."""
     bad = check_finite(batch)
     if bad:
         raise ConfigError(f"the batch holds NaN or Inf in {', '.join(bad)}: a pipeline would spread it into every "
@@ -59,19 +58,31 @@ def check_integer_inputs(model, batch, opt_out: str):
     gives a NaN loss, -1 silently reads the last class, a token id past the vocabulary poisons every weight."""
     for key, bound in (model.integer_inputs or {}).items():
         if not isinstance(batch, dict) or key not in batch:
-            continue
+            continue                        # check_integer_keys says so
         v = batch[key]
         dtype = getattr(v, "dtype", None) or np.asarray(v).dtype
         if not jnp.issubdtype(dtype, jnp.integer):
             raise ConfigError(f"batch[{key!r}] is {dtype} but the model reads integer ids from it (class or token "
                               f"ids{f' in [0, {bound})' if bound else ''}); a float 2.7 would be truncated to 2. "
                               f"Convert it: batch[{key!r}].astype(np.int32)")
-        if isinstance(v, jax.Array) and not v.is_fully_addressable:
-            continue                        # another process's rows: checked by that process
-        lo, hi = (int(jnp.min(v)), int(jnp.max(v))) if isinstance(v, jax.Array) else (int(np.min(v)), int(np.max(v)))
+        if isinstance(v, jax.Array):
+            continue                        # on the device: checked inside the step's program, never read here
+        lo, hi = int(np.min(v)), int(np.max(v))
         if lo < 0 or (bound is not None and hi >= bound):
             bad = lo if lo < 0 else hi
             raise ConfigError(f"batch[{key!r}] holds {bad}, outside [0, {bound if bound is not None else 'inf'}) "
                               f"that the model accepts ({'negative ids read the last rows' if bad < 0 else 'past the table: NaN loss or NaN weights'}). "
                               f"Fix the data, or declare the right size in PipelineModel(integer_inputs=...); "
                               f"{opt_out} turns the check off")
+
+
+def check_integer_keys(model, batch):
+    """ConfigError naming a key of ``PipelineModel(integer_inputs=...)`` that the batch lacks: a misspelt key
+    would otherwise turn the check off without a word."""
+    declared = model.integer_inputs or {}
+    missing = [k for k in declared if not isinstance(batch, dict) or k not in batch]
+    if missing:
+        have = list(batch) if isinstance(batch, dict) else type(batch).__name__
+        raise ConfigError(f"PipelineModel(integer_inputs=...) names {missing}, which the batch lacks (it has "
+                          f"{have}); name the batch fields that hold integer ids, e.g. integer_inputs="
+                          f"{{'label': num_classes}}")

@@ -122,10 +122,14 @@ class CyclicDataParallel:
         # behind the runner protocol (jaxpipe.runners): the no-flush runner's state, set-up and drain loop
         from .runners import RunContext
         from .runners.cyclic import CyclicRunner
+        from .step_checks import PendingStatus, StepChecks
+        checks = StepChecks(model.integer_inputs, self.check_inputs, True,
+                            "CyclicDataParallel(..., check_inputs=False)")
+        self._pending = PendingStatus(checks)
         self._runner = CyclicRunner(RunContext(
             model=model, mesh=mesh, schedule=self.periodic.expand(1), method=None,
             options={"policies": self.policies, "broadcast": broadcast}, optimizer=optimizer, num_microbatches=1,
-            ties=self.ties, nan_bubbles=self.nan_bubbles, seed=seed))
+            ties=self.ties, nan_bubbles=self.nan_bubbles, seed=seed, checks=checks, pending=self._pending))
         host_memory.keep_freed_memory_for(mesh)     # once built: on CPU no per-step page faults (host_memory)
 
     # ------------------------------------------------------------------ state and programs (the runner's)
@@ -135,7 +139,12 @@ class CyclicDataParallel:
     def params(self, state: CyclicState):
         """The model's parameters ``(stage, pre, post)`` (worker 0's replica; all replicas are equal once
         every update has arrived, e.g. after ``drain``)."""
+        self.check()
         return self._runner.params(state)
+
+    def check(self):
+        """Raise the ConfigError of the last call if its on-device checks failed (``Pipeline.check``)."""
+        self._pending.check()
 
     def _empty_carry(self, batch):
         """``(carry, activation avals)`` of an empty cycle, placed one entry per worker."""
@@ -162,14 +171,19 @@ class CyclicDataParallel:
         summed values over their summed counts), ``losses_computed``,
         ``version_errors`` (always 0 unless the timeline is broken)."""
         self._check_batch(batch)
+        from .checks import check_integer_inputs, check_integer_keys, require_finite_on_host
+        check_integer_keys(self.model, batch)
         if self.check_inputs:
-            from .checks import require_finite
-            require_finite(batch, "CyclicDataParallel(..., check_inputs=False)")
+            opt_out = "CyclicDataParallel(..., check_inputs=False)"
+            require_finite_on_host(batch, opt_out)
+            check_integer_inputs(self.model, batch, opt_out)
+        self.check()
         return self._runner.step(state, batch)
 
     def drain(self, state: CyclicState):
         """Run without new data until every step in flight finished and every update arrived, then reset the
         counters so the next step restarts the cycle.  Metrics: those of the drain's calls together."""
+        self.check()
         return self._runner.drain(state)
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import optax
 
 from . import host_memory, schedules
-from .checks import check_dtypes, check_integer_inputs, require_finite
+from .checks import check_dtypes, check_integer_inputs, check_integer_keys, require_finite_on_host
 from .errors import ConfigError
 from .model import PipelineModel
 from .runners.sync import PipelineState
@@ -121,11 +121,16 @@ class Pipeline:
         ties.check_values(model)
         self.param_shardings = param_shardings(model, mesh, ties)
         self.batch_axes = check_model_axes_used(model, mesh, batch_axes)
+        from .step_checks import PendingStatus, StepChecks
+        checks = StepChecks(model.integer_inputs, self.check_inputs, not self.skip_nonfinite,
+                            "Pipeline(..., check_inputs=False)")
+        self._pending = PendingStatus(checks)
         self.context = RunContext(
             model=model, mesh=mesh, schedule=self.schedule, method=self.method, options=self.options,
             optimizer=optimizer, num_microbatches=num_microbatches, ties=ties, nan_bubbles=nan_bubbles, seed=seed,
             precision=precision, skip_nonfinite=self.skip_nonfinite, placement=placement,
-            param_shardings=self.param_shardings, batch_axes=self.batch_axes)
+            param_shardings=self.param_shardings, batch_axes=self.batch_axes, checks=checks,
+            pending=self._pending)
         self._runner = make_runner(self.context)      # which one: the method's registry entry
         host_memory.keep_freed_memory_for(mesh)     # once built: on CPU no per-step page faults (host_memory)
 
@@ -160,7 +165,15 @@ class Pipeline:
 
     def params(self, state):
         """``(stage_params, pre_params, post_params)`` as the model gave them (stage leaves stacked)."""
+        self.check()
         return self._runner.params(state)
+
+    def check(self):
+        """Raise the ConfigError of the last call if one of its on-device checks failed (a batch with NaN/Inf
+        or an id out of range; a non-finite loss), waiting for that call to finish.  ``step``, ``drain``,
+        ``loss_and_grad``, ``params`` and ``Checkpointer.save`` call it first, so a failure is reported at the
+        latest by the next call; a step that failed changed nothing (``jaxpipe.step_checks``)."""
+        self._pending.check()
 
     def device_layout(self, state):
         """Stage parameters as the executor holds them: ``[D, chunks, ...]`` (device d, local chunk c holds
@@ -173,6 +186,7 @@ class Pipeline:
     def loss_and_grad(self, state, batch):
         """Mean loss over the batch and its gradient ``(g_stage, g_pre, g_post)``; no update."""
         self._check_values(batch)
+        self.check()
         return self._runner.loss_and_grad(state, batch)
 
     def _check_state(self, state):
@@ -228,12 +242,14 @@ class Pipeline:
         self._check_values(batch)
         self._check_state(state)
         self._check_inflight(state, batch)
+        self.check()                # the previous call's on-device checks, read as late as possible
         return self._runner.step(state, batch)
 
     def drain(self, state):
         """No-flush schedules: finish every micro-batch in flight (2D - 1 ticks, no new data).
 
         The next ``step`` refills the pipeline.  Synchronous schedules flush every step: returns the state."""
+        self.check()
         return self._runner.drain(state)
 
     def shard_batch(self, batch):
@@ -279,9 +295,12 @@ class Pipeline:
                 f"num_microbatches")
 
     def _check_values(self, batch):
+        """What is known without reading the device: keys, dtypes, float64 beyond float32.  The values (NaN,
+        Inf, ids in range) are checked inside the step's program (``jaxpipe.step_checks``)."""
         self._check_keys(batch)
+        check_integer_keys(self.model, batch)
         if self.check_inputs:
-            require_finite(batch, "Pipeline(..., check_inputs=False)")
+            require_finite_on_host(batch, "Pipeline(..., check_inputs=False)")
             check_integer_inputs(self.model, batch, "Pipeline(..., check_inputs=False)")
 
     def _check_keys(self, batch):

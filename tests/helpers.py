@@ -13,10 +13,16 @@ def rel_err(a, b) -> float:
     shapes = [(np.shape(x), np.shape(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
     assert all(x == y for x, y in shapes), f"leaf shapes differ: {[s for s in shapes if s[0] != s[1]]}"
     errs = []
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(b)[0]]
+    for path, x, y in zip(paths, jax.tree.leaves(a), jax.tree.leaves(b)):
         x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        # NaN/Inf anywhere, on either side, is a failure: a leaked bubble or a wrong slot shows as NaN, and
+        # Python's max() would skip a NaN that is not first (max([1e-8, nan]) == 1e-8)
+        for side, v in (("first", x), ("second", y)):
+            assert np.all(np.isfinite(v)), (f"leaf {path or '(root)'} of the {side} argument holds "
+                                            f"{int(np.sum(~np.isfinite(v)))} NaN/Inf value(s)")
         errs.append(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30))
-    return max(errs)
+    return max(errs) if errs else 0.0
 
 
 def small_model(kind: str, stages: int, seed: int = 0):

@@ -29,6 +29,7 @@ from .avgpipe_shared import check_shareable, from_executor, interleave_shares, s
 from ..optim.elastic import check_alpha, elastic_averaging
 from ..schedules.layout import lane_plan, stream_options
 from ..sharding import is_P, param_specs, guard_collectives
+from ..step_checks import STATUS, pop_status
 from ..runtime.gradient import make_stream_grad_fn
 from ..schedules.periodic import one_call
 from ..validate import is_int
@@ -158,7 +159,9 @@ class AvgPipeRunner:
 
             rep = NamedSharding(ctx.mesh, P())
             names = ("loss", "grad_norm", "step") + (("pipe_losses",) if self.shared is None else ())
-            self._fns[key] = jax.jit(step, donate_argnums=(0,), out_shardings=(state_sh, {k: rep for k in names}))
+            bad_loss = lambda m: ~(jnp.isfinite(m["loss"]) & jnp.all(jnp.isfinite(m["grad_norm"])))
+            self._fns[key] = jax.jit(ctx.checks.guard(step, bad_loss), donate_argnums=(0,),
+                                     out_shardings=(state_sh, {k: rep for k in names + (STATUS,)}))
             self._fns[key] = guard_collectives(self._fns[key], self.ctx.mesh)
         return self._fns[key]
 
@@ -193,13 +196,19 @@ class AvgPipeRunner:
         n = self._calls.get(a, 0)
         self._calls[a] = n + 1
         if self.settled or n == 0:          # the first call of a program compiles: not a timing
-            state, m = fn(state, batch)
+            state, m = self._call(fn, state, batch)
             return state, {**m, "advance": a}
         t0 = time.perf_counter()
-        state, m = fn(state, batch)
+        state, m = self._call(fn, state, batch)
         jax.block_until_ready(m["loss"])
         self._decide(a, time.perf_counter() - t0, state, batch)
         return state, {**m, "advance": a}
+
+    def _call(self, fn, state, batch):
+        state, m = fn(state, batch)
+        m, status = pop_status(m)
+        self.ctx.pending.put(status, batch, "the previous step()")
+        return state, m
 
     def _decide(self, a: int, seconds: float, state, batch):
         """Algorithm 1, lines 8-10: one more forward in advance while faster and memory allows."""

@@ -17,7 +17,7 @@ from ..runtime.executor import make_stream_program
 from ..runtime.inflight import empty_carry
 from ..runtime.stage import stage_residuals
 from ..sharding import param_specs, per_stage_shardings, guard_collectives
-from .no_flush import AsyncState, InFlightRunner, drain_calls
+from .no_flush import AsyncState, InFlightRunner, computed_loss_bad, drain_calls
 
 
 class CyclicRunner(InFlightRunner):
@@ -93,7 +93,7 @@ class CyclicRunner(InFlightRunner):
             metrics = {"loss": loss, "losses_computed": lcount, "version_errors": errors}
             return AsyncState(params, opt_state, ps, carry, counters, state.step + feed.astype(jnp.int32)), metrics
 
-        self._fns[key] = jax.jit(run, donate_argnums=(0,))
+        self._fns[key] = jax.jit(ctx.checks.guard(run, computed_loss_bad), donate_argnums=(0,))
         self._fns[key] = guard_collectives(self._fns[key], self.ctx.mesh)
         return self._fns[key]
 
@@ -107,5 +107,5 @@ class CyclicRunner(InFlightRunner):
             lambda r: jnp.zeros((r.shape[0] * r.shape[2],) + r.shape[3:], r.dtype), state.carry.ring))
         span = self.periodic.replica_delay * (self.N - 1) + 1       # + 1: the broadcast lands a tick later
         calls = max(1, int(self.periodic.buffers(1, span)["latency"]))
-        state, loss, n, m = drain_calls(self._fn(dummy), state, dummy, calls)
+        state, loss, n, m = drain_calls(self._fn(dummy), state, dummy, calls, pending=self.ctx.pending)
         return state, {"loss": loss, "losses_computed": n, "version_errors": int(m["version_errors"])}

@@ -22,6 +22,7 @@ from ..runtime.common import full
 from ..runtime.stage import stage_residuals
 from ..axes import STAGE, pipeline_devices
 from ..sharding import is_P, like_params, param_specs, per_stage_shardings, guard_collectives
+from ..step_checks import pop_status
 
 
 class AsyncState(NamedTuple):
@@ -46,7 +47,10 @@ class InFlightRunner:
     def step(self, state, batch):
         batch = self.ctx.shard_batch(batch)
         state = self._ensure_carry(state, batch)
-        return self._fn(batch)(state, batch, jnp.asarray(True))
+        state, metrics = self._fn(batch)(state, batch, jnp.asarray(True))
+        metrics, status = pop_status(metrics)
+        self.ctx.pending.put(status, batch, "the previous step()")
+        return state, metrics
 
     def lower(self, what: str, state, batch):
         if what != "step":
@@ -166,7 +170,7 @@ class AsyncRunner(InFlightRunner):
                            "microbatches_fed": counters[1] + counters[2], "version_errors": errors, "step": step}
                 return AsyncState(params, opt_state, pstate, carry, counters, step), metrics
 
-            self._fns[key] = jax.jit(run, donate_argnums=(0,))
+            self._fns[key] = jax.jit(ctx.checks.guard(run, computed_loss_bad), donate_argnums=(0,))
             self._fns[key] = guard_collectives(self._fns[key], self.ctx.mesh)
         return self._fns[key]
 
@@ -182,7 +186,7 @@ class AsyncRunner(InFlightRunner):
         # at most the stream's latency in calls (Periodic.buffers); fewer where the last feed finished earlier
         bound = max(1, self.ctx.schedule.periodic.buffers(self.M)["latency"])
         done = lambda m: int(m["microbatches_finished"]) >= int(m["microbatches_fed"])
-        state, loss, n, m = drain_calls(self._fn(dummy), state, dummy, bound, done)
+        state, loss, n, m = drain_calls(self._fn(dummy), state, dummy, bound, done, self.ctx.pending)
         return state, {**m, "loss": loss, "losses_computed": n}
 
     def params(self, state: AsyncState):
@@ -193,13 +197,23 @@ class AsyncRunner(InFlightRunner):
         return self.ties.fill((w, jax.tree.map(lambda a: a[0], pre), jax.tree.map(lambda a: a[self.D - 1], post)))
 
 
-def drain_calls(run, state, dummy, bound: int, done=None):
+def computed_loss_bad(metrics):
+    """A no-flush call's loss is bad where losses were computed and their mean is not finite (a call that
+    computed none reports NaN by design)."""
+    return (metrics["losses_computed"] > 0) & ~jnp.isfinite(metrics["loss"])
+
+
+def drain_calls(run, state, dummy, bound: int, done=None, pending=None):
     """Call ``run`` without feeding at most ``bound`` times (fewer once ``done(metrics)``), then reset the
     counters so the next step refills the pipeline.  Returns ``(state, mean loss of the losses computed, their
     number, the last call's metrics)``."""
     lsum, lcount = 0.0, 0
     for _ in range(bound):
         state, m = run(state, dummy, jnp.asarray(False))
+        m, status = pop_status(m)
+        if pending is not None:         # drain reads every call's metrics anyway: check each call at once
+            pending.put(status, dummy, "drain()")
+            pending.check()
         n = int(m["losses_computed"])
         lsum, lcount = lsum + (float(m["loss"]) * n if n else 0.0), lcount + n
         if done is not None and done(m):

@@ -16,6 +16,7 @@ from ..schedules.layout import exchange_perms, layout_index, stream_options
 from ..runtime.gradient import make_stream_grad_fn
 from ..schedules.periodic import one_call
 from ..sharding import like_params, guard_collectives
+from ..step_checks import STATUS, pop_status
 
 
 
@@ -72,12 +73,17 @@ class SyncRunner:
         return self.ctx.ties.fill(state.params)
 
     def loss_and_grad(self, state: PipelineState, batch):
-        return self._fn("grad", batch)(state.params, batch, state.step)
+        loss, grads, status = self._fn("grad", batch)(state.params, batch, state.step)
+        self.ctx.pending.put(status, batch, "the previous loss_and_grad()")
+        return loss, grads
 
     def step(self, state: PipelineState, batch):
         if self.ctx.optimizer is None:
             raise ConfigError("Pipeline.step needs an optimizer: Pipeline(..., optimizer=optax.adamw(1e-3))")
-        return self._fn("step", batch, state)(state, batch)
+        state, metrics = self._fn("step", batch, state)(state, batch)
+        metrics, status = pop_status(metrics)
+        self.ctx.pending.put(status, batch, "the previous step()")
+        return state, metrics
 
     def drain(self, state):
         return state, {}
@@ -138,10 +144,12 @@ class SyncRunner:
                 return loss, (jax.tree.map(lambda a, g: jnp.zeros_like(a).at[lay].add(g), stage_p, g_local),
                               g_pre, g_post)
 
+            checks = self.ctx.checks
             if what == "grad":
                 def grad_in_model_order(params, b, step):
                     loss, (g, g_pre, g_post) = lg(params, b, step)
-                    return loss, (jax.tree.map(lambda a: a[inv], g) if stored else g, g_pre, g_post)
+                    status, _ = checks.status(b)
+                    return loss, (jax.tree.map(lambda a: a[inv], g) if stored else g, g_pre, g_post), status
                 self._compiled[key] = jax.jit(grad_in_model_order)
                 self._compiled[key] = guard_collectives(self._compiled[key], self.ctx.mesh)
             else:
@@ -160,8 +168,13 @@ class SyncRunner:
                         metrics["skipped"] = ~ok
                     return PipelineState(params, opt_state, state.step + 1), metrics
 
+                # a step whose checks fail (a bad batch; a non-finite loss, unless skip_nonfinite) keeps the
+                # state it was given: the select joins the optimizer's own elementwise update
+                bad_loss = lambda m: ~(jnp.isfinite(m["loss"]) & jnp.isfinite(m["grad_norm"]))
+                guarded = checks.guard(step, None if skip else bad_loss)
                 rep = NamedSharding(self.ctx.mesh, P())
-                self._compiled[key] = jax.jit(step, donate_argnums=(0,), out_shardings=(
-                    state_sh, {"loss": rep, "grad_norm": rep, "step": rep, **({"skipped": rep} if skip else {})}))
+                self._compiled[key] = jax.jit(guarded, donate_argnums=(0,), out_shardings=(
+                    state_sh, {"loss": rep, "grad_norm": rep, "step": rep, STATUS: rep,
+                               **({"skipped": rep} if skip else {})}))
                 self._compiled[key] = guard_collectives(self._compiled[key], self.ctx.mesh)
         return self._compiled[key]

@@ -23,6 +23,8 @@ from typing import Any, Callable, List, NamedTuple, Optional
 import jax
 import numpy as np
 
+from ..jax_internals import UnknownJaxprLayout, scan_layout
+
 _CALLS = ("pjit", "jit", "closed_call", "core_call")
 
 
@@ -82,7 +84,8 @@ def _scan_split(eqn, need_b_out, need_w_out):
     B runs the scan's input-gradient equations and stacks, per iteration, the values W's equations read (the
     layer's output gradient); W maps the weight-gradient equations over the iterations.  Returns None where
     the body cannot be cut (a carry only W needs)."""
-    body, nc, ncar = eqn.params["jaxpr"], eqn.params["num_consts"], eqn.params["num_carry"]
+    lay = scan_layout(eqn)
+    body, nc, ncar = lay.body, lay.num_consts, lay.num_carry
     bj = body.jaxpr
     outs_b = [i for i, v in enumerate(eqn.outvars) if v in need_b_out or i < ncar]
     outs_w = [i for i, v in enumerate(eqn.outvars) if v in need_w_out and v not in need_b_out]
@@ -95,14 +98,15 @@ def _scan_split(eqn, need_b_out, need_w_out):
     front = list(dict.fromkeys(v for v in used if not _is_literal(v) and v in b_def))
     outer_in = sorted({j for j, v in enumerate(bj.invars) if j < nc or j >= nc + ncar
                        for u in used if u is v})
-    return dict(eqn=eqn, body=body, nc=nc, ncar=ncar, outs_b=outs_b, outs_w=outs_w,
+    return dict(eqn=eqn, body=body, nc=nc, ncar=ncar, length=lay.length, reverse=lay.reverse,
+                outs_b=outs_b, outs_w=outs_w,
                 b_eqns=[bj.eqns[k] for k in sorted(inner_b)], w_eqns=[bj.eqns[k] for k in inner_w],
                 front=front, outer_in=outer_in)
 
 
 def _run_b_scan(sp, invals):
     """B's half of a split scan: ``(values of outs_b, stacked frontier)``."""
-    bj, nc, ncar, eqn = sp["body"].jaxpr, sp["nc"], sp["ncar"], sp["eqn"]
+    bj, nc, ncar = sp["body"].jaxpr, sp["nc"], sp["ncar"]
     consts, carry, xs = invals[:nc], invals[nc:nc + ncar], invals[nc + ncar:]
 
     def step(c, x):
@@ -111,14 +115,14 @@ def _run_b_scan(sp, invals):
         _eval_eqns(sp["b_eqns"], env)
         outs = [_read(env, bj.outvars[i]) for i in sp["outs_b"]]
         return outs[:ncar], (outs[ncar:], [_read(env, v) for v in sp["front"]])
-    carry_out, (ys, front) = jax.lax.scan(step, list(carry), list(xs), length=eqn.params["length"],
-                                          reverse=eqn.params["reverse"])
+    carry_out, (ys, front) = jax.lax.scan(step, list(carry), list(xs), length=sp["length"],
+                                          reverse=sp["reverse"])
     return carry_out + ys, front
 
 
 def _run_w_scan(sp, invals, front):
     """W's half of a split scan: the weight-gradient outputs, stacked over the iterations."""
-    bj, nc, ncar, eqn = sp["body"].jaxpr, sp["nc"], sp["ncar"], sp["eqn"]
+    bj, nc, ncar = sp["body"].jaxpr, sp["nc"], sp["ncar"]
     consts = {j: invals[j] for j in sp["outer_in"] if j < nc}
     xs = {j: invals[j] for j in sp["outer_in"] if j >= nc + ncar}
 
@@ -130,7 +134,7 @@ def _run_w_scan(sp, invals, front):
         env.update(zip(sp["front"], fv))
         _eval_eqns(sp["w_eqns"], env)
         return None, [_read(env, bj.outvars[i]) for i in sp["outs_w"]]
-    _, ys = jax.lax.scan(step, None, (list(xs.values()), list(front)), length=eqn.params["length"])
+    _, ys = jax.lax.scan(step, None, (list(xs.values()), list(front)), length=sp["length"])
     return ys
 
 
@@ -163,6 +167,16 @@ def _frontier(jx, b_set, w_only, splits, dw_vars, w_made):
     return front
 
 
+_WARNED = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        import warnings
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
 def split_backward(bwd: Callable, w, res, dy, stash_avals) -> Optional[BackwardSplit]:
     """The split of ``bwd(w, res, dy) -> (dw, dx)`` (pytrees) traced at these arguments, or None where it
     would not pay (see the module docstring).  Call it where the executor traces (inside the ``shard_map``)."""
@@ -184,7 +198,13 @@ def split_backward(bwd: Callable, w, res, dy, stash_avals) -> Optional[BackwardS
     b_set = _needed(jx.eqns, dx_vars)
     w_need = _needed(jx.eqns, dw_vars)
     w_only = sorted(w_need - b_set)
-    splits = _scan_splits(jx, b_set, w_only, dx_vars, dw_vars)
+    try:
+        splits = _scan_splits(jx, b_set, w_only, dx_vars, dw_vars)
+    except UnknownJaxprLayout as e:
+        _warn_once(f"jaxpipe: zero-bubble's B/W split cannot read this JAX's ({jax.__version__}) jaxpr: {e}. W "
+                   f"recomputes the stage's backward instead (exact, about one more backward pass of compute); "
+                   f"jaxpipe.jax_internals lists the JAX versions it reads")
+        return None
     if not w_only and not splits:
         return None
     w_made = {sp["eqn"].outvars[i] for sp in splits.values() for i in sp["outs_w"]}
@@ -193,7 +213,7 @@ def split_backward(bwd: Callable, w, res, dy, stash_avals) -> Optional[BackwardS
     # be cut) means B would run W's part of that equation too: no split there
     atomic = {v for k in b_set for v in jx.eqns[k].outvars
               if any(hasattr(p, "eqns") or hasattr(p, "jaxpr") for p in jx.eqns[k].params.values())} - w_made
-    inner_avals = [jax.ShapeDtypeStruct((sp["eqn"].params["length"],) + tuple(v.aval.shape), v.aval.dtype)
+    inner_avals = [jax.ShapeDtypeStruct((sp["length"],) + tuple(v.aval.shape), v.aval.dtype)
                    for sp in splits.values() for v in sp["front"]]
     front_avals = [v.aval for v in front] + inner_avals
     if any(v in atomic for v in front) or _nbytes(front_avals) > _nbytes(stash_avals):

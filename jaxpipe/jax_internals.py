@@ -1,0 +1,47 @@
+"""Every read of JAX internals in jaxpipe, in one place (jaxpr equation parameters).
+
+jaxpipe reads a jaxpr in one place only: zero-bubble's B/W split (:mod:`jaxpipe.runtime.wsplit`) walks the
+pullback of a stage and cuts a ``scan`` over layers in two.  It needs, of a ``scan`` equation, its body and how
+its operands divide into constants, carry and scanned inputs.  How JAX spells that changed:
+
+* jax 0.10.x (the pinned set, constraints.txt): ``params["jaxpr"]`` a ``ClosedJaxpr``, ``params["num_consts"]``
+  and ``params["num_carry"]`` ints;
+* jax 0.11.x and 0.12.x (tested: 0.12.0.1): no ``num_consts``/``num_carry``; ``params["ft_in"]``, a flat tree
+  of three groups ``(consts, carry, xs)`` over the equation's operands, and ``params["jaxpr"]`` a ``Jaxpr``
+  that carries its own ``consts`` (``.jaxpr`` is itself).
+
+:func:`scan_layout` reads either; anything else raises :class:`UnknownJaxprLayout`, which the split turns into
+"recompute W" (exact, slower) with one warning instead of a crash.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+
+class UnknownJaxprLayout(Exception):
+    """A jaxpr equation whose parameters this module does not know how to read (a JAX newer than tested)."""
+
+
+class ScanLayout(NamedTuple):
+    body: Any            # the body: ``.jaxpr`` (its equations, invars, outvars) and ``.consts``
+    num_consts: int
+    num_carry: int
+    length: int
+    reverse: bool
+
+
+def scan_layout(eqn) -> ScanLayout:
+    """The body and operand groups of a ``scan`` equation, on every supported JAX (module docstring)."""
+    p = eqn.params
+    try:
+        body = p["jaxpr"]
+        if "num_consts" in p:                           # jax <= 0.10
+            nc, ncar = int(p["num_consts"]), int(p["num_carry"])
+        else:                                           # jax >= 0.11: a flat tree (consts, carry, xs)
+            consts, carry, _ = p["ft_in"].unpack()
+            nc, ncar = len(consts), len(carry)
+        if not (hasattr(body, "jaxpr") and hasattr(body, "consts")):
+            raise TypeError(f"scan body of type {type(body).__name__}")
+        return ScanLayout(body, nc, ncar, int(p["length"]), bool(p["reverse"]))
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise UnknownJaxprLayout(f"a scan equation with parameters {sorted(p)} ({type(e).__name__}: {e})") from None

@@ -1,0 +1,185 @@
+"""What a train step checks, on the device, without making the host wait (issue #39, item 1; #42, item 5).
+
+A step's program computes, beside its result, a small int32 *status* vector: per floating batch field the
+number of NaN/Inf values, per field of ``PipelineModel(integer_inputs=...)`` the number of ids out of range
+with the smallest and largest id, and one flag for a non-finite loss (or gradient norm).  A step whose status
+is bad keeps its whole input state -- weights, optimizer state, step counter, in-flight micro-batches -- by a
+select at the end of the program (:func:`guard`): nothing trains on a bad batch.
+
+The host never reads the status inside the call that made it.  :class:`PendingStatus` starts its copy to the
+host (``copy_to_host_async``) after dispatch and reads it at the start of the pipeline's next call (``step``,
+``drain``, ``loss_and_grad``, ``params``, ``Checkpointer.save``; ``pipe.check()`` on request), raising the
+:class:`~jaxpipe.errors.ConfigError` that names the field -- by then the step has usually finished, so the read
+costs nothing, and the next step was not yet dispatched.  The read is an explicit ``jax.device_get``: it passes
+``jax.transfer_guard("disallow")``.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .errors import ConfigError
+
+
+#: the metrics key a guarded program returns its status under (popped before a user sees the metrics)
+STATUS = "_status"
+
+
+def pop_status(metrics):
+    """``(metrics without the status, status)``."""
+    metrics = dict(metrics)
+    return metrics, metrics.pop(STATUS)
+
+
+class Field(NamedTuple):
+    kind: str           # "finite" (count) or "ids" (count, lo, hi)
+    name: str           # the batch key path, as the user reads it
+    bound: Optional[int]
+
+
+class StepChecks:
+    """The checks of one pipeline: ``check_inputs`` (NaN/Inf in floating fields, ids of ``integer_inputs`` in
+    range) and ``check_loss`` (a non-finite loss or gradient norm is an error, not an update).  ``opt_out`` names
+    the argument that turns the input checks off, for the messages."""
+
+    def __init__(self, integer_inputs, check_inputs: bool, check_loss: bool, opt_out: str):
+        self.integer_inputs = dict(integer_inputs or {})
+        self.check_inputs, self.check_loss, self.opt_out = bool(check_inputs), bool(check_loss), opt_out
+
+    @property
+    def active(self) -> bool:
+        return self.check_inputs or self.check_loss
+
+    def fields(self, batch) -> List[Field]:
+        """The checked fields of ``batch`` in status order (pure Python: shapes and dtypes only)."""
+        if not self.check_inputs:
+            return []
+        out = []
+        for k, v in jax.tree_util.tree_flatten_with_path(batch)[0]:
+            name = jax.tree_util.keystr(k) or "batch"
+            top = k[0].key if k and hasattr(k[0], "key") else None
+            if jnp.issubdtype(_dtype(v), jnp.floating):
+                out.append(Field("finite", name, None))
+            elif top in self.integer_inputs and len(k) == 1:
+                out.append(Field("ids", repr(top), self.integer_inputs[top]))
+        return out
+
+    def status(self, batch, loss_bad=None):
+        """The status vector (traced inside the step's program) and ``ok``: nothing failed."""
+        parts = []
+        leaves = {jax.tree_util.keystr(k) or "batch": v for k, v in jax.tree_util.tree_flatten_with_path(batch)[0]}
+        for f in self.fields(batch):
+            if f.kind == "finite":
+                parts.append(jnp.sum(~jnp.isfinite(leaves[f.name])).astype(jnp.int32)[None])
+            else:
+                v = leaves[f"[{f.name}]"]
+                bad = (v < 0) if f.bound is None else (v < 0) | (v >= f.bound)
+                parts.append(jnp.stack([jnp.sum(bad).astype(jnp.int32), jnp.min(v).astype(jnp.int32),
+                                        jnp.max(v).astype(jnp.int32)]))
+        lb = jnp.asarray(False) if loss_bad is None or not self.check_loss else loss_bad
+        parts.append(lb.astype(jnp.int32)[None])
+        return jnp.concatenate(parts), ~_any(p[0] > 0 for p in parts)
+
+    def guard(self, run: Callable, loss_bad: Optional[Callable] = None) -> Callable:
+        """``run(state, batch, *rest) -> (state, metrics)`` with the status in ``metrics[STATUS]`` (the runner
+        pops it: :func:`pop_status`); the input state comes back unchanged (every leaf selected) where a check
+        failed, and ``metrics["step"]`` is the step counter kept."""
+        def guarded(state, batch, *rest):
+            new, metrics = run(state, batch, *rest)
+            status, ok = self.status(batch, None if loss_bad is None else loss_bad(metrics))
+            if self.active:
+                new = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, state)
+                if "step" in metrics and hasattr(new, "step"):
+                    metrics = {**metrics, "step": new.step}
+            return new, {**metrics, STATUS: status}
+        return guarded
+
+    # ------------------------------------------------------------------ host side
+    def message(self, fields: List[Field], status: np.ndarray, where: str, batch_fields) -> Optional[str]:
+        """The error for a read-back status, or None where every check passed."""
+        nonfinite, ids, pos = [], [], 0
+        for f in fields:
+            if f.kind == "finite":
+                if status[pos]:
+                    nonfinite.append(f"{f.name} ({int(status[pos])} value(s))")
+                pos += 1
+            else:
+                n, lo, hi = (int(x) for x in status[pos:pos + 3])
+                if n:
+                    ids.append((f, lo, hi))
+                pos += 3
+        kept = ("it changed nothing: the weights, optimizer state, step counter and any micro-batches in flight "
+                "are as before it")
+        if nonfinite:
+            return (f"{where}: the batch holds NaN or Inf in {', '.join(nonfinite)}, which a pipeline would spread "
+                    f"into every stage's weights; {kept}. Clean the data (np.nan_to_num, drop the rows), or pass "
+                    f"{self.opt_out} if non-finite inputs are intended")
+        if ids:
+            f, lo, hi = ids[0]
+            bad = lo if lo < 0 else hi
+            return (f"{where}: batch[{f.name}] holds {bad}, outside [0, {f.bound if f.bound is not None else 'inf'}) "
+                    f"that the model accepts ({'negative ids read the last rows' if bad < 0 else 'past the table: NaN loss or NaN weights'}); "
+                    f"{kept}. Fix the data, or declare the right size in PipelineModel(integer_inputs=...); "
+                    f"{self.opt_out} turns the check off")
+        if status[pos]:
+            undeclared = [k for k in batch_fields if k not in self.integer_inputs]
+            cause = (f" Likely cause: batch field(s) {undeclared} hold integer ids the model does not declare: a "
+                     f"label or token id outside its table gives a NaN loss (-1 silently reads the last row); "
+                     f"declare them, e.g. PipelineModel(integer_inputs={{{undeclared[0]!r}: num_classes}}), and "
+                     f"the batch is checked before it trains." if undeclared else "")
+            return (f"{where}: the loss or the gradient norm is NaN or Inf; {kept}.{cause} Lower the learning "
+                    f"rate or use loss scaling if the model diverged; Pipeline(..., skip_nonfinite=True) skips "
+                    f"such steps and goes on (synchronous schedules)")
+        return None
+
+
+def _any(xs):
+    """``x0 | x1 | ...`` of traced booleans."""
+    out = jnp.asarray(False)
+    for x in xs:
+        out = out | x
+    return out
+
+
+def _dtype(v):
+    d = getattr(v, "dtype", None)
+    return np.asarray(v).dtype if d is None else d
+
+
+def integer_fields(batch) -> List[str]:
+    """Top-level batch keys holding integers (candidates for ``integer_inputs``)."""
+    if not isinstance(batch, dict):
+        return []
+    return [k for k, v in batch.items() if jnp.issubdtype(_dtype(v), jnp.integer)]
+
+
+class PendingStatus:
+    """The status of the last dispatched step, read back at the next call (module docstring)."""
+
+    def __init__(self, checks: StepChecks):
+        self.checks = checks
+        self._pending = None
+
+    def put(self, status, batch, where: str) -> None:
+        """Remember ``status`` of the call ``where`` on ``batch`` (its copy to the host starts now)."""
+        if not self.checks.active:
+            return
+        fields, batch_fields = self.checks.fields(batch), integer_fields(batch)
+        try:
+            status.copy_to_host_async()
+        except AttributeError:
+            pass
+        self._pending = (status, fields, where, batch_fields)
+
+    def check(self) -> None:
+        """Raise the ConfigError of the last step if one of its checks failed (waits for that step)."""
+        if self._pending is None:
+            return
+        status, fields, where, batch_fields = self._pending
+        self._pending = None
+        msg = self.checks.message(fields, np.asarray(jax.device_get(status)), where, batch_fields)
+        if msg:
+            raise ConfigError(msg)

@@ -1,0 +1,183 @@
+"""A step that never waits (issue #39, item 1; #42, item 5): the batch and the loss are checked inside the
+step's program, nothing is read back inside the call, a failed step changes nothing, and the next call
+raises the ConfigError that names the field."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxpipe as jp
+from helpers import small_model
+
+
+def _equal(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True)
+                                      for x, y in zip(la, lb))
+
+
+def _host(state):
+    return jax.tree.map(np.asarray, state)
+
+
+def _mlp_pipe(schedule, **kw):
+    model, batch_fn = small_model("mlp", 2)
+    pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=2, optimizer=optax.adam(1e-2),
+                       mesh=jp.make_mesh(stages=2), **kw)
+    return pipe, batch_fn
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "pipedream_2bw"])
+def test_a_bad_device_batch_changes_nothing_and_the_next_call_says_so(schedule):
+    pipe, batch_fn = _mlp_pipe(schedule)
+    good = jax.tree.map(jnp.asarray, batch_fn(8))
+    state, _ = pipe.step(pipe.init(), good)
+    state, _ = pipe.step(state, good)              # a no-flush pipeline now has micro-batches in flight
+    before = _host(state)
+    bad = dict(good, x=good["x"].at[1, 0].set(jnp.inf))
+    with jax.transfer_guard_device_to_host("disallow"):      # nothing is read back inside the step
+        state, metrics = pipe.step(state, bad)
+    after = _host(state)
+    assert _equal(before, after), "a step on a batch with Inf changed the state"
+    assert int(metrics["step"]) == int(before.step)
+    with pytest.raises(jp.ConfigError, match=r"\['x'\] \(1 value") as e:
+        pipe.step(state, good)
+    assert "changed nothing" in str(e.value)
+    # the error was raised before anything ran: the state is still usable, and training goes on exactly as
+    # if the bad batch had never been given
+    ref = pipe.init()
+    ref, _ = pipe.step(ref, good)
+    ref, _ = pipe.step(ref, good)
+    ref, m_ref = pipe.step(ref, good)
+    state, m = pipe.step(state, good)
+    assert float(m["loss"]) == float(m_ref["loss"])
+    assert _equal(_host(state), _host(ref))
+
+
+def test_an_id_out_of_range_on_the_device_is_named_at_the_next_call():
+    model, batch_fn = small_model("gpt", 2)
+    pipe = jp.Pipeline(model, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.1),
+                       mesh=jp.make_mesh(stages=2))
+    good = jax.tree.map(jnp.asarray, batch_fn(4))
+    key = next(k for k in (model.integer_inputs or {}) if k in good)
+    bound = model.integer_inputs[key]
+    state = pipe.init()
+    before = _host(state)
+    state, _ = pipe.step(state, dict(good, **{key: good[key].at[0, 0].set(bound + 7)}))
+    assert _equal(before, _host(state))
+    with pytest.raises(jp.ConfigError, match=f"holds {bound + 7}, outside \\[0, {bound}\\)"):
+        pipe.check()
+    pipe.check()                                    # reported once
+
+
+def _classifier(integer_inputs=None):
+    """A classifier written as functions: label ids index the log-probabilities (a label >= 5 gives NaN)."""
+    r = np.random.default_rng(0)
+    W = jnp.asarray(r.normal(size=(2, 8, 8)) / 3, jnp.float32)
+
+    def post_loss(p, h, b):
+        logp = jax.nn.log_softmax(h @ p)
+        return -jnp.mean(jnp.take_along_axis(logp, b["label"][:, None], axis=1, mode="fill",
+                                             fill_value=jnp.nan))
+    model = jp.PipelineModel(stage_fn=lambda w, h: jnp.tanh(h @ w["w"]), stage_params={"w": W},
+                             pre=lambda p, b: b["x"] @ p, pre_params=jnp.eye(4, 8), post_loss=post_loss,
+                             post_params=jnp.ones((8, 5)) / 8, integer_inputs=integer_inputs)
+    batch = {"x": jnp.asarray(r.normal(size=(8, 4)), jnp.float32), "label": jnp.arange(8, dtype=jnp.int32) % 5}
+    return model, batch
+
+
+def test_a_nonfinite_loss_applies_no_update_and_names_the_likely_cause():
+    model, batch = _classifier()
+    pipe = jp.Pipeline(model, schedule="gpipe", num_microbatches=2, optimizer=optax.sgd(0.1),
+                       mesh=jp.make_mesh(stages=2))
+    state = pipe.init()
+    before = _host(state)
+    state, m = pipe.step(state, dict(batch, label=batch["label"].at[3].set(99)))
+    assert not np.isfinite(float(m["loss"]))
+    assert _equal(before, _host(state)), "a step with a NaN loss was applied"
+    with pytest.raises(jp.ConfigError, match=r"NaN or Inf.*Likely cause.*\['label'\]"):
+        pipe.step(state, batch)
+    state, m = pipe.step(state, batch)
+    assert np.isfinite(float(m["loss"])) and int(m["step"]) == 1
+
+
+def test_skip_nonfinite_skips_without_an_error():
+    model, batch = _classifier()
+    pipe = jp.Pipeline(model, schedule="gpipe", num_microbatches=2, optimizer=optax.sgd(0.1),
+                       mesh=jp.make_mesh(stages=2), skip_nonfinite=True)
+    state = pipe.init()
+    p0 = _host(pipe.params(state))
+    state, m = pipe.step(state, dict(batch, label=batch["label"].at[3].set(99)))
+    assert bool(m["skipped"])
+    state, m = pipe.step(state, batch)             # no error: skipping is what was asked for
+    assert not bool(m["skipped"]) and not _equal(p0, _host(pipe.params(state)))
+
+
+def test_an_integer_inputs_key_the_batch_lacks_is_refused():
+    model, batch = _classifier(integer_inputs={"labels": 5})
+    pipe = jp.Pipeline(model, schedule="gpipe", num_microbatches=2, optimizer=optax.sgd(0.1),
+                       mesh=jp.make_mesh(stages=2))
+    with pytest.raises(jp.ConfigError, match=r"integer_inputs=\.\.\.\) names \['labels'\], which the batch lacks"):
+        pipe.step(pipe.init(), batch)
+
+
+def test_a_declared_id_field_is_checked_on_the_device():
+    model, batch = _classifier(integer_inputs={"label": 5})
+    pipe = jp.Pipeline(model, schedule="gpipe", num_microbatches=2, optimizer=optax.sgd(0.1),
+                       mesh=jp.make_mesh(stages=2))
+    state, _ = pipe.step(pipe.init(), dict(batch, label=batch["label"].at[0].set(-1)))
+    with pytest.raises(jp.ConfigError, match=r"batch\['label'\] holds -1.*negative ids read the last rows"):
+        pipe.step(state, batch)
+
+
+def test_a_failed_step_is_never_checkpointed(tmp_path):
+    pipe, batch_fn = _mlp_pipe("1f1b")
+    good = jax.tree.map(jnp.asarray, batch_fn(8))
+    state, _ = pipe.step(pipe.init(), dict(good, x=good["x"].at[0, 0].set(jnp.nan)))
+    ck = jp.Checkpointer(str(tmp_path / "ck"), pipe)
+    try:
+        with pytest.raises(jp.ConfigError, match="NaN or Inf"):
+            ck.save(1, state)
+        assert ck.all_steps() == []
+    finally:
+        ck.close()
+
+
+def test_loss_and_grad_checks_its_batch_on_the_device():
+    pipe, batch_fn = _mlp_pipe("1f1b")
+    good = jax.tree.map(jnp.asarray, batch_fn(8))
+    state = pipe.init()
+    with jax.transfer_guard_device_to_host("disallow"):
+        pipe.loss_and_grad(state, dict(good, x=good["x"].at[0, 0].set(jnp.nan)))
+    with pytest.raises(jp.ConfigError, match=r"previous loss_and_grad\(\).*\['x'\]"):
+        pipe.loss_and_grad(state, good)
+
+
+def test_steps_back_to_back_read_nothing_but_the_previous_status(monkeypatch):
+    """Twenty steps: the host reads exactly one small status per step (the previous one's, explicitly) and
+    nothing else -- no per-leaf isfinite read, no integer-range read."""
+    model, batch = _classifier(integer_inputs={"label": 5})
+    pipe = jp.Pipeline(model, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.1),
+                       mesh=jp.make_mesh(stages=2))
+    state = pipe.init()
+    state, _ = pipe.step(state, batch)              # compile
+    reads = []
+    real = jax.device_get
+    monkeypatch.setattr(jax, "device_get", lambda x: reads.append(np.shape(x)) or real(x))
+    with jax.transfer_guard_device_to_host("disallow"):
+        for _ in range(20):
+            state, m = pipe.step(state, batch)
+    assert len(reads) == 20 and all(len(s) == 1 and s[0] <= 8 for s in reads), reads
+
+
+def test_cyclic_dp_checks_on_the_device_too():
+    model, batch_fn = small_model("mlp", 2)
+    cdp = jp.CyclicDataParallel(model, optax.sgd(0.05), rule="v2", mesh=jp.make_mesh(data=2))
+    good = jax.tree.map(jnp.asarray, batch_fn(4))
+    state, _ = cdp.step(cdp.init(), good)
+    before = _host(state)
+    state, _ = cdp.step(state, dict(good, x=good["x"].at[0, 0].set(jnp.nan)))
+    assert _equal(before, _host(state))
+    with pytest.raises(jp.ConfigError, match=r"CyclicDataParallel\(\.\.\., check_inputs=False\)"):
+        cdp.step(state, good)
