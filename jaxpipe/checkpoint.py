@@ -128,6 +128,8 @@ class Checkpointer:
         The state is refused if its trained values (not the in-flight buffers) hold NaN or Inf (a diverged run must never overwrite a good checkpoint)."""
         if not force and (self.every == 0 or step % self.every):
             return False
+        from .checks import require_live
+        require_live(state, f"Checkpointer.save of step {step}")
         if self._check_pipe is not None:
             self._check_pipe()        # the last step's checks: raises where that step failed them
         if step in (self.manager.all_steps() or []):
@@ -173,12 +175,12 @@ class Checkpointer:
             self._lock = _DirectoryLock(self.directory)
 
     def save(self, step: int, state, extra: Optional[dict] = None) -> bool:
-        """Save ``step`` now; a step already saved is not written again (said so, returns False)."""
+        """Save ``step`` now.  A step already saved is refused with a ConfigError: writing it again silently
+        would leave the older state there, which a later restore of that step would return."""
         if step in (self.manager.all_steps() or []):
-            import warnings
-            warnings.warn(f"Checkpointer.save: step {step} is already saved in {self.directory}; not written "
-                          f"again (delete it first to replace it)", stacklevel=2)
-            return False
+            raise ConfigError(f"Checkpointer.save: step {step} is already saved in {self.directory}, and a "
+                              f"checkpoint is never overwritten; save under another step number, or delete "
+                              f"{os.path.join(self.directory, str(step))} first to replace it")
         return self.maybe_save(step, state, extra, force=True)
 
     def wait(self):
@@ -427,6 +429,9 @@ class _DirectoryLock:
         import time
         self.path = os.path.join(directory, ".jaxpipe.lock")
         me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        if os.path.isdir(self.path):
+            raise ConfigError(f"{self.path} is a directory; jaxpipe keeps its writer lock in a file of that name. "
+                              f"Remove that directory (it is not a checkpoint) or use another --checkpoint_dir")
         while True:
             fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
             try:

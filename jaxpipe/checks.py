@@ -86,3 +86,15 @@ def check_integer_keys(model, batch):
         raise ConfigError(f"PipelineModel(integer_inputs=...) names {missing}, which the batch lacks (it has "
                           f"{have}); name the batch fields that hold integer ids, e.g. integer_inputs="
                           f"{{'label': num_classes}}")
+
+
+def require_live(state, call: str):
+    """ConfigError if ``state`` holds an array an earlier ``step``/``drain`` consumed (donated): JAX would say
+    "Buffer has been deleted or donated", or crash where the array was sharded over several devices."""
+    dead = [jax.tree_util.keystr(k) for k, v in jax.tree_util.tree_flatten_with_path(state)[0]
+            if isinstance(v, jax.Array) and v.is_deleted()]
+    if dead:
+        raise ConfigError(f"{call} got a state that an earlier step() or drain() consumed ({len(dead)} array(s), "
+                          f"e.g. state{dead[0]}): step and drain donate the state they are given, reusing its "
+                          f"memory for the new one. Keep the state they return -- state, metrics = "
+                          f"pipe.step(state, batch) -- and use that one")

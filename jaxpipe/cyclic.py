@@ -44,6 +44,7 @@ import numpy as np
 import optax
 
 from . import host_memory
+from .checks import require_live
 from .errors import ConfigError
 from .model import PipelineModel
 from .optim.policies import cyclic_dp
@@ -140,6 +141,7 @@ class CyclicDataParallel:
         """The model's parameters ``(stage, pre, post)`` (worker 0's replica; all replicas are equal once
         every update has arrived, e.g. after ``drain``)."""
         self.check()
+        require_live(state, "params()")
         return self._runner.params(state)
 
     def check(self):
@@ -170,6 +172,7 @@ class CyclicDataParallel:
         time steps.  Metrics: ``loss`` (mean of the losses computed in this call; a (sum, count) loss: their
         summed values over their summed counts), ``losses_computed``,
         ``version_errors`` (always 0 unless the timeline is broken)."""
+        require_live(state, "step()")
         self._check_batch(batch)
         from .checks import check_integer_inputs, check_integer_keys, require_finite_on_host
         check_integer_keys(self.model, batch)
@@ -184,6 +187,7 @@ class CyclicDataParallel:
         """Run without new data until every step in flight finished and every update arrived, then reset the
         counters so the next step restarts the cycle.  Metrics: those of the drain's calls together."""
         self.check()
+        require_live(state, "drain()")
         return self._runner.drain(state)
 
 

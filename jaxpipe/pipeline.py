@@ -9,7 +9,7 @@ import numpy as np
 import optax
 
 from . import host_memory, schedules
-from .checks import check_dtypes, check_integer_inputs, check_integer_keys, require_finite_on_host
+from .checks import check_dtypes, check_integer_inputs, check_integer_keys, require_finite_on_host, require_live
 from .errors import ConfigError
 from .model import PipelineModel
 from .runners.sync import PipelineState
@@ -166,6 +166,7 @@ class Pipeline:
     def params(self, state):
         """``(stage_params, pre_params, post_params)`` as the model gave them (stage leaves stacked)."""
         self.check()
+        require_live(state, "params()")
         return self._runner.params(state)
 
     def check(self):
@@ -185,6 +186,7 @@ class Pipeline:
 
     def loss_and_grad(self, state, batch):
         """Mean loss over the batch and its gradient ``(g_stage, g_pre, g_post)``; no update."""
+        require_live(state, "loss_and_grad()")
         self._check_values(batch)
         self.check()
         return self._runner.loss_and_grad(state, batch)
@@ -239,6 +241,7 @@ class Pipeline:
         metrics: ``loss`` (mean over the micro-batches whose loss was computed in this call, NaN if none),
         ``losses_computed``, ``microbatches_fed``, ``microbatches_finished`` (backward done on every stage).
         """
+        require_live(state, "step()")
         self._check_values(batch)
         self._check_state(state)
         self._check_inflight(state, batch)
@@ -250,6 +253,7 @@ class Pipeline:
 
         The next ``step`` refills the pipeline.  Synchronous schedules flush every step: returns the state."""
         self.check()
+        require_live(state, "drain()")
         return self._runner.drain(state)
 
     def shard_batch(self, batch):

@@ -213,14 +213,26 @@ def test_metadata_is_checksummed_and_covered_by_the_fallback(tmp_path):
         jp.Checkpointer(tmp_path / "ck", pipe).restore(pipe.init(), 4)
 
 
-def test_saving_a_step_again_says_so(tmp_path):
+def test_saving_a_step_again_is_refused_and_the_first_stays(tmp_path):
     pipe, batch_fn = make()
     state, _ = pipe.step(pipe.init(), batch_fn(8, 1))
+    first = jax.tree.map(np.asarray, state)
     ck = jp.Checkpointer(tmp_path / "ck", pipe, async_save=False)
     assert ck.save(1, state) is True
-    with pytest.warns(UserWarning, match="step 1 is already saved"):
-        assert ck.save(1, state) is False
+    state, _ = pipe.step(state, batch_fn(8, 2))
+    with pytest.raises(jp.ConfigError, match="step 1 is already saved.*never overwritten"):
+        ck.save(1, state)
+    restored, _, step = ck.restore(pipe.init(), 1)
+    assert step == 1 and all(np.array_equal(a, np.asarray(b)) for a, b in
+                             zip(jax.tree.leaves(first), jax.tree.leaves(restored)))
     ck.close()
+
+
+def test_a_lock_path_that_is_a_directory_is_a_clear_error(tmp_path):
+    pipe, _ = make()
+    os.makedirs(tmp_path / "ck" / ".jaxpipe.lock")
+    with pytest.raises(jp.ConfigError, match=r"\.jaxpipe\.lock is a directory"):
+        jp.Checkpointer(tmp_path / "ck", pipe, writer=True)
 
 
 LOCKER = r"""

@@ -181,3 +181,31 @@ def test_cyclic_dp_checks_on_the_device_too():
     assert _equal(before, _host(state))
     with pytest.raises(jp.ConfigError, match=r"CyclicDataParallel\(\.\.\., check_inputs=False\)"):
         cdp.step(state, good)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "pipedream"])
+def test_a_consumed_state_is_refused_before_anything_runs(schedule, tmp_path):
+    """step/drain donate their input; using it again is a ConfigError, not "Buffer has been deleted" and
+    a segmentation fault (a donated array sharded over two devices)."""
+    pipe, batch_fn = _mlp_pipe(schedule)
+    batch = batch_fn(8)
+    state = pipe.init()
+    state2, _ = pipe.step(state, batch)
+    for call in (lambda: pipe.step(state, batch), lambda: pipe.loss_and_grad(state, batch),
+                 lambda: pipe.drain(state), lambda: pipe.params(state)):
+        with pytest.raises(jp.ConfigError, match="consumed.*donate"):
+            call()
+    ck = jp.Checkpointer(str(tmp_path / "ck"), pipe)
+    try:
+        with pytest.raises(jp.ConfigError, match="consumed"):
+            ck.save(1, state)
+    finally:
+        ck.close()
+    if schedule == "pipedream":
+        drained, _ = pipe.drain(state2)
+        with pytest.raises(jp.ConfigError, match=r"drain\(\) got a state that an earlier"):
+            pipe.drain(state2)
+        pipe.params(drained)
+        state2 = drained
+    state3, m = pipe.step(state2, batch)           # the returned state goes on
+    assert np.isfinite(float(m["loss"]))
