@@ -133,3 +133,42 @@ def test_bad_w_from():
     with pytest.raises(jp.ConfigError, match=r"options\['w_from'\]='both' \(str\); it must be one of 'frontier', 'recompute'"):
         jp.Pipeline(model, schedule="zb_h1", num_microbatches=4, optimizer=optax.sgd(0.1),
                     mesh=jp.make_mesh(stages=2), options={"w_from": "both"})
+
+
+def test_scan_layout_reads_this_jax():
+    """The one place that reads JAX internals understands this JAX's scan equation (0.10's num_consts/num_carry,
+    0.11+'s ft_in): constants, carry and scanned inputs counted as the program passes them."""
+    from jaxpipe.jax_internals import scan_layout
+
+    def f(c0, w, k):
+        return jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi) * k, c.sum()), c0, w)
+    jx = jax.make_jaxpr(f)(jnp.ones((2, 4)), jnp.ones((3, 4, 4)), jnp.float32(2.0))
+    eqn = next(e for e in jx.jaxpr.eqns if e.primitive.name == "scan")
+    lay = scan_layout(eqn)
+    assert (lay.num_consts, lay.num_carry, lay.length, lay.reverse) == (1, 1, 3, False)
+    assert len(lay.body.jaxpr.invars) == len(eqn.invars) == 3
+
+
+def test_an_unreadable_scan_falls_back_to_recomputing_w_exactly(monkeypatch):
+    """Where jaxpipe cannot read a JAX's scan parameters, ZB's W recomputes the stage's backward (exact, one
+    warning) instead of crashing."""
+    import warnings
+    from jaxpipe.jax_internals import UnknownJaxprLayout
+    from jaxpipe.runtime import wsplit
+
+    def unreadable(eqn):
+        raise UnknownJaxprLayout("a scan equation with parameters ['future']")
+    monkeypatch.setattr(wsplit, "scan_layout", unreadable)
+    monkeypatch.setattr(wsplit, "_WARNED", set())
+    stage_fn, w = _scanned()
+    model = jp.PipelineModel(stage_fn=stage_fn, stage_params=jnp.stack([w, w * 0.5]),
+                             post_loss=lambda p, h, b: jnp.mean((h - b["y"]) ** 2))
+    r = np.random.default_rng(0)
+    batch = {"x": r.normal(size=(8, 8)).astype(np.float32), "y": r.normal(size=(8, 8)).astype(np.float32)}
+    pipe = jp.Pipeline(model, schedule="zb_h1", num_microbatches=4, mesh=jp.make_mesh(stages=2), nan_bubbles=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, grads = pipe.loss_and_grad(pipe.init(), batch)
+    assert rel_err(grads, jax.grad(model.loss)(model.params, batch)) <= 1e-5
+    said = [str(c.message) for c in caught if "recomputes" in str(c.message)]
+    assert len(said) == 1 and "jaxpipe.jax_internals" in said[0]
