@@ -50,8 +50,11 @@ class Pipeline:
     ``placement`` (flushing schedules): ``"lanes"`` (default) runs an F lane and a B lane in every tick, so a
     tick costs f + b, at up to 2D - 1 micro-batches in flight on stage 0; ``"ordered"`` runs the schedule's own
     one action per tick and keeps its memory bound (1F1B: D - d on stage d) at max(f, b) per tick
-    (``jaxpipe.schedules.lanes``).  ``recompute=True`` stashes each stage's input only and recomputes the
-    stage's forward in its backward (``jax.checkpoint``): less activation memory for one more forward.
+    (``jaxpipe.schedules.lanes``).  ``residuals`` says what a stage keeps between its forward and its backward
+    (the stash): ``"all"`` (default) every residual of its vjp; ``"inputs"`` its input only, the forward
+    recomputed in the backward (``jax.checkpoint``; ``recompute=True`` is the same); or a ``jax.checkpoint``
+    policy such as ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable`` (matmul outputs kept, the
+    rest recomputed).  README's "What a stage keeps" table trades memory for compute on a GPT.
     """
 
     def __init__(self, model: PipelineModel, schedule: str = "1f1b", num_microbatches: int = 1,
@@ -60,7 +63,7 @@ class Pipeline:
                  zb: Optional[dict] = None, avgpipe: Optional[dict] = None, wpipe: Optional[dict] = None,
                  skip_nonfinite: bool = False, check_inputs: bool = True, placement: str = "lanes",
                  recompute: bool = False, seed: int = 0, precision=None, options: Optional[dict] = None,
-                 batch_axes=("data",)):
+                 batch_axes=("data",), residuals="all"):
         if not isinstance(model, PipelineModel):
             raise ConfigError(f"model must be a jp.PipelineModel, got {type(model).__name__}")
         _check_optimizer(optimizer)
@@ -89,7 +92,8 @@ class Pipeline:
         mesh = _checked_mesh(mesh, model)
         D = mesh.shape[STAGE]
         _check_scalars(num_microbatches, placement, recompute, seed)
-        self.placement, self.recompute = placement, recompute
+        residuals = _check_residuals(residuals, recompute)
+        self.placement, self.recompute, self.residuals = placement, residuals == "inputs", residuals
         self.model, self.mesh, self.optimizer = model, mesh, optimizer
         self.num_microbatches = num_microbatches
         self.method = schedules.method(schedule)
@@ -103,9 +107,12 @@ class Pipeline:
         # Recomputation: the stash keeps each stage's input only and the backward recomputes the rest --
         # on request, or where the method says (WPipe-R §3.3 by option; Chimera's forward doubling always: it
         # holds two micro-batches' activations per forward tick, §3.5)
-        if recompute or self.method.recompute(self.options):
+        if residuals == "all" and self.method.recompute(self.options):
+            residuals = "inputs"
+        if residuals != "all":
             import dataclasses
-            self.model = model = dataclasses.replace(model, stage_fn=jax.checkpoint(model.stage_fn))
+            policy = None if residuals == "inputs" else residuals
+            self.model = model = dataclasses.replace(model, stage_fn=jax.checkpoint(model.stage_fn, policy=policy))
         self.nan_bubbles = nan_bubbles
         self.seed = seed
         self.skip_nonfinite = bool(skip_nonfinite)
@@ -419,6 +426,24 @@ def _check_scalars(num_microbatches, placement, recompute, seed) -> None:
         raise ConfigError(f"recompute must be True or False, got {recompute!r}")
     if not is_int(seed):
         raise ConfigError(f"seed={seed!r}: give an int (the stage keys of a context model derive from it)")
+
+
+def _check_residuals(residuals, recompute: bool):
+    """``residuals``: ``"all"`` (every residual of a stage's vjp is stashed until its backward), ``"inputs"`` (the
+    stage's input only; the backward recomputes the forward: ``recompute=True``), or a ``jax.checkpoint`` policy
+    (``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``, ...: what it saves is stashed, the rest
+    recomputed)."""
+    if not (residuals in ("all", "inputs") or callable(residuals)):
+        raise ConfigError(f"residuals={residuals!r}: give 'all' (stash every residual of a stage's backward: the "
+                          f"most memory, no recomputation), 'inputs' (the stage input only, the forward recomputed: "
+                          f"the least memory) or a jax.checkpoint policy, e.g. "
+                          f"jax.checkpoint_policies.dots_with_no_batch_dims_saveable (matmul outputs kept)")
+    if recompute:
+        if residuals not in ("all", "inputs"):
+            raise ConfigError("recompute=True and a residuals= policy both say what a stage stashes; give one "
+                              "(recompute=True is residuals='inputs')")
+        return "inputs"
+    return residuals
 
 
 def _check_fit(built, sched, model, D, num_microbatches, name) -> None:

@@ -1,0 +1,169 @@
+"""What the executor costs a device beyond the model's own work, on any backend (issue #39, item 4).
+
+    python -m experiments.accelerator_cost                        # D = 1: MLP 4x4096^2, MLP 4x1024^2, GPT d1024
+    python -m experiments.accelerator_cost --stages=4 --models=gpt --residuals=all,inputs,dots
+    python -m experiments.accelerator_cost --small --timed        # tiny sizes, timed on any backend (smoke test)
+
+For each model it compares, in one process, the plain jitted one-device step that accumulates the same M
+micro-batches and applies one AdamW update (``jaxpipe.bench.plain_train_step``, the whole model on one device)
+with the pipeline on D = ``--stages`` devices:
+
+* ``program``: the pipeline's jitted step function called directly (the device program alone);
+* ``step``: ``Pipeline.step`` as a user calls it (on-device checks on, the default).
+
+Costs (any backend, no run needed): XLA's own ``cost_analysis()`` flops and bytes accessed and
+``memory_analysis()`` temp bytes of each compiled program (per device), as ratios to the plain step's.  Times
+(on an accelerator, or with ``--timed``): ``blocked`` waits after every step; ``stream`` runs ``--steps`` steps
+back to back and waits once, as a training loop does.  On XLA CPU the costs are the proxy; on a GPU, the truth.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+from absl import app, flags
+
+flags.DEFINE_string("models", "mlp4096,mlp1024,gpt", "mlp4096 (4x4096^2, 1024-row micro-batches), mlp1024 "
+                    "(4x1024^2, 256 rows), gpt (d1024, 16 heads, 4 blocks, T 1024, 8 rows)")
+flags.DEFINE_integer("stages", 1, "pipeline devices D (the model's 4 layers / blocks cut into D stages)")
+flags.DEFINE_integer("microbatches", 8, "micro-batches M per step")
+flags.DEFINE_string("schedules", "1f1b", "schedules to compare")
+flags.DEFINE_string("residuals", "all", "residual policies to compare (Pipeline(residuals=...)): all, inputs, "
+                    "dots (jax.checkpoint_policies.dots_with_no_batch_dims_saveable)")
+flags.DEFINE_bool("small", False, "tiny sizes (a smoke test)")
+flags.DEFINE_bool("timed", None, "time the steps (default: on anything but CPU)")
+flags.DEFINE_integer("steps", 20, "steps back to back in a 'stream' timing")
+FLAGS = flags.FLAGS
+
+
+def models(names, D, small):
+    """``{name: (model, batch, M)}``: the sizes of ``../shared/measurements`` (or tiny ones)."""
+    import jax
+    import jax.numpy as jnp
+    from jaxpipe import models as zoo
+    from jaxpipe.bench import make_tanh_mlp
+    M, key, out = FLAGS.microbatches, jax.random.key(1), {}
+    for name in names:
+        if name.startswith("mlp"):
+            W, rows = (256, 32) if small else ((4096, 1024) if name == "mlp4096" else (1024, 256))
+            out[name] = (make_tanh_mlp(D, 4 // D, W),
+                         {"x": jax.random.normal(key, (rows * M, W)), "y": jnp.zeros((rows * M, W))})
+        elif name == "gpt":
+            d, T, rows = (64, 32, 2) if small else (1024, 1024, 8)
+            x = jax.random.randint(key, (rows * M, T), 0, 256, jnp.int32)
+            out[name] = (zoo.gpt(D, vocab=256, d_model=d, heads=16 if not small else 4, blocks_per_stage=4 // D,
+                                 seq_len=T), {"x": x, "y": jnp.roll(x, -1, axis=1)})
+        else:
+            raise app.UsageError(f"--models: unknown model {name!r}; choose from mlp4096, mlp1024, gpt")
+    return out
+
+
+def measure(step, timed, n):
+    """(blocked ms, stream ms per step), NaN where not timed."""
+    import jax
+    if not timed:
+        return math.nan, math.nan
+    for _ in range(3):
+        jax.block_until_ready(step())
+    blocked = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        jax.block_until_ready(step())
+        blocked.append(time.perf_counter() - t0)
+    stream = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            r = step()
+        jax.block_until_ready(r)
+        stream.append((time.perf_counter() - t0) / n)
+    return statistics.median(blocked) * 1e3, statistics.median(stream) * 1e3
+
+
+def costs(compiled):
+    """(flops, bytes accessed, temp bytes) of a compiled program (per device)."""
+    c = compiled.cost_analysis()
+    c = c[0] if isinstance(c, (list, tuple)) else c
+    return c.get("flops", 0.0), c.get("bytes accessed", 0.0), compiled.memory_analysis().temp_size_in_bytes
+
+
+def residual_policy(name):
+    import jax
+    return {"all": "all", "inputs": "inputs",
+            "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[name]
+
+
+def bench(label, model, batch, D, timed):
+    """Rows ``(what, (blocked, stream), (flops, bytes, temp) or None)`` for one model."""
+    import jax
+    import optax
+    from jaxpipe import Pipeline, make_mesh
+    from jaxpipe.bench import plain_train_step
+    opt, M = optax.adamw(1e-4), FLAGS.microbatches
+    dev = jax.devices()[0]
+    fn = plain_train_step(model, opt, M)
+    st = {"p": jax.device_put(model.params, dev, may_alias=False)}
+    st["o"] = jax.jit(opt.init)(st["p"])
+    b = jax.device_put(batch, dev)
+
+    def plain():
+        st["p"], st["o"], loss = fn(st["p"], st["o"], b)
+        return loss
+    rows = [("plain", measure(plain, timed, FLAGS.steps), costs(fn.lower(st["p"], st["o"], b).compile()))]
+    del st
+    for schedule in FLAGS.schedules.split(","):
+        for res in FLAGS.residuals.split(","):
+            pipe = Pipeline(model, schedule=schedule, num_microbatches=M, optimizer=opt,
+                            mesh=make_mesh(stages=D), residuals=residual_policy(res))
+            box = {"s": pipe.init()}
+            pb = pipe.shard_batch(batch)
+            what = f"{schedule} residuals={res}"
+            program = pipe._runner._fn("step", pb, box["s"])      # the jitted step function itself
+
+            def run_program():
+                box["s"], m = program(box["s"], pb)
+                return m["loss"]
+
+            def run_step():
+                box["s"], m = pipe.step(box["s"], pb)
+                return m["loss"]
+            rows.append((f"{what} program", measure(run_program, timed, FLAGS.steps),
+                         costs(program.lower(box["s"], pb).compile())))
+            rows.append((f"{what} step", measure(run_step, timed, FLAGS.steps), None))
+            del box, pipe
+    return rows
+
+
+def report(label, rows, timed):
+    (bl0, sm0), (f0, by0, t0) = rows[0][1], rows[0][2]
+    for what, (bl, sm), c in rows:
+        times = f"blocked {bl:8.3f} ms ({bl / bl0:.3f}x)  stream {sm:8.3f} ms ({sm / sm0:.3f}x)" if timed else ""
+        cost = "" if c is None else (f"  flops {c[0] / max(f0, 1):.2f}x  bytes {c[1] / max(by0, 1):.2f}x  "
+                                     f"temp {c[2] / 2**20:,.0f} MiB ({c[2] / max(t0, 1):.2f}x)")
+        if times or cost:
+            print(f"| {label} | {what} | {times}{cost} |", flush=True)
+
+
+def main(argv):
+    del argv
+    from experiments import emulate_cpu_devices
+    emulate_cpu_devices(max(FLAGS.stages, 1))
+    import jax
+    D = FLAGS.stages
+    if D not in (1, 2, 4):
+        raise app.UsageError(f"--stages={D}: the models have 4 layers / blocks; use 1, 2 or 4")
+    for r in FLAGS.residuals.split(","):
+        if r not in ("all", "inputs", "dots"):
+            raise app.UsageError(f"--residuals: unknown policy {r!r}; choose from all, inputs, dots")
+    dev = jax.devices()[0]
+    timed = FLAGS.timed if FLAGS.timed is not None else dev.platform != "cpu"
+    print(f"jax {jax.__version__} on {dev.platform} ({getattr(dev, 'device_kind', '?')}), D = {D}, "
+          f"M = {FLAGS.microbatches}{'' if timed else ' (costs only: --timed to time on CPU)'}", flush=True)
+    print("| model | program | ratios to the plain one-device step |\n|---|---|---|")
+    for label, (model, batch) in models(FLAGS.models.split(","), D, FLAGS.small).items():
+        report(label, bench(label, model, batch, D, timed), timed)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,63 @@
+"""What a stage keeps between its forward and its backward, chosen by the user (issue #39, item 3):
+``Pipeline(residuals="all" | "inputs" | a jax.checkpoint policy)``, exact in every method."""
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jaxpipe as jp
+from jaxpipe.optim.reference import serial_reference
+from helpers import reference, rel_err, small_model
+
+DOTS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1", "interleaved_1f1b", "chimera"])
+@pytest.mark.parametrize("residuals", ["inputs", "dots"])
+def test_synchronous_schedules_are_exact_with_any_residual_policy(schedule, residuals):
+    D = 2
+    model, batch_fn = small_model("gpt", 4 if schedule == "interleaved_1f1b" else D)
+    batch = batch_fn(8)
+    pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=4, optimizer=optax.sgd(0.1),
+                       mesh=jp.make_mesh(stages=D), nan_bubbles=True,
+                       residuals=DOTS if residuals == "dots" else residuals)
+    loss, grads = pipe.loss_and_grad(pipe.init(), batch)
+    ref_loss, ref_grads = reference(model, batch)
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    assert rel_err(grads, ref_grads) <= 1e-5
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "pipedream_2bw"])
+def test_no_flush_methods_are_exact_with_a_residual_policy(schedule):
+    model, batch_fn = small_model("mlp", 2)
+    batches = [batch_fn(8, s=k) for k in range(3)]
+    pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=2, optimizer=optax.sgd(0.05),
+                       mesh=jp.make_mesh(stages=2), residuals=DOTS)
+    state = pipe.init()
+    for b in batches:
+        state, _ = pipe.step(state, b)
+    state, _ = pipe.drain(state)
+    ref = serial_reference(model, schedule, optax.sgd(0.05), 2, batches)
+    assert rel_err(pipe.params(state), ref["params"]) <= 1e-5
+
+
+def test_the_policy_decides_what_is_stashed():
+    """More saved, more temp memory: inputs < dots <= all on the GPT stage (its attention probabilities and
+    activations are recomputed under the dots policy)."""
+    model, batch_fn = small_model("gpt", 2)
+    batch = batch_fn(8)
+    temp = {}
+    for name, r in (("all", "all"), ("dots", DOTS), ("inputs", "inputs")):
+        pipe = jp.Pipeline(model, schedule="1f1b", num_microbatches=4, optimizer=optax.sgd(0.1),
+                           mesh=jp.make_mesh(stages=2), residuals=r)
+        temp[name] = pipe.lower("grad", pipe.init(), batch).compile().memory_analysis().temp_size_in_bytes
+    assert temp["inputs"] < temp["dots"] <= temp["all"], temp
+
+
+def test_bad_residuals_are_refused():
+    model, _ = small_model("mlp", 2)
+    with pytest.raises(jp.ConfigError, match="residuals='some'.*'all'.*'inputs'.*jax.checkpoint policy"):
+        jp.Pipeline(model, schedule="1f1b", num_microbatches=2, mesh=jp.make_mesh(stages=2), residuals="some")
+    with pytest.raises(jp.ConfigError, match="recompute=True and a residuals= policy"):
+        jp.Pipeline(model, schedule="1f1b", num_microbatches=2, mesh=jp.make_mesh(stages=2), recompute=True,
+                    residuals=DOTS)
