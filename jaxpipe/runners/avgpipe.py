@@ -147,20 +147,30 @@ class AvgPipeRunner:
                     total, grads = grad_fn(*to_executor(params), interleave_shares(b, N, M), step)
                     return total / N, from_executor(grads)   # the replicas' mean loss (not separated per replica)
 
+            checks = ctx.checks
+
             def step(state: AvgPipeState, b):
+                inputs, ok_in = checks.input_status(b)
                 losses, grads = replica_grads(state.params, b, state.step)
-                updates, opt_state = tx.update(grads, state.opt_state, state.params)
-                params = optax.apply_updates(state.params, updates)
                 gnorm = jax.vmap(optax.tree.norm)(grads)
-                metrics = {"loss": jnp.mean(losses), "grad_norm": gnorm, "step": state.step + 1}
+                finite = jnp.all(jnp.isfinite(losses)) & jnp.all(jnp.isfinite(gnorm))
+                applied = ok_in & finite        # as the synchronous runner: no update from a failed check
+
+                def update(params, opt_state):
+                    updates, opt_state = tx.update(grads, opt_state, params)
+                    return optax.apply_updates(params, updates), opt_state
+                params, opt_state = jax.lax.cond(applied, update, lambda p, o: (p, o), state.params,
+                                                 state.opt_state)
+                count = state.step + applied.astype(state.step.dtype)
+                metrics = {"loss": jnp.mean(losses), "grad_norm": gnorm, "step": count,
+                           STATUS: checks.status(inputs, ~finite)}
                 if self.shared is None:          # shared: one summed loss, no per-pipeline split
                     metrics["pipe_losses"] = losses
-                return AvgPipeState(params, opt_state, state.step + 1), metrics
+                return AvgPipeState(params, opt_state, count), metrics
 
             rep = NamedSharding(ctx.mesh, P())
             names = ("loss", "grad_norm", "step") + (("pipe_losses",) if self.shared is None else ())
-            bad_loss = lambda m: ~(jnp.isfinite(m["loss"]) & jnp.all(jnp.isfinite(m["grad_norm"])))
-            self._fns[key] = jax.jit(ctx.checks.guard(step, bad_loss), donate_argnums=(0,),
+            self._fns[key] = jax.jit(step, donate_argnums=(0,),
                                      out_shardings=(state_sh, {k: rep for k in names + (STATUS,)}))
             self._fns[key] = guard_collectives(self._fns[key], self.ctx.mesh)
         return self._fns[key]

@@ -148,7 +148,7 @@ class SyncRunner:
             if what == "grad":
                 def grad_in_model_order(params, b, step):
                     loss, (g, g_pre, g_post) = lg(params, b, step)
-                    status, _ = checks.status(b)
+                    status = checks.status(checks.input_status(b)[0])
                     return loss, (jax.tree.map(lambda a: a[inv], g) if stored else g, g_pre, g_post), status
                 self._compiled[key] = jax.jit(grad_in_model_order)
                 self._compiled[key] = guard_collectives(self._compiled[key], self.ctx.mesh)
@@ -156,24 +156,29 @@ class SyncRunner:
                 opt, skip = self.ctx.optimizer, self.ctx.skip_nonfinite
 
                 def step(state: PipelineState, b):
+                    inputs, ok_in = checks.input_status(b)
                     loss, grads = lg(state.params, b, state.step)
-                    updates, opt_state = opt.update(grads, state.opt_state, state.params)
-                    params = optax.apply_updates(state.params, updates)
                     gnorm = optax.tree.norm(grads)
-                    metrics = {"loss": loss, "grad_norm": gnorm, "step": state.step + 1}
-                    if skip:
-                        ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
-                        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
-                        params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
-                        metrics["skipped"] = ~ok
-                    return PipelineState(params, opt_state, state.step + 1), metrics
+                    finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+                    applied = ok_in & finite    # never an update from a bad batch or a non-finite gradient
 
-                # a step whose checks fail (a bad batch; a non-finite loss, unless skip_nonfinite) keeps the
-                # state it was given: the select joins the optimizer's own elementwise update
-                bad_loss = lambda m: ~(jnp.isfinite(m["loss"]) & jnp.isfinite(m["grad_norm"]))
-                guarded = checks.guard(step, None if skip else bad_loss)
+                    def update(params, opt_state):
+                        updates, opt_state = opt.update(grads, opt_state, params)
+                        return optax.apply_updates(params, updates), opt_state
+                    # a conditional, not a select of new and old: XLA updates the donated buffers in place
+                    # (jaxpipe.step_checks)
+                    params, opt_state = jax.lax.cond(applied, update, lambda p, o: (p, o), state.params,
+                                                     state.opt_state)
+                    # the counter counts updates, and steps skipped on request (skip_nonfinite)
+                    count = state.step + (ok_in & (finite | skip)).astype(state.step.dtype)
+                    metrics = {"loss": loss, "grad_norm": gnorm, "step": count,
+                               STATUS: checks.status(inputs, ~finite)}
+                    if skip:
+                        metrics["skipped"] = ~applied
+                    return PipelineState(params, opt_state, count), metrics
+
                 rep = NamedSharding(self.ctx.mesh, P())
-                self._compiled[key] = jax.jit(guarded, donate_argnums=(0,), out_shardings=(
+                self._compiled[key] = jax.jit(step, donate_argnums=(0,), out_shardings=(
                     state_sh, {"loss": rep, "grad_norm": rep, "step": rep, STATUS: rep,
                                **({"skipped": rep} if skip else {})}))
                 self._compiled[key] = guard_collectives(self._compiled[key], self.ctx.mesh)
