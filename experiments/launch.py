@@ -5,7 +5,11 @@
 Runs ``python -m <module> <args> --num_processes=N --process_id=i --coordinator=127.0.0.1:PORT`` N times
 (a free port unless ``--port``), prefixes each process's output with ``[i]``, and when one process fails
 stops the others and exits with its status.  Workers get SIGTERM when the launcher dies, even by SIGKILL
-(Linux), and then stop as if preempted.  Each process gets ``stages x data x pipes / N`` CPU devices.
+(Linux), and then stop as if preempted; a worker that cannot finish its step (stuck in user code, or in a
+collective waiting for a stuck peer) exits by itself ``--stop_timeout`` seconds later: never an orphan.  A
+worker paused (SIGSTOP, a debugger, a frozen VM) for half the workers' ``--heartbeat_timeout`` ends the job
+with one line naming it (exit 124), before the coordination service would abort every process.  Each process
+gets ``stages x data x pipes / N`` CPU devices.
 """
 from __future__ import annotations
 
@@ -72,6 +76,32 @@ def _stalled(beats, limit: float):
     return (sorted(late), max(late.values())) if late else None
 
 
+def _paused(procs, since: dict, now: float) -> None:
+    """Update ``since`` (worker -> when it was first seen stopped): a worker in state T (SIGSTOP, a debugger,
+    a frozen VM or container) is paused; one that runs again is forgotten."""
+    for i, p in enumerate(procs):
+        try:
+            with open(f"/proc/{p.pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            state = "?"
+        if state in ("T", "t") and p.poll() is None:
+            since.setdefault(i, now)
+        else:
+            since.pop(i, None)
+
+
+def _heartbeat_timeout(args) -> float:
+    """The workers' ``--heartbeat_timeout`` (experiments.train's default 15 s)."""
+    for a in args:
+        if a.startswith("--heartbeat_timeout="):
+            try:
+                return float(a.split("=", 1)[1])
+            except ValueError:
+                break
+    return 15.0
+
+
 def launch(args, num_processes: int, module: str = "experiments.train", port: int = 0, timeout: float = 0,
            verbose: bool = False, stall_timeout: float = 0, stop_timeout: float = 120) -> int:
     """Run the job; returns 0 if every process succeeded, else the first failing process's status (124: the job
@@ -88,7 +118,8 @@ def launch(args, num_processes: int, module: str = "experiments.train", port: in
                f"--coordinator=127.0.0.1:{port}"]
         # own session: a Ctrl-C in the terminal reaches the launcher only, which forwards it once
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                             env=dict(os.environ, JAXPIPE_HEARTBEAT=beats[i],
+                             env=dict(os.environ, JAXPIPE_HEARTBEAT=beats[i], JAXPIPE_LAUNCHER_PID=str(os.getpid()),
+                                      JAXPIPE_STOP_TIMEOUT=str(stop_timeout),
                                       **({"JAXPIPE_VERBOSE": "1"} if verbose else {})),
                              preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         t = threading.Thread(target=_pump, args=(i, p.stdout, sys.stdout, verbose), daemon=True)
@@ -108,9 +139,26 @@ def launch(args, num_processes: int, module: str = "experiments.train", port: in
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     t0, rc, stall = time.monotonic(), 0, None
+    # a paused worker (SIGSTOP, a debugger, a VM freeze) stalls every other in its collectives, and past
+    # --heartbeat_timeout the coordination service aborts them all with native stacks: the job is ended first,
+    # at half that time, with one line saying which process and why
+    paused, pause_limit = {}, max(1.0, _heartbeat_timeout(args) / 2)
     while True:
         codes = [p.poll() for p in procs]
         failed = [c for c in codes if c not in (None, 0)]
+        _paused(procs, paused, time.monotonic())
+        long_paused = sorted(i for i, t in paused.items() if time.monotonic() - t >= pause_limit)
+        if long_paused:
+            print(f"launch: process(es) {long_paused} paused (stopped: SIGSTOP, a debugger, a frozen VM) for "
+                  f"{pause_limit:g} s; the other processes wait for them in their collectives and the "
+                  f"coordination service would abort every process after --heartbeat_timeout="
+                  f"{_heartbeat_timeout(args):g} s: ending the job now (exit 124); resume it from its last "
+                  f"checkpoint", file=sys.stderr, flush=True)
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()            # a stopped process takes no SIGTERM until it runs again
+            rc = 124
+            break
         if not got and stall_timeout and (stall := _stalled(beats, stall_timeout)) is not None:
             print(f"launch: process(es) {stall[0]} finished no step for {stall[1]:.0f} s (--stall_timeout="
                   f"{stall_timeout:g}; a process waiting in a collective for a stuck peer stalls with it): "

@@ -82,6 +82,26 @@ class Stop:
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)
 
+    def watch_launcher(self, launcher_pid: Optional[int], stop_timeout: float, poll_s: float = 0.5) -> None:
+        """A worker of ``experiments.launch`` ends when its launcher is gone, whatever it is doing: the
+        launcher's death sends SIGTERM (PR_SET_PDEATHSIG), which stops a worker that reaches the end of its
+        step; one that cannot (stuck in user code, or waiting in a collective for a stuck peer) is ended by this
+        thread ``stop_timeout`` seconds later -- never an orphan.  A thread runs while the main thread waits
+        in native code (a collective releases the GIL) or loops in Python."""
+        if not launcher_pid:
+            return
+
+        def watch():
+            import time
+            while os.getppid() == launcher_pid:
+                time.sleep(poll_s)
+            time.sleep(stop_timeout)
+            self._orphaned()
+            self._force_exit("SIGTERM", f"the launcher (pid {launcher_pid}) is gone and this process did not "
+                                        f"finish its stop within --stop_timeout={stop_timeout:g} s (a step that "
+                                        f"cannot finish)")
+        threading.Thread(target=watch, name="jaxpipe-launcher-watch", daemon=True).start()
+
     def _stderr(self, text: str) -> None:
         try:
             sys.stderr.write(text + "\n")

@@ -288,6 +288,9 @@ def run(argv):
         if ckpt is not None and os.path.isdir(FLAGS.checkpoint_dir) else None
     stop = Stop(FLAGS.stop_grace_s, last_checkpoint=finished)
     stop.install()
+    # a worker of experiments.launch: ends within the launcher's --stop_timeout once the launcher is gone
+    stop.watch_launcher(int(os.environ.get("JAXPIPE_LAUNCHER_PID", "0") or 0),
+                        float(os.environ.get("JAXPIPE_STOP_TIMEOUT", "120")))
 
     def agreed_stop() -> bool:
         """Whether any process was told to stop: every process must stop after the same step, or the
@@ -356,8 +359,11 @@ def run(argv):
             print(f"step {done}/{FLAGS.steps}  loss {loss:.3f}  {dt * 1e3:.0f} ms/step" +
                   "".join(f"  {k} {v:.3f}" for k, v in last_eval.items()), flush=True)
         if beat:                        # experiments.launch's watchdog: this process finished a step
-            open(beat, "a").close()
-            os.utime(beat)
+            try:
+                open(beat, "a").close()
+                os.utime(beat)
+            except OSError:             # the launcher is gone and took its directory: nothing to tell
+                pass
         if FLAGS.stall_at_step and done == FLAGS.stall_at_step and jax.process_index() == FLAGS.fail_process:
             while True:
                 time.sleep(3600)
