@@ -37,9 +37,18 @@ FLAGS = flags.FLAGS
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port whose next one is free too (the coordinator's and its join gate's, jaxpipe.join_gate)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    return port
 
 
 def _die_with_parent() -> None:
@@ -110,6 +119,7 @@ def launch(args, num_processes: int, module: str = "experiments.train", port: in
     if num_processes < 1:
         raise app.UsageError(f"--num_processes={num_processes}: give at least 1")
     port = port or free_port()
+    job_id = f"{socket.gethostname()}-{os.getpid()}-{int(time.time())}"    # the join gate's identity of this job
     procs, pumps = [], []
     beat_dir = tempfile.mkdtemp(prefix="jaxpipe-heartbeat-")
     beats = [os.path.join(beat_dir, str(i)) for i in range(num_processes)]
@@ -119,6 +129,7 @@ def launch(args, num_processes: int, module: str = "experiments.train", port: in
         # own session: a Ctrl-C in the terminal reaches the launcher only, which forwards it once
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                              env=dict(os.environ, JAXPIPE_HEARTBEAT=beats[i], JAXPIPE_LAUNCHER_PID=str(os.getpid()),
+                                      JAXPIPE_JOB_ID=job_id,
                                       JAXPIPE_STOP_TIMEOUT=str(stop_timeout),
                                       **({"JAXPIPE_VERBOSE": "1"} if verbose else {})),
                              preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)

@@ -69,10 +69,13 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
     if (os.environ.get("JAX_PLATFORMS", "") in ("", "cpu")):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     t0 = time.monotonic()
+    from . import join_gate
     if n > 1 and pid != 0:
         _wait_for_coordinator(coordinator, pid, n, timeout_s)
+        join_gate.ask(coordinator, pid, n)      # a running job's coordinator refuses: never abort that job
     if n > 1 and pid == 0:
         _check_port_free(coordinator)
+        join_gate.open_gate(coordinator, n)
     if n > 1:
         # XLA aborts the process (it cannot be caught) if the job does not assemble in time; say why first
         print(f"jaxpipe: process {pid} of {n} joining the job at {coordinator} (fails after {timeout_s} s if the "
@@ -89,6 +92,7 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
             f"{time.monotonic() - t0:.0f} s ({type(e).__name__}: {str(e).splitlines()[0][:200]}). Check that "
             f"process 0 runs with the same --coordinator and --num_processes, that the port is free on its host "
             f"and reachable from here, or raise the timeout") from None
+    join_gate.job_started()
     return jax.process_count()
 
 

@@ -106,3 +106,55 @@ def test_a_short_pause_is_waited_for(tmp_path):
     job.send_signal(signal.SIGTERM)
     out, _ = job.communicate(timeout=120)
     assert "paused" not in out, out[-3000:]
+
+
+def test_a_second_job_on_a_running_jobs_port_is_refused_without_harm(tmp_path):
+    """A second launch on the coordinator port of a running 2-process job: its process 0 finds the port taken,
+    and its process 1, which used to connect and abort both processes of the running job ("different
+    incarnation"), is now refused by the running job's join gate.  The running job goes on, logging the
+    intruder."""
+    from experiments.launch import free_port
+    port = free_port()
+    job, workers = _start(tmp_path / "a", [f"--port={port}", "--stall_timeout=600"], [])
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    args = [*[a for a in BASE if not a.startswith("--stages")], "--stages=2", "--schedule=1f1b", "--steps=50",
+            f"--out_dir={tmp_path / 'b' / 'run'}"]
+    second = subprocess.run([sys.executable, "-m", "experiments.launch", "--num_processes=2", f"--port={port}",
+                             "--", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    out2 = second.stdout + second.stderr
+    assert second.returncode != 0, out2[-3000:]
+    assert "port is taken" in out2 or "was refused by the coordinator" in out2, out2[-3000:]
+    log = tmp_path / "a" / "run" / "metrics.jsonl"
+    n = len(log.read_text().splitlines())
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(log.read_text().splitlines()) < n + 5:
+        assert job.poll() is None, job.stdout.read()[-3000:]
+        time.sleep(0.1)
+    assert len(log.read_text().splitlines()) >= n + 5, "the running job stopped training"
+    assert all(_alive(w) for w in workers)
+    job.send_signal(signal.SIGTERM)
+    out, _ = job.communicate(timeout=120)
+    assert job.returncode in (0, 143), out[-3000:]
+    assert "different incarnation" not in out, out[-3000:]
+
+
+def test_the_gate_refuses_a_process_of_a_running_job(tmp_path):
+    """The gate itself: a process index is admitted once while the job assembles; once it runs, every request
+    is refused with the reason, which ask() raises as a ConfigError."""
+    import jaxpipe as jp
+    from jaxpipe import join_gate
+    from experiments.launch import free_port
+    coord = f"127.0.0.1:{free_port()}"
+    gate = join_gate.Gate(coord, 2)
+    try:
+        join_gate.ask(coord, 1, 2)                      # admitted
+        with pytest.raises(jp.ConfigError, match="process 1 of the job on this coordinator has joined already"):
+            join_gate.ask(coord, 1, 2)
+        with pytest.raises(jp.ConfigError, match="has 2 processes"):
+            join_gate.ask(coord, 2, 3)
+        gate.started()
+        with pytest.raises(jp.ConfigError, match=r"running since .* all 2 processes joined.*own --coordinator"):
+            join_gate.ask(coord, 1, 2)
+    finally:
+        gate.close()
+    join_gate.ask(coord, 1, 2)                          # no gate answers: join as before
