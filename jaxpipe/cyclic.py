@@ -123,10 +123,8 @@ class CyclicDataParallel:
         # behind the runner protocol (jaxpipe.runners): the no-flush runner's state, set-up and drain loop
         from .runners import RunContext
         from .runners.cyclic import CyclicRunner
-        from .step_checks import PendingStatus, StepChecks
-        checks = StepChecks(model.integer_inputs, self.check_inputs, True,
-                            "CyclicDataParallel(..., check_inputs=False)")
-        self._pending = PendingStatus(checks)
+        from .step_checks import pending_for
+        checks, self._pending = pending_for(model, self.check_inputs, True, "CyclicDataParallel")
         self._runner = CyclicRunner(RunContext(
             model=model, mesh=mesh, schedule=self.periodic.expand(1), method=None,
             options={"policies": self.policies, "broadcast": broadcast}, optimizer=optimizer, num_microbatches=1,

@@ -93,7 +93,7 @@ class Pipeline:
         D = mesh.shape[STAGE]
         _check_scalars(num_microbatches, placement, recompute, seed)
         residuals = _check_residuals(residuals, recompute)
-        self.placement, self.recompute, self.residuals = placement, residuals == "inputs", residuals
+        self.placement, self.recompute = placement, residuals == "inputs"
         self.model, self.mesh, self.optimizer = model, mesh, optimizer
         self.num_microbatches = num_microbatches
         self.method = schedules.method(schedule)
@@ -128,16 +128,13 @@ class Pipeline:
         ties.check_values(model)
         self.param_shardings = param_shardings(model, mesh, ties)
         self.batch_axes = check_model_axes_used(model, mesh, batch_axes)
-        from .step_checks import PendingStatus, StepChecks
-        checks = StepChecks(model.integer_inputs, self.check_inputs, not self.skip_nonfinite,
-                            "Pipeline(..., check_inputs=False)")
-        self._pending = PendingStatus(checks)
+        from .step_checks import pending_for
+        checks, pending = pending_for(model, self.check_inputs, not self.skip_nonfinite, "Pipeline")
         self.context = RunContext(
             model=model, mesh=mesh, schedule=self.schedule, method=self.method, options=self.options,
             optimizer=optimizer, num_microbatches=num_microbatches, ties=ties, nan_bubbles=nan_bubbles, seed=seed,
             precision=precision, skip_nonfinite=self.skip_nonfinite, placement=placement,
-            param_shardings=self.param_shardings, batch_axes=self.batch_axes, checks=checks,
-            pending=self._pending)
+            param_shardings=self.param_shardings, batch_axes=self.batch_axes, checks=checks, pending=pending)
         self._runner = make_runner(self.context)      # which one: the method's registry entry
         host_memory.keep_freed_memory_for(mesh)     # once built: on CPU no per-step page faults (host_memory)
 
@@ -181,7 +178,7 @@ class Pipeline:
         or an id out of range; a non-finite loss), waiting for that call to finish.  ``step``, ``drain``,
         ``loss_and_grad``, ``params`` and ``Checkpointer.save`` call it first, so a failure is reported at the
         latest by the next call; a step that failed changed nothing (``jaxpipe.step_checks``)."""
-        self._pending.check()
+        self.context.pending.check()
 
     def device_layout(self, state):
         """Stage parameters as the executor holds them: ``[D, chunks, ...]`` (device d, local chunk c holds

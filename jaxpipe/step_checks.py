@@ -197,3 +197,10 @@ class PendingStatus:
         msg = self.checks.message(fields, np.asarray(jax.device_get(status)), where, batch_fields)
         if msg:
             raise ConfigError(msg)
+
+
+def pending_for(model, check_inputs: bool, check_loss: bool, owner: str):
+    """``(StepChecks, PendingStatus)`` of a pipeline of ``model`` (``owner``: the class a user configures, for
+    the messages' opt-out hint)."""
+    checks = StepChecks(model.integer_inputs, check_inputs, check_loss, f"{owner}(..., check_inputs=False)")
+    return checks, PendingStatus(checks)
