@@ -32,7 +32,9 @@ def run(kind="mlp", N=2, D=4, M=4, data=1, opt="adam", steps=3, nan_bubbles=True
     (2, 4, 4, 1, "adam", 0), (2, 2, 3, 2, "sgd", 1), (4, 2, 2, 1, "momentum", 1), (8, 1, 2, 1, "adam", 0)])
 def test_matches_serial_reference(N, D, M, data, opt, advance):
     pipe, state, batches, losses, model = run(N=N, D=D, M=M, data=data, opt=opt, advance=advance)
-    ref = avgpipe_reference(model, OPTS[opt](), N, M, batches, data_parallel=data)
+    # the elastic ratio from the paper, written here (AvgPipe §3.2: "alpha ... is set to 1/N"), not taken from
+    # jaxpipe's default: a changed default must fail this test (issue #43)
+    ref = avgpipe_reference(model, OPTS[opt](), N, M, batches, data_parallel=data, alpha=1.0 / N)
     assert np.allclose(losses, np.array(ref["losses"]), rtol=1e-5)
     assert rel_err(pipe.params(state), ref["params"]) < 1e-5
     assert rel_err(state.params, jax.tree.map(lambda *a: np.stack(a), *ref["replicas"])) < 1e-5
@@ -43,7 +45,7 @@ def test_gpt_matches_serial_reference():
     # invariant), and Adam turns its 1e-9 rounding noise into +-lr steps whose signs differ between any two
     # summation orders; the MLP cases above cover Adam
     pipe, state, batches, losses, model = run(kind="gpt", N=2, D=4, M=4, opt="momentum", steps=2, advance=2)
-    ref = avgpipe_reference(model, OPTS["momentum"](), 2, 4, batches)
+    ref = avgpipe_reference(model, OPTS["momentum"](), 2, 4, batches, alpha=1.0 / 2)      # AvgPipe §3.2: 1/N
     assert np.allclose(losses, np.array(ref["losses"]), rtol=1e-5)
     assert rel_err(pipe.params(state), ref["params"]) < 1e-5
 
