@@ -89,11 +89,16 @@ def _microbatch_grads(model, ties, fwd, bwd, ctx_of, x0, wF, wB, mb, i, by_count
 
 
 def serial_reference(model, method: str, opt: optax.GradientTransformation, num_microbatches: int,
-                     batches, data_parallel: int = 1, seed: int = 0, options=None) -> Dict[str, object]:
+                     batches, data_parallel: int = 1, seed: int = 0, options=None,
+                     drains=()) -> Dict[str, object]:
     """Run ``method`` serially over ``batches`` (global batches, each of M micro-batches), fill and drain
     included.  Returns ``{"params": (w [D..], pre, post), "losses": [per micro-batch]}``.  ``options``: the
     method's options where its rule depends on them (PipeOptim's ``distance`` and ``prediction``).  A context model's
-    stage s gets micro-batch i's key ``stage_key(microbatch_key(seed, i // M, i % M), s)`` (one replica)."""
+    stage s gets micro-batch i's key ``stage_key(microbatch_key(seed, i // M, i % M), s)`` (one replica).
+    ``drains``: the numbers of batches after which the pipeline was drained (``drain()`` between steps): the
+    stream restarts there -- a per-micro-batch method's rule counts micro-batches, batches and weight versions
+    from the restart (an accumulating method's batch-counted versions go on), the updates and optimizer state
+    go on, and the keys keep the global micro-batch index."""
     if model.context and data_parallel != 1:
         raise ValueError("the serial reference of a context model runs one replica (its global micro-batches "
                          "join the replicas', which have their own keys); use data_parallel=1")
@@ -126,12 +131,19 @@ def serial_reference(model, method: str, opt: optax.GradientTransformation, num_
     summed = model.reduction(jax.eval_shape(lambda p, b: model.forward(p, b, key=jax.random.PRNGKey(0)),
                                             model.params, mbs[0]), mbs[0]) == "sum"
     step_count = 0.0
+    restarts = {int(n) * M * data_parallel for n in drains}
+    i0, v0 = 0, [0] * D                  # the stream's first micro-batch and each stage's version there
 
     for i, mb in enumerate(mbs):
-        b = i // M
+        if i in restarts and not accumulating:
+            # a per-micro-batch method's versions follow its stream position, which a drain restarts; an
+            # accumulating method's (2BW) follow batches, which a drain does not renumber
+            i0, v0 = i, [len(h) - 1 for h in hist]
+        b = (i - i0) // M
         wF, wB = [], []
         for s in range(D):
-            f, bw = rule(s, i, b, D, M, hist[s], upd[s], axpy, **({"o": options} if options else {}))
+            f, bw = rule(s, i - i0, b, D, M, hist[s][v0[s]:], upd[s][v0[s]:], axpy,
+                         **({"o": options} if options else {}))
             wF.append(f); wB.append(bw)
         loss, n_mb, grads = _microbatch_grads(model, ties, fwd, bwd, ctx_of, x0, wF, wB, mb, i,
                                               accumulating and summed)
