@@ -1,0 +1,103 @@
+"""Planted bugs: plausible one-line changes to jaxpipe, each of which a named test must catch (issue #43, item 4).
+
+    python tests/mutations.py                 # every mutation (about 10 minutes on 2 cores)
+    python tests/mutations.py drain_index     # the ones named
+    python tests/mutations.py --list
+
+Each mutation is applied to a temporary copy of the repository (never to this tree), and its test is run
+there; the runner reports the mutations the suite *missed* (their test passed) and exits 1 if there is one.
+A mutation whose text is no longer in the file is reported as stale (the code moved: update the list).
+``tests/test_mutations.py`` runs a sample in CI.  Add a mutation for every silent bug a test was written for.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import NamedTuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Mutation(NamedTuple):
+    name: str
+    path: str           # relative to the repository root
+    old: str            # the text replaced (must occur exactly once)
+    new: str
+    test: str           # the pytest node id that must fail
+
+
+MUTATIONS = [
+    # issue #43's survivors
+    Mutation("zb_w_wrong_frontier_slot", "jaxpipe/runtime/lanes_backward.py",
+             'tr.wsp.weight_part(lps[c][0], res, dy, [read(a, rw[ROUTE["stash"]]) for a in cr.front])',
+             'tr.wsp.weight_part(lps[c][0], res, dy, [read(a, rw[ROUTE["stash"]] + 1) for a in cr.front])',
+             "tests/test_wsplit.py::test_executor_runs_w_from_the_frontier"),
+    Mutation("stage_key_ignores_stage", "jaxpipe/model.py",
+             "    return jax.random.fold_in(mb_key, stage)", "    return mb_key",
+             "tests/test_keys_by_hand.py::test_every_stage_microbatch_and_step_has_its_own_key"),
+    Mutation("avgpipe_default_alpha", "jaxpipe/optim/elastic.py",
+             "    return 1.0 / num_pipes", "    return 1.0 / max(num_pipes - 1, 1)",
+             "tests/test_avgpipe.py::test_matches_serial_reference"),
+    Mutation("drain_index", "jaxpipe/runners/no_flush.py",
+             "state._replace(counters=(jnp.zeros_like(t), base + fed, jnp.zeros_like(fed)))",
+             "state._replace(counters=(jnp.zeros_like(t), base, jnp.zeros_like(fed)))",
+             "tests/test_drain_sequences.py::test_step_step_drain_twice_equals_the_reference"),
+    # the comparison helper itself
+    Mutation("rel_err_blind_to_nan", "tests/helpers.py",
+             "        for side, v in ((\"first\", x), (\"second\", y)):",
+             "        for side, v in ():",
+             "tests/test_mutations.py::test_rel_err_sees_nan_in_any_leaf"),
+    # the on-device checks (issue #39 item 1, #42 item 5)
+    Mutation("step_ignores_bad_batch", "jaxpipe/runners/sync.py",
+             "applied = ok_in & finite    # never an update", "applied = finite    # never an update",
+             "tests/test_step_checks.py::test_a_bad_device_batch_changes_nothing_and_the_next_call_says_so"),
+    Mutation("status_never_read", "jaxpipe/step_checks.py",
+             "        msg = self.checks.message(", "        msg = None and self.checks.message(",
+             "tests/test_step_checks.py::test_an_id_out_of_range_on_the_device_is_named_at_the_next_call"),
+]
+
+
+def _copy() -> str:
+    dst = tempfile.mkdtemp(prefix="jaxpipe-mutant-")
+    shutil.copytree(ROOT, dst, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns(".git", "runs", "out", "__pycache__", "*.egg-info", ".pytest_cache"))
+    return dst
+
+
+def run(m: Mutation, timeout: float = 900) -> str:
+    """``"caught"``, ``"MISSED"`` or ``"stale"`` for one mutation."""
+    dst = _copy()
+    try:
+        path = os.path.join(dst, m.path)
+        text = open(path).read()
+        if text.count(m.old) != 1:
+            return "stale"
+        open(path, "w").write(text.replace(m.old, m.new))
+        env = dict(os.environ, PYTHONPATH=dst)
+        p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", m.test],
+                           cwd=dst, env=env, capture_output=True, text=True, timeout=timeout)
+        return "caught" if p.returncode != 0 else "MISSED"
+    finally:
+        shutil.rmtree(dst, ignore_errors=True)
+
+
+def main(argv) -> int:
+    if "--list" in argv:
+        for m in MUTATIONS:
+            print(f"{m.name:28s} {m.path}  ->  {m.test}")
+        return 0
+    chosen = [m for m in MUTATIONS if not argv or m.name in argv]
+    bad = 0
+    for m in chosen:
+        verdict = run(m)
+        bad += verdict != "caught"
+        print(f"{verdict:7s} {m.name:28s} {m.test}", flush=True)
+    print(f"{len(chosen) - bad} of {len(chosen)} mutations caught")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
