@@ -24,6 +24,7 @@ QUICK = {
     "executor_cost": ["--width=32", "--batch=64", "--rounds=1", "--schedules=1f1b,zb_v"],
     "schedule_choice": ["--width=32", "--batch=64", "--rounds=1", "--devices=4", "--microbatch_counts=8",
                         "--real_layers=8"],
+    "accelerator_cost": ["--small", "--timed", "--steps=2", "--microbatches=2"],
 }
 
 
