@@ -124,7 +124,9 @@ class CyclicDataParallel:
         from .runners import RunContext
         from .runners.cyclic import CyclicRunner
         from .step_checks import pending_for
-        checks, self._pending = pending_for(model, self.check_inputs, True, "CyclicDataParallel")
+        # reported at the next call, not kept back (jaxpipe.step_checks: a conditional would copy the ring's
+        # stacked stages)
+        checks, self._pending = pending_for(model, self.check_inputs, True, "CyclicDataParallel", keeps_state=False)
         self._runner = CyclicRunner(RunContext(
             model=model, mesh=mesh, schedule=self.periodic.expand(1), method=None,
             options={"policies": self.policies, "broadcast": broadcast}, optimizer=optimizer, num_microbatches=1,

@@ -128,8 +128,7 @@ class Pipeline:
         ties.check_values(model)
         self.param_shardings = param_shardings(model, mesh, ties)
         self.batch_axes = check_model_axes_used(model, mesh, batch_axes)
-        from .step_checks import pending_for
-        checks, pending = pending_for(model, self.check_inputs, not self.skip_nonfinite, "Pipeline")
+        checks, pending = _step_checks(self, model)
         self.context = RunContext(
             model=model, mesh=mesh, schedule=self.schedule, method=self.method, options=self.options,
             optimizer=optimizer, num_microbatches=num_microbatches, ties=ties, nan_bubbles=nan_bubbles, seed=seed,
@@ -423,6 +422,15 @@ def _check_scalars(num_microbatches, placement, recompute, seed) -> None:
         raise ConfigError(f"recompute must be True or False, got {recompute!r}")
     if not is_int(seed):
         raise ConfigError(f"seed={seed!r}: give an int (the stage keys of a context model derive from it)")
+
+
+def _step_checks(pipe, model):
+    """``(StepChecks, PendingStatus)`` of ``pipe``: a no-flush method of several chunks per device (WPipe)
+    reports a bad batch but is not kept back -- the conditional around its program cost +51% temp (BUILD_NOTES,
+    "A step that never waits")."""
+    from .step_checks import pending_for
+    keeps = not (pipe.method.updates_inside and pipe.method.stages_per_device(pipe.options) > 1)
+    return pending_for(model, pipe.check_inputs, not pipe.skip_nonfinite, "Pipeline", keeps)
 
 
 def _check_residuals(residuals, recompute: bool):

@@ -172,13 +172,14 @@ def test_steps_back_to_back_read_nothing_but_the_previous_status(monkeypatch):
 
 
 def test_cyclic_dp_checks_on_the_device_too():
+    """Cyclic DP reports a bad device batch at the next call (its state is not kept: a conditional around its
+    ring's in-place landings would copy the stacked stages every step), and that state is never saved."""
     model, batch_fn = small_model("mlp", 2)
     cdp = jp.CyclicDataParallel(model, optax.sgd(0.05), rule="v2", mesh=jp.make_mesh(data=2))
     good = jax.tree.map(jnp.asarray, batch_fn(4))
     state, _ = cdp.step(cdp.init(), good)
-    before = _host(state)
-    state, _ = cdp.step(state, dict(good, x=good["x"].at[0, 0].set(jnp.nan)))
-    assert _equal(before, _host(state))
+    with jax.transfer_guard_device_to_host("disallow"):
+        state, _ = cdp.step(state, dict(good, x=good["x"].at[0, 0].set(jnp.nan)))
     with pytest.raises(jp.ConfigError, match=r"CyclicDataParallel\(\.\.\., check_inputs=False\)"):
         cdp.step(state, good)
 

@@ -95,10 +95,9 @@ def serial_reference(model, method: str, opt: optax.GradientTransformation, num_
     included.  Returns ``{"params": (w [D..], pre, post), "losses": [per micro-batch]}``.  ``options``: the
     method's options where its rule depends on them (PipeOptim's ``distance`` and ``prediction``).  A context model's
     stage s gets micro-batch i's key ``stage_key(microbatch_key(seed, i // M, i % M), s)`` (one replica).
-    ``drains``: the numbers of batches after which the pipeline was drained (``drain()`` between steps): the
-    stream restarts there -- a per-micro-batch method's rule counts micro-batches, batches and weight versions
-    from the restart (an accumulating method's batch-counted versions go on), the updates and optimizer state
-    go on, and the keys keep the global micro-batch index."""
+    ``drains``: the batch counts after which the pipeline was drained: a per-micro-batch method's rule counts
+    micro-batches, batches and weight versions from there (an accumulating method's batch-counted versions go
+    on); the updates, the optimizer state and the keys' global micro-batch index go on."""
     if model.context and data_parallel != 1:
         raise ValueError("the serial reference of a context model runs one replica (its global micro-batches "
                          "join the replicas', which have their own keys); use data_parallel=1")
@@ -131,19 +130,16 @@ def serial_reference(model, method: str, opt: optax.GradientTransformation, num_
     summed = model.reduction(jax.eval_shape(lambda p, b: model.forward(p, b, key=jax.random.PRNGKey(0)),
                                             model.params, mbs[0]), mbs[0]) == "sum"
     step_count = 0.0
-    restarts = {int(n) * M * data_parallel for n in drains}
-    i0, v0 = 0, [0] * D                  # the stream's first micro-batch and each stage's version there
+    # a drain restarts a per-micro-batch method's stream: i0, v0 = its first micro-batch, each stage's version
+    restarts, i0, v0 = {int(n) * M * data_parallel for n in drains}, 0, [0] * D
 
     for i, mb in enumerate(mbs):
-        if i in restarts and not accumulating:
-            # a per-micro-batch method's versions follow its stream position, which a drain restarts; an
-            # accumulating method's (2BW) follow batches, which a drain does not renumber
+        if i in restarts and not accumulating:      # (an accumulating method's versions count batches: go on)
             i0, v0 = i, [len(h) - 1 for h in hist]
         b = (i - i0) // M
         wF, wB = [], []
         for s in range(D):
-            f, bw = rule(s, i - i0, b, D, M, hist[s][v0[s]:], upd[s][v0[s]:], axpy,
-                         **({"o": options} if options else {}))
+            f, bw = rule(s, i - i0, b, D, M, hist[s][v0[s]:], upd[s][v0[s]:], axpy, **({"o": options} if options else {}))
             wF.append(f); wB.append(bw)
         loss, n_mb, grads = _microbatch_grads(model, ties, fwd, bwd, ctx_of, x0, wF, wB, mb, i,
                                               accumulating and summed)
