@@ -425,11 +425,13 @@ def _check_scalars(num_microbatches, placement, recompute, seed) -> None:
 
 
 def _step_checks(pipe, model):
-    """``(StepChecks, PendingStatus)`` of ``pipe``: a no-flush method of several chunks per device (WPipe)
-    reports a bad batch but is not kept back -- the conditional around its program cost +51% temp (BUILD_NOTES,
-    "A step that never waits")."""
+    """``(StepChecks, PendingStatus)`` of ``pipe``: a no-flush method of several chunks per device (WPipe), or on
+    a mesh whose conditionals may not hold collectives (model axes on XLA CPU), reports a bad batch but is not
+    kept back -- the conditional around its program cost +51% temp (BUILD_NOTES, "A step that never waits")."""
+    from .sharding import branches_refused
     from .step_checks import pending_for
-    keeps = not (pipe.method.updates_inside and pipe.method.stages_per_device(pipe.options) > 1)
+    keeps = not (pipe.method.updates_inside and (pipe.method.stages_per_device(pipe.options) > 1 or
+                                                  branches_refused(pipe.mesh)))
     return pending_for(model, pipe.check_inputs, not pipe.skip_nonfinite, "Pipeline", keeps)
 
 

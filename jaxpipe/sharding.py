@@ -191,12 +191,17 @@ def permutes_in_branches(hlo_text: str) -> int:
     return sum(len(re.findall(r" collective-permute(?:-start)?\(", "\n".join(comps[n]))) for n in seen)
 
 
+def branches_refused(mesh) -> bool:
+    """Whether a conditional holding collectives is refused on this mesh (model axes on XLA CPU, below)."""
+    return bool(model_axes(mesh)) and jax.devices()[0].platform == "cpu"
+
+
 def guard_collectives(fn, mesh):
     """``fn`` (a jitted program), checked at its first call where the mesh has model axes on XLA CPU: a
     collective-permute inside a lane's conditional deadlocks there (only the stage devices running the lane
     enter it, a CPU collective-permute waits for every device), so a ConfigError says which spec to change
     instead of a 40-second hang and an abort."""
-    if not model_axes(mesh) or jax.devices()[0].platform != "cpu":
+    if not branches_refused(mesh):
         return fn
     checked = []
 

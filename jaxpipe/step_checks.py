@@ -212,3 +212,13 @@ def pending_for(model, check_inputs: bool, check_loss: bool, owner: str, keeps_s
     checks = StepChecks(model.integer_inputs, check_inputs, check_loss, f"{owner}(..., check_inputs=False)",
                         keeps_state)
     return checks, PendingStatus(checks)
+
+
+def gate(ok, update: Callable, operands: tuple, by_select: bool = False):
+    """``update(*operands)`` where ``ok``, else ``operands`` unchanged: a ``lax.cond``, so XLA updates the donated
+    buffers in place -- or, where a conditional holding collectives is refused (``by_select``: model axes on
+    XLA CPU, :func:`jaxpipe.sharding.branches_refused`), a select, which costs copies of the operands."""
+    if by_select:
+        new = update(*operands)
+        return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, tuple(operands))
+    return jax.lax.cond(ok, update, lambda *a: a, *operands)

@@ -28,8 +28,8 @@ from ..errors import ConfigError
 from .avgpipe_shared import check_shareable, from_executor, interleave_shares, shared_model, to_executor
 from ..optim.elastic import check_alpha, elastic_averaging
 from ..schedules.layout import lane_plan, stream_options
-from ..sharding import is_P, param_specs, guard_collectives
-from ..step_checks import STATUS, pop_status
+from ..sharding import branches_refused, is_P, param_specs, guard_collectives
+from ..step_checks import STATUS, gate, pop_status
 from ..runtime.gradient import make_stream_grad_fn
 from ..schedules.periodic import one_call
 from ..validate import is_int
@@ -159,8 +159,8 @@ class AvgPipeRunner:
                 def update(params, opt_state):
                     updates, opt_state = tx.update(grads, opt_state, params)
                     return optax.apply_updates(params, updates), opt_state
-                params, opt_state = jax.lax.cond(applied, update, lambda p, o: (p, o), state.params,
-                                                 state.opt_state)
+                params, opt_state = gate(applied, update, (state.params, state.opt_state),
+                                         branches_refused(ctx.mesh))
                 count = state.step + applied.astype(state.step.dtype)
                 metrics = {"loss": jnp.mean(losses), "grad_norm": gnorm, "step": count,
                            STATUS: checks.status(inputs, ~finite)}

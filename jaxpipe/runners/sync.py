@@ -15,8 +15,8 @@ from ..errors import ConfigError
 from ..schedules.layout import exchange_perms, layout_index, stream_options
 from ..runtime.gradient import make_stream_grad_fn
 from ..schedules.periodic import one_call
-from ..sharding import like_params, guard_collectives
-from ..step_checks import STATUS, pop_status
+from ..sharding import branches_refused, like_params, guard_collectives
+from ..step_checks import STATUS, gate, pop_status
 
 
 
@@ -154,6 +154,7 @@ class SyncRunner:
                 self._compiled[key] = guard_collectives(self._compiled[key], self.ctx.mesh)
             else:
                 opt, skip = self.ctx.optimizer, self.ctx.skip_nonfinite
+                by_select = branches_refused(self.ctx.mesh)
 
                 def step(state: PipelineState, b):
                     inputs, ok_in = checks.input_status(b)
@@ -167,8 +168,7 @@ class SyncRunner:
                         return optax.apply_updates(params, updates), opt_state
                     # a conditional, not a select of new and old: XLA updates the donated buffers in place
                     # (jaxpipe.step_checks)
-                    params, opt_state = jax.lax.cond(applied, update, lambda p, o: (p, o), state.params,
-                                                     state.opt_state)
+                    params, opt_state = gate(applied, update, (state.params, state.opt_state), by_select)
                     # the counter counts updates, and steps skipped on request (skip_nonfinite)
                     count = state.step + (ok_in & (finite | skip)).astype(state.step.dtype)
                     metrics = {"loss": loss, "grad_norm": gnorm, "step": count,
