@@ -88,6 +88,21 @@ class StepChecks:
                                         jnp.max(v).astype(jnp.int32)]))
         return jnp.concatenate(parts), ~_any(p[0] > 0 for p in parts[1:])
 
+    def checked(self, batch):
+        """``(status, ok, batch)``: :meth:`input_status`, and on XLA CPU the batch made to depend on ``ok`` (a
+        select: a batch that failed its checks is zeroed), so everything computed from it waits for the status.
+        Trap (XLA CPU, model axes): the status's all-reduce over a sharded batch depended on nothing else, and
+        the CPU runtime, which runs independent instructions in any order, ran it before the pipeline's loop on
+        one device and after it on another; each waited in a different collective and the step deadlocked (CI,
+        WPipe on stage x data x tensor).  An optimization barrier does not order them: XLA removes it before
+        the runtime sees the program (measured).  Elsewhere a device runs its program in order."""
+        inputs, ok = self.input_status(batch)
+        if not self.check_inputs or jax.devices()[0].platform != "cpu":
+            return inputs, ok, batch
+        # the whole vector (its min / max reductions too) feeds the predicate: always true for ints, not folded
+        keep = ok & jnp.isfinite(jnp.sum(inputs.astype(jnp.float32)))
+        return inputs, ok, jax.tree.map(lambda v: jnp.where(keep, v, jnp.zeros_like(v)), batch)
+
     def status(self, inputs, loss_bad=None):
         """The whole status vector: ``inputs`` (:meth:`input_status`) and the loss flag (reported where
         ``check_loss``)."""
@@ -103,7 +118,7 @@ class StepChecks:
         DP: its ring lands stages in place into stacked buffers, which inside a conditional XLA copies -- temp
         2.2x, measured)."""
         def guarded(state, batch, *rest):
-            inputs, ok = self.input_status(batch)
+            inputs, ok, batch = self.checked(batch)
             if not (self.check_inputs and self.keeps_state):
                 new, metrics = run(state, batch, *rest)
             else:

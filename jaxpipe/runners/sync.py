@@ -147,8 +147,9 @@ class SyncRunner:
             checks = self.ctx.checks
             if what == "grad":
                 def grad_in_model_order(params, b, step):
+                    inputs, _, b = checks.checked(b)
                     loss, (g, g_pre, g_post) = lg(params, b, step)
-                    status = checks.status(checks.input_status(b)[0])
+                    status = checks.status(inputs)
                     return loss, (jax.tree.map(lambda a: a[inv], g) if stored else g, g_pre, g_post), status
                 self._compiled[key] = jax.jit(grad_in_model_order)
                 self._compiled[key] = guard_collectives(self._compiled[key], self.ctx.mesh)
@@ -157,7 +158,7 @@ class SyncRunner:
                 by_select = branches_refused(self.ctx.mesh)
 
                 def step(state: PipelineState, b):
-                    inputs, ok_in = checks.input_status(b)
+                    inputs, ok_in, b = checks.checked(b)
                     loss, grads = lg(state.params, b, state.step)
                     gnorm = optax.tree.norm(grads)
                     finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
