@@ -88,20 +88,26 @@ class StepChecks:
                                         jnp.max(v).astype(jnp.int32)]))
         return jnp.concatenate(parts), ~_any(p[0] > 0 for p in parts[1:])
 
-    def checked(self, batch):
-        """``(status, ok, batch)``: :meth:`input_status`, and on XLA CPU the batch made to depend on ``ok`` (a
-        select: a batch that failed its checks is zeroed), so everything computed from it waits for the status.
-        Trap (XLA CPU, model axes): the status's all-reduce over a sharded batch depended on nothing else, and
-        the CPU runtime, which runs independent instructions in any order, ran it before the pipeline's loop on
-        one device and after it on another; each waited in a different collective and the step deadlocked (CI,
-        WPipe on stage x data x tensor).  An optimization barrier does not order them: XLA removes it before
-        the runtime sees the program (measured).  Elsewhere a device runs its program in order."""
+    def checked(self, batch, mesh):
+        """``(status, ok, batch)``: :meth:`input_status`, and -- on XLA CPU, over several devices -- the batch
+        made to depend on the whole status, so everything computed from it waits for the status's reductions.
+        Trap (XLA CPU): the status's all-reduces over a sharded batch depended on nothing else, and the CPU
+        runtime, which runs independent instructions in any order, ran them before the pipeline's loop on one
+        device and after it on another; each waited in a different collective and the step deadlocked (CI,
+        WPipe on stage x data x tensor).  An optimization barrier does not order them (XLA removes it before
+        the runtime sees the program, measured).  So the batch's smallest leaf goes through a select on a
+        predicate computed from every entry of the status (a batch that failed its checks gets that leaf
+        zeroed; its step is refused or reported anyway): every loop reading the batch reads that leaf.  One
+        device, or another platform (a device runs its program in order): the batch as given, no cost."""
         inputs, ok = self.input_status(batch)
-        if not self.check_inputs or jax.devices()[0].platform != "cpu":
+        if not self.check_inputs or jax.devices()[0].platform != "cpu" or mesh.size == 1:
             return inputs, ok, batch
+        leaves, tree = jax.tree.flatten(batch)
+        k = min(range(len(leaves)), key=lambda i: np.size(leaves[i]))
         # the whole vector (its min / max reductions too) feeds the predicate: always true for ints, not folded
         keep = ok & jnp.isfinite(jnp.sum(inputs.astype(jnp.float32)))
-        return inputs, ok, jax.tree.map(lambda v: jnp.where(keep, v, jnp.zeros_like(v)), batch)
+        leaves[k] = jnp.where(keep, leaves[k], jnp.zeros_like(leaves[k]))
+        return inputs, ok, jax.tree.unflatten(tree, leaves)
 
     def status(self, inputs, loss_bad=None):
         """The whole status vector: ``inputs`` (:meth:`input_status`) and the loss flag (reported where
@@ -109,7 +115,7 @@ class StepChecks:
         lb = jnp.asarray(False) if loss_bad is None or not self.check_loss else loss_bad
         return jnp.concatenate([inputs, lb.astype(jnp.int32)[None]])
 
-    def guard(self, run: Callable, loss_bad: Optional[Callable] = None) -> Callable:
+    def guard(self, run: Callable, mesh, loss_bad: Optional[Callable] = None) -> Callable:
         """A program whose state updates happen inside it (the no-flush methods, Cyclic DP): ``run(state, batch,
         *rest) -> (state, metrics)`` runs only where the batch passed its checks (``lax.cond``: the state's
         buffers are updated in place, no copy of them is kept for the other branch); otherwise the state comes
@@ -118,7 +124,7 @@ class StepChecks:
         DP: its ring lands stages in place into stacked buffers, which inside a conditional XLA copies -- temp
         2.2x, measured)."""
         def guarded(state, batch, *rest):
-            inputs, ok, batch = self.checked(batch)
+            inputs, ok, batch = self.checked(batch, mesh)
             if not (self.check_inputs and self.keeps_state):
                 new, metrics = run(state, batch, *rest)
             else:

@@ -25,6 +25,22 @@ def rel_err(a, b) -> float:
     return max(errs) if errs else 0.0
 
 
+def assert_close(a, b, rtol=1e-7, atol=0.0):
+    """``np.testing.assert_allclose`` that fails on NaN/Inf on either side (numpy's own treats NaN == NaN as
+    equal, so a NaN leaked into both a result and its reference would pass) and on a shape mismatch
+    (numpy broadcasts)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert a.shape == b.shape, f"shapes differ: {a.shape} vs {b.shape}"
+    for side, v in (("first", a), ("second", b)):
+        assert np.all(np.isfinite(v)), f"the {side} argument holds {int(np.sum(~np.isfinite(v)))} NaN/Inf value(s)"
+    np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, equal_nan=False)
+
+
+def assert_same(a, b):
+    """Bit-equal arrays, finite, one shape (:func:`assert_close` with no tolerance)."""
+    assert_close(a, b, rtol=0.0, atol=0.0)
+
+
 def small_model(kind: str, stages: int, seed: int = 0):
     """(model, batch_fn(n)) for ``kind`` in {"mlp", "gpt"}, sized for CPU tests."""
     if kind == "mlp":

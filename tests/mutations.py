@@ -1,6 +1,6 @@
 """Planted bugs: plausible one-line changes to jaxpipe, each of which a named test must catch (issue #43, item 4).
 
-    python tests/mutations.py                 # every mutation (about 10 minutes on 2 cores)
+    python tests/mutations.py                 # every mutation (about 20 minutes on 2 cores)
     python tests/mutations.py drain_index     # the ones named
     python tests/mutations.py --list
 
@@ -45,6 +45,34 @@ MUTATIONS = [
              "state._replace(counters=(jnp.zeros_like(t), base + fed, jnp.zeros_like(fed)))",
              "state._replace(counters=(jnp.zeros_like(t), base, jnp.zeros_like(fed)))",
              "tests/test_drain_sequences.py::test_step_step_drain_twice_equals_the_reference"),
+    # issue #43's caught bugs, kept caught
+    Mutation("pipedream_backward_reads_newest", "jaxpipe/optim/policies.py",
+             "        return jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, i % D, 0, False), stash)",
+             "        return lp",
+             "tests/test_independent_references.py::test_no_flush_method_equals_its_hand_written_version_table[2-pipedream]"),
+    Mutation("2bw_versions_swapped", "jaxpipe/optim/policies.py",
+             "        return jnp.where(latest(ps, i, s), 0, 1), (lp, ps.shadow)",
+             "        return jnp.where(latest(ps, i, s), 0, 1), (ps.shadow, lp)",
+             "tests/test_independent_references.py::test_no_flush_method_equals_its_hand_written_version_table[2-pipedream_2bw]"),
+    Mutation("cdp_v2_rule_reversed", "jaxpipe/optim/policies.py",
+             "        return jnp.where(i % M + s >= D - 1, b, b - 1) if fresh else b - 1",
+             "        return jnp.where(i % M + s >= D - 1, b - 1, b) if fresh else b - 1",
+             "tests/test_independent_references.py::test_cyclic_data_parallel_equals_the_papers_table[v2-2]"),
+    Mutation("pipeoptim_distance_off_by_one", "jaxpipe/optim/policies.py",
+             'return (lambda s: D - s) if distance == "code" else (lambda s: D - 1 - s)',
+             'return (lambda s: D - s) if distance == "code" else (lambda s: D - s)',
+             "tests/test_independent_references.py::test_predicting_method_equals_the_hand_written_backward[pipeoptim-4]"),
+    Mutation("avgpipe_elastic_sign", "jaxpipe/optim/elastic.py",
+             "(a * (r[None].astype(w.dtype) - w) + uu)", "(a * (w - r[None].astype(w.dtype)) + uu)",
+             "tests/test_avgpipe.py::test_reference_is_the_mean_of_the_replicas_and_alpha_matters"),
+    Mutation("restore_loses_the_step", "jaxpipe/checkpoint.py",
+             '        return out["state"], meta.get("extra", {}), int(meta["step"])',
+             '        return out["state"]._replace(step=out["state"].step * 0), meta.get("extra", {}), int(meta["step"])',
+             "tests/test_resume_with_dropout.py::test_resume_restores_the_step_and_the_keys[1f1b]"),
+    Mutation("restore_loses_the_optimizer_state", "jaxpipe/checkpoint.py",
+             '        return out["state"], meta.get("extra", {}), int(meta["step"])',
+             '        return out["state"]._replace(opt_state=template.opt_state), meta.get("extra", {}), int(meta["step"])',
+             "tests/test_checkpoint.py::test_resume_is_bit_equal[1f1b]"),
     # the comparison helper itself
     Mutation("rel_err_blind_to_nan", "tests/helpers.py",
              "        for side, v in ((\"first\", x), (\"second\", y)):",

@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import assert_close, assert_same
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--model=mlp", "--stages=4", "--steps=4", "--microbatches=4", "--batch=32", "--eval_every=0",
@@ -46,7 +47,7 @@ def test_two_processes_equal_one(schedule, tmp_path):
     assert len(lm) == 4 and np.allclose(lm, ls, rtol=1e-6, atol=0)
     assert pm.files == ps.files and len(pm.files) > 0
     for k in pm.files:
-        np.testing.assert_allclose(pm[k], ps[k], rtol=1e-6, atol=1e-7)
+        assert_close(pm[k], ps[k], rtol=1e-6, atol=1e-7)
     if schedule == "pipeoptim":
         # the 2-process checkpoint of step 2 (in-flight pipeline included), resumed by 1 process with 4
         # devices, ends where the uninterrupted run ended
@@ -59,7 +60,7 @@ def test_two_processes_equal_one(schedule, tmp_path):
         assert json.load(open(d / "summary.json"))["resumed_at"] == 2
         pr = np.load(d / "p.npz")
         for k in ps.files:
-            np.testing.assert_allclose(pr[k], ps[k], rtol=1e-6, atol=1e-7)
+            assert_close(pr[k], ps[k], rtol=1e-6, atol=1e-7)
 
 
 def test_unreachable_coordinator_fails_fast():
@@ -92,7 +93,7 @@ def test_two_processes_equal_one_with_model_axes(tmp_path):
     (lm, pm), (ls, ps) = out["multi"], out["single"]
     assert len(lm) == 3 and lm == ls
     for k in pm.files:
-        np.testing.assert_array_equal(pm[k], ps[k])
+        assert_same(pm[k], ps[k])
 
 
 def _two_by_hand(per_process_args, xla_flags="--xla_backend_optimization_level=0", timeout=180):

@@ -6,6 +6,7 @@ import optax
 import pytest
 
 from jaxpipe.optim.policies import pipeoptim, pipeoptim_distance, spectrain, spectrain_distances
+from helpers import assert_close
 
 
 def run(opt, grads, w):
@@ -41,8 +42,8 @@ def test_u_last_is_table1_delta(name):
             delta = (m / (1 - b1 ** t)) / (np.sqrt(s / (1 - b2 ** t)) + eps)
         step = -lr * delta - (lr * lam * w_prev if name == "adamw" else 0.0)
         w = w_prev + step
-    np.testing.assert_allclose(np.asarray(u_last), step, rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(np.asarray(w_final), w, rtol=1e-5, atol=1e-5)   # float32 accumulation
+    assert_close(np.asarray(u_last), step, rtol=1e-5, atol=1e-7)
+    assert_close(np.asarray(w_final), w, rtol=1e-5, atol=1e-5)   # float32 accumulation
 
 
 def test_prediction_reads_w_plus_s_u_last():
@@ -57,10 +58,10 @@ def test_prediction_reads_w_plus_s_u_last():
         lp1, _, ps = pol.update(g, lp, opt.init(lp), pol.init(lp), 0, jnp.int32(s))
         if pol.apply_pending is not None:
             lp1 = pol.apply_pending(lp1, ps)
-        np.testing.assert_allclose(np.asarray(lp1[0]), 1.0 - 0.2, rtol=1e-6)
+        assert_close(np.asarray(lp1[0]), 1.0 - 0.2, rtol=1e-6)
         wF, _ = pol.forward_weights(lp1, ps, 1, jnp.int32(s))
-        np.testing.assert_allclose(np.asarray(wF[0]), np.asarray(lp1[0]) + (D - 1 - s) * (-0.1 * 2.0), rtol=1e-6)
-        np.testing.assert_allclose(np.asarray(pol.backward_weights(lp1, ps, 1, jnp.int32(s))[0]), np.asarray(lp1[0]))
+        assert_close(np.asarray(wF[0]), np.asarray(lp1[0]) + (D - 1 - s) * (-0.1 * 2.0), rtol=1e-6)
+        assert_close(np.asarray(pol.backward_weights(lp1, ps, 1, jnp.int32(s))[0]), np.asarray(lp1[0]))
     assert [pipeoptim_distance(D)(s) for s in range(D)] == [3, 2, 1, 0]       # last stage: no prediction
     f, b = spectrain_distances(D)
     assert [f(s) for s in range(D)] == [3, 2, 2, 1] and [b(s) for s in range(D)] == [0, 0, 1, 1]

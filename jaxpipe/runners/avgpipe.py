@@ -150,7 +150,7 @@ class AvgPipeRunner:
             checks = ctx.checks
 
             def step(state: AvgPipeState, b):
-                inputs, ok_in, b = checks.checked(b)
+                inputs, ok_in, b = checks.checked(b, ctx.mesh)
                 losses, grads = replica_grads(state.params, b, state.step)
                 gnorm = jax.vmap(optax.tree.norm)(grads)
                 finite = jnp.all(jnp.isfinite(losses)) & jnp.all(jnp.isfinite(gnorm))

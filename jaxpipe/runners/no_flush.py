@@ -170,7 +170,7 @@ class AsyncRunner(InFlightRunner):
                            "microbatches_fed": counters[1] + counters[2], "version_errors": errors, "step": step}
                 return AsyncState(params, opt_state, pstate, carry, counters, step), metrics
 
-            self._fns[key] = jax.jit(ctx.checks.guard(run, computed_loss_bad), donate_argnums=(0,))
+            self._fns[key] = jax.jit(ctx.checks.guard(run, ctx.mesh, computed_loss_bad), donate_argnums=(0,))
             self._fns[key] = guard_collectives(self._fns[key], self.ctx.mesh)
         return self._fns[key]
 

@@ -147,7 +147,7 @@ class SyncRunner:
             checks = self.ctx.checks
             if what == "grad":
                 def grad_in_model_order(params, b, step):
-                    inputs, _, b = checks.checked(b)
+                    inputs, _, b = checks.checked(b, self.ctx.mesh)
                     loss, (g, g_pre, g_post) = lg(params, b, step)
                     status = checks.status(inputs)
                     return loss, (jax.tree.map(lambda a: a[inv], g) if stored else g, g_pre, g_post), status
@@ -158,7 +158,7 @@ class SyncRunner:
                 by_select = branches_refused(self.ctx.mesh)
 
                 def step(state: PipelineState, b):
-                    inputs, ok_in, b = checks.checked(b)
+                    inputs, ok_in, b = checks.checked(b, self.ctx.mesh)
                     loss, grads = lg(state.params, b, state.step)
                     gnorm = optax.tree.norm(grads)
                     finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
