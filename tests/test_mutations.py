@@ -14,8 +14,11 @@ def test_every_mutation_applies_to_the_code_as_it_is():
     for m in mutations.MUTATIONS:
         text = open(os.path.join(mutations.ROOT, m.path)).read()
         assert text.count(m.old) == 1, f"mutation {m.name} is stale: its text is not once in {m.path}"
-        test_file = m.test.split("::")[0]
+        test_file, test_name = m.test.split("::")
         assert os.path.exists(os.path.join(mutations.ROOT, test_file)), m.test
+        # a test id that names no test makes pytest exit 4 or 5, which the runner reports as an error, never
+        # as caught; checked here too, so a renamed test shows before anyone runs the list
+        assert f"def {test_name.split('[')[0]}(" in open(os.path.join(mutations.ROOT, test_file)).read(), m.test
 
 
 def test_rel_err_sees_nan_in_any_leaf():

@@ -100,3 +100,12 @@ def test_readme_api_snippet_runs(tmp_path):
                        timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "1f1b: D=4 M=8" in p.stdout
+
+
+def test_ci_runs_the_readmes_test_command_verbatim():
+    """`.ci/run`'s first leg is the README's test command, character for character (its comment aside)."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    wanted = [l.split("  #")[0].rstrip() for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+              for l in block.splitlines() if "pytest" in l and l.startswith("pip install")]
+    assert len(wanted) == 1, wanted
+    assert wanted[0] in open(os.path.join(ROOT, ".ci", "run")).read().splitlines()

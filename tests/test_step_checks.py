@@ -28,20 +28,23 @@ def _mlp_pipe(schedule, **kw):
     return pipe, batch_fn
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "pipedream_2bw"])
-def test_a_bad_device_batch_changes_nothing_and_the_next_call_says_so(schedule):
+@pytest.mark.parametrize("schedule,bad_field", [("1f1b", "x"), ("pipedream_2bw", "x"), ("1f1b", "y")])
+def test_a_bad_device_batch_changes_nothing_and_the_next_call_says_so(schedule, bad_field):
+    """``x``: an Inf (the loss goes non-finite too); ``y``: a label of -1, which gives a finite loss (it reads
+    the last class), so only the batch check can keep the update back."""
     pipe, batch_fn = _mlp_pipe(schedule)
     good = jax.tree.map(jnp.asarray, batch_fn(8))
     state, _ = pipe.step(pipe.init(), good)
     state, _ = pipe.step(state, good)              # a no-flush pipeline now has micro-batches in flight
     before = _host(state)
-    bad = dict(good, x=good["x"].at[1, 0].set(jnp.inf))
+    bad = (dict(good, x=good["x"].at[1, 0].set(jnp.inf)) if bad_field == "x" else
+           dict(good, y=good["y"].at[3].set(-1)))
     with jax.transfer_guard_device_to_host("disallow"):      # nothing is read back inside the step
         state, metrics = pipe.step(state, bad)
     after = _host(state)
     assert _equal(before, after), "a step on a batch with Inf changed the state"
     assert int(metrics["step"]) == int(before.step)
-    with pytest.raises(jp.ConfigError, match=r"\['x'\] \(1 value") as e:
+    with pytest.raises(jp.ConfigError, match=r"\['x'\] \(1 value" if bad_field == "x" else "'y'") as e:
         pipe.step(state, good)
     assert "changed nothing" in str(e.value)
     # the error was raised before anything ran: the state is still usable, and training goes on exactly as
