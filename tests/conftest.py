@@ -98,3 +98,33 @@ if os.environ.get("JAXPIPE_TEST_NAN_BUBBLES", "1") != "0":
     import jaxpipe as _jp  # noqa: E402
     _nan_by_default(_jp.Pipeline)
     _nan_by_default(_jp.CyclicDataParallel)
+
+
+# JAXPIPE_TEST_TIMES=FILE: each phase's wall time (setup, call, teardown) of every test appended to FILE as it
+# finishes, one "seconds<TAB>phase<TAB>node id" line (by the xdist controller, which sees every report): the data
+# for sizing CI's two legs (BUILD_NOTES, "CI time"), readable while the run goes on and kept if it is stopped.
+_TIMES = os.environ.get("JAXPIPE_TEST_TIMES")
+
+
+def pytest_runtest_logreport(report):
+    if _TIMES and not os.environ.get("PYTEST_XDIST_WORKER"):      # the controller sees every worker's reports
+        with open(_TIMES, "a") as f:
+            f.write(f"{report.duration:.2f}\t{report.when}\t{report.nodeid}\n")
+
+
+# CI's second leg (the newest JAX, .ci/run) runs a sample of the suite, to stay within CI's hour with the first
+# leg's full run: JAXPIPE_TEST_SAMPLE=k keeps every k-th case of each parametrized test (cases 0, k, 2k, ... in
+# collection order, so every test function still runs at least once) and leaves out the tests marked
+# ``ci_once`` (process orchestration, the optimised-build sample, the planted-bug sample: jaxpipe's own
+# machinery, which the first leg runs).  Unset: everything.  A test id named on the command line is kept.
+def pytest_collection_modifyitems(config, items):
+    k = int(os.environ.get("JAXPIPE_TEST_SAMPLE", "1") or 1)
+    if k <= 1 or any("::" in a for a in config.args):
+        return
+    seen, keep, dropped = {}, [], []
+    for item in items:
+        fn = item.nodeid.split("[")[0]
+        i = seen[fn] = seen.get(fn, -1) + 1
+        (dropped if item.get_closest_marker("ci_once") or ("[" in item.nodeid and i % k) else keep).append(item)
+    config.hook.pytest_deselected(items=dropped)
+    items[:] = keep

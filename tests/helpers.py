@@ -28,9 +28,9 @@ def rel_err(a, b) -> float:
 def assert_close(a, b, rtol=1e-7, atol=0.0):
     """``np.testing.assert_allclose`` that fails on NaN/Inf on either side (numpy's own treats NaN == NaN as
     equal, so a NaN leaked into both a result and its reference would pass) and on a shape mismatch
-    (numpy broadcasts)."""
+    (numpy broadcasts; a scalar ``b``, one expected value for every entry, is the one broadcast allowed)."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert a.shape == b.shape, f"shapes differ: {a.shape} vs {b.shape}"
+    assert a.shape == b.shape or b.ndim == 0, f"shapes differ: {a.shape} vs {b.shape}"
     for side, v in (("first", a), ("second", b)):
         assert np.all(np.isfinite(v)), f"the {side} argument holds {int(np.sum(~np.isfinite(v)))} NaN/Inf value(s)"
     np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, equal_nan=False)

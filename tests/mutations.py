@@ -105,6 +105,7 @@ def run(m: Mutation, timeout: float = 900) -> str:
             return "stale"
         open(path, "w").write(text.replace(m.old, m.new))
         env = dict(os.environ, PYTHONPATH=dst)
+        env.pop("JAXPIPE_TEST_SAMPLE", None)
         p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", m.test],
                            cwd=dst, env=env, capture_output=True, text=True, timeout=timeout)
         # pytest's 1: a test failed (caught); 0: passed (missed); anything else (no such test, a collection
