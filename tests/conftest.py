@@ -112,19 +112,24 @@ def pytest_runtest_logreport(report):
             f.write(f"{report.duration:.2f}\t{report.when}\t{report.nodeid}\n")
 
 
-# CI's second leg (the newest JAX, .ci/run) runs a sample of the suite, to stay within CI's hour with the first
-# leg's full run: JAXPIPE_TEST_SAMPLE=k keeps every k-th case of each parametrized test (cases 0, k, 2k, ... in
-# collection order, so every test function still runs at least once) and leaves out the tests marked
-# ``ci_once`` (process orchestration, the optimised-build sample, the planted-bug sample: jaxpipe's own
-# machinery, which the first leg runs).  Unset: everything.  A test id named on the command line is kept.
+# CI's second leg (the newest JAX, .ci/run) runs a sample of the suite, to stay within CI's hour beside the first
+# leg's full run: JAXPIPE_TEST_SAMPLE=k keeps every k-th test of each test file in collection order (the file's
+# first test always, so every file runs), starting from JAXPIPE_TEST_SAMPLE_OFFSET (default: the UTC day number
+# mod k, so k days of CI runs cover the whole suite on the newest releases), and leaves out the tests marked
+# ``ci_once`` (process and file handling, the optimised-build and planted-bug samples: jaxpipe's own machinery,
+# which the first leg runs).  Unset or 1: everything.  Test ids named on the command line are all kept.
 def pytest_collection_modifyitems(config, items):
+    import datetime
     k = int(os.environ.get("JAXPIPE_TEST_SAMPLE", "1") or 1)
     if k <= 1 or any("::" in a for a in config.args):
         return
+    offset = int(os.environ.get("JAXPIPE_TEST_SAMPLE_OFFSET", datetime.datetime.now(datetime.timezone.utc)
+                                .toordinal() % k))
     seen, keep, dropped = {}, [], []
     for item in items:
-        fn = item.nodeid.split("[")[0]
-        i = seen[fn] = seen.get(fn, -1) + 1
-        (dropped if item.get_closest_marker("ci_once") or ("[" in item.nodeid and i % k) else keep).append(item)
+        f = item.nodeid.split("::")[0]
+        i = seen[f] = seen.get(f, -1) + 1
+        chosen = i == 0 or (i - offset) % k == 0
+        (keep if chosen and not item.get_closest_marker("ci_once") else dropped).append(item)
     config.hook.pytest_deselected(items=dropped)
     items[:] = keep

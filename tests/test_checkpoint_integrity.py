@@ -11,6 +11,9 @@ import pytest
 import jaxpipe as jp
 from helpers import small_model
 
+# CI's second leg leaves these out (tests/conftest.py): jaxpipe's own process and file handling
+pytestmark = pytest.mark.ci_once
+
 
 def make():
     model, batch_fn = small_model("mlp", 2)

@@ -9,6 +9,10 @@ import sys
 import time
 
 import numpy as np
+import pytest
+
+# CI's second leg leaves these out (tests/conftest.py): jaxpipe's own process and file handling
+pytestmark = pytest.mark.ci_once
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = ["--model=mlp", "--stages=2", "--microbatches=4", "--batch=32", "--eval_every=0", "--progress=false",

@@ -10,7 +10,9 @@ import pytest
 
 from test_faults import BASE, ROOT
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and PR_SET_PDEATHSIG are Linux's")
+# CI's second leg leaves these out (tests/conftest.py): jaxpipe's own process handling
+pytestmark = [pytest.mark.ci_once,
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and PR_SET_PDEATHSIG are Linux's")]
 
 
 def _alive(pid):

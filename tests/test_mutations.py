@@ -34,6 +34,7 @@ def test_rel_err_sees_nan_in_any_leaf():
         rel_err({"a": np.ones(3), "b": np.ones(3)}, ok)
 
 
+@pytest.mark.ci_once        # CI's first leg only (tests/conftest.py): each mutant is a pytest run of its own
 @pytest.mark.parametrize("name", ["status_never_read", "stage_key_ignores_stage"])
 def test_a_sample_of_planted_bugs_is_caught(name):
     m = next(m for m in mutations.MUTATIONS if m.name == name)

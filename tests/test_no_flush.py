@@ -115,6 +115,7 @@ def test_leak_probe_registers_routing():
     assert np.isfinite(run(0)) and not np.isfinite(run(1))
 
 
+@pytest.mark.ci_once        # CI's first leg only (tests/conftest.py): 2 minutes on 2 cores
 def test_leak_probe_ring_routing():
     """Ring routing (Cyclic DP's DP form): worker 0 running stage 2's forward before stage 1's is caught --
     reads of versions the stages do not hold are counted, and the parameters leave the serial reference."""
