@@ -121,8 +121,8 @@ class PipelineModel:
       (``fsdp``, ``tensor``) for ONE stage's leaves (jaxpipe adds the stage axis) and for ``pre``/``post_loss``'s
       parameters; ``None`` (or a ``None`` entry): replicated.  See :mod:`jaxpipe.sharding`.
     """
-    stage_fn: Callable
-    stage_params: Any
+    stage_fn: Optional[Callable] = None
+    stage_params: Any = None
     pre: Optional[Callable] = None
     pre_params: Any = ()
     post_loss: Optional[Callable] = None
@@ -139,8 +139,17 @@ class PipelineModel:
     #: ``recut(n)``: the same model cut into ``n`` stages (its stages scan whole blocks: the Flax adapters set
     #: it).  Interleaved 1F1B and the V-schedules use it when the model as written has one stage per device.
     recut: Optional[Callable[[int], "PipelineModel"]] = dataclasses.field(default=None, compare=False, repr=False)
+    #: ``block_fn(params_of_one_block, x)`` (``(p, x, ctx)`` for a context model): a model of identical blocks;
+    #: ``stage_fn`` then runs a stage's blocks in order (``lax.scan``) and may be left out
+    block_fn: Optional[Callable] = dataclasses.field(default=None, compare=False, repr=False)
+    #: ``cut=(8, 8, 8, 7)``: blocks per stage (uneven stages, :mod:`jaxpipe.cuts`); ``stage_params`` are then the
+    #: blocks' own, leaves ``[n_blocks, ...]``, and ``block_fn`` is needed
+    cut: Optional[Tuple[int, ...]] = None
+    #: whether ``block_fn`` takes a ctx (set from ``context``/``stage_inputs`` when ``stage_fn`` is derived)
+    block_context: Optional[bool] = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
+        self._set_blocks()
         if isinstance(self.stage_inputs, str):
             object.__setattr__(self, "stage_inputs", (self.stage_inputs,))
         object.__setattr__(self, "stage_inputs", tuple(self.stage_inputs))
@@ -162,9 +171,66 @@ class PipelineModel:
                               f"jp.stack_stages([params_of_stage_0, params_of_stage_1, ...]) (a list of per-layer "
                               f"dicts is not a stacked pytree)")
 
+    def _set_blocks(self):
+        """``block_fn`` and ``cut``: the stage function that runs a stage's blocks (skipping padding)."""
+        if self.stage_params is None:
+            raise ConfigError("PipelineModel needs stage_params: the stages' parameters stacked on a leading "
+                              "stage axis (or, with cut=, the blocks' stacked on a leading block axis)")
+        if self.cut is not None:
+            from .cuts import check_cut
+            if self.block_fn is None:
+                raise ConfigError("PipelineModel(cut=...) needs block_fn(params_of_one_block, x): stages of "
+                                  "different lengths run their blocks one by one, skipping the padding")
+            n = jnp.shape(jax.tree.leaves(self.stage_params)[0])[0] if jax.tree.leaves(self.stage_params) else 0
+            object.__setattr__(self, "cut", check_cut(self.cut, n))
+        if self.block_fn is not None and self.stage_fn is None:
+            from .cuts import stage_of_blocks
+            takes_ctx = self.context or bool(self.stage_inputs)
+            object.__setattr__(self, "block_context", takes_ctx)
+            object.__setattr__(self, "stage_fn", stage_of_blocks(self.block_fn, self.cut, takes_ctx))
+            if self.cut is not None:
+                object.__setattr__(self, "context", True)     # the stage reads ctx.stage to skip its padding
+        if self.stage_fn is None:
+            raise ConfigError("PipelineModel needs stage_fn(params_of_one_stage, x) -> x, or block_fn for a "
+                              "model of identical blocks")
+
     @property
     def num_stages(self) -> int:
+        if self.cut is not None:
+            return len(self.cut)
         return int(jnp.shape(jax.tree.leaves(self.stage_params)[0])[0])
+
+    def padded(self) -> "PipelineModel":
+        """The model the executor runs: a cut model's blocks padded to ``[stages, max(cut), ...]`` (zeros; the
+        stage function skips them); an even model itself."""
+        if self.cut is None:
+            return self
+        from .cuts import pad_blocks
+        return dataclasses.replace(self, stage_params=pad_blocks(self.stage_params, self.cut), cut=None,
+                                   recut=None)
+
+    def stage_layout(self, stage_params):
+        """A cut model's blocks ``[n_blocks, ...]`` as the executor holds them (padded); otherwise unchanged."""
+        from .cuts import pad_blocks
+        return stage_params if self.cut is None else pad_blocks(stage_params, self.cut)
+
+    def user_layout(self, stage_params):
+        """The inverse of :meth:`stage_layout`: the padding dropped."""
+        from .cuts import unpad_blocks
+        return stage_params if self.cut is None else unpad_blocks(stage_params, self.cut)
+
+    def chunks(self, n: int) -> "PipelineModel":
+        """The model in ``n`` stages: a cut model splits each stage's blocks into ``n / stages`` chunks
+        (interleaved 1F1B, V-schedules); other models use ``recut``."""
+        if self.cut is None:
+            if self.recut is None:
+                raise ConfigError(f"the model cannot be cut into {n} stages: it has no recut")
+            return self.recut(n)
+        from .cuts import split_cut
+        if n % len(self.cut):
+            raise ConfigError(f"{n} chunks is not a multiple of the cut's {len(self.cut)} stages")
+        return dataclasses.replace(self, cut=split_cut(self.cut, n // len(self.cut)), stage_fn=None,
+                                   context=bool(self.block_context))
 
     @property
     def params(self):
@@ -216,6 +282,7 @@ class PipelineModel:
     def forward(self, params, batch, key=None):
         """Unpipelined activations after the last stage (before ``post_loss``)."""
         stage_p, pre_p, _ = params
+        stage_p = self.stage_layout(stage_p)
         x = self.pre(pre_p, batch)
         for s in range(jnp.shape(jax.tree.leaves(stage_p)[0])[0]):
             ctx = self.stage_context(batch, key, s) if self.context else None

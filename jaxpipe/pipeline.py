@@ -78,7 +78,10 @@ class Pipeline:
         options = _merge_legacy(schedule, options, chimera=chimera, virtual=virtual, zb=zb, avgpipe=avgpipe,
                                 wpipe=wpipe)
         if built is None:
+            mesh = _checked_mesh(mesh, model)     # the default mesh: one device per stage of the model as given
             model = _recut_for(schedule, options, model, mesh)
+        # uneven stages: the user's layout is the blocks' own; the executor holds them padded (jaxpipe.cuts)
+        self.user_model, model = model, model.padded()
         from .precision import Precision, with_precision
         if precision is not None and not isinstance(precision, Precision):
             raise ConfigError(f"precision={precision!r}: give jp.Precision(params='float32', compute='bfloat16')")
@@ -170,7 +173,12 @@ class Pipeline:
         """``(stage_params, pre_params, post_params)`` as the model gave them (stage leaves stacked)."""
         self.check()
         require_live(state, "params()")
-        return self._runner.params(state)
+        return self._user_layout(self._runner.params(state))
+
+    def _user_layout(self, params):
+        """Stage parameters (or gradients) as the user's model holds them: a cut model's padding dropped."""
+        stage, *rest = params
+        return (self.user_model.user_layout(stage), *rest)
 
     def check(self):
         """Raise the ConfigError of the last call if one of its on-device checks failed (a batch with NaN/Inf
@@ -185,14 +193,16 @@ class Pipeline:
         from .schedules.layout import layout_index
         D = self.mesh.shape[STAGE]
         lay = jnp.asarray(layout_index(self.schedule))
-        return jax.tree.map(lambda a: a[lay].reshape((D, -1) + a.shape[1:]), self.params(state)[0])
+        self.check()
+        return jax.tree.map(lambda a: a[lay].reshape((D, -1) + a.shape[1:]), self._runner.params(state)[0])
 
     def loss_and_grad(self, state, batch):
         """Mean loss over the batch and its gradient ``(g_stage, g_pre, g_post)``; no update."""
         require_live(state, "loss_and_grad()")
         self._check_values(batch)
         self.check()
-        return self._runner.loss_and_grad(state, batch)
+        loss, grads = self._runner.loss_and_grad(state, batch)
+        return loss, self._user_layout(grads)
 
     def _check_state(self, state):
         """A clear error for a state that is not this pipeline's: None, the parameters, another schedule's or
@@ -397,14 +407,14 @@ def _recut_for(schedule: str, options: dict, model, mesh):
     v x D stages (the Flax adapters' models); otherwise the model unchanged (the schedule's own checks say what
     to change)."""
     from .axes import STAGE
-    if model.recut is None or mesh is None or STAGE not in getattr(mesh, "shape", {}):
+    if (model.recut is None and model.cut is None) or mesh is None or STAGE not in getattr(mesh, "shape", {}):
         return model
     D = mesh.shape[STAGE]
     v = schedules.method(schedule).stages_per_device({"virtual": (options or {}).get("virtual")})
     if v <= 1 or model.num_stages != D:
         return model
     try:
-        return model.recut(v * D)
+        return model.chunks(v * D)
     except ConfigError as e:
         raise ConfigError(f"{schedule} holds {v} model stages per device, {v * D} in all, but this model's "
                           f"blocks cannot be cut so: {e}") from None

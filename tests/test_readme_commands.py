@@ -13,10 +13,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = ["--steps=2", "--eval_every=0", "--sample_len=8", "--progress=false", "--batch=16", "--seq_len=16"]
 QUICK = {
     "train": TRAIN,
-    "convergence": ["--task=digits", "--seeds=1", "--steps=2", "--eval_every=1", "--batch=16"],
+    # throughput and convergence run every method by default; here a synchronous, an asynchronous and a
+    # cyclic one (each method's numbers are tested elsewhere), which halves the file's CI time
+    "convergence": ["--task=digits", "--seeds=1", "--steps=2", "--eval_every=1", "--batch=16",
+                    "--schedules=gpipe,pipeoptim"],
     "timeline": [],
     "bubbles": [],
-    "throughput": ["--steps=1", "--compile_m2=0", "--layers=8", "--width=32", "--batch=64"],
+    "throughput": ["--steps=1", "--compile_m2=0", "--layers=8", "--width=32", "--batch=64",
+                   "--schedules=1f1b,chimera,pipedream,cdp_dp_v1"],
     "op_profile": ["--schedules=chimera,cdp_dp_v1", "--steps=1", "--layers=4", "--width=32", "--batch=64"],
     "tune": ["--devices=4", "--layers=4", "--width=32", "--batch=16", "--validate=1", "--micro_batch_sizes=4"],
     "stage_efficiency": ["--widths=64", "--layers=2", "--microbatch_sizes=8", "--reps=2"],

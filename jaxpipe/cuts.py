@@ -1,0 +1,124 @@
+"""Uneven cuts: a model of ``n`` identical blocks on stages that hold different numbers of them (issue #41).
+
+A cut is a tuple of block counts, one per stage, summing to the number of blocks: ``(8, 8, 8, 7)`` puts 31
+blocks on 4 stages.  Every stage runs the same program in an SPMD pipeline, so each stage holds as many block
+slots as the longest one; a shorter stage's extra slots are *padding*:
+
+* skipped, not multiplied by zero: the stage scans its slots and a ``lax.cond`` on ``ctx.stage`` runs a slot's
+  block only where the slot is real (a padded slot passes the activation through; under ``vmap`` the cond
+  becomes a select and both branches run -- only AvgPipe's shared-device runner vmaps stages);
+* never moved: padding holds zeros and its gradient is exactly zero (the untaken branch's cotangent), so SGD,
+  momentum, Adam(W), weight decay and clipping leave it at zero -- an optimizer that moves a zero parameter
+  with a zero gradient would move it (none of optax's standard ones does);
+* never seen: the user's layout is the blocks' own, leaves ``[n_blocks, ...]`` in order; the pipeline pads on
+  the way in (:func:`pad_blocks`) and drops the padding on the way out (:func:`unpad_blocks`): ``params``,
+  ``loss_and_grad`` and the adapters' ``to_modules`` give the blocks only.
+
+No JAX tracing here beyond the two layout maps and the scan; the cut itself is plain data.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .errors import ConfigError
+
+
+def even_cut(n_blocks: int, num_stages: int) -> Tuple[int, ...]:
+    """The most even cut of ``n_blocks`` on ``num_stages`` stages (the first stages get the extra blocks)."""
+    q, r = divmod(n_blocks, num_stages)
+    return tuple(q + (s < r) for s in range(num_stages))
+
+
+def check_cut(cut, n_blocks: int, num_stages: Optional[int] = None) -> Tuple[int, ...]:
+    """``cut`` as a tuple of ints, or a ConfigError saying which entry is wrong and what would work."""
+    try:
+        out = tuple(int(c) for c in cut)
+        if any(int(c) != c for c in cut):
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ConfigError(f"cut={cut!r}: give one block count per stage, e.g. {list(even_cut(n_blocks, num_stages or 2))}"
+                          ) from None
+    if num_stages is not None and len(out) != num_stages:
+        raise ConfigError(f"cut={list(out)} has {len(out)} entries for num_stages={num_stages}: give one block count "
+                          f"per stage, e.g. {list(even_cut(n_blocks, num_stages))}")
+    if any(c < 1 for c in out):
+        raise ConfigError(f"cut={list(out)}: every stage needs at least one block (stage "
+                          f"{[i for i, c in enumerate(out) if c < 1][0]} has {min(out)}); use fewer stages")
+    if sum(out) != n_blocks:
+        raise ConfigError(f"cut={list(out)} places {sum(out)} blocks but the model has {n_blocks}: the counts must "
+                          f"add up to {n_blocks}, e.g. {list(even_cut(n_blocks, len(out)))}")
+    return out
+
+
+def split_cut(cut: Sequence[int], parts: int) -> Tuple[int, ...]:
+    """Each stage of ``cut`` split into ``parts`` consecutive chunks of near-equal block counts (interleaved
+    1F1B and the V-schedules run ``parts`` chunks per device)."""
+    if parts == 1:
+        return tuple(cut)
+    small = [c for c in cut if c < parts]
+    if small:
+        raise ConfigError(f"cut={list(cut)} cannot give each stage {parts} chunks of at least one block (a stage "
+                          f"holds {min(small)}): give every stage at least {parts} blocks, or fewer chunks")
+    return tuple(k for c in cut for k in even_cut(c, parts))
+
+
+def slot_index(cut: Sequence[int]) -> np.ndarray:
+    """For each real block (in order), its flat slot ``stage * max(cut) + position`` in the padded layout."""
+    width = max(cut)
+    return np.array([s * width + i for s, c in enumerate(cut) for i in range(c)], np.int32)
+
+
+def pad_blocks(blocks, cut: Sequence[int]):
+    """Leaves ``[n_blocks, ...]`` -> ``[len(cut), max(cut), ...]``, padding slots zero."""
+    S, width, idx = len(cut), max(cut), slot_index(cut)
+
+    def one(a):
+        flat = jnp.zeros((S * width,) + a.shape[1:], a.dtype).at[idx].set(a)
+        return flat.reshape((S, width) + a.shape[1:])
+    return jax.tree.map(one, blocks)
+
+
+def unpad_blocks(stages, cut: Sequence[int]):
+    """Leaves ``[len(cut), max(cut), ...]`` -> ``[n_blocks, ...]``: the real blocks in order."""
+    idx = slot_index(cut)
+    return jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:])[idx], stages)
+
+
+def padded_avals(blocks, cut: Sequence[int]):
+    """Shapes and dtypes of :func:`pad_blocks` of ``blocks`` (arrays or avals)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct((len(cut), max(cut)) + tuple(a.shape[1:]), a.dtype), blocks)
+
+
+def stage_of_blocks(block_fn: Callable, cut: Optional[Sequence[int]], context: bool) -> Callable:
+    """``stage_fn(w, x, ctx)`` running a stage's blocks in order: ``lax.scan`` over the block slots of ``w``
+    (leaves ``[slots, ...]``); with a ``cut``, a slot at or past the stage's count ``cut[ctx.stage]`` is
+    skipped (``lax.cond``).  ``block_fn(p, x)``, or ``block_fn(p, x, ctx)`` for a context model, where the
+    ctx's ``key`` is the block's own (``ctx.key`` split over the slots).  Without a cut and context the stage
+    is ``stage_fn(w, x)``."""
+    counts = None if cut is None else np.asarray(cut, np.int32)
+
+    def run(p, h, ctx):
+        return block_fn(p, h, ctx) if context else block_fn(p, h)
+
+    def stage(w, x, ctx=None):
+        n = jax.tree.leaves(w)[0].shape[0]
+        keys = None if ctx is None or ctx.key is None else jax.random.split(ctx.key, n)
+        real = None if counts is None else jnp.asarray(counts)[ctx.stage]
+
+        def one(h, ipk):
+            i, p, k = ipk
+            c = None if ctx is None else dataclasses.replace(ctx, key=k)
+            if real is None:
+                return run(p, h, c), None
+            return lax.cond(i < real, lambda h_: run(p, h_, c), lambda h_: h_, h), None
+        return lax.scan(one, x, (jnp.arange(n), w, keys))[0]
+
+    if counts is None and not context:
+        return lambda w, x: stage(w, x)
+    return stage
