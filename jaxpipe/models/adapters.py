@@ -32,37 +32,35 @@ from ..errors import ConfigError
 from ..model import PipelineModel
 
 
-def _stack_blocks(per_block: Sequence[Any], num_stages: int):
+def _stack_blocks(per_block: Sequence[Any], num_stages: int, cut=None):
+    """The blocks' parameters stacked: ``[num_stages, n / num_stages, ...]`` for an even cut, or the blocks'
+    own ``[n, ...]`` for a ``cut`` (the pipeline pads them: :mod:`jaxpipe.cuts`)."""
+    from ..cuts import check_cut, even_cut
     n = len(per_block)
-    if num_stages < 1 or n % num_stages:
-        raise ConfigError(f"{n} blocks cannot be cut into {num_stages} equal stages: give a number of stages "
-                          f"dividing {n} (e.g. {[d for d in range(1, n + 1) if n % d == 0]})")
+    if cut is None and (num_stages < 1 or n % num_stages):
+        suggestion = f"cut={list(even_cut(n, num_stages))} (uneven stages), or " if 1 <= num_stages <= n else ""
+        raise ConfigError(f"{n} blocks cannot be cut into {num_stages} equal stages: give {suggestion}a number of "
+                          f"stages dividing {n} (e.g. {[d for d in range(1, n + 1) if n % d == 0]})")
+    if cut is not None:
+        check_cut(cut, n, num_stages)
     ref = jax.tree.structure(per_block[0])
     for i, p in enumerate(per_block[1:], 1):
         if jax.tree.structure(p) != ref or any(
                 jnp.shape(a) != jnp.shape(b) for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(per_block[0]))):
             raise ConfigError(f"block {i}'s parameters differ in structure or shape from block 0's: a pipeline "
                               f"stage runs identical blocks (put differing layers into the embedding or head)")
+    if cut is not None:
+        return jax.tree.map(lambda *xs: jnp.stack(xs), *per_block)
     per = n // num_stages
     return jax.tree.map(lambda *xs: jnp.stack(xs).reshape((num_stages, per) + jnp.shape(xs[0])), *per_block)
 
 
-def _stage_fn(apply_block: Callable, block_call: Optional[Callable]):
-    """A stage: its blocks in order (``lax.scan`` over the block axis)."""
+def _block_fn(apply_block: Callable, block_call: Optional[Callable]):
+    """One block: ``apply_block(p, x)``, or ``block_call(apply_block, p, x, ctx)`` (a context model); a stage
+    runs its blocks in order (``lax.scan``: :func:`jaxpipe.cuts.stage_of_blocks`)."""
     if block_call is None:
-        def stage(w, x):
-            return lax.scan(lambda h, p: (apply_block(p, h), None), x, w)[0]
-        return stage, False
-
-    def stage_ctx(w, x, ctx):
-        n = jax.tree.leaves(w)[0].shape[0]
-        keys = None if ctx.key is None else jax.random.split(ctx.key, n)
-
-        def one(h, pk):
-            p, k = pk
-            return block_call(apply_block, p, h, dataclasses.replace(ctx, key=k)), None
-        return lax.scan(one, x, (w, keys))[0]
-    return stage_ctx, True
+        return apply_block, False
+    return (lambda p, x, ctx: block_call(apply_block, p, x, ctx)), True
 
 
 def _mesh_spec(spec, rules):
@@ -113,25 +111,32 @@ def _share(module, path, variable):
 
 
 def _model(apply_block, stacked, apply_embed, embed_p, apply_head, head_p, loss, inputs, block_call,
-           stage_inputs, param_specs=None, tied=(), recut=None):
-    stage_fn, context = _stage_fn(apply_block, block_call)
+           stage_inputs, param_specs=None, tied=(), recut=None, cut=None):
+    block_fn, context = _block_fn(apply_block, block_call)
     pick = inputs or (lambda b: b["x"])
     return PipelineModel(
-        stage_fn=stage_fn, stage_params=stacked,
+        block_fn=block_fn, stage_params=stacked, cut=None if cut is None else tuple(cut),
         pre=lambda p, b: apply_embed(p, pick(b)), pre_params=embed_p,
         post_loss=lambda p, h, b: loss(apply_head(p, h), b), post_params=head_p,
         head=apply_head, context=context or bool(stage_inputs), stage_inputs=tuple(stage_inputs),
-        param_specs=param_specs, tied=tuple(tied), recut=recut)
+        param_specs=param_specs, tied=tuple(tied), recut=None if cut is not None else recut)
+
+
+def _flat_blocks(stage_p, cut):
+    """Stage parameters as ``pipe.params`` gives them -> leaves ``[n_blocks, ...]``."""
+    return stage_p if cut is not None else jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), stage_p)
 
 
 def from_nnx(blocks: Sequence[Any], embed: Any, head: Any, loss: Callable, num_stages: int, *,
              inputs: Optional[Callable] = None, block_call: Optional[Callable] = None,
-             stage_inputs: Sequence[str] = (), rules=None) -> Tuple[PipelineModel, Callable]:
+             stage_inputs: Sequence[str] = (), rules=None, cut=None) -> Tuple[PipelineModel, Callable]:
     """``(model, to_modules)`` from NNX modules.  ``to_modules(params)`` returns ``(blocks, embed, head)``:
     new module instances holding ``params`` (``pipe.params(state)``).  ``rules``: logical axis name -> mesh
     axis, for the modules' ``nnx.with_partitioning`` metadata (module docstring).  A Variable the embedding and
     the head share (a head reusing the token embedding) is found and tied (``PipelineModel.tied``: one array,
-    its two uses' gradients summed); ``to_modules`` gives a head sharing the embedding's Variable again."""
+    its two uses' gradients summed); ``to_modules`` gives a head sharing the embedding's Variable again.
+    ``cut=[8, 8, 8, 7]``: blocks per stage where they differ (:mod:`jaxpipe.cuts`; ``pipe.params`` then holds
+    the blocks as ``[n_blocks, ...]``); ``cut="balanced"``: chosen from measured costs (:func:`balanced_cut`)."""
     from flax import nnx
     blocks = list(blocks)
     if not blocks:
@@ -151,15 +156,15 @@ def from_nnx(blocks: Sequence[Any], embed: Any, head: Any, loss: Callable, num_s
     spec = lambda st: nnx.to_pure_dict(nnx.get_partition_spec(st))
     specs = _param_specs(spec(defs[0][1]), spec(e_state), spec(h_state), rules)
 
-    def build(n):
-        return _model(merged(gdef, defs[0][1]), _stack_blocks(per_block, n), merged(e_def, e_state),
+    def build(n, cut=None):
+        return _model(merged(gdef, defs[0][1]), _stack_blocks(per_block, n, cut), merged(e_def, e_state),
                       nnx.to_pure_dict(e_state), merged(h_def, h_state), nnx.to_pure_dict(h_state), loss, inputs,
-                      block_call, stage_inputs, specs, tied, recut=build)
-    model = build(num_stages)
+                      block_call, stage_inputs, specs, tied, recut=build, cut=cut)
+    model = build(num_stages, _resolve_cut(cut, build, num_stages, len(blocks)))
 
     def to_modules(params):
         stage_p, pre_p, post_p = params
-        flat = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), stage_p)
+        flat = _flat_blocks(stage_p, model.cut)
         out = [nnx.merge(gdef, _restore(defs[0][1], jax.tree.map(lambda a: a[i], flat)))
                for i in range(len(blocks))]
         e_mod, h_mod = nnx.merge(e_def, _restore(e_state, pre_p)), nnx.merge(h_def, _restore(h_state, post_p))
@@ -184,7 +189,7 @@ def _restore(state, pure):
 def from_linen(block: Any, block_params: Sequence[Any], embed: Tuple[Any, Any], head: Tuple[Any, Any],
                loss: Callable, num_stages: int, *, inputs: Optional[Callable] = None,
                block_call: Optional[Callable] = None, stage_inputs: Sequence[str] = (), rules=None,
-               tied: Sequence[Tuple[Tuple, Tuple]] = ()) -> Tuple[PipelineModel, Callable]:
+               tied: Sequence[Tuple[Tuple, Tuple]] = (), cut=None) -> Tuple[PipelineModel, Callable]:
     """``(model, to_params)`` from Linen modules: ``block`` with one ``params`` dict per layer, and
     ``(module, params)`` for the embedding and the head -- the head may be ``(module, params, method)`` (a tied
     LM head: ``(embed_module, embed_params, "attend")``).  ``to_params(params)`` returns ``(block_params list,
@@ -192,7 +197,7 @@ def from_linen(block: Any, block_params: Sequence[Any], embed: Tuple[Any, Any], 
     ``nn.with_logical_partitioning`` give the model's ``param_specs`` through ``rules`` (module docstring).
     Ties: an array object that the embedding's and the head's parameters both hold is tied (one array, its two
     uses' gradients summed); ``tied=[(embed_path, head_path)]`` (tuples of dict keys) names others -- the two
-    arrays must then be equal."""
+    arrays must then be equal.  ``cut``: blocks per stage, as in :func:`from_nnx`."""
     import flax.linen as nn
     from flax.core import meta
     specs = [nn.get_partition_spec(p) for p in (list(block_params)[:1] or [{}]) + [embed[1], head[1]]]
@@ -205,16 +210,27 @@ def from_linen(block: Any, block_params: Sequence[Any], embed: Tuple[Any, Any], 
     ties = [(tuple(a), tuple(b)) for a, b in tied]
     ties += [t for t in _same_arrays(e_p, h_p) if t not in ties]
 
-    def build(n):
-        return _model(lin(block), _stack_blocks(block_params, n), lin(e_mod), e_p, lin(h_mod, *h_method), h_p, loss,
-                      inputs, block_call, stage_inputs, _param_specs(*specs, rules), ties, recut=build)
-    model = build(num_stages)
+    def build(n, cut=None):
+        return _model(lin(block), _stack_blocks(block_params, n, cut), lin(e_mod), e_p, lin(h_mod, *h_method), h_p,
+                      loss, inputs, block_call, stage_inputs, _param_specs(*specs, rules), ties, recut=build, cut=cut)
+    model = build(num_stages, _resolve_cut(cut, build, num_stages, len(block_params)))
 
     def to_params(params):
         stage_p, pre_p, post_p = params
-        flat = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), stage_p)
+        flat = _flat_blocks(stage_p, model.cut)
         n = jax.tree.leaves(flat)[0].shape[0]
         blocks: List[Any] = [jax.tree.map(lambda a: a[i], flat) for i in range(n)]
         return blocks, pre_p, post_p
 
     return model, to_params
+
+
+def _resolve_cut(cut, build, num_stages: int, n_blocks: int):
+    """``cut`` as given (None, a list of block counts) or, for ``"balanced"``, the cut :func:`balanced_cut`
+    picks for the model ``build`` makes."""
+    if isinstance(cut, str):
+        if cut != "balanced":
+            raise ConfigError(f"cut={cut!r}: give a list of block counts per stage, or 'balanced'")
+        from ..tune.cut import balanced_cut
+        return balanced_cut(build(n_blocks), num_stages, verbose=True).cut
+    return cut

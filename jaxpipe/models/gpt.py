@@ -6,7 +6,7 @@ cross-entropy.  Batches are ``{"x": int[B, T], "y": int[B, T]}`` with y the next
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -103,7 +103,8 @@ class TiedHead(nnx.Module):
 
 def gpt(num_stages: int, vocab: int = 256, d_model: int = 64, heads: int = 4, blocks_per_stage: int = 1,
         seq_len: int = 64, seed: int = 0, dropout: float = 0.0, tie_embeddings: bool = False,
-        masked: bool = False, tensor: Optional[str] = None, fsdp: Optional[str] = None) -> PipelineModel:
+        masked: bool = False, tensor: Optional[str] = None, fsdp: Optional[str] = None,
+        cut: Optional[Sequence[int]] = None) -> PipelineModel:
     """A byte-level GPT cut into ``num_stages`` stages; ``model.head(post_params, h)`` gives logits.
 
     ``dropout``: GPT-2's residual dropout inside the stages (keys from the stage context, so every schedule
@@ -111,9 +112,15 @@ def gpt(num_stages: int, vocab: int = 256, d_model: int = 64, heads: int = 4, bl
     embedding, declared tied (one array); ``masked``: batches carry ``"mask"`` (1 on real tokens,
     ``jp.data.lm_batches(pad=True)``): padding is masked out of attention and the loss is the exact mean over
     real tokens (``post_loss`` returns ``(sum, count)``).  ``tensor`` / ``fsdp``: mesh axis names to shard the
-    stages over, Megatron-style (:func:`megatron_specs`: the model's ``param_specs``)."""
-    stage_apply, stage_params = stacked_stages(lambda r: GPTStage(d_model, heads, blocks_per_stage, r),
-                                               num_stages, seed)
+    stages over, Megatron-style (:func:`megatron_specs`: the model's ``param_specs``).  ``cut=[3, 3, 2, 2]``:
+    uneven stages of that many blocks each (``blocks_per_stage`` unused; :mod:`jaxpipe.cuts`)."""
+    if cut is not None:
+        from ..cuts import check_cut
+        cut = check_cut(cut, sum(int(c) for c in cut), num_stages)
+        block_apply, stage_params = stacked_stages(lambda r: Block(d_model, heads, r), sum(cut), seed)
+    else:
+        stage_apply, stage_params = stacked_stages(lambda r: GPTStage(d_model, heads, blocks_per_stage, r),
+                                                   num_stages, seed)
     emb_def, emb_params = split_pure(Embed(vocab, d_model, seq_len, nnx.Rngs(seed * 1000)))
     embed = module_apply(emb_def)
     if tie_embeddings:
@@ -126,11 +133,17 @@ def gpt(num_stages: int, vocab: int = 256, d_model: int = 64, heads: int = 4, bl
         head_def, head_params = split_pure(LMHead(d_model, vocab, nnx.Rngs(seed * 1000 + 999)))
         head, tied = module_apply(head_def), ()
     context = bool(dropout) or masked
-    if context:
+    if cut is not None:
+        stage_fn = None
+        block_fn = (lambda w, x, ctx: block_apply(w, x, ctx.key if dropout else None, dropout,
+                                                   ctx.inputs.get("mask"))) if context else block_apply
+    elif context:
+        block_fn = None
+
         def stage_fn(w, x, ctx):
             return stage_apply(w, x, ctx.key if dropout else None, dropout, ctx.inputs.get("mask"))
     else:
-        stage_fn = stage_apply
+        stage_fn, block_fn = stage_apply, None
 
     def post_loss(p, h, b):
         if not masked:
@@ -141,12 +154,21 @@ def gpt(num_stages: int, vocab: int = 256, d_model: int = 64, heads: int = 4, bl
         return jnp.sum(ce * m), jnp.sum(m)
 
     return PipelineModel(
-        stage_fn=stage_fn, stage_params=stage_params,
+        stage_fn=stage_fn, stage_params=stage_params, block_fn=block_fn, cut=cut,
         pre=lambda p, b: embed(p, b["x"]), pre_params=emb_params,
         post_loss=post_loss, post_params=head_params, head=head,
         context=context, stage_inputs=("mask",) if masked else (), tied=tied,
         integer_inputs={"x": vocab, "y": vocab},
-        param_specs=megatron_specs(stage_params, emb_params, head_params, tensor, fsdp) if tensor or fsdp else None)
+        param_specs=_specs(stage_params, emb_params, head_params, tensor, fsdp, cut) if tensor or fsdp else None)
+
+
+def _specs(stage_params, emb_params, head_params, tensor, fsdp, cut):
+    """:func:`megatron_specs`; with a cut, ``stage_params`` are the blocks' and a stage's spec gets its block
+    axis in front (unsharded)."""
+    stage, pre, post = megatron_specs(stage_params, emb_params, head_params, tensor, fsdp)
+    if cut is not None:
+        stage = jax.tree.map(lambda s: P(None, *s), stage, is_leaf=lambda x: isinstance(x, P))
+    return stage, pre, post
 
 
 #: the layers whose kernel is split by output columns (then the next by input rows): Megatron-LM's MLP pair.

@@ -98,6 +98,7 @@ def serial_reference(model, method: str, opt: optax.GradientTransformation, num_
     ``drains``: the batch counts after which the pipeline was drained: a per-micro-batch method's rule counts
     micro-batches, batches and weight versions from there (an accumulating method's batch-counted versions go
     on); the updates, the optimizer state and the keys' global micro-batch index go on."""
+    user_layout, model = model.user_layout, model.padded()      # uneven stages: padded as the pipeline holds them
     if model.context and data_parallel != 1:
         raise ValueError("the serial reference of a context model runs one replica (its global micro-batches "
                          "join the replicas', which have their own keys); use data_parallel=1")
@@ -166,7 +167,7 @@ def serial_reference(model, method: str, opt: optax.GradientTransformation, num_
             upd[s].append(u)
 
     final = [h[-1] for h in hist]
-    w = jax.tree.map(lambda *a: jnp.stack(a), *[f[0] for f in final])
+    w = user_layout(jax.tree.map(lambda *a: jnp.stack(a), *[f[0] for f in final]))
     return {"params": ties.fill((w, final[0][1], final[D - 1][2])), "losses": losses}
 
 
