@@ -6,7 +6,8 @@ slots as the longest one; a shorter stage's extra slots are *padding*:
 
 * skipped, not multiplied by zero: the stage scans its slots and a ``lax.cond`` on ``ctx.stage`` runs a slot's
   block only where the slot is real (a padded slot passes the activation through; under ``vmap`` the cond
-  becomes a select and both branches run -- only AvgPipe's shared-device runner vmaps stages);
+  becomes a select and both branches run -- only AvgPipe's shared-device runner vmaps stages).  Slots real on
+  every stage (the first ``min(cut)``) run without the cond;
 * never moved: padding holds zeros and its gradient is exactly zero (the untaken branch's cotangent), so SGD,
   momentum, Adam(W), weight decay and clipping leave it at zero -- an optimizer that moves a zero parameter
   with a zero gradient would move it (none of optax's standard ones does);
@@ -97,19 +98,20 @@ def padded_avals(blocks, cut: Sequence[int]):
 
 def stage_of_blocks(block_fn: Callable, cut: Optional[Sequence[int]], context: bool) -> Callable:
     """``stage_fn(w, x, ctx)`` running a stage's blocks in order: ``lax.scan`` over the block slots of ``w``
-    (leaves ``[slots, ...]``); with a ``cut``, a slot at or past the stage's count ``cut[ctx.stage]`` is
-    skipped (``lax.cond``).  ``block_fn(p, x)``, or ``block_fn(p, x, ctx)`` for a context model, where the
-    ctx's ``key`` is the block's own (``ctx.key`` split over the slots).  Without a cut and context the stage
-    is ``stage_fn(w, x)``."""
+    (leaves ``[slots, ...]``).  With a ``cut``, the first ``min(cut)`` slots -- real on every stage -- run in
+    a plain scan, and only the rest in a scan whose slots a ``lax.cond`` on ``cut[ctx.stage]`` skips: a skipped
+    slot computes nothing but still moves its share of the scan's activation-sized buffers (the cond's
+    residuals are those of its block branch, zero-filled when skipped; BUILD_NOTES, "Uneven cuts").
+    ``block_fn(p, x)``, or ``block_fn(p, x, ctx)`` for a context model, where the ctx's ``key`` is the block's
+    own (``ctx.key`` split over the slots).  Without a cut and context the stage is ``stage_fn(w, x)``."""
     counts = None if cut is None else np.asarray(cut, np.int32)
+    sure = 0 if cut is None or min(cut) == max(cut) else min(cut)     # slots real on every stage
 
     def run(p, h, ctx):
         return block_fn(p, h, ctx) if context else block_fn(p, h)
 
-    def stage(w, x, ctx=None):
+    def scan(h, w, keys, ctx, first, real):
         n = jax.tree.leaves(w)[0].shape[0]
-        keys = None if ctx is None or ctx.key is None else jax.random.split(ctx.key, n)
-        real = None if counts is None else jnp.asarray(counts)[ctx.stage]
 
         def one(h, ipk):
             i, p, k = ipk
@@ -117,7 +119,17 @@ def stage_of_blocks(block_fn: Callable, cut: Optional[Sequence[int]], context: b
             if real is None:
                 return run(p, h, c), None
             return lax.cond(i < real, lambda h_: run(p, h_, c), lambda h_: h_, h), None
-        return lax.scan(one, x, (jnp.arange(n), w, keys))[0]
+        return lax.scan(one, h, (first + jnp.arange(n), w, keys))[0]
+
+    def stage(w, x, ctx=None):
+        n = jax.tree.leaves(w)[0].shape[0]
+        keys = None if ctx is None or ctx.key is None else jax.random.split(ctx.key, n)
+        if counts is None or min(cut) == max(cut):
+            return scan(x, w, keys, ctx, 0, None)
+        real = jnp.asarray(counts)[ctx.stage]
+        part = lambda t, a, b: None if t is None else jax.tree.map(lambda l: l[a:b], t)
+        h = scan(x, part(w, 0, sure), part(keys, 0, sure), ctx, 0, None) if sure else x
+        return scan(h, part(w, sure, n), part(keys, sure, n), ctx, sure, real)
 
     if counts is None and not context:
         return lambda w, x: stage(w, x)

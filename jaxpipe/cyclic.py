@@ -108,6 +108,8 @@ class CyclicDataParallel:
                               f"step per stage, workers 2 steps apart): the model has {model.num_stages} stages "
                               f"and the mesh {N} workers; build the model with {N} stages or use "
                               f"jp.make_mesh(data={model.num_stages})")
+        # uneven stages: the executor holds a cut model's blocks padded (jaxpipe.cuts); params() drops the padding
+        self.user_model, model = model, model.padded()
         self.model, self.opt, self.rule, self.mesh, self.N = model, optimizer, rule, mesh, N
         self.check_inputs = bool(check_inputs)
         # a debugging aid (as ``jp.Pipeline``'s): in-flight buffers start NaN (the ring's message buffer too,
@@ -142,7 +144,8 @@ class CyclicDataParallel:
         every update has arrived, e.g. after ``drain``)."""
         self.check()
         require_live(state, "params()")
-        return self._runner.params(state)
+        stage, *rest = self._runner.params(state)
+        return (self.user_model.user_layout(stage), *rest)
 
     def check(self):
         """Raise the ConfigError of the last call if its on-device checks failed (``Pipeline.check``)."""

@@ -129,14 +129,16 @@ def _flat_blocks(stage_p, cut):
 
 def from_nnx(blocks: Sequence[Any], embed: Any, head: Any, loss: Callable, num_stages: int, *,
              inputs: Optional[Callable] = None, block_call: Optional[Callable] = None,
-             stage_inputs: Sequence[str] = (), rules=None, cut=None) -> Tuple[PipelineModel, Callable]:
+             stage_inputs: Sequence[str] = (), rules=None, cut=None,
+             balance: Optional[dict] = None) -> Tuple[PipelineModel, Callable]:
     """``(model, to_modules)`` from NNX modules.  ``to_modules(params)`` returns ``(blocks, embed, head)``:
     new module instances holding ``params`` (``pipe.params(state)``).  ``rules``: logical axis name -> mesh
     axis, for the modules' ``nnx.with_partitioning`` metadata (module docstring).  A Variable the embedding and
     the head share (a head reusing the token embedding) is found and tied (``PipelineModel.tied``: one array,
     its two uses' gradients summed); ``to_modules`` gives a head sharing the embedding's Variable again.
     ``cut=[8, 8, 8, 7]``: blocks per stage where they differ (:mod:`jaxpipe.cuts`; ``pipe.params`` then holds
-    the blocks as ``[n_blocks, ...]``); ``cut="balanced"``: chosen from measured costs (:func:`balanced_cut`)."""
+    the blocks as ``[n_blocks, ...]``); ``cut="balanced"`` with ``balance={"example": micro_batch, "schedule":
+    "1f1b"}``: chosen from measured costs (:func:`jaxpipe.tune.cut.balance`)."""
     from flax import nnx
     blocks = list(blocks)
     if not blocks:
@@ -160,7 +162,7 @@ def from_nnx(blocks: Sequence[Any], embed: Any, head: Any, loss: Callable, num_s
         return _model(merged(gdef, defs[0][1]), _stack_blocks(per_block, n, cut), merged(e_def, e_state),
                       nnx.to_pure_dict(e_state), merged(h_def, h_state), nnx.to_pure_dict(h_state), loss, inputs,
                       block_call, stage_inputs, specs, tied, recut=build, cut=cut)
-    model = build(num_stages, _resolve_cut(cut, build, num_stages, len(blocks)))
+    model = build(num_stages, _resolve_cut(cut, build, num_stages, len(blocks), balance))
 
     def to_modules(params):
         stage_p, pre_p, post_p = params
@@ -189,7 +191,8 @@ def _restore(state, pure):
 def from_linen(block: Any, block_params: Sequence[Any], embed: Tuple[Any, Any], head: Tuple[Any, Any],
                loss: Callable, num_stages: int, *, inputs: Optional[Callable] = None,
                block_call: Optional[Callable] = None, stage_inputs: Sequence[str] = (), rules=None,
-               tied: Sequence[Tuple[Tuple, Tuple]] = (), cut=None) -> Tuple[PipelineModel, Callable]:
+               tied: Sequence[Tuple[Tuple, Tuple]] = (), cut=None,
+               balance: Optional[dict] = None) -> Tuple[PipelineModel, Callable]:
     """``(model, to_params)`` from Linen modules: ``block`` with one ``params`` dict per layer, and
     ``(module, params)`` for the embedding and the head -- the head may be ``(module, params, method)`` (a tied
     LM head: ``(embed_module, embed_params, "attend")``).  ``to_params(params)`` returns ``(block_params list,
@@ -213,7 +216,7 @@ def from_linen(block: Any, block_params: Sequence[Any], embed: Tuple[Any, Any], 
     def build(n, cut=None):
         return _model(lin(block), _stack_blocks(block_params, n, cut), lin(e_mod), e_p, lin(h_mod, *h_method), h_p,
                       loss, inputs, block_call, stage_inputs, _param_specs(*specs, rules), ties, recut=build, cut=cut)
-    model = build(num_stages, _resolve_cut(cut, build, num_stages, len(block_params)))
+    model = build(num_stages, _resolve_cut(cut, build, num_stages, len(block_params), balance))
 
     def to_params(params):
         stage_p, pre_p, post_p = params
@@ -225,12 +228,17 @@ def from_linen(block: Any, block_params: Sequence[Any], embed: Tuple[Any, Any], 
     return model, to_params
 
 
-def _resolve_cut(cut, build, num_stages: int, n_blocks: int):
-    """``cut`` as given (None, a list of block counts) or, for ``"balanced"``, the cut :func:`balanced_cut`
-    picks for the model ``build`` makes."""
-    if isinstance(cut, str):
-        if cut != "balanced":
-            raise ConfigError(f"cut={cut!r}: give a list of block counts per stage, or 'balanced'")
-        from ..tune.cut import balanced_cut
-        return balanced_cut(build(n_blocks), num_stages, verbose=True).cut
-    return cut
+def _resolve_cut(cut, build, num_stages: int, n_blocks: int, balance: Optional[dict]):
+    """``cut`` as given (None, a list of block counts) or, for ``"balanced"``, the cut
+    :func:`jaxpipe.tune.cut.balance` picks from the parts' measured costs on ``balance["example"]`` (one
+    micro-batch) for ``balance.get("schedule", "1f1b")`` (printed, with the even cut's prediction)."""
+    if not isinstance(cut, str):
+        return cut
+    if cut != "balanced":
+        raise ConfigError(f"cut={cut!r}: give a list of block counts per stage, or 'balanced'")
+    if not balance or "example" not in balance:
+        raise ConfigError("cut='balanced' measures one block, the embedding and the head on a micro-batch: give "
+                          "balance={'example': one_microbatch} (and optionally 'schedule', 'num_microbatches')")
+    from ..tune.cut import balance as pick
+    extra = {k: v for k, v in balance.items() if k != "example"}
+    return pick(build(n_blocks), num_stages, balance["example"], **extra)[1].cut

@@ -1,0 +1,209 @@
+"""A balanced cut: how many blocks each stage gets, chosen from measured costs (issue #41 item 2).
+
+An even cut is not a balanced one: the first stage also runs the embedding, the last the head and the loss,
+and in lockstep lanes (:mod:`jaxpipe.tune.lockstep`) every lane-tick lasts as long as its slowest active
+device.  Here a stage's op costs
+
+    F_s = n_s f_block + [s first] f_pre + [s last] f_post        (B alike with the backward costs)
+
+(plus what each of a short stage's ``max(cut) - n_s`` padding slots costs: skipped compute still moves the
+slot's buffers) from one block's, a padding slot's, the embedding's and the head-plus-loss's forward and
+backward measured on the running backend (:func:`measure_parts`), and a cut's step time is the schedule's compute on D devices: the sum over
+compiled lane-ticks of the slowest active device's op (:func:`predict_cut`; the executor's fixed cost per
+lane-tick is the same for every cut of one schedule and left out).  :func:`balanced_cut` searches the cuts by
+moving one block at a time from the most even cut while the prediction falls.  Zero-bubble's B and W are
+taken as half the backward each (its W carries the embedding's weight gradient, its B the head's).
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Optional, Sequence, Tuple
+
+import jax
+import numpy as np
+
+from ..cuts import even_cut, split_cut
+from ..errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class PartCosts:
+    """Seconds for one micro-batch: a block's forward and backward, the embedding's (``pre``) and the
+    head-plus-loss's (``post``)."""
+    f_block: float
+    b_block: float
+    f_pre: float = 0.0
+    b_pre: float = 0.0
+    f_post: float = 0.0
+    b_post: float = 0.0
+    #: a skipped padding slot's forward and backward: no block compute, but its share of the stage scan's
+    #: activation-sized buffers (BUILD_NOTES, "Uneven cuts": on XLA CPU up to a real block's time)
+    f_pad: float = 0.0
+    b_pad: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class CutChoice:
+    """The chosen cut, its predicted step compute (seconds), the most even cut's, and the gain (even / chosen)."""
+    cut: Tuple[int, ...]
+    predicted: float
+    even_cut: Tuple[int, ...]
+    even_predicted: float
+    costs: PartCosts
+
+    @property
+    def gain(self) -> float:
+        return self.even_predicted / self.predicted if self.predicted else 1.0
+
+    def __str__(self):
+        return (f"balanced cut {list(self.cut)}: predicted {self.predicted * 1e3:.3f} ms of compute per step, "
+                f"against {self.even_predicted * 1e3:.3f} ms for the even cut {list(self.even_cut)} "
+                f"({self.gain:.3f}x)")
+
+
+def _stage_costs(cut: Sequence[int], c: PartCosts) -> np.ndarray:
+    """``[stage, kind]`` seconds of one op, kinds F, B, W, F2 (B and W: half the backward each)."""
+    n = np.asarray(cut, float)
+    pad = max(cut) - n                   # every stage scans max(cut) slots; the short ones skip the rest
+    f = n * c.f_block + pad * c.f_pad
+    b = n * c.b_block + pad * c.b_pad
+    f[0] += c.f_pre
+    f[-1] += c.f_post
+    b_in, w = b / 2, b / 2
+    b = b.copy()
+    b[0] += c.b_pre
+    b[-1] += c.b_post
+    w[0] += c.b_pre
+    b_in[-1] += c.b_post
+    return np.stack([f, b, b_in, w, 2 * f], axis=1)
+
+
+def _plan_arrays(schedule):
+    """``(active [tick, device, lane], stage [tick, device, lane], kind index per lane, compiled [tick, lane])``."""
+    from ..schedules.lanes import L
+    from .lockstep import _compiled_lane_ticks
+    p = schedule.plan("lanes")
+    split = schedule.has_w()
+    col = {"F": 0, "B": 2 if split else 1, "W": 3, "F2": 4}
+    kinds = np.array([col[k] for k in p.lanes])
+    active = p.table[..., L["op"]] > 0
+    stage = np.where(active, p.table[..., L["stage"]], 0)
+    return active, stage, kinds, _compiled_lane_ticks(schedule)
+
+
+def predict_cut(schedule, cut: Sequence[int], costs: PartCosts, _plan=None) -> float:
+    """The step's compute on ``schedule.D`` devices with stages cut as ``cut`` (module docstring).  A schedule
+    of ``v`` model stages per device runs each stage's blocks split into ``v`` chunks."""
+    active, stage, kinds, compiled = _plan if _plan is not None else _plan_arrays(schedule)
+    v = schedule.num_model_stages // len(cut)
+    table = _stage_costs(split_cut(cut, v) if v > 1 else cut, costs)
+    ops = np.where(active, table[stage, kinds[None, None, :]], 0.0)
+    return float((ops.max(axis=1) * compiled).sum())
+
+
+def _search(schedule, n_blocks: int, costs: PartCosts, least: int) -> Tuple[Tuple[int, ...], float]:
+    """Steepest descent over single-block moves between any two stages, from the most even cut and its mirror."""
+    D = schedule.D
+    plan = _plan_arrays(schedule)
+    best = None
+    for start in {even_cut(n_blocks, D), tuple(reversed(even_cut(n_blocks, D)))}:
+        cur, t = start, predict_cut(schedule, start, costs, plan)
+        while True:
+            moves = [tuple(c - (k == i) + (k == j) for k, c in enumerate(cur))
+                     for i in range(D) for j in range(D) if i != j and cur[i] > least]
+            scored = [(predict_cut(schedule, m, costs, plan), m) for m in moves]
+            if not scored or min(scored)[0] >= t - 1e-15:
+                break
+            t, cur = min(scored)
+        if best is None or t < best[1]:
+            best = (cur, t)
+    return best
+
+
+def balanced_cut(n_blocks: int, num_stages: int, costs: PartCosts, schedule: str = "1f1b",
+                 num_microbatches: Optional[int] = None, options: Optional[dict] = None) -> CutChoice:
+    """The cut of ``n_blocks`` over ``num_stages`` devices that minimises ``schedule``'s predicted step
+    compute (``num_microbatches``: default 2 x devices), beside the most even cut's."""
+    from .. import schedules
+    if n_blocks < num_stages:
+        raise ConfigError(f"{n_blocks} blocks cannot fill {num_stages} stages: every stage needs a block")
+    M = num_microbatches or 2 * num_stages
+    method = schedules.method(schedule)
+    opts = method.resolve(options or {}, num_stages, num_stages)
+    try:
+        s = schedules.build(schedule, num_stages=num_stages, num_microbatches=M, **method.builder_options(opts))
+    except schedules.ScheduleError as e:
+        raise ConfigError(str(e)) from None
+    v = s.num_model_stages // num_stages
+    cut, t = _search(s, n_blocks, costs, least=max(v, 1))
+    even = min((even_cut(n_blocks, num_stages), tuple(reversed(even_cut(n_blocks, num_stages)))),
+               key=lambda c: predict_cut(s, c, costs))
+    return CutChoice(tuple(int(c) for c in cut), t, even, predict_cut(s, even, costs), costs)
+
+
+def _median_time(fn, args, calls: int = 7) -> float:
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def measure_parts(model, microbatch, calls: int = 7) -> PartCosts:
+    """:class:`PartCosts` of ``model`` (a :class:`~jaxpipe.PipelineModel`; a cut model's first block stands
+    for every block) on one micro-batch, measured on the default device: each part's forward, and its
+    backward as a pullback (the executor's B: residuals kept from the forward)."""
+    import jax.numpy as jnp
+    from ..cuts import pad_blocks
+    stage_p, pre_p, post_p = model.params
+    if model.cut is not None:                 # one block as a stage of one slot
+        w = jax.tree.map(lambda a: a[0], pad_blocks(jax.tree.map(lambda a: a[:1], stage_p), (1,)))
+    else:
+        w = jax.tree.map(lambda a: a[0], stage_p)
+    one = dataclasses.replace(model, cut=None, stage_params=jax.tree.map(lambda a: a[None], w), recut=None) \
+        if model.cut is not None else model
+    ctx = one.example_context(microbatch)
+    x = jax.jit(model.pre)(pre_p, microbatch)
+
+    def fwd_bwd(f, *args):
+        fwd = jax.jit(f)
+        y, pull = jax.vjp(f, *args)
+        ct = jax.tree.map(jnp.ones_like, y)
+        bwd = jax.jit(lambda *a: jax.vjp(f, *a)[1](ct))
+        return _median_time(fwd, args, calls), max(_median_time(bwd, args, calls) - _median_time(fwd, args, calls),
+                                                   0.0)
+
+    f_blk, b_blk = fwd_bwd(lambda w_, x_: one.apply_stage(w_, x_, ctx), w, x)
+    # a stage of one real block and one padding slot (cut (1, 2), stage 0), over the one-block stage
+    from ..cuts import stage_of_blocks
+    two = stage_of_blocks(model.block_fn, (1, 2), bool(model.block_context)) if model.block_fn else None
+    w2 = jax.tree.map(lambda a: jnp.concatenate([a, a]), w)
+    ctx2 = dataclasses.replace(ctx, stage=jnp.int32(0)) if ctx is not None else \
+        one.stage_context(microbatch, None, 0)
+    f_two, b_two = fwd_bwd(lambda w_, x_: two(w_, x_, ctx2), w2, x) if two else (f_blk, b_blk)
+    f_pre, b_pre = fwd_bwd(lambda p: model.pre(p, microbatch), pre_p)
+    f_post, b_post = fwd_bwd(lambda p, x_: model.post_loss(p, x_, microbatch), post_p, x)
+    return PartCosts(f_blk, b_blk, f_pre, b_pre, f_post, b_post, max(f_two - f_blk, 0.0), max(b_two - b_blk, 0.0))
+
+
+def balance(model, num_stages: int, example, schedule: str = "1f1b", num_microbatches: Optional[int] = None,
+            options: Optional[dict] = None, verbose: bool = True):
+    """``(model with the balanced cut, CutChoice)`` for a model of blocks (``block_fn``; stage parameters
+    stacked per stage or, with a cut, per block), measured on ``example`` (one micro-batch).  Prints the
+    choice unless ``verbose=False``."""
+    if model.block_fn is None:
+        raise ConfigError("a balanced cut moves blocks between stages: give the model as block_fn + blocks "
+                          "(PipelineModel(block_fn=..., stage_params=blocks, cut=...)) or use the Flax adapters")
+    blocks = model.stage_params if model.cut is not None else jax.tree.map(
+        lambda a: a.reshape((-1,) + a.shape[2:]), model.stage_params)
+    n = int(jax.tree.leaves(blocks)[0].shape[0])
+    per_block = dataclasses.replace(model, stage_params=blocks, cut=(1,) * n, stage_fn=None,
+                                    context=bool(model.block_context), recut=None)
+    choice = balanced_cut(n, num_stages, measure_parts(per_block, example), schedule, num_microbatches, options)
+    if verbose:
+        print(f"jaxpipe: {choice}")
+    return dataclasses.replace(per_block, cut=choice.cut, stage_fn=None), choice
