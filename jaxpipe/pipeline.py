@@ -78,10 +78,8 @@ class Pipeline:
         options = _merge_legacy(schedule, options, chimera=chimera, virtual=virtual, zb=zb, avgpipe=avgpipe,
                                 wpipe=wpipe)
         if built is None:
-            mesh = _checked_mesh(mesh, model)     # the default mesh: one device per stage of the model as given
-            model = _recut_for(schedule, options, model, mesh)
-        # uneven stages: the user's layout is the blocks' own; the executor holds them padded (jaxpipe.cuts)
-        self.user_model, model = model, model.padded()
+            mesh, model = _recut_for(schedule, options, model, _checked_mesh(mesh, model))
+        self.user_model, model = model, model.padded()      # uneven stages: held padded (jaxpipe.cuts)
         from .precision import Precision, with_precision
         if precision is not None and not isinstance(precision, Precision):
             raise ConfigError(f"precision={precision!r}: give jp.Precision(params='float32', compute='bfloat16')")
@@ -405,16 +403,17 @@ def _recut_for(schedule: str, options: dict, model, mesh):
     """The model as written, cut into the chunks the schedule needs: a schedule holding v > 1 model stages per
     device (interleaved 1F1B, the V-schedules) given a model of one stage per device whose ``recut`` can make
     v x D stages (the Flax adapters' models); otherwise the model unchanged (the schedule's own checks say what
-    to change)."""
+    to change).  Returns ``(mesh, model)``; ``mesh`` is the checked mesh (default: one device per model stage as
+    given)."""
     from .axes import STAGE
     if (model.recut is None and model.cut is None) or mesh is None or STAGE not in getattr(mesh, "shape", {}):
-        return model
+        return mesh, model
     D = mesh.shape[STAGE]
     v = schedules.method(schedule).stages_per_device({"virtual": (options or {}).get("virtual")})
     if v <= 1 or model.num_stages != D:
-        return model
+        return mesh, model
     try:
-        return model.chunks(v * D)
+        return mesh, model.chunks(v * D)
     except ConfigError as e:
         raise ConfigError(f"{schedule} holds {v} model stages per device, {v * D} in all, but this model's "
                           f"blocks cannot be cut so: {e}") from None

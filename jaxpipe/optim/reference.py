@@ -89,8 +89,7 @@ def _microbatch_grads(model, ties, fwd, bwd, ctx_of, x0, wF, wB, mb, i, by_count
 
 
 def serial_reference(model, method: str, opt: optax.GradientTransformation, num_microbatches: int,
-                     batches, data_parallel: int = 1, seed: int = 0, options=None,
-                     drains=()) -> Dict[str, object]:
+                     batches, data_parallel: int = 1, seed: int = 0, options=None, drains=()) -> Dict[str, object]:
     """Run ``method`` serially over ``batches`` (global batches, each of M micro-batches), fill and drain
     included.  Returns ``{"params": (w [D..], pre, post), "losses": [per micro-batch]}``.  ``options``: the
     method's options where its rule depends on them (PipeOptim's ``distance`` and ``prediction``).  A context model's
@@ -167,8 +166,8 @@ def serial_reference(model, method: str, opt: optax.GradientTransformation, num_
             upd[s].append(u)
 
     final = [h[-1] for h in hist]
-    w = user_layout(jax.tree.map(lambda *a: jnp.stack(a), *[f[0] for f in final]))
-    return {"params": ties.fill((w, final[0][1], final[D - 1][2])), "losses": losses}
+    return {"params": ties.fill((user_layout(jax.tree.map(lambda *a: jnp.stack(a), *[f[0] for f in final])),
+                                 final[0][1], final[D - 1][2])), "losses": losses}
 
 
 def avgpipe_reference(model, opt: optax.GradientTransformation, num_pipes: int, num_microbatches: int,
