@@ -88,7 +88,8 @@ def main(_):
         print(f"| {label} {list(c)} | {pred * 1e3:.2f} ms | {t * 1e3:.1f} ms |", flush=True)
     c = choice.costs
     print(f"\nmeasured per micro-batch: block F {c.f_block * 1e3:.3f} B {c.b_block * 1e3:.3f} ms, embedding F "
-          f"{c.f_pre * 1e3:.3f} B {c.b_pre * 1e3:.3f} ms, head+loss F {c.f_post * 1e3:.3f} B {c.b_post * 1e3:.3f} ms; "
+          f"{c.f_pre * 1e3:.3f} B {c.b_pre * 1e3:.3f} ms, head+loss F {c.f_post * 1e3:.3f} B {c.b_post * 1e3:.3f} ms, "
+          f"a padding slot F {c.f_pad * 1e3:.3f} B {c.b_pad * 1e3:.3f} ms; "
           f"predicted gain of the balanced cut {choice.gain:.3f}x")
 
 

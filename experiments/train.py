@@ -48,6 +48,11 @@ flags.DEFINE_integer("seq_len", 64, "gpt: context length in bytes")
 flags.DEFINE_integer("d_model", 64, "gpt: model width / mlp: hidden width")
 flags.DEFINE_integer("heads", 4, "gpt: attention heads")
 flags.DEFINE_integer("blocks_per_stage", 1, "gpt: transformer blocks per stage / mlp: residual blocks per stage")
+flags.DEFINE_string("cut", "", "gpt: blocks per stage where they differ, e.g. 3,3,2,2 (one count per --stages; "
+                    "interleaved / two-chunk schedules split each into chunks), or 'balanced': chosen from the "
+                    "measured costs of a block, the embedding and the head (printed with the even cut's prediction); "
+                    "'' = --blocks_per_stage on every stage")
+flags.DEFINE_integer("blocks", 0, "gpt with --cut=balanced: transformer blocks in all (0: stages x blocks_per_stage)")
 flags.DEFINE_float("dropout", 0.0, "gpt: residual dropout rate inside the stages (keys per step, micro-batch, stage)")
 flags.DEFINE_bool("tie_embeddings", False, "gpt: the output head reuses the input embedding (one tied array)")
 flags.DEFINE_bool("pad", False, "gpt: variable-length sequences with a padding mask; exact masked mean loss")
@@ -101,6 +106,32 @@ def printable(text: str) -> str:
 PER_PROCESS = {"out_dir", "progress", "progress_every", "coordinator", "process_id", "verbose", "heartbeat_timeout", "init_timeout",
                "stop_grace_s", "throttle_s", "fail_at_step", "fail_process", "stall_at_step"}
 
+
+
+def _gpt(n_stages, train, say):
+    """The reference GPT of the flags: ``--blocks_per_stage`` on each of ``n_stages`` stages, or ``--cut``'s
+    uneven stages (one count per device; a two-chunk schedule splits each) or the balanced cut."""
+    import jaxpipe as jp
+    kw = dict(d_model=FLAGS.d_model, heads=FLAGS.heads, seq_len=FLAGS.seq_len, seed=FLAGS.seed,
+              dropout=FLAGS.dropout, tie_embeddings=FLAGS.tie_embeddings, masked=FLAGS.pad,
+              tensor="tensor" if FLAGS.tensor > 1 else None, fsdp="fsdp" if FLAGS.fsdp > 1 else None)
+    if not FLAGS.cut:
+        return jp.models.gpt(n_stages, blocks_per_stage=FLAGS.blocks_per_stage, **kw)
+    if FLAGS.cut != "balanced":
+        try:
+            cut = [int(c) for c in FLAGS.cut.split(",")]
+        except ValueError:
+            raise app.UsageError(f"--cut={FLAGS.cut}: give block counts per stage (e.g. 3,3,2,2) or 'balanced'")
+        return jp.models.gpt(FLAGS.stages, cut=cut, **kw)
+    from jaxpipe.cuts import even_cut
+    from jaxpipe.tune.cut import balance
+    n = FLAGS.blocks or FLAGS.stages * FLAGS.blocks_per_stage
+    example = next(jp.data.lm_batches(train, FLAGS.batch, FLAGS.seq_len, seed=FLAGS.seed, pad=FLAGS.pad))
+    rows = FLAGS.batch // (FLAGS.data * FLAGS.microbatches)
+    model, choice = balance(jp.models.gpt(FLAGS.stages, cut=even_cut(n, FLAGS.stages), **kw), FLAGS.stages,
+                            {k: v[:rows] for k, v in example.items()}, FLAGS.schedule, FLAGS.microbatches, verbose=False)
+    say(f"--cut=balanced: {choice}")
+    return model
 
 def main(argv):
     """:func:`run`; a process of a multi-process job that fails exits at once with status 1 (its traceback
@@ -193,18 +224,16 @@ def run(argv):
         raise app.UsageError(f"--pipes={FLAGS.pipes} is for --schedule=avgpipe (parallel pipelines)")
     if FLAGS.model == "gpt":
         train, val = jp.data.byte_corpus()
-        model = jp.models.gpt(n_stages, d_model=FLAGS.d_model, heads=FLAGS.heads,
-                              blocks_per_stage=FLAGS.blocks_per_stage, seq_len=FLAGS.seq_len, seed=FLAGS.seed,
-                              dropout=FLAGS.dropout, tie_embeddings=FLAGS.tie_embeddings, masked=FLAGS.pad,
-                              tensor="tensor" if FLAGS.tensor > 1 else None, fsdp="fsdp" if FLAGS.fsdp > 1 else None)
+        model = _gpt(n_stages, train, say)
         batches = jp.data.lm_batches(train, FLAGS.batch, FLAGS.seq_len, seed=FLAGS.seed, pad=FLAGS.pad)
         eval_set = list(__import__("itertools").islice(
             jp.data.lm_batches(val, FLAGS.batch, FLAGS.seq_len, seed=10_000 + FLAGS.seed, pad=FLAGS.pad),
             FLAGS.eval_batches))
         unit = "bytes"
     else:
-        if FLAGS.dropout or FLAGS.tie_embeddings or FLAGS.pad or FLAGS.tensor > 1 or FLAGS.fsdp > 1:
-            raise app.UsageError("--dropout, --tie_embeddings, --pad, --tensor and --fsdp are options of --model=gpt")
+        if FLAGS.dropout or FLAGS.tie_embeddings or FLAGS.pad or FLAGS.tensor > 1 or FLAGS.fsdp > 1 or FLAGS.cut:
+            raise app.UsageError("--dropout, --tie_embeddings, --pad, --tensor, --fsdp and --cut are options of "
+                                 "--model=gpt")
         train, val = jp.data.digits(seed=FLAGS.seed)
         model = jp.models.residual_mlp(n_stages, 64, 10, width=FLAGS.d_model,
                                        layers_per_stage=FLAGS.blocks_per_stage, seed=FLAGS.seed)

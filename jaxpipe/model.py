@@ -147,6 +147,9 @@ class PipelineModel:
     cut: Optional[Tuple[int, ...]] = None
     #: whether ``block_fn`` takes a ctx (set from ``context``/``stage_inputs`` when ``stage_fn`` is derived)
     block_context: Optional[bool] = dataclasses.field(default=None, compare=False, repr=False)
+    #: the cut of the model :meth:`padded` made this one from: its ``loss``/``forward`` also take the blocks'
+    #: layout (``pipe.params``), so ``pipe.model.loss(pipe.params(state), batch)`` works for any cut
+    padded_cut: Optional[Tuple[int, ...]] = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         self._set_blocks()
@@ -185,7 +188,8 @@ class PipelineModel:
             object.__setattr__(self, "cut", check_cut(self.cut, n))
         if self.block_fn is not None and self.stage_fn is None:
             from .cuts import stage_of_blocks
-            takes_ctx = self.context or bool(self.stage_inputs)
+            takes_ctx = self.block_context if self.block_context is not None else (self.context or
+                                                                                  bool(self.stage_inputs))
             object.__setattr__(self, "block_context", takes_ctx)
             object.__setattr__(self, "stage_fn", stage_of_blocks(self.block_fn, self.cut, takes_ctx))
             if self.cut is not None:
@@ -207,11 +211,14 @@ class PipelineModel:
             return self
         from .cuts import pad_blocks
         return dataclasses.replace(self, stage_params=pad_blocks(self.stage_params, self.cut), cut=None,
-                                   recut=None)
+                                   recut=None, padded_cut=self.cut)
 
     def stage_layout(self, stage_params):
         """A cut model's blocks ``[n_blocks, ...]`` as the executor holds them (padded); otherwise unchanged."""
         from .cuts import pad_blocks
+        if self.cut is None and self.padded_cut is not None:       # the blocks' layout given to a padded model
+            blocks = jnp.ndim(jax.tree.leaves(stage_params)[0]) < jnp.ndim(jax.tree.leaves(self.stage_params)[0])
+            return pad_blocks(stage_params, self.padded_cut) if blocks else stage_params
         return stage_params if self.cut is None else pad_blocks(stage_params, self.cut)
 
     def user_layout(self, stage_params):

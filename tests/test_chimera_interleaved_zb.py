@@ -43,9 +43,10 @@ def _pipe(kind, schedule, D, M, data, opts, **kw):
 
 # the GPT runs one representative case per schedule variant (the MLP runs them all): CI's time budget
 GPT_CASES = [c for c in CASES if (c[0], c[1], c[2], c[3], tuple(sorted(c[4].items()))) in {
-    ("chimera", 4, 4, 1, ()), ("chimera", 4, 4, 2, (("concat", "backward_halving"),)),
-    ("chimera", 4, 8, 1, (("concat", "forward_doubling"),)), ("chimera", 4, 4, 2, (("eager_reduce", True),)),
+    ("chimera", 4, 4, 2, (("concat", "backward_halving"),)), ("chimera", 4, 8, 1, (("concat", "forward_doubling"),)),
     ("interleaved_1f1b", 4, 8, 2, (("virtual", 2),)), ("zb_h1", 4, 8, 1, (("max_deferred_w", 3),))}]
+# (plain and eager-reduce Chimera on the GPT were cut for CI time at issue #40: the MLP runs them, and the GPT
+# runs Chimera's two concatenations, which hold its own code paths)
 # (the D=8 GPT cases -- chimera, interleaved, zb_h1 -- were cut for CI time at issue #6; the MLP runs them)
 
 

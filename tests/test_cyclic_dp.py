@@ -45,7 +45,7 @@ def test_matches_serial_reference(rule, N, opt):
         assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(r), jax.tree.leaves(reps[0])))
 
 
-@pytest.mark.parametrize("N,rule", [(2, "v2"), (3, "v1"), (4, "v2")])
+@pytest.mark.parametrize("N,rule", [(3, "v1"), (4, "v2")])
 def test_balanced_broadcast_equals_direct(N, rule):
     """The updated stage scattered in N - 1 chunks and all-gathered among the receivers (no worker sends
     more than one stage per update) lands exactly what the direct sends land: bit-identical parameters."""

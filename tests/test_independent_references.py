@@ -182,8 +182,9 @@ def test_no_flush_method_equals_its_hand_written_version_table(method, D):
     assert rel_err(change(fresh, model.params), change(want, model.params)) > RULE_MARGIN
 
 
-@pytest.mark.parametrize("method", list(CASES))
-@pytest.mark.parametrize("D", [2, 4])
+# D = 4 for every method, D = 2 for the two whose tables differ most there (CI's hour; the MLP test above runs
+# every method at both)
+@pytest.mark.parametrize("method,D", [(m, 4) for m in CASES] + [(m, 2) for m in ("pipedream", "wpipe") if m in CASES])
 def test_gpt_with_dropout_masks_and_tying_equals_its_version_table(method, D):
     reads, per_mb, stages = CASES[method]
     M = D                                  # the GPT: M = D (2BW, CDP and WPipe need M >= D)

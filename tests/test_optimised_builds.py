@@ -15,7 +15,7 @@ pytestmark = pytest.mark.ci_once
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE = ["tests/test_wsplit.py::test_split_is_the_fused_backward_without_recomputation",
-          "tests/test_cyclic_dp.py::test_balanced_broadcast_equals_direct[2-v2]",
+          "tests/test_cyclic_dp.py::test_balanced_broadcast_equals_direct[4-v2]",
           "tests/test_avgpipe.py::test_advance_changes_speed_and_memory_never_numbers",
           "tests/test_chimera_interleaved_zb.py::test_chimera_replicas_bit_identical_after_steps",
           "tests/test_independent_references.py::test_no_flush_method_equals_its_hand_written_version_table"

@@ -91,6 +91,8 @@ def test_padding_never_moves_and_is_never_read_back(schedule):
     assert held and all(np.all(a == 0) for a in held)
     got = pipe.params(state)
     assert jax.tree.map(jnp.shape, got) == jax.tree.map(jnp.shape, model.params)
+    # the pipeline's own model (padded inside) evaluates the blocks' layout as the user's model does
+    assert_close(pipe.model.loss(got, batches[0]), model.loss(got, batches[0]), rtol=1e-6)
     if pipe.is_async:
         assert rel_err(got, serial_reference(model, schedule, opt, 4, batches)["params"]) <= 1e-5
 
