@@ -118,7 +118,9 @@ def stage_of_blocks(block_fn: Callable, cut: Optional[Sequence[int]], context: b
             c = None if ctx is None else dataclasses.replace(ctx, key=k)
             if real is None:
                 return run(p, h, c), None
-            return lax.cond(i < real, lambda h_: run(p, h_, c), lambda h_: h_, h), None
+            # the block rematerialised inside the cond: its residuals are the slot's inputs, so a skipped slot
+            # moves no zero-filled activations (BUILD_NOTES, "Uneven cuts")
+            return lax.cond(i < real, jax.checkpoint(lambda h_: run(p, h_, c)), lambda h_: h_, h), None
         return lax.scan(one, h, (first + jnp.arange(n), w, keys))[0]
 
     def stage(w, x, ctx=None):

@@ -213,8 +213,16 @@ def test_nnx_seven_blocks_on_four_stages_with_a_tie_equal_nnx_value_and_grad(cut
     loss, grads = pipe.loss_and_grad(state, batch)
     assert_close(loss, ref_loss, rtol=1e-5)
     g_blocks, g_pre, g_post = grads
-    for i in range(7):
-        assert rel_err(jax.tree.map(lambda a: a[i], g_blocks), nnx.to_pure_dict(nnx.state(ref_g["blocks"][i]))) <= 1e-5
+    ref_blocks = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.to_pure_dict(nnx.state(ref_g["blocks"][i]))
+                                                          for i in range(7)])
+    # attention's key bias cannot change a softmax: its true gradient is 0 and both sides hold float32 noise
+    # (~1e-8), so those leaves are held to an absolute bound, the rest to rel. error 1e-5
+    for path, got, want in zip(jax.tree_util.tree_flatten_with_path(ref_blocks)[0], jax.tree.leaves(g_blocks),
+                               jax.tree.leaves(ref_blocks)):
+        if "key" in jax.tree_util.keystr(path[0]) and "bias" in jax.tree_util.keystr(path[0]):
+            assert np.max(np.abs(np.asarray(got))) < 1e-6 and np.max(np.abs(np.asarray(want))) < 1e-6
+        else:
+            assert rel_err(got, want) <= 1e-5, jax.tree_util.keystr(path[0])
     assert rel_err(g_pre["embedding"], ref_g["emb"]["embedding"][...]) <= 1e-5
     state, _ = pipe.step(state, batch)
     nb, ne, nh = to_modules(pipe.params(state))
