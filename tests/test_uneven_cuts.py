@@ -273,7 +273,7 @@ def test_balanced_cut_moves_blocks_off_an_expensive_head():
     from jaxpipe.tune.cut import PartCosts, balanced_cut
     heavy = balanced_cut(10, 4, PartCosts(1.0, 2.0, 0.0, 0.0, 2.0, 4.0), "1f1b", 8)
     assert heavy.cut[-1] < 2 <= min(heavy.cut[:-1]) and sum(heavy.cut) == 10
-    assert heavy.predicted < heavy.even_predicted and heavy.gain > 1.1
+    assert heavy.predicted < heavy.even_predicted and heavy.gain > 1.03
     free = balanced_cut(8, 4, PartCosts(1.0, 2.0), "1f1b", 8)
     assert free.cut == (2, 2, 2, 2) and free.gain == 1.0
     # a padding slot that costs what a block does makes moving blocks off the head pay less

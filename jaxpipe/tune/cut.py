@@ -6,9 +6,10 @@ device.  Here a stage's op costs
 
     F_s = n_s f_block + [s first] f_pre + [s last] f_post        (B alike with the backward costs)
 
-(plus what each of a short stage's ``max(cut) - n_s`` padding slots costs: skipped compute still moves the
-slot's buffers) from one block's, a padding slot's, the embedding's and the head-plus-loss's forward and
-backward measured on the running backend (:func:`measure_parts`), and a cut's step time is the schedule's compute on D devices: the sum over
+(plus what each of a short stage's ``max(cut) - n_s`` padding slots costs, and in B one forward per real
+block past ``min(cut)``: those slots run in a ``lax.cond`` that rematerialises its block) from one block's, a
+padding slot's, the embedding's and the head-plus-loss's forward and backward measured on the running backend
+(:func:`measure_parts`), and a cut's step time is the schedule's compute on D devices: the sum over
 compiled lane-ticks of the slowest active device's op (:func:`predict_cut`; the executor's fixed cost per
 lane-tick is the same for every cut of one schedule and left out).  :func:`balanced_cut` searches the cuts by
 moving one block at a time from the most even cut while the prediction falls.  Zero-bubble's B and W are
@@ -67,8 +68,9 @@ def _stage_costs(cut: Sequence[int], c: PartCosts) -> np.ndarray:
     """``[stage, kind]`` seconds of one op, kinds F, B, W, F2 (B and W: half the backward each)."""
     n = np.asarray(cut, float)
     pad = max(cut) - n                   # every stage scans max(cut) slots; the short ones skip the rest
+    remat = n - min(cut)                 # real blocks in the cond'ed slots recompute their forward in B
     f = n * c.f_block + pad * c.f_pad
-    b = n * c.b_block + pad * c.b_pad
+    b = n * c.b_block + pad * c.b_pad + remat * c.f_block
     f[0] += c.f_pre
     f[-1] += c.f_post
     b_in, w = b / 2, b / 2
