@@ -117,6 +117,11 @@ class PipelineModel:
     * ``recut`` -- optional ``recut(n) -> PipelineModel``: the same model in ``n`` stages (the Flax adapters give
       it: their stages scan whole blocks), so ``schedule="interleaved_1f1b"`` and the V-schedules can take the
       model as written with one stage per device and cut it into the chunks they need.
+    * ``block_fn`` and ``cut`` -- a model of identical blocks: ``block_fn(params_of_one_block, x)`` (``(p, x,
+      ctx)`` with ``context``) and ``stage_fn`` left out (a stage scans its blocks).  ``cut=(8, 8, 8, 7)``: stages
+      of different lengths; ``stage_params`` are then the blocks' own, leaves ``[n_blocks, ...]``, and stay so in
+      everything the pipeline gives back (``params``, gradients); inside, shorter stages are padded and the
+      padding skipped (:mod:`jaxpipe.cuts`; README, "Cutting a model into stages").
     * ``param_specs`` -- ``(stage_specs, pre_specs, post_specs)``: ``PartitionSpec``s over the mesh's model axes
       (``fsdp``, ``tensor``) for ONE stage's leaves (jaxpipe adds the stage axis) and for ``pre``/``post_loss``'s
       parameters; ``None`` (or a ``None`` entry): replicated.  See :mod:`jaxpipe.sharding`.
