@@ -43,8 +43,11 @@ def fingerprint(pipe) -> Dict[str, Any]:
     """What a checkpoint must agree with to be restored into ``pipe``: model parameter shapes, schedule,
     micro-batches and mesh shape."""
     # the leaf's own dtype (np.result_type of an array is deprecated in numpy 2.4 and an error later)
+    # the model as the user gave it: a cut model's blocks, not the padded layout the executor holds
+    user = getattr(pipe, "user_model", None)
+    model = user if getattr(user, "cut", None) else pipe.model
     shapes = [(jax.tree_util.keystr(k), tuple(int(d) for d in np.shape(v)), str(v.dtype if hasattr(v, "dtype") else np.result_type(v)))
-              for k, v in jax.tree_util.tree_flatten_with_path(pipe.model.params)[0]]
+              for k, v in jax.tree_util.tree_flatten_with_path(model.params)[0]]
     digest = hashlib.sha256(repr(shapes).encode()).hexdigest()[:16]
     opt = getattr(pipe, "optimizer", None)
     opt_digest = None
@@ -58,7 +61,8 @@ def fingerprint(pipe) -> Dict[str, Any]:
     digest = hashlib.sha256(repr((shapes, ties) if ties else shapes).encode()).hexdigest()[:16]
     return {"model": digest, "optimizer": opt_digest, "model_parameters": int(sum(int(np.prod(s[1])) for s in shapes)),
             "model_leaves": [[k, list(sh), dt] for k, sh, dt in shapes], "tied": ties,
-            "model_stages": int(pipe.model.num_stages), "schedule": pipe.schedule.name,
+            "model_stages": int(model.num_stages), "cut": list(model.cut) if getattr(model, "cut", None) else None,
+            "schedule": pipe.schedule.name,
             "microbatches": int(pipe.num_microbatches), "mesh": {k: int(v) for k, v in pipe.mesh.shape.items()}}
 
 
@@ -275,6 +279,12 @@ class Checkpointer:
                 f"{mine['model_parameters']:,} in {mine['model_stages']} (fingerprint {mine['model']})"
                 f"{model_difference(saved, mine)}; build the same model, or point --checkpoint_dir at an empty "
                 f"directory to start afresh")
+        if saved.get("cut") != mine.get("cut"):
+            raise ConfigError(
+                f"{where} holds this model cut into stages as {saved.get('cut') or 'an even cut'}; this run cuts it "
+                f"as {mine.get('cut') or 'an even cut'}. A checkpoint holds each stage's padded blocks, and "
+                f"restoring onto another cut is not supported yet: resume with cut={saved.get('cut')}, or start "
+                f"afresh in another directory")
         if saved.get("optimizer") and mine.get("optimizer") and saved["optimizer"] != mine["optimizer"]:
             raise ConfigError(
                 f"{where} was written with another optimizer (its state has another structure, fingerprint "
