@@ -91,11 +91,6 @@ def unpad_blocks(stages, cut: Sequence[int]):
     return jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:])[idx], stages)
 
 
-def padded_avals(blocks, cut: Sequence[int]):
-    """Shapes and dtypes of :func:`pad_blocks` of ``blocks`` (arrays or avals)."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct((len(cut), max(cut)) + tuple(a.shape[1:]), a.dtype), blocks)
-
-
 def stage_of_blocks(block_fn: Callable, cut: Optional[Sequence[int]], context: bool) -> Callable:
     """``stage_fn(w, x, ctx)`` running a stage's blocks in order: ``lax.scan`` over the block slots of ``w``
     (leaves ``[slots, ...]``).  With a ``cut``, the first ``min(cut)`` slots -- real on every stage -- run in

@@ -18,8 +18,6 @@ taken as half the backward each (its W carries the embedding's weight gradient, 
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
 from typing import Optional, Sequence, Tuple
 
 import jax
@@ -74,7 +72,6 @@ def _stage_costs(cut: Sequence[int], c: PartCosts) -> np.ndarray:
     f[0] += c.f_pre
     f[-1] += c.f_post
     b_in, w = b / 2, b / 2
-    b = b.copy()
     b[0] += c.b_pre
     b[-1] += c.b_post
     w[0] += c.b_pre
@@ -145,22 +142,13 @@ def balanced_cut(n_blocks: int, num_stages: int, costs: PartCosts, schedule: str
     return CutChoice(tuple(int(c) for c in cut), t, even, predict_cut(s, even, costs), costs)
 
 
-def _median_time(fn, args, calls: int = 7) -> float:
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
 def measure_parts(model, microbatch, calls: int = 7) -> PartCosts:
     """:class:`PartCosts` of ``model`` (a :class:`~jaxpipe.PipelineModel`; a cut model's first block stands
     for every block) on one micro-batch, measured on the default device: each part's forward, and its
     backward as a pullback (the executor's B: residuals kept from the forward)."""
     import jax.numpy as jnp
     from ..cuts import pad_blocks
+    from .microbench import _timeit
     stage_p, pre_p, post_p = model.params
     if model.cut is not None:                 # one block as a stage of one slot
         w = jax.tree.map(lambda a: a[0], pad_blocks(jax.tree.map(lambda a: a[:1], stage_p), (1,)))
@@ -172,12 +160,11 @@ def measure_parts(model, microbatch, calls: int = 7) -> PartCosts:
     x = jax.jit(model.pre)(pre_p, microbatch)
 
     def fwd_bwd(f, *args):
-        fwd = jax.jit(f)
-        y, pull = jax.vjp(f, *args)
-        ct = jax.tree.map(jnp.ones_like, y)
-        bwd = jax.jit(lambda *a: jax.vjp(f, *a)[1](ct))
-        return _median_time(fwd, args, calls), max(_median_time(bwd, args, calls) - _median_time(fwd, args, calls),
-                                                   0.0)
+        """(forward seconds, backward seconds): the pullback is the forward-and-backward minus the forward."""
+        ct = jax.tree.map(lambda a: jnp.ones(a.shape, a.dtype), jax.eval_shape(f, *args))
+        fwd = _timeit(jax.jit(f), args, calls)
+        both = _timeit(jax.jit(lambda *a: jax.vjp(f, *a)[1](ct)), args, calls)
+        return fwd, max(both - fwd, 0.0)
 
     f_blk, b_blk = fwd_bwd(lambda w_, x_: one.apply_stage(w_, x_, ctx), w, x)
     # a stage of one real block and one padding slot (cut (1, 2), stage 0), over the one-block stage
