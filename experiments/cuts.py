@@ -30,23 +30,28 @@ flags.DEFINE_integer("seq_len", 64, "tokens per sequence")
 flags.DEFINE_integer("batch", 32, "sequences per step")
 flags.DEFINE_integer("microbatches", 8, "micro-batches M")
 flags.DEFINE_string("schedule", "1f1b", "schedule")
-flags.DEFINE_integer("rounds", 5, "timed steps (median)")
+flags.DEFINE_integer("rounds", 5, "timed steps of each cut, the cuts taking turns (median)")
 FLAGS = flags.FLAGS
 
 
-def _time(pipe, batch, rounds):
+def _time(pipes, batch, rounds):
+    """Median seconds of each pipeline's ``loss_and_grad``, the pipelines run in turn round by round (A B C A B
+    C ...): drift of the machine's speed over the run falls on all of them alike."""
     import statistics
     import time
     import jax
-    state = pipe.init()
-    run = lambda: jax.block_until_ready(pipe.loss_and_grad(state, batch))
-    run()
-    ts = []
+    runs = []
+    for pipe in pipes:
+        state = pipe.init()
+        runs.append(lambda pipe=pipe, state=state: jax.block_until_ready(pipe.loss_and_grad(state, batch)))
+        runs[-1]()                                       # compiled and warm before any timing
+    ts = [[] for _ in pipes]
     for _ in range(rounds):
-        t0 = time.perf_counter()
-        run()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+        for run, t in zip(runs, ts):
+            t0 = time.perf_counter()
+            run()
+            t.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in ts]
 
 
 def main(_):
@@ -74,17 +79,16 @@ def main(_):
     others = [c for c in (tuple([n // D + 1] * (D // 2) + [n // D - 1] * (D - D // 2)),
                           tuple([n // D - 1] * (D - D // 2) + [n // D + 1] * (D // 2))) if min(c) >= 1]
     print(f"| {n} blocks: cut | padded slots | one-core step | vs even |\n|---|---|---|---|")
-    t0 = _time(pipe_of(base), batch, FLAGS.rounds)
+    t0, *ts = _time([pipe_of(c) for c in (base, *others)], batch, FLAGS.rounds)
     print(f"| {list(base)} | 0 | {t0 * 1e3:.1f} ms | 1.000x |", flush=True)
-    for c in others:
-        t = _time(pipe_of(c), batch, FLAGS.rounds)
+    for c, t in zip(others, ts):
         print(f"| {list(c)} | {D * max(c) - n} | {t * 1e3:.1f} ms | {t / t0:.3f}x |", flush=True)
 
     mb = {k: v[:FLAGS.batch // M] for k, v in batch.items()}
     _, choice = balance(gpt(even_cut(FLAGS.blocks, D)), D, mb, FLAGS.schedule, M, verbose=False)
     print(f"\n| {FLAGS.blocks} blocks: cut | predicted compute on {D} devices | one-core step |\n|---|---|---|")
-    for label, c, pred in (("even", choice.even_cut, choice.even_predicted), ("balanced", choice.cut, choice.predicted)):
-        t = _time(pipe_of(c), batch, FLAGS.rounds)
+    rows = (("even", choice.even_cut, choice.even_predicted), ("balanced", choice.cut, choice.predicted))
+    for (label, c, pred), t in zip(rows, _time([pipe_of(c) for _, c, _ in rows], batch, FLAGS.rounds)):
         print(f"| {label} {list(c)} | {pred * 1e3:.2f} ms | {t * 1e3:.1f} ms |", flush=True)
     c = choice.costs
     print(f"\nmeasured per micro-batch: block F {c.f_block * 1e3:.3f} B {c.b_block * 1e3:.3f} ms, embedding F "

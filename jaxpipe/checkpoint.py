@@ -59,7 +59,10 @@ def fingerprint(pipe) -> Dict[str, Any]:
             opt_digest = None
     ties = [[list(map(str, a)), list(map(str, b))] for a, b in getattr(pipe.model, "tied", ())]
     digest = hashlib.sha256(repr((shapes, ties) if ties else shapes).encode()).hexdigest()[:16]
-    return {"model": digest, "optimizer": opt_digest, "model_parameters": int(sum(int(np.prod(s[1])) for s in shapes)),
+    from .cuts import blocks_layout
+    blocks, cut = blocks_layout(model)          # a model of identical blocks: restorable onto another cut
+    blocks = None if blocks is None else hashlib.sha256(repr((blocks, ties)).encode()).hexdigest()[:16]
+    return {"blocks": blocks, "block_cut": None if cut is None else list(cut), "model": digest, "optimizer": opt_digest, "model_parameters": int(sum(int(np.prod(s[1])) for s in shapes)),
             "model_leaves": [[k, list(sh), dt] for k, sh, dt in shapes], "tied": ties,
             "model_stages": int(model.num_stages), "cut": list(model.cut) if getattr(model, "cut", None) else None,
             "schedule": pipe.schedule.name,
@@ -104,6 +107,7 @@ class Checkpointer:
         self.fingerprint = fingerprint(pipe) if pipe is not None else None
         # the pipeline's pending on-device checks: a state whose step failed them is never written
         self._check_pipe = getattr(pipe, "check", None)
+        self._optimizer = getattr(pipe, "optimizer", None)      # finds the optimizer state's copies of the blocks
         self._ocp = ocp
         opts = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=max(every, 1),
                                             enable_async_checkpointing=async_save, create=True)
@@ -223,11 +227,13 @@ class Checkpointer:
             # position in the data, or look like another configuration's checkpoint
             raise CorruptCheckpoint(f"checkpoint step {step} in {self.directory} is corrupt: its metadata (step, "
                                     f"data position, fingerprint, checksums) differs from the digest written with it")
-        self._check_fingerprint(meta.get("fingerprint"), step)
+        from_cut = self._check_fingerprint(meta.get("fingerprint"), step)
         if _carry_missing(template):
             raise ConfigError("the restore template has empty in-flight state (carry=None): build it with "
                               "pipe.prepare(pipe.init(), example_batch) so the buffers exist")
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
+        if from_cut is not None:
+            return self._restore_across_cuts(step, meta, abstract, from_cut)
         saved, want = meta.get("shapes") or {}, _shapes(abstract)
         diff = [f"{k}: saved {tuple(saved[k])}, needed {tuple(v)}" for k, v in want.items()
                 if k in saved and tuple(saved[k]) != tuple(v)]
@@ -237,6 +243,11 @@ class Checkpointer:
             raise ConfigError(f"checkpoint step {step} holds a state of another structure (e.g. "
                               f"{sorted(set(saved) ^ set(want))[:2]}): it was written by another schedule or "
                               f"jaxpipe version; resume with the configuration that wrote it, or start afresh")
+        return self._read(step, meta, abstract), meta.get("extra", {}), int(meta["step"])
+
+    def _read(self, step, meta, abstract):
+        """The state of ``step`` read onto ``abstract`` (shapes, dtypes, shardings), checksums verified."""
+        ocp = self._ocp
         out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
         want_sums = meta.get("checksums")
         if want_sums is not None:
@@ -245,7 +256,36 @@ class Checkpointer:
             if bad:
                 raise CorruptCheckpoint(f"checkpoint step {step} in {self.directory} is corrupt: {len(bad)} array(s) "
                                         f"differ from the checksums written with them (e.g. {bad[0]})")
-        return out["state"], meta.get("extra", {}), int(meta["step"])
+        return out["state"]
+
+    def _restore_across_cuts(self, step, meta, abstract, from_cut):
+        """This model's blocks saved on another cut: read as they were saved (checksums verified), then moved
+        block by block onto this run's cut (:func:`jaxpipe.cuts.recut_state`; issue #41)."""
+        from jax.sharding import NamedSharding, PartitionSpec
+        from .cuts import recut_state
+        to_cut = tuple(self.fingerprint["block_cut"])
+        if not hasattr(abstract, "opt_state") or hasattr(abstract, "carry"):
+            raise ConfigError(
+                f"checkpoint step {step} holds this model's blocks cut as {list(from_cut)}, this run cuts them as "
+                f"{list(to_cut)}: a state moves between cuts for the synchronous schedules (gpipe, 1f1b, "
+                f"interleaved_1f1b, zb_h1, zb_v, chimera, dualpipe_v); {self.fingerprint['schedule']}'s holds "
+                f"in-flight micro-batches and weight versions laid out for the old cut. Resume with "
+                f"cut={list(from_cut)}, or start the new cut from its weights: jp.PipelineModel(..., "
+                f"stage_params=pipe.params(state)[0], cut={list(to_cut)}) (optimizer state restarts)")
+        saved = meta.get("shapes") or {}
+
+        def as_saved(path, leaf):         # a stage leaf of the old cut: read whole (replicated), moved below
+            shape = tuple(saved.get(jax.tree_util.keystr(path), leaf.shape))
+            return leaf if shape == tuple(leaf.shape) else jax.ShapeDtypeStruct(
+                shape, leaf.dtype, sharding=NamedSharding(leaf.sharding.mesh, PartitionSpec()))
+        state = recut_state(self._read(step, meta, jax.tree_util.tree_map_with_path(as_saved, abstract)),
+                            self._optimizer, from_cut, to_cut)
+        got, want = _shapes(state), _shapes(abstract)
+        if got != want:
+            diff = [f"{k}: moved {tuple(got.get(k, ()))}, needed {tuple(v)}" for k, v in want.items() if got.get(k) != v]
+            self._mesh_error(step, meta.get("fingerprint"), "; ".join(diff[:2]))
+        return jax.tree.map(lambda a, t: jax.device_put(a, t.sharding), state, abstract), meta.get("extra", {}), \
+            int(meta["step"])
 
     def restore_latest(self, template, report=print) -> Tuple[Any, dict, int]:
         """Like ``restore`` from the newest checkpoint that is intact: a corrupt or unreadable one (a flipped
@@ -267,11 +307,22 @@ class Checkpointer:
                                           "no older checkpoint: starting afresh"))
         return template, {}, 0
 
-    def _check_fingerprint(self, saved: Optional[dict], step: int):
+    def _check_fingerprint(self, saved: Optional[dict], step: int) -> Optional[tuple]:
+        """Raise where the checkpoint is another configuration's; the cut it was written with where it holds
+        this model's blocks on another cut (restored by moving them), else None."""
         mine = self.fingerprint
         if mine is None or saved is None:
             return
         where = f"checkpoint step {step} in {self.directory}"
+        moved = saved.get("block_cut") and mine.get("block_cut") and saved["block_cut"] != mine["block_cut"] \
+            and saved.get("blocks") == mine.get("blocks") is not None
+        if moved:                                      # the same blocks, another cut (issue #41)
+            for k in ("optimizer", "schedule", "microbatches"):
+                if saved.get(k) != mine.get(k):
+                    raise ConfigError(f"{where} holds this model's blocks cut as {saved['block_cut']}; it can be "
+                                      f"restored onto cut {mine['block_cut']} with the same {k} only (it was "
+                                      f"written with {saved.get(k)!r}, this run has {mine.get(k)!r})")
+            return tuple(saved["block_cut"])
         if saved["model"] != mine["model"]:
             raise ConfigError(
                 f"{where} is from another model: it holds {saved['model_parameters']:,} parameters in "
@@ -279,12 +330,11 @@ class Checkpointer:
                 f"{mine['model_parameters']:,} in {mine['model_stages']} (fingerprint {mine['model']})"
                 f"{model_difference(saved, mine)}; build the same model, or point --checkpoint_dir at an empty "
                 f"directory to start afresh")
-        if saved.get("cut") != mine.get("cut"):
+        if saved.get("cut") != mine.get("cut"):       # written before checkpoints recorded the blocks
             raise ConfigError(
                 f"{where} holds this model cut into stages as {saved.get('cut') or 'an even cut'}; this run cuts it "
-                f"as {mine.get('cut') or 'an even cut'}. A checkpoint holds each stage's padded blocks, and "
-                f"restoring onto another cut is not supported yet: resume with cut={saved.get('cut')}, or start "
-                f"afresh in another directory")
+                f"as {mine.get('cut') or 'an even cut'}, and the checkpoint was written by a jaxpipe that did not "
+                f"record the blocks' layout: resume with cut={saved.get('cut')}, or start afresh in another directory")
         if saved.get("optimizer") and mine.get("optimizer") and saved["optimizer"] != mine["optimizer"]:
             raise ConfigError(
                 f"{where} was written with another optimizer (its state has another structure, fingerprint "

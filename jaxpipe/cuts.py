@@ -131,3 +131,35 @@ def stage_of_blocks(block_fn: Callable, cut: Optional[Sequence[int]], context: b
     if counts is None and not context:
         return lambda w, x: stage(w, x)
     return stage
+
+
+def blocks_layout(model) -> Tuple[Optional[list], Optional[Tuple[int, ...]]]:
+    """A model of identical blocks (``block_fn``) as ``(shapes of its blocks' leaves [n_blocks, ...], cut)``:
+    its own cut, or an even model's ``(k,) * stages`` read from ``stage_params [stages, k, ...]``; ``(None,
+    None)`` for a model of other stages.  What a checkpoint records so it can move between cuts."""
+    if getattr(model, "block_fn", None) is None or getattr(model, "padded_cut", None) is not None:
+        return None, None                         # (a padded model is the executor's copy of a cut one)
+    leaves = jax.tree_util.tree_flatten_with_path(model.stage_params)[0]
+    if model.cut is not None:
+        return [(jax.tree_util.keystr(k), tuple(np.shape(a)), str(a.dtype)) for k, a in leaves], tuple(model.cut)
+    if not leaves or any(np.ndim(a) < 2 for _, a in leaves):
+        return None, None
+    S, k = np.shape(leaves[0][1])[:2]
+    return ([(jax.tree_util.keystr(p), (S * k,) + tuple(np.shape(a)[2:]), str(a.dtype)) for p, a in leaves],
+            (int(k),) * int(S))
+
+
+def recut_state(state, optimizer, from_cut: Sequence[int], to_cut: Sequence[int]):
+    """A synchronous train state (``params=(stage, pre, post)``, ``opt_state``) held for ``from_cut`` as
+    ``to_cut`` holds it: the stage parameters and every copy of them in the optimizer state (Adam's moments,
+    ...; found by ``optax.tree_utils.tree_map_params``) moved block by block, padding zero.  Same blocks,
+    same order: a checkpoint restores onto another cut of the same model."""
+    import optax
+    move = lambda a: pad_blocks(unpad_blocks(a, from_cut), to_cut)
+    stage, pre, post = state.params
+    mask = (jax.tree.map(lambda _: True, stage), jax.tree.map(lambda _: False, pre),
+            jax.tree.map(lambda _: False, post))
+    opt_state = state.opt_state
+    if optimizer is not None:
+        opt_state = optax.tree_utils.tree_map_params(optimizer, lambda a, s: move(a) if s else a, opt_state, mask)
+    return state._replace(params=(jax.tree.map(move, stage), pre, post), opt_state=opt_state)

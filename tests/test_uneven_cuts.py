@@ -332,17 +332,60 @@ def test_bad_cuts_say_what_would_work(make, match):
         make()
 
 
-def test_a_checkpoint_names_its_cut_when_restored_onto_another(tmp_path):
-    """Same blocks, another cut: refused with both cuts named (restoring across cuts is not built yet); the
-    same cut restores bit-equal."""
-    opt = optax.adam(1e-2)
-    p1 = jp.Pipeline(mlp((3, 2, 1, 1)), "1f1b", num_microbatches=4, optimizer=opt, mesh=jp.make_mesh(stages=4))
-    s1, _ = p1.step(p1.init(), mlp_batch(8))
+def even_mlp(n_stages, per_stage):
+    """``mlp``'s blocks as an even model: ``stage_params [stages, per_stage, ...]`` and no cut."""
+    m = mlp((per_stage,) * n_stages)
+    return jp.PipelineModel(block_fn=m.block_fn, post_loss=m.post_loss, post_params=m.post_params,
+                            stage_params=jax.tree.map(lambda a: a.reshape((n_stages, per_stage) + a.shape[1:]),
+                                                      m.stage_params))
+
+
+def _saved(tmp_path, schedule="1f1b", cut=(3, 2, 2, 1), steps=2):
+    opt = optax.adamw(1e-2, weight_decay=0.1)
+    p1 = jp.Pipeline(mlp(cut), schedule, num_microbatches=4, optimizer=opt, mesh=jp.make_mesh(stages=len(cut)))
+    s1 = p1.init()
+    for i in range(steps):
+        s1, _ = p1.step(s1, mlp_batch(8, seed=i))
     ck = jp.Checkpointer(str(tmp_path), p1)
-    ck.save(1, s1)
+    ck.save(steps, s1)
     ck.close()
-    p2 = jp.Pipeline(mlp((2, 2, 2, 1)), "1f1b", num_microbatches=4, optimizer=opt, mesh=jp.make_mesh(stages=4))
-    with pytest.raises(jp.ConfigError, match=r"cut into stages as \[3, 2, 1, 1\]; this run cuts it as \[2, 2, 2, 1\]"):
-        jp.Checkpointer(str(tmp_path), p2).restore(p2.init())
-    back, _, step = jp.Checkpointer(str(tmp_path), p1).restore(p1.init())
-    assert step == 1 and rel_err(p1.params(back), p1.params(s1)) == 0.0
+    return opt, p1, s1
+
+
+@pytest.mark.parametrize("to", ["another cut", "more stages", "even"])
+def test_a_checkpoint_restores_onto_another_cut_of_the_same_blocks(tmp_path, to):
+    """8 blocks saved as [3, 2, 2, 1] restore onto [1, 2, 2, 3], onto [2, 1, 1, 1, 1, 1, 1] on 7 stages, and
+    onto the even model of 2 blocks per stage: the same blocks, and Adam's moments moved with them, so the
+    next step from the restored state equals the next step of the run that wrote it."""
+    opt, p1, s1 = _saved(tmp_path)
+    model, stages = {"another cut": (mlp((1, 2, 2, 3)), 4), "more stages": (mlp((2, 1, 1, 1, 1, 1, 1)), 7),
+                     "even": (even_mlp(4, 2), 4)}[to]
+    p2 = jp.Pipeline(model, "1f1b", num_microbatches=4, optimizer=opt, mesh=jp.make_mesh(stages=stages))
+    s2, _, step = jp.Checkpointer(str(tmp_path), p2).restore(p2.init())
+    got = p2.params(s2)
+    want = p1.params(s1)
+    if to == "even":             # the even model holds its blocks as [stages, per_stage, ...]
+        got = (jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), got[0]), *got[1:])
+    assert step == 2 and rel_err(got, want) == 0.0
+    if to != "even":
+        assert all(np.all(a == 0) for a in padding(p2, s2, model.cut))
+    nxt = mlp_batch(8, seed=9)
+    a, _ = p1.step(s1, nxt)
+    b, _ = p2.step(s2, nxt)
+    pa, pb = p1.params(a), p2.params(b)
+    if to == "even":
+        pb = (jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), pb[0]), *pb[1:])
+    assert rel_err(pb, pa) <= 1e-5 and int(b.step) == int(a.step) == 3
+
+
+def test_an_in_flight_state_names_both_cuts_and_what_would_work(tmp_path):
+    """PipeDream's state holds in-flight residuals and weight versions of the old cut: refused, naming both
+    cuts and the way to start the new cut from the weights; the same cut restores bit-equal."""
+    opt, p1, s1 = _saved(tmp_path, "pipedream")
+    p2 = jp.Pipeline(mlp((2, 2, 2, 2)), "pipedream", num_microbatches=4, optimizer=opt,
+                     mesh=jp.make_mesh(stages=4))
+    with pytest.raises(jp.ConfigError, match=r"cut as \[3, 2, 2, 1\], this run cuts them as \[2, 2, 2, 2\].*"
+                                             r"in-flight.*stage_params=pipe.params\(state\)\[0\]"):
+        jp.Checkpointer(str(tmp_path), p2).restore(p2.prepare(p2.init(), mlp_batch(8)))
+    back, _, step = jp.Checkpointer(str(tmp_path), p1).restore(p1.prepare(p1.init(), mlp_batch(8)))
+    assert step == 2 and rel_err(p1.params(back), p1.params(s1)) == 0.0
