@@ -277,11 +277,13 @@ def accumulate(opt: optax.GradientTransformation, num_microbatches: int, name: s
                         reads="stored", stale=0, accumulators=1, held=lambda ps, i, s: ps.n_updates == i // M)
 
 
-def gradient(num_microbatches: int, name: str = "gradient") -> WeightPolicy:
+def gradient(num_microbatches: int, name: str = "gradient", divide: bool = True) -> WeightPolicy:
     """No update inside the pipeline: the step's gradient, summed over its micro-batches in the policy state
     (one version: every op reads the weights it was given) and reduced over the data replicas once, after the
     call (``finish``): a flushing schedule (GPipe, 1F1B, interleaved 1F1B) run as a stream of one call, whose
-    runner applies the optimizer to the gradient it returns."""
+    runner applies the optimizer to the gradient it returns.  ``divide=False``: the sums over the micro-batches
+    come back undivided (the runner divides where the division fuses into the update); a (sum, count) loss's
+    sums are divided by their count all the same."""
     M = num_microbatches
 
     def init(lp):       # float32 sums at least (bf16 parameters: the runner casts the gradient back)
@@ -289,8 +291,8 @@ def gradient(num_microbatches: int, name: str = "gradient") -> WeightPolicy:
         return AccumState(acc, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
 
     def finish(ps, reduce, count=None):
-        div = (lambda a: per_count(a, count)) if count is not None else (lambda a: a / M)
-        return ps._replace(acc=jax.tree.map(div, reduce(ps.acc)))
+        div = (lambda a: per_count(a, count)) if count is not None else (lambda a: a / M) if divide else None
+        return ps._replace(acc=reduce(ps.acc) if div is None else jax.tree.map(div, reduce(ps.acc)))
 
     return WeightPolicy(name, init, lambda lp, ps, i, s: (lp, ps), lambda lp, ps, i, s: lp, _add_to_sums,
                         lambda D: [1] * D, choose=lambda lp, ps, i, s: (jnp.zeros((), jnp.int32), (lp,)),

@@ -120,7 +120,12 @@ class SyncRunner:
             grad_fn = make_stream_grad_fn(self._scaled(scale), self.stream, self.ctx.mesh, mb, M,
                                           nan_bubbles=self.ctx.nan_bubbles, seed=self.ctx.seed,
                                           perms=exchange_perms(self.ctx.schedule) if self._identity_layout else None,
-                                          **stream_options(self.ctx.schedule))
+                                          divide=scale != 1.0, **stream_options(self.ctx.schedule))
+            # the gradients come back as sums over the micro-batches where ``divisor`` is set: divided inside
+            # the update (and the norm), the division fuses there instead of writing the mean gradient once
+            # more (issue #39 item 2); loss_and_grad divides the same way
+            divisor = grad_fn.divisor
+            mean = (lambda g: g) if divisor is None else (lambda g: jax.tree.map(lambda a: a / divisor, g))
 
             lay, identity = jnp.asarray(self._layout), self._identity_layout
             lay_sh = self.ctx.param_shardings[0]      # P("stage", *the leaf's model-axis spec)
@@ -148,7 +153,8 @@ class SyncRunner:
             if what == "grad":
                 def grad_in_model_order(params, b, step):
                     inputs, _, b = checks.checked(b, self.ctx.mesh)
-                    loss, (g, g_pre, g_post) = lg(params, b, step)
+                    loss, sums = lg(params, b, step)
+                    g, g_pre, g_post = mean(sums)
                     status = checks.status(inputs)
                     return loss, (jax.tree.map(lambda a: a[inv], g) if stored else g, g_pre, g_post), status
                 self._compiled[key] = jax.jit(grad_in_model_order)
@@ -159,13 +165,13 @@ class SyncRunner:
 
                 def step(state: PipelineState, b):
                     inputs, ok_in, b = checks.checked(b, self.ctx.mesh)
-                    loss, grads = lg(state.params, b, state.step)
-                    gnorm = optax.tree.norm(grads)
+                    loss, sums = lg(state.params, b, state.step)
+                    gnorm = optax.tree.norm(mean(sums))
                     finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
                     applied = ok_in & finite    # never an update from a bad batch or a non-finite gradient
 
                     def update(params, opt_state):
-                        updates, opt_state = opt.update(grads, opt_state, params)
+                        updates, opt_state = opt.update(mean(sums), opt_state, params)
                         return optax.apply_updates(params, updates), opt_state
                     # a conditional, not a select of new and old: XLA updates the donated buffers in place
                     # (jaxpipe.step_checks)

@@ -101,6 +101,7 @@ def make_stream_program(model, policy, opt, D: int, M: int, mesh, mb_example, na
                              **manual(mesh))(
             params, opt_state, pstate, carry, counters, batch, feed)
 
+    fn.counting = prog.counting        # (sum, count) losses: the gradient policy divides by the counts itself
     return fn, prog.x_aval
 
 
@@ -144,9 +145,9 @@ def open_trace(prog: Program, params, opt_state, pstate, carry, counters, batch,
     wsp = None
     if prog.w_frontier:      # W from the frontier B keeps (none where the stage cannot be split: W recomputes)
         wsp = split_backward(sop.backward, lps[0][0], full(avals, 0), full(prog.x_aval, 0), avals)
-    if wsp is not None:     # in the plan's stash slots (last: scratch), for this call only
+    if wsp is not None:     # in the plan's stash slots (an idle B lane writes none), for this call only
         carry = carry._replace(front=full(wsp.frontier_avals, jnp.nan if prog.nan_bubbles else 0,
-                                          (prog.periodic.plan.stash_capacity + 1,)))
+                                          (max(prog.periodic.plan.stash_capacity, 1),)))
     mb_of, carry = prog.route.micro_batches(prog, base, n_fed, batch, carry)
     tr = Trace(t0=t0, base=base, n_fed=n_fed + prog.M * feed.astype(jnp.int32), me=me, replica=replica,
                sop=sop, wsp=wsp, mb_of=mb_of, ctab=jnp.asarray(prog.periodic.call_table(prog.M)),

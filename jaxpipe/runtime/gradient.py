@@ -18,7 +18,7 @@ from .common import full
 
 def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubbles: bool = False, seed: int = 0,
                         perms=None, replicas: bool = False, w_from: str = "frontier", eager_reduce: bool = False,
-                        double_batch: bool = False):
+                        double_batch: bool = False, divide: bool = True):
     """``fn(stage_p, pre_p, post_p, batch, step) -> (loss, (g_stage, g_pre, g_post))`` with ``stage_p`` in the
     executor's layout (leading axis ``D * chunks``, device-major: index ``d K + c`` holds model stage
     ``soc[d, c]``, :func:`.common.layout_index`); parameters and gradients without tied copies (a tied
@@ -29,7 +29,12 @@ def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubble
     ``replicas`` (AvgPipe's parallel pipelines): every parameter and gradient has a leading axis of one replica
     per ``pipe`` index, each pipeline trains its own (averaged over ``data`` only), the loss is per replica."""
     D, K = periodic.num_devices, periodic.chunks
-    policies = tuple(gradient(M) for _ in range(K))
+    # divide=False: the stage gradients come back as sums over the micro-batches and ``fn.divisor`` says what
+    # the caller divides them by (None: divided here -- (sum, count) losses, AvgPipe's replicas, and parameters
+    # stored below float32, whose gradients are cast before they leave)
+    low = any(jnp.promote_types(a.dtype, jnp.float32) != a.dtype for a in jax.tree.leaves(model.params))
+    divide = divide or replicas or low
+    policies = tuple(gradient(M, divide=divide) for _ in range(K))
     run, x_aval = make_stream_program(model, policies if K > 1 else policies[0], None, D, M, mesh, mb_example,
                                       nan_bubbles=nan_bubbles, periodic=periodic, seed=seed, replicas=replicas,
                                       w_from=w_from, eager_reduce=eager_reduce)
@@ -57,6 +62,7 @@ def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubble
             sums = lambda g: jax.tree.map(lambda a: a.sum(1), back(g))
             return loss, (like(back(g_w), stage_p), like(sums(g_pre), pre_p), like(sums(g_post), post_p))
         return one_call(stage_p, pre_p, post_p, batch, step)
+    fn.divisor = None if divide or run.counting else M
 
     def one_call(stage_p, pre_p, post_p, batch, step):
         """Replicas: the parameters as the executor holds them (pre/post one copy per device), the

@@ -46,6 +46,18 @@ class RingState(NamedTuple):
     bok: Any           # whether it is one (only the last worker's completed sums are)
 
 
+def _own_buffers(arrays):
+    """``arrays``, built so XLA does not merge equal ones: identical broadcasts are merged (CSE) into one, and
+    each loop-carried buffer then starts as a copy of it (a copy per stash leaf per call; BUILD_NOTES, issue
+    #39 item 2).  Empty and non-numeric leaves (typed PRNG keys) are left as they are."""
+    mine = [i for i, a in enumerate(arrays) if a.size and jnp.issubdtype(a.dtype, jnp.number)]
+    fills = jax.lax.optimization_barrier([arrays[i].reshape(-1)[:1] for i in mine])
+    out = list(arrays)
+    for i, f in zip(mine, fills):
+        out[i] = jnp.broadcast_to(f.reshape((1,) * out[i].ndim), out[i].shape)
+    return out
+
+
 def empty_carry(model, periodic, M: int, n_devices: int, mb_example, x_aval, mask_avals,
                 nan_bubbles: bool = False, ring_lp=None, replicas: int = 1):
     """The in-flight state of an empty pipeline, with a leading axis of one entry per device (``nan_bubbles``:
@@ -55,8 +67,8 @@ def empty_carry(model, periodic, M: int, n_devices: int, mb_example, x_aval, mas
     buf = periodic.buffers(M, periodic.replica_delay * (replicas - 1))
     C, S = buf["ring"], sum(buf["stash"])
     plan = periodic.plan
-    if plan is not None:            # the plan's slots, and a scratch slot where nothing is written; the call
-        S = plan.stash_capacity + 1  # reads its own batch (one ring slot: the micro-batch's shapes)
+    if plan is not None:            # the plan's slots (an idle lane writes none: no scratch slot); the call
+        S = max(plan.stash_capacity, 1)  # reads its own batch (one ring slot: the micro-batch's shapes)
         C = 1
     per = lambda shape, dtype: jnp.zeros((n_devices,) + tuple(shape), dtype)
     nan = lambda shape, dtype: jnp.full((n_devices,) + tuple(shape), fill_value(jnp.nan if nan_bubbles else 0, dtype),
@@ -75,7 +87,7 @@ def empty_carry(model, periodic, M: int, n_devices: int, mb_example, x_aval, mas
         mbuf = (msg((cap,)), tie_msg((cap,)), nan((cap,), jnp.float32))
         sums = lambda dt: jnp.promote_types(dt, jnp.float32)
     return AsyncCarry(
-        stash=[nan((S,) + tuple(a.shape), a.dtype) for a in mask_avals],
+        stash=_own_buffers([nan((S,) + tuple(a.shape), a.dtype) for a in mask_avals]),
         recv_f=msg(), recv_b=msg(), dy_own=msg(), mbuf=mbuf,
         gpost=jax.tree.map(lambda a: per(jnp.shape(a), sums(getattr(a, "dtype", None) or jnp.asarray(a).dtype)),
                            ties.strip(model.params)[2]),
