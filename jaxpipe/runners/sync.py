@@ -27,6 +27,13 @@ class PipelineState(NamedTuple):
     step: jax.Array
 
 
+def _mean(divisor):
+    """The gradients' mean from what the program returns: sums over the micro-batches where ``divisor`` is set,
+    divided where they are read -- inside the update's conditional and the norm, where the division fuses
+    instead of writing the mean gradient once more (issue #39 item 2); ``loss_and_grad`` divides the same way."""
+    return (lambda g: g) if divisor is None else (lambda g: jax.tree.map(lambda a: a / divisor, g))
+
+
 class SyncRunner:
     in_flight = False           # a step ends with an empty pipeline
 
@@ -121,11 +128,7 @@ class SyncRunner:
                                           nan_bubbles=self.ctx.nan_bubbles, seed=self.ctx.seed,
                                           perms=exchange_perms(self.ctx.schedule) if self._identity_layout else None,
                                           divide=scale != 1.0, **stream_options(self.ctx.schedule))
-            # the gradients come back as sums over the micro-batches where ``divisor`` is set: divided inside
-            # the update (and the norm), the division fuses there instead of writing the mean gradient once
-            # more (issue #39 item 2); loss_and_grad divides the same way
-            divisor = grad_fn.divisor
-            mean = (lambda g: g) if divisor is None else (lambda g: jax.tree.map(lambda a: a / divisor, g))
+            mean = _mean(grad_fn.divisor)
 
             lay, identity = jnp.asarray(self._layout), self._identity_layout
             lay_sh = self.ctx.param_shardings[0]      # P("stage", *the leaf's model-axis spec)
@@ -160,33 +163,36 @@ class SyncRunner:
                 self._compiled[key] = jax.jit(grad_in_model_order)
                 self._compiled[key] = guard_collectives(self._compiled[key], self.ctx.mesh)
             else:
-                opt, skip = self.ctx.optimizer, self.ctx.skip_nonfinite
-                by_select = branches_refused(self.ctx.mesh)
-
-                def step(state: PipelineState, b):
-                    inputs, ok_in, b = checks.checked(b, self.ctx.mesh)
-                    loss, sums = lg(state.params, b, state.step)
-                    gnorm = optax.tree.norm(mean(sums))
-                    finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
-                    applied = ok_in & finite    # never an update from a bad batch or a non-finite gradient
-
-                    def update(params, opt_state):
-                        updates, opt_state = opt.update(mean(sums), opt_state, params)
-                        return optax.apply_updates(params, updates), opt_state
-                    # a conditional, not a select of new and old: XLA updates the donated buffers in place
-                    # (jaxpipe.step_checks)
-                    params, opt_state = gate(applied, update, (state.params, state.opt_state), by_select)
-                    # the counter counts updates, and steps skipped on request (skip_nonfinite)
-                    count = state.step + (ok_in & (finite | skip)).astype(state.step.dtype)
-                    metrics = {"loss": loss, "grad_norm": gnorm, "step": count,
-                               STATUS: checks.status(inputs, ~finite)}
-                    if skip:
-                        metrics["skipped"] = ~applied
-                    return PipelineState(params, opt_state, count), metrics
-
-                rep = NamedSharding(self.ctx.mesh, P())
-                self._compiled[key] = jax.jit(step, donate_argnums=(0,), out_shardings=(
-                    state_sh, {"loss": rep, "grad_norm": rep, "step": rep, STATUS: rep,
-                               **({"skipped": rep} if skip else {})}))
-                self._compiled[key] = guard_collectives(self._compiled[key], self.ctx.mesh)
+                self._compiled[key] = self._step_program(lg, mean, state_sh)
         return self._compiled[key]
+
+    def _step_program(self, lg, mean, state_sh):
+        """The jitted, state-donating step: ``lg``'s loss and gradient sums, the update gated on the batch's
+        checks and a finite loss, the metrics."""
+        opt, skip, checks = self.ctx.optimizer, self.ctx.skip_nonfinite, self.ctx.checks
+        by_select = branches_refused(self.ctx.mesh)
+
+        def step(state: PipelineState, b):
+            inputs, ok_in, b = checks.checked(b, self.ctx.mesh)
+            loss, sums = lg(state.params, b, state.step)
+            gnorm = optax.tree.norm(mean(sums))
+            finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+            applied = ok_in & finite    # never an update from a bad batch or a non-finite gradient
+
+            def update(params, opt_state):
+                updates, opt_state = opt.update(mean(sums), opt_state, params)
+                return optax.apply_updates(params, updates), opt_state
+            # a conditional, not a select of new and old: XLA updates the donated buffers in place
+            # (jaxpipe.step_checks)
+            params, opt_state = gate(applied, update, (state.params, state.opt_state), by_select)
+            # the counter counts updates, and steps skipped on request (skip_nonfinite)
+            count = state.step + (ok_in & (finite | skip)).astype(state.step.dtype)
+            metrics = {"loss": loss, "grad_norm": gnorm, "step": count, STATUS: checks.status(inputs, ~finite)}
+            if skip:
+                metrics["skipped"] = ~applied
+            return PipelineState(params, opt_state, count), metrics
+
+        rep = NamedSharding(self.ctx.mesh, P())
+        fn = jax.jit(step, donate_argnums=(0,), out_shardings=(
+            state_sh, {"loss": rep, "grad_norm": rep, "step": rep, STATUS: rep, **({"skipped": rep} if skip else {})}))
+        return guard_collectives(fn, self.ctx.mesh)

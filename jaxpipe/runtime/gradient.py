@@ -29,12 +29,7 @@ def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubble
     ``replicas`` (AvgPipe's parallel pipelines): every parameter and gradient has a leading axis of one replica
     per ``pipe`` index, each pipeline trains its own (averaged over ``data`` only), the loss is per replica."""
     D, K = periodic.num_devices, periodic.chunks
-    # divide=False: the stage gradients come back as sums over the micro-batches and ``fn.divisor`` says what
-    # the caller divides them by (None: divided here -- (sum, count) losses, AvgPipe's replicas, and parameters
-    # stored below float32, whose gradients are cast before they leave)
-    low = any(jnp.promote_types(a.dtype, jnp.float32) != a.dtype for a in jax.tree.leaves(model.params))
-    divide = divide or replicas or low
-    policies = tuple(gradient(M, divide=divide) for _ in range(K))
+    policies = tuple(gradient(M, divide=_divides_here(model, divide, replicas)) for _ in range(K))
     run, x_aval = make_stream_program(model, policies if K > 1 else policies[0], None, D, M, mesh, mb_example,
                                       nan_bubbles=nan_bubbles, periodic=periodic, seed=seed, replicas=replicas,
                                       w_from=w_from, eager_reduce=eager_reduce)
@@ -46,9 +41,7 @@ def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubble
     n_dev = pipeline_devices(mesh)
     on_stage = NamedSharding(mesh, P(STAGE))
     on_own = NamedSharding(mesh, P((PIPE, STAGE)))
-
     like = lambda g, q: jax.tree.map(lambda a, b: a.astype(b.dtype), g, q)     # gradients in the params' dtypes
-
     permute = lambda t, pairs: _permute(mesh, t, pairs)
 
     def fn(stage_p, pre_p, post_p, batch, step):
@@ -62,7 +55,7 @@ def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubble
             sums = lambda g: jax.tree.map(lambda a: a.sum(1), back(g))
             return loss, (like(back(g_w), stage_p), like(sums(g_pre), pre_p), like(sums(g_post), post_p))
         return one_call(stage_p, pre_p, post_p, batch, step)
-    fn.divisor = None if divide or run.counting else M
+    fn.divisor = None if _divides_here(model, divide, replicas) or run.counting else M
 
     def one_call(stage_p, pre_p, post_p, batch, step):
         """Replicas: the parameters as the executor holds them (pre/post one copy per device), the
@@ -103,6 +96,14 @@ def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubble
         return loss, (like(g_w, stage_p), like(g_pre, pre_p), like(g_post, post_p))
     return fn
 
+
+
+def _divides_here(model, divide: bool, replicas: bool) -> bool:
+    """``divide=False`` asks for the gradients as sums over the micro-batches, ``fn.divisor`` saying what the
+    caller divides them by; they are divided here all the same for AvgPipe's replicas and for parameters stored
+    below float32 (their gradients are cast before they leave), and (sum, count) losses divide by their counts."""
+    low = any(jnp.promote_types(a.dtype, jnp.float32) != a.dtype for a in jax.tree.leaves(model.params))
+    return divide or replicas or low
 
 
 def _permute(mesh, t, pairs):
