@@ -61,7 +61,8 @@ def fingerprint(pipe) -> Dict[str, Any]:
     digest = hashlib.sha256(repr((shapes, ties) if ties else shapes).encode()).hexdigest()[:16]
     from .cuts import blocks_layout
     blocks, cut = blocks_layout(model)          # a model of identical blocks: restorable onto another cut
-    blocks = None if blocks is None else hashlib.sha256(repr((blocks, ties)).encode()).hexdigest()[:16]
+    rest = [s for s in shapes if not s[0].startswith("[0]")]    # the embedding and head must agree too
+    blocks = None if blocks is None else hashlib.sha256(repr((blocks, rest, ties)).encode()).hexdigest()[:16]
     return {"blocks": blocks, "block_cut": None if cut is None else list(cut), "model": digest, "optimizer": opt_digest, "model_parameters": int(sum(int(np.prod(s[1])) for s in shapes)),
             "model_leaves": [[k, list(sh), dt] for k, sh, dt in shapes], "tied": ties,
             "model_stages": int(model.num_stages), "cut": list(model.cut) if getattr(model, "cut", None) else None,

@@ -389,3 +389,13 @@ def test_an_in_flight_state_names_both_cuts_and_what_would_work(tmp_path):
         jp.Checkpointer(str(tmp_path), p2).restore(p2.prepare(p2.init(), mlp_batch(8)))
     back, _, step = jp.Checkpointer(str(tmp_path), p1).restore(p1.prepare(p1.init(), mlp_batch(8)))
     assert step == 2 and rel_err(p1.params(back), p1.params(s1)) == 0.0
+
+def test_the_same_blocks_with_another_head_is_another_model(tmp_path):
+    """Moving between cuts needs the whole model to agree: the same blocks under a head of another shape
+    are refused as another model, not moved."""
+    opt, p1, s1 = _saved(tmp_path)
+    other = mlp((1, 2, 2, 3))
+    other = dataclasses.replace(other, post_params=jnp.zeros((W, 3)), padded_cut=None)
+    p2 = jp.Pipeline(other, "1f1b", num_microbatches=4, optimizer=opt, mesh=jp.make_mesh(stages=4))
+    with pytest.raises(jp.ConfigError, match="from another model"):
+        jp.Checkpointer(str(tmp_path), p2).restore(p2.init())
