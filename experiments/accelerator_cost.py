@@ -83,9 +83,8 @@ def measure(step, timed, n):
 
 def costs(compiled):
     """(flops, bytes accessed, temp bytes) of a compiled program (per device)."""
-    c = compiled.cost_analysis()
-    c = c[0] if isinstance(c, (list, tuple)) else c
-    return c.get("flops", 0.0), c.get("bytes accessed", 0.0), compiled.memory_analysis().temp_size_in_bytes
+    from jaxpipe.bench import compiled_costs
+    return compiled_costs(compiled)
 
 
 def residual_policy(name):

@@ -38,6 +38,14 @@ def make_tanh_mlp(stages: int, layers_per_stage: int, width: int, seed: int = 0,
                          post_loss=lambda _, t, b: jnp.mean((join(t) - b["y"]) ** 2))
 
 
+def compiled_costs(compiled):
+    """(flops, bytes accessed, temp bytes) of a compiled program (per device), from XLA's own cost analysis
+    and buffer assignment (some JAX versions return the analysis as a list of one dict)."""
+    c = compiled.cost_analysis()
+    c = c[0] if isinstance(c, (list, tuple)) else c
+    return c.get("flops", 0.0), c.get("bytes accessed", 0.0), compiled.memory_analysis().temp_size_in_bytes
+
+
 def plain_train_step(model: PipelineModel, opt: optax.GradientTransformation, num_microbatches: int,
                      per_microbatch: bool = False, parts: int = 1):
     """One-device step: gradient accumulated over ``num_microbatches`` with ``lax.scan`` (1 = unchunked).

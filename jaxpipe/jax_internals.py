@@ -12,6 +12,10 @@ its operands divide into constants, carry and scanned inputs.  How JAX spells th
 
 :func:`scan_layout` reads either; anything else raises :class:`UnknownJaxprLayout`, which the split turns into
 "recompute W" (exact, slower) with one warning instead of a crash.
+
+The residual analysis (:func:`jaxpipe.runtime.common.residual_mask`) looks inside call equations (``jit``,
+``closed_call``, ``checkpoint``: :func:`call_body`) to tell which of their outputs depend on the activation; an
+equation it cannot read counts as depending on every input (conservative: a residual stashed that need not be).
 """
 from __future__ import annotations
 
@@ -45,3 +49,22 @@ def scan_layout(eqn) -> ScanLayout:
         return ScanLayout(body, nc, ncar, int(p["length"]), bool(p["reverse"]))
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise UnknownJaxprLayout(f"a scan equation with parameters {sorted(p)} ({type(e).__name__}: {e})") from None
+
+
+#: call-like primitives whose body maps the equation's operands and results one to one (jax 0.10: ``pjit``;
+#: 0.11 and later: ``jit``; ``remat``: older spellings of ``checkpoint``)
+CALLS = ("pjit", "jit", "closed_call", "core_call", "checkpoint", "remat", "remat2")
+
+
+def call_body(eqn):
+    """The body of a call-like equation (its ``invars``/``outvars`` one per operand/result), or None where the
+    equation is not one or its parameters are not laid out as expected (callers then stay conservative)."""
+    if getattr(eqn.primitive, "name", None) not in CALLS:
+        return None
+    body = eqn.params.get("jaxpr")
+    body = getattr(body, "jaxpr", body)          # a ClosedJaxpr's Jaxpr (a Jaxpr's .jaxpr is itself on 0.11+)
+    if not (hasattr(body, "invars") and hasattr(body, "outvars") and hasattr(body, "eqns")):
+        return None
+    if len(body.invars) != len(eqn.invars) or len(body.outvars) != len(eqn.outvars):
+        return None
+    return body

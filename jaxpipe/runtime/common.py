@@ -13,6 +13,15 @@ from jax import lax
 
 
 
+def cond(pred, true_fn, false_fn, *operands):
+    """``lax.cond``, or ``true_fn(*operands)`` where ``pred`` is the Python ``True`` (a lane busy on every device
+    in every tick of its phase: run in the tick's own body, where XLA can share what F and B both read --
+    a weight slice materialised in each lane's conditional was read twice; issue #39)."""
+    if pred is True:
+        return true_fn(*operands)
+    return lax.cond(pred, true_fn, false_fn, *operands)
+
+
 #: the in-flight fields a forward lane writes (the rest pass through its conditional untouched)
 F_OUT = ("stash", "gpost", "dy_own", "gtie", "cnt_own")
 
@@ -35,13 +44,27 @@ def residual_mask(stage_fn, w, x, ctx=None) -> Tuple[Tuple[bool, ...], list]:
 
     jaxpr = jax.make_jaxpr(leaves)(w, x, ctx).jaxpr
     n_w = len(jax.tree.leaves(w))
-    dep = set(jaxpr.invars[n_w:])
-    is_var = lambda v: not hasattr(v, "val")          # Literals carry .val
-    for eqn in jaxpr.eqns:
-        if any(is_var(v) and v in dep for v in eqn.invars):
-            dep.update(eqn.outvars)
-    mask = tuple(is_var(v) and v in dep for v in jaxpr.outvars)
+    mask = tuple(_depends(jaxpr, [i >= n_w for i in range(len(jaxpr.invars))]))
     return mask, [v.aval for v, m in zip(jaxpr.outvars, mask) if m]
+
+
+def _depends(jaxpr, dep_in: Sequence[bool]) -> List[bool]:
+    """Per output of ``jaxpr``: does it depend on an input marked in ``dep_in``?  Call equations (``jit``...)
+    are followed inside, output by output: a ``jnp.where`` under ``jit`` returns its (broadcast) predicate as a
+    residual, which for a causal mask depends on no activation -- stashed as one, GPT d1024's attention kept
+    128 MiB a micro-batch a block for nothing (issue #39).  Any other equation with a dependent input makes
+    all its outputs dependent."""
+    from ..jax_internals import call_body
+    is_var = lambda v: not hasattr(v, "val")          # Literals carry .val
+    dep = {v for v, d in zip(jaxpr.invars, dep_in) if d}
+    for eqn in jaxpr.eqns:
+        ins = [is_var(v) and v in dep for v in eqn.invars]
+        if not any(ins):
+            continue
+        body = call_body(eqn)
+        outs = [True] * len(eqn.outvars) if body is None else _depends(body, ins)
+        dep.update(o for o, d in zip(eqn.outvars, outs) if d)
+    return [is_var(v) and v in dep for v in jaxpr.outvars]
 
 
 def split_residuals(stage_fn, w, x, mask: Sequence[bool], ctx=None):

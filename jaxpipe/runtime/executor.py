@@ -123,6 +123,7 @@ class Trace:
     s_cap: Any              # per chunk, its stash slots
     ring_f: Any             # the forward and backward rings of devices (ppermute pairs)
     ring_b: Any
+    res_avals: Any = ()     # the residuals a forward stashes (a direct hand-over's idle F makes blanks of them)
     variants: Any = None    # per chunk, the forward of each compiled position (lanes_forward.forward_at)
     doubles: Any = None     # per chunk, Chimera's doubled forward of each position (paired streams)
 
@@ -139,7 +140,7 @@ def open_trace(prog: Program, params, opt_state, pstate, carry, counters, batch,
     replica = lax.axis_index(PIPE) * prog.mesh.shape[DATA] + lax.axis_index(DATA)
     first_w = prog.grads.per_chunk(prog, None, lps, ())[0][0][0]     # chunk 0's stage weights
     sop, avals = StageOps.build(prog.model, first_w, full(prog.x_aval, 0), jax.tree.map(lambda a: a[0], carry.ring))
-    if len(avals) != len(carry.stash):
+    if not prog.direct and len(avals) != len(carry.stash):
         raise RuntimeError(f"stage_fn's pullback stashes {len(avals)} residuals inside the program but "
                            f"{len(carry.stash)} were allocated; stage_fn must trace the same way every time")
     wsp = None
@@ -154,7 +155,7 @@ def open_trace(prog: Program, params, opt_state, pstate, carry, counters, batch,
                unit_tab=jnp.asarray(prog.units), s_off=jnp.asarray(prog.S_off[:-1], jnp.int32),
                s_cap=jnp.asarray(prog.S, jnp.int32),
                ring_f=[(d, (d + 1) % prog.D) for d in range(prog.D)],
-               ring_b=[(d, (d - 1) % prog.D) for d in range(prog.D)])
+               ring_b=[(d, (d - 1) % prog.D) for d in range(prog.D)], res_avals=avals)
     variants = [[forward_at(prog, tr, bool(p & 1), bool(p & 2)) for p in prog.used_pos[c]] for c in range(prog.K)]
     doubles = [[double_at(prog, tr, bool(p & 1), bool(p & 2)) for p in prog.used_pos[c]]
                for c in range(prog.K)] if prog.paired else None

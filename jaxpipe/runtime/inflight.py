@@ -70,6 +70,8 @@ def empty_carry(model, periodic, M: int, n_devices: int, mb_example, x_aval, mas
     if plan is not None:            # the plan's slots (an idle lane writes none: no scratch slot); the call
         S = max(plan.stash_capacity, 1)  # reads its own batch (one ring slot: the micro-batch's shapes)
         C = 1
+        if plan.direct:             # F hands its residuals to the B of its tick: no stash
+            mask_avals = []
     per = lambda shape, dtype: jnp.zeros((n_devices,) + tuple(shape), dtype)
     nan = lambda shape, dtype: jnp.full((n_devices,) + tuple(shape), fill_value(jnp.nan if nan_bubbles else 0, dtype),
                                         dtype)

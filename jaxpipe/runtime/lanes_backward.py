@@ -7,7 +7,7 @@ import jax
 from jax import lax
 
 from ..schedules.layout import ROUTE
-from .common import cast, pmean_over, psum_over, read, where, write
+from .common import cast, cond, pmean_over, psum_over, read, where, write
 from .call_base import blank, blank_tie, candidate, choices, is_first, is_last, op_of, operands, per_chunk, pick, zero_like
 
 
@@ -24,7 +24,7 @@ def bwd(prog, tr, w, res, dy):
 def b_lane(prog, tr, c, g, slot, dy_in, t_in, ops):
     lps, pss, cr = ops
     gi = tr.base + g
-    res = [read(a, slot) for a in cr.stash]
+    res = list(cr.stash) if prog.direct else [read(a, slot) for a in cr.stash]
     last, first = is_last(prog, tr, c), is_first(prog, tr, c)
     dy = prog.route.last_dy(prog, cr, last, dy_in)
     policy, (lp,), (ps,) = prog.policies[0], *(v[:1] for v in per_chunk(prog, tr, lps, pss))
@@ -94,7 +94,8 @@ def b_lanes_summing(prog, tr, cb, gb, sb, dy_in, tb_in, cnt, is_b, lps, oss, pss
 
         def idle(g, slot, dy, t_in, n, ps, fb):
             return ps, fb, (blank(prog, tr), blank_tie(prog, tr))
-        pss[c], fb, snd = lax.cond(is_b & (cb == c), run, idle, gb, sb, dy_in, tb_in, cnt, pss[c], fb)
+        mine = is_b if is_b is True and prog.K == 1 else is_b & (cb == c)
+        pss[c], fb, snd = cond(mine, run, idle, gb, sb, dy_in, tb_in, cnt, pss[c], fb)
         send_b = snd if send_b is None else where(cb == c, snd, send_b)
     return tuple(pss), cr._replace(front=fb), send_b
 

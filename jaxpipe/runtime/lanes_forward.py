@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..schedules.layout import ROUTE
-from .common import F_OUT, cast, read, write
+from .common import F_OUT, cast, cond, full, read, write
 from .call_base import blank, blank_tie, candidate, choices, is_last, op_of, operands, per_chunk, pick, position, stage_of, x_like, zero_like
 
 
@@ -110,7 +110,8 @@ def f_account(prog, tr, c, slot, out, cr, loss):
     head gradient, the loss; returns the lane's message."""
     msg, res, dy, gq, l, t_out, gt, cnt = out
     last = is_last(prog, tr, c)
-    cr = cr._replace(stash=[write(a, slot, r) for a, r in zip(cr.stash, res)])
+    # a direct hand-over (D = 1): the residuals go to this tick's B as they are, no stash slot
+    cr = cr._replace(stash=list(res) if prog.direct else [write(a, slot, r) for a, r in zip(cr.stash, res)])
     cr, send = prog.route.last_forward(prog, last, msg, dy, gq, t_out, gt, cnt, cr)
     # the metric: losses over their weight -- 1 each, or a (sum, count) loss's count on a ring
     weight = cnt if prog.counting else jnp.ones((), jnp.float32)
@@ -162,7 +163,7 @@ def f_cond(prog, tr, pred, *args, ops, branches=None):
             return ((() if prog.fused else pss_), tuple(getattr(cr_, f) for f in F_OUT), loss_), *sends
         return run
     if branches is None:
-        out = lax.cond(pred, slim(partial(f_lane, prog, tr)), slim(partial(f_idle, prog, tr)), *args, ops)
+        out = cond(pred, slim(partial(f_lane, prog, tr)), slim(partial(f_idle, prog, tr)), *args, ops)
     else:
         out = lax.cond(pred, slim(branches[0]), slim(branches[1]), ops)
     (pss_out, fields, loss), *sends = out
@@ -172,4 +173,6 @@ def f_cond(prog, tr, pred, *args, ops, branches=None):
 
 def f_idle(prog, tr, c, g, slot, x_in, t_in, ops):
     lps, pss, cr, loss = ops
+    if prog.direct:        # blanks for the B of this tick (idle too: it reads the F's micro-batch)
+        cr = cr._replace(stash=list(full(tr.res_avals, jnp.nan if prog.nan_bubbles else 0)))
     return (pss, cr, loss), prog.route.idle_message(prog, blank(prog, tr), blank_tie(prog, tr))

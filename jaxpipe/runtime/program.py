@@ -10,7 +10,7 @@ Nothing here asks a method's name or reads a method's options by key: the polici
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import jax
 import numpy as np
@@ -25,6 +25,14 @@ from ..tying import Ties
 from .landing import landing_points, landing_segments, ring_phases
 from .reduction import REDUCTIONS
 from .routing import ROUTINGS
+
+
+class PhaseLanes(NamedTuple):
+    """A lane plan's phase as its scan compiles it: the lanes some device uses there, and those busy on every
+    device in every tick (run without a conditional: a plan's stream of one call is always fed, so the table
+    says exactly which ops run)."""
+    used: frozenset
+    full: frozenset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +115,8 @@ class Program:
     w_frontier = property(lambda self: self.modes.w_lane == "frontier")
     paired = property(lambda self: self.modes.paired)
     counting = property(lambda self: self.modes.counting)
+    # a lane plan whose F hands its residuals to the B of the same tick (D = 1): no stash slots
+    direct = property(lambda self: self.periodic.plan is not None and self.periodic.plan.direct)
 
     def model_key(self, step, mb):
         """The stage context's key of micro-batch ``mb`` of step ``step`` (the synchronous schedules' keys)."""
@@ -208,7 +218,8 @@ def _segments(periodic, M, D, policies, mesh, ring, eager):
                 segments.append((tau, tau + 1, f))
     if periodic.plan is not None:   # one scan per phase of the plan, compiling only the lanes some device uses
         # there (its cuts include the eager-reduction points); a lane idle on every device costs a conditional
-        segments = [(a, b, frozenset(u)) for a, b, u in periodic.plan.phases]
+        segments = [(a, b, PhaseLanes(frozenset(u), frozenset(f)))
+                    for (a, b, u), f in zip(periodic.plan.phases, periodic.plan.full)]
         if not {b for _, b, _ in segments} >= set(eager):
             raise ConfigError("the plan's phases must end at its eager-reduction points (schedules.lane_plan)")
     return segments, lands

@@ -60,8 +60,10 @@ class PlanSlots:
                                         count=0.0 if prog.counting else None)[2],) + tuple(pss[1:])
 
     def lanes(self, prog, tr, t, flags):
-        """The lanes this scan compiles (its phase's ``flags``) and this device's route rows at tick ``t``."""
-        return [li in flags for li in range(len(prog.kinds))], jnp.asarray(prog.routes)[t % prog.T, tr.me]
+        """The lanes this scan compiles (its phase's ``flags``: 0 not compiled, 1 under a conditional, 2 busy
+        on every device in every tick, run without one) and this device's route rows at tick ``t``."""
+        return ([2 if li in flags.full else int(li in flags.used) for li in range(len(prog.kinds))],
+                jnp.asarray(prog.routes)[t % prog.T, tr.me])
 
     def forward_in(self, prog, tr, t, rr, cr, cf, gf):
         """``(x_in, tied_in, stash slot)`` of the F lane."""

@@ -40,13 +40,14 @@ def tick(prog, tr, st, t, flags=True):
     lps, pss, stacks = prog.grads.before_tick(prog, tr, lps, oss, pss, cr, flags)
     is_f, cf, gf = op_of(prog, tr, t, tr.me, 0)
     is_b, cb, gb = op_of(prog, tr, t, tr.me, prog.KB)
+    is_f, is_b = (True if run[0] == 2 else is_f), (True if run[prog.KB] == 2 else is_b)   # no conditional
     err = errors_of(prog, tr, cf, gf, is_f, per_chunk(prog, tr, lps, pss)[1])
     if run[0]:
         pss, cr, loss = forward_lanes(prog, tr, t, rr, run, (is_f, cf, gf), lps, pss, cr, loss)
     if run[prog.KB]:
         err = err + errors_of(prog, tr, cb, gb, is_b, per_chunk(prog, tr, lps, pss)[1])
         lps, oss, pss, cr = backward_lanes(prog, tr, t, rr, run, flags, (is_b, cb, gb), stacks, lps, oss, pss, cr)
-    cr = cr._replace(errors=cr.errors + err)
+    cr = cr._replace(errors=cr.errors + err, **({"stash": []} if prog.direct else {}))
     lps, oss, pss = prog.grads.end_tick(lps, oss, pss)
     return (lps, oss, pss, cr, loss), None
 

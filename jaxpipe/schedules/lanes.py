@@ -58,6 +58,8 @@ class LanePlan:
     keeps: Tuple[bool, ...]                                  # per lane: does it keep a message on-device
     phases: Tuple[Tuple[int, int, Tuple[int, ...]], ...]     # (first tick, end tick, lanes compiled)
     full: Tuple[Tuple[int, ...], ...] = ()                   # per phase: lanes busy on every device, every tick
+    direct: bool = False     # every B reads the residuals of the F run earlier in its own tick: no stash
+
 
     @property
     def num_ticks(self) -> int:
@@ -239,6 +241,16 @@ def _route_messages(s: Schedule, where, dev, tab, pos, nl: int, split: bool):
     return channels, keeps, max(len(x.busy_until) for x in alloc)
 
 
+def _hands_over(lanes, where) -> bool:
+    """Whether the F lane may hand its residuals straight to the B lane of the same tick: every B runs in
+    the tick of its F (one stage per device, one chunk: ``D = 1``), and nothing else (a W, a paired F2)
+    reads residuals.  The executor then keeps no stash at all (issue #39: at D = 1 the stash's fill and its
+    slot traffic were most of the bytes the pipelined step moved beyond the plain one)."""
+    if tuple(lanes) != (F, B):
+        return False
+    return all(where[(F, st, m)][0] == t for (k, st, m), (t, _) in where.items() if k == B)
+
+
 def plan(s: Schedule, placement: str = "lanes", cut: Sequence[int] = ()) -> LanePlan:
     """Place ``s`` on lanes and build the executor's tables.  ``cut``: ticks where a phase must begin
     (Chimera's eager reduction runs between two phases)."""
@@ -287,6 +299,7 @@ def plan(s: Schedule, placement: str = "lanes", cut: Sequence[int] = ()) -> Lane
                 full[i:i + 1] = [full[i], full[i]]
                 break
     out = LanePlan(s, placement, lanes, where, tab.astype(np.int32), cap_s, cap_m,
-                   tuple(tuple(sorted(c)) for c in channels), tuple(keeps), tuple(phases), tuple(full))
+                   tuple(tuple(sorted(c)) for c in channels), tuple(keeps), tuple(phases), tuple(full),
+                   _hands_over(lanes, where))
     out._dev = dev
     return out
