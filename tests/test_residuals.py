@@ -61,3 +61,30 @@ def test_bad_residuals_are_refused():
     with pytest.raises(jp.ConfigError, match="recompute=True and a residuals= policy"):
         jp.Pipeline(model, schedule="1f1b", num_microbatches=2, mesh=jp.make_mesh(stages=2), recompute=True,
                     residuals=DOTS)
+
+
+def test_residuals_that_depend_on_no_activation_are_not_stashed():
+    """A causal mask under ``jnp.where`` (``jit``-wrapped in JAX) gives the pullback its broadcast predicate and a
+    zero tangent as residuals: neither depends on the activation, so neither is stashed (issue #39: 128 MiB a
+    micro-batch a block on GPT d1024) -- while the exp and the probabilities of the softmax are."""
+    import jax.numpy as jnp
+    from jaxpipe.runtime.common import rebuild_pullback, residual_mask, split_residuals
+    causal = jnp.tril(jnp.ones((8, 8), bool))
+
+    def stage(w, x):
+        s = jnp.einsum("btd,bsd->bts", x @ w, x)
+        return jax.nn.softmax(jnp.where(causal, s, -1e9), -1) @ x
+
+    w = jax.random.normal(jax.random.key(0), (4, 4))
+    x = jax.random.normal(jax.random.key(1), (2, 8, 4))
+    mask, avals = residual_mask(stage, w, x)
+    leaves = jax.tree.leaves(jax.vjp(stage, w, x)[1])
+    kept = [l for l, m in zip(leaves, mask) if m]
+    assert not any(a.dtype == jnp.bool_ for a in avals)                        # the predicate is recomputed
+    assert len(kept) < len(leaves) and any(l.dtype == jnp.bool_ for l in leaves)
+    # the pullback rebuilt from the stash and the recomputed leaves is the real one
+    y, stashed, _, _ = split_residuals(stage, w, x, mask)
+    dy = jax.random.normal(jax.random.key(2), y.shape)
+    got = rebuild_pullback(stage, w, jnp.zeros_like(x), stashed, mask)(dy)
+    want = jax.vjp(stage, w, x)[1](dy)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
