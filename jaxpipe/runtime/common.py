@@ -31,8 +31,9 @@ def residual_mask(stage_fn, w, x, ctx=None) -> Tuple[Tuple[bool, ...], list]:
 
     Those are stashed by F.  The others are functions of the weights alone (the weights themselves, slices,
     transposes, casts of them): B recomputes them from the weights it must read, so weights are never
-    copied into the stash.  Found by a dependency walk over the jaxpr (conservative: an equation with any
-    x-dependent input makes all its outputs x-dependent).  Call it in the context the executor traces in
+    copied into the stash.  Found by a dependency walk over the jaxpr that follows call bodies (``jit``) output
+    by output and is conservative elsewhere (any other equation with an x-dependent input makes all its
+    outputs x-dependent).  Call it in the context the executor traces in
     (inside the ``shard_map``): how many residuals a pullback has can depend on it.  Returns the mask and
     the shapes of the stashed residuals.  ``ctx`` (a :class:`~jaxpipe.model.StageContext`, for
     ``stage_fn(w, x, ctx)``) counts as per-micro-batch like ``x``: residuals of its inputs and of its key (a
