@@ -45,6 +45,20 @@ def _check_plan(p):
             owner[slot] = key
             tb, lb = p.where[(last, key[1], key[2])]
             assert p.table[tb, d, lb, L["stash"]] == slot
+    # a split backward's frontier slots: B writes, its W reads the same slot, nothing rewrites it in between
+    if s.has_w():
+        for d in range(s.D):
+            owner = {}
+            for key in sorted((k for k in p.where if k[0] == "B" and dev[k] == d), key=lambda k: p.where[k]):
+                t, li = p.where[key]
+                slot = p.table[t, d, li, L["front"]]
+                assert 0 <= slot < p.front_capacity
+                if slot in owner:
+                    tw, lw = p.where[("W", owner[slot][1], owner[slot][2])]
+                    assert tw * nl + lw < t * nl + li
+                owner[slot] = key
+                tw, lw = p.where[("W", key[1], key[2])]
+                assert p.table[tw, d, lw, L["front"]] == slot
     # every sent message lands in a real slot that its reader reads
     for key, (t, li) in p.where.items():
         send = p.table[t, dev[key], li, L["send"]]
@@ -57,6 +71,15 @@ def _check_plan(p):
 def test_plans_are_valid(name, D, opts, placement):
     s = schedules.build(name, D, 2 * D, **opts)
     _check_plan(plan(s, placement))
+
+
+def test_the_frontier_holds_only_what_w_has_not_read():
+    """ZB-H1's W follows its B closely: its frontier needs far fewer slots than the stash (issue #39: kept in
+    the stash's 2D - 1 slots, the frontier cost GPT d1024 2.7 GB a device at D = 4)."""
+    for D, M in ((4, 8), (8, 16)):
+        p = plan(schedules.build("zb_h1", D, M))
+        assert p.front_capacity < p.stash_capacity and p.front_capacity <= 2
+    assert plan(schedules.build("1f1b", 4, 8)).front_capacity == 0
 
 
 @pytest.mark.parametrize("D,M", [(2, 4), (4, 8), (4, 3), (8, 16)])

@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..axes import AXES, DATA, DP_AXES, PIPE, STAGE, manual
 from .common import full
+from .inflight import own_buffers
 from .lanes_forward import double_at, forward_at
 from .program import Program, describe
 from .stage import StageOps
@@ -147,8 +148,9 @@ def open_trace(prog: Program, params, opt_state, pstate, carry, counters, batch,
     if prog.w_frontier:      # W from the frontier B keeps (none where the stage cannot be split: W recomputes)
         wsp = split_backward(sop.backward, lps[0][0], full(avals, 0), full(prog.x_aval, 0), avals)
     if wsp is not None:     # in the plan's stash slots (an idle B lane writes none), for this call only
-        carry = carry._replace(front=full(wsp.frontier_avals, jnp.nan if prog.nan_bubbles else 0,
-                                          (max(prog.periodic.plan.stash_capacity, 1),)))
+        # (own buffers: merged into one fill, XLA copied it into each; +224 MiB a leaf on GPT d1024 at D = 4)
+        carry = carry._replace(front=own_buffers(full(wsp.frontier_avals, jnp.nan if prog.nan_bubbles else 0,
+                                                      (max(prog.periodic.plan.front_capacity, 1),))))
     mb_of, carry = prog.route.micro_batches(prog, base, n_fed, batch, carry)
     tr = Trace(t0=t0, base=base, n_fed=n_fed + prog.M * feed.astype(jnp.int32), me=me, replica=replica,
                sop=sop, wsp=wsp, mb_of=mb_of, ctab=jnp.asarray(prog.periodic.call_table(prog.M)),

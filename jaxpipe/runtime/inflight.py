@@ -46,16 +46,17 @@ class RingState(NamedTuple):
     bok: Any           # whether it is one (only the last worker's completed sums are)
 
 
-def _own_buffers(arrays):
-    """``arrays``, built so XLA does not merge equal ones: identical broadcasts are merged (CSE) into one, and
-    each loop-carried buffer then starts as a copy of it (a copy per stash leaf per call; BUILD_NOTES, issue
-    #39 item 2).  Empty and non-numeric leaves (typed PRNG keys) are left as they are."""
+def own_buffers(tree):
+    """The arrays of ``tree``, built so XLA does not merge equal ones: identical broadcasts are merged (CSE) into
+    one, and each loop-carried buffer then starts as a copy of it (a copy per stash leaf per call; BUILD_NOTES,
+    issue #39 item 2).  Empty and non-numeric leaves (typed PRNG keys) are left as they are."""
+    arrays, treedef = jax.tree.flatten(tree)
     mine = [i for i, a in enumerate(arrays) if a.size and jnp.issubdtype(a.dtype, jnp.number)]
     fills = jax.lax.optimization_barrier([arrays[i].reshape(-1)[:1] for i in mine])
     out = list(arrays)
     for i, f in zip(mine, fills):
         out[i] = jnp.broadcast_to(f.reshape((1,) * out[i].ndim), out[i].shape)
-    return out
+    return jax.tree.unflatten(treedef, out)
 
 
 def empty_carry(model, periodic, M: int, n_devices: int, mb_example, x_aval, mask_avals,
@@ -89,7 +90,7 @@ def empty_carry(model, periodic, M: int, n_devices: int, mb_example, x_aval, mas
         mbuf = (msg((cap,)), tie_msg((cap,)), nan((cap,), jnp.float32))
         sums = lambda dt: jnp.promote_types(dt, jnp.float32)
     return AsyncCarry(
-        stash=_own_buffers([nan((S,) + tuple(a.shape), a.dtype) for a in mask_avals]),
+        stash=own_buffers([nan((S,) + tuple(a.shape), a.dtype) for a in mask_avals]),
         recv_f=msg(), recv_b=msg(), dy_own=msg(), mbuf=mbuf,
         gpost=jax.tree.map(lambda a: per(jnp.shape(a), sums(getattr(a, "dtype", None) or jnp.asarray(a).dtype)),
                            ties.strip(model.params)[2]),

@@ -85,11 +85,12 @@ def b_lanes_summing(prog, tr, cb, gb, sb, dy_in, tb_in, cnt, is_b, lps, oss, pss
     flushing schedule, measured against the deleted lane executor)."""
     pss, send_b, fb = list(pss), None, cr.front
     for c in range(prog.K):
-        def run(g, slot, dy, t_in, n, ps, fb, c=c):
+        def run(g, slots, dy, t_in, n, ps, fb, c=c):
+            slot, f_slot = slots if tr.wsp is not None else (slots, None)
             grad, snd, front = b_lane(prog, tr, c, g, slot, dy, t_in,
                                       (lps, tuple(pss[:c]) + (ps,) + tuple(pss[c + 1:]), cr))
-            if tr.wsp is not None:     # the frontier into the micro-batch's slot beside its residuals
-                fb = [write(a, slot, f) for a, f in zip(fb, front)]
+            if tr.wsp is not None:     # the frontier into its slot (the plan's, B to W)
+                fb = [write(a, f_slot, f) for a, f in zip(fb, front)]
             return b_apply(prog, tr, c, g, grad, n, lps[c], oss[c], ps)[2], fb, snd
 
         def idle(g, slot, dy, t_in, n, ps, fb):
@@ -111,7 +112,7 @@ def w_lanes(prog, tr, t, rw, lps, oss, pss, cr):
             res = [read(a, rw[ROUTE["stash"]]) for a in cr.stash]
             dy = read(cr.mbuf[0], rw[ROUTE["in"]])
             if tr.wsp is not None:
-                dw = tr.wsp.weight_part(lps[c][0], res, dy, [read(a, rw[ROUTE["stash"]]) for a in cr.front])
+                dw = tr.wsp.weight_part(lps[c][0], res, dy, [read(a, rw[ROUTE["front"]]) for a in cr.front])
             else:
                 dw = tr.sop.backward(lps[c][0], res, dy)[0]
             return prog.policies[c].update((dw, None, None), lps[c], oss[c], ps, tr.base + g, tr.me)[2]

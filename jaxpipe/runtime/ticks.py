@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..axes import STAGE
+from ..schedules.layout import ROUTE
 from .call_base import errors_of, is_first, op_of, per_chunk
 from .lanes_backward import w_lanes
 from .lanes_forward import f_cond, f_lanes_paired
@@ -68,6 +69,8 @@ def backward_lanes(prog, tr, t, rr, run, flags, op, stacks, lps, oss, pss, cr):
     """The tick's B lane, the update it feeds (or the ring's exchange), ZB's W lane, and their messages."""
     is_b, cb, gb = op
     dy_in, tb_in, cnt, sb = prog.route.backward_in(prog, tr, rr, cr, cb, gb)
+    if tr.wsp is not None:      # B keeps its frontier for W in a slot of its own
+        sb = (sb, rr[prog.KB, ROUTE["front"]])
     pss, cr, grad, send_b = prog.grads.backward(prog, tr, (cb, gb, sb, dy_in, tb_in, cnt), is_b, lps, oss, pss, cr)
     send_b = send_b + (jnp.where(is_b & ~is_first(prog, tr, cb), cnt,
                                  jnp.full((), jnp.nan if prog.nan_bubbles else 0, jnp.float32)),)

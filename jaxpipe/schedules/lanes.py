@@ -38,8 +38,9 @@ F2 = "F2"
 PLACEMENTS = ("lanes", "ordered")
 #: columns of one lane's row: active flag, micro-batch, model stage, local chunk, stash slot (written by F,
 #: read by B/W), message slot read (F: input activation, B/W: dL/dy), where the produced message goes
-#: (SEND_*), its slot when it stays on the device, receive slots for the two channels, branch index.
-LCOLS = ("op", "mb", "stage", "chunk", "stash", "in", "send", "keep", "recv_p", "recv_m", "branch")
+#: (SEND_*), its slot when it stays on the device, receive slots for the two channels, branch index, and
+#: a split backward's frontier slot (written by B, read by W).
+LCOLS = ("op", "mb", "stage", "chunk", "stash", "in", "send", "keep", "recv_p", "recv_m", "branch", "front")
 L = {c: i for i, c in enumerate(LCOLS)}
 MAX_PHASES = 5
 
@@ -59,6 +60,7 @@ class LanePlan:
     phases: Tuple[Tuple[int, int, Tuple[int, ...]], ...]     # (first tick, end tick, lanes compiled)
     full: Tuple[Tuple[int, ...], ...] = ()                   # per phase: lanes busy on every device, every tick
     direct: bool = False     # every B reads the residuals of the F run earlier in its own tick: no stash
+    front_capacity: int = 0  # a split backward's frontier slots (B to W), on every device
 
 
     @property
@@ -241,6 +243,21 @@ def _route_messages(s: Schedule, where, dev, tab, pos, nl: int, split: bool):
     return channels, keeps, max(len(x.busy_until) for x in alloc)
 
 
+def _front_slots(s: Schedule, where, dev, tab, pos) -> int:
+    """A split backward's frontier (what B keeps for W, beside the residuals) in slots of its own, each held
+    from its B to its W: ZB-H1's W follows its B within a tick or two, so at D = 4 one slot where the stash
+    needs 2D - 1 (issue #39: the frontier in the stash's slots was 2.7 GB a device on GPT d1024).  Returns the
+    capacity."""
+    alloc = [_Slots() for _ in range(s.D)]
+    for key in sorted((k for k in where if k[0] == B), key=pos):
+        _, st, m = key
+        d = dev[key]
+        slot = alloc[d].alloc(pos(key) - 1, pos((W, st, m)))
+        for k in (key, (W, st, m)):
+            tab[where[k][0], d, where[k][1], L["front"]] = slot
+    return max((len(a.busy_until) for a in alloc), default=0)
+
+
 def _hands_over(lanes, where) -> bool:
     """Whether the F lane may hand its residuals straight to the B lane of the same tick: every B runs in
     the tick of its F (one stage per device, one chunk: ``D = 1``), and nothing else (a W, a paired F2)
@@ -281,11 +298,12 @@ def plan(s: Schedule, placement: str = "lanes", cut: Sequence[int] = ()) -> Lane
         slot = stash_alloc[d].alloc(pos(key) - 1, max(pos((r, st, m)) for r in readers))
         for k in [key] + [(r, st, m) for r in readers]:
             tab[where[k][0], d, where[k][1], L["stash"]] = slot
+    cap_f = _front_slots(s, where, dev, tab, pos) if split else 0
     channels, keeps, cap_m = _route_messages(s, where, dev, tab, pos, nl, split)
     cap_s = max(len(x.busy_until) for x in stash_alloc)
     for c in ("keep", "recv_p", "recv_m"):
         tab[..., L[c]][tab[..., L[c]] < 0] = cap_m          # the scratch slot
-    for c in ("mb", "stage", "chunk", "stash", "in"):
+    for c in ("mb", "stage", "chunk", "stash", "in", "front"):
         tab[..., L[c]][tab[..., L[c]] < 0] = 0
     first = (tab[..., L["stage"]] == 0).astype(np.int64)
     last = (tab[..., L["stage"]] == S - 1).astype(np.int64)
@@ -300,6 +318,6 @@ def plan(s: Schedule, placement: str = "lanes", cut: Sequence[int] = ()) -> Lane
                 break
     out = LanePlan(s, placement, lanes, where, tab.astype(np.int32), cap_s, cap_m,
                    tuple(tuple(sorted(c)) for c in channels), tuple(keeps), tuple(phases), tuple(full),
-                   _hands_over(lanes, where))
+                   _hands_over(lanes, where), cap_f)
     out._dev = dev
     return out
