@@ -170,8 +170,14 @@ def describe(model, policy, D: int, M: int, mesh, mb_example, *, periodic=None, 
         n_red=mesh.shape[DATA] if replicas else n_dp, buf=buf, x_aval=x_aval, summed=summed, ties=ties,
         tie_avals=ties.pre_leaves(model.pre_params), T=T, segments=tuple(segments), lands=lands,
         stg=periodic.stage_table(),
-        routes=np.asarray(periodic.plan.table[..., [_L[k] for k in ROUTE_COLUMNS]]) if slots else None,
+        routes=_routes(periodic.plan) if slots else None,
         kinds=kinds, eager=eager, used_pos=used_pos, remap=remap, done_tab=np.asarray(buf["done"], np.int32))
+
+
+def _routes(plan) -> np.ndarray:
+    """A lane plan's routing columns (:data:`ROUTE_COLUMNS`; the frontier's, last, only where a W lane reads it)."""
+    cols = ROUTE_COLUMNS if "W" in plan.lanes else ROUTE_COLUMNS[:-1]
+    return np.asarray(plan.table[..., [_L[k] for k in cols]])
 
 
 def _check_policies(policies, periodic, mesh, D) -> None:
