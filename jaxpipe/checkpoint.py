@@ -236,6 +236,7 @@ class Checkpointer:
         if from_cut is not None:
             return self._restore_across_cuts(step, meta, abstract, from_cut)
         saved, want = meta.get("shapes") or {}, _shapes(abstract)
+        _check_stash(step, saved, want)
         diff = [f"{k}: saved {tuple(saved[k])}, needed {tuple(v)}" for k, v in want.items()
                 if k in saved and tuple(saved[k]) != tuple(v)]
         if diff:
@@ -536,6 +537,22 @@ def _owner(fd) -> dict:
         return json.loads(os.pread(fd, 4096, 0).decode() or "{}")
     except (OSError, ValueError, UnicodeDecodeError):
         return {}
+
+
+def _check_stash(step, saved: dict, want: dict) -> None:
+    """A no-flush state's stash holds one array per residual kept of ``stage_fn``'s pullback: another number in
+    the checkpoint means the residuals are kept differently there, and its in-flight micro-batches cannot be
+    carried over (the micro-batch size would change shapes, not the count)."""
+    count = lambda d: sum(1 for k in d if k.startswith(".carry.stash["))
+    a, b = count(saved), count(want)
+    if saved and a != b:
+        raise ConfigError(
+            f"checkpoint step {step} keeps {a} residual arrays of each in-flight micro-batch, this run {b}: the "
+            f"stage's residuals are kept differently -- another residuals= policy (or recompute=), another "
+            f"stage_fn, or a jaxpipe before 2026-11-27, which also stashed residuals that depend on no activation "
+            f"(a causal mask's). The micro-batches in flight cannot move between the two. Resume with what wrote "
+            f"it, or start this run from its weights (pipe.params(state) of the restored state) in another "
+            f"directory")
 
 
 def _shapes(tree) -> Dict[str, list]:

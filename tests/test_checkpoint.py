@@ -113,6 +113,20 @@ def test_checkpoint_from_another_model(tmp_path):
         jp.Checkpointer(tmp_path / "ck", other).restore(other.init())
 
 
+def test_in_flight_state_kept_under_another_residual_policy_is_refused_by_name(tmp_path):
+    """A no-flush checkpoint's stash holds the residuals its run kept; a run that keeps others (another
+    residuals= policy, or a jaxpipe that stashes fewer) is told so, not told to change its batch size."""
+    model, batch_fn = small_model("mlp", 2)
+    make_pipe = lambda **kw: jp.Pipeline(model, schedule="pipedream", num_microbatches=4,
+                                         optimizer=optax.sgd(0.05), mesh=jp.make_mesh(stages=2), **kw)
+    pipe = make_pipe()
+    ck = jp.Checkpointer(tmp_path / "ck", pipe, async_save=False)
+    ck.save(1, pipe.step(pipe.init(), batch_fn(8))[0])
+    other = make_pipe(residuals="inputs")
+    with pytest.raises(jp.ConfigError, match=r"keeps \d+ residual arrays .* this run \d+: .*residuals= policy"):
+        jp.Checkpointer(tmp_path / "ck", other).restore(other.prepare(other.init(), batch_fn(8)))
+
+
 def test_restore_onto_other_mesh(tmp_path):
     # synchronous: parameters do not depend on the data axis -> data 2 -> 1 restores and continues equal
     pipe, batch = make("1f1b", data=2)
