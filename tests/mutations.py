@@ -31,9 +31,13 @@ class Mutation(NamedTuple):
 
 MUTATIONS = [
     # issue #43's survivors
+    Mutation("w_lane_only_beside_b", "jaxpipe/runtime/ticks.py",
+             "    if prog.split and run[prog.KW]:     # ZB's W lane",
+             "    if prog.split and run[prog.KW] and run[prog.KB]:     # ZB's W lane",
+             "tests/test_lanes.py::test_ordered_placement_is_exact"),
     Mutation("zb_w_wrong_frontier_slot", "jaxpipe/runtime/lanes_backward.py",
-             'tr.wsp.weight_part(lps[c][0], res, dy, [read(a, rw[ROUTE["stash"]]) for a in cr.front])',
-             'tr.wsp.weight_part(lps[c][0], res, dy, [read(a, rw[ROUTE["stash"]] + 1) for a in cr.front])',
+             'tr.wsp.weight_part(lps[c][0], res, dy, [read(a, rw[ROUTE["front"]]) for a in cr.front])',
+             'tr.wsp.weight_part(lps[c][0], res, dy, [read(a, rw[ROUTE["front"]] + 1) for a in cr.front])',
              "tests/test_wsplit.py::test_executor_runs_w_from_the_frontier"),
     Mutation("stage_key_ignores_stage", "jaxpipe/model.py",
              "    return jax.random.fold_in(mb_key, stage)", "    return mb_key",

@@ -48,6 +48,8 @@ def tick(prog, tr, st, t, flags=True):
     if run[prog.KB]:
         err = err + errors_of(prog, tr, cb, gb, is_b, per_chunk(prog, tr, lps, pss)[1])
         lps, oss, pss, cr = backward_lanes(prog, tr, t, rr, run, flags, (is_b, cb, gb), stacks, lps, oss, pss, cr)
+    if prog.split and run[prog.KW]:     # ZB's W lane (a lane plan's: W reads its slots), also in a phase without B
+        pss = w_lanes(prog, tr, t, rr[prog.KW], lps, oss, pss, cr)
     cr = cr._replace(errors=cr.errors + err, **({"stash": []} if prog.direct else {}))
     lps, oss, pss = prog.grads.end_tick(lps, oss, pss)
     return (lps, oss, pss, cr, loss), None
@@ -66,7 +68,7 @@ def forward_lanes(prog, tr, t, rr, run, op, lps, pss, cr, loss):
 
 
 def backward_lanes(prog, tr, t, rr, run, flags, op, stacks, lps, oss, pss, cr):
-    """The tick's B lane, the update it feeds (or the ring's exchange), ZB's W lane, and their messages."""
+    """The tick's B lane, the update it feeds (or the ring's exchange), and its messages."""
     is_b, cb, gb = op
     dy_in, tb_in, cnt, sb = prog.route.backward_in(prog, tr, rr, cr, cb, gb)
     if tr.wsp is not None:      # B keeps its frontier for W in a slot of its own
@@ -76,8 +78,6 @@ def backward_lanes(prog, tr, t, rr, run, flags, op, stacks, lps, oss, pss, cr):
                                  jnp.full((), jnp.nan if prog.nan_bubbles else 0, jnp.float32)),)
     lps, oss, pss, cr = prog.grads.apply(prog, tr, t, flags, stacks, op, grad, cnt, lps, oss, pss, cr)
     cr = prog.route.backward_out(prog, tr, t, rr, cr, send_b)
-    if prog.split and run[prog.KW]:     # ZB's W lane (a lane plan's: W reads its slots)
-        pss = w_lanes(prog, tr, t, rr[prog.KW], lps, oss, pss, cr)
     return lps, oss, pss, cr
 
 
