@@ -124,7 +124,6 @@ class Trace:
     s_cap: Any              # per chunk, its stash slots
     ring_f: Any             # the forward and backward rings of devices (ppermute pairs)
     ring_b: Any
-    res_avals: Any = ()     # the residuals a forward stashes (a direct hand-over's idle F makes blanks of them)
     variants: Any = None    # per chunk, the forward of each compiled position (lanes_forward.forward_at)
     doubles: Any = None     # per chunk, Chimera's doubled forward of each position (paired streams)
 
@@ -157,7 +156,7 @@ def open_trace(prog: Program, params, opt_state, pstate, carry, counters, batch,
                unit_tab=jnp.asarray(prog.units), s_off=jnp.asarray(prog.S_off[:-1], jnp.int32),
                s_cap=jnp.asarray(prog.S, jnp.int32),
                ring_f=[(d, (d + 1) % prog.D) for d in range(prog.D)],
-               ring_b=[(d, (d - 1) % prog.D) for d in range(prog.D)], res_avals=avals)
+               ring_b=[(d, (d - 1) % prog.D) for d in range(prog.D)])
     variants = [[forward_at(prog, tr, bool(p & 1), bool(p & 2)) for p in prog.used_pos[c]] for c in range(prog.K)]
     doubles = [[double_at(prog, tr, bool(p & 1), bool(p & 2)) for p in prog.used_pos[c]]
                for c in range(prog.K)] if prog.paired else None

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..schedules.layout import ROUTE
-from .common import F_OUT, cast, cond, full, read, write
+from .common import F_OUT, cast, cond, read, write
 from .call_base import blank, blank_tie, candidate, choices, is_last, op_of, operands, per_chunk, pick, position, stage_of, x_like, zero_like
 
 
@@ -173,6 +173,4 @@ def f_cond(prog, tr, pred, *args, ops, branches=None):
 
 def f_idle(prog, tr, c, g, slot, x_in, t_in, ops):
     lps, pss, cr, loss = ops
-    if prog.direct:        # blanks for the B of this tick (idle too: it reads the F's micro-batch)
-        cr = cr._replace(stash=list(full(tr.res_avals, jnp.nan if prog.nan_bubbles else 0)))
     return (pss, cr, loss), prog.route.idle_message(prog, blank(prog, tr), blank_tie(prog, tr))

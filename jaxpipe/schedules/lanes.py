@@ -243,25 +243,28 @@ def _route_messages(s: Schedule, where, dev, tab, pos, nl: int, split: bool):
     return channels, keeps, max(len(x.busy_until) for x in alloc)
 
 
-def _front_slots(s: Schedule, where, dev, tab, pos) -> int:
-    """A split backward's frontier (what B keeps for W, beside the residuals) in slots of its own, each held
-    from its B to its W: ZB-H1's W follows its B within a tick or two, so at D = 4 one slot where the stash
-    needs 2D - 1 (issue #39: the frontier in the stash's slots was 2.7 GB a device on GPT d1024).  Returns the
-    capacity."""
-    alloc = [_Slots() for _ in range(s.D)]
-    for key in sorted((k for k in where if k[0] == B), key=pos):
+def _held_slots(D: int, where, dev, tab, pos, writer: str, readers, column: str) -> int:
+    """Slots in ``column`` of ``tab`` (in place) for what ``writer`` writes and ``readers`` read of the same
+    stage and micro-batch, each held from its write to its last read (a slot is free for a write once every
+    read of its previous content came earlier).  The stash: F to B (and W); a split backward's frontier: B to
+    W, in slots of its own -- ZB-H1's W follows its B within a tick or two, so at D = 4 one slot where the
+    stash needs 2D - 1 (issue #39: in the stash's slots the frontier was 2.7 GB a device on GPT d1024).
+    Returns the capacity (the most slots a device uses)."""
+    alloc = [_Slots() for _ in range(D)]
+    for key in sorted((k for k in where if k[0] == writer), key=pos):
         _, st, m = key
         d = dev[key]
-        slot = alloc[d].alloc(pos(key) - 1, pos((W, st, m)))
-        for k in (key, (W, st, m)):
-            tab[where[k][0], d, where[k][1], L["front"]] = slot
+        slot = alloc[d].alloc(pos(key) - 1, max(pos((r, st, m)) for r in readers))
+        for k in [key] + [(r, st, m) for r in readers]:
+            tab[where[k][0], d, where[k][1], L[column]] = slot
     return max((len(a.busy_until) for a in alloc), default=0)
 
 
 def _hands_over(lanes, where) -> bool:
     """Whether the F lane may hand its residuals straight to the B lane of the same tick: every B runs in
     the tick of its F (one stage per device, one chunk: ``D = 1``), and nothing else (a W, a paired F2)
-    reads residuals.  The executor then keeps no stash at all (issue #39: at D = 1 the stash's fill and its
+    reads residuals.  Every tick then runs an F and a B on the one device, so both lanes run without a
+    conditional (no idle F has to make residuals up).  The executor keeps no stash at all (issue #39: at D = 1 the stash's fill and its
     slot traffic were most of the bytes the pipelined step moved beyond the plain one)."""
     if tuple(lanes) != (F, B):
         return False
@@ -288,19 +291,10 @@ def plan(s: Schedule, placement: str = "lanes", cut: Sequence[int] = ()) -> Lane
         a = acts[key]
         row = tab[t, dev[key], li]
         row[L["op"]], row[L["mb"]], row[L["stage"]], row[L["chunk"]] = 1, a.mb, a.stage, a.chunk
-    # stash: written by F, read by B (and W)
     split = s.has_w()
-    readers = (B, W) if split else (B,)
-    stash_alloc = [_Slots() for _ in range(D)]
-    for key in sorted((k for k in where if k[0] == F), key=pos):
-        _, st, m = key
-        d = dev[key]
-        slot = stash_alloc[d].alloc(pos(key) - 1, max(pos((r, st, m)) for r in readers))
-        for k in [key] + [(r, st, m) for r in readers]:
-            tab[where[k][0], d, where[k][1], L["stash"]] = slot
-    cap_f = _front_slots(s, where, dev, tab, pos) if split else 0
+    cap_s = _held_slots(D, where, dev, tab, pos, F, (B, W) if split else (B,), "stash")
+    cap_f = _held_slots(D, where, dev, tab, pos, B, (W,), "front") if split else 0
     channels, keeps, cap_m = _route_messages(s, where, dev, tab, pos, nl, split)
-    cap_s = max(len(x.busy_until) for x in stash_alloc)
     for c in ("keep", "recv_p", "recv_m"):
         tab[..., L[c]][tab[..., L[c]] < 0] = cap_m          # the scratch slot
     for c in ("mb", "stage", "chunk", "stash", "in", "front"):
