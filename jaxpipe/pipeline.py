@@ -113,7 +113,12 @@ class Pipeline:
         if residuals != "all":
             import dataclasses
             policy = None if residuals == "inputs" else residuals
-            self.model = model = dataclasses.replace(model, stage_fn=jax.checkpoint(model.stage_fn, policy=policy))
+            if self.method.reads_differ:     # F and B read different weights: recompute on F's (issue #48)
+                from .runtime.common import RecomputedAtForwardWeights
+                stage_fn = RecomputedAtForwardWeights(model.stage_fn)
+            else:
+                stage_fn = jax.checkpoint(model.stage_fn, policy=policy)
+            self.model = model = dataclasses.replace(model, stage_fn=stage_fn)
         self.nan_bubbles = nan_bubbles
         self.seed = seed
         self.skip_nonfinite = bool(skip_nonfinite)

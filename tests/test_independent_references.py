@@ -141,9 +141,9 @@ CASES = {  # method: (version table, per-micro-batch updates, model stages for D
 }
 
 
-def run_pipeline(model, method, opt, batches, M, D):
+def run_pipeline(model, method, opt, batches, M, D, **kw):
     pipe = jp.Pipeline(model, schedule=method, num_microbatches=M, optimizer=opt, mesh=jp.make_mesh(stages=D),
-                       nan_bubbles=True, seed=SEED)
+                       nan_bubbles=True, seed=SEED, **kw)
     state = pipe.init()
     for b in batches:
         state, _ = pipe.step(state, b)

@@ -26,6 +26,32 @@ def cond(pred, true_fn, false_fn, *operands):
 F_OUT = ("stash", "gpost", "dy_own", "gtie", "cnt_own")
 
 
+class RecomputedAtForwardWeights:
+    """A stage function whose backward recomputes its forward on the weights that forward read.
+
+    For the methods whose forward and backward of one micro-batch read different weights (PipeOptim's and
+    SpecTrain's predictions; a method's ``reads_differ``) under a residual policy that recomputes
+    (``residuals="inputs"``, a ``jax.checkpoint`` policy, ``recompute=True``).  ``jax.checkpoint`` alone
+    recomputes the forward from the weights the *backward* reads, which are not the ones the activations came
+    from (issue #48: PipeOptim 7.5e-3 off its serial reference).  Here the stash keeps the stage's input, its
+    context and the weights the forward read; the backward reruns the forward on them with every residual kept
+    (``residuals="all"``'s split) and back-propagates with the weights it reads -- the rule of the serial
+    reference.  The cost: one copy of the stage's weights per micro-batch in flight, and the whole forward
+    recomputed (a checkpoint policy's saved values are recomputed too).
+    """
+
+    def __init__(self, stage_fn):
+        self.stage_fn = stage_fn
+
+    def __call__(self, *args):
+        return self.stage_fn(*args)
+
+
+def _kept(w, x, ctx):
+    """What a :class:`RecomputedAtForwardWeights` stage stashes: the forward's weights, input and context."""
+    return jax.tree.flatten((w, x, ctx))
+
+
 def residual_mask(stage_fn, w, x, ctx=None) -> Tuple[Tuple[bool, ...], list]:
     """Which leaves of ``jax.vjp(stage_fn, w, x)``'s pullback depend on the activation ``x``.
 
@@ -39,6 +65,10 @@ def residual_mask(stage_fn, w, x, ctx=None) -> Tuple[Tuple[bool, ...], list]:
     ``stage_fn(w, x, ctx)``) counts as per-micro-batch like ``x``: residuals of its inputs and of its key (a
     dropout mask) are stashed too.
     """
+    if isinstance(stage_fn, RecomputedAtForwardWeights):
+        kept = _kept(w, x, ctx)[0]
+        return (True,) * len(kept), [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in kept]
+
     def leaves(w, x, c):
         f = stage_fn if ctx is None else (lambda w_, x_: stage_fn(w_, x_, c))
         return jax.tree.leaves(jax.vjp(f, w, x)[1])
@@ -70,6 +100,10 @@ def _depends(jaxpr, dep_in: Sequence[bool]) -> List[bool]:
 
 def split_residuals(stage_fn, w, x, mask: Sequence[bool], ctx=None):
     """``jax.vjp`` of one stage; returns (y, residuals to stash, all pullback leaves, treedef)."""
+    if isinstance(stage_fn, RecomputedAtForwardWeights):
+        y = stage_fn(w, x) if ctx is None else stage_fn(w, x, ctx)
+        kept, treedef = _kept(w, x, ctx)
+        return y, kept, kept, treedef
     f = stage_fn if ctx is None else (lambda w_, x_: stage_fn(w_, x_, ctx))
     y, pullback = jax.vjp(f, w, x)
     leaves, treedef = jax.tree.flatten(pullback)
@@ -83,6 +117,13 @@ def rebuild_pullback(stage_fn, w, x_like, stashed: List[Any], mask: Sequence[boo
     """The pullback of F, from the stashed activation-dependent residuals and weight-only residuals
     recomputed from ``w`` (the forward traced here on a dummy ``x`` -- and dummy context -- is dead code
     that XLA removes)."""
+    if isinstance(stage_fn, RecomputedAtForwardWeights):
+        # the forward again, on the weights, input and context it ran with; the pullback at ``w``
+        w_f, x, ctx = jax.tree.unflatten(jax.tree.structure((w, x_like, ctx_like)), list(stashed))
+        inner = stage_fn.stage_fn
+        inner_mask, _ = residual_mask(inner, w_f, x, ctx)
+        res = split_residuals(inner, w_f, x, inner_mask, ctx)[1]
+        return rebuild_pullback(inner, w, x_like, res, inner_mask, ctx_like)
     _, _, fresh, treedef = split_residuals(stage_fn, w, x_like, mask, ctx_like)
     it = iter(stashed)
     return jax.tree.unflatten(treedef, [next(it) if m else f for f, m in zip(fresh, mask)])

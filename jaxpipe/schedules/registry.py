@@ -60,6 +60,10 @@ class Method:
     legacy_keyword: Optional[str] = None  # the deprecated Pipeline(<keyword>=...) that carried its options
     tunable: bool = False               # considered by the configuration search (jaxpipe.tune)
     types: Dict[str, Opt] = dataclasses.field(default_factory=dict)   # each option's type and range
+    #: a micro-batch's forward and backward on one stage may read different weights (a prediction): a stage
+    #: that recomputes its forward in the backward must recompute it on the forward's weights
+    #: (:class:`jaxpipe.runtime.common.RecomputedAtForwardWeights`)
+    reads_differ: bool = False
 
     def resolve(self, user: Optional[dict], model_stages: int, devices: int) -> dict:
         """The method's full options: its defaults updated with ``user``'s; unknown keys are a
@@ -181,8 +185,8 @@ METHODS: Dict[str, Method] = {m.name: m for m in [
     _async("pipedream_2bw", _two, "Narayanan et al. 2021, PipeDream-2BW",
            lambda s, i, b, D, M, h, u, axpy: _same(max(b - 1, 0))(h), per_batch=True, accumulating=True),
     # SpecTrain holds the weights and the momentum step; PipeOptim's last stage predicts nothing
-    _async("spectrain", _two, "Chen et al. 2018, SpecTrain", _momentum_predicted),
-    _async("pipeoptim", lambda D: [2] * (D - 1) + [1], "Guan et al., PipeOptim", _predicted,
+    _async("spectrain", _two, "Chen et al. 2018, SpecTrain", _momentum_predicted, reads_differ=True),
+    _async("pipeoptim", lambda D: [2] * (D - 1) + [1], "Guan et al., PipeOptim", _predicted, reads_differ=True,
            options={"distance": "paper", "prediction": "update"}, policy_keys=("distance", "prediction"),
            types={"distance": Opt("choice", choices=("paper", "code")),
                   "prediction": Opt("choice", choices=("update", "decay_free"))}),
