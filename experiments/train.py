@@ -151,6 +151,10 @@ def main(argv):
                 os._exit(1)
         jax = sys.modules.get("jax")
         if jax is None or not jax.distributed.is_initialized() or jax.process_count() == 1:
+            if type(e).__name__ == "ConfigError":     # a refused configuration or step: its message, no traceback
+                sys.stderr.write(f"jaxpipe: {e}\n")
+                sys.stderr.flush()
+                sys.exit(2)
             raise
         import time
         import traceback
@@ -452,6 +456,10 @@ def _stop_nonfinite(jp, pipe, model, state, batch, metrics, step, ckpt, update_s
     """Exit 3 with the step and the stage where the NaN/Inf first appears (an unpipelined replay)."""
     import numpy as np
     last = None
+    try:               # this stop is the report of the step's failed checks: read them here, once
+        pipe.check()
+    except jp.ConfigError:
+        pass
     if ckpt is not None:
         ckpt.close()       # the writes in flight (all of finite states) finish; nothing new starts
         # name a checkpoint that really is good: restore the newest intact one (checksums verified; a damaged

@@ -108,6 +108,7 @@ class Checkpointer:
         self.fingerprint = fingerprint(pipe) if pipe is not None else None
         # the pipeline's pending on-device checks: a state whose step failed them is never written
         self._check_pipe = getattr(pipe, "check", None)
+        self._check_saveable = getattr(pipe, "check_saveable", None)
         self._optimizer = getattr(pipe, "optimizer", None)      # finds the optimizer state's copies of the blocks
         self._ocp = ocp
         opts = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=max(every, 1),
@@ -139,7 +140,12 @@ class Checkpointer:
             return False
         from .checks import require_live
         require_live(state, f"Checkpointer.save of step {step}")
-        if self._check_pipe is not None:
+        if self._check_saveable is not None:     # the last step's checks, and no refused step's effect held
+            try:
+                self._check_saveable(state)
+            except ConfigError as e:
+                raise ConfigError(f"{e}; the last good checkpoint is step {self.latest_step()}") from None
+        elif self._check_pipe is not None:
             self._check_pipe()        # the last step's checks: raises where that step failed them
         if step in (self.manager.all_steps() or []):
             return False
@@ -197,10 +203,14 @@ class Checkpointer:
         self._writing(self.manager.wait_until_finished)
 
     def close(self):
+        """Finish the writes in flight and close; then raise the pipeline's last step's failed checks if
+        nothing has read them yet (a job whose last step was refused says so as it ends)."""
         try:
             self._writing(self.manager.wait_until_finished)
         finally:
             self._close_quietly()
+        if self._check_pipe is not None:
+            self._check_pipe()
 
     def _close_quietly(self):
         try:

@@ -184,14 +184,25 @@ class CyclicDataParallel:
             require_finite_on_host(batch, opt_out)
             check_integer_inputs(self.model, batch, opt_out)
         self.check()
-        return self._runner.step(state, batch)
+        new, metrics = self._runner.step(state, batch)
+        self._pending.track(state, new)
+        return new, metrics
 
     def drain(self, state: CyclicState):
         """Run without new data until every step in flight finished and every update arrived, then reset the
         counters so the next step restarts the cycle.  Metrics: those of the drain's calls together."""
         self.check()
         require_live(state, "drain()")
-        return self._runner.drain(state)
+        new, metrics = self._runner.drain(state)
+        self._pending.track(state, new)
+        return new, metrics
+
+    def check_saveable(self, state):
+        """``Pipeline.check_saveable``: the last call's checks, and no refused step's effect in ``state``."""
+        self.check()
+        why = self._pending.refusal(state)
+        if why is not None:
+            raise ConfigError(f"refusing to checkpoint this state: it holds the effect of a refused step ({why})")
 
 
 def _require_mean_loss(model, x_aval, mb):

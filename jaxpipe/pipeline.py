@@ -190,6 +190,15 @@ class Pipeline:
         latest by the next call; a step that failed changed nothing (``jaxpipe.step_checks``)."""
         self.context.pending.check()
 
+    def check_saveable(self, state):
+        """Raise a ConfigError where ``state`` may not be checkpointed: the last call's checks failed, or
+        ``state`` holds (or derives from) the effect of a refused step of a method whose state is not kept back
+        (``jaxpipe.step_checks.PendingStatus``)."""
+        self.check()
+        why = self.context.pending.refusal(state)
+        if why is not None:
+            raise ConfigError(f"refusing to checkpoint this state: it holds the effect of a refused step ({why})")
+
     def device_layout(self, state):
         """Stage parameters as the executor holds them: ``[D, chunks, ...]`` (device d, local chunk c holds
         model stage ``schedule.stage_of_chunk()[d, c]``; Chimera: two replicas per device)."""
@@ -262,7 +271,9 @@ class Pipeline:
         self._check_state(state)
         self._check_inflight(state, batch)
         self.check()                # the previous call's on-device checks, read as late as possible
-        return self._runner.step(state, batch)
+        new, metrics = self._runner.step(state, batch)
+        self.context.pending.track(state, new)
+        return new, metrics
 
     def drain(self, state):
         """No-flush schedules: finish every micro-batch in flight (2D - 1 ticks, no new data).
@@ -270,7 +281,9 @@ class Pipeline:
         The next ``step`` refills the pipeline.  Synchronous schedules flush every step: returns the state."""
         self.check()
         require_live(state, "drain()")
-        return self._runner.drain(state)
+        new, metrics = self._runner.drain(state)
+        self.context.pending.track(state, new)
+        return new, metrics
 
     def shard_batch(self, batch):
         """Place a global batch on the mesh (leading axis split over ``pipe`` x ``data``)."""

@@ -19,6 +19,9 @@ costs nothing, and the next step was not yet dispatched.  The read is an explici
 """
 from __future__ import annotations
 
+import atexit
+import sys
+import weakref
 from typing import Callable, List, NamedTuple, Optional
 
 import jax
@@ -54,6 +57,9 @@ class StepChecks:
         self.integer_inputs = dict(integer_inputs or {})
         self.check_inputs, self.check_loss, self.opt_out = bool(check_inputs), bool(check_loss), opt_out
         self.keeps_state = keeps_state
+        #: a non-finite loss changes nothing (the synchronous runners and AvgPipe gate their update on it); a
+        #: program under :meth:`guard` finds it only after its updates landed inside the pipeline
+        self.loss_keeps_state = True
 
     @property
     def active(self) -> bool:
@@ -123,6 +129,9 @@ class StepChecks:
         Where ``keeps_state`` is False the program runs unconditionally and the failure is only reported (Cyclic
         DP: its ring lands stages in place into stacked buffers, which inside a conditional XLA copies -- temp
         2.2x, measured)."""
+        if loss_bad is not None:
+            self.loss_keeps_state = False
+
         def guarded(state, batch, *rest):
             inputs, ok, batch = self.checked(batch, mesh)
             if not (self.check_inputs and self.keeps_state):
@@ -138,6 +147,22 @@ class StepChecks:
         return guarded
 
     # ------------------------------------------------------------------ host side
+    def kept_state(self, fields: List[Field], status: np.ndarray) -> bool:
+        """Whether the call whose read-back ``status`` failed left its input state as it was (an input check is
+        kept back where ``keeps_state``; a non-finite loss where ``loss_keeps_state``)."""
+        pos, inputs_failed = 0, False
+        for f in fields:          # a finite flag, or an id count with its smallest and largest id
+            inputs_failed |= bool(status[pos])
+            pos += 1 if f.kind == "finite" else 3
+        return self.keeps_state if inputs_failed else self.loss_keeps_state
+
+    @staticmethod
+    def _kept(kept: bool) -> str:
+        return ("it changed nothing: the weights, optimizer state, step counter and any micro-batches in flight "
+                "are as before it" if kept else
+                "that step ran (this method's state is not kept back; a checkpoint of it, or of any state "
+                "derived from it, is refused): restore the last checkpoint")
+
     def message(self, fields: List[Field], status: np.ndarray, where: str, batch_fields) -> Optional[str]:
         """The error for a read-back status, or None where every check passed."""
         nonfinite, ids, pos = [], [], 0
@@ -151,10 +176,7 @@ class StepChecks:
                 if n:
                     ids.append((f, lo, hi))
                 pos += 3
-        kept = ("it changed nothing: the weights, optimizer state, step counter and any micro-batches in flight "
-                "are as before it" if self.keeps_state else
-                "that step ran (this method's state is not kept back; a checkpoint of it is refused): restore the "
-                "last checkpoint")
+        kept = self._kept(self.keeps_state if (nonfinite or ids) else self.loss_keeps_state)
         if nonfinite:
             return (f"{where}: the batch holds NaN or Inf in {', '.join(nonfinite)}, which a pipeline would spread "
                     f"into every stage's weights; {kept}. Clean the data (np.nan_to_num, drop the rows), or pass "
@@ -207,11 +229,22 @@ def integer_fields(batch) -> List[str]:
 
 
 class PendingStatus:
-    """The status of the last dispatched step, read back at the next call (module docstring)."""
+    """The status of the last dispatched step, read back at the next call (module docstring).
+
+    Where the method's state is not kept back (``keeps_state=False``: WPipe, a no-flush method on a mesh whose
+    conditionals may not hold collectives, Cyclic DP), the state a refused step returned holds that step's
+    effect.  It is remembered (:meth:`track`), and so is every state later derived from it by a step or a
+    drain: :meth:`refusal` names the refused step for such a state, and ``Checkpointer.save`` refuses it --
+    for as long as it lives, not only at the first save after the failure (issue #48).  A restored checkpoint
+    or a fresh ``init()`` is a state of its own, never tainted.  A status still unread when the interpreter
+    exits is read then and reported on stderr (a script whose last step was refused says so)."""
 
     def __init__(self, checks: StepChecks):
         self.checks = checks
         self._pending = None
+        self._last = None          # a weak reference to a leaf of the state the last call returned
+        self._tainted = {}         # id(leaf) -> (weak reference, the refusal's message)
+        _LIVE.add(self)
 
     def put(self, status, batch, where: str) -> None:
         """Remember ``status`` of the call ``where`` on ``batch`` (its copy to the host starts now)."""
@@ -224,15 +257,83 @@ class PendingStatus:
             pass
         self._pending = (status, fields, where, batch_fields)
 
+    def track(self, state_in, state_out) -> None:
+        """``state_out`` came from ``state_in`` by one call: it inherits a refusal of ``state_in`` and is the
+        state a refusal of this call's status will name."""
+        leaf = _key_leaf(state_out)
+        if leaf is None:
+            return
+        self._last = _weak(leaf)
+        why = self.refusal(state_in)
+        if why is not None:
+            self._taint(leaf, why)
+
+    def refusal(self, state) -> Optional[str]:
+        """The message of the refused step whose effect ``state`` holds (None for a clean state)."""
+        leaf = _key_leaf(state)
+        entry = None if leaf is None else self._tainted.get(id(leaf))
+        if entry is None or entry[0]() is not leaf:
+            return None
+        return entry[1]
+
+    def _taint(self, leaf, msg: str) -> None:
+        key = id(leaf)
+        self._tainted[key] = (_weak(leaf, lambda _: self._tainted.pop(key, None)), msg)
+
     def check(self) -> None:
         """Raise the ConfigError of the last step if one of its checks failed (waits for that step)."""
         if self._pending is None:
             return
         status, fields, where, batch_fields = self._pending
         self._pending = None
-        msg = self.checks.message(fields, np.asarray(jax.device_get(status)), where, batch_fields)
+        status = np.asarray(jax.device_get(status))
+        msg = self.checks.message(fields, status, where, batch_fields)
         if msg:
+            last = self._last() if self._last is not None else None
+            if not self.checks.kept_state(fields, status) and last is not None:
+                self._taint(last, msg)
             raise ConfigError(msg)
+
+    def unread_failure(self) -> Optional[str]:
+        """The message of the last call's failed checks if nobody has read them yet (None otherwise)."""
+        try:
+            self.check()
+        except ConfigError as e:
+            return str(e)
+        return None
+
+
+def _key_leaf(state):
+    """The leaf that identifies a train state (its first array), or None."""
+    leaves = jax.tree.leaves(state)
+    return leaves[0] if leaves else None
+
+
+def _weak(leaf, callback=None):
+    """A weak reference to ``leaf`` (a strong one where it has none: a NumPy array, kept alive with its mark)."""
+    try:
+        return weakref.ref(leaf, callback)
+    except TypeError:
+        return lambda: leaf
+
+
+#: every PendingStatus alive, for the report at exit
+_LIVE: "weakref.WeakSet[PendingStatus]" = weakref.WeakSet()
+
+
+def _report_unread_at_exit() -> None:
+    """At interpreter exit: a step whose checks failed and that no later call read is reported on stderr."""
+    for pending in list(_LIVE):
+        try:
+            msg = pending.unread_failure()
+        except Exception:      # the runtime may already be going down: nothing more to say
+            continue
+        if msg:
+            print(f"jaxpipe: the last step of this run was refused and nothing read it before exit: {msg}",
+                  file=sys.stderr, flush=True)
+
+
+atexit.register(_report_unread_at_exit)
 
 
 def pending_for(model, check_inputs: bool, check_loss: bool, owner: str, keeps_state: bool = True):

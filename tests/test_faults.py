@@ -104,24 +104,30 @@ def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_intact_one(
     assert f"resumed from {ck} at step {max(done)}" in out, out[-2000:]
 
 
-def test_nan_loss_stops_with_step_and_stage(tmp_path):
+@pytest.mark.parametrize("schedule", ["1f1b", "pipeoptim"])
+def test_nan_loss_stops_with_step_and_stage(tmp_path, schedule):
+    """Every method stops the same way: one message, rc 3, the last good checkpoint named (issue #48: an
+    asynchronous method's stop re-raised the step's pending check as a traceback)."""
     ck = tmp_path / "ck"
-    p = train(["--schedule=1f1b", "--steps=20", "--optimizer=sgd", "--lr=1e30", "--checkpoint_every=1",
+    p = train([f"--schedule={schedule}", "--steps=20", "--optimizer=sgd", "--lr=1e30", "--checkpoint_every=1",
                f"--checkpoint_dir={ck}", f"--out_dir={tmp_path}/run"])
     out, err = p.communicate(timeout=300)
     assert p.returncode == 3, err[-2000:]
     assert "non-finite loss" in err and "Stopped; nothing was checkpointed after it" in err
+    assert "Traceback" not in err, err[-3000:]
     import re
     step = int(re.search(r"non-finite loss \S+ / grad_norm \S+ at step (\d+)", err).group(1))
     assert "first at stage " in err
     good = finalized(ck)
-    assert good and max(good) < step
-    assert f"last good checkpoint, verified just now: step {max(good)}" in err
+    assert all(g < step for g in good)
+    if schedule == "1f1b":      # (PipeOptim's per-micro-batch updates diverge within step 1 here)
+        assert good and f"last good checkpoint, verified just now: step {max(good)}" in err
     import jax
     import orbax.checkpoint as ocp
-    restored = ocp.StandardCheckpointer().restore(ck / str(max(good)) / "state")
-    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(restored)
-               if np.issubdtype(np.asarray(x).dtype, np.floating))
+    for g in good:
+        restored = ocp.StandardCheckpointer().restore(ck / str(g) / "state")
+        assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(restored)
+                   if np.issubdtype(np.asarray(x).dtype, np.floating))
 
 
 def test_skip_nonfinite_updates(tmp_path):

@@ -235,3 +235,70 @@ def test_the_one_pass_finite_check_sees_every_nan_and_inf(shape):
         assert int(f(jnp.asarray(a, dt))) == 0
         a.reshape(-1)[n - 1] = np.nan
         assert int(f(jnp.asarray(a, dt))) == 1
+
+
+def test_a_refused_state_is_never_written_however_often_it_is_saved(tmp_path):
+    """WPipe's state is not kept back (two chunks a device): after a refused step, that state and every state
+    derived from it are refused by every save -- the second identical save too (issue #48: it was accepted
+    and wrote the refused step's effect) -- until a restore gives a clean one."""
+    model, batch_fn = small_model("mlp", 4)
+    pipe = jp.Pipeline(model, schedule="wpipe", num_microbatches=2, optimizer=optax.sgd(0.05),
+                       mesh=jp.make_mesh(stages=2))
+    good = jax.tree.map(jnp.asarray, batch_fn(8))
+    bad = dict(good, y=good["y"].at[3].set(-1))          # a finite effect: only the check can tell
+    ck = jp.Checkpointer(str(tmp_path / "ck"), pipe, async_save=False)
+    try:
+        state, _ = pipe.step(pipe.init(), good)
+        ck.save(1, state)
+        state, _ = pipe.step(state, bad)
+        with pytest.raises(jp.ConfigError, match="'y'.*not kept back.*last good checkpoint is step 1"):
+            ck.save(3, state)
+        for save in (lambda: ck.save(3, state), lambda: ck.maybe_save(3, state, force=True)):
+            with pytest.raises(jp.ConfigError, match="refusing to checkpoint.*refused step.*'y'"):
+                save()
+        derived, _ = pipe.step(state, good)
+        derived, _ = pipe.drain(derived)
+        with pytest.raises(jp.ConfigError, match="refused step"):
+            ck.save(4, derived)
+        assert ck.all_steps() == [1]
+        restored, _, _ = ck.restore(pipe.prepare(pipe.init(), good))
+        clean, _ = pipe.step(restored, good)
+        ck.save(5, clean)
+        assert ck.all_steps() == [1, 5]
+    finally:
+        ck.close()
+
+
+def test_a_refused_last_step_is_reported_when_the_script_ends(tmp_path):
+    """Nothing reads the last step's checks in a script that ends after it: the exit says so on stderr, and a
+    Checkpointer's close() raises it."""
+    import subprocess
+    import sys
+    import textwrap
+    code = textwrap.dedent("""
+        import sys; sys.path.insert(0, "tests")
+        import conftest  # the tests' XLA flags
+        import jax, jax.numpy as jnp, optax, jaxpipe as jp
+        from helpers import small_model
+        model, batch_fn = small_model("mlp", 2)
+        pipe = jp.Pipeline(model, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.1),
+                           mesh=jp.make_mesh(stages=2))
+        good = jax.tree.map(jnp.asarray, batch_fn(8))
+        state, _ = pipe.step(pipe.init(), good)
+        ck = jp.Checkpointer(sys.argv[1], pipe)
+        state, m = pipe.step(state, dict(good, x=good["x"].at[0, 0].set(jnp.nan)))
+        try:
+            ck.close()
+        except jp.ConfigError as e:
+            print("close raised:", str(e)[:60])
+        state, m = pipe.step(state, dict(good, x=good["x"].at[0, 0].set(jnp.nan)))
+        print("loss", float(m["loss"]))
+    """)
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ck")], cwd=root, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "close raised: the previous step(): the batch holds NaN or Inf in ['x']" in p.stdout, p.stdout
+    assert ("jaxpipe: the last step of this run was refused and nothing read it before exit: the previous "
+            "step(): the batch holds NaN or Inf in ['x']") in p.stderr, p.stderr[-3000:]
