@@ -18,7 +18,7 @@ def check_finite(batch):
         if isinstance(v, jax.Array):
             continue
         v = np.asarray(v)
-        if not np.issubdtype(v.dtype, np.floating):
+        if not jnp.issubdtype(v.dtype, jnp.floating):      # (NumPy's issubdtype misses bfloat16)
             continue
         n = int(np.sum(~np.isfinite(v)))
         if v.dtype.itemsize > 4 and not jax.config.jax_enable_x64:
@@ -37,7 +37,8 @@ def check_dtypes(batch):
     for k, v in jax.tree_util.tree_flatten_with_path(batch)[0]:
         dtype = getattr(v, "dtype", None)
         dtype = np.asarray(v).dtype if dtype is None else np.dtype(dtype)
-        if dtype.kind in "USOV":
+        # (bfloat16 and the other ml_dtypes floats are kind "V" to NumPy, and numbers to JAX)
+        if dtype.kind in "USOV" and not jnp.issubdtype(dtype, jnp.number):
             raise ConfigError(f"batch entry {jax.tree_util.keystr(k) or 'batch'} holds {dtype} values, not numbers: "
                               f"encode them first (token ids as int32, features as float32)")
 

@@ -101,3 +101,24 @@ def test_float16_without_a_loss_scale_is_refused():
     assert jp.Precision(compute="bfloat16").loss_scale == 1.0
     with pytest.raises(jp.ConfigError, match="positive number"):
         jp.Precision(loss_scale=True)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_half_precision_batch_runs_and_its_inf_is_refused_by_name(dtype):
+    """A bfloat16 batch runs like a float16 one (issue #48: NumPy calls bfloat16 kind "V", and it was refused
+    as "not numbers"); an Inf in it is refused by name, on the host (NumPy) and on the device."""
+    model, batch_fn = small_model("mlp", 2)
+    pipe = jp.Pipeline(model, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.1),
+                       mesh=jp.make_mesh(stages=2))
+    batch = batch_fn(8)
+    half = dict(batch, x=batch["x"].astype(jnp.dtype(dtype)))
+    loss, _ = pipe.loss_and_grad(pipe.init(), half)
+    want, _ = pipe.loss_and_grad(pipe.init(), dict(batch, x=half["x"].astype(np.float32)))
+    assert np.isfinite(float(loss)) and abs(float(loss) - float(want)) <= 1e-2 * abs(float(want))
+    bad = half["x"].copy()
+    bad[1, 2] = np.inf
+    with pytest.raises(jp.ConfigError, match=r"NaN or Inf in \['x'\]"):
+        pipe.loss_and_grad(pipe.init(), dict(half, x=bad))
+    pipe.loss_and_grad(pipe.init(), dict(half, x=jnp.asarray(bad)))      # a device array: checked in the step
+    with pytest.raises(jp.ConfigError, match=r"NaN or Inf in \['x'\]"):
+        pipe.check()
