@@ -98,8 +98,12 @@ def stage_of_blocks(block_fn: Callable, cut: Optional[Sequence[int]], context: b
     slot computes nothing but still moves its share of the scan's activation-sized buffers (the cond's
     residuals are those of its block branch, zero-filled when skipped; BUILD_NOTES, "Uneven cuts").
     ``block_fn(p, x)``, or ``block_fn(p, x, ctx)`` for a context model, where the ctx's ``key`` is the block's
-    own (``ctx.key`` split over the slots).  Without a cut and context the stage is ``stage_fn(w, x)``."""
+    own: ``fold_in(ctx.key, b)`` with ``b`` the block's index in the whole model (``ctx.key`` is the
+    micro-batch's: ``PipelineModel.block_keys``), so a block draws the same masks on any cut and any number of
+    stages (issue #48).  Without a cut and context the stage is ``stage_fn(w, x)``."""
     counts = None if cut is None else np.asarray(cut, np.int32)
+    # the index of each stage's first block in the model
+    first_block = None if cut is None else np.concatenate([[0], np.cumsum(cut)[:-1]]).astype(np.int32)
     sure = 0 if cut is None or min(cut) == max(cut) else min(cut)     # slots real on every stage
 
     def run(p, h, ctx):
@@ -120,7 +124,10 @@ def stage_of_blocks(block_fn: Callable, cut: Optional[Sequence[int]], context: b
 
     def stage(w, x, ctx=None):
         n = jax.tree.leaves(w)[0].shape[0]
-        keys = None if ctx is None or ctx.key is None else jax.random.split(ctx.key, n)
+        keys = None
+        if ctx is not None and ctx.key is not None:
+            b0 = ctx.stage * n if first_block is None else jnp.asarray(first_block)[ctx.stage]
+            keys = jax.vmap(lambda i: jax.random.fold_in(ctx.key, i))(b0 + jnp.arange(n))
         if counts is None or min(cut) == max(cut):
             return scan(x, w, keys, ctx, 0, None)
         real = jnp.asarray(counts)[ctx.stage]

@@ -155,6 +155,10 @@ class PipelineModel:
     #: the cut of the model :meth:`padded` made this one from: its ``loss``/``forward`` also take the blocks'
     #: layout (``pipe.params``), so ``pipe.model.loss(pipe.params(state), batch)`` works for any cut
     padded_cut: Optional[Tuple[int, ...]] = dataclasses.field(default=None, compare=False, repr=False)
+    #: the stage runs ``block_fn`` over its blocks (set when ``stage_fn`` is derived): each block's key derives
+    #: from the micro-batch's key and the block's index in the whole model, not from the stage holding it, so
+    #: another cut or another number of stages draws the same dropout masks (:func:`~jaxpipe.cuts.stage_of_blocks`)
+    block_keys: bool = dataclasses.field(default=False, compare=False, repr=False)
 
     def __post_init__(self):
         self._set_blocks()
@@ -196,6 +200,7 @@ class PipelineModel:
             takes_ctx = self.block_context if self.block_context is not None else (self.context or
                                                                                   bool(self.stage_inputs))
             object.__setattr__(self, "block_context", takes_ctx)
+            object.__setattr__(self, "block_keys", True)
             object.__setattr__(self, "stage_fn", stage_of_blocks(self.block_fn, self.cut, takes_ctx))
             if self.cut is not None:
                 object.__setattr__(self, "context", True)     # the stage reads ctx.stage to skip its padding
@@ -268,7 +273,8 @@ class PipelineModel:
             raise ConfigError(f"stage_inputs names {missing} but the batch has {have}: give the batch those "
                               f"fields, or drop them from PipelineModel(stage_inputs=...)")
         inputs = {k: batch[k] for k in self.stage_inputs}
-        key = None if mb_key is None else stage_key(mb_key, stage)
+        # a model of blocks: the blocks fold in their own index in the model (the stage only locates them)
+        key = None if mb_key is None else (mb_key if self.block_keys else stage_key(mb_key, stage))
         return StageContext(inputs, key, jnp.asarray(stage, jnp.int32))
 
     def example_context(self, mb):
