@@ -340,8 +340,8 @@ class Checkpointer:
                 f"{where} is from another model: it holds {saved['model_parameters']:,} parameters in "
                 f"{saved['model_stages']} stages (fingerprint {saved['model']}), this run's model has "
                 f"{mine['model_parameters']:,} in {mine['model_stages']} (fingerprint {mine['model']})"
-                f"{model_difference(saved, mine)}; build the same model, or point --checkpoint_dir at an empty "
-                f"directory to start afresh")
+                f"{model_difference(saved, mine)}{_blocks_hint(saved, mine)}; build the same model, or point "
+                f"--checkpoint_dir at an empty directory to start afresh")
         if saved.get("cut") != mine.get("cut"):       # written before checkpoints recorded the blocks
             raise ConfigError(
                 f"{where} holds this model cut into stages as {saved.get('cut') or 'an even cut'}; this run cuts it "
@@ -374,6 +374,23 @@ class Checkpointer:
             f"It was written on mesh {was}, this run has {now}; this schedule's state (in-flight pipeline, "
             f"replicas) is laid out per {per}. Resume on mesh {was}, or (synchronous schedules, whose state does "
             f"not depend on the 'data' axis) change only 'data'") from None
+
+
+def _blocks_hint(saved: dict, mine: dict) -> str:
+    """Where one side is a model of blocks (``cut=``, the Flax adapters, ``block_fn``) and the other one module
+    per stage with as many parameters (the reference GPT without ``cut=``): checkpoints move between cuts and
+    stage counts only between models of blocks; the even model's form as blocks, by name."""
+    blocky = [fp for fp in (saved, mine) if fp.get("block_cut")]
+    if len(blocky) != 1 or saved.get("model_parameters") != mine.get("model_parameters"):
+        return ""
+    n = sum(blocky[0]["block_cut"])
+    other = mine if blocky[0] is saved else saved
+    S = int(other.get("model_stages") or 0)
+    form = f" (this model as blocks: cut={[n // S] * S})" if S and n % S == 0 else ""
+    side = "the checkpoint's" if other is saved else "this run's"
+    return (f". Only models of blocks (a cut=, the Flax adapters, block_fn) move between cuts and stage counts, "
+            f"and {side} model is one module per stage (the reference GPT without cut=): build it with cut= on "
+            f"both sides{form}")
 
 
 def model_difference(saved: dict, mine: dict) -> str:

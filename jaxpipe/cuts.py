@@ -57,6 +57,33 @@ def check_cut(cut, n_blocks: int, num_stages: Optional[int] = None) -> Tuple[int
     return out
 
 
+def resolve_cut(cut, build, num_stages: int, n_blocks: int, balance: Optional[dict]):
+    """``cut`` as given (None, a list of block counts) or, for ``"balanced"``, the cut
+    :func:`jaxpipe.tune.cut.balance` picks from the parts' measured costs on ``balance["example"]`` (one
+    micro-batch) for ``balance.get("schedule", "1f1b")`` and ``balance.get("options")`` (printed, with the even
+    cut's prediction).  ``build(n)``: the model of ``n`` blocks, one stage each."""
+    if not isinstance(cut, str):
+        return cut
+    if cut != "balanced":
+        try:
+            hint = f" (as a list: cut={[int(c) for c in cut.split(',')]})"
+        except ValueError:
+            hint = ""
+        raise ConfigError(f"cut={cut!r}: give a list of block counts per stage{hint}, or 'balanced' (with "
+                          f"balance={{'example': one_microbatch}})")
+    if not balance or "example" not in balance:
+        raise ConfigError("cut='balanced' measures one block, the embedding and the head on a micro-batch: give "
+                          "balance={'example': one_microbatch} (and optionally 'schedule', 'num_microbatches', "
+                          "'options', e.g. {'virtual': 3} for interleaved_1f1b)")
+    unknown = sorted(set(balance) - {"example", "schedule", "num_microbatches", "options"})
+    if unknown:
+        raise ConfigError(f"balance={{...}} has unknown key(s) {unknown}: it takes 'example', 'schedule', "
+                          f"'num_microbatches' and 'options'")
+    from .tune.cut import balance as pick
+    extra = {k: v for k, v in balance.items() if k != "example"}
+    return pick(build(n_blocks), num_stages, balance["example"], **extra)[1].cut
+
+
 def split_cut(cut: Sequence[int], parts: int) -> Tuple[int, ...]:
     """Each stage of ``cut`` split into ``parts`` consecutive chunks of near-equal block counts (interleaved
     1F1B and the V-schedules run ``parts`` chunks per device)."""

@@ -477,7 +477,26 @@ def _check_residuals(residuals, recompute: bool):
             raise ConfigError("recompute=True and a residuals= policy both say what a stage stashes; give one "
                               "(recompute=True is residuals='inputs')")
         return "inputs"
+    if residuals not in ("all", "inputs"):
+        _probe_policy(residuals)
     return residuals
+
+
+def _probe_policy(policy) -> None:
+    """A ``jax.checkpoint`` policy is called as ``policy(primitive, *avals, **params)`` while a backward is
+    traced: try it on a small matmul now, so that an uncalled factory, ``print`` or a function of another
+    signature is refused here by name rather than by JAX at the first step."""
+    probe = lambda x: jnp.sum(jnp.sin(x @ x))
+    try:
+        jax.make_jaxpr(lambda x: jax.vjp(jax.checkpoint(probe, policy=policy), x)[1](1.0))(
+            jax.ShapeDtypeStruct((2, 2), jnp.float32))
+    except Exception as e:        # whatever the policy raised when JAX called it
+        name = getattr(policy, "__name__", repr(policy))
+        raise ConfigError(f"residuals={name}: not a jax.checkpoint policy -- JAX calls a policy as "
+                          f"policy(primitive, *avals, **params) and it raised {type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:160] if str(e) else ''}. Give 'all', 'inputs' or a policy such as "
+                          f"jax.checkpoint_policies.dots_with_no_batch_dims_saveable; a policy factory must be "
+                          f"called first (e.g. jax.checkpoint_policies.save_only_these_names('name'))") from None
 
 
 def _check_fit(built, sched, model, D, num_microbatches, name) -> None:

@@ -229,16 +229,5 @@ def from_linen(block: Any, block_params: Sequence[Any], embed: Tuple[Any, Any], 
 
 
 def _resolve_cut(cut, build, num_stages: int, n_blocks: int, balance: Optional[dict]):
-    """``cut`` as given (None, a list of block counts) or, for ``"balanced"``, the cut
-    :func:`jaxpipe.tune.cut.balance` picks from the parts' measured costs on ``balance["example"]`` (one
-    micro-batch) for ``balance.get("schedule", "1f1b")`` (printed, with the even cut's prediction)."""
-    if not isinstance(cut, str):
-        return cut
-    if cut != "balanced":
-        raise ConfigError(f"cut={cut!r}: give a list of block counts per stage, or 'balanced'")
-    if not balance or "example" not in balance:
-        raise ConfigError("cut='balanced' measures one block, the embedding and the head on a micro-batch: give "
-                          "balance={'example': one_microbatch} (and optionally 'schedule', 'num_microbatches')")
-    from ..tune.cut import balance as pick
-    extra = {k: v for k, v in balance.items() if k != "example"}
-    return pick(build(n_blocks), num_stages, balance["example"], **extra)[1].cut
+    from ..cuts import resolve_cut
+    return resolve_cut(cut, build, num_stages, n_blocks, balance)

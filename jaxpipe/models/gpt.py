@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from flax import nnx
 
+from ..errors import ConfigError
 from ..model import PipelineModel
 from .common import module_apply, softmax_xent, split_pure, stacked_stages
 
@@ -104,7 +105,7 @@ class TiedHead(nnx.Module):
 def gpt(num_stages: int, vocab: int = 256, d_model: int = 64, heads: int = 4, blocks_per_stage: int = 1,
         seq_len: int = 64, seed: int = 0, dropout: float = 0.0, tie_embeddings: bool = False,
         masked: bool = False, tensor: Optional[str] = None, fsdp: Optional[str] = None,
-        cut: Optional[Sequence[int]] = None) -> PipelineModel:
+        cut: Optional[Sequence[int]] = None, balance: Optional[dict] = None) -> PipelineModel:
     """A byte-level GPT cut into ``num_stages`` stages; ``model.head(post_params, h)`` gives logits.
 
     ``dropout``: GPT-2's residual dropout inside the stages (keys from the stage context, so every schedule
@@ -113,10 +114,23 @@ def gpt(num_stages: int, vocab: int = 256, d_model: int = 64, heads: int = 4, bl
     ``jp.data.lm_batches(pad=True)``): padding is masked out of attention and the loss is the exact mean over
     real tokens (``post_loss`` returns ``(sum, count)``).  ``tensor`` / ``fsdp``: mesh axis names to shard the
     stages over, Megatron-style (:func:`megatron_specs`: the model's ``param_specs``).  ``cut=[3, 3, 2, 2]``:
-    uneven stages of that many blocks each (``blocks_per_stage`` unused; :mod:`jaxpipe.cuts`)."""
+    uneven stages of that many blocks each (``blocks_per_stage`` unused; :mod:`jaxpipe.cuts`); ``cut="balanced"``
+    with ``balance={"example": micro_batch, "schedule": "1f1b"}``: the ``num_stages x blocks_per_stage`` blocks
+    cut from measured costs, as the Flax adapters' (:func:`jaxpipe.cuts.resolve_cut`).  A model given a cut is
+    a model of blocks: its checkpoints move between cuts and stage counts (the even form, without ``cut=``, is
+    one module per stage; ``cut=[blocks_per_stage] * num_stages`` is the same model as blocks)."""
+    if isinstance(cut, str):
+        from ..cuts import resolve_cut
+        kw = dict(vocab=vocab, d_model=d_model, heads=heads, seq_len=seq_len, seed=seed, dropout=dropout,
+                  tie_embeddings=tie_embeddings, masked=masked, tensor=tensor, fsdp=fsdp)
+        n = num_stages * blocks_per_stage
+        cut = resolve_cut(cut, lambda k: gpt(k, cut=(1,) * k, **kw), num_stages, n, balance)
+    elif balance is not None:
+        raise ConfigError("balance= goes with cut='balanced'")
     if cut is not None:
         from ..cuts import check_cut
-        cut = check_cut(cut, sum(int(c) for c in cut), num_stages)
+        n = _block_count(cut)        # (too few for the stages: the hint of check_cut's error uses the even count)
+        cut = check_cut(cut, n if n >= num_stages else num_stages * blocks_per_stage, num_stages)
         block_apply, stage_params = stacked_stages(lambda r: Block(d_model, heads, r), sum(cut), seed)
     else:
         stage_apply, stage_params = stacked_stages(lambda r: GPTStage(d_model, heads, blocks_per_stage, r),
@@ -160,6 +174,14 @@ def gpt(num_stages: int, vocab: int = 256, d_model: int = 64, heads: int = 4, bl
         context=context, stage_inputs=("mask",) if masked else (), tied=tied,
         integer_inputs={"x": vocab, "y": vocab},
         param_specs=_specs(stage_params, emb_params, head_params, tensor, fsdp, cut) if tensor or fsdp else None)
+
+
+def _block_count(cut) -> int:
+    """The blocks a cut places (0 where it is not a list of counts: ``check_cut`` then says what is wrong)."""
+    try:
+        return sum(int(c) for c in cut)
+    except (TypeError, ValueError):
+        return 0
 
 
 def _specs(stage_params, emb_params, head_params, tensor, fsdp, cut):

@@ -26,12 +26,15 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..errors import ConfigError
+
 F, B, W = "F", "B", "W"
 KINDS = (F, B, W)
 
 
-class ScheduleError(ValueError):
-    """A schedule that cannot run: broken dependency, deadlock, colliding slots."""
+class ScheduleError(ConfigError):
+    """A schedule that cannot run: broken dependency, deadlock, colliding slots, options that do not fit (a
+    :class:`~jaxpipe.errors.ConfigError`, as every configuration error)."""
 
 
 @dataclasses.dataclass(frozen=True)

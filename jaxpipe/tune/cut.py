@@ -130,11 +130,11 @@ def balanced_cut(n_blocks: int, num_stages: int, costs: PartCosts, schedule: str
         raise ConfigError(f"{n_blocks} blocks cannot fill {num_stages} stages: every stage needs a block")
     M = num_microbatches or 2 * num_stages
     method = schedules.method(schedule)
-    opts = method.resolve(options or {}, num_stages, num_stages)
-    try:
-        s = schedules.build(schedule, num_stages=num_stages, num_microbatches=M, **method.builder_options(opts))
-    except schedules.ScheduleError as e:
-        raise ConfigError(str(e)) from None
+    # a schedule of several model stages per device (interleaved 1F1B: virtual, default 2 as the Pipeline's)
+    # is balanced over its chunks: v x num_stages model stages
+    v = method.stages_per_device(options or {})
+    opts = method.resolve(options or {}, v * num_stages, num_stages)
+    s = schedules.build(schedule, num_stages=num_stages, num_microbatches=M, **method.builder_options(opts))
     v = s.num_model_stages // num_stages
     cut, t = _search(s, n_blocks, costs, least=max(v, 1))
     even = min((even_cut(n_blocks, num_stages), tuple(reversed(even_cut(n_blocks, num_stages)))),
