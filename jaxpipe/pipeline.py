@@ -47,10 +47,13 @@ class Pipeline:
     reaches the pipeline.  ``wpipe`` and the
     asynchronous schedules never flush: use ``drain`` before reading final parameters.
 
-    ``placement`` (flushing schedules): ``"lanes"`` (default) runs an F lane and a B lane in every tick, so a
-    tick costs f + b, at up to 2D - 1 micro-batches in flight on stage 0; ``"ordered"`` runs the schedule's own
-    one action per tick and keeps its memory bound (1F1B: D - d on stage d) at max(f, b) per tick
-    (``jaxpipe.schedules.lanes``).  ``residuals`` says what a stage keeps between its forward and its backward
+    ``placement`` (flushing schedules): ``"auto"`` (default) takes whichever of the two plans has the smaller
+    lockstep step (``jaxpipe.schedules.lanes.fastest_placement``: ZB-H1, ZB-V, DualPipeV and Chimera run
+    ordered, 1F1B, GPipe and interleaved 1F1B on lanes; ``pipe.placement`` says which); ``"lanes"`` runs an F
+    lane and a B lane in every tick, so a tick costs f + b, at up to 2D - 1 micro-batches in flight on stage
+    0; ``"ordered"`` runs the schedule's own one action per tick and keeps its memory bound (1F1B: D - d on
+    stage d; ZB-H1: D) at its slowest device's action per tick.  Either way a tick's messages move in one
+    exchange after all its lanes ran.  ``residuals`` says what a stage keeps between its forward and its backward
     (the stash): ``"all"`` (default) every residual of its vjp; ``"inputs"`` its input only, the forward
     recomputed in the backward (``jax.checkpoint``; ``recompute=True`` is the same); or a ``jax.checkpoint``
     policy such as ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable`` (matmul outputs kept, the
@@ -61,7 +64,7 @@ class Pipeline:
                  optimizer: Optional[optax.GradientTransformation] = None, mesh=None, *,
                  nan_bubbles: bool = False, chimera: Optional[dict] = None, virtual: Optional[int] = None,
                  zb: Optional[dict] = None, avgpipe: Optional[dict] = None, wpipe: Optional[dict] = None,
-                 skip_nonfinite: bool = False, check_inputs: bool = True, placement: str = "lanes",
+                 skip_nonfinite: bool = False, check_inputs: bool = True, placement: str = "auto",
                  recompute: bool = False, seed: int = 0, precision=None, options: Optional[dict] = None,
                  batch_axes=("data",), residuals="all"):
         if not isinstance(model, PipelineModel):
@@ -105,6 +108,10 @@ class Pipeline:
         except schedules.ScheduleError as e:
             raise ConfigError(str(e)) from None
         _check_fit(built, self.schedule, model, D, num_microbatches, schedule)
+        if placement == "auto":          # the plan with the smaller lockstep step (jaxpipe.schedules.lanes)
+            from .schedules.lanes import fastest_placement
+            placement = fastest_placement(self.schedule) if self.method.flushes else "lanes"
+            self.placement = placement
         # Recomputation: the stash keeps each stage's input only and the backward recomputes the rest --
         # on request, or where the method says (WPipe-R §3.3 by option; Chimera's forward doubling always: it
         # holds two micro-batches' activations per forward tick, §3.5)
@@ -442,7 +449,8 @@ def _check_scalars(num_microbatches, placement, recompute, seed) -> None:
         raise ConfigError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
     from .schedules.lanes import PLACEMENTS
     if placement not in PLACEMENTS:
-        raise ConfigError(f"placement={placement!r}: use 'lanes' (an F and a B lane in every tick: a tick costs "
+        raise ConfigError(f"placement={placement!r}: use 'auto' (the faster of the two for the schedule), "
+                          f"'lanes' (an F and a B lane in every tick: a tick costs "
                           f"f + b, stage 0 holds up to 2D - 1 micro-batches) or 'ordered' (the schedule's own "
                           f"one action per tick: its memory bound, e.g. D for 1F1B, at max(f, b) per tick)")
     if not isinstance(recompute, bool):

@@ -3,7 +3,7 @@ import pytest
 
 import jaxpipe as jp
 from jaxpipe.tune import LayerCosts, Link, calibrate_tick, predict_devices, predict_one_core
-from jaxpipe.tune.lockstep import fastest, layout_bytes
+from jaxpipe.tune.lockstep import fastest, layout_bytes, running_plan
 
 UNIT = LayerCosts(f=1.0, b=2.0, b_input=1.0, w=1.0)
 FREE = Link(0.0, 0.0)
@@ -23,7 +23,7 @@ def test_device_compute_is_the_plans_lockstep_makespan(name):
     s = build(name)
     lps = 4 / s.num_model_stages                  # a 4-layer model: chunks of two-chunk schedules at half cost
     p = predict_devices(s, UNIT, lps, 0.0, FREE, 1.0, 1.0)
-    plan = s.plan("lanes")
+    plan = running_plan(s)                        # the plan Pipeline runs (placement="auto")
     split = s.has_w()
     assert p["compute"] == pytest.approx(plan.lockstep_makespan(f=lps, b=(1.0 if split else 2.0) * lps,
                                                                w=lps if split else 0.0))
@@ -52,7 +52,7 @@ def test_one_core_work_is_every_op_of_every_micro_batch(name):
 
 def test_fixed_cost_counts_the_compiled_lanes_of_every_phase():
     s = build("zb_h1")
-    lane_ticks = sum((t1 - t0) * len(lanes) for t0, t1, lanes in s.plan("lanes").phases)
+    lane_ticks = sum((t1 - t0) * len(lanes) for t0, t1, lanes in running_plan(s).phases)
     p = predict_devices(s, UNIT, 1.0, 0.5, FREE, 1.0, 1.0)
     assert p["lane_ticks"] == lane_ticks and p["fixed"] == pytest.approx(0.5 * lane_ticks)
     core = predict_one_core(s, UNIT, 1.0, 0.5, FREE, 1.0, 1.0)
@@ -73,9 +73,11 @@ def test_messages_and_layout():
     # 1F1B: the F lane sends on one channel, the B lane on one, each where its phase compiles it
     ch = sum((t1 - t0) * len(lanes) for t0, t1, lanes in one.plan("lanes").phases)
     assert predict_devices(one, UNIT, 1.0, 0.0, link, 1.0, 1.0)["messages"] == ch
-    # Chimera: both directions every compiled lane; the replica fetched and its gradient sent home
-    assert predict_devices(chim, UNIT, 1.0, 0.0, link, 1.0, 1.0)["messages"] == 2 * sum(
-        (t1 - t0) * len(lanes) for t0, t1, lanes in chim.plan("lanes").phases)
+    # Chimera: both directions, every tick of the plan; its lanes share both channels (one message a device
+    # and tick on each), so a tick's exchange is two ppermutes; the replica fetched and its gradient sent home
+    plan = running_plan(chim)
+    assert plan.shared == (1, 2)
+    assert predict_devices(chim, UNIT, 1.0, 0.0, link, 1.0, 1.0)["messages"] == 2 * plan.num_ticks
     assert layout_bytes(chim, 100.0) == 200.0 and layout_bytes(one, 100.0) == 0.0
     assert layout_bytes(build("interleaved_1f1b"), 100.0) == 0.0
     assert predict_devices(chim, UNIT, 1.0, 0.0, link, 1.0, 1.0)["layout"] == 2.0
@@ -92,3 +94,28 @@ def test_layer_costs_measured_on_one_device():
     assert c.f > 0 and c.b > 0 and c.b_input > 0 and c.w >= 0
     assert c.w == pytest.approx(max(c.b - c.b_input, 0.0))
     assert c.scaled(2.0).f == pytest.approx(2 * c.f)
+
+
+@pytest.mark.parametrize("D,M,want", [(4, 8, {"1f1b": 33.0, "zb_h1": 29.0, "zb_v": 25.5, "dualpipe_v": 25.5,
+                                                "interleaved_1f1b": 28.5, "gpipe": 33.0}),
+                                       (8, 16, {"1f1b": 69.0, "zb_h1": 57.0, "zb_v": 51.5, "dualpipe_v": 51.5})])
+def test_zero_bubble_schedules_are_predicted_at_their_bubble(D, M, want):
+    """Issue #49: a tick ends in one exchange, so it costs its slowest device's own actions; the zero-bubble
+    and V schedules then run their own one-action-per-tick order at the papers' bubble (units of one stage's
+    forward; chunks of two-chunk schedules at half cost), and Pipeline's "auto" placement picks it."""
+    from jaxpipe.schedules.lanes import fastest_placement, unit_costs
+    for name, units in want.items():
+        s = build(name, D, M)
+        got = predict_devices(s, UNIT, D / s.num_model_stages, 0.0, FREE, 1.0, 1.0)["compute"]
+        assert got == pytest.approx(units), name
+        f, b, w = unit_costs(s)
+        if name in ("zb_h1", "zb_v", "dualpipe_v"):
+            assert fastest_placement(s) == "ordered"
+            # the executor's plan costs what the simulator's one-op-per-tick lockstep costs
+            assert s.plan("ordered").lockstep_makespan(f, b, w) == pytest.approx(
+                s.simulate(f, b, w=w).lockstep_makespan)
+            # at 1F1B's memory: D micro-batches of stage activations on stage 0 (chunks: 2D half stages)
+            # (DualPipeV holds one half-stage more: its V runs a second micro-batch's forward on the way back)
+            assert s.plan("ordered").stash_capacity == {"zb_h1": D, "zb_v": 2 * D, "dualpipe_v": 2 * D + 1}[name]
+        if name in ("1f1b", "interleaved_1f1b"):
+            assert fastest_placement(s) == "lanes"

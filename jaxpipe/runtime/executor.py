@@ -126,6 +126,9 @@ class Trace:
     ring_b: Any
     variants: Any = None    # per chunk, the forward of each compiled position (lanes_forward.forward_at)
     doubles: Any = None     # per chunk, Chimera's doubled forward of each position (paired streams)
+    #: the messages a tick's lanes posted, moved in the tick's one exchange (``route.exchange``; filled and
+    #: emptied while one tick is traced)
+    outbox: list = dataclasses.field(default_factory=list)
 
 
 def open_trace(prog: Program, params, opt_state, pstate, carry, counters, batch, feed):

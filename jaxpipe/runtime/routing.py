@@ -42,6 +42,13 @@ def send(prog, tr, x, pairs):
         ppermute_bits(rest, STAGE, pairs))
 
 
+def _same_avals(msgs) -> bool:
+    """Whether the messages have one structure and leaf shapes and dtypes (an F's and a B's do)."""
+    sig = {(jax.tree.structure(m), tuple((jnp.shape(a), jnp.result_type(a)) for a in jax.tree.leaves(m)))
+           for m in msgs}
+    return len(sig) == 1
+
+
 class PlanSlots:
     """Messages and residuals in a lane plan's slots (module docstring)."""
     name = "slots"
@@ -79,15 +86,41 @@ class PlanSlots:
                                              self.deliver(prog, tr, 0, rr[0], send_f, cr.mbuf)))
 
     def deliver(self, prog, tr, li, rr, msg, mbuf):
-        """Lane ``li``'s message kept on the device and/or sent on the plan's channels (one ``ppermute`` each),
-        written to the slots the plan gave it (``rr``: this device's route row)."""
+        """Lane ``li``'s message kept on the device (written now, to the slot the plan gave it; ``rr``: this
+        device's route row) and/or posted for the plan's channels: every lane's posts of a tick move together
+        in the tick's one exchange (:meth:`exchange`)."""
         if prog.periodic.plan.keeps[li]:
             mbuf = write(mbuf, rr[ROUTE["keep"]], msg)
         for ch in prog.periodic.plan.channels[li]:
-            fwd = ch == SEND_PLUS
-            mbuf = write(mbuf, rr[ROUTE["recv_p" if fwd else "recv_m"]],
-                         send(prog, tr, msg, tr.ring_f if fwd else tr.ring_b))
+            tr.outbox.append((ch, rr[ROUTE["recv_p" if ch == SEND_PLUS else "recv_m"]], msg,
+                              rr[ROUTE["send"]] == ch))
         return mbuf
+
+    def exchange(self, prog, tr, cr):
+        """The tick's one exchange (issue #49): every message its lanes posted moves now, after all of them
+        ran, one ``ppermute`` per channel and message, and lands in its receive slot.  A message from another
+        device is read the tick after it was sent at the earliest (the plan's rule), so nothing in the tick
+        waited for it; and no device waits for a neighbour between its lanes -- a tick costs the slowest
+        device's own actions, not the sum over lanes of each lane's slowest device."""
+        mbuf, posts = cr.mbuf, list(tr.outbox)
+        tr.outbox.clear()
+        for ch in dict.fromkeys(p[0] for p in posts):
+            mine = [p for p in posts if p[0] == ch]
+            pairs = tr.ring_f if ch == SEND_PLUS else tr.ring_b
+            if len(mine) > 1 and ch in prog.periodic.plan.shared and _same_avals(p[2] for p in mine):
+                # at most one real message on this channel per device and tick (the plan's ``shared``): the one
+                # the device sends travels, and lands in every posting lane's slot -- the real one, and the
+                # scratch slot of the lanes that receive nothing here
+                msg = mine[0][2]
+                for _, _, other, sends in mine[1:]:
+                    msg = where(sends, other, msg)
+                got = send(prog, tr, msg, pairs)
+                for _, slot, _, _ in mine:
+                    mbuf = write(mbuf, slot, got)
+                continue
+            for _, slot, msg, _ in mine:
+                mbuf = write(mbuf, slot, send(prog, tr, msg, pairs))
+        return cr._replace(mbuf=mbuf)
 
     def last_forward(self, prog, last, msg, dy, gq, t_out, gt, cnt, cr):
         """The last stage's forward outputs: dL/dy leaves as the lane's message (kept in the plan's slot); the
@@ -139,6 +172,10 @@ class Registers:
 
     def lanes(self, prog, tr, t, flags):
         return [True] * len(prog.kinds), None
+
+    def exchange(self, prog, tr, cr):
+        """Registers move in their lanes' own ``ppermute`` (a periodic table has one F and one B a tick)."""
+        return cr
 
     def forward_in(self, prog, tr, t, rr, cr, cf, gf):
         x_in, t_in, sf = cr.recv_f, cr.tie_f, slot_of(prog, tr, cf, gf)

@@ -37,6 +37,7 @@ def tick(prog, tr, st, t, flags=True):
     ring, (may land an arrived stage, may complete a sum); a lane plan's phase: the lanes some device
     uses in these ticks (the others are not compiled here)."""
     lps, oss, pss, cr, loss = st
+    tr.outbox.clear()          # (what an interrupted trace may have left)
     run, rr = prog.route.lanes(prog, tr, t, flags)     # the lanes compiled here; this device's route rows
     lps, pss, stacks = prog.grads.before_tick(prog, tr, lps, oss, pss, cr, flags)
     is_f, cf, gf = op_of(prog, tr, t, tr.me, 0)
@@ -50,6 +51,7 @@ def tick(prog, tr, st, t, flags=True):
         lps, oss, pss, cr = backward_lanes(prog, tr, t, rr, run, flags, (is_b, cb, gb), stacks, lps, oss, pss, cr)
     if prog.split and run[prog.KW]:     # ZB's W lane (a lane plan's: W reads its slots), also in a phase without B
         pss = w_lanes(prog, tr, t, rr[prog.KW], lps, oss, pss, cr)
+    cr = prog.route.exchange(prog, tr, cr)          # the tick's messages, in one exchange after every lane
     cr = cr._replace(errors=cr.errors + err, **({"stash": []} if prog.direct else {}))
     lps, oss, pss = prog.grads.end_tick(lps, oss, pss)
     return (lps, oss, pss, cr, loss), None

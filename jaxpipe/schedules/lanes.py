@@ -35,7 +35,7 @@ from .ir import B, F, W, Action, Schedule, ScheduleError, _channel, _Slots, SEND
     SEND_PLUS
 
 F2 = "F2"
-PLACEMENTS = ("lanes", "ordered")
+PLACEMENTS = ("auto", "lanes", "ordered")
 #: columns of one lane's row: active flag, micro-batch, model stage, local chunk, stash slot (written by F,
 #: read by B/W), message slot read (F: input activation, B/W: dL/dy), where the produced message goes
 #: (SEND_*), its slot when it stays on the device, receive slots for the two channels, branch index, and
@@ -61,21 +61,25 @@ class LanePlan:
     full: Tuple[Tuple[int, ...], ...] = ()                   # per phase: lanes busy on every device, every tick
     direct: bool = False     # every B reads the residuals of the F run earlier in its own tick: no stash
     front_capacity: int = 0  # a split backward's frontier slots (B to W), on every device
+    #: channels on which no device sends, nor receives, more than one message in any tick: the lanes' messages
+    #: on such a channel share one ``ppermute`` in the tick's exchange (the ordered placement: one action a tick)
+    shared: Tuple[int, ...] = ()
 
 
     @property
     def num_ticks(self) -> int:
         return self.table.shape[0]
 
+    def op_times(self, f: float = 1.0, b: float = 2.0, w: float = 0.0) -> np.ndarray:
+        """``[tick, device, lane]``: the duration of each placed action (0 where the device is idle)."""
+        dur = np.array([{F: f, F2: f, B: b, W: w}[k] for k in self.lanes])
+        return (self.table[..., L["op"]] > 0) * dur[None, None, :]
+
     def lockstep_makespan(self, f: float = 1.0, b: float = 2.0, w: float = 0.0) -> float:
-        """Sum over ticks of the lanes each phase compiles, each lane as long as its slowest device's
-        action (a device idle in a lane costs nothing; the lane still waits for the slowest)."""
-        dur = {F: f, F2: f, B: b, W: w}
-        active = self.table[..., L["op"]] > 0
-        total = 0.0
-        for li, kind in enumerate(self.lanes):
-            total += dur[kind] * float(np.any(active[:, :, li], axis=1).sum())
-        return total
+        """Sum over ticks of the slowest device's own actions in the tick: a device runs its lanes one after
+        the other and the tick's messages move in one exchange at its end (issue #49), so nothing waits for a
+        neighbour between lanes (idle lanes cost nothing)."""
+        return float(self.op_times(f, b, w).sum(axis=2).max(axis=1).sum())
 
     def peak_inflight(self) -> List[int]:
         """Per device, the most micro-batch stage activations held at once (F until its last B/W read)."""
@@ -260,6 +264,21 @@ def _held_slots(D: int, where, dev, tab, pos, writer: str, readers, column: str)
     return max((len(a.busy_until) for a in alloc), default=0)
 
 
+def _shared_channels(tab, channels, cap_m: int) -> Tuple[int, ...]:
+    """The channels several lanes send on where, in every tick, each device sends at most one message on
+    the channel and receives at most one (:attr:`LanePlan.shared`)."""
+    out = []
+    for ch in sorted(set().union(*channels)):
+        lanes = [li for li, c in enumerate(channels) if ch in c]
+        if len(lanes) < 2:
+            continue
+        sends = (tab[:, :, lanes, L["send"]] == ch).sum(axis=2)
+        recv = tab[:, :, lanes, L["recv_p" if ch == SEND_PLUS else "recv_m"]]
+        if sends.max() <= 1 and ((recv >= 0) & (recv != cap_m)).sum(axis=2).max() <= 1:
+            out.append(ch)
+    return tuple(out)
+
+
 def _hands_over(lanes, where) -> bool:
     """Whether the F lane may hand its residuals straight to the B lane of the same tick: every B runs in
     the tick of its F (one stage per device, one chunk: ``D = 1``), and nothing else (a W, a paired F2)
@@ -271,11 +290,30 @@ def _hands_over(lanes, where) -> bool:
     return all(where[(F, st, m)][0] == t for (k, st, m), (t, _) in where.items() if k == B)
 
 
+def unit_costs(s: Schedule) -> Tuple[float, float, float]:
+    """``(f, b, w)`` in units of one stage's forward: a backward costs two (split: one for its input part B,
+    one for its weight part W), as the papers count."""
+    return (1.0, 1.0, 1.0) if s.has_w() else (1.0, 2.0, 0.0)
+
+
+def fastest_placement(s: Schedule) -> str:
+    """The placement whose plan has the smaller lockstep step at :func:`unit_costs` (``Pipeline``'s
+    ``placement="auto"``): the zero-bubble and V schedules' own one-action-per-tick order reaches their
+    bubble now that a tick ends in one exchange (issue #49), 1F1B's F and B lanes stay the faster for it.  A
+    tie goes to the plan with fewer stash slots (Chimera: ordered; GPipe: lanes, whose order holds D, not M)."""
+    costs = unit_costs(s)
+    key = {p: (round(s.plan(p).lockstep_makespan(*costs), 9), s.plan(p).stash_capacity, p)
+           for p in ("ordered", "lanes")}
+    return min(key, key=key.get)
+
+
 def plan(s: Schedule, placement: str = "lanes", cut: Sequence[int] = ()) -> LanePlan:
     """Place ``s`` on lanes and build the executor's tables.  ``cut``: ticks where a phase must begin
-    (Chimera's eager reduction runs between two phases)."""
+    (Chimera's eager reduction runs between two phases).  ``placement="auto"``: :func:`fastest_placement`."""
     if placement not in PLACEMENTS:
         raise ScheduleError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    if placement == "auto":
+        placement = fastest_placement(s)
     lanes = lane_kinds(s, placement)
     loc = s.location()
     dev = {k: v[0] for k, v in loc.items()}
@@ -312,6 +350,6 @@ def plan(s: Schedule, placement: str = "lanes", cut: Sequence[int] = ()) -> Lane
                 break
     out = LanePlan(s, placement, lanes, where, tab.astype(np.int32), cap_s, cap_m,
                    tuple(tuple(sorted(c)) for c in channels), tuple(keeps), tuple(phases), tuple(full),
-                   _hands_over(lanes, where), cap_f)
+                   _hands_over(lanes, where), cap_f, _shared_channels(tab, channels, cap_m))
     out._dev = dev
     return out

@@ -12,7 +12,7 @@ from .lanes import plan
 
 #: a lane plan's columns the executor's slot routing reads: stash slot, input slot, kept-message slot,
 #: arrival slots (``ROUTE[name]``: the column's index in a device's route row)
-ROUTE_COLUMNS = ("stash", "in", "keep", "recv_p", "recv_m", "front")
+ROUTE_COLUMNS = ("stash", "in", "keep", "recv_p", "recv_m", "send", "front")
 ROUTE = {k: i for i, k in enumerate(ROUTE_COLUMNS)}
 
 

@@ -30,8 +30,8 @@ class SimReport:
     weight_versions: List[int]      # per device, in units of one stage's weights
     stash_capacity: int             # stash slots of the one-op-per-tick ("ordered") plan, on every device
     messages: int                   # point-to-point activation/gradient messages per step
-    # what the executor runs with its default "lanes" placement (jaxpipe.schedules.lanes): an F and a B
-    # lane per tick (W, where split), each as long as its slowest op; the memory it holds
+    # what the executor runs with its default placement ("auto": jaxpipe.schedules.lanes.fastest_placement),
+    # a tick as long as its slowest device's actions (one exchange at its end); the memory it holds
     lane_makespan: float = 0.0
     lane_bubble_ratio: float = 0.0
     lane_ticks: int = 0
@@ -83,7 +83,8 @@ def simulate(s: Schedule, f: float = 1.0, b: float = 2.0, w: Optional[float] = N
     loc = placed["device"]
     messages = sum(1 for (k, st, m), d in loc.items() for dep in s.deps(Action(k, m, st)) if loc[dep] != d)
     from .lanes import plan
-    placement = "ordered" if getattr(s, "fixed_ticks", None) is not None else "lanes"
+    from .lanes import fastest_placement
+    placement = "ordered" if getattr(s, "fixed_ticks", None) is not None else fastest_placement(s)
     lp = plan(s, placement)
     lane_span = lp.lockstep_makespan(f, b, w)
     return SimReport(

@@ -9,9 +9,9 @@ device.  Here a stage's op costs
 (plus what each of a short stage's ``max(cut) - n_s`` padding slots costs, and in B one forward per real
 block past ``min(cut)``: those slots run in a ``lax.cond`` that rematerialises its block) from one block's, a
 padding slot's, the embedding's and the head-plus-loss's forward and backward measured on the running backend
-(:func:`measure_parts`), and a cut's step time is the schedule's compute on D devices: the sum over
-compiled lane-ticks of the slowest active device's op (:func:`predict_cut`; the executor's fixed cost per
-lane-tick is the same for every cut of one schedule and left out).  :func:`balanced_cut` searches the cuts by
+(:func:`measure_parts`), and a cut's step time is the schedule's compute on D devices: the sum over ticks of
+the slowest device's own actions in the tick (:func:`predict_cut`, on the plan ``Pipeline`` runs; the
+executor's fixed cost per lane-tick is the same for every cut of one schedule and left out).  :func:`balanced_cut` searches the cuts by
 moving one block at a time from the most even cut while the prediction falls.  Zero-bubble's B and W are
 taken as half the backward each (its W carries the embedding's weight gradient, its B the head's).
 """
@@ -82,8 +82,8 @@ def _stage_costs(cut: Sequence[int], c: PartCosts) -> np.ndarray:
 def _plan_arrays(schedule):
     """``(active [tick, device, lane], stage [tick, device, lane], kind index per lane, compiled [tick, lane])``."""
     from ..schedules.lanes import L
-    from .lockstep import _compiled_lane_ticks
-    p = schedule.plan("lanes")
+    from .lockstep import _compiled_lane_ticks, running_plan
+    p = running_plan(schedule)
     split = schedule.has_w()
     col = {"F": 0, "B": 2 if split else 1, "W": 3, "F2": 4}
     kinds = np.array([col[k] for k in p.lanes])
@@ -95,11 +95,11 @@ def _plan_arrays(schedule):
 def predict_cut(schedule, cut: Sequence[int], costs: PartCosts, _plan=None) -> float:
     """The step's compute on ``schedule.D`` devices with stages cut as ``cut`` (module docstring).  A schedule
     of ``v`` model stages per device runs each stage's blocks split into ``v`` chunks."""
-    active, stage, kinds, compiled = _plan if _plan is not None else _plan_arrays(schedule)
+    active, stage, kinds, _ = _plan if _plan is not None else _plan_arrays(schedule)
     v = schedule.num_model_stages // len(cut)
     table = _stage_costs(split_cut(cut, v) if v > 1 else cut, costs)
     ops = np.where(active, table[stage, kinds[None, None, :]], 0.0)
-    return float((ops.max(axis=1) * compiled).sum())
+    return float(ops.sum(axis=2).max(axis=1).sum())        # per tick: the slowest device's own actions
 
 
 def _search(schedule, n_blocks: int, costs: PartCosts, least: int) -> Tuple[Tuple[int, ...], float]:

@@ -1,12 +1,14 @@
 """What a synchronous schedule's lane plan costs on D real devices, and what it costs on one core (no JAX).
 
-The executor runs a lane plan (:mod:`jaxpipe.schedules.lanes`) in lockstep: every tick runs the lanes its
-phase compiles (F, B, W; F2 where Chimera pairs forwards) one after the other, and each lane ends with one
-``ppermute`` per channel it sends on.  On D real devices a lane lasts as long as its slowest device's op
-(an idle device waits), plus the executor's fixed cost of a lane and its messages:
+The executor runs a lane plan (:mod:`jaxpipe.schedules.lanes`, the placement ``Pipeline`` runs: ``"auto"``
+picks the faster) in lockstep: every tick runs the lanes its phase compiles (F, B, W; F2 where Chimera pairs
+forwards) one after the other on each device, and the tick's messages move in one exchange at its end (issue
+#49).  On D real devices a tick lasts as long as its slowest device's own actions in it (an idle device
+waits), plus the executor's fixed cost of a compiled lane and the messages:
 
-    T_devices = sum over compiled lane-ticks [ max_d op(d) + tick + channels * (alpha + beta * act_bytes) ]
-                + layout exchange (Chimera: a replica's weights fetched and its gradient sent home)
+    T_devices = sum over ticks [ max_d sum over lanes op(d, lane) ] + tick * compiled lane-ticks
+                + ppermutes * (alpha + beta * act_bytes) + layout exchange (Chimera: a replica's weights
+                fetched and its gradient sent home)
 
 On one core nothing runs side by side, so the same plan costs the *sum* of every device's work -- what the
 one-core benchmark (``experiments.executor_cost --cores=1``) measures and what this model is checked against:
@@ -17,7 +19,8 @@ one-core benchmark (``experiments.executor_cost --cores=1``) measures and what t
 (:func:`jaxpipe.tune.microbench.layer_costs`): F, the whole backward B, and for the zero-bubble schedules
 their B (input gradient) and W (weight gradient) apart.  ``tick`` -- the executor's own cost of one device's
 compiled lane in one tick (slot reads and writes, the conditionals) -- is the one calibrated number
-(:func:`calibrate_tick`, from one schedule's one-core measurement).
+(:func:`calibrate_tick`, from one schedule's one-core measurement).  ``placement`` (every function): the plan
+to cost, default ``"auto"`` as ``Pipeline``'s.
 """
 from __future__ import annotations
 
@@ -27,7 +30,12 @@ from typing import Dict, Sequence
 import numpy as np
 
 from ..schedules.ir import Schedule
-from ..schedules.lanes import L
+from ..schedules.lanes import L, fastest_placement
+
+
+def running_plan(s: Schedule, placement: str = "auto"):
+    """The lane plan the executor runs for ``placement`` (``"auto"``: the faster of the two)."""
+    return s.plan(fastest_placement(s) if placement == "auto" else placement)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,28 +64,38 @@ class Link:
         return self.alpha + self.beta * nbytes
 
 
-def _lane_ops(s: Schedule, layers_per_stage: float, costs: LayerCosts) -> np.ndarray:
+def _lane_ops(s: Schedule, layers_per_stage: float, costs: LayerCosts, placement: str = "auto") -> np.ndarray:
     """``[tick, device, lane]`` seconds of each planned op (0 where a device is idle in the lane)."""
-    p = s.plan("lanes")
+    p = running_plan(s, placement)
     split = s.has_w()
     per_kind = np.array([costs.op(k, split) * layers_per_stage for k in p.lanes])
     active = p.table[..., L["op"]] > 0
     return active * per_kind[None, None, :]
 
 
-def _compiled_lane_ticks(s: Schedule) -> np.ndarray:
+def _compiled_lane_ticks(s: Schedule, placement: str = "auto") -> np.ndarray:
     """``[tick, lane]``: 1 where the tick's phase compiles the lane (a lane outside its phase costs nothing)."""
-    p = s.plan("lanes")
+    p = running_plan(s, placement)
     out = np.zeros((p.num_ticks, len(p.lanes)))
     for t0, t1, lanes in p.phases:
         out[t0:t1, list(lanes)] = 1
     return out
 
 
-def _messages(s: Schedule) -> np.ndarray:
-    """``[tick, lane]`` ppermutes: the lane's channels where it is compiled."""
-    p = s.plan("lanes")
-    return _compiled_lane_ticks(s) * np.array([len(c) for c in p.channels])[None, :]
+def _messages(s: Schedule, placement: str = "auto") -> np.ndarray:
+    """``[tick, lane]`` ppermutes of the tick's exchange: each compiled lane's channels, a channel the plan
+    shares (:attr:`~jaxpipe.schedules.lanes.LanePlan.shared`: one message per device and tick) counted once,
+    on the first lane posting on it."""
+    p = running_plan(s, placement)
+    compiled = _compiled_lane_ticks(s, placement)
+    out = np.zeros_like(compiled)
+    for t in range(compiled.shape[0]):
+        seen = set()
+        for li, chans in enumerate(p.channels):
+            if compiled[t, li]:
+                out[t, li] = sum(1 for ch in chans if ch not in seen)
+                seen |= {ch for ch in chans if ch in p.shared}
+    return out
 
 
 def layout_bytes(s: Schedule, stage_bytes: float) -> float:
@@ -90,28 +108,29 @@ def layout_bytes(s: Schedule, stage_bytes: float) -> float:
 
 
 def predict_devices(s: Schedule, costs: LayerCosts, layers_per_stage: float, tick: float, link: Link,
-                    act_bytes: float, stage_bytes: float) -> Dict[str, float]:
+                    act_bytes: float, stage_bytes: float, placement: str = "auto") -> Dict[str, float]:
     """The step's seconds on ``s.D`` real devices (module docstring), and its parts."""
-    ops = _lane_ops(s, layers_per_stage, costs)
-    lanes = _compiled_lane_ticks(s)
-    compute = float(ops.max(axis=1).sum())
+    ops = _lane_ops(s, layers_per_stage, costs, placement)
+    lanes = _compiled_lane_ticks(s, placement)
+    compute = float(ops.sum(axis=2).max(axis=1).sum())   # per tick: the slowest device's own actions
     busy = float(ops.sum() / s.D)                 # one device's share of the work, the bubble-free bound
     fixed = float(lanes.sum() * tick)
-    msgs = float(_messages(s).sum() * link(act_bytes))
+    msgs = float(_messages(s, placement).sum() * link(act_bytes))
     n_layout = layout_bytes(s, stage_bytes)
     layout = link(n_layout / 2) * 2 if n_layout else 0.0
     return {"step": compute + fixed + msgs + layout, "compute": compute, "busy": busy, "fixed": fixed,
-            "messages": msgs, "layout": layout, "lane_ticks": float(lanes.sum())}
+            "messages": msgs, "layout": layout, "lane_ticks": float(lanes.sum()),
+            "ticks": float(lanes.shape[0]), "ppermutes": float(_messages(s, placement).sum())}
 
 
 def predict_one_core(s: Schedule, costs: LayerCosts, layers_per_stage: float, tick: float, copy: Link,
-                     act_bytes: float, stage_bytes: float) -> Dict[str, float]:
+                     act_bytes: float, stage_bytes: float, placement: str = "auto") -> Dict[str, float]:
     """The step's seconds with every device's work on one core (module docstring): ``copy`` is one
     ``ppermute`` over the D emulated devices (D copies) as measured on that core."""
-    work = float(_lane_ops(s, layers_per_stage, costs).sum())
-    lanes = _compiled_lane_ticks(s)
+    work = float(_lane_ops(s, layers_per_stage, costs, placement).sum())
+    lanes = _compiled_lane_ticks(s, placement)
     fixed = float(lanes.sum() * s.D * tick)
-    msgs = float(_messages(s).sum() * copy(act_bytes))
+    msgs = float(_messages(s, placement).sum() * copy(act_bytes))
     n_layout = layout_bytes(s, stage_bytes)
     layout = 2 * copy(n_layout / 2) if n_layout else 0.0
     return {"step": work + fixed + msgs + layout, "work": work, "fixed": fixed, "messages": msgs,
@@ -119,12 +138,12 @@ def predict_one_core(s: Schedule, costs: LayerCosts, layers_per_stage: float, ti
 
 
 def calibrate_tick(s: Schedule, costs: LayerCosts, layers_per_stage: float, copy: Link, act_bytes: float,
-                   stage_bytes: float, measured: float, baseline: float = 0.0) -> float:
+                   stage_bytes: float, measured: float, baseline: float = 0.0, placement: str = "auto") -> float:
     """The per-device, per-lane-tick cost that makes :func:`predict_one_core` of ``s`` equal ``measured``
     seconds (``baseline``: what the one-core measurement holds besides the plan, e.g. the plain step's
     own fixed cost; 0 by default).  Clipped at 0."""
-    rest = predict_one_core(s, costs, layers_per_stage, 0.0, copy, act_bytes, stage_bytes)
-    lane_ticks = float(_compiled_lane_ticks(s).sum())
+    rest = predict_one_core(s, costs, layers_per_stage, 0.0, copy, act_bytes, stage_bytes, placement)
+    lane_ticks = float(_compiled_lane_ticks(s, placement).sum())
     return max((measured - baseline - rest["step"]) / (lane_ticks * s.D), 0.0)
 
 

@@ -1,0 +1,215 @@
+"""Every synchronous schedule on a real two-device pipeline, beside the lockstep model's prediction (issue #49).
+
+Two processes (``jax.distributed``, Gloo collectives), one CPU device each, each pinned to its own core, are a
+real pipeline: the devices run side by side and wait for each other's messages, so a bubble costs real time
+(emulated devices sharing cores show none).  The model: an MLP of ``--layers`` ``tanh(h @ W)`` layers, W
+``--width``², batch ``--batch``, SGD -- the testbed of ``../shared/tools/two_procs.py``.
+
+    python -m experiments.two_devices                                  # M = 4 and 8, every schedule
+    python -m experiments.two_devices --microbatches=4 --schedules=1f1b,zb_h1,zb_h1:lanes
+
+A schedule may carry its placement (``zb_h1:lanes``; default ``auto``, what ``Pipeline`` runs).  Steps are
+timed in turns (A B C A B C ...) so that a slow phase of the machine hits every schedule alike; the median of
+``--rounds`` rounds of 3 steps is reported.  The prediction is :func:`jaxpipe.tune.lockstep.predict_devices`
+of the same plan, from costs measured on this machine: one layer's forward, backward, input-gradient and
+weight-gradient (one core), and the link (a ``ppermute`` between the two processes: latency and bytes/s) and
+the executor's cost per compiled lane-tick, both calibrated here (the lane-tick from 1F1B's measured step, so
+1F1B's prediction equals its measurement by construction; every other schedule's is a prediction).  Needs a
+quiet machine with two cores.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+flags.DEFINE_string("schedules", "1f1b,gpipe,zb_h1,zb_v,dualpipe_v,interleaved_1f1b,chimera",
+                    "comma-separated schedules, each optionally name:placement")
+flags.DEFINE_string("microbatches", "4,8", "comma-separated M values")
+flags.DEFINE_integer("layers", 8, "tanh layers in the model")
+flags.DEFINE_integer("width", 1024, "layer width")
+flags.DEFINE_integer("batch", 256, "rows per step")
+flags.DEFINE_integer("rounds", 9, "timing rounds (3 steps each, schedules in turns)")
+flags.DEFINE_integer("port", 12419, "coordinator port on 127.0.0.1")
+flags.DEFINE_string("json", "", "also write the results to this file")
+flags.DEFINE_integer("worker", -1, "internal: this process's index (the launcher sets it; -2: the one-core costs)")
+FLAGS = flags.FLAGS
+CHUNKED = ("interleaved_1f1b", "zb_v", "dualpipe_v")
+
+
+def _model(jp, jnp, Ws, stages):
+    from jax import lax
+    layers = lambda ws, h: lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, ws)[0]
+    L, W = Ws.shape[0], Ws.shape[1]
+    return jp.PipelineModel(stage_fn=lambda p, h: layers(p["w"], h),
+                            stage_params={"w": Ws.reshape(stages, L // stages, W, W)},
+                            pre=lambda p, b: b["x"], pre_params=jnp.zeros(()),
+                            post_loss=lambda p, h, b: jnp.mean((h - b["y"]) ** 2), post_params=jnp.zeros(()))
+
+
+def _median_steps(runs, rounds):
+    """``{key: median seconds of a step}``: every run's 3 steps in turn, ``rounds`` times."""
+    import jax
+    import numpy as np
+    times = {k: [] for k in runs}
+    for _ in range(rounds):
+        for k, entry in runs.items():
+            step, s = entry
+            t0 = time.perf_counter()
+            for _ in range(3):
+                s = step(s)
+            jax.block_until_ready(s)
+            times[k].append((time.perf_counter() - t0) / 3)
+            entry[1] = s
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def _link(pid):
+    """``(alpha, beta)`` of one ppermute between the two processes: a small and a large message timed."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = jax.make_mesh((2,), ("stage",))
+    out = {}
+    for n in (16, 1 << 20):
+        f = jax.jit(jax.shard_map(lambda a: jax.lax.ppermute(a, "stage", [(0, 1), (1, 0)]), mesh=mesh,
+                                  in_specs=P("stage"), out_specs=P("stage")))
+        x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("stage")), np.ones((n,), np.float32))
+        for _ in range(3):
+            x = f(x)
+        jax.block_until_ready(x)
+        t0 = time.perf_counter()
+        for _ in range(20):
+            x = f(x)
+        jax.block_until_ready(x)
+        out[n] = (time.perf_counter() - t0) / 20
+    beta = max(out[1 << 20] - out[16], 0.0) / (4 * ((1 << 20) - 16))
+    return max(out[16] - 64 * beta, 0.0), beta
+
+
+def worker(pid: int):
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{FLAGS.port}", num_processes=2, process_id=pid)
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    import jaxpipe as jp
+    L, W, B = FLAGS.layers, FLAGS.width, FLAGS.batch
+    r = np.random.default_rng(0)
+    Ws = jnp.asarray(r.normal(size=(L, W, W)) / np.sqrt(W), jnp.float32)
+    x, y = (np.asarray(r.normal(size=(B, W)), np.float32) for _ in range(2))
+    runs, meta = {}, {}
+    for M in [int(m) for m in FLAGS.microbatches.split(",")]:
+        for spec in FLAGS.schedules.split(","):
+            name, _, placement = spec.partition(":")
+            stages = 4 if name in CHUNKED else 2
+            pipe = jp.Pipeline(_model(jp, jnp, Ws, stages), schedule=name, num_microbatches=M,
+                               optimizer=optax.sgd(1e-3), mesh=jp.make_mesh(stages=2),
+                               placement=placement or "auto",
+                               options={"virtual": 2} if name == "interleaved_1f1b" else {})
+            b = pipe.shard_batch({"x": x, "y": y})
+            s = pipe.init()
+            for _ in range(2):
+                s = pipe.step(s, b)[0]
+            runs[(M, spec)] = [lambda s, pipe=pipe, b=b: pipe.step(s, b)[0], s]
+            meta[(M, spec)] = (name, pipe.placement)
+    link = _link(pid)
+    plains = {M: _plain_step(Ws, x, y, M) for M in {k[0] for k in runs}} if pid == 0 else {}
+    for M, fn in plains.items():       # process 0 alone, on its core, in the same rounds (the other waits)
+        runs[(M, "plain")] = [fn, Ws]
+    got = _median_steps(runs, FLAGS.rounds)
+    if pid == 0:
+        print(json.dumps({"link": link, "plain": {M: got[(M, "plain")] for M in plains},
+                          "steps": [[M, spec, meta[(M, spec)][1], t] for (M, spec), t in got.items()
+                                    if spec != "plain"]}), flush=True)
+
+
+def _plain_step(Ws, x, y, M):
+    """The plain one-device jitted step of the same work: M micro-batches' gradients summed, one SGD update."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax import lax
+    opt = optax.sgd(1e-3)
+    B, W = x.shape
+
+    def loss(ws, xb, yb):
+        return jnp.mean((lax.scan(lambda h, w: (jnp.tanh(h @ w), None), xb, ws)[0] - yb) ** 2)
+
+    @jax.jit
+    def step(ws):
+        xs, ys = jnp.asarray(x).reshape(M, B // M, W), jnp.asarray(y).reshape(M, B // M, W)
+        g = lax.scan(lambda acc, a: (acc + jax.grad(loss)(ws, *a), None), jnp.zeros_like(ws), (xs, ys))[0]
+        return optax.apply_updates(ws, opt.update(g / M, opt.init(ws), ws)[0])
+    return step
+
+
+def main(argv):
+    del argv
+    if FLAGS.worker >= 0:
+        return worker(FLAGS.worker)
+    args = [a for a in sys.argv[1:] if not a.startswith("--worker")]
+    procs = [subprocess.Popen(["taskset", "-c", str(p), sys.executable, "-m", "experiments.two_devices", *args,
+                               f"--worker={p}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+             for p in (1, 0)]
+    out = procs[1].communicate()[0]
+    procs[0].wait()
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    if not lines:
+        raise SystemExit("experiments.two_devices: the workers reported nothing (is port "
+                         f"{FLAGS.port} free, and are there two cores?)")
+    report(json.loads(lines[-1]))
+
+
+def report(res):
+    """The measured steps beside the model's: a layer's forward f from the plain step measured in the same
+    rounds (its work is M x layers x (f + b) with b = 2 f, a split backward's input and weight parts f each,
+    as the papers count), the link measured, and one calibrated cost per tick (the exchange's rendezvous, the
+    lanes' conditionals and slots) from 1F1B's measured step."""
+    import jaxpipe as jp
+    from jaxpipe.tune import LayerCosts, Link, predict_devices
+    alpha, beta = res["link"]
+    link = Link(alpha, beta)
+    W, L = FLAGS.width, FLAGS.layers
+    rows, tick = [], {}
+    for M, spec, placement, t in res["steps"]:
+        name = spec.partition(":")[0]
+        s = jp.schedules.build(name, 2, M, **({"virtual": 2} if name == "interleaved_1f1b" else {}))
+        plain = res["plain"][str(M)]
+        f = plain / (3 * M * L)
+        lc = LayerCosts(f, 2 * f, f, f)
+        per = L / s.num_model_stages
+        act = (FLAGS.batch // M) * W * 4
+        parts = predict_devices(s, lc, per, 0.0, link, act, per * W * W * 4, placement=placement)
+        rows.append([M, spec, placement, t, plain, parts])
+    for M, spec, placement, t, plain, parts in rows:
+        if spec == "1f1b":
+            tick[M] = max(t - parts["step"], 0.0) / parts["ticks"]
+    print(f"link: {alpha * 1e6:.0f} us + {1 / max(beta, 1e-30) / 1e9:.2f} GB/s; cost of a tick (from 1f1b): "
+          + ", ".join(f"M={m}: {v * 1e3:.2f} ms" for m, v in tick.items()))
+    print(f"{'M':>2} {'schedule':22s} {'placement':9s} {'measured':>9s} {'x plain':>8s} {'x 1f1b':>7s} "
+          f"{'predicted':>10s} {'meas/pred':>9s} {'pred/1f1b':>9s}")
+    base = {M: t for M, spec, _, t, *_ in rows if spec == "1f1b"}
+    pred = {(M, spec): parts["step"] + tick.get(M, 0.0) * parts["ticks"] for M, spec, _, _, _, parts in rows}
+    out = []
+    for M, spec, placement, t, plain, parts in rows:
+        p = pred[(M, spec)]
+        print(f"{M:>2} {spec:22s} {placement:9s} {t * 1e3:7.1f}ms {t / plain:8.3f} "
+              f"{t / base[M] if M in base else float('nan'):7.3f} {p * 1e3:8.1f}ms {t / p:9.3f} "
+              f"{p / pred.get((M, '1f1b'), float('nan')):9.3f}")
+        out.append({"M": M, "schedule": spec, "placement": placement, "measured_s": t, "plain_s": plain,
+                    "predicted_s": p, "parts": parts})
+    if FLAGS.json:
+        with open(FLAGS.json, "w") as fh:
+            json.dump({"link": res["link"], "tick": tick, "rows": out}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)
