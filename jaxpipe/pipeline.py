@@ -112,20 +112,7 @@ class Pipeline:
             from .schedules.lanes import fastest_placement
             placement = fastest_placement(self.schedule) if self.method.flushes else "lanes"
             self.placement = placement
-        # Recomputation: the stash keeps each stage's input only and the backward recomputes the rest --
-        # on request, or where the method says (WPipe-R §3.3 by option; Chimera's forward doubling always: it
-        # holds two micro-batches' activations per forward tick, §3.5)
-        if residuals == "all" and self.method.recompute(self.options):
-            residuals = "inputs"
-        if residuals != "all":
-            import dataclasses
-            policy = None if residuals == "inputs" else residuals
-            if self.method.reads_differ:     # F and B read different weights: recompute on F's (issue #48)
-                from .runtime.common import RecomputedAtForwardWeights
-                stage_fn = RecomputedAtForwardWeights(model.stage_fn)
-            else:
-                stage_fn = jax.checkpoint(model.stage_fn, policy=policy)
-            self.model = model = dataclasses.replace(model, stage_fn=stage_fn)
+        self.model = model = _recomputing(model, self.method, self.options, residuals)
         self.nan_bubbles = nan_bubbles
         self.seed = seed
         self.skip_nonfinite = bool(skip_nonfinite)
@@ -505,6 +492,23 @@ def _probe_policy(policy) -> None:
                           f"{str(e).splitlines()[0][:160] if str(e) else ''}. Give 'all', 'inputs' or a policy such as "
                           f"jax.checkpoint_policies.dots_with_no_batch_dims_saveable; a policy factory must be "
                           f"called first (e.g. jax.checkpoint_policies.save_only_these_names('name'))") from None
+
+
+def _recomputing(model, method, options, residuals):
+    """The model whose stage keeps what ``residuals`` says between its forward and its backward.  The stash keeps
+    each stage's input only and the backward recomputes the rest -- on request, or where the method says
+    (WPipe-R §3.3 by option; Chimera's forward doubling always: it holds two micro-batches' activations per
+    forward tick, §3.5).  A method whose F and B read different weights recomputes on F's (issue #48)."""
+    import dataclasses
+    if residuals == "all" and method.recompute(options):
+        residuals = "inputs"
+    if residuals == "all":
+        return model
+    if method.reads_differ:
+        from .runtime.common import RecomputedAtForwardWeights
+        return dataclasses.replace(model, stage_fn=RecomputedAtForwardWeights(model.stage_fn))
+    policy = None if residuals == "inputs" else residuals
+    return dataclasses.replace(model, stage_fn=jax.checkpoint(model.stage_fn, policy=policy))
 
 
 def _check_fit(built, sched, model, D, num_microbatches, name) -> None:
