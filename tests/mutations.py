@@ -86,6 +86,13 @@ MUTATIONS = [
     Mutation("step_ignores_bad_batch", "jaxpipe/runners/sync.py",
              "applied = ok_in & finite    # never an update", "applied = finite    # never an update",
              "tests/test_step_checks.py::test_a_bad_device_batch_changes_nothing_and_the_next_call_says_so[1f1b-y]"),
+    # issue #50's survivors: an id equal to the table's size; the grad-norm metric of the micro-batch sums
+    Mutation("id_check_off_by_one", "jaxpipe/step_checks.py",
+             "(v < 0) | (v >= f.bound)", "(v < 0) | (v > f.bound)",
+             "tests/test_step_checks.py::test_an_id_out_of_range_on_the_device_is_named_at_the_next_call"),
+    Mutation("grad_norm_of_the_sums", "jaxpipe/runners/sync.py",
+             "gnorm = optax.tree.norm(mean(sums))", "gnorm = optax.tree.norm(sums)",
+             "tests/test_step_checks.py::test_the_grad_norm_metric_is_the_norm_of_the_steps_mean_gradient"),
     Mutation("status_never_read", "jaxpipe/step_checks.py",
              "        msg = self.checks.message(", "        msg = None and self.checks.message(",
              "tests/test_step_checks.py::test_an_id_out_of_range_on_the_device_is_named_at_the_next_call"),

@@ -67,11 +67,13 @@ def test_an_id_out_of_range_on_the_device_is_named_at_the_next_call():
     bound = model.integer_inputs[key]
     state = pipe.init()
     before = _host(state)
-    state, _ = pipe.step(state, dict(good, **{key: good[key].at[0, 0].set(bound + 7)}))
-    assert _equal(before, _host(state))
-    with pytest.raises(jp.ConfigError, match=f"holds {bound + 7}, outside \\[0, {bound}\\)"):
-        pipe.check()
-    pipe.check()                                    # reported once
+    # the table's size itself is out of range too (a check of ``> bound`` would let it through: issue #50)
+    for bad in (bound + 7, bound, -1):
+        state, _ = pipe.step(state, dict(good, **{key: good[key].at[0, 0].set(bad)}))
+        assert _equal(before, _host(state))
+        with pytest.raises(jp.ConfigError, match=f"holds {bad}, outside \\[0, {bound}\\)"):
+            pipe.check()
+        pipe.check()                                    # reported once
 
 
 def _classifier(integer_inputs=None):
@@ -302,3 +304,15 @@ def test_a_refused_last_step_is_reported_when_the_script_ends(tmp_path):
     assert "close raised: the previous step(): the batch holds NaN or Inf in ['x']" in p.stdout, p.stdout
     assert ("jaxpipe: the last step of this run was refused and nothing read it before exit: the previous "
             "step(): the batch holds NaN or Inf in ['x']") in p.stderr, p.stderr[-3000:]
+
+
+def test_the_grad_norm_metric_is_the_norm_of_the_steps_mean_gradient():
+    """``metrics["grad_norm"]`` is the norm of the gradient the update used (the mean over micro-batches), not of
+    the micro-batch sums (issue #50: a norm M times too large survived every test)."""
+    model, batch = _classifier()
+    pipe = jp.Pipeline(model, schedule="1f1b", num_microbatches=4, optimizer=optax.sgd(0.1),
+                       mesh=jp.make_mesh(stages=2))
+    state = pipe.init()
+    _, grads = pipe.loss_and_grad(state, batch)
+    _, m = pipe.step(state, batch)
+    assert float(m["grad_norm"]) == pytest.approx(float(optax.global_norm(grads)), rel=1e-5)
