@@ -247,3 +247,20 @@ def test_resharding_inside_a_lane_is_refused_not_a_hang():
     pipe = jp.Pipeline(model, schedule="gpipe", num_microbatches=2, mesh=jp.make_mesh(stages=2, tensor=2))
     with pytest.raises(jp.ConfigError, match="collective-permute"):
         pipe.loss_and_grad(pipe.init(), small_model("gpt", 2)[1](8))
+
+
+def test_a_bad_device_batch_changes_nothing_on_a_model_axes_mesh():
+    """On XLA CPU a conditional holding collectives is refused over model axes, so the update is gated by a select
+    there (``step_checks.gate(by_select=True)``); a refused batch must still change nothing and say so (issue
+    #50: a select keeping the new values survived every test)."""
+    model, batch_fn = mlp(2)
+    pipe = jp.Pipeline(model, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.1),
+                       mesh=jp.make_mesh(stages=2, tensor=2))
+    good = jax.tree.map(jax.numpy.asarray, batch_fn(8))
+    state, _ = pipe.step(pipe.init(), good)
+    before = jax.tree.map(np.asarray, state)
+    state, _ = pipe.step(state, dict(good, y=good["y"].at[3].set(-1)))      # a finite loss: only the check
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(
+        jax.tree.map(np.asarray, state))))
+    with pytest.raises(jp.ConfigError, match="'y'.*changed nothing"):
+        pipe.check()
