@@ -102,23 +102,25 @@ def predict_cut(schedule, cut: Sequence[int], costs: PartCosts, _plan=None) -> f
     return float(ops.sum(axis=2).max(axis=1).sum())        # per tick: the slowest device's own actions
 
 
-def _search(schedule, n_blocks: int, costs: PartCosts, least: int) -> Tuple[Tuple[int, ...], float]:
-    """Steepest descent over single-block moves between any two stages, from the most even cut and its mirror."""
+def _descend(schedule, start: Tuple[int, ...], costs: PartCosts, least: int, plan=None) -> Tuple[Tuple[int, ...], float]:
+    """Steepest descent over single-block moves between any two stages from ``start``: ``(cut, predicted)``."""
     D = schedule.D
+    plan = plan if plan is not None else _plan_arrays(schedule)
+    cur, t = start, predict_cut(schedule, start, costs, plan)
+    while True:
+        moves = [tuple(c - (k == i) + (k == j) for k, c in enumerate(cur))
+                 for i in range(D) for j in range(D) if i != j and cur[i] > least]
+        scored = [(predict_cut(schedule, m, costs, plan), m) for m in moves]
+        if not scored or min(scored)[0] >= t - 1e-15:
+            return cur, t
+        t, cur = min(scored)
+
+
+def _search(schedule, n_blocks: int, costs: PartCosts, least: int) -> Tuple[Tuple[int, ...], float]:
+    """The better of two descents (:func:`_descend`), from the most even cut and from its mirror."""
     plan = _plan_arrays(schedule)
-    best = None
-    for start in {even_cut(n_blocks, D), tuple(reversed(even_cut(n_blocks, D)))}:
-        cur, t = start, predict_cut(schedule, start, costs, plan)
-        while True:
-            moves = [tuple(c - (k == i) + (k == j) for k, c in enumerate(cur))
-                     for i in range(D) for j in range(D) if i != j and cur[i] > least]
-            scored = [(predict_cut(schedule, m, costs, plan), m) for m in moves]
-            if not scored or min(scored)[0] >= t - 1e-15:
-                break
-            t, cur = min(scored)
-        if best is None or t < best[1]:
-            best = (cur, t)
-    return best
+    starts = sorted({even_cut(n_blocks, schedule.D), tuple(reversed(even_cut(n_blocks, schedule.D)))})
+    return min((_descend(schedule, s, costs, least, plan) for s in starts), key=lambda ct: (ct[1], ct[0]))
 
 
 def balanced_cut(n_blocks: int, num_stages: int, costs: PartCosts, schedule: str = "1f1b",

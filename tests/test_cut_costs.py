@@ -1,0 +1,39 @@
+"""The balanced cut's cost model by hand (issue #50: two planted bugs survived in ``jaxpipe.tune.cut``)."""
+import numpy as np
+import pytest
+
+from jaxpipe import schedules
+from jaxpipe.cuts import even_cut
+from jaxpipe.tune.cut import PartCosts, _descend, _search, _stage_costs
+
+
+def test_stage_costs_by_hand():
+    """Cut [2, 1]: stage 0 runs two blocks and the embedding (its second block sits past min(cut), in the
+    rematerialising conditional: one more forward in B), stage 1 one block, one padding slot and the head.
+    B and W halve the blocks' backward; the embedding's backward belongs to stage 0's W (a weight gradient),
+    the head's to the last stage's B (an input gradient)."""
+    c = PartCosts(f_block=1.0, b_block=2.0, f_pre=0.3, b_pre=0.5, f_post=0.7, b_post=1.1, f_pad=0.01, b_pad=0.02)
+    got = _stage_costs((2, 1), c)
+    f = [2 * 1.0 + 0.3, 1 * 1.0 + 0.01 + 0.7]
+    b_blocks = [2 * 2.0 + 1 * 1.0, 1 * 2.0 + 0.02]     # stage 0: its second block is past min(cut): remat
+    b = [b_blocks[0] + 0.5, b_blocks[1] + 1.1]
+    b_in = [b_blocks[0] / 2, b_blocks[1] / 2 + 1.1]
+    w = [b_blocks[0] / 2 + 0.5, b_blocks[1] / 2]
+    np.testing.assert_allclose(got, np.stack([f, b, b_in, w, [2 * x for x in f]], axis=1))
+
+
+def test_the_search_keeps_the_better_of_its_two_descents():
+    """Over random costs on interleaved 1F1B, the balanced cut is the better of the descents from the even cut
+    and from its mirror -- and the two differ in some of the cases, so keeping the worse would show."""
+    s = schedules.build("interleaved_1f1b", num_stages=4, num_microbatches=8, virtual=2)
+    rng = np.random.default_rng(0)
+    differ = 0
+    for _ in range(60):
+        c = PartCosts(*rng.uniform(0.1, 3.0, 8))
+        n = int(rng.integers(9, 15))
+        starts = sorted({even_cut(n, 4), tuple(reversed(even_cut(n, 4)))})
+        runs = [_descend(s, st, c, 2) for st in starts]
+        got = _search(s, n, c, 2)
+        assert got[1] == pytest.approx(min(t for _, t in runs))
+        differ += len({round(t, 12) for _, t in runs}) > 1
+    assert differ > 0
