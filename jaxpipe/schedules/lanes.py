@@ -301,6 +301,10 @@ def fastest_placement(s: Schedule) -> str:
     ``placement="auto"``): the zero-bubble and V schedules' own one-action-per-tick order reaches their
     bubble now that a tick ends in one exchange (issue #49), 1F1B's F and B lanes stay the faster for it.  A
     tie goes to the plan with fewer stash slots (Chimera: ordered; GPipe: lanes, whose order holds D, not M)."""
+    if s.has_pairs() and not s.options.get("double_batch"):
+        # Chimera's forward doubling: the ordered plan pairs forwards, and the executor runs a pair as one
+        # double-size forward (``double_batch``), which a context model cannot; asked for, it is ordered
+        return "lanes"
     costs = unit_costs(s)
     key = {p: (round(s.plan(p).lockstep_makespan(*costs), 9), s.plan(p).stash_capacity, p)
            for p in ("ordered", "lanes")}
