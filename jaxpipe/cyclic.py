@@ -199,10 +199,7 @@ class CyclicDataParallel:
 
     def check_saveable(self, state):
         """``Pipeline.check_saveable``: the last call's checks, and no refused step's effect in ``state``."""
-        self.check()
-        why = self._pending.refusal(state)
-        if why is not None:
-            raise ConfigError(f"refusing to checkpoint this state: it holds the effect of a refused step ({why})")
+        self._pending.require_saveable(state)
 
 
 def _require_mean_loss(model, x_aval, mb):

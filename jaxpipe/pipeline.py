@@ -188,10 +188,7 @@ class Pipeline:
         """Raise a ConfigError where ``state`` may not be checkpointed: the last call's checks failed, or
         ``state`` holds (or derives from) the effect of a refused step of a method whose state is not kept back
         (``jaxpipe.step_checks.PendingStatus``)."""
-        self.check()
-        why = self.context.pending.refusal(state)
-        if why is not None:
-            raise ConfigError(f"refusing to checkpoint this state: it holds the effect of a refused step ({why})")
+        self.context.pending.require_saveable(state)
 
     def device_layout(self, state):
         """Stage parameters as the executor holds them: ``[D, chunks, ...]`` (device d, local chunk c holds

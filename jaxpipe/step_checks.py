@@ -276,6 +276,14 @@ class PendingStatus:
             return None
         return entry[1]
 
+    def require_saveable(self, state) -> None:
+        """The last call's checks (:meth:`check`), then a ConfigError where ``state`` holds a refused step's
+        effect (:meth:`refusal`): what ``Checkpointer.save`` asks of a pipeline before writing ``state``."""
+        self.check()
+        why = self.refusal(state)
+        if why is not None:
+            raise ConfigError(f"refusing to checkpoint this state: it holds the effect of a refused step ({why})")
+
     def _taint(self, leaf, msg: str) -> None:
         key = id(leaf)
         self._tainted[key] = (_weak(leaf, lambda _: self._tainted.pop(key, None)), msg)

@@ -122,3 +122,25 @@ def weights_read_at_backward(fn, w_f, w_b, x, ctx, dy):
     dx = jax.tree.unflatten(jax.tree.structure(x), [zeros(v, a) for v, a in zip(jaxpr.invars[n_w:], xl)])
     y = jax.tree.unflatten(jax.tree.structure(dy), [read(v) if not is_lit(v) else v.val for v in jaxpr.outvars])
     return y, dw, dx
+
+
+#: (F's, B's) prediction distance of stage s of S: PipeOptim (eq. 4; B reads the current weights), SpecTrain
+#: (Chen et al. §4, its "version difference" for each pass)
+DISTANCES = {"pipeoptim": (lambda s, S: S - 1 - s, lambda s, S: 0),
+             "spectrain": (lambda s, S: s // 2 + S - 1 - s, lambda s, S: s // 2)}
+
+
+def pipelined_and_by_hand(method, D, M=4, **pipeline_kw):
+    """``(got, want, w0)``: the tanh MLP trained two batches + drain by ``method``'s pipeline (NaN bubbles,
+    SGD-momentum; ``pipeline_kw`` to ``jp.Pipeline``) and by :func:`numpy_predicting`, float64 weights."""
+    import optax
+    model, w0 = tanh_mlp(D)
+    bs = batches(2, M)
+    want = numpy_predicting(w0, bs, M, *DISTANCES[method], True)
+    pipe = jp.Pipeline(model, schedule=method, num_microbatches=M, optimizer=optax.sgd(LR, momentum=MU),
+                       mesh=jp.make_mesh(stages=D), nan_bubbles=True, **pipeline_kw)
+    state = pipe.init()
+    for b in bs:
+        state, _ = pipe.step(state, b)
+    state, _ = pipe.drain(state)
+    return np.asarray(pipe.params(state)[0], np.float64), want, w0

@@ -35,7 +35,8 @@ import pytest
 
 import jaxpipe as jp
 from jaxpipe.model import loss_terms, microbatch_key
-from hand_backward import LR, MU, batches as tanh_batches, numpy_predicting, tanh_mlp, weights_read_at_backward
+from hand_backward import DISTANCES, batches as tanh_batches, numpy_predicting, pipelined_and_by_hand, \
+    weights_read_at_backward
 from helpers import RULE_MARGIN, change, rel_err, small_model
 
 SEED = 3                     # the pipelines' dropout seed (context models)
@@ -220,21 +221,9 @@ def test_predicting_method_equals_the_hand_written_backward(method, D):
     """PipeOptim: F at w(c_F) + (D-1-s) u(c_F), B through F's activations with w(i) (Algorithm 1, Table I for
     SGD-momentum: u, the last update).  SpecTrain: F at distance s//2 + D-1-s, B at distance s//2 (Chen et al.
     §4, its "version difference" for each pass).  SpecTrain runs at D = 3: at D = 2 both rules coincide."""
-    M = 4
-    model, w0 = tanh_mlp(D)
-    bs = tanh_batches(2, M)
-    fwd = (lambda s, D: D - 1 - s) if method == "pipeoptim" else (lambda s, D: s // 2 + D - 1 - s)
-    bwd = (lambda s, D: 0) if method == "pipeoptim" else (lambda s, D: s // 2)
-    want = numpy_predicting(w0, bs, M, fwd, bwd, True)
-    pipe = jp.Pipeline(model, schedule=method, num_microbatches=M, optimizer=optax.sgd(LR, momentum=MU),
-                       mesh=jp.make_mesh(stages=D), nan_bubbles=True)
-    state = pipe.init()
-    for b in bs:
-        state, _ = pipe.step(state, b)
-    state, _ = pipe.drain(state)
-    got = np.asarray(pipe.params(state)[0], np.float64)
+    got, want, w0 = pipelined_and_by_hand(method, D)
     assert rel_err(got - w0, want - w0) <= 1e-5
-    plain = numpy_predicting(w0, bs, M, lambda s, D: 0, lambda s, D: 0, True)   # no prediction at all
+    plain = numpy_predicting(w0, tanh_batches(2, 4), 4, lambda s, D: 0, lambda s, D: 0, True)   # no prediction
     assert rel_err(plain - w0, want - w0) > RULE_MARGIN
 
 
@@ -289,9 +278,7 @@ def test_predicting_method_on_the_gpt_equals_weights_read_at_backward(method, D)
     opt = optax.sgd(0.05, momentum=0.9)
     batches = [batch_fn(2 * M, s=k) for k in range(3)]
     got = run_pipeline(model, method, opt, batches, M, D)
-    fwd = (lambda s, S: S - 1 - s) if method == "pipeoptim" else (lambda s, S: s // 2 + S - 1 - s)
-    bwd = (lambda s, S: 0) if method == "pipeoptim" else (lambda s, S: s // 2)
-    want = predicting_reference(model, opt, batches, M, fwd, bwd)
+    want = predicting_reference(model, opt, batches, M, *DISTANCES[method])
     assert rel_err(change(got, model.params), change(want, model.params)) <= 1e-5
     # the prediction matters: no prediction at all (F at w(c), B at w(i)) moves the parameters otherwise
     plain = predicting_reference(model, opt, batches, M, lambda s, S: 0, lambda s, S: 0)

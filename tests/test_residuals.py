@@ -102,20 +102,8 @@ def test_predicting_methods_recompute_on_the_weights_their_forward_read(method, 
     in B must recompute it on F's prediction (issue #48: jax.checkpoint alone recomputed on B's weights,
     7.5e-3 / 1.2e-3 off the reference).  Against the hand-written NumPy backward (SGD-momentum, so a wrong
     weight shows)."""
-    from hand_backward import LR, MU, batches as tanh_batches, numpy_predicting, tanh_mlp
-    M = 4
-    model, w0 = tanh_mlp(D)
-    bs = tanh_batches(2, M)
-    fwd = (lambda s, D: D - 1 - s) if method == "pipeoptim" else (lambda s, D: s // 2 + D - 1 - s)
-    bwd = (lambda s, D: 0) if method == "pipeoptim" else (lambda s, D: s // 2)
-    want = numpy_predicting(w0, bs, M, fwd, bwd, True)
-    pipe = jp.Pipeline(model, schedule=method, num_microbatches=M, optimizer=optax.sgd(LR, momentum=MU),
-                       mesh=jp.make_mesh(stages=D), nan_bubbles=True, **_policy(policy))
-    state = pipe.init()
-    for b in bs:
-        state, _ = pipe.step(state, b)
-    state, _ = pipe.drain(state)
-    got = np.asarray(pipe.params(state)[0], np.float64)
+    from hand_backward import pipelined_and_by_hand
+    got, want, w0 = pipelined_and_by_hand(method, D, **_policy(policy))
     assert rel_err(got - w0, want - w0) <= 1e-5
 
 
@@ -130,7 +118,8 @@ def test_predicting_method_recomputes_a_gpt_with_dropout_on_its_forward_weights(
     opt = optax.sgd(0.05, momentum=0.9)
     batches = [batch_fn(4, s=k) for k in range(3)]
     got = run_pipeline(model, "pipeoptim", opt, batches, 2, 2, **_policy(policy))
-    want = predicting_reference(model, opt, batches, 2, lambda s, S: S - 1 - s, lambda s, S: 0)
+    from hand_backward import DISTANCES
+    want = predicting_reference(model, opt, batches, 2, *DISTANCES["pipeoptim"])
     assert rel_err(change(got, model.params), change(want, model.params)) <= 1e-5
 
 
