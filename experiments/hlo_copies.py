@@ -13,6 +13,7 @@ import re
 from absl import app, flags
 
 flags.DEFINE_string("schedule", "1f1b", "schedule")
+flags.DEFINE_string("placement", "auto", "lane placement (auto, lanes, ordered)")
 flags.DEFINE_integer("stages", 1, "pipeline stages (devices)")
 flags.DEFINE_integer("layers", 4, "tanh layers per stage")
 flags.DEFINE_integer("width", 1024, "width")
@@ -37,7 +38,7 @@ def main(argv):
     n = M * FLAGS.microbatch
     batch = {"x": jnp.zeros((n, FLAGS.width), jnp.float32), "y": jnp.zeros((n, FLAGS.width), jnp.float32)}
     pipe = jp.Pipeline(model, schedule=FLAGS.schedule, num_microbatches=M, optimizer=optax.adamw(1e-3),
-                       mesh=jp.make_mesh(stages=D))
+                       mesh=jp.make_mesh(stages=D), placement=FLAGS.placement)
     txt = pipe.lower("step", pipe.init(), batch).compile().as_text()
     comp, copies = None, []
     for line in txt.splitlines():

@@ -126,7 +126,7 @@ class CyclicDataParallel:
         from .runners import RunContext
         from .runners.cyclic import CyclicRunner
         from .step_checks import pending_for
-        # reported at the next call, not kept back (jaxpipe.step_checks: a conditional would copy the ring's
+        # reported by a later call, not kept back (jaxpipe.step_checks: a conditional would copy the ring's
         # stacked stages)
         checks, self._pending = pending_for(model, self.check_inputs, True, "CyclicDataParallel", keeps_state=False)
         self._runner = CyclicRunner(RunContext(
@@ -183,7 +183,7 @@ class CyclicDataParallel:
             opt_out = "CyclicDataParallel(..., check_inputs=False)"
             require_finite_on_host(batch, opt_out)
             check_integer_inputs(self.model, batch, opt_out)
-        self.check()
+        self._pending.poll()            # earlier calls' checks: those done, or the oldest of IN_FLIGHT
         new, metrics = self._runner.step(state, batch)
         self._pending.track(state, new)
         return new, metrics

@@ -178,10 +178,13 @@ class Pipeline:
         return (self.user_model.user_layout(stage), *rest)
 
     def check(self):
-        """Raise the ConfigError of the last call if one of its on-device checks failed (a batch with NaN/Inf
-        or an id out of range; a non-finite loss), waiting for that call to finish.  ``step``, ``drain``,
-        ``loss_and_grad``, ``params`` and ``Checkpointer.save`` call it first, so a failure is reported at the
-        latest by the next call; a step that failed changed nothing (``jaxpipe.step_checks``)."""
+        """Raise the ConfigError of a call whose on-device checks failed (a batch with NaN/Inf or an id out of
+        range; a non-finite loss), waiting for every call dispatched so far.  ``drain``, ``params`` and
+        ``Checkpointer.save`` call it first; ``step`` and ``loss_and_grad`` read the calls already done and wait
+        only for the oldest of ``jaxpipe.step_checks.IN_FLIGHT`` unread ones (the host runs ahead of the
+        device), so a failure is reported at the latest two calls later, naming its call (``step() #7``); a
+        step that failed changed nothing (``jaxpipe.step_checks``) and the calls since ran on the state before
+        it."""
         self.context.pending.check()
 
     def check_saveable(self, state):
@@ -203,7 +206,7 @@ class Pipeline:
         """Mean loss over the batch and its gradient ``(g_stage, g_pre, g_post)``; no update."""
         require_live(state, "loss_and_grad()")
         self._check_values(batch)
-        self.check()
+        self.context.pending.poll()
         loss, grads = self._runner.loss_and_grad(state, batch)
         return loss, self._user_layout(grads)
 
@@ -261,7 +264,7 @@ class Pipeline:
         self._check_values(batch)
         self._check_state(state)
         self._check_inflight(state, batch)
-        self.check()                # the previous call's on-device checks, read as late as possible
+        self.context.pending.poll()     # earlier calls' on-device checks: those done, or the oldest of IN_FLIGHT
         new, metrics = self._runner.step(state, batch)
         self.context.pending.track(state, new)
         return new, metrics

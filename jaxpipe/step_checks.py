@@ -11,15 +11,16 @@ beside the new ones, and XLA then copies every donated optimizer-state buffer ea
 copies, +50% bytes accessed, on AdamW over 4 x 1024^2 weights).
 
 The host never reads the status inside the call that made it.  :class:`PendingStatus` starts its copy to the
-host (``copy_to_host_async``) after dispatch and reads it at the start of the pipeline's next call (``step``,
-``drain``, ``loss_and_grad``, ``params``, ``Checkpointer.save``; ``pipe.check()`` on request), raising the
-:class:`~jaxpipe.errors.ConfigError` that names the field -- by then the step has usually finished, so the read
-costs nothing, and the next step was not yet dispatched.  The read is an explicit ``jax.device_get``: it passes
-``jax.transfer_guard("disallow")``.
+host (``copy_to_host_async``) after dispatch; ``step`` and ``loss_and_grad`` read, before they dispatch, the
+statuses of the calls already done and wait only for the oldest of :data:`IN_FLIGHT` unread ones, so the host
+runs up to two steps ahead of the device (issue #51); ``drain``, ``params``, ``Checkpointer.save`` and
+``pipe.check()`` read them all.  A failure raises the :class:`~jaxpipe.errors.ConfigError` that names its call
+and the field.  The read is an explicit ``jax.device_get``: it passes ``jax.transfer_guard("disallow")``.
 """
 from __future__ import annotations
 
 import atexit
+import collections
 import sys
 import weakref
 from typing import Callable, List, NamedTuple, Optional
@@ -228,42 +229,84 @@ def integer_fields(batch) -> List[str]:
     return [k for k, v in batch.items() if jnp.issubdtype(_dtype(v), jnp.integer)]
 
 
+#: statuses a pipeline leaves unread when it dispatches a call: the host runs up to this many calls ahead of
+#: the device before it waits for the oldest one's status (issue #51).  1: every call waits for the one before
+#: it and reports its failure at once (a debugging aid; ``jaxpipe.step_checks.IN_FLIGHT = 1``)
+IN_FLIGHT = 2
+
+
+def read_status(status) -> np.ndarray:
+    """The host copy of a step's status: an explicit ``jax.device_get`` (it waits where the step is not done)."""
+    return np.asarray(jax.device_get(status))
+
+
+def is_ready(status) -> bool:
+    """Whether the step that computes ``status`` is done (reading it then costs no wait)."""
+    try:
+        return bool(status.is_ready())
+    except AttributeError:        # a host array
+        return True
+
+
+class _Call:
+    """One dispatched call: its status (until read), what the message needs, the state it returned (a weak
+    reference, set by :meth:`PendingStatus.track`), the unread call whose state it ran on, and -- once read and
+    refused with its effect kept -- the refusal."""
+    __slots__ = ("status", "fields", "where", "batch_fields", "out", "parent", "refused")
+
+    def __init__(self, status, fields, where, batch_fields):
+        self.status, self.fields, self.where, self.batch_fields = status, fields, where, batch_fields
+        self.out = self.parent = self.refused = None
+
+
 class PendingStatus:
-    """The status of the last dispatched step, read back at the next call (module docstring).
+    """The statuses of the dispatched calls, read back later (module docstring): :meth:`poll` before a call
+    is dispatched reads those that are ready and waits only while :data:`IN_FLIGHT` are unread, so the host
+    runs ahead of the device; :meth:`check` reads them all.  A failure names its call (``step() #7``) and,
+    where it is read calls later, what those calls ran on.
 
     Where the method's state is not kept back (``keeps_state=False``: WPipe, a no-flush method on a mesh whose
     conditionals may not hold collectives, Cyclic DP), the state a refused step returned holds that step's
     effect.  It is remembered (:meth:`track`), and so is every state later derived from it by a step or a
-    drain: :meth:`refusal` names the refused step for such a state, and ``Checkpointer.save`` refuses it --
-    for as long as it lives, not only at the first save after the failure (issue #48).  A restored checkpoint
-    or a fresh ``init()`` is a state of its own, never tainted.  A status still unread when the interpreter
-    exits is read then and reported on stderr (a script whose last step was refused says so)."""
+    drain -- also one derived before the refusal was read: :meth:`refusal` names the refused step for such a
+    state, and ``Checkpointer.save`` refuses it for as long as it lives (issue #48).  A restored checkpoint or
+    a fresh ``init()`` is a state of its own, never tainted.  A status still unread when the interpreter exits
+    is read then and reported on stderr."""
 
     def __init__(self, checks: StepChecks):
         self.checks = checks
-        self._pending = None
-        self._last = None          # a weak reference to a leaf of the state the last call returned
-        self._tainted = {}         # id(leaf) -> (weak reference, the refusal's message)
+        self._queue = collections.deque()     # the unread calls, oldest first
+        self._newest = None                   # the last call put (read or not), until tracked
+        self._counts = {}                     # per kind of call ("step()"...): how many were put
+        self._tainted = {}                    # id(leaf) -> (weak reference, the refusal's message)
         _LIVE.add(self)
 
     def put(self, status, batch, where: str) -> None:
-        """Remember ``status`` of the call ``where`` on ``batch`` (its copy to the host starts now)."""
+        """Remember ``status`` of a call ``where`` (``"step()"``...) on ``batch``; its copy to the host starts."""
         if not self.checks.active:
             return
-        fields, batch_fields = self.checks.fields(batch), integer_fields(batch)
         try:
             status.copy_to_host_async()
         except AttributeError:
             pass
-        self._pending = (status, fields, where, batch_fields)
+        n = self._counts[where] = self._counts.get(where, 0) + 1
+        self._newest = _Call(status, self.checks.fields(batch), f"{where} #{n}", integer_fields(batch))
+        self._queue.append(self._newest)
 
     def track(self, state_in, state_out) -> None:
-        """``state_out`` came from ``state_in`` by one call: it inherits a refusal of ``state_in`` and is the
-        state a refusal of this call's status will name."""
+        """``state_out`` came from ``state_in`` by the last call put: it inherits a refusal of ``state_in`` (or
+        of the call itself, once read) and is the state a refusal of that call will name."""
         leaf = _key_leaf(state_out)
         if leaf is None:
             return
-        self._last = _weak(leaf)
+        call, self._newest = self._newest, None
+        if call is not None:
+            src = _key_leaf(state_in)
+            call.out = _weak(leaf)
+            call.parent = next((c for c in self._queue if c is not call and c.out is not None and c.out() is src),
+                               None)
+            if call.refused is not None:
+                self._taint(leaf, call.refused)
         why = self.refusal(state_in)
         if why is not None:
             self._taint(leaf, why)
@@ -277,8 +320,8 @@ class PendingStatus:
         return entry[1]
 
     def require_saveable(self, state) -> None:
-        """The last call's checks (:meth:`check`), then a ConfigError where ``state`` holds a refused step's
-        effect (:meth:`refusal`): what ``Checkpointer.save`` asks of a pipeline before writing ``state``."""
+        """Every call's checks (:meth:`check`), then a ConfigError where ``state`` holds a refused step's effect
+        (:meth:`refusal`): what ``Checkpointer.save`` asks of a pipeline before writing ``state``."""
         self.check()
         why = self.refusal(state)
         if why is not None:
@@ -288,22 +331,43 @@ class PendingStatus:
         key = id(leaf)
         self._tainted[key] = (_weak(leaf, lambda _: self._tainted.pop(key, None)), msg)
 
+    def poll(self) -> None:
+        """Before a call is dispatched: read the statuses that are ready, and wait for the oldest only while
+        :data:`IN_FLIGHT` or more are unread; raise the first failure read."""
+        while self._queue and (len(self._queue) >= max(IN_FLIGHT, 1) or is_ready(self._queue[0].status)):
+            self._read(self._queue.popleft())
+
     def check(self) -> None:
-        """Raise the ConfigError of the last step if one of its checks failed (waits for that step)."""
-        if self._pending is None:
+        """Read every unread status (waiting for those calls) and raise the first failure."""
+        while self._queue:
+            self._read(self._queue.popleft())
+
+    def _read(self, call: _Call) -> None:
+        status = read_status(call.status)
+        call.status = None
+        msg = self.checks.message(call.fields, status, call.where, call.batch_fields)
+        if not msg:
             return
-        status, fields, where, batch_fields = self._pending
-        self._pending = None
-        status = np.asarray(jax.device_get(status))
-        msg = self.checks.message(fields, status, where, batch_fields)
-        if msg:
-            last = self._last() if self._last is not None else None
-            if not self.checks.kept_state(fields, status) and last is not None:
-                self._taint(last, msg)
-            raise ConfigError(msg)
+        kept = self.checks.kept_state(call.fields, status)
+        later = list(self._queue)
+        if later:
+            msg += (f". Read {len(later)} call(s) later (the host runs ahead of the device): "
+                    + ("they ran on the state as it was before it" if kept else
+                       "those that ran on its state hold its effect too, and are refused by save as well"))
+        if not kept:
+            call.refused = msg
+            out = call.out() if call.out is not None else None
+            if out is not None:
+                self._taint(out, msg)
+            for c in later:           # the calls that ran on its state, or on one derived from it
+                if c.parent is not None and c.parent.refused is not None:
+                    c.refused = msg
+                    if c.out is not None and c.out() is not None:
+                        self._taint(c.out(), msg)
+        raise ConfigError(msg)
 
     def unread_failure(self) -> Optional[str]:
-        """The message of the last call's failed checks if nobody has read them yet (None otherwise)."""
+        """The message of the first unread failed call (None where every unread call passed)."""
         try:
             self.check()
         except ConfigError as e:
@@ -337,7 +401,7 @@ def _report_unread_at_exit() -> None:
         except Exception:      # the runtime may already be going down: nothing more to say
             continue
         if msg:
-            print(f"jaxpipe: the last step of this run was refused and nothing read it before exit: {msg}",
+            print(f"jaxpipe: a step of this run was refused and nothing read it before exit: {msg}",
                   file=sys.stderr, flush=True)
 
 

@@ -94,6 +94,13 @@ def _nan_by_default(cls):
     cls.__init__ = wrapped
 
 
+# A call's on-device checks are read when the host would otherwise wait: up to IN_FLIGHT (2) calls later
+# (issue #51).  The suite reads each at the next call (IN_FLIGHT = 1), so that a test of a refused step knows
+# which call reports it; tests/test_host_ahead.py runs the default.  JAXPIPE_TEST_IN_FLIGHT=N sets another.
+import jaxpipe.step_checks as _step_checks  # noqa: E402
+_step_checks.IN_FLIGHT = int(os.environ.get("JAXPIPE_TEST_IN_FLIGHT", "1"))
+
+
 if os.environ.get("JAXPIPE_TEST_NAN_BUBBLES", "1") != "0":
     import jaxpipe as _jp  # noqa: E402
     _nan_by_default(_jp.Pipeline)
@@ -118,7 +125,32 @@ def pytest_runtest_logreport(report):
 # mod k, so k days of CI runs cover the whole suite on the newest releases), and leaves out the tests marked
 # ``ci_once`` (process and file handling, the optimised-build and planted-bug samples: jaxpipe's own machinery,
 # which the first leg runs).  Unset or 1: everything.  Test ids named on the command line are all kept.
+@pytest.hookimpl(tryfirst=True)      # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config, items):
+    _mark_quick(config, items)
+    _sample(config, items)
+
+
+def _mark_quick(config, items):
+    """The quick tier (``-m quick``, tests/quick_tier.py): its files and tests get the ``quick`` marker.  Where
+    whole files were collected, a test the tier names in one of them that no collected test is, is an error: a
+    renamed test is renamed in the tier too, never silently dropped from it."""
+    import quick_tier
+    files, tests = set(quick_tier.FILES), set(quick_tier.TESTS)
+    for item in items:
+        if item.nodeid in tests or item.nodeid.split("::")[0] in files:
+            item.add_marker(pytest.mark.quick)
+    if any("::" in a for a in config.args) or config.option.keyword:
+        return
+    ids = {item.nodeid for item in items}
+    collected = {i.split("::")[0] for i in ids}
+    stale = sorted(t for t in tests if t.split("::")[0] in collected and t not in ids)
+    if stale:
+        raise pytest.UsageError("tests/quick_tier.py names tests that do not exist (renamed? rename them there "
+                                "too): " + ", ".join(stale))
+
+
+def _sample(config, items):
     import datetime
     k = int(os.environ.get("JAXPIPE_TEST_SAMPLE", "1") or 1)
     if k <= 1 or any("::" in a for a in config.args):

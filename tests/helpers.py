@@ -1,4 +1,6 @@
 """Shared test helpers: small reference models and the comparison against unpipelined ``jax.grad``."""
+import functools
+
 import jax
 import numpy as np
 
@@ -41,8 +43,11 @@ def assert_same(a, b):
     assert_close(a, b, rtol=0.0, atol=0.0)
 
 
+@functools.lru_cache(maxsize=None)
 def small_model(kind: str, stages: int, seed: int = 0):
-    """(model, batch_fn(n)) for ``kind`` in {"mlp", "gpt"}, sized for CPU tests."""
+    """(model, batch_fn(n)) for ``kind`` in {"mlp", "gpt"}, sized for CPU tests.  One object per arguments
+    for the whole run (a model is frozen, its parameters immutable arrays): the programs traced from it --
+    its reference gradient above all -- are traced and compiled once, not once per test."""
     if kind == "mlp":
         model = jp.models.residual_mlp(stages, in_dim=12, num_classes=5, width=16, seed=seed)
 
@@ -59,8 +64,15 @@ def small_model(kind: str, stages: int, seed: int = 0):
     return model, batch
 
 
+_REFERENCES = {}
+
+
 def reference(model, batch):
-    return jax.jit(jax.value_and_grad(model.loss))(model.params, batch)
+    """Plain ``jax.value_and_grad`` of the unpipelined loss, jitted once per model (kept beside it)."""
+    key = id(model)
+    if key not in _REFERENCES or _REFERENCES[key][0] is not model:
+        _REFERENCES[key] = (model, jax.jit(jax.value_and_grad(model.loss)))
+    return _REFERENCES[key][1](model.params, batch)
 
 
 def change(p, p0):

@@ -105,6 +105,14 @@ MUTATIONS = [
     Mutation("status_never_read", "jaxpipe/step_checks.py",
              "        msg = self.checks.message(", "        msg = None and self.checks.message(",
              "tests/test_step_checks.py::test_an_id_out_of_range_on_the_device_is_named_at_the_next_call"),
+    # issue #51: the host runs ahead
+    Mutation("host_waits_for_every_step", "jaxpipe/step_checks.py",
+             "len(self._queue) >= max(IN_FLIGHT, 1)", "len(self._queue) >= 1",
+             "tests/test_host_ahead.py::test_four_steps_back_to_back_wait_for_nothing_until_the_third[1f1b]"),
+    Mutation("refusal_not_carried_to_states_derived_before_it_was_read", "jaxpipe/step_checks.py",
+             "                if c.parent is not None and c.parent.refused is not None:",
+             "                if False:",
+             "tests/test_host_ahead.py::test_states_derived_before_the_refusal_was_read_are_refused_by_save"),
 ]
 
 

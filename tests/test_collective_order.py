@@ -4,6 +4,7 @@ device: an unordered pair deadlocked CI once (WPipe, stage x data x tensor: the 
 before the pipeline's loop on one device and after it on another).  Deterministic, where the hang was not."""
 import dataclasses
 
+import numpy as np
 import optax
 import pytest
 
@@ -34,8 +35,19 @@ def _pipeline(schedule, mesh_axes, model_axes=True, **kw):
                                            ("1f1b", "grad")])
 def test_model_axes_programs_order_their_collectives(schedule, what):
     pipe, batch = _pipeline(schedule, TP)
-    text = pipe.lower(what, pipe.init(), batch).compile().as_text()
+    state = pipe.init()
+    text = pipe.lower(what, state, batch).compile().as_text()
     assert _loops_unordered(text) == []
+    # and the program runs: every device reaches every collective (an unordered pair hangs here, or ends in
+    # XLA's rendezvous timeout), twice, with finite results
+    for _ in range(2):
+        if what == "step":
+            state, metrics = pipe.step(state, batch)
+            loss = metrics["loss"]
+        else:
+            loss, _ = pipe.loss_and_grad(state, batch)
+        pipe.check()
+        assert np.isfinite(float(loss)) or (pipe.is_async and np.isnan(float(loss)))
 
 
 def test_data_parallel_with_integer_checks_orders_its_collectives():

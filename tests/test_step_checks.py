@@ -155,7 +155,7 @@ def test_loss_and_grad_checks_its_batch_on_the_device():
     state = pipe.init()
     with jax.transfer_guard_device_to_host("disallow"):
         pipe.loss_and_grad(state, dict(good, x=good["x"].at[0, 0].set(jnp.nan)))
-    with pytest.raises(jp.ConfigError, match=r"previous loss_and_grad\(\).*\['x'\]"):
+    with pytest.raises(jp.ConfigError, match=r"loss_and_grad\(\) #1: .*\['x'\]"):
         pipe.loss_and_grad(state, good)
 
 
@@ -301,9 +301,9 @@ def test_a_refused_last_step_is_reported_when_the_script_ends(tmp_path):
     p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ck")], cwd=root, capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "close raised: the previous step(): the batch holds NaN or Inf in ['x']" in p.stdout, p.stdout
-    assert ("jaxpipe: the last step of this run was refused and nothing read it before exit: the previous "
-            "step(): the batch holds NaN or Inf in ['x']") in p.stderr, p.stderr[-3000:]
+    assert "close raised: step() #2: the batch holds NaN or Inf in ['x']" in p.stdout, p.stdout
+    assert ("jaxpipe: a step of this run was refused and nothing read it before exit: step() #3: the batch "
+            "holds NaN or Inf in ['x']") in p.stderr, p.stderr[-3000:]
 
 
 def test_the_grad_norm_metric_is_the_norm_of_the_steps_mean_gradient():

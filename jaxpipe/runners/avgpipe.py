@@ -217,7 +217,7 @@ class AvgPipeRunner:
     def _call(self, fn, state, batch):
         state, m = fn(state, batch)
         m, status = pop_status(m)
-        self.ctx.pending.put(status, batch, "the previous step()")
+        self.ctx.pending.put(status, batch, "step()")
         return state, m
 
     def _decide(self, a: int, seconds: float, state, batch):

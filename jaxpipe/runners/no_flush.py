@@ -49,7 +49,7 @@ class InFlightRunner:
         state = self._ensure_carry(state, batch)
         state, metrics = self._fn(batch)(state, batch, jnp.asarray(True))
         metrics, status = pop_status(metrics)
-        self.ctx.pending.put(status, batch, "the previous step()")
+        self.ctx.pending.put(status, batch, "step()")
         return state, metrics
 
     def lower(self, what: str, state, batch):

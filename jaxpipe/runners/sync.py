@@ -81,7 +81,7 @@ class SyncRunner:
 
     def loss_and_grad(self, state: PipelineState, batch):
         loss, grads, status = self._fn("grad", batch)(state.params, batch, state.step)
-        self.ctx.pending.put(status, batch, "the previous loss_and_grad()")
+        self.ctx.pending.put(status, batch, "loss_and_grad()")
         return loss, grads
 
     def step(self, state: PipelineState, batch):
@@ -89,7 +89,7 @@ class SyncRunner:
             raise ConfigError("Pipeline.step needs an optimizer: Pipeline(..., optimizer=optax.adamw(1e-3))")
         state, metrics = self._fn("step", batch, state)(state, batch)
         metrics, status = pop_status(metrics)
-        self.ctx.pending.put(status, batch, "the previous step()")
+        self.ctx.pending.put(status, batch, "step()")
         return state, metrics
 
     def drain(self, state):
