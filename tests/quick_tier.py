@@ -19,6 +19,7 @@ FILES = [
     "tests/test_bad_inputs.py",
     "tests/test_errors.py",
     "tests/test_config_errors_48.py",
+    "tests/test_host_ahead.py",
 ]
 
 #: single tests: one exactness case per method, small configurations
