@@ -24,8 +24,10 @@ from absl import app, flags
 
 flags.DEFINE_enum("model", "gpt", ["gpt", "mlp"], "gpt: byte-level transformer LM on pydoc_data text; "
                   "mlp: residual MLP classifier on scikit-learn digits")
-flags.DEFINE_string("schedule", "1f1b", "pipeline schedule: gpipe, 1f1b, interleaved_1f1b, zb_h1, chimera, avgpipe (synchronous) or wpipe, cdp_v1, cdp_v2, pipedream, pipedream_2bw, "
-                    "spectrain, pipeoptim (asynchronous, no flush; see jaxpipe.schedules.available())")
+flags.DEFINE_string("schedule", "1f1b", "pipeline schedule: gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_v, dualpipe_v, "
+                    "chimera (synchronous: the gradient of jax.grad); avgpipe (parallel flushing pipelines, "
+                    "elastically averaged); wpipe, cdp_v1, cdp_v2, pipedream, pipedream_2bw, spectrain, pipeoptim "
+                    "(asynchronous, no flush); see jaxpipe.schedules.available()")
 flags.DEFINE_integer("stages", 4, "pipeline stages = devices on the mesh's 'stage' axis")
 flags.DEFINE_integer("virtual", 2, "interleaved_1f1b: model chunks per device (the model gets stages x virtual)")
 flags.DEFINE_integer("chimera_pipelines", 2, "chimera: 2f pipelines (f dividing stages / 2)")
