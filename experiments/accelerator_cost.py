@@ -111,9 +111,14 @@ def bench(label, model, batch, D, timed):
         return loss
     rows = [("plain", measure(plain, timed, FLAGS.steps), costs(fn.lower(st["p"], st["o"], b).compile()))]
     del st
+    from jaxpipe import schedules
     for schedule in FLAGS.schedules.split(","):
+        # a schedule with several model stages a device (interleaved, the V-schedules) gets the same 4 layers
+        # cut into that many more stages: the same work as the plain step
+        n = D * schedules.method(schedule).stages_per_device({})
+        staged = model if n == D else models([label], n, FLAGS.small)[label][0]
         for res in FLAGS.residuals.split(","):
-            pipe = Pipeline(model, schedule=schedule, num_microbatches=M, optimizer=opt,
+            pipe = Pipeline(staged, schedule=schedule, num_microbatches=M, optimizer=opt,
                             mesh=make_mesh(stages=D), residuals=residual_policy(res))
             box = {"s": pipe.init()}
             pb = pipe.shard_batch(batch)
