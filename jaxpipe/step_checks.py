@@ -355,16 +355,18 @@ class PendingStatus:
                     + ("they ran on the state as it was before it" if kept else
                        "those that ran on its state hold its effect too, and are refused by save as well"))
         if not kept:
-            call.refused = msg
-            out = call.out() if call.out is not None else None
-            if out is not None:
-                self._taint(out, msg)
+            self._refuse(call, msg)
             for c in later:           # the calls that ran on its state, or on one derived from it
                 if c.parent is not None and c.parent.refused is not None:
-                    c.refused = msg
-                    if c.out is not None and c.out() is not None:
-                        self._taint(c.out(), msg)
+                    self._refuse(c, msg)
         raise ConfigError(msg)
+
+    def _refuse(self, call: _Call, msg: str) -> None:
+        """``call``'s state holds a refused step's effect: mark it (now, or when :meth:`track` sees it)."""
+        call.refused = msg
+        out = call.out() if call.out is not None else None
+        if out is not None:
+            self._taint(out, msg)
 
     def unread_failure(self) -> Optional[str]:
         """The message of the first unread failed call (None where every unread call passed)."""

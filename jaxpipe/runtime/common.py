@@ -59,9 +59,8 @@ def traced_once(stage_fn):
     pullback and analysis of the stage in the program (one per lane, position and phase) reuses that trace --
     the executor's tracing took half the time (issue #50: 3.4 -> 1.2 s for a 4-stage MLP, 5.2 -> 1.5 s for the
     GPT).  XLA inlines the call: the compiled program is the one the inline stage gave (temp, bytes and flops
-    equal, measured on the MLP, the GPT, ZB-H1 and D = 1)."""
-    if isinstance(stage_fn, RecomputedAtForwardWeights):
-        return stage_fn
+    equal, measured on the MLP, the GPT, ZB-H1 and D = 1).  (A :class:`RecomputedAtForwardWeights` stage never
+    comes here: its callers take it apart first.)"""
     entry = _TRACED.get(id(stage_fn))
     if entry is None or entry[0] is not stage_fn:
         entry = _TRACED[id(stage_fn)] = (stage_fn, jax.jit(stage_fn))
