@@ -26,6 +26,7 @@ from absl import app, flags
 
 flags.DEFINE_string("models", "mlp4096,mlp1024,gpt", "mlp4096 (4x4096^2, 1024-row micro-batches), mlp1024 "
                     "(4x1024^2, 256 rows), gpt (d1024, 16 heads, 4 blocks, T 1024, 8 rows)")
+flags.DEFINE_string("placement", "auto", "lane placement of every schedule (auto, lanes, ordered)")
 flags.DEFINE_integer("stages", 1, "pipeline devices D (the model's 4 layers / blocks cut into D stages)")
 flags.DEFINE_integer("microbatches", 8, "micro-batches M per step")
 flags.DEFINE_string("schedules", "1f1b", "schedules to compare")
@@ -37,8 +38,9 @@ flags.DEFINE_integer("steps", 20, "steps back to back in a 'stream' timing")
 FLAGS = flags.FLAGS
 
 
-def models(names, D, small):
-    """``{name: (model, batch, M)}``: the sizes of ``../shared/measurements`` (or tiny ones)."""
+def models(names, D, small, layers=4):
+    """``{name: (model, batch, M)}``: the sizes of ``../shared/measurements`` (or tiny ones), ``layers`` layers
+    (blocks) cut into ``D`` stages."""
     import jax
     import jax.numpy as jnp
     from jaxpipe import models as zoo
@@ -47,12 +49,12 @@ def models(names, D, small):
     for name in names:
         if name.startswith("mlp"):
             W, rows = (256, 32) if small else ((4096, 1024) if name == "mlp4096" else (1024, 256))
-            out[name] = (make_tanh_mlp(D, 4 // D, W),
+            out[name] = (make_tanh_mlp(D, layers // D, W),
                          {"x": jax.random.normal(key, (rows * M, W)), "y": jnp.zeros((rows * M, W))})
         elif name == "gpt":
             d, T, rows = (64, 32, 2) if small else (1024, 1024, 8)
             x = jax.random.randint(key, (rows * M, T), 0, 256, jnp.int32)
-            out[name] = (zoo.gpt(D, vocab=256, d_model=d, heads=16 if not small else 4, blocks_per_stage=4 // D,
+            out[name] = (zoo.gpt(D, vocab=256, d_model=d, heads=16 if not small else 4, blocks_per_stage=layers // D,
                                  seq_len=T), {"x": x, "y": jnp.roll(x, -1, axis=1)})
         else:
             raise app.UsageError(f"--models: unknown model {name!r}; choose from mlp4096, mlp1024, gpt")
@@ -93,8 +95,9 @@ def residual_policy(name):
             "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[name]
 
 
-def bench(label, model, batch, D, timed):
-    """Rows ``(what, (blocked, stream), (flops, bytes, temp) or None)`` for one model."""
+def bench(label, model, batch, D, timed, scheds, layers):
+    """Rows ``(what, (blocked, stream), (flops, bytes, temp) or None)`` for one model: its plain step, then each
+    of ``scheds`` on the same ``layers`` layers."""
     import jax
     import optax
     from jaxpipe import Pipeline, make_mesh
@@ -112,14 +115,15 @@ def bench(label, model, batch, D, timed):
     rows = [("plain", measure(plain, timed, FLAGS.steps), costs(fn.lower(st["p"], st["o"], b).compile()))]
     del st
     from jaxpipe import schedules
-    for schedule in FLAGS.schedules.split(","):
-        # a schedule with several model stages a device (interleaved, the V-schedules) gets the same 4 layers
+    for schedule in scheds:
+        # a schedule with several model stages a device (interleaved, the V-schedules) gets the same layers
         # cut into that many more stages: the same work as the plain step
         n = D * schedules.method(schedule).stages_per_device({})
-        staged = model if n == D else models([label], n, FLAGS.small)[label][0]
+        staged = model if n == D else models([label], n, FLAGS.small, layers)[label][0]
         for res in FLAGS.residuals.split(","):
             pipe = Pipeline(staged, schedule=schedule, num_microbatches=M, optimizer=opt,
-                            mesh=make_mesh(stages=D), residuals=residual_policy(res))
+                            mesh=make_mesh(stages=D), residuals=residual_policy(res),
+                            placement=FLAGS.placement)
             box = {"s": pipe.init()}
             pb = pipe.shard_batch(batch)
             what = f"{schedule} residuals={res}"
@@ -165,8 +169,16 @@ def main(argv):
     print(f"jax {jax.__version__} on {dev.platform} ({getattr(dev, 'device_kind', '?')}), D = {D}, "
           f"M = {FLAGS.microbatches}{'' if timed else ' (costs only: --timed to time on CPU)'}", flush=True)
     print("| model | program | ratios to the plain one-device step |\n|---|---|---|")
-    for label, (model, batch) in models(FLAGS.models.split(","), D, FLAGS.small).items():
-        report(label, bench(label, model, batch, D, timed), timed)
+    from jaxpipe import schedules
+    groups = {}     # layers -> schedules: 4, or one a stage where a schedule has more than 4 stages (zb_v at D = 4)
+    for s in FLAGS.schedules.split(","):
+        groups.setdefault(max(4, D * schedules.method(s).stages_per_device({})), []).append(s)
+    for layers, scheds in groups.items():
+        if layers != 4:
+            print(f"| ({layers} layers: {', '.join(scheds)} at D = {D} cut one a stage; the plain step runs the "
+                  f"same {layers}) | | |")
+        for label, (model, batch) in models(FLAGS.models.split(","), D, FLAGS.small, layers).items():
+            report(label, bench(label, model, batch, D, timed, scheds, layers), timed)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ from .lanes_forward import double_at, forward_at
 from .program import Program, describe
 from .stage import StageOps
 from .ticks import scan_phases
+from .front_pack import placed_in_stash
 from .wsplit import split_backward
 
 ALL = AXES
@@ -117,6 +118,7 @@ class Trace:
     replica: Any            # this device's data replica (pipe-major)
     sop: StageOps           # the stage's forward and backward
     wsp: Any                # ZB's split backward at the frontier (None: W recomputes)
+    fplace: Any             # where the frontier lives in the stash slot (front_pack; None: slots of its own)
     mb_of: Callable         # micro-batch g of the call (or of the ring of recent ones)
     ctab: Any               # the stream's call table
     unit_tab: Any           # its unit table
@@ -149,13 +151,16 @@ def open_trace(prog: Program, params, opt_state, pstate, carry, counters, batch,
     wsp = None
     if prog.w_frontier:      # W from the frontier B keeps (none where the stage cannot be split: W recomputes)
         wsp = split_backward(sop.backward, lps[0][0], full(avals, 0), full(prog.x_aval, 0), avals)
-    if wsp is not None:     # in the plan's stash slots (an idle B lane writes none), for this call only
-        # (own buffers: merged into one fill, XLA copied it into each; +224 MiB a leaf on GPT d1024 at D = 4)
+    # ZB's frontier in the residuals of its own stash slot that only B read (front_pack); where it does not fit,
+    # in slots of its own (an idle B lane writes none), for this call only (own buffers: merged into one fill,
+    # XLA copied it into each; +224 MiB a leaf on GPT d1024 at D = 4)
+    places = None if prog.direct else placed_in_stash(wsp, avals)
+    if wsp is not None and places is None:
         carry = carry._replace(front=own_buffers(full(wsp.frontier_avals, jnp.nan if prog.nan_bubbles else 0,
                                                       (max(prog.periodic.plan.front_capacity, 1),))))
     mb_of, carry = prog.route.micro_batches(prog, base, n_fed, batch, carry)
     tr = Trace(t0=t0, base=base, n_fed=n_fed + prog.M * feed.astype(jnp.int32), me=me, replica=replica,
-               sop=sop, wsp=wsp, mb_of=mb_of, ctab=jnp.asarray(prog.periodic.call_table(prog.M)),
+               sop=sop, wsp=wsp, fplace=places, mb_of=mb_of, ctab=jnp.asarray(prog.periodic.call_table(prog.M)),
                unit_tab=jnp.asarray(prog.units), s_off=jnp.asarray(prog.S_off[:-1], jnp.int32),
                s_cap=jnp.asarray(prog.S, jnp.int32),
                ring_f=[(d, (d + 1) % prog.D) for d in range(prog.D)],

@@ -4,10 +4,12 @@ executor's :class:`~jaxpipe.runtime.program.Program` and :class:`~jaxpipe.runtim
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from ..schedules.layout import ROUTE
-from .common import cast, cond, pmean_over, psum_over, read, where, write
+from . import front_pack
+from .common import cast, cond, full, pmean_over, psum_over, read, where, write
 from .call_base import blank, blank_tie, candidate, choices, is_first, is_last, op_of, operands, per_chunk, pick, zero_like
 
 
@@ -83,22 +85,28 @@ def b_lanes_summing(prog, tr, cb, gb, sb, dy_in, tb_in, cnt, is_b, lps, oss, pss
     backward and adds its gradient to the chunk's sums in place -- a weight-sized gradient handed out
     of the backward's conditional to an update's was written and read again every tick (+25% on a
     flushing schedule, measured against the deleted lane executor)."""
-    pss, send_b, fb = list(pss), None, cr.front
+    packed = tr.fplace is not None      # the frontier goes into B's own stash slot (front_pack)
+    pss, send_b, fb, stash = list(pss), None, cr.front, cr.stash
     for c in range(prog.K):
-        def run(g, slots, dy, t_in, n, ps, fb, c=c):
+        def run(g, slots, dy, t_in, n, ps, fb, c=c, crc=cr._replace(stash=stash)):   # the stash as last put
             slot, f_slot = slots if tr.wsp is not None else (slots, None)
             grad, snd, front = b_lane(prog, tr, c, g, slot, dy, t_in,
-                                      (lps, tuple(pss[:c]) + (ps,) + tuple(pss[c + 1:]), cr))
-            if tr.wsp is not None:     # the frontier into its slot (the plan's, B to W)
+                                      (lps, tuple(pss[:c]) + (ps,) + tuple(pss[c + 1:]), crc))
+            if packed:      # out of this conditional, into the stash by the next (one that read and wrote
+                fb = front  # the stash made XLA copy it)
+            elif tr.wsp is not None:     # the frontier into its slot (the plan's, B to W)
                 fb = [write(a, f_slot, f) for a, f in zip(fb, front)]
             return b_apply(prog, tr, c, g, grad, n, lps[c], oss[c], ps)[2], fb, snd
 
         def idle(g, slot, dy, t_in, n, ps, fb):
             return ps, fb, (blank(prog, tr), blank_tie(prog, tr))
         mine = is_b if is_b is True and prog.K == 1 else is_b & (cb == c)
-        pss[c], fb, snd = cond(mine, run, idle, gb, sb, dy_in, tb_in, cnt, pss[c], fb)
+        f_in = full(tr.wsp.frontier_avals, jnp.nan if prog.nan_bubbles else 0) if packed else fb
+        pss[c], fb, snd = cond(mine, run, idle, gb, sb, dy_in, tb_in, cnt, pss[c], f_in)
+        if packed:
+            stash = cond(mine, lambda st, f: front_pack.put(st, sb[0], f, tr.fplace), lambda st, f: st, stash, fb)
         send_b = snd if send_b is None else where(cb == c, snd, send_b)
-    return tuple(pss), cr._replace(front=fb), send_b
+    return tuple(pss), cr._replace(stash=stash, **({} if packed else {"front": fb})), send_b
 
 
 def w_lanes(prog, tr, t, rw, lps, oss, pss, cr):
@@ -112,7 +120,9 @@ def w_lanes(prog, tr, t, rw, lps, oss, pss, cr):
             res = [read(a, rw[ROUTE["stash"]]) for a in cr.stash]
             dy = read(cr.mbuf[0], rw[ROUTE["in"]])
             if tr.wsp is not None:
-                dw = tr.wsp.weight_part(lps[c][0], res, dy, [read(a, rw[ROUTE["front"]]) for a in cr.front])
+                front = (front_pack.get(cr.stash, rw[ROUTE["stash"]], tr.wsp.frontier_avals, tr.fplace)
+                         if tr.fplace is not None else [read(a, rw[ROUTE["front"]]) for a in cr.front])
+                dw = tr.wsp.weight_part(lps[c][0], res, dy, front)
             else:
                 dw = tr.sop.backward(lps[c][0], res, dy)[0]
             return prog.policies[c].update((dw, None, None), lps[c], oss[c], ps, tr.base + g, tr.me)[2]

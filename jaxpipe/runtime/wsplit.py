@@ -18,7 +18,7 @@ executor keeps recomputing.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, NamedTuple, Optional
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import jax
 import numpy as np
@@ -69,10 +69,12 @@ def _needed(eqns, targets) -> set:
 
 class BackwardSplit(NamedTuple):
     """``input_part(w, res, dy) -> (dx, frontier)`` for B, ``weight_part(w, res, dy, frontier) -> dw`` for W;
-    ``frontier_avals``: the shapes B hands to W (one slot per in-flight micro-batch)."""
+    ``frontier_avals``: the shapes B hands to W (one slot per in-flight micro-batch); ``w_reads``: the indices
+    of the residuals W reads (the others are dead once B ran: :mod:`.front_pack` keeps the frontier there)."""
     input_part: Callable
     weight_part: Callable
     frontier_avals: List[Any]
+    w_reads: Tuple[int, ...] = ()
 
 
 def _nbytes(avals) -> int:
@@ -153,14 +155,24 @@ def _scan_splits(jx, b_set, w_only, dx_vars, dw_vars):
     return splits
 
 
+def _w_reads(jx, w_only, splits, dw_vars) -> list:
+    """What W reads: its equations' inputs, the outer inputs of the split scans' weight halves, and the
+    weight gradients themselves (B may make some)."""
+    return [u for k in w_only for u in jx.eqns[k].invars] + [
+        sp["eqn"].invars[j] for sp in splits.values() for j in sp["outer_in"]] + list(dw_vars)
+
+
+def _indices_in(invars, w, res, read) -> Tuple[int, ...]:
+    """The indices of the residuals (flat inputs after the weights') among the variables ``read``."""
+    n_w = len(jax.tree.leaves(w))
+    return tuple(i for i, v in enumerate(invars[n_w:n_w + len(jax.tree.leaves(res))]) if v in read)
+
+
 def _frontier(jx, b_set, w_only, splits, dw_vars, w_made):
-    """The values B computes that W reads (in order, once each): W's equations' inputs, the outer inputs of
-    the split scans' weight halves, and weight gradients B makes itself."""
+    """The values B computes that W reads (in order, once each)."""
     b_defined = {v for k in b_set for v in jx.eqns[k].outvars} - w_made
     front, seen = [], set()
-    w_reads = [u for k in w_only for u in jx.eqns[k].invars] + [
-        sp["eqn"].invars[j] for sp in splits.values() for j in sp["outer_in"]] + list(dw_vars)
-    for v in w_reads:
+    for v in _w_reads(jx, w_only, splits, dw_vars):
         if not _is_literal(v) and v in b_defined and v not in seen:
             seen.add(v)
             front.append(v)
@@ -255,4 +267,5 @@ def split_backward(bwd: Callable, w, res, dy, stash_avals) -> Optional[BackwardS
                 _eval_eqns([jx.eqns[k]], env)
         return jax.tree.unflatten(out_tree.children()[0], [_read(env, v) for v in dw_vars])
 
-    return BackwardSplit(input_part, weight_part, front_avals)
+    read = {v for v in _w_reads(jx, w_only, splits, dw_vars) if not _is_literal(v)}
+    return BackwardSplit(input_part, weight_part, front_avals, _indices_in(jx.invars, w, res, read))
