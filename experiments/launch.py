@@ -73,16 +73,18 @@ def _pump(i, stream, out, verbose=False):
 def _stalled(beats, limit: float):
     """``(workers, age)``: the workers whose heartbeat file (touched after every step) is older than ``limit``
     seconds, and the oldest age; None if none is.  A worker that has not finished a step yet has no file and is
-    not judged.  Workers waiting in a collective for a stalled peer stall too: all are named."""
-    now, late = time.time(), {}
+    not judged.  Workers waiting in a collective for a stalled peer stall too, from about the same step: once
+    one is late, every worker whose heartbeat is older than half the limit is named (the stuck one may have
+    finished its last step after a waiting peer did -- a loaded machine -- and be a little younger)."""
+    now, ages = time.time(), {}
     for i, path in enumerate(beats):
         try:
-            age = now - os.stat(path).st_mtime
+            ages[i] = now - os.stat(path).st_mtime
         except FileNotFoundError:
             continue
-        if age > limit:
-            late[i] = age
-    return (sorted(late), max(late.values())) if late else None
+    if not any(a > limit for a in ages.values()):
+        return None
+    return sorted(i for i, a in ages.items() if a > limit / 2), max(ages.values())
 
 
 def _paused(procs, since: dict, now: float) -> None:

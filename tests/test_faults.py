@@ -11,6 +11,8 @@ import time
 import numpy as np
 import pytest
 
+from helpers import SUBPROCESS_XLA_FLAGS
+
 # CI's second leg leaves these out (tests/conftest.py): jaxpipe's own process and file handling
 pytestmark = pytest.mark.ci_once
 
@@ -149,7 +151,7 @@ def test_sigterm_to_one_process_of_two_stops_both_at_one_step(tmp_path):
     args = ["--schedule=1f1b", "--steps=400", "--checkpoint_every=0", f"--checkpoint_dir={ck}",
             f"--out_dir={tmp_path}/run", "--throttle_s=0.2", "--stages=2"]
     e = env()
-    e["XLA_FLAGS"] = ""        # each process emulates its own devices
+    e["XLA_FLAGS"] = SUBPROCESS_XLA_FLAGS        # each process emulates its own devices
     job = subprocess.Popen([sys.executable, "-m", "experiments.launch", "--num_processes=2", "--",
                             *[a for a in BASE if not a.startswith("--stages")], *args],
                            cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -192,7 +194,7 @@ def test_sigkill_of_one_process_is_detected_in_seconds(tmp_path):
     With a 5 s heartbeat timeout the coordination service declares the task dead and the survivor exits
     (non-zero, naming the unhealthy task) well within the 60 s this test allows."""
     e = env()
-    e["XLA_FLAGS"] = ""
+    e["XLA_FLAGS"] = SUBPROCESS_XLA_FLAGS
     port = 12600 + os.getpid() % 300
     common = [sys.executable, "-m", "experiments.train", "--model=mlp", "--stages=4", "--steps=500",
               "--throttle_s=0.2", "--progress=false", "--eval_every=0", "--num_processes=2", "--heartbeat_timeout=5",

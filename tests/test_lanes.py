@@ -73,6 +73,38 @@ def test_plans_are_valid(name, D, opts, placement):
     _check_plan(plan(s, placement))
 
 
+@pytest.mark.parametrize("name,D,opts", SCHEDULES + [("zb_h1", 2, {}), ("1f1b", 2, {}), ("dualpipe_v", 2, {})])
+def test_ordered_ticks_are_fused_where_no_message_moves(name, D, opts, monkeypatch):
+    """Issue #49: consecutive ticks of the ordered placement run as one where no message has to move between
+    them (each tick ends in an exchange, a rendezvous on a real link).  Every device runs its actions in the
+    order the schedule's own ticks give them, and the plan holds what the unfused one holds."""
+    from jaxpipe.schedules import lanes
+    s = schedules.build(name, D, 2 * D, **opts)
+    fused = plan(s, "ordered")
+    monkeypatch.setattr(lanes, "_fuse_ticks", lambda s_, where, lanes_, dev: where)
+    one = plan(s, "ordered")
+    dev = {k: v[0] for k, v in s.location().items()}
+    for d in range(D):
+        order = lambda p: sorted((k for k in p.where if dev[k] == d), key=lambda k: p.where[k])
+        assert order(fused) == order(one)
+    assert (fused.stash_capacity, fused.front_capacity, fused.mbuf_capacity) == \
+        (one.stash_capacity, one.front_capacity, one.mbuf_capacity)
+    assert fused.num_ticks <= one.num_ticks
+    # as many ppermutes an exchange: a channel the lanes shared (each device sending at most one message on
+    # it a tick) is still shared
+    def unshared(p):
+        chans = [set(c) - {SEND_KEEP} for c in p.channels]
+        return {c for c in set().union(*chans) if sum(c in x for x in chans) > 1} - set(p.shared)
+    assert unshared(fused) <= unshared(one)
+    costs = lanes.unit_costs(s)
+    assert fused.lockstep_makespan(*costs) <= one.lockstep_makespan(*costs)
+
+
+def test_zb_h1_at_two_devices_fuses_13_ticks_into_10():
+    p = plan(schedules.build("zb_h1", 2, 4), "ordered")
+    assert p.num_ticks == 10 and p.lockstep_makespan(1.0, 1.0, 1.0) == 13.0
+
+
 def test_the_frontier_holds_only_what_w_has_not_read():
     """ZB-H1's W follows its B closely: its frontier needs far fewer slots than the stash (issue #39: kept in
     the stash's 2D - 1 slots, the frontier cost GPT d1024 2.7 GB a device at D = 4)."""

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from helpers import SUBPROCESS_XLA_FLAGS
 from test_faults import BASE, ROOT
 
 # CI's second leg leaves these out (tests/conftest.py): jaxpipe's own process handling
@@ -26,7 +27,7 @@ def _alive(pid):
 def _start(tmp_path, extra_launch, extra_train, steps_before=3):
     """A 2-process job of experiments.train; returns (launcher, worker pids) once ``steps_before`` steps are
     logged."""
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS, JAX_PLATFORMS="cpu")
     out_dir = tmp_path / "run"
     args = [*[a for a in BASE if not a.startswith("--stages")], "--stages=2", "--schedule=1f1b", "--steps=2000",
             "--throttle_s=0.05", f"--out_dir={out_dir}", *extra_train]
@@ -120,7 +121,7 @@ def test_a_second_job_on_a_running_jobs_port_is_refused_without_harm(tmp_path):
     from experiments.launch import free_port
     port = free_port()
     job, workers = _start(tmp_path / "a", [f"--port={port}", "--stall_timeout=600"], [])
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS, JAX_PLATFORMS="cpu")
     args = [*[a for a in BASE if not a.startswith("--stages")], "--stages=2", "--schedule=1f1b", "--steps=50",
             f"--out_dir={tmp_path / 'b' / 'run'}"]
     second = subprocess.run([sys.executable, "-m", "experiments.launch", "--num_processes=2", f"--port={port}",
@@ -162,3 +163,20 @@ def test_the_gate_refuses_a_process_of_a_running_job(tmp_path):
     finally:
         gate.close()
     join_gate.ask(coord, 1, 2)                          # no gate answers: join as before
+
+
+def test_the_watchdog_names_the_peers_that_stalled_with_the_stuck_worker(tmp_path):
+    """Once a heartbeat is older than --stall_timeout, every worker idle for over half of it is named: a stuck
+    worker that finished its last step a little after its waiting peer (a loaded machine) is named with it
+    (a CI run named only the peer), one still stepping is not."""
+    from experiments.launch import _stalled
+    now = time.time()
+    beats = []
+    for i, age in enumerate((6.0, 4.0, 1.0)):
+        path = tmp_path / f"beat{i}"
+        path.write_text("")
+        os.utime(path, (now - age, now - age))
+        beats.append(str(path))
+    named, oldest = _stalled(beats + [str(tmp_path / "no_step_yet")], 5.0)
+    assert named == [0, 1] and oldest >= 6.0
+    assert _stalled(beats[1:], 5.0) is None

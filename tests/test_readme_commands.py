@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from helpers import SUBPROCESS_XLA_FLAGS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = ["--steps=2", "--eval_every=0", "--sample_len=8", "--progress=false", "--batch=16", "--seq_len=16"]
 QUICK = {
@@ -70,7 +72,7 @@ def test_the_readme_has_commands_for_every_runner_listed():
 @pytest.mark.parametrize("cmd", [c for c in COMMANDS if not c.endswith("&") and "--process_id=1" not in c])
 def test_readme_command_runs(cmd, tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)          # each runner sets its own device count
+    env["XLA_FLAGS"] = SUBPROCESS_XLA_FLAGS     # each runner sets its own device count
     p = subprocess.run([sys.executable if a == "python" else a for a in quick(cmd)], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=420)
     assert p.returncode == 0, f"{cmd}\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
@@ -83,7 +85,7 @@ def test_readme_two_process_commands_run(tmp_path):
     pair = [c for c in COMMANDS if "--num_processes=2 --process_id=" in c]
     assert len(pair) == 2
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)          # each runner sets its own device count
+    env["XLA_FLAGS"] = SUBPROCESS_XLA_FLAGS     # each runner sets its own device count
     procs = []
     for c in pair:
         args = [sys.executable if a == "python" else a for a in quick(c)]
@@ -103,7 +105,7 @@ def test_readme_api_snippet_runs(tmp_path):
     code = re.findall(r"```python\n(.*?)```", text, re.S)[0]
     assert "import jaxpipe" in code
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = SUBPROCESS_XLA_FLAGS
     p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]

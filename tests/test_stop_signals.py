@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from helpers import SUBPROCESS_XLA_FLAGS
 from test_faults import BASE, ROOT, finalized
 from experiments.launch import free_port
 
@@ -70,7 +71,7 @@ def test_preemption_with_skewed_signals_saves_one_checkpoint(tmp_path, skew):
     together and exit 143 (before: 4 of 4 runs lost the checkpoint at 0.5-0.8 s)."""
     ck = tmp_path / "ck"
     port = free_port()
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS, JAX_PLATFORMS="cpu")
     args = [*[a for a in BASE if not a.startswith("--stages")], "--stages=2", "--schedule=1f1b", "--steps=2000",
             "--checkpoint_every=0", f"--checkpoint_dir={ck}", "--throttle_s=0.1"]
     procs = [subprocess.Popen([sys.executable, "-m", "experiments.train", *args, f"--out_dir={tmp_path}/run{i}",
@@ -102,7 +103,7 @@ def test_a_worker_that_fails_ends_the_job_in_bounded_time(tmp_path):
     """Issue #31 item 2: a worker that raised hung the job for ~5 minutes (its normal exit ran JAX's distributed
     shutdown, waiting for a peer stuck in a collective it would never join).  Now it exits at once with its
     traceback, its peer's collective fails, and the launcher reports the failure -- within the timeout."""
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS, JAX_PLATFORMS="cpu")
     args = [*[a for a in BASE if not a.startswith("--stages")], "--stages=2", "--schedule=1f1b", "--steps=500",
             "--throttle_s=0.05", f"--out_dir={tmp_path}/run", "--fail_at_step=3", "--fail_process=1"]
     p = subprocess.run([sys.executable, "-m", "experiments.launch", "--num_processes=2", "--", *args], cwd=ROOT,
@@ -120,7 +121,7 @@ def test_workers_stop_when_the_launcher_is_killed(tmp_path):
     if not sys.platform.startswith("linux"):
         pytest.skip("PR_SET_PDEATHSIG is Linux's")
     ck = tmp_path / "ck"
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS, JAX_PLATFORMS="cpu")
     args = [*[a for a in BASE if not a.startswith("--stages")], "--stages=2", "--schedule=1f1b", "--steps=2000",
             "--throttle_s=0.1", f"--out_dir={tmp_path}/run", "--checkpoint_every=0", f"--checkpoint_dir={ck}"]
     job = subprocess.Popen([sys.executable, "-m", "experiments.launch", "--num_processes=2", "--", *args], cwd=ROOT,
@@ -151,7 +152,7 @@ def test_a_stalled_worker_is_stopped_by_the_launchers_watchdog(tmp_path):
     """Issue #31 item 2: a worker stuck in user code (here: sleeping after step 3) hung the job with no
     watchdog.  Each worker now touches a heartbeat file after every step; the launcher stops the job when one
     is older than --stall_timeout, and ends it within --stop_timeout (+30 s to kill) -- status 124."""
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS, JAX_PLATFORMS="cpu")
     args = [*[a for a in BASE if not a.startswith("--stages")], "--stages=2", "--schedule=1f1b", "--steps=500",
             "--throttle_s=0.05", f"--out_dir={tmp_path}/run", "--stall_at_step=3", "--fail_process=1"]
     t = time.monotonic()
@@ -171,7 +172,7 @@ def test_sigterm_ends_a_job_whose_step_cannot_finish(tmp_path):
     --stall_timeout is far off) and worker 0 waits for it in a collective. No step can finish, so no
     stop-save can; the launcher ends the job --stop_timeout after the signal (+ its kill grace), says which
     processes did not finish the stop, and exits 124 -- not 0, which a stop that never saved must not look like."""
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS, JAX_PLATFORMS="cpu")
     out_dir = tmp_path / "run"
     args = [*[a for a in BASE if not a.startswith("--stages")], "--stages=2", "--schedule=1f1b", "--steps=500",
             "--throttle_s=0.05", f"--out_dir={out_dir}", "--stall_at_step=3", "--fail_process=1",

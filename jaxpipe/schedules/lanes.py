@@ -178,6 +178,60 @@ def _place_ordered(s: Schedule, lanes: Sequence[str]) -> Dict[tuple, Tuple[int, 
     return where
 
 
+def _sends(s: Schedule, key, dev) -> int:
+    """The channel the message of action ``key`` leaves on (SEND_NONE where it sends none)."""
+    k, st, m = key
+    dst = (F, st + 1, m) if k == F and st < s.num_model_stages - 1 else (B, st - 1, m) if k == B and st > 0 else None
+    if dst is None or dev[dst] == dev[key]:
+        return SEND_NONE
+    ch = _channel(s.D, dev[key], dev[dst])
+    return SEND_PLUS if ch == SEND_MINUS and s.D == 2 else ch
+
+
+def _joins(s: Schedule, group: dict, acts, li_of, dev) -> bool:
+    """Whether the actions ``acts`` of the next ordered tick can run in the tick being built (``group``: key ->
+    lane of the actions placed in it): a device's actions keep their order (each in a later lane than the
+    device's actions before it: a swap would let an F take a stash slot before a B frees one), it sends at most
+    one message per channel in a tick, and no action reads a message sent in the tick (it moves only at the
+    tick's end)."""
+    for a in acts:
+        key, d = (a.kind, a.stage, a.mb), dev[(a.kind, a.stage, a.mb)]
+        mine = [k for k in group if dev[k] == d]
+        if any(group[k] >= li_of[a.kind] for k in mine):     # lane order is the device's order: no swap
+            return False
+        ch = _sends(s, key, dev)
+        if ch != SEND_NONE and any(_sends(s, k, dev) == ch for k in mine):
+            return False
+        for dep in s.deps(a) + ([(B, a.stage + 1, a.mb)] if a.kind == W and a.stage < s.num_model_stages - 1 else []):
+            if dep in group and (dev[dep] != d or group[dep] >= li_of[a.kind]):
+                return False
+    return True
+
+
+def _fuse_ticks(s: Schedule, where, lanes, dev) -> Dict[tuple, Tuple[int, int]]:
+    """The ordered placement with consecutive ticks run as one wherever no message has to move between them
+    (issue #49: a tick ends in one exchange, and on a real link each exchange costs a rendezvous -- ZB-H1 at
+    D = 2, M = 4: 13 ticks become 10, 1F1B's lanes have 6).  Every device runs its actions in the order the
+    ordered placement gave them, so the result, the slots and the memory are the ordered plan's; a no-flush
+    schedule (its own periodic ticks) and paired forwards are left as they are."""
+    if getattr(s, "fixed_ticks", None) is not None or s.has_pairs():
+        return where
+    li_of = {k: i for i, k in enumerate(lanes)}
+    acts = {(a.kind, a.stage, a.mb): a for acts_ in s.actions for a in acts_}
+    by_tick: Dict[int, list] = {}
+    for key, (t, _) in where.items():
+        by_tick.setdefault(t, []).append(acts[key])
+    out, group, tick = {}, {}, -1
+    for t in sorted(by_tick):
+        if not group or not _joins(s, group, by_tick[t], li_of, dev):
+            group, tick = {}, tick + 1
+        for a in by_tick[t]:
+            key = (a.kind, a.stage, a.mb)
+            group[key] = li_of[a.kind]
+            out[key] = (tick, li_of[a.kind])
+    return out
+
+
 def _phases(active: np.ndarray):
     """Cut ticks into runs with the same set of used lanes; merge the shortest runs until at most
     :data:`MAX_PHASES` remain (compile time must not grow with the number of micro-batches).  Returns the
@@ -321,7 +375,7 @@ def plan(s: Schedule, placement: str = "lanes", cut: Sequence[int] = ()) -> Lane
     lanes = lane_kinds(s, placement)
     loc = s.location()
     dev = {k: v[0] for k, v in loc.items()}
-    where = _place_lanes(s, lanes, dev) if placement == "lanes" else _place_ordered(s, lanes)
+    where = _place_lanes(s, lanes, dev) if placement == "lanes" else _fuse_ticks(s, _place_ordered(s, lanes), lanes, dev)
     nl, D, S = len(lanes), s.D, s.num_model_stages
     T = 1 + max(t for t, _ in where.values())
     pos = lambda key: where[key][0] * nl + where[key][1]
