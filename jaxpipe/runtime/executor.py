@@ -154,7 +154,7 @@ def open_trace(prog: Program, params, opt_state, pstate, carry, counters, batch,
     # ZB's frontier in the residuals of its own stash slot that only B read (front_pack); where it does not fit
     # or saves little, in slots of its own (an idle B lane writes none), for this call only (own buffers: merged
     # into one fill, XLA copied it into each; +224 MiB a leaf on GPT d1024 at D = 4)
-    places = None if prog.direct else placed_in_stash(wsp, avals, prog.periodic.plan.front_capacity)
+    places = None if prog.direct or wsp is None else placed_in_stash(wsp, avals, prog.periodic.plan.front_capacity)
     if wsp is not None and places is None:
         carry = carry._replace(front=own_buffers(full(wsp.frontier_avals, jnp.nan if prog.nan_bubbles else 0,
                                                       (max(prog.periodic.plan.front_capacity, 1),))))
