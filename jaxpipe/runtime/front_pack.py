@@ -102,10 +102,8 @@ MIN_SAVING = 64 << 20
 
 def placed_in_stash(wsp, stash_avals, slots: int) -> Optional[List[Place]]:
     """:func:`pack` for a split backward whose ``slots`` frontier slots would hold at least :data:`MIN_SAVING`
-    bytes (None where there is no split, or it does not pay)."""
-    if wsp is None or slots * sum(_size(a.shape) * np.dtype(a.dtype).itemsize
+    bytes (None where it does not pay)."""
+    if slots * sum(_size(a.shape) * np.dtype(a.dtype).itemsize
                                   for a in wsp.frontier_avals) < MIN_SAVING:
         return None
     return pack(wsp.frontier_avals, stash_avals, wsp.w_reads)
-
-

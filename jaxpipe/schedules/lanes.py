@@ -178,14 +178,20 @@ def _place_ordered(s: Schedule, lanes: Sequence[str]) -> Dict[tuple, Tuple[int, 
     return where
 
 
+def _link(D: int, src: int, dst: int) -> int:
+    """The channel a message from device ``src`` to ``dst`` moves on (at D = 2 both neighbours are one: the
+    messages share the ``+1`` channel); -1 where they are no neighbours."""
+    ch = _channel(D, src, dst)
+    return SEND_PLUS if ch == SEND_MINUS and D == 2 else ch
+
+
 def _sends(s: Schedule, key, dev) -> int:
     """The channel the message of action ``key`` leaves on (SEND_NONE where it sends none)."""
     k, st, m = key
     dst = (F, st + 1, m) if k == F and st < s.num_model_stages - 1 else (B, st - 1, m) if k == B and st > 0 else None
     if dst is None or dev[dst] == dev[key]:
         return SEND_NONE
-    ch = _channel(s.D, dev[key], dev[dst])
-    return SEND_PLUS if ch == SEND_MINUS and s.D == 2 else ch
+    return _link(s.D, dev[key], dev[dst])
 
 
 def _joins(s: Schedule, group: dict, acts, li_of, dev) -> bool:
@@ -279,12 +285,10 @@ def _route_messages(s: Schedule, where, dev, tab, pos, nl: int, split: bool):
         for u in users:
             if pos(u) <= pos(src) or (dev[u] != a and where[u][0] <= ts):
                 raise ScheduleError(f"{s.name}: {u} placed at {where[u]} before its input {src} at {(ts, ls)}")
-        ch = _channel(D, a, b)
+        ch = _link(D, a, b)
         if ch < 0:
             raise ScheduleError(f"{s.name}: a message from device {a} to device {b}; the executor moves messages "
                                 f"to a neighbouring device (d +- 1 mod {D}) only")
-        if ch == SEND_MINUS and D == 2:
-            ch = SEND_PLUS
         slot = alloc[b].alloc(pos(src), max(pos(u) for u in users))
         tab[ts, a, ls, L["send"]] = ch
         if ch == SEND_KEEP:
