@@ -17,10 +17,24 @@ import threading
 from typing import Callable, List, Optional
 
 
+# Where a process whose output reader died writes instead (set by guard_streams; /dev/null when unset):
+# a worker that outlives its launcher keeps its last words -- its stop, its save, or why neither happened.
+_ORPHAN_LOG: Optional[str] = None
+
+
+def _orphan_stream():
+    if _ORPHAN_LOG:
+        try:
+            return open(_ORPHAN_LOG, "a", buffering=1)
+        except OSError:
+            pass
+    return open(os.devnull, "w")
+
+
 class SafeStream:
     """A text stream whose writes survive the reader's end: once a write fails (the launcher relaying this
-    process's output died), everything goes to /dev/null -- a print must not end the process before its
-    stop-save.  Wraps ``sys.stdout`` / ``sys.stderr`` (:func:`guard_streams`)."""
+    process's output died), everything goes to the orphan log (:func:`guard_streams`; /dev/null without
+    one) -- a print must not end the process before its stop-save.  Wraps ``sys.stdout`` / ``sys.stderr``."""
 
     def __init__(self, stream):
         self._stream = stream
@@ -29,21 +43,25 @@ class SafeStream:
         try:
             return self._stream.write(text)
         except OSError:
-            self._stream = open(os.devnull, "w")
-            return len(text)
+            self._stream = _orphan_stream()
+            return self._stream.write(text)
 
     def flush(self):
         try:
             self._stream.flush()
         except OSError:
-            self._stream = open(os.devnull, "w")
+            self._stream = _orphan_stream()
 
     def __getattr__(self, name):
         return getattr(self._stream, name)
 
 
-def guard_streams() -> None:
-    """``sys.stdout`` and ``sys.stderr`` as :class:`SafeStream` (idempotent)."""
+def guard_streams(orphan_log: Optional[str] = None) -> None:
+    """``sys.stdout`` and ``sys.stderr`` as :class:`SafeStream` (idempotent); once the reader is gone, what
+    the process writes is appended to ``orphan_log`` (a file path; None: dropped)."""
+    global _ORPHAN_LOG
+    if orphan_log is not None:
+        _ORPHAN_LOG = orphan_log
     for name in ("stdout", "stderr"):
         if not isinstance(getattr(sys, name), SafeStream):
             setattr(sys, name, SafeStream(getattr(sys, name)))
@@ -107,21 +125,21 @@ class Stop:
             sys.stderr.write(text + "\n")
             sys.stderr.flush()
         except OSError:               # the reader is gone (a launcher killed): the stop-save must still run
-            self._to_devnull()
+            self._to_orphan_log()
 
-    def _to_devnull(self) -> None:
-        null = os.open(os.devnull, os.O_WRONLY)
+    def _to_orphan_log(self) -> None:
+        """Native and Python output to the orphan log (:func:`guard_streams`), or /dev/null without one."""
+        stream = _orphan_stream()
         for fd in (1, 2):
-            os.dup2(null, fd)
-        os.close(null)
+            os.dup2(stream.fileno(), fd)
         # Python's own streams may be duplicates of the old descriptors (jaxpipe.distributed.quiet_native_stdout)
-        sys.stdout = sys.stderr = open(os.devnull, "w")
+        sys.stdout = sys.stderr = stream
 
     def _orphaned(self) -> None:
         """The parent (a launcher relaying this process's output) is gone: what is written to the pipe would
         fail (BrokenPipeError) and end the process before its stop-save, so the output goes to /dev/null."""
         if getattr(self, "_parent", None) not in (None, os.getppid()):
-            self._to_devnull()
+            self._to_orphan_log()
             self._parent = os.getppid()
 
     def _exit_code(self, name: str) -> int:

@@ -317,7 +317,9 @@ def run(argv):
     log = open(path, "w") if primary else open(os.devnull, "w")
     log.writelines(kept)
     from experiments.stopping import Stop, guard_streams
-    guard_streams()              # a launcher that dies takes our output's reader with it: writes must not raise
+    # a launcher that dies takes our output's reader with it: writes must not raise, and what this process
+    # says after that (its stop, its save, or why neither happened) goes to a file in --out_dir
+    guard_streams(os.path.join(FLAGS.out_dir, f"process{jax.process_index()}.orphaned.log"))
     # the newest finished checkpoint, read from the directory (Orbax renames a step's folder when it is done)
     finished = lambda: max((int(x) for x in os.listdir(FLAGS.checkpoint_dir) if x.isdigit()), default=None) \
         if ckpt is not None and os.path.isdir(FLAGS.checkpoint_dir) else None
@@ -408,6 +410,8 @@ def run(argv):
             stop.request(f"--stop_at_step={done}")
         if agreed_stop():
             bar.close()
+            print(f"jaxpipe: process {jax.process_index()}: stopping ({stop.reason}) after step {done}; saving",
+                  file=sys.stderr, flush=True)
             save(done, force=True)
             if ckpt is not None:
                 ckpt.close()

@@ -143,9 +143,12 @@ def test_workers_stop_when_the_launcher_is_killed(tmp_path):
     alive = [w for w in workers if os.path.exists(f"/proc/{w}") and open(f"/proc/{w}/stat").read().split()[2] != "Z"]
     for w in alive:
         os.kill(w, signal.SIGKILL)
-    assert not alive, "workers still running 120 s after the launcher died"
+    # what the headless workers said after their launcher died (its pipe was their only reader)
+    said = "".join(f"--- {f.name}:\n{f.read_text()[-2000:]}" for f in sorted((tmp_path / "run").glob("*.orphaned.log")))
+    assert not alive, "workers still running 120 s after the launcher died\n" + said
+    assert len(list((tmp_path / "run").glob("*.orphaned.log"))) == 2, said
     steps = finalized(ck)
-    assert len(steps) == 1 and steps[0] >= 3, steps
+    assert len(steps) == 1 and steps[0] >= 3, (steps, said)
 
 
 def test_a_stalled_worker_is_stopped_by_the_launchers_watchdog(tmp_path):
