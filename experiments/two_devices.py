@@ -36,6 +36,8 @@ flags.DEFINE_integer("batch", 256, "rows per step")
 flags.DEFINE_integer("rounds", 9, "timing rounds (3 steps each, schedules in turns)")
 flags.DEFINE_integer("port", 12419, "coordinator port on 127.0.0.1")
 flags.DEFINE_string("json", "", "also write the results to this file")
+flags.DEFINE_bool("measure_ops", True, "predict from one layer's F, B, B-input and W measured on this machine "
+                  "(false: from the plain step, b = 2 f and a split backward's parts f each, as the papers count)")
 flags.DEFINE_integer("worker", -1, "internal: this process's index (the launcher sets it; -2: the one-core costs)")
 FLAGS = flags.FLAGS
 CHUNKED = ("interleaved_1f1b", "zb_v", "dualpipe_v")
@@ -120,15 +122,31 @@ def worker(pid: int):
                 s = pipe.step(s, b)[0]
             runs[(M, spec)] = [lambda s, pipe=pipe, b=b: pipe.step(s, b)[0], s]
             meta[(M, spec)] = (name, pipe.placement)
+    # one layer's F, B, B's input part and W on this core, per stage size and micro-batch (process 0; the
+    # other waits in the link's first exchange): a W that costs more than a forward narrows ZB's gain
+    costs = {f"{M},{per}": _layer_costs(Ws[:per], x[:B // M], per)
+             for M in {k[0] for k in runs} for per in {L // (4 if k[1].partition(":")[0] in CHUNKED else 2)
+                                                      for k in runs}} if pid == 0 and FLAGS.measure_ops else {}
     link = _link(pid)
     plains = {M: _plain_step(Ws, x, y, M) for M in {k[0] for k in runs}} if pid == 0 else {}
     for M, fn in plains.items():       # process 0 alone, on its core, in the same rounds (the other waits)
         runs[(M, "plain")] = [fn, jax.block_until_ready(fn(fn(Ws)))]          # compiled and warm
     got = _median_steps(runs, FLAGS.rounds)
     if pid == 0:
-        print(json.dumps({"link": link, "plain": {M: got[(M, "plain")] for M in plains},
+        print(json.dumps({"link": link, "plain": {M: got[(M, "plain")] for M in plains}, "costs": costs,
                           "steps": [[M, spec, meta[(M, spec)][1], t] for (M, spec), t in got.items()
                                     if spec != "plain"]}), flush=True)
+
+
+def _layer_costs(ws, xb, per):
+    """``[f, b, b_input, w]`` seconds per layer of a stage of ``per`` layers on one micro-batch ``xb``, on this
+    core (:func:`jaxpipe.tune.microbench.layer_costs`)."""
+    import jax.numpy as jnp
+    from jax import lax
+    from jaxpipe.tune.microbench import layer_costs
+    stage = lambda w, h: lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), h, w)[0]
+    c = layer_costs(stage, ws, jnp.asarray(xb), per)
+    return [c.f, c.b, c.b_input, c.w]
 
 
 def _plain_step(Ws, x, y, M):
@@ -183,15 +201,21 @@ def report(res):
         name = spec.partition(":")[0]
         s = jp.schedules.build(name, 2, M, **({"virtual": 2} if name == "interleaved_1f1b" else {}))
         plain = res["plain"][str(M)]
-        f = plain / (3 * M * L)
-        lc = LayerCosts(f, 2 * f, f, f)
         per = L / s.num_model_stages
+        measured = res.get("costs", {}).get(f"{M},{int(per)}")
+        f = plain / (3 * M * L)
+        # measured op costs where taken; else the papers' count: b = 2 f, a split backward's parts f each
+        lc = LayerCosts(*measured) if measured else LayerCosts(f, 2 * f, f, f)
         act = (FLAGS.batch // M) * W * 4
         parts = predict_devices(s, lc, per, 0.0, link, act, per * W * W * 4, placement=placement)
         rows.append([M, spec, placement, t, plain, parts])
     for M, spec, placement, t, plain, parts in rows:
         if spec == "1f1b":
             tick[M] = max(t - parts["step"], 0.0) / parts["ticks"]
+    for key, (f, b, b_in, w) in sorted(res.get("costs", {}).items()):
+        M, per = key.split(",")
+        print(f"one layer, M={M} ({per} a stage): f {f * 1e3:.2f} ms, b {b / f:.2f} f, B's input part {b_in / f:.2f} f, "
+              f"W {w / f:.2f} f")
     print(f"link: {alpha * 1e6:.0f} us + {1 / max(beta, 1e-30) / 1e9:.2f} GB/s; cost of a tick (from 1f1b): "
           + ", ".join(f"M={m}: {v * 1e3:.2f} ms" for m, v in tick.items()))
     print(f"{'M':>2} {'schedule':22s} {'placement':9s} {'measured':>9s} {'x plain':>8s} {'x 1f1b':>7s} "
