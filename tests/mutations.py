@@ -132,6 +132,10 @@ MUTATIONS = [
              "                if c.parent is not None and c.parent.refused is not None:",
              "                if False:",
              "tests/test_host_ahead.py::test_states_derived_before_the_refusal_was_read_are_refused_by_save"),
+    # issue #51 item 3: loss_and_grad's division pass after the loop (right numbers, one more gradient pass)
+    Mutation("loss_and_grad_divides_after_the_loop", "jaxpipe/runners/sync.py",
+             'divide=scale != 1.0 or what == "grad", **stream_options', 'divide=scale != 1.0, **stream_options',
+             "tests/test_xla_cost.py::test_loss_and_grad_at_one_device_adds_no_pass_over_the_gradient[1f1b]"),
 ]
 
 

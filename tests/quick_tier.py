@@ -18,6 +18,7 @@ FILES = [
     "tests/test_policies.py",
     "tests/test_bad_inputs.py",
     "tests/test_errors.py",
+    "tests/test_xla_cost.py",
     "tests/test_config_errors_48.py",
     "tests/test_host_ahead.py",
 ]

@@ -26,6 +26,8 @@ the B (and so the update) of micro-batches ``i-(D-1-s) .. i-1``: **D - 1 - s upd
 """
 from __future__ import annotations
 
+import functools
+
 from typing import Any, Callable, List, NamedTuple
 
 import jax
@@ -249,11 +251,16 @@ class AccumState(NamedTuple):
     count: Any            # (sum, count) losses: the batch's global count
 
 
-def _add_to_sums(g, lp, opt_state, ps, i, s, count=None):
+def _add_to_sums(g, lp, opt_state, ps, i, s, count=None, divisor=None):
     """``update`` of the one-version summing policies (``accumulate``, ``gradient``): the micro-batch's
     gradient (and count) added to the sums; a part of ``g`` that is None adds nothing (ZB's B adds pre's
-    gradient, its W the stage's)."""
-    acc = tuple(a if x is None else jax.tree.map(lambda u, v: u + v.astype(u.dtype), a, x) for a, x in zip(ps.acc, g))
+    gradient, its W the stage's).  ``divisor`` (a mean loss's M; never a (sum, count) loss's, whose W adds
+    without its count): each gradient is divided as it is added, in the add's own pass -- the plain step's
+    ``acc + g / M``; divided after the call, the sums cost one more read and write of the whole gradient
+    (issue #51: 1.32x the plain step's bytes at D = 1)."""
+    div = (lambda v: v) if divisor is None else (lambda v: v / divisor)
+    acc = tuple(a if x is None else jax.tree.map(lambda u, v: u + div(v.astype(u.dtype)), a, x)
+                for a, x in zip(ps.acc, g))
     return lp, opt_state, ps._replace(acc=acc, count=ps.count + (0.0 if count is None else count))
 
 
@@ -281,20 +288,24 @@ def gradient(num_microbatches: int, name: str = "gradient", divide: bool = True)
     """No update inside the pipeline: the step's gradient, summed over its micro-batches in the policy state
     (one version: every op reads the weights it was given) and reduced over the data replicas once, after the
     call (``finish``): a flushing schedule (GPipe, 1F1B, interleaved 1F1B) run as a stream of one call, whose
-    runner applies the optimizer to the gradient it returns.  ``divide=False``: the sums over the micro-batches
-    come back undivided (the runner divides where the division fuses into the update); a (sum, count) loss's
-    sums are divided by their count all the same."""
+    runner applies the optimizer to the gradient it returns.  ``divide=True``: each micro-batch's gradient is
+    divided by M as it is added (a mean loss; the executor passes False for a (sum, count) loss).
+    ``divide=False``: the sums over the micro-batches come back undivided (the runner divides where the
+    division fuses into the update); a (sum, count) loss's sums are divided by their count after the call."""
     M = num_microbatches
 
     def init(lp):       # float32 sums at least (bf16 parameters: the runner casts the gradient back)
         acc = jax.tree.map(lambda a: jnp.zeros(jnp.shape(a), jnp.promote_types(a.dtype, jnp.float32)), lp)
         return AccumState(acc, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
 
-    def finish(ps, reduce, count=None):
-        div = (lambda a: per_count(a, count)) if count is not None else (lambda a: a / M) if divide else None
+    def finish(ps, reduce, count=None):      # a mean loss's sums were divided as they were added
+        if count is not None and divide:
+            raise ValueError("gradient(divide=True) divides by M as it adds: not for a (sum, count) loss")
+        div = (lambda a: per_count(a, count)) if count is not None else None
         return ps._replace(acc=reduce(ps.acc) if div is None else jax.tree.map(div, reduce(ps.acc)))
 
-    return WeightPolicy(name, init, lambda lp, ps, i, s: (lp, ps), lambda lp, ps, i, s: lp, _add_to_sums,
+    add = functools.partial(_add_to_sums, divisor=M if divide else None)
+    return WeightPolicy(name, init, lambda lp, ps, i, s: (lp, ps), lambda lp, ps, i, s: lp, add,
                         lambda D: [1] * D, choose=lambda lp, ps, i, s: (jnp.zeros((), jnp.int32), (lp,)),
                         per_microbatch=False, stale=0, accumulators=1, finish=finish, reduction="sum", reads="stored",
                         sums=(lambda ps: ps.acc[0], lambda ps, v: ps._replace(acc=(v,) + tuple(ps.acc[1:]))))

@@ -30,7 +30,8 @@ class PipelineState(NamedTuple):
 def _mean(divisor):
     """The gradients' mean from what the program returns: sums over the micro-batches where ``divisor`` is set,
     divided where they are read -- inside the update's conditional and the norm, where the division fuses
-    instead of writing the mean gradient once more (issue #39 item 2); ``loss_and_grad`` divides the same way."""
+    instead of writing the mean gradient once more (issue #39 item 2).  ``loss_and_grad``'s program divides each
+    micro-batch's gradient as it adds it (issue #51), so its ``divisor`` is None."""
     return (lambda g: g) if divisor is None else (lambda g: jax.tree.map(lambda a: a / divisor, g))
 
 
@@ -127,7 +128,9 @@ class SyncRunner:
             grad_fn = make_stream_grad_fn(self._scaled(scale), self.stream, self.ctx.mesh, mb, M,
                                           nan_bubbles=self.ctx.nan_bubbles, seed=self.ctx.seed,
                                           perms=exchange_perms(self.ctx.schedule) if self._identity_layout else None,
-                                          divide=scale != 1.0, **stream_options(self.ctx.schedule))
+                                          # loss_and_grad: each gradient divided as it is added (no pass
+                                          # after the loop); the step divides inside its update, where it fuses
+                                          divide=scale != 1.0 or what == "grad", **stream_options(self.ctx.schedule))
             mean = _mean(grad_fn.divisor)
 
             lay, identity = jnp.asarray(self._layout), self._identity_layout

@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ..axes import PIPE, STAGE, manual, pipeline_devices
 from ..optim.policies import gradient
 from .executor import ALL, make_stream_program
+from .program import sums_losses
 from .inflight import empty_carry
 from .stage import stage_residuals
 from .common import full
@@ -29,7 +30,8 @@ def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubble
     ``replicas`` (AvgPipe's parallel pipelines): every parameter and gradient has a leading axis of one replica
     per ``pipe`` index, each pipeline trains its own (averaged over ``data`` only), the loss is per replica."""
     D, K = periodic.num_devices, periodic.chunks
-    policies = tuple(gradient(M, divide=_divides_here(model, divide, replicas)) for _ in range(K))
+    per_add = _divides_here(model, divide, replicas) and not sums_losses(model, mb_example)   # (sum, count): after
+    policies = tuple(gradient(M, divide=per_add) for _ in range(K))
     run, x_aval = make_stream_program(model, policies if K > 1 else policies[0], None, D, M, mesh, mb_example,
                                       nan_bubbles=nan_bubbles, periodic=periodic, seed=seed, replicas=replicas,
                                       w_from=w_from, eager_reduce=eager_reduce)

@@ -137,9 +137,7 @@ def describe(model, policy, D: int, M: int, mesh, mb_example, *, periodic=None, 
     ring = policies[0].reduction == "ring"
     n_dp = mesh.shape[PIPE] * mesh.shape[DATA]
     buf = periodic.buffers(M, periodic.replica_delay * (n_dp - 1))
-    w_example = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), model.stage_params)
-    x_aval = jax.eval_shape(model.pre, model.pre_params, mb_example)
-    y_aval = model.stage_output_aval(w_example, x_aval, mb_example)
+    x_aval, y_aval = _activation_avals(model, mb_example)
     model.check_activation(x_aval, y_aval)
     summed = model.reduction(y_aval, mb_example) == "sum"
     ties = Ties(model)
@@ -241,3 +239,15 @@ def _positions(periodic, D, K):
     for c in range(K):
         remap[c, list(used_pos[c])] = np.arange(len(used_pos[c]))
     return used_pos, remap
+
+
+def _activation_avals(model, mb_example):
+    """A micro-batch's activation as the stages receive it and as the last one returns it (shapes only)."""
+    w_example = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), model.stage_params)
+    x_aval = jax.eval_shape(model.pre, model.pre_params, mb_example)
+    return x_aval, model.stage_output_aval(w_example, x_aval, mb_example)
+
+
+def sums_losses(model, mb_example) -> bool:
+    """Whether ``post_loss`` returns ``(sum, count)``: its gradients are divided by the counts, not by M."""
+    return model.reduction(_activation_avals(model, mb_example)[1], mb_example) == "sum"
