@@ -36,8 +36,9 @@ flags.DEFINE_integer("batch", 256, "rows per step")
 flags.DEFINE_integer("rounds", 9, "timing rounds (3 steps each, schedules in turns)")
 flags.DEFINE_integer("port", 12419, "coordinator port on 127.0.0.1")
 flags.DEFINE_string("json", "", "also write the results to this file")
-flags.DEFINE_bool("measure_ops", True, "predict from one layer's F, B, B-input and W measured on this machine "
-                  "(false: from the plain step, b = 2 f and a split backward's parts f each, as the papers count)")
+flags.DEFINE_bool("measure_ops", False, "predict from one layer's F, B, B-input and W measured on this machine "
+                  "(jaxpipe.tune.microbench.layer_costs; on a noisy VM they move by 2x between runs) instead of "
+                  "from the plain step with b = 2 f and a split backward's parts f each, as the papers count")
 flags.DEFINE_integer("worker", -1, "internal: this process's index (the launcher sets it; -2: the one-core costs)")
 FLAGS = flags.FLAGS
 CHUNKED = ("interleaved_1f1b", "zb_v", "dualpipe_v")
