@@ -22,6 +22,7 @@ import math
 import statistics
 import time
 
+from experiments import cli
 from absl import app, flags
 
 flags.DEFINE_string("models", "mlp4096,mlp1024,gpt", "mlp4096 (4x4096^2, 1024-row micro-batches), mlp1024 "
@@ -182,4 +183,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -12,6 +12,7 @@ tick, a tick costs its slowest op; f = 1, b = 2, or b = w = 1 for ZB-H1), with p
 """
 from __future__ import annotations
 
+from experiments import cli
 from absl import app, flags
 
 flags.DEFINE_string("stages", "4,8,16,32", "comma-separated D values")
@@ -76,4 +77,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 
+from experiments import cli
 from absl import app, flags
 
 flags.DEFINE_integer("cores", 1, "CPU cores the process may use (os.sched_setaffinity); 0: leave as it is")
@@ -98,4 +99,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 
+from experiments import cli
 from absl import app, flags
 
 flags.DEFINE_string("schedule", "1f1b", "schedule")
@@ -59,4 +60,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

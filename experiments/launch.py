@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 
+from experiments import cli
 from absl import app, flags
 
 flags.DEFINE_integer("num_processes", 2, "processes to start")
@@ -225,4 +226,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import sys
 
+from experiments import cli
 from absl import app, flags
 
 from experiments import throughput  # noqa: F401  (its model and batch flags are this runner's flags)
@@ -107,4 +108,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

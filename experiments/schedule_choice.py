@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 
+from experiments import cli
 from absl import app, flags
 
 from experiments import executor_cost  # noqa: F401  (the model, D, M and --cores flags)
@@ -145,4 +146,4 @@ def chosen_schedules(flag: str):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import statistics
 import time
 
+from experiments import cli
 from absl import app, flags
 
 flags.DEFINE_string("widths", "1024,4096", "MLP widths")
@@ -90,4 +91,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

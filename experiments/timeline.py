@@ -11,6 +11,7 @@ peak in-flight micro-batches and weight versions per device).  No JAX is importe
 """
 from __future__ import annotations
 
+from experiments import cli
 from absl import app, flags
 
 flags.DEFINE_string("schedule", "1f1b", "schedule to draw (see jaxpipe.schedules.available())")
@@ -100,4 +101,4 @@ def cyclic_timeline():
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

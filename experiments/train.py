@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import sys
 
+from experiments import cli
 from absl import app, flags
 
 flags.DEFINE_enum("model", "gpt", ["gpt", "mlp"], "gpt: byte-level transformer LM on pydoc_data text; "
@@ -341,7 +342,7 @@ def run(argv):
         return bool(np.any(flags_))
     t_start = time.perf_counter()
     t_first = None
-    last_eval = {}
+    last_eval, eval_step = {}, None
     # a terminal gets a progress bar; a file or a pipe a plain line every --progress_every steps (a bar's
     # carriage returns wrote 54 KB of one line into a redirected log)
     tty = sys.stderr.isatty()
@@ -387,14 +388,16 @@ def run(argv):
         if i + 1 == FLAGS.steps and pipe.is_async:   # finish the micro-batches still in flight
             state, _ = pipe.drain(state)
         if FLAGS.eval_every and (i + 1) % FLAGS.eval_every == 0 or i + 1 == FLAGS.steps:
-            last_eval = evaluate(pipe.params(state))
+            last_eval, eval_step = evaluate(pipe.params(state)), done
             rec.update(last_eval)
         log.write(json.dumps(rec) + "\n")
         log.flush()
         bar.set_postfix(loss=f"{loss:.3f}", **{k: f"{v:.3f}" for k, v in last_eval.items()})
         if lines and (done % every == 0 or done == FLAGS.steps):
+            # an evaluation is printed where it was made, and later marked with its step (not as if new)
+            since = "" if eval_step == done else f" (step {eval_step})"
             print(f"step {done}/{FLAGS.steps}  loss {loss:.3f}  {dt * 1e3:.0f} ms/step" +
-                  "".join(f"  {k} {v:.3f}" for k, v in last_eval.items()), flush=True)
+                  "".join(f"  {k} {v:.3f}{since}" for k, v in last_eval.items()), flush=True)
         if beat:                        # experiments.launch's watchdog: this process finished a step
             try:
                 open(beat, "a").close()
@@ -499,4 +502,4 @@ def _save_params(jp, pipe, state, primary):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

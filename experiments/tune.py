@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
+from experiments import cli
 from absl import app, flags
 
 from experiments import emulate_cpu_devices
@@ -252,4 +253,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 
+from experiments import cli
 from absl import app, flags
 
 flags.DEFINE_string("schedules", "1f1b,gpipe,zb_h1,zb_v,dualpipe_v,interleaved_1f1b,chimera",
@@ -237,4 +238,4 @@ def report(res):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -13,6 +13,7 @@ the declared maximum on every stage.
 """
 from __future__ import annotations
 
+from experiments import cli
 from absl import app, flags
 
 from experiments import emulate_cpu_devices
@@ -95,4 +96,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

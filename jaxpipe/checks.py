@@ -73,7 +73,7 @@ def check_integer_inputs(model, batch, opt_out: str):
             bad = lo if lo < 0 else hi
             raise ConfigError(f"batch[{key!r}] holds {bad}, outside [0, {bound if bound is not None else 'inf'}) "
                               f"that the model accepts ({'negative ids read the last rows' if bad < 0 else 'past the table: NaN loss or NaN weights'}). "
-                              f"Fix the data, or declare the right size in PipelineModel(integer_inputs=...); "
+                              f"Fix the data, or declare the right size in integer_inputs= (of PipelineModel, from_nnx or from_linen); "
                               f"{opt_out} turns the check off")
 
 
@@ -84,7 +84,7 @@ def check_integer_keys(model, batch):
     missing = [k for k in declared if not isinstance(batch, dict) or k not in batch]
     if missing:
         have = list(batch) if isinstance(batch, dict) else type(batch).__name__
-        raise ConfigError(f"PipelineModel(integer_inputs=...) names {missing}, which the batch lacks (it has "
+        raise ConfigError(f"integer_inputs= names {missing}, which the batch lacks (it has "
                           f"{have}); name the batch fields that hold integer ids, e.g. integer_inputs="
                           f"{{'label': num_classes}}")
 

@@ -187,13 +187,13 @@ class StepChecks:
             bad = lo if lo < 0 else hi
             return (f"{where}: batch[{f.name}] holds {bad}, outside [0, {f.bound if f.bound is not None else 'inf'}) "
                     f"that the model accepts ({'negative ids read the last rows' if bad < 0 else 'past the table: NaN loss or NaN weights'}); "
-                    f"{kept}. Fix the data, or declare the right size in PipelineModel(integer_inputs=...); "
+                    f"{kept}. Fix the data, or declare the right size in integer_inputs= (of PipelineModel, from_nnx or from_linen); "
                     f"{self.opt_out} turns the check off")
         if status[pos]:
             undeclared = [k for k in batch_fields if k not in self.integer_inputs]
             cause = (f" Likely cause: batch field(s) {undeclared} hold integer ids the model does not declare: a "
                      f"label or token id outside its table gives a NaN loss (-1 silently reads the last row); "
-                     f"declare them, e.g. PipelineModel(integer_inputs={{{undeclared[0]!r}: num_classes}}), and "
+                     f"declare them, e.g. integer_inputs={{{undeclared[0]!r}: num_classes}} (an argument of PipelineModel, from_nnx and from_linen), and "
                      f"the batch is checked before it trains." if undeclared else "")
             return (f"{where}: the loss or the gradient norm is NaN or Inf; {kept}.{cause} Lower the learning "
                     f"rate or use loss scaling if the model diverged; Pipeline(..., skip_nonfinite=True) skips "

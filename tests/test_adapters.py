@@ -252,3 +252,17 @@ def test_linen_tied_head_is_found_and_exact():
         blocks, gpre, gpost = to_params(grads)
         assert rel_err((blocks, gpre), (gb, ge)) <= 1e-5
         assert gpost["embedding"] is None                # reported once, at the embedding
+
+
+def test_from_nnx_and_from_linen_take_integer_inputs_and_a_recut_keeps_them():
+    """Issue #52 item 4: the checks' hint told a ``from_nnx`` user to pass ``PipelineModel(integer_inputs=...)``,
+    an argument they do not have; the adapters take it now, and a model cut again (``cut=``) keeps it."""
+    blocks, embed, head = nnx_pieces()
+    ids = {"x": V, "y": V}
+    model, _ = jp.models.from_nnx(blocks, embed, head, xent, num_stages=2, integer_inputs=ids)
+    assert model.integer_inputs == ids and model.recut(4).integer_inputs == ids
+    pipe = jp.Pipeline(model, schedule="gpipe", num_microbatches=2, mesh=jp.make_mesh(stages=2))
+    bad = batch_of(4)
+    bad["y"][0, 0] = V                     # one id past the head's table
+    with pytest.raises(jp.ConfigError, match=r"batch\['y'\] holds 17, outside \[0, 17\)"):
+        pipe.loss_and_grad(pipe.init(), bad)

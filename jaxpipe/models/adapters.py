@@ -111,7 +111,7 @@ def _share(module, path, variable):
 
 
 def _model(apply_block, stacked, apply_embed, embed_p, apply_head, head_p, loss, inputs, block_call,
-           stage_inputs, param_specs=None, tied=(), recut=None, cut=None):
+           stage_inputs, param_specs=None, tied=(), recut=None, cut=None, integer_inputs=None):
     block_fn, context = _block_fn(apply_block, block_call)
     pick = inputs or (lambda b: b["x"])
     return PipelineModel(
@@ -119,7 +119,8 @@ def _model(apply_block, stacked, apply_embed, embed_p, apply_head, head_p, loss,
         pre=lambda p, b: apply_embed(p, pick(b)), pre_params=embed_p,
         post_loss=lambda p, h, b: loss(apply_head(p, h), b), post_params=head_p,
         head=apply_head, context=context or bool(stage_inputs), stage_inputs=tuple(stage_inputs),
-        param_specs=param_specs, tied=tuple(tied), recut=None if cut is not None else recut)
+        param_specs=param_specs, tied=tuple(tied), recut=None if cut is not None else recut,
+        integer_inputs=integer_inputs)
 
 
 def _flat_blocks(stage_p, cut):
@@ -130,7 +131,7 @@ def _flat_blocks(stage_p, cut):
 def from_nnx(blocks: Sequence[Any], embed: Any, head: Any, loss: Callable, num_stages: int, *,
              inputs: Optional[Callable] = None, block_call: Optional[Callable] = None,
              stage_inputs: Sequence[str] = (), rules=None, cut=None,
-             balance: Optional[dict] = None) -> Tuple[PipelineModel, Callable]:
+             balance: Optional[dict] = None, integer_inputs: Optional[dict] = None) -> Tuple[PipelineModel, Callable]:
     """``(model, to_modules)`` from NNX modules.  ``to_modules(params)`` returns ``(blocks, embed, head)``:
     new module instances holding ``params`` (``pipe.params(state)``).  ``rules``: logical axis name -> mesh
     axis, for the modules' ``nnx.with_partitioning`` metadata (module docstring).  A Variable the embedding and
@@ -138,7 +139,9 @@ def from_nnx(blocks: Sequence[Any], embed: Any, head: Any, loss: Callable, num_s
     its two uses' gradients summed); ``to_modules`` gives a head sharing the embedding's Variable again.
     ``cut=[8, 8, 8, 7]``: blocks per stage where they differ (:mod:`jaxpipe.cuts`; ``pipe.params`` then holds
     the blocks as ``[n_blocks, ...]``); ``cut="balanced"`` with ``balance={"example": micro_batch, "schedule":
-    "1f1b"}``: chosen from measured costs (:func:`jaxpipe.tune.cut.balance`)."""
+    "1f1b"}``: chosen from measured costs (:func:`jaxpipe.tune.cut.balance`).  ``integer_inputs``: the batch
+    fields that hold integer ids and their bounds, checked before they train (``PipelineModel.integer_inputs``,
+    e.g. ``{"x": vocab, "y": vocab}``)."""
     from flax import nnx
     blocks = list(blocks)
     if not blocks:
@@ -161,7 +164,7 @@ def from_nnx(blocks: Sequence[Any], embed: Any, head: Any, loss: Callable, num_s
     def build(n, cut=None):
         return _model(merged(gdef, defs[0][1]), _stack_blocks(per_block, n, cut), merged(e_def, e_state),
                       nnx.to_pure_dict(e_state), merged(h_def, h_state), nnx.to_pure_dict(h_state), loss, inputs,
-                      block_call, stage_inputs, specs, tied, recut=build, cut=cut)
+                      block_call, stage_inputs, specs, tied, recut=build, cut=cut, integer_inputs=integer_inputs)
     model = build(num_stages, _resolve_cut(cut, build, num_stages, len(blocks), balance))
 
     def to_modules(params):
@@ -192,7 +195,7 @@ def from_linen(block: Any, block_params: Sequence[Any], embed: Tuple[Any, Any], 
                loss: Callable, num_stages: int, *, inputs: Optional[Callable] = None,
                block_call: Optional[Callable] = None, stage_inputs: Sequence[str] = (), rules=None,
                tied: Sequence[Tuple[Tuple, Tuple]] = (), cut=None,
-               balance: Optional[dict] = None) -> Tuple[PipelineModel, Callable]:
+               balance: Optional[dict] = None, integer_inputs: Optional[dict] = None) -> Tuple[PipelineModel, Callable]:
     """``(model, to_params)`` from Linen modules: ``block`` with one ``params`` dict per layer, and
     ``(module, params)`` for the embedding and the head -- the head may be ``(module, params, method)`` (a tied
     LM head: ``(embed_module, embed_params, "attend")``).  ``to_params(params)`` returns ``(block_params list,
@@ -200,7 +203,7 @@ def from_linen(block: Any, block_params: Sequence[Any], embed: Tuple[Any, Any], 
     ``nn.with_logical_partitioning`` give the model's ``param_specs`` through ``rules`` (module docstring).
     Ties: an array object that the embedding's and the head's parameters both hold is tied (one array, its two
     uses' gradients summed); ``tied=[(embed_path, head_path)]`` (tuples of dict keys) names others -- the two
-    arrays must then be equal.  ``cut``: blocks per stage, as in :func:`from_nnx`."""
+    arrays must then be equal.  ``cut``, ``integer_inputs``: as in :func:`from_nnx`."""
     import flax.linen as nn
     from flax.core import meta
     specs = [nn.get_partition_spec(p) for p in (list(block_params)[:1] or [{}]) + [embed[1], head[1]]]
@@ -215,7 +218,8 @@ def from_linen(block: Any, block_params: Sequence[Any], embed: Tuple[Any, Any], 
 
     def build(n, cut=None):
         return _model(lin(block), _stack_blocks(block_params, n, cut), lin(e_mod), e_p, lin(h_mod, *h_method), h_p,
-                      loss, inputs, block_call, stage_inputs, _param_specs(*specs, rules), ties, recut=build, cut=cut)
+                      loss, inputs, block_call, stage_inputs, _param_specs(*specs, rules), ties, recut=build, cut=cut,
+                      integer_inputs=integer_inputs)
     model = build(num_stages, _resolve_cut(cut, build, num_stages, len(block_params), balance))
 
     def to_params(params):
