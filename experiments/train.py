@@ -46,7 +46,14 @@ flags.DEFINE_integer("microbatches", 4, "micro-batches per step (per data replic
 flags.DEFINE_integer("batch", 32, "global batch size (sequences or images); divisible by data x microbatches")
 flags.DEFINE_integer("steps", 300, "optimizer steps")
 flags.DEFINE_string("optimizer", "adamw", "sgd | momentum | adam | adamw")
-flags.DEFINE_float("lr", 3e-3, "peak learning rate (linear warm-up over 5% of the steps, cosine decay)")
+flags.DEFINE_float("lr", 3e-3, "peak learning rate (after --warmup, then --lr_schedule)")
+flags.DEFINE_enum("lr_schedule", "cosine", ["cosine", "linear", "rsqrt", "constant"],
+                  "after the warm-up: cosine or linear decay to 0, rsqrt (lr sqrt(warm-up / step)), or constant "
+                  "(jaxpipe.optim.schedule_by_name)")
+flags.DEFINE_enum("tensorboard", "auto", ["auto", "true", "false"],
+                  "metrics also as TensorBoard event files in <out_dir>/tensorboard (tensorboardX; auto: where it "
+                  "is installed -- pip install -e \".[tensorboard]\")")
+flags.DEFINE_float("warmup", 0.05, "linear warm-up from 0 to --lr: a fraction of --steps if below 1, else steps")
 flags.DEFINE_integer("seq_len", 64, "gpt: context length in bytes")
 flags.DEFINE_integer("d_model", 64, "gpt: model width / mlp: hidden width")
 flags.DEFINE_integer("heads", 4, "gpt: attention heads")
@@ -248,9 +255,11 @@ def run(argv):
         eval_set = [val]
         unit = "images"
 
-    # warm-up over 5% of the steps (at least one), then cosine decay over the rest (at least one step)
-    warm = max(1, FLAGS.steps // 20)
-    sched = optax.warmup_cosine_decay_schedule(0.0, FLAGS.lr, warm, max(FLAGS.steps, warm + 1))
+    # a linear warm-up over --warmup (5% of the steps by default, at least one), then --lr_schedule
+    try:
+        sched = jp.optim.schedule_by_name(FLAGS.lr_schedule, FLAGS.lr, FLAGS.steps, FLAGS.warmup)
+    except jp.ConfigError as e:
+        raise app.UsageError(str(e))
     opt = optax.chain(optax.clip_by_global_norm(1.0), jp.optim.by_name(FLAGS.optimizer, sched))
     mesh = jp.make_mesh(stages=FLAGS.stages, data=FLAGS.data, pipes=FLAGS.pipes, tensor=FLAGS.tensor, fsdp=FLAGS.fsdp)
     jp.distributed.check_mesh_covers_processes(mesh)
@@ -316,6 +325,14 @@ def run(argv):
     if start and os.path.exists(path):           # keep the log of the steps the checkpoint includes
         kept = [l for l in open(path) if l.strip() and json.loads(l).get("step", 0) <= start]
     log = open(path, "w") if primary else open(os.devnull, "w")
+    from experiments.run_records import TensorBoard, save_config
+    board = TensorBoard(os.path.join(FLAGS.out_dir, "tensorboard"), FLAGS.tensorboard if primary else "false")
+    if primary:
+        # the resolved configuration (--flagfile=<out_dir>/config.flags reruns it), less one process's identity
+        # and the debug switches
+        save_config(FLAGS.out_dir, skip=("flagfile", "coordinator", "process_id", "fail_at_step", "fail_process",
+                                         "stall_at_step", "stop_at_step", "throttle_s"))
+    lrs = np.asarray(jax.vmap(sched)(jnp.arange(max(FLAGS.steps, 1))))     # the update of step i uses lrs[i]
     log.writelines(kept)
     from experiments.stopping import Stop, guard_streams
     # a launcher that dies takes our output's reader with it: writes must not raise, and what this process
@@ -366,8 +383,8 @@ def run(argv):
         if t_first is None:
             t_first = dt
             first_loss = loss
-        rec = {"step": i + 1, "time_s": dt, **{k: float(v) if np.ndim(v) == 0 else np.asarray(v).tolist()
-                                               for k, v in metrics.items()}}
+        rec = {"step": i + 1, "time_s": dt, "lr": float(lrs[min(i, len(lrs) - 1)]),
+               **{k: float(v) if np.ndim(v) == 0 else np.asarray(v).tolist() for k, v in metrics.items()}}
         computed = int(metrics.get("losses_computed", 1))
         # grad_norm is a vector for avgpipe (one per pipeline)
         finite = (not computed or np.isfinite(loss)) and bool(np.all(np.isfinite(np.asarray(metrics.get("grad_norm", 0.0)))))
@@ -377,6 +394,8 @@ def run(argv):
         elif was_skipped or not finite:
             log.write(json.dumps(rec) + "\n")
             log.close()
+            board.scalars(i + 1, rec)
+            board.close()
             bar.close()
             _stop_nonfinite(jp, pipe, model, state, batch, metrics, i + 1, ckpt, was_skipped)
         if FLAGS.throttle_s:
@@ -392,6 +411,7 @@ def run(argv):
             rec.update(last_eval)
         log.write(json.dumps(rec) + "\n")
         log.flush()
+        board.scalars(done, rec)
         bar.set_postfix(loss=f"{loss:.3f}", **{k: f"{v:.3f}" for k, v in last_eval.items()})
         if lines and (done % every == 0 or done == FLAGS.steps):
             # an evaluation is printed where it was made, and later marked with its step (not as if new)
@@ -419,10 +439,12 @@ def run(argv):
             if ckpt is not None:
                 ckpt.close()
             stop.done()                 # saved: a signal arriving while the process exits changes nothing
+            board.close()
             say(f"\nstopped by {stop.reason} at step {done}" + (f"; checkpoint saved in {FLAGS.checkpoint_dir}, run "
                                                             f"again to resume" if ckpt else ""))
             sys.exit(143)
     log.close()
+    board.close()
     if ckpt is not None:
         ckpt.close()
     if t_first is None:
