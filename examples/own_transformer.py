@@ -13,6 +13,11 @@ byte-level text with sequences of different lengths, padded. What this script do
 
     python examples/own_transformer.py               # about a minute on 2 CPU cores
     python examples/own_transformer.py --steps=4     # a quick run (the tests run this)
+
+The same model in the runner, with its whole loop (checkpoints, preemption, the launcher, TensorBoard):
+
+    python -m experiments.train --model=examples.own_transformer:factory --schedule=1f1b --stages=4 \
+        --batch=16 --microbatches=4 --steps=60 --checkpoint_dir=/tmp/own    # SIGTERM it; run again: it resumes
 """
 from __future__ import annotations
 
@@ -119,6 +124,22 @@ def pipelined(modules, schedule: str, precision=None):
     pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=4, optimizer=optax.adamw(3e-3),
                        mesh=jp.make_mesh(stages=STAGES), precision=precision, seed=0)
     return pipe, to_modules
+
+
+def factory(stages: int, batch: int, seed: int):
+    """``experiments.train --model=examples.own_transformer:factory``: the model cut into ``stages`` stages, its
+    training batches (a function that starts the seeded stream: a resumed run skips what it used) and held-out
+    batches (``experiments.factories``)."""
+    from experiments.factories import TrainParts
+    blocks, embed, head = make_modules(seed)
+    model, _ = jp.models.from_nnx(
+        blocks, embed, head, masked_ce, num_stages=stages, stage_inputs=("pad",),
+        block_call=lambda apply, p, x, ctx: apply(p, x, ctx.inputs["pad"], ctx.key),
+        integer_inputs={"x": VOCAB, "y": VOCAB})
+    train_text, val_text = jp.data.byte_corpus()
+    held_out = batches(val_text, batch, seed=10_000 + seed)
+    return TrainParts(model, lambda: batches(train_text, batch, seed), [next(held_out) for _ in range(2)],
+                      unit="tokens", per_row=T)
 
 
 class Whole(nnx.Module):

@@ -23,8 +23,9 @@ import sys
 from experiments import cli
 from absl import app, flags
 
-flags.DEFINE_enum("model", "gpt", ["gpt", "mlp"], "gpt: byte-level transformer LM on pydoc_data text; "
-                  "mlp: residual MLP classifier on scikit-learn digits")
+flags.DEFINE_string("model", "gpt", "gpt: byte-level transformer LM on pydoc_data text; mlp: residual MLP on "
+                    "sklearn digits; package.module:factory: your own model and batches (experiments.factories "
+                    "says what the factory returns), with this runner's whole loop")
 flags.DEFINE_string("schedule", "1f1b", "pipeline schedule: gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_v, dualpipe_v, "
                     "chimera (synchronous: the gradient of jax.grad); avgpipe (parallel flushing pipelines, "
                     "elastically averaged); wpipe, cdp_v1, cdp_v2, pipedream, pipedream_2bw, spectrain, pipeoptim "
@@ -118,31 +119,6 @@ PER_PROCESS = {"out_dir", "progress", "progress_every", "coordinator", "process_
 
 
 
-def _gpt(n_stages, train, say):
-    """The reference GPT of the flags: ``--blocks_per_stage`` on each of ``n_stages`` stages, or ``--cut``'s
-    uneven stages (one count per device; a two-chunk schedule splits each) or the balanced cut."""
-    import jaxpipe as jp
-    kw = dict(d_model=FLAGS.d_model, heads=FLAGS.heads, seq_len=FLAGS.seq_len, seed=FLAGS.seed,
-              dropout=FLAGS.dropout, tie_embeddings=FLAGS.tie_embeddings, masked=FLAGS.pad,
-              tensor="tensor" if FLAGS.tensor > 1 else None, fsdp="fsdp" if FLAGS.fsdp > 1 else None)
-    if not FLAGS.cut:
-        return jp.models.gpt(n_stages, blocks_per_stage=FLAGS.blocks_per_stage, **kw)
-    if FLAGS.cut != "balanced":
-        try:
-            cut = [int(c) for c in FLAGS.cut.split(",")]
-        except ValueError:
-            raise app.UsageError(f"--cut={FLAGS.cut}: give block counts per stage (e.g. 3,3,2,2) or 'balanced'")
-        return jp.models.gpt(FLAGS.stages, cut=cut, **kw)
-    from jaxpipe.cuts import even_cut
-    from jaxpipe.tune.cut import balance
-    n = FLAGS.blocks or FLAGS.stages * FLAGS.blocks_per_stage
-    example = next(jp.data.lm_batches(train, FLAGS.batch, FLAGS.seq_len, seed=FLAGS.seed, pad=FLAGS.pad))
-    rows = FLAGS.batch // (FLAGS.data * FLAGS.microbatches)
-    model, choice = balance(jp.models.gpt(FLAGS.stages, cut=even_cut(n, FLAGS.stages), **kw), FLAGS.stages,
-                            {k: v[:rows] for k, v in example.items()}, FLAGS.schedule, FLAGS.microbatches, verbose=False)
-    say(f"--cut=balanced: {choice}")
-    return model
-
 def main(argv):
     """:func:`run`; a process of a multi-process job that fails exits at once with status 1 (its traceback
     printed): a normal exit runs JAX's distributed shutdown, which waits for the other processes -- stuck in
@@ -201,7 +177,6 @@ def run(argv):
     if "jax" not in sys.modules and "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={n_dev // n_proc}").strip()
-    import copy
     import json
     import time
 
@@ -236,24 +211,9 @@ def run(argv):
     extra = {"options": {k: v for k, v in flag_options.items() if k in method.options}}
     if FLAGS.pipes != 1 and method.runner != "avgpipe":
         raise app.UsageError(f"--pipes={FLAGS.pipes} is for --schedule=avgpipe (parallel pipelines)")
-    if FLAGS.model == "gpt":
-        train, val = jp.data.byte_corpus()
-        model = _gpt(n_stages, train, say)
-        batches = jp.data.lm_batches(train, FLAGS.batch, FLAGS.seq_len, seed=FLAGS.seed, pad=FLAGS.pad)
-        eval_set = list(__import__("itertools").islice(
-            jp.data.lm_batches(val, FLAGS.batch, FLAGS.seq_len, seed=10_000 + FLAGS.seed, pad=FLAGS.pad),
-            FLAGS.eval_batches))
-        unit = "bytes"
-    else:
-        if FLAGS.dropout or FLAGS.tie_embeddings or FLAGS.pad or FLAGS.tensor > 1 or FLAGS.fsdp > 1 or FLAGS.cut:
-            raise app.UsageError("--dropout, --tie_embeddings, --pad, --tensor, --fsdp and --cut are options of "
-                                 "--model=gpt")
-        train, val = jp.data.digits(seed=FLAGS.seed)
-        model = jp.models.residual_mlp(n_stages, 64, 10, width=FLAGS.d_model,
-                                       layers_per_stage=FLAGS.blocks_per_stage, seed=FLAGS.seed)
-        batches = jp.data.class_batches(train, FLAGS.batch, seed=FLAGS.seed)
-        eval_set = [val]
-        unit = "images"
+    from experiments import factories
+    parts = factories.build(FLAGS.model, n_stages, FLAGS.batch, FLAGS.seed)
+    model, batches, eval_set, unit = parts.model, parts.batches, parts.eval_batches, parts.unit
 
     # a linear warm-up over --warmup (5% of the steps by default, at least one), then --lr_schedule
     try:
@@ -280,7 +240,7 @@ def run(argv):
         ckpt = jp.Checkpointer(FLAGS.checkpoint_dir, pipe, keep=FLAGS.checkpoint_keep, every=FLAGS.checkpoint_every,
                                writer=True)      # one writer per directory: a second run fails here, not later
         if ckpt.latest_step() is not None:
-            example = jax.tree.map(np.zeros_like, next(copy.deepcopy(batches)))
+            example = jax.tree.map(np.zeros_like, factories.peek(batches))
             # the newest intact checkpoint: a corrupt or unreadable one is reported and skipped
             state, extra_saved, start = ckpt.restore_latest(pipe.prepare(state, example), report=say)
             if start:
@@ -309,15 +269,14 @@ def run(argv):
 
     def evaluate(params):
         params = jp.distributed.to_host(params)      # all processes gather (collective), then evaluate locally
-        losses, accs = [], []
+        losses, more = [], []
         for b in eval_set:
             losses.append(float(eval_loss_fn(params, b)))
-            if FLAGS.model == "mlp":
-                logits = model.head(params[2], model.forward(params, b))
-                accs.append(float(jnp.mean(jnp.argmax(logits, -1) == b["y"])))
-        out = {"eval_loss": float(np.mean(losses))}
-        if accs:
-            out["eval_acc"] = float(np.mean(accs))
+            if parts.evaluate is not None:          # the factory's own measures (the MLP's accuracy)
+                more.append(parts.evaluate(params, b))
+        out = {"eval_loss": float(np.mean(losses))} if losses else {}
+        for k in (more[0] if more else {}):
+            out[k] = float(np.mean([m[k] for m in more]))
         return out
 
     path = os.path.join(FLAGS.out_dir, "metrics.jsonl")
@@ -454,7 +413,7 @@ def run(argv):
         return
     wall = time.perf_counter() - t_start
     steady = (wall - t_first) / max(1, FLAGS.steps - start - 1)
-    per_step = FLAGS.batch * (FLAGS.seq_len if FLAGS.model == "gpt" else 1)
+    per_step = FLAGS.batch * parts.per_row
     summary = {"model": FLAGS.model, "schedule": FLAGS.schedule, "stages": FLAGS.stages, "data": FLAGS.data,
                "microbatches": FLAGS.microbatches, "steps": FLAGS.steps, "resumed_at": start,
                "processes": n_proc, "skipped_updates": skipped, "first_loss": first_loss,

@@ -118,3 +118,23 @@ class read_only:
         else:
             subprocess.run(["chattr", "-i", self.path], capture_output=True)
         return False
+
+
+def read_events(logdir):
+    """``{tag: [(step, value)]}`` of every scalar in the event files of ``logdir`` (TFRecord framing: length,
+    its CRC, the ``Event`` protobuf, its CRC)."""
+    import os
+    import struct
+
+    from tensorboardX.proto import event_pb2
+    out = {}
+    for name in sorted(os.listdir(logdir)):
+        data = open(os.path.join(logdir, name), "rb").read()
+        pos = 0
+        while pos < len(data):
+            (n,) = struct.unpack("<Q", data[pos:pos + 8])
+            ev = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
+            pos += 12 + n + 4
+            for v in ev.summary.value:
+                out.setdefault(v.tag, []).append((ev.step, v.simple_value))
+    return out

@@ -3,7 +3,6 @@ as TensorBoard event files (read back here with tensorboardX's own protobuf), an
 the schedule chosen by name."""
 import json
 import os
-import struct
 import subprocess
 import sys
 
@@ -11,26 +10,9 @@ import numpy as np
 import pytest
 
 import jaxpipe as jp
-from helpers import SUBPROCESS_XLA_FLAGS
+from helpers import SUBPROCESS_XLA_FLAGS, read_events
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def read_events(logdir):
-    """``{tag: [(step, value)]}`` of every scalar in the event files of ``logdir`` (TFRecord framing: length,
-    its CRC, the ``Event`` protobuf, its CRC)."""
-    from tensorboardX.proto import event_pb2
-    out = {}
-    for name in sorted(os.listdir(logdir)):
-        data = open(os.path.join(logdir, name), "rb").read()
-        pos = 0
-        while pos < len(data):
-            (n,) = struct.unpack("<Q", data[pos:pos + 8])
-            ev = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
-            pos += 12 + n + 4
-            for v in ev.summary.value:
-                out.setdefault(v.tag, []).append((ev.step, v.simple_value))
-    return out
 
 
 def _train(args, out_dir):
