@@ -16,6 +16,7 @@ Two tables, one process:
 from __future__ import annotations
 
 import os
+import statistics
 
 from experiments import cli
 from absl import app, flags
@@ -36,9 +37,8 @@ FLAGS = flags.FLAGS
 
 
 def _time(pipes, batch, rounds):
-    """Median seconds of each pipeline's ``loss_and_grad``, the pipelines run in turn round by round (A B C A B
-    C ...): drift of the machine's speed over the run falls on all of them alike."""
-    import statistics
+    """Per pipeline, the seconds of its ``loss_and_grad`` in each round, the pipelines run in turn round by round
+    (A B C A B C ...): drift of the machine's speed over the run falls on all of them alike."""
     import time
     import jax
     runs = []
@@ -52,7 +52,7 @@ def _time(pipes, batch, rounds):
             t0 = time.perf_counter()
             run()
             t.append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in ts]
+    return ts
 
 
 def main(_):
@@ -65,6 +65,8 @@ def main(_):
     from jaxpipe.cuts import even_cut
     from jaxpipe.tune.cut import balance
 
+    from jaxpipe.bench import machine_load, ratio_spread, reliability
+    load = machine_load()              # before this run's own work
     D, M = FLAGS.stages, FLAGS.microbatches
     rng = np.random.default_rng(0)
     batch = {"x": rng.integers(0, FLAGS.vocab, (FLAGS.batch, FLAGS.seq_len)).astype(np.int32),
@@ -79,23 +81,31 @@ def main(_):
     base = tuple([n // D] * D)
     others = [c for c in (tuple([n // D + 1] * (D // 2) + [n // D - 1] * (D - D // 2)),
                           tuple([n // D - 1] * (D - D // 2) + [n // D + 1] * (D // 2))) if min(c) >= 1]
-    print(f"| {n} blocks: cut | padded slots | one-core step | vs even |\n|---|---|---|---|")
+    print(f"| {n} blocks: cut | padded slots | one-core step | vs even (+- half the rounds' IQR) |\n|---|---|---|---|")
     t0, *ts = _time([pipe_of(c) for c in (base, *others)], batch, FLAGS.rounds)
-    print(f"| {list(base)} | 0 | {t0 * 1e3:.1f} ms | 1.000x |", flush=True)
+    print(f"| {list(base)} | 0 | {statistics.median(t0) * 1e3:.1f} ms | 1.000x |", flush=True)
+    spreads = {}
     for c, t in zip(others, ts):
-        print(f"| {list(c)} | {D * max(c) - n} | {t * 1e3:.1f} ms | {t / t0:.3f}x |", flush=True)
+        r, sp = spreads[str(list(c))] = ratio_spread(t, t0)
+        print(f"| {list(c)} | {D * max(c) - n} | {statistics.median(t) * 1e3:.1f} ms | {r:.3f}x +- {sp:.3f} |",
+              flush=True)
 
     mb = {k: v[:FLAGS.batch // M] for k, v in batch.items()}
     _, choice = balance(gpt(even_cut(FLAGS.blocks, D)), D, mb, FLAGS.schedule, M, verbose=False)
     print(f"\n| {FLAGS.blocks} blocks: cut | predicted compute on {D} devices | one-core step |\n|---|---|---|")
     rows = (("even", choice.even_cut, choice.even_predicted), ("balanced", choice.cut, choice.predicted))
-    for (label, c, pred), t in zip(rows, _time([pipe_of(c) for _, c, _ in rows], batch, FLAGS.rounds)):
-        print(f"| {label} {list(c)} | {pred * 1e3:.2f} ms | {t * 1e3:.1f} ms |", flush=True)
+    te, tb = _time([pipe_of(c) for _, c, _ in rows], batch, FLAGS.rounds)
+    for (label, c, pred), t in zip(rows, (te, tb)):
+        print(f"| {label} {list(c)} | {pred * 1e3:.2f} ms | {statistics.median(t) * 1e3:.1f} ms |", flush=True)
+    spreads["measured gain of the balanced cut"] = ratio_spread(te, tb)     # even's time over balanced's
     c = choice.costs
     print(f"\nmeasured per micro-batch: block F {c.f_block * 1e3:.3f} B {c.b_block * 1e3:.3f} ms, embedding F "
           f"{c.f_pre * 1e3:.3f} B {c.b_pre * 1e3:.3f} ms, head+loss F {c.f_post * 1e3:.3f} B {c.b_post * 1e3:.3f} ms, "
           f"a padding slot F {c.f_pad * 1e3:.3f} B {c.b_pad * 1e3:.3f} ms; "
-          f"predicted gain of the balanced cut {choice.gain:.3f}x")
+          f"predicted gain of the balanced cut {choice.gain:.3f}x; measured "
+          f"{spreads['measured gain of the balanced cut'][0]:.3f}x +- {spreads['measured gain of the balanced cut'][1]:.3f}")
+    for w in reliability(spreads, load):
+        print("warning: " + w)
 
 
 if __name__ == "__main__":

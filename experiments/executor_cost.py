@@ -133,7 +133,7 @@ def timed(runs, rounds: int, block: int):
     import resource
     import jax
     import numpy as np
-    from jaxpipe.bench import block_medians, interleaved_medians, median_ratio
+    from jaxpipe.bench import block_medians, interleaved_medians, median_ratio, ratio_spread
     usage = {k: [] for k in runs}
 
     def counted(k, run):
@@ -148,8 +148,9 @@ def timed(runs, rounds: int, block: int):
     out = {k: (1e3 * float(np.median(times[k])), float(np.median([u[0] for u in usage[k][-rounds:]])),
                float(np.median([u[1] for u in usage[k][-rounds:]]))) for k in runs}
     blocks = block_medians(runs, rounds, block) if block else None
-    return {k: v + (median_ratio(blocks[k], blocks["plain accumulation"]) if blocks else float("nan"),)
-            for k, v in out.items()}
+    # + (consecutive ratio, (round-robin ratio, its spread)): the ratios of each round, not of the medians
+    return {k: v + (median_ratio(blocks[k], blocks["plain accumulation"]) if blocks else float("nan"),
+                    ratio_spread(times[k], times["plain accumulation"])) for k, v in out.items()}
 
 
 def allocator_phases(which: str):
@@ -179,6 +180,8 @@ def main(argv):
 
     from jaxpipe import host_memory
     host_memory.choose(FLAGS.allocator == "keep_freed")   # the Pipelines built next leave the defaults alone
+    from jaxpipe.bench import machine_load, reliability
+    load = machine_load()              # before this run's own work
     runs, errs, ref = build_runs(FLAGS.schedules.split(","), D, M, L, H, B)
     phases = {name: timed(runs, FLAGS.rounds, FLAGS.block) for name in allocator_phases(FLAGS.allocator)}
     print(f"jax {jax.__version__}, {D} emulated devices on {len(os.sched_getaffinity(0))} core(s); MLP {L} x "
@@ -188,10 +191,13 @@ def main(argv):
     head = "".join(f" {p}: ms | x plain | consecutive | faults/step | kernel ms |" for p in phases)
     print(f"| program |{head} gradient rel. error |\n|---|" + "---|---|---|---|---|" * len(phases) + "---|")
     for k in runs:
-        cells = "".join(f" {t[k][0]:.1f} | {t[k][0] / t['plain accumulation'][0]:.3f}x | {t[k][3]:.3f}x | "
+        cells = "".join(f" {t[k][0]:.1f} | {t[k][4][0]:.3f}x +- {t[k][4][1]:.3f} | {t[k][3]:.3f}x | "
                         f"{t[k][1]:.0f} | {t[k][2]:.1f} |" for t in phases.values())
         err = 0.0 if k not in errs else float(jnp.linalg.norm(errs[k] - ref) / jnp.linalg.norm(ref))
         print(f"| {k} |{cells} {err:.1e} |")
+    spreads = {f"{k} ({p})": t[k][4] for p, t in phases.items() for k in runs if k != "plain accumulation"}
+    for w in reliability(spreads, load):
+        print("warning: " + w)
 
 
 if __name__ == "__main__":

@@ -55,8 +55,8 @@ def _model(jp, jnp, Ws, stages):
                             post_loss=lambda p, h, b: jnp.mean((h - b["y"]) ** 2), post_params=jnp.zeros(()))
 
 
-def _median_steps(runs, rounds):
-    """``{key: median seconds of a step}``: every run's 3 steps in turn, ``rounds`` times."""
+def _round_steps(runs, rounds):
+    """``{key: [seconds of a step, per round]}``: every run's 3 steps in turn, ``rounds`` times."""
     import jax
     import numpy as np
     times = {k: [] for k in runs}
@@ -69,7 +69,7 @@ def _median_steps(runs, rounds):
             jax.block_until_ready(s)
             times[k].append((time.perf_counter() - t0) / 3)
             entry[1] = s
-    return {k: float(np.median(v)) for k, v in times.items()}
+    return {k: [float(t) for t in v] for k, v in times.items()}
 
 
 def _link(pid):
@@ -133,11 +133,13 @@ def worker(pid: int):
     plains = {M: _plain_step(Ws, x, y, M) for M in {k[0] for k in runs}} if pid == 0 else {}
     for M, fn in plains.items():       # process 0 alone, on its core, in the same rounds (the other waits)
         runs[(M, "plain")] = [fn, jax.block_until_ready(fn(fn(Ws)))]          # compiled and warm
-    got = _median_steps(runs, FLAGS.rounds)
+    per_round = _round_steps(runs, FLAGS.rounds)
+    got = {k: float(np.median(v)) for k, v in per_round.items()}
     if pid == 0:
         print(json.dumps({"link": link, "plain": {M: got[(M, "plain")] for M in plains}, "costs": costs,
                           "steps": [[M, spec, meta[(M, spec)][1], t] for (M, spec), t in got.items()
-                                    if spec != "plain"]}), flush=True)
+                                    if spec != "plain"],
+                          "rounds": {f"{M},{spec}": v for (M, spec), v in per_round.items()}}), flush=True)
 
 
 def _layer_costs(ws, xb, per):
@@ -176,6 +178,8 @@ def main(argv):
     if FLAGS.worker >= 0:
         return worker(FLAGS.worker)
     args = [a for a in sys.argv[1:] if not a.startswith("--worker")]
+    from jaxpipe.bench import machine_load
+    load = machine_load()              # before this run's own work
     procs = [subprocess.Popen(["taskset", "-c", str(p), sys.executable, "-m", "experiments.two_devices", *args,
                                f"--worker={p}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
              for p in (1, 0)]
@@ -185,7 +189,7 @@ def main(argv):
     if not lines:
         raise SystemExit("experiments.two_devices: the workers reported nothing (is port "
                          f"{FLAGS.port} free, and are there two cores?)")
-    report(json.loads(lines[-1]))
+    report({**json.loads(lines[-1]), "load": load})
 
 
 def report(res):
@@ -220,18 +224,24 @@ def report(res):
               f"W {w / f:.2f} f")
     print(f"link: {alpha * 1e6:.0f} us + {1 / max(beta, 1e-30) / 1e9:.2f} GB/s; cost of a tick (from 1f1b): "
           + ", ".join(f"M={m}: {v * 1e3:.2f} ms" for m, v in tick.items()))
-    print(f"{'M':>2} {'schedule':22s} {'placement':9s} {'measured':>9s} {'x plain':>8s} {'x 1f1b':>7s} "
+    print(f"{'M':>2} {'schedule':22s} {'placement':9s} {'measured':>9s} {'x plain':>8s} {'x 1f1b (+- IQR/2)':>17s} "
           f"{'predicted':>10s} {'meas/pred':>9s} {'pred/1f1b':>9s}")
     base = {M: t for M, spec, _, t, *_ in rows if spec == "1f1b"}
     pred = {(M, spec): parts["step"] + tick.get(M, 0.0) * parts["ticks"] for M, spec, _, _, _, parts in rows}
-    out = []
+    from jaxpipe.bench import ratio_spread, reliability
+    rounds, spreads, out = res.get("rounds", {}), {}, []
     for M, spec, placement, t, plain, parts in rows:
         p = pred[(M, spec)]
-        print(f"{M:>2} {spec:22s} {placement:9s} {t * 1e3:7.1f}ms {t / plain:8.3f} "
-              f"{t / base[M] if M in base else float('nan'):7.3f} {p * 1e3:8.1f}ms {t / p:9.3f} "
-              f"{p / pred.get((M, '1f1b'), float('nan')):9.3f}")
+        own, ref = rounds.get(f"{M},{spec}"), rounds.get(f"{M},1f1b")
+        r, sp = ratio_spread(own, ref) if own and ref else (t / base[M] if M in base else float("nan"), 0.0)
+        if spec != "1f1b":
+            spreads[f"M={M} {spec} / 1f1b"] = (r, sp)
+        print(f"{M:>2} {spec:22s} {placement:9s} {t * 1e3:7.1f}ms {t / plain:8.3f} {r:9.3f} +- {sp:.3f} "
+              f"{p * 1e3:8.1f}ms {t / p:9.3f} {p / pred.get((M, '1f1b'), float('nan')):9.3f}")
         out.append({"M": M, "schedule": spec, "placement": placement, "measured_s": t, "plain_s": plain,
                     "predicted_s": p, "parts": parts})
+    for w in reliability(spreads, res.get("load")):
+        print("warning: " + w)
     if FLAGS.json:
         with open(FLAGS.json, "w") as fh:
             json.dump({"link": res["link"], "tick": tick, "rows": out}, fh, indent=1)

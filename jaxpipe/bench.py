@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -274,6 +274,40 @@ def block_medians(runners: Dict[str, Callable[[], object]], rounds: int, block: 
 
 def median_ratio(a, b) -> float:
     return statistics.median(x / y for x, y in zip(a, b))
+
+
+def ratio_spread(a, b) -> Tuple[float, float]:
+    """``(median, spread)`` of the per-round ratios ``a[i] / b[i]``: ``spread`` is half their interquartile range
+    (the ratio is ``median +- spread`` for the middle half of the rounds)."""
+    r = sorted(x / y for x, y in zip(a, b))
+    if len(r) < 4:
+        return statistics.median(r), (r[-1] - r[0]) / 2
+    q = statistics.quantiles(r, n=4)
+    return statistics.median(r), (q[2] - q[0]) / 2
+
+
+#: a ratio whose spread is above this fraction of it, or a machine this loaded, is reported as unreliable
+NOISY = 0.05
+
+
+def reliability(spreads: Dict[str, Tuple[float, float]], load: Optional[float] = None) -> List[str]:
+    """Warnings for a benchmark's ratios (``{name: (ratio, spread)}``): those whose spread exceeds
+    :data:`NOISY` of the ratio, and a machine that was busy (``load``: the 1-minute load average per usable core
+    before the run, :func:`machine_load`)."""
+    out = [f"{k}: {r:.3f}x +- {s:.3f} varies by {s / r:.0%} between rounds (over {NOISY:.0%}): do not read its "
+           f"last digits; rerun on a quiet machine or with more rounds" for k, (r, s) in spreads.items() if r and s / r > NOISY]
+    if load is not None and load > 0.25:
+        out.append(f"the machine was busy before this run (load {load:.2f} per core): ratios here may not repeat")
+    return out
+
+
+def machine_load() -> Optional[float]:
+    """The 1-minute load average per usable core (None where the OS does not say)."""
+    try:
+        import os
+        return os.getloadavg()[0] / max(len(os.sched_getaffinity(0)), 1)
+    except (OSError, AttributeError):
+        return None
 
 
 def compile_time(name: str, model: PipelineModel, batch, num_microbatches: int, opt, devices: int = 0,

@@ -28,3 +28,16 @@ def test_predicting_step_at_distance_zero_is_the_plain_micro_step():
             *st, _ = fn(*st, batch)
         err = rel_err(st[0], p)
         assert (err <= 1e-5) if close else (err > 1e-4), err
+
+
+def test_ratios_come_with_their_spread_and_noisy_ones_are_named():
+    """Issue #52 item 4: a ratio is the median of the rounds' ratios, with half their interquartile range; one
+    that varies by more than 5%, or a busy machine, is warned about by name."""
+    from jaxpipe.bench import ratio_spread, reliability
+    r, s = ratio_spread([2.0, 2.0, 2.0, 2.0, 2.0], [1.0, 1.0, 1.0, 1.0, 1.0])
+    assert (r, s) == (2.0, 0.0)
+    r, s = ratio_spread([1.0, 1.2, 0.8, 1.0, 1.4, 0.6], [1.0] * 6)
+    assert r == 1.0 and 0.1 < s < 0.4
+    warned = reliability({"quiet": (1.0, 0.01), "noisy": (1.0, s)}, load=0.1)
+    assert len(warned) == 1 and warned[0].startswith("noisy:")
+    assert any("busy" in w for w in reliability({}, load=1.5))
