@@ -52,10 +52,10 @@ def test_own_model_from_a_config_file_stops_on_sigterm_and_resumes_bit_equal(tmp
     np.testing.assert_allclose(lr, [0.0, 1.5e-3, 3e-3, 2e-3, 1e-3], rtol=1e-6)
 
     ck, run = tmp_path / "ck", tmp_path / "run"
-    args = [f"--flagfile={config}", f"--out_dir={run}", f"--checkpoint_dir={ck}", "--checkpoint_every=0"]
-    unused = tmp_path / "unused"          # '' turns the cache off, whatever the environment says
-    p = subprocess.Popen([sys.executable, "-m", "experiments.train", *args, "--throttle_s=0.5",
-                          "--compilation_cache_dir="], cwd=ROOT, env=dict(_env(), JAX_COMPILATION_CACHE_DIR=str(unused)),
+    # (this run and the resume compile nothing: the first run's programs are in its cache)
+    args = [f"--flagfile={config}", f"--out_dir={run}", f"--checkpoint_dir={ck}", "--checkpoint_every=0",
+            f"--compilation_cache_dir={cache}"]
+    p = subprocess.Popen([sys.executable, "-m", "experiments.train", *args, "--throttle_s=0.5"], cwd=ROOT, env=_env(),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log, deadline = run / "metrics.jsonl", time.monotonic() + 240
     while time.monotonic() < deadline and not (log.exists() and len(log.read_text().splitlines()) >= 2):
@@ -66,7 +66,6 @@ def test_own_model_from_a_config_file_stops_on_sigterm_and_resumes_bit_equal(tmp
     assert p.returncode == 143, out[-3000:]
     stopped = len(_losses(run))
     assert 2 <= stopped < 5, out[-2000:]
-    assert not unused.exists() or not any(unused.iterdir())
     # resumed from the configuration the first run saved (its --out_dir and the checkpoint's given again)
     rc, out = _train([f"--flagfile={tmp_path / 'ref' / 'config.flags'}", *args[1:]])
     assert rc == 0 and f"resumed from {ck} at step {stopped}" in out, out[-3000:]
@@ -74,10 +73,13 @@ def test_own_model_from_a_config_file_stops_on_sigterm_and_resumes_bit_equal(tmp
 
 
 def test_own_model_runs_on_two_processes_through_the_launcher(tmp_path):
+    unused = tmp_path / "unused"          # '' turns the compilation cache off, whatever the environment says
     p = subprocess.run([sys.executable, "-m", "experiments.launch", "--num_processes=2", "--",
-                        *[a for a in CONFIG if not a.startswith("--steps")], "--steps=3", f"--out_dir={tmp_path}/run"],
-                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+                        *[a for a in CONFIG if not a.startswith("--steps")], "--steps=3", f"--out_dir={tmp_path}/run",
+                        "--compilation_cache_dir="], cwd=ROOT, env=dict(_env(), JAX_COMPILATION_CACHE_DIR=str(unused)),
+                       capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    assert not unused.exists() or not any(unused.iterdir())
     losses = _losses(tmp_path / "run")
     assert len(losses) == 3 and np.all(np.isfinite(losses))
     summary = json.load(open(tmp_path / "run" / "summary.json"))
