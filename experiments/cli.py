@@ -46,15 +46,18 @@ def use_compilation_cache(path: str) -> None:
         sys.modules["jax"].config.update("jax_compilation_cache_dir", path or None)
 
 
+def runner_modules():
+    """The modules whose flags the running runner reads: ``__main__`` first, then the ``experiments.*`` ones."""
+    here = os.path.abspath(getattr(sys.modules["__main__"], "__file__", "") or "")
+    ours = [m for m in flags.FLAGS.flags_by_module_dict()
+            if os.path.abspath(m) == here or m == "__main__" or m.startswith("experiments")]
+    return sorted(ours, key=lambda m: (m.startswith("experiments"), m))
+
+
 def usage() -> str:
     """The runner's docstring, then its flags, grouped by the module that defines them."""
-    main = sys.modules["__main__"]
-    by_module = flags.FLAGS.flags_by_module_dict()
-    here = os.path.abspath(getattr(main, "__file__", "") or "")
-    ours = [m for m in by_module if os.path.abspath(m) == here or m == "__main__" or m.startswith("experiments")]
-    ours.sort(key=lambda m: (m.startswith("experiments"), m))        # the runner's own flags first
-    parts = [(main.__doc__ or "").strip(), ""]
-    for m in ours:
+    parts = [(sys.modules["__main__"].__doc__ or "").strip(), ""]
+    for m in runner_modules():
         name = m if m.startswith("experiments") else "this runner"
         parts += [f"flags of {name}:", flags.FLAGS.module_help(m), ""]
     parts.append("--helpfull lists every flag (absl's and JAX's too).")

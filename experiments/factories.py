@@ -59,7 +59,7 @@ class Replay:
 
 
 def peek(batches):
-    """The stream's next batch, leaving the stream where it is."""
+    """A batch of the stream (for its shapes), leaving the stream where it is."""
     if isinstance(batches, Replay):
         return next(batches._start())
     import copy
@@ -69,8 +69,6 @@ def peek(batches):
 def resumable(batches):
     """``batches`` as a stream the runner can checkpoint (module docstring)."""
     if hasattr(batches, "state_dict") and hasattr(batches, "load_state_dict"):
-        if not hasattr(batches, "position"):
-            batches.position = "?"
         return batches
     if callable(batches):
         return Replay(batches)

@@ -14,14 +14,10 @@ from absl import flags
 
 
 def runner_flags():
-    """The flags the running runner reads: those of ``__main__`` and of ``experiments.*`` modules."""
-    import sys
-    here = os.path.abspath(getattr(sys.modules["__main__"], "__file__", "") or "")
-    out = []
-    for module, fl in flags.FLAGS.flags_by_module_dict().items():
-        if os.path.abspath(module) == here or module == "__main__" or module.startswith("experiments"):
-            out += fl
-    return sorted({f.name: f for f in out}.values(), key=lambda f: f.name)
+    """The flags the running runner reads (:func:`experiments.cli.runner_modules`), by name."""
+    from experiments.cli import runner_modules
+    by_module = flags.FLAGS.flags_by_module_dict()
+    return sorted({f.name: f for m in runner_modules() for f in by_module[m]}.values(), key=lambda f: f.name)
 
 
 def save_config(out_dir: str, skip=("flagfile",)) -> str:

@@ -245,7 +245,7 @@ def run(argv):
             state, extra_saved, start = ckpt.restore_latest(pipe.prepare(state, example), report=say)
             if start:
                 batches.load_state_dict(extra_saved["data"])
-                say(f"resumed from {FLAGS.checkpoint_dir} at step {start} (data position {batches.position})")
+                say(f"resumed from {FLAGS.checkpoint_dir} at step {start} (data position {getattr(batches, 'position', '?')})")
     r = pipe.schedule.simulate(f=1.0, b=1.0, w=1.0) if pipe.schedule.has_w() else pipe.schedule.simulate(f=1.0, b=2.0)
     say(f"jaxpipe: {FLAGS.model} ({sum(x.size for x in jax.tree.leaves(model.params)):,} parameters), "
           f"{FLAGS.schedule}, mesh data={FLAGS.data} x stage={FLAGS.stages}"
