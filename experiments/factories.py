@@ -19,9 +19,12 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import itertools
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from absl import app, flags
+
+from jaxpipe.errors import ConfigError
+from jaxpipe.training import streams
 
 FLAGS = flags.FLAGS
 
@@ -36,46 +39,12 @@ class TrainParts:
     evaluate: Optional[Callable] = None   # (params, batch) -> {"eval_...": float}; default: the model's loss
 
 
-class Replay:
-    """A batch stream that resumes by starting over and skipping what was used (``state_dict``: the position)."""
-
-    def __init__(self, start: Callable[[], Iterator]):
-        self._start, self._it, self.position = start, start(), 0
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        self.position += 1
-        return next(self._it)
-
-    def state_dict(self) -> dict:
-        return {"position": self.position}
-
-    def load_state_dict(self, state: dict) -> None:
-        self._it, self.position = self._start(), 0
-        for _ in range(int(state["position"])):
-            next(self)
-
-
-def peek(batches):
-    """A batch of the stream (for its shapes), leaving the stream where it is."""
-    if isinstance(batches, Replay):
-        return next(batches._start())
-    import copy
-    return next(copy.deepcopy(batches))
-
-
 def resumable(batches):
     """``batches`` as a stream the runner can checkpoint (module docstring)."""
-    if hasattr(batches, "state_dict") and hasattr(batches, "load_state_dict"):
-        return batches
-    if callable(batches):
-        return Replay(batches)
-    raise app.UsageError(
-        f"the factory's batches are a {type(batches).__name__}, which a resumed run cannot put back where it was: "
-        f"return a function of no arguments that starts the stream (e.g. lambda: my_batches(seed)), or an object "
-        f"with state_dict() and load_state_dict()")
+    try:
+        return streams.resumable(batches)
+    except ConfigError as e:
+        raise app.UsageError(f"the factory's {e}") from None
 
 
 def load(spec: str) -> Callable:

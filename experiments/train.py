@@ -161,10 +161,49 @@ def main(argv):
 
 
 def run(argv):
+    """Build the model, the mesh and the pipeline from the flags, then train through :func:`jaxpipe.train`."""
     del argv
     from absl import logging
     if not FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)      # Orbax logs every save at INFO
+    n_proc = _start_process()
+    import jax
+    import jaxpipe as jp
+    primary = jax.process_index() == 0
+    say = print if primary else (lambda *a, **k: None)
+    os.makedirs(FLAGS.out_dir, exist_ok=True)
+    pipe, parts, sched = _build_pipeline(jp)
+    state = pipe.init()
+    _describe(jp, pipe, state, n_proc, say)
+    if primary:
+        # the resolved configuration (--flagfile=<out_dir>/config.flags reruns it), less one process's identity
+        # and the debug switches
+        from experiments.run_records import save_config
+        save_config(FLAGS.out_dir, skip=("flagfile", "coordinator", "process_id", "fail_at_step", "fail_process",
+                                         "stall_at_step", "stop_at_step", "throttle_s"))
+    try:
+        result = jp.train(
+            pipe, parts.batches, eval_batches=parts.eval_batches, evaluate=parts.evaluate, hooks=[_debug_hook],
+            state=state, steps=FLAGS.steps, out_dir=FLAGS.out_dir, eval_every=FLAGS.eval_every,
+            checkpoint_dir=FLAGS.checkpoint_dir, checkpoint_every=FLAGS.checkpoint_every,
+            checkpoint_keep=FLAGS.checkpoint_keep, on_nonfinite=FLAGS.on_nonfinite, progress=FLAGS.progress,
+            progress_every=FLAGS.progress_every, tensorboard=FLAGS.tensorboard, stop_grace_s=FLAGS.stop_grace_s,
+            learning_rate=sched, units=parts.unit, units_per_step=FLAGS.batch * parts.per_row,
+            describe={"model": FLAGS.model, "schedule": FLAGS.schedule, "stages": FLAGS.stages, "data": FLAGS.data,
+                      "microbatches": FLAGS.microbatches})
+    except jp.training.NonFiniteLoss as e:
+        sys.stderr.write(f"\njaxpipe: {e}\n")
+        sys.exit(3)
+    if FLAGS.save_params:
+        _save_params(jp, pipe, result.state, primary)
+    if result.summary is not None:
+        _report(jp, pipe, parts.model, result, primary)
+
+
+def _start_process() -> int:
+    """This process's part of the job: its devices (XLA_FLAGS, before JAX is imported), glibc's memory
+    policy, and -- in a multi-process job -- the coordinator and the check that every process has the same
+    flags.  Returns the number of processes."""
     from jaxpipe.distributed import settings
     try:
         coordinator, n_proc, proc = settings(FLAGS.coordinator, FLAGS.num_processes, FLAGS.process_id)
@@ -177,34 +216,28 @@ def run(argv):
     if "jax" not in sys.modules and "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={n_dev // n_proc}").strip()
-    import json
-    import time
-
     from jaxpipe import host_memory
     host_memory.choose(FLAGS.keep_freed_memory)
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import optax
-    from tqdm import tqdm
-
     import jaxpipe as jp
-
     if n_proc > 1:
         jp.distributed.initialize(coordinator, n_proc, proc, timeout_s=FLAGS.init_timeout, verbose=FLAGS.verbose,
                                   heartbeat_timeout_s=FLAGS.heartbeat_timeout)
         # the flags that shape the computation or its collectives must be the same on every process
         own = {f.name for f in FLAGS.get_flags_for_module(sys.modules[__name__])}
         jp.distributed.check_agree({f"--{k}": FLAGS[k].value for k in sorted(own - PER_PROCESS)}, "flags")
-    primary = jax.process_index() == 0
-    say = print if primary else (lambda *a, **k: None)
-    os.makedirs(FLAGS.out_dir, exist_ok=True)
+    return n_proc
+
+
+def _build_pipeline(jp):
+    """The model (``--model``'s factory), the optimizer with its learning-rate schedule, the mesh and the
+    :class:`~jaxpipe.Pipeline`; returns (pipe, the factory's parts, the schedule)."""
+    import optax
     if FLAGS.schedule not in jp.schedules.METHODS:
         raise app.UsageError(f"--schedule={FLAGS.schedule}: choose one of {', '.join(jp.schedules.available())}")
-    # model stages per device (interleaved: --virtual chunks; wpipe: G0 and G1), as the registry declares it
-    n_stages = FLAGS.stages * jp.schedules.method(FLAGS.schedule).stages_per_device({"virtual": FLAGS.virtual})
-    # the flags that set schedule options, passed to the methods whose registry schema has them
     method = jp.schedules.method(FLAGS.schedule)
+    # model stages per device (interleaved: --virtual chunks; wpipe: G0 and G1), as the registry declares it
+    n_stages = FLAGS.stages * method.stages_per_device({"virtual": FLAGS.virtual})
+    # the flags that set schedule options, passed to the methods whose registry schema has them
     flag_options = {"virtual": FLAGS.virtual, "pipelines": FLAGS.chimera_pipelines, "concat": FLAGS.chimera_concat,
                     "eager_reduce": FLAGS.chimera_eager,
                     "advance": "auto" if FLAGS.advance == "auto" else int(FLAGS.advance)}
@@ -213,8 +246,6 @@ def run(argv):
         raise app.UsageError(f"--pipes={FLAGS.pipes} is for --schedule=avgpipe (parallel pipelines)")
     from experiments import factories
     parts = factories.build(FLAGS.model, n_stages, FLAGS.batch, FLAGS.seed)
-    model, batches, eval_set, unit = parts.model, parts.batches, parts.eval_batches, parts.unit
-
     # a linear warm-up over --warmup (5% of the steps by default, at least one), then --lr_schedule
     try:
         sched = jp.optim.schedule_by_name(FLAGS.lr_schedule, FLAGS.lr, FLAGS.steps, FLAGS.warmup)
@@ -227,34 +258,26 @@ def run(argv):
         extra["batch_axes"] = ("data", "fsdp")       # FSDP: data parallelism with sharded weights
     # synchronous schedules guard every update (a non-finite step leaves the state as it was), so a stop
     # can say where the NaN came from with the very weights the step used; --on_nonfinite decides what next
-    guard = not jp.schedules.method(FLAGS.schedule).updates_inside
+    guard = not method.updates_inside
     if FLAGS.on_nonfinite == "skip" and not guard:
         raise app.UsageError(f"--on_nonfinite=skip needs a synchronous schedule: {FLAGS.schedule} updates inside "
                              f"the pipeline, so there is no single update to skip; use --on_nonfinite=stop")
-    pipe = jp.Pipeline(model, schedule=FLAGS.schedule, num_microbatches=FLAGS.microbatches, optimizer=opt,
+    pipe = jp.Pipeline(parts.model, schedule=FLAGS.schedule, num_microbatches=FLAGS.microbatches, optimizer=opt,
                        mesh=mesh, nan_bubbles=FLAGS.nan_bubbles, skip_nonfinite=guard, seed=FLAGS.seed,
                        precision=jp.Precision(params="float32", compute=FLAGS.dtype), **extra)
-    state = pipe.init()
-    start, ckpt = 0, None
-    if FLAGS.checkpoint_dir:
-        ckpt = jp.Checkpointer(FLAGS.checkpoint_dir, pipe, keep=FLAGS.checkpoint_keep, every=FLAGS.checkpoint_every,
-                               writer=True)      # one writer per directory: a second run fails here, not later
-        if ckpt.latest_step() is not None:
-            example = jax.tree.map(np.zeros_like, factories.peek(batches))
-            # the newest intact checkpoint: a corrupt or unreadable one is reported and skipped
-            state, extra_saved, start = ckpt.restore_latest(pipe.prepare(state, example), report=say)
-            if start:
-                batches.load_state_dict(extra_saved["data"])
-                say(f"resumed from {FLAGS.checkpoint_dir} at step {start} (data position {getattr(batches, 'position', '?')})")
-    r = pipe.schedule.simulate(f=1.0, b=1.0, w=1.0) if pipe.schedule.has_w() else pipe.schedule.simulate(f=1.0, b=2.0)
-    say(f"jaxpipe: {FLAGS.model} ({sum(x.size for x in jax.tree.leaves(model.params)):,} parameters), "
-          f"{FLAGS.schedule}, mesh data={FLAGS.data} x stage={FLAGS.stages}"
-          f"{f' x fsdp={FLAGS.fsdp}' if FLAGS.fsdp > 1 else ''}{f' x tensor={FLAGS.tensor}' if FLAGS.tensor > 1 else ''}, "
-          f"M={FLAGS.microbatches}, "
-          f"batch {FLAGS.batch}, {FLAGS.optimizer} lr {FLAGS.lr:g}")
-    say(f"schedule: {r.num_ticks} ticks/step, simulated bubble {r.bubble_ratio:.1%} (lockstep "
-          f"{r.lockstep_bubble_ratio:.1%}), peak in-flight micro-batches per device {r.peak_inflight}")
+    return pipe, parts, sched
 
+
+def _describe(jp, pipe, state, n_proc, say):
+    """The run's first lines: the model, the mesh, the schedule's simulated bubble, the model axes' memory."""
+    import jax
+    r = pipe.schedule.simulate(f=1.0, b=1.0, w=1.0) if pipe.schedule.has_w() else pipe.schedule.simulate(f=1.0, b=2.0)
+    say(f"jaxpipe: {FLAGS.model} ({sum(x.size for x in jax.tree.leaves(pipe.model.params)):,} parameters), "
+        f"{FLAGS.schedule}, mesh data={FLAGS.data} x stage={FLAGS.stages}"
+        f"{f' x fsdp={FLAGS.fsdp}' if FLAGS.fsdp > 1 else ''}{f' x tensor={FLAGS.tensor}' if FLAGS.tensor > 1 else ''}, "
+        f"M={FLAGS.microbatches}, batch {FLAGS.batch}, {FLAGS.optimizer} lr {FLAGS.lr:g}")
+    say(f"schedule: {r.num_ticks} ticks/step, simulated bubble {r.bubble_ratio:.1%} (lockstep "
+        f"{r.lockstep_bubble_ratio:.1%}), peak in-flight micro-batches per device {r.peak_inflight}")
     if FLAGS.tensor > 1 or FLAGS.fsdp > 1:
         held = lambda t: sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(t) if hasattr(x, "nbytes"))
         full = lambda t: sum(x.nbytes for x in jax.tree.leaves(t) if hasattr(x, "nbytes"))
@@ -265,167 +288,17 @@ def run(argv):
     if n_proc > 1:
         say(f"multi-host: {n_proc} processes x {jax.local_device_count()} {jax.devices()[0].platform} devices; "
             f"each feeds its own devices' shards")
-    eval_loss_fn = jax.jit(pipe.model.loss)       # the model as trained (precision policy); no key: no dropout
 
-    def evaluate(params):
-        params = jp.distributed.to_host(params)      # all processes gather (collective), then evaluate locally
-        losses, more = [], []
-        for b in eval_set:
-            losses.append(float(eval_loss_fn(params, b)))
-            if parts.evaluate is not None:          # the factory's own measures (the MLP's accuracy)
-                more.append(parts.evaluate(params, b))
-        out = {"eval_loss": float(np.mean(losses))} if losses else {}
-        for k in (more[0] if more else {}):
-            out[k] = float(np.mean([m[k] for m in more]))
-        return out
 
-    path = os.path.join(FLAGS.out_dir, "metrics.jsonl")
-    kept = []
-    if start and os.path.exists(path):           # keep the log of the steps the checkpoint includes
-        kept = [l for l in open(path) if l.strip() and json.loads(l).get("step", 0) <= start]
-    log = open(path, "w") if primary else open(os.devnull, "w")
-    from experiments.run_records import TensorBoard, save_config
-    board = TensorBoard(os.path.join(FLAGS.out_dir, "tensorboard"), FLAGS.tensorboard if primary else "false")
-    if primary:
-        # the resolved configuration (--flagfile=<out_dir>/config.flags reruns it), less one process's identity
-        # and the debug switches
-        save_config(FLAGS.out_dir, skip=("flagfile", "coordinator", "process_id", "fail_at_step", "fail_process",
-                                         "stall_at_step", "stop_at_step", "throttle_s"))
-    lrs = np.asarray(jax.vmap(sched)(jnp.arange(max(FLAGS.steps, 1))))     # the update of step i uses lrs[i]
-    log.writelines(kept)
-    from experiments.stopping import Stop, guard_streams
-    # a launcher that dies takes our output's reader with it: writes must not raise, and what this process
-    # says after that (its stop, its save, or why neither happened) goes to a file in --out_dir
-    guard_streams(os.path.join(FLAGS.out_dir, f"process{jax.process_index()}.orphaned.log"))
-    # the newest finished checkpoint, read from the directory (Orbax renames a step's folder when it is done)
-    finished = lambda: max((int(x) for x in os.listdir(FLAGS.checkpoint_dir) if x.isdigit()), default=None) \
-        if ckpt is not None and os.path.isdir(FLAGS.checkpoint_dir) else None
-    stop = Stop(FLAGS.stop_grace_s, last_checkpoint=finished)
-    stop.install()
-    # a worker of experiments.launch: ends within the launcher's --stop_timeout once the launcher is gone
-    stop.watch_launcher(int(os.environ.get("JAXPIPE_LAUNCHER_PID", "0") or 0),
-                        float(os.environ.get("JAXPIPE_STOP_TIMEOUT", "120")))
-
-    def agreed_stop() -> bool:
-        """Whether any process was told to stop: every process must stop after the same step, or the
-        collective checkpoint save of one waits forever for the others (a tiny allgather per step)."""
-        if n_proc == 1:
-            return bool(stop)
-        from jax.experimental import multihost_utils
-        flags_ = multihost_utils.process_allgather(np.int32(1 if stop else 0))
-        if np.any(flags_):
-            stop.request(f"a stop signal to process {int(np.argmax(flags_))}")
-        return bool(np.any(flags_))
-    t_start = time.perf_counter()
-    t_first = None
-    last_eval, eval_step = {}, None
-    # a terminal gets a progress bar; a file or a pipe a plain line every --progress_every steps (a bar's
-    # carriage returns wrote 54 KB of one line into a redirected log)
-    tty = sys.stderr.isatty()
-    bar = tqdm(range(start, FLAGS.steps), disable=not (FLAGS.progress and primary and tty), unit="step",
-               dynamic_ncols=True, initial=start, total=FLAGS.steps)
-    every = FLAGS.progress_every or max(1, (FLAGS.steps - start) // 10)
-    lines = FLAGS.progress and primary and not tty
-    beat = os.environ.get("JAXPIPE_HEARTBEAT")
-    first_loss, loss, skipped, done = None, float("nan"), 0, start
-
-    def save(step, force=False):
-        if ckpt is not None:
-            ckpt.maybe_save(step, state, extra={"data": batches.state_dict()}, force=force)
-
-    for i in bar:
-        batch = next(batches)
-        t0 = time.perf_counter()
-        state, metrics = pipe.step(state, batch)
-        loss = float(metrics["loss"])
-        dt = time.perf_counter() - t0
-        if t_first is None:
-            t_first = dt
-            first_loss = loss
-        rec = {"step": i + 1, "time_s": dt, "lr": float(lrs[min(i, len(lrs) - 1)]),
-               **{k: float(v) if np.ndim(v) == 0 else np.asarray(v).tolist() for k, v in metrics.items()}}
-        computed = int(metrics.get("losses_computed", 1))
-        # grad_norm is a vector for avgpipe (one per pipeline)
-        finite = (not computed or np.isfinite(loss)) and bool(np.all(np.isfinite(np.asarray(metrics.get("grad_norm", 0.0)))))
-        was_skipped = bool(metrics.get("skipped", False))
-        if was_skipped and FLAGS.on_nonfinite == "skip":
-            skipped += 1
-        elif was_skipped or not finite:
-            log.write(json.dumps(rec) + "\n")
-            log.close()
-            board.scalars(i + 1, rec)
-            board.close()
-            bar.close()
-            _stop_nonfinite(jp, pipe, model, state, batch, metrics, i + 1, ckpt, was_skipped)
-        if FLAGS.throttle_s:
-            time.sleep(FLAGS.throttle_s)
-        done = i + 1
-        # the checkpoint holds the running pipeline (before the final drain), so a longer run resumed from
-        # it equals one that never stopped
-        save(done, force=done == FLAGS.steps)
-        if i + 1 == FLAGS.steps and pipe.is_async:   # finish the micro-batches still in flight
-            state, _ = pipe.drain(state)
-        if FLAGS.eval_every and (i + 1) % FLAGS.eval_every == 0 or i + 1 == FLAGS.steps:
-            last_eval, eval_step = evaluate(pipe.params(state)), done
-            rec.update(last_eval)
-        log.write(json.dumps(rec) + "\n")
-        log.flush()
-        board.scalars(done, rec)
-        bar.set_postfix(loss=f"{loss:.3f}", **{k: f"{v:.3f}" for k, v in last_eval.items()})
-        if lines and (done % every == 0 or done == FLAGS.steps):
-            # an evaluation is printed where it was made, and later marked with its step (not as if new)
-            since = "" if eval_step == done else f" (step {eval_step})"
-            print(f"step {done}/{FLAGS.steps}  loss {loss:.3f}  {dt * 1e3:.0f} ms/step" +
-                  "".join(f"  {k} {v:.3f}{since}" for k, v in last_eval.items()), flush=True)
-        if beat:                        # experiments.launch's watchdog: this process finished a step
-            try:
-                open(beat, "a").close()
-                os.utime(beat)
-            except OSError:             # the launcher is gone and took its directory: nothing to tell
-                pass
-        if FLAGS.stall_at_step and done == FLAGS.stall_at_step and jax.process_index() == FLAGS.fail_process:
-            while True:
-                time.sleep(3600)
-        if FLAGS.fail_at_step and done == FLAGS.fail_at_step and jax.process_index() == FLAGS.fail_process:
-            raise RuntimeError(f"--fail_at_step={done}: process {FLAGS.fail_process} fails here (debug)")
-        if FLAGS.stop_at_step and done == FLAGS.stop_at_step and done < FLAGS.steps:
-            stop.request(f"--stop_at_step={done}")
-        if agreed_stop():
-            bar.close()
-            print(f"jaxpipe: process {jax.process_index()}: stopping ({stop.reason}) after step {done}; saving",
-                  file=sys.stderr, flush=True)
-            save(done, force=True)
-            if ckpt is not None:
-                ckpt.close()
-            stop.done()                 # saved: a signal arriving while the process exits changes nothing
-            board.close()
-            say(f"\nstopped by {stop.reason} at step {done}" + (f"; checkpoint saved in {FLAGS.checkpoint_dir}, run "
-                                                            f"again to resume" if ckpt else ""))
-            sys.exit(143)
-    log.close()
-    board.close()
-    if ckpt is not None:
-        ckpt.close()
-    if t_first is None:
-        say(f"nothing to do: the checkpoint in {FLAGS.checkpoint_dir} is at step {start} >= --steps={FLAGS.steps}")
-        if FLAGS.save_params:
-            _save_params(jp, pipe, pipe.drain(state)[0], primary)
-        return
-    wall = time.perf_counter() - t_start
-    steady = (wall - t_first) / max(1, FLAGS.steps - start - 1)
-    per_step = FLAGS.batch * parts.per_row
-    summary = {"model": FLAGS.model, "schedule": FLAGS.schedule, "stages": FLAGS.stages, "data": FLAGS.data,
-               "microbatches": FLAGS.microbatches, "steps": FLAGS.steps, "resumed_at": start,
-               "processes": n_proc, "skipped_updates": skipped, "first_loss": first_loss,
-               "final_loss": loss, **last_eval, "wall_s": wall, "compile_and_first_step_s": t_first,
-               "steady_step_s": steady, f"{unit}_per_s": per_step / steady}
-    if FLAGS.save_params:
-        _save_params(jp, pipe, state, primary)
-    sample_params = None
+def _report(jp, pipe, model, result, primary):
+    """The summary and, for the GPT, a sample of text (added to summary.json)."""
+    import json
+    import jax
+    summary, sample_params = result.summary, None
     if FLAGS.model == "gpt" and FLAGS.sample_len:
         # a collective on many hosts: every process gathers, process 0 samples (a jitted function may not
         # close over an array spanning devices of other processes)
-        sample_params = jp.distributed.to_host(pipe.params(state))
+        sample_params = jp.distributed.to_host(pipe.params(result.state))
     if not primary:
         return
     print("\n== summary ==")
@@ -437,41 +310,25 @@ def run(argv):
                                 jax.random.key(FLAGS.seed + 1))
         summary["sample"] = (prompt + text).decode("utf-8", errors="replace")
         print("\n== sample ==\n" + printable(summary["sample"]))
-    with open(os.path.join(FLAGS.out_dir, "summary.json"), "w") as fh:
-        json.dump(summary, fh, indent=1)
+        with open(os.path.join(FLAGS.out_dir, "summary.json"), "w") as fh:
+            json.dump(summary, fh, indent=1)
     print(f"\nmetrics: {os.path.join(FLAGS.out_dir, 'metrics.jsonl')}")
 
 
-def _stop_nonfinite(jp, pipe, model, state, batch, metrics, step, ckpt, update_skipped):
-    """Exit 3 with the step and the stage where the NaN/Inf first appears (an unpipelined replay)."""
-    import numpy as np
-    last = None
-    try:               # this stop is the report of the step's failed checks: read them here, once
-        pipe.check()
-    except jp.ConfigError:
-        pass
-    if ckpt is not None:
-        ckpt.close()       # the writes in flight (all of finite states) finish; nothing new starts
-        # name a checkpoint that really is good: restore the newest intact one (checksums verified; a damaged
-        # one is reported and skipped) -- every process takes part, as in a resume
-        reader = jp.Checkpointer(ckpt.directory, pipe)
-        try:
-            _, _, last = reader.restore_latest(state, report=lambda m: sys.stderr.write(m + "\n"))
-        finally:
-            reader.close()
-        last = last or None
-    where = jp.diagnose.locate_nonfinite(model, jp.distributed.to_host(pipe.params(state)), batch)
-    used = ("the weights this step used (its update was not applied)" if update_skipped else
-            "the weights after this step's updates (asynchronous: updated inside the pipeline)")
-    at = (f"first at stage {where['stage']} ({where['where']}: {where['detail']}; replayed unpipelined with "
-          f"{used})" if where else
-          "the unpipelined model reproduces no NaN with the updated weights (the pipelined step's inputs held it)")
-    sys.stderr.write(
-        f"\njaxpipe: non-finite loss {float(metrics['loss'])} / grad_norm {np.asarray(metrics.get('grad_norm', np.nan))} "
-        f"at step {step}, {at}. Stopped; nothing was checkpointed after it"
-        f"{f' (last good checkpoint, verified just now: step {last})' if last is not None else ''}. Lower --lr, add clipping, "
-        f"or pass --on_nonfinite=skip to skip such updates\n")
-    sys.exit(3)
+def _debug_hook(trainer, done):
+    """The fault-injection flags (--throttle_s, --stall_at_step, --fail_at_step, --stop_at_step), after a step."""
+    import time
+    import jax
+    if FLAGS.throttle_s:
+        time.sleep(FLAGS.throttle_s)
+    mine = jax.process_index() == FLAGS.fail_process
+    if FLAGS.stall_at_step and done == FLAGS.stall_at_step and mine:
+        while True:
+            time.sleep(3600)
+    if FLAGS.fail_at_step and done == FLAGS.fail_at_step and mine:
+        raise RuntimeError(f"--fail_at_step={done}: process {FLAGS.fail_process} fails here (debug)")
+    if FLAGS.stop_at_step and done == FLAGS.stop_at_step and done < FLAGS.steps:
+        trainer.request_stop(f"--stop_at_step={done}")
 
 
 def _save_params(jp, pipe, state, primary):

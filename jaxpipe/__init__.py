@@ -6,6 +6,7 @@
                        mesh=jp.make_mesh(stages=4, data=1))
     state = pipe.init()
     state, metrics = pipe.step(state, batch)
+    result = jp.train(pipe, batches, steps=1000, checkpoint_dir="ckpt")   # the whole loop: checkpoints, stops, ...
 
 ``jaxpipe.schedules`` (the schedule IR, simulator and pictures) never imports JAX; the rest is loaded on
 first use.
@@ -38,10 +39,13 @@ _LAZY = {
     "bench": ("bench", None),
     "tune": ("tune", None),
     "host_memory": ("host_memory", None),
+    "training": ("training", None),
+    "train": ("training.loop", "train"),
+    "Trainer": ("training.loop", "Trainer"),
 }
 
 __all__ = ["Checkpointer", "ConfigError", "CyclicDataParallel", "Pipeline", "PipelineModel", "PipelineState", "Precision", "StageContext", "data", "make_mesh",
-           "microbatch_key", "models", "optim", "with_precision",
+           "microbatch_key", "models", "optim", "with_precision", "train", "Trainer", "training",
            "schedules", "tune"]
 
 

@@ -61,7 +61,8 @@ def resolve_cut(cut, build, num_stages: int, n_blocks: int, balance: Optional[di
     """``cut`` as given (None, a list of block counts) or, for ``"balanced"``, the cut
     :func:`jaxpipe.tune.cut.balance` picks from the parts' measured costs on ``balance["example"]`` (one
     micro-batch) for ``balance.get("schedule", "1f1b")`` and ``balance.get("options")`` (printed, with the even
-    cut's prediction).  ``build(n)``: the model of ``n`` blocks, one stage each."""
+    cut's prediction and how sure the choice is); the measured costs are kept per (model, backend) and read
+    back by later calls (``balance["cache_dir"]``, ``balance["remeasure"]``: :mod:`jaxpipe.tune.part_costs`).  ``build(n)``: the model of ``n`` blocks, one stage each."""
     if not isinstance(cut, str):
         return cut
     if cut != "balanced":
@@ -75,10 +76,11 @@ def resolve_cut(cut, build, num_stages: int, n_blocks: int, balance: Optional[di
         raise ConfigError("cut='balanced' measures one block, the embedding and the head on a micro-batch: give "
                           "balance={'example': one_microbatch} (and optionally 'schedule', 'num_microbatches', "
                           "'options', e.g. {'virtual': 3} for interleaved_1f1b)")
-    unknown = sorted(set(balance) - {"example", "schedule", "num_microbatches", "options"})
+    unknown = sorted(set(balance) - {"example", "schedule", "num_microbatches", "options", "cache_dir", "remeasure"})
     if unknown:
         raise ConfigError(f"balance={{...}} has unknown key(s) {unknown}: it takes 'example', 'schedule', "
-                          f"'num_microbatches' and 'options'")
+                          f"'num_microbatches', 'options', 'cache_dir' (where measured costs are kept; '' keeps "
+                          f"none) and 'remeasure'")
     from .tune.cut import balance as pick
     extra = {k: v for k, v in balance.items() if k != "example"}
     return pick(build(n_blocks), num_stages, balance["example"], **extra)[1].cut

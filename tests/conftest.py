@@ -25,6 +25,8 @@ import pytest  # noqa: E402
 
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "jaxpipe-tests-xla-cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# the balanced cut's measured costs (jaxpipe.tune.part_costs) beside it, not in the user's ~/.cache
+os.environ.setdefault("JAXPIPE_CACHE_DIR", os.path.join(tempfile.gettempdir(), "jaxpipe-tests-cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 # A crashed xdist worker (a fatal signal, XLA's abort) loses what it printed: pytest's per-test fd capture keeps it

@@ -137,7 +137,7 @@ MUTATIONS = [
              'divide=scale != 1.0 or what == "grad", **stream_options', 'divide=scale != 1.0, **stream_options',
              "tests/test_xla_cost.py::test_loss_and_grad_at_one_device_adds_no_pass_over_the_gradient[1f1b]"),
     # issue #52: a user's batches, resumed, start over instead of where the checkpoint left them
-    Mutation("own_model_resume_replays_from_the_start", "experiments/factories.py",
+    Mutation("own_model_resume_replays_from_the_start", "jaxpipe/training/streams.py",
              'for _ in range(int(state["position"])):', 'for _ in range(0):',
              "tests/test_own_model_in_trainer.py::test_own_model_from_a_config_file_stops_on_sigterm_and_resumes_bit_equal"),
 ]

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.ci_once
 SCRIPT = r"""
 import os, signal, sys, time
 sys.path.insert(0, {root!r})
-from experiments.stopping import Stop
+from jaxpipe.training.stopping import Stop
 stop = Stop({grace}, last_checkpoint=lambda: 7)
 stop.install()
 {before}
@@ -144,11 +144,11 @@ def test_workers_stop_when_the_launcher_is_killed(tmp_path):
     for w in alive:
         os.kill(w, signal.SIGKILL)
     # what the headless workers said after their launcher died (its pipe was their only reader)
-    said = "".join(f"--- {f.name}:\n{f.read_text()[-2000:]}" for f in sorted((tmp_path / "run").glob("*.orphaned.log")))
+    said = "".join(f"--- {f.name}:\n{f.read_text()[-6000:]}" for f in sorted((tmp_path / "run").glob("*.orphaned.log")))
     assert not alive, "workers still running 120 s after the launcher died\n" + said
     assert len(list((tmp_path / "run").glob("*.orphaned.log"))) == 2, said
     steps = finalized(ck)
-    assert len(steps) == 1 and steps[0] >= 3, (steps, said)
+    assert len(steps) == 1 and steps[0] >= 3, f"finished checkpoints {steps}\n{said}"
 
 
 def test_a_stalled_worker_is_stopped_by_the_launchers_watchdog(tmp_path):

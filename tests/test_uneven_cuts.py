@@ -297,14 +297,47 @@ def test_balanced_cut_moves_blocks_off_an_expensive_head():
     assert balanced_cut(10, 4, padded, "1f1b", 8).gain < heavy.gain
 
 
-def test_balanced_cut_through_an_adapter_is_measured_and_printed(capsys):
+def test_balanced_cut_through_an_adapter_is_measured_kept_and_read_back(capsys, tmp_path, monkeypatch):
+    """Issue #52 item 3: measured in rounds (the print says in how many the choice was best), the costs kept
+    per (model, backend), and a later call reads them -- no measuring, the same cut -- unless told to remeasure."""
+    from jaxpipe.tune import part_costs
     rngs = nnx.Rngs(0)
     emb = nnx.Embed(11, W, rngs=rngs)
     blocks, head = [Block(rngs) for _ in range(6)], nnx.Linear(W, 11, rngs=rngs)
     mb = {"x": np.zeros((2, 5), np.int32), "y": np.zeros((2, 5), np.int32)}
-    model, _ = jp.models.from_nnx(blocks, emb, head, xent, num_stages=4, cut="balanced", balance={"example": mb})
+    balance = {"example": mb, "cache_dir": str(tmp_path)}
+    model, _ = jp.models.from_nnx(blocks, emb, head, xent, num_stages=4, cut="balanced", balance=balance)
     assert sum(model.cut) == 6 and len(model.cut) == 4 and min(model.cut) >= 1
-    assert "balanced cut" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "balanced cut" in out and "measured rounds" in out and "costs kept in" not in out, out
+    assert len(list(tmp_path.glob("*.json"))) == 1
+
+    def no_measuring(*a, **k):
+        raise AssertionError("measured again although the costs were kept")
+    monkeypatch.setattr(part_costs, "measure_rounds", no_measuring)
+    again, _ = jp.models.from_nnx(blocks, emb, head, xent, num_stages=4, cut="balanced", balance=balance)
+    assert again.cut == model.cut and f"costs kept in {tmp_path}" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="measured again"):
+        jp.models.from_nnx(blocks, emb, head, xent, num_stages=4, cut="balanced", balance={**balance, "remeasure": True})
+
+
+def test_the_cut_measurement_adds_rounds_while_a_round_disagrees(tmp_path, monkeypatch):
+    """Three rounds first; a round whose own costs choose another cut adds rounds, up to seven; the choice
+    says in how many it was best, and the rounds are kept."""
+    import json
+    from jaxpipe.tune import part_costs
+    times = iter([1.0, 2.0, 1.0] + [1.0] * 10)
+    names = ["f_block", "fb_block", "f_pre", "fb_pre", "f_post", "fb_post"]
+    monkeypatch.setattr(part_costs, "part_programs", lambda model, mb: ([], "traced"))
+    monkeypatch.setattr(part_costs, "measure_rounds",
+                        lambda programs, rounds: [dict.fromkeys(names, next(times)) for _ in range(rounds)])
+    choose = lambda c: "A" if c.f_block < 1.5 else "B"
+    costs, agreement, source = part_costs.stable_costs(None, None, choose, str(tmp_path))
+    assert costs.f_block == 1.0 and source == "measured"
+    assert agreement == (6, 7)        # the one disagreeing round kept the measurement going to seven
+    kept = json.load(open(next(tmp_path.glob("*.json"))))["rounds"]
+    assert [r["f_block"] for r in kept] == [1.0, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    assert part_costs.stable_costs(None, None, choose, str(tmp_path))[1:] == ((6, 7), str(next(tmp_path.glob("*.json"))))
 
 
 @pytest.mark.parametrize("make,match", [

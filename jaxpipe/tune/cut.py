@@ -51,6 +51,10 @@ class CutChoice:
     even_cut: Tuple[int, ...]
     even_predicted: float
     costs: PartCosts
+    #: (measured rounds whose own costs choose this cut, rounds): how sure the choice is
+    agreement: Tuple[int, int] = (1, 1)
+    #: "measured", or the file of kept costs it was read from
+    source: str = "measured"
 
     @property
     def gain(self) -> float:
@@ -59,7 +63,9 @@ class CutChoice:
     def __str__(self):
         return (f"balanced cut {list(self.cut)}: predicted {self.predicted * 1e3:.3f} ms of compute per step, "
                 f"against {self.even_predicted * 1e3:.3f} ms for the even cut {list(self.even_cut)} "
-                f"({self.gain:.3f}x)")
+                f"({self.gain:.3f}x); best in {self.agreement[0]} of {self.agreement[1]} measured rounds"
+                + ("" if self.source == "measured" else f" (costs kept in {self.source}; remeasure=True "
+                                                        f"measures again)"))
 
 
 def _stage_costs(cut: Sequence[int], c: PartCosts) -> np.ndarray:
@@ -146,46 +152,21 @@ def balanced_cut(n_blocks: int, num_stages: int, costs: PartCosts, schedule: str
 
 def measure_parts(model, microbatch, calls: int = 7) -> PartCosts:
     """:class:`PartCosts` of ``model`` (a :class:`~jaxpipe.PipelineModel`; a cut model's first block stands
-    for every block) on one micro-batch, measured on the default device: each part's forward, and its
-    backward as a pullback (the executor's B: residuals kept from the forward)."""
-    import jax.numpy as jnp
-    from ..cuts import pad_blocks
-    from .microbench import _timeit
-    stage_p, pre_p, post_p = model.params
-    if model.cut is not None:                 # one block as a stage of one slot
-        w = jax.tree.map(lambda a: a[0], pad_blocks(jax.tree.map(lambda a: a[:1], stage_p), (1,)))
-    else:
-        w = jax.tree.map(lambda a: a[0], stage_p)
-    one = dataclasses.replace(model, cut=None, stage_params=jax.tree.map(lambda a: a[None], w), recut=None) \
-        if model.cut is not None else model
-    ctx = one.example_context(microbatch)
-    x = jax.jit(model.pre)(pre_p, microbatch)
-
-    def fwd_bwd(f, *args):
-        """(forward seconds, backward seconds): the pullback is the forward-and-backward minus the forward."""
-        ct = jax.tree.map(lambda a: jnp.ones(a.shape, a.dtype), jax.eval_shape(f, *args))
-        fwd = _timeit(jax.jit(f), args, calls)
-        both = _timeit(jax.jit(lambda *a: jax.vjp(f, *a)[1](ct)), args, calls)
-        return fwd, max(both - fwd, 0.0)
-
-    f_blk, b_blk = fwd_bwd(lambda w_, x_: one.apply_stage(w_, x_, ctx), w, x)
-    # a stage of one real block and one padding slot (cut (1, 2), stage 0), over the one-block stage
-    from ..cuts import stage_of_blocks
-    two = stage_of_blocks(model.block_fn, (1, 2), bool(model.block_context)) if model.block_fn else None
-    w2 = jax.tree.map(lambda a: jnp.concatenate([a, a]), w)
-    ctx2 = dataclasses.replace(ctx, stage=jnp.int32(0)) if ctx is not None else \
-        one.stage_context(microbatch, None, 0)
-    f_two, b_two = fwd_bwd(lambda w_, x_: two(w_, x_, ctx2), w2, x) if two else (f_blk, b_blk)
-    f_pre, b_pre = fwd_bwd(lambda p: model.pre(p, microbatch), pre_p)
-    f_post, b_post = fwd_bwd(lambda p, x_: model.post_loss(p, x_, microbatch), post_p, x)
-    return PartCosts(f_blk, b_blk, f_pre, b_pre, f_post, b_post, max(f_two - f_blk, 0.0), max(b_two - b_blk, 0.0))
+    for every block) on one micro-batch, measured once on the default device: each part's forward, and its
+    backward as a pullback (the executor's B: residuals kept from the forward).  :func:`balance` measures in
+    rounds and keeps the costs (:mod:`jaxpipe.tune.part_costs`)."""
+    from .part_costs import measure_rounds, part_programs, to_costs
+    return to_costs(measure_rounds(part_programs(model, microbatch)[0], 1, calls)[0])
 
 
 def balance(model, num_stages: int, example, schedule: str = "1f1b", num_microbatches: Optional[int] = None,
-            options: Optional[dict] = None, verbose: bool = True):
+            options: Optional[dict] = None, verbose: bool = True, cache_dir: Optional[str] = None,
+            remeasure: bool = False):
     """``(model with the balanced cut, CutChoice)`` for a model of blocks (``block_fn``; stage parameters
-    stacked per stage or, with a cut, per block), measured on ``example`` (one micro-batch).  Prints the
-    choice unless ``verbose=False``."""
+    stacked per stage or, with a cut, per block), measured on ``example`` (one micro-batch) in rounds until
+    the choice is stable, or read from the costs an earlier call kept in ``cache_dir``
+    (:mod:`jaxpipe.tune.part_costs`; ``remeasure=True`` measures again).  Prints the choice unless
+    ``verbose=False``."""
     if model.block_fn is None:
         raise ConfigError("a balanced cut moves blocks between stages: give the model as block_fn + blocks "
                           "(PipelineModel(block_fn=..., stage_params=blocks, cut=...)) or use the Flax adapters")
@@ -194,7 +175,11 @@ def balance(model, num_stages: int, example, schedule: str = "1f1b", num_microba
     n = int(jax.tree.leaves(blocks)[0].shape[0])
     per_block = dataclasses.replace(model, stage_params=blocks, cut=(1,) * n, stage_fn=None,
                                     context=bool(model.block_context), recut=None)
-    choice = balanced_cut(n, num_stages, measure_parts(per_block, example), schedule, num_microbatches, options)
+    from .part_costs import stable_costs
+    choose = lambda c: balanced_cut(n, num_stages, c, schedule, num_microbatches, options).cut
+    costs, agreement, source = stable_costs(per_block, example, choose, cache_dir, remeasure)
+    choice = dataclasses.replace(balanced_cut(n, num_stages, costs, schedule, num_microbatches, options),
+                                 agreement=agreement, source=source)
     if verbose:
         print(f"jaxpipe: {choice}")
     return dataclasses.replace(per_block, cut=choice.cut, stage_fn=None), choice

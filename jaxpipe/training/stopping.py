@@ -1,12 +1,12 @@
 """One agreed stop per job: SIGTERM (preemption), SIGINT (Ctrl-C) or a stop learned from a peer process.
 
 A cluster scheduler signals the processes of a job one after the other (0.5-2 s apart is common), and a
-process may learn of the stop from its peer -- through the per-step agreement in ``experiments.train`` --
+process may learn of the stop from its peer -- through the per-step agreement in ``jaxpipe.training.loop`` --
 before its own signal arrives.  That signal only confirms the stop already agreed on: it must not count as
 a second one (it did, and the job lost its checkpoint: process 1 exited while process 0 waited in the
 collective save).  So: a process's *first* signal starts the stop or confirms it; its *second* gives the
 stop-save ``grace_s`` seconds more, then exits; a third exits at once.  A forced exit says which step the
-newest finished checkpoint holds.
+newest finished checkpoint holds.  Used by :class:`jaxpipe.training.Trainer` (and so by ``experiments.train``).
 """
 from __future__ import annotations
 
@@ -79,6 +79,7 @@ class Stop:
         self.last_checkpoint = last_checkpoint
         self.write = write or self._stderr
         self._timer: Optional[threading.Timer] = None
+        self.exits = True             # a stop ends the process (False: the loop returns to its caller)
 
     def __bool__(self) -> bool:
         return self.reason is not None
@@ -96,9 +97,15 @@ class Stop:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def install(self) -> None:
+        """This stop handles SIGTERM and SIGINT (main thread only) until :meth:`uninstall`."""
         self._parent = os.getppid()
-        signal.signal(signal.SIGTERM, self.on_signal)
-        signal.signal(signal.SIGINT, self.on_signal)
+        self._before = {s: signal.signal(s, self.on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def uninstall(self) -> None:
+        """The handlers from before :meth:`install` again (a library's loop returned to its caller)."""
+        for s, handler in getattr(self, "_before", {}).items():
+            signal.signal(s, handler)
+        self._before = {}
 
     def watch_launcher(self, launcher_pid: Optional[int], stop_timeout: float, poll_s: float = 0.5) -> None:
         """A worker of ``experiments.launch`` ends when its launcher is gone, whatever it is doing: the
@@ -162,8 +169,8 @@ class Stop:
         if n == 1:
             if self.reason is None:
                 self.reason = name
-                self.write(f"\njaxpipe: {name}: stopping after this step (checkpoint, then exit "
-                           f"{self._exit_code(name)}); a second signal allows {self.grace_s:g} s more, a third "
+                then = f"exit {self._exit_code(name)}" if self.exits else "return to the caller"
+                self.write(f"\njaxpipe: {name}: stopping after this step (checkpoint, then {then}); a second signal allows {self.grace_s:g} s more, a third "
                            f"exits at once")
             else:
                 self.write(f"\njaxpipe: {name}: already stopping ({self.reason}); this signal confirms it")

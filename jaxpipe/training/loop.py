@@ -1,0 +1,405 @@
+"""The training loop for any model: ``jp.train(pipe, batches, steps=...)`` or :class:`Trainer`.
+
+What a long job needs besides ``pipe.step``, for a :class:`~jaxpipe.Pipeline` of any model and method:
+
+* checkpoints (Orbax, asynchronous) every ``checkpoint_every`` steps and at the end; a run that finds one
+  resumes from it, its batches where the checkpoint left them (:mod:`jaxpipe.training.streams`);
+* stops: SIGTERM (preemption) or SIGINT end the run after the step in progress, with a checkpoint -- every
+  process of a multi-process job after the same step (:mod:`jaxpipe.training.stopping`); a worker of
+  ``experiments.launch`` also stops when its launcher is gone and tells the launcher's watchdog of each step;
+* a NaN or Inf loss or gradient: ``on_nonfinite="stop"`` raises :class:`NonFiniteLoss` naming the step and
+  the stage where it first appears (an unpipelined replay) and the newest intact checkpoint; ``"skip"``
+  (synchronous schedules, ``Pipeline(skip_nonfinite=True)``) skips such updates and counts them;
+* evaluation every ``eval_every`` steps on held-out batches (the model's loss, plus ``evaluate``'s measures);
+* progress (a bar on a terminal, a line every ``progress_every`` steps otherwise), ``metrics.jsonl``,
+  TensorBoard event files, and ``summary.json`` in ``out_dir``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import Any, Callable, Dict, Optional, Sequence
+
+from jaxpipe.errors import ConfigError
+from jaxpipe.training import streams
+from jaxpipe.training.records import MetricsLog, TensorBoard
+from jaxpipe.training.stopping import Stop, guard_streams
+
+#: the exit status of a job stopped by a signal (what a preempted process is expected to return)
+STOPPED_EXIT = 143
+
+
+class NonFiniteLoss(RuntimeError):
+    """A step's loss or gradient was NaN or Inf (``on_nonfinite="stop"``); ``step``, ``stage`` (None where the
+    unpipelined replay finds no NaN) and ``last_checkpoint`` (the newest intact one, or None)."""
+
+    def __init__(self, message: str, step: int, stage: Optional[int], last_checkpoint: Optional[int]):
+        super().__init__(message)
+        self.step, self.stage, self.last_checkpoint = step, stage, last_checkpoint
+
+
+@dataclasses.dataclass
+class TrainOptions:
+    """The loop's settings (the keyword arguments of :func:`train` and :class:`Trainer`)."""
+    steps: int
+    out_dir: str = "runs/train"
+    eval_every: int = 50                 # 0: evaluate only after the last step
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 0            # 0: only at the end (and at a stop)
+    checkpoint_keep: int = 3
+    on_nonfinite: str = "stop"           # "stop" | "skip"
+    progress: bool = True
+    progress_every: int = 0              # lines when not on a terminal; 0: a tenth of the run
+    tensorboard: str = "auto"            # "auto" | "true" | "false"
+    stop_grace_s: float = 60.0           # after a second signal, the stop-save's time before the process exits
+    learning_rate: Optional[Callable[[int], Any]] = None   # an optax schedule: logged as "lr"
+    units: str = "examples"              # what the throughput counts ...
+    units_per_step: Optional[float] = None   # ... per step (default: the rows of a batch)
+    exit_on_stop: bool = True            # a stop ends the process with status 143 once saved (False: returns)
+    describe: Dict[str, Any] = dataclasses.field(default_factory=dict)   # first entries of the summary
+
+    def check(self) -> None:
+        for name, choices in (("on_nonfinite", ("stop", "skip")), ("tensorboard", ("auto", "true", "false"))):
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"{name}={getattr(self, name)!r}: choose one of {', '.join(map(repr, choices))}")
+        for name, low in (("steps", 0), ("eval_every", 0), ("checkpoint_every", 0), ("checkpoint_keep", 1),
+                          ("progress_every", 0)):
+            if int(getattr(self, name)) < low:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be at least {low}")
+
+
+@dataclasses.dataclass
+class TrainResult:
+    state: Any                           # the final PipelineState (drained: nothing in flight)
+    step: int                            # the last step taken (or the checkpoint's, if there was nothing to do)
+    summary: Optional[dict]              # None when there was nothing to do
+    stopped: Optional[str] = None        # the stop's cause (a signal's name, ...) when stopped before `steps`
+
+
+def train(pipe, batches, *, eval_batches: Sequence[Any] = (), evaluate: Optional[Callable] = None,
+          hooks: Sequence[Callable] = (), state=None, **options) -> TrainResult:
+    """Train ``pipe`` on ``batches`` for ``steps`` steps (:class:`TrainOptions` lists the other options).
+
+    ``batches``: an iterator of batches, or -- for checkpoints -- a stream with ``state_dict()`` /
+    ``load_state_dict()`` or a function of no arguments that starts the stream.  ``evaluate(params, batch)``:
+    extra measures (``{"eval_acc": ...}``) beside the model's loss on ``eval_batches``.  ``hooks``: functions
+    ``hook(trainer, step)`` called after every step (``trainer.request_stop(reason)`` stops the run there)."""
+    return Trainer(pipe, batches, eval_batches=eval_batches, evaluate=evaluate, hooks=hooks, **options).run(state)
+
+
+class Trainer:
+    """The loop of :func:`train`, for callers that want ``request_stop`` or the pieces (module docstring)."""
+
+    def __init__(self, pipe, batches, *, eval_batches: Sequence[Any] = (), evaluate: Optional[Callable] = None,
+                 hooks: Sequence[Callable] = (), **options):
+        fields = {f.name for f in dataclasses.fields(TrainOptions)}
+        unknown = sorted(set(options) - fields)
+        if unknown or "steps" not in options:
+            raise ConfigError(f"Trainer options: {'unknown ' + ', '.join(unknown) if unknown else 'steps= is needed'}"
+                              f"; the options are {', '.join(sorted(fields))}")
+        self.opts = TrainOptions(**options)
+        self.opts.check()
+        if self.opts.on_nonfinite == "skip" and not pipe.skip_nonfinite:
+            raise ConfigError("on_nonfinite='skip' needs Pipeline(..., skip_nonfinite=True) (a synchronous "
+                              "schedule) so that a non-finite update is refused on the device; or use 'stop'")
+        self.pipe = pipe
+        self.batches = streams.resumable(batches) if self.opts.checkpoint_dir else streams.stream(batches)
+        self.eval_batches, self.evaluate_fn, self.hooks = list(eval_batches), evaluate, list(hooks)
+        self.ckpt, self.stop, self._eval_loss, self._lrs = None, None, None, None
+
+    # ------------------------------------------------------------------ the run
+    def run(self, state=None) -> TrainResult:
+        import jax
+        o = self.opts
+        self.primary = jax.process_index() == 0
+        os.makedirs(o.out_dir, exist_ok=True)
+        state = self.pipe.init() if state is None else state
+        state, start = self._restore(state)
+        self.log = MetricsLog(o.out_dir, start, self.primary)
+        self.board = TensorBoard(os.path.join(o.out_dir, "tensorboard"), o.tensorboard if self.primary else "false")
+        # a launcher that dies takes our output's reader with it: writes must not raise, and what this process
+        # says after that (its stop, its save, or why neither happened) goes to a file in out_dir
+        guard_streams(os.path.join(o.out_dir, f"process{jax.process_index()}.orphaned.log"))
+        self.stop = Stop(o.stop_grace_s, last_checkpoint=self._finished_checkpoint)
+        self.stop.exits = o.exit_on_stop
+        self.stop.install()
+        self.stop.watch_launcher(int(os.environ.get("JAXPIPE_LAUNCHER_PID", "0") or 0),
+                                 float(os.environ.get("JAXPIPE_STOP_TIMEOUT", "120")))
+        exiting = False
+        try:
+            result = self._loop(state, start)
+            exiting = result.stopped is not None and o.exit_on_stop
+        except BaseException:
+            # the checkpointer is left as it is: closing it waits for writes that may never finish (a directory
+            # made read-only stalled the close for minutes); the error goes to the caller now
+            self.ckpt = None
+            self._close(restore_signals=True)
+            raise
+        self._close(restore_signals=not exiting)
+        if exiting:
+            sys.exit(STOPPED_EXIT)
+        return result
+
+    def request_stop(self, reason: str) -> None:
+        """Stop after the current step, with a checkpoint (as a SIGTERM would); for hooks."""
+        self.stop.request(reason)
+
+    def say(self, *args, **kw) -> None:
+        if getattr(self, "primary", True):
+            print(*args, **kw)
+
+    def _restore(self, state):
+        """The newest intact checkpoint (a corrupt or unreadable one is reported and skipped) and its step."""
+        o = self.opts
+        if not o.checkpoint_dir:
+            return state, 0
+        from jaxpipe.checkpoint import Checkpointer
+        import jax
+        import numpy as np
+        # one writer per directory: a second run fails here, not later
+        self.ckpt = Checkpointer(o.checkpoint_dir, self.pipe, keep=o.checkpoint_keep, every=o.checkpoint_every,
+                                 writer=True)
+        if self.ckpt.latest_step() is None:
+            return state, 0
+        example = jax.tree.map(np.zeros_like, streams.peek(self.batches))
+        state, extra, start = self.ckpt.restore_latest(self.pipe.prepare(state, example), report=self.say)
+        if start:
+            self.batches.load_state_dict(extra["data"])
+            self.say(f"resumed from {o.checkpoint_dir} at step {start} (data position "
+                     f"{getattr(self.batches, 'position', '?')})")
+        return state, start
+
+    def _finished_checkpoint(self) -> Optional[int]:
+        """The newest finished checkpoint, read from the directory (Orbax renames a step's folder when done)."""
+        d = self.opts.checkpoint_dir
+        if self.ckpt is None or not d or not os.path.isdir(d):
+            return None
+        return max((int(x) for x in os.listdir(d) if x.isdigit()), default=None)
+
+    def _save(self, step: int, state, force: bool = False) -> None:
+        if self.ckpt is not None:
+            self.ckpt.maybe_save(step, state, extra={"data": self.batches.state_dict()}, force=force)
+
+    def _close(self, restore_signals: bool) -> None:
+        self.log.close()
+        self.board.close()
+        if self.ckpt is not None:
+            ckpt, self.ckpt = self.ckpt, None
+            ckpt.close()
+        if restore_signals:
+            self.stop.uninstall()
+
+    def _loop(self, state, start: int) -> TrainResult:
+        import numpy as np
+        o = self.opts
+        progress = _Progress(o, start, self.primary)
+        t_start, t_first, first_loss, loss, skipped, done = time.perf_counter(), None, None, float("nan"), 0, start
+        last_eval: Dict[str, float] = {}
+        for i in progress.steps():
+            batch = next(self.batches)
+            t0 = time.perf_counter()
+            state, metrics = self.pipe.step(state, batch)
+            loss = float(metrics["loss"])
+            dt = time.perf_counter() - t0
+            if t_first is None:
+                t_first, first_loss = dt, loss
+                units = o.units_per_step or _rows(batch)
+            rec = {"step": i + 1, "time_s": dt, **self._lr(i),
+                   **{k: float(v) if np.ndim(v) == 0 else np.asarray(v).tolist() for k, v in metrics.items()}}
+            if self._refused(metrics, loss):
+                if o.on_nonfinite == "skip":
+                    skipped += 1
+                else:
+                    self.log.write(rec)
+                    self.board.scalars(i + 1, rec)
+                    progress.close()
+                    self._nonfinite(state, batch, metrics, i + 1)
+            done = i + 1
+            # the checkpoint holds the running pipeline (before the final drain), so a longer run resumed from
+            # it equals one that never stopped
+            self._save(done, state, force=done == o.steps)
+            if done == o.steps and self.pipe.is_async:     # finish the micro-batches still in flight
+                state, _ = self.pipe.drain(state)
+            if o.eval_every and done % o.eval_every == 0 or done == o.steps:
+                last_eval = self._evaluate(self.pipe.params(state))
+                rec.update(last_eval)
+                progress.evaluated(done)
+            self.log.write(rec)
+            self.board.scalars(done, rec)
+            progress.show(done, loss, dt, last_eval)
+            _heartbeat()
+            for hook in self.hooks:
+                hook(self, done)
+            if self._agreed_stop():
+                progress.close()
+                return self._stopped(state, done)
+        progress.close()
+        if t_first is None:
+            self.say(f"nothing to do: the checkpoint in {o.checkpoint_dir} is at step {start} >= steps={o.steps}")
+            return TrainResult(self.pipe.drain(state)[0] if self.pipe.is_async else state, start, None)
+        wall = time.perf_counter() - t_start
+        steady = (wall - t_first) / max(1, o.steps - start - 1)
+        import jax
+        summary = {**o.describe, "steps": o.steps, "resumed_at": start, "processes": jax.process_count(),
+                   "skipped_updates": skipped, "first_loss": first_loss, "final_loss": loss, **last_eval,
+                   "wall_s": wall, "compile_and_first_step_s": t_first, "steady_step_s": steady,
+                   f"{o.units}_per_s": units / steady}
+        if self.primary:
+            with open(os.path.join(o.out_dir, "summary.json"), "w") as fh:
+                json.dump(summary, fh, indent=1)
+        return TrainResult(state, done, summary)
+
+    def _lr(self, i: int) -> dict:
+        """The learning rate the update of step i + 1 used (the optax schedule's count i), computed once for
+        the whole run: nothing is read from a device between steps for it."""
+        if self.opts.learning_rate is None:
+            return {}
+        if self._lrs is None:
+            import jax
+            import jax.numpy as jnp
+            import numpy as np
+            self._lrs = np.asarray(jax.vmap(self.opts.learning_rate)(jnp.arange(max(self.opts.steps, 1))))
+        return {"lr": float(self._lrs[min(i, len(self._lrs) - 1)])}
+
+    @staticmethod
+    def _refused(metrics, loss: float) -> bool:
+        """Whether the step's update was skipped or its loss or gradient norm is not finite."""
+        import numpy as np
+        computed = int(metrics.get("losses_computed", 1))
+        # grad_norm is a vector for avgpipe (one per pipeline)
+        finite = (not computed or np.isfinite(loss)) and bool(np.all(np.isfinite(np.asarray(
+            metrics.get("grad_norm", 0.0)))))
+        return bool(metrics.get("skipped", False)) or not finite
+
+    def _evaluate(self, params) -> Dict[str, float]:
+        """The model's mean loss on the evaluation batches, and ``evaluate``'s measures (their means)."""
+        import jax
+        import numpy as np
+        from jaxpipe import distributed
+        if not self.eval_batches:
+            return {}
+        if self._eval_loss is None:     # the model as trained (precision policy); no key: no dropout
+            self._eval_loss = jax.jit(self.pipe.model.loss)
+        params = distributed.to_host(params)      # all processes gather (collective), then evaluate locally
+        losses = [float(self._eval_loss(params, b)) for b in self.eval_batches]
+        more = [self.evaluate_fn(params, b) for b in self.eval_batches] if self.evaluate_fn else []
+        out = {"eval_loss": float(np.mean(losses))}
+        for k in (more[0] if more else {}):
+            out[k] = float(np.mean([m[k] for m in more]))
+        return out
+
+    def _agreed_stop(self) -> bool:
+        """Whether any process was told to stop: every process must stop after the same step, or the
+        collective checkpoint save of one waits forever for the others (a tiny allgather per step)."""
+        import jax
+        import numpy as np
+        if jax.process_count() == 1:
+            return bool(self.stop)
+        from jax.experimental import multihost_utils
+        told = multihost_utils.process_allgather(np.int32(1 if self.stop else 0))
+        if np.any(told):
+            self.stop.request(f"a stop signal to process {int(np.argmax(told))}")
+        return bool(np.any(told))
+
+    def _stopped(self, state, done: int) -> TrainResult:
+        import jax
+        print(f"jaxpipe: process {jax.process_index()}: stopping ({self.stop.reason}) after step {done}; saving",
+              file=sys.stderr, flush=True)
+        self._save(done, state, force=True)
+        if self.ckpt is not None:
+            ckpt, self.ckpt = self.ckpt, None
+            ckpt.close()
+        if self.opts.exit_on_stop:
+            self.stop.done()                # saved: a signal arriving while the process exits changes nothing
+        self.say(f"\nstopped by {self.stop.reason} at step {done}" + (
+            f"; checkpoint saved in {self.opts.checkpoint_dir}, run again to resume" if self.opts.checkpoint_dir
+            else ""))
+        return TrainResult(state, done, None, stopped=self.stop.reason)
+
+    def _nonfinite(self, state, batch, metrics, step: int):
+        """Raise :class:`NonFiniteLoss` with the step, the stage where the NaN/Inf first appears (an unpipelined
+        replay) and the newest intact checkpoint."""
+        import numpy as np
+        from jaxpipe import diagnose, distributed
+        from jaxpipe.checkpoint import Checkpointer
+        last = None
+        try:               # this stop is the report of the step's failed checks: read them here, once
+            self.pipe.check()
+        except ConfigError:
+            pass
+        if self.ckpt is not None:
+            ckpt, self.ckpt = self.ckpt, None
+            ckpt.close()       # the writes in flight (all of finite states) finish; nothing new starts
+            # name a checkpoint that really is good: restore the newest intact one (checksums verified; a damaged
+            # one is reported and skipped) -- every process takes part, as in a resume
+            reader = Checkpointer(ckpt.directory, self.pipe)
+            try:
+                _, _, last = reader.restore_latest(state, report=lambda m: sys.stderr.write(m + "\n"))
+            finally:
+                reader.close()
+            last = last or None
+        where = diagnose.locate_nonfinite(self.pipe.model, distributed.to_host(self.pipe.params(state)), batch)
+        used = ("the weights this step used (its update was not applied)" if metrics.get("skipped", False) else
+                "the weights after this step's updates (asynchronous: updated inside the pipeline)")
+        at = (f"first at stage {where['stage']} ({where['where']}: {where['detail']}; replayed unpipelined with "
+              f"{used})" if where else
+              "the unpipelined model reproduces no NaN with the updated weights (the pipelined step's inputs held it)")
+        raise NonFiniteLoss(
+            f"non-finite loss {float(metrics['loss'])} / grad_norm {np.asarray(metrics.get('grad_norm', np.nan))} "
+            f"at step {step}, {at}. Stopped; nothing was checkpointed after it"
+            f"{f' (last good checkpoint, verified just now: step {last})' if last is not None else ''}. Lower the "
+            f"learning rate, add clipping, or skip such updates (on_nonfinite='skip')",
+            step, where["stage"] if where else None, last)
+
+
+class _Progress:
+    """A bar on a terminal; a plain line every ``progress_every`` steps when the output goes to a file or a pipe
+    (a bar's carriage returns wrote 54 KB of one line into a redirected log)."""
+
+    def __init__(self, o: TrainOptions, start: int, primary: bool):
+        from tqdm import tqdm
+        tty = sys.stderr.isatty()
+        self.steps_ = o.steps
+        self.bar = tqdm(range(start, o.steps), disable=not (o.progress and primary and tty), unit="step",
+                        dynamic_ncols=True, initial=start, total=o.steps)
+        self.every = o.progress_every or max(1, (o.steps - start) // 10)
+        self.lines = o.progress and primary and not tty
+        self.eval_step = None
+
+    def steps(self):
+        return self.bar
+
+    def evaluated(self, step: int) -> None:
+        self.eval_step = step
+
+    def show(self, done: int, loss: float, dt: float, last_eval: dict) -> None:
+        self.bar.set_postfix(loss=f"{loss:.3f}", **{k: f"{v:.3f}" for k, v in last_eval.items()})
+        if self.lines and (done % self.every == 0 or done == self.steps_):
+            # an evaluation is printed where it was made, and later marked with its step (not as if new)
+            since = "" if self.eval_step == done else f" (step {self.eval_step})"
+            print(f"step {done}/{self.steps_}  loss {loss:.3f}  {dt * 1e3:.0f} ms/step" +
+                  "".join(f"  {k} {v:.3f}{since}" for k, v in last_eval.items()), flush=True)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _heartbeat() -> None:
+    """``experiments.launch``'s watchdog: this process finished a step (``$JAXPIPE_HEARTBEAT``'s mtime)."""
+    beat = os.environ.get("JAXPIPE_HEARTBEAT")
+    if beat:
+        try:
+            open(beat, "a").close()
+            os.utime(beat)
+        except OSError:             # the launcher is gone and took its directory: nothing to tell
+            pass
+
+
+def _rows(batch) -> float:
+    """The rows of a batch (the leading dimension of its first array)."""
+    import jax
+    leaves = jax.tree.leaves(batch)
+    return float(leaves[0].shape[0]) if leaves and getattr(leaves[0], "ndim", 0) else 1.0

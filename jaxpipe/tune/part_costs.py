@@ -1,0 +1,167 @@
+"""The measured costs behind a balanced cut: in rounds until the choice is stable, and kept per (model, backend).
+
+Measuring a block, a padding slot, the embedding and the head compiles eight small programs and times each;
+on a busy 2-core machine that took 30-45 s on every ``from_nnx(cut="balanced")`` call, and the chosen cut moved
+from run to run (issue #52: 25% between runs).  So:
+
+* :func:`measure_rounds` compiles the eight programs once and times them in rounds, each round calling every
+  program in turn (a drift of the machine touches every part alike); each round gives one
+  :class:`~jaxpipe.tune.cut.PartCosts`.
+* :func:`stable_costs` measures three rounds, chooses the cut from the rounds' median costs and from each
+  round's own costs, and adds rounds (up to seven) while a round disagrees; the choice says in how many rounds
+  it was the best (``CutChoice.agreement``) -- how sure it is.
+* The rounds are kept in a JSON file per key (:func:`cost_key`: the traced programs of the block, the
+  embedding and the head on the example's shapes, the backend and its device kind, the JAX version and the
+  measuring code's own hash), under ``$JAXPIPE_CACHE_DIR/cuts`` (default ``~/.cache/jaxpipe/cuts``).  A later
+  call with the same key reads them: no measuring, and the same cut.  ``balance={"remeasure": True}`` measures
+  again and replaces them; ``balance={"cache_dir": ""}`` keeps nothing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import statistics
+import time
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import jax
+
+#: rounds measured first, and at most (added while a round's costs choose another cut)
+FIRST_ROUNDS, MAX_ROUNDS = 3, 7
+
+
+def cache_dir(given: Optional[str] = None) -> str:
+    """Where measured costs are kept: ``given``, else ``$JAXPIPE_CACHE_DIR/cuts``, else ~/.cache/jaxpipe/cuts
+    ('' keeps nothing)."""
+    if given is not None:
+        return given
+    root = os.environ.get("JAXPIPE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "jaxpipe")
+    return os.path.join(root, "cuts")
+
+
+def part_programs(model, microbatch) -> Tuple[List[Tuple[str, Callable, tuple]], str]:
+    """The eight timed programs -- (name, jitted function, arguments) for each part's forward and its
+    forward-and-backward (the pullback: residuals kept from the forward) -- and their traced text (the key's
+    part that says what is computed)."""
+    import jax.numpy as jnp
+    from ..cuts import pad_blocks, stage_of_blocks
+    stage_p, pre_p, post_p = model.params
+    if model.cut is not None:                 # one block as a stage of one slot
+        w = jax.tree.map(lambda a: a[0], pad_blocks(jax.tree.map(lambda a: a[:1], stage_p), (1,)))
+    else:
+        w = jax.tree.map(lambda a: a[0], stage_p)
+    one = dataclasses.replace(model, cut=None, stage_params=jax.tree.map(lambda a: a[None], w), recut=None) \
+        if model.cut is not None else model
+    ctx = one.example_context(microbatch)
+    x = jax.jit(model.pre)(pre_p, microbatch)
+    # a stage of one real block and one padding slot (cut (1, 2), stage 0), over the one-block stage
+    two = stage_of_blocks(model.block_fn, (1, 2), bool(model.block_context)) if model.block_fn else None
+    w2 = jax.tree.map(lambda a: jnp.concatenate([a, a]), w)
+    ctx2 = dataclasses.replace(ctx, stage=jnp.int32(0)) if ctx is not None else one.stage_context(microbatch, None, 0)
+    parts = [("block", lambda w_, x_: one.apply_stage(w_, x_, ctx), (w, x)),
+             ("two", (lambda w_, x_: two(w_, x_, ctx2)) if two else None, (w2, x)),
+             ("pre", lambda p: model.pre(p, microbatch), (pre_p,)),
+             ("post", lambda p, x_: model.post_loss(p, x_, microbatch), (post_p, x))]
+    programs, text = [], []
+    for name, f, args in parts:
+        if f is None:
+            continue
+        ct = jax.tree.map(lambda a: jnp.ones(a.shape, a.dtype), jax.eval_shape(f, *args))
+        programs.append((f"f_{name}", jax.jit(f), args))
+        programs.append((f"fb_{name}", jax.jit(lambda *a, f=f, ct=ct: jax.vjp(f, *a)[1](ct)), args))
+        text.append(str(jax.make_jaxpr(f)(*args)))
+    return programs, "\n".join(text)
+
+
+def measure_rounds(programs, rounds: int, calls: int = 7) -> List[dict]:
+    """Each round: every program's median over ``calls`` calls (seconds), the programs taken in turn."""
+    for _, fn, args in programs:                       # compile and warm up, once
+        jax.block_until_ready(fn(*args))
+    out = []
+    for _ in range(rounds):
+        r = {}
+        for name, fn, args in programs:
+            ts = []
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(*args))
+                ts.append(time.perf_counter() - t0)
+            r[name] = statistics.median(ts)
+        out.append(r)
+    return out
+
+
+def to_costs(r: dict):
+    """A round's timings as :class:`~jaxpipe.tune.cut.PartCosts` (a backward: forward-and-backward less forward)."""
+    from .cut import PartCosts
+    back = lambda p: max(r[f"fb_{p}"] - r[f"f_{p}"], 0.0)
+    f_two, b_two = (r["f_two"], back("two")) if "f_two" in r else (r["f_block"], back("block"))
+    return PartCosts(r["f_block"], back("block"), r["f_pre"], back("pre"), r["f_post"], back("post"),
+                     max(f_two - r["f_block"], 0.0), max(b_two - back("block"), 0.0))
+
+
+def median_round(rounds: Sequence[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+
+
+def cost_key(traced: str) -> str:
+    """What a cost depends on: the traced programs, the backend and its device kind, JAX's version and the
+    measuring code (this module and :mod:`jaxpipe.tune.cut`)."""
+    d = jax.devices()[0]
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = "".join(open(os.path.join(here, f)).read() for f in ("part_costs.py", "cut.py"))
+    text = "\n".join([traced, d.platform, getattr(d, "device_kind", ""), jax.__version__, code])
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def load(directory: str, key: str) -> Optional[List[dict]]:
+    if not directory:
+        return None
+    try:
+        with open(os.path.join(directory, f"{key}.json")) as fh:
+            return json.load(fh)["rounds"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def store(directory: str, key: str, rounds: List[dict]) -> Optional[str]:
+    """The rounds in ``directory/key.json`` (written whole, then renamed: a reader never sees half a file)."""
+    if not directory:
+        return None
+    try:
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, f"{key}.json")
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump({"rounds": rounds, "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+                       "written": time.strftime("%Y-%m-%d %H:%M:%S")}, fh, indent=1)
+        os.replace(tmp, path)
+        return path
+    except OSError:             # a read-only home: the choice stands, it is only not kept
+        return None
+
+
+def stable_costs(model, microbatch, choose: Callable, directory: Optional[str] = None,
+                 remeasure: bool = False) -> Tuple[object, Tuple[int, int], str]:
+    """``(median PartCosts, (rounds agreeing with the median's choice, rounds), source)`` -- ``choose(costs)``
+    gives the cut a PartCosts picks; source is "measured" or the cache file read (module docstring)."""
+    programs, traced = part_programs(model, microbatch)
+    directory = cache_dir(directory)
+    key = cost_key(traced)
+    rounds = None if remeasure else load(directory, key)
+    source = os.path.join(directory, f"{key}.json") if rounds else "measured"
+    if rounds is None:
+        rounds = measure_rounds(programs, FIRST_ROUNDS)
+        while True:
+            best = choose(to_costs(median_round(rounds)))
+            agree = sum(choose(to_costs(r)) == best for r in rounds)
+            if agree == len(rounds) or len(rounds) >= MAX_ROUNDS:
+                break
+            rounds += measure_rounds(programs, 1)
+        store(directory, key, rounds)
+    best = choose(to_costs(median_round(rounds)))
+    agree = sum(choose(to_costs(r)) == best for r in rounds)
+    return to_costs(median_round(rounds)), (agree, len(rounds)), source

@@ -1,0 +1,96 @@
+"""Issue #52 item 1: the training loop as a library entry point, ``jp.train`` / ``jp.Trainer`` -- a user's
+script gets what ``experiments.train`` has (it runs through the same function): a stop (a real SIGTERM to this
+process) saves and returns, the next call resumes bit-equal to a run that never stopped, the signal handlers are
+given back, a NaN step is stopped by name or skipped, evaluation and the metrics file, and clear errors for a
+bad option or a stream that cannot resume.  One small pipeline for the whole module: one compile."""
+import itertools
+import json
+import os
+import signal
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jaxpipe as jp
+from helpers import assert_same, small_model
+
+MODEL, BATCH = small_model("mlp", 2)
+QUIET = dict(progress=False, tensorboard="false")
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return jp.Pipeline(MODEL, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.05),
+                       mesh=jp.make_mesh(stages=2), skip_nonfinite=True)
+
+
+def stream(nan_at=None):
+    """A function that starts the seeded stream (so a resumed run can skip what was used)."""
+    def start():
+        for s in itertools.count(1):
+            b = BATCH(8, s)
+            if s == nan_at:
+                b["x"] = np.full_like(b["x"], 3e38)     # finite on the host (the input check passes); inf inside
+            yield b
+    return start
+
+
+def losses(out_dir):
+    return [json.loads(l)["loss"] for l in open(os.path.join(out_dir, "metrics.jsonl"))]
+
+
+def test_a_sigterm_saves_and_returns_and_the_next_call_resumes_bit_equal(pipe, tmp_path):
+    ref = jp.train(pipe, stream(), steps=5, out_dir=str(tmp_path / "ref"), eval_batches=[BATCH(8, 99)],
+                   eval_every=2, evaluate=lambda p, b: {"eval_rows": float(len(b["x"]))}, **QUIET)
+    assert ref.step == 5 and ref.stopped is None and ref.summary["steps"] == 5
+    lines = [json.loads(l) for l in open(tmp_path / "ref" / "metrics.jsonl")]
+    assert [l["step"] for l in lines if "eval_loss" in l] == [2, 4, 5]
+    assert all(l["eval_rows"] == 8.0 for l in lines if "eval_loss" in l)
+    assert json.load(open(tmp_path / "ref" / "summary.json"))["final_loss"] == lines[-1]["loss"]
+
+    before = signal.getsignal(signal.SIGTERM)
+
+    def preempt(trainer, step):           # the scheduler's SIGTERM arrives during step 2
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+    run, ck = str(tmp_path / "run"), str(tmp_path / "ck")
+    first = jp.train(pipe, stream(), steps=5, out_dir=run, checkpoint_dir=ck, hooks=[preempt], exit_on_stop=False,
+                     eval_batches=[BATCH(8, 99)], eval_every=2, **QUIET)
+    assert first.stopped == "SIGTERM" and first.step == 2 and first.summary is None
+    assert signal.getsignal(signal.SIGTERM) is before, "the loop kept its SIGTERM handler after returning"
+    second = jp.train(pipe, stream(), steps=5, out_dir=run, checkpoint_dir=ck, eval_batches=[BATCH(8, 99)],
+                      eval_every=2, **QUIET)
+    assert second.summary["resumed_at"] == 2 and second.step == 5
+    assert losses(run) == losses(tmp_path / "ref")     # bit for bit, the kept lines of steps 1-2 included
+    jax.tree.map(assert_same, pipe.params(second.state), pipe.params(ref.state))
+    # the finished checkpoint again: nothing to do, the final state returned
+    third = jp.train(pipe, stream(), steps=5, out_dir=run, checkpoint_dir=ck, **QUIET)
+    assert third.summary is None and third.step == 5
+    jax.tree.map(assert_same, pipe.params(third.state), pipe.params(ref.state))
+
+
+def test_a_nan_step_is_stopped_by_name_or_skipped(pipe, tmp_path):
+    with pytest.raises(jp.training.NonFiniteLoss, match="non-finite loss nan .* at step 2") as e:
+        jp.train(pipe, stream(nan_at=2), steps=4, out_dir=str(tmp_path / "stop"), **QUIET)
+    assert e.value.step == 2
+    assert len(losses(tmp_path / "stop")) == 2        # the refused step is logged, nothing after it
+    done = jp.train(pipe, stream(nan_at=2), steps=4, out_dir=str(tmp_path / "skip"), on_nonfinite="skip", **QUIET)
+    assert done.summary["skipped_updates"] == 1
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(pipe.params(done.state)))
+
+
+def test_bad_options_and_streams_say_what_would_work(pipe, tmp_path):
+    with pytest.raises(jp.ConfigError, match="on_nonfinite='ignore': choose one of 'stop', 'skip'"):
+        jp.Trainer(pipe, stream(), steps=3, on_nonfinite="ignore")
+    with pytest.raises(jp.ConfigError, match="unknown stpes; the options are"):
+        jp.Trainer(pipe, stream(), stpes=3)
+    with pytest.raises(jp.ConfigError, match="checkpoint_keep=0: must be at least 1"):
+        jp.Trainer(pipe, stream(), steps=3, checkpoint_keep=0)
+    with pytest.raises(jp.ConfigError, match="function of no arguments that starts the stream"):
+        jp.Trainer(pipe, iter([BATCH(8)]), steps=1, checkpoint_dir=str(tmp_path / "ck"))
+    unguarded = jp.Pipeline(MODEL, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.05),
+                            mesh=jp.make_mesh(stages=2))
+    with pytest.raises(jp.ConfigError, match="skip_nonfinite=True"):
+        jp.Trainer(unguarded, stream(), steps=1, on_nonfinite="skip")
