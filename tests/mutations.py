@@ -140,6 +140,14 @@ MUTATIONS = [
     Mutation("own_model_resume_replays_from_the_start", "jaxpipe/training/streams.py",
              'for _ in range(int(state["position"])):', 'for _ in range(0):',
              "tests/test_own_model_in_trainer.py::test_own_model_from_a_config_file_stops_on_sigterm_and_resumes_bit_equal"),
+    # issue #52: the library loop keeps its SIGTERM handler after returning to a user's script
+    Mutation("trainer_keeps_its_signal_handlers", "jaxpipe/training/loop.py",
+             "        if restore_signals:\n            self.stop.uninstall()", "        pass",
+             "tests/test_trainer_api.py::test_a_sigterm_saves_and_returns_and_the_next_call_resumes_bit_equal"),
+    # issue #52 item 3: the balanced cut stops measuring after three rounds even when a round disagrees
+    Mutation("cut_measurement_never_adds_rounds", "jaxpipe/tune/part_costs.py",
+             "if agree == len(rounds) or len(rounds) >= MAX_ROUNDS:", "if True:",
+             "tests/test_uneven_cuts.py::test_the_cut_measurement_adds_rounds_while_a_round_disagrees"),
 ]
 
 
