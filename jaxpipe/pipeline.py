@@ -53,7 +53,10 @@ class Pipeline:
     lane and a B lane in every tick, so a tick costs f + b, at up to 2D - 1 micro-batches in flight on stage
     0; ``"ordered"`` runs the schedule's own one action per tick and keeps its memory bound (1F1B: D - d on
     stage d; ZB-H1: D) at its slowest device's action per tick.  Either way a tick's messages move in one
-    exchange after all its lanes ran.  ``residuals`` says what a stage keeps between its forward and its backward
+    exchange after all its lanes ran.  ``op_costs=(f, b, w)``: one stage's forward, its backward's input part
+    and its weight part as measured (any one unit; ``jaxpipe.tune.microbench.layer_costs``), which ``"auto"``
+    ranks the two plans at instead of unit costs -- where W costs more than F, ZB-H1's ordered plan can be the
+    slower (issue #49).  ``residuals`` says what a stage keeps between its forward and its backward
     (the stash): ``"all"`` (default) every residual of its vjp; ``"inputs"`` its input only, the forward
     recomputed in the backward (``jax.checkpoint``; ``recompute=True`` is the same); or a ``jax.checkpoint``
     policy such as ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable`` (matmul outputs kept, the
@@ -66,7 +69,7 @@ class Pipeline:
                  zb: Optional[dict] = None, avgpipe: Optional[dict] = None, wpipe: Optional[dict] = None,
                  skip_nonfinite: bool = False, check_inputs: bool = True, placement: str = "auto",
                  recompute: bool = False, seed: int = 0, precision=None, options: Optional[dict] = None,
-                 batch_axes=("data",), residuals="all"):
+                 batch_axes=("data",), residuals="all", op_costs=None):
         if not isinstance(model, PipelineModel):
             raise ConfigError(f"model must be a jp.PipelineModel, got {type(model).__name__}")
         _check_optimizer(optimizer)
@@ -110,7 +113,8 @@ class Pipeline:
         _check_fit(built, self.schedule, model, D, num_microbatches, schedule)
         if placement == "auto":          # the plan with the smaller lockstep step (jaxpipe.schedules.lanes)
             from .schedules.lanes import fastest_placement
-            placement = fastest_placement(self.schedule) if self.method.flushes else "lanes"
+            placement = fastest_placement(self.schedule, _checked_costs(op_costs)) if self.method.flushes \
+                else "lanes"
             self.placement = placement
         self.model = model = _recomputing(model, self.method, self.options, residuals)
         self.nan_bubbles = nan_bubbles
@@ -429,6 +433,20 @@ def _recut_for(schedule: str, options: dict, model, mesh):
     except ConfigError as e:
         raise ConfigError(f"{schedule} holds {v} model stages per device, {v * D} in all, but this model's "
                           f"blocks cannot be cut so: {e}") from None
+
+
+def _checked_costs(op_costs):
+    """``op_costs`` as three positive floats (or None), or a ConfigError that says what it takes."""
+    if op_costs is None:
+        return None
+    try:
+        f, b, w = (float(c) for c in op_costs)
+    except (TypeError, ValueError):
+        raise ConfigError(f"op_costs={op_costs!r}: give (f, b, w), one stage's forward, its backward's input "
+                          f"part and its weight part, e.g. (10.0, 10.0, 16.0) in ms") from None
+    if not (f > 0 and b > 0 and w >= 0 and np.isfinite([f, b, w]).all()):
+        raise ConfigError(f"op_costs={op_costs!r}: f and b must be positive and w at least 0 (finite)")
+    return f, b, w
 
 
 def _check_scalars(num_microbatches, placement, recompute, seed) -> None:

@@ -119,3 +119,23 @@ def test_zero_bubble_schedules_are_predicted_at_their_bubble(D, M, want):
             assert s.plan("ordered").stash_capacity == {"zb_h1": D, "zb_v": 2 * D, "dualpipe_v": 2 * D + 1}[name]
         if name in ("1f1b", "interleaved_1f1b"):
             assert fastest_placement(s) == "lanes"
+
+
+def test_measured_costs_choose_the_placement():
+    """Issue #49 item 2: where W costs more than F (the two-process testbed: f, b, w = 10, 10, 16 ms), ZB-H1's
+    ordered plan at D = 2, M = 8 is predicted 1.05x 1F1B's lanes, its own lanes plan 1.00x: ``Pipeline(
+    op_costs=...)`` ranks the plans at those costs and runs lanes; at M = 4 (0.96x) and unit costs, ordered."""
+    import jaxpipe as jp
+    from jaxpipe.schedules.lanes import fastest_placement
+    s8, s4 = build("zb_h1", 2, 8), build("zb_h1", 2, 4)
+    assert s8.plan("ordered").lockstep_makespan(10, 10, 16) > s8.plan("lanes").lockstep_makespan(10, 10, 16)
+    assert fastest_placement(s8, (10, 10, 16)) == "lanes" and fastest_placement(s8) == "ordered"
+    assert fastest_placement(s4, (10, 10, 16)) == "ordered"
+    assert fastest_placement(build("1f1b", 2, 8), (10, 10, 16)) == "lanes"    # unsplit: b + w in one backward
+    model = jp.models.residual_mlp(2, in_dim=4, num_classes=2, width=4)
+    mk = lambda **k: jp.Pipeline(model, schedule="zb_h1", num_microbatches=8, mesh=jp.make_mesh(stages=2), **k)
+    assert mk(op_costs=(0.010, 0.010, 0.016)).placement == "lanes" and mk().placement == "ordered"
+    with pytest.raises(jp.ConfigError, match=r"op_costs=\(1, 2\): give \(f, b, w\)"):
+        mk(op_costs=(1, 2))
+    with pytest.raises(jp.ConfigError, match="f and b must be positive"):
+        mk(op_costs=(0, 1, 1))

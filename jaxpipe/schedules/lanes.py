@@ -354,16 +354,24 @@ def unit_costs(s: Schedule) -> Tuple[float, float, float]:
     return (1.0, 1.0, 1.0) if s.has_w() else (1.0, 2.0, 0.0)
 
 
-def fastest_placement(s: Schedule) -> str:
-    """The placement whose plan has the smaller lockstep step at :func:`unit_costs` (``Pipeline``'s
-    ``placement="auto"``): the zero-bubble and V schedules' own one-action-per-tick order reaches their
-    bubble now that a tick ends in one exchange (issue #49), 1F1B's F and B lanes stay the faster for it.  A
-    tie goes to the plan with fewer stash slots (Chimera: ordered; GPipe: lanes, whose order holds D, not M)."""
+def fastest_placement(s: Schedule, costs: Optional[Sequence[float]] = None) -> str:
+    """The placement whose plan has the smaller lockstep step (``Pipeline``'s ``placement="auto"``) at
+    ``costs`` -- ``(f, b, w)``: one stage's forward, its backward's input part and its weight part, in any one
+    unit (measured: ``Pipeline(op_costs=...)``) -- or at :func:`unit_costs`.  At unit costs the zero-bubble and
+    V schedules' own one-action-per-tick order reaches their bubble now that a tick ends in one exchange
+    (issue #49), and 1F1B's F and B lanes stay the faster for it; where W costs more than F the ordered plan
+    can lose (a tick lasts as long as its slowest device, and the ordered steady state puts one device's W
+    beside another's F: ZB-H1 at D = 2, M = 8 and costs (10, 10, 16) is 1.05x 1F1B's lanes, its own lanes 1.00x).
+    A tie goes to the plan with fewer stash slots (Chimera: ordered; GPipe: lanes, whose order holds D, not M)."""
     if s.has_pairs() and not s.options.get("double_batch"):
         # Chimera's forward doubling: the ordered plan pairs forwards, and the executor runs a pair as one
         # double-size forward (``double_batch``), which a context model cannot; asked for, it is ordered
         return "lanes"
-    costs = unit_costs(s)
+    if costs is None:
+        costs = unit_costs(s)
+    else:
+        f, b, w = (float(c) for c in costs)
+        costs = (f, b, w) if s.has_w() else (f, b + w, 0.0)
     key = {p: (round(s.plan(p).lockstep_makespan(*costs), 9), s.plan(p).stash_capacity, p)
            for p in ("ordered", "lanes")}
     return min(key, key=key.get)
