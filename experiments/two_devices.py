@@ -8,7 +8,9 @@ real pipeline: the devices run side by side and wait for each other's messages, 
     python -m experiments.two_devices                                  # M = 4 and 8, every schedule
     python -m experiments.two_devices --microbatches=4 --schedules=1f1b,zb_h1,zb_h1:lanes
 
-A schedule may carry its placement (``zb_h1:lanes``; default ``auto``, what ``Pipeline`` runs).  Steps are
+A schedule may carry its placement (``zb_h1:lanes``; default ``auto``, what ``Pipeline`` runs).  With
+``--op_costs=10,10,16`` every pipeline gets those op costs (ZB-H1 then runs ticks chosen for them);
+``zb_h1/unit`` keeps the unit-time order beside it.  Steps are
 timed in turns (A B C A B C ...) so that a slow phase of the machine hits every schedule alike; the median of
 ``--rounds`` rounds of 3 steps is reported.  The prediction is :func:`jaxpipe.tune.lockstep.predict_devices`
 of the same plan, from costs measured on this machine: one layer's forward, backward, input-gradient and
@@ -40,6 +42,11 @@ flags.DEFINE_string("json", "", "also write the results to this file")
 flags.DEFINE_bool("measure_ops", False, "predict from one layer's F, B, B-input and W measured on this machine "
                   "(jaxpipe.tune.microbench.layer_costs; on a noisy VM they move by 2x between runs) instead of "
                   "from the plain step with b = 2 f and a split backward's parts f each, as the papers count")
+flags.DEFINE_string("op_costs", "", "f,b,w: one stage's forward, its backward's input part and its weight part "
+                    "(any one unit, e.g. 10,10,16 ms as profiled here), given to every Pipeline (op_costs=): "
+                    "placement='auto' ranks at them and zb_h1 chooses its ticks for them "
+                    "(jaxpipe.schedules.zb_costed); 'zb_h1/unit' in --schedules runs the unit-time order beside it, "
+                    "and the prediction takes the same ratios")
 flags.DEFINE_integer("worker", -1, "internal: this process's index (the launcher sets it; -2: the one-core costs)")
 FLAGS = flags.FLAGS
 CHUNKED = ("interleaved_1f1b", "zb_v", "dualpipe_v")
@@ -113,10 +120,11 @@ def worker(pid: int):
     for M in [int(m) for m in FLAGS.microbatches.split(",")]:
         for spec in FLAGS.schedules.split(","):
             name, _, placement = spec.partition(":")
+            name, unit = name.split("/")[0], name.endswith("/unit")
             stages = 4 if name in CHUNKED else 2
             pipe = jp.Pipeline(_model(jp, jnp, Ws, stages), schedule=name, num_microbatches=M,
                                optimizer=optax.sgd(1e-3), mesh=jp.make_mesh(stages=2),
-                               placement=placement or "auto",
+                               placement=placement or "auto", op_costs=None if unit else _op_costs(),
                                options={"virtual": 2} if name == "interleaved_1f1b" else {})
             b = pipe.shard_batch({"x": x, "y": y})
             s = pipe.init()
@@ -192,6 +200,17 @@ def main(argv):
     report({**json.loads(lines[-1]), "load": load})
 
 
+def _op_costs():
+    """``--op_costs`` as (f, b, w), or None."""
+    if not FLAGS.op_costs:
+        return None
+    try:
+        f, b, w = (float(c) for c in FLAGS.op_costs.split(","))
+    except ValueError:
+        raise app.UsageError(f"--op_costs={FLAGS.op_costs}: give f,b,w, e.g. 10,10,16") from None
+    return f, b, w
+
+
 def report(res):
     """The measured steps beside the model's: a layer's forward f from the plain step measured in the same
     rounds (its work is M x layers x (f + b) with b = 2 f, a split backward's input and weight parts f each,
@@ -203,15 +222,25 @@ def report(res):
     link = Link(alpha, beta)
     W, L = FLAGS.width, FLAGS.layers
     rows, tick = [], {}
+    given = _op_costs()
     for M, spec, placement, t in res["steps"]:
         name = spec.partition(":")[0]
-        s = jp.schedules.build(name, 2, M, **({"virtual": 2} if name == "interleaved_1f1b" else {}))
+        name, unit = name.split("/")[0], name.endswith("/unit")
+        extra = {"virtual": 2} if name == "interleaved_1f1b" else {}
+        if name == "zb_h1" and given and not unit:
+            extra["costs"] = given              # the plan the pipeline ran
+        s = jp.schedules.build(name, 2, M, **extra)
         plain = res["plain"][str(M)]
         per = L / s.num_model_stages
         measured = res.get("costs", {}).get(f"{M},{int(per)}")
-        f = plain / (3 * M * L)
-        # measured op costs where taken; else the papers' count: b = 2 f, a split backward's parts f each
-        lc = LayerCosts(*measured) if measured else LayerCosts(f, 2 * f, f, f)
+        # measured op costs where taken; else --op_costs' ratios; else the papers' count: b = 2 f, a split
+        # backward's parts f each (the plain step's work is M x layers x (f + b_in + w))
+        if measured:
+            lc = LayerCosts(*measured)
+        else:
+            fo, bo, wo = given or (1.0, 1.0, 1.0)
+            f = plain * fo / (M * L * (fo + bo + wo))
+            lc = LayerCosts(f, f * (bo + wo) / fo, f * bo / fo, f * wo / fo)
         act = (FLAGS.batch // M) * W * 4
         parts = predict_devices(s, lc, per, 0.0, link, act, per * W * W * 4, placement=placement)
         rows.append([M, spec, placement, t, plain, parts])

@@ -55,8 +55,9 @@ class Pipeline:
     stage d; ZB-H1: D) at its slowest device's action per tick.  Either way a tick's messages move in one
     exchange after all its lanes ran.  ``op_costs=(f, b, w)``: one stage's forward, its backward's input part
     and its weight part as measured (any one unit; ``jaxpipe.tune.microbench.layer_costs``), which ``"auto"``
-    ranks the two plans at instead of unit costs -- where W costs more than F, ZB-H1's ordered plan can be the
-    slower (issue #49).  ``residuals`` says what a stage keeps between its forward and its backward
+    ranks the two plans at instead of unit costs -- where W costs more than F, ZB-H1's unit-time order can be the
+    slower (issue #49) -- and ZB-H1 chooses its ticks for (``jaxpipe.schedules.zb_costed``; ``options={"costs":
+    ...}`` is the same for it alone).  ``residuals`` says what a stage keeps between its forward and its backward
     (the stash): ``"all"`` (default) every residual of its vjp; ``"inputs"`` its input only, the forward
     recomputed in the backward (``jax.checkpoint``; ``recompute=True`` is the same); or a ``jax.checkpoint``
     policy such as ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable`` (matmul outputs kept, the
@@ -104,6 +105,8 @@ class Pipeline:
         self.model, self.mesh, self.optimizer = model, mesh, optimizer
         self.num_microbatches = num_microbatches
         self.method = schedules.method(schedule)
+        if op_costs is not None and "costs" in self.method.options and not (options or {}).get("costs"):
+            options = {**(options or {}), "costs": _checked_costs(op_costs)}     # zb_h1: ticks for the costs
         try:
             self.options = self.method.resolve(options, model.num_stages, D)
             self.schedule = built if built is not None else schedules.build(

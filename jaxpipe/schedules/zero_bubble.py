@@ -19,14 +19,23 @@ W_FROM = ("frontier", "recompute")
 
 
 def build_zb_h1(num_stages: int, num_microbatches: int, max_deferred_w: Optional[int] = None,
-                w_from: str = "frontier") -> Schedule:
+                w_from: str = "frontier", costs=None) -> Schedule:
     """The ZB-H1 order (``max_deferred_w`` below) with ``options["w_from"]``: how the executor computes W --
     ``"frontier"`` (default; the paper's form) from the per-layer output gradients B keeps for it
     (:mod:`jaxpipe.runtime.wsplit`), ``"recompute"`` by back-propagating through the stage again (no
-    memory beside the residual stash)."""
+    memory beside the residual stash).  ``costs=(f, b, w)``: measured op costs; the ticks are then chosen for
+    them (:mod:`.zb_costed`, at the same memory) instead of the unit-time order."""
     if w_from not in W_FROM:
         raise ScheduleError(f"zb_h1: w_from={w_from!r}; choose one of {W_FROM} (W from the per-layer output "
                             f"gradients B keeps, or recomputed through the stage)")
+    if costs is not None:
+        if max_deferred_w is not None:
+            raise ScheduleError("zb_h1: costs= chooses the ticks itself at 1F1B's memory; give it or "
+                                "max_deferred_w, not both")
+        from .zb_costed import build_costed
+        s = build_costed(num_stages, num_microbatches, costs)
+        s.options = {**s.options, "w_from": w_from, "costs": tuple(float(c) for c in costs)}
+        return s
     s = _build(num_stages, num_microbatches, max_deferred_w)
     s.options = {**s.options, "w_from": w_from}
     return s
