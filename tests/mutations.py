@@ -148,6 +148,10 @@ MUTATIONS = [
     Mutation("cut_measurement_never_adds_rounds", "jaxpipe/tune/part_costs.py",
              "if agree == len(rounds) or len(rounds) >= MAX_ROUNDS:", "if True:",
              "tests/test_uneven_cuts.py::test_the_cut_measurement_adds_rounds_while_a_round_disagrees"),
+    # issue #49: the cost-aware ZB-H1 ticks forget 1F1B's memory bound (faster, but 2D - 1 in flight)
+    Mutation("zb_costed_ignores_the_memory_bound", "jaxpipe/schedules/zb_costed.py",
+             "if nf < M and nf - nw < cap and", "if nf < M and",
+             "tests/test_zb_costed.py::test_the_costed_ticks_reach_the_lockstep_optimum_at_1f1b_memory[4-160.0]"),
 ]
 
 
