@@ -43,10 +43,18 @@ def _finish(name: str, D: int, M: int, orders, w_from: str) -> Schedule:
     return s
 
 
-def build_zb_v(num_stages: int, num_microbatches: int, w_from: str = "frontier") -> Schedule:
-    """ZB-V for ``num_stages`` devices (``2 D`` model stages) and ``num_microbatches`` micro-batches."""
+def build_zb_v(num_stages: int, num_microbatches: int, w_from: str = "frontier", costs=None) -> Schedule:
+    """ZB-V for ``num_stages`` devices (``2 D`` model stages) and ``num_microbatches`` micro-batches;
+    ``costs=(f, b, w)`` of one chunk: ticks chosen for them (:mod:`.zb_costed`, the same V and memory)."""
     D, M = num_stages, num_microbatches
     _check("zb_v", D, M, w_from)
+    if costs is not None:
+        from .zb_costed import build_costed
+        S = 2 * D
+        s = build_costed(D, M, costs, name="zb_v", devices=[st if st < D else S - 1 - st for st in range(S)],
+                         chunk_of=[0 if st < D else 1 for st in range(S)])
+        s.options = {"w_from": w_from, "costs": tuple(float(c) for c in costs)}
+        return s
     S, limit = 2 * D, 2 * D          # chunk activations held per device: D whole stages, as 1F1B's stage 0
     done = {}                        # (kind, stage, mb) -> tick its result is usable on another device
     orders: List[List[Action]] = [[] for _ in range(D)]
