@@ -44,8 +44,8 @@ flags.DEFINE_bool("measure_ops", False, "predict from one layer's F, B, B-input 
                   "from the plain step with b = 2 f and a split backward's parts f each, as the papers count")
 flags.DEFINE_string("op_costs", "", "f,b,w: one stage's forward, its backward's input part and its weight part "
                     "(any one unit, e.g. 10,10,16 ms as profiled here), given to every Pipeline (op_costs=): "
-                    "placement='auto' ranks at them and zb_h1 chooses its ticks for them "
-                    "(jaxpipe.schedules.zb_costed); 'zb_h1/unit' in --schedules runs the unit-time order beside it, "
+                    "placement='auto' ranks at them and zb_h1 and zb_v choose their ticks for them "
+                    "(jaxpipe.schedules.zb_costed); 'zb_h1/unit' (or zb_v/unit) in --schedules runs the unit-time order beside it, "
                     "and the prediction takes the same ratios")
 flags.DEFINE_integer("worker", -1, "internal: this process's index (the launcher sets it; -2: the one-core costs)")
 FLAGS = flags.FLAGS
@@ -227,7 +227,7 @@ def report(res):
         name = spec.partition(":")[0]
         name, unit = name.split("/")[0], name.endswith("/unit")
         extra = {"virtual": 2} if name == "interleaved_1f1b" else {}
-        if name == "zb_h1" and given and not unit:
+        if name in ("zb_h1", "zb_v") and given and not unit:
             extra["costs"] = given              # the plan the pipeline ran
         s = jp.schedules.build(name, 2, M, **extra)
         plain = res["plain"][str(M)]

@@ -56,8 +56,8 @@ class Pipeline:
     exchange after all its lanes ran.  ``op_costs=(f, b, w)``: one stage's forward, its backward's input part
     and its weight part as measured (any one unit; ``jaxpipe.tune.microbench.layer_costs``), which ``"auto"``
     ranks the two plans at instead of unit costs -- where W costs more than F, ZB-H1's unit-time order can be the
-    slower (issue #49) -- and ZB-H1 chooses its ticks for (``jaxpipe.schedules.zb_costed``; ``options={"costs":
-    ...}`` is the same for it alone).  ``residuals`` says what a stage keeps between its forward and its backward
+    slower (issue #49) -- and ZB-H1 and ZB-V choose their ticks for (``jaxpipe.schedules.zb_costed``;
+    ``options={"costs": ...}`` is the same for them alone).  ``residuals`` says what a stage keeps between its forward and its backward
     (the stash): ``"all"`` (default) every residual of its vjp; ``"inputs"`` its input only, the forward
     recomputed in the backward (``jax.checkpoint``; ``recompute=True`` is the same); or a ``jax.checkpoint``
     policy such as ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable`` (matmul outputs kept, the
