@@ -124,7 +124,8 @@ def test_zero_bubble_schedules_are_predicted_at_their_bubble(D, M, want):
 def test_measured_costs_choose_the_placement():
     """Issue #49 item 2: where W costs more than F (the two-process testbed: f, b, w = 10, 10, 16 ms), ZB-H1's
     ordered plan at D = 2, M = 8 is predicted 1.05x 1F1B's lanes, its own lanes plan 1.00x: ``Pipeline(
-    op_costs=...)`` ranks the plans at those costs and runs lanes; at M = 4 (0.96x) and unit costs, ordered."""
+    op_costs=...)`` ranks the plans at those costs (lanes for that order; at M = 4, 0.96x, and unit costs,
+    ordered) -- and runs ZB-H1 on ticks searched for the costs, which beat both."""
     import jaxpipe as jp
     from jaxpipe.schedules.lanes import fastest_placement
     s8, s4 = build("zb_h1", 2, 8), build("zb_h1", 2, 4)
@@ -134,7 +135,10 @@ def test_measured_costs_choose_the_placement():
     assert fastest_placement(build("1f1b", 2, 8), (10, 10, 16)) == "lanes"    # unsplit: b + w in one backward
     model = jp.models.residual_mlp(2, in_dim=4, num_classes=2, width=4)
     mk = lambda **k: jp.Pipeline(model, schedule="zb_h1", num_microbatches=8, mesh=jp.make_mesh(stages=2), **k)
-    assert mk(op_costs=(0.010, 0.010, 0.016)).placement == "lanes" and mk().placement == "ordered"
+    # the pipeline given the costs runs ZB-H1's ticks searched for them (jaxpipe.schedules.zb_costed), ordered
+    costed = mk(op_costs=(0.010, 0.010, 0.016))
+    assert costed.placement == "ordered" and costed.schedule.fixed_ticks and mk().placement == "ordered"
+    assert costed.schedule.plan("ordered").lockstep_makespan(10, 10, 16) < s8.plan("lanes").lockstep_makespan(10, 10, 16)
     with pytest.raises(jp.ConfigError, match=r"op_costs=\(1, 2\): give \(f, b, w\)"):
         mk(op_costs=(1, 2))
     with pytest.raises(jp.ConfigError, match="f and b must be positive"):

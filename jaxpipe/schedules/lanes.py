@@ -219,8 +219,10 @@ def _fuse_ticks(s: Schedule, where, lanes, dev) -> Dict[tuple, Tuple[int, int]]:
     (issue #49: a tick ends in one exchange, and on a real link each exchange costs a rendezvous -- ZB-H1 at
     D = 2, M = 4: 13 ticks become 10, 1F1B's lanes have 6).  Every device runs its actions in the order the
     ordered placement gave them, so the result, the slots and the memory are the ordered plan's; a no-flush
-    schedule (its own periodic ticks) and paired forwards are left as they are."""
-    if getattr(s, "fixed_ticks", None) is not None or s.has_pairs():
+    schedule (its own periodic ticks) and paired forwards are left as they are; ticks searched for op costs
+    (:mod:`.zb_costed`) are fused like the unit-time order's (a fused tick costs no more than its parts)."""
+    periodic = getattr(s, "fixed_ticks", None) is not None and not s.options.get("costs")
+    if periodic or s.has_pairs():
         return where
     li_of = {k: i for i, k in enumerate(lanes)}
     acts = {(a.kind, a.stage, a.mb): a for acts_ in s.actions for a in acts_}
