@@ -42,7 +42,8 @@ flags.DEFINE_string("json", "", "also write the results to this file")
 flags.DEFINE_bool("measure_ops", False, "predict from one layer's F, B, B-input and W measured on this machine "
                   "(jaxpipe.tune.microbench.layer_costs; on a noisy VM they move by 2x between runs) instead of "
                   "from the plain step with b = 2 f and a split backward's parts f each, as the papers count")
-flags.DEFINE_string("op_costs", "", "f,b,w: one stage's forward, its backward's input part and its weight part "
+flags.DEFINE_string("op_costs", "", "f,b,w[,x]: one stage's forward, its backward's input part, its weight part "
+                    "(and a tick's exchange x) "
                     "(any one unit, e.g. 10,10,16 ms as profiled here), given to every Pipeline (op_costs=): "
                     "placement='auto' ranks at them and zb_h1 and zb_v choose their ticks for them "
                     "(jaxpipe.schedules.zb_costed); 'zb_h1/unit' (or zb_v/unit) in --schedules runs the unit-time order beside it, "
@@ -205,10 +206,12 @@ def _op_costs():
     if not FLAGS.op_costs:
         return None
     try:
-        f, b, w = (float(c) for c in FLAGS.op_costs.split(","))
+        vals = tuple(float(c) for c in FLAGS.op_costs.split(","))
     except ValueError:
-        raise app.UsageError(f"--op_costs={FLAGS.op_costs}: give f,b,w, e.g. 10,10,16") from None
-    return f, b, w
+        vals = ()
+    if len(vals) not in (3, 4):
+        raise app.UsageError(f"--op_costs={FLAGS.op_costs}: give f,b,w (and a tick's exchange), e.g. 10,10,16,3")
+    return vals
 
 
 def report(res):
@@ -238,7 +241,7 @@ def report(res):
         if measured:
             lc = LayerCosts(*measured)
         else:
-            fo, bo, wo = given or (1.0, 1.0, 1.0)
+            fo, bo, wo = (given or (1.0, 1.0, 1.0))[:3]
             f = plain * fo / (M * L * (fo + bo + wo))
             lc = LayerCosts(f, f * (bo + wo) / fo, f * bo / fo, f * wo / fo)
         act = (FLAGS.batch // M) * W * 4

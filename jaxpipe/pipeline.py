@@ -54,7 +54,8 @@ class Pipeline:
     0; ``"ordered"`` runs the schedule's own one action per tick and keeps its memory bound (1F1B: D - d on
     stage d; ZB-H1: D) at its slowest device's action per tick.  Either way a tick's messages move in one
     exchange after all its lanes ran.  ``op_costs=(f, b, w)``: one stage's forward, its backward's input part
-    and its weight part as measured (any one unit; ``jaxpipe.tune.microbench.layer_costs``), which ``"auto"``
+    and its weight part as measured (any one unit; ``jaxpipe.tune.microbench.layer_costs``; a fourth value:
+    what a tick's exchange costs, each tick of a plan paying one), which ``"auto"``
     ranks the two plans at instead of unit costs -- where W costs more than F, ZB-H1's unit-time order can be the
     slower (issue #49) -- and ZB-H1 and ZB-V choose their ticks for (``jaxpipe.schedules.zb_costed``;
     ``options={"costs": ...}`` is the same for them alone).  ``residuals`` says what a stage keeps between its forward and its backward
@@ -439,17 +440,23 @@ def _recut_for(schedule: str, options: dict, model, mesh):
 
 
 def _checked_costs(op_costs):
-    """``op_costs`` as three positive floats (or None), or a ConfigError that says what it takes."""
+    """``op_costs`` as (f, b, w) or (f, b, w, exchange) floats (or None), or a ConfigError that says what it
+    takes."""
     if op_costs is None:
         return None
     try:
-        f, b, w = (float(c) for c in op_costs)
+        vals = tuple(float(c) for c in op_costs)
     except (TypeError, ValueError):
+        vals = ()
+    if len(vals) not in (3, 4):
         raise ConfigError(f"op_costs={op_costs!r}: give (f, b, w), one stage's forward, its backward's input "
-                          f"part and its weight part, e.g. (10.0, 10.0, 16.0) in ms") from None
-    if not (f > 0 and b > 0 and w >= 0 and np.isfinite([f, b, w]).all()):
-        raise ConfigError(f"op_costs={op_costs!r}: f and b must be positive and w at least 0 (finite)")
-    return f, b, w
+                          f"part and its weight part, e.g. (10.0, 10.0, 16.0) in ms, and optionally a tick's "
+                          f"exchange as a fourth")
+    if not (vals[0] > 0 and vals[1] > 0 and vals[2] >= 0 and min(vals[3:], default=0) >= 0
+            and np.isfinite(vals).all()):
+        raise ConfigError(f"op_costs={op_costs!r}: f and b must be positive, w and the exchange at least 0 "
+                          f"(finite)")
+    return vals
 
 
 def _check_scalars(num_microbatches, placement, recompute, seed) -> None:

@@ -67,3 +67,16 @@ def test_bad_costs_say_what_they_take():
         mk(options={"costs": (1, 2)})
     with pytest.raises(jp.ConfigError, match="give it or max_deferred_w, not both"):
         mk(options={"costs": (1, 1, 1), "max_deferred_w": 1})
+
+
+def test_an_exchange_cost_is_paid_per_tick_run():
+    """The search prices ticks as the executor fuses them; with a tick's exchange as a fourth cost the
+    placement ranking pays it per tick too (1F1B's lanes run half as many ticks)."""
+    from jaxpipe.schedules.zb_costed import search
+    cost, path = search(2, 4, TESTBED, exchange=3.0)
+    plan = build("zb_h1", 2, 4, costs=TESTBED + (3.0,)).plan("ordered")
+    assert cost == plan.lockstep_makespan(*TESTBED) + 3.0 * plan.num_ticks
+    s = build("zb_h1", 2, 8)
+    assert fastest_placement(s, TESTBED) == "lanes"
+    assert fastest_placement(build("zb_h1", 2, 4), TESTBED) == "ordered"
+    assert fastest_placement(build("zb_h1", 2, 4), TESTBED + (30.0,)) == "lanes"     # a dear exchange: fewer ticks

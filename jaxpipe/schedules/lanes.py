@@ -359,7 +359,8 @@ def unit_costs(s: Schedule) -> Tuple[float, float, float]:
 def fastest_placement(s: Schedule, costs: Optional[Sequence[float]] = None) -> str:
     """The placement whose plan has the smaller lockstep step (``Pipeline``'s ``placement="auto"``) at
     ``costs`` -- ``(f, b, w)``: one stage's forward, its backward's input part and its weight part, in any one
-    unit (measured: ``Pipeline(op_costs=...)``) -- or at :func:`unit_costs`.  At unit costs the zero-bubble and
+    unit (measured: ``Pipeline(op_costs=...)``), and optionally a fourth, the cost of a tick's exchange (each
+    tick of a plan pays one) -- or at :func:`unit_costs`.  At unit costs the zero-bubble and
     V schedules' own one-action-per-tick order reaches their bubble now that a tick ends in one exchange
     (issue #49), and 1F1B's F and B lanes stay the faster for it; where W costs more than F the ordered plan
     can lose (a tick lasts as long as its slowest device, and the ordered steady state puts one device's W
@@ -369,12 +370,14 @@ def fastest_placement(s: Schedule, costs: Optional[Sequence[float]] = None) -> s
         # Chimera's forward doubling: the ordered plan pairs forwards, and the executor runs a pair as one
         # double-size forward (``double_batch``), which a context model cannot; asked for, it is ordered
         return "lanes"
+    exchange = 0.0
     if costs is None:
         costs = unit_costs(s)
     else:
-        f, b, w = (float(c) for c in costs)
-        costs = (f, b, w) if s.has_w() else (f, b + w, 0.0)
-    key = {p: (round(s.plan(p).lockstep_makespan(*costs), 9), s.plan(p).stash_capacity, p)
+        f, b, w, *rest = (float(c) for c in costs)
+        costs, exchange = ((f, b, w) if s.has_w() else (f, b + w, 0.0)), (rest[0] if rest else 0.0)
+    step = lambda p: s.plan(p).lockstep_makespan(*costs) + exchange * s.plan(p).num_ticks
+    key = {p: (round(step(p), 9), s.plan(p).stash_capacity, p)
            for p in ("ordered", "lanes")}
     return min(key, key=key.get)
 

@@ -15,6 +15,10 @@ ZB-V (two chunks a device in a V, :mod:`.v_shape`) is searched the same way over
 memory (2D chunk activations a device): at D = 2 and chunk costs (10, 10, 16), 304 / 592 at M = 4 / 8 against
 1F1B's 360 / 648 for whole stages (0.84x / 0.91x; its unit-time order 0.94x / 1.04x).
 
+The ticks are searched as the executor runs them: consecutive ticks with no message between them run as one
+(``lanes._fuse_ticks``), which costs its busiest device's actions, and a fourth cost -- what a tick's
+exchange costs -- is paid once per tick run (the testbed's is about 3 ms against a 10 ms forward).
+
 The search keeps the ``width`` cheapest partial plans per tick (by cost so far plus the busiest device's
 remaining work), so it is exact for small D and M and a good plan beyond; the schedule carries its ticks
 (``fixed_ticks``), which the executor's ordered placement runs as they are.
@@ -26,21 +30,27 @@ from typing import Dict, List, Sequence, Tuple
 from .ir import Action, B, F, W, Schedule, ScheduleError
 
 #: partial plans kept per tick, by device count (found the exhaustive optimum at D = 2, M <= 8, and 27 units at
-#: D = 4, M = 8, unit costs -- the paper's (D - 1)(f + b - w) bubble -- in about a second)
-WIDTH = {1: 400, 2: 400, 3: 150, 4: 50}
+#: D = 4, M = 8, unit costs -- the paper's (D - 1)(f + b - w) bubble -- in about two seconds)
+WIDTH = {1: 400, 2: 400, 3: 300, 4: 150}
 #: the same for two chunks a device (a V: 7 moves a device a tick; the optimum of width 200 at D = 2, M <= 16)
 WIDTH_CHUNKED = {1: 100, 2: 100, 3: 30}
+#: partial plans kept per state of the counts (they differ in the tick being built)
+PER_COUNTS = 2
 
 
-def check_costs(costs, name: str = "zb_h1") -> Tuple[float, float, float]:
+def check_costs(costs, name: str = "zb_h1") -> Tuple[float, ...]:
+    """``(f, b, w)`` or ``(f, b, w, exchange)`` as floats, or a ScheduleError that says what they are."""
     try:
-        f, b, w = (float(c) for c in costs)
+        vals = tuple(float(c) for c in costs)
     except (TypeError, ValueError):
+        vals = ()
+    if len(vals) not in (3, 4):
         raise ScheduleError(f"{name}: costs={costs!r}: give (f, b, w), one stage's forward, its backward's input "
-                            f"part and its weight part, measured in any one unit") from None
-    if not (f > 0 and b > 0 and w > 0):
-        raise ScheduleError(f"{name}: costs={costs!r}: every cost must be positive")
-    return f, b, w
+                            f"part and its weight part, measured in any one unit, and optionally the cost of a "
+                            f"tick's exchange as a fourth") from None
+    if not (vals[0] > 0 and vals[1] > 0 and vals[2] > 0 and (len(vals) == 3 or vals[3] >= 0)):
+        raise ScheduleError(f"{name}: costs={costs!r}: f, b and w must be positive and the exchange at least 0")
+    return vals
 
 
 def _moves(state, d: int, on, cap: int, M: int):
@@ -78,11 +88,54 @@ def _advance(state, moves):
     return tuple(nxt)
 
 
+_LANE = {F: 0, B: 1, W: 2}
+
+
+def _group_step(moves, state, grp, on_dev, S: int):
+    """Whether ``moves`` can run in the tick being built (``grp`` = (counts at its start, each device's last
+    lane, each device's sent flag)), as :func:`jaxpipe.schedules.lanes._joins` fuses ticks: a device's actions
+    in lane order, one message sent per device, nothing read that another device produced in the tick."""
+    mark, lanes, sent = grp
+    for d, m in enumerate(moves):
+        if m is None:
+            continue
+        kind, s = m
+        if _LANE[kind] <= lanes[d]:
+            return False
+        sends = (kind == F and s < S - 1 and on_dev[s + 1] != d) or (kind == B and s > 0 and on_dev[s - 1] != d)
+        if sends and sent[d]:
+            return False
+        nf, nb, _ = state[s]
+        # a cross-device input produced in this tick moves only at its end
+        if kind == F and s > 0 and on_dev[s - 1] != d and not mark[s - 1][0] > nf:
+            return False
+        if kind == B and s < S - 1 and on_dev[s + 1] != d and not mark[s + 1][1] > nb:
+            return False
+        if kind == W and s < S - 1 and on_dev[s + 1] != d and not mark[s + 1][1] > state[s][2]:
+            return False
+    return True
+
+
+def _grouped(moves, state, grp, on_dev, S: int, D: int):
+    """The tick being built after ``moves`` joined it: (mark, lanes, sent)."""
+    mark, lanes, sent = grp
+    lanes, sent = list(lanes), list(sent)
+    for d, m in enumerate(moves):
+        if m is not None:
+            kind, s = m
+            lanes[d] = _LANE[kind]
+            sent[d] = sent[d] or (kind == F and s < S - 1 and on_dev[s + 1] != d) or \
+                (kind == B and s > 0 and on_dev[s - 1] != d)
+    return mark, tuple(lanes), tuple(sent)
+
+
 def search(D: int, M: int, costs: Sequence[float], width: int = 0, devices: Sequence[int] = (),
-           cap: int = 0) -> Tuple[float, List[tuple]]:
+           cap: int = 0, exchange: float = 0.0) -> Tuple[float, List[tuple]]:
     """``(predicted step, per-tick moves)`` of the cheapest lockstep plan the search finds (module docstring).
     ``devices``: the device of each model stage (default: stage d on device d); ``cap``: stage activations a
-    device may hold between a forward and its W (default: D whole stages)."""
+    device may hold between a forward and its W (default: D whole stages).  Consecutive ticks run as one
+    where the executor fuses them (``lanes._fuse_ticks``): a fused tick costs its busiest device's actions,
+    plus ``exchange`` for the exchange that ends it."""
     f, b, w = costs
     devices = list(devices) or list(range(D))
     S = len(devices)
@@ -93,21 +146,32 @@ def search(D: int, M: int, costs: Sequence[float], width: int = 0, devices: Sequ
     start = tuple((0, 0, 0) for _ in range(S))
     goal = tuple((M, M, M) for _ in range(S))
     left = lambda st: max(sum((M - st[s][0]) * f + (M - st[s][1]) * b + (M - st[s][2]) * w for s in ss) for ss in on)
-    beam: Dict[tuple, Tuple[float, list]] = {start: (0.0, [])}
+    empty = lambda st: (st, (-1,) * D, (False,) * D)
+    # key (counts, the open tick's state, its devices' work so far) -> (cost of the closed ticks, path)
+    beam: Dict[tuple, Tuple[float, list]] = {(start, empty(start), (0.0,) * D): (0.0, [])}
     for _ in range(4 * M * S + 4 * D):
-        if goal in beam:
-            return beam[goal]
+        done = [(c + max(acc) + exchange, p) for (st, _, acc), (c, p) in beam.items() if st == goal]
+        if done:
+            return min(done, key=lambda cp: cp[0])
         nxt: Dict[tuple, Tuple[float, list]] = {}
-        for st, (cost, path) in beam.items():
+        for (st, grp, acc), (closed, path) in beam.items():
             for moves in _joint(st, on, cap, M):
-                n = _advance(st, moves)
-                c = cost + max(price[m[0]] for m in moves if m is not None)
-                if n not in nxt or c < nxt[n][0]:
-                    nxt[n] = (c, path + [moves])
-        ranked = sorted(nxt.items(), key=lambda kv: (kv[1][0] + left(kv[0]), kv[1][0]))
-        beam = dict(ranked[:width])
-    if goal in beam:
-        return beam[goal]
+                add = [price[m[0]] if m is not None else 0.0 for m in moves]
+                if _group_step(moves, st, grp, devices, S):
+                    c, g, a = closed, grp, tuple(x + y for x, y in zip(acc, add))
+                else:                           # the open tick ends in an exchange; the moves open the next
+                    c, g, a = closed + max(acc) + exchange, empty(st), tuple(add)
+                key = (_advance(st, moves), _grouped(moves, st, g, devices, S, D), a)
+                if key not in nxt or c < nxt[key][0]:
+                    nxt[key] = (c, path + [moves])
+        ranked = sorted(nxt.items(), key=lambda kv: (kv[1][0] + max(kv[0][2]) + left(kv[0][0]), kv[1][0]))
+        beam, per = {}, {}
+        for key, val in ranked:            # at most PER_COUNTS open ticks a state of the counts: a diverse beam
+            if per.get(key[0], 0) < PER_COUNTS:
+                per[key[0]] = per.get(key[0], 0) + 1
+                beam[key] = val
+                if len(beam) == width:
+                    break
     raise ScheduleError(f"the cost-aware search found no complete plan for D = {D}, M = {M}")
 
 
@@ -121,7 +185,8 @@ def build_costed(num_stages: int, num_microbatches: int, costs: Sequence[float],
         raise ScheduleError(f"{name}: costs= plans D = {D}, M = {M} by a search over every device's move per "
                             f"tick; it serves D <= {4 if S == D else 3} and M <= 32 -- leave costs out for the "
                             f"unit-time order")
-    _, path = search(D, M, check_costs(costs, name), width, devices)
+    vals = check_costs(costs, name)
+    _, path = search(D, M, vals[:3], width, devices, exchange=vals[3] if len(vals) == 4 else 0.0)
     devices, chunk_of = list(devices) or list(range(D)), list(chunk_of) or [0] * D
     orders: List[List[Action]] = [[] for _ in range(D)]
     ticks, counts = {}, [[0, 0, 0] for _ in range(S)]
