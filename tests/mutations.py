@@ -150,7 +150,7 @@ MUTATIONS = [
              "tests/test_uneven_cuts.py::test_the_cut_measurement_adds_rounds_while_a_round_disagrees"),
     # issue #49: the cost-aware ZB-H1 ticks forget 1F1B's memory bound (faster, but 2D - 1 in flight)
     Mutation("zb_costed_ignores_the_memory_bound", "jaxpipe/schedules/zb_costed.py",
-             "if nf < M and nf - nw < cap and", "if nf < M and",
+             "if nf < M and held < cap and", "if nf < M and",
              "tests/test_zb_costed.py::test_the_costed_ticks_reach_the_lockstep_optimum_at_1f1b_memory[4-160.0]"),
 ]
 
