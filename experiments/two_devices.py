@@ -202,16 +202,15 @@ def main(argv):
 
 
 def _op_costs():
-    """``--op_costs`` as (f, b, w), or None."""
+    """``--op_costs`` as (f, b, w[, exchange]), or None."""
     if not FLAGS.op_costs:
         return None
+    from jaxpipe.schedules.lanes import check_costs
+    from jaxpipe.schedules import ScheduleError
     try:
-        vals = tuple(float(c) for c in FLAGS.op_costs.split(","))
-    except ValueError:
-        vals = ()
-    if len(vals) not in (3, 4):
-        raise app.UsageError(f"--op_costs={FLAGS.op_costs}: give f,b,w (and a tick's exchange), e.g. 10,10,16,3")
-    return vals
+        return check_costs(FLAGS.op_costs.split(","), "--op_costs")
+    except ScheduleError as e:
+        raise app.UsageError(str(e)) from None
 
 
 def report(res):

@@ -440,23 +440,14 @@ def _recut_for(schedule: str, options: dict, model, mesh):
 
 
 def _checked_costs(op_costs):
-    """``op_costs`` as (f, b, w) or (f, b, w, exchange) floats (or None), or a ConfigError that says what it
-    takes."""
+    """``op_costs`` as (f, b, w[, exchange]) floats (or None), or a ConfigError that says what it takes."""
     if op_costs is None:
         return None
+    from .schedules.lanes import check_costs
     try:
-        vals = tuple(float(c) for c in op_costs)
-    except (TypeError, ValueError):
-        vals = ()
-    if len(vals) not in (3, 4):
-        raise ConfigError(f"op_costs={op_costs!r}: give (f, b, w), one stage's forward, its backward's input "
-                          f"part and its weight part, e.g. (10.0, 10.0, 16.0) in ms, and optionally a tick's "
-                          f"exchange as a fourth")
-    if not (vals[0] > 0 and vals[1] > 0 and vals[2] >= 0 and min(vals[3:], default=0) >= 0
-            and np.isfinite(vals).all()):
-        raise ConfigError(f"op_costs={op_costs!r}: f and b must be positive, w and the exchange at least 0 "
-                          f"(finite)")
-    return vals
+        return check_costs(op_costs, "op_costs")
+    except schedules.ScheduleError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_scalars(num_microbatches, placement, recompute, seed) -> None:

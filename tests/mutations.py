@@ -146,7 +146,7 @@ MUTATIONS = [
              "tests/test_trainer_api.py::test_a_sigterm_saves_and_returns_and_the_next_call_resumes_bit_equal"),
     # issue #52 item 3: the balanced cut stops measuring after three rounds even when a round disagrees
     Mutation("cut_measurement_never_adds_rounds", "jaxpipe/tune/part_costs.py",
-             "if agree == len(rounds) or len(rounds) >= MAX_ROUNDS:", "if True:",
+             "while _agreement(rounds, choose)[0] < len(rounds) and len(rounds) < MAX_ROUNDS:", "while False:",
              "tests/test_uneven_cuts.py::test_the_cut_measurement_adds_rounds_while_a_round_disagrees"),
     # issue #49: the cost-aware ZB-H1 ticks forget 1F1B's memory bound (faster, but 2D - 1 in flight)
     Mutation("zb_costed_ignores_the_memory_bound", "jaxpipe/schedules/zb_costed.py",

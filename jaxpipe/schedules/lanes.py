@@ -356,6 +356,23 @@ def unit_costs(s: Schedule) -> Tuple[float, float, float]:
     return (1.0, 1.0, 1.0) if s.has_w() else (1.0, 2.0, 0.0)
 
 
+def check_costs(costs, label: str = "costs") -> Tuple[float, ...]:
+    """``(f, b, w)`` or ``(f, b, w, exchange)`` as floats -- one stage's forward, its backward's input part, its
+    weight part and a tick's exchange, in any one unit -- or a ScheduleError that says what they are
+    (``label``: how the caller's user wrote them, e.g. ``"op_costs"``)."""
+    try:
+        vals = tuple(float(c) for c in costs)
+    except (TypeError, ValueError):
+        vals = ()
+    if len(vals) not in (3, 4):
+        raise ScheduleError(f"{label}={costs!r}: give (f, b, w), one stage's forward, its backward's input part and "
+                            f"its weight part, e.g. (10.0, 10.0, 16.0) in ms, and optionally a tick's exchange as "
+                            f"a fourth")
+    if not (vals[0] > 0 and vals[1] > 0 and min(vals[2:]) >= 0 and np.isfinite(vals).all()):
+        raise ScheduleError(f"{label}={costs!r}: f and b must be positive, w and the exchange at least 0 (finite)")
+    return vals
+
+
 def fastest_placement(s: Schedule, costs: Optional[Sequence[float]] = None) -> str:
     """The placement whose plan has the smaller lockstep step (``Pipeline``'s ``placement="auto"``) at
     ``costs`` -- ``(f, b, w)``: one stage's forward, its backward's input part and its weight part, in any one
@@ -374,7 +391,7 @@ def fastest_placement(s: Schedule, costs: Optional[Sequence[float]] = None) -> s
     if costs is None:
         costs = unit_costs(s)
     else:
-        f, b, w, *rest = (float(c) for c in costs)
+        f, b, w, *rest = check_costs(costs)
         costs, exchange = ((f, b, w) if s.has_w() else (f, b + w, 0.0)), (rest[0] if rest else 0.0)
     step = lambda p: s.plan(p).lockstep_makespan(*costs) + exchange * s.plan(p).num_ticks
     key = {p: (round(step(p), 9), s.plan(p).stash_capacity, p)

@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Dict, List, Sequence, Tuple
 
 from .ir import Action, B, F, W, Schedule, ScheduleError
+from .lanes import check_costs
 
 #: partial plans kept per tick, by device count (found the exhaustive optimum at D = 2, M <= 8, and 27 units at
 #: D = 4, M = 8, unit costs -- the paper's (D - 1)(f + b - w) bubble -- in about two seconds)
@@ -36,21 +37,6 @@ WIDTH = {1: 400, 2: 400, 3: 300, 4: 150}
 WIDTH_CHUNKED = {1: 100, 2: 100, 3: 30}
 #: partial plans kept per state of the counts (they differ in the tick being built)
 PER_COUNTS = 2
-
-
-def check_costs(costs, name: str = "zb_h1") -> Tuple[float, ...]:
-    """``(f, b, w)`` or ``(f, b, w, exchange)`` as floats, or a ScheduleError that says what they are."""
-    try:
-        vals = tuple(float(c) for c in costs)
-    except (TypeError, ValueError):
-        vals = ()
-    if len(vals) not in (3, 4):
-        raise ScheduleError(f"{name}: costs={costs!r}: give (f, b, w), one stage's forward, its backward's input "
-                            f"part and its weight part, measured in any one unit, and optionally the cost of a "
-                            f"tick's exchange as a fourth") from None
-    if not (vals[0] > 0 and vals[1] > 0 and vals[2] > 0 and (len(vals) == 3 or vals[3] >= 0)):
-        raise ScheduleError(f"{name}: costs={costs!r}: f, b and w must be positive and the exchange at least 0")
-    return vals
 
 
 def _moves(state, d: int, on, cap: int, M: int):
@@ -116,7 +102,7 @@ def _group_step(moves, state, grp, on_dev, S: int):
     return True
 
 
-def _grouped(moves, state, grp, on_dev, S: int, D: int):
+def _grouped(moves, grp, on_dev, S: int):
     """The tick being built after ``moves`` joined it: (mark, lanes, sent)."""
     mark, lanes, sent = grp
     lanes, sent = list(lanes), list(sent)
@@ -161,7 +147,7 @@ def search(D: int, M: int, costs: Sequence[float], width: int = 0, devices: Sequ
                     c, g, a = closed, grp, tuple(x + y for x, y in zip(acc, add))
                 else:                           # the open tick ends in an exchange; the moves open the next
                     c, g, a = closed + max(acc) + exchange, empty(st), tuple(add)
-                key = (_advance(st, moves), _grouped(moves, st, g, devices, S, D), a)
+                key = (_advance(st, moves), _grouped(moves, g, devices, S), a)
                 if key not in nxt or c < nxt[key][0]:
                     nxt[key] = (c, path + [moves])
         ranked = sorted(nxt.items(), key=lambda kv: (kv[1][0] + max(kv[0][2]) + left(kv[0][0]), kv[1][0]))
@@ -185,7 +171,7 @@ def build_costed(num_stages: int, num_microbatches: int, costs: Sequence[float],
         raise ScheduleError(f"{name}: costs= plans D = {D}, M = {M} by a search over every device's move per "
                             f"tick; it serves D <= {4 if S == D else 3} and M <= 32 -- leave costs out for the "
                             f"unit-time order")
-    vals = check_costs(costs, name)
+    vals = check_costs(costs, f"{name}: costs")
     _, path = search(D, M, vals[:3], width, devices, exchange=vals[3] if len(vals) == 4 else 0.0)
     devices, chunk_of = list(devices) or list(range(D)), list(chunk_of) or [0] * D
     orders: List[List[Action]] = [[] for _ in range(D)]

@@ -155,13 +155,13 @@ def stable_costs(model, microbatch, choose: Callable, directory: Optional[str] =
     source = os.path.join(directory, f"{key}.json") if rounds else "measured"
     if rounds is None:
         rounds = measure_rounds(programs, FIRST_ROUNDS)
-        while True:
-            best = choose(to_costs(median_round(rounds)))
-            agree = sum(choose(to_costs(r)) == best for r in rounds)
-            if agree == len(rounds) or len(rounds) >= MAX_ROUNDS:
-                break
+        while _agreement(rounds, choose)[0] < len(rounds) and len(rounds) < MAX_ROUNDS:
             rounds += measure_rounds(programs, 1)
         store(directory, key, rounds)
+    return to_costs(median_round(rounds)), _agreement(rounds, choose), source
+
+
+def _agreement(rounds: Sequence[dict], choose: Callable) -> Tuple[int, int]:
+    """(rounds whose own costs choose what the median costs choose, rounds)."""
     best = choose(to_costs(median_round(rounds)))
-    agree = sum(choose(to_costs(r)) == best for r in rounds)
-    return to_costs(median_round(rounds)), (agree, len(rounds)), source
+    return sum(choose(to_costs(r)) == best for r in rounds), len(rounds)
