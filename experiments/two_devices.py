@@ -13,11 +13,12 @@ A schedule may carry its placement (``zb_h1:lanes``; default ``auto``, what ``Pi
 ``zb_h1/unit`` keeps the unit-time order beside it.  Steps are
 timed in turns (A B C A B C ...) so that a slow phase of the machine hits every schedule alike; the median of
 ``--rounds`` rounds of 3 steps is reported.  The prediction is :func:`jaxpipe.tune.lockstep.predict_devices`
-of the same plan, from costs measured on this machine: one layer's forward, backward, input-gradient and
-weight-gradient (one core), and the link (a ``ppermute`` between the two processes: latency and bytes/s) and
-the executor's cost per compiled lane-tick, both calibrated here (the lane-tick from 1F1B's measured step, so
-1F1B's prediction equals its measurement by construction; every other schedule's is a prediction).  Needs a
-quiet machine with two cores.
+of the same plan, from costs measured on this machine: the ops from the plain step of the same work (in
+``--op_costs``' ratios), the link (an exchange between the two processes inside a compiled loop: latency and
+bytes/s), and one calibrated cost, a step's own (``jaxpipe.tune.lockstep.calibrate_step``: the mean over
+1F1B's runs of what its measured step holds beyond its predicted ticks; ``--fit_scale`` fits the ops' scale
+too), so 1F1B's prediction equals its measurement on average; every other schedule's is a prediction.  Needs
+a quiet machine with two cores.
 """
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ flags.DEFINE_string("op_costs", "", "f,b,w[,x]: one stage's forward, its backwar
                     "placement='auto' ranks at them and zb_h1 and zb_v choose their ticks for them "
                     "(jaxpipe.schedules.zb_costed); 'zb_h1/unit' (or zb_v/unit) in --schedules runs the unit-time order beside it, "
                     "and the prediction takes the same ratios")
+flags.DEFINE_bool("fit_scale", False, "calibrate the ops' scale from 1F1B's runs at two micro-batch counts too, "
+                  "not only a step's own cost (jaxpipe.tune.lockstep.calibrate_step)")
 flags.DEFINE_integer("worker", -1, "internal: this process's index (the launcher sets it; -2: the one-core costs)")
 FLAGS = flags.FLAGS
 CHUNKED = ("interleaved_1f1b", "zb_v", "dualpipe_v")
@@ -81,25 +84,30 @@ def _round_steps(runs, rounds):
 
 
 def _link(pid):
-    """``(alpha, beta)`` of one ppermute between the two processes: a small and a large message timed."""
+    """``(alpha, beta)`` of one ppermute between the two processes *inside* a compiled loop (as the executor's
+    exchanges run): a loop of 5 and of 25 exchanges timed, for a small and a 4 MiB message; the difference
+    over the 20 extra exchanges is one exchange's cost.  (A separately jitted ppermute also pays a call's
+    dispatch on both processes, 1-3 ms here: that is a step's fixed cost, not a tick's.)"""
     import jax
-    import jax.numpy as jnp
     import numpy as np
+    from jax import lax
     from jax.sharding import NamedSharding, PartitionSpec as P
     mesh = jax.make_mesh((2,), ("stage",))
     out = {}
     for n in (16, 1 << 20):
-        f = jax.jit(jax.shard_map(lambda a: jax.lax.ppermute(a, "stage", [(0, 1), (1, 0)]), mesh=mesh,
-                                  in_specs=P("stage"), out_specs=P("stage")))
         x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("stage")), np.ones((n,), np.float32))
-        for _ in range(3):
-            x = f(x)
-        jax.block_until_ready(x)
-        t0 = time.perf_counter()
-        for _ in range(20):
-            x = f(x)
-        jax.block_until_ready(x)
-        out[n] = (time.perf_counter() - t0) / 20
+        per = {}
+        for k in (5, 25):
+            loop = lambda a, k=k: lax.fori_loop(0, k, lambda i, a: lax.ppermute(a, "stage", [(0, 1), (1, 0)]), a)
+            f = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=P("stage"), out_specs=P("stage")))
+            jax.block_until_ready(f(f(x)))
+            t = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                jax.block_until_ready(f(x))
+                t.append(time.perf_counter() - t0)
+            per[k] = float(np.median(t))
+        out[n] = max(per[25] - per[5], 0.0) / 20
     beta = max(out[1 << 20] - out[16], 0.0) / (4 * ((1 << 20) - 16))
     return max(out[16] - 64 * beta, 0.0), beta
 
@@ -216,14 +224,14 @@ def _op_costs():
 def report(res):
     """The measured steps beside the model's: a layer's forward f from the plain step measured in the same
     rounds (its work is M x layers x (f + b) with b = 2 f, a split backward's input and weight parts f each,
-    as the papers count), the link measured, and one calibrated cost per tick (the exchange's rendezvous, the
-    lanes' conditionals and slots) from 1F1B's measured step."""
+    as the papers count, or in ``--op_costs``' ratios), the link measured, and a step's own cost calibrated
+    from 1F1B's measured steps (module docstring)."""
     import jaxpipe as jp
-    from jaxpipe.tune import LayerCosts, Link, predict_devices
+    from jaxpipe.tune import LayerCosts, Link, calibrate_step, predict_devices
     alpha, beta = res["link"]
     link = Link(alpha, beta)
     W, L = FLAGS.width, FLAGS.layers
-    rows, tick = [], {}
+    rows = []
     given = _op_costs()
     for M, spec, placement, t in res["steps"]:
         name = spec.partition(":")[0]
@@ -246,19 +254,19 @@ def report(res):
         act = (FLAGS.batch // M) * W * 4
         parts = predict_devices(s, lc, per, 0.0, link, act, per * W * W * 4, placement=placement)
         rows.append([M, spec, placement, t, plain, parts])
-    for M, spec, placement, t, plain, parts in rows:
-        if spec == "1f1b":
-            tick[M] = max(t - parts["step"], 0.0) / parts["ticks"]
+    ref = [(parts, t) for M, spec, _, t, _, parts in rows if spec == "1f1b"]
+    scale, fixed = (calibrate_step([p for p, _ in ref], [t for _, t in ref], fit_scale=FLAGS.fit_scale)
+                     if ref else (1.0, 0.0))
     for key, (f, b, b_in, w) in sorted(res.get("costs", {}).items()):
         M, per = key.split(",")
         print(f"one layer, M={M} ({per} a stage): f {f * 1e3:.2f} ms, b {b / f:.2f} f, B's input part {b_in / f:.2f} f, "
               f"W {w / f:.2f} f")
-    print(f"link: {alpha * 1e6:.0f} us + {1 / max(beta, 1e-30) / 1e9:.2f} GB/s; cost of a tick (from 1f1b): "
-          + ", ".join(f"M={m}: {v * 1e3:.2f} ms" for m, v in tick.items()))
+    print(f"link (in a compiled loop): {alpha * 1e6:.0f} us + {1 / max(beta, 1e-30) / 1e9:.2f} GB/s; from 1f1b's "
+          f"{len(ref)} run(s): ops x {scale:.3f}, {fixed * 1e3:.1f} ms a step")
     print(f"{'M':>2} {'schedule':22s} {'placement':9s} {'measured':>9s} {'x plain':>8s} {'x 1f1b (+- IQR/2)':>17s} "
           f"{'predicted':>10s} {'meas/pred':>9s} {'pred/1f1b':>9s}")
     base = {M: t for M, spec, _, t, *_ in rows if spec == "1f1b"}
-    pred = {(M, spec): parts["step"] + tick.get(M, 0.0) * parts["ticks"] for M, spec, _, _, _, parts in rows}
+    pred = {(M, spec): parts["step"] + (scale - 1) * parts["compute"] + fixed for M, spec, _, _, _, parts in rows}
     from jaxpipe.bench import ratio_spread, reliability
     rounds, spreads, out = res.get("rounds", {}), {}, []
     for M, spec, placement, t, plain, parts in rows:
@@ -275,7 +283,7 @@ def report(res):
         print("warning: " + w)
     if FLAGS.json:
         with open(FLAGS.json, "w") as fh:
-            json.dump({"link": res["link"], "tick": tick, "rows": out}, fh, indent=1)
+            json.dump({"link": res["link"], "scale": scale, "fixed_s": fixed, "rows": out}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 import pytest
 
 import jaxpipe as jp
-from jaxpipe.tune import LayerCosts, Link, calibrate_tick, predict_devices, predict_one_core
+from jaxpipe.tune import LayerCosts, Link, calibrate_step, calibrate_tick, predict_devices, predict_one_core
 from jaxpipe.tune.lockstep import fastest, layout_bytes, running_plan
 
 UNIT = LayerCosts(f=1.0, b=2.0, b_input=1.0, w=1.0)
@@ -65,6 +65,23 @@ def test_calibrate_tick_inverts_the_one_core_prediction():
     measured = predict_one_core(s, UNIT, 0.5, 0.003, copy, 4096.0, 1e6)["step"]
     assert calibrate_tick(s, UNIT, 0.5, copy, 4096.0, 1e6, measured) == pytest.approx(0.003)
     assert calibrate_tick(s, UNIT, 0.5, copy, 4096.0, 1e6, 0.0) == 0.0        # clipped, never negative
+
+
+def test_calibrate_step_recovers_a_steps_own_cost_and_the_ops_scale():
+    """Runs of one schedule at two micro-batch counts, made from known costs (ops x 0.8, 30 ms a step, a
+    link): the default calibration keeps the ops as given and puts the rest in the step's own cost; the fitted
+    one recovers both, and its predictions of a third run then equal that run."""
+    link = Link(1e-3, 1e-10)
+    args = lambda M: (build("1f1b", 2, M), UNIT, 1.0, 0.0, link, 4096.0, 1e6)
+    parts = [predict_devices(*args(M)) for M in (4, 8)]
+    truth = [predict_devices(*args(M), scale=0.8, fixed=0.03)["step"] for M in (4, 8)]
+    k, c = calibrate_step(parts, truth, fit_scale=True)
+    assert k == pytest.approx(0.8) and c == pytest.approx(0.03)
+    assert predict_devices(*args(16), scale=k, fixed=c)["step"] == pytest.approx(
+        predict_devices(*args(16), scale=0.8, fixed=0.03)["step"])
+    k1, c1 = calibrate_step(parts, truth)
+    assert k1 == 1.0 and c1 == pytest.approx(sum(t - p["step"] for t, p in zip(truth, parts)) / 2)
+    assert calibrate_step(parts[:1], truth[:1], fit_scale=True) == (1.0, pytest.approx(truth[0] - parts[0]["step"]))
 
 
 def test_messages_and_layout():

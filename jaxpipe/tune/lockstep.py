@@ -25,7 +25,7 @@ to cost, default ``"auto"`` as ``Pipeline``'s.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Sequence
+from typing import Dict, Sequence, Tuple
 
 import numpy as np
 
@@ -108,17 +108,20 @@ def layout_bytes(s: Schedule, stage_bytes: float) -> float:
 
 
 def predict_devices(s: Schedule, costs: LayerCosts, layers_per_stage: float, tick: float, link: Link,
-                    act_bytes: float, stage_bytes: float, placement: str = "auto") -> Dict[str, float]:
-    """The step's seconds on ``s.D`` real devices (module docstring), and its parts."""
+                    act_bytes: float, stage_bytes: float, placement: str = "auto", scale: float = 1.0,
+                    fixed: float = 0.0) -> Dict[str, float]:
+    """The step's seconds on ``s.D`` real devices (module docstring), and its parts.  ``scale`` and ``fixed``
+    (:func:`calibrate_step`): the ops' measured costs times ``scale``, plus ``fixed`` seconds a step."""
     ops = _lane_ops(s, layers_per_stage, costs, placement)
     lanes = _compiled_lane_ticks(s, placement)
     compute = float(ops.sum(axis=2).max(axis=1).sum())   # per tick: the slowest device's own actions
     busy = float(ops.sum() / s.D)                 # one device's share of the work, the bubble-free bound
-    fixed = float(lanes.sum() * tick)
+    lane_fixed = float(lanes.sum() * tick)
     msgs = float(_messages(s, placement).sum() * link(act_bytes))
     n_layout = layout_bytes(s, stage_bytes)
     layout = link(n_layout / 2) * 2 if n_layout else 0.0
-    return {"step": compute + fixed + msgs + layout, "compute": compute, "busy": busy, "fixed": fixed,
+    return {"step": scale * compute + lane_fixed + msgs + layout + fixed, "compute": scale * compute,
+            "busy": scale * busy, "fixed": lane_fixed + fixed,
             "messages": msgs, "layout": layout, "lane_ticks": float(lanes.sum()),
             "ticks": float(lanes.shape[0]), "ppermutes": float(_messages(s, placement).sum())}
 
@@ -145,6 +148,23 @@ def calibrate_tick(s: Schedule, costs: LayerCosts, layers_per_stage: float, copy
     rest = predict_one_core(s, costs, layers_per_stage, 0.0, copy, act_bytes, stage_bytes, placement)
     lane_ticks = float(_compiled_lane_ticks(s, placement).sum())
     return max((measured - baseline - rest["step"]) / (lane_ticks * s.D), 0.0)
+
+
+def calibrate_step(parts: Sequence[Dict[str, float]], measured: Sequence[float],
+                   fit_scale: bool = False) -> Tuple[float, float]:
+    """``(scale, fixed)`` such that ``scale * compute + fixed + the rest`` of each of :func:`predict_devices`'
+    ``parts`` (predicted with ``scale=1, fixed=0``) meets the ``measured`` seconds: ``fixed`` is a step's own
+    cost beyond its ticks (the update, the call's start on every process), the mean over the runs.  With
+    ``fit_scale`` and runs at two or more micro-batch counts, ``scale`` is fitted too (least squares, kept within
+    [0.5, 2]): op costs derived from a plain step carry that step's own fixed cost.  Measured on the two-process
+    testbed the fitted scale moved by 10% between runs, so the default keeps ``scale`` 1."""
+    compute = np.array([p["compute"] for p in parts])
+    rest = np.array([p["step"] - p["compute"] for p in parts])
+    y = np.asarray(measured, float) - rest
+    k = 1.0
+    if fit_scale and len(parts) > 1 and np.ptp(compute) > 1e-12:
+        k = float(np.clip(np.polyfit(compute, y, 1)[0], 0.5, 2.0))
+    return k, float(np.mean(y - k * compute))
 
 
 def fastest(predictions: Dict[str, float]) -> Sequence:
