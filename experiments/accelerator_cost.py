@@ -36,6 +36,8 @@ flags.DEFINE_string("residuals", "all", "residual policies to compare (Pipeline(
 flags.DEFINE_bool("small", False, "tiny sizes (a smoke test)")
 flags.DEFINE_bool("timed", None, "time the steps (default: on anything but CPU)")
 flags.DEFINE_integer("steps", 20, "steps back to back in a 'stream' timing")
+flags.DEFINE_integer("hlo_lines", 0, "also print each program's bytes with its loops counted as often as they run "
+                     "(jaxpipe.hlo_bytes: XLA's own figure counts a loop body once) and its N dearest HLO lines")
 FLAGS = flags.FLAGS
 
 
@@ -85,9 +87,12 @@ def measure(step, timed, n):
 
 
 def costs(compiled):
-    """(flops, bytes accessed, temp bytes) of a compiled program (per device)."""
+    """(flops, bytes accessed, temp bytes[, HLO byte account]) of a compiled program (per device)."""
     from jaxpipe.bench import compiled_costs
-    return compiled_costs(compiled)
+    if not FLAGS.hlo_lines:
+        return compiled_costs(compiled)
+    from jaxpipe.hlo_bytes import account
+    return (*compiled_costs(compiled), account(compiled.as_text(), FLAGS.hlo_lines))
 
 
 def residual_policy(name):
@@ -145,13 +150,21 @@ def bench(label, model, batch, D, timed, scheds, layers):
 
 
 def report(label, rows, timed):
-    (bl0, sm0), (f0, by0, t0) = rows[0][1], rows[0][2]
+    (bl0, sm0), (f0, by0, t0) = rows[0][1], rows[0][2][:3]
     for what, (bl, sm), c in rows:
         times = f"blocked {bl:8.3f} ms ({bl / bl0:.3f}x)  stream {sm:8.3f} ms ({sm / sm0:.3f}x)" if timed else ""
         cost = "" if c is None else (f"  flops {c[0] / max(f0, 1):.2f}x  bytes {c[1] / max(by0, 1):.2f}x  "
                                      f"temp {c[2] / 2**20:,.0f} MiB ({c[2] / max(t0, 1):.2f}x)")
         if times or cost:
             print(f"| {label} | {what} | {times}{cost} |", flush=True)
+    for what, _, c in rows:
+        if c is not None and len(c) > 3:
+            a, a0 = c[3], rows[0][2][3]
+            print(f"  {label} {what}: {a.static / 1e6:,.1f} MB with each loop body once (XLA's count), "
+                  f"{a.per_call / 1e6:,.1f} MB per call ({a.per_call / max(a0.per_call, 1):.2f}x the plain step's) "
+                  f"with loops {[n for n, _ in a.loops]} times; conditionals at their dearest branch")
+            for comp, line, b in a.top:
+                print(f"    {b / 1e6:9.1f} MB  {line}   [{comp}]")
 
 
 def main(argv):
