@@ -84,6 +84,13 @@ def test_calibrate_step_recovers_a_steps_own_cost_and_the_ops_scale():
     assert calibrate_step(parts[:1], truth[:1], fit_scale=True) == (1.0, pytest.approx(truth[0] - parts[0]["step"]))
 
 
+def test_a_measured_link_table_is_interpolated_and_extended():
+    link = Link(1.0, 0.0, table=((0.0, 1e-3), (4e6, 3e-3), (16e6, 13e-3)))
+    assert link(2e6) == pytest.approx(2e-3) and link(16e6) == pytest.approx(13e-3)
+    assert link(20e6) == pytest.approx(13e-3 + 4e6 * (10e-3 / 12e6))       # the last segment's slope
+    assert Link(1e-3, 1e-9)(1e6) == pytest.approx(2e-3)                     # no table: the line
+
+
 def test_messages_and_layout():
     link = Link(1.0, 0.0)            # one second per message, whatever its size
     one, chim = build("1f1b"), build("chimera")
