@@ -1,0 +1,124 @@
+"""A pipeline's memory per device, predicted without compiling and calibrated on a few compiles (issue #53,
+item 2: the first part of automatic configuration).
+
+What a compiled step holds per device (XLA's ``memory_analysis()``; BUILD_NOTES, "what a compiled step's memory
+is made of", 32 configurations of a GPT): its **arguments** (the stage's parameters, the optimizer state, the
+batch's share -- known exactly before compiling, from the state's own shards) and its **temp**, which is
+
+    temp = stash slots x R + a x R_all + b
+
+with ``R`` the residual bytes one micro-batch leaves in the stash under the residual policy (the plan's
+``stash_capacity`` slots; none where the plan hands them over directly), ``R_all`` the residual bytes of one
+micro-batch through one chunk with every residual kept (the backward's working set: a recomputing policy
+rebuilds them during B), and ``a``, ``b`` fitted per *family* -- residual policy, split backward or not, chunks
+per device -- on two compiles at different micro-batch sizes (:func:`calibrate`).  Measured there: a line
+through 1F1B at D = 2, M = 4 and 8 predicts D = 4, M = 4 and 8 within 1%; the families differ (a 1.1 for
+1F1B with every residual kept, 0.9 recomputing, ~2 for ZB-H1 whose frontier slots are in the rest).
+
+:func:`footprint` needs no compile (the plan, the stage's residual avals, the state's shards);
+:func:`compiled` compiles the step and reads XLA's figures -- what a configuration search checks its choice
+and runner-up against.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _nbytes(tree) -> int:
+    return int(sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)))
+
+
+def _all_residuals(stage_fn):
+    """The stage function under the ``"all"`` policy: ``jax.checkpoint``'s wrapped function, or the stage
+    that :class:`~jaxpipe.runtime.common.RecomputedAtForwardWeights` reruns."""
+    inner = getattr(stage_fn, "__wrapped__", None) or getattr(stage_fn, "stage_fn", None)
+    return stage_fn if inner is None else _all_residuals(inner)
+
+
+@dataclasses.dataclass(frozen=True)
+class Footprint:
+    """Bytes per device of a built ``Pipeline`` on a batch, from its plan and avals (no compile).
+    ``family``: what the calibration is per -- (residual policy, split backward, chunks per device)."""
+    family: Tuple[str, bool, int]
+    state: int          # the arguments: parameters, optimizer state and the batch's share on one device
+    stash: int          # stash slots x R
+    residuals: int      # R: one micro-batch's stashed residuals through one chunk under the policy
+    working: int        # R_all: the same with every residual kept
+
+
+def footprint(pipe, batch, state=None) -> Footprint:
+    """The :class:`Footprint` of ``pipe`` (a synchronous, flushing ``Pipeline``) on ``batch`` (host arrays, the
+    whole step's rows); ``state``: ``pipe.init()``'s (made here when not given)."""
+    from ..runtime.stage import stage_residuals
+    if not pipe.method.flushes or pipe.lane_plan is None:
+        raise ValueError(f"footprint() models a flushing schedule's lane plan; {pipe.schedule.name} keeps "
+                         f"micro-batches in flight between steps (measure it with compiled())")
+    state = pipe.init() if state is None else state
+    shard = lambda a: a.addressable_shards[0].data.nbytes if hasattr(a, "addressable_shards") else np.asarray(a).nbytes
+    data = pipe.data_parallel
+    on_device = sum(shard(a) for a in jax.tree.leaves(state)) + _nbytes(batch) // max(data, 1)
+    model, M = pipe.model, pipe.num_microbatches
+    rows = jax.tree.leaves(batch)[0].shape[0] // (M * max(data, 1))
+    mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((rows,) + tuple(a.shape[1:]), a.dtype), batch)
+    x = jax.eval_shape(model.pre, model.pre_params, mb)
+    w = jax.tree.map(lambda a: a[0], model.stage_params)
+    mb0 = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), mb)
+    x0 = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), x)
+    r_pol = _nbytes(stage_residuals(model, w, x0, mb0)[1])
+    full = dataclasses.replace(model, stage_fn=_all_residuals(model.stage_fn))
+    r_all = _nbytes(stage_residuals(full, w, x0, mb0)[1])
+    plan = pipe.lane_plan
+    slots = 0 if plan.direct else plan.stash_capacity
+    chunks = pipe.schedule.num_model_stages // pipe.schedule.D
+    policy = "all" if r_pol == r_all else "recompute"
+    return Footprint((policy, pipe.schedule.has_w(), chunks), on_device, slots * r_pol, r_pol, r_all)
+
+
+def compiled(pipe, batch, state=None) -> Dict[str, int]:
+    """XLA's figures for ``pipe``'s compiled step, per device: ``temp``, ``arguments``, ``outputs``, ``alias``
+    and ``total`` (arguments + temp + outputs not aliased to an argument)."""
+    state = pipe.init() if state is None else state
+    ma = pipe.lower("step", state, pipe.shard_batch(batch)).compile().memory_analysis()
+    out = {"temp": ma.temp_size_in_bytes, "arguments": ma.argument_size_in_bytes,
+           "outputs": ma.output_size_in_bytes, "alias": ma.alias_size_in_bytes}
+    out["total"] = out["arguments"] + out["temp"] + max(out["outputs"] - out["alias"], 0)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryModel:
+    """``temp = stash + a x working + b`` per family (module docstring), fitted by :func:`calibrate`."""
+    lines: Dict[Tuple[str, bool, int], Tuple[float, float]]
+
+    def temp(self, fp: Footprint) -> float:
+        if fp.family not in self.lines:
+            raise KeyError(f"no calibration for the family {fp.family} (residual policy, split backward, "
+                           f"chunks per device); calibrate on two of its configurations first")
+        a, b = self.lines[fp.family]
+        return fp.stash + a * fp.working + b
+
+    def total(self, fp: Footprint) -> float:
+        """Bytes per device: the arguments and the predicted temp."""
+        return fp.state + self.temp(fp)
+
+
+def calibrate(points: Sequence[Tuple[Footprint, int]], model: MemoryModel = None) -> MemoryModel:
+    """Fit ``a``, ``b`` per family from ``(footprint, compiled temp)`` points (at least two per family, at
+    different ``working``: two micro-batch sizes); ``model``: lines kept for other families."""
+    lines = dict(model.lines) if model is not None else {}
+    fams = {}
+    for fp, temp in points:
+        fams.setdefault(fp.family, []).append((fp.working, temp - fp.stash))
+    for fam, pts in fams.items():
+        xs, ys = np.array([p[0] for p in pts], float), np.array([p[1] for p in pts], float)
+        if len(pts) < 2 or np.ptp(xs) == 0:
+            raise ValueError(f"calibrating {fam} needs two configurations whose micro-batches differ in size "
+                             f"(working set {sorted(set(xs.tolist()))} bytes)")
+        a, b = np.polyfit(xs, ys, 1)
+        lines[fam] = (float(a), float(b))
+    return MemoryModel(lines)

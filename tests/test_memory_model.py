@@ -1,0 +1,56 @@
+"""``jaxpipe.tune.memory`` (issue #53 item 2): a pipeline's memory per device predicted without compiling, from
+its plan and avals, calibrated on two compiles, against XLA's own ``memory_analysis()`` of the compiled step."""
+import numpy as np
+import optax
+import pytest
+
+import jaxpipe as jp
+from jaxpipe.tune.memory import MemoryModel, calibrate, compiled, footprint
+
+T, ROWS = 16, 16
+
+
+def _batch():
+    tok = np.random.default_rng(0).integers(0, 64, (ROWS, T + 1)).astype(np.int32)
+    return {"x": tok[:, :-1], "y": tok[:, 1:]}
+
+
+def _pipe(D, M, residuals="all"):
+    model = jp.models.gpt(D, vocab=64, d_model=32, heads=2, blocks_per_stage=4 // D, seq_len=T)
+    return jp.Pipeline(model, schedule="1f1b", num_microbatches=M, optimizer=optax.adamw(1e-3),
+                       mesh=jp.make_mesh(stages=D), residuals=residuals)
+
+
+@pytest.fixture(scope="module")
+def measured():
+    """(footprint, XLA's figures) of three configurations, each compiled once for the module."""
+    out = {}
+    for key in [(2, 2), (2, 4), (4, 4)]:
+        pipe = _pipe(*key)
+        state = pipe.init()
+        out[key] = (footprint(pipe, _batch(), state), compiled(pipe, _batch(), state))
+    return out
+
+
+def test_the_state_on_a_device_is_the_compiled_steps_arguments(measured):
+    for fp, xla in measured.values():
+        assert fp.state == xla["arguments"]
+        assert fp.stash > 0 and fp.residuals == fp.working         # residuals="all": the stash keeps them all
+
+
+def test_a_line_fitted_at_two_devices_predicts_four_within_ten_percent(measured):
+    m = calibrate([(measured[k][0], measured[k][1]["temp"]) for k in [(2, 2), (2, 4)]])
+    for k in [(4, 4)]:
+        fp, xla = measured[k]
+        assert m.temp(fp) == pytest.approx(xla["temp"], rel=0.10), k
+        assert m.total(fp) == pytest.approx(xla["total"], rel=0.10), k
+
+
+def test_a_recomputing_policy_is_its_own_family_and_needs_its_own_calibration(measured):
+    fp = footprint(_pipe(2, 2, residuals="inputs"), _batch())
+    assert fp.family[0] == "recompute" and fp.residuals < fp.working
+    m = calibrate([(measured[k][0], measured[k][1]["temp"]) for k in [(2, 2), (2, 4)]])
+    with pytest.raises(KeyError, match="no calibration for the family"):
+        m.temp(fp)
+    with pytest.raises(ValueError, match="two configurations whose micro-batches differ"):
+        calibrate([(measured[(2, 2)][0], 1), (measured[(2, 2)][0], 2)], MemoryModel({}))
