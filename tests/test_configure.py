@@ -1,0 +1,60 @@
+"""``jaxpipe.tune.configure`` (issue #53, first version): the predicted-fastest pipeline within a memory budget,
+its memory checked by compiling, and a configuration that fits where the defaults do not."""
+import numpy as np
+import optax
+import pytest
+
+import jaxpipe as jp
+from jaxpipe.errors import ConfigError
+from jaxpipe.tune.configure import configure
+
+T = 16
+
+
+def _batch():
+    tok = np.random.default_rng(0).integers(0, 64, (8, T + 1)).astype(np.int32)
+    return {"x": tok[:, :-1], "y": tok[:, 1:]}
+
+
+def _model(stages):
+    return jp.models.gpt(stages, vocab=64, d_model=32, heads=2, blocks_per_stage=4 // stages, seq_len=T)
+
+
+def _configure(budget):
+    return configure(_model, _batch(), optax.adamw(1e-3), devices=2, memory_budget=budget, schedules=("1f1b",),
+                     microbatches=(2, 4), residuals=("all", "inputs"), verbose=False)
+
+
+@pytest.fixture(scope="module")
+def roomy():
+    return _configure(1 << 40)
+
+
+def test_every_candidate_is_predicted_and_the_choice_is_checked_by_compiling(roomy):
+    assert len(roomy.candidates) == 8 and not any(c.dropped for c in roomy.candidates)
+    assert all(np.isfinite(c.step_s) and c.memory > 0 for c in roomy.candidates)
+    ranked = sorted(roomy.candidates, key=lambda c: c.step_s)
+    assert roomy.best is ranked[0]
+    assert roomy.best.compiled_memory is not None and ranked[1].compiled_memory is not None
+    table = roomy.table()
+    assert table.count("\n") == 1 + len(roomy.candidates) and "chosen" in table
+
+
+def test_a_budget_the_full_residuals_exceed_chooses_a_recomputing_policy_that_fits_and_trains(roomy):
+    keep = [c for c in roomy.candidates if c.residuals == "all"]
+    budget = min(c.memory for c in keep) - 1
+    small = [c for c in roomy.candidates if c.residuals == "inputs" and c.memory <= budget]
+    assert small, "the test needs a recomputing candidate below every full-residual one"
+    conf = roomy.within(budget)
+    assert conf.best.residuals == "inputs" and conf.best.memory <= budget
+    assert all("budget" in c.dropped for c in conf.candidates if c.residuals == "all")
+    kw = conf.best.pipeline_kwargs()
+    pipe = jp.Pipeline(_model(conf.best.model_stages), optimizer=optax.adamw(1e-3), **kw)
+    state, metrics = pipe.step(pipe.init(), pipe.shard_batch(_batch()))
+    assert np.isfinite(float(metrics["loss"]))
+
+
+def test_a_budget_nothing_fits_is_refused_with_the_smallest_need(roomy):
+    least = min(c.memory for c in roomy.candidates)
+    with pytest.raises(ConfigError, match="no configuration fits .* the smallest needs"):
+        roomy.within(least / 4)
