@@ -42,10 +42,11 @@ _LAZY = {
     "training": ("training", None),
     "train": ("training.loop", "train"),
     "Trainer": ("training.loop", "Trainer"),
+    "configure": ("tune.configure", "configure"),
 }
 
 __all__ = ["Checkpointer", "ConfigError", "CyclicDataParallel", "Pipeline", "PipelineModel", "PipelineState", "Precision", "StageContext", "data", "make_mesh",
-           "microbatch_key", "models", "optim", "with_precision", "train", "Trainer", "training",
+           "microbatch_key", "models", "optim", "with_precision", "train", "Trainer", "training", "configure",
            "schedules", "tune"]
 
 
