@@ -152,6 +152,13 @@ MUTATIONS = [
     Mutation("zb_costed_ignores_the_memory_bound", "jaxpipe/schedules/zb_costed.py",
              "if nf < M and held < cap and", "if nf < M and",
              "tests/test_zb_costed.py::test_the_costed_ticks_reach_the_lockstep_optimum_at_1f1b_memory[4-160.0]"),
+    # issue #53: the memory model forgets the stash; the configuration keeps a candidate over the budget
+    Mutation("memory_footprint_ignores_the_stash", "jaxpipe/tune/memory.py",
+             "slots = 0 if plan.direct else plan.stash_capacity", "slots = 0",
+             "tests/test_memory_model.py::test_the_state_on_a_device_is_the_compiled_steps_arguments"),
+    Mutation("configure_keeps_a_candidate_over_the_budget", "jaxpipe/tune/configure.py",
+             "and not c.dropped and c.memory > budget:", "and not c.dropped and c.memory > 2 * budget:",
+             "tests/test_configure.py::test_a_budget_the_full_residuals_exceed_chooses_a_recomputing_policy_that_fits_and_trains"),
 ]
 
 

@@ -22,7 +22,7 @@ def _model(stages):
 
 def _configure(budget):
     return configure(_model, _batch(), optax.adamw(1e-3), devices=2, memory_budget=budget, schedules=("1f1b",),
-                     microbatches=(2, 4), residuals=("all", "inputs"), verbose=False)
+                     microbatches=(2,), residuals=("all", "inputs"), verbose=False)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def roomy():
 
 
 def test_every_candidate_is_predicted_and_the_choice_is_checked_by_compiling(roomy):
-    assert len(roomy.candidates) == 8 and not any(c.dropped for c in roomy.candidates)
+    assert len(roomy.candidates) == 4 and not any(c.dropped for c in roomy.candidates)
     assert all(np.isfinite(c.step_s) and c.memory > 0 for c in roomy.candidates)
     ranked = sorted(roomy.candidates, key=lambda c: c.step_s)
     assert roomy.best is ranked[0]
