@@ -33,7 +33,7 @@ import numpy as np
 from .. import schedules as _schedules
 from ..errors import ConfigError
 from .lockstep import LayerCosts, Link, predict_devices
-from .memory import MemoryModel, calibrate, compiled, footprint
+from .memory import MemoryModel, calibrate, compiled, footprint, tree_bytes
 
 CHECK_TOLERANCE = 0.10
 
@@ -56,11 +56,16 @@ class Candidate:
         from ..runtime.mesh import make_mesh
         return {"schedule": self.schedule, "num_microbatches": self.microbatches, "residuals": self.residuals,
                 "mesh": make_mesh(stages=self.stages, data=self.data),
-                "options": {"virtual": 2} if self.schedule == "interleaved_1f1b" else {}}
+                "options": self._options()}
+
+    def _options(self) -> dict:
+        """Two model chunks a device where the method stacks chunks (interleaved's ``virtual``), as the search
+        in :mod:`.search` uses it."""
+        return {"virtual": 2} if "virtual" in _schedules.method(self.schedule).options else {}
 
     @property
     def model_stages(self) -> int:
-        per = _schedules.method(self.schedule).stages_per_device({"virtual": 2})
+        per = _schedules.method(self.schedule).stages_per_device(self._options())
         return self.stages * per
 
     def label(self) -> str:
@@ -208,14 +213,11 @@ def _predict_times(cands, built, batch, devices) -> None:
         # the data replicas' gradient all-reduce after the pipeline (Rabenseifner's model, measured here)
         a, b = reduce[c.data]
         r = c.data
-        grads = _param_bytes(pipe.model) / c.stages
+        m = pipe.model
+        grads = tree_bytes((m.stage_params, m.pre_params, m.post_params)) / c.stages
         allreduce = (2 * np.log2(r) * a + 2 * (r - 1) / r * b * grads) if r > 1 else 0.0
         c.step_s, c.bubble = parts["step"] + allreduce, 1.0 - parts["busy"] / max(parts["compute"], 1e-30)
 
-
-def _param_bytes(m) -> float:
-    return float(sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
-                     for a in jax.tree.leaves((m.stage_params, m.pre_params, m.post_params))))
 
 
 def _stage_costs(m, batch, rows, split):
@@ -227,7 +229,7 @@ def _stage_costs(m, batch, rows, split):
     w = jax.tree.map(lambda a: a[0], m.stage_params)
     ctx = m.example_context(mb)
     fn = (lambda w, h: m.stage_fn(w, h, ctx)) if m.context else m.stage_fn
-    act = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(x))
+    act = tree_bytes(x)
     whole = op_costs(fn, w, x, 1, [1])
     f, b = whole["F"][0], whole["B"][0]
     b_in = op_costs(fn, w, x, 1, [1], split=True)["B"][0] if split else b / 2

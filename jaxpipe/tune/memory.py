@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def _nbytes(tree) -> int:
+def tree_bytes(tree) -> int:
+    """Bytes of every array (or aval) in a pytree."""
     return int(sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree)))
 
 
@@ -61,7 +62,7 @@ def footprint(pipe, batch, state=None) -> Footprint:
     state = pipe.init() if state is None else state
     shard = lambda a: a.addressable_shards[0].data.nbytes if hasattr(a, "addressable_shards") else np.asarray(a).nbytes
     data = pipe.data_parallel
-    on_device = sum(shard(a) for a in jax.tree.leaves(state)) + _nbytes(batch) // max(data, 1)
+    on_device = sum(shard(a) for a in jax.tree.leaves(state)) + tree_bytes(batch) // max(data, 1)
     model, M = pipe.model, pipe.num_microbatches
     rows = jax.tree.leaves(batch)[0].shape[0] // (M * max(data, 1))
     mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((rows,) + tuple(a.shape[1:]), a.dtype), batch)
@@ -69,9 +70,9 @@ def footprint(pipe, batch, state=None) -> Footprint:
     w = jax.tree.map(lambda a: a[0], model.stage_params)
     mb0 = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), mb)
     x0 = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), x)
-    r_pol = _nbytes(stage_residuals(model, w, x0, mb0)[1])
+    r_pol = tree_bytes(stage_residuals(model, w, x0, mb0)[1])
     full = dataclasses.replace(model, stage_fn=_all_residuals(model.stage_fn))
-    r_all = _nbytes(stage_residuals(full, w, x0, mb0)[1])
+    r_all = tree_bytes(stage_residuals(full, w, x0, mb0)[1])
     plan = pipe.lane_plan
     slots = 0 if plan.direct else plan.stash_capacity
     chunks = pipe.schedule.num_model_stages // pipe.schedule.D
