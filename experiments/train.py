@@ -43,6 +43,14 @@ flags.DEFINE_integer("fsdp", 1, "gpt: FSDP inside each stage (mesh 'fsdp' axis):
                      "sharded, the batch split over it too")
 flags.DEFINE_integer("pipes", 1, "avgpipe: parallel pipelines N (mesh 'pipe' axis; the batch is split over them)")
 flags.DEFINE_string("advance", "auto", "avgpipe: forwards in advance beyond 1F1B (integer) or 'auto' (Algorithm 1)")
+flags.DEFINE_bool("auto", False, "choose the stage x data split of --stages x --data devices, the schedule, "
+                  "--microbatches and the residual policy with jp.configure (the predicted-fastest that fits "
+                  "--memory_budget_mb); prints the candidates' table")
+flags.DEFINE_float("memory_budget_mb", 0.0, "--auto: memory per device in MiB the configuration must fit (0: no limit)")
+flags.DEFINE_list("auto_schedules", ["1f1b", "gpipe", "zb_h1", "interleaved_1f1b"], "--auto: the schedules it considers")
+flags.DEFINE_list("auto_microbatches", ["2", "4", "8"], "--auto: the micro-batch counts it considers")
+flags.DEFINE_enum("residuals", "all", ["all", "inputs"], "what a stage keeps between its forward and backward: "
+                  "every residual, or only its input (the backward recomputes the forward: less memory, more flops)")
 flags.DEFINE_integer("microbatches", 4, "micro-batches per step (per data replica)")
 flags.DEFINE_integer("batch", 32, "global batch size (sequences or images); divisible by data x microbatches")
 flags.DEFINE_integer("steps", 300, "optimizer steps")
@@ -172,6 +180,8 @@ def run(argv):
     primary = jax.process_index() == 0
     say = print if primary else (lambda *a, **k: None)
     os.makedirs(FLAGS.out_dir, exist_ok=True)
+    if FLAGS.auto:
+        _auto_configure(jp, say)
     pipe, parts, sched = _build_pipeline(jp)
     state = pipe.init()
     _describe(jp, pipe, state, n_proc, say)
@@ -228,6 +238,36 @@ def _start_process() -> int:
     return n_proc
 
 
+def _auto_configure(jp, say):
+    """--auto: ``jp.configure`` over the --stages x --data devices; the choice is written into the flags
+    (--stages, --data, --schedule, --microbatches, --residuals), which the run then builds as given."""
+    import jax
+    import optax
+    from experiments import factories
+    if jax.process_count() > 1 or FLAGS.tensor > 1 or FLAGS.fsdp > 1 or FLAGS.pipes > 1:
+        raise app.UsageError("--auto chooses stage x data on one process (no --tensor / --fsdp / --pipes): run it "
+                             "once there and give the flags it prints to the multi-process job")
+    devices = FLAGS.stages * FLAGS.data
+    budget = FLAGS.memory_budget_mb * 2**20 if FLAGS.memory_budget_mb > 0 else float("inf")
+    sample = jp.training.streams.peek(factories.build(FLAGS.model, 1, FLAGS.batch, FLAGS.seed).batches)
+    make = lambda n: factories.build(FLAGS.model, n, FLAGS.batch, FLAGS.seed).model
+    say(f"--auto: choosing among stage x data splits of {devices} devices, {', '.join(FLAGS.auto_schedules)}, "
+        f"M in {', '.join(FLAGS.auto_microbatches)}, residuals all / inputs"
+        f"{f', within {FLAGS.memory_budget_mb:g} MiB a device' if FLAGS.memory_budget_mb > 0 else ''} ...")
+    conf = jp.configure(make, sample, optax.adamw(1e-3), devices=devices, memory_budget=budget,
+                        schedules=tuple(FLAGS.auto_schedules), microbatches=tuple(int(m) for m in FLAGS.auto_microbatches),
+                        verbose=False)
+    best = conf.best
+    say(conf.table())
+    say(f"--auto chose: --stages={best.stages} --data={best.data} --schedule={best.schedule} "
+        f"--microbatches={best.microbatches} --residuals={best.residuals}"
+        f"{' --virtual=2' if 'virtual' in best.pipeline_kwargs()['options'] else ''}")
+    FLAGS.stages, FLAGS.data, FLAGS.schedule = best.stages, best.data, best.schedule
+    FLAGS.microbatches, FLAGS.residuals = best.microbatches, best.residuals
+    if "virtual" in best.pipeline_kwargs()["options"]:
+        FLAGS.virtual = best.pipeline_kwargs()["options"]["virtual"]
+
+
 def _build_pipeline(jp):
     """The model (``--model``'s factory), the optimizer with its learning-rate schedule, the mesh and the
     :class:`~jaxpipe.Pipeline`; returns (pipe, the factory's parts, the schedule)."""
@@ -264,7 +304,8 @@ def _build_pipeline(jp):
                              f"the pipeline, so there is no single update to skip; use --on_nonfinite=stop")
     pipe = jp.Pipeline(parts.model, schedule=FLAGS.schedule, num_microbatches=FLAGS.microbatches, optimizer=opt,
                        mesh=mesh, nan_bubbles=FLAGS.nan_bubbles, skip_nonfinite=guard, seed=FLAGS.seed,
-                       precision=jp.Precision(params="float32", compute=FLAGS.dtype), **extra)
+                       precision=jp.Precision(params="float32", compute=FLAGS.dtype), residuals=FLAGS.residuals,
+                       **extra)
     return pipe, parts, sched
 
 
@@ -275,7 +316,8 @@ def _describe(jp, pipe, state, n_proc, say):
     say(f"jaxpipe: {FLAGS.model} ({sum(x.size for x in jax.tree.leaves(pipe.model.params)):,} parameters), "
         f"{FLAGS.schedule}, mesh data={FLAGS.data} x stage={FLAGS.stages}"
         f"{f' x fsdp={FLAGS.fsdp}' if FLAGS.fsdp > 1 else ''}{f' x tensor={FLAGS.tensor}' if FLAGS.tensor > 1 else ''}, "
-        f"M={FLAGS.microbatches}, batch {FLAGS.batch}, {FLAGS.optimizer} lr {FLAGS.lr:g}")
+        f"M={FLAGS.microbatches}, batch {FLAGS.batch}, {FLAGS.optimizer} lr {FLAGS.lr:g}"
+        f"{', residuals=' + FLAGS.residuals if FLAGS.residuals != 'all' else ''}")
     say(f"schedule: {r.num_ticks} ticks/step, simulated bubble {r.bubble_ratio:.1%} (lockstep "
         f"{r.lockstep_bubble_ratio:.1%}), peak in-flight micro-batches per device {r.peak_inflight}")
     if FLAGS.tensor > 1 or FLAGS.fsdp > 1:

@@ -20,14 +20,19 @@ def _model(stages):
     return jp.models.gpt(stages, vocab=64, d_model=32, heads=2, blocks_per_stage=4 // stages, seq_len=T)
 
 
-def _configure(budget):
+def _configure(budget, cache):
     return configure(_model, _batch(), optax.adamw(1e-3), devices=2, memory_budget=budget, schedules=("1f1b",),
-                     microbatches=(2,), residuals=("all", "inputs"), verbose=False)
+                     microbatches=(2,), residuals=("all", "inputs"), verbose=False, cache=cache)
 
 
 @pytest.fixture(scope="module")
-def roomy():
-    return _configure(1 << 40)
+def cache_file(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("configure") / "measurements.json")
+
+
+@pytest.fixture(scope="module")
+def roomy(cache_file):
+    return _configure(1 << 40, cache_file)
 
 
 def test_every_candidate_is_predicted_and_the_choice_is_checked_by_compiling(roomy):
@@ -58,3 +63,14 @@ def test_a_budget_nothing_fits_is_refused_with_the_smallest_need(roomy):
     least = min(c.memory for c in roomy.candidates)
     with pytest.raises(ConfigError, match="no configuration fits .* the smallest needs"):
         roomy.within(least / 4)
+
+
+def test_a_second_search_reads_every_measurement_from_the_cache(roomy, cache_file):
+    """Issue #53 item 5: measurements are kept per (model, backend); the same search again measures and compiles
+    nothing and predicts the same."""
+    assert roomy.cache_misses > 0
+    again = _configure(1 << 40, cache_file)
+    assert again.cache_misses == 0 and again.cache_hits > 0
+    assert again.best.label() == roomy.best.label()
+    assert [c.step_s for c in again.candidates] == [c.step_s for c in roomy.candidates]
+    assert [c.memory for c in again.candidates] == [c.memory for c in roomy.candidates]

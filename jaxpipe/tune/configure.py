@@ -33,7 +33,9 @@ import numpy as np
 from .. import schedules as _schedules
 from ..errors import ConfigError
 from .lockstep import LayerCosts, Link, predict_devices
-from .memory import MemoryModel, calibrate, compiled, footprint, tree_bytes
+from .config_bench import Bench
+from .measure_cache import MeasureCache, default_path
+from .memory import MemoryModel, calibrate, footprint, tree_bytes
 
 CHECK_TOLERANCE = 0.10
 
@@ -78,7 +80,17 @@ class Configuration:
     candidates: List[Candidate]
     budget: float
     _built: dict = dataclasses.field(default_factory=dict, repr=False)
-    _batch: dict = dataclasses.field(default_factory=dict, repr=False)
+    _bench: object = dataclasses.field(default=None, repr=False)
+
+    @property
+    def cache_hits(self) -> int:
+        """Measurements read from the cache by the search (and its checks)."""
+        return self._bench.cache.hits
+
+    @property
+    def cache_misses(self) -> int:
+        """Measurements made (timed or compiled) by the search."""
+        return self._bench.cache.misses
 
     def within(self, memory_budget: float) -> "Configuration":
         """The choice under another budget, from the same predictions (compiling only what the check needs)."""
@@ -87,7 +99,7 @@ class Configuration:
         for c in cands:
             if c.dropped.startswith(("needs", "compiled")):
                 c.dropped = ""
-        return _choose(cands, built, self._batch, memory_budget)
+        return _choose(cands, built, self._bench, memory_budget)
 
     def table(self) -> str:
         """The candidates, fitting ones fastest first, then the dropped ones with why."""
@@ -119,56 +131,67 @@ def _candidates(devices, rows, names, microbatches, residuals) -> List[Candidate
 def configure(make_model: Callable[[int], object], batch: Dict[str, np.ndarray], optimizer, *, devices: int,
               memory_budget: float, schedules: Sequence[str] = ("1f1b", "gpipe", "zb_h1", "interleaved_1f1b"),
               microbatches: Sequence[int] = (2, 4, 8), residuals: Sequence[str] = ("all", "inputs"),
-              verbose: bool = True) -> Configuration:
+              verbose: bool = True, cache="default") -> Configuration:
     """The predicted-fastest configuration of ``make_model(num_stages)`` (a ``PipelineModel`` of that many
     stages) on ``devices`` devices within ``memory_budget`` bytes per device (module docstring).  ``batch``:
-    one step's host batch (its rows are split over ``data`` and micro-batches)."""
+    one step's host batch (its rows are split over ``data`` and micro-batches).  ``cache``: where measurements
+    are kept per (model, backend) -- ``"default"`` (``$JAXPIPE_CACHE_DIR`` or ``~/.cache/jaxpipe``), a file
+    path, or ``None`` (measure everything)."""
     from ..pipeline import Pipeline
-    rows = int(jax.tree.leaves(batch)[0].shape[0])
-    cands = _candidates(devices, rows, schedules, microbatches, residuals)
+    store = MeasureCache(default_path() if cache == "default" else cache)
+    bench = Bench(make_model, batch, optimizer, store)
+    cands = _candidates(devices, bench.rows, schedules, microbatches, residuals)
     built, fams = {}, {}
     for c in cands:
         if c.dropped:
             continue
         try:
-            pipe = Pipeline(make_model(c.model_stages), optimizer=optimizer, **c.pipeline_kwargs())
+            pipe = Pipeline(bench.model(c.model_stages), optimizer=optimizer, **c.pipeline_kwargs())
         except (ConfigError, ValueError) as e:
             c.dropped = f"not buildable: {str(e).splitlines()[0][:80]}"
             continue
-        state = pipe.init()
-        fp = footprint(pipe, batch, state)
-        built[id(c)] = (pipe, state, fp)
+        rows = bench.rows // (c.data * c.microbatches)
+        fp = footprint(pipe, batch, known_state=bench.state_bytes(c, pipe),
+                       known_residuals=bench.residuals(c, pipe, rows))
+        built[id(c)] = (pipe, fp)
         fams.setdefault(fp.family, []).append(c)
-    model = MemoryModel({})
-    for fam, cs in fams.items():      # two compiles a family, at its two most different micro-batch sizes
-        by_work = sorted(cs, key=lambda c: built[id(c)][2].working)
-        pts = []
-        for c in {id(by_work[0]): by_work[0], id(by_work[-1]): by_work[-1]}.values():
-            pipe, state, fp = built[id(c)]
-            c.compiled_memory = compiled(pipe, batch, state)["total"]
-            pts.append((fp, c.compiled_memory - fp.state))
-        if len(pts) == 2 and pts[0][0].working != pts[1][0].working:
-            model = calibrate(pts, model)
-        else:
-            model.lines[fam] = (0.0, float(pts[0][1] - pts[0][0].stash))
-    _predict_times(cands, built, batch, devices)
+    model = _calibrate(fams, built, bench)
+    _predict_times(cands, built, bench, devices)
     for c in cands:
         if id(c) in built:
-            c.memory = c.compiled_memory if c.compiled_memory is not None else model.total(built[id(c)][2])
-    conf = _choose(cands, built, batch, memory_budget)
+            c.memory = c.compiled_memory if c.compiled_memory is not None else model.total(built[id(c)][1])
+    conf = _choose(cands, built, bench, memory_budget)
     if verbose:
         print(conf.table(), flush=True)
     return conf
 
 
-def _choose(cands, built, batch, budget) -> Configuration:
+def _calibrate(fams, built, bench) -> MemoryModel:
+    """Each family's line from two compiles at its two most different micro-batch sizes (all compiles of the
+    search at once, two side by side; from the cache where measured before)."""
+    pairs = {}
+    for fam, cs in fams.items():
+        by_work = sorted(cs, key=lambda c: built[id(c)][1].working)
+        pairs[fam] = list({id(by_work[0]): by_work[0], id(by_work[-1]): by_work[-1]}.values())
+    bench.compile_memory([(c, built[id(c)][0]) for cs in pairs.values() for c in cs])
+    model = MemoryModel({})
+    for fam, cs in pairs.items():
+        pts = [(built[id(c)][1], c.compiled_memory - built[id(c)][1].state) for c in cs]
+        if len(pts) == 2 and pts[0][0].working != pts[1][0].working:
+            model = calibrate(pts, model)
+        else:
+            model.lines[fam] = (0.0, float(pts[0][1] - pts[0][0].stash))
+    return model
+
+
+def _choose(cands, built, bench, budget) -> Configuration:
     for c in cands:
         if id(c) in built and not c.dropped and c.memory > budget:
             c.dropped = f"needs {c.memory / 2**20:,.1f} MiB a device > the budget {budget / 2**20:,.1f}"
-    return Configuration(_checked_best(cands, built, batch, budget), cands, budget, built, batch)
+    return Configuration(_checked_best(cands, built, bench, budget), cands, budget, built, bench)
 
 
-def _checked_best(cands, built, batch, budget) -> Candidate:
+def _checked_best(cands, built, bench, budget) -> Candidate:
     """The fastest fitting candidate, its prediction and the runner-up's checked by compiling (module docstring)."""
     while True:
         ok = sorted((c for c in cands if not c.dropped), key=lambda c: c.step_s)
@@ -176,61 +199,38 @@ def _checked_best(cands, built, batch, budget) -> Candidate:
             raise ConfigError(f"no configuration fits {budget / 2**20:,.1f} MiB a device; the smallest needs "
                               f"{min(c.memory for c in cands if not np.isnan(c.memory)) / 2**20:,.1f} MiB: raise the "
                               f"budget, add devices, or allow more micro-batches / residuals='inputs'")
+        check = [c for c in ok[:2] if c.compiled_memory is None]
+        bench.compile_memory([(c, built[id(c)][0]) for c in check])
         redo = False
-        for c in ok[:2]:
-            if c.compiled_memory is None:
-                pipe, state, _ = built[id(c)]
-                c.compiled_memory = compiled(pipe, batch, state)["total"]
-                if abs(c.compiled_memory - c.memory) > CHECK_TOLERANCE * c.compiled_memory:
-                    redo = True
-                c.memory = c.compiled_memory
-                if c.memory > budget:
-                    c.dropped = f"compiled: {c.memory / 2**20:,.1f} MiB a device > the budget"
-                    redo = True
+        for c in check:
+            if abs(c.compiled_memory - c.memory) > CHECK_TOLERANCE * c.compiled_memory:
+                redo = True
+            c.memory = c.compiled_memory
+            if c.memory > budget:
+                c.dropped = f"compiled: {c.memory / 2**20:,.1f} MiB a device > the budget"
+                redo = True
         if not redo:
             return ok[0]
 
 
-def _predict_times(cands, built, batch, devices) -> None:
-    """Each built candidate's predicted step and bubble (module docstring); costs measured per micro-batch size."""
-    from .microbench import allreduce_alpha_beta, p2p_alpha_beta
-    alpha, beta = p2p_alpha_beta(devices) if devices > 1 else (0.0, 0.0)
-    link = Link(alpha, beta)
-    per_size, reduce = {}, {}
+def _predict_times(cands, built, bench, devices) -> None:
+    """Each built candidate's predicted step and bubble (module docstring): one stage's costs per micro-batch
+    size and policy, timed on the finest cut of the search and scaled (:meth:`Bench.stage_costs`)."""
+    link = Link(*bench.link(devices)) if devices > 1 else Link(0.0, 0.0)
+    models = {(c.model_stages, c.residuals): built[id(c)][0].model for c in cands if id(c) in built}
+    finest = {res: max(n for n, r in models if r == res) for _, res in models}
     for c in cands:
         if id(c) not in built:
             continue
-        pipe, _, fp = built[id(c)]
-        if c.data not in reduce:
-            reduce[c.data] = allreduce_alpha_beta(devices, group=c.data) if c.data > 1 else (0.0, 0.0)
-        rows = int(jax.tree.leaves(batch)[0].shape[0]) // (c.data * c.microbatches)
-        key = (c.model_stages, c.residuals, rows, pipe.schedule.has_w())
-        if key not in per_size:
-            per_size[key] = _stage_costs(pipe.model, batch, rows, key[-1])
-        lc, act = per_size[key]
-        # the stage as the executor runs it: a recomputing policy's backward reruns the forward in its pullback
+        pipe, fp = built[id(c)]
+        rows = bench.rows // (c.data * c.microbatches)
+        lc, act = bench.stage_costs(finest[c.residuals], c.model_stages, c.residuals, rows,
+                                    pipe.schedule.has_w(), lambda n, res: models[(n, res)])
         parts = predict_devices(pipe.schedule, lc, 1.0, 0.0, link, act, 0.0, placement=pipe.placement)
         # the data replicas' gradient all-reduce after the pipeline (Rabenseifner's model, measured here)
-        a, b = reduce[c.data]
         r = c.data
+        a, b = bench.allreduce(devices, r) if r > 1 else (0.0, 0.0)
         m = pipe.model
         grads = tree_bytes((m.stage_params, m.pre_params, m.post_params)) / c.stages
         allreduce = (2 * np.log2(r) * a + 2 * (r - 1) / r * b * grads) if r > 1 else 0.0
         c.step_s, c.bubble = parts["step"] + allreduce, 1.0 - parts["busy"] / max(parts["compute"], 1e-30)
-
-
-
-def _stage_costs(m, batch, rows, split):
-    """(one stage's F and B on a micro-batch of ``rows`` rows measured here -- B's input and weight parts too
-    where the schedule splits it -- ; the activation's bytes)."""
-    from .microbench import op_costs
-    mb = jax.tree.map(lambda a: np.asarray(a[:rows]), batch)
-    x = m.pre(m.pre_params, mb)
-    w = jax.tree.map(lambda a: a[0], m.stage_params)
-    ctx = m.example_context(mb)
-    fn = (lambda w, h: m.stage_fn(w, h, ctx)) if m.context else m.stage_fn
-    act = tree_bytes(x)
-    whole = op_costs(fn, w, x, 1, [1])
-    f, b = whole["F"][0], whole["B"][0]
-    b_in = op_costs(fn, w, x, 1, [1], split=True)["B"][0] if split else b / 2
-    return LayerCosts(f=f, b=b, b_input=b_in, w=max(b - b_in, 0.0)), act

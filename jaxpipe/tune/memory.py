@@ -52,19 +52,38 @@ class Footprint:
     working: int        # R_all: the same with every residual kept
 
 
-def footprint(pipe, batch, state=None) -> Footprint:
+def footprint(pipe, batch, state=None, *, known_state=None, known_residuals=None) -> Footprint:
     """The :class:`Footprint` of ``pipe`` (a synchronous, flushing ``Pipeline``) on ``batch`` (host arrays, the
-    whole step's rows); ``state``: ``pipe.init()``'s (made here when not given)."""
-    from ..runtime.stage import stage_residuals
+    whole step's rows); ``state``: ``pipe.init()``'s (made here when not given).  ``known_state`` /
+    ``known_residuals``: :func:`state_bytes` / :func:`residual_bytes` already known (a search shares them
+    between candidates of the same split and micro-batch size)."""
     if not pipe.method.flushes or pipe.lane_plan is None:
         raise ValueError(f"footprint() models a flushing schedule's lane plan; {pipe.schedule.name} keeps "
                          f"micro-batches in flight between steps (measure it with compiled())")
-    state = pipe.init() if state is None else state
+    data = max(pipe.data_parallel, 1)
+    if known_state is None:
+        known_state = state_bytes(pipe.init() if state is None else state)
+    on_device = known_state + tree_bytes(batch) // data
+    rows = jax.tree.leaves(batch)[0].shape[0] // (pipe.num_microbatches * data)
+    r_pol, r_all = known_residuals or residual_bytes(pipe.model, batch, rows)
+    plan = pipe.lane_plan
+    slots = 0 if plan.direct else plan.stash_capacity
+    chunks = pipe.schedule.num_model_stages // pipe.schedule.D
+    policy = "all" if r_pol == r_all else "recompute"
+    return Footprint((policy, pipe.schedule.has_w(), chunks), on_device, slots * r_pol, r_pol, r_all)
+
+
+def state_bytes(state) -> int:
+    """Bytes of one device's shards of an initialised pipeline state (XLA's ``argument_size_in_bytes`` of a
+    step less the batch)."""
     shard = lambda a: a.addressable_shards[0].data.nbytes if hasattr(a, "addressable_shards") else np.asarray(a).nbytes
-    data = pipe.data_parallel
-    on_device = sum(shard(a) for a in jax.tree.leaves(state)) + tree_bytes(batch) // max(data, 1)
-    model, M = pipe.model, pipe.num_microbatches
-    rows = jax.tree.leaves(batch)[0].shape[0] // (M * max(data, 1))
+    return int(sum(shard(a) for a in jax.tree.leaves(state)))
+
+
+def residual_bytes(model, batch, rows: int) -> Tuple[int, int]:
+    """``(R, R_all)``: one micro-batch of ``rows`` rows' stashed residual bytes through one stage of ``model``
+    under its residual policy, and with every residual kept."""
+    from ..runtime.stage import stage_residuals
     mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((rows,) + tuple(a.shape[1:]), a.dtype), batch)
     x = jax.eval_shape(model.pre, model.pre_params, mb)
     w = jax.tree.map(lambda a: a[0], model.stage_params)
@@ -72,12 +91,7 @@ def footprint(pipe, batch, state=None) -> Footprint:
     x0 = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), x)
     r_pol = tree_bytes(stage_residuals(model, w, x0, mb0)[1])
     full = dataclasses.replace(model, stage_fn=_all_residuals(model.stage_fn))
-    r_all = tree_bytes(stage_residuals(full, w, x0, mb0)[1])
-    plan = pipe.lane_plan
-    slots = 0 if plan.direct else plan.stash_capacity
-    chunks = pipe.schedule.num_model_stages // pipe.schedule.D
-    policy = "all" if r_pol == r_all else "recompute"
-    return Footprint((policy, pipe.schedule.has_w(), chunks), on_device, slots * r_pol, r_pol, r_all)
+    return r_pol, tree_bytes(stage_residuals(full, w, x0, mb0)[1])
 
 
 def compiled(pipe, batch, state=None) -> Dict[str, int]:
@@ -87,8 +101,15 @@ def compiled(pipe, batch, state=None) -> Dict[str, int]:
     ma = pipe.lower("step", state, pipe.shard_batch(batch)).compile().memory_analysis()
     out = {"temp": ma.temp_size_in_bytes, "arguments": ma.argument_size_in_bytes,
            "outputs": ma.output_size_in_bytes, "alias": ma.alias_size_in_bytes}
-    out["total"] = out["arguments"] + out["temp"] + max(out["outputs"] - out["alias"], 0)
+    out["total"] = memory_total(ma)
     return out
+
+
+def memory_total(ma) -> int:
+    """Bytes per device of a compiled program's ``memory_analysis()``: arguments + temp + the outputs not
+    aliased to an argument."""
+    return int(ma.argument_size_in_bytes + ma.temp_size_in_bytes
+               + max(ma.output_size_in_bytes - ma.alias_size_in_bytes, 0))
 
 
 @dataclasses.dataclass(frozen=True)

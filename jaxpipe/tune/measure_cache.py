@@ -1,0 +1,109 @@
+"""Measurements kept per (model, backend) on disk (issue #53 item 5: a configuration search decides in seconds
+once its measurements exist).
+
+:func:`jaxpipe.tune.configure.configure` measures a stage's F / B per micro-batch size and residual policy, the
+link and the all-reduce, and compiles a few steps for XLA's memory figures.  Each result is stored here under a
+key made of the backend (:func:`backend_key`: platform, device kind and count, jax and jaxlib versions), the
+model (:func:`model_key`: the jaxprs of its parts on one micro-batch, its parameter shapes and the optimizer
+state's shapes) and what was measured.  A model whose code or shapes change gets new keys; a stale entry is
+never read for another model.  The file is JSON (``$JAXPIPE_CACHE_DIR/measurements.json``, by default
+``~/.cache/jaxpipe/``), written whole through a temporary file, so an interrupted write leaves the old one.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from typing import Any, Callable, Optional
+
+import jax
+import numpy as np
+
+
+def default_path() -> Optional[str]:
+    """``$JAXPIPE_CACHE_DIR/measurements.json`` (default ``~/.cache/jaxpipe/``).  None in a multi-process job:
+    there every process must make the same measurements in the same order (some hold collectives), which a
+    cache one process has and another lacks would break."""
+    if jax.process_count() > 1:
+        return None
+    root = os.environ.get("JAXPIPE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "jaxpipe")
+    return os.path.join(root, "measurements.json")
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def backend_key() -> str:
+    """What a measurement depends on besides the model: the devices and the compiler."""
+    import jaxlib
+    d = jax.devices()
+    return _digest(f"{d[0].platform}|{d[0].device_kind}|{len(d)}|{jax.process_count()}|{jax.__version__}|"
+                   f"{getattr(jaxlib, '__version__', '')}|{os.environ.get('XLA_FLAGS', '')}")
+
+
+def _shapes(tree) -> str:
+    return str([(tuple(np.shape(a)), str(getattr(a, "dtype", type(a)))) for a in jax.tree.leaves(tree)])
+
+
+def model_key(model, mb, optimizer=None) -> str:
+    """A digest of the model as the search measures it: the jaxprs of ``pre``, one stage and ``post_loss`` on
+    the micro-batch ``mb``, the parameters' shapes and the optimizer state's shapes."""
+    w = jax.tree.map(lambda a: a[0], model.stage_params)
+    x = jax.eval_shape(model.pre, model.pre_params, mb)
+    ctx = model.example_context(mb)
+    parts = [str(jax.make_jaxpr(model.pre)(model.pre_params, mb)),
+             str(jax.make_jaxpr(lambda w, x: model.apply_stage(w, x, ctx))(w, x)),
+             str(jax.make_jaxpr(model.post_loss)(model.post_params, x, mb)),
+             _shapes((model.stage_params, model.pre_params, model.post_params))]
+    if optimizer is not None:
+        parts.append(_shapes(jax.eval_shape(optimizer.init, (model.stage_params, model.pre_params,
+                                                             model.post_params))))
+    return _digest("\n".join(parts))
+
+
+class MeasureCache:
+    """``get(key, measure)``: the stored value of ``key`` (a tuple of strings and numbers), or ``measure()``'s,
+    stored.  ``path=None``: nothing is stored (every value measured).  ``hits`` / ``misses`` count the calls."""
+
+    def __init__(self, path: Optional[str] = None):
+        self.path = path
+        self.hits = self.misses = 0
+        self._data = {}
+        if path and os.path.exists(path):
+            try:
+                with open(path) as f:
+                    self._data = json.load(f)
+            except (OSError, ValueError):     # unreadable: measured again, and the file rewritten
+                self._data = {}
+
+    def get(self, key, measure: Callable[[], Any]):
+        found, value = self.lookup(key)
+        if found:
+            return value
+        value = measure()
+        self.put(key, value)
+        return value
+
+    def lookup(self, key):
+        """``(True, value)`` where ``key`` is stored, else ``(False, None)`` (counted as a hit or a miss)."""
+        k = json.dumps(key, default=str)
+        if k in self._data:
+            self.hits += 1
+            return True, self._data[k]
+        self.misses += 1
+        return False, None
+
+    def put(self, key, value) -> None:
+        self._data[json.dumps(key, default=str)] = value
+        self._write()
+
+    def _write(self):
+        if not self.path:
+            return
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path) or ".", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(self._data, f)
+        os.replace(tmp, self.path)
