@@ -167,3 +167,21 @@ def test_measured_costs_choose_the_placement():
         mk(op_costs=(1, 2))
     with pytest.raises(jp.ConfigError, match="f and b must be positive"):
         mk(op_costs=(0, 1, 1))
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb_h1"])
+def test_a_heavy_head_is_paid_on_the_last_stage_of_every_micro_batch(name):
+    """Issue #53: a head of several blocks' cost (EdgeCosts) lands on the last model stage's F and B; the
+    embedding's on the first.  Every op's extra is counted once per micro-batch, and the last device's own
+    work bounds the step from below."""
+    from jaxpipe.tune.lockstep import EdgeCosts
+    s = build(name, D=2, M=4)
+    head = EdgeCosts(f_pre=0.25, b_pre=0.5, f_post=3.0, b_post=6.0)
+    plain = predict_devices(s, UNIT, 1.0, 0.0, FREE, 1.0, 1.0)
+    heavy = predict_devices(s, UNIT, 1.0, 0.0, FREE, 1.0, 1.0, edges=head)
+    M, D = 4, 2
+    assert heavy["busy"] * D - plain["busy"] * D == pytest.approx(M * (0.25 + 0.5 + 3.0 + 6.0))
+    assert heavy["compute"] >= M * (1.0 + 2.0 + 3.0 + 6.0)
+    one = build(name, D=1, M=4)          # one stage runs everything, without a bubble
+    assert predict_devices(one, UNIT, 1.0, 0.0, FREE, 1.0, 1.0, edges=head)["compute"] == pytest.approx(
+        M * (3.0 + 0.25 + 0.5 + 3.0 + 6.0))

@@ -18,7 +18,7 @@ from typing import Callable, Dict, Sequence
 import jax
 import numpy as np
 
-from .lockstep import LayerCosts
+from .lockstep import EdgeCosts, LayerCosts
 from .measure_cache import MeasureCache, backend_key, model_key
 from .memory import memory_total, residual_bytes, state_bytes, tree_bytes
 
@@ -122,14 +122,38 @@ class Bench:
         b_in = got["B_input"] * s if split else b / 2
         return LayerCosts(f=f, b=b, b_input=b_in, w=max(b - b_in, 0.0)), got["act"]
 
+    def edges(self, rows: int):
+        """:class:`EdgeCosts` of the embedding and the head on ``rows``-row micro-batches (any cut's model)."""
+        from .microbench import edge_costs
+        n = min(self._models)
+
+        def measure():
+            mb = jax.tree.map(lambda a: np.asarray(a[:rows]), self.batch)
+            return agreed(edge_costs(self.model(n), mb))
+        return EdgeCosts(**self.cache.get(self._key("edges", n, rows), measure))
+
     def link(self, devices: int):
         from .microbench import p2p_alpha_beta
         return tuple(self.cache.get(["p2p", self.backend, devices], lambda: agreed(list(p2p_alpha_beta(devices)))))
 
-    def allreduce(self, devices: int, group: int):
-        from .microbench import allreduce_alpha_beta
-        return tuple(self.cache.get(["allreduce", self.backend, devices, group],
-                                    lambda: agreed(list(allreduce_alpha_beta(devices, group=group)))))
+    def update(self, c, pipe) -> float:
+        """Seconds of the optimizer's update of one device's parameters (its stages' share, with the embedding
+        and the head: the device holding them is the one the step waits for), on one device."""
+        from jax.sharding import Mesh, PartitionSpec
+        from .microbench import update_time
+        m = pipe.model
+        share = (jax.tree.map(lambda a: a[: max(a.shape[0] // c.stages, 1)], m.stage_params), m.pre_params,
+                 m.post_params)
+        mesh = Mesh(np.array(jax.local_devices()[:1]), ("x",))
+        return float(self.cache.get(self._key("update", c.model_stages, c.stages),
+                                    lambda: agreed([update_time(self.optimizer, share, mesh, PartitionSpec())])[0]))
+
+    def allreduce(self, devices: int, group: int, nbytes: int) -> float:
+        """Seconds of the data replicas' gradient all-reduce of ``nbytes`` over groups of ``group``, timed at
+        that size (:func:`~jaxpipe.tune.microbench.allreduce_time`)."""
+        from .microbench import allreduce_time
+        return float(self.cache.get(["allreduce", self.backend, devices, group, int(nbytes)],
+                                    lambda: agreed([allreduce_time(devices, nbytes, group=group)])[0]))
 
 
 def agreed(value):

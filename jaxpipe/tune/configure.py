@@ -12,8 +12,8 @@ micro-batch count and residual policy, and for each predicts
   tick, at one stage's F, B and W measured on this backend per micro-batch size and residual policy
   (:func:`jaxpipe.tune.microbench.layer_costs` on the stage as the executor runs it: a recomputing policy's
   pullback reruns the forward), the exchange's cost measured here
-  (:func:`jaxpipe.tune.microbench.p2p_alpha_beta`), and the data replicas' gradient all-reduce
-  (:func:`jaxpipe.tune.microbench.allreduce_alpha_beta`, Rabenseifner's model).
+  (:func:`jaxpipe.tune.microbench.p2p_alpha_beta`), and the data replicas' gradient all-reduce timed at its
+  size (:func:`jaxpipe.tune.microbench.allreduce_time`), and the optimizer's update of one device's share.
 
 It returns a :class:`Configuration`: the choice (``Pipeline`` keyword arguments and the mesh), every candidate
 with its predicted step, bubble, memory and why a candidate was dropped, and :meth:`Configuration.table`.
@@ -226,11 +226,12 @@ def _predict_times(cands, built, bench, devices) -> None:
         rows = bench.rows // (c.data * c.microbatches)
         lc, act = bench.stage_costs(finest[c.residuals], c.model_stages, c.residuals, rows,
                                     pipe.schedule.has_w(), lambda n, res: models[(n, res)])
-        parts = predict_devices(pipe.schedule, lc, 1.0, 0.0, link, act, 0.0, placement=pipe.placement)
-        # the data replicas' gradient all-reduce after the pipeline (Rabenseifner's model, measured here)
-        r = c.data
-        a, b = bench.allreduce(devices, r) if r > 1 else (0.0, 0.0)
+        parts = predict_devices(pipe.schedule, lc, 1.0, 0.0, link, act, 0.0, placement=pipe.placement,
+                                edges=bench.edges(rows))
+        # the data replicas' gradient all-reduce after the pipeline, timed at its size on these devices
         m = pipe.model
-        grads = tree_bytes((m.stage_params, m.pre_params, m.post_params)) / c.stages
-        allreduce = (2 * np.log2(r) * a + 2 * (r - 1) / r * b * grads) if r > 1 else 0.0
-        c.step_s, c.bubble = parts["step"] + allreduce, 1.0 - parts["busy"] / max(parts["compute"], 1e-30)
+        grads = tree_bytes((m.stage_params, m.pre_params, m.post_params)) // c.stages
+        allreduce = bench.allreduce(devices, c.data, grads) if c.data > 1 else 0.0
+        update = bench.update(c, pipe)
+        c.step_s = parts["step"] + allreduce + update
+        c.bubble = 1.0 - parts["busy"] / max(parts["compute"], 1e-30)

@@ -74,13 +74,46 @@ class Link:
         return float(np.interp(nbytes, xs, ys))
 
 
-def _lane_ops(s: Schedule, layers_per_stage: float, costs: LayerCosts, placement: str = "auto") -> np.ndarray:
+@dataclasses.dataclass(frozen=True)
+class EdgeCosts:
+    """Seconds for one micro-batch of what only the first and the last model stage run: the embedding's
+    (``pre``) forward and backward, the head-and-loss's (``post``).  A head of a large vocabulary costs several
+    blocks: its stage is the slowest device of every tick it runs in.  Zero-bubble's split backward puts the
+    head's backward in B and the embedding's weight gradient in W (as :mod:`jaxpipe.tune.cut`)."""
+    f_pre: float = 0.0
+    b_pre: float = 0.0
+    f_post: float = 0.0
+    b_post: float = 0.0
+
+    def table(self, n_stages: int, lanes: Sequence[str], split: bool) -> np.ndarray:
+        """``[model stage, lane]`` seconds each op adds."""
+        out = np.zeros((n_stages, len(lanes)))
+        for j, k in enumerate(lanes):
+            if k in ("F", "F2"):
+                n = 2.0 if k == "F2" else 1.0
+                out[0, j] += n * self.f_pre
+                out[-1, j] += n * self.f_post
+            elif k == "B":
+                out[-1, j] += self.b_post
+                out[0, j] += 0.0 if split else self.b_pre
+            elif k == "W":
+                out[0, j] += self.b_pre
+        return out
+
+
+def _lane_ops(s: Schedule, layers_per_stage: float, costs: LayerCosts, placement: str = "auto",
+              edges: EdgeCosts = None) -> np.ndarray:
     """``[tick, device, lane]`` seconds of each planned op (0 where a device is idle in the lane)."""
     p = running_plan(s, placement)
     split = s.has_w()
     per_kind = np.array([costs.op(k, split) * layers_per_stage for k in p.lanes])
     active = p.table[..., L["op"]] > 0
-    return active * per_kind[None, None, :]
+    ops = active * per_kind[None, None, :]
+    if edges is not None:
+        extra = edges.table(s.num_model_stages, p.lanes, split)
+        stage = np.where(active, p.table[..., L["stage"]], 0)
+        ops = ops + np.where(active, extra[stage, np.arange(len(p.lanes))[None, None, :]], 0.0)
+    return ops
 
 
 def _compiled_lane_ticks(s: Schedule, placement: str = "auto") -> np.ndarray:
@@ -119,10 +152,11 @@ def layout_bytes(s: Schedule, stage_bytes: float) -> float:
 
 def predict_devices(s: Schedule, costs: LayerCosts, layers_per_stage: float, tick: float, link: Link,
                     act_bytes: float, stage_bytes: float, placement: str = "auto", scale: float = 1.0,
-                    fixed: float = 0.0) -> Dict[str, float]:
+                    fixed: float = 0.0, edges: EdgeCosts = None) -> Dict[str, float]:
     """The step's seconds on ``s.D`` real devices (module docstring), and its parts.  ``scale`` and ``fixed``
-    (:func:`calibrate_step`): the ops' measured costs times ``scale``, plus ``fixed`` seconds a step."""
-    ops = _lane_ops(s, layers_per_stage, costs, placement)
+    (:func:`calibrate_step`): the ops' measured costs times ``scale``, plus ``fixed`` seconds a step.
+    ``edges``: the embedding's and the head's costs, on the first and last model stage's ops."""
+    ops = _lane_ops(s, layers_per_stage, costs, placement, edges)
     lanes = _compiled_lane_ticks(s, placement)
     compute = float(ops.sum(axis=2).max(axis=1).sum())   # per tick: the slowest device's own actions
     busy = float(ops.sum() / s.D)                 # one device's share of the work, the bubble-free bound

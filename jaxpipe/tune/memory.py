@@ -76,7 +76,8 @@ def footprint(pipe, batch, state=None, *, known_state=None, known_residuals=None
 def state_bytes(state) -> int:
     """Bytes of one device's shards of an initialised pipeline state (XLA's ``argument_size_in_bytes`` of a
     step less the batch)."""
-    shard = lambda a: a.addressable_shards[0].data.nbytes if hasattr(a, "addressable_shards") else np.asarray(a).nbytes
+    shard = lambda a: (int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize
+                       if hasattr(a, "sharding") else np.asarray(a).nbytes)
     return int(sum(shard(a) for a in jax.tree.leaves(state)))
 
 

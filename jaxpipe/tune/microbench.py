@@ -84,34 +84,65 @@ def op_costs(stage_fn, w, x, devices: int, busy: Sequence[int], reps: int = 8, s
 def stage_costs(stage_fn, w, x, split: bool = True, reps: int = 8, calls: int = 9) -> Dict[str, float]:
     """``{"F", "B", "B_input"}``: seconds per call of one stage on one device, from ONE compiled program
     (issue #53 item 5: a configuration search measures many micro-batch sizes and policies) -- the op is a
-    runtime argument of a ``lax.switch``, so F, the whole pullback and its input-gradient part (zero-bubble's
-    B, with ``split``) share a compile.  As :func:`op_costs` measures them: B is the pullback from the stashed
-    residuals (a recomputing policy's pullback reruns the forward), its weight gradient added to a carried sum.
-    The fastest of ``calls`` calls: a search ranks a stage's two residual policies by it, and a median of five
-    calls of a stage of a few microseconds put the recomputing one first in one run of three."""
+    runtime argument of a ``lax.switch``.  F is the forward; B what the executor's backward costs beyond the
+    forward under the stage's residual policy, and B_input its input-gradient part (zero-bubble's B, with
+    ``split``).  Each loop iteration runs the forward *and* the pullback on the iteration's own input, the
+    forward's output used as the cotangent, so a recomputing policy pays its recomputation every iteration:
+    with the pullback built once outside the loop, XLA hoisted the loop-invariant recomputation out of it and
+    a recomputing stage timed faster than the same stage keeping its residuals.  B = (forward + pullback) - F.
+    The fastest of ``calls`` calls of each."""
+    def unit(t):          # the next iteration's input: bounded, so no value drifts into denormals
+        return jax.tree.map(lambda a: a / (jnp.max(jnp.abs(a)) + 1.0), t)
+
     def body(kind, w, x):
-        y, pull = jax.vjp(stage_fn, w, x)
-
         def f_loop(h):
-            return lax.fori_loop(0, reps, lambda i, h: stage_fn(w, h).astype(h.dtype), h)
+            return lax.fori_loop(0, reps, lambda i, h: unit(jax.tree.map(
+                lambda a, b: a.astype(b.dtype), stage_fn(w, h), h)), h)
 
-        def b_loop(keep_dw):
+        def fb_loop(keep_dw):
             def run(h):
                 def one(i, c):
-                    dh, acc = c
-                    dw, dx = pull(dh)
-                    return dx.astype(dh.dtype), (jax.tree.map(jnp.add, acc, dw) if keep_dw else acc)
-                dh, acc = lax.fori_loop(0, reps, one, (h, jax.tree.map(jnp.zeros_like, w)))
-                return dh + 1e-30 * sum(jnp.sum(l[..., :1]) for l in jax.tree.leaves(acc))
+                    h, acc = c
+                    y, pull = jax.vjp(stage_fn, w, h)
+                    dw, dx = pull(y)
+                    dx = unit(jax.tree.map(lambda a, b: a.astype(b.dtype), dx, h))
+                    return dx, (jax.tree.map(jnp.add, acc, dw) if keep_dw else acc)
+                h, acc = lax.fori_loop(0, reps, one, (h, jax.tree.map(jnp.zeros_like, w)))
+                return jax.tree.map(lambda a: a + 1e-30 * sum(jnp.sum(l[..., :1]) for l in jax.tree.leaves(acc)), h)
             return run
 
-        branches = [f_loop, b_loop(True)] + ([b_loop(False)] if split else [])
-        return jnp.sum(lax.switch(kind, branches, y))
+        branches = [f_loop, fb_loop(True)] + ([fb_loop(False)] if split else [])
+        return sum(jnp.sum(l) for l in jax.tree.leaves(lax.switch(kind, branches, x)))
 
     fn = jax.jit(body)
-    kinds = ["F", "B"] + (["B_input"] if split else [])
-    jax.block_until_ready(fn(jnp.int32(0), w, x))            # the one compile
-    return {k: _timeit(fn, (jnp.int32(i), w, x), calls=calls, best=True) / reps for i, k in enumerate(kinds)}
+    kinds = [jnp.int32(i) for i in range(3 if split else 2)]
+    for k in kinds:                     # the one compile, and every branch warmed up
+        jax.block_until_ready(fn(k, w, x))
+    t = [float("inf")] * len(kinds)
+    for _ in range(calls):              # the kinds in turns: a drift of the machine touches each alike
+        for i, k in enumerate(kinds):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(k, w, x))
+            t[i] = min(t[i], (time.perf_counter() - t0) / reps)
+    out = {"F": t[0], "B": max(t[1] - t[0], 0.0)}
+    out["B_input"] = max(t[2] - t[0], 0.0) if split else out["B"] / 2
+    return out
+
+
+def edge_costs(model, mb, calls: int = 9) -> Dict[str, float]:
+    """``{"f_pre", "b_pre", "f_post", "b_post"}``: seconds of the embedding's (``pre``) and the head-and-loss's
+    (``post_loss``) forward and backward (the pullback, residuals kept) on the micro-batch ``mb``, each the
+    least of ``calls`` calls, on the default device (:class:`~jaxpipe.tune.lockstep.EdgeCosts`)."""
+    x = jax.jit(model.pre)(model.pre_params, mb)
+    parts = {"pre": (lambda p: model.pre(p, mb), (model.pre_params,)),
+             "post": (lambda p, h: model.post_loss(p, h, mb), (model.post_params, x))}
+    out = {}
+    for name, (f, args) in parts.items():
+        ct = jax.tree.map(lambda a: jnp.ones(a.shape, a.dtype), jax.eval_shape(f, *args))
+        fwd = _timeit(jax.jit(f), args, calls=calls, best=True)
+        both = _timeit(jax.jit(lambda *a, f=f, ct=ct: jax.vjp(f, *a)[1](ct)), args, calls=calls, best=True)
+        out[f"f_{name}"], out[f"b_{name}"] = fwd, max(both - fwd, 0.0)
+    return out
 
 
 def layer_costs(stage_fn, w, x, layers: int, reps: int = 8):
@@ -176,6 +207,27 @@ def allreduce_alpha_beta(devices: int, sizes=(1 << 12, 1 << 16, 1 << 20), reps: 
     slope, icpt = np.polyfit(np.array(sizes, float), np.array(ts), 1)
     r = group
     return max(float(icpt), 0.0) / (2 * np.log2(r)), max(float(slope), 0.0) * r / (2 * (r - 1))
+
+
+def allreduce_time(devices: int, nbytes: int, group: int = 0, reps: int = 8) -> float:
+    """Seconds of one ``psum`` of ``nbytes`` (float32) over groups of ``group`` devices (default: all), all
+    groups at once, inside a compiled loop (loops of ``reps // 4`` and ``reps``, the difference).  Timed at
+    the size a step reduces: between two processes over Gloo 8 MiB took several times what a line through
+    4 KiB-1 MiB said (as the link's cost per byte, BUILD_NOTES)."""
+    group = group or devices
+    if group < 2:
+        return 0.0
+    mesh = Mesh(np.array(jax.devices()[:devices]).reshape(devices // group, group), ("g", "x"))
+    n = max(int(nbytes) // 4, 1)
+    a = _global_ones(mesh, P(("g", "x")), devices * n)
+    per = []
+    for k in (reps // 4, reps):
+        def body(a, k=k):
+            return lax.fori_loop(0, k, lambda i, a: lax.psum(a, "x") * (1.0 / group), a)
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(("g", "x")), out_specs=P(("g", "x")),
+                                   check_vma=False))
+        per.append(_timeit(fn, (a,)))
+    return max(per[1] - per[0], 0.0) / (reps - reps // 4)
 
 
 def update_time(opt, params, mesh, spec) -> float:
