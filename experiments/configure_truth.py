@@ -5,7 +5,8 @@ testbed of ``experiments.two_devices``, where a bubble costs real time.  For eac
 ``jp.configure`` over the two devices (every stage x data split, ``--schedules``, ``--microbatches``, residuals
 ``all`` / ``inputs``; its timings are process 0's, broadcast, so both build the same programs), then build and
 time *every* candidate that fits, in turns (A B C A B C ...), the median of ``--rounds`` rounds of 3 steps.
-Two budgets: no limit, and one just below the defaults' need (1F1B, M = 4, ``residuals="all"``, two stages),
+``configure(measure=--measure)`` makes its final choice by timing a few candidates (the predicted fastest two
+and the predicted fastest of each stage count and residual policy).  Two budgets: no limit, and one just below the defaults' need (1F1B, M = 4, ``residuals="all"``, two stages),
 where the choice must be a configuration that fits -- it is then trained for a step.
 
     python -m experiments.configure_truth                      # the three models, about 25 minutes
@@ -31,6 +32,7 @@ flags.DEFINE_string("models", "mlp,gpt,gpt_head", "comma-separated: mlp, gpt, gp
 flags.DEFINE_string("schedules", "1f1b,gpipe,zb_h1", "the schedules configure considers")
 flags.DEFINE_string("microbatches", "2,4", "the micro-batch counts configure considers")
 flags.DEFINE_integer("rounds", 5, "timing rounds (3 steps of every candidate each, in turns)")
+flags.DEFINE_integer("measure", 6, "configure(measure=k): its final choice among k candidates timed (0: predicted only)")
 flags.DEFINE_integer("port", 12431, "coordinator port on 127.0.0.1")
 flags.DEFINE_string("json", "", "also write the results to this file")
 flags.DEFINE_integer("worker", -1, "internal: this process's index (the launcher sets it)")
@@ -83,7 +85,7 @@ def _round_steps(runs, rounds):
 def _row(c, measured=None):
     return {"label": c.label(), "key": [c.schedule, c.stages, c.data, c.microbatches, c.residuals],
             "step_s": c.step_s, "bubble": c.bubble, "memory": c.memory, "compiled": c.compiled_memory,
-            "dropped": c.dropped, "measured_s": measured}
+            "dropped": c.dropped, "measured_s": measured, "configure_measured_s": c.measured_s}
 
 
 def one_model(name: str):
@@ -98,7 +100,7 @@ def one_model(name: str):
     conf = jp.configure(make, batch, opt, devices=2, memory_budget=float("inf"),
                         schedules=tuple(FLAGS.schedules.split(",")),
                         microbatches=tuple(int(m) for m in FLAGS.microbatches.split(",")),
-                        residuals=("all", "inputs"), cache=None, verbose=False)
+                        residuals=("all", "inputs"), cache=None, verbose=False, measure=FLAGS.measure)
     decide_s = time.perf_counter() - t0
     fits = [c for c in conf.candidates if not c.dropped]
     runs = {}
@@ -116,12 +118,13 @@ def one_model(name: str):
     default = next(c for c in conf.candidates if (c.schedule, c.stages, c.data, c.microbatches, c.residuals) == DEFAULT)
     for budget in (float("inf"), default.memory - 1):
         try:
-            got = conf.within(budget)
+            got = conf.within(budget, measure=FLAGS.measure)
         except jp.ConfigError as e:
             out["budgets"].append({"budget": budget, "refused": str(e)})
             continue
         rows = [_row(c, measured.get(c.label()) if not c.dropped else None) for c in got.candidates]
-        entry = {"budget": budget, "pick": got.best.label(), "rows": rows}
+        entry = {"budget": budget, "pick": got.best.label(), "rows": rows,
+                 "predicted_pick": min((c for c in got.candidates if not c.dropped), key=lambda c: c.step_s).label()}
         if budget != float("inf"):         # the defaults do not fit: the pick must, and must train
             pipe = jp.Pipeline(make(got.best.model_stages), optimizer=opt, **got.best.pipeline_kwargs())
             st, metrics = pipe.step(pipe.init(), pipe.shard_batch(batch))
@@ -155,18 +158,22 @@ def report(results) -> None:
             fit = [r for r in b["rows"] if not r["dropped"] and r["measured_s"]]
             best = min(fit, key=lambda r: r["measured_s"])
             pick = next(r for r in b["rows"] if r["label"] == b["pick"])
-            print(f"\n{lim}: pick {b['pick']} measured {pick['measured_s'] * 1e3:.1f} ms; fastest measured "
+            pred = next(r for r in b["rows"] if r["label"] == b["predicted_pick"])
+            print(f"\n{lim}: predicted fastest {pred['label']} measured {pred['measured_s'] * 1e3:.1f} ms "
+                  f"({pred['measured_s'] / best['measured_s']:.3f}x the fastest)")
+            print(f"{lim}: pick {b['pick']} measured {pick['measured_s'] * 1e3:.1f} ms; fastest measured "
                   f"{best['label']} {best['measured_s'] * 1e3:.1f} ms: pick / fastest = "
                   f"{pick['measured_s'] / best['measured_s']:.3f}"
                   + (f"; defaults need {b['default_memory'] / 2**20:.2f} MiB; the pick trained a step "
                      f"(loss {b['trained_loss']:.3f})" if "trained_loss" in b else ""))
-            print("| candidate | predicted | measured | bubble | memory (pred.) | compiled | note |")
-            print("|---|---|---|---|---|---|---|")
+            print("| candidate | predicted | timed by configure | measured | bubble | memory (pred.) | compiled | note |")
+            print("|---|---|---|---|---|---|---|---|")
             for r in sorted(b["rows"], key=lambda r: (bool(r["dropped"]), r["measured_s"] or 1e9)):
                 comp = f"{r['compiled'] / 2**20:.2f} MiB" if r["compiled"] else ""
                 meas = f"{r['measured_s'] * 1e3:.1f} ms" if r["measured_s"] else ""
                 note = r["dropped"] or ("**pick**" if r["label"] == b["pick"] else "")
-                print(f"| {r['label']} | {r['step_s'] * 1e3:.1f} ms | {meas} | {r['bubble']:.0%} | "
+                conf_t = f"{r['configure_measured_s'] * 1e3:.1f} ms" if r.get("configure_measured_s") else ""
+                print(f"| {r['label']} | {r['step_s'] * 1e3:.1f} ms | {conf_t} | {meas} | {r['bubble']:.0%} | "
                       f"{r['memory'] / 2**20:.2f} MiB | {comp} | {note} |")
 
 

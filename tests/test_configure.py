@@ -74,3 +74,15 @@ def test_a_second_search_reads_every_measurement_from_the_cache(roomy, cache_fil
     assert again.best.label() == roomy.best.label()
     assert [c.step_s for c in again.candidates] == [c.step_s for c in roomy.candidates]
     assert [c.memory for c in again.candidates] == [c.memory for c in roomy.candidates]
+
+
+def test_measure_times_a_few_candidates_and_picks_the_fastest_timed(roomy):
+    """``measure=k``: the final choice is the fastest of at most k candidates timed on the devices (the two
+    predicted fastest first); the others keep their predictions only."""
+    conf = roomy.within(1 << 40, measure=2, rounds=1)
+    timed = [c for c in conf.candidates if c.measured_s is not None]
+    assert len(timed) == 2 and all(c.measured_s > 0 for c in timed)
+    ranked = sorted((c for c in conf.candidates if not c.dropped), key=lambda c: c.step_s)
+    assert set(map(id, timed)) == set(map(id, ranked[:2]))
+    assert conf.best is min(timed, key=lambda c: c.measured_s)
+    assert "ms |" in conf.table().splitlines()[2]

@@ -12,7 +12,8 @@ import pytest
 from helpers import SUBPROCESS_XLA_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAIN = ["--steps=2", "--eval_every=0", "--sample_len=8", "--progress=false", "--batch=16", "--seq_len=16"]
+TRAIN = ["--steps=2", "--eval_every=0", "--sample_len=8", "--progress=false", "--batch=16", "--seq_len=16",
+         "--auto_schedules=1f1b", "--auto_microbatches=2"]      # the last two: --auto's search, small
 QUICK = {
     "train": TRAIN,
     # throughput and convergence run every method by default; here a synchronous, an asynchronous and a
@@ -77,6 +78,11 @@ def test_readme_command_runs(cmd, tmp_path):
                        capture_output=True, text=True, timeout=420)
     assert p.returncode == 0, f"{cmd}\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
     assert "Traceback" not in p.stderr
+    if "--auto" in cmd:          # the run trains what jp.configure chose (issue #53 item 1)
+        chose = re.search(r"--auto chose: --stages=(\d+) --data=(\d+) --schedule=(\S+) --microbatches=(\d+)", p.stdout)
+        assert chose, p.stdout[-2000:]
+        stages, data, schedule, m = chose.groups()
+        assert f"{schedule}, mesh data={data} x stage={stages}" in p.stdout and f"M={m}," in p.stdout, p.stdout[-2000:]
 
 
 def test_readme_two_process_commands_run(tmp_path):

@@ -148,12 +148,16 @@ class Bench:
         return float(self.cache.get(self._key("update", c.model_stages, c.stages),
                                     lambda: agreed([update_time(self.optimizer, share, mesh, PartitionSpec())])[0]))
 
-    def allreduce(self, devices: int, group: int, nbytes: int) -> float:
-        """Seconds of the data replicas' gradient all-reduce of ``nbytes`` over groups of ``group``, timed at
-        that size (:func:`~jaxpipe.tune.microbench.allreduce_time`)."""
-        from .microbench import allreduce_time
-        return float(self.cache.get(["allreduce", self.backend, devices, group, int(nbytes)],
-                                    lambda: agreed([allreduce_time(devices, nbytes, group=group)])[0]))
+    def allreduce(self, c, pipe, devices: int) -> float:
+        """Seconds of the data replicas' gradient all-reduce: a pytree shaped like one device's gradients, each
+        leaf its own all-reduce as in the step (:func:`~jaxpipe.tune.microbench.tree_allreduce_time`)."""
+        from .microbench import tree_allreduce_time
+        m = pipe.model
+        share = (jax.tree.map(lambda a: np.zeros((max(a.shape[0] // c.stages, 1),) + a.shape[1:], a.dtype),
+                              m.stage_params), m.pre_params, m.post_params)
+        share = jax.tree.map(lambda a: np.zeros(np.shape(a), np.asarray(a).dtype), share)
+        return float(self.cache.get(self._key("allreduce", c.model_stages, c.stages, c.data, devices),
+                                    lambda: agreed([tree_allreduce_time(share, devices, c.data)])[0]))
 
 
 def agreed(value):

@@ -10,17 +10,20 @@ micro-batch count and residual policy, and for each predicts
   figure differs from the prediction by over 10% the choice is made again on the compiled figure;
 * **step time** with :func:`jaxpipe.tune.lockstep.predict_devices`: the plan the executor compiles, tick by
   tick, at one stage's F, B and W measured on this backend per micro-batch size and residual policy
-  (:func:`jaxpipe.tune.microbench.layer_costs` on the stage as the executor runs it: a recomputing policy's
-  pullback reruns the forward), the exchange's cost measured here
-  (:func:`jaxpipe.tune.microbench.p2p_alpha_beta`), and the data replicas' gradient all-reduce timed at its
-  size (:func:`jaxpipe.tune.microbench.allreduce_time`), and the optimizer's update of one device's share.
+  (:func:`jaxpipe.tune.microbench.stage_costs`: a recomputing policy's backward pays its recomputation), the
+  embedding's and the head's costs on the first and last stage (:class:`~jaxpipe.tune.lockstep.EdgeCosts`:
+  a large vocabulary's head is several blocks), the exchange's cost (:func:`jaxpipe.tune.microbench.
+  p2p_alpha_beta`), the data replicas' gradient all-reduce of one device's gradient leaves
+  (:func:`jaxpipe.tune.microbench.tree_allreduce_time`) and the optimizer's update of one device's share.
+
+Every measurement is made once per search and kept per (model, backend) on disk
+(:mod:`jaxpipe.tune.measure_cache`, :mod:`jaxpipe.tune.config_bench`): the same search again compiles and
+times nothing.  In a multi-process job every timing is process 0's, broadcast, so every process builds the
+same programs.
 
 It returns a :class:`Configuration`: the choice (``Pipeline`` keyword arguments and the mesh), every candidate
 with its predicted step, bubble, memory and why a candidate was dropped, and :meth:`Configuration.table`.
-Not yet (issue #53): tensor / FSDP axes, a per-stage cut or per-stage policy, the two-process check of the
-choice against the fastest measured candidate, a cache of the measurements, a decision under a minute (36
-candidates of a 4-device GPT took 373 s on the 2-core build machine: every candidate's ``Pipeline`` is built
-and initialised, and two compiles a family calibrate the memory lines).
+Not yet (issue #53): tensor / FSDP axes, a per-stage cut or per-stage policy, the no-flush methods.
 """
 from __future__ import annotations
 
@@ -52,6 +55,7 @@ class Candidate:
     memory: float = float("nan")           # bytes per device, predicted (or compiled, once checked)
     compiled_memory: Optional[float] = None
     dropped: str = ""
+    measured_s: Optional[float] = None     # its step timed on the devices (``configure(measure=k)``)
 
     def pipeline_kwargs(self) -> dict:
         """What to give ``jp.Pipeline`` (with the model cut into :meth:`model_stages` stages)."""
@@ -92,26 +96,32 @@ class Configuration:
         """Measurements made (timed or compiled) by the search."""
         return self._bench.cache.misses
 
-    def within(self, memory_budget: float) -> "Configuration":
-        """The choice under another budget, from the same predictions (compiling only what the check needs)."""
-        cands = [dataclasses.replace(c) for c in self.candidates]
+    def within(self, memory_budget: float, measure: int = 0, rounds: int = 3) -> "Configuration":
+        """The choice under another budget, from the same predictions (compiling only what the check needs);
+        ``measure``, ``rounds``: as :func:`configure`'s."""
+        cands = [dataclasses.replace(c, measured_s=None) for c in self.candidates]
         built = {id(n): self._built[id(o)] for o, n in zip(self.candidates, cands) if id(o) in self._built}
         for c in cands:
             if c.dropped.startswith(("needs", "compiled")):
                 c.dropped = ""
-        return _choose(cands, built, self._bench, memory_budget)
+        conf = _choose(cands, built, self._bench, memory_budget)
+        if measure:
+            conf.best = _measured_best(conf, measure, rounds)
+        return conf
 
     def table(self) -> str:
         """The candidates, fitting ones fastest first, then the dropped ones with why."""
         ok = sorted((c for c in self.candidates if not c.dropped), key=lambda c: c.step_s)
-        rows = ["| candidate | predicted step | bubble | memory / device | compiled | note |", "|---|---|---|---|---|---|"]
+        rows = ["| candidate | predicted step | measured | bubble | memory / device | compiled | note |",
+                "|---|---|---|---|---|---|---|"]
         for c in ok + [c for c in self.candidates if c.dropped]:
             comp = "" if c.compiled_memory is None else f"{c.compiled_memory / 2**20:,.1f} MiB"
             note = c.dropped or ("chosen" if c is self.best else "")
             step = "" if np.isnan(c.step_s) else f"{c.step_s * 1e3:.2f} ms"
             bub = "" if np.isnan(c.bubble) else f"{c.bubble:.0%}"
             mem = "" if np.isnan(c.memory) else f"{c.memory / 2**20:,.1f} MiB"
-            rows.append(f"| {c.label()} | {step} | {bub} | {mem} | {comp} | {note} |")
+            meas = "" if c.measured_s is None else f"{c.measured_s * 1e3:.2f} ms"
+            rows.append(f"| {c.label()} | {step} | {meas} | {bub} | {mem} | {comp} | {note} |")
         return "\n".join(rows)
 
 
@@ -131,12 +141,15 @@ def _candidates(devices, rows, names, microbatches, residuals) -> List[Candidate
 def configure(make_model: Callable[[int], object], batch: Dict[str, np.ndarray], optimizer, *, devices: int,
               memory_budget: float, schedules: Sequence[str] = ("1f1b", "gpipe", "zb_h1", "interleaved_1f1b"),
               microbatches: Sequence[int] = (2, 4, 8), residuals: Sequence[str] = ("all", "inputs"),
-              verbose: bool = True, cache="default") -> Configuration:
+              verbose: bool = True, cache="default", measure: int = 0, rounds: int = 3) -> Configuration:
     """The predicted-fastest configuration of ``make_model(num_stages)`` (a ``PipelineModel`` of that many
     stages) on ``devices`` devices within ``memory_budget`` bytes per device (module docstring).  ``batch``:
     one step's host batch (its rows are split over ``data`` and micro-batches).  ``cache``: where measurements
     are kept per (model, backend) -- ``"default"`` (``$JAXPIPE_CACHE_DIR`` or ``~/.cache/jaxpipe``), a file
-    path, or ``None`` (measure everything)."""
+    path, or ``None`` (measure everything).  ``measure=k``: the final choice is made by timing steps on the
+    devices (``rounds`` rounds of 3 steps, in turns) of at most ``k`` fitting candidates -- the two
+    predicted fastest and the predicted fastest of each (stage count, residual policy) -- where the model's
+    ranking is least sure (:func:`_measured_best`)."""
     from ..pipeline import Pipeline
     store = MeasureCache(default_path() if cache == "default" else cache)
     bench = Bench(make_model, batch, optimizer, store)
@@ -161,6 +174,8 @@ def configure(make_model: Callable[[int], object], batch: Dict[str, np.ndarray],
         if id(c) in built:
             c.memory = c.compiled_memory if c.compiled_memory is not None else model.total(built[id(c)][1])
     conf = _choose(cands, built, bench, memory_budget)
+    if measure:
+        conf.best = _measured_best(conf, measure, rounds)
     if verbose:
         print(conf.table(), flush=True)
     return conf
@@ -228,10 +243,45 @@ def _predict_times(cands, built, bench, devices) -> None:
                                     pipe.schedule.has_w(), lambda n, res: models[(n, res)])
         parts = predict_devices(pipe.schedule, lc, 1.0, 0.0, link, act, 0.0, placement=pipe.placement,
                                 edges=bench.edges(rows))
-        # the data replicas' gradient all-reduce after the pipeline, timed at its size on these devices
-        m = pipe.model
-        grads = tree_bytes((m.stage_params, m.pre_params, m.post_params)) // c.stages
-        allreduce = bench.allreduce(devices, c.data, grads) if c.data > 1 else 0.0
+        # the data replicas' gradient all-reduce after the pipeline, its leaves as the step has them
+        allreduce = bench.allreduce(c, pipe, devices) if c.data > 1 else 0.0
         update = bench.update(c, pipe)
         c.step_s = parts["step"] + allreduce + update
         c.bubble = 1.0 - parts["busy"] / max(parts["compute"], 1e-30)
+
+
+def _measured_best(conf: Configuration, k: int, rounds: int) -> Candidate:
+    """The fastest measured of at most ``k`` fitting candidates: the two predicted fastest, then the predicted
+    fastest of each (stage count, residual policy) group.  Each is built, warmed up (2 steps) and timed in
+    turns with the others; in a multi-process job the times are process 0's (every process then builds the
+    same)."""
+    from ..pipeline import Pipeline
+    from .config_bench import agreed
+    import time
+    ok = sorted((c for c in conf.candidates if not c.dropped), key=lambda c: c.step_s)
+    pick, seen = ok[:2], {(c.stages, c.residuals) for c in ok[:2]}
+    for c in ok[2:]:
+        if (c.stages, c.residuals) not in seen:
+            pick.append(c)
+            seen.add((c.stages, c.residuals))
+    pick = pick[:max(k, 1)]
+    bench, runs = conf._bench, []
+    for c in pick:
+        pipe = Pipeline(bench.model(c.model_stages), optimizer=bench.optimizer, **c.pipeline_kwargs())
+        b = pipe.shard_batch(bench.batch)
+        s = pipe.init()
+        for _ in range(2):
+            s = pipe.step(s, b)[0]
+        runs.append([pipe, b, jax.block_until_ready(s), []])
+    for _ in range(rounds):
+        for run in runs:
+            pipe, b, s, ts = run
+            t0 = time.perf_counter()
+            for _ in range(3):
+                s = pipe.step(s, b)[0]
+            run[2] = jax.block_until_ready(s)
+            ts.append((time.perf_counter() - t0) / 3)
+    times = agreed([float(np.median(r[3])) for r in runs])
+    for c, t in zip(pick, times):
+        c.measured_s = t
+    return min(pick, key=lambda c: c.measured_s)
