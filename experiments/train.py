@@ -239,18 +239,32 @@ def _start_process() -> int:
 
 
 def _auto_configure(jp, say):
-    """--auto: ``jp.configure`` over the --stages x --data devices; the choice is written into the flags
-    (--stages, --data, --schedule, --microbatches, --residuals), which the run then builds as given."""
+    """--auto: ``jp.configure`` over the --stages x --data devices for the model of --stages x
+    --blocks_per_stage blocks; the choice is written into the flags (--stages, --data, --schedule,
+    --microbatches, --residuals, --blocks_per_stage: the same blocks cut for the chosen stages), which the run
+    then builds as given."""
     import jax
     import optax
     from experiments import factories
     if jax.process_count() > 1 or FLAGS.tensor > 1 or FLAGS.fsdp > 1 or FLAGS.pipes > 1:
         raise app.UsageError("--auto chooses stage x data on one process (no --tensor / --fsdp / --pipes): run it "
                              "once there and give the flags it prints to the multi-process job")
+    if FLAGS.cut:
+        raise app.UsageError(f"--auto cuts the model evenly for the stages it considers; drop --cut={FLAGS.cut}")
     devices = FLAGS.stages * FLAGS.data
     budget = FLAGS.memory_budget_mb * 2**20 if FLAGS.memory_budget_mb > 0 else float("inf")
-    sample = jp.training.streams.peek(factories.build(FLAGS.model, 1, FLAGS.batch, FLAGS.seed).batches)
-    make = lambda n: factories.build(FLAGS.model, n, FLAGS.batch, FLAGS.seed).model
+    # the model as given (--stages x --blocks_per_stage blocks), cut into n stages for each candidate
+    blocks = FLAGS.stages * FLAGS.blocks_per_stage
+
+    def make(n):
+        if blocks % n:
+            raise jp.ConfigError(f"{blocks} blocks do not cut into {n} stages")
+        FLAGS.blocks_per_stage = blocks // n
+        try:
+            return factories.build(FLAGS.model, n, FLAGS.batch, FLAGS.seed).model
+        finally:
+            FLAGS.blocks_per_stage = blocks // FLAGS.stages
+    sample = jp.training.streams.peek(factories.build(FLAGS.model, FLAGS.stages, FLAGS.batch, FLAGS.seed).batches)
     say(f"--auto: choosing among stage x data splits of {devices} devices, {', '.join(FLAGS.auto_schedules)}, "
         f"M in {', '.join(FLAGS.auto_microbatches)}, residuals all / inputs"
         f"{f', within {FLAGS.memory_budget_mb:g} MiB a device' if FLAGS.memory_budget_mb > 0 else ''} ...")
@@ -260,8 +274,9 @@ def _auto_configure(jp, say):
     best = conf.best
     say(conf.table())
     say(f"--auto chose: --stages={best.stages} --data={best.data} --schedule={best.schedule} "
-        f"--microbatches={best.microbatches} --residuals={best.residuals}"
+        f"--microbatches={best.microbatches} --residuals={best.residuals} --blocks_per_stage={blocks // best.model_stages}"
         f"{' --virtual=2' if 'virtual' in best.pipeline_kwargs()['options'] else ''}")
+    FLAGS.blocks_per_stage = blocks // best.model_stages
     FLAGS.stages, FLAGS.data, FLAGS.schedule = best.stages, best.data, best.schedule
     FLAGS.microbatches, FLAGS.residuals = best.microbatches, best.residuals
     if "virtual" in best.pipeline_kwargs()["options"]:
