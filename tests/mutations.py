@@ -159,6 +159,14 @@ MUTATIONS = [
     Mutation("configure_keeps_a_candidate_over_the_budget", "jaxpipe/tune/configure.py",
              "and not c.dropped and c.memory > budget:", "and not c.dropped and c.memory > 2 * budget:",
              "tests/test_configure.py::test_a_budget_the_full_residuals_exceed_chooses_a_recomputing_policy_that_fits_and_trains"),
+    # the head's cost charged to the first stage (a heavy head then looks free to a pipeline)
+    Mutation("head_cost_on_the_first_stage", "jaxpipe/tune/lockstep.py",
+             "out[-1, j] += n * self.f_post", "out[0, j] += n * self.f_post",
+             "tests/test_lockstep_model.py::test_a_heavy_head_is_paid_on_the_last_stage_of_every_micro_batch"),
+    # a second search measuring again (the cache never read)
+    Mutation("configure_cache_never_read", "jaxpipe/tune/measure_cache.py",
+             "        if k in self._data:\n            self.hits += 1", "        if False:\n            self.hits += 1",
+             "tests/test_configure.py::test_a_second_search_reads_every_measurement_from_the_cache"),
 ]
 
 
