@@ -28,6 +28,7 @@ Not yet (issue #53): tensor / FSDP axes, a per-stage cut or per-stage policy, th
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 import jax
@@ -35,10 +36,10 @@ import numpy as np
 
 from .. import schedules as _schedules
 from ..errors import ConfigError
-from .lockstep import LayerCosts, Link, predict_devices
-from .config_bench import Bench
+from .config_bench import Bench, agreed
+from .lockstep import Link, predict_devices
 from .measure_cache import MeasureCache, default_path
-from .memory import MemoryModel, calibrate, footprint, tree_bytes
+from .memory import MemoryModel, calibrate, footprint
 
 CHECK_TOLERANCE = 0.10
 
@@ -256,8 +257,6 @@ def _measured_best(conf: Configuration, k: int, rounds: int) -> Candidate:
     turns with the others; in a multi-process job the times are process 0's (every process then builds the
     same)."""
     from ..pipeline import Pipeline
-    from .config_bench import agreed
-    import time
     ok = sorted((c for c in conf.candidates if not c.dropped), key=lambda c: c.step_s)
     pick, seen = ok[:2], {(c.stages, c.residuals) for c in ok[:2]}
     for c in ok[2:]:
