@@ -167,6 +167,10 @@ MUTATIONS = [
     Mutation("configure_cache_never_read", "jaxpipe/tune/measure_cache.py",
              "        if k in self._data:\n            self.hits += 1", "        if False:\n            self.hits += 1",
              "tests/test_configure.py::test_a_second_search_reads_every_measurement_from_the_cache"),
+    # a recomputing stage's zero-bubble W priced as if it ran from the frontier (W at the weight products only)
+    Mutation("search_thinks_every_w_splits", "jaxpipe/runtime/wsplit.py",
+             "return split_backward(sop.backward, w, zeros(avals), zeros(x), avals) is not None", "return True",
+             "tests/test_configure.py::test_the_search_knows_when_zero_bubble_w_recomputes"),
 ]
 
 

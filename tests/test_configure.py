@@ -86,3 +86,16 @@ def test_measure_times_a_few_candidates_and_picks_the_fastest_timed(roomy):
     assert set(map(id, timed)) == set(map(id, ranked[:2]))
     assert conf.best is min(timed, key=lambda c: c.measured_s)
     assert "ms |" in conf.table().splitlines()[2]
+
+
+@pytest.mark.parametrize("residuals,splits", [("all", True), ("inputs", False)])
+def test_the_search_knows_when_zero_bubble_w_recomputes(residuals, splits):
+    """A recomputing stage's zero-bubble W back-propagates through the stage again (runtime.wsplit): configure
+    prices that W at a whole backward, so it must know which stages split (as the executor decides)."""
+    import jax
+    from jaxpipe.runtime.wsplit import stage_splits
+    pipe = jp.Pipeline(_model(2), optimizer=optax.adamw(1e-3), schedule="zb_h1", num_microbatches=2,
+                       mesh=jp.make_mesh(stages=2), residuals=residuals)
+    m, mb = pipe.model, {k: v[:2] for k, v in _batch().items()}
+    w = jax.tree.map(lambda a: a[0], m.stage_params)
+    assert stage_splits(m, w, m.pre(m.pre_params, mb), mb) is splits

@@ -269,3 +269,14 @@ def split_backward(bwd: Callable, w, res, dy, stash_avals) -> Optional[BackwardS
 
     read = {v for v in _w_reads(jx, w_only, splits, dw_vars) if not _is_literal(v)}
     return BackwardSplit(input_part, weight_part, front_avals, _indices_in(jx.invars, w, res, read))
+
+
+def stage_splits(model, w, x, mb) -> bool:
+    """Whether zero-bubble's W of ``model``'s stage (weights ``w``, activation ``x``, micro-batch ``mb``) runs
+    from the frontier B keeps (True), or recomputes the backward (False: a recomputing residual policy, a stage
+    whose layers sit in one equation) -- as the executor decides it.  A cost model prices W at the weight
+    products alone in the first case and at a whole backward again in the second."""
+    from .stage import StageOps
+    zeros = lambda t: jax.tree.map(lambda a: jax.numpy.zeros(a.shape, a.dtype), t)
+    sop, avals = StageOps.build(model, w, zeros(x), mb)
+    return split_backward(sop.backward, w, zeros(avals), zeros(x), avals) is not None

@@ -242,6 +242,8 @@ def _predict_times(cands, built, bench, devices) -> None:
         rows = bench.rows // (c.data * c.microbatches)
         lc, act = bench.stage_costs(finest[c.residuals], c.model_stages, c.residuals, rows,
                                     pipe.schedule.has_w(), lambda n, res: models[(n, res)])
+        if pipe.schedule.has_w() and not bench.w_splits(c, pipe):
+            lc = dataclasses.replace(lc, w=lc.b)        # W recomputes the whole backward (runtime.wsplit)
         parts = predict_devices(pipe.schedule, lc, 1.0, 0.0, link, act, 0.0, placement=pipe.placement,
                                 edges=bench.edges(rows))
         # the data replicas' gradient all-reduce after the pipeline, its leaves as the step has them
