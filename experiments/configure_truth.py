@@ -66,22 +66,6 @@ def setup(name: str):
     return make, {"x": tok[:, :-1], "y": tok[:, 1:]}
 
 
-def _round_steps(runs, rounds):
-    """``{key: [seconds of a step, per round]}``: every run's 3 steps in turn, ``rounds`` times."""
-    import jax
-    times = {k: [] for k in runs}
-    for _ in range(rounds):
-        for k, entry in runs.items():
-            step, s = entry
-            t0 = time.perf_counter()
-            for _ in range(3):
-                s = step(s)
-            jax.block_until_ready(s)
-            times[k].append((time.perf_counter() - t0) / 3)
-            entry[1] = s
-    return times
-
-
 def _row(c, measured=None):
     return {"label": c.label(), "key": [c.schedule, c.stages, c.data, c.microbatches, c.residuals],
             "step_s": c.step_s, "bubble": c.bubble, "memory": c.memory, "compiled": c.compiled_memory,
@@ -111,7 +95,8 @@ def one_model(name: str):
         for _ in range(2):
             s = pipe.step(s, b)[0]
         runs[c.label()] = [lambda s, pipe=pipe, b=b: pipe.step(s, b)[0], s]
-    per_round = _round_steps(runs, FLAGS.rounds)
+    from jaxpipe.bench import round_steps
+    per_round = round_steps(runs, FLAGS.rounds)
     measured = {k: float(np.median(v)) for k, v in per_round.items()}
     del runs
     out = {"model": name, "decide_s": decide_s, "budgets": []}

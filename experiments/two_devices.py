@@ -66,23 +66,6 @@ def _model(jp, jnp, Ws, stages):
                             post_loss=lambda p, h, b: jnp.mean((h - b["y"]) ** 2), post_params=jnp.zeros(()))
 
 
-def _round_steps(runs, rounds):
-    """``{key: [seconds of a step, per round]}``: every run's 3 steps in turn, ``rounds`` times."""
-    import jax
-    import numpy as np
-    times = {k: [] for k in runs}
-    for _ in range(rounds):
-        for k, entry in runs.items():
-            step, s = entry
-            t0 = time.perf_counter()
-            for _ in range(3):
-                s = step(s)
-            jax.block_until_ready(s)
-            times[k].append((time.perf_counter() - t0) / 3)
-            entry[1] = s
-    return {k: [float(t) for t in v] for k, v in times.items()}
-
-
 def _link(pid, sizes):
     """``[(bytes, seconds)]``: one exchange between the two processes *inside* a compiled loop (as the
     executor's run), for messages of ``sizes`` float32 elements: a loop of 5 and of 25 exchanges timed, the
@@ -153,7 +136,8 @@ def worker(pid: int):
     plains = {M: _plain_step(Ws, x, y, M) for M in {k[0] for k in runs}} if pid == 0 else {}
     for M, fn in plains.items():       # process 0 alone, on its core, in the same rounds (the other waits)
         runs[(M, "plain")] = [fn, jax.block_until_ready(fn(fn(Ws)))]          # compiled and warm
-    per_round = _round_steps(runs, FLAGS.rounds)
+    from jaxpipe.bench import round_steps
+    per_round = round_steps(runs, FLAGS.rounds)
     got = {k: float(np.median(v)) for k, v in per_round.items()}
     if pid == 0:
         print(json.dumps({"link": link, "plain": {M: got[(M, "plain")] for M in plains}, "costs": costs,

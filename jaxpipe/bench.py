@@ -338,3 +338,20 @@ def cyclic_runner(rule: str, model: PipelineModel, batch, opt):
                  "temp_bytes": int(getattr(mem, "temp_size_in_bytes", -1)),
                  "state_bytes": int(getattr(mem, "argument_size_in_bytes", -1)),
                  "weight_versions": [2] * N, "lockstep_bubble": 0.0, "bubble": 0.0}
+
+
+def round_steps(runs, rounds: int):
+    """``{key: [seconds of a step, per round]}``: every run's 3 steps in turn, ``rounds`` times (``runs``:
+    ``{key: [step(state) -> state, state]}``, the states advanced in place) -- a slow phase of the machine
+    touches every run alike."""
+    times = {k: [] for k in runs}
+    for _ in range(rounds):
+        for k, entry in runs.items():
+            step, s = entry
+            t0 = time.perf_counter()
+            for _ in range(3):
+                s = step(s)
+            jax.block_until_ready(s)
+            times[k].append((time.perf_counter() - t0) / 3)
+            entry[1] = s
+    return {k: [float(t) for t in v] for k, v in times.items()}
