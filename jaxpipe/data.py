@@ -8,14 +8,31 @@ import numpy as np
 
 def digits(test_fraction: float = 0.2, seed: int = 0) -> Tuple[Dict[str, np.ndarray], Dict[str, np.ndarray]]:
     """scikit-learn's bundled 8x8 digits (1,797 images): ``({"x": float32[n, 64] in [0, 1], "y": int32[n]}, test)``."""
-    from sklearn.datasets import load_digits
-    d = load_digits()
-    x = (d.data / 16.0).astype(np.float32)
-    y = d.target.astype(np.int32)
+    pixels, labels = _digits_table()
+    x = (pixels / 16.0).astype(np.float32)
+    y = labels.astype(np.int32)
     idx = np.random.default_rng(seed).permutation(len(x))
     n_test = int(round(len(x) * test_fraction))
     te, tr = idx[:n_test], idx[n_test:]
     return {"x": x[tr], "y": y[tr]}, {"x": x[te], "y": y[te]}
+
+
+def _digits_table() -> Tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's ``digits.csv.gz`` read directly (what ``load_digits`` reads), without importing scikit-learn:
+    its import costs 3 s, paid by every process a run starts.  Falls back to ``load_digits`` if the file moved."""
+    import gzip
+    import importlib.util
+    import os
+    spec = importlib.util.find_spec("sklearn")
+    roots = spec.submodule_search_locations if spec is not None else None
+    path = os.path.join(roots[0], "datasets", "data", "digits.csv.gz") if roots else ""
+    if os.path.exists(path):
+        with gzip.open(path, "rt") as f:
+            table = np.loadtxt(f, delimiter=",")
+        return table[:, :-1], table[:, -1].astype(np.int64)
+    from sklearn.datasets import load_digits
+    d = load_digits()
+    return d.data, d.target
 
 
 def byte_corpus(split: float = 0.9) -> Tuple[np.ndarray, np.ndarray]:
