@@ -171,6 +171,10 @@ MUTATIONS = [
     Mutation("search_thinks_every_w_splits", "jaxpipe/runtime/wsplit.py",
              "return split_backward(sop.backward, w, zeros(avals), zeros(x), avals) is not None", "return True",
              "tests/test_configure.py::test_the_search_knows_when_zero_bubble_w_recomputes"),
+    # the stage benchmark reporting a split W where the executor recomputes the backward
+    Mutation("stage_bench_thinks_w_always_splits", "jaxpipe/tune/stage_bench.py",
+             "found.append(sp is not None)", "found.append(True)",
+             "tests/test_stage_bench.py::test_a_context_model_under_a_recomputing_policy_reports_that_w_recomputes"),
 ]
 
 

@@ -14,6 +14,7 @@ FILES = [
     "tests/test_schedules.py",
     "tests/test_registry.py",
     "tests/test_lockstep_model.py",
+    "tests/test_stage_bench.py",
     "tests/test_tune.py",
     "tests/test_policies.py",
     "tests/test_bad_inputs.py",

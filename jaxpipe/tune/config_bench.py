@@ -101,27 +101,26 @@ class Bench:
     # --- time -----------------------------------------------------------------------------------------------
     def stage_costs(self, finest: int, n: int, residuals: str, rows: int, split: bool, model_of: Callable):
         """:class:`LayerCosts` of one stage of the model cut in ``n`` on ``rows``-row micro-batches under the
-        policy: one stage of the finest cut (``finest`` stages) timed, times ``finest / n``; and the
-        activation's bytes."""
-        from .microbench import stage_costs
-        key = self._key("stage_costs", finest, residuals, rows, split)
+        policy, as the executor runs it -- residuals through a stash, zero-bubble's W from the executor's own
+        split (:func:`jaxpipe.tune.stage_bench.stashed_stage_costs`): one stage of the finest cut (``finest``
+        stages) timed, times ``finest / n``; and the activation's bytes."""
+        from .stage_bench import stashed_stage_costs
+        key = self._key("stashed_stage_costs", finest, residuals, rows, split)
 
         def measure():
             m = model_of(finest, residuals)
             mb = jax.tree.map(lambda a: np.asarray(a[:rows]), self.batch)
             x = m.pre(m.pre_params, mb)
             w = jax.tree.map(lambda a: a[0], m.stage_params)
-            ctx = m.example_context(mb)
-            fn = (lambda w, h: m.stage_fn(w, h, ctx)) if m.context else m.stage_fn
-            out = stage_costs(fn, w, x, split=split)
+            out = stashed_stage_costs(m, w, x, mb, split=split)
             out["act"] = tree_bytes(x)
             return out
 
         got = self.cache.get(key, lambda: agreed(measure()))
         s = finest / n
         f, b = got["F"] * s, got["B"] * s
-        b_in = got["B_input"] * s if split else b / 2
-        return LayerCosts(f=f, b=b, b_input=b_in, w=max(b - b_in, 0.0)), got["act"]
+        b_in, w = (got["B_input"] * s, got["W"] * s) if split else (b / 2, b / 2)
+        return LayerCosts(f=f, b=b, b_input=b_in, w=w), got["act"]
 
     def w_splits(self, c, pipe) -> bool:
         """Whether the stage's zero-bubble W runs from B's frontier (:func:`jaxpipe.runtime.wsplit.stage_splits`;

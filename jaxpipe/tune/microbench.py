@@ -32,6 +32,22 @@ def _timeit(fn: Callable, args, calls: int = 5, best: bool = False) -> float:
     return min(ts) if best else statistics.median(ts)
 
 
+def time_branches(fn: Callable, n: int, args, calls: int, per: int) -> List[float]:
+    """Seconds per unit (a call over ``per``) of ``fn(kind, *args)`` for each ``kind`` in ``range(n)`` -- one
+    program whose op is a runtime ``lax.switch`` argument: one compile, every branch warmed up, then ``calls``
+    rounds timing the kinds in turns (a drift of the machine touches each alike), the least of each kind."""
+    kinds = [jnp.int32(i) for i in range(n)]
+    for k in kinds:
+        jax.block_until_ready(fn(k, *args))
+    t = [float("inf")] * n
+    for _ in range(calls):
+        for i, k in enumerate(kinds):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(k, *args))
+            t[i] = min(t[i], (time.perf_counter() - t0) / per)
+    return t
+
+
 def op_costs(stage_fn, w, x, devices: int, busy: Sequence[int], reps: int = 8, split: bool = False
              ) -> Dict[str, List[float]]:
     """``{"F": [...], "B": [...] (, "W": [...])}``: seconds per op with n of ``devices`` busy, for every n
@@ -114,16 +130,7 @@ def stage_costs(stage_fn, w, x, split: bool = True, reps: int = 8, calls: int = 
         branches = [f_loop, fb_loop(True)] + ([fb_loop(False)] if split else [])
         return sum(jnp.sum(l) for l in jax.tree.leaves(lax.switch(kind, branches, x)))
 
-    fn = jax.jit(body)
-    kinds = [jnp.int32(i) for i in range(3 if split else 2)]
-    for k in kinds:                     # the one compile, and every branch warmed up
-        jax.block_until_ready(fn(k, w, x))
-    t = [float("inf")] * len(kinds)
-    for _ in range(calls):              # the kinds in turns: a drift of the machine touches each alike
-        for i, k in enumerate(kinds):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(k, w, x))
-            t[i] = min(t[i], (time.perf_counter() - t0) / reps)
+    t = time_branches(jax.jit(body), 3 if split else 2, (w, x), calls, reps)
     out = {"F": t[0], "B": max(t[1] - t[0], 0.0)}
     out["B_input"] = max(t[2] - t[0], 0.0) if split else out["B"] / 2
     return out

@@ -1,0 +1,116 @@
+"""One stage's F, B, B-input and W as the executor runs them: residuals written to a stash and read back cold.
+
+:func:`jaxpipe.tune.microbench.stage_costs` times a forward and its pullback back to back on the same data: the
+residuals never leave the cache.  The executor writes each micro-batch's residuals into a stash slot
+(:class:`~jaxpipe.runtime.stage.StageOps`) and its backward reads them ticks later, after other micro-batches'
+work went through the cache.  Measured on the two-process testbed (GPT d 128, 4 blocks, 2 stages): a stage
+stashing every residual of 8-sequence micro-batches (20 MiB a slot) cost 16.2 + 26.3 ms a micro-batch through a
+stash against 6.1 + 20.6 back to back; with 4-sequence ones (10 MiB) both ways cost the same.  The testbed's step
+was 194 against 130 ms -- the order the back-to-back costs predicted the other way round (issue #53).
+
+Here one program writes ``slots`` micro-batches' residuals into a stash (F), then runs the backward of each from
+its slot (B); under zero-bubble's split, B-input keeps each slot's frontier and W reads it, with the executor's
+own split (:func:`jaxpipe.runtime.wsplit.split_backward`: W is priced as it runs, a recomputed backward where
+the stage cannot be split).  The op is a runtime argument of a ``lax.switch`` (one compile; each branch runs
+the forwards first): F = t(F), B = t(F, B) - t(F), B-input = t(F, B-input) - t(F), W = t(F, B-input, W) -
+t(F, B-input).  Seconds per micro-batch, the least of ``calls`` timed calls of each, taken in turns.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .microbench import time_branches
+
+
+def _unit(t):
+    """The next iteration's input: bounded, so no value drifts into denormals."""
+    return jax.tree.map(lambda a: (a / (jnp.max(jnp.abs(a)) + 1.0)).astype(a.dtype), t)
+
+
+def _slot(stash, i):
+    return [lax.dynamic_index_in_dim(s, i, 0, keepdims=False) for s in stash]
+
+
+def _put(stash, i, values):
+    return [lax.dynamic_update_index_in_dim(s, v, i, 0) for s, v in zip(stash, values)]
+
+
+def stashed_stage_costs(model, w, x, mb, split: bool = True, slots: int = 4, calls: int = 7) -> Dict[str, float]:
+    """``{"F", "B", "B_input", "W", "splits"}`` of one stage of ``model`` (weights ``w``, input activation
+    ``x``, micro-batch ``mb`` for a context model's stage context) with ``slots`` micro-batches in the stash
+    (module docstring).  Without ``split``, B_input is half of B and W the other half (unused)."""
+    from ..runtime.stage import StageOps
+    from ..runtime.wsplit import split_backward
+    sop, avals = StageOps.build(model, w, x, mb)
+    ctx = model.example_context(mb) if model.context else None
+    zeros = lambda a: jnp.zeros(a.shape, a.dtype)
+    found = []
+
+    def forwards(w, x):
+        def body(i, c):
+            h, stash = c
+            y, res, _ = sop.forward(w, h, ctx=ctx)
+            return _unit(jax.tree.map(lambda a, b: a.astype(b.dtype), y, h)), _put(stash, i, res)
+        h, stash = lax.fori_loop(0, slots, body, (x, [jnp.zeros((slots,) + a.shape, a.dtype) for a in avals]))
+        return h, stash
+
+    def backwards(w, stash, dy, part):
+        def body(i, c):
+            d, acc, front = c
+            res = _slot(stash, i)
+            if part == "B":
+                dw, dx = sop.backward(w, res, d)
+                acc = jax.tree.map(jnp.add, acc, dw)
+            else:
+                sp = split_backward(sop.backward, w, res, d, avals) if split else None
+                found.append(sp is not None)
+                if sp is None:
+                    dx = sop.backward(w, res, d)[1]       # the input gradient alone (the rest dead code)
+                else:
+                    dx, fr = sp.input_part(w, res, d)
+                    front = _put(front, i, fr)
+            return _unit(jax.tree.map(lambda a, b: a.astype(b.dtype), dx, d)), acc, front
+        sp0 = split_backward(sop.backward, w, [zeros(a) for a in avals], dy, avals) if split else None
+        front = [jnp.zeros((slots,) + tuple(a.shape), a.dtype) for a in (sp0.frontier_avals if sp0 else [])]
+        d, acc, front = lax.fori_loop(0, slots, body, (dy, jax.tree.map(jnp.zeros_like, w), front))
+        return d, acc, front, sp0
+
+    def weights(w, stash, dy, front, sp):
+        def body(i, acc):
+            res = _slot(stash, i)
+            dw = sp.weight_part(w, res, dy, _slot(front, i)) if sp is not None else sop.backward(w, res, dy)[0]
+            return jax.tree.map(jnp.add, acc, dw)
+        return lax.fori_loop(0, slots, body, jax.tree.map(jnp.zeros_like, w))
+
+    def total(*trees):
+        return sum(jnp.sum(l.astype(jnp.float32)) for t in trees for l in jax.tree.leaves(t))
+
+    def run(kind, w, x):
+        def only_f(w, x):
+            h, stash = forwards(w, x)
+            return total(h, [s[:, :1] for s in stash])
+
+        def f_b(part, and_w):
+            def go(w, x):
+                h, stash = forwards(w, x)
+                d, acc, front, sp = backwards(w, stash, h, part)
+                if and_w:
+                    acc = weights(w, stash, h, front, sp)
+                return total(d, acc, [f[:, :1] for f in front])
+            return go
+        return lax.switch(kind, [only_f, f_b("B", False), f_b("B_input", False), f_b("B_input", True)], w, x)
+
+    t = time_branches(jax.jit(run), 4 if split else 2, (w, x), calls, slots)
+    out = {"F": t[0], "B": max(t[1] - t[0], 0.0)}
+    if split:
+        out["B_input"] = max(t[2] - t[0], 0.0)
+        out["W"] = max(t[3] - t[2], 0.0)
+        out["splits"] = bool(found and all(found))
+    else:
+        out["B_input"] = out["W"] = out["B"] / 2
+        out["splits"] = False
+    return out
