@@ -37,7 +37,6 @@ class Bench:
         self._keys: Dict[int, str] = {}
         self._residuals: Dict[tuple, tuple] = {}
         self._states: Dict[tuple, object] = {}
-        self._splits: Dict[tuple, bool] = {}
 
     # --- the model, cut in n ------------------------------------------------------------------------------
     def model(self, n: int):
@@ -121,18 +120,6 @@ class Bench:
         f, b = got["F"] * s, got["B"] * s
         b_in, w = (got["B_input"] * s, got["W"] * s) if split else (b / 2, b / 2)
         return LayerCosts(f=f, b=b, b_input=b_in, w=w), got["act"]
-
-    def w_splits(self, c, pipe) -> bool:
-        """Whether the stage's zero-bubble W runs from B's frontier (:func:`jaxpipe.runtime.wsplit.stage_splits`;
-        False under ``residuals="inputs"``: W then recomputes the whole backward)."""
-        from ..runtime.wsplit import stage_splits
-        key = (c.model_stages, c.residuals)
-        if key not in self._splits:
-            m = pipe.model
-            mb = jax.tree.map(lambda a: np.asarray(a[:1]), self.batch)
-            self._splits[key] = stage_splits(m, jax.tree.map(lambda a: a[0], m.stage_params),
-                                             m.pre(m.pre_params, mb), mb)
-        return self._splits[key]
 
     def edges(self, rows: int):
         """:class:`EdgeCosts` of the embedding and the head on ``rows``-row micro-batches (any cut's model)."""

@@ -10,7 +10,8 @@ micro-batch count and residual policy, and for each predicts
   figure differs from the prediction by over 10% the choice is made again on the compiled figure;
 * **step time** with :func:`jaxpipe.tune.lockstep.predict_devices`: the plan the executor compiles, tick by
   tick, at one stage's F, B and W measured on this backend per micro-batch size and residual policy
-  (:func:`jaxpipe.tune.microbench.stage_costs`: a recomputing policy's backward pays its recomputation), the
+  (:func:`jaxpipe.tune.stage_bench.stashed_stage_costs`: residuals through a stash, a recomputing policy's
+  backward paying its recomputation, zero-bubble's W as the executor's split runs it), the
   embedding's and the head's costs on the first and last stage (:class:`~jaxpipe.tune.lockstep.EdgeCosts`:
   a large vocabulary's head is several blocks), the exchange's cost (:func:`jaxpipe.tune.microbench.
   p2p_alpha_beta`), the data replicas' gradient all-reduce of one device's gradient leaves
@@ -242,8 +243,6 @@ def _predict_times(cands, built, bench, devices) -> None:
         rows = bench.rows // (c.data * c.microbatches)
         lc, act = bench.stage_costs(finest[c.residuals], c.model_stages, c.residuals, rows,
                                     pipe.schedule.has_w(), lambda n, res: models[(n, res)])
-        if pipe.schedule.has_w() and not bench.w_splits(c, pipe):
-            lc = dataclasses.replace(lc, w=lc.b)        # W recomputes the whole backward (runtime.wsplit)
         parts = predict_devices(pipe.schedule, lc, 1.0, 0.0, link, act, 0.0, placement=pipe.placement,
                                 edges=bench.edges(rows))
         # the data replicas' gradient all-reduce after the pipeline, its leaves as the step has them

@@ -97,45 +97,6 @@ def op_costs(stage_fn, w, x, devices: int, busy: Sequence[int], reps: int = 8, s
     return out
 
 
-def stage_costs(stage_fn, w, x, split: bool = True, reps: int = 8, calls: int = 9) -> Dict[str, float]:
-    """``{"F", "B", "B_input"}``: seconds per call of one stage on one device, from ONE compiled program
-    (issue #53 item 5: a configuration search measures many micro-batch sizes and policies) -- the op is a
-    runtime argument of a ``lax.switch``.  F is the forward; B what the executor's backward costs beyond the
-    forward under the stage's residual policy, and B_input its input-gradient part (zero-bubble's B, with
-    ``split``).  Each loop iteration runs the forward *and* the pullback on the iteration's own input, the
-    forward's output used as the cotangent, so a recomputing policy pays its recomputation every iteration:
-    with the pullback built once outside the loop, XLA hoisted the loop-invariant recomputation out of it and
-    a recomputing stage timed faster than the same stage keeping its residuals.  B = (forward + pullback) - F.
-    The fastest of ``calls`` calls of each."""
-    def unit(t):          # the next iteration's input: bounded, so no value drifts into denormals
-        return jax.tree.map(lambda a: a / (jnp.max(jnp.abs(a)) + 1.0), t)
-
-    def body(kind, w, x):
-        def f_loop(h):
-            return lax.fori_loop(0, reps, lambda i, h: unit(jax.tree.map(
-                lambda a, b: a.astype(b.dtype), stage_fn(w, h), h)), h)
-
-        def fb_loop(keep_dw):
-            def run(h):
-                def one(i, c):
-                    h, acc = c
-                    y, pull = jax.vjp(stage_fn, w, h)
-                    dw, dx = pull(y)
-                    dx = unit(jax.tree.map(lambda a, b: a.astype(b.dtype), dx, h))
-                    return dx, (jax.tree.map(jnp.add, acc, dw) if keep_dw else acc)
-                h, acc = lax.fori_loop(0, reps, one, (h, jax.tree.map(jnp.zeros_like, w)))
-                return jax.tree.map(lambda a: a + 1e-30 * sum(jnp.sum(l[..., :1]) for l in jax.tree.leaves(acc)), h)
-            return run
-
-        branches = [f_loop, fb_loop(True)] + ([fb_loop(False)] if split else [])
-        return sum(jnp.sum(l) for l in jax.tree.leaves(lax.switch(kind, branches, x)))
-
-    t = time_branches(jax.jit(body), 3 if split else 2, (w, x), calls, reps)
-    out = {"F": t[0], "B": max(t[1] - t[0], 0.0)}
-    out["B_input"] = max(t[2] - t[0], 0.0) if split else out["B"] / 2
-    return out
-
-
 def edge_costs(model, mb, calls: int = 9) -> Dict[str, float]:
     """``{"f_pre", "b_pre", "f_post", "b_post"}``: seconds of the embedding's (``pre``) and the head-and-loss's
     (``post_loss``) forward and backward (the pullback, residuals kept) on the micro-batch ``mb``, each the

@@ -1,12 +1,11 @@
 """One stage's F, B, B-input and W as the executor runs them: residuals written to a stash and read back cold.
 
-:func:`jaxpipe.tune.microbench.stage_costs` times a forward and its pullback back to back on the same data: the
-residuals never leave the cache.  The executor writes each micro-batch's residuals into a stash slot
-(:class:`~jaxpipe.runtime.stage.StageOps`) and its backward reads them ticks later, after other micro-batches'
-work went through the cache.  Measured on the two-process testbed (GPT d 128, 4 blocks, 2 stages): a stage
-stashing every residual of 8-sequence micro-batches (20 MiB a slot) cost 16.2 + 26.3 ms a micro-batch through a
-stash against 6.1 + 20.6 back to back; with 4-sequence ones (10 MiB) both ways cost the same.  The testbed's step
-was 194 against 130 ms -- the order the back-to-back costs predicted the other way round (issue #53).
+Timed back to back on the same data (what the search did before), a stage's residuals never leave the cache.
+The executor writes each micro-batch's residuals into a stash slot (:class:`~jaxpipe.runtime.stage.StageOps`)
+and its backward reads them ticks later, after other micro-batches' work went through the cache.  Measured on
+one pinned core (GPT d 128, 2 blocks a stage): a stage stashing every residual of 8-sequence micro-batches
+(20 MiB a slot) cost 16.2 + 26.3 ms a micro-batch through a stash against 6.1 + 20.6 back to back; with
+4-sequence ones (10 MiB) both ways cost the same.  The two-process testbed's steps were 194 against 130 ms -- the order the back-to-back costs predicted the other way round (issue #53).
 
 Here one program writes ``slots`` micro-batches' residuals into a stash (F), then runs the backward of each from
 its slot (B); under zero-bubble's split, B-input keeps each slot's frontier and W reads it, with the executor's
