@@ -54,3 +54,16 @@ def test_a_recomputing_policy_is_its_own_family_and_needs_its_own_calibration(me
         m.temp(fp)
     with pytest.raises(ValueError, match="two configurations whose micro-batches differ"):
         calibrate([(measured[(2, 2)][0], 1), (measured[(2, 2)][0], 2)], MemoryModel({}))
+
+
+def test_a_program_compiled_for_its_figures_only_has_the_optimised_programs_figures():
+    """``memory_analysis`` compiles with the backend's optimisation off (on CPU): the buffers, and so every
+    figure, are those of the program compiled with it on (the suite's own flag is overridden by the options)."""
+    from jaxpipe.tune.memory import FIGURES_ONLY_OPTIONS, memory_analysis
+    pipe = _pipe(2, 2, residuals="inputs")
+    lowered = pipe.lower("step", pipe.init(), pipe.shard_batch(_batch()))
+    full = lowered.compile({"xla_backend_optimization_level": 3}).memory_analysis()
+    quick = memory_analysis(lowered)
+    assert FIGURES_ONLY_OPTIONS["cpu"] == {"xla_backend_optimization_level": 0}
+    for field in ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes"):
+        assert getattr(quick, field) == getattr(full, field), field

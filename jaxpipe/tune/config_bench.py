@@ -20,7 +20,7 @@ import numpy as np
 
 from .lockstep import EdgeCosts, LayerCosts
 from .measure_cache import MeasureCache, backend_key, model_key
-from .memory import memory_total, residual_bytes, state_bytes, tree_bytes
+from .memory import memory_analysis, memory_total, residual_bytes, state_bytes, tree_bytes
 
 #: compiles run side by side (XLA's compile releases the GIL)
 COMPILE_THREADS = 2
@@ -88,7 +88,7 @@ class Bench:
             return
         lowered = [pipe.lower("step", self.state(c, pipe), pipe.shard_batch(self.batch)) for c, pipe, _ in todo]
         with ThreadPoolExecutor(min(COMPILE_THREADS, len(lowered))) as ex:
-            analyses = list(ex.map(lambda lo: lo.compile().memory_analysis(), lowered))
+            analyses = list(ex.map(memory_analysis, lowered))
         for (c, _, key), ma in zip(todo, analyses):
             c.compiled_memory = memory_total(ma)
             self.cache.put(key, c.compiled_memory)
