@@ -111,13 +111,13 @@ def pad_blocks(blocks, cut: Sequence[int]):
     def one(a):
         flat = jnp.zeros((S * width,) + a.shape[1:], a.dtype).at[idx].set(a)
         return flat.reshape((S, width) + a.shape[1:])
-    return jax.tree.map(one, blocks)
+    return jax.jit(lambda b: jax.tree.map(one, b))(blocks)     # one program, not three a leaf
 
 
 def unpad_blocks(stages, cut: Sequence[int]):
     """Leaves ``[len(cut), max(cut), ...]`` -> ``[n_blocks, ...]``: the real blocks in order."""
     idx = slot_index(cut)
-    return jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:])[idx], stages)
+    return jax.jit(lambda t: jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:])[idx], t))(stages)
 
 
 def stage_of_blocks(block_fn: Callable, cut: Optional[Sequence[int]], context: bool) -> Callable:

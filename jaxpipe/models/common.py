@@ -21,7 +21,7 @@ def stacked_stages(make_stage: Callable[[nnx.Rngs], nnx.Module], num_stages: int
     """
     graphdef, first = split_pure(make_stage(nnx.Rngs(seed * 1000 + 1)))
     rest = [split_pure(make_stage(nnx.Rngs(seed * 1000 + 1 + s)))[1] for s in range(1, num_stages)]
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), first, *rest)
+    stacked = jax.jit(lambda *ps: jax.tree.map(lambda *xs: jnp.stack(xs), *ps))(first, *rest)   # one program
     return module_apply(graphdef), stacked
 
 

@@ -12,12 +12,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..axes import AXES, DATA, STAGE
-from ..runtime.common import full
+from ..runtime.common import host_zeros
 from ..runtime.executor import make_stream_program
 from ..runtime.inflight import empty_carry
 from ..runtime.stage import stage_residuals
 from ..sharding import param_specs, per_stage_shardings, guard_collectives
-from .no_flush import AsyncState, InFlightRunner, computed_loss_bad, drain_calls
+from .no_flush import AsyncState, InFlightRunner, computed_loss_bad, drain_calls, zero_counts
 
 
 class CyclicRunner(InFlightRunner):
@@ -32,27 +32,30 @@ class CyclicRunner(InFlightRunner):
         self.ties = ctx.ties
         self._fns = {}
 
-    def _chunks(self):
+    def _chunks(self, params=None):
         """Every stage's local parameters (w_j, pre, post), stacked: ``[worker, stage, ...]`` (one replica per
-        worker; the executor's ring reduction keeps a worker's stages stacked and writes them in place)."""
-        N, (w, pre, post) = self.N, self.ties.strip(self.ctx.model.params)
+        worker; the executor's ring reduction keeps a worker's stages stacked and writes them in place), from
+        ``params`` (the model's, ties stripped: the default)."""
+        N, (w, pre, post) = self.N, self.ties.strip(self.ctx.model.params) if params is None else params
         per = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (N,) + jnp.shape(a)), t)
         lp = (w, per(pre), per(post))
-        return jax.tree.map(lambda a: jnp.broadcast_to(a, (N,) + a.shape).copy(), lp)
+        return jax.tree.map(lambda a: jnp.broadcast_to(a, (N,) + a.shape), lp)
 
     def init(self) -> AsyncState:
-        mesh, chunks = self.ctx.mesh, self._chunks()
-        opt = jax.vmap(jax.vmap(self.ctx.optimizer.init))(chunks)
-        ps = jax.vmap(jax.vmap(self.policies[0].init))(chunks)
-        rep = NamedSharding(mesh, P())
-        counters = jax.device_put(tuple(jnp.zeros((), jnp.int32) for _ in range(3)), rep)
-        # one replica per worker, its stages stacked; over the model axes as the model's param_specs say
-        local = self.ctx.ties.strip(self.ctx.model.params)
-        local = (jax.tree.map(lambda a: a[0], local[0]), local[1], local[2])
+        mesh = self.ctx.mesh
+
+        def build(stripped):
+            chunks = self._chunks(stripped)
+            return (chunks, jax.vmap(jax.vmap(self.ctx.optimizer.init))(chunks),
+                    jax.vmap(jax.vmap(self.policies[0].init))(chunks))
+
+        # one replica per worker, its stages stacked; over the model axes as the model's param_specs say; one
+        # program (a new array per leaf: the step donates the state, the model's arrays must survive it)
+        stripped = self.ctx.ties.strip(self.ctx.model.params)
+        local = jax.eval_shape(lambda p: (jax.tree.map(lambda a: a[0], p[0]), p[1], p[2]), stripped)
         specs = param_specs(self.ctx.model, mesh, self.ties)
-        state = (chunks, opt, ps)
-        sh = per_stage_shardings(state, (local, specs), mesh, lead=(DATA, STAGE))
-        return AsyncState(*jax.device_put(state, sh), None, counters, jax.device_put(jnp.zeros((), jnp.int32), rep))
+        sh = per_stage_shardings(jax.eval_shape(build, stripped), (local, specs), mesh, lead=(DATA, STAGE))
+        return AsyncState(*jax.jit(build, out_shardings=sh)(stripped), None, *zero_counts(mesh))
 
     def params(self, state: AsyncState):
         """Worker 0's replica (all replicas are equal once every update has arrived, e.g. after ``drain``)."""
@@ -66,14 +69,16 @@ class CyclicRunner(InFlightRunner):
     def empty_carry(self, batch):
         """``(carry, activation avals)`` of an empty cycle, placed one entry per worker."""
         model, mb = self.ctx.model, self._mb(batch)
-        w0 = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), model.stage_params)
+        w0 = host_zeros(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), model.stage_params))
         xa = jax.eval_shape(model.pre, model.pre_params, mb)
         model.check_activation(xa, model.stage_output_aval(w0, xa, mb))
-        _, res = stage_residuals(model, w0, full(xa, 0), jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), mb))
-        lp = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), self._chunks())
-        carry = empty_carry(model, self.periodic, 1, self.N, mb, xa, res, self.ctx.nan_bubbles, ring_lp=lp,
-                            replicas=self.N)
-        return jax.device_put(carry, NamedSharding(self.ctx.mesh, P(AXES))), xa
+        _, res = stage_residuals(model, w0, host_zeros(xa), host_zeros(mb))
+        lp = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), jax.eval_shape(self._chunks))
+        # the buffers from one program (made one by one, a program per leaf)
+        carry = jax.jit(lambda: empty_carry(model, self.periodic, 1, self.N, mb, xa, res, self.ctx.nan_bubbles,
+                                            ring_lp=lp, replicas=self.N),
+                        out_shardings=NamedSharding(self.ctx.mesh, P(AXES)))()
+        return carry, xa
 
     def _ensure_carry(self, state: AsyncState, batch) -> AsyncState:
         return state if state.carry is not None else state._replace(carry=self.empty_carry(batch)[0])

@@ -18,7 +18,7 @@ from ..errors import ConfigError
 from ..optim.policies import make_policy
 from ..runtime.executor import ALL, make_stream_program
 from ..runtime.inflight import empty_carry
-from ..runtime.common import full
+from ..runtime.common import full, host_zeros
 from ..runtime.stage import stage_residuals
 from ..axes import STAGE, pipeline_devices
 from ..sharding import is_P, like_params, param_specs, per_stage_shardings, guard_collectives
@@ -97,22 +97,25 @@ class AsyncRunner(InFlightRunner):
     # ------------------------------------------------------------------ state
     def init(self) -> AsyncState:
         ctx, D = self.ctx, self.D
-        w, pre, post = self.ties.strip(ctx.model.params)
-        stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(jnp.asarray(a), (D,) + jnp.shape(a)).copy(), t)
-        chunks = tuple((jax.tree.map(lambda a: jnp.copy(a[c * D:(c + 1) * D]), w), stack(pre), stack(post))
-                       for c in range(self.K))
-        opt_state = tuple(jax.vmap(ctx.optimizer.init)(lp) for lp in chunks)
-        # NaN mode: a scratch state (PipeDream's stash) starts as NaN, so a read before its write shows
-        pstate = tuple(full(jax.vmap(p.init)(lp), jnp.nan) if ctx.nan_bubbles and p.scratch_state
-                       else jax.vmap(p.init)(lp) for p, lp in zip(self.policies, chunks))
-        params = chunks
-        if self.K == 1:
-            params, opt_state, pstate = params[0], opt_state[0], pstate[0]
-        params, opt_state, pstate = jax.device_put((params, opt_state, pstate), self._state_shardings(
-            params, opt_state, pstate))
-        rep = NamedSharding(ctx.mesh, P())
-        counters = jax.device_put(tuple(jnp.zeros((), jnp.int32) for _ in range(3)), rep)
-        return AsyncState(params, opt_state, pstate, None, counters, jax.device_put(jnp.zeros((), jnp.int32), rep))
+
+        def build(params):
+            w, pre, post = params
+            stack = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(a, (D,) + jnp.shape(a)), t)
+            chunks = tuple((jax.tree.map(lambda a: a[c * D:(c + 1) * D], w), stack(pre), stack(post))
+                           for c in range(self.K))
+            opt_state = tuple(jax.vmap(ctx.optimizer.init)(lp) for lp in chunks)
+            # NaN mode: a scratch state (PipeDream's stash) starts as NaN, so a read before its write shows
+            pstate = tuple(full(jax.vmap(p.init)(lp), jnp.nan) if ctx.nan_bubbles and p.scratch_state
+                           else jax.vmap(p.init)(lp) for p, lp in zip(self.policies, chunks))
+            if self.K == 1:
+                return chunks[0], opt_state[0], pstate[0]
+            return chunks, opt_state, pstate
+
+        # one program (a new array per leaf: the step donates the state, the model's arrays must survive it)
+        stripped = self.ties.strip(ctx.model.params)
+        sh = self._state_shardings(*jax.eval_shape(build, stripped))
+        params, opt_state, pstate = jax.jit(build, out_shardings=sh)(stripped)
+        return AsyncState(params, opt_state, pstate, None, *zero_counts(ctx.mesh))
 
     def _state_shardings(self, params, opt_state, pstate):
         """Per stage, and over the model axes as the parameter each leaf belongs to (:mod:`jaxpipe.sharding`):
@@ -125,7 +128,7 @@ class AsyncRunner(InFlightRunner):
         one = (lambda t: (t,)) if self.K == 1 else (lambda t: t)
         opt_sh = tuple(like_params(ctx.optimizer, o, p, sh, ctx.mesh, P(STAGE))
                        for o, p, sh in zip(one(opt_state), one(params), one(params_sh)))
-        local = self._local(self.ties.strip(ctx.model.params))
+        local = jax.eval_shape(self._local, self.ties.strip(ctx.model.params))     # (shapes: nothing compiled)
         ps_sh = per_stage_shardings(pstate, (local, specs), ctx.mesh)
         return params_sh, opt_sh[0] if self.K == 1 else opt_sh, ps_sh
 
@@ -137,12 +140,10 @@ class AsyncRunner(InFlightRunner):
         n_dev = pipeline_devices(ctx.mesh)
         w0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), ctx.model.stage_params)
         x_aval = jax.eval_shape(ctx.model.pre, ctx.model.pre_params, mb)
-        mask, res_avals = stage_residuals(ctx.model, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), w0),
-                                          full(x_aval, 0),
-                                          jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), mb))
-        carry = empty_carry(ctx.model, ctx.schedule.periodic, self.M, n_dev, mb, x_aval, res_avals,
-                            ctx.nan_bubbles)
-        carry = jax.device_put(carry, NamedSharding(ctx.mesh, P(ALL)))
+        mask, res_avals = stage_residuals(ctx.model, host_zeros(w0), host_zeros(x_aval), host_zeros(mb))
+        # the buffers from one program, placed one entry per device (made one by one, a program per leaf)
+        carry = jax.jit(lambda: empty_carry(ctx.model, ctx.schedule.periodic, self.M, n_dev, mb, x_aval, res_avals,
+                                            ctx.nan_bubbles), out_shardings=NamedSharding(ctx.mesh, P(ALL)))()
         return state._replace(carry=carry)
 
     def _mb(self, batch):
@@ -195,6 +196,12 @@ class AsyncRunner(InFlightRunner):
         w = jax.tree.map(lambda *a: jnp.concatenate(a), *(lp[0] for lp in chunks))
         pre, post = chunks[0][1], chunks[-1][2]
         return self.ties.fill((w, jax.tree.map(lambda a: a[0], pre), jax.tree.map(lambda a: a[self.D - 1], post)))
+
+
+def zero_counts(mesh):
+    """``(counters, count)`` of a new :class:`AsyncState` (three int32 zeros, one), replicated, from one program."""
+    zero = lambda: jnp.zeros((), jnp.int32)
+    return jax.jit(lambda: (tuple(zero() for _ in range(3)), zero()), out_shardings=NamedSharding(mesh, P()))()
 
 
 def computed_loss_bad(metrics):

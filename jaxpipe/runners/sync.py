@@ -56,20 +56,21 @@ class SyncRunner:
     def init(self) -> PipelineState:
         ctx = self.ctx
         # A copy made by jit: step() donates the state, and the model's own arrays must survive that.
-        lay = jnp.asarray(self._layout)
+        lay = np.asarray(self._layout)
         to_state = lambda p: (jax.tree.map(lambda a: a[lay], p[0]) if self._stored else jax.tree.map(jnp.copy, p[0]),
                               *jax.tree.map(jnp.copy, p[1:]))
-        params = jax.jit(to_state, out_shardings=ctx.param_shardings)(ctx.ties.strip(ctx.model.params))
         rep = NamedSharding(ctx.mesh, P())
-        opt_state = None
-        if ctx.optimizer is not None:
-            # Optimizer state of a parameter (Adam's moments, momentum) lives with it -- its stage, its model-axis
-            # shards: left to jit, it came out replicated and every device updated every stage (measured: +20%
-            # per step)
-            shapes = jax.eval_shape(ctx.optimizer.init, params)
-            out_sh = like_params(ctx.optimizer, shapes, params, ctx.param_shardings, ctx.mesh)
-            opt_state = jax.jit(ctx.optimizer.init, out_shardings=out_sh)(params)
-        return PipelineState(params, opt_state, jax.device_put(jnp.zeros((), jnp.int32), rep))
+        stripped = ctx.ties.strip(ctx.model.params)
+        opt = ctx.optimizer if ctx.optimizer is not None else optax.identity()   # (no state: an empty tuple)
+        # Optimizer state of a parameter (Adam's moments, momentum) lives with it -- its stage, its model-axis
+        # shards: left to jit, it came out replicated and every device updated every stage (measured: +20% per
+        # step).  Parameters, optimizer state and the step count come from one program (three compiles were a
+        # third of a small test's)
+        shapes = jax.eval_shape(lambda p: opt.init(to_state(p)), stripped)
+        out_sh = like_params(opt, shapes, jax.eval_shape(to_state, stripped), ctx.param_shardings, ctx.mesh)
+        make = lambda p: (lambda q: (q, opt.init(q), jnp.zeros((), jnp.int32)))(to_state(p))
+        params, opt_state, count = jax.jit(make, out_shardings=(ctx.param_shardings, out_sh, rep))(stripped)
+        return PipelineState(params, opt_state if ctx.optimizer is not None else None, count)
 
     def prepare(self, state, batch):
         return state

@@ -8,6 +8,7 @@ from typing import Any, List, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 
@@ -170,6 +171,18 @@ def full(avals, value, lead=()):
     (NaN mode's NaN only where the dtype has it: integer leaves, such as a stashed PRNG key, get 0)."""
     return jax.tree.map(lambda a: jnp.full(tuple(lead) + tuple(a.shape), fill_value(value, a.dtype), a.dtype),
                         avals)
+
+
+def host_zeros(avals):
+    """Zeros shaped like ``avals`` (arrays or ShapeDtypeStructs) as host (numpy) arrays: inputs for tracing a
+    function for its shapes, which compile nothing (``jnp.zeros`` compiles a program per shape and placement).
+    A dtype numpy cannot hold (a typed PRNG key) gets ``jnp.zeros``."""
+    def one(a):
+        try:
+            return np.zeros(tuple(a.shape), np.dtype(a.dtype))
+        except TypeError:
+            return jnp.zeros(a.shape, a.dtype)
+    return jax.tree.map(one, avals)
 
 
 def fill_value(value, dtype):

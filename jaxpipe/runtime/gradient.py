@@ -14,7 +14,7 @@ from .executor import ALL, make_stream_program
 from .program import sums_losses
 from .inflight import empty_carry
 from .stage import stage_residuals
-from .common import full
+from .common import host_zeros
 
 
 def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubbles: bool = False, seed: int = 0,
@@ -36,8 +36,7 @@ def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubble
                                       nan_bubbles=nan_bubbles, periodic=periodic, seed=seed, replicas=replicas,
                                       w_from=w_from, eager_reduce=eager_reduce)
     w0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), model.stage_params)
-    _, res_avals = stage_residuals(model, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), w0), full(x_aval, 0),
-                                   jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), mb_example))
+    _, res_avals = stage_residuals(model, host_zeros(w0), host_zeros(x_aval), host_zeros(mb_example))
     if double_batch:
         check_double_batch(model, periodic.plan, x_aval, mb_example)
     n_dev = pipeline_devices(mesh)

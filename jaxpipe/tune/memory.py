@@ -25,7 +25,6 @@ import dataclasses
 from typing import Dict, Sequence, Tuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 
@@ -84,12 +83,12 @@ def state_bytes(state) -> int:
 def residual_bytes(model, batch, rows: int) -> Tuple[int, int]:
     """``(R, R_all)``: one micro-batch of ``rows`` rows' stashed residual bytes through one stage of ``model``
     under its residual policy, and with every residual kept."""
+    from ..runtime.common import host_zeros
     from ..runtime.stage import stage_residuals
     mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((rows,) + tuple(a.shape[1:]), a.dtype), batch)
     x = jax.eval_shape(model.pre, model.pre_params, mb)
-    w = jax.tree.map(lambda a: a[0], model.stage_params)
-    mb0 = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), mb)
-    x0 = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), x)
+    w = host_zeros(jax.eval_shape(lambda p: jax.tree.map(lambda a: a[0], p), model.stage_params))
+    mb0, x0 = host_zeros(mb), host_zeros(x)
     r_pol = tree_bytes(stage_residuals(model, w, x0, mb0)[1])
     full = dataclasses.replace(model, stage_fn=_all_residuals(model.stage_fn))
     return r_pol, tree_bytes(stage_residuals(full, w, x0, mb0)[1])
