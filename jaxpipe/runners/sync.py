@@ -66,9 +66,12 @@ class SyncRunner:
         # shards: left to jit, it came out replicated and every device updated every stage (measured: +20% per
         # step).  Parameters, optimizer state and the step count come from one program (three compiles were a
         # third of a small test's)
-        shapes = jax.eval_shape(lambda p: opt.init(to_state(p)), stripped)
-        out_sh = like_params(opt, shapes, jax.eval_shape(to_state, stripped), ctx.param_shardings, ctx.mesh)
-        make = lambda p: (lambda q: (q, opt.init(q), jnp.zeros((), jnp.int32)))(to_state(p))
+        def make(p):
+            q = to_state(p)
+            return q, opt.init(q), jnp.zeros((), jnp.int32)
+
+        p_shapes, o_shapes, _ = jax.eval_shape(make, stripped)
+        out_sh = like_params(opt, o_shapes, p_shapes, ctx.param_shardings, ctx.mesh)
         params, opt_state, count = jax.jit(make, out_shardings=(ctx.param_shardings, out_sh, rep))(stripped)
         return PipelineState(params, opt_state if ctx.optimizer is not None else None, count)
 
