@@ -152,6 +152,15 @@ MUTATIONS = [
     Mutation("zb_costed_ignores_the_memory_bound", "jaxpipe/schedules/zb_costed.py",
              "if nf < M and held < cap and", "if nf < M and",
              "tests/test_zb_costed.py::test_the_costed_ticks_reach_the_lockstep_optimum_at_1f1b_memory[4-160.0]"),
+    # issue #49: ZB's W added into the sums in place -- never in place, or into the wrong layer's slice
+    Mutation("w_into_sums_never_in_place", "jaxpipe/runtime/wsplit.py",
+             "if all(len(q) == 1 for q in pos) and not any(o in read for o in outs):",
+             "if False:",
+             "tests/test_wsplit.py::test_w_adds_a_scanned_stages_gradient_into_the_sums_layer_by_layer"),
+    Mutation("w_into_sums_wrong_layer", "jaxpipe/runtime/wsplit.py",
+             "return [jax.lax.dynamic_update_index_in_dim(a, add(at(a, l), y), l, 0) for a, y in zip(acc, outs)]",
+             "return [jax.lax.dynamic_update_index_in_dim(a, add(at(a, 0), y), l, 0) for a, y in zip(acc, outs)]",
+             "tests/test_wsplit.py::test_zb_h1_with_scanned_stages_matches_jax_grad"),
     # issue #53: the memory model forgets the stash; the configuration keeps a candidate over the budget
     Mutation("memory_footprint_ignores_the_stash", "jaxpipe/tune/memory.py",
              "slots = 0 if plan.direct else plan.stash_capacity", "slots = 0",

@@ -98,6 +98,10 @@ class WeightPolicy(NamedTuple):
     #: ``(get(ps), put(ps, sums) -> ps)`` (optional): the stage's gradient sums in the state, for an exchange
     #: between chunks inside the call (Chimera's eager reduction)
     sums: Any = None
+    #: ``add_leaf(sum, g) -> sum`` (optional, with ``sums``): what ``update`` does to each leaf of the stage's
+    #: sums, elementwise; the executor may then add ZB's weight gradient into the sums layer by layer, in
+    #: place (:meth:`jaxpipe.runtime.wsplit.BackwardSplit.weight_part_into`)
+    add_leaf: Any = None
     #: --- the modes the executor runs the policy in, declared (checked against the hooks by :func:`check`) ---
     #: ``reduction``: ``"update"`` -- each micro-batch's gradient is reduced over the data replicas and handed
     #: to ``update``; ``"sum"`` -- ``update`` adds the local gradient to sums in the state and ``finish`` reduces
@@ -251,6 +255,12 @@ class AccumState(NamedTuple):
     count: Any            # (sum, count) losses: the batch's global count
 
 
+def _add_leaf(u, v, divisor=None):
+    """One leaf of the summing policies' add: ``u + v / divisor`` in the sum's dtype."""
+    v = v.astype(u.dtype)
+    return u + (v if divisor is None else v / divisor)
+
+
 def _add_to_sums(g, lp, opt_state, ps, i, s, count=None, divisor=None):
     """``update`` of the one-version summing policies (``accumulate``, ``gradient``): the micro-batch's
     gradient (and count) added to the sums; a part of ``g`` that is None adds nothing (ZB's B adds pre's
@@ -258,8 +268,8 @@ def _add_to_sums(g, lp, opt_state, ps, i, s, count=None, divisor=None):
     without its count): each gradient is divided as it is added, in the add's own pass -- the plain step's
     ``acc + g / M``; divided after the call, the sums cost one more read and write of the whole gradient
     (issue #51: 1.32x the plain step's bytes at D = 1)."""
-    div = (lambda v: v) if divisor is None else (lambda v: v / divisor)
-    acc = tuple(a if x is None else jax.tree.map(lambda u, v: u + div(v.astype(u.dtype)), a, x)
+    add = functools.partial(_add_leaf, divisor=divisor)
+    acc = tuple(a if x is None else jax.tree.map(add, a, x)
                 for a, x in zip(ps.acc, g))
     return lp, opt_state, ps._replace(acc=acc, count=ps.count + (0.0 if count is None else count))
 
@@ -308,7 +318,7 @@ def gradient(num_microbatches: int, name: str = "gradient", divide: bool = True)
     return WeightPolicy(name, init, lambda lp, ps, i, s: (lp, ps), lambda lp, ps, i, s: lp, add,
                         lambda D: [1] * D, choose=lambda lp, ps, i, s: (jnp.zeros((), jnp.int32), (lp,)),
                         per_microbatch=False, stale=0, accumulators=1, finish=finish, reduction="sum", reads="stored",
-                        sums=(lambda ps: ps.acc[0], lambda ps, v: ps._replace(acc=(v,) + tuple(ps.acc[1:]))))
+                        add_leaf=functools.partial(_add_leaf, divisor=M if divide else None), sums=(lambda ps: ps.acc[0], lambda ps, v: ps._replace(acc=(v,) + tuple(ps.acc[1:]))))
 
 
 class CyclicState(NamedTuple):

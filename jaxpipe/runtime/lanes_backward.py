@@ -122,6 +122,10 @@ def w_lanes(prog, tr, t, rw, lps, oss, pss, cr):
             if tr.wsp is not None:
                 front = (front_pack.get(cr.stash, rw[ROUTE["stash"]], tr.wsp.frontier_avals, tr.fplace)
                          if tr.fplace is not None else [read(a, rw[ROUTE["front"]]) for a in cr.front])
+                policy = prog.policies[c]
+                if policy.add_leaf is not None and policy.sums is not None:    # added into the sums in place
+                    get, put = policy.sums
+                    return put(ps, tr.wsp.weight_part_into(lps[c][0], res, dy, front, get(ps), policy.add_leaf))
                 dw = tr.wsp.weight_part(lps[c][0], res, dy, front)
             else:
                 dw = tr.sop.backward(lps[c][0], res, dy)[0]

@@ -81,8 +81,9 @@ def stashed_stage_costs(model, w, x, mb, split: bool = True, slots: int = 4, cal
     def weights(w, stash, dy, front, sp):
         def body(i, acc):
             res = _slot(stash, i)
-            dw = sp.weight_part(w, res, dy, _slot(front, i)) if sp is not None else sop.backward(w, res, dy)[0]
-            return jax.tree.map(jnp.add, acc, dw)
+            if sp is not None:      # added into the sums in place, as the executor's W lane does
+                return sp.weight_part_into(w, res, dy, _slot(front, i), acc, jnp.add)
+            return jax.tree.map(jnp.add, acc, sop.backward(w, res, dy)[0])
         return lax.fori_loop(0, slots, body, jax.tree.map(jnp.zeros_like, w))
 
     def total(*trees):
