@@ -51,6 +51,11 @@ flags.DEFINE_string("op_costs", "", "f,b,w[,x]: one stage's forward, its backwar
                     "and the prediction takes the same ratios")
 flags.DEFINE_bool("fit_scale", False, "calibrate the ops' scale from 1F1B's runs at two micro-batch counts too, "
                   "not only a step's own cost (jaxpipe.tune.lockstep.calibrate_step)")
+flags.DEFINE_enum("link_thread", "idle", ["idle", "shared"],
+                  "idle: each process's Gloo I/O thread runs at SCHED_IDLE, so it gets the process's core only while "
+                  "the device's compute waits (a device's link does not run on its compute core); shared: as Gloo "
+                  "starts it -- its busy poll takes the core from the compute for up to a scheduler slice an "
+                  "exchange (1-3 ms at 128-256 KiB on this VM)")
 flags.DEFINE_integer("worker", -1, "internal: this process's index (the launcher sets it; -2: the one-core costs)")
 FLAGS = flags.FLAGS
 CHUNKED = ("interleaved_1f1b", "zb_v", "dualpipe_v")
@@ -96,6 +101,49 @@ def _link(pid, sizes):
     return [(4.0 * n, best[n]) for n in sizes]
 
 
+def _thread_cpu():
+    """``{thread id: (CPU ticks, name)}`` of this process's threads."""
+    import glob
+    out = {}
+    for t in glob.glob("/proc/self/task/*"):
+        try:
+            st = open(t + "/stat").read().rsplit(")", 1)[1].split()
+            out[int(t.rsplit("/", 1)[1])] = (int(st[11]) + int(st[12]), open(t + "/comm").read().strip())
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
+def _idle_link_thread():
+    """Demote Gloo's TCP I/O thread to SCHED_IDLE; returns ``[thread id, its CPU share during exchanges]``.
+
+    Gloo's loop thread polls epoll and, while a message waits for its receive to be posted, finds it ready
+    again at once: on a process pinned to one core it holds the core the device's compute needs until the
+    scheduler preempts it.  Measured (`/tmp`-style probe, 25 exchanges in a compiled loop, pinned): 128 KiB
+    1.1-2.8 ms an exchange, 256 KiB 2.8 ms; with that thread at SCHED_IDLE 0.23 and 0.39 ms; unpinned 0.11 and
+    0.16 ms.  The thread is the one that used the most CPU (not the main thread, not XLA's ``tf_`` pool)
+    while only exchanges ran."""
+    import jax
+    import numpy as np
+    from jax import lax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = jax.make_mesh((2,), ("stage",))
+    x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("stage")), np.ones((1 << 15,), np.float32))
+    loop = lambda a: lax.fori_loop(0, 25, lambda i, a: lax.ppermute(a, "stage", [(0, 1), (1, 0)]), a)
+    f = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=P("stage"), out_specs=P("stage")))
+    jax.block_until_ready(f(x))
+    before = _thread_cpu()
+    for _ in range(20):
+        jax.block_until_ready(f(x))
+    after = _thread_cpu()
+    used = {t: c - before.get(t, (0, ""))[0] for t, (c, name) in after.items()
+            if t != os.getpid() and not name.startswith("tf_")}
+    tid = max(used, key=used.get)
+    total = sum(c - before.get(t, (0, ""))[0] for t, (c, _) in after.items()) or 1
+    os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+    return [tid, used[tid] / total]
+
+
 def worker(pid: int):
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
     import jax
@@ -132,6 +180,7 @@ def worker(pid: int):
                                                       for k in runs}} if pid == 0 and FLAGS.measure_ops else {}
     # the sizes the steps move: a small message, a micro-batch's activation, the stage's weights (Chimera's replica)
     acts = {FLAGS.batch // M * W for M in {k[0] for k in runs}}
+    idled = _idle_link_thread() if FLAGS.link_thread == "idle" else None
     link = _link(pid, sorted({16, *acts, L // 2 * W * W}))
     plains = {M: _plain_step(Ws, x, y, M) for M in {k[0] for k in runs}} if pid == 0 else {}
     for M, fn in plains.items():       # process 0 alone, on its core, in the same rounds (the other waits)
@@ -140,7 +189,7 @@ def worker(pid: int):
     per_round = round_steps(runs, FLAGS.rounds)
     got = {k: float(np.median(v)) for k, v in per_round.items()}
     if pid == 0:
-        print(json.dumps({"link": link, "plain": {M: got[(M, "plain")] for M in plains}, "costs": costs,
+        print(json.dumps({"link": link, "idled": idled, "plain": {M: got[(M, "plain")] for M in plains}, "costs": costs,
                           "steps": [[M, spec, meta[(M, spec)][1], t] for (M, spec), t in got.items()
                                     if spec != "plain"],
                           "rounds": {f"{M},{spec}": v for (M, spec), v in per_round.items()}}), flush=True)
@@ -148,13 +197,14 @@ def worker(pid: int):
 
 def _layer_costs(ws, xb, per):
     """``[f, b, b_input, w]`` seconds per layer of a stage of ``per`` layers on one micro-batch ``xb``, on this
-    core (:func:`jaxpipe.tune.microbench.layer_costs`)."""
+    core, as the executor runs them (:func:`jaxpipe.tune.stage_bench.stashed_stage_costs`: residuals through a
+    stash, W from B's frontier added into the sums in place)."""
     import jax.numpy as jnp
-    from jax import lax
-    from jaxpipe.tune.microbench import layer_costs
-    stage = lambda w, h: lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), h, w)[0]
-    c = layer_costs(stage, ws, jnp.asarray(xb), per)
-    return [c.f, c.b, c.b_input, c.w]
+    import jaxpipe as jp
+    from jaxpipe.tune.stage_bench import stashed_stage_costs
+    xb = jnp.asarray(xb)
+    c = stashed_stage_costs(_model(jp, jnp, ws, 1), {"w": ws}, xb, {"x": xb, "y": xb}, split=True)
+    return [c[k] / per for k in ("F", "B", "B_input", "W")]
 
 
 def _plain_step(Ws, x, y, M):
@@ -252,6 +302,9 @@ def report(res):
     print("link (one exchange in a compiled loop): " + ", ".join(f"{n / 2**20:.3g} MiB {t * 1e3:.2f} ms" for n, t in table)
           + f"; from 1f1b's "
           f"{len(ref)} run(s): ops x {scale:.3f}, {fixed * 1e3:.1f} ms a step")
+    idled = res.get("idled")
+    print("link thread: " + (f"Gloo's I/O thread at SCHED_IDLE (it used {idled[1]:.0%} of the core while only "
+                             f"exchanges ran)" if idled else "shared (as Gloo starts it; --link_thread=idle demotes it)"))
     print(f"{'M':>2} {'schedule':22s} {'placement':9s} {'measured':>9s} {'x plain':>8s} {'x 1f1b (+- IQR/2)':>17s} "
           f"{'predicted':>10s} {'meas/pred':>9s} {'pred/1f1b':>9s}")
     base = {M: t for M, spec, _, t, *_ in rows if spec == "1f1b"}
@@ -272,7 +325,7 @@ def report(res):
         print("warning: " + w)
     if FLAGS.json:
         with open(FLAGS.json, "w") as fh:
-            json.dump({"link": res["link"], "scale": scale, "fixed_s": fixed, "rows": out}, fh, indent=1)
+            json.dump({"link": res["link"], "link_thread": FLAGS.link_thread, "scale": scale, "fixed_s": fixed, "rows": out}, fh, indent=1)
 
 
 if __name__ == "__main__":
