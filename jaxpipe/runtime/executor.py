@@ -118,6 +118,7 @@ class Trace:
     replica: Any            # this device's data replica (pipe-major)
     sop: StageOps           # the stage's forward and backward
     wsp: Any                # ZB's split backward at the frontier (None: W recomputes)
+    wfuse: Any              # the same split for a summing policy's whole B, its W added in place (or None)
     fplace: Any             # where the frontier lives in the stash slot (front_pack; None: slots of its own)
     mb_of: Callable         # micro-batch g of the call (or of the ring of recent ones)
     ctab: Any               # the stream's call table
@@ -148,9 +149,12 @@ def open_trace(prog: Program, params, opt_state, pstate, carry, counters, batch,
     if not prog.direct and len(avals) != len(carry.stash):
         raise RuntimeError(f"stage_fn's pullback stashes {len(avals)} residuals inside the program but "
                            f"{len(carry.stash)} were allocated; stage_fn must trace the same way every time")
-    wsp = None
+    wsp = wfuse = None
     if prog.w_frontier:      # W from the frontier B keeps (none where the stage cannot be split: W recomputes)
         wsp = split_backward(sop.backward, lps[0][0], full(avals, 0), full(prog.x_aval, 0), avals)
+    elif not prog.split and all(p.add_leaf is not None and p.sums is not None for p in prog.policies):
+        # a summing policy's B in the same two parts, W's added into the sums in place (lanes_backward.bwd)
+        wfuse = split_backward(sop.backward, lps[0][0], full(avals, 0), full(prog.x_aval, 0), avals)
     # ZB's frontier in the residuals of its own stash slot that only B read (front_pack); where it does not fit
     # or saves little, in slots of its own (an idle B lane writes none), for this call only (own buffers: merged
     # into one fill, XLA copied it into each; +224 MiB a leaf on GPT d1024 at D = 4)
@@ -160,7 +164,7 @@ def open_trace(prog: Program, params, opt_state, pstate, carry, counters, batch,
                                                       (max(prog.periodic.plan.front_capacity, 1),))))
     mb_of, carry = prog.route.micro_batches(prog, base, n_fed, batch, carry)
     tr = Trace(t0=t0, base=base, n_fed=n_fed + prog.M * feed.astype(jnp.int32), me=me, replica=replica,
-               sop=sop, wsp=wsp, fplace=places, mb_of=mb_of, ctab=jnp.asarray(prog.periodic.call_table(prog.M)),
+               sop=sop, wsp=wsp, wfuse=wfuse, fplace=places, mb_of=mb_of, ctab=jnp.asarray(prog.periodic.call_table(prog.M)),
                unit_tab=jnp.asarray(prog.units), s_off=jnp.asarray(prog.S_off[:-1], jnp.int32),
                s_cap=jnp.asarray(prog.S, jnp.int32),
                ring_f=[(d, (d + 1) % prog.D) for d in range(prog.D)],
