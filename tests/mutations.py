@@ -161,6 +161,14 @@ MUTATIONS = [
              "return [jax.lax.dynamic_update_index_in_dim(a, add(at(a, l), y), l, 0) for a, y in zip(acc, outs)]",
              "return [jax.lax.dynamic_update_index_in_dim(a, add(at(a, 0), y), l, 0) for a, y in zip(acc, outs)]",
              "tests/test_wsplit.py::test_zb_h1_with_scanned_stages_matches_jax_grad"),
+    # the flushing schedules' B adds into the sums in place -- never, or its stage gradient dropped
+    Mutation("summing_b_never_in_place", "jaxpipe/runtime/executor.py",
+             "elif not prog.split and all(p.add_leaf is not None", "elif False and all(p.add_leaf is not None",
+             "tests/test_wsplit.py::test_flushing_schedules_add_a_scanned_stages_gradient_in_place[1f1b-2-options0]"),
+    Mutation("summing_b_drops_the_stage_gradient", "jaxpipe/runtime/lanes_backward.py",
+             "return (prog.policies[c].sums[1](ps, sums[0]) if fuse else ps), fb, snd",
+             "return ps, fb, snd",
+             "tests/test_wsplit.py::test_flushing_schedules_add_a_scanned_stages_gradient_in_place[gpipe-2-options1]"),
     # issue #53: the memory model forgets the stash; the configuration keeps a candidate over the budget
     Mutation("memory_footprint_ignores_the_stash", "jaxpipe/tune/memory.py",
              "slots = 0 if plan.direct else plan.stash_capacity", "slots = 0",

@@ -226,3 +226,31 @@ def test_an_unreadable_scan_falls_back_to_recomputing_w_exactly(monkeypatch):
     assert rel_err(grads, jax.grad(model.loss)(model.params, batch)) <= 1e-5
     said = [str(c.message) for c in caught if "recomputes" in str(c.message)]
     assert len(said) == 1 and "jaxpipe.jax_internals" in said[0]
+
+
+@pytest.mark.parametrize("schedule,stages,options", [("1f1b", 2, {}), ("gpipe", 2, {}),
+                                                     ("interleaved_1f1b", 4, {"virtual": 2}), ("chimera", 2, {})])
+def test_flushing_schedules_add_a_scanned_stages_gradient_in_place(monkeypatch, schedule, stages, options):
+    """A flushing schedule's B (the ``gradient`` policy's sums) runs as B's input part then W added into the
+    sums layer by layer (``weight_part_into``): exact against jax.grad with NaN bubbles, and that path traced."""
+    import jaxpipe.runtime.executor as executor
+    used = []
+
+    def recording(*a, **k):
+        sp = split_backward(*a, **k)
+        if sp is None:
+            return None
+        return sp._replace(weight_part_into=lambda *b: used.append(1) or sp.weight_part_into(*b))
+    monkeypatch.setattr(executor, "split_backward", recording)
+    stage_fn, w = _scanned()
+    W = jnp.stack([w * (1 - 0.1 * s) for s in range(stages)])
+    model = jp.PipelineModel(stage_fn=stage_fn, stage_params=W,
+                             post_loss=lambda p, h, b: jnp.mean((h - b["y"]) ** 2))
+    r = np.random.default_rng(0)
+    batch = {"x": r.normal(size=(8, 8)).astype(np.float32), "y": r.normal(size=(8, 8)).astype(np.float32)}
+    ref = jax.grad(model.loss)(model.params, batch)
+    pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=4, mesh=jp.make_mesh(stages=2),
+                       options=options, nan_bubbles=True)
+    _, grads = pipe.loss_and_grad(pipe.init(), batch)
+    assert rel_err(grads, ref) <= 1e-5
+    assert used, "the summing B did not add its weight gradient in place"

@@ -33,7 +33,7 @@ def b_lane(prog, tr, c, g, slot, dy_in, t_in, ops, sums=None):
     """``(grad, messages, frontier)``; with ``sums`` (:func:`bwd`) also the new sums, and ``grad``'s stage
     part is None (it is in them)."""
     lps, pss, cr = ops
-    add = prog.policies[c].add_leaf
+    add = prog.policies[c].add_leaf if sums is not None else None     # c is static there (b_lanes_summing)
     gi = tr.base + g
     res = list(cr.stash) if prog.direct else [read(a, slot) for a in cr.stash]
     last, first = is_last(prog, tr, c), is_first(prog, tr, c)

@@ -10,8 +10,9 @@ one pinned core (GPT d 128, 2 blocks a stage): a stage stashing every residual o
 Here one program writes ``slots`` micro-batches' residuals into a stash (F), then runs the backward of each from
 its slot (B); under zero-bubble's split, B-input keeps each slot's frontier and W reads it, with the executor's
 own split (:func:`jaxpipe.runtime.wsplit.split_backward`: W is priced as it runs, a recomputed backward where
-the stage cannot be split).  The op is a runtime argument of a ``lax.switch`` (one compile; each branch runs
-the forwards first): F = t(F), B = t(F, B) - t(F), B-input = t(F, B-input) - t(F), W = t(F, B-input, W) -
+the stage cannot be split); B is the whole backward as a flushing schedule runs it (where the stage splits, the
+input part and then W's added into the gradient sums in place).  The op is a runtime argument of a
+``lax.switch`` (one compile; each branch runs the forwards first): F = t(F), B = t(F, B) - t(F), B-input = t(F, B-input) - t(F), W = t(F, B-input, W) -
 t(F, B-input).  Seconds per micro-batch, the least of ``calls`` timed calls of each, taken in turns.
 """
 from __future__ import annotations
@@ -61,9 +62,14 @@ def stashed_stage_costs(model, w, x, mb, split: bool = True, slots: int = 4, cal
         def body(i, c):
             d, acc, front = c
             res = _slot(stash, i)
-            if part == "B":
-                dw, dx = sop.backward(w, res, d)
-                acc = jax.tree.map(jnp.add, acc, dw)
+            if part == "B":         # as a flushing schedule's summing B runs it: W's part into the sums in place
+                sp = split_backward(sop.backward, w, res, d, avals)
+                if sp is not None:
+                    dx, fr = sp.input_part(w, res, d)
+                    acc = sp.weight_part_into(w, res, d, fr, acc, jnp.add)
+                else:
+                    dw, dx = sop.backward(w, res, d)
+                    acc = jax.tree.map(jnp.add, acc, dw)
             else:
                 sp = split_backward(sop.backward, w, res, d, avals) if split else None
                 found.append(sp is not None)
