@@ -111,8 +111,9 @@ def b_lanes_summing(prog, tr, cb, gb, sb, dy_in, tb_in, cnt, is_b, lps, oss, pss
                 fb = front  # the stash made XLA copy it)
             elif tr.wsp is not None:     # the frontier into its slot (the plan's, B to W)
                 fb = [write(a, f_slot, f) for a, f in zip(fb, front)]
-            ps = b_apply(prog, tr, c, g, grad, n, lps[c], oss[c], ps)[2]
-            return (prog.policies[c].sums[1](ps, sums[0]) if fuse else ps), fb, snd
+            if fuse:        # the new sums in first: nothing reads the old ones after (else XLA copied them)
+                ps = prog.policies[c].sums[1](ps, sums[0])
+            return b_apply(prog, tr, c, g, grad, n, lps[c], oss[c], ps)[2], fb, snd
 
         def idle(g, slot, dy, t_in, n, ps, fb):
             return ps, fb, (blank(prog, tr), blank_tie(prog, tr))

@@ -302,7 +302,8 @@ def split_backward(bwd: Callable, w, res, dy, stash_avals) -> Optional[BackwardS
                 sp = splits[k]
                 n = len(sp["front"])
                 invals = [_read(env, v) if _is_literal(v) or v in env else None for v in sp["eqn"].invars]
-                if into is not None and k in direct:
+                # one layer: stacked and added as a whole (in place in a loop of one, XLA copied the sums)
+                if into is not None and k in direct and sp["length"] > 1:
                     sums, add = into
                     new = _run_w_scan_into(sp, invals, inner[pos:pos + n], [sums[p] for p in direct[k]], add)
                     done.update(zip(direct[k], new))
