@@ -234,8 +234,12 @@ def main(argv):
     args = [a for a in sys.argv[1:] if not a.startswith("--worker")]
     from jaxpipe.bench import machine_load
     load = machine_load()              # before this run's own work
+    from jaxpipe import host_memory      # each worker's glibc keeps freed memory from its start (host_memory)
+    env = dict(os.environ) if os.environ.get(host_memory.OPT_OUT, "1") == "0" else {**os.environ,
+                                                                                     **host_memory.KEEP_FREED_ENV}
     procs = [subprocess.Popen(["taskset", "-c", str(p), sys.executable, "-m", "experiments.two_devices", *args,
-                               f"--worker={p}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                               f"--worker={p}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                              env=env)
              for p in (1, 0)]
     out = procs[1].communicate()[0]
     procs[0].wait()

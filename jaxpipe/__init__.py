@@ -13,8 +13,10 @@ first use.
 """
 import importlib
 
-from . import schedules
+from . import host_memory, schedules
 from .errors import ConfigError
+
+host_memory.keep_freed_memory_at_import()   # before JAX starts its threads (host_memory's docstring)
 
 __version__ = "0.1.0"
 
