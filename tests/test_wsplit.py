@@ -112,6 +112,7 @@ def test_w_adds_a_scanned_stages_gradient_into_the_sums_layer_by_layer():
     add = lambda u, v: u + v / 3.0
     into = sp.weight_part_into(w, res, dy, front, sums, add)
     assert rel_err(into, add(sums, sp.weight_part(w, res, dy, front))) <= 1e-6
+    assert sp.in_place
     assert _top_level_adds(lambda *a: sp.weight_part_into(*a, add), w, res, dy, front, sums, shape=w.shape) == 0
     # the stacked form has that add (what the check would see if W stacked first)
     assert _top_level_adds(lambda *a: add(a[-1], sp.weight_part(*a[:-1])), w, res, dy, front, sums,
@@ -132,7 +133,7 @@ def test_w_into_the_sums_where_the_scans_gradient_is_not_the_stages_own():
     ops, avals = StageOps.build(model, w, x, None)
     _, res, _ = ops.forward(w, x, None, (), (), False, False, None)
     sp = split_backward(ops.backward, w, res, dy, avals)
-    assert sp is not None
+    assert sp is not None and not sp.in_place       # the flushing B keeps its fused backward here
     _, front = sp.input_part(w, res, dy)
     sums = jax.random.normal(jax.random.key(3), w.shape)
     assert rel_err(sp.weight_part_into(w, res, dy, front, sums, jnp.add),

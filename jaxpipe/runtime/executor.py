@@ -153,8 +153,10 @@ def open_trace(prog: Program, params, opt_state, pstate, carry, counters, batch,
     if prog.w_frontier:      # W from the frontier B keeps (none where the stage cannot be split: W recomputes)
         wsp = split_backward(sop.backward, lps[0][0], full(avals, 0), full(prog.x_aval, 0), avals)
     elif not prog.split and all(p.add_leaf is not None and p.sums is not None for p in prog.policies):
-        # a summing policy's B in the same two parts, W's added into the sums in place (lanes_backward.bwd)
+        # a summing policy's B in the same two parts, W's added into the sums in place (lanes_backward.bwd),
+        # where the stage scans its layers (elsewhere the fused backward, as before: nothing to gain)
         wfuse = split_backward(sop.backward, lps[0][0], full(avals, 0), full(prog.x_aval, 0), avals)
+        wfuse = wfuse if wfuse is not None and wfuse.in_place else None
     # ZB's frontier in the residuals of its own stash slot that only B read (front_pack); where it does not fit
     # or saves little, in slots of its own (an idle B lane writes none), for this call only (own buffers: merged
     # into one fill, XLA copied it into each; +224 MiB a leaf on GPT d1024 at D = 4)

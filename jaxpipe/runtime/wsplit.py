@@ -79,6 +79,8 @@ class BackwardSplit(NamedTuple):
     frontier_avals: List[Any]
     w_reads: Tuple[int, ...] = ()
     weight_part_into: Optional[Callable] = None
+    #: whether ``weight_part_into`` adds some weight gradient layer by layer in place (a scan over layers)
+    in_place: bool = False
 
 
 def _nbytes(avals) -> int:
@@ -329,8 +331,9 @@ def split_backward(bwd: Callable, w, res, dy, stash_avals) -> Optional[BackwardS
         return run_w(w_, res_, dy_, frontier, (jax.tree.leaves(sums), add))
 
     read = {v for v in _w_reads(jx, w_only, splits, dw_vars) if not _is_literal(v)}
+    in_place = any(splits[k]["length"] > 1 for k in direct)
     return BackwardSplit(input_part, weight_part, front_avals, _indices_in(jx.invars, w, res, read),
-                         weight_part_into)
+                         weight_part_into, in_place)
 
 
 def stage_splits(model, w, x, mb) -> bool:

@@ -64,7 +64,7 @@ def stashed_stage_costs(model, w, x, mb, split: bool = True, slots: int = 4, cal
             res = _slot(stash, i)
             if part == "B":         # as a flushing schedule's summing B runs it: W's part into the sums in place
                 sp = split_backward(sop.backward, w, res, d, avals)
-                if sp is not None:
+                if sp is not None and sp.in_place:
                     dx, fr = sp.input_part(w, res, d)
                     acc = sp.weight_part_into(w, res, d, fr, acc, jnp.add)
                 else:
