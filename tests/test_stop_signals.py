@@ -61,7 +61,10 @@ def test_a_second_signal_gives_the_save_a_bounded_grace_then_exits():
 
 def test_a_third_signal_exits_at_once():
     rc, out = run_script(3, grace=30)
-    assert rc == 143 and "signal 3 (SIGTERM): exiting now; the newest finished checkpoint holds step 7" in out
+    assert rc == 143 and "signal 3 (SIGTERM; received: SIGTERM at +0.0 s (parent pid " in out, out
+    assert "): exiting now; the newest finished checkpoint holds step 7" in out
+    # each signal's time and the parent then (which of them a launcher sent, which came after it died)
+    assert out.count("SIGTERM at +") == 3
 
 
 @pytest.mark.parametrize("skew", [0.0, 0.7, 2.0])

@@ -75,6 +75,7 @@ class Stop:
                  write: Callable[[str], None] = None):
         self.reason: Optional[str] = None
         self.signals: List[str] = []
+        self._received: list = []        # (monotonic time, signal name, parent pid then), for the exit message
         self.grace_s = grace_s
         self.last_checkpoint = last_checkpoint
         self.write = write or self._stderr
@@ -162,9 +163,12 @@ class Stop:
         os._exit(self._exit_code(name))
 
     def on_signal(self, signum, _frame=None) -> None:
+        import time
+        ppid = os.getppid()
         self._orphaned()
         name = signal.Signals(signum).name
         self.signals.append(name)
+        self._received.append((time.monotonic(), name, ppid))
         n = len(self.signals)
         if n == 1:
             if self.reason is None:
@@ -183,4 +187,11 @@ class Stop:
             self._timer.daemon = True
             self._timer.start()
             return
-        self._force_exit(name, f"signal {n} ({name})")
+        self._force_exit(name, f"signal {n} ({name}; {self._history()})")
+
+    def _history(self) -> str:
+        """When each signal came and who this process's parent was then (a parent that changed between two
+        says which came from a launcher and which after it died)."""
+        t0 = self._received[0][0]
+        return "received: " + ", ".join(f"{name} at +{t - t0:.1f} s (parent pid {pp})"
+                                        for t, name, pp in self._received)
