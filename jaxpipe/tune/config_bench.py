@@ -102,16 +102,17 @@ class Bench:
         """:class:`LayerCosts` of one stage of the model cut in ``n`` on ``rows``-row micro-batches under the
         policy, as the executor runs it -- residuals through a stash, zero-bubble's W from the executor's own
         split (:func:`jaxpipe.tune.stage_bench.stashed_stage_costs`): one stage of the finest cut (``finest``
-        stages) timed, times ``finest / n``; and the activation's bytes."""
+        stages) timed, times ``finest / n``; and the activation's bytes.  One program measures F, B, B-input
+        and W, so a split and a fused schedule of the same cut, policy and rows share it (there were two)."""
         from .stage_bench import stashed_stage_costs
-        key = self._key("stashed_stage_costs", finest, residuals, rows, split)
+        key = self._key("stashed_stage_costs", finest, residuals, rows, "all ops")
 
         def measure():
             m = model_of(finest, residuals)
             mb = jax.tree.map(lambda a: np.asarray(a[:rows]), self.batch)
             x = m.pre(m.pre_params, mb)
             w = jax.tree.map(lambda a: a[0], m.stage_params)
-            out = stashed_stage_costs(m, w, x, mb, split=split)
+            out = stashed_stage_costs(m, w, x, mb, split=True)
             out["act"] = tree_bytes(x)
             return out
 
