@@ -18,6 +18,7 @@ executor keeps recomputing.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import jax
@@ -271,69 +272,82 @@ def split_backward(bwd: Callable, w, res, dy, stash_avals) -> Optional[BackwardS
     front_avals = [v.aval for v in front] + inner_avals
     if any(v in atomic for v in front) or _nbytes(front_avals) > _nbytes(stash_avals):
         return None
-    b_tasks = sorted(b_set)
-    w_tasks = sorted(set(w_only) | set(splits))
-    dx_tree = out_tree.children()[1]
+    parts = _Parts(jx, closed.consts, splits, front, sorted(b_set), sorted(set(w_only) | set(splits)), dx_vars,
+                   dw_vars, _direct_outputs(jx, w_only, splits, dw_vars), out_tree.children()[1],
+                   out_tree.children()[0])
+    read = {v for v in _w_reads(jx, w_only, splits, dw_vars) if not _is_literal(v)}
+    in_place = any(splits[k]["length"] > 1 for k in parts.direct)
+    return BackwardSplit(parts.input_part, parts.weight_part, front_avals, _indices_in(jx.invars, w, res, read),
+                         parts.weight_part_into, in_place)
 
-    def start(w_, res_, dy_):
-        env = dict(zip(jx.constvars, closed.consts))
-        env.update(zip(jx.invars, jax.tree.leaves((w_, res_, dy_))))
+
+@dataclasses.dataclass(frozen=True)
+class _Parts:
+    """B's and W's halves of one flat backward jaxpr ``jx`` (:func:`split_backward`'s analysis)."""
+    jx: Any
+    consts: Any
+    splits: dict            # {equation index: a split scan (_scan_split)}
+    front: list             # the values B computes that W reads (then the split scans' stacked ones)
+    b_tasks: list
+    w_tasks: list
+    dx_vars: list
+    dw_vars: list
+    direct: dict            # _direct_outputs: split scans whose W adds into the sums in place
+    dx_tree: Any
+    dw_tree: Any
+
+    def start(self, w_, res_, dy_):
+        env = dict(zip(self.jx.constvars, self.consts))
+        env.update(zip(self.jx.invars, jax.tree.leaves((w_, res_, dy_))))
         return env
 
-    def input_part(w_, res_, dy_):
-        env, inner = start(w_, res_, dy_), []
-        for k in b_tasks:
-            if k in splits:
-                sp = splits[k]
+    def input_part(self, w_, res_, dy_):
+        env, inner = self.start(w_, res_, dy_), []
+        for k in self.b_tasks:
+            if k in self.splits:
+                sp = self.splits[k]
                 outs, fr = _run_b_scan(sp, [_read(env, v) for v in sp["eqn"].invars])
                 env.update((sp["eqn"].outvars[i], o) for i, o in zip(sp["outs_b"], outs))
                 inner += fr
             else:
-                _eval_eqns([jx.eqns[k]], env)
-        return jax.tree.unflatten(dx_tree, [_read(env, v) for v in dx_vars]), [env[v] for v in front] + inner
+                _eval_eqns([self.jx.eqns[k]], env)
+        return (jax.tree.unflatten(self.dx_tree, [_read(env, v) for v in self.dx_vars]),
+                [env[v] for v in self.front] + inner)
 
-    direct = _direct_outputs(jx, w_only, splits, dw_vars)
-    dw_tree = out_tree.children()[0]
-
-    def run_w(w_, res_, dy_, frontier, into=None):
-        env, done = start(w_, res_, dy_), {}
-        env.update(zip(front, frontier[:len(front)]))
-        inner, pos = frontier[len(front):], 0
-        for k in w_tasks:
-            if k in splits:
-                sp = splits[k]
-                n = len(sp["front"])
-                invals = [_read(env, v) if _is_literal(v) or v in env else None for v in sp["eqn"].invars]
-                # one layer: stacked and added as a whole (in place in a loop of one, XLA copied the sums)
-                if into is not None and k in direct and sp["length"] > 1:
-                    sums, add = into
-                    new = _run_w_scan_into(sp, invals, inner[pos:pos + n], [sums[p] for p in direct[k]], add)
-                    done.update(zip(direct[k], new))
-                else:
-                    ys = _run_w_scan(sp, invals, inner[pos:pos + n])
-                    env.update((sp["eqn"].outvars[i], y) for i, y in zip(sp["outs_w"], ys))
-                pos += n
+    def run_w(self, w_, res_, dy_, frontier, into=None):
+        env, done = self.start(w_, res_, dy_), {}
+        env.update(zip(self.front, frontier[:len(self.front)]))
+        inner, pos = frontier[len(self.front):], 0
+        for k in self.w_tasks:
+            if k not in self.splits:
+                _eval_eqns([self.jx.eqns[k]], env)
+                continue
+            sp = self.splits[k]
+            n = len(sp["front"])
+            invals = [_read(env, v) if _is_literal(v) or v in env else None for v in sp["eqn"].invars]
+            # one layer: stacked and added as a whole (in place in a loop of one, XLA copied the sums)
+            if into is not None and k in self.direct and sp["length"] > 1:
+                sums, add = into
+                new = _run_w_scan_into(sp, invals, inner[pos:pos + n], [sums[p] for p in self.direct[k]], add)
+                done.update(zip(self.direct[k], new))
             else:
-                _eval_eqns([jx.eqns[k]], env)
+                ys = _run_w_scan(sp, invals, inner[pos:pos + n])
+                env.update((sp["eqn"].outvars[i], y) for i, y in zip(sp["outs_w"], ys))
+            pos += n
         if into is None:
-            return jax.tree.unflatten(dw_tree, [_read(env, v) for v in dw_vars])
+            return jax.tree.unflatten(self.dw_tree, [_read(env, v) for v in self.dw_vars])
         sums, add = into
-        return jax.tree.unflatten(dw_tree, [done[p] if p in done else add(sums[p], _read(env, v))
-                                            for p, v in enumerate(dw_vars)])
+        return jax.tree.unflatten(self.dw_tree, [done[p] if p in done else add(sums[p], _read(env, v))
+                                                 for p, v in enumerate(self.dw_vars)])
 
-    def weight_part(w_, res_, dy_, frontier):
-        return run_w(w_, res_, dy_, frontier)
+    def weight_part(self, w_, res_, dy_, frontier):
+        return self.run_w(w_, res_, dy_, frontier)
 
-    def weight_part_into(w_, res_, dy_, frontier, sums, add):
-        if jax.tree.structure(sums) != dw_tree:
+    def weight_part_into(self, w_, res_, dy_, frontier, sums, add):
+        if jax.tree.structure(sums) != self.dw_tree:
             raise ValueError(f"weight_part_into: sums {jax.tree.structure(sums)} are not shaped like the weight "
-                             f"gradient {dw_tree}")
-        return run_w(w_, res_, dy_, frontier, (jax.tree.leaves(sums), add))
-
-    read = {v for v in _w_reads(jx, w_only, splits, dw_vars) if not _is_literal(v)}
-    in_place = any(splits[k]["length"] > 1 for k in direct)
-    return BackwardSplit(input_part, weight_part, front_avals, _indices_in(jx.invars, w, res, read),
-                         weight_part_into, in_place)
+                             f"gradient {self.dw_tree}")
+        return self.run_w(w_, res_, dy_, frontier, (jax.tree.leaves(sums), add))
 
 
 def stage_splits(model, w, x, mb) -> bool:

@@ -39,6 +39,18 @@ def _put(stash, i, values):
     return [lax.dynamic_update_index_in_dim(s, v, i, 0) for s, v in zip(stash, values)]
 
 
+def _whole_backward(sop, w, res, dy, avals, acc):
+    """``(dx, acc + dw)`` as a flushing schedule's summing B runs it: where the stage scans its layers, the input
+    part and then W's added into the sums in place (``runtime.lanes_backward.bwd``); else the fused backward."""
+    from ..runtime.wsplit import split_backward
+    sp = split_backward(sop.backward, w, res, dy, avals)
+    if sp is not None and sp.in_place:
+        dx, fr = sp.input_part(w, res, dy)
+        return dx, sp.weight_part_into(w, res, dy, fr, acc, jnp.add)
+    dw, dx = sop.backward(w, res, dy)
+    return dx, jax.tree.map(jnp.add, acc, dw)
+
+
 def stashed_stage_costs(model, w, x, mb, split: bool = True, slots: int = 4, calls: int = 7) -> Dict[str, float]:
     """``{"F", "B", "B_input", "W", "splits"}`` of one stage of ``model`` (weights ``w``, input activation
     ``x``, micro-batch ``mb`` for a context model's stage context) with ``slots`` micro-batches in the stash
@@ -62,14 +74,8 @@ def stashed_stage_costs(model, w, x, mb, split: bool = True, slots: int = 4, cal
         def body(i, c):
             d, acc, front = c
             res = _slot(stash, i)
-            if part == "B":         # as a flushing schedule's summing B runs it: W's part into the sums in place
-                sp = split_backward(sop.backward, w, res, d, avals)
-                if sp is not None and sp.in_place:
-                    dx, fr = sp.input_part(w, res, d)
-                    acc = sp.weight_part_into(w, res, d, fr, acc, jnp.add)
-                else:
-                    dw, dx = sop.backward(w, res, d)
-                    acc = jax.tree.map(jnp.add, acc, dw)
+            if part == "B":
+                dx, acc = _whole_backward(sop, w, res, d, avals, acc)
             else:
                 sp = split_backward(sop.backward, w, res, d, avals) if split else None
                 found.append(sp is not None)
