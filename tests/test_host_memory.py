@@ -148,3 +148,19 @@ def test_at_import_nothing_changes_where_an_accelerator_may_run(monkeypatch):
     assert host_memory.keep_freed_memory_at_import() is False and not called
     monkeypatch.delenv(host_memory.OPT_OUT)
     assert host_memory.keep_freed_memory_at_import() is True and called
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+                    reason="keeping freed memory needs glibc")
+@pytest.mark.parametrize("flag,kept", [("--keep_freed_memory=false", False), ("--allocator=default", False),
+                                       ("--steps=3", True)])
+def test_a_runner_asked_for_glibc_defaults_says_so_before_jaxpipe_is_imported(flag, kept):
+    """``import jaxpipe`` keeps freed memory in a CPU-only process for good, so a runner's flag asking for glibc's
+    defaults (``--keep_freed_memory=false``, ``--allocator=default|both``) is read by ``experiments.cli`` first."""
+    code = ("import sys; sys.argv = ['runner', %r]\nimport experiments.cli\nimport jaxpipe as jp\n"
+            "print(jp.host_memory.keeps_freed_memory())" % flag)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != host_memory.OPT_OUT}
+    env.update(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip().splitlines()[-1] == str(kept)
