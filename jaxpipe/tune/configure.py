@@ -184,33 +184,20 @@ def configure(make_model: Callable[[int], object], batch: Dict[str, np.ndarray],
 
 
 def _calibrate(fams, built, bench) -> MemoryModel:
-    """Each residual policy's first family (the most candidates; the fused one-chunk one on a tie) gets its line
-    from two compiles at its two most different micro-batch sizes; every other family of the policy gets one
-    compile, at its smallest working set, and the first family's slope: what a micro-batch's working set costs
-    is the policy's, and a family's split backward or chunks move its constant.  (All compiles of the search at
-    once, two side by side; from the cache where measured before.)  The choice and the runner-up are compiled
-    again and checked (:func:`_checked_best`), so a family whose slope differs costs a redone choice, not a
-    wrong one.  Two compiles a family took 13 of the README search's 99 s-long cold decision's compiles; this
-    takes 9."""
-    by_work = {fam: sorted(cs, key=lambda c: built[id(c)][1].working) for fam, cs in fams.items()}
-    anchor = {}
-    for fam in sorted(fams, key=lambda f: (-len(fams[f]), f[1], f[2])):
-        anchor.setdefault(fam[0], fam)
-    pairs = {fam: (list({id(cs[0]): cs[0], id(cs[-1]): cs[-1]}.values()) if anchor[fam[0]] == fam else cs[:1])
-             for fam, cs in by_work.items()}
+    """Each family's line from two compiles at its two most different micro-batch sizes (all compiles of the
+    search at once, two side by side; from the cache where measured before)."""
+    pairs = {}
+    for fam, cs in fams.items():
+        by_work = sorted(cs, key=lambda c: built[id(c)][1].working)
+        pairs[fam] = list({id(by_work[0]): by_work[0], id(by_work[-1]): by_work[-1]}.values())
     bench.compile_memory([(c, built[id(c)][0]) for cs in pairs.values() for c in cs])
     model = MemoryModel({})
-    points = lambda fam: [(built[id(c)][1], c.compiled_memory - built[id(c)][1].state) for c in pairs[fam]]
-    for fam in anchor.values():
-        pts = points(fam)
+    for fam, cs in pairs.items():
+        pts = [(built[id(c)][1], c.compiled_memory - built[id(c)][1].state) for c in cs]
         if len(pts) == 2 and pts[0][0].working != pts[1][0].working:
             model = calibrate(pts, model)
         else:
             model.lines[fam] = (0.0, float(pts[0][1] - pts[0][0].stash))
-    for fam in pairs:
-        if fam not in model.lines:
-            (fp, temp), a = points(fam)[0], model.lines[anchor[fam[0]]][0]
-            model.lines[fam] = (a, float(temp - fp.stash - a * fp.working))
     return model
 
 
