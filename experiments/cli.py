@@ -12,19 +12,6 @@ from absl import app, flags
 
 HELP = ("--help", "-h", "-?", "--helpshort")
 
-#: the flags that ask a runner to time with glibc's allocator defaults: said before jaxpipe is imported, since
-#: `import jaxpipe` keeps freed memory in a CPU-only process for good (jaxpipe.host_memory)
-GLIBC_DEFAULTS = ("--keep_freed_memory=false", "--keep_freed_memory=False", "--nokeep_freed_memory",
-                  "--allocator=default", "--allocator=both")
-
-
-def _own_args(argv):
-    return argv[:argv.index("--")] if "--" in argv else argv
-
-
-if any(a in GLIBC_DEFAULTS for a in _own_args(sys.argv[1:])):
-    os.environ["JAXPIPE_KEEP_FREED_MEMORY"] = "0"
-
 #: where the runners keep compiled programs unless told otherwise: $JAX_COMPILATION_CACHE_DIR, else a user cache
 DEFAULT_CACHE = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
     os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "jaxpipe", "xla")
@@ -35,7 +22,8 @@ flags.DEFINE_string("compilation_cache_dir", DEFAULT_CACHE,
 
 def run(main) -> None:
     """``absl.app.run(main)``, after answering ``--help`` (before a ``--``: what follows is a worker's)."""
-    own = _own_args(sys.argv[1:])
+    argv = sys.argv[1:]
+    own = argv[:argv.index("--")] if "--" in argv else argv
     if any(a in HELP for a in own):
         print(usage())
         sys.exit(0)

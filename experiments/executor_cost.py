@@ -25,10 +25,6 @@ from __future__ import annotations
 import os
 
 from experiments import cli
-
-# run as a program, glibc's defaults are timed (--allocator=both, the default): jaxpipe's import must leave them
-if __name__ == "__main__" and "--allocator=keep_freed" not in cli._own_args(os.sys.argv[1:]):
-    os.environ.setdefault("JAXPIPE_KEEP_FREED_MEMORY", "0")
 from absl import app, flags
 
 flags.DEFINE_integer("cores", 1, "CPU cores the process may use (os.sched_setaffinity); 0: leave as it is")

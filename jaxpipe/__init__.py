@@ -13,10 +13,8 @@ first use.
 """
 import importlib
 
-from . import host_memory, schedules
+from . import schedules
 from .errors import ConfigError
-
-host_memory.keep_freed_memory_at_import()   # before JAX starts its threads (host_memory's docstring)
 
 __version__ = "0.1.0"
 

@@ -16,13 +16,14 @@ process's resident memory stays at its peak, as it does with an accelerator's al
 environment says ``JAXPIPE_KEEP_FREED_MEMORY=0``; a script may call it itself at any time. On anything but
 glibc (macOS, musl) it changes nothing and says so.
 
-**Before JAX starts its threads.** A thread that allocated before ``M_ARENA_MAX`` was set keeps an arena of its
-own, whose heaps glibc still maps and trims: XLA's worker threads, started with the CPU backend, are such
-threads when ``Pipeline`` is built after it. Measured (two-process testbed's model, D = 2 emulated on one core,
-Chimera M = 4): set when ``Pipeline`` was built, 34,400 page faults a step and 1.41x 1F1B's step; set before the
-backend started, 320 faults and 1.09x. So ``import jaxpipe`` already calls it in a process that can only run
-on CPU (:func:`cpu_only`: ``JAX_PLATFORMS`` names only ``cpu``, or no accelerator plugin is installed), unless
-``JAXPIPE_KEEP_FREED_MEMORY=0`` (:func:`keep_freed_memory_at_import`).
+**Threads that allocated before it keep their own arenas** (``M_ARENA_MAX`` binds only threads that have not
+allocated yet): XLA's worker threads, started with the CPU backend before any ``Pipeline``, still map and trim
+their heaps. Measured (the two-process testbed's model, D = 2 emulated on one core, Chimera M = 4): 34,400 page
+faults a step and 1.41x 1F1B's step when kept from the first ``Pipeline``; 1.06x and no faults with
+:data:`KEEP_FREED_ENV` in the environment from the start. It is not set at import: one arena for every thread
+also serialises XLA's compiler threads on malloc's lock -- README's ``configure`` search took 118 s cold with
+``MALLOC_ARENA_MAX=1`` from the start against 82 s without. A long CPU run (a benchmark of many steps) should
+start with :data:`KEEP_FREED_ENV`; a compile-heavy one (tests, a search) should not.
 """
 from __future__ import annotations
 
@@ -92,45 +93,6 @@ def keep_freed_memory_for(mesh) -> bool:
     :func:`keep_freed_memory`, unless ``JAXPIPE_KEEP_FREED_MEMORY=0``; returns whether memory is kept now."""
     opted_out = os.environ.get(OPT_OUT, "1").strip().lower() in ("0", "false", "no", "off")
     if opted_out or not any(d.platform == "cpu" for d in mesh.devices.flat):
-        return keeps_freed_memory()
-    return keep_freed_memory()
-
-
-def accelerator_plugins() -> list:
-    """The JAX accelerator plugins installed here (``jax_plugins`` entry points and modules, ``libtpu``),
-    found without importing JAX."""
-    import importlib.metadata
-    import importlib.util
-    import pkgutil
-    names = [ep.name for ep in importlib.metadata.entry_points(group="jax_plugins")]
-    try:
-        import jax_plugins      # a namespace package where plugins install themselves
-        names += [m.name for m in pkgutil.iter_modules(jax_plugins.__path__)]
-    except ImportError:
-        pass
-    if importlib.util.find_spec("libtpu") is not None:
-        names.append("libtpu")
-    return sorted(set(names))
-
-
-def cpu_only() -> bool:
-    """Whether JAX can only run on CPU in this process: ``JAX_PLATFORMS`` names only ``cpu``, or (unset) no
-    accelerator plugin is installed."""
-    named = [p.strip() for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
-    if named:
-        return all(p == "cpu" for p in named)
-    return not accelerator_plugins()
-
-
-def keep_freed_memory_at_import() -> bool:
-    """What ``import jaxpipe`` does (module docstring): :func:`keep_freed_memory` in a CPU-only process, before
-    JAX starts its threads, unless ``JAXPIPE_KEEP_FREED_MEMORY=0``; returns whether memory is kept now."""
-    opted_out = os.environ.get(OPT_OUT, "1").strip().lower() in ("0", "false", "no", "off")
-    try:
-        cpu = cpu_only()
-    except Exception:       # pragma: no cover - broken package metadata: leave it to Pipeline
-        cpu = False
-    if opted_out or not cpu:
         return keeps_freed_memory()
     return keep_freed_memory()
 

@@ -169,11 +169,6 @@ MUTATIONS = [
              "ps = prog.policies[c].sums[1](ps, sums[0])",
              "ps = ps",
              "tests/test_wsplit.py::test_flushing_schedules_add_a_scanned_stages_gradient_in_place[gpipe-2-options1]"),
-    # a CPU-only process keeps freed memory from import on (set later, XLA's threads keep arenas that fault)
-    Mutation("host_memory_not_kept_at_import", "jaxpipe/host_memory.py",
-             "    if opted_out or not cpu:\n        return keeps_freed_memory()\n    return keep_freed_memory()",
-             "    return keeps_freed_memory()",
-             "tests/test_host_memory.py::test_a_pipeline_on_cpu_keeps_freed_memory_unless_told_not_to[]"),
     # issue #53: the memory model forgets the stash; the configuration keeps a candidate over the budget
     Mutation("memory_footprint_ignores_the_stash", "jaxpipe/tune/memory.py",
              "slots = 0 if plan.direct else plan.stash_capacity", "slots = 0",

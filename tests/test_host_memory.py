@@ -107,8 +107,6 @@ print(json.dumps([before, jp.host_memory.keeps_freed_memory(), jp.host_memory.de
                     reason="keeping freed memory needs glibc")
 @pytest.mark.parametrize("opt_out", ["", "0"])
 def test_a_pipeline_on_cpu_keeps_freed_memory_unless_told_not_to(opt_out):
-    """From ``import jaxpipe`` on in a CPU-only process (JAX_PLATFORMS=cpu here), and when a Pipeline is built
-    on CPU devices; neither where the environment opts out."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != host_memory.OPT_OUT}
     env.update(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     if opt_out:
@@ -116,51 +114,6 @@ def test_a_pipeline_on_cpu_keeps_freed_memory_unless_told_not_to(opt_out):
     p = subprocess.run([sys.executable, "-c", BUILD], env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     before, after, line = json.loads(p.stdout.strip().splitlines()[-1])
-    # a CPU-only process keeps freed memory from `import jaxpipe` on, before JAX starts its threads
-    assert before is (not opt_out), line
+    assert before is False
     assert after is (not opt_out), line
     assert ("keeps freed memory" in line) is (not opt_out)
-
-
-def test_cpu_only_reads_jax_platforms_first(monkeypatch):
-    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    assert host_memory.cpu_only()
-    monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
-    assert not host_memory.cpu_only()
-    monkeypatch.setenv("JAX_PLATFORMS", "")
-    monkeypatch.setattr(host_memory, "accelerator_plugins", lambda: ["cuda12"])
-    assert not host_memory.cpu_only()
-    monkeypatch.setattr(host_memory, "accelerator_plugins", lambda: [])
-    assert host_memory.cpu_only()
-
-
-def test_at_import_nothing_changes_where_an_accelerator_may_run(monkeypatch):
-    monkeypatch.setitem(host_memory._state, "kept", False)
-    monkeypatch.setitem(host_memory._state, "why_not", "")
-    for k in host_memory.KEEP_FREED_ENV:
-        monkeypatch.delenv(k, raising=False)
-    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
-    called = []
-    monkeypatch.setattr(host_memory, "keep_freed_memory", lambda: called.append(1) or True)
-    assert host_memory.keep_freed_memory_at_import() is False and not called
-    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    monkeypatch.setenv(host_memory.OPT_OUT, "0")
-    assert host_memory.keep_freed_memory_at_import() is False and not called
-    monkeypatch.delenv(host_memory.OPT_OUT)
-    assert host_memory.keep_freed_memory_at_import() is True and called
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
-                    reason="keeping freed memory needs glibc")
-@pytest.mark.parametrize("flag,kept", [("--keep_freed_memory=false", False), ("--allocator=default", False),
-                                       ("--steps=3", True)])
-def test_a_runner_asked_for_glibc_defaults_says_so_before_jaxpipe_is_imported(flag, kept):
-    """``import jaxpipe`` keeps freed memory in a CPU-only process for good, so a runner's flag asking for glibc's
-    defaults (``--keep_freed_memory=false``, ``--allocator=default|both``) is read by ``experiments.cli`` first."""
-    code = ("import sys; sys.argv = ['runner', %r]\nimport experiments.cli\nimport jaxpipe as jp\n"
-            "print(jp.host_memory.keeps_freed_memory())" % flag)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != host_memory.OPT_OUT}
-    env.update(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert p.stdout.strip().splitlines()[-1] == str(kept)
