@@ -27,7 +27,6 @@ start with :data:`KEEP_FREED_ENV`; a compile-heavy one (tests, a search) should 
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import platform
@@ -96,22 +95,6 @@ def keep_freed_memory_for(mesh) -> bool:
     if opted_out or not any(d.platform == "cpu" for d in mesh.devices.flat):
         return keeps_freed_memory()
     return keep_freed_memory()
-
-
-@contextlib.contextmanager
-def defaults_while():
-    """A block whose ``Pipeline``\ s leave glibc's defaults (memory kept before stays kept): a compile-heavy
-    search. One arena for every thread serialises XLA's compiler threads on malloc's lock: README's ``configure``
-    search took 111 s cold with memory kept from its first ``Pipeline`` on, 82 s without (module docstring)."""
-    before = os.environ.get(OPT_OUT)
-    os.environ[OPT_OUT] = "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(OPT_OUT, None)
-        else:
-            os.environ[OPT_OUT] = before
 
 
 def choose(keep: bool) -> bool:

@@ -152,19 +152,6 @@ def configure(make_model: Callable[[int], object], batch: Dict[str, np.ndarray],
     devices (``rounds`` rounds of 3 steps, in turns) of at most ``k`` fitting candidates -- the two
     predicted fastest and the predicted fastest of each (stage count, residual policy) -- where the model's
     ranking is least sure (:func:`_measured_best`)."""
-    from .. import host_memory
-    with host_memory.defaults_while():      # compiles: no single arena for XLA's compiler threads (host_memory)
-        conf = _search(make_model, batch, optimizer, devices, memory_budget, schedules, microbatches, residuals,
-                       cache)
-    if measure:
-        conf.best = _measured_best(conf, measure, rounds)
-    if verbose:
-        print(conf.table(), flush=True)
-    return conf
-
-
-def _search(make_model, batch, optimizer, devices, memory_budget, schedules, microbatches, residuals, cache):
-    """:func:`configure` without its final timing and table: every candidate built, predicted and checked."""
     from ..pipeline import Pipeline
     store = MeasureCache(default_path() if cache == "default" else cache)
     bench = Bench(make_model, batch, optimizer, store)
@@ -188,7 +175,12 @@ def _search(make_model, batch, optimizer, devices, memory_budget, schedules, mic
     for c in cands:
         if id(c) in built:
             c.memory = c.compiled_memory if c.compiled_memory is not None else model.total(built[id(c)][1])
-    return _choose(cands, built, bench, memory_budget)
+    conf = _choose(cands, built, bench, memory_budget)
+    if measure:
+        conf.best = _measured_best(conf, measure, rounds)
+    if verbose:
+        print(conf.table(), flush=True)
+    return conf
 
 
 def _calibrate(fams, built, bench) -> MemoryModel:
