@@ -39,7 +39,8 @@ def _account_agrees_with_xla(compiled, trips):
 def test_loss_and_grad_at_one_device_adds_no_pass_over_the_gradient(schedule):
     """Issue #51 item 3: ``loss_and_grad`` divided the summed gradient after its loop -- one more read and
     write of the whole gradient, 1.32x the plain step's bytes (MLP 8 x 1024²).  It now divides each
-    micro-batch's gradient as it adds it, as the plain step does."""
+    micro-batch's gradient as it adds it, as the plain step does; and the stage's layer scan adds into the sums in
+    place (``runtime.wsplit.BackwardSplit.weight_part_into``)."""
     r = np.random.default_rng(0)
     w = jnp.asarray(r.normal(size=(L, H, H)) / np.sqrt(H), jnp.float32)
     x, y = (jnp.asarray(r.normal(size=(B, H)), jnp.float32) for _ in range(2))
@@ -56,7 +57,9 @@ def test_loss_and_grad_at_one_device_adds_no_pass_over_the_gradient(schedule):
     state, batch = pipe.init(), {"x": x, "y": y}
     ours, theirs = pipe.lower("grad", state, batch).compile(), plain.lower(w, x, y).compile()
     ratio = _bytes(ours) / _bytes(theirs)
-    assert ratio <= 1.10, ratio
+    # 0.72x since the backward adds each layer's weight gradient into the sums in place (the plain step stacks
+    # them and adds after); dividing after the loop again measured 0.94x
+    assert ratio <= 0.80, ratio
     _account_agrees_with_xla(ours, pipe.lane_plan.num_ticks)
     _account_agrees_with_xla(theirs, M)
     loss, (g, _, _) = pipe.loss_and_grad(state, batch)
