@@ -65,18 +65,23 @@ def _scanned(L=3):
     return stage_fn, w
 
 
+def _split_of(stage_fn, w):
+    """``(ops, stash avals, residuals, dy, split)`` of one stage ``stage_fn`` with weights ``w`` on a 4 x 8 input."""
+    x, dy = jax.random.normal(jax.random.key(1), (4, 8)), jax.random.normal(jax.random.key(2), (4, 8))
+    model = jp.PipelineModel(stage_fn=stage_fn, stage_params=jnp.stack([w, w]),
+                             post_loss=lambda p, h, b: jnp.mean(h ** 2))
+    ops, avals = StageOps.build(model, w, x, None)
+    _, res, _ = ops.forward(w, x, None, (), (), False, False, None)
+    return ops, avals, res, dy, split_backward(ops.backward, w, res, dy, avals)
+
+
 def test_layers_inside_one_scan_are_split():
     """A stage whose layers are one lax.scan (the adapters' and MaxText's form): B runs a scan of the input-gradient
     equations only and stacks each layer's output gradient; W maps the weight-gradient equations over the layers.
     Together they equal the fused backward bit for bit, B does one matrix product per layer, and the frontier is
     smaller than the stash."""
     stage_fn, w = _scanned()
-    x, dy = jax.random.normal(jax.random.key(1), (4, 8)), jax.random.normal(jax.random.key(2), (4, 8))
-    model = jp.PipelineModel(stage_fn=stage_fn, stage_params=jnp.stack([w, w]),
-                             post_loss=lambda p, h, b: jnp.mean(h ** 2))
-    ops, avals = StageOps.build(model, w, x, None)
-    _, res, _ = ops.forward(w, x, None, (), (), False, False, None)
-    sp = split_backward(ops.backward, w, res, dy, avals)
+    ops, avals, res, dy, sp = _split_of(stage_fn, w)
     assert sp is not None
     dw, dx = ops.backward(w, res, dy)
     dx_b, front = sp.input_part(w, res, dy)
@@ -101,12 +106,7 @@ def test_w_adds_a_scanned_stages_gradient_into_the_sums_layer_by_layer():
     added slice by slice inside the loop over layers (no stacked buffer and no whole-array add after it: 7.8
     -> 5.1 ms a W on the two-process testbed's stage)."""
     stage_fn, w = _scanned()
-    x, dy = jax.random.normal(jax.random.key(1), (4, 8)), jax.random.normal(jax.random.key(2), (4, 8))
-    model = jp.PipelineModel(stage_fn=stage_fn, stage_params=jnp.stack([w, w]),
-                             post_loss=lambda p, h, b: jnp.mean(h ** 2))
-    ops, avals = StageOps.build(model, w, x, None)
-    _, res, _ = ops.forward(w, x, None, (), (), False, False, None)
-    sp = split_backward(ops.backward, w, res, dy, avals)
+    ops, avals, res, dy, sp = _split_of(stage_fn, w)
     _, front = sp.input_part(w, res, dy)
     sums = jax.random.normal(jax.random.key(3), w.shape)
     add = lambda u, v: u + v / 3.0
@@ -127,12 +127,7 @@ def test_w_into_the_sums_where_the_scans_gradient_is_not_the_stages_own():
     def stage_fn(p, h):
         return jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), h, p)[0] @ p[0]
     _, w = _scanned()
-    x, dy = jax.random.normal(jax.random.key(1), (4, 8)), jax.random.normal(jax.random.key(2), (4, 8))
-    model = jp.PipelineModel(stage_fn=stage_fn, stage_params=jnp.stack([w, w]),
-                             post_loss=lambda p, h, b: jnp.mean(h ** 2))
-    ops, avals = StageOps.build(model, w, x, None)
-    _, res, _ = ops.forward(w, x, None, (), (), False, False, None)
-    sp = split_backward(ops.backward, w, res, dy, avals)
+    ops, avals, res, dy, sp = _split_of(stage_fn, w)
     assert sp is not None and not sp.in_place       # the flushing B keeps its fused backward here
     _, front = sp.input_part(w, res, dy)
     sums = jax.random.normal(jax.random.key(3), w.shape)
