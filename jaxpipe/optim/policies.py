@@ -314,11 +314,13 @@ def gradient(num_microbatches: int, name: str = "gradient", divide: bool = True)
         div = (lambda a: per_count(a, count)) if count is not None else None
         return ps._replace(acc=reduce(ps.acc) if div is None else jax.tree.map(div, reduce(ps.acc)))
 
-    add = functools.partial(_add_to_sums, divisor=M if divide else None)
+    divisor = M if divide else None
+    add = functools.partial(_add_to_sums, divisor=divisor)
     return WeightPolicy(name, init, lambda lp, ps, i, s: (lp, ps), lambda lp, ps, i, s: lp, add,
                         lambda D: [1] * D, choose=lambda lp, ps, i, s: (jnp.zeros((), jnp.int32), (lp,)),
                         per_microbatch=False, stale=0, accumulators=1, finish=finish, reduction="sum", reads="stored",
-                        add_leaf=functools.partial(_add_leaf, divisor=M if divide else None), sums=(lambda ps: ps.acc[0], lambda ps, v: ps._replace(acc=(v,) + tuple(ps.acc[1:]))))
+                        add_leaf=functools.partial(_add_leaf, divisor=divisor),
+                        sums=(lambda ps: ps.acc[0], lambda ps, v: ps._replace(acc=(v,) + tuple(ps.acc[1:]))))
 
 
 class CyclicState(NamedTuple):

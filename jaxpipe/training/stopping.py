@@ -74,13 +74,17 @@ class Stop:
     def __init__(self, grace_s: float, last_checkpoint: Callable[[], Optional[int]] = lambda: None,
                  write: Callable[[str], None] = None):
         self.reason: Optional[str] = None
-        self.signals: List[str] = []
-        self._received: list = []        # (monotonic time, signal name, parent pid then), for the exit message
+        self._received: list = []        # (monotonic time, signal name, parent pid then), one per signal
         self.grace_s = grace_s
         self.last_checkpoint = last_checkpoint
         self.write = write or self._stderr
         self._timer: Optional[threading.Timer] = None
         self.exits = True             # a stop ends the process (False: the loop returns to its caller)
+
+    @property
+    def signals(self) -> List[str]:
+        """The signals this process got, in order."""
+        return [name for _, name, _ in self._received]
 
     def __bool__(self) -> bool:
         return self.reason is not None
@@ -167,9 +171,8 @@ class Stop:
         ppid = os.getppid()
         self._orphaned()
         name = signal.Signals(signum).name
-        self.signals.append(name)
         self._received.append((time.monotonic(), name, ppid))
-        n = len(self.signals)
+        n = len(self._received)
         if n == 1:
             if self.reason is None:
                 self.reason = name
