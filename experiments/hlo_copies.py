@@ -16,7 +16,7 @@ from absl import app, flags
 flags.DEFINE_string("schedule", "1f1b", "schedule")
 flags.DEFINE_string("placement", "auto", "lane placement (auto, lanes, ordered)")
 flags.DEFINE_integer("stages", 1, "pipeline stages (devices)")
-flags.DEFINE_integer("layers", 4, "tanh layers per stage")
+flags.DEFINE_integer("layers", 4, "tanh layers per stage (per chunk where the schedule puts several on a device)")
 flags.DEFINE_integer("width", 1024, "width")
 flags.DEFINE_integer("microbatch", 4096, "rows per micro-batch")
 flags.DEFINE_integer("microbatches", 8, "micro-batches")
@@ -34,8 +34,9 @@ def main(argv):
     import jaxpipe as jp
     from jaxpipe.bench import make_tanh_mlp
 
+    from jaxpipe import schedules
     D, M = FLAGS.stages, FLAGS.microbatches
-    model = make_tanh_mlp(D, FLAGS.layers, FLAGS.width)
+    model = make_tanh_mlp(D * schedules.method(FLAGS.schedule).stages_per_device({}), FLAGS.layers, FLAGS.width)
     n = M * FLAGS.microbatch
     batch = {"x": jnp.zeros((n, FLAGS.width), jnp.float32), "y": jnp.zeros((n, FLAGS.width), jnp.float32)}
     pipe = jp.Pipeline(model, schedule=FLAGS.schedule, num_microbatches=M, optimizer=optax.adamw(1e-3),

@@ -176,6 +176,13 @@ MUTATIONS = [
     Mutation("configure_keeps_a_candidate_over_the_budget", "jaxpipe/tune/configure.py",
              "and not c.dropped and c.memory > budget:", "and not c.dropped and c.memory > 2 * budget:",
              "tests/test_configure.py::test_a_budget_the_full_residuals_exceed_chooses_a_recomputing_policy_that_fits_and_trains"),
+    # a one-stage plan calibrated on the pipelined line; every schedule kept on one stage
+    Mutation("memory_one_stage_in_the_pipelined_family", "jaxpipe/tune/memory.py",
+             'policy = "direct" if plan.direct else "all"', 'policy = "all"',
+             "tests/test_memory_model.py::test_a_one_stage_plan_is_a_family_of_its_own_whatever_its_policy"),
+    Mutation("configure_keeps_every_schedule_on_one_stage", "jaxpipe/tune/configure.py",
+             "elif D == 1 and name != one:", "elif False:",
+             "tests/test_configure.py::test_on_one_stage_one_schedule_stands_for_the_others"),
     # the head's cost charged to the first stage (a heavy head then looks free to a pipeline)
     Mutation("head_cost_on_the_first_stage", "jaxpipe/tune/lockstep.py",
              "out[-1, j] += n * self.f_post", "out[0, j] += n * self.f_post",

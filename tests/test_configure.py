@@ -99,3 +99,16 @@ def test_the_search_knows_when_zero_bubble_w_recomputes(residuals, splits):
     m, mb = pipe.model, {k: v[:2] for k, v in _batch().items()}
     w = jax.tree.map(lambda a: a[0], m.stage_params)
     assert stage_splits(m, w, m.pre(m.pre_params, mb), mb) is splits
+
+
+def test_on_one_stage_one_schedule_stands_for_the_others():
+    """One stage has no pipeline: zero-bubble's split and two chunks on one device only add work there, so
+    the search keeps 1F1B's one-stage candidates (or the first listed schedule's) and says why it drops the
+    rest; pipelined candidates of every schedule stay."""
+    from jaxpipe.tune.configure import _candidates
+    cands = _candidates(4, 16, ("zb_h1", "1f1b", "interleaved_1f1b"), (2,), ("all",))
+    one = {c.schedule: c.dropped for c in cands if c.stages == 1}
+    assert one["1f1b"] == "" and all("1f1b's candidate stands for it" in one[n] for n in ("zb_h1", "interleaved_1f1b"))
+    assert all(not c.dropped for c in cands if c.stages > 1)
+    alone = {c.schedule: c.dropped for c in _candidates(2, 16, ("zb_h1", "gpipe"), (2,), ("all",)) if c.stages == 1}
+    assert alone["zb_h1"] == "" and "zb_h1's candidate" in alone["gpipe"]

@@ -67,3 +67,13 @@ def test_a_program_compiled_for_its_figures_only_has_the_optimised_programs_figu
     assert FIGURES_ONLY_OPTIONS["cpu"] == {"xla_backend_optimization_level": 0}
     for field in ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes"):
         assert getattr(quick, field) == getattr(full, field), field
+
+
+def test_a_one_stage_plan_is_a_family_of_its_own_whatever_its_policy():
+    """One stage hands its residuals straight to B (no stash): its temp is the backward's working set alone,
+    another line than a pipeline's -- one such point in a pipelined family's fit put README's search up to
+    83% off.  Both residual policies share it (nothing is stashed either way)."""
+    fams = {res: footprint(_pipe(1, 2, residuals=res), _batch(), known_state=0) for res in ("all", "inputs")}
+    assert {fp.family for fp in fams.values()} == {("direct", False, 1)}
+    assert all(fp.stash == 0 for fp in fams.values())
+    assert footprint(_pipe(2, 2), _batch(), known_state=0).family == ("all", False, 1)

@@ -6,7 +6,7 @@ micro-batch count and residual policy, and for each predicts
 
 * **memory per device** with :mod:`jaxpipe.tune.memory`: the state exact, the temp from the plan's stash slots
   and the stage's residuals, the lines calibrated on two compiles per family (residual policy, split
-  backward, chunks per device); the chosen candidate and the runner-up are then compiled, and where XLA's
+  backward, chunks per device; one stage, whose plan stashes nothing, a family of its own); the chosen candidate and the runner-up are then compiled, and where XLA's
   figure differs from the prediction by over 10% the choice is made again on the compiled figure;
 * **step time** with :func:`jaxpipe.tune.lockstep.predict_devices`: the plan the executor compiles, tick by
   tick, at one stage's F, B and W measured on this backend per micro-batch size and residual policy
@@ -129,6 +129,11 @@ class Configuration:
 
 def _candidates(devices, rows, names, microbatches, residuals) -> List[Candidate]:
     out = []
+    # on one stage there is no pipeline and no bubble: every schedule is the plain accumulation of the M
+    # micro-batches, and one of them stands for the rest (1F1B's, the simplest plan; zero-bubble's split and two
+    # chunks on one device only add work there: H200, D = 1, zb_h1 1.20x and interleaved 2.1x the plain step
+    # where 1F1B was 1.05x)
+    one = "1f1b" if "1f1b" in names else names[0]
     for D in [d for d in range(1, devices + 1) if devices % d == 0]:
         for name in names:
             for M in microbatches:
@@ -136,6 +141,8 @@ def _candidates(devices, rows, names, microbatches, residuals) -> List[Candidate
                     c = Candidate(name, D, devices // D, M, res)
                     if rows % (c.data * M):
                         c.dropped = f"{rows} rows do not split into data={c.data} x M={M} micro-batches"
+                    elif D == 1 and name != one:
+                        c.dropped = f"one stage: no pipeline, {one}'s candidate stands for it"
                     out.append(c)
     return out
 

@@ -11,7 +11,8 @@ with ``R`` the residual bytes one micro-batch leaves in the stash under the resi
 ``stash_capacity`` slots; none where the plan hands them over directly), ``R_all`` the residual bytes of one
 micro-batch through one chunk with every residual kept (the backward's working set: a recomputing policy
 rebuilds them during B), and ``a``, ``b`` fitted per *family* -- residual policy, split backward or not, chunks
-per device -- on two compiles at different micro-batch sizes (:func:`calibrate`).  Measured there: a line
+per device; a one-stage plan that hands its residuals straight to B (``"direct"``) is a family of its own -- on
+two compiles at different micro-batch sizes (:func:`calibrate`).  Measured there: a line
 through 1F1B at D = 2, M = 4 and 8 predicts D = 4, M = 4 and 8 within 1%; the families differ (a 1.1 for
 1F1B with every residual kept, 0.9 recomputing, ~2 for ZB-H1 whose frontier slots are in the rest).
 
@@ -68,7 +69,10 @@ def footprint(pipe, batch, state=None, *, known_state=None, known_residuals=None
     plan = pipe.lane_plan
     slots = 0 if plan.direct else plan.stash_capacity
     chunks = pipe.schedule.num_model_stages // pipe.schedule.D
-    policy = "all" if r_pol == r_all else "recompute"
+    # a plan that hands the residuals straight to B (one stage: no stash) is a family of its own, whatever the
+    # policy: its temp is the backward's working set alone (README's search: a line through one such point
+    # and one pipelined one predicted the others up to 83% off)
+    policy = "direct" if plan.direct else "all" if r_pol == r_all else "recompute"
     return Footprint((policy, pipe.schedule.has_w(), chunks), on_device, slots * r_pol, r_pol, r_all)
 
 
