@@ -204,7 +204,7 @@ def _calibrate(fams, built, bench) -> MemoryModel:
         if len(pts) == 2 and pts[0][0].working != pts[1][0].working:
             model = calibrate(pts, model)
         else:
-            model.lines[fam] = (0.0, float(pts[0][1] - pts[0][0].stash))
+            model.lines[fam] = (0.0, float(pts[0][1] - pts[0][0].known))
     return model
 
 

@@ -5,12 +5,13 @@ What a compiled step holds per device (XLA's ``memory_analysis()``; BUILD_NOTES,
 is made of", 32 configurations of a GPT): its **arguments** (the stage's parameters, the optimizer state, the
 batch's share -- known exactly before compiling, from the state's own shards) and its **temp**, which is
 
-    temp = stash slots x R + a x R_all + b
+    temp = stash slots x R + chunk copies + a x R_all + b
 
 with ``R`` the residual bytes one micro-batch leaves in the stash under the residual policy (the plan's
 ``stash_capacity`` slots; none where the plan hands them over directly), ``R_all`` the residual bytes of one
 micro-batch through one chunk with every residual kept (the backward's working set: a recomputing policy
-rebuilds them during B), and ``a``, ``b`` fitted per *family* -- residual policy, split backward or not, chunks
+rebuilds them during B), the chunk copies (several chunks a device: each chunk's stage parameters and gradient
+sums held apart, twice one device's stage bytes, :func:`stage_bytes_per_device`), and ``a``, ``b`` fitted per *family* -- residual policy, split backward or not, chunks
 per device; a one-stage plan that hands its residuals straight to B (``"direct"``) is a family of its own -- on
 two compiles at different micro-batch sizes (:func:`calibrate`).  Measured there: a line
 through 1F1B at D = 2, M = 4 and 8 predicts D = 4, M = 4 and 8 within 1%; the families differ (a 1.1 for
@@ -50,6 +51,12 @@ class Footprint:
     stash: int          # stash slots x R
     residuals: int      # R: one micro-batch's stashed residuals through one chunk under the policy
     working: int        # R_all: the same with every residual kept
+    chunk_copies: int = 0   # several chunks a device: their stage parameters and gradient sums, each once more
+
+    @property
+    def known(self) -> int:
+        """The temp known before compiling: the stash slots and the chunks' copies."""
+        return self.stash + self.chunk_copies
 
 
 def footprint(pipe, batch, state=None, *, known_state=None, known_residuals=None) -> Footprint:
@@ -73,7 +80,20 @@ def footprint(pipe, batch, state=None, *, known_state=None, known_residuals=None
     # policy: its temp is the backward's working set alone (README's search: a line through one such point
     # and one pipelined one predicted the others up to 83% off)
     policy = "direct" if plan.direct else "all" if r_pol == r_all else "recompute"
-    return Footprint((policy, pipe.schedule.has_w(), chunks), on_device, slots * r_pol, r_pol, r_all)
+    # several chunks a device: the executor holds each chunk's stage parameters (sliced from the device's
+    # stack) and gradient sums (concatenated back after the call) apart, one device's stage bytes twice more
+    # (README's search: the chunked lines' intercepts moved with the stage bytes, 2x of them, the one-chunk
+    # lines' did not)
+    copies = 2 * stage_bytes_per_device(pipe) if chunks > 1 else 0
+    return Footprint((policy, pipe.schedule.has_w(), chunks), on_device, slots * r_pol, r_pol, r_all, copies)
+
+
+def stage_bytes_per_device(pipe) -> int:
+    """One device's share of the stage parameters (its chunks, its model-axis shards)."""
+    leaves = jax.tree.leaves(pipe.model.stage_params)
+    shard = jax.tree.leaves(pipe.param_shardings[0])
+    return int(sum(int(np.prod(sh.shard_shape(a.shape))) * np.dtype(a.dtype).itemsize
+                   for a, sh in zip(leaves, shard)))
 
 
 def state_bytes(state) -> int:
@@ -140,7 +160,7 @@ class MemoryModel:
             raise KeyError(f"no calibration for the family {fp.family} (residual policy, split backward, "
                            f"chunks per device); calibrate on two of its configurations first")
         a, b = self.lines[fp.family]
-        return fp.stash + a * fp.working + b
+        return fp.known + a * fp.working + b
 
     def total(self, fp: Footprint) -> float:
         """Bytes per device: the arguments and the predicted temp."""
@@ -153,7 +173,7 @@ def calibrate(points: Sequence[Tuple[Footprint, int]], model: MemoryModel = None
     lines = dict(model.lines) if model is not None else {}
     fams = {}
     for fp, temp in points:
-        fams.setdefault(fp.family, []).append((fp.working, temp - fp.stash))
+        fams.setdefault(fp.family, []).append((fp.working, temp - fp.known))
     for fam, pts in fams.items():
         xs, ys = np.array([p[0] for p in pts], float), np.array([p[1] for p in pts], float)
         if len(pts) < 2 or np.ptp(xs) == 0:
