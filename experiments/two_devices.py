@@ -43,6 +43,10 @@ flags.DEFINE_string("json", "", "also write the results to this file")
 flags.DEFINE_bool("measure_ops", False, "predict from one layer's F, B, B-input and W measured on this machine "
                   "(jaxpipe.tune.microbench.layer_costs; on a noisy VM they move by 2x between runs) instead of "
                   "from the plain step with b = 2 f and a split backward's parts f each, as the papers count")
+flags.DEFINE_bool("ops_alone", False, "with --measure_ops: time the ops on process 0 while the other waits (the "
+                  "default times them on both processes at once, as a pipeline's ticks run them: the two cores share "
+                  "the L3 cache and the memory bus, and ops timed alone priced the many small ops of the two-chunk "
+                  "plans 10-20% low)")
 flags.DEFINE_string("op_costs", "", "f,b,w[,x]: one stage's forward, its backward's input part, its weight part "
                     "(and a tick's exchange x) "
                     "(any one unit, e.g. 10,10,16 ms as profiled here), given to every Pipeline (op_costs=): "
@@ -173,11 +177,18 @@ def worker(pid: int):
                 s = pipe.step(s, b)[0]
             runs[(M, spec)] = [lambda s, pipe=pipe, b=b: pipe.step(s, b)[0], s]
             meta[(M, spec)] = (name, pipe.placement)
-    # one layer's F, B, B's input part and W on this core, per stage size and micro-batch (process 0; the
-    # other waits in the link's first exchange): a W that costs more than a forward narrows ZB's gain
-    costs = {f"{M},{per}": _layer_costs(Ws[:per], x[:B // M], per)
-             for M in {k[0] for k in runs} for per in {L // (4 if k[1].partition(":")[0] in CHUNKED else 2)
-                                                      for k in runs}} if pid == 0 and FLAGS.measure_ops else {}
+    # one layer's F, B, B's input part and W on this core, per stage size and micro-batch: a W that costs more
+    # than a forward narrows ZB's gain.  Timed on both processes at once (process 0's reported), as the ticks
+    # run them, or on process 0 alone (--ops_alone; the other waits in the link's first exchange)
+    costs = {}
+    if FLAGS.measure_ops and (pid == 0 or not FLAGS.ops_alone):
+        from jax.experimental import multihost_utils
+        if not FLAGS.ops_alone:
+            multihost_utils.sync_global_devices("layer costs")
+        costs = {f"{M},{per}": _layer_costs(Ws[:per], x[:B // M], per)
+                 for M in sorted({k[0] for k in runs})
+                 for per in sorted({L // (4 if k[1].partition(":")[0] in CHUNKED else 2) for k in runs})}
+        costs = costs if pid == 0 else {}
     # the sizes the steps move: a small message, a micro-batch's activation, the stage's weights (Chimera's replica)
     acts = {FLAGS.batch // M * W for M in {k[0] for k in runs}}
     idled = _idle_link_thread() if FLAGS.link_thread == "idle" else None
