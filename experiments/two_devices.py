@@ -47,6 +47,8 @@ flags.DEFINE_bool("ops_alone", False, "with --measure_ops: time the ops on proce
                   "default times them on both processes at once, as a pipeline's ticks run them: the two cores share "
                   "the L3 cache and the memory bus, and ops timed alone priced the many small ops of the two-chunk "
                   "plans 10-20% low)")
+flags.DEFINE_string("profile", "", "after the timed rounds, trace 3 steps of every pipeline on both processes "
+                    "with jax.profiler into this folder (p<process>_<M>_<schedule>/)")
 flags.DEFINE_string("op_costs", "", "f,b,w[,x]: one stage's forward, its backward's input part, its weight part "
                     "(and a tick's exchange x) "
                     "(any one unit, e.g. 10,10,16 ms as profiled here), given to every Pipeline (op_costs=): "
@@ -199,11 +201,24 @@ def worker(pid: int):
     from jaxpipe.bench import round_steps
     per_round = round_steps(runs, FLAGS.rounds)
     got = {k: float(np.median(v)) for k, v in per_round.items()}
+    if FLAGS.profile:
+        _profile(pid, {k: v for k, v in runs.items() if k[1] != "plain"})
     if pid == 0:
         print(json.dumps({"link": link, "idled": idled, "plain": {M: got[(M, "plain")] for M in plains}, "costs": costs,
                           "steps": [[M, spec, meta[(M, spec)][1], t] for (M, spec), t in got.items()
                                     if spec != "plain"],
                           "rounds": {f"{M},{spec}": v for (M, spec), v in per_round.items()}}), flush=True)
+
+
+def _profile(pid, runs):
+    """3 steps of each run traced by ``jax.profiler`` into ``--profile``/p<pid>_<M>_<schedule>."""
+    import jax
+    for (M, spec), entry in runs.items():
+        jax.profiler.start_trace(os.path.join(FLAGS.profile, f"p{pid}_{M}_{spec.replace(':', '-').replace('/', '-')}"))
+        for _ in range(3):
+            entry[1] = entry[0](entry[1])
+        jax.block_until_ready(entry[1])
+        jax.profiler.stop_trace()
 
 
 def _layer_costs(ws, xb, per):
