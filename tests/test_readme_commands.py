@@ -33,7 +33,7 @@ QUICK = {
                         "--real_layers=8"],
     "accelerator_cost": ["--small", "--timed", "--steps=2", "--microbatches=2"],
     "two_devices": ["--width=32", "--layers=4", "--batch=16", "--microbatches=4", "--schedules=1f1b,zb_h1",
-                    "--rounds=1"],
+                    "--rounds=1", "--measure_ops"],
     "cuts": ["--blocks=5", "--even_blocks=8", "--d_model=16", "--heads=2", "--vocab=64", "--seq_len=8", "--batch=8",
              "--microbatches=4", "--rounds=1", "--cores=0"],
 }

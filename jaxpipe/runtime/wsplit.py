@@ -359,3 +359,17 @@ def stage_splits(model, w, x, mb) -> bool:
     zeros = lambda t: jax.tree.map(lambda a: jax.numpy.zeros(a.shape, a.dtype), t)
     sop, avals = StageOps.build(model, w, zeros(x), mb)
     return split_backward(sop.backward, w, zeros(avals), zeros(x), avals) is not None
+
+
+def frontier_slot_bytes(model, w, x, mb, slots: int) -> int:
+    """Bytes of the frontier slots zero-bubble's B keeps for W in buffers of their own (``slots`` of them, at
+    least one, as the executor allocates them): 0 where W recomputes the backward or the frontier is packed into
+    the stash slots B alone reads (:func:`~jaxpipe.runtime.front_pack.placed_in_stash`)."""
+    from .front_pack import placed_in_stash
+    from .stage import StageOps
+    zeros = lambda t: jax.tree.map(lambda a: jax.numpy.zeros(a.shape, a.dtype), t)
+    sop, avals = StageOps.build(model, w, zeros(x), mb)
+    sp = split_backward(sop.backward, w, zeros(avals), zeros(x), avals)
+    if sp is None or placed_in_stash(sp, avals, slots) is not None:
+        return 0
+    return max(slots, 1) * _nbytes(sp.frontier_avals)

@@ -20,7 +20,7 @@ import numpy as np
 
 from .lockstep import EdgeCosts, LayerCosts
 from .measure_cache import MeasureCache, backend_key, model_key
-from .memory import memory_analysis, memory_total, residual_bytes, state_bytes, tree_bytes
+from .memory import frontier_bytes, memory_analysis, memory_total, residual_bytes, state_bytes, tree_bytes
 
 #: compiles run side by side (XLA's compile releases the GIL)
 COMPILE_THREADS = 2
@@ -72,6 +72,15 @@ class Bench:
             self._residuals[key] = tuple(self.cache.get(self._key("residuals", *key),
                                                         lambda: residual_bytes(pipe.model, self.batch, rows)))
         return self._residuals[key]
+
+    def frontier(self, c, pipe, rows: int) -> int:
+        """Zero-bubble's own frontier slots (:func:`~jaxpipe.tune.memory.frontier_bytes`) per (cut, policy, rows,
+        slots); 0 without a split backward."""
+        slots = pipe.lane_plan.front_capacity
+        if not pipe.schedule.has_w() or pipe.lane_plan.direct:
+            return 0
+        return int(self.cache.get(self._key("frontier", c.model_stages, c.residuals, rows, slots),
+                                  lambda: frontier_bytes(pipe.model, self.batch, rows, slots)))
 
     def compile_memory(self, jobs: Sequence[tuple]) -> None:
         """Set ``c.compiled_memory`` (XLA's total per device) for every ``(candidate, pipe)`` of ``jobs``: from the

@@ -174,7 +174,7 @@ def configure(make_model: Callable[[int], object], batch: Dict[str, np.ndarray],
             continue
         rows = bench.rows // (c.data * c.microbatches)
         fp = footprint(pipe, batch, known_state=bench.state_bytes(c, pipe),
-                       known_residuals=bench.residuals(c, pipe, rows))
+                       known_residuals=bench.residuals(c, pipe, rows), known_frontier=bench.frontier(c, pipe, rows))
         built[id(c)] = (pipe, fp)
         fams.setdefault(fp.family, []).append(c)
     model = _calibrate(fams, built, bench)

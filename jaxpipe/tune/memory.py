@@ -5,17 +5,18 @@ What a compiled step holds per device (XLA's ``memory_analysis()``; BUILD_NOTES,
 is made of", 32 configurations of a GPT): its **arguments** (the stage's parameters, the optimizer state, the
 batch's share -- known exactly before compiling, from the state's own shards) and its **temp**, which is
 
-    temp = stash slots x R + chunk copies + a x R_all + b
+    temp = stash slots x R + chunk copies + frontier slots + a x R_all + b
 
 with ``R`` the residual bytes one micro-batch leaves in the stash under the residual policy (the plan's
 ``stash_capacity`` slots; none where the plan hands them over directly), ``R_all`` the residual bytes of one
 micro-batch through one chunk with every residual kept (the backward's working set: a recomputing policy
 rebuilds them during B), the chunk copies (several chunks a device: each chunk's stage parameters and gradient
-sums held apart, twice one device's stage bytes, :func:`stage_bytes_per_device`), and ``a``, ``b`` fitted per *family* -- residual policy, split backward or not, chunks
-per device; a one-stage plan that hands its residuals straight to B (``"direct"``) is a family of its own -- on
-two compiles at different micro-batch sizes (:func:`calibrate`).  Measured there: a line
-through 1F1B at D = 2, M = 4 and 8 predicts D = 4, M = 4 and 8 within 1%; the families differ (a 1.1 for
-1F1B with every residual kept, 0.9 recomputing, ~2 for ZB-H1 whose frontier slots are in the rest).
+sums held apart, twice one device's stage bytes, :func:`stage_bytes_per_device`), zero-bubble's frontier slots
+where they are buffers of their own (:func:`frontier_bytes`), and ``a``, ``b`` fitted per *family* -- residual
+policy, split backward or not, chunks per device; a one-stage plan that hands its residuals straight to B
+(``"direct"``) is a family of its own -- on two compiles at different micro-batch sizes (:func:`calibrate`).
+Measured there: a line through 1F1B at D = 2, M = 4 and 8 predicts D = 4, M = 4 and 8 within 1%; the families
+differ (a 1.1 for 1F1B with every residual kept, 0.9 recomputing).
 
 :func:`footprint` needs no compile (the plan, the stage's residual avals, the state's shards);
 :func:`compiled` compiles the step and reads XLA's figures -- what a configuration search checks its choice
@@ -52,18 +53,21 @@ class Footprint:
     residuals: int      # R: one micro-batch's stashed residuals through one chunk under the policy
     working: int        # R_all: the same with every residual kept
     chunk_copies: int = 0   # several chunks a device: their stage parameters and gradient sums, each once more
+    frontier: int = 0       # zero-bubble's frontier slots in buffers of their own (not packed into the stash)
 
     @property
     def known(self) -> int:
-        """The temp known before compiling: the stash slots and the chunks' copies."""
-        return self.stash + self.chunk_copies
+        """The temp known before compiling: the stash slots, the chunks' copies, the frontier slots."""
+        return self.stash + self.chunk_copies + self.frontier
 
 
-def footprint(pipe, batch, state=None, *, known_state=None, known_residuals=None) -> Footprint:
+def footprint(pipe, batch, state=None, *, known_state=None, known_residuals=None,
+              known_frontier=None) -> Footprint:
     """The :class:`Footprint` of ``pipe`` (a synchronous, flushing ``Pipeline``) on ``batch`` (host arrays, the
     whole step's rows); ``state``: ``pipe.init()``'s (made here when not given).  ``known_state`` /
-    ``known_residuals``: :func:`state_bytes` / :func:`residual_bytes` already known (a search shares them
-    between candidates of the same split and micro-batch size)."""
+    ``known_residuals`` / ``known_frontier``: :func:`state_bytes` / :func:`residual_bytes` /
+    :func:`frontier_bytes` already known (a search shares them between candidates of the same split and
+    micro-batch size)."""
     if not pipe.method.flushes or pipe.lane_plan is None:
         raise ValueError(f"footprint() models a flushing schedule's lane plan; {pipe.schedule.name} keeps "
                          f"micro-batches in flight between steps (measure it with compiled())")
@@ -85,7 +89,12 @@ def footprint(pipe, batch, state=None, *, known_state=None, known_residuals=None
     # (README's search: the chunked lines' intercepts moved with the stage bytes, 2x of them, the one-chunk
     # lines' did not)
     copies = 2 * stage_bytes_per_device(pipe) if chunks > 1 else 0
-    return Footprint((policy, pipe.schedule.has_w(), chunks), on_device, slots * r_pol, r_pol, r_all, copies)
+    front = 0
+    if pipe.schedule.has_w() and not plan.direct:
+        front = (frontier_bytes(pipe.model, batch, rows, plan.front_capacity) if known_frontier is None
+                 else known_frontier)
+    return Footprint((policy, pipe.schedule.has_w(), chunks), on_device, slots * r_pol, r_pol, r_all, copies,
+                     front)
 
 
 def stage_bytes_per_device(pipe) -> int:
@@ -104,15 +113,27 @@ def state_bytes(state) -> int:
     return int(sum(shard(a) for a in jax.tree.leaves(state)))
 
 
-def residual_bytes(model, batch, rows: int) -> Tuple[int, int]:
-    """``(R, R_all)``: one micro-batch of ``rows`` rows' stashed residual bytes through one stage of ``model``
-    under its residual policy, and with every residual kept."""
+def _stage_inputs(model, batch, rows: int):
+    """Zeros of one stage's weights, activation and micro-batch of ``rows`` rows (host arrays, for tracing)."""
     from ..runtime.common import host_zeros
-    from ..runtime.stage import stage_residuals
     mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((rows,) + tuple(a.shape[1:]), a.dtype), batch)
     x = jax.eval_shape(model.pre, model.pre_params, mb)
     w = host_zeros(jax.eval_shape(lambda p: jax.tree.map(lambda a: a[0], p), model.stage_params))
-    mb0, x0 = host_zeros(mb), host_zeros(x)
+    return w, host_zeros(x), host_zeros(mb)
+
+
+def frontier_bytes(model, batch, rows: int, slots: int) -> int:
+    """Zero-bubble's frontier slots in buffers of their own for a plan of ``slots`` frontier slots
+    (:func:`jaxpipe.runtime.wsplit.frontier_slot_bytes`; 0 where W recomputes or the frontier is packed)."""
+    from ..runtime.wsplit import frontier_slot_bytes
+    return frontier_slot_bytes(model, *_stage_inputs(model, batch, rows), slots)
+
+
+def residual_bytes(model, batch, rows: int) -> Tuple[int, int]:
+    """``(R, R_all)``: one micro-batch of ``rows`` rows' stashed residual bytes through one stage of ``model``
+    under its residual policy, and with every residual kept."""
+    from ..runtime.stage import stage_residuals
+    w, x0, mb0 = _stage_inputs(model, batch, rows)
     r_pol = tree_bytes(stage_residuals(model, w, x0, mb0)[1])
     full = dataclasses.replace(model, stage_fn=_all_residuals(model.stage_fn))
     return r_pol, tree_bytes(stage_residuals(full, w, x0, mb0)[1])
