@@ -112,3 +112,17 @@ def test_on_one_stage_one_schedule_stands_for_the_others():
     assert all(not c.dropped for c in cands if c.stages > 1)
     alone = {c.schedule: c.dropped for c in _candidates(2, 16, ("zb_h1", "gpipe"), (2,), ("all",)) if c.stages == 1}
     assert alone["zb_h1"] == "" and "zb_h1's candidate" in alone["gpipe"]
+
+
+def test_gpipe_under_lanes_is_one_program_with_1f1b_and_is_not_timed_twice():
+    """Under the lanes placement GPipe runs 1F1B's plan: the search keeps one of the two (timing both measured
+    noise between one program: the two-process truth runs picked either by 7-8%), and keeps what differs."""
+    from jaxpipe.tune.configure import Candidate, _program_key
+
+    def key(name, placement="auto"):
+        c = Candidate(name, 2, 1, 4, "all")
+        pipe = jp.Pipeline(_model(2), schedule=name, num_microbatches=4, mesh=jp.make_mesh(stages=2),
+                           placement=placement)
+        return _program_key(c, pipe)
+    assert key("gpipe") == key("1f1b")
+    assert key("gpipe", "ordered") != key("1f1b") and key("zb_h1") != key("1f1b")

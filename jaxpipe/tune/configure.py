@@ -163,7 +163,7 @@ def configure(make_model: Callable[[int], object], batch: Dict[str, np.ndarray],
     store = MeasureCache(default_path() if cache == "default" else cache)
     bench = Bench(make_model, batch, optimizer, store)
     cands = _candidates(devices, bench.rows, schedules, microbatches, residuals)
-    built, fams = {}, {}
+    built, fams, programs = {}, {}, {}
     for c in cands:
         if c.dropped:
             continue
@@ -171,6 +171,10 @@ def configure(make_model: Callable[[int], object], batch: Dict[str, np.ndarray],
             pipe = Pipeline(bench.model(c.model_stages), optimizer=optimizer, **c.pipeline_kwargs())
         except (ConfigError, ValueError) as e:
             c.dropped = f"not buildable: {str(e).splitlines()[0][:80]}"
+            continue
+        same = programs.setdefault(_program_key(c, pipe), c)
+        if same is not c:       # GPipe under lanes is 1F1B's plan: timing both measures noise, not a choice
+            c.dropped = f"the same program as {same.schedule}'s (placement {pipe.placement})"
             continue
         rows = bench.rows // (c.data * c.microbatches)
         fp = footprint(pipe, batch, known_state=bench.state_bytes(c, pipe),
@@ -188,6 +192,17 @@ def configure(make_model: Callable[[int], object], batch: Dict[str, np.ndarray],
     if verbose:
         print(conf.table(), flush=True)
     return conf
+
+
+def _program_key(c, pipe) -> tuple:
+    """What the executor compiles for ``pipe``: the split, M, policy, the lane plan it runs and the schedule's
+    options the executor reads.  Two candidates with the same key are one program."""
+    from ..schedules.layout import exchange_perms, stream_options
+    p = pipe.lane_plan
+    plan = (p.lanes, tuple(map(tuple, p.phases)), p.stash_capacity, p.front_capacity, p.direct, p.table.tobytes(),
+            p.table.shape)
+    return (c.model_stages, c.stages, c.data, c.microbatches, c.residuals, pipe.schedule.has_w(), plan,
+            tuple(sorted(stream_options(pipe.schedule).items())), exchange_perms(pipe.schedule) is None)
 
 
 def _calibrate(fams, built, bench) -> MemoryModel:
