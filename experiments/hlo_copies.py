@@ -32,9 +32,9 @@ def main(argv):
     import jax.numpy as jnp
     import optax
     import jaxpipe as jp
+    from jaxpipe import schedules
     from jaxpipe.bench import make_tanh_mlp
 
-    from jaxpipe import schedules
     D, M = FLAGS.stages, FLAGS.microbatches
     model = make_tanh_mlp(D * schedules.method(FLAGS.schedule).stages_per_device({}), FLAGS.layers, FLAGS.width)
     n = M * FLAGS.microbatch

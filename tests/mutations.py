@@ -202,7 +202,7 @@ MUTATIONS = [
              "tests/test_configure.py::test_a_second_search_reads_every_measurement_from_the_cache"),
     # a recomputing stage's zero-bubble W priced as if it ran from the frontier (W at the weight products only)
     Mutation("search_thinks_every_w_splits", "jaxpipe/runtime/wsplit.py",
-             "return split_backward(sop.backward, w, zeros(avals), zeros(x), avals) is not None", "return True",
+             "return _stage_split(model, w, x, mb)[0] is not None", "return True",
              "tests/test_configure.py::test_the_search_knows_when_zero_bubble_w_recomputes"),
     # the stage benchmark reporting a split W where the executor recomputes the backward
     Mutation("stage_bench_thinks_w_always_splits", "jaxpipe/tune/stage_bench.py",

@@ -355,10 +355,15 @@ def stage_splits(model, w, x, mb) -> bool:
     from the frontier B keeps (True), or recomputes the backward (False: a recomputing residual policy, a stage
     whose layers sit in one equation) -- as the executor decides it.  A cost model prices W at the weight
     products alone in the first case and at a whole backward again in the second."""
+    return _stage_split(model, w, x, mb)[0] is not None
+
+
+def _stage_split(model, w, x, mb):
+    """``(split or None, stashed residual avals)`` of ``model``'s stage, analysed as the executor does."""
     from .stage import StageOps
     zeros = lambda t: jax.tree.map(lambda a: jax.numpy.zeros(a.shape, a.dtype), t)
     sop, avals = StageOps.build(model, w, zeros(x), mb)
-    return split_backward(sop.backward, w, zeros(avals), zeros(x), avals) is not None
+    return split_backward(sop.backward, w, zeros(avals), zeros(x), avals), avals
 
 
 def frontier_slot_bytes(model, w, x, mb, slots: int) -> int:
@@ -366,10 +371,7 @@ def frontier_slot_bytes(model, w, x, mb, slots: int) -> int:
     least one, as the executor allocates them): 0 where W recomputes the backward or the frontier is packed into
     the stash slots B alone reads (:func:`~jaxpipe.runtime.front_pack.placed_in_stash`)."""
     from .front_pack import placed_in_stash
-    from .stage import StageOps
-    zeros = lambda t: jax.tree.map(lambda a: jax.numpy.zeros(a.shape, a.dtype), t)
-    sop, avals = StageOps.build(model, w, zeros(x), mb)
-    sp = split_backward(sop.backward, w, zeros(avals), zeros(x), avals)
+    sp, avals = _stage_split(model, w, x, mb)
     if sp is None or placed_in_stash(sp, avals, slots) is not None:
         return 0
     return max(slots, 1) * _nbytes(sp.frontier_avals)

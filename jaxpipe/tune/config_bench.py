@@ -84,7 +84,7 @@ class Bench:
 
     def compile_memory(self, jobs: Sequence[tuple]) -> None:
         """Set ``c.compiled_memory`` (XLA's total per device) for every ``(candidate, pipe)`` of ``jobs``: from the
-        cache, or compiled (lowered one after the other, compiled :data:`COMPILE_THREADS` at a time, the next lowered meanwhile)."""
+        cache, or compiled (:data:`COMPILE_THREADS` at a time, the next lowered meanwhile)."""
         todo = []
         for c, pipe in jobs:
             key = self._key("compiled", c.model_stages, c.label(), self._batch_shapes())

@@ -6,8 +6,9 @@ micro-batch count and residual policy, and for each predicts
 
 * **memory per device** with :mod:`jaxpipe.tune.memory`: the state exact, the temp from the plan's stash slots
   and the stage's residuals, the lines calibrated on two compiles per family (residual policy, split
-  backward, chunks per device; one stage, whose plan stashes nothing, a family of its own); the chosen candidate and the runner-up are then compiled, and where XLA's
-  figure differs from the prediction by over 10% the choice is made again on the compiled figure;
+  backward, chunks per device; one stage, whose plan stashes nothing, a family of its own); the chosen
+  candidate and the runner-up are then compiled, and where XLA's figure differs from the prediction by over
+  10% the choice is made again on the compiled figure;
 * **step time** with :func:`jaxpipe.tune.lockstep.predict_devices`: the plan the executor compiles, tick by
   tick, at one stage's F, B and W measured on this backend per micro-batch size and residual policy
   (:func:`jaxpipe.tune.stage_bench.stashed_stage_costs`: residuals through a stash, a recomputing policy's
