@@ -79,13 +79,24 @@ def test_a_second_search_reads_every_measurement_from_the_cache(roomy, cache_fil
 def test_measure_times_a_few_candidates_and_picks_the_fastest_timed(roomy):
     """``measure=k``: the final choice is the fastest of at most k candidates timed on the devices (the two
     predicted fastest first); the others keep their predictions only."""
-    conf = roomy.within(1 << 40, measure=2, rounds=1)
+    conf = roomy.within(1 << 40, measure=2, rounds=2, min_time_s=0.0)
     timed = [c for c in conf.candidates if c.measured_s is not None]
     assert len(timed) == 2 and all(c.measured_s > 0 for c in timed)
     ranked = sorted((c for c in conf.candidates if not c.dropped), key=lambda c: c.step_s)
     assert set(map(id, timed)) == set(map(id, ranked[:2]))
     assert conf.best is min(timed, key=lambda c: c.measured_s)
     assert "ms |" in conf.table().splitlines()[2]
+
+
+def test_a_measured_choice_times_short_steps_for_long_enough():
+    """Three rounds of three 12-ms steps timed a candidate at 1.33x its own speed and the pick lost 24%: the
+    rounds grow until the fastest candidate is timed ``min_time_s`` in all, within [rounds, MAX_ROUNDS]."""
+    from jaxpipe.tune.configure import MAX_ROUNDS, _rounds_for
+    assert _rounds_for(0.012, 3, 1.0) == 28          # 28 rounds x 3 steps x 12 ms >= 1 s
+    assert _rounds_for(0.5, 3, 1.0) == 3             # long steps: the asked rounds suffice
+    assert _rounds_for(0.001, 3, 1.0) == MAX_ROUNDS
+    assert _rounds_for(0.001, 40, 1.0) == 40         # never fewer than asked
+    assert _rounds_for(0.012, 3, 0.0) == 3
 
 
 @pytest.mark.parametrize("residuals,splits", [("all", True), ("inputs", False)])

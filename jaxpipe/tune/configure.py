@@ -44,6 +44,9 @@ from .measure_cache import MeasureCache, default_path
 from .memory import MemoryModel, calibrate, footprint
 
 CHECK_TOLERANCE = 0.10
+#: a measured choice times its fastest candidate at least this long (seconds), in at most MAX_ROUNDS rounds
+MIN_TIME_S = 1.0
+MAX_ROUNDS = 30
 
 
 @dataclasses.dataclass
@@ -99,9 +102,10 @@ class Configuration:
         """Measurements made (timed or compiled) by the search."""
         return self._bench.cache.misses
 
-    def within(self, memory_budget: float, measure: int = 0, rounds: int = 3) -> "Configuration":
+    def within(self, memory_budget: float, measure: int = 0, rounds: int = 3,
+               min_time_s: float = MIN_TIME_S) -> "Configuration":
         """The choice under another budget, from the same predictions (compiling only what the check needs);
-        ``measure``, ``rounds``: as :func:`configure`'s."""
+        ``measure``, ``rounds``, ``min_time_s``: as :func:`configure`'s."""
         cands = [dataclasses.replace(c, measured_s=None) for c in self.candidates]
         built = {id(n): self._built[id(o)] for o, n in zip(self.candidates, cands) if id(o) in self._built}
         for c in cands:
@@ -109,7 +113,7 @@ class Configuration:
                 c.dropped = ""
         conf = _choose(cands, built, self._bench, memory_budget)
         if measure:
-            conf.best = _measured_best(conf, measure, rounds)
+            conf.best = _measured_best(conf, measure, rounds, min_time_s)
         return conf
 
     def table(self) -> str:
@@ -151,13 +155,15 @@ def _candidates(devices, rows, names, microbatches, residuals) -> List[Candidate
 def configure(make_model: Callable[[int], object], batch: Dict[str, np.ndarray], optimizer, *, devices: int,
               memory_budget: float, schedules: Sequence[str] = ("1f1b", "gpipe", "zb_h1", "interleaved_1f1b"),
               microbatches: Sequence[int] = (2, 4, 8), residuals: Sequence[str] = ("all", "inputs"),
-              verbose: bool = True, cache="default", measure: int = 0, rounds: int = 3) -> Configuration:
+              verbose: bool = True, cache="default", measure: int = 0, rounds: int = 3,
+              min_time_s: float = MIN_TIME_S) -> Configuration:
     """The predicted-fastest configuration of ``make_model(num_stages)`` (a ``PipelineModel`` of that many
     stages) on ``devices`` devices within ``memory_budget`` bytes per device (module docstring).  ``batch``:
     one step's host batch (its rows are split over ``data`` and micro-batches).  ``cache``: where measurements
     are kept per (model, backend) -- ``"default"`` (``$JAXPIPE_CACHE_DIR`` or ``~/.cache/jaxpipe``), a file
     path, or ``None`` (measure everything).  ``measure=k``: the final choice is made by timing steps on the
-    devices (``rounds`` rounds of 3 steps, in turns) of at most ``k`` fitting candidates -- the two
+    devices (rounds of 3 steps, in turns: at least ``rounds``, and the fastest timed ``min_time_s`` seconds in
+    all) of at most ``k`` fitting candidates -- the two
     predicted fastest and the predicted fastest of each (stage count, residual policy) -- where the model's
     ranking is least sure (:func:`_measured_best`)."""
     from ..pipeline import Pipeline
@@ -189,7 +195,7 @@ def configure(make_model: Callable[[int], object], batch: Dict[str, np.ndarray],
             c.memory = c.compiled_memory if c.compiled_memory is not None else model.total(built[id(c)][1])
     conf = _choose(cands, built, bench, memory_budget)
     if measure:
-        conf.best = _measured_best(conf, measure, rounds)
+        conf.best = _measured_best(conf, measure, rounds, min_time_s)
     if verbose:
         print(conf.table(), flush=True)
     return conf
@@ -275,11 +281,13 @@ def _predict_times(cands, built, bench, devices) -> None:
         c.bubble = 1.0 - parts["busy"] / max(parts["compute"], 1e-30)
 
 
-def _measured_best(conf: Configuration, k: int, rounds: int) -> Candidate:
+def _measured_best(conf: Configuration, k: int, rounds: int, min_time_s: float = MIN_TIME_S) -> Candidate:
     """The fastest measured of at most ``k`` fitting candidates: the two predicted fastest, then the predicted
     fastest of each (stage count, residual policy) group.  Each is built, warmed up (2 steps) and timed in
-    turns with the others; in a multi-process job the times are process 0's (every process then builds the
-    same)."""
+    turns with the others, the median of the rounds of 3 steps: at least ``rounds`` rounds, and enough that the
+    fastest candidate is timed for ``min_time_s`` (:func:`_rounds_for`; on 12-ms steps three rounds were too
+    few: one candidate timed 1.33x its own speed, and the pick lost 24%).  In a multi-process job the times and
+    the round count are process 0's (every process then builds and steps the same)."""
     from ..pipeline import Pipeline
     ok = sorted((c for c in conf.candidates if not c.dropped), key=lambda c: c.step_s)
     pick, seen = ok[:2], {(c.stages, c.residuals) for c in ok[:2]}
@@ -296,15 +304,29 @@ def _measured_best(conf: Configuration, k: int, rounds: int) -> Candidate:
         for _ in range(2):
             s = pipe.step(s, b)[0]
         runs.append([pipe, b, jax.block_until_ready(s), []])
-    for _ in range(rounds):
-        for run in runs:
-            pipe, b, s, ts = run
-            t0 = time.perf_counter()
-            for _ in range(3):
-                s = pipe.step(s, b)[0]
-            run[2] = jax.block_until_ready(s)
-            ts.append((time.perf_counter() - t0) / 3)
+    _time_round(runs)
+    total = _rounds_for(min(agreed([r[3][0] for r in runs])), rounds, min_time_s)
+    for _ in range(total - 1):
+        _time_round(runs)
     times = agreed([float(np.median(r[3])) for r in runs])
     for c, t in zip(pick, times):
         c.measured_s = t
     return min(pick, key=lambda c: c.measured_s)
+
+
+def _time_round(runs, steps: int = 3) -> None:
+    """One round: each run's ``steps`` steps in turn, its mean step time appended to its list."""
+    for run in runs:
+        pipe, b, s, ts = run
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            s = pipe.step(s, b)[0]
+        run[2] = jax.block_until_ready(s)
+        ts.append((time.perf_counter() - t0) / steps)
+
+
+def _rounds_for(fastest_s: float, rounds: int, min_time_s: float, steps: int = 3, most: int = MAX_ROUNDS) -> int:
+    """Rounds of ``steps`` steps so that a candidate stepping in ``fastest_s`` is timed ``min_time_s`` in all:
+    at least ``rounds``, at most ``most``."""
+    need = int(np.ceil(min_time_s / max(fastest_s * steps, 1e-9)))
+    return int(min(max(rounds, need), max(most, rounds)))
