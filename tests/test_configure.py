@@ -137,3 +137,39 @@ def test_gpipe_under_lanes_is_one_program_with_1f1b_and_is_not_timed_twice():
         return _program_key(c, pipe)
     assert key("gpipe") == key("1f1b")
     assert key("gpipe", "ordered") != key("1f1b") and key("zb_h1") != key("1f1b")
+
+
+def test_one_slope_per_residual_policy_one_compile_per_other_family():
+    """README's search compiled two programs per memory family (14); the slope is the residual policy's
+    (README's search: 1.44-1.60 under "all" for every split and chunk count, 0.88-1.04 recomputing), so it is
+    fitted on the policy's largest family and every other family of the policy compiles once, for its offset
+    (10 compiles, every prediction within 4% of XLA's)."""
+    from types import SimpleNamespace as NS
+    from jaxpipe.tune.configure import _calibrate
+    slope = {"all": 1.5, "recompute": 0.9}
+    offset = {("all", False, 1): 100.0, ("all", True, 1): 300.0, ("all", False, 2): 50.0,
+              ("recompute", False, 1): 70.0, ("recompute", True, 1): 20.0}
+    fams, built, cands = {}, {}, []
+    for fam in offset:
+        for i, working in enumerate((1000.0, 2000.0, 4000.0)[:3 if fam == ("all", False, 1) else 2]):
+            c = NS(compiled_memory=None, fam=fam)
+            built[id(c)] = (None, NS(family=fam, working=working, known=10.0 * i, state=5.0))
+            fams.setdefault(fam, []).append(c)
+            cands.append(c)
+    compiled = []
+
+    class Bench:
+        def compile_memory(self, jobs):
+            for c, _ in jobs:
+                fp = built[id(c)][1]
+                c.compiled_memory = fp.state + fp.known + slope[fp.family[0]] * fp.working + offset[fp.family]
+                compiled.append(c)
+
+    model = _calibrate(fams, built, Bench())
+    assert len(compiled) == 2 + 1 + 1 + 2 + 1
+    per_fam = {fam: sum(c.fam == fam for c in compiled) for fam in offset}
+    assert per_fam[("all", False, 1)] == 2 and per_fam[("all", True, 1)] == per_fam[("all", False, 2)] == 1
+    for c in cands:
+        fp = built[id(c)][1]
+        truth = fp.state + fp.known + slope[fp.family[0]] * fp.working + offset[fp.family]
+        assert model.total(fp) == pytest.approx(truth, rel=1e-9), (fp.family, fp.working)

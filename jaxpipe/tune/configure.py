@@ -5,8 +5,9 @@ predicted-fastest pipeline that fits.
 micro-batch count and residual policy, and for each predicts
 
 * **memory per device** with :mod:`jaxpipe.tune.memory`: the state exact, the temp from the plan's stash slots
-  and the stage's residuals, the lines calibrated on two compiles per family (residual policy, split
-  backward, chunks per device; one stage, whose plan stashes nothing, a family of its own); the chosen
+  and the stage's residuals, a line per family (residual policy, split backward, chunks per device; one
+  stage, whose plan stashes nothing, a family of its own), its slope the policy's, fitted on two compiles of
+  one family, and each other family's offset from one compile of its own (:func:`_calibrate`); the chosen
   candidate and the runner-up are then compiled, and where XLA's figure differs from the prediction by over
   10% the choice is made again on the compiled figure;
 * **step time** with :func:`jaxpipe.tune.lockstep.predict_devices`: the plan the executor compiles, tick by
@@ -213,20 +214,35 @@ def _program_key(c, pipe) -> tuple:
 
 
 def _calibrate(fams, built, bench) -> MemoryModel:
-    """Each family's line from two compiles at its two most different micro-batch sizes (all compiles of the
-    search at once, two side by side; from the cache where measured before)."""
-    pairs = {}
+    """Each family's line ``temp = a * working + b`` (:mod:`.memory`).  The slope ``a`` is the residual policy's
+    (how many working-set-sized buffers its programs keep: README's search, 1.44-1.60 under ``"all"``, 0.88-1.04
+    under recomputing policies, whatever the split or chunks): it is fitted on one family of each policy -- the
+    one with the most candidates -- from two compiles at its two most different micro-batch sizes, and every
+    other family of that policy takes it with one compile of its own for ``b`` (at its largest working set, where
+    a budget bites first).  All compiles at once, two side by side; from the cache where measured before.  The
+    choice and the runner-up are compiled again if not among these (:func:`_checked_best`)."""
+    work = lambda c: built[id(c)][1].working
+    anchors = {}
     for fam, cs in fams.items():
-        by_work = sorted(cs, key=lambda c: built[id(c)][1].working)
-        pairs[fam] = list({id(by_work[0]): by_work[0], id(by_work[-1]): by_work[-1]}.values())
-    bench.compile_memory([(c, built[id(c)][0]) for cs in pairs.values() for c in cs])
+        best = anchors.get(fam[0])
+        if best is None or len(cs) > len(fams[best]):
+            anchors[fam[0]] = fam
+    points = {}
+    for fam, cs in fams.items():
+        by_work = sorted(cs, key=work)
+        pts = [by_work[-1], by_work[0]] if anchors[fam[0]] == fam else [by_work[-1]]
+        points[fam] = list({id(c): c for c in pts}.values())
+    bench.compile_memory([(c, built[id(c)][0]) for cs in points.values() for c in cs])
     model = MemoryModel({})
-    for fam, cs in pairs.items():
-        pts = [(built[id(c)][1], c.compiled_memory - built[id(c)][1].state) for c in cs]
+    xy = lambda c: (built[id(c)][1], c.compiled_memory - built[id(c)][1].state)
+    for fam in sorted(points, key=lambda f: anchors[f[0]] != f):         # anchors first: their slopes are shared
+        pts = [xy(c) for c in points[fam]]
         if len(pts) == 2 and pts[0][0].working != pts[1][0].working:
             model = calibrate(pts, model)
         else:
-            model.lines[fam] = (0.0, float(pts[0][1] - pts[0][0].known))
+            a = model.lines.get(anchors[fam[0]], (0.0, 0.0))[0] if anchors[fam[0]] != fam else 0.0
+            fp, y = pts[0]
+            model.lines[fam] = (a, float(y - fp.known - a * fp.working))
     return model
 
 
@@ -259,19 +275,26 @@ def _checked_best(cands, built, bench, budget) -> Candidate:
             return ok[0]
 
 
+def _stage_models(cands, built):
+    """Per residual policy the finest cut of the search (the stage benchmarks time one of its stages), and
+    ``model_of(n, residuals)``: the built model of that cut and policy."""
+    models = {(c.model_stages, c.residuals): built[id(c)][0].model for c in cands if id(c) in built}
+    finest = {res: max(n for n, r in models if r == res) for _, res in models}
+    return finest, lambda n, res: models[(n, res)]
+
+
 def _predict_times(cands, built, bench, devices) -> None:
     """Each built candidate's predicted step and bubble (module docstring): one stage's costs per micro-batch
     size and policy, timed on the finest cut of the search and scaled (:meth:`Bench.stage_costs`)."""
     link = Link(*bench.link(devices)) if devices > 1 else Link(0.0, 0.0)
-    models = {(c.model_stages, c.residuals): built[id(c)][0].model for c in cands if id(c) in built}
-    finest = {res: max(n for n, r in models if r == res) for _, res in models}
+    finest, model_of = _stage_models(cands, built)
     for c in cands:
         if id(c) not in built:
             continue
         pipe, fp = built[id(c)]
         rows = bench.rows // (c.data * c.microbatches)
         lc, act = bench.stage_costs(finest[c.residuals], c.model_stages, c.residuals, rows,
-                                    pipe.schedule.has_w(), lambda n, res: models[(n, res)])
+                                    pipe.schedule.has_w(), model_of)
         parts = predict_devices(pipe.schedule, lc, 1.0, 0.0, link, act, 0.0, placement=pipe.placement,
                                 edges=bench.edges(rows))
         # the data replicas' gradient all-reduce after the pipeline, its leaves as the step has them
