@@ -62,7 +62,8 @@ def setup(name: str):
     vocab = {"gpt": 64, "gpt_head": 8192}[name]
     T, B, blocks = 64, 16, 4
     tok = r.integers(0, vocab, (B, T + 1)).astype(np.int32)
-    make = lambda n: jp.models.gpt(n, vocab=vocab, d_model=128, heads=4, blocks_per_stage=blocks // n, seq_len=T)
+    # a model of blocks (cut=...), so that configure can also balance the cut (jaxpipe.tune.configure_cut)
+    make = lambda n: jp.models.gpt(n, vocab=vocab, d_model=128, heads=4, seq_len=T, cut=[blocks // n] * n)
     return make, {"x": tok[:, :-1], "y": tok[:, 1:]}
 
 
@@ -86,32 +87,41 @@ def one_model(name: str):
                         microbatches=tuple(int(m) for m in FLAGS.microbatches.split(",")),
                         residuals=("all", "inputs"), cache=None, verbose=False, measure=FLAGS.measure)
     decide_s = time.perf_counter() - t0
-    fits = [c for c in conf.candidates if not c.dropped]
+    default = next(c for c in conf.candidates
+                   if (c.schedule, c.stages, c.data, c.microbatches, c.residuals) == DEFAULT and c.cut is None)
+    # each budget's choice first (a budget's own balanced cut is a candidate of its own), then every candidate
+    # that fits any of them timed
+    choices = []
+    for budget in (float("inf"), default.memory - 1):
+        try:
+            choices.append((budget, conf.within(budget, measure=FLAGS.measure)))
+        except jp.ConfigError as e:
+            choices.append((budget, e))
+    fits = {}
+    for got in [conf] + [g for _, g in choices if not isinstance(g, Exception)]:
+        fits.update({c.label(): c for c in got.candidates if not c.dropped})
     runs = {}
-    for c in fits:
-        pipe = jp.Pipeline(make(c.model_stages), optimizer=opt, **c.pipeline_kwargs())
+    for label, c in fits.items():
+        pipe = jp.Pipeline(conf.model(c), optimizer=opt, **c.pipeline_kwargs())
         b = pipe.shard_batch(batch)
         s = pipe.init()
         for _ in range(2):
             s = pipe.step(s, b)[0]
-        runs[c.label()] = [lambda s, pipe=pipe, b=b: pipe.step(s, b)[0], s]
+        runs[label] = [lambda s, pipe=pipe, b=b: pipe.step(s, b)[0], s]
     from jaxpipe.bench import round_steps
     per_round = round_steps(runs, FLAGS.rounds)
     measured = {k: float(np.median(v)) for k, v in per_round.items()}
     del runs
     out = {"model": name, "decide_s": decide_s, "budgets": []}
-    default = next(c for c in conf.candidates if (c.schedule, c.stages, c.data, c.microbatches, c.residuals) == DEFAULT)
-    for budget in (float("inf"), default.memory - 1):
-        try:
-            got = conf.within(budget, measure=FLAGS.measure)
-        except jp.ConfigError as e:
-            out["budgets"].append({"budget": budget, "refused": str(e)})
+    for budget, got in choices:
+        if isinstance(got, Exception):
+            out["budgets"].append({"budget": budget, "refused": str(got)})
             continue
         rows = [_row(c, measured.get(c.label()) if not c.dropped else None) for c in got.candidates]
-        entry = {"budget": budget, "pick": got.best.label(), "rows": rows,
+        entry = {"budget": budget, "pick": got.best.label(), "rows": rows, "cut_note": got.cut_note,
                  "predicted_pick": min((c for c in got.candidates if not c.dropped), key=lambda c: c.step_s).label()}
         if budget != float("inf"):         # the defaults do not fit: the pick must, and must train
-            pipe = jp.Pipeline(make(got.best.model_stages), optimizer=opt, **got.best.pipeline_kwargs())
+            pipe = jp.Pipeline(got.model(), optimizer=opt, **got.best.pipeline_kwargs())
             st, metrics = pipe.step(pipe.init(), pipe.shard_batch(batch))
             entry["trained_loss"] = float(jax.device_get(metrics["loss"]))
             entry["default_memory"] = default.memory
@@ -151,6 +161,8 @@ def report(results) -> None:
                   f"{pick['measured_s'] / best['measured_s']:.3f}"
                   + (f"; defaults need {b['default_memory'] / 2**20:.2f} MiB; the pick trained a step "
                      f"(loss {b['trained_loss']:.3f})" if "trained_loss" in b else ""))
+            if b.get("cut_note"):
+                print(f"{lim}: cut: {b['cut_note']}")
             print("| candidate | predicted | timed by configure | measured | bubble | memory (pred.) | compiled | note |")
             print("|---|---|---|---|---|---|---|---|")
             for r in sorted(b["rows"], key=lambda r: (bool(r["dropped"]), r["measured_s"] or 1e9)):

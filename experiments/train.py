@@ -273,6 +273,8 @@ def _auto_configure(jp, say):
                         verbose=False)
     best = conf.best
     say(conf.table())
+    if conf.cut_note:
+        say(f"--auto: cut: {conf.cut_note}")
     say(f"--auto chose: --stages={best.stages} --data={best.data} --schedule={best.schedule} "
         f"--microbatches={best.microbatches} --residuals={best.residuals} --blocks_per_stage={blocks // best.model_stages}"
         f"{' --virtual=2' if 'virtual' in best.pipeline_kwargs()['options'] else ''}")

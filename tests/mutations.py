@@ -200,6 +200,18 @@ MUTATIONS = [
     Mutation("memory_anchor_compiled_once", "jaxpipe/tune/configure.py",
              "pts = [by_work[-1], by_work[0]] if anchors[fam[0]] == fam else [by_work[-1]]", "pts = [by_work[-1]]",
              "tests/test_configure.py::test_one_slope_per_residual_policy_one_compile_per_other_family"),
+    # the balanced cut's candidate priced as its even twin (never preferred: the cut model's ratio dropped)
+    Mutation("configure_cut_step_not_scaled", "jaxpipe/tune/configure_cut.py",
+             "step_s=best.step_s * choice.predicted / max(", "step_s=best.step_s * choice.even_predicted / max(",
+             "tests/test_configure_cut.py::test_a_heavy_head_gets_a_balanced_cut_as_a_candidate_of_its_own"),
+    # its memory taken from the even twin instead of compiled (a longer stage holds more)
+    Mutation("configure_cut_memory_not_compiled", "jaxpipe/tune/configure_cut.py",
+             "    twin.memory = twin.compiled_memory", "    twin.memory = best.memory",
+             "tests/test_configure_cut.py::test_a_heavy_head_gets_a_balanced_cut_as_a_candidate_of_its_own"),
+    # the model of a cut candidate built with the even cut (the pick's cut never reaches the user)
+    Mutation("configure_cut_model_even", "jaxpipe/tune/config_bench.py",
+             'if getattr(c, "cut", None) is None:', "if True:",
+             "tests/test_configure_cut.py::test_the_balanced_model_computes_what_the_even_one_does"),
     # the head's cost charged to the first stage (a heavy head then looks free to a pipeline)
     Mutation("head_cost_on_the_first_stage", "jaxpipe/tune/lockstep.py",
              "out[-1, j] += n * self.f_post", "out[0, j] += n * self.f_post",

@@ -12,6 +12,7 @@ run two at a time: XLA's compile releases the GIL (two compiles of the step took
 """
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, Sequence
 
@@ -37,12 +38,34 @@ class Bench:
         self._keys: Dict[int, str] = {}
         self._residuals: Dict[tuple, tuple] = {}
         self._states: Dict[tuple, object] = {}
+        self._cut_models: Dict[tuple, object] = {}
 
     # --- the model, cut in n ------------------------------------------------------------------------------
     def model(self, n: int):
         if n not in self._models:
             self._models[n] = self.make_model(n)
         return self._models[n]
+
+    def model_for(self, c):
+        """Candidate ``c``'s model: ``make_model(c.model_stages)``, or its blocks cut as ``c.cut`` says."""
+        if getattr(c, "cut", None) is None:
+            return self.model(c.model_stages)
+        key = (c.model_stages, tuple(c.cut))
+        if key not in self._cut_models:
+            from .cut import recut
+            self._cut_models[key] = recut(self.model(c.model_stages), c.cut)
+        return self._cut_models[key]
+
+    def parts(self, rows: int):
+        """:class:`~jaxpipe.tune.cut.PartCosts` of one block, the embedding and the head on ``rows``-row
+        micro-batches (the model of the finest cut measured; every cut holds the same blocks)."""
+        from .cut import PartCosts, measure_parts, per_block
+        n = max(self._models)
+
+        def measure():
+            mb = jax.tree.map(lambda a: np.asarray(a[:rows]), self.batch)
+            return agreed(dataclasses.asdict(measure_parts(per_block(self.model(n)), mb)))
+        return PartCosts(**self.cache.get(self._key("parts", n, rows), measure))
 
     def model_key(self, n: int) -> str:
         if n not in self._keys:
@@ -56,22 +79,22 @@ class Bench:
     # --- memory ---------------------------------------------------------------------------------------------
     def state_bytes(self, c, pipe) -> int:
         """One device's state bytes: the same for every schedule, M and policy of one split and cut."""
-        return self.cache.get(self._key("state", c.model_stages, c.stages, c.data),
+        return self.cache.get(self._key("state", c.model_stages, c.stages, c.data, *_cut(c)),
                               lambda: state_bytes(self.state(c, pipe)))
 
     def state(self, c, pipe):
         """``pipe.init()``, made once per (schedule, split) (the layout of a schedule's stages may differ)."""
-        key = (c.schedule, c.model_stages, c.stages, c.data)
+        key = (c.schedule, c.model_stages, c.stages, c.data, c.cut)
         if key not in self._states:
             self._states[key] = pipe.init()
         return self._states[key]
 
     def residuals(self, c, pipe, rows: int):
-        key = (c.model_stages, c.residuals, rows)
-        if key not in self._residuals:
-            self._residuals[key] = tuple(self.cache.get(self._key("residuals", *key),
+        key = (c.model_stages, c.residuals, rows, *_cut(c))
+        if str(key) not in self._residuals:
+            self._residuals[str(key)] = tuple(self.cache.get(self._key("residuals", *key),
                                                         lambda: residual_bytes(pipe.model, self.batch, rows)))
-        return self._residuals[key]
+        return self._residuals[str(key)]
 
     def frontier(self, c, pipe, rows: int) -> int:
         """Zero-bubble's own frontier slots (:func:`~jaxpipe.tune.memory.frontier_bytes`) per (cut, policy, rows,
@@ -79,7 +102,7 @@ class Bench:
         slots = pipe.lane_plan.front_capacity
         if not pipe.schedule.has_w() or pipe.lane_plan.direct:
             return 0
-        return int(self.cache.get(self._key("frontier", c.model_stages, c.residuals, rows, slots),
+        return int(self.cache.get(self._key("frontier", c.model_stages, c.residuals, rows, slots, *_cut(c)),
                                   lambda: frontier_bytes(pipe.model, self.batch, rows, slots)))
 
     def compile_memory(self, jobs: Sequence[tuple]) -> None:
@@ -170,6 +193,12 @@ class Bench:
         share = jax.tree.map(lambda a: np.zeros(np.shape(a), np.asarray(a).dtype), share)
         return float(self.cache.get(self._key("allreduce", c.model_stages, c.stages, c.data, devices),
                                     lambda: agreed([tree_allreduce_time(share, devices, c.data)])[0]))
+
+
+def _cut(c) -> list:
+    """What a candidate's cut adds to its keys: nothing for the model's own cut (the keys stay as they were)."""
+    cut = getattr(c, "cut", None)
+    return [] if cut is None else [list(cut)]
 
 
 def agreed(value):

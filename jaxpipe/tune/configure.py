@@ -26,13 +26,14 @@ same programs.
 
 It returns a :class:`Configuration`: the choice (``Pipeline`` keyword arguments and the mesh), every candidate
 with its predicted step, bubble, memory and why a candidate was dropped, and :meth:`Configuration.table`.
-Not yet (issue #53): tensor / FSDP axes, a per-stage cut or per-stage policy, the no-flush methods.
+The cut: each stage count's fastest fitting candidate is also tried with its blocks' cut balanced from measured
+costs (:mod:`.configure_cut`).  Not yet (issue #53): tensor / FSDP axes, a per-stage policy, the no-flush methods.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import jax
 import numpy as np
@@ -40,6 +41,7 @@ import numpy as np
 from .. import schedules as _schedules
 from ..errors import ConfigError
 from .config_bench import Bench, agreed
+from .configure_cut import balance_cuts
 from .lockstep import Link, predict_devices
 from .measure_cache import MeasureCache, default_path
 from .memory import MemoryModel, calibrate, footprint
@@ -63,6 +65,9 @@ class Candidate:
     compiled_memory: Optional[float] = None
     dropped: str = ""
     measured_s: Optional[float] = None     # its step timed on the devices (``configure(measure=k)``)
+    #: blocks per model stage where the cut is not the model's own even one (the pick's balanced cut,
+    #: :mod:`.configure_cut`); build the model with :meth:`Configuration.model`
+    cut: Optional[Tuple[int, ...]] = None
 
     def pipeline_kwargs(self) -> dict:
         """What to give ``jp.Pipeline`` (with the model cut into :meth:`model_stages` stages)."""
@@ -82,7 +87,9 @@ class Candidate:
         return self.stages * per
 
     def label(self) -> str:
-        return f"{self.schedule} stage={self.stages} data={self.data} M={self.microbatches} residuals={self.residuals}"
+        cut = "" if self.cut is None else f" cut={','.join(map(str, self.cut))}"
+        return (f"{self.schedule} stage={self.stages} data={self.data} M={self.microbatches} "
+                f"residuals={self.residuals}{cut}")
 
 
 @dataclasses.dataclass
@@ -92,6 +99,14 @@ class Configuration:
     budget: float
     _built: dict = dataclasses.field(default_factory=dict, repr=False)
     _bench: object = dataclasses.field(default=None, repr=False)
+    #: what balancing each stage count's fastest cut found (:mod:`.configure_cut`)
+    cut_note: str = ""
+    _balance: bool = dataclasses.field(default=True, repr=False)
+
+    def model(self, candidate: Optional[Candidate] = None):
+        """The model ``candidate`` (default: the choice) runs: ``make_model(candidate.model_stages)``, or with a
+        balanced cut, the same blocks cut as :attr:`Candidate.cut` says."""
+        return self._bench.model_for(self.best if candidate is None else candidate)
 
     @property
     def cache_hits(self) -> int:
@@ -113,6 +128,9 @@ class Configuration:
             if c.dropped.startswith(("needs", "compiled")):
                 c.dropped = ""
         conf = _choose(cands, built, self._bench, memory_budget)
+        if self._balance:
+            balance_cuts(conf, memory_budget)
+        conf._balance = self._balance
         if measure:
             conf.best = _measured_best(conf, measure, rounds, min_time_s)
         return conf
@@ -157,7 +175,7 @@ def configure(make_model: Callable[[int], object], batch: Dict[str, np.ndarray],
               memory_budget: float, schedules: Sequence[str] = ("1f1b", "gpipe", "zb_h1", "interleaved_1f1b"),
               microbatches: Sequence[int] = (2, 4, 8), residuals: Sequence[str] = ("all", "inputs"),
               verbose: bool = True, cache="default", measure: int = 0, rounds: int = 3,
-              min_time_s: float = MIN_TIME_S) -> Configuration:
+              min_time_s: float = MIN_TIME_S, balance_cut: bool = True) -> Configuration:
     """The predicted-fastest configuration of ``make_model(num_stages)`` (a ``PipelineModel`` of that many
     stages) on ``devices`` devices within ``memory_budget`` bytes per device (module docstring).  ``batch``:
     one step's host batch (its rows are split over ``data`` and micro-batches).  ``cache``: where measurements
@@ -166,7 +184,9 @@ def configure(make_model: Callable[[int], object], batch: Dict[str, np.ndarray],
     devices (rounds of 3 steps, in turns: at least ``rounds``, and the fastest timed ``min_time_s`` seconds in
     all) of at most ``k`` fitting candidates -- the two
     predicted fastest and the predicted fastest of each (stage count, residual policy) -- where the model's
-    ranking is least sure (:func:`_measured_best`)."""
+    ranking is least sure (:func:`_measured_best`).  ``balance_cut``: each stage count's fastest fitting candidate
+    with its cut balanced from measured costs, a candidate of its own (:mod:`.configure_cut`; models of blocks
+    only)."""
     from ..pipeline import Pipeline
     store = MeasureCache(default_path() if cache == "default" else cache)
     bench = Bench(make_model, batch, optimizer, store)
@@ -176,7 +196,7 @@ def configure(make_model: Callable[[int], object], batch: Dict[str, np.ndarray],
         if c.dropped:
             continue
         try:
-            pipe = Pipeline(bench.model(c.model_stages), optimizer=optimizer, **c.pipeline_kwargs())
+            pipe = Pipeline(bench.model_for(c), optimizer=optimizer, **c.pipeline_kwargs())
         except (ConfigError, ValueError) as e:
             c.dropped = f"not buildable: {str(e).splitlines()[0][:80]}"
             continue
@@ -195,10 +215,15 @@ def configure(make_model: Callable[[int], object], batch: Dict[str, np.ndarray],
         if id(c) in built:
             c.memory = c.compiled_memory if c.compiled_memory is not None else model.total(built[id(c)][1])
     conf = _choose(cands, built, bench, memory_budget)
+    conf._balance = balance_cut
+    if balance_cut:
+        balance_cuts(conf, memory_budget)
     if measure:
         conf.best = _measured_best(conf, measure, rounds, min_time_s)
     if verbose:
         print(conf.table(), flush=True)
+        if conf.cut_note:
+            print(f"cut: {conf.cut_note}", flush=True)
     return conf
 
 
@@ -321,7 +346,7 @@ def _measured_best(conf: Configuration, k: int, rounds: int, min_time_s: float =
     pick = pick[:max(k, 1)]
     bench, runs = conf._bench, []
     for c in pick:
-        pipe = Pipeline(bench.model(c.model_stages), optimizer=bench.optimizer, **c.pipeline_kwargs())
+        pipe = Pipeline(bench.model_for(c), optimizer=bench.optimizer, **c.pipeline_kwargs())
         b = pipe.shard_batch(bench.batch)
         s = pipe.init()
         for _ in range(2):

@@ -167,19 +167,31 @@ def balance(model, num_stages: int, example, schedule: str = "1f1b", num_microba
     the choice is stable, or read from the costs an earlier call kept in ``cache_dir``
     (:mod:`jaxpipe.tune.part_costs`; ``remeasure=True`` measures again).  Prints the choice unless
     ``verbose=False``."""
+    per_block_model = per_block(model)
+    n = len(per_block_model.cut)
+    from .part_costs import stable_costs
+    choose = lambda c: balanced_cut(n, num_stages, c, schedule, num_microbatches, options).cut
+    costs, agreement, source = stable_costs(per_block_model, example, choose, cache_dir, remeasure)
+    choice = dataclasses.replace(balanced_cut(n, num_stages, costs, schedule, num_microbatches, options),
+                                 agreement=agreement, source=source)
+    if verbose:
+        print(f"jaxpipe: {choice}")
+    return dataclasses.replace(per_block_model, cut=choice.cut, stage_fn=None), choice
+
+
+def per_block(model):
+    """``model`` (a model of blocks: ``block_fn``, stage parameters stacked per stage or, with a cut, per
+    block) with one block a stage: what :func:`measure_parts` and :func:`recut` start from."""
     if model.block_fn is None:
         raise ConfigError("a balanced cut moves blocks between stages: give the model as block_fn + blocks "
                           "(PipelineModel(block_fn=..., stage_params=blocks, cut=...)) or use the Flax adapters")
     blocks = model.stage_params if model.cut is not None else jax.tree.map(
         lambda a: a.reshape((-1,) + a.shape[2:]), model.stage_params)
     n = int(jax.tree.leaves(blocks)[0].shape[0])
-    per_block = dataclasses.replace(model, stage_params=blocks, cut=(1,) * n, stage_fn=None,
-                                    context=bool(model.block_context), recut=None)
-    from .part_costs import stable_costs
-    choose = lambda c: balanced_cut(n, num_stages, c, schedule, num_microbatches, options).cut
-    costs, agreement, source = stable_costs(per_block, example, choose, cache_dir, remeasure)
-    choice = dataclasses.replace(balanced_cut(n, num_stages, costs, schedule, num_microbatches, options),
-                                 agreement=agreement, source=source)
-    if verbose:
-        print(f"jaxpipe: {choice}")
-    return dataclasses.replace(per_block, cut=choice.cut, stage_fn=None), choice
+    return dataclasses.replace(model, stage_params=blocks, cut=(1,) * n, stage_fn=None,
+                               context=bool(model.block_context), recut=None)
+
+
+def recut(model, cut: Sequence[int]):
+    """``model``'s blocks cut as ``cut`` says (one block count per model stage)."""
+    return dataclasses.replace(per_block(model), cut=tuple(int(c) for c in cut), stage_fn=None)

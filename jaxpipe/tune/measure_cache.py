@@ -49,7 +49,9 @@ def _shapes(tree) -> str:
 
 def model_key(model, mb, optimizer=None) -> str:
     """A digest of the model as the search measures it: the jaxprs of ``pre``, one stage and ``post_loss`` on
-    the micro-batch ``mb``, the parameters' shapes and the optimizer state's shapes."""
+    the micro-batch ``mb``, the parameters' shapes and the optimizer state's shapes (a cut model's as the
+    executor holds them: padded, ``[stages, max(cut), ...]``)."""
+    model = model.padded()
     w = jax.tree.map(lambda a: a[0], model.stage_params)
     x = jax.eval_shape(model.pre, model.pre_params, mb)
     ctx = model.example_context(mb)
