@@ -9,8 +9,8 @@ micro-batch (:meth:`~jaxpipe.tune.config_bench.Bench.parts`) -- by :func:`~jaxpi
 its schedule, stage count and micro-batches.  Where that cut differs from the even one, it is a candidate of its own
 (its label says ``cut=...``):
 
-* its step is the even candidate's predicted step times the cut model's ratio (balanced over even: the same schedule, the
-  same micro-batches, only the stages' costs differ);
+* its step is the even candidate's predicted step times the cut model's ratio (balanced over even: the same
+  schedule, the same micro-batches, only the stages' costs differ);
 * its memory is compiled (XLA's ``memory_analysis()``: the longest stage holds more blocks, every stage as many
   slots);
 * the pick is then the fastest that fits again; ``configure(measure=k)`` times it beside the others, so a cut
