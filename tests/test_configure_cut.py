@@ -17,8 +17,8 @@ def _batch(vocab):
 
 
 def _heavy_head(n):
-    """A head of 16384 words over d 32: its forward and backward cost several blocks'."""
-    return jp.models.gpt(n, vocab=16384, d_model=32, heads=2, seq_len=T, cut=[BLOCKS // n] * n)
+    """A GPT of 4 blocks (its head's costs are given below, not timed)."""
+    return jp.models.gpt(n, vocab=256, d_model=32, heads=2, seq_len=T, cut=[BLOCKS // n] * n)
 
 
 #: a head whose forward and backward cost six blocks' (given, not timed: which cut is balanced must not depend
@@ -33,7 +33,7 @@ def heavy(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("configure_cut") / "measurements.json")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(config_bench.Bench, "parts", lambda self, rows: PartCosts(**HEAVY))
-        return configure(_heavy_head, _batch(16384), optax.adamw(1e-3), devices=2, memory_budget=1 << 40,
+        return configure(_heavy_head, _batch(256), optax.adamw(1e-3), devices=2, memory_budget=1 << 40,
                          schedules=("1f1b",), microbatches=(2,), residuals=("all",), verbose=False, cache=path)
 
 
@@ -63,7 +63,7 @@ def test_the_balanced_model_computes_what_the_even_one_does(heavy):
         model = heavy.model(c)
         assert tuple(model.cut) == (twin.cut if c is twin else (BLOCKS // 2,) * 2)
         pipe = jp.Pipeline(model, optimizer=optax.adamw(1e-3), **c.pipeline_kwargs())
-        batch = pipe.shard_batch(_batch(16384))
+        batch = pipe.shard_batch(_batch(256))
         state, metrics = pipe.step(pipe.init(), batch)
         losses.append((float(metrics["loss"]), float(pipe.step(state, batch)[1]["loss"])))
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
