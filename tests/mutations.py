@@ -210,7 +210,8 @@ MUTATIONS = [
              "tests/test_configure_cut.py::test_a_heavy_head_gets_a_balanced_cut_as_a_candidate_of_its_own"),
     # the model of a cut candidate built with the even cut (the pick's cut never reaches the user)
     Mutation("configure_cut_model_even", "jaxpipe/tune/config_bench.py",
-             'if getattr(c, "cut", None) is None:', "if True:",
+             "        if c.cut is None:\n            return self.model(c.model_stages)",
+             "        if True:\n            return self.model(c.model_stages)",
              "tests/test_configure_cut.py::test_the_balanced_model_computes_what_the_even_one_does"),
     # the head's cost charged to the first stage (a heavy head then looks free to a pipeline)
     Mutation("head_cost_on_the_first_stage", "jaxpipe/tune/lockstep.py",

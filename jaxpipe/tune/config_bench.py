@@ -48,9 +48,9 @@ class Bench:
 
     def model_for(self, c):
         """Candidate ``c``'s model: ``make_model(c.model_stages)``, or its blocks cut as ``c.cut`` says."""
-        if getattr(c, "cut", None) is None:
+        if c.cut is None:
             return self.model(c.model_stages)
-        key = (c.model_stages, tuple(c.cut))
+        key = (c.model_stages, c.cut)
         if key not in self._cut_models:
             from .cut import recut
             self._cut_models[key] = recut(self.model(c.model_stages), c.cut)
@@ -91,10 +91,10 @@ class Bench:
 
     def residuals(self, c, pipe, rows: int):
         key = (c.model_stages, c.residuals, rows, *_cut(c))
-        if str(key) not in self._residuals:
-            self._residuals[str(key)] = tuple(self.cache.get(self._key("residuals", *key),
+        if key not in self._residuals:
+            self._residuals[key] = tuple(self.cache.get(self._key("residuals", *key),
                                                         lambda: residual_bytes(pipe.model, self.batch, rows)))
-        return self._residuals[str(key)]
+        return self._residuals[key]
 
     def frontier(self, c, pipe, rows: int) -> int:
         """Zero-bubble's own frontier slots (:func:`~jaxpipe.tune.memory.frontier_bytes`) per (cut, policy, rows,
@@ -195,10 +195,9 @@ class Bench:
                                     lambda: agreed([tree_allreduce_time(share, devices, c.data)])[0]))
 
 
-def _cut(c) -> list:
+def _cut(c) -> tuple:
     """What a candidate's cut adds to its keys: nothing for the model's own cut (the keys stay as they were)."""
-    cut = getattr(c, "cut", None)
-    return [] if cut is None else [list(cut)]
+    return () if c.cut is None else (c.cut,)
 
 
 def agreed(value):

@@ -300,26 +300,19 @@ def _checked_best(cands, built, bench, budget) -> Candidate:
             return ok[0]
 
 
-def _stage_models(cands, built):
-    """Per residual policy the finest cut of the search (the stage benchmarks time one of its stages), and
-    ``model_of(n, residuals)``: the built model of that cut and policy."""
-    models = {(c.model_stages, c.residuals): built[id(c)][0].model for c in cands if id(c) in built}
-    finest = {res: max(n for n, r in models if r == res) for _, res in models}
-    return finest, lambda n, res: models[(n, res)]
-
-
 def _predict_times(cands, built, bench, devices) -> None:
     """Each built candidate's predicted step and bubble (module docstring): one stage's costs per micro-batch
     size and policy, timed on the finest cut of the search and scaled (:meth:`Bench.stage_costs`)."""
     link = Link(*bench.link(devices)) if devices > 1 else Link(0.0, 0.0)
-    finest, model_of = _stage_models(cands, built)
+    models = {(c.model_stages, c.residuals): built[id(c)][0].model for c in cands if id(c) in built}
+    finest = {res: max(n for n, r in models if r == res) for _, res in models}
     for c in cands:
         if id(c) not in built:
             continue
         pipe, fp = built[id(c)]
         rows = bench.rows // (c.data * c.microbatches)
         lc, act = bench.stage_costs(finest[c.residuals], c.model_stages, c.residuals, rows,
-                                    pipe.schedule.has_w(), model_of)
+                                    pipe.schedule.has_w(), lambda n, res: models[(n, res)])
         parts = predict_devices(pipe.schedule, lc, 1.0, 0.0, link, act, 0.0, placement=pipe.placement,
                                 edges=bench.edges(rows))
         # the data replicas' gradient all-reduce after the pipeline, its leaves as the step has them

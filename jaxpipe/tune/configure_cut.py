@@ -22,8 +22,8 @@ one ``stage_fn`` cannot be cut again, and its table says so.
 from __future__ import annotations
 
 import dataclasses
-import numpy as np
 
+from ..cuts import even_cut
 from ..errors import ConfigError
 
 
@@ -51,11 +51,11 @@ def _twin(conf, best, budget: float) -> str:
     """``best`` with its cut balanced, a candidate of ``conf`` where the cut differs from the even one and
     builds; what happened, in words."""
     from ..pipeline import Pipeline
-    from .cut import balanced_cut
+    from .cut import balanced_cut, per_block
     from .memory import footprint
     bench = conf._bench
     model = bench.model_for(best)
-    even = tuple(model.cut) if model.cut is not None else (_blocks_per_stage(model),) * best.model_stages
+    even = tuple(model.cut) if model.cut is not None else even_cut(len(per_block(model).cut), best.model_stages)
     rows = bench.rows // (best.data * best.microbatches)
     choice = balanced_cut(sum(even), best.stages, bench.parts(rows), best.schedule, best.microbatches,
                           best._options())
@@ -80,10 +80,3 @@ def _twin(conf, best, budget: float) -> str:
         twin.dropped = f"needs {twin.memory / 2**20:,.1f} MiB a device > the budget {budget / 2**20:,.1f}"
         return f"the balanced cut {list(choice.cut)} ({gain}) does not fit"
     return f"balanced cut {list(choice.cut)}: {gain}"
-
-
-def _blocks_per_stage(model) -> int:
-    """Blocks in each stage of a model stacked per stage (``[stages, blocks, ...]`` leaves)."""
-    import jax
-    shape = np.shape(jax.tree.leaves(model.stage_params)[0])
-    return int(shape[1]) if len(shape) > 1 else 1
