@@ -110,6 +110,8 @@ class Checkpointer:
         self._check_pipe = getattr(pipe, "check", None)
         self._check_saveable = getattr(pipe, "check_saveable", None)
         self._optimizer = getattr(pipe, "optimizer", None)      # finds the optimizer state's copies of the blocks
+        order = getattr(getattr(pipe, "_runner", None), "stage_order", None)
+        self._stage_order = order() if order is not None else None   # the state's stage leaves in the model's order
         self._ocp = ocp
         opts = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=max(every, 1),
                                             enable_async_checkpointing=async_save, create=True)
@@ -291,7 +293,7 @@ class Checkpointer:
             return leaf if shape == tuple(leaf.shape) else jax.ShapeDtypeStruct(
                 shape, leaf.dtype, sharding=NamedSharding(leaf.sharding.mesh, PartitionSpec()))
         state = recut_state(self._read(step, meta, jax.tree_util.tree_map_with_path(as_saved, abstract)),
-                            self._optimizer, from_cut, to_cut)
+                            self._optimizer, from_cut, to_cut, self._stage_order)
         got, want = _shapes(state), _shapes(abstract)
         if got != want:
             diff = [f"{k}: moved {tuple(got.get(k, ()))}, needed {tuple(v)}" for k, v in want.items() if got.get(k) != v]

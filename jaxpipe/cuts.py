@@ -185,17 +185,22 @@ def blocks_layout(model) -> Tuple[Optional[list], Optional[Tuple[int, ...]]]:
             (int(k),) * int(S))
 
 
-def recut_state(state, optimizer, from_cut: Sequence[int], to_cut: Sequence[int]):
+def recut_state(state, optimizer, from_cut: Sequence[int], to_cut: Sequence[int], order=None):
     """A synchronous train state (``params=(stage, pre, post)``, ``opt_state``) held for ``from_cut`` as
     ``to_cut`` holds it: the stage parameters and every copy of them in the optimizer state (Adam's moments,
     ...; found by ``optax.tree_utils.tree_map_params``) moved block by block, padding zero.  Same blocks,
-    same order: a checkpoint restores onto another cut of the same model."""
+    same order: a checkpoint restores onto another cut of the same model.  ``order``: ``(to_model,
+    from_model)`` for a state whose stage leaves are not in the model's order (the runner's ``stage_order()``:
+    interleaved 1F1B's device order, the V-schedules' chunks)."""
     import optax
-    move = lambda a: pad_blocks(unpad_blocks(a, from_cut), to_cut)
+    from .runtime.chunk_state import is_chunks
+    to_model, from_model = order or ((lambda a: a), (lambda a: a))
+    move = lambda a: from_model(pad_blocks(unpad_blocks(to_model(a), from_cut), to_cut))
     stage, pre, post = state.params
-    mask = (jax.tree.map(lambda _: True, stage), jax.tree.map(lambda _: False, pre),
+    mask = (jax.tree.map(lambda _: True, stage, is_leaf=is_chunks), jax.tree.map(lambda _: False, pre),
             jax.tree.map(lambda _: False, post))
     opt_state = state.opt_state
     if optimizer is not None:
-        opt_state = optax.tree_utils.tree_map_params(optimizer, lambda a, s: move(a) if s else a, opt_state, mask)
-    return state._replace(params=(jax.tree.map(move, stage), pre, post), opt_state=opt_state)
+        opt_state = optax.tree_utils.tree_map_params(optimizer, lambda a, s: move(a) if s else a, opt_state, mask,
+                                                     is_leaf=is_chunks)
+    return state._replace(params=(jax.tree.map(move, stage, is_leaf=is_chunks), pre, post), opt_state=opt_state)

@@ -80,20 +80,6 @@ def test_a_one_stage_plan_is_a_family_of_its_own_whatever_its_policy():
     assert footprint(_pipe(2, 2), _batch(), known_state=0).family == ("all", False, 1)
 
 
-def test_two_chunks_a_device_add_their_stage_bytes_twice_to_what_is_known():
-    """Interleaved 1F1B holds each chunk's stage parameters and gradient sums apart: twice one device's stage
-    bytes (README's search: without them a line fitted at two stages put four stages 18% off, with them 1%)."""
-    from jaxpipe.tune.memory import stage_bytes_per_device
-    model = jp.models.gpt(4, vocab=64, d_model=32, heads=2, blocks_per_stage=1, seq_len=T)
-    pipe = jp.Pipeline(model, schedule="interleaved_1f1b", num_microbatches=2, optimizer=optax.adamw(1e-3),
-                       mesh=jp.make_mesh(stages=2), options={"virtual": 2})
-    stage = sum(a.nbytes for a in jax.tree.leaves(model.stage_params))
-    assert stage_bytes_per_device(pipe) == stage // 2
-    fp = footprint(pipe, _batch(), known_state=0)
-    assert fp.chunk_copies == stage and fp.known == fp.stash + stage
-    assert footprint(_pipe(2, 2), _batch(), known_state=0).chunk_copies == 0
-
-
 def test_zero_bubbles_own_frontier_slots_are_known_before_compiling():
     """ZB-H1's B keeps the frontier W reads in slots of its own where packing it into the stash saves too
     little: those bytes, slots x frontier, are known from the split (README's search: a ZB line fitted where the

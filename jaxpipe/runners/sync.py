@@ -17,6 +17,7 @@ from ..runtime.gradient import make_stream_grad_fn
 from ..schedules.periodic import one_call
 from ..sharding import branches_refused, like_params, guard_collectives
 from ..step_checks import STATUS, gate, pop_status
+from ..runtime import chunk_state
 
 
 
@@ -49,6 +50,9 @@ class SyncRunner:
         self._stored = (not self._identity_layout and
                         sorted(self._layout.tolist()) == list(range(ctx.schedule.num_model_stages)))
         self._inverse = np.argsort(self._layout)
+        # several chunks a device: each stage leaf held as one array per chunk (chunk_state: no step slices
+        # the chunks out of one stack or stacks their gradients back)
+        self._chunks = ctx.schedule.num_model_stages // ctx.schedule.D if self._stored else 1
         self._compiled: Dict[Any, Any] = {}
         #: the flushing schedule as a stream of one call (its lane plan: what the executor runs)
         self.stream = one_call(ctx.lane_plan)
@@ -56,8 +60,9 @@ class SyncRunner:
     def init(self) -> PipelineState:
         ctx = self.ctx
         # A copy made by jit: step() donates the state, and the model's own arrays must survive that.
-        lay = np.asarray(self._layout)
-        to_state = lambda p: (jax.tree.map(lambda a: a[lay], p[0]) if self._stored else jax.tree.map(jnp.copy, p[0]),
+        lay, K = np.asarray(self._layout), self._chunks
+        to_state = lambda p: (chunk_state.split(p[0], lay, K) if K > 1 else
+                              jax.tree.map(lambda a: a[lay], p[0]) if self._stored else jax.tree.map(jnp.copy, p[0]),
                               *jax.tree.map(jnp.copy, p[1:]))
         rep = NamedSharding(ctx.mesh, P())
         stripped = ctx.ties.strip(ctx.model.params)
@@ -71,14 +76,33 @@ class SyncRunner:
             return q, opt.init(q), jnp.zeros((), jnp.int32)
 
         p_shapes, o_shapes, _ = jax.eval_shape(make, stripped)
-        out_sh = like_params(opt, o_shapes, p_shapes, ctx.param_shardings, ctx.mesh)
-        params, opt_state, count = jax.jit(make, out_shardings=(ctx.param_shardings, out_sh, rep))(stripped)
+        p_sh = self._state_shardings()
+        out_sh = like_params(opt, o_shapes, p_shapes, p_sh, ctx.mesh)
+        params, opt_state, count = jax.jit(make, out_shardings=(p_sh, out_sh, rep))(stripped)
         return PipelineState(params, opt_state if ctx.optimizer is not None else None, count)
+
+    def _state_shardings(self):
+        """The parameters' shardings as the state holds them (a stage leaf's for each of its chunks)."""
+        stage, *rest = self.ctx.param_shardings
+        return (chunk_state.repeat(stage, self._chunks) if self._chunks > 1 else stage, *rest)
+
+    def stage_order(self):
+        """``(to_model, from_model)``: one stage leaf of the state in the model's order (``[stages, ...]``) and
+        back -- the layouts that are not the model's own (chunks a device, a device-local order); None where the
+        state holds the model's order."""
+        lay, inv, K = self._layout, self._inverse, self._chunks
+        if K > 1:
+            return (lambda ch: chunk_state.join_leaf(ch, inv)), (lambda a: chunk_state.split_leaf(a, lay, K))
+        if self._stored:
+            return (lambda a: a[jnp.asarray(inv)]), (lambda a: a[jnp.asarray(lay)])
+        return None
 
     def prepare(self, state, batch):
         return state
 
     def params(self, state: PipelineState):
+        if self._chunks > 1:
+            return self.ctx.ties.fill((chunk_state.join(state.params[0], self._inverse),) + tuple(state.params[1:]))
         if self._stored:
             inv = jnp.asarray(self._inverse)
             return self.ctx.ties.fill((jax.tree.map(lambda a: a[inv], state.params[0]),) + tuple(state.params[1:]))
@@ -166,7 +190,9 @@ class SyncRunner:
                     loss, sums = lg(params, b, step)
                     g, g_pre, g_post = mean(sums)
                     status = checks.status(inputs)
-                    return loss, (jax.tree.map(lambda a: a[inv], g) if stored else g, g_pre, g_post), status
+                    g = (chunk_state.join(g, self._inverse) if self._chunks > 1 else
+                         jax.tree.map(lambda a: a[inv], g) if stored else g)
+                    return loss, (g, g_pre, g_post), status
                 self._compiled[key] = jax.jit(grad_in_model_order)
                 self._compiled[key] = guard_collectives(self._compiled[key], self.ctx.mesh)
             else:

@@ -15,6 +15,7 @@ from .program import sums_losses
 from .inflight import empty_carry
 from .stage import stage_residuals
 from .common import host_zeros
+from . import chunk_state
 
 
 def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubbles: bool = False, seed: int = 0,
@@ -64,16 +65,8 @@ def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubble
         bcast = (lambda t: t) if replicas else (lambda t: jax.tree.map(lambda a: jax.lax.with_sharding_constraint(
             jnp.broadcast_to(a, (D,) + jnp.shape(a)), on_stage), t))
         pin = lambda t: jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, on_stage), t)
-        if perms is not None:
-            chunks = tuple((stage_p if pm is None else permute(stage_p, pm), bcast(pre_p), bcast(post_p))
-                           for pm in perms)
-        elif K == 1:
-            chunks = ((stage_p, bcast(pre_p), bcast(post_p)),)
-        else:
-            per_dev = jax.tree.map(lambda a: a.reshape((D, K) + a.shape[1:]), stage_p)
-            chunks = tuple((pin(jax.tree.map(lambda a: a[:, c], per_dev)), bcast(pre_p), bcast(post_p))
-                           for c in range(K))
-        pstate = tuple(jax.vmap(p.init)(lp) for p, lp in zip(policies, chunks))
+        chunks = tuple((w, bcast(pre_p), bcast(post_p)) for w in _chunk_weights(stage_p, perms, D, K, pin, permute))
+        pstate = tuple(_apart(jax.vmap(p.init)(lp), c) for c, (p, lp) in enumerate(zip(policies, chunks)))
         carry = jax.lax.with_sharding_constraint(
             empty_carry(model, periodic, M, n_dev, mb_example, x_aval, res_avals, nan_bubbles),
             NamedSharding(mesh, P(ALL)))
@@ -88,7 +81,7 @@ def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubble
             # thunk executor and deadlocked (once in a CI run: device 0 in the all-reduce, the others in the
             # permute; BUILD_NOTES, "Traps")
             loss, pss = jax.lax.optimization_barrier((loss, pss))
-        g_w = _stage_gradient(pss, perms, D, pin, permute)
+        g_w = _stage_gradient(pss, perms, D, pin, permute, chunk_state.holds_chunks(stage_p))
         total = (lambda a: a) if replicas else (lambda a: a.sum(0))
         g_pre = jax.tree.map(lambda *g: sum(total(a) for a in g), *(ps.acc[1] for ps in pss))
         g_post = jax.tree.map(lambda *g: sum(total(a) for a in g), *(ps.acc[2] for ps in pss))
@@ -97,6 +90,31 @@ def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubble
         return loss, (like(g_w, stage_p), like(g_pre, pre_p), like(g_post, post_p))
     return fn
 
+
+
+def _chunk_weights(stage_p, perms, D, K, pin, permute):
+    """Each chunk's stage weights ``[D, ...]`` from the caller's layout: Chimera's replicas fetched from their
+    owners (``perms``), the one chunk, the chunks as held (:class:`~.chunk_state.Chunks`: nothing sliced), or
+    sliced out of a device-major stack ``[D * K, ...]``."""
+    if perms is not None:
+        return tuple(stage_p if pm is None else permute(stage_p, pm) for pm in perms)
+    if K == 1:
+        return (stage_p,)
+    if chunk_state.holds_chunks(stage_p):
+        return tuple(pin(chunk_state.chunk(stage_p, c)) for c in range(K))
+    per_dev = jax.tree.map(lambda a: a.reshape((D, K) + a.shape[1:]), stage_p)
+    return tuple(pin(jax.tree.map(lambda a: a[:, c], per_dev)) for c in range(K))
+
+
+def _apart(pstate, c: int):
+    """Chunk ``c``'s policy state (its zero gradient sums) built so that XLA cannot merge it with another
+    chunk's: the K chunks' equal zero fills were one buffer, copied for each chunk after the first as the call
+    took them apart (one chunk's stage bytes a step, BUILD_NOTES).  Each float leaf plus a zero XLA cannot fold
+    (``c - c`` through an optimization barrier): the same +0 fill, one per chunk."""
+    if c == 0:
+        return pstate
+    zero = jax.lax.optimization_barrier(jnp.float32(c)) - c
+    return jax.tree.map(lambda a: a + zero.astype(a.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, pstate)
 
 
 def _divides_here(model, divide: bool, replicas: bool) -> bool:
@@ -114,9 +132,10 @@ def _permute(mesh, t, pairs):
                          in_specs=(spec,), out_specs=spec, **manual(mesh))(t)
 
 
-def _stage_gradient(pss, perms, D, pin, permute):
+def _stage_gradient(pss, perms, D, pin, permute, held=False):
     """The stage weights' gradient in the caller's layout from the chunks' sums: each replica's home to its
-    stage's owner, summed there (``perms``: Chimera), the one chunk's, or the chunks interleaved device-major."""
+    stage's owner, summed there (``perms``: Chimera), the one chunk's, the chunks' as they are (``held``: the
+    parameters came as :class:`~.chunk_state.Chunks`), or the chunks interleaved device-major."""
     K = len(pss)
     if perms is not None:
         home = [ps.acc[0] if pm is None else permute(ps.acc[0], [(d, s_) for s_, d in pm])
@@ -124,6 +143,8 @@ def _stage_gradient(pss, perms, D, pin, permute):
         return jax.tree.map(lambda *g: sum(g), *home)
     if K == 1:
         return pss[0].acc[0]
+    if held:
+        return chunk_state.gather([ps.acc[0] for ps in pss])
     return pin(jax.tree.map(lambda *g: jnp.stack(g, 1).reshape((D * K,) + g[0].shape[1:]),
                             *(ps.acc[0] for ps in pss)))
 

@@ -5,14 +5,12 @@ What a compiled step holds per device (XLA's ``memory_analysis()``; BUILD_NOTES,
 is made of", 32 configurations of a GPT): its **arguments** (the stage's parameters, the optimizer state, the
 batch's share -- known exactly before compiling, from the state's own shards) and its **temp**, which is
 
-    temp = stash slots x R + chunk copies + frontier slots + a x R_all + b
+    temp = stash slots x R + frontier slots + a x R_all + b
 
 with ``R`` the residual bytes one micro-batch leaves in the stash under the residual policy (the plan's
 ``stash_capacity`` slots; none where the plan hands them over directly), ``R_all`` the residual bytes of one
 micro-batch through one chunk with every residual kept (the backward's working set: a recomputing policy
-rebuilds them during B), the chunk copies (several chunks a device: each chunk's stage parameters and gradient
-sums held apart, twice one device's stage bytes, :func:`stage_bytes_per_device`), zero-bubble's frontier slots
-where they are buffers of their own (:func:`frontier_bytes`), and ``a``, ``b`` fitted per *family* -- residual
+rebuilds them during B), zero-bubble's frontier slots where they are buffers of their own (:func:`frontier_bytes`), and ``a``, ``b`` fitted per *family* -- residual
 policy, split backward or not, chunks per device; a one-stage plan that hands its residuals straight to B
 (``"direct"``) is a family of its own -- on two compiles at different micro-batch sizes (:func:`calibrate`).
 Measured there: a line through 1F1B at D = 2, M = 4 and 8 predicts D = 4, M = 4 and 8 within 1%; the families
@@ -52,13 +50,13 @@ class Footprint:
     stash: int          # stash slots x R
     residuals: int      # R: one micro-batch's stashed residuals through one chunk under the policy
     working: int        # R_all: the same with every residual kept
-    chunk_copies: int = 0   # several chunks a device: their stage parameters and gradient sums, each once more
     frontier: int = 0       # zero-bubble's frontier slots in buffers of their own (not packed into the stash)
 
     @property
     def known(self) -> int:
-        """The temp known before compiling: the stash slots, the chunks' copies, the frontier slots."""
-        return self.stash + self.chunk_copies + self.frontier
+        """The temp known before compiling: the stash slots and the frontier slots.  (Several chunks a device
+        added two of the device's stage bytes until their state held each chunk apart, issue #49: none now.)"""
+        return self.stash + self.frontier
 
 
 def footprint(pipe, batch, state=None, *, known_state=None, known_residuals=None,
@@ -84,25 +82,11 @@ def footprint(pipe, batch, state=None, *, known_state=None, known_residuals=None
     # policy: its temp is the backward's working set alone (README's search: a line through one such point
     # and one pipelined one predicted the others up to 83% off)
     policy = "direct" if plan.direct else "all" if r_pol == r_all else "recompute"
-    # several chunks a device: the executor holds each chunk's stage parameters (sliced from the device's
-    # stack) and gradient sums (concatenated back after the call) apart, one device's stage bytes twice more
-    # (README's search: the chunked lines' intercepts moved with the stage bytes, 2x of them, the one-chunk
-    # lines' did not)
-    copies = 2 * stage_bytes_per_device(pipe) if chunks > 1 else 0
     front = 0
     if pipe.schedule.has_w() and not plan.direct:
         front = (frontier_bytes(pipe.model, batch, rows, plan.front_capacity) if known_frontier is None
                  else known_frontier)
-    return Footprint((policy, pipe.schedule.has_w(), chunks), on_device, slots * r_pol, r_pol, r_all, copies,
-                     front)
-
-
-def stage_bytes_per_device(pipe) -> int:
-    """One device's share of the stage parameters (its chunks, its model-axis shards)."""
-    leaves = jax.tree.leaves(pipe.model.stage_params)
-    shard = jax.tree.leaves(pipe.param_shardings[0])
-    return int(sum(int(np.prod(sh.shard_shape(a.shape))) * np.dtype(a.dtype).itemsize
-                   for a, sh in zip(leaves, shard)))
+    return Footprint((policy, pipe.schedule.has_w(), chunks), on_device, slots * r_pol, r_pol, r_all, front)
 
 
 def state_bytes(state) -> int:

@@ -1,0 +1,97 @@
+"""The train state of a schedule with several model chunks a device (interleaved 1F1B, ZB-V, DualPipeV): each
+stage parameter held as one array per chunk (issue #49).
+
+Each device of such a schedule holds K model stages (its chunks).  Stacked as one ``[D * K, ...]`` array per
+leaf, every step sliced the K chunks out at entry and stacked their gradient sums back at exit: XLA cannot alias
+a slice into the call's ``while`` operands, so each was a copy of the device's stage weights (two stage bytes of
+temp per device; 6.5-7 ms of a 92-ms step on the two-process testbed's MLP at D = 1, BUILD_NOTES).  Held as
+:class:`Chunks` -- K arrays ``[D, ...]``, array ``c`` holding chunk ``c`` of every device -- the step hands
+them to the executor as they are and gets the gradients back the same way.
+
+:class:`Chunks` is a pytree node under each stage *leaf*: a tree given in the model's structure (an optax
+``masked`` / ``multi_transform`` mask or label tree, a weight-decay mask) is a prefix of the state's and
+applies to every chunk of a leaf.  ``Pipeline.params(state)`` gives the stage parameters in the model's
+order, as for every other schedule.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.tree_util import SequenceKey
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class Chunks:
+    """One stage parameter as K arrays ``[D, ...]``: ``parts[c][d]`` is chunk ``c`` of device ``d``."""
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: Sequence[Any]):
+        self.parts = tuple(parts)
+
+    def __getitem__(self, c: int):
+        return self.parts[c]
+
+    def __len__(self) -> int:
+        return len(self.parts)
+
+    def __repr__(self) -> str:
+        return f"Chunks{self.parts!r}"
+
+    def tree_flatten_with_keys(self):
+        return [(SequenceKey(c), p) for c, p in enumerate(self.parts)], None
+
+    def tree_flatten(self):
+        return self.parts, None
+
+    @classmethod
+    def tree_unflatten(cls, _, parts):
+        return cls(parts)
+
+
+def is_chunks(x) -> bool:
+    return isinstance(x, Chunks)
+
+
+def holds_chunks(tree) -> bool:
+    """Whether ``tree``'s leaves are held as :class:`Chunks`."""
+    return any(is_chunks(x) for x in jax.tree.leaves(tree, is_leaf=is_chunks))
+
+
+def split_leaf(a, layout: np.ndarray, K: int) -> Chunks:
+    """One leaf ``[D * K, ...]`` in the model's order as :class:`Chunks`: chunk ``c`` of device ``d`` is model
+    stage ``layout[d * K + c]``."""
+    per = np.asarray(layout).reshape(-1, K)
+    return Chunks(a[per[:, c]] for c in range(K))
+
+
+def join_leaf(ch: Chunks, inverse: np.ndarray):
+    """The inverse of :func:`split_leaf` (``inverse``: the layout's inverse permutation)."""
+    return jnp.stack(ch.parts, 1).reshape((-1,) + ch.parts[0].shape[1:])[jnp.asarray(inverse)]
+
+
+def split(stage, layout: np.ndarray, K: int):
+    """``stage`` (leaves ``[D * K, ...]`` in the model's order) with each leaf as :func:`split_leaf` holds it."""
+    return jax.tree.map(lambda a: split_leaf(a, layout, K), stage)
+
+
+def join(stage, inverse: np.ndarray):
+    """The inverse of :func:`split`: leaves ``[D * K, ...]`` in the model's order."""
+    return jax.tree.map(lambda ch: join_leaf(ch, inverse), stage, is_leaf=is_chunks)
+
+
+def chunk(stage, c: int):
+    """Chunk ``c`` of every device: the tree with each :class:`Chunks` leaf's array ``c``."""
+    return jax.tree.map(lambda ch: ch[c], stage, is_leaf=is_chunks)
+
+
+def gather(trees: Sequence[Any]):
+    """K trees of the same structure (one per chunk) as one tree of :class:`Chunks` leaves."""
+    return jax.tree.map(lambda *parts: Chunks(parts), *trees)
+
+
+def repeat(tree, K: int):
+    """Each leaf (a sharding, a spec, a mask entry) the same for each of K chunks."""
+    return jax.tree.map(lambda x: Chunks((x,) * K), tree)
