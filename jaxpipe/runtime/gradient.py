@@ -23,7 +23,9 @@ def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubble
                         double_batch: bool = False, divide: bool = True):
     """``fn(stage_p, pre_p, post_p, batch, step) -> (loss, (g_stage, g_pre, g_post))`` with ``stage_p`` in the
     executor's layout (leading axis ``D * chunks``, device-major: index ``d K + c`` holds model stage
-    ``soc[d, c]``, :func:`.common.layout_index`); parameters and gradients without tied copies (a tied
+    ``soc[d, c]``, :func:`.common.layout_index`), or each leaf as :class:`~.chunk_state.Chunks` (K arrays
+    ``[D, ...]``, what the runner's state holds: the gradient comes back the same way, nothing sliced or
+    stacked); parameters and gradients without tied copies (a tied
     array's gradient comes back summed into ``pre``'s).  ``step``: the step index (a context model's keys are
     ``model.microbatch_key(seed, step, replica * M + j)``).  ``perms`` (:func:`.common.exchange_perms`, Chimera):
     ``stage_p`` is in the model's order, one stage per device; chunk ``c`` is fetched with one ``ppermute``
