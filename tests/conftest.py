@@ -9,6 +9,32 @@ import os
 #: JAXPIPE_TEST_XLA_OPTIMISED=1 keeps XLA's backend optimisation on (tests/test_optimised_builds.py runs a sample
 #: of the suite that way: the comparisons across different compiled programs must hold there too)
 _OPT = "" if os.environ.get("JAXPIPE_TEST_XLA_OPTIMISED") == "1" else " --xla_backend_optimization_level=0"
+
+
+def _legacy_emitters_flag() -> str:
+    """XLA CPU's fusion kernels from its LLVM IR emitters instead of the MLIR fusion emitters, where the
+    installed jaxlib still has the choice (0.10: yes; 0.12: no -- and an unknown flag in XLA_FLAGS aborts): a
+    cold compile of a test's pipelined step takes a third less (BUILD_NOTES, "thirtieth stop"; the same
+    numbers to float rounding, compared within one process as the optimisation level is).  Probed once per run
+    in a subprocess; the result travels to pytest-xdist's workers and the tests' subprocesses in the
+    environment."""
+    key = "JAXPIPE_TEST_LEGACY_EMITTERS"
+    if key not in os.environ:
+        import subprocess
+        import sys
+        flag = "--xla_cpu_use_fusion_emitters=false"
+        env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
+        try:
+            ok = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, timeout=120,
+                                capture_output=True).returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            ok = False
+        os.environ[key] = flag if ok else ""
+    return (" " + os.environ[key]) if os.environ[key] else ""
+
+
+if _OPT:
+    _OPT += _legacy_emitters_flag()
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8" + _OPT +
                            # An emulated device's thread starved by the other worker's processes on 2 shared
                            # cores must not abort the worker at XLA's collective rendezvous deadline.
