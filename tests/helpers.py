@@ -1,5 +1,6 @@
 """Shared test helpers: small reference models and the comparison against unpipelined ``jax.grad``."""
 import functools
+import os
 
 import jax
 import numpy as np
@@ -8,8 +9,9 @@ import jaxpipe as jp
 
 #: XLA_FLAGS for the tests' subprocesses (runners, launchers, multi-process jobs): XLA's backend optimisation off,
 #: as in the suite itself (compiles ~20% faster from a cold cache: `experiments.train`'s quick run 26.7 -> 22.3 s);
-#: no device count -- each runner emulates its own
-SUBPROCESS_XLA_FLAGS = "--xla_backend_optimization_level=0"
+#: no device count -- each runner emulates its own; and XLA's older fusion emitters where jaxlib has them, as the
+#: suite takes them (tests/conftest.py)
+SUBPROCESS_XLA_FLAGS = ("--xla_backend_optimization_level=0 " + os.environ.get("JAXPIPE_TEST_LEGACY_EMITTERS", "")).strip()
 
 
 def rel_err(a, b) -> float:

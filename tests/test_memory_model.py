@@ -58,16 +58,21 @@ def test_a_recomputing_policy_is_its_own_family_and_needs_its_own_calibration(me
 
 
 def test_a_program_compiled_for_its_figures_only_has_the_optimised_programs_figures():
-    """``memory_analysis`` compiles with the backend's optimisation off (on CPU): the buffers, and so every
-    figure, are those of the program compiled with it on (the suite's own flag is overridden by the options)."""
-    from jaxpipe.tune.memory import FIGURES_ONLY_OPTIONS, memory_analysis
+    """``memory_analysis`` compiles with the backend's optimisation off and, where jaxlib has them, XLA's older
+    fusion emitters (on CPU): the buffers, and so every figure, are those of the program compiled as a user's
+    is, to a few hundred bytes of temp (the suite's own flags are overridden by the options)."""
+    from jaxpipe.tune import memory
     pipe = _pipe(2, 2, residuals="inputs")
     lowered = pipe.lower("step", pipe.init(), pipe.shard_batch(_batch()))
-    full = lowered.compile({"xla_backend_optimization_level": 3}).memory_analysis()
-    quick = memory_analysis(lowered)
-    assert FIGURES_ONLY_OPTIONS["cpu"] == {"xla_backend_optimization_level": 0}
-    for field in ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes"):
+    quick = memory.memory_analysis(lowered)
+    users = {"xla_backend_optimization_level": 3}
+    users.update({k: True for k in memory.OPTIONAL_OPTIONS if k not in memory._refused})
+    full = lowered.compile(users).memory_analysis()
+    assert memory.FIGURES_ONLY_OPTIONS["cpu"]["xla_backend_optimization_level"] == 0
+    for field in ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes"):
         assert getattr(quick, field) == getattr(full, field), field
+    # the older emitters' kernels keep a few hundred bytes more scratch (320 of 1.27 MB here): 0.03%
+    assert abs(quick.temp_size_in_bytes - full.temp_size_in_bytes) <= 1e-3 * full.temp_size_in_bytes
 
 
 def test_a_one_stage_plan_is_a_family_of_its_own_whatever_its_policy():

@@ -46,9 +46,11 @@ def test_split_is_the_fused_backward_without_recomputation(kind):
     dx2, front = jax.jit(sp.input_part)(w, res, dy)
     dw2 = jax.jit(sp.weight_part)(w, res, dy, front)
     # two compiled programs: equal to rounding in an optimised build (measured <= 1.4e-7 on the GPT stage),
-    # bit-equal with the suite's --xla_backend_optimization_level=0
+    # bit-equal with the suite's --xla_backend_optimization_level=0 on XLA's MLIR fusion emitters (the older
+    # LLVM IR ones, which the suite takes where jaxlib has them, round the GPT stage's two programs apart)
     assert rel_err((dw2, dx2), (dw, dx)) <= 1e-6
-    if "--xla_backend_optimization_level=0" in os.environ.get("XLA_FLAGS", ""):
+    if ("--xla_backend_optimization_level=0" in os.environ.get("XLA_FLAGS", "")
+            and not os.environ.get("JAXPIPE_TEST_LEGACY_EMITTERS")):
         for a, b in zip(jax.tree.leaves((dw, dx)), jax.tree.leaves((dw2, dx2))):
             assert np.array_equal(np.asarray(a), np.asarray(b))
     fused = _dots(ops.backward, w, res, dy)

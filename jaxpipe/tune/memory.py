@@ -135,17 +135,29 @@ def compiled(pipe, batch, state=None) -> Dict[str, int]:
 
 
 #: compiler options for a program compiled only for its memory figures, per platform: on CPU the backend's
-#: (LLVM's) optimisation off -- XLA assigns the buffers before the backend runs, so ``memory_analysis()`` is the
-#: same (tests/test_memory_model.py) and the compile ~25% shorter (GPT d 32 steps on 4 CPU devices: 3.2-3.4 ->
-#: 2.4-2.6 s, BUILD_NOTES).  Elsewhere the default options (not measured there).
-FIGURES_ONLY_OPTIONS = {"cpu": {"xla_backend_optimization_level": 0}}
+#: (LLVM's) optimisation off and the fusion kernels from XLA's LLVM IR emitters instead of its MLIR ones -- XLA
+#: assigns the buffers before either runs, so ``memory_analysis()`` is the same (the older emitters' kernels keep
+#: a few hundred bytes more scratch: 320 of 1.27 MB in tests/test_memory_model.py) and
+#: the compile shorter (GPT d 32 steps on 4 CPU devices: 3.2-3.4 -> 2.4-2.6 s for the first, a third less again
+#: for the second, BUILD_NOTES).  Elsewhere the default options (not measured there).
+FIGURES_ONLY_OPTIONS = {"cpu": {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}}
+#: options a jaxlib may not have (0.12 has only the MLIR emitters): dropped where the compile refuses them
+OPTIONAL_OPTIONS = ("xla_cpu_use_fusion_emitters",)
+_refused = set()
 
 
 def memory_analysis(lowered):
     """XLA's ``memory_analysis()`` of ``lowered`` (a ``jax.stages.Lowered``), compiled for its figures only
     (:data:`FIGURES_ONLY_OPTIONS`): the compiled program is not kept."""
-    opts = FIGURES_ONLY_OPTIONS.get(jax.default_backend())
-    return (lowered.compile(dict(opts)) if opts else lowered.compile()).memory_analysis()
+    opts = {k: v for k, v in FIGURES_ONLY_OPTIONS.get(jax.default_backend(), {}).items() if k not in _refused}
+    try:
+        return (lowered.compile(opts) if opts else lowered.compile()).memory_analysis()
+    except jax.errors.JaxRuntimeError as e:
+        bad = [k for k in OPTIONAL_OPTIONS if k in opts and f"'{k}'" in str(e)]
+        if not bad:
+            raise
+        _refused.update(bad)
+        return memory_analysis(lowered)
 
 
 def memory_total(ma) -> int:
