@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import jaxpipe as jp
-from helpers import small_model
+from helpers import small_model, SUBPROCESS_XLA_FLAGS
 
 # CI's second leg leaves these out (tests/conftest.py): jaxpipe's own process and file handling
 pytestmark = pytest.mark.ci_once
@@ -148,7 +148,7 @@ def test_a_directory_made_read_only_mid_run_ends_in_one_clear_error(tmp_path):
     import time
     from helpers import read_only
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
     ck = tmp_path / "ck"
     p = subprocess.Popen([sys.executable, "-m", "experiments.train", "--model=mlp", "--steps=200", "--batch=32",
                           "--microbatches=4", "--stages=2", "--eval_every=0", "--progress=false",
@@ -286,7 +286,7 @@ def test_a_write_that_fails_is_one_clear_error(tmp_path):
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
     # no compilation cache: under the file-size limit its entries are written truncated, and every later run
     # that shares the cache then warns "Error reading persistent compilation cache entry"
     env.pop("JAX_COMPILATION_CACHE_DIR", None)

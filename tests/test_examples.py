@@ -4,6 +4,8 @@ import re
 import subprocess
 import sys
 
+from helpers import SUBPROCESS_XLA_FLAGS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -11,7 +13,7 @@ def test_own_transformer_example():
     """A user's NNX transformer (mask, dropout, tied head, padding, bf16) through from_nnx: exact against
     nnx.value_and_grad, trained with 1F1B (checkpointed, resumed) and with PipeDream-2BW, modules back out."""
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0")
+               XLA_FLAGS="--xla_force_host_platform_device_count=4 " + SUBPROCESS_XLA_FLAGS)
     p = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "own_transformer.py"), "--steps=4"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     out = p.stdout

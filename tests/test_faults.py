@@ -23,7 +23,7 @@ BASE = ["--model=mlp", "--stages=2", "--microbatches=4", "--batch=32", "--eval_e
 
 def env():
     e = dict(os.environ)
-    e["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+    e["XLA_FLAGS"] = SUBPROCESS_XLA_FLAGS
     e["JAX_PLATFORMS"] = "cpu"
     return e
 

@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import assert_close, assert_same
+from helpers import assert_close, assert_same, SUBPROCESS_XLA_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--model=mlp", "--stages=4", "--steps=4", "--microbatches=4", "--batch=32", "--eval_every=0",
@@ -19,7 +19,7 @@ ARGS = ["--model=mlp", "--stages=4", "--steps=4", "--microbatches=4", "--batch=3
 def env():
     e = dict(os.environ)
     # each process sets its own device count; keep the suite's fast-compile setting for both runs
-    e["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+    e["XLA_FLAGS"] = SUBPROCESS_XLA_FLAGS
     e["JAX_PLATFORMS"] = "cpu"
     return e
 
@@ -96,7 +96,7 @@ def test_two_processes_equal_one_with_model_axes(tmp_path):
         assert_same(pm[k], ps[k])
 
 
-def _two_by_hand(per_process_args, xla_flags="--xla_backend_optimization_level=0", timeout=180):
+def _two_by_hand(per_process_args, xla_flags=SUBPROCESS_XLA_FLAGS, timeout=180):
     """Processes 0 and 1 started by hand (not through the launcher), each with its own extra flags; returns
     [(returncode, output)] -- bounded by the subprocess timeout."""
     from experiments.launch import free_port
@@ -127,7 +127,7 @@ def test_flags_that_differ_across_processes_are_named_on_every_process():
 def test_a_mesh_that_leaves_a_process_out_is_named():
     """Two processes of 8 emulated devices each asking for 2 stages: process 1 held none of the mesh's devices
     and died in float(loss) with "spans non-addressable devices", then the job hung in gloo."""
-    flags_ = "--xla_backend_optimization_level=0 --xla_force_host_platform_device_count=8"
+    flags_ = SUBPROCESS_XLA_FLAGS + " --xla_force_host_platform_device_count=8"
     out = _two_by_hand([["--stages=2"], ["--stages=2"]], xla_flags=flags_)
     for rc, text in out:
         assert rc != 0, text[-2000:]

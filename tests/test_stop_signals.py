@@ -204,7 +204,7 @@ def test_sigterm_to_one_process_saves_and_exits_143(tmp_path):
     """Issue #33 item 5: the one-process SIGTERM branch, end to end -- the step finishes, one checkpoint is
     written, the run says what stopped it and exits 143; a run started again resumes from that step."""
     ck = tmp_path / "ck"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
     args = [*BASE, "--schedule=1f1b", "--steps=2000", "--checkpoint_every=0", f"--checkpoint_dir={ck}",
             "--throttle_s=0.05", f"--out_dir={tmp_path}/run"]
     p = subprocess.Popen([sys.executable, "-m", "experiments.train", *args], cwd=ROOT, env=env,
