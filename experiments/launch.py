@@ -24,6 +24,8 @@ import time
 from experiments import cli
 from absl import app, flags
 
+from jaxpipe.training.stopping import PARENT_DEATH
+
 flags.DEFINE_integer("num_processes", 2, "processes to start")
 flags.DEFINE_integer("port", 0, "coordinator port on 127.0.0.1 (0: pick a free one)")
 flags.DEFINE_string("module", "experiments.train", "the runner every process executes")
@@ -53,12 +55,13 @@ def free_port() -> int:
 
 
 def _die_with_parent() -> None:
-    """In the child, before exec (Linux): SIGTERM when the launcher dies, even by SIGKILL -- the worker then
-    stops as if preempted (checkpoint, exit) instead of training headless to the end."""
+    """In the child, before exec (Linux): a signal when the launcher dies, even by SIGKILL
+    (``jaxpipe.training.stopping.PARENT_DEATH``, counted once however often the kernel sends it) -- the worker
+    then stops as if preempted (checkpoint, exit 143) instead of training headless to the end."""
     import ctypes
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM, 0, 0, 0)       # PR_SET_PDEATHSIG
+        libc.prctl(1, PARENT_DEATH, 0, 0, 0)          # PR_SET_PDEATHSIG
     except (OSError, AttributeError):                 # not Linux: nothing to set
         pass
 

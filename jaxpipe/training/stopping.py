@@ -17,6 +17,13 @@ import threading
 from typing import Callable, List, Optional
 
 
+#: The signal a worker of ``experiments.launch`` gets when its launcher dies (the launcher sets PR_SET_PDEATHSIG
+#: to it).  Not SIGTERM: the kernel sends the parent-death signal each time the worker is handed to another of
+#: the dying launcher's threads, and once more to init -- three SIGTERMs within a millisecond, which counted as
+#: the second and third signal and ended the stop-save at once (the launcher-killed flake of the sixteenth
+#: stop: "SIGTERM at +0.0 s (parent pid L), ... (parent pid L), ... (parent pid 1)").  This one counts once.
+PARENT_DEATH = signal.SIGUSR1
+
 # Where a process whose output reader died writes instead (set by guard_streams; /dev/null when unset):
 # a worker that outlives its launcher keeps its last words -- its stop, its save, or why neither happened.
 _ORPHAN_LOG: Optional[str] = None
@@ -100,6 +107,7 @@ class Stop:
             self._timer.cancel()
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(PARENT_DEATH, signal.SIG_IGN)
 
     def install(self) -> None:
         """This stop handles SIGTERM and SIGINT (main thread only) until :meth:`uninstall`."""
@@ -114,12 +122,16 @@ class Stop:
 
     def watch_launcher(self, launcher_pid: Optional[int], stop_timeout: float, poll_s: float = 0.5) -> None:
         """A worker of ``experiments.launch`` ends when its launcher is gone, whatever it is doing: the
-        launcher's death sends SIGTERM (PR_SET_PDEATHSIG), which stops a worker that reaches the end of its
-        step; one that cannot (stuck in user code, or waiting in a collective for a stuck peer) is ended by this
-        thread ``stop_timeout`` seconds later -- never an orphan.  A thread runs while the main thread waits
-        in native code (a collective releases the GIL) or loops in Python."""
+        launcher's death sends :data:`PARENT_DEATH` (PR_SET_PDEATHSIG), which stops a worker as one SIGTERM
+        would, however often the kernel sends it; a worker that cannot reach the end of its step (stuck in user
+        code, or waiting in a collective for a stuck peer) is ended by this thread ``stop_timeout`` seconds
+        later -- never an orphan.  A thread runs while the main thread waits in native code (a collective
+        releases the GIL) or loops in Python."""
         if not launcher_pid:
             return
+        if threading.current_thread() is threading.main_thread():
+            self._before = getattr(self, "_before", {})
+            self._before.setdefault(PARENT_DEATH, signal.signal(PARENT_DEATH, self.on_parent_death))
 
         def watch():
             import time
@@ -191,6 +203,13 @@ class Stop:
             self._timer.start()
             return
         self._force_exit(name, f"signal {n} ({name}; {self._history()})")
+
+    def on_parent_death(self, _signum=None, _frame=None) -> None:
+        """The launcher is gone: a stop as one SIGTERM starts it (checkpoint, exit 143), the first time only."""
+        if getattr(self, "_parent_died", False):
+            return
+        self._parent_died = True
+        self.on_signal(signal.SIGTERM)
 
     def _history(self) -> str:
         """When each signal came and who this process's parent was then (a parent that changed between two
