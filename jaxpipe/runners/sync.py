@@ -60,10 +60,8 @@ class SyncRunner:
     def init(self) -> PipelineState:
         ctx = self.ctx
         # A copy made by jit: step() donates the state, and the model's own arrays must survive that.
-        lay, K = np.asarray(self._layout), self._chunks
-        to_state = lambda p: (chunk_state.split(p[0], lay, K) if K > 1 else
-                              jax.tree.map(lambda a: a[lay], p[0]) if self._stored else jax.tree.map(jnp.copy, p[0]),
-                              *jax.tree.map(jnp.copy, p[1:]))
+        order = self.stage_order()
+        to_state = lambda p: (jax.tree.map(order[1] if order else jnp.copy, p[0]), *jax.tree.map(jnp.copy, p[1:]))
         rep = NamedSharding(ctx.mesh, P())
         stripped = ctx.ties.strip(ctx.model.params)
         opt = ctx.optimizer if ctx.optimizer is not None else optax.identity()   # (no state: an empty tuple)
@@ -100,13 +98,13 @@ class SyncRunner:
     def prepare(self, state, batch):
         return state
 
+    def _model_order(self, stage):
+        """The state's stage parameters (or their gradients) in the model's order."""
+        order = self.stage_order()
+        return stage if order is None else jax.tree.map(order[0], stage, is_leaf=chunk_state.is_chunks)
+
     def params(self, state: PipelineState):
-        if self._chunks > 1:
-            return self.ctx.ties.fill((chunk_state.join(state.params[0], self._inverse),) + tuple(state.params[1:]))
-        if self._stored:
-            inv = jnp.asarray(self._inverse)
-            return self.ctx.ties.fill((jax.tree.map(lambda a: a[inv], state.params[0]),) + tuple(state.params[1:]))
-        return self.ctx.ties.fill(state.params)
+        return self.ctx.ties.fill((self._model_order(state.params[0]),) + tuple(state.params[1:]))
 
     def loss_and_grad(self, state: PipelineState, batch):
         loss, grads, status = self._fn("grad", batch)(state.params, batch, state.step)
@@ -163,7 +161,7 @@ class SyncRunner:
 
             lay, identity = jnp.asarray(self._layout), self._identity_layout
             lay_sh = self.ctx.param_shardings[0]      # P("stage", *the leaf's model-axis spec)
-            stored, inv = self._stored, jnp.asarray(self._inverse)
+            stored = self._stored
 
             def lg(params, b, step):
                 # tied arrays travel inside the program; their gradients come back folded into pre's
@@ -190,9 +188,7 @@ class SyncRunner:
                     loss, sums = lg(params, b, step)
                     g, g_pre, g_post = mean(sums)
                     status = checks.status(inputs)
-                    g = (chunk_state.join(g, self._inverse) if self._chunks > 1 else
-                         jax.tree.map(lambda a: a[inv], g) if stored else g)
-                    return loss, (g, g_pre, g_post), status
+                    return loss, (self._model_order(g), g_pre, g_post), status
                 self._compiled[key] = jax.jit(grad_in_model_order)
                 self._compiled[key] = guard_collectives(self._compiled[key], self.ctx.mesh)
             else:

@@ -72,16 +72,6 @@ def join_leaf(ch: Chunks, inverse: np.ndarray):
     return jnp.stack(ch.parts, 1).reshape((-1,) + ch.parts[0].shape[1:])[jnp.asarray(inverse)]
 
 
-def split(stage, layout: np.ndarray, K: int):
-    """``stage`` (leaves ``[D * K, ...]`` in the model's order) with each leaf as :func:`split_leaf` holds it."""
-    return jax.tree.map(lambda a: split_leaf(a, layout, K), stage)
-
-
-def join(stage, inverse: np.ndarray):
-    """The inverse of :func:`split`: leaves ``[D * K, ...]`` in the model's order."""
-    return jax.tree.map(lambda ch: join_leaf(ch, inverse), stage, is_leaf=is_chunks)
-
-
 def chunk(stage, c: int):
     """Chunk ``c`` of every device: the tree with each :class:`Chunks` leaf's array ``c``."""
     return jax.tree.map(lambda ch: ch[c], stage, is_leaf=is_chunks)
