@@ -68,7 +68,7 @@ def setup(name: str):
 
 
 def _row(c, measured=None):
-    return {"label": c.label(), "key": [c.schedule, c.stages, c.data, c.microbatches, c.residuals],
+    return {"label": c.label(), "key": [c.schedule, c.stages, c.data, c.microbatches, c.residuals, c.fsdp, c.tensor],
             "step_s": c.step_s, "bubble": c.bubble, "memory": c.memory, "compiled": c.compiled_memory,
             "dropped": c.dropped, "measured_s": measured, "configure_measured_s": c.measured_s}
 

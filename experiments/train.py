@@ -49,6 +49,9 @@ flags.DEFINE_bool("auto", False, "choose the stage x data split of --stages x --
 flags.DEFINE_float("memory_budget_mb", 0.0, "--auto: memory per device in MiB the configuration must fit (0: no limit)")
 flags.DEFINE_list("auto_schedules", ["1f1b", "gpipe", "zb_h1", "interleaved_1f1b"], "--auto: the schedules it considers")
 flags.DEFINE_list("auto_microbatches", ["2", "4", "8"], "--auto: the micro-batch counts it considers")
+flags.DEFINE_list("auto_axes", [], "--auto (gpt): model axes it also splits the devices into, 'tensor' and / or "
+                  "'fsdp' (the GPT's MLP split Megatron-style / its kernels and the batch sharded): stage x data x "
+                  "those, each of every size that divides the devices")
 flags.DEFINE_enum("residuals", "all", ["all", "inputs"], "what a stage keeps between its forward and backward: "
                   "every residual, or only its input (the backward recomputes the forward: less memory, more flops)")
 flags.DEFINE_integer("microbatches", 4, "micro-batches per step (per data replica)")
@@ -247,8 +250,13 @@ def _auto_configure(jp, say):
     import optax
     from experiments import factories
     if jax.process_count() > 1 or FLAGS.tensor > 1 or FLAGS.fsdp > 1 or FLAGS.pipes > 1:
-        raise app.UsageError("--auto chooses stage x data on one process (no --tensor / --fsdp / --pipes): run it "
-                             "once there and give the flags it prints to the multi-process job")
+        raise app.UsageError("--auto chooses stage x data on one process (no --tensor / --fsdp / --pipes; "
+                             "--auto_axes=tensor,fsdp lets it split the devices over those too): run it once "
+                             "there and give the flags it prints to the multi-process job")
+    bad = [a for a in FLAGS.auto_axes if a not in ("tensor", "fsdp")]
+    if bad or (FLAGS.auto_axes and FLAGS.model != "gpt"):
+        raise app.UsageError(f"--auto_axes={','.join(FLAGS.auto_axes)}: the model axes --auto can add are 'tensor' "
+                             f"and 'fsdp', for --model=gpt (its param_specs name them)")
     if FLAGS.cut:
         raise app.UsageError(f"--auto cuts the model evenly for the stages it considers; drop --cut={FLAGS.cut}")
     devices = FLAGS.stages * FLAGS.data
@@ -259,13 +267,17 @@ def _auto_configure(jp, say):
     def make(n):
         if blocks % n:
             raise jp.ConfigError(f"{blocks} blocks do not cut into {n} stages")
+        # the model's specs name the axes --auto_axes lists (a candidate without them drops the specs)
         FLAGS.blocks_per_stage = blocks // n
+        FLAGS.tensor, FLAGS.fsdp = (2 if "tensor" in FLAGS.auto_axes else 1), (2 if "fsdp" in FLAGS.auto_axes else 1)
         try:
             return factories.build(FLAGS.model, n, FLAGS.batch, FLAGS.seed).model
         finally:
             FLAGS.blocks_per_stage = blocks // FLAGS.stages
+            FLAGS.tensor = FLAGS.fsdp = 1
     sample = jp.training.streams.peek(factories.build(FLAGS.model, FLAGS.stages, FLAGS.batch, FLAGS.seed).batches)
-    say(f"--auto: choosing among stage x data splits of {devices} devices, {', '.join(FLAGS.auto_schedules)}, "
+    split = " x ".join(["stage", "data"] + list(FLAGS.auto_axes))
+    say(f"--auto: choosing among {split} splits of {devices} devices, {', '.join(FLAGS.auto_schedules)}, "
         f"M in {', '.join(FLAGS.auto_microbatches)}, residuals all / inputs"
         f"{f', within {FLAGS.memory_budget_mb:g} MiB a device' if FLAGS.memory_budget_mb > 0 else ''} ...")
     conf = jp.configure(make, sample, optax.adamw(1e-3), devices=devices, memory_budget=budget,
@@ -275,11 +287,13 @@ def _auto_configure(jp, say):
     say(conf.table())
     if conf.cut_note:
         say(f"--auto: cut: {conf.cut_note}")
-    say(f"--auto chose: --stages={best.stages} --data={best.data} --schedule={best.schedule} "
+    axes = "".join(f" --{a}={v}" for a, v in (("tensor", best.tensor), ("fsdp", best.fsdp)) if v > 1)
+    say(f"--auto chose: --stages={best.stages} --data={best.data}{axes} --schedule={best.schedule} "
         f"--microbatches={best.microbatches} --residuals={best.residuals} --blocks_per_stage={blocks // best.model_stages}"
         f"{' --virtual=2' if 'virtual' in best.pipeline_kwargs()['options'] else ''}")
     FLAGS.blocks_per_stage = blocks // best.model_stages
     FLAGS.stages, FLAGS.data, FLAGS.schedule = best.stages, best.data, best.schedule
+    FLAGS.tensor, FLAGS.fsdp = best.tensor, best.fsdp
     FLAGS.microbatches, FLAGS.residuals = best.microbatches, best.residuals
     if "virtual" in best.pipeline_kwargs()["options"]:
         FLAGS.virtual = best.pipeline_kwargs()["options"]["virtual"]

@@ -220,8 +220,7 @@ MUTATIONS = [
              "tests/test_configure_cut.py::test_a_heavy_head_gets_a_balanced_cut_as_a_candidate_of_its_own"),
     # the model of a cut candidate built with the even cut (the pick's cut never reaches the user)
     Mutation("configure_cut_model_even", "jaxpipe/tune/config_bench.py",
-             "        if c.cut is None:\n            return self.model(c.model_stages)",
-             "        if True:\n            return self.model(c.model_stages)",
+             "        if c.cut is None and not (plain and", "        if True or not (plain and",
              "tests/test_configure_cut.py::test_the_balanced_model_computes_what_the_even_one_does"),
     # the head's cost charged to the first stage (a heavy head then looks free to a pipeline)
     Mutation("head_cost_on_the_first_stage", "jaxpipe/tune/lockstep.py",
@@ -239,6 +238,28 @@ MUTATIONS = [
     Mutation("stage_bench_thinks_w_always_splits", "jaxpipe/tune/stage_bench.py",
              "found.append(sp is not None)", "found.append(True)",
              "tests/test_stage_bench.py::test_a_context_model_under_a_recomputing_policy_reports_that_w_recomputes"),
+    # issue #53, model axes: a tensor candidate's stash priced with unsharded residuals
+    Mutation("tensor_residuals_unsharded", "jaxpipe/tune/config_bench.py",
+             "return residual_bytes_on(pipe.model, self.batch, rows, mesh, w_specs, batch_spec)",
+             "return residual_bytes(pipe.model, self.batch, rows)",
+             "tests/test_configure_axes.py::test_a_tensor_candidate_holds_its_shards"),
+    # ... its memory line shared with the unsharded candidates' (their slope is not its own)
+    Mutation("tensor_family_shared", "jaxpipe/tune/config_bench.py",
+             "axes = () if c.model_axes == (1, 1) else c.model_axes", "axes = ()",
+             "tests/test_configure_axes.py::test_a_tensor_candidate_holds_its_shards"),
+    # ... its stage timed on one device (no collectives, the whole weights)
+    Mutation("tensor_stage_timed_on_one_device", "jaxpipe/tune/config_bench.py",
+             "            if tuple(axes) != (1, 1):\n                from jax.sharding import NamedSharding",
+             "            if False:\n                from jax.sharding import NamedSharding",
+             "tests/test_configure_axes.py::test_a_tensor_stage_is_timed_on_its_devices"),
+    # a candidate without model axes built with the model's specs (its mesh lacks the axes: not buildable)
+    Mutation("plain_candidate_keeps_specs", "jaxpipe/tune/config_bench.py",
+             "plain = c.model_axes == (1, 1)\n", "plain = False\n",
+             "tests/test_configure_axes.py::test_the_splits_include_tensor_where_the_specs_name_it"),
+    # FSDP's batch split forgotten in the rows check
+    Mutation("fsdp_rows_not_split", "jaxpipe/tune/configure.py",
+             "if rows % (c.data * f * M):", "if rows % (c.data * M):",
+             "tests/test_configure_axes.py::test_an_fsdp_split_shards_the_batch_too_and_trains"),
 ]
 
 

@@ -79,7 +79,8 @@ def test_readme_command_runs(cmd, tmp_path):
     assert p.returncode == 0, f"{cmd}\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
     assert "Traceback" not in p.stderr
     if "--auto" in cmd:          # the run trains what jp.configure chose (issue #53 item 1)
-        chose = re.search(r"--auto chose: --stages=(\d+) --data=(\d+) --schedule=(\S+) --microbatches=(\d+)", p.stdout)
+        chose = re.search(r"--auto chose: --stages=(\d+) --data=(\d+)(?: --(?:tensor|fsdp)=\d+)* --schedule=(\S+) "
+                           r"--microbatches=(\d+)", p.stdout)
         assert chose, p.stdout[-2000:]
         stages, data, schedule, m = chose.groups()
         assert f"{schedule}, mesh data={data} x stage={stages}" in p.stdout and f"M={m}," in p.stdout, p.stdout[-2000:]

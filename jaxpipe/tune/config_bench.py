@@ -21,7 +21,8 @@ import numpy as np
 
 from .lockstep import EdgeCosts, LayerCosts
 from .measure_cache import MeasureCache, backend_key, model_key
-from .memory import frontier_bytes, memory_analysis, memory_total, residual_bytes, state_bytes, tree_bytes
+from .memory import (footprint, frontier_bytes, memory_analysis, memory_total, residual_bytes, residual_bytes_on,
+                     state_bytes, tree_bytes)
 
 #: compiles run side by side (XLA's compile releases the GIL)
 COMPILE_THREADS = 2
@@ -47,14 +48,36 @@ class Bench:
         return self._models[n]
 
     def model_for(self, c):
-        """Candidate ``c``'s model: ``make_model(c.model_stages)``, or its blocks cut as ``c.cut`` says."""
-        if c.cut is None:
+        """Candidate ``c``'s model: ``make_model(c.model_stages)``, or its blocks cut as ``c.cut`` says; with its
+        ``param_specs`` dropped where ``c`` has no model axis (its weights replicated: a mesh without them)."""
+        plain = c.model_axes == (1, 1)
+        if c.cut is None and not (plain and getattr(self.model(c.model_stages), "param_specs", None)):
             return self.model(c.model_stages)
-        key = (c.model_stages, c.cut)
+        key = (c.model_stages, c.cut, plain)
         if key not in self._cut_models:
             from .cut import recut
-            self._cut_models[key] = recut(self.model(c.model_stages), c.cut)
+            m = self.model(c.model_stages) if c.cut is None else recut(self.model(c.model_stages), c.cut)
+            self._cut_models[key] = dataclasses.replace(m, param_specs=None) if plain else m
         return self._cut_models[key]
+
+    def model_axis_names(self) -> set:
+        """The mesh axes the model's ``param_specs`` name (``make_model(1)``'s)."""
+        from ..sharding import is_spec
+        names = set()
+        for tree in getattr(self.model(1), "param_specs", None) or ():
+            for spec in jax.tree.leaves(tree, is_leaf=is_spec):
+                for entry in (spec or ()):
+                    names.update((entry,) if isinstance(entry, str) else (entry or ()))
+        return names
+
+    def footprint(self, c, pipe):
+        """:func:`~jaxpipe.tune.memory.footprint` of candidate ``c`` built as ``pipe``, from the shared
+        measurements; its family carries the model axes (their residuals are sharded: a line of their own)."""
+        rows = self.rows // (c.data * c.microbatches)
+        axes = () if c.model_axes == (1, 1) else c.model_axes
+        return footprint(pipe, self.batch, known_state=self.state_bytes(c, pipe),
+                         known_residuals=self.residuals(c, pipe, rows), known_frontier=self.frontier(c, pipe, rows),
+                         axes=axes)
 
     def parts(self, rows: int):
         """:class:`~jaxpipe.tune.cut.PartCosts` of one block, the embedding and the head on ``rows``-row
@@ -79,21 +102,25 @@ class Bench:
     # --- memory ---------------------------------------------------------------------------------------------
     def state_bytes(self, c, pipe) -> int:
         """One device's state bytes: the same for every schedule, M and policy of one split and cut."""
-        return self.cache.get(self._key("state", c.model_stages, c.stages, c.data, *_cut(c)),
+        return self.cache.get(self._key("state", c.model_stages, c.stages, c.data, *_cut(c), *_axes(c)),
                               lambda: state_bytes(self.state(c, pipe)))
 
     def state(self, c, pipe):
         """``pipe.init()``, made once per (schedule, split) (the layout of a schedule's stages may differ)."""
-        key = (c.schedule, c.model_stages, c.stages, c.data, c.cut)
+        key = (c.schedule, c.model_stages, c.stages, c.data, c.cut, c.model_axes)
         if key not in self._states:
             self._states[key] = pipe.init()
         return self._states[key]
 
     def residuals(self, c, pipe, rows: int):
-        key = (c.model_stages, c.residuals, rows, *_cut(c))
+        key = (c.model_stages, c.residuals, rows, *_cut(c), *_axes(c))
         if key not in self._residuals:
-            self._residuals[key] = tuple(self.cache.get(self._key("residuals", *key),
-                                                        lambda: residual_bytes(pipe.model, self.batch, rows)))
+            def measure():
+                if c.model_axes == (1, 1):
+                    return residual_bytes(pipe.model, self.batch, rows)
+                mesh, w_specs, batch_spec = placement(pipe)
+                return residual_bytes_on(pipe.model, self.batch, rows, mesh, w_specs, batch_spec)
+            self._residuals[key] = tuple(self.cache.get(self._key("residuals", *key), measure))
         return self._residuals[key]
 
     def frontier(self, c, pipe, rows: int) -> int:
@@ -102,7 +129,8 @@ class Bench:
         slots = pipe.lane_plan.front_capacity
         if not pipe.schedule.has_w() or pipe.lane_plan.direct:
             return 0
-        return int(self.cache.get(self._key("frontier", c.model_stages, c.residuals, rows, slots, *_cut(c)),
+        return int(self.cache.get(self._key("frontier", c.model_stages, c.residuals, rows, slots, *_cut(c),
+                                            *_axes(c)),
                                   lambda: frontier_bytes(pipe.model, self.batch, rows, slots)))
 
     def compile_memory(self, jobs: Sequence[tuple]) -> None:
@@ -133,22 +161,36 @@ class Bench:
                    if isinstance(self.batch, dict) else [tuple(np.shape(a)) for a in jax.tree.leaves(self.batch)])
 
     # --- time -----------------------------------------------------------------------------------------------
-    def stage_costs(self, finest: int, n: int, residuals: str, rows: int, split: bool, model_of: Callable):
+    def stage_costs(self, finest: int, n: int, residuals: str, rows: int, split: bool, pipe_of: Callable,
+                    axes: tuple = (1, 1)):
         """:class:`LayerCosts` of one stage of the model cut in ``n`` on ``rows``-row micro-batches under the
         policy, as the executor runs it -- residuals through a stash, zero-bubble's W from the executor's own
         split (:func:`jaxpipe.tune.stage_bench.stashed_stage_costs`): one stage of the finest cut (``finest``
-        stages) timed, times ``finest / n``; and the activation's bytes.  One program measures F, B, B-input
-        and W, so a split and a fused schedule of the same cut, policy and rows share it (there were two)."""
+        stages; ``pipe_of(n, policy)`` builds it) timed, times ``finest / n``; and the activation's bytes per
+        device.  One program measures F, B, B-input and W, so a split and a fused schedule of the same cut,
+        policy and rows share it (there were two).  With model ``axes`` ``(fsdp, tensor)``, the stage runs on
+        that many devices, its weights sharded as the pipeline shards them (XLA's collectives included)."""
         from .stage_bench import stashed_stage_costs
-        key = self._key("stashed_stage_costs", finest, residuals, rows, "all ops")
+        key = self._key("stashed_stage_costs", finest, residuals, rows, "all ops",
+                        *(() if tuple(axes) == (1, 1) else (("fsdp", "tensor"), tuple(axes))))
 
         def measure():
-            m = model_of(finest, residuals)
+            pipe = pipe_of(finest, residuals)
+            m = pipe.model
             mb = jax.tree.map(lambda a: np.asarray(a[:rows]), self.batch)
             x = m.pre(m.pre_params, mb)
             w = jax.tree.map(lambda a: a[0], m.stage_params)
+            act = tree_bytes(x)
+            if tuple(axes) != (1, 1):
+                from jax.sharding import NamedSharding, PartitionSpec as P
+                mesh, w_specs, b_spec = placement(pipe)
+                put = lambda t, spec: jax.tree.map(
+                    lambda a: jax.device_put(a, NamedSharding(mesh, spec if np.ndim(a) else P())), t)
+                w = jax.tree.map(lambda a, sp: jax.device_put(a, NamedSharding(mesh, sp)), w, w_specs)
+                x, mb = put(x, b_spec), put(mb, b_spec)
+                act //= axes[0] if b_spec != P() else 1
             out = stashed_stage_costs(m, w, x, mb, split=True)
-            out["act"] = tree_bytes(x)
+            out["act"] = act
             return out
 
         got = self.cache.get(key, lambda: agreed(measure()))
@@ -173,26 +215,63 @@ class Bench:
 
     def update(self, c, pipe) -> float:
         """Seconds of the optimizer's update of one device's parameters (its stages' share, with the embedding
-        and the head: the device holding them is the one the step waits for), on one device."""
+        and the head: the device holding them is the one the step waits for; on model axes, its shards), on one
+        device."""
         from jax.sharding import Mesh, PartitionSpec
         from .microbench import update_time
-        m = pipe.model
-        share = (jax.tree.map(lambda a: a[: max(a.shape[0] // c.stages, 1)], m.stage_params), m.pre_params,
-                 m.post_params)
         mesh = Mesh(np.array(jax.local_devices()[:1]), ("x",))
-        return float(self.cache.get(self._key("update", c.model_stages, c.stages),
-                                    lambda: agreed([update_time(self.optimizer, share, mesh, PartitionSpec())])[0]))
+        return float(self.cache.get(self._key("update", c.model_stages, c.stages, *_axes(c)),
+                                    lambda: agreed([update_time(self.optimizer, _device_share(c, pipe), mesh,
+                                                                PartitionSpec())])[0]))
 
     def allreduce(self, c, pipe, devices: int) -> float:
         """Seconds of the data replicas' gradient all-reduce: a pytree shaped like one device's gradients, each
         leaf its own all-reduce as in the step (:func:`~jaxpipe.tune.microbench.tree_allreduce_time`)."""
         from .microbench import tree_allreduce_time
-        m = pipe.model
-        share = (jax.tree.map(lambda a: np.zeros((max(a.shape[0] // c.stages, 1),) + a.shape[1:], a.dtype),
-                              m.stage_params), m.pre_params, m.post_params)
-        share = jax.tree.map(lambda a: np.zeros(np.shape(a), np.asarray(a).dtype), share)
-        return float(self.cache.get(self._key("allreduce", c.model_stages, c.stages, c.data, devices),
+        share = _device_share(c, pipe)
+        return float(self.cache.get(self._key("allreduce", c.model_stages, c.stages, c.data, devices, *_axes(c)),
                                     lambda: agreed([tree_allreduce_time(share, devices, c.data)])[0]))
+
+
+def _device_share(c, pipe):
+    """Zeros shaped like one device's parameters: its stages' share of the stage leaves, the embedding and the
+    head, each leaf the shard its sharding gives a device (model axes)."""
+    m = pipe.model
+    per = lambda a: max(np.shape(a)[0] // c.stages, 1)
+    stage = jax.tree.map(lambda a: jax.ShapeDtypeStruct((per(a),) + tuple(np.shape(a)[1:]), a.dtype),
+                         m.stage_params)
+    full = (stage, m.pre_params, m.post_params)
+    zeros = lambda shape, a: np.zeros(shape, np.asarray(a).dtype if not hasattr(a, "dtype") else a.dtype)
+    if c.model_axes == (1, 1):
+        return jax.tree.map(lambda a: zeros(tuple(np.shape(a)), a), full)
+    try:
+        return (jax.tree.map(lambda a, sh: zeros((per(a),) + tuple(sh.shard_shape(
+                    (c.stages,) + tuple(np.shape(a)[1:])))[1:], a), stage, pipe.param_shardings[0]),
+                jax.tree.map(lambda a, sh: zeros(tuple(sh.shard_shape(np.shape(a))), a), m.pre_params,
+                             pipe.param_shardings[1]),
+                jax.tree.map(lambda a, sh: zeros(tuple(sh.shard_shape(np.shape(a))), a), m.post_params,
+                             pipe.param_shardings[2]))
+    except (ValueError, TypeError):     # a tied copy left out of the shardings: the unsharded shapes
+        return jax.tree.map(lambda a: zeros(tuple(np.shape(a)), a), full)
+
+
+def _axes(c) -> tuple:
+    """What a candidate's model axes add to its keys: nothing where it has none."""
+    return () if c.model_axes == (1, 1) else (("fsdp", "tensor"), tuple(c.model_axes))
+
+
+def placement(pipe):
+    """``(mesh, stage weight specs, batch spec)`` of ``pipe``'s stage on its model axes alone: a mesh of the
+    model axes' devices (this process's first ones), one stage's weights sharded as the pipeline shards them
+    (the ``stage`` entry dropped), the micro-batch split over ``fsdp`` where the pipeline splits it so."""
+    from jax.sharding import PartitionSpec as P
+    from ..runtime.mesh import make_mesh
+    shape = pipe.mesh.shape
+    f, t = shape.get("fsdp", 1), shape.get("tensor", 1)
+    mesh = make_mesh(fsdp=f, tensor=t, devices=jax.local_devices())
+    specs = jax.tree.map(lambda sh: P(*tuple(sh.spec)[1:]), pipe.param_shardings[0],
+                         is_leaf=lambda x: hasattr(x, "spec"))
+    return mesh, specs, P("fsdp") if "fsdp" in pipe.batch_axes and f > 1 else P()
 
 
 def _cut(c) -> tuple:

@@ -1,7 +1,7 @@
 """Automatic configuration, first version (issue #53): from a model, a device count and a memory budget to the
 predicted-fastest pipeline that fits.
 
-:func:`configure` considers every split of the devices into ``stage`` x ``data``, every schedule given, every
+:func:`configure` considers every split of the devices into ``stage`` x ``data`` (x the model axes, below), every schedule given, every
 micro-batch count and residual policy, and for each predicts
 
 * **memory per device** with :mod:`jaxpipe.tune.memory`: the state exact, the temp from the plan's stash slots
@@ -27,7 +27,18 @@ same programs.
 It returns a :class:`Configuration`: the choice (``Pipeline`` keyword arguments and the mesh), every candidate
 with its predicted step, bubble, memory and why a candidate was dropped, and :meth:`Configuration.table`.
 The cut: each stage count's fastest fitting candidate is also tried with its blocks' cut balanced from measured
-costs (:mod:`.configure_cut`).  Not yet (issue #53): tensor / FSDP axes, a per-stage policy, the no-flush methods.
+costs (:mod:`.configure_cut`).
+
+Model axes: where the model's ``param_specs`` name ``tensor`` or ``fsdp``, the devices are also split into
+``stage x data x fsdp x tensor`` (FSDP splits the batch too: ``batch_axes=("data", "fsdp")``).  Such a candidate's
+state is its own shards; its residuals are the shards XLA's sharding propagation gives a compiled forward of one
+stage (:func:`~jaxpipe.tune.memory.residual_bytes_on`), and its families are lines of their own (the model axes'
+sizes in the family: their slope is fitted on their own two compiles); its stage is timed on that many devices
+with its weights sharded as the pipeline shards them, XLA's collectives included
+(:meth:`~jaxpipe.tune.config_bench.Bench.stage_costs`); the update and the data all-reduce are of one device's
+shards.  The embedding and the head are timed whole (under FSDP on a device's rows).  A candidate with every
+model axis at 1 runs the model with its specs dropped (weights replicated).  Not yet (issue #53): a per-stage
+policy, the no-flush methods.
 """
 from __future__ import annotations
 
@@ -44,7 +55,7 @@ from .config_bench import Bench, agreed
 from .configure_cut import balance_cuts
 from .lockstep import Link, predict_devices
 from .measure_cache import MeasureCache, default_path
-from .memory import MemoryModel, calibrate, footprint
+from .memory import MemoryModel, calibrate
 
 CHECK_TOLERANCE = 0.10
 #: a measured choice times its fastest candidate at least this long (seconds), in at most MAX_ROUNDS rounds
@@ -68,13 +79,22 @@ class Candidate:
     #: blocks per model stage where the cut is not the model's own even one (the pick's balanced cut,
     #: :mod:`.configure_cut`); build the model with :meth:`Configuration.model`
     cut: Optional[Tuple[int, ...]] = None
+    #: devices a stage's weights are sharded over along the model axes (the model's ``param_specs`` name them;
+    #: 1: that axis is left out and the weights replicated)
+    fsdp: int = 1
+    tensor: int = 1
+
+    @property
+    def model_axes(self) -> Tuple[int, int]:
+        """``(fsdp, tensor)``: the model axes' sizes, what a stage's devices are split into."""
+        return (self.fsdp, self.tensor)
 
     def pipeline_kwargs(self) -> dict:
         """What to give ``jp.Pipeline`` (with the model cut into :meth:`model_stages` stages)."""
         from ..runtime.mesh import make_mesh
         return {"schedule": self.schedule, "num_microbatches": self.microbatches, "residuals": self.residuals,
-                "mesh": make_mesh(stages=self.stages, data=self.data),
-                "options": self._options()}
+                "mesh": make_mesh(stages=self.stages, data=self.data, fsdp=self.fsdp, tensor=self.tensor),
+                "options": self._options(), **({"batch_axes": ("data", "fsdp")} if self.fsdp > 1 else {})}
 
     def _options(self) -> dict:
         """Two model chunks a device where the method stacks chunks (interleaved's ``virtual``), as the search
@@ -88,7 +108,8 @@ class Candidate:
 
     def label(self) -> str:
         cut = "" if self.cut is None else f" cut={','.join(map(str, self.cut))}"
-        return (f"{self.schedule} stage={self.stages} data={self.data} M={self.microbatches} "
+        axes = "".join(f" {n}={v}" for n, v in (("fsdp", self.fsdp), ("tensor", self.tensor)) if v > 1)
+        return (f"{self.schedule} stage={self.stages} data={self.data}{axes} M={self.microbatches} "
                 f"residuals={self.residuals}{cut}")
 
 
@@ -151,31 +172,58 @@ class Configuration:
         return "\n".join(rows)
 
 
-def _candidates(devices, rows, names, microbatches, residuals) -> List[Candidate]:
+def _candidates(devices, rows, names, microbatches, residuals, model_axes=((1, 1),)) -> List[Candidate]:
     out = []
     # on one stage there is no pipeline and no bubble: every schedule is the plain accumulation of the M
     # micro-batches, and one of them stands for the rest (1F1B's, the simplest plan; zero-bubble's split and two
     # chunks on one device only add work there: H200, D = 1, zb_h1 1.20x and interleaved 2.1x the plain step
     # where 1F1B was 1.05x)
     one = "1f1b" if "1f1b" in names else names[0]
-    for D in [d for d in range(1, devices + 1) if devices % d == 0]:
-        for name in names:
-            for M in microbatches:
-                for res in residuals:
-                    c = Candidate(name, D, devices // D, M, res)
-                    if rows % (c.data * M):
-                        c.dropped = f"{rows} rows do not split into data={c.data} x M={M} micro-batches"
-                    elif D == 1 and name != one:
-                        c.dropped = f"one stage: no pipeline, {one}'s candidate stands for it"
-                    out.append(c)
+    for f, t in model_axes:
+        if devices % (f * t):
+            continue
+        rest = devices // (f * t)
+        for D in [d for d in range(1, rest + 1) if rest % d == 0]:
+            for name in names:
+                for M in microbatches:
+                    for res in residuals:
+                        c = Candidate(name, D, rest // D, M, res, fsdp=f, tensor=t)
+                        if rows % (c.data * f * M):
+                            split = f"data={c.data} x fsdp={f}" if f > 1 else f"data={c.data}"
+                            c.dropped = f"{rows} rows do not split into {split} x M={M} micro-batches"
+                        elif D == 1 and name != one:
+                            c.dropped = f"one stage: no pipeline, {one}'s candidate stands for it"
+                        out.append(c)
     return out
+
+
+def _model_axes(bench, devices: int, fsdp, tensor) -> List[Tuple[int, int]]:
+    """The ``(fsdp, tensor)`` sizes to search: for an axis the model's ``param_specs`` name, ``None`` means every
+    divisor of ``devices``; an axis they do not name is 1 (asking for more is an error: nothing would be
+    sharded over it)."""
+    named = bench.model_axis_names()
+    sizes = []
+    for axis, given in (("fsdp", fsdp), ("tensor", tensor)):
+        if given is None:
+            sizes.append([d for d in range(1, devices + 1) if devices % d == 0] if axis in named else [1])
+            continue
+        given = [int(v) for v in ((given,) if np.isscalar(given) else given)]
+        if any(v < 1 for v in given):
+            raise ConfigError(f"configure({axis}={given}): sizes are positive integers")
+        if any(v > 1 for v in given) and axis not in named:
+            raise ConfigError(f"configure({axis}={given}): the model's param_specs do not name the {axis!r} axis "
+                              f"(they name {sorted(named) or 'none'}), so no weight would be sharded over it; build "
+                              f"the model with specs over {axis!r} (e.g. jp.models.gpt(n, {axis}={axis!r})) or leave "
+                              f"{axis} at 1")
+        sizes.append(sorted(set(given)))
+    return [(f, t) for f in sizes[0] for t in sizes[1] if devices % (f * t) == 0]
 
 
 def configure(make_model: Callable[[int], object], batch: Dict[str, np.ndarray], optimizer, *, devices: int,
               memory_budget: float, schedules: Sequence[str] = ("1f1b", "gpipe", "zb_h1", "interleaved_1f1b"),
               microbatches: Sequence[int] = (2, 4, 8), residuals: Sequence[str] = ("all", "inputs"),
               verbose: bool = True, cache="default", measure: int = 0, rounds: int = 3,
-              min_time_s: float = MIN_TIME_S, balance_cut: bool = True) -> Configuration:
+              min_time_s: float = MIN_TIME_S, balance_cut: bool = True, tensor=None, fsdp=None) -> Configuration:
     """The predicted-fastest configuration of ``make_model(num_stages)`` (a ``PipelineModel`` of that many
     stages) on ``devices`` devices within ``memory_budget`` bytes per device (module docstring).  ``batch``:
     one step's host batch (its rows are split over ``data`` and micro-batches).  ``cache``: where measurements
@@ -186,11 +234,14 @@ def configure(make_model: Callable[[int], object], batch: Dict[str, np.ndarray],
     predicted fastest and the predicted fastest of each (stage count, residual policy) -- where the model's
     ranking is least sure (:func:`_measured_best`).  ``balance_cut``: each stage count's fastest fitting candidate
     with its cut balanced from measured costs, a candidate of its own (:mod:`.configure_cut`; models of blocks
-    only)."""
+    only).  ``tensor`` / ``fsdp``: the sizes of those model axes to search (a stage's weights sharded over them
+    as the model's ``param_specs`` say); default: every divisor of ``devices`` for an axis the specs name, else 1
+    (a candidate with both at 1 runs the model with its weights replicated)."""
     from ..pipeline import Pipeline
     store = MeasureCache(default_path() if cache == "default" else cache)
     bench = Bench(make_model, batch, optimizer, store)
-    cands = _candidates(devices, bench.rows, schedules, microbatches, residuals)
+    cands = _candidates(devices, bench.rows, schedules, microbatches, residuals,
+                        _model_axes(bench, devices, fsdp, tensor))
     built, fams, programs = {}, {}, {}
     for c in cands:
         if c.dropped:
@@ -204,9 +255,7 @@ def configure(make_model: Callable[[int], object], batch: Dict[str, np.ndarray],
         if same is not c:       # GPipe under lanes is 1F1B's plan: timing both measures noise, not a choice
             c.dropped = f"the same program as {same.schedule}'s (placement {pipe.placement})"
             continue
-        rows = bench.rows // (c.data * c.microbatches)
-        fp = footprint(pipe, batch, known_state=bench.state_bytes(c, pipe),
-                       known_residuals=bench.residuals(c, pipe, rows), known_frontier=bench.frontier(c, pipe, rows))
+        fp = bench.footprint(c, pipe)
         built[id(c)] = (pipe, fp)
         fams.setdefault(fp.family, []).append(c)
     model = _calibrate(fams, built, bench)
@@ -234,7 +283,7 @@ def _program_key(c, pipe) -> tuple:
     p = pipe.lane_plan
     plan = (p.lanes, tuple(map(tuple, p.phases)), p.stash_capacity, p.front_capacity, p.direct, p.table.tobytes(),
             p.table.shape)
-    return (c.model_stages, c.stages, c.data, c.microbatches, c.residuals, pipe.schedule.has_w(), plan,
+    return (c.model_stages, c.stages, c.data, c.model_axes, c.microbatches, c.residuals, pipe.schedule.has_w(), plan,
             tuple(sorted(stream_options(pipe.schedule).items())), exchange_perms(pipe.schedule) is None)
 
 
@@ -247,25 +296,26 @@ def _calibrate(fams, built, bench) -> MemoryModel:
     a budget bites first).  All compiles at once, two side by side; from the cache where measured before.  The
     choice and the runner-up are compiled again if not among these (:func:`_checked_best`)."""
     work = lambda c: built[id(c)][1].working
+    kind = lambda fam: (fam[0],) + tuple(fam[3:])      # the policy, and the model axes (sharded residuals)
     anchors = {}
     for fam, cs in fams.items():
-        best = anchors.get(fam[0])
+        best = anchors.get(kind(fam))
         if best is None or len(cs) > len(fams[best]):
-            anchors[fam[0]] = fam
+            anchors[kind(fam)] = fam
     points = {}
     for fam, cs in fams.items():
         by_work = sorted(cs, key=work)
-        pts = [by_work[-1], by_work[0]] if anchors[fam[0]] == fam else [by_work[-1]]
+        pts = [by_work[-1], by_work[0]] if anchors[kind(fam)] == fam else [by_work[-1]]
         points[fam] = list({id(c): c for c in pts}.values())
     bench.compile_memory([(c, built[id(c)][0]) for cs in points.values() for c in cs])
     model = MemoryModel({})
     xy = lambda c: (built[id(c)][1], c.compiled_memory - built[id(c)][1].state)
-    for fam in sorted(points, key=lambda f: anchors[f[0]] != f):         # anchors first: their slopes are shared
+    for fam in sorted(points, key=lambda f: anchors[kind(f)] != f):     # anchors first: their slopes are shared
         pts = [xy(c) for c in points[fam]]
         if len(pts) == 2 and pts[0][0].working != pts[1][0].working:
             model = calibrate(pts, model)
         else:
-            a = model.lines.get(anchors[fam[0]], (0.0, 0.0))[0] if anchors[fam[0]] != fam else 0.0
+            a = model.lines.get(anchors[kind(fam)], (0.0, 0.0))[0] if anchors[kind(fam)] != fam else 0.0
             fp, y = pts[0]
             model.lines[fam] = (a, float(y - fp.known - a * fp.working))
     return model
@@ -304,17 +354,21 @@ def _predict_times(cands, built, bench, devices) -> None:
     """Each built candidate's predicted step and bubble (module docstring): one stage's costs per micro-batch
     size and policy, timed on the finest cut of the search and scaled (:meth:`Bench.stage_costs`)."""
     link = Link(*bench.link(devices)) if devices > 1 else Link(0.0, 0.0)
-    models = {(c.model_stages, c.residuals): built[id(c)][0].model for c in cands if id(c) in built}
-    finest = {res: max(n for n, r in models if r == res) for _, res in models}
+    pipes = {(c.model_stages, c.residuals, c.model_axes): built[id(c)][0] for c in cands if id(c) in built}
+    finest = {}
+    for n, res, axes in pipes:
+        finest[(res, axes)] = max(finest.get((res, axes), 0), n)
     for c in cands:
         if id(c) not in built:
             continue
         pipe, fp = built[id(c)]
         rows = bench.rows // (c.data * c.microbatches)
-        lc, act = bench.stage_costs(finest[c.residuals], c.model_stages, c.residuals, rows,
-                                    pipe.schedule.has_w(), lambda n, res: models[(n, res)])
+        lc, act = bench.stage_costs(finest[(c.residuals, c.model_axes)], c.model_stages, c.residuals, rows,
+                                    pipe.schedule.has_w(), lambda n, res: pipes[(n, res, c.model_axes)],
+                                    axes=c.model_axes)
+        # the embedding and the head as one device runs them: FSDP splits their rows (tensor: timed whole)
         parts = predict_devices(pipe.schedule, lc, 1.0, 0.0, link, act, 0.0, placement=pipe.placement,
-                                edges=bench.edges(rows))
+                                edges=bench.edges(max(rows // c.fsdp, 1)))
         # the data replicas' gradient all-reduce after the pipeline, its leaves as the step has them
         allreduce = bench.allreduce(c, pipe, devices) if c.data > 1 else 0.0
         update = bench.update(c, pipe)
@@ -324,18 +378,19 @@ def _predict_times(cands, built, bench, devices) -> None:
 
 def _measured_best(conf: Configuration, k: int, rounds: int, min_time_s: float = MIN_TIME_S) -> Candidate:
     """The fastest measured of at most ``k`` fitting candidates: the two predicted fastest, then the predicted
-    fastest of each (stage count, residual policy) group.  Each is built, warmed up (2 steps) and timed in
+    fastest of each (stage count, model axes, residual policy) group.  Each is built, warmed up (2 steps) and timed in
     turns with the others, the median of the rounds of 3 steps: at least ``rounds`` rounds, and enough that the
     fastest candidate is timed for ``min_time_s`` (:func:`_rounds_for`; on 12-ms steps three rounds were too
     few: one candidate timed 1.33x its own speed, and the pick lost 24%).  In a multi-process job the times and
     the round count are process 0's (every process then builds and steps the same)."""
     from ..pipeline import Pipeline
     ok = sorted((c for c in conf.candidates if not c.dropped), key=lambda c: c.step_s)
-    pick, seen = ok[:2], {(c.stages, c.residuals) for c in ok[:2]}
+    group = lambda c: (c.stages, c.model_axes, c.residuals)
+    pick, seen = ok[:2], {group(c) for c in ok[:2]}
     for c in ok[2:]:
-        if (c.stages, c.residuals) not in seen:
+        if group(c) not in seen:
             pick.append(c)
-            seen.add((c.stages, c.residuals))
+            seen.add(group(c))
     pick = pick[:max(k, 1)]
     bench, runs = conf._bench, []
     for c in pick:

@@ -52,7 +52,6 @@ def _twin(conf, best, budget: float) -> str:
     builds; what happened, in words."""
     from ..pipeline import Pipeline
     from .cut import balanced_cut, per_block
-    from .memory import footprint
     bench = conf._bench
     model = bench.model_for(best)
     even = tuple(model.cut) if model.cut is not None else even_cut(len(per_block(model).cut), best.model_stages)
@@ -69,8 +68,7 @@ def _twin(conf, best, budget: float) -> str:
         pipe = Pipeline(bench.model_for(twin), optimizer=bench.optimizer, **twin.pipeline_kwargs())
     except (ConfigError, ValueError) as e:
         return f"the balanced cut {list(choice.cut)} is not buildable: {str(e).splitlines()[0][:80]}"
-    fp = footprint(pipe, bench.batch, known_state=bench.state_bytes(twin, pipe),
-                   known_residuals=bench.residuals(twin, pipe, rows), known_frontier=bench.frontier(twin, pipe, rows))
+    fp = bench.footprint(twin, pipe)
     bench.compile_memory([(twin, pipe)])
     twin.memory = twin.compiled_memory
     conf.candidates.append(twin)

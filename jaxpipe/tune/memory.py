@@ -44,8 +44,9 @@ def _all_residuals(stage_fn):
 @dataclasses.dataclass(frozen=True)
 class Footprint:
     """Bytes per device of a built ``Pipeline`` on a batch, from its plan and avals (no compile).
-    ``family``: what the calibration is per -- (residual policy, split backward, chunks per device)."""
-    family: Tuple[str, bool, int]
+    ``family``: what the calibration is per -- (residual policy, split backward, chunks per device[, the model
+    axes' sizes])."""
+    family: tuple
     state: int          # the arguments: parameters, optimizer state and the batch's share on one device
     stash: int          # stash slots x R
     residuals: int      # R: one micro-batch's stashed residuals through one chunk under the policy
@@ -60,12 +61,13 @@ class Footprint:
 
 
 def footprint(pipe, batch, state=None, *, known_state=None, known_residuals=None,
-              known_frontier=None) -> Footprint:
+              known_frontier=None, axes: tuple = ()) -> Footprint:
     """The :class:`Footprint` of ``pipe`` (a synchronous, flushing ``Pipeline``) on ``batch`` (host arrays, the
     whole step's rows); ``state``: ``pipe.init()``'s (made here when not given).  ``known_state`` /
     ``known_residuals`` / ``known_frontier``: :func:`state_bytes` / :func:`residual_bytes` /
     :func:`frontier_bytes` already known (a search shares them between candidates of the same split and
-    micro-batch size)."""
+    micro-batch size); ``axes``: added to the family (the model axes' sizes: sharded residuals, a line of
+    their own)."""
     if not pipe.method.flushes or pipe.lane_plan is None:
         raise ValueError(f"footprint() models a flushing schedule's lane plan; {pipe.schedule.name} keeps "
                          f"micro-batches in flight between steps (measure it with compiled())")
@@ -86,7 +88,8 @@ def footprint(pipe, batch, state=None, *, known_state=None, known_residuals=None
     if pipe.schedule.has_w() and not plan.direct:
         front = (frontier_bytes(pipe.model, batch, rows, plan.front_capacity) if known_frontier is None
                  else known_frontier)
-    return Footprint((policy, pipe.schedule.has_w(), chunks), on_device, slots * r_pol, r_pol, r_all, front)
+    return Footprint((policy, pipe.schedule.has_w(), chunks) + tuple(axes), on_device, slots * r_pol, r_pol, r_all,
+                     front)
 
 
 def state_bytes(state) -> int:
@@ -121,6 +124,31 @@ def residual_bytes(model, batch, rows: int) -> Tuple[int, int]:
     r_pol = tree_bytes(stage_residuals(model, w, x0, mb0)[1])
     full = dataclasses.replace(model, stage_fn=_all_residuals(model.stage_fn))
     return r_pol, tree_bytes(stage_residuals(full, w, x0, mb0)[1])
+
+
+def residual_bytes_on(model, batch, rows: int, mesh, w_specs, batch_spec) -> Tuple[int, int]:
+    """:func:`residual_bytes` per device where a stage's weights are sharded over model axes: ``mesh`` (the model
+    axes), ``w_specs`` (a PartitionSpec per leaf of one stage's weights), ``batch_spec`` (the micro-batch's and
+    the activation's, e.g. ``P("fsdp")`` where FSDP splits the batch).  The residuals' shards are what XLA's
+    sharding propagation gives a compiled forward's outputs (a compile of one stage's forward per policy)."""
+    from jax.sharding import NamedSharding
+    from ..runtime.stage import StageOps
+    w, x0, mb0 = _stage_inputs(model, batch, rows)
+    on = lambda spec: NamedSharding(mesh, spec)
+    w_sh = jax.tree.map(on, w_specs, is_leaf=lambda a: isinstance(a, jax.sharding.PartitionSpec))
+    b_sh = lambda t: jax.tree.map(lambda a: on(batch_spec if np.ndim(a) else jax.sharding.PartitionSpec()), t)
+
+    def per_device(m):
+        def residuals(w, x, mb):
+            sop, _ = StageOps.build(m, w, x, mb)
+            return sop.forward(w, x, ctx=m.example_context(mb))[1]
+        fn = jax.jit(residuals, in_shardings=(w_sh, b_sh(x0), b_sh(mb0)))
+        out = fn.lower(w, x0, mb0).compile()
+        shapes = jax.eval_shape(residuals, w, x0, mb0)
+        return int(sum(int(np.prod(sh.shard_shape(a.shape))) * np.dtype(a.dtype).itemsize
+                       for a, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(out.output_shardings))))
+    full = dataclasses.replace(model, stage_fn=_all_residuals(model.stage_fn))
+    return per_device(model), per_device(full)
 
 
 def compiled(pipe, batch, state=None) -> Dict[str, int]:
