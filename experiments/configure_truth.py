@@ -13,7 +13,9 @@ where the choice must be a configuration that fits -- it is then trained for a s
     python -m experiments.configure_truth --models=gpt_head --rounds=7
 
 Models: ``mlp`` (8 ``tanh(h @ W)`` layers, W 512², batch 128), ``gpt`` (4 blocks, d 128, vocabulary 64, T 64,
-batch 16) and ``gpt_head`` (the same with a vocabulary of 8192: the head costs about five blocks).  Printed per
+batch 16), ``gpt_head`` (the same with a vocabulary of 8192: the head costs about five blocks) and
+``gpt_tensor`` (the ``gpt`` with its MLP split Megatron-style over a ``tensor`` axis: the two devices can also
+be one stage of tensor=2, its collectives over the link).  Printed per
 model and budget: the candidates with predicted step, bubble, memory (predicted; XLA's where compiled),
 measured step, the pick and the fastest measured; ``--json`` writes them.  Needs a quiet machine with two cores.
 """
@@ -28,7 +30,7 @@ import time
 from experiments import cli
 from absl import flags
 
-flags.DEFINE_string("models", "mlp,gpt,gpt_head", "comma-separated: mlp, gpt, gpt_head")
+flags.DEFINE_string("models", "mlp,gpt,gpt_head", "comma-separated: mlp, gpt, gpt_head, gpt_tensor")
 flags.DEFINE_string("schedules", "1f1b,gpipe,zb_h1", "the schedules configure considers")
 flags.DEFINE_string("microbatches", "2,4", "the micro-batch counts configure considers")
 flags.DEFINE_integer("rounds", 5, "timing rounds (3 steps of every candidate each, in turns)")
@@ -59,11 +61,12 @@ def setup(name: str):
                                     pre=lambda p, b: b["x"], pre_params=jnp.zeros(()),
                                     post_loss=lambda p, h, b: jnp.mean((h - b["y"]) ** 2), post_params=jnp.zeros(()))
         return make, {"x": r.normal(size=(B, W)).astype(np.float32), "y": r.normal(size=(B, W)).astype(np.float32)}
-    vocab = {"gpt": 64, "gpt_head": 8192}[name]
+    vocab = {"gpt": 64, "gpt_head": 8192, "gpt_tensor": 64}[name]
+    axes = {"tensor": "tensor"} if name == "gpt_tensor" else {}
     T, B, blocks = 64, 16, 4
     tok = r.integers(0, vocab, (B, T + 1)).astype(np.int32)
     # a model of blocks (cut=...), so that configure can also balance the cut (jaxpipe.tune.configure_cut)
-    make = lambda n: jp.models.gpt(n, vocab=vocab, d_model=128, heads=4, seq_len=T, cut=[blocks // n] * n)
+    make = lambda n: jp.models.gpt(n, vocab=vocab, d_model=128, heads=4, seq_len=T, cut=[blocks // n] * n, **axes)
     return make, {"x": tok[:, :-1], "y": tok[:, 1:]}
 
 

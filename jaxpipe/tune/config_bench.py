@@ -185,8 +185,8 @@ class Bench:
                 from jax.sharding import NamedSharding, PartitionSpec as P
                 mesh, w_specs, b_spec = placement(pipe)
                 put = lambda t, spec: jax.tree.map(
-                    lambda a: jax.device_put(a, NamedSharding(mesh, spec if np.ndim(a) else P())), t)
-                w = jax.tree.map(lambda a, sp: jax.device_put(a, NamedSharding(mesh, sp)), w, w_specs)
+                    lambda a: _put(a, NamedSharding(mesh, spec if np.ndim(a) else P())), t)
+                w = jax.tree.map(lambda a, sp: _put(a, NamedSharding(mesh, sp)), w, w_specs)
                 x, mb = put(x, b_spec), put(mb, b_spec)
                 act //= axes[0] if b_spec != P() else 1
             out = stashed_stage_costs(m, w, x, mb, split=True)
@@ -233,6 +233,13 @@ class Bench:
                                     lambda: agreed([tree_allreduce_time(share, devices, c.data)])[0]))
 
 
+def _put(a, sharding):
+    """The host value ``a`` (the same on every process) as an array placed by ``sharding``, which may span
+    processes."""
+    a = np.asarray(a)
+    return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
+
+
 def _device_share(c, pipe):
     """Zeros shaped like one device's parameters: its stages' share of the stage leaves, the embedding and the
     head, each leaf the shard its sharding gives a device (model axes)."""
@@ -268,7 +275,10 @@ def placement(pipe):
     from ..runtime.mesh import make_mesh
     shape = pipe.mesh.shape
     f, t = shape.get("fsdp", 1), shape.get("tensor", 1)
-    mesh = make_mesh(fsdp=f, tensor=t, devices=jax.local_devices())
+    local = jax.local_devices()
+    # this process's devices where it has enough; else the job's first ones (one device a process: every process
+    # runs the benchmark, its collectives between them, as the pipeline's stage would)
+    mesh = make_mesh(fsdp=f, tensor=t, devices=local if len(local) >= f * t else jax.devices())
     specs = jax.tree.map(lambda sh: P(*tuple(sh.spec)[1:]), pipe.param_shardings[0],
                          is_leaf=lambda x: hasattr(x, "spec"))
     return mesh, specs, P("fsdp") if "fsdp" in pipe.batch_axes and f > 1 else P()
