@@ -142,8 +142,9 @@ def residual_bytes_on(model, batch, rows: int, mesh, w_specs, batch_spec) -> Tup
         def residuals(w, x, mb):
             sop, _ = StageOps.build(m, w, x, mb)
             return sop.forward(w, x, ctx=m.example_context(mb))[1]
-        fn = jax.jit(residuals, in_shardings=(w_sh, b_sh(x0), b_sh(mb0)))
-        out = fn.lower(w, x0, mb0).compile()
+        # shapes with their shardings, not host arrays: the mesh may span processes
+        sds = lambda t, sh: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=s), t, sh)
+        out = jax.jit(residuals).lower(sds(w, w_sh), sds(x0, b_sh(x0)), sds(mb0, b_sh(mb0))).compile()
         shapes = jax.eval_shape(residuals, w, x0, mb0)
         return int(sum(int(np.prod(sh.shard_shape(a.shape))) * np.dtype(a.dtype).itemsize
                        for a, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(out.output_shardings))))
