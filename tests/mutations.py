@@ -204,11 +204,11 @@ MUTATIONS = [
              "tests/test_configure.py::test_on_one_stage_one_schedule_stands_for_the_others"),
     # a family calibrated on one compile without its policy's slope (flat: every other micro-batch size off)
     Mutation("memory_slope_not_shared", "jaxpipe/tune/configure.py",
-             "a = model.lines.get(anchors[fam[0]], (0.0, 0.0))[0] if anchors[fam[0]] != fam else 0.0", "a = 0.0",
+             "a = model.lines.get(anchors[kind(fam)], (0.0, 0.0))[0] if anchors[kind(fam)] != fam else 0.0", "a = 0.0",
              "tests/test_configure.py::test_one_slope_per_residual_policy_one_compile_per_other_family"),
     # every family compiled at one point only (the anchors too: no slope anywhere)
     Mutation("memory_anchor_compiled_once", "jaxpipe/tune/configure.py",
-             "pts = [by_work[-1], by_work[0]] if anchors[fam[0]] == fam else [by_work[-1]]", "pts = [by_work[-1]]",
+             "pts = [by_work[-1], by_work[0]] if anchors[kind(fam)] == fam else [by_work[-1]]", "pts = [by_work[-1]]",
              "tests/test_configure.py::test_one_slope_per_residual_policy_one_compile_per_other_family"),
     # the balanced cut's candidate priced as its even twin (never preferred: the cut model's ratio dropped)
     Mutation("configure_cut_step_not_scaled", "jaxpipe/tune/configure_cut.py",
