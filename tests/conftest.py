@@ -147,6 +147,20 @@ def pytest_runtest_logreport(report):
             f.write(f"{report.duration:.2f}\t{report.when}\t{report.nodeid}\n")
 
 
+# ``-n auto`` on a machine of up to four cores starts one worker more than the cores (xdist's default: as many):
+# a worker waits often -- on its subprocesses' start and jax.distributed's rendezvous, a launcher's signal
+# timeouts, the persistent cache's files -- and the extra one runs meanwhile.  On 2 cores the full suite kept
+# 1.85 cores busy with two workers; four heavy files (uneven cuts, stop signals, multi-host, launcher faults), cold:
+# 199.7 s with two workers, 179.7 s with three (BUILD_NOTES, "Twenty-sixth stop").  PYTEST_XDIST_AUTO_NUM_WORKERS
+# still overrides it.
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_auto_num_workers(config):
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None                   # xdist's own hook reads it
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores + 1 if cores <= 4 else cores
+
+
 # CI's second leg (the newest JAX, .ci/run) runs a sample of the suite, to stay within CI's hour beside the first
 # leg's full run: JAXPIPE_TEST_SAMPLE=k keeps every k-th test of each test file in collection order (the file's
 # first test always, so every file runs), starting from JAXPIPE_TEST_SAMPLE_OFFSET (default: the UTC day number
