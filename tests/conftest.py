@@ -153,7 +153,7 @@ def pytest_runtest_logreport(report):
 # 1.85 cores busy with two workers; four heavy files (uneven cuts, stop signals, multi-host, launcher faults), cold:
 # 199.7 s with two workers, 179.7 s with three (BUILD_NOTES, "Twenty-sixth stop").  PYTEST_XDIST_AUTO_NUM_WORKERS
 # still overrides it.
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True, optionalhook=True)     # optional: a run with -p no:xdist has no such hook
 def pytest_xdist_auto_num_workers(config):
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None                   # xdist's own hook reads it

@@ -123,3 +123,15 @@ def test_an_fsdp_split_shards_the_batch_too_and_trains():
     pipe = jp.Pipeline(conf.model(), optimizer=optax.adamw(1e-3), **kw)
     state, metrics = pipe.step(pipe.init(), pipe.shard_batch(_batch()))
     assert np.isfinite(float(metrics["loss"]))
+
+
+def test_the_choice_names_the_placement_it_was_predicted_with(searched):
+    """``Pipeline(placement="auto")`` takes the faster plan in the lockstep model; the candidate carries the one its
+    prediction is of, and ``pipeline_kwargs()`` gives it to ``Pipeline`` as such (the label says where it is the
+    ordered plan)."""
+    from jaxpipe.tune.configure import Candidate
+    for c in searched.candidates:
+        pipe = searched._built[id(c)][0]
+        assert c.placement == pipe.placement == "lanes" and c.pipeline_kwargs()["placement"] == "lanes"
+    zb = Candidate("zb_h1", 2, 1, 4, "all", placement="ordered")
+    assert zb.label().endswith("placement=ordered") and zb.pipeline_kwargs()["placement"] == "ordered"

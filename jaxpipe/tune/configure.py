@@ -83,6 +83,9 @@ class Candidate:
     #: 1: that axis is left out and the weights replicated)
     fsdp: int = 1
     tensor: int = 1
+    #: the plan's placement the prediction is of (``Pipeline``'s ``placement="auto"``: the faster of the two in
+    #: the lockstep model), set once the candidate is built and given to ``Pipeline`` as such
+    placement: Optional[str] = None
 
     @property
     def model_axes(self) -> Tuple[int, int]:
@@ -94,7 +97,8 @@ class Candidate:
         from ..runtime.mesh import make_mesh
         return {"schedule": self.schedule, "num_microbatches": self.microbatches, "residuals": self.residuals,
                 "mesh": make_mesh(stages=self.stages, data=self.data, fsdp=self.fsdp, tensor=self.tensor),
-                "options": self._options(), **({"batch_axes": ("data", "fsdp")} if self.fsdp > 1 else {})}
+                "options": self._options(), **({"batch_axes": ("data", "fsdp")} if self.fsdp > 1 else {}),
+                **({"placement": self.placement} if self.placement else {})}
 
     def _options(self) -> dict:
         """Two model chunks a device where the method stacks chunks (interleaved's ``virtual``), as the search
@@ -109,8 +113,9 @@ class Candidate:
     def label(self) -> str:
         cut = "" if self.cut is None else f" cut={','.join(map(str, self.cut))}"
         axes = "".join(f" {n}={v}" for n, v in (("fsdp", self.fsdp), ("tensor", self.tensor)) if v > 1)
+        place = " placement=ordered" if self.placement == "ordered" else ""   # (lanes: most plans)
         return (f"{self.schedule} stage={self.stages} data={self.data}{axes} M={self.microbatches} "
-                f"residuals={self.residuals}{cut}")
+                f"residuals={self.residuals}{cut}{place}")
 
 
 @dataclasses.dataclass
@@ -256,6 +261,7 @@ def configure(make_model: Callable[[int], object], batch: Dict[str, np.ndarray],
             c.dropped = f"the same program as {same.schedule}'s (placement {pipe.placement})"
             continue
         fp = bench.footprint(c, pipe)
+        c.placement = pipe.placement
         built[id(c)] = (pipe, fp)
         fams.setdefault(fp.family, []).append(c)
     model = _calibrate(fams, built, bench)
