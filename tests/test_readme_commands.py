@@ -32,8 +32,10 @@ QUICK = {
     "schedule_choice": ["--width=32", "--batch=64", "--rounds=1", "--devices=4", "--microbatch_counts=8",
                         "--real_layers=8"],
     "accelerator_cost": ["--small", "--timed", "--steps=2", "--microbatches=2"],
+    # (--link_thread=shared: the runner's default puts each process's Gloo thread at SCHED_IDLE, which starves
+    # beside the suite's other workers -- 25 s alone, 95-101 s beside three workers)
     "two_devices": ["--width=32", "--layers=4", "--batch=16", "--microbatches=4", "--schedules=1f1b,zb_h1",
-                    "--rounds=1", "--measure_ops"],
+                    "--rounds=1", "--measure_ops", "--link_thread=shared"],
     "cuts": ["--blocks=5", "--even_blocks=8", "--d_model=16", "--heads=2", "--vocab=64", "--seq_len=8", "--batch=8",
              "--microbatches=4", "--rounds=1", "--cores=0"],
 }
