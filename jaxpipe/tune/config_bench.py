@@ -253,7 +253,7 @@ def _device_share(c, pipe):
         return jax.tree.map(lambda a: zeros(tuple(np.shape(a)), a), full)
     try:
         return (jax.tree.map(lambda a, sh: zeros((per(a),) + tuple(sh.shard_shape(
-                    (c.stages,) + tuple(np.shape(a)[1:])))[1:], a), stage, pipe.param_shardings[0]),
+                    (c.stages,) + tuple(np.shape(a)[1:])))[1:], a), m.stage_params, pipe.param_shardings[0]),
                 jax.tree.map(lambda a, sh: zeros(tuple(sh.shard_shape(np.shape(a))), a), m.pre_params,
                              pipe.param_shardings[1]),
                 jax.tree.map(lambda a, sh: zeros(tuple(sh.shard_shape(np.shape(a))), a), m.post_params,
