@@ -1,6 +1,8 @@
 """Cyclic Data Parallelism, multi-device DP form (Fournier & Oyallon §3.2, §4): N workers on 'data', two time
 steps apart, ring reductions by ppermute; equal to the serial references of eqs. CDP-v1 / CDP-v2; Table 1's
 activation memory in the simulator and in XLA's memory analysis."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,9 +20,17 @@ OPTS = {"sgd": lambda: optax.sgd(0.1), "momentum": lambda: optax.sgd(0.05, momen
 
 
 def run(rule, N, opt="momentum", kind="mlp", steps=3, rows=2, **kw):
+    """``(cdp, final state, batches, model, version errors)`` of ``steps`` steps and a drain.  One run per
+    configuration in a process: several tests read the same run (each compile of a ring program is ~5 s
+    here), so a test that steps on from the state steps a copy (``step`` donates it)."""
+    return _run(rule, N, opt, kind, steps, rows, tuple(sorted({"nan_bubbles": True, **kw}.items())))
+
+
+@functools.lru_cache(maxsize=None)
+def _run(rule, N, opt, kind, steps, rows, kw):
     model, batch_fn = small_model(kind, N)
     cdp = jp.CyclicDataParallel(model, OPTS[opt](), rule=rule, mesh=jp.make_mesh(data=N),
-                                **{"nan_bubbles": True, **kw})          # NaN mode unless a test says otherwise
+                                **dict(kw))          # NaN mode unless a test says otherwise
     state = cdp.init()
     batches = [batch_fn(N * rows, s=k) for k in range(steps)]
     losses = []
@@ -88,10 +98,11 @@ def test_balanced_broadcast_sends_at_most_one_copy_per_worker():
 def test_nan_bubbles_do_not_leak(rule):
     """Every in-flight buffer starts NaN (idle backward lanes resend the ring's message buffer, NaN at first):
     the result still equals the serial reference, every replica stays finite and the losses are finite."""
-    cdp, state, batches, model, errors = run(rule, 4, "adamw", nan_bubbles=True)
+    opt = {"v1": "momentum", "v2": "adamw"}[rule]     # (configurations other tests run: compiled once)
+    cdp, state, batches, model, errors = run(rule, 4, opt, nan_bubbles=True)
     assert cdp.nan_bubbles and errors == 0
     assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(state.params))
-    ref = serial_reference(model, f"cdp_{rule}", OPTS["adamw"](), 4, batches)
+    ref = serial_reference(model, f"cdp_{rule}", OPTS[opt](), 4, batches)
     assert rel_err(cdp.params(state), ref["params"]) <= 1e-5
     carry = jax.tree.leaves(state.carry)
     assert any(np.isnan(np.asarray(a)).any() for a in carry if jnp.issubdtype(a.dtype, jnp.floating))
@@ -108,7 +119,7 @@ def test_v1_and_v2_differ_and_restart_after_drain():
     b = run("v2", 4)
     p0 = a[3].params            # the updates of the two rules differ by >= 100x the equality tolerance
     assert rel_err(change(a[0].params(a[1]), p0), change(b[0].params(b[1]), p0)) > RULE_MARGIN
-    cdp, state = b[0], b[1]
+    cdp, state = b[0], jax.tree.map(jnp.copy, b[1])     # (a copy: the shared run's state stays whole)
     state, m = cdp.step(state, b[2][0])          # the cycle restarts after a drain
     assert np.isfinite(float(m["loss"]))
 
@@ -116,8 +127,8 @@ def test_v1_and_v2_differ_and_restart_after_drain():
 def test_reduction_is_point_to_point():
     """The step has collective-permutes and no all-reduce of gradients: the only all-reduce is the final
     psum of the (loss sum, loss count) scalars."""
-    model, batch_fn = small_model("mlp", 4)
-    cdp = jp.CyclicDataParallel(model, optax.sgd(0.1), mesh=jp.make_mesh(data=4))
+    cdp = run("v1", 4)[0]          # (a configuration other tests run: its program compiled once)
+    _, batch_fn = small_model("mlp", 4)
     state = cdp.init()
     batch = jax.device_put(batch_fn(8), jax.sharding.NamedSharding(cdp.mesh, jax.sharding.PartitionSpec("data")))
     state = state._replace(carry=cdp._empty_carry(batch)[0])
