@@ -23,14 +23,15 @@ def run(rule, N, opt="momentum", kind="mlp", steps=3, rows=2, **kw):
     """``(cdp, final state, batches, model, version errors)`` of ``steps`` steps and a drain.  One run per
     configuration in a process: several tests read the same run (each compile of a ring program is ~5 s
     here), so a test that steps on from the state steps a copy (``step`` donates it)."""
-    return _run(rule, N, opt, kind, steps, rows, tuple(sorted({"nan_bubbles": True, **kw}.items())))
+    kw = {"nan_bubbles": True, **kw}          # NaN mode unless a test says otherwise
+    return _run(rule, N, opt, kind, steps, rows, tuple(sorted(kw.items())))
 
 
 @functools.lru_cache(maxsize=None)
 def _run(rule, N, opt, kind, steps, rows, kw):
     model, batch_fn = small_model(kind, N)
     cdp = jp.CyclicDataParallel(model, OPTS[opt](), rule=rule, mesh=jp.make_mesh(data=N),
-                                **dict(kw))          # NaN mode unless a test says otherwise
+                                **dict(kw))
     state = cdp.init()
     batches = [batch_fn(N * rows, s=k) for k in range(steps)]
     losses = []

@@ -315,4 +315,5 @@ def test_the_grad_norm_metric_is_the_norm_of_the_steps_mean_gradient():
     state = pipe.init()
     _, grads = pipe.loss_and_grad(state, batch)
     _, m = pipe.step(state, batch)
-    assert float(m["grad_norm"]) == pytest.approx(float(np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float64))) for g in jax.tree.leaves(grads)))), rel=1e-5)
+    norm = np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float64))) for g in jax.tree.leaves(grads)))
+    assert float(m["grad_norm"]) == pytest.approx(float(norm), rel=1e-5)
