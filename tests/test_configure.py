@@ -173,3 +173,58 @@ def test_one_slope_per_residual_policy_one_compile_per_other_family():
         fp = built[id(c)][1]
         truth = fp.state + fp.known + slope[fp.family[0]] * fp.working + offset[fp.family]
         assert model.total(fp) == pytest.approx(truth, rel=1e-9), (fp.family, fp.working)
+
+
+def test_the_choice_and_the_runner_up_are_both_compiled_before_they_are_trusted():
+    """Three micro-batch counts of one family: calibration compiles the extremes (M = 2, 8), so the runner-up
+    M = 4 keeps a predicted memory until the check compiles it -- and where XLA's figure is over the budget,
+    it drops out and the next is checked."""
+    from types import SimpleNamespace as NS
+    from jaxpipe.tune.configure import Candidate, _checked_best
+    cands = [Candidate("1f1b", 2, 1, m, "all", step_s=s, memory=100.0) for m, s in ((2, 1.0), (4, 1.1), (8, 1.3))]
+    for c in (cands[0], cands[2]):
+        c.compiled_memory = 100.0
+    xla = {4: 300.0}                        # what compiling M = 4 gives (the prediction said 100)
+    compiled = []
+
+    def compile_memory(jobs):
+        for c, _ in jobs:
+            compiled.append(c.microbatches)
+            c.compiled_memory = xla[c.microbatches]
+    bench = NS(compile_memory=compile_memory)
+    built = {id(c): (None, None) for c in cands}
+    best = _checked_best(cands, built, bench, budget=1000.0)
+    assert best is cands[0] and compiled == [4] and cands[1].memory == 300.0
+    # the same with a budget M = 4's compiled figure exceeds: dropped by name, M = 8 is the runner-up now
+    for c in cands:
+        c.dropped, c.memory = "", 100.0
+    cands[1].compiled_memory = None
+    compiled.clear()
+    best = _checked_best(cands, built, bench, budget=200.0)
+    assert best is cands[0] and compiled == [4] and cands[1].dropped.startswith("compiled: ")
+
+
+def test_each_candidates_stage_is_predicted_at_its_own_micro_batch_rows(roomy):
+    """A data-parallel candidate's micro-batch is its replica's share: rows / (data x M) -- predicted at the
+    whole batch's rows / M, stage=1 data=2 looked as slow per micro-batch as stage=2 data=1."""
+    from jaxpipe.tune.configure import _predict_times
+    bench = roomy._bench
+    seen = {}
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(bench, name)
+
+        def stage_costs(self, finest, n, residuals, rows, *a, **kw):
+            seen.setdefault("stage", []).append(rows)
+            return bench.stage_costs(finest, n, residuals, rows, *a, **kw)
+
+        def edges(self, rows):
+            seen.setdefault("edges", []).append(rows)
+            return bench.edges(rows)
+    built = [c for c in roomy.candidates if id(c) in roomy._built]
+    before = [c.step_s for c in built]
+    _predict_times(built, roomy._built, Spy(), 2)
+    want = [bench.rows // (c.data * c.microbatches) for c in built]
+    assert seen["stage"] == want and seen["edges"] == want and {c.data for c in built} == {1, 2}
+    assert [c.step_s for c in built] == before         # the same measurements, read from the cache

@@ -37,3 +37,31 @@ def test_the_search_keeps_the_better_of_its_two_descents():
         assert got[1] == pytest.approx(min(t for _, t in runs))
         differ += len({round(t, 12) for _, t in runs}) > 1
     assert differ > 0
+
+
+def test_a_measured_round_becomes_part_costs_by_hand():
+    """A backward is the forward-and-backward program's time less the forward's (the pullback timed with its
+    forward), and a padding slot is what the stage of one block and one slot adds to one block."""
+    from jaxpipe.tune.part_costs import to_costs
+    r = {"f_block": 1.0, "fb_block": 3.5, "f_two": 1.25, "fb_two": 4.0, "f_pre": 0.5, "fb_pre": 0.75,
+         "f_post": 2.0, "fb_post": 2.25}
+    c = to_costs(r)
+    assert (c.f_block, c.b_block, c.f_pre, c.b_pre, c.f_post, c.b_post) == (1.0, 2.5, 0.5, 0.25, 2.0, 0.25)
+    assert (c.f_pad, c.b_pad) == (0.25, 0.25)                    # (1.25 - 1.0, (4.0 - 1.25) - 2.5)
+    assert to_costs(dict(r, fb_post=1.0)).b_post == 0.0          # a noisy round never gives a negative cost
+    # no padding program (a model without block_fn): the padding slot costs nothing
+    c = to_costs({k: v for k, v in r.items() if "two" not in k})
+    assert (c.f_pad, c.b_pad) == (0.0, 0.0)
+
+
+def test_two_models_never_share_a_cut_cost_key():
+    """The key holds the traced programs: GPTs of width 16 and 64 (the same blocks, the same backend) get two
+    keys, so one never reads the other's costs; the same model gets its key again."""
+    import jaxpipe as jp
+    from jaxpipe.tune.part_costs import cost_key, part_programs
+    tok = np.zeros((4, 9), np.int32)
+    mb = {"x": tok[:, :-1], "y": tok[:, 1:]}
+    key = lambda d: cost_key(part_programs(jp.models.gpt(2, vocab=32, d_model=d, heads=2, seq_len=8,
+                                                         cut=(1, 1)), mb)[1])
+    assert key(16) != key(64)
+    assert key(16) == key(16)

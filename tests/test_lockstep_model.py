@@ -185,3 +185,14 @@ def test_a_heavy_head_is_paid_on_the_last_stage_of_every_micro_batch(name):
     one = build(name, D=1, M=4)          # one stage runs everything, without a bubble
     assert predict_devices(one, UNIT, 1.0, 0.0, FREE, 1.0, 1.0, edges=head)["compute"] == pytest.approx(
         M * (3.0 + 0.25 + 0.5 + 3.0 + 6.0))
+
+
+def test_a_placement_tie_goes_to_the_plan_with_fewer_stash_slots():
+    """Chimera at D = 4, M = 8: both plans take 30 units, the ordered one holds 4 stash slots, lanes 5 -- the
+    tie is broken by memory, not by the placement's name."""
+    from jaxpipe.schedules.lanes import fastest_placement, unit_costs
+    s = build("chimera", 4, 8)
+    ordered, lanes = s.plan("ordered"), s.plan("lanes")
+    assert ordered.lockstep_makespan(*unit_costs(s)) == lanes.lockstep_makespan(*unit_costs(s))
+    assert (ordered.stash_capacity, lanes.stash_capacity) == (4, 5)
+    assert fastest_placement(s) == "ordered"

@@ -16,17 +16,17 @@ def _batch():
     return {"x": tok[:, :-1], "y": tok[:, 1:]}
 
 
-def _pipe(D, M, residuals="all"):
+def _pipe(D, M, residuals="all", data=1):
     model = jp.models.gpt(D, vocab=64, d_model=32, heads=2, blocks_per_stage=4 // D, seq_len=T)
     return jp.Pipeline(model, schedule="1f1b", num_microbatches=M, optimizer=optax.adamw(1e-3),
-                       mesh=jp.make_mesh(stages=D), residuals=residuals)
+                       mesh=jp.make_mesh(stages=D, data=data), residuals=residuals)
 
 
 @pytest.fixture(scope="module")
 def measured():
     """(footprint, XLA's figures) of three configurations, each compiled once for the module."""
     out = {}
-    for key in [(2, 2), (2, 4), (4, 4)]:
+    for key in [(2, 2), (2, 4), (4, 4), (2, 2, "all", 2)]:     # the last: stages 2 x data 2
         pipe = _pipe(*key)
         state = pipe.init()
         out[key] = (footprint(pipe, _batch(), state), compiled(pipe, _batch(), state))
@@ -34,9 +34,24 @@ def measured():
 
 
 def test_the_state_on_a_device_is_the_compiled_steps_arguments(measured):
+    """Also on a data x stage mesh, where a device holds its replica's share of the batch, not all of it."""
     for fp, xla in measured.values():
         assert fp.state == xla["arguments"]
         assert fp.stash > 0 and fp.residuals == fp.working         # residuals="all": the stash keeps them all
+    assert measured[(2, 2, "all", 2)][0].state < measured[(2, 2)][0].state     # the same weights, half the rows
+
+
+def test_the_compiled_total_counts_a_donated_output_once(measured):
+    """The step donates its state: the outputs aliased to arguments are the same bytes, counted once
+    (arguments + temp + outputs - aliases); counted again, a candidate that fits could be dropped."""
+    from types import SimpleNamespace
+    from jaxpipe.tune.memory import memory_total
+    for fp, xla in measured.values():
+        assert xla["alias"] > 0
+        assert xla["total"] == xla["arguments"] + xla["temp"] + xla["outputs"] - xla["alias"]
+    ma = SimpleNamespace(argument_size_in_bytes=100, temp_size_in_bytes=30, output_size_in_bytes=90,
+                         alias_size_in_bytes=80)
+    assert memory_total(ma) == 140
 
 
 def test_a_line_fitted_at_two_devices_predicts_four_within_ten_percent(measured):

@@ -317,3 +317,27 @@ def test_the_grad_norm_metric_is_the_norm_of_the_steps_mean_gradient():
     _, m = pipe.step(state, batch)
     norm = np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float64))) for g in jax.tree.leaves(grads)))
     assert float(m["grad_norm"]) == pytest.approx(float(norm), rel=1e-5)
+
+
+def test_a_no_flush_steps_nonfinite_loss_is_not_kept_back_and_its_states_are_refused(tmp_path):
+    """PipeDream-2BW updates inside its pipeline: a step whose loss is NaN (finite inputs, an undeclared
+    label past the table) has landed its effect before the check can tell, whatever the input checks say.
+    The next call says so, and that state and the one derived from it are refused by save -- judged on the
+    loss flag, not on the input flag alone."""
+    model, batch = _classifier()
+    pipe = jp.Pipeline(model, schedule="pipedream_2bw", num_microbatches=2, optimizer=optax.sgd(0.1),
+                       mesh=jp.make_mesh(stages=2))
+    state, m = pipe.step(pipe.init(), dict(batch, label=batch["label"].at[3].set(99)))
+    with pytest.raises(jp.ConfigError, match=r"loss or the gradient norm is NaN or Inf; that step ran \(this "
+                                             r"method's state is not kept back"):
+        pipe.check()
+    ck = jp.Checkpointer(str(tmp_path / "ck"), pipe, async_save=False)
+    try:
+        with pytest.raises(jp.ConfigError, match="refusing to checkpoint this state.*refused step"):
+            ck.save(1, state)
+        derived, _ = pipe.step(state, batch)
+        with pytest.raises(jp.ConfigError, match="refusing to checkpoint this state.*refused step"):
+            ck.save(2, derived)
+        assert ck.all_steps() == []
+    finally:
+        ck.close()

@@ -94,3 +94,27 @@ def test_bad_options_and_streams_say_what_would_work(pipe, tmp_path):
                             mesh=jp.make_mesh(stages=2))
     with pytest.raises(jp.ConfigError, match="skip_nonfinite=True"):
         jp.Trainer(unguarded, stream(), steps=1, on_nonfinite="skip")
+
+
+def test_a_step_is_refused_on_its_loss_and_grad_norm_not_only_on_a_skip_flag():
+    """The loop's refusal condition by itself: the library test above runs ``skip_nonfinite=True``, whose
+    ``skipped`` flag would hide a dropped finiteness check (a NaN loss then trained on, unreported)."""
+    refused = jp.Trainer._refused
+    assert refused({"loss": np.nan}, np.nan)                           # no skip flag: the loss alone
+    assert refused({"loss": 1.0, "grad_norm": np.inf}, 1.0)             # a finite loss, an Inf gradient
+    assert refused({"loss": 1.0, "grad_norm": np.array([1.0, np.nan])}, 1.0)    # AvgPipe: one per pipeline
+    assert refused({"loss": 1.0, "skipped": True}, 1.0)
+    assert not refused({"loss": 1.0, "grad_norm": 2.0, "skipped": False}, 1.0)
+    # a no-flush step that computed no loss yet (the pipeline filling): its NaN placeholder is no failure
+    assert not refused({"loss": np.nan, "losses_computed": 0}, np.nan)
+    assert refused({"loss": np.nan, "losses_computed": 2}, np.nan)
+
+
+def test_without_skip_nonfinite_a_nan_step_stops_the_loop_by_name(tmp_path):
+    """The same stop on a pipeline that does not skip (its step gates the update, and only the loop's own
+    finiteness check sees the NaN before the next call)."""
+    plain = jp.Pipeline(MODEL, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.05),
+                        mesh=jp.make_mesh(stages=2))
+    with pytest.raises(jp.training.NonFiniteLoss, match="non-finite loss nan .* at step 2"):
+        jp.train(plain, stream(nan_at=2), steps=4, out_dir=str(tmp_path / "stop"), **QUIET)
+    assert len(losses(tmp_path / "stop")) == 2

@@ -451,3 +451,39 @@ def test_dropout_masks_do_not_depend_on_the_cut():
     for loss, grads in got[1:]:
         assert abs(float(loss) - float(got[0][0])) <= 1e-6 * abs(float(got[0][0]))
         assert rel_err(grads, got[0][1]) <= 1e-5
+
+
+def _dropout_blocks(stages, cut=None, p=0.5):
+    """Four tanh blocks with dropout by the block's ctx key, as ``block_fn`` over stacked stages (no cut: the
+    form ``from_nnx`` / ``from_linen`` give a model without ``cut=``) or over the blocks with ``cut``."""
+    n, k = 4, jax.random.split(jax.random.PRNGKey(3), 2)
+    blocks = {"w": jax.random.normal(k[0], (n, W, W)) / 3}
+
+    def block(p_, x, ctx):
+        h = jnp.tanh(x @ p_["w"])
+        if ctx.key is None:
+            return h
+        return jnp.where(jax.random.bernoulli(ctx.key, 1 - p, h.shape), h / (1 - p), 0.0)
+    stage_params = blocks if cut else jax.tree.map(lambda a: a.reshape((stages, n // stages) + a.shape[1:]), blocks)
+    return jp.PipelineModel(block_fn=block, stage_params=stage_params, cut=cut, context=True,
+                            post_loss=lambda p_, x, b: jnp.mean((x @ p_ - b["y"]) ** 2),
+                            post_params=jax.random.normal(k[1], (W, 2)))
+
+
+def test_dropout_masks_of_a_model_without_a_cut_do_not_depend_on_the_stage_count():
+    """A model of blocks without ``cut=`` keys each block by its index in the model too: 2 stages x 2 blocks
+    draw what 4 stages x 1 block and the cut (2, 2) draw (keyed by the stage index, blocks 1 and 2 of the
+    2 x 2 model drew one mask and the masks changed with the stage count)."""
+    batch = mlp_batch(8)
+    got = []
+    for stages, cut in ((2, None), (4, None), (2, (2, 2))):
+        pipe = jp.Pipeline(_dropout_blocks(stages, cut), "1f1b", num_microbatches=2, optimizer=optax.sgd(0.1),
+                           mesh=jp.make_mesh(stages=stages), seed=5)
+        got.append(pipe.loss_and_grad(pipe.init(), batch))
+    plain = _dropout_blocks(2).loss(_dropout_blocks(2).params, batch)
+    assert abs(float(plain) - float(got[0][0])) > 1e-3          # dropout acts
+    for loss, grads in got[1:]:
+        assert abs(float(loss) - float(got[0][0])) <= 1e-6 * abs(float(got[0][0]))
+    # the cut-less models' gradients, stacked [stages, k, ...], against the cut model's blocks [n, ...]
+    flat = lambda g: jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), g[0])
+    assert rel_err(flat(got[0][1]), got[2][1][0]) <= 1e-5 and rel_err(flat(got[1][1]), got[2][1][0]) <= 1e-5
