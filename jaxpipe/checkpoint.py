@@ -36,7 +36,7 @@ import numpy as np
 
 from .errors import ConfigError
 from .validate import is_int
-from .axes import PIPE
+from .axes import PIPE, STAGE
 
 
 def fingerprint(pipe) -> Dict[str, Any]:
@@ -67,7 +67,15 @@ def fingerprint(pipe) -> Dict[str, Any]:
             "model_leaves": [[k, list(sh), dt] for k, sh, dt in shapes], "tied": ties,
             "model_stages": int(model.num_stages), "cut": list(model.cut) if getattr(model, "cut", None) else None,
             "schedule": pipe.schedule.name,
-            "microbatches": int(pipe.num_microbatches), "mesh": {k: int(v) for k, v in pipe.mesh.shape.items()}}
+            "microbatches": int(pipe.num_microbatches), "mesh": {k: int(v) for k, v in pipe.mesh.shape.items()},
+            # how the state holds the stage leaves (chunks a device, a device-local order): a restore onto
+            # another number of devices reads them in the writer's layout, not its own
+            "state_layout": _state_layout(pipe)}
+
+
+def _state_layout(pipe) -> Optional[dict]:
+    layout = getattr(getattr(pipe, "_runner", None), "state_layout", None)
+    return layout() if layout is not None else None
 
 
 class Checkpointer:
@@ -293,13 +301,38 @@ class Checkpointer:
             return leaf if shape == tuple(leaf.shape) else jax.ShapeDtypeStruct(
                 shape, leaf.dtype, sharding=NamedSharding(leaf.sharding.mesh, PartitionSpec()))
         state = recut_state(self._read(step, meta, jax.tree_util.tree_map_with_path(as_saved, abstract)),
-                            self._optimizer, from_cut, to_cut, self._stage_order)
+                            self._optimizer, from_cut, to_cut, self._orders(step, meta.get("fingerprint") or {}))
         got, want = _shapes(state), _shapes(abstract)
         if got != want:
             diff = [f"{k}: moved {tuple(got.get(k, ()))}, needed {tuple(v)}" for k, v in want.items() if got.get(k) != v]
             self._mesh_error(step, meta.get("fingerprint"), "; ".join(diff[:2]))
         return jax.tree.map(lambda a, t: jax.device_put(a, t.sharding), state, abstract), meta.get("extra", {}), \
             int(meta["step"])
+
+    def _orders(self, step, saved: dict):
+        """``(to_model, from_model)`` for :func:`~jaxpipe.cuts.recut_state`: the saved stage leaves into the
+        model's order by the *writer's* layout (chunks a device depend on its number of devices), then into this
+        run's.  A checkpoint that did not record its layout is refused where the number of devices differs
+        (its chunks would be read in this run's order: blocks swapped without a word)."""
+        from .runtime.chunk_state import layout_order
+        same = lambda a: a
+        mine = self._stage_order or (same, same)
+        if "state_layout" in saved:
+            info = saved["state_layout"]
+            theirs = layout_order(info["layout"], info["chunks"]) if info else (same, same)
+        elif (saved.get("mesh") or {}).get(STAGE) == self.fingerprint["mesh"].get(STAGE):
+            theirs = mine
+        elif self._stage_order is None:
+            theirs = (same, same)
+        else:
+            raise ConfigError(
+                f"checkpoint step {step} in {self.directory} holds {saved.get('schedule')}'s state on "
+                f"{(saved.get('mesh') or {}).get(STAGE)} stage devices; this run has {self.fingerprint['mesh'].get(STAGE)}, "
+                f"and the checkpoint (written by an older jaxpipe) does not record how its devices held the "
+                f"chunks. Resume on {(saved.get('mesh') or {}).get(STAGE)} stage devices (a later checkpoint "
+                f"then moves), or start the new layout from its weights: jp.PipelineModel(..., "
+                f"stage_params=pipe.params(state)[0], cut=...) (optimizer state restarts)")
+        return theirs[0], mine[1]
 
     def restore_latest(self, template, report=print) -> Tuple[Any, dict, int]:
         """Like ``restore`` from the newest checkpoint that is intact: a corrupt or unreadable one (a flipped

@@ -297,6 +297,10 @@ MUTATIONS = [
     Mutation("placement_tie_by_name", "jaxpipe/schedules/lanes.py",
              "key = {p: (round(step(p), 9), s.plan(p).stash_capacity, p)", "key = {p: (round(step(p), 9), p)",
              "tests/test_lockstep_model.py::test_a_placement_tie_goes_to_the_plan_with_fewer_stash_slots"),
+    # a chunked checkpoint read in the reader's layout on another number of devices (blocks swapped, silently)
+    Mutation("chunked_restore_in_the_readers_layout", "jaxpipe/checkpoint.py",
+             "        return theirs[0], mine[1]\n", "        return mine[0], mine[1]\n",
+             "tests/test_chunk_state.py::test_a_chunked_checkpoint_restores_onto_another_number_of_devices[zb_v-devices0]"),
     # ... and the two weak kills: the loop's refusal without its finiteness check; the data split of a prediction
     Mutation("loop_refusal_only_on_the_skip_flag", "jaxpipe/training/loop.py",
              'return bool(metrics.get("skipped", False)) or not finite', 'return bool(metrics.get("skipped", False))',

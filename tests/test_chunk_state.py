@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import jaxpipe as jp
 from jaxpipe.runtime.chunk_state import Chunks, is_chunks
@@ -86,3 +87,45 @@ def test_a_chunked_checkpoint_restores_onto_another_cut(tmp_path):
     a, _ = p1.step(s1, mlp_batch(8, seed=3))
     b, _ = p2.step(s2, mlp_batch(8, seed=3))
     assert rel_err(p2.params(b), p1.params(a)) <= 1e-5
+
+
+@pytest.mark.parametrize("schedule,devices", [("zb_v", (2, 4)), ("dualpipe_v", (4, 2)), ("zb_v", (4, 2)),
+                                              ("interleaved_1f1b", (2, 4))])
+def test_a_chunked_checkpoint_restores_onto_another_number_of_devices(schedule, devices, tmp_path):
+    """8 blocks on 2 devices (cut [2, 2, 2, 2], two chunks each) and on 4 ([1] * 8): a device holds other model
+    stages as its chunks, so the saved chunks are read in the writer's layout -- read in the reader's, blocks 4
+    and 5 held saved blocks 6 and 7 (the next loss 1.53 where the writer's is 1.31), without a word."""
+    opt = optax.adamw(1e-2, weight_decay=0.1)
+    kw = {"options": {"virtual": 2}} if schedule == "interleaved_1f1b" else {}
+    M = 8 if schedule == "dualpipe_v" else 4          # (DualPipeV fills both chunks of 4 devices: M >= 8)
+    pipes = [jp.Pipeline(mlp((8 // (2 * d),) * (2 * d)), schedule, num_microbatches=M, optimizer=opt,
+                         mesh=jp.make_mesh(stages=d), **kw) for d in devices]
+    s1, _ = pipes[0].step(pipes[0].init(), mlp_batch(8, seed=2))
+    ck = jp.Checkpointer(str(tmp_path), pipes[0])
+    ck.save(1, s1)
+    ck.close()
+    reader = jp.Checkpointer(str(tmp_path), pipes[1])
+    s2, _, step = reader.restore(pipes[1].init())
+    reader.close()
+    assert step == 1 and rel_err(pipes[1].params(s2), pipes[0].params(s1)) == 0.0
+    a, ma = pipes[0].step(s1, mlp_batch(8, seed=3))
+    b, mb = pipes[1].step(s2, mlp_batch(8, seed=3))
+    assert float(mb["loss"]) == pytest.approx(float(ma["loss"]), rel=1e-6)
+    assert rel_err(pipes[1].params(b), pipes[0].params(a)) <= 1e-5
+
+
+def test_a_chunked_checkpoint_without_its_layout_is_refused_on_another_number_of_devices(tmp_path):
+    """A checkpoint of an older jaxpipe did not record how its devices held the chunks: on the same devices it
+    moves between cuts as before; on another number of devices it is refused by name, never guessed."""
+    opt = optax.adamw(1e-2)
+    pipe = jp.Pipeline(mlp((1,) * 8), "zb_v", num_microbatches=4, optimizer=opt, mesh=jp.make_mesh(stages=4))
+    ck = jp.Checkpointer(str(tmp_path), pipe)
+    try:
+        old = {"schedule": "zb_v", "mesh": {"stage": 2}}
+        with pytest.raises(jp.ConfigError, match=r"zb_v's state on 2 stage devices; this run has 4.*does not "
+                                                 r"record how its devices held the chunks"):
+            ck._orders(3, old)
+        same = ck._orders(3, {"schedule": "zb_v", "mesh": {"stage": 4}})
+        assert same == (ck._stage_order[0], ck._stage_order[1])
+    finally:
+        ck.close()

@@ -88,12 +88,15 @@ class SyncRunner:
         """``(to_model, from_model)``: one stage leaf of the state in the model's order (``[stages, ...]``) and
         back -- the layouts that are not the model's own (chunks a device, a device-local order); None where the
         state holds the model's order."""
-        lay, inv, K = self._layout, self._inverse, self._chunks
-        if K > 1:
-            return (lambda ch: chunk_state.join_leaf(ch, inv)), (lambda a: chunk_state.split_leaf(a, lay, K))
-        if self._stored:
-            return (lambda a: a[jnp.asarray(inv)]), (lambda a: a[jnp.asarray(lay)])
-        return None
+        return chunk_state.layout_order(self._layout, self._chunks) if self._stored else None
+
+    def state_layout(self) -> Optional[dict]:
+        """How the state holds the stage leaves where not in the model's order, for a checkpoint to record:
+        ``{"layout": [model stage of each held position], "chunks": K}`` (:meth:`stage_order` is its
+        function form); None where the state holds the model's order."""
+        if not self._stored:
+            return None
+        return {"layout": [int(i) for i in self._layout], "chunks": int(self._chunks)}
 
     def prepare(self, state, batch):
         return state

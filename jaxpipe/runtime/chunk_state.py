@@ -72,6 +72,16 @@ def join_leaf(ch: Chunks, inverse: np.ndarray):
     return jnp.stack(ch.parts, 1).reshape((-1,) + ch.parts[0].shape[1:])[jnp.asarray(inverse)]
 
 
+def layout_order(layout: Sequence[int], K: int):
+    """``(to_model, from_model)`` for one stage leaf held in ``layout`` (the model stage of each held position;
+    ``K`` chunks a device): :class:`Chunks` where ``K > 1``, else a permuted ``[stages, ...]`` array."""
+    lay = np.asarray(layout)
+    inverse = np.argsort(lay)
+    if K > 1:
+        return (lambda ch: join_leaf(ch, inverse)), (lambda a: split_leaf(a, lay, K))
+    return (lambda a: a[jnp.asarray(inverse)]), (lambda a: a[jnp.asarray(lay)])
+
+
 def chunk(stage, c: int):
     """Chunk ``c`` of every device: the tree with each :class:`Chunks` leaf's array ``c``."""
     return jax.tree.map(lambda ch: ch[c], stage, is_leaf=is_chunks)
