@@ -222,6 +222,42 @@ class Checkpointer:
         if self._check_pipe is not None:
             self._check_pipe()
 
+    def close_within(self, timeout_s: float) -> Optional[str]:
+        """Close on an error path: the write in flight gets ``timeout_s`` seconds to finish, then the manager is
+        closed and the directory's lock released -- whatever happened, and without raising (the caller is
+        already raising its own error).  None where everything finished; else what was abandoned.  An abandoned
+        write stays an unfinished temporary folder, which no restore reads: the newest finished checkpoint is
+        what a later run resumes from."""
+        import threading
+        errors = []
+
+        def finish():
+            try:
+                self._writing(self.manager.wait_until_finished)
+                self._close_quietly()
+            except BaseException as e:        # reported below; the caller's error goes on
+                errors.append(e)
+        worker = threading.Thread(target=finish, name="jaxpipe-checkpoint-close", daemon=True)
+        worker.start()
+        worker.join(timeout_s)
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+        if worker.is_alive():
+            return (f"the write of checkpoint step {self._pending} to {self.directory} did not finish within "
+                    f"{timeout_s:g} s and is abandoned; the newest finished checkpoint holds step "
+                    f"{self._newest_finished()}")
+        if errors:
+            return f"closing the checkpoints in {self.directory}: {errors[0]}"
+        return None
+
+    def _newest_finished(self) -> Optional[int]:
+        """The newest finished step, from the folder names (no Orbax call: usable while a write hangs)."""
+        try:
+            return max((int(x) for x in os.listdir(self.directory) if x.isdigit()), default=None)
+        except OSError:
+            return None
+
     def _close_quietly(self):
         try:
             self.manager.close()

@@ -301,6 +301,15 @@ MUTATIONS = [
     Mutation("chunked_restore_in_the_readers_layout", "jaxpipe/checkpoint.py",
              "        return theirs[0], mine[1]\n", "        return mine[0], mine[1]\n",
              "tests/test_chunk_state.py::test_a_chunked_checkpoint_restores_onto_another_number_of_devices[zb_v-devices0]"),
+    # a run ending on an error drops its checkpointer unclosed (the write in flight lost, the lock kept)
+    Mutation("error_path_drops_the_checkpointer", "jaxpipe/training/loop.py",
+             "            self._close_checkpointer_after_error()\n            self._close(restore_signals=True)\n",
+             "            self.ckpt = None\n            self._close(restore_signals=True)\n",
+             "tests/test_trainer_api.py::test_a_run_that_ends_on_an_error_keeps_its_checkpoints_and_frees_the_directory[raises-OSError-saved0]"),
+    Mutation("refused_resume_keeps_the_lock", "jaxpipe/training/loop.py",
+             "# a refused resume: the directory's lock goes with the error\n            self._close_checkpointer_after_error()\n",
+             "# a refused resume: the directory's lock goes with the error\n            pass\n",
+             "tests/test_trainer_api.py::test_a_refused_resume_frees_the_directory_for_the_right_model"),
     # ... and the two weak kills: the loop's refusal without its finiteness check; the data split of a prediction
     Mutation("loop_refusal_only_on_the_skip_flag", "jaxpipe/training/loop.py",
              'return bool(metrics.get("skipped", False)) or not finite', 'return bool(metrics.get("skipped", False))',

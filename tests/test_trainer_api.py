@@ -118,3 +118,52 @@ def test_without_skip_nonfinite_a_nan_step_stops_the_loop_by_name(tmp_path):
     with pytest.raises(jp.training.NonFiniteLoss, match="non-finite loss nan .* at step 2"):
         jp.train(plain, stream(nan_at=2), steps=4, out_dir=str(tmp_path / "stop"), **QUIET)
     assert len(losses(tmp_path / "stop")) == 2
+
+
+def failing_stream(fail_at, how):
+    """The seeded stream, whose batch ``fail_at`` raises (the user's data code failing mid-run) or holds NaN
+    (refused by the step's input check)."""
+    def start():
+        for s in itertools.count(1):
+            b = BATCH(8, s)
+            if s == fail_at and how == "raises":
+                raise OSError(f"the data source failed at batch {s}")
+            if s == fail_at:
+                b["x"] = np.full_like(b["x"], np.nan)
+            yield b
+    return start
+
+
+@pytest.mark.parametrize("how,error,saved", [("raises", OSError, ["1", "2"]),
+                                              ("nan", (jp.ConfigError, jp.training.NonFiniteLoss), ["1", "2"])])
+def test_a_run_that_ends_on_an_error_keeps_its_checkpoints_and_frees_the_directory(pipe, tmp_path, how, error,
+                                                                                   saved):
+    """The user's batches raise at step 3, or hold NaN there: the checkpoint of step 2 in flight is finished
+    (not left as a temporary folder), the checkpointer closed and the directory's lock released -- the same
+    process trains on from step 2 at once, as a run that never failed."""
+    ck, run = str(tmp_path / "ck"), str(tmp_path / "run")
+    with pytest.raises(error):
+        jp.train(pipe, failing_stream(3, how), steps=5, out_dir=run, checkpoint_dir=ck, checkpoint_every=1,
+                 **QUIET)
+    left = sorted(os.listdir(ck))
+    assert [x for x in left if x.isdigit()] == saved, left
+    assert not [x for x in left if "tmp" in x] and ".jaxpipe.lock" not in left, left
+    again = jp.train(pipe, stream(), steps=5, out_dir=run, checkpoint_dir=ck, checkpoint_every=1, **QUIET)
+    assert again.summary["resumed_at"] == int(saved[-1]) and again.step == 5
+    ref = jp.train(pipe, stream(), steps=5, out_dir=str(tmp_path / "ref"), **QUIET)
+    jax.tree.map(assert_same, pipe.params(again.state), pipe.params(ref.state))
+
+
+def test_a_refused_resume_frees_the_directory_for_the_right_model(pipe, tmp_path):
+    """A resume refused for another model leaves the lock to nobody: the right model then resumes in the same
+    process (it was refused as "in use by process <this one>")."""
+    ck = str(tmp_path / "ck")
+    jp.train(pipe, stream(), steps=2, out_dir=str(tmp_path / "a"), checkpoint_dir=ck, **QUIET)
+    wider = jp.models.residual_mlp(2, in_dim=12, num_classes=5, width=24)
+    other = jp.Pipeline(wider, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.05),
+                        mesh=jp.make_mesh(stages=2))
+    with pytest.raises(jp.ConfigError, match="another model"):
+        jp.train(other, stream(), steps=3, out_dir=str(tmp_path / "b"), checkpoint_dir=ck, **QUIET)
+    assert ".jaxpipe.lock" not in os.listdir(ck)
+    done = jp.train(pipe, stream(), steps=3, out_dir=str(tmp_path / "a"), checkpoint_dir=ck, **QUIET)
+    assert done.summary["resumed_at"] == 2

@@ -30,6 +30,9 @@ from jaxpipe.training.stopping import Stop, guard_streams
 
 #: the exit status of a job stopped by a signal (what a preempted process is expected to return)
 STOPPED_EXIT = 143
+#: seconds a checkpoint write in flight gets to finish when the run ends on an error (then it is abandoned, the
+#: lock released and the error raised; the newest finished checkpoint stays readable)
+CLOSE_ON_ERROR_S = 120.0
 
 
 class NonFiniteLoss(RuntimeError):
@@ -117,7 +120,11 @@ class Trainer:
         self.primary = jax.process_index() == 0
         os.makedirs(o.out_dir, exist_ok=True)
         state = self.pipe.init() if state is None else state
-        state, start = self._restore(state)
+        try:
+            state, start = self._restore(state)
+        except BaseException:         # a refused resume: the directory's lock goes with the error
+            self._close_checkpointer_after_error()
+            raise
         self.log = MetricsLog(o.out_dir, start, self.primary)
         self.board = TensorBoard(os.path.join(o.out_dir, "tensorboard"), o.tensorboard if self.primary else "false")
         # a launcher that dies takes our output's reader with it: writes must not raise, and what this process
@@ -133,15 +140,25 @@ class Trainer:
             result = self._loop(state, start)
             exiting = result.stopped is not None and o.exit_on_stop
         except BaseException:
-            # the checkpointer is left as it is: closing it waits for writes that may never finish (a directory
-            # made read-only stalled the close for minutes); the error goes to the caller now
-            self.ckpt = None
+            # the write in flight gets a bounded time to finish (a directory made read-only stalled an unbounded
+            # close for minutes), the lock is released, and the error goes to the caller
+            self._close_checkpointer_after_error()
             self._close(restore_signals=True)
             raise
         self._close(restore_signals=not exiting)
         if exiting:
             sys.exit(STOPPED_EXIT)
         return result
+
+    def _close_checkpointer_after_error(self) -> None:
+        """The checkpointer closed on an error path (:meth:`~jaxpipe.checkpoint.Checkpointer.close_within`):
+        what could not finish is said on stderr, never raised over the caller's error."""
+        if self.ckpt is None:
+            return
+        ckpt, self.ckpt = self.ckpt, None
+        note = ckpt.close_within(CLOSE_ON_ERROR_S)
+        if note:
+            print(f"jaxpipe: {note}", file=sys.stderr, flush=True)
 
     def request_stop(self, reason: str) -> None:
         """Stop after the current step, with a checkpoint (as a SIGTERM would); for hooks."""
