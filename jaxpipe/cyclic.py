@@ -184,8 +184,9 @@ class CyclicDataParallel:
             require_finite_on_host(batch, opt_out)
             check_integer_inputs(self.model, batch, opt_out)
         self._pending.poll()            # earlier calls' checks: those done, or the oldest of IN_FLIGHT
+        why = self._pending.refusal(state)              # before the step consumes the state's arrays
         new, metrics = self._runner.step(state, batch)
-        self._pending.track(state, new)
+        self._pending.track(state, new, why)
         return new, metrics
 
     def drain(self, state: CyclicState):
@@ -193,8 +194,9 @@ class CyclicDataParallel:
         counters so the next step restarts the cycle.  Metrics: those of the drain's calls together."""
         self.check()
         require_live(state, "drain()")
+        why = self._pending.refusal(state)
         new, metrics = self._runner.drain(state)
-        self._pending.track(state, new)
+        self._pending.track(state, new, why)
         return new, metrics
 
     def check_saveable(self, state):

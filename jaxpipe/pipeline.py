@@ -273,8 +273,9 @@ class Pipeline:
         self._check_state(state)
         self._check_inflight(state, batch)
         self.context.pending.poll()     # earlier calls' on-device checks: those done, or the oldest of IN_FLIGHT
+        why = self.context.pending.refusal(state)      # before the step consumes the state's arrays
         new, metrics = self._runner.step(state, batch)
-        self.context.pending.track(state, new)
+        self.context.pending.track(state, new, why)
         return new, metrics
 
     def drain(self, state):
@@ -283,8 +284,9 @@ class Pipeline:
         The next ``step`` refills the pipeline.  Synchronous schedules flush every step: returns the state."""
         self.check()
         require_live(state, "drain()")
+        why = self.context.pending.refusal(state)
         new, metrics = self._runner.drain(state)
-        self.context.pending.track(state, new)
+        self.context.pending.track(state, new, why)
         return new, metrics
 
     def shard_batch(self, batch):

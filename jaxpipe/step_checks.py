@@ -248,15 +248,18 @@ def is_ready(status) -> bool:
         return True
 
 
+_UNSET = object()
+
+
 class _Call:
     """One dispatched call: its status (until read), what the message needs, the state it returned (a weak
     reference, set by :meth:`PendingStatus.track`), the unread call whose state it ran on, and -- once read and
     refused with its effect kept -- the refusal."""
-    __slots__ = ("status", "fields", "where", "batch_fields", "out", "parent", "refused")
+    __slots__ = ("status", "fields", "where", "batch_fields", "out", "out_leaves", "parent", "refused")
 
     def __init__(self, status, fields, where, batch_fields):
         self.status, self.fields, self.where, self.batch_fields = status, fields, where, batch_fields
-        self.out = self.parent = self.refused = None
+        self.out = self.out_leaves = self.parent = self.refused = None
 
 
 class PendingStatus:
@@ -279,6 +282,12 @@ class PendingStatus:
         self._newest = None                   # the last call put (read or not), until tracked
         self._counts = {}                     # per kind of call ("step()"...): how many were put
         self._tainted = {}                    # id(leaf) -> (weak reference, the refusal's message)
+        # the values of every refused state (:func:`value_digest`) -> the message: a copy of one, or a state
+        # put on other devices, holds the same values and is refused too
+        self._tainted_values = {}
+        # states checked clean by value while a refusal lives (id(leaf) -> weak reference), and those derived
+        # from them: each is checked once, not at every step
+        self._clean = {}
         _LIVE.add(self)
 
     def put(self, status, batch, where: str) -> None:
@@ -293,31 +302,51 @@ class PendingStatus:
         self._newest = _Call(status, self.checks.fields(batch), f"{where} #{n}", integer_fields(batch))
         self._queue.append(self._newest)
 
-    def track(self, state_in, state_out) -> None:
+    def track(self, state_in, state_out, why_in=_UNSET) -> None:
         """``state_out`` came from ``state_in`` by the last call put: it inherits a refusal of ``state_in`` (or
-        of the call itself, once read) and is the state a refusal of that call will name."""
+        of the call itself, once read) and is the state a refusal of that call will name.  ``why_in``: the
+        :meth:`refusal` of ``state_in`` taken before the call (the call consumed its arrays: their values can
+        no longer be read)."""
         leaf = _key_leaf(state_out)
         if leaf is None:
             return
+        why = self.refusal(state_in) if why_in is _UNSET else why_in
         call, self._newest = self._newest, None
         if call is not None:
             src = _key_leaf(state_in)
             call.out = _weak(leaf)
+            call.out_leaves = [_weak(a) for a in jax.tree.leaves(state_out)]
             call.parent = next((c for c in self._queue if c is not call and c.out is not None and c.out() is src),
                                None)
             if call.refused is not None:
-                self._taint(leaf, call.refused)
-        why = self.refusal(state_in)
+                self._taint(leaf, call.refused, state_out)
         if why is not None:
-            self._taint(leaf, why)
+            self._taint(leaf, why, state_out)
+        elif self._tainted_values and id(_key_leaf(state_in)) in self._clean:
+            self._clean[id(leaf)] = _weak(leaf, lambda _, k=id(leaf): self._clean.pop(k, None))
 
     def refusal(self, state) -> Optional[str]:
-        """The message of the refused step whose effect ``state`` holds (None for a clean state)."""
+        """The message of the refused step whose effect ``state`` holds (None for a clean state): the state a
+        refused call returned, one derived from it by a step or a drain, or one holding the same values (a copy,
+        a ``device_put``; compared only while a refused state was seen, once per state)."""
         leaf = _key_leaf(state)
-        entry = None if leaf is None else self._tainted.get(id(leaf))
-        if entry is None or entry[0]() is not leaf:
+        if leaf is None:
             return None
-        return entry[1]
+        entry = self._tainted.get(id(leaf))
+        if entry is not None and entry[0]() is leaf:
+            return entry[1]
+        if not self._tainted_values:
+            return None
+        known = self._clean.get(id(leaf))
+        if known is not None and known() is leaf:
+            return None
+        digest = value_digest(jax.tree.leaves(state))
+        if digest is None:            # a consumed state: its values are gone (require_live names it)
+            return None
+        why = self._tainted_values.get(digest)
+        if why is None:
+            self._clean[id(leaf)] = _weak(leaf, lambda _, k=id(leaf): self._clean.pop(k, None))
+        return why
 
     def require_saveable(self, state) -> None:
         """Every call's checks (:meth:`check`), then a ConfigError where ``state`` holds a refused step's effect
@@ -327,9 +356,15 @@ class PendingStatus:
         if why is not None:
             raise ConfigError(f"refusing to checkpoint this state: it holds the effect of a refused step ({why})")
 
-    def _taint(self, leaf, msg: str) -> None:
+    def _taint(self, leaf, msg: str, state=None) -> None:
+        """Mark the state whose key leaf is ``leaf``, and its values where ``state`` (or its leaves) is given."""
         key = id(leaf)
         self._tainted[key] = (_weak(leaf, lambda _: self._tainted.pop(key, None)), msg)
+        self._clean.pop(key, None)
+        if state is not None:
+            digest = value_digest(jax.tree.leaves(state))
+            if digest is not None:
+                self._tainted_values[digest] = msg
 
     def poll(self) -> None:
         """Before a call is dispatched: read the statuses that are ready, and wait for the oldest only while
@@ -366,7 +401,8 @@ class PendingStatus:
         call.refused = msg
         out = call.out() if call.out is not None else None
         if out is not None:
-            self._taint(out, msg)
+            leaves = [w() for w in call.out_leaves or ()]
+            self._taint(out, msg, leaves if leaves and all(a is not None for a in leaves) else None)
 
     def unread_failure(self) -> Optional[str]:
         """The message of the first unread failed call (None where every unread call passed)."""
@@ -375,6 +411,18 @@ class PendingStatus:
         except ConfigError as e:
             return str(e)
         return None
+
+
+def value_digest(leaves) -> Optional[tuple]:
+    """What identifies a state's values: each array leaf's shape, dtype and two on-device checksums of its bits
+    (:func:`jaxpipe.checkpoint.checksums`: one small read back).  None where a leaf was consumed (donated to a
+    step): its values are gone."""
+    from .checkpoint import checksums
+    arrays = [a for a in leaves if hasattr(a, "dtype") and hasattr(a, "shape")]
+    if any(getattr(a, "is_deleted", lambda: False)() for a in arrays):
+        return None
+    sums = checksums(arrays)
+    return tuple((tuple(a.shape), str(a.dtype), tuple(v)) for a, v in zip(arrays, sums.values()))
 
 
 def _key_leaf(state):

@@ -310,6 +310,10 @@ MUTATIONS = [
              "# a refused resume: the directory's lock goes with the error\n            self._close_checkpointer_after_error()\n",
              "# a refused resume: the directory's lock goes with the error\n            pass\n",
              "tests/test_trainer_api.py::test_a_refused_resume_frees_the_directory_for_the_right_model"),
+    # a refused state's refusal tied to its first array's identity: a copy of it is written
+    Mutation("refusal_tied_to_identity", "jaxpipe/step_checks.py",
+             "        why = self._tainted_values.get(digest)\n", "        why = None\n",
+             "tests/test_step_checks.py::test_a_refusal_follows_the_states_values_into_copies_and_their_descendants"),
     # ... and the two weak kills: the loop's refusal without its finiteness check; the data split of a prediction
     Mutation("loop_refusal_only_on_the_skip_flag", "jaxpipe/training/loop.py",
              'return bool(metrics.get("skipped", False)) or not finite', 'return bool(metrics.get("skipped", False))',

@@ -341,3 +341,37 @@ def test_a_no_flush_steps_nonfinite_loss_is_not_kept_back_and_its_states_are_ref
         assert ck.all_steps() == []
     finally:
         ck.close()
+
+
+def test_a_refusal_follows_the_states_values_into_copies_and_their_descendants(tmp_path):
+    """WPipe's refused state is refused by save however it is carried: a copy (``jnp.copy`` of every leaf), a
+    ``device_put`` onto the same devices, a state a step derived from the copy -- until a restore gives a clean
+    one.  (The refusal was tied to the identity of the state's first array: the copy was written.)"""
+    model, batch_fn = small_model("mlp", 4)
+    pipe = jp.Pipeline(model, schedule="wpipe", num_microbatches=2, optimizer=optax.sgd(0.05),
+                       mesh=jp.make_mesh(stages=2))
+    good = jax.tree.map(jnp.asarray, batch_fn(8))
+    bad = dict(good, y=good["y"].at[3].set(-1))          # a finite effect: only the check can tell
+    ck = jp.Checkpointer(str(tmp_path / "ck"), pipe, async_save=False)
+    try:
+        state, _ = pipe.step(pipe.init(), good)
+        ck.save(1, state)
+        state, _ = pipe.step(state, bad)
+        copy = jax.tree.map(jnp.copy, state)
+        moved = jax.tree.map(lambda a: jax.device_put(a, a.sharding), copy)
+        with pytest.raises(jp.ConfigError, match="'y'"):
+            pipe.check()
+        for s in (copy, moved, state):
+            with pytest.raises(jp.ConfigError, match="refusing to checkpoint.*refused step.*'y'"):
+                ck.save(2, s)
+        derived, _ = pipe.step(copy, good)
+        with pytest.raises(jp.ConfigError, match="refusing to checkpoint.*refused step"):
+            ck.save(3, derived)
+        assert ck.all_steps() == [1]
+        restored, _, _ = ck.restore(pipe.prepare(pipe.init(), good))
+        clean, _ = pipe.step(restored, good)
+        clean, _ = pipe.step(clean, good)
+        ck.save(4, clean)
+        assert ck.all_steps() == [1, 4]
+    finally:
+        ck.close()
