@@ -314,6 +314,10 @@ MUTATIONS = [
     Mutation("refusal_tied_to_identity", "jaxpipe/step_checks.py",
              "        why = self._tainted_values.get(digest)\n", "        why = None\n",
              "tests/test_step_checks.py::test_a_refusal_follows_the_states_values_into_copies_and_their_descendants"),
+    # a batches function returning one shared iterator taken as a stream that starts over
+    Mutation("shared_iterator_taken", "jaxpipe/training/streams.py",
+             "        if it is self._it:\n", "        if False:\n",
+             "tests/test_trainer_api.py::test_a_batches_function_that_returns_one_shared_iterator_is_refused_with_the_fix"),
     # ... and the two weak kills: the loop's refusal without its finiteness check; the data split of a prediction
     Mutation("loop_refusal_only_on_the_skip_flag", "jaxpipe/training/loop.py",
              'return bool(metrics.get("skipped", False)) or not finite', 'return bool(metrics.get("skipped", False))',

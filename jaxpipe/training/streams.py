@@ -14,10 +14,31 @@ from jaxpipe.errors import ConfigError
 
 
 class Replay:
-    """A batch stream that resumes by starting over and skipping what was used (``state_dict``: the position)."""
+    """A batch stream that resumes by starting over and skipping what was used (``state_dict``: the position).
 
-    def __init__(self, start: Callable[[], Iterator]):
-        self._start, self._it, self.position = start, start(), 0
+    ``start`` must begin a new stream at each call: one that hands back the same iterator each time (``lambda:
+    it``) cannot start over -- a resume would skip from wherever that iterator is, and each restart (the peek at
+    the batch's shapes included) loses batches.  That is refused at the first restart, and up front where
+    ``check_restart`` (a checkpointed run: it will restart when resumed)."""
+
+    def __init__(self, start: Callable[[], Iterator], check_restart: bool = False):
+        self._start, self._it, self.position, self._spare = start, start(), 0, None
+        if check_restart:
+            self._spare = self._restart()
+
+    def _restart(self) -> Iterator:
+        """A new stream from ``start``, or a ConfigError where it is the one already running."""
+        it = self._spare if self._spare is not None else self._start()
+        self._spare = None
+        if it is self._it:
+            name = getattr(self._start, "__name__", type(self._start).__name__)
+            raise ConfigError(
+                f"the batches function {name} returns the same iterator each time it is called "
+                f"({type(it).__name__} object): a checkpointed run starts the stream over to resume it, and this "
+                f"one would go on from wherever it is (a batch lost at every restart). Make the function start a "
+                f"new stream, e.g. lambda: iter(my_dataset) or a generator function (def batches(): ... yield b), "
+                f"or give an object with state_dict() and load_state_dict()")
+        return it
 
     def __iter__(self):
         return self
@@ -30,12 +51,12 @@ class Replay:
         return {"position": self.position}
 
     def load_state_dict(self, state: dict) -> None:
-        self._it, self.position = self._start(), 0
+        self._it, self.position = self._restart(), 0
         for _ in range(int(state["position"])):
             next(self)
 
     def peek(self):
-        return next(self._start())
+        return next(self._restart())
 
 
 def is_resumable(batches) -> bool:
@@ -55,7 +76,7 @@ def resumable(batches):
     if is_resumable(batches):
         return batches
     if callable(batches):
-        return Replay(batches)
+        return Replay(batches, check_restart=True)
     raise ConfigError(
         f"the batches are a {type(batches).__name__}, which a resumed run cannot put back where it was: give a "
         f"function of no arguments that starts the stream (e.g. lambda: my_batches(seed)), or an object with "
