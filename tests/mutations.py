@@ -318,6 +318,11 @@ MUTATIONS = [
     Mutation("shared_iterator_taken", "jaxpipe/training/streams.py",
              "        if it is self._it:\n", "        if False:\n",
              "tests/test_trainer_api.py::test_a_batches_function_that_returns_one_shared_iterator_is_refused_with_the_fix"),
+    # the model key traced with a context of shape placeholders (a stage testing its mask fails)
+    Mutation("model_key_context_of_placeholders", "jaxpipe/tune/measure_cache.py",
+             "    stage = lambda w, x, b: model.apply_stage(w, x, model.example_context(b))\n",
+             "    stage = lambda w, x, b, ctx=model.example_context(mb): model.apply_stage(w, x, ctx)\n",
+             "tests/test_measure_cache.py::test_a_model_whose_stages_read_a_mask_gets_a_key_from_shape_placeholders"),
     # ... and the two weak kills: the loop's refusal without its finiteness check; the data split of a prediction
     Mutation("loop_refusal_only_on_the_skip_flag", "jaxpipe/training/loop.py",
              'return bool(metrics.get("skipped", False)) or not finite', 'return bool(metrics.get("skipped", False))',

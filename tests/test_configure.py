@@ -228,3 +228,28 @@ def test_each_candidates_stage_is_predicted_at_its_own_micro_batch_rows(roomy):
     want = [bench.rows // (c.data * c.microbatches) for c in built]
     assert seen["stage"] == want and seen["edges"] == want and {c.data for c in built} == {1, 2}
     assert [c.step_s for c in built] == before         # the same measurements, read from the cache
+
+
+def test_a_model_whose_stages_read_a_mask_is_configured_and_its_pick_trains():
+    """``stage_inputs=("mask",)``, the stage testing the mask as a user's attention would (``mask > 0``): the
+    search measures it like any other model (it failed inside the user's code: the mask was a shape
+    placeholder while the model's key was traced)."""
+    import jax
+    import jax.numpy as jnp
+
+    def make(n):
+        def stage(w, h, ctx):
+            return jnp.tanh(h @ w) * (ctx.inputs["mask"] > 0)[..., None]
+        return jp.PipelineModel(stage_fn=stage, stage_params=jnp.ones((n, 16, 16)) / 16, stage_inputs=("mask",),
+                                pre=lambda p, b: b["x"] @ p, pre_params=jnp.ones((4, 16)) / 4,
+                                post_loss=lambda p, h, b: jnp.mean((h @ p - b["y"]) ** 2),
+                                post_params=jnp.ones((16, 1)))
+    r = np.random.default_rng(0)
+    batch = {"x": r.normal(size=(8, T, 4)).astype(np.float32), "y": r.normal(size=(8, T, 1)).astype(np.float32),
+             "mask": (r.random((8, T)) > 0.2).astype(np.float32)}
+    conf = configure(make, batch, optax.sgd(0.1), devices=2, memory_budget=1 << 40, schedules=("1f1b",),
+                     microbatches=(2,), residuals=("all",), verbose=False, cache=None, balance_cut=False)
+    assert all(np.isfinite(c.step_s) for c in conf.candidates if not c.dropped)
+    pipe = jp.Pipeline(conf.model(), optimizer=optax.sgd(0.1), **conf.best.pipeline_kwargs())
+    _, metrics = pipe.step(pipe.init(), batch)
+    assert np.isfinite(float(metrics["loss"]))

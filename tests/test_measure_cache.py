@@ -36,3 +36,21 @@ def test_models_that_differ_in_width_dtype_or_micro_batch_get_their_own_keys():
     # the same shapes in bfloat16 (parameters and compute)
     half = jp.with_precision(_gpt(), jp.Precision(params="bfloat16", compute="bfloat16"))
     assert base != model_key(half, _mb(), optax.sgd(0.1))
+
+
+def test_a_model_whose_stages_read_a_mask_gets_a_key_from_shape_placeholders():
+    """A model of ``stage_inputs=("mask",)`` whose stage tests the mask (``mask > 0``), keyed from a micro-batch
+    of ``ShapeDtypeStruct``s (what the search holds): the context is built inside the trace, so the user's code
+    sees tracers (it saw the placeholders: a TypeError inside the user's attention)."""
+    import jax
+
+    def stage(w, h, ctx):
+        return jnp.tanh(h @ w) * (ctx.inputs["mask"] > 0)[..., None]
+    model = jp.PipelineModel(stage_fn=stage, stage_params=jnp.ones((2, 8, 8)) / 8, stage_inputs=("mask",),
+                             pre=lambda p, b: b["x"] @ p, pre_params=jnp.ones((4, 8)),
+                             post_loss=lambda p, h, b: jnp.mean((h @ p - b["y"]) ** 2), post_params=jnp.ones((8, 1)))
+    mb = {"x": jax.ShapeDtypeStruct((2, T, 4), jnp.float32), "y": jax.ShapeDtypeStruct((2, T, 1), jnp.float32),
+          "mask": jax.ShapeDtypeStruct((2, T), jnp.float32)}
+    key = model_key(model, mb, optax.sgd(0.1))
+    assert key == model_key(model, mb, optax.sgd(0.1))
+    assert key != model_key(model, dict(mb, mask=jax.ShapeDtypeStruct((2, T), jnp.int32)), optax.sgd(0.1))

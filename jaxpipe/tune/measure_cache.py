@@ -54,9 +54,11 @@ def model_key(model, mb, optimizer=None) -> str:
     model = model.padded()
     w = jax.tree.map(lambda a: a[0], model.stage_params)
     x = jax.eval_shape(model.pre, model.pre_params, mb)
-    ctx = model.example_context(mb)
+    # the context built inside the trace from the traced micro-batch: its inputs (a mask) are tracers, never the
+    # shape placeholders ``mb`` may hold (a user's ``mask > 0`` on a placeholder is a TypeError)
+    stage = lambda w, x, b: model.apply_stage(w, x, model.example_context(b))
     parts = [str(jax.make_jaxpr(model.pre)(model.pre_params, mb)),
-             str(jax.make_jaxpr(lambda w, x: model.apply_stage(w, x, ctx))(w, x)),
+             str(jax.make_jaxpr(stage)(w, x, mb)),
              str(jax.make_jaxpr(model.post_loss)(model.post_params, x, mb)),
              _shapes((model.stage_params, model.pre_params, model.post_params))]
     if optimizer is not None:
