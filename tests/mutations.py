@@ -323,6 +323,16 @@ MUTATIONS = [
              "    stage = lambda w, x, b: model.apply_stage(w, x, model.example_context(b))\n",
              "    stage = lambda w, x, b, ctx=model.example_context(mb): model.apply_stage(w, x, ctx)\n",
              "tests/test_measure_cache.py::test_a_model_whose_stages_read_a_mask_gets_a_key_from_shape_placeholders"),
+    # configure: a NaN budget taken as no limit; a cache file of another shape read; a cut record of another shape
+    Mutation("nan_budget_taken_as_no_limit", "jaxpipe/tune/configure.py",
+             "if isinstance(memory_budget, bool) or not budget > 0:", "if isinstance(memory_budget, bool) or budget <= 0:",
+             "tests/test_configure.py::test_every_argument_is_checked_before_anything_is_measured[budget_nan]"),
+    Mutation("measurements_of_another_shape_read", "jaxpipe/tune/measure_cache.py",
+             "            if not isinstance(data, dict):\n", "            if False:\n",
+             "tests/test_measure_cache.py::test_a_bad_measurements_file_is_named_set_aside_and_measured_again[[1, 2, 3]]"),
+    Mutation("cut_record_of_another_shape_read", "jaxpipe/tune/part_costs.py",
+             "    if not _valid_rounds(rounds):\n", "    if rounds is None:\n",
+             "tests/test_measure_cache.py::test_a_bad_cut_costs_file_is_named_set_aside_and_not_read[{\"rounds\": [{\"f_block\": 1.0}]}]"),
     # ... and the two weak kills: the loop's refusal without its finiteness check; the data split of a prediction
     Mutation("loop_refusal_only_on_the_skip_flag", "jaxpipe/training/loop.py",
              'return bool(metrics.get("skipped", False)) or not finite', 'return bool(metrics.get("skipped", False))',

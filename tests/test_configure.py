@@ -253,3 +253,50 @@ def test_a_model_whose_stages_read_a_mask_is_configured_and_its_pick_trains():
     pipe = jp.Pipeline(conf.model(), optimizer=optax.sgd(0.1), **conf.best.pipeline_kwargs())
     _, metrics = pipe.step(pipe.init(), batch)
     assert np.isfinite(float(metrics["loss"]))
+
+
+def _nnx_pair(n):
+    """What from_nnx returns: (model, to_modules)."""
+    return _model(n), (lambda params: params)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(schedules=("nope",)), r"schedules=\('nope',\)\): 'nope' is not one; choose from '1f1b'"),
+    (dict(schedules=("pipedream",)), r"'pipedream' is not one; choose from '1f1b'"),   # no-flush: not searched
+    (dict(schedules=()), r"schedules=\(\)\): nothing given"),
+    (dict(microbatches=(0,)), r"microbatches=\(0,\)\): give positive micro-batch counts"),
+    (dict(microbatches="2"), r"microbatches='2'\): give positive"),
+    (dict(microbatches=(2.5,)), r"give positive micro-batch counts"),
+    (dict(residuals=("dots",)), r"residuals=\('dots',\)\): 'dots' is not one; choose from 'all', 'inputs'"),
+    (dict(devices=0), r"devices=0\): give a device count from 1 to the 8"),
+    (dict(devices=2.5), r"devices=2.5\): give a device count"),
+    (dict(devices=64), r"devices=64\): give a device count from 1 to the 8"),
+    (dict(memory_budget=float("nan")), r"memory_budget=nan\): give the bytes a device may hold, a positive"),
+    (dict(memory_budget=-5), r"memory_budget=-5\): give the bytes"),
+    (dict(memory_budget="1GB"), r"memory_budget='1GB'\): give the bytes"),
+    (dict(measure=-1), r"measure=-1\): give an integer >= 0"),
+    (dict(rounds=0), r"rounds=0\): give an integer >= 1"),
+    (dict(min_time_s=float("nan")), r"min_time_s=nan\): give seconds >= 0"),
+    (dict(optimizer="adam"), r"optimizer='adam'\): give an optax GradientTransformation"),
+    (dict(make_model=_nnx_pair), r"make_model\(1\) returned a tuple, not a jp.PipelineModel -- from_nnx"),
+    (dict(make_model=lambda n: _model(2)), r"make_model\(1\) returned a model of 2 stages"),
+], ids=["schedule_unknown", "schedule_no_flush", "schedules_empty", "microbatches_0", "microbatches_str",
+        "microbatches_float", "residuals_dots", "devices_0", "devices_float", "devices_too_many", "budget_nan",
+        "budget_negative", "budget_str", "measure_negative", "rounds_0", "min_time_nan", "optimizer_str",
+        "make_model_pair", "make_model_wrong_stages"])
+def test_every_argument_is_checked_before_anything_is_measured(kw, match):
+    args = dict(make_model=_model, batch=_batch(), optimizer=optax.adamw(1e-3), devices=2, memory_budget=1 << 40,
+                schedules=("1f1b",), microbatches=(2,), residuals=("all",), verbose=False, cache=None,
+                balance_cut=False)
+    args.update(kw)
+    with pytest.raises(ConfigError, match=match):
+        configure(args.pop("make_model"), args.pop("batch"), args.pop("optimizer"), **args)
+
+
+def test_when_nothing_fits_each_reason_is_said_with_an_example():
+    """Micro-batch counts that split no split of the rows: every candidate dropped before it is built, and the
+    error says why (it was "min() arg is an empty sequence")."""
+    with pytest.raises(ConfigError, match=r"no configuration fits .* Dropped: 1 x 8 rows do not split into "
+                                          r"data=2 x M=3 micro-batches \(e.g. 1f1b stage=1 data=2 M=3"):
+        configure(_model, _batch(), optax.adamw(1e-3), devices=2, memory_budget=1 << 40, schedules=("1f1b",),
+                  microbatches=(3,), residuals=("all",), verbose=False, cache=None, balance_cut=False)

@@ -1,11 +1,18 @@
-"""The keys of the configuration search's measurement cache (``jaxpipe.tune.measure_cache``): two setups that
-measure differently never share a key, the same setup always gets its own key back."""
+"""The caches of measured costs (``jaxpipe.tune.measure_cache``, ``jaxpipe.tune.part_costs``): two setups that
+measure differently never share a key, the same setup always gets its own key back; a bad file is named, set
+aside and measured again; a bad path is refused before anything is measured."""
+import json
+import os
+
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import jaxpipe as jp
-from jaxpipe.tune.measure_cache import model_key
+from jaxpipe.errors import ConfigError
+from jaxpipe.tune import part_costs
+from jaxpipe.tune.measure_cache import MeasureCache, model_key
 
 T = 8
 
@@ -54,3 +61,57 @@ def test_a_model_whose_stages_read_a_mask_gets_a_key_from_shape_placeholders():
     key = model_key(model, mb, optax.sgd(0.1))
     assert key == model_key(model, mb, optax.sgd(0.1))
     assert key != model_key(model, dict(mb, mask=jax.ShapeDtypeStruct((2, T), jnp.int32)), optax.sgd(0.1))
+
+
+
+@pytest.mark.parametrize("text", ["{not json", "", "[1, 2, 3]", '"a string"'])
+def test_a_bad_measurements_file_is_named_set_aside_and_measured_again(tmp_path, text):
+    path = tmp_path / "measurements.json"
+    path.write_text(text)
+    with pytest.warns(UserWarning, match=rf"the cache file {path} .*moved to {path}.bad; measuring again"):
+        cache = MeasureCache(str(path))
+    assert (tmp_path / "measurements.json.bad").read_text() == text
+    assert cache.get(["k"], lambda: 3) == 3 and cache.misses == 1
+    assert json.loads(path.read_text()) == {'["k"]': 3}          # written anew, whole
+
+
+def test_an_entry_of_another_shape_is_measured_again_with_a_warning(tmp_path):
+    """Valid JSON whose entry does not convert (a hand edit, another version's table): measured again, never a
+    KeyError from deep inside the search."""
+    from jaxpipe.tune.cut import PartCosts
+    path = tmp_path / "measurements.json"
+    path.write_text(json.dumps({'["parts"]': {"f_block": 1.0}, '["n"]': "many"}))
+    cache = MeasureCache(str(path))
+    with pytest.warns(UserWarning, match=r"holds an entry of another shape for \[\"parts\"\]"):
+        got = cache.get(["parts"], lambda: {"f_block": 1.0, "b_block": 2.0}, use=lambda v: PartCosts(**v))
+    assert got.b_block == 2.0
+    with pytest.warns(UserWarning, match="another shape"):
+        assert cache.get(["n"], lambda: 7, use=int) == 7
+    assert cache.get(["n"], lambda: pytest.fail("measured again"), use=int) == 7      # the new value is kept
+
+
+def test_a_bad_cache_path_is_refused_before_anything_is_measured(tmp_path, monkeypatch):
+    from jaxpipe.tune.configure import configure
+    with pytest.raises(ConfigError, match=rf"{tmp_path} is a directory; the measurements are kept in one JSON"):
+        MeasureCache(str(tmp_path))
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    monkeypatch.setenv("JAXPIPE_CACHE_DIR", str(blocker))
+    never = lambda n: pytest.fail("the model was built before the cache path was checked")
+    with pytest.raises(ConfigError, match=rf"lies under {blocker}, which is a file, not a directory"):
+        configure(never, _mb(8), optax.sgd(0.1), devices=2, memory_budget=1 << 30, verbose=False)
+    with pytest.raises(ConfigError, match=r"the cut costs' cache .* a file"):
+        part_costs.check_directory(os.path.join(str(blocker), "cuts"))
+
+
+@pytest.mark.parametrize("text", ["{not json", "", "[]", '{"rounds": [{"f_block": 1.0}]}',
+                                  '{"rounds": [{"f_block": 1, "fb_block": 2, "f_pre": 0, "fb_pre": 0, '
+                                  '"f_post": "x", "fb_post": 1}]}'])
+def test_a_bad_cut_costs_file_is_named_set_aside_and_not_read(tmp_path, text):
+    (tmp_path / "k.json").write_text(text)
+    with pytest.warns(UserWarning, match=rf"{tmp_path / 'k.json'} .*moved to .*k.json.bad; measuring again"):
+        assert part_costs.load(str(tmp_path), "k") is None
+    assert not (tmp_path / "k.json").exists() and (tmp_path / "k.json.bad").exists()
+    good = [{k: 1.0 for k in part_costs.ROUND_KEYS}]
+    part_costs.store(str(tmp_path), "k", good)
+    assert part_costs.load(str(tmp_path), "k") == good

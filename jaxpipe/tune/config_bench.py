@@ -44,7 +44,7 @@ class Bench:
     # --- the model, cut in n ------------------------------------------------------------------------------
     def model(self, n: int):
         if n not in self._models:
-            self._models[n] = self.make_model(n)
+            self._models[n] = _checked_model(self.make_model(n), n)
         return self._models[n]
 
     def model_for(self, c):
@@ -88,7 +88,7 @@ class Bench:
         def measure():
             mb = jax.tree.map(lambda a: np.asarray(a[:rows]), self.batch)
             return agreed(dataclasses.asdict(measure_parts(per_block(self.model(n)), mb)))
-        return PartCosts(**self.cache.get(self._key("parts", n, rows), measure))
+        return self.cache.get(self._key("parts", n, rows), measure, use=lambda v: PartCosts(**_numbers_of(v)))
 
     def model_key(self, n: int) -> str:
         if n not in self._keys:
@@ -103,7 +103,7 @@ class Bench:
     def state_bytes(self, c, pipe) -> int:
         """One device's state bytes: the same for every schedule, M and policy of one split and cut."""
         return self.cache.get(self._key("state", c.model_stages, c.stages, c.data, *_cut(c), *_axes(c)),
-                              lambda: state_bytes(self.state(c, pipe)))
+                              lambda: state_bytes(self.state(c, pipe)), use=_count)
 
     def state(self, c, pipe):
         """``pipe.init()``, made once per (schedule, split) (the layout of a schedule's stages may differ)."""
@@ -120,7 +120,8 @@ class Bench:
                     return residual_bytes(pipe.model, self.batch, rows)
                 mesh, w_specs, batch_spec = placement(pipe)
                 return residual_bytes_on(pipe.model, self.batch, rows, mesh, w_specs, batch_spec)
-            self._residuals[key] = tuple(self.cache.get(self._key("residuals", *key), measure))
+            self._residuals[key] = self.cache.get(self._key("residuals", *key), measure,
+                                                  use=lambda v: _counts(v, 2))
         return self._residuals[key]
 
     def frontier(self, c, pipe, rows: int) -> int:
@@ -129,9 +130,8 @@ class Bench:
         slots = pipe.lane_plan.front_capacity
         if not pipe.schedule.has_w() or pipe.lane_plan.direct:
             return 0
-        return int(self.cache.get(self._key("frontier", c.model_stages, c.residuals, rows, slots, *_cut(c),
-                                            *_axes(c)),
-                                  lambda: frontier_bytes(pipe.model, self.batch, rows, slots)))
+        return self.cache.get(self._key("frontier", c.model_stages, c.residuals, rows, slots, *_cut(c), *_axes(c)),
+                              lambda: frontier_bytes(pipe.model, self.batch, rows, slots), use=_count)
 
     def compile_memory(self, jobs: Sequence[tuple]) -> None:
         """Set ``c.compiled_memory`` (XLA's total per device) for every ``(candidate, pipe)`` of ``jobs``: from the
@@ -140,7 +140,7 @@ class Bench:
         for c, pipe in jobs:
             key = self._key("compiled", c.model_stages, c.label(), self._batch_shapes())
             found, value = self.cache.lookup(key)
-            if found:
+            if found and _is_count(value):
                 c.compiled_memory = value
             else:
                 todo.append((c, pipe, key))
@@ -193,7 +193,8 @@ class Bench:
             out["act"] = act
             return out
 
-        got = self.cache.get(key, lambda: agreed(measure()))
+        got = self.cache.get(key, lambda: agreed(measure()),
+                             use=lambda v: _numbers_of(v, ("F", "B", "B_input", "W", "act", "splits")))
         s = finest / n
         f, b = got["F"] * s, got["B"] * s
         b_in, w = (got["B_input"] * s, got["W"] * s) if split else (b / 2, b / 2)
@@ -207,11 +208,12 @@ class Bench:
         def measure():
             mb = jax.tree.map(lambda a: np.asarray(a[:rows]), self.batch)
             return agreed(edge_costs(self.model(n), mb))
-        return EdgeCosts(**self.cache.get(self._key("edges", n, rows), measure))
+        return self.cache.get(self._key("edges", n, rows), measure, use=lambda v: EdgeCosts(**_numbers_of(v)))
 
     def link(self, devices: int):
         from .microbench import p2p_alpha_beta
-        return tuple(self.cache.get(["p2p", self.backend, devices], lambda: agreed(list(p2p_alpha_beta(devices)))))
+        return self.cache.get(["p2p", self.backend, devices], lambda: agreed(list(p2p_alpha_beta(devices))),
+                              use=lambda v: _numbers(v, 2))
 
     def update(self, c, pipe) -> float:
         """Seconds of the optimizer's update of one device's parameters (its stages' share, with the embedding
@@ -220,17 +222,70 @@ class Bench:
         from jax.sharding import Mesh, PartitionSpec
         from .microbench import update_time
         mesh = Mesh(np.array(jax.local_devices()[:1]), ("x",))
-        return float(self.cache.get(self._key("update", c.model_stages, c.stages, *_axes(c)),
-                                    lambda: agreed([update_time(self.optimizer, _device_share(c, pipe), mesh,
-                                                                PartitionSpec())])[0]))
+        return self.cache.get(self._key("update", c.model_stages, c.stages, *_axes(c)),
+                              lambda: agreed([update_time(self.optimizer, _device_share(c, pipe), mesh,
+                                                          PartitionSpec())])[0], use=_number)
 
     def allreduce(self, c, pipe, devices: int) -> float:
         """Seconds of the data replicas' gradient all-reduce: a pytree shaped like one device's gradients, each
         leaf its own all-reduce as in the step (:func:`~jaxpipe.tune.microbench.tree_allreduce_time`)."""
         from .microbench import tree_allreduce_time
         share = _device_share(c, pipe)
-        return float(self.cache.get(self._key("allreduce", c.model_stages, c.stages, c.data, devices, *_axes(c)),
-                                    lambda: agreed([tree_allreduce_time(share, devices, c.data)])[0]))
+        return self.cache.get(self._key("allreduce", c.model_stages, c.stages, c.data, devices, *_axes(c)),
+                              lambda: agreed([tree_allreduce_time(share, devices, c.data)])[0], use=_number)
+
+
+def _checked_model(model, n: int):
+    """``make_model(n)``'s result, or a ConfigError saying what it returned and what would work."""
+    from ..errors import ConfigError
+    from ..model import PipelineModel
+    if isinstance(model, PipelineModel):
+        if model.num_stages != n:
+            raise ConfigError(f"configure: make_model({n}) returned a model of {model.num_stages} stages; it must "
+                              f"cut the model into the {n} stages asked for (e.g. lambda n: jp.models.gpt(n))")
+        return model
+    hint = (" -- from_nnx / from_linen return (model, to_modules): return the first, e.g. lambda n: "
+            "jp.models.from_nnx(..., num_stages=n)[0]" if isinstance(model, tuple) and model
+            and isinstance(model[0], PipelineModel) else "")
+    raise ConfigError(f"configure: make_model({n}) returned a {type(model).__name__}, not a jp.PipelineModel{hint}")
+
+
+# --- what a cache entry must be (MeasureCache.get's ``use``: a ValueError / TypeError / KeyError remeasures) ---
+def _number(v) -> float:
+    """A measured time or size: a finite number >= 0."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or v < 0:
+        raise ValueError(f"{v!r} is not a finite number >= 0")
+    return float(v)
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v) and v >= 0 and v == int(v)
+
+
+def _count(v) -> int:
+    """A byte count: a whole number >= 0."""
+    if not _is_count(v):
+        raise ValueError(f"{v!r} is not a byte count")
+    return int(v)
+
+
+def _numbers(v, n: int) -> tuple:
+    if not isinstance(v, (list, tuple)) or len(v) != n:
+        raise ValueError(f"{v!r} is not {n} numbers")
+    return tuple(_number(x) for x in v)
+
+
+def _counts(v, n: int) -> tuple:
+    if not isinstance(v, (list, tuple)) or len(v) != n:
+        raise ValueError(f"{v!r} is not {n} byte counts")
+    return tuple(_count(x) for x in v)
+
+
+def _numbers_of(v, keys=None) -> dict:
+    """A table of measured numbers (with ``keys``, at least those); a flag (bool) stays a flag."""
+    if not isinstance(v, dict) or (keys is not None and not set(keys) <= set(v)):
+        raise KeyError(f"a table of {sorted(keys) if keys else 'numbers'} expected, found {v!r}"[:200])
+    return {k: x if isinstance(x, bool) else _number(x) for k, x in v.items()}
 
 
 def _put(a, sharding):

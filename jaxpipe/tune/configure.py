@@ -43,6 +43,7 @@ policy, the no-flush methods.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -243,6 +244,9 @@ def configure(make_model: Callable[[int], object], batch: Dict[str, np.ndarray],
     as the model's ``param_specs`` say); default: every divisor of ``devices`` for an axis the specs name, else 1
     (a candidate with both at 1 runs the model with its weights replicated)."""
     from ..pipeline import Pipeline
+    schedules, microbatches, residuals = _check_arguments(make_model, batch, optimizer, devices, memory_budget,
+                                                          schedules, microbatches, residuals, measure, rounds,
+                                                          min_time_s, cache)
     store = MeasureCache(default_path() if cache == "default" else cache)
     bench = Bench(make_model, batch, optimizer, store)
     cands = _candidates(devices, bench.rows, schedules, microbatches, residuals,
@@ -280,6 +284,67 @@ def configure(make_model: Callable[[int], object], batch: Dict[str, np.ndarray],
         if conf.cut_note:
             print(f"cut: {conf.cut_note}", flush=True)
     return conf
+
+
+def _names(what: str, given, allowed: Sequence[str], example: str) -> Tuple[str, ...]:
+    """``given`` (a name or a sequence of names) as a tuple of names from ``allowed``, or a ConfigError."""
+    names = (given,) if isinstance(given, str) else given
+    try:
+        names = tuple(names)
+    except TypeError:
+        raise ConfigError(f"configure({what}={given!r}): give a sequence of names, e.g. {what}={example}") from None
+    bad = [n for n in names if n not in allowed]
+    if not names or bad:
+        raise ConfigError(f"configure({what}={given!r}): {'nothing given' if not names else f'{bad[0]!r} is not one'}"
+                          f"; choose from {', '.join(map(repr, allowed))}, e.g. {what}={example}")
+    return tuple(dict.fromkeys(names))
+
+
+def _check_arguments(make_model, batch, optimizer, devices, memory_budget, schedules, microbatches, residuals,
+                     measure, rounds, min_time_s, cache) -> Tuple[tuple, tuple, tuple]:
+    """Every argument of :func:`configure` checked before anything is measured: a ConfigError naming the value,
+    why it cannot be taken and what would work.  Returns the schedules, micro-batch counts and policies as
+    tuples."""
+    from ..validate import is_int
+    if not callable(make_model):
+        raise ConfigError(f"configure(make_model={make_model!r}): give a function of the stage count that builds "
+                          f"the model, e.g. lambda n: jp.models.gpt(n)")
+    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+        raise ConfigError(f"configure(optimizer={optimizer!r}): give an optax GradientTransformation, e.g. "
+                          f"optax.adamw(1e-3)")
+    leaves = jax.tree.leaves(batch)
+    if not leaves or any(np.ndim(a) == 0 for a in leaves):
+        raise ConfigError("configure(batch=...): give one step's batch, e.g. {'x': array, 'y': array}, every "
+                          "field with the rows on its leading axis")
+    if not is_int(devices, 1) or devices > jax.device_count():
+        raise ConfigError(f"configure(devices={devices!r}): give a device count from 1 to the "
+                          f"{jax.device_count()} device(s) JAX sees")
+    try:
+        budget = float(memory_budget)
+    except (TypeError, ValueError):
+        budget = float("nan")
+    if isinstance(memory_budget, bool) or not budget > 0:      # NaN, 0, negative, not a number
+        raise ConfigError(f"configure(memory_budget={memory_budget!r}): give the bytes a device may hold, a "
+                          f"positive number (e.g. 16 * 2**30; float('inf') for no limit)")
+    flushing = [n for n in _schedules.available() if _schedules.method(n).flushes]
+    schedules = _names("schedules", schedules, flushing, "('1f1b', 'zb_h1')")
+    counts = (microbatches,) if is_int(microbatches) else microbatches
+    try:
+        counts = tuple(counts)
+    except TypeError:
+        counts = (microbatches,)
+    if not counts or not all(is_int(m, 1) for m in counts):
+        raise ConfigError(f"configure(microbatches={microbatches!r}): give positive micro-batch counts, e.g. "
+                          f"microbatches=(2, 4, 8)")
+    residuals = _names("residuals", residuals, ("all", "inputs"), "('all', 'inputs')")
+    for name, value, low in (("measure", measure, 0), ("rounds", rounds, 1)):
+        if not is_int(value, low):
+            raise ConfigError(f"configure({name}={value!r}): give an integer >= {low}")
+    if not (isinstance(min_time_s, (int, float)) and 0 <= min_time_s < float("inf")):
+        raise ConfigError(f"configure(min_time_s={min_time_s!r}): give seconds >= 0")
+    if not (cache in ("default", None) or isinstance(cache, (str, os.PathLike))):
+        raise ConfigError(f"configure(cache={cache!r}): give 'default', a file path, or None (measure everything)")
+    return schedules, tuple(dict.fromkeys(counts)), residuals
 
 
 def _program_key(c, pipe) -> tuple:
@@ -339,9 +404,7 @@ def _checked_best(cands, built, bench, budget) -> Candidate:
     while True:
         ok = sorted((c for c in cands if not c.dropped), key=lambda c: c.step_s)
         if not ok:
-            raise ConfigError(f"no configuration fits {budget / 2**20:,.1f} MiB a device; the smallest needs "
-                              f"{min(c.memory for c in cands if not np.isnan(c.memory)) / 2**20:,.1f} MiB: raise the "
-                              f"budget, add devices, or allow more micro-batches / residuals='inputs'")
+            raise ConfigError(nothing_fits(cands, budget))
         check = [c for c in ok[:2] if c.compiled_memory is None]
         bench.compile_memory([(c, built[id(c)][0]) for c in check])
         redo = False
@@ -354,6 +417,23 @@ def _checked_best(cands, built, bench, budget) -> Candidate:
                 redo = True
         if not redo:
             return ok[0]
+
+
+def nothing_fits(cands, budget: float) -> str:
+    """Why no candidate is left: each reason once, with how many candidates it dropped and an example, and the
+    smallest memory need where candidates were measured."""
+    measured = [c.memory for c in cands if not np.isnan(c.memory)]
+    need = (f"; the smallest needs {min(measured) / 2**20:,.1f} MiB a device" if measured else "")
+    by_reason: Dict[str, List[Candidate]] = {}
+    for c in cands:
+        over = c.dropped.startswith(("needs", "compiled"))
+        by_reason.setdefault("over the budget" if over else c.dropped, []).append(c)
+    shown = list(by_reason.items())[:6]
+    why = "; ".join(f"{len(cs)} x {reason} (e.g. {cs[0].label()})" for reason, cs in shown)
+    why += f"; and {len(by_reason) - len(shown)} other reason(s)" if len(by_reason) > len(shown) else ""
+    return (f"no configuration fits {budget / 2**20:,.1f} MiB a device{need}. Dropped: {why or 'no candidates'}. "
+            f"Raise the budget, add devices, or allow more micro-batches / residuals='inputs'; micro-batch counts "
+            f"must divide the batch's rows over the data replicas")
 
 
 def _predict_times(cands, built, bench, devices) -> None:

@@ -15,10 +15,13 @@ import hashlib
 import json
 import os
 import tempfile
+import warnings
 from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
+
+from ..errors import ConfigError
 
 
 def default_path() -> Optional[str]:
@@ -67,28 +70,69 @@ def model_key(model, mb, optimizer=None) -> str:
     return _digest("\n".join(parts))
 
 
+def check_path(path: str, what: str) -> None:
+    """A ConfigError, before anything is measured, where ``path`` cannot be a cache file: a directory, or under
+    a file."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise ConfigError(f"{what}: {path} is a directory; the measurements are kept in one JSON file: give a file "
+                          f"path (e.g. {os.path.join(path, 'measurements.json')}), or None to keep nothing")
+    parent = os.path.dirname(os.path.abspath(path))
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if parent and not os.path.isdir(parent):
+        raise ConfigError(f"{what}: {path} lies under {parent}, which is a file, not a directory: give a path in a "
+                          f"directory (set $JAXPIPE_CACHE_DIR to a directory), or None to keep nothing")
+
+
+def set_aside(path: str, why: str) -> None:
+    """Move a bad cache file to ``path.bad`` (kept for a look, never read again) and say so."""
+    try:
+        os.replace(path, path + ".bad")
+        where = f"moved to {path}.bad"
+    except OSError:
+        where = "left in place (it could not be moved) and not read"
+    warnings.warn(f"jaxpipe: the cache file {path} {why}: {where}; measuring again", stacklevel=3)
+
+
 class MeasureCache:
     """``get(key, measure)``: the stored value of ``key`` (a tuple of strings and numbers), or ``measure()``'s,
-    stored.  ``path=None``: nothing is stored (every value measured).  ``hits`` / ``misses`` count the calls."""
+    stored.  ``path=None``: nothing is stored (every value measured).  ``hits`` / ``misses`` count the calls.
+    A file that is not this cache's (unreadable, not JSON, JSON of another shape) is set aside with a warning
+    and the values measured again; so is one entry that does not convert (``get``'s ``use``)."""
 
     def __init__(self, path: Optional[str] = None):
-        self.path = path
+        if path is not None:
+            check_path(path, "the measurements cache")
+        self.path = None if path is None else os.fspath(path)
         self.hits = self.misses = 0
         self._data = {}
-        if path and os.path.exists(path):
+        if self.path and os.path.exists(self.path):
             try:
-                with open(path) as f:
-                    self._data = json.load(f)
-            except (OSError, ValueError):     # unreadable: measured again, and the file rewritten
-                self._data = {}
+                with open(self.path) as f:
+                    data = json.load(f)
+            except (OSError, ValueError) as e:
+                set_aside(self.path, f"cannot be read as JSON ({type(e).__name__})")
+                return
+            if not isinstance(data, dict):
+                set_aside(self.path, f"holds a JSON {type(data).__name__}, not this cache's table of measurements")
+                return
+            self._data = data
 
-    def get(self, key, measure: Callable[[], Any]):
+    def get(self, key, measure: Callable[[], Any], use: Callable[[Any], Any] = lambda v: v):
+        """``use(value)`` of the stored value, or of ``measure()``'s (stored).  A stored value that ``use``
+        refuses (TypeError, KeyError, ValueError: an entry of another shape) is measured again, with a warning."""
         found, value = self.lookup(key)
         if found:
-            return value
+            try:
+                return use(value)
+            except (TypeError, KeyError, ValueError) as e:
+                warnings.warn(f"jaxpipe: the cache file {self.path} holds an entry of another shape for "
+                              f"{json.dumps(key, default=str)[:120]} ({type(e).__name__}: {e}); measuring again",
+                              stacklevel=2)
         value = measure()
         self.put(key, value)
-        return value
+        return use(value)
 
     def lookup(self, key):
         """``(True, value)`` where ``key`` is stored, else ``(False, None)`` (counted as a hit or a miss)."""
@@ -106,8 +150,14 @@ class MeasureCache:
     def _write(self):
         if not self.path:
             return
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path) or ".", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(self._data, f)
-        os.replace(tmp, self.path)
+        directory = os.path.dirname(self.path) or "."
+        try:
+            os.makedirs(directory, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(self._data, f)
+            os.replace(tmp, self.path)
+        except OSError as e:            # a read-only home: the search goes on, its measurements are not kept
+            warnings.warn(f"jaxpipe: the measurements cache {self.path} cannot be written ({e.strerror}); "
+                          f"measurements are not kept", stacklevel=3)
+            self.path = None

@@ -117,14 +117,58 @@ def cost_key(traced: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
+#: what every measured round holds (seconds per program: the parts' forwards and forward-and-backwards)
+ROUND_KEYS = ("f_block", "fb_block", "f_pre", "fb_pre", "f_post", "fb_post")
+
+
+def check_directory(directory: str) -> None:
+    """A ConfigError, before anything is measured, where ``directory`` cannot hold the cut costs: a file, or a
+    path under a file."""
+    from ..errors import ConfigError
+    if not directory:
+        return
+    path = os.path.abspath(directory)
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    if path and not os.path.isdir(path):
+        raise ConfigError(f"the cut costs' cache {directory} {'is' if path == os.path.abspath(directory) else 'lies under'} "
+                          f"a file ({path}), not a directory: set $JAXPIPE_CACHE_DIR (or balance={{'cache_dir': ...}}) "
+                          f"to a directory, or balance={{'cache_dir': ''}} to keep nothing")
+
+
+def _valid_rounds(rounds) -> bool:
+    return (isinstance(rounds, list) and bool(rounds) and all(
+        isinstance(r, dict) and all(k in r for k in ROUND_KEYS) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and 0 <= v < float("inf")
+            for v in r.values()) for r in rounds))
+
+
 def load(directory: str, key: str) -> Optional[List[dict]]:
+    """The rounds kept for ``key``, or None.  A file that is not such a record (unreadable, not JSON, JSON of
+    another shape: an interrupted copy, a hand edit) is set aside as ``.bad`` with a warning, and the costs are
+    measured again."""
     if not directory:
         return None
-    try:
-        with open(os.path.join(directory, f"{key}.json")) as fh:
-            return json.load(fh)["rounds"]
-    except (OSError, ValueError, KeyError):
+    path = os.path.join(directory, f"{key}.json")
+    if not os.path.exists(path):
         return None
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except (OSError, ValueError) as e:
+        _set_aside(path, f"cannot be read as JSON ({type(e).__name__})")
+        return None
+    rounds = data.get("rounds") if isinstance(data, dict) else None
+    if not _valid_rounds(rounds):
+        _set_aside(path, "is not a record of measured rounds (each a table of "
+                         f"{', '.join(ROUND_KEYS)} in seconds)")
+        return None
+    return rounds
+
+
+def _set_aside(path: str, why: str) -> None:
+    from .measure_cache import set_aside
+    set_aside(path, why)
 
 
 def store(directory: str, key: str, rounds: List[dict]) -> Optional[str]:
@@ -148,8 +192,9 @@ def stable_costs(model, microbatch, choose: Callable, directory: Optional[str] =
                  remeasure: bool = False) -> Tuple[object, Tuple[int, int], str]:
     """``(median PartCosts, (rounds agreeing with the median's choice, rounds), source)`` -- ``choose(costs)``
     gives the cut a PartCosts picks; source is "measured" or the cache file read (module docstring)."""
-    programs, traced = part_programs(model, microbatch)
     directory = cache_dir(directory)
+    check_directory(directory)
+    programs, traced = part_programs(model, microbatch)
     key = cost_key(traced)
     rounds = None if remeasure else load(directory, key)
     source = os.path.join(directory, f"{key}.json") if rounds else "measured"
