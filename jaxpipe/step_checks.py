@@ -369,6 +369,9 @@ class PendingStatus:
     def poll(self) -> None:
         """Before a call is dispatched: read the statuses that are ready, and wait for the oldest only while
         :data:`IN_FLIGHT` or more are unread; raise the first failure read."""
+        if isinstance(IN_FLIGHT, bool) or not isinstance(IN_FLIGHT, int) or IN_FLIGHT < 1:
+            raise ConfigError(f"jaxpipe.step_checks.IN_FLIGHT={IN_FLIGHT!r}: give a whole number >= 1 (the calls "
+                              f"the host runs ahead of the device: 2 by default, 1 to wait for every call)")
         while self._queue and (len(self._queue) >= max(IN_FLIGHT, 1) or is_ready(self._queue[0].status)):
             self._read(self._queue.popleft())
 

@@ -180,3 +180,43 @@ def test_a_batches_function_that_returns_one_shared_iterator_is_refused_with_the
     assert not os.path.exists(tmp_path / "ck" / ".jaxpipe.lock")
     done = jp.train(pipe, lambda: it, steps=2, out_dir=str(tmp_path / "b"), **QUIET)
     assert done.step == 2
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(steps=2.5), r"steps=2.5: give a whole number"), (dict(steps="3"), r"steps='3': give a whole number"),
+    (dict(steps=None), r"steps=None: give a whole number"), (dict(eval_every=-1), r"eval_every=-1: must be at least 0"),
+    (dict(checkpoint_every=1.5), r"checkpoint_every=1.5: give a whole number"),
+    (dict(stop_grace_s=float("nan")), r"stop_grace_s=nan: give seconds >= 0"),
+    (dict(eval_batches=3), r"eval_batches=int: give a list"), (dict(hooks=[print, 3]), r"hooks\[1\]=3: give a function"),
+    (dict(evaluate="acc"), r"evaluate='acc': give a function"),
+], ids=["steps_float", "steps_str", "steps_none", "eval_every_negative", "checkpoint_every_float", "grace_nan",
+        "eval_batches_int", "hook_not_callable", "evaluate_str"])
+def test_the_loops_options_are_checked_by_name(pipe, kw, match):
+    with pytest.raises(jp.ConfigError, match=match):
+        jp.Trainer(pipe, stream(), **{"steps": 3, **kw})
+
+
+def test_paths_that_cannot_be_directories_are_refused_before_step_one(pipe, tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for name in ("out_dir", "checkpoint_dir"):
+        with pytest.raises(jp.ConfigError, match=rf"{name}={a_file}: a file is there, not a directory"):
+            jp.Trainer(pipe, stream(), steps=3, **{name: str(a_file)})
+        with pytest.raises(jp.ConfigError, match=rf"{name}={a_file / 'sub'}: {a_file} is a file"):
+            jp.Trainer(pipe, stream(), steps=3, **{name: str(a_file / "sub")})
+
+
+def test_no_eval_batches_and_batches_that_run_out(pipe, tmp_path):
+    """``eval_batches=None`` is none; a stream shorter than the run ends with an error that says so (it was a
+    bare StopIteration with an empty message)."""
+    done = jp.train(pipe, stream(), steps=2, out_dir=str(tmp_path / "a"), eval_batches=None, **QUIET)
+    assert done.step == 2
+    with pytest.raises(jp.ConfigError, match=r"the batches ran out before step 3 of steps=5 \(after 2 batch"):
+        jp.train(pipe, [BATCH(8, 1), BATCH(8, 2)], steps=5, out_dir=str(tmp_path / "b"), **QUIET)
+
+
+def test_in_flight_of_another_type_is_named(pipe, monkeypatch):
+    import jaxpipe.step_checks as sc
+    monkeypatch.setattr(sc, "IN_FLIGHT", "2")
+    with pytest.raises(jp.ConfigError, match=r"IN_FLIGHT='2': give a whole number >= 1"):
+        pipe.step(pipe.init(), BATCH(8))

@@ -65,13 +65,41 @@ class TrainOptions:
     describe: Dict[str, Any] = dataclasses.field(default_factory=dict)   # first entries of the summary
 
     def check(self) -> None:
+        """Every option's type and range, each a ConfigError naming the option, before anything runs."""
+        from jaxpipe.validate import is_int
         for name, choices in (("on_nonfinite", ("stop", "skip")), ("tensorboard", ("auto", "true", "false"))):
             if getattr(self, name) not in choices:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: choose one of {', '.join(map(repr, choices))}")
         for name, low in (("steps", 0), ("eval_every", 0), ("checkpoint_every", 0), ("checkpoint_keep", 1),
                           ("progress_every", 0)):
-            if int(getattr(self, name)) < low:
-                raise ConfigError(f"{name}={getattr(self, name)}: must be at least {low}")
+            value = getattr(self, name)
+            if not is_int(value):
+                raise ConfigError(f"{name}={value!r}: give a whole number (an int, e.g. {name}={max(low, 1)})")
+            if value < low:
+                raise ConfigError(f"{name}={value}: must be at least {low}")
+        grace = self.stop_grace_s
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace < float("inf"):
+            raise ConfigError(f"stop_grace_s={grace!r}: give seconds >= 0")
+        for name in ("out_dir", "checkpoint_dir"):
+            value = getattr(self, name)
+            if value is None and name == "checkpoint_dir":
+                continue
+            if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+                raise ConfigError(f"{name}={value!r}: give a directory path")
+            check_directory(os.fspath(value), name)
+
+
+def check_directory(path: str, what: str) -> None:
+    """A ConfigError where ``path`` cannot be a directory this run writes to: a file, or a path under a file."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{what}={path}: a file is there, not a directory; give a directory path (it is created "
+                          f"if missing)")
+    parent = os.path.dirname(os.path.abspath(path))
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if parent and not os.path.isdir(parent):
+        raise ConfigError(f"{what}={path}: {parent} is a file, so no directory can be made under it; give another "
+                          f"path")
 
 
 @dataclasses.dataclass
@@ -110,7 +138,11 @@ class Trainer:
                               "schedule) so that a non-finite update is refused on the device; or use 'stop'")
         self.pipe = pipe
         self.batches = streams.resumable(batches) if self.opts.checkpoint_dir else streams.stream(batches)
-        self.eval_batches, self.evaluate_fn, self.hooks = list(eval_batches), evaluate, list(hooks)
+        self.eval_batches, self.evaluate_fn, self.hooks = _listed("eval_batches", eval_batches), evaluate, \
+            _listed("hooks", hooks)
+        for name, f in [("evaluate", evaluate)] + [(f"hooks[{i}]", h) for i, h in enumerate(self.hooks)]:
+            if f is not None and not callable(f):
+                raise ConfigError(f"{name}={f!r}: give a function ({'evaluate(params, batch) -> dict' if name == 'evaluate' else 'hook(trainer, step)'})")
         self.ckpt, self.stop, self._eval_loss, self._lrs = None, None, None, None
 
     # ------------------------------------------------------------------ the run
@@ -216,7 +248,13 @@ class Trainer:
         t_start, t_first, first_loss, loss, skipped, done = time.perf_counter(), None, None, float("nan"), 0, start
         last_eval: Dict[str, float] = {}
         for i in progress.steps():
-            batch = next(self.batches)
+            try:
+                batch = next(self.batches)
+            except StopIteration:
+                raise ConfigError(
+                    f"the batches ran out before step {i + 1} of steps={o.steps} (after {i - start} batch(es) this "
+                    f"run{f', resumed at step {start}' if start else ''}): give a stream of at least {o.steps} "
+                    f"batches, a repeating one (itertools.cycle, or more epochs), or fewer steps") from None
             t0 = time.perf_counter()
             state, metrics = self.pipe.step(state, batch)
             loss = float(metrics["loss"])
@@ -413,6 +451,15 @@ def _heartbeat() -> None:
             os.utime(beat)
         except OSError:             # the launcher is gone and took its directory: nothing to tell
             pass
+
+
+def _listed(name: str, value) -> list:
+    """An option that is a sequence (``eval_batches``, ``hooks``) as a list; None is empty."""
+    if value is None:
+        return []
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+        raise ConfigError(f"{name}={type(value).__name__}: give a list ({'of batches' if name == 'eval_batches' else 'of functions'}), or leave it out")
+    return list(value)
 
 
 def _rows(batch) -> float:
