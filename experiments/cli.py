@@ -38,7 +38,11 @@ def use_compilation_cache(path: str) -> None:
     """JAX's persistent compilation cache in ``path`` ('' or None: off) -- the one line an API user writes is
     ``jax.config.update("jax_compilation_cache_dir", path)``."""
     if path:
-        os.makedirs(path, exist_ok=True)
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:          # a file there, or a path under a file, or no permission
+            raise app.UsageError(f"--compilation_cache_dir={path}: cannot be a directory ({e.strerror}); give a "
+                                 f"directory path, or --compilation_cache_dir='' to keep no compiled programs") from None
         os.environ["JAX_COMPILATION_CACHE_DIR"] = path     # read when JAX is imported: a runner sets XLA_FLAGS first
     else:
         os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)

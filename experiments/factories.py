@@ -63,11 +63,34 @@ def load(spec: str) -> Callable:
     return fn
 
 
+#: flags that shape the runner's own models only: a user's factory builds its model itself, so giving one of
+#: these with --model=package.module:factory would be ignored (and written to config.flags as if it applied)
+MODEL_FLAGS = ("cut", "blocks", "blocks_per_stage", "d_model", "heads", "seq_len", "dropout", "tie_embeddings",
+               "pad", "sample_len")
+
+
 def build(spec: str, stages: int, batch: int, seed: int) -> TrainParts:
     """The parts of the model ``--model`` names, its batches resumable."""
-    fn = {"gpt": gpt, "mlp": mlp}.get(spec) or load(spec)
+    fn = {"gpt": gpt, "mlp": mlp}.get(spec)
+    if fn is None:
+        given = [f"--{n}={FLAGS[n].value}" for n in MODEL_FLAGS if FLAGS[n].value != FLAGS[n].default]
+        if given:
+            raise app.UsageError(f"{', '.join(given)}: flag(s) of the runner's own models (--model=gpt / mlp); "
+                                 f"--model={spec} builds its model itself and would ignore them. Drop them and set "
+                                 f"the model's shape in the factory (it gets the stage count, --batch and --seed)")
+        fn = load(spec)
     parts = fn(stages, batch, seed)
     if isinstance(parts, dict):
+        fields = [f.name for f in dataclasses.fields(TrainParts)]
+        unknown, missing = sorted(set(parts) - set(fields)), [k for k in ("model", "batches") if k not in parts]
+        if unknown or missing:
+            import difflib
+            near = {k: difflib.get_close_matches(k, fields, 1) for k in unknown}
+            said = [f"unknown key {k!r}" + (f" (did you mean {near[k][0]!r}?)" if near[k] else "") for k in unknown]
+            said += [f"no {k!r}" for k in missing]
+            raise app.UsageError(f"--model={spec} returned a dict with {', '.join(said)}; its keys are the fields "
+                                 f"of experiments.factories.TrainParts: {', '.join(fields)} (model and batches "
+                                 f"needed)")
         parts = TrainParts(**parts)
     if not isinstance(parts, TrainParts):
         raise app.UsageError(f"--model={spec} returned a {type(parts).__name__}; a factory returns "

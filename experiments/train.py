@@ -182,7 +182,14 @@ def run(argv):
     import jaxpipe as jp
     primary = jax.process_index() == 0
     say = print if primary else (lambda *a, **k: None)
+    from jaxpipe.training.loop import check_directory
+    for name in ("out_dir", "checkpoint_dir"):
+        if FLAGS[name].value:
+            check_directory(FLAGS[name].value, f"--{name}")
     os.makedirs(FLAGS.out_dir, exist_ok=True)
+    if FLAGS.save_params:         # checked before training: a path that cannot be written loses the run's result
+        from jaxpipe.checkpoint import check_params_path
+        FLAGS.save_params = check_params_path(FLAGS.save_params, "--save_params")
     if FLAGS.auto:
         _auto_configure(jp, say)
     pipe, parts, sched = _build_pipeline(jp)
@@ -405,11 +412,11 @@ def _debug_hook(trainer, done):
 
 
 def _save_params(jp, pipe, state, primary):
-    import jax
-    import numpy as np
-    leaves = jp.distributed.to_host(jax.tree.leaves(pipe.params(state)))     # collective: every process
+    """The trained parameters in the model's own layout, each array named by its tree path (``np.load`` reads
+    them: ``jp.save_params``); every process takes part (a collective), process 0 writes."""
+    path = jp.save_params(FLAGS.save_params, pipe.params(state))
     if primary:
-        np.savez(FLAGS.save_params, *leaves)
+        print(f"parameters written to {path} (np.load: arrays named by their tree paths)")
 
 
 if __name__ == "__main__":

@@ -43,11 +43,12 @@ _LAZY = {
     "train": ("training.loop", "train"),
     "Trainer": ("training.loop", "Trainer"),
     "configure": ("tune.configure", "configure"),
+    "save_params": ("checkpoint", "save_params"),
 }
 
 __all__ = ["Checkpointer", "ConfigError", "CyclicDataParallel", "Pipeline", "PipelineModel", "PipelineState", "Precision", "StageContext", "data", "make_mesh",
            "microbatch_key", "models", "optim", "with_precision", "train", "Trainer", "training", "configure",
-           "schedules", "tune"]
+           "schedules", "tune", "save_params"]
 
 
 def __getattr__(name):

@@ -78,6 +78,54 @@ def _state_layout(pipe) -> Optional[dict]:
     return layout() if layout is not None else None
 
 
+def params_by_path(params) -> Dict[str, np.ndarray]:
+    """``params`` (``pipe.params(state)``: ``(stages, pre, post)`` in the model's own layout) as host arrays
+    named by their tree paths: ``"stages/blocks/0/attn/kernel"``, ``"pre/embed"``, ... -- the stage leaves
+    stacked ``[stages, ...]`` (a model of blocks given a cut: ``[blocks, ...]``), as the model holds them."""
+    from . import distributed
+
+    def name(path) -> str:
+        parts = []
+        for k in path:
+            key = getattr(k, "key", getattr(k, "idx", getattr(k, "name", None)))
+            parts.append(str(key if key is not None else k))
+        return "/".join(parts)
+    named = dict(zip(("stages", "pre", "post"), params)) if isinstance(params, tuple) and len(params) == 3 \
+        else {"params": params}
+    flat = jax.tree_util.tree_flatten_with_path(named)[0]
+    values = distributed.to_host([v for _, v in flat])          # a collective: every process calls it
+    return {name(k): np.asarray(v) for (k, _), v in zip(flat, values)}
+
+
+def check_params_path(path: str, what: str = "save_params") -> str:
+    """``path`` made an ``.npz`` path whose directory exists and is writable, or a ConfigError -- checked before
+    a run, not after it trained."""
+    path = os.fspath(path)
+    if not path.endswith(".npz"):
+        path += ".npz"           # (what np.savez would write)
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ConfigError(f"{what}={path}: a directory is there; give a file path, e.g. {os.path.join(path, 'params.npz')}")
+    if not os.path.isdir(folder):
+        raise ConfigError(f"{what}={path}: the directory {folder} does not exist; create it or give another path")
+    if not os.access(folder, os.W_OK):
+        raise ConfigError(f"{what}={path}: the directory {folder} is not writable by this user")
+    return path
+
+
+def save_params(path: str, params) -> str:
+    """Write ``params`` (``pipe.params(state)``) to the ``.npz`` at ``path``, each array named by its tree path
+    (:func:`params_by_path`): ``np.load(path)["pre/embed"]`` reads one back without jaxpipe.  Every process
+    calls it (the arrays are gathered); process 0 writes, whole, through a temporary file.  Returns the path."""
+    path = check_params_path(path, "save_params")
+    arrays = params_by_path(params)
+    if jax.process_index() == 0:
+        tmp = f"{path}.{os.getpid()}.tmp.npz"
+        np.savez(tmp, **arrays)
+        os.replace(tmp, path)
+    return path
+
+
 class Checkpointer:
     """Orbax ``CheckpointManager`` for one ``jp.Pipeline`` (or any object with ``model``, ``schedule``,
     ``num_microbatches`` and ``mesh``; pass ``pipe=None`` to skip the fingerprint check)."""

@@ -220,3 +220,35 @@ def test_in_flight_of_another_type_is_named(pipe, monkeypatch):
     monkeypatch.setattr(sc, "IN_FLIGHT", "2")
     with pytest.raises(jp.ConfigError, match=r"IN_FLIGHT='2': give a whole number >= 1"):
         pipe.step(pipe.init(), BATCH(8))
+
+
+def test_the_non_finite_stop_keeps_the_librarys_likely_cause(tmp_path):
+    """A label past the table of a model that does not declare its integer ids: the loop's stop names the
+    field as the pipeline's own check does (it said only "Lower the learning rate")."""
+    from test_step_checks import _classifier
+    model, batch = _classifier()
+    pipe = jp.Pipeline(model, schedule="gpipe", num_microbatches=2, optimizer=optax.sgd(0.1),
+                       mesh=jp.make_mesh(stages=2))
+    bad = dict(batch, label=batch["label"].at[3].set(99))
+    with pytest.raises(jp.training.NonFiniteLoss, match=r"at step 1, .*Likely cause: batch field\(s\) \['label'\] "
+                                                        r"hold integer ids the model does not declare.*Lower the"):
+        jp.train(pipe, [bad, batch], steps=2, out_dir=str(tmp_path), **QUIET)
+
+
+def test_saved_params_are_named_by_their_tree_paths_and_load_with_plain_numpy(pipe, tmp_path):
+    """``jp.save_params`` (what ``--save_params`` writes): every array of ``pipe.params(state)`` under its tree
+    path in the model's own layout -- ``np.load`` gives them back, no jaxpipe needed (it wrote arr_0 ... arr_11
+    in the executor's stacked layout)."""
+    state = pipe.init()
+    params = pipe.params(state)
+    path = jp.save_params(str(tmp_path / "p"), params)
+    assert path == str(tmp_path / "p.npz")
+    loaded = np.load(path)
+    flat = jax.tree_util.tree_flatten_with_path(dict(zip(("stages", "pre", "post"), params)))[0]
+    assert len(loaded.files) == len(flat) and all(f.split("/")[0] in ("stages", "pre", "post") for f in loaded.files)
+    assert not any(f.startswith("arr_") for f in loaded.files)
+    by_name = {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path_): v for path_, v in flat}
+    for name, value in by_name.items():
+        assert np.array_equal(loaded[name], np.asarray(value)), name
+    with pytest.raises(jp.ConfigError, match=r"save_params=.*missing/q.npz: the directory .* does not exist"):
+        jp.save_params(str(tmp_path / "missing" / "q.npz"), params)

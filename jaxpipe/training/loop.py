@@ -380,11 +380,13 @@ class Trainer:
         import numpy as np
         from jaxpipe import diagnose, distributed
         from jaxpipe.checkpoint import Checkpointer
-        last = None
+        last, cause = None, ""
         try:               # this stop is the report of the step's failed checks: read them here, once
             self.pipe.check()
-        except ConfigError:
-            pass
+        except ConfigError as e:          # the library's diagnosis (an undeclared id field, ...) is kept
+            found = str(e).find(" Likely cause: ")
+            if found >= 0:
+                cause = str(e)[found:].split(" Lower the learning rate")[0].rstrip()
         if self.ckpt is not None:
             ckpt, self.ckpt = self.ckpt, None
             ckpt.close()       # the writes in flight (all of finite states) finish; nothing new starts
@@ -405,8 +407,8 @@ class Trainer:
         raise NonFiniteLoss(
             f"non-finite loss {float(metrics['loss'])} / grad_norm {np.asarray(metrics.get('grad_norm', np.nan))} "
             f"at step {step}, {at}. Stopped; nothing was checkpointed after it"
-            f"{f' (last good checkpoint, verified just now: step {last})' if last is not None else ''}. Lower the "
-            f"learning rate, add clipping, or skip such updates (on_nonfinite='skip')",
+            f"{f' (last good checkpoint, verified just now: step {last})' if last is not None else ''}.{cause} "
+            f"Lower the learning rate, add clipping, or skip such updates (on_nonfinite='skip')",
             step, where["stage"] if where else None, last)
 
 
