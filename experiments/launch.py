@@ -117,6 +117,10 @@ def _heartbeat_timeout(args) -> float:
     return 15.0
 
 
+#: the status of a worker that stopped cleanly (``jaxpipe.training.loop.STOPPED_EXIT``: checkpoint saved)
+STOPPED = 143
+
+
 def launch(args, num_processes: int, module: str = "experiments.train", port: int = 0, timeout: float = 0,
            verbose: bool = False, stall_timeout: float = 0, stop_timeout: float = 120) -> int:
     """Run the job; returns 0 if every process succeeded, else the first failing process's status (124: the job
@@ -181,6 +185,12 @@ def launch(args, num_processes: int, module: str = "experiments.train", port: in
                   f"{stall_timeout:g}; a process waiting in a collective for a stuck peer stalls with it): "
                   f"stopping the job", file=sys.stderr, flush=True)
             forward(signal.SIGTERM, None)
+        if not got and STOPPED in codes:
+            # a worker stopped on its own (a stop its processes agreed on: --stop_at_step, a signal sent to the
+            # workers, not to the launcher): the others are saving their share too -- wait for them as for a
+            # forwarded stop, not end them as after a failure
+            got.append(None)
+            got_at[:] = [time.monotonic()]
         if got:
             # stopping: every worker saves its share of the checkpoint and exits; wait for all (bounded)
             if all(c is not None for c in codes) or time.monotonic() - got_at[0] > stop_timeout:
@@ -218,8 +228,15 @@ def launch(args, num_processes: int, module: str = "experiments.train", port: in
         signal.signal(sig, h)
     for t in pumps:
         t.join(timeout=5)
+    codes = [p.returncode for p in procs]
+    if codes and all(c == STOPPED for c in codes):
+        # every worker saved its share of the checkpoint and exited as a stopped job does: a preemption, not a
+        # failure -- the launcher's own status says the same
+        print(f"launch: the job stopped (every process saved its checkpoint and exited {STOPPED}): run the same "
+              f"command again to resume", file=sys.stderr)
+        return STOPPED
     if rc:
-        print(f"launch: process {[p.returncode for p in procs]} exit statuses; job failed", file=sys.stderr)
+        print(f"launch: process {codes} exit statuses; job failed", file=sys.stderr)
     return rc
 
 

@@ -235,3 +235,19 @@ def test_sigterm_to_one_process_saves_and_exits_143(tmp_path):
                             f"--checkpoint_dir={ck}", f"--out_dir={tmp_path}/run"], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=240)
     assert again.returncode == 0 and f"at step {steps[0]}" in again.stdout, again.stdout[-2000:] + again.stderr[-2000:]
+
+
+def test_a_clean_stop_of_every_worker_is_reported_by_the_launcher_as_a_stop(tmp_path):
+    """Both workers stop after the same step (``--stop_at_step``: as a preemption they agreed on), save the
+    checkpoint and exit 143: the launcher waits for both, says the job stopped and exits 143 too (it said
+    "exit statuses [143, 143]; job failed")."""
+    ck = tmp_path / "ck"
+    env = dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS, JAX_PLATFORMS="cpu")
+    args = [*[a for a in BASE if not a.startswith("--stages")], "--stages=2", "--schedule=1f1b", "--steps=20",
+            f"--out_dir={tmp_path}/run", f"--checkpoint_dir={ck}", "--stop_at_step=3"]
+    p = subprocess.run([sys.executable, "-m", "experiments.launch", "--num_processes=2", "--", *args], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=240)
+    out = p.stdout + p.stderr
+    assert p.returncode == 143, out[-3000:]
+    assert "launch: the job stopped (every process saved its checkpoint and exited 143)" in out, out[-3000:]
+    assert "job failed" not in out and finalized(ck) == [3], (finalized(ck), out[-3000:])
