@@ -48,11 +48,11 @@ def rows_for(D: int, N: int):
         x = (D - 1) / (v * N)
         add(f"interleaved v={v}", s, dict(f=1.0 / v, b=2.0 / v), x / (1 + x), dict(f=1.0 / v, b=2.0 / v))
     s = S.build("zb_h1", D, N)
-    add("zb_h1 (1F1B peak memory)", s, dict(f=1.0, b=1.0, w=1.0), (D - 1) / (3 * N + D - 1),
-        dict(f=1.0, b=1.0, w=1.0))
+    add("zb_h1 (1F1B peak memory)", s, dict(f=1.0, b=2.0, w=1.0), (D - 1) / (3 * N + D - 1),
+        dict(f=1.0, b=2.0, w=1.0))
     s = S.build("zb_h1", D, N, max_deferred_w=D - 1)
-    add("zb_h1 max_deferred_w=D-1", s, dict(f=1.0, b=1.0, w=1.0), (D - 1) / (3 * N + D - 1),
-        dict(f=1.0, b=1.0, w=1.0))
+    add("zb_h1 max_deferred_w=D-1", s, dict(f=1.0, b=2.0, w=1.0), (D - 1) / (3 * N + D - 1),
+        dict(f=1.0, b=2.0, w=1.0))
     return out
 
 

@@ -4,7 +4,7 @@
     python -m experiments.timeline --schedule=gpipe --mode=lockstep --trace=gpipe.json
     python -m experiments.timeline --schedule=chimera --stages=4 --microbatches=4 --out=chimera.png  # Fig. 3
     python -m experiments.timeline --schedule=interleaved_1f1b --virtual=2 --microbatches=8
-    python -m experiments.timeline --schedule=zb_h1 --b=1 --w=1
+    python -m experiments.timeline --schedule=zb_h1 --stages=4 --microbatches=8    # B and W share b: 29 vs 1F1B's 33
 
 Also prints the text form and the simulator's report (event-driven and lockstep makespan, bubble ratio,
 peak in-flight micro-batches and weight versions per device).  No JAX is imported.
@@ -18,8 +18,10 @@ flags.DEFINE_string("schedule", "1f1b", "schedule to draw (see jaxpipe.schedules
 flags.DEFINE_integer("stages", 4, "pipeline stages (devices)")
 flags.DEFINE_integer("microbatches", 8, "micro-batches per step")
 flags.DEFINE_float("f", 1.0, "forward time of one stage on one micro-batch")
-flags.DEFINE_float("b", 2.0, "backward time of one stage on one micro-batch (zb_h1: its input-gradient part)")
-flags.DEFINE_float("w", 1.0, "zb_h1 only: weight-gradient time W")
+flags.DEFINE_float("b", 2.0, "backward time of one stage on one micro-batch: the whole backward, for every "
+                   "schedule (a split one -- zb_h1, zb_v, dualpipe_v -- runs it as B and W)")
+flags.DEFINE_float("w", None, "split backward (zb_h1, zb_v, dualpipe_v): the weight-gradient part W of --b "
+                   "(B runs b - w); default b / 2")
 flags.DEFINE_integer("pipelines", 2, "chimera: 2f pipelines (f dividing stages/2)")
 flags.DEFINE_integer("virtual", 2, "interleaved_1f1b: model chunks per device")
 flags.DEFINE_integer("advance", 0, "avgpipe: forwards issued beyond 1F1B's warm-up (0 = 1F1B, M-1 = AFAB)")
@@ -61,12 +63,15 @@ def main(argv):
     if FLAGS.text:
         print(s.render_text())
     w = FLAGS.w if s.has_w() else None
+    if w is not None and not 0 <= w <= FLAGS.b:
+        raise app.UsageError(f"--w={w:g}: the weight-gradient part of the whole backward --b={FLAGS.b:g}; give "
+                             f"0 <= w <= b")
     print(s.simulate(f=FLAGS.f, b=FLAGS.b, w=w).summary())
     if FLAGS.out:
-        s.render(FLAGS.out, f=FLAGS.f, b=FLAGS.b, w=FLAGS.w, mode=FLAGS.mode)
+        s.render(FLAGS.out, f=FLAGS.f, b=FLAGS.b, w=w, mode=FLAGS.mode)
         print(f"wrote {FLAGS.out}")
     if FLAGS.trace:
-        s.to_chrome_trace(FLAGS.trace, f=FLAGS.f, b=FLAGS.b, w=FLAGS.w, mode=FLAGS.mode)
+        s.to_chrome_trace(FLAGS.trace, f=FLAGS.f, b=FLAGS.b, w=w, mode=FLAGS.mode)
         print(f"wrote {FLAGS.trace} (open in ui.perfetto.dev)")
 
 

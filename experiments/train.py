@@ -350,7 +350,7 @@ def _build_pipeline(jp):
 def _describe(jp, pipe, state, n_proc, say):
     """The run's first lines: the model, the mesh, the schedule's simulated bubble, the model axes' memory."""
     import jax
-    r = pipe.schedule.simulate(f=1.0, b=1.0, w=1.0) if pipe.schedule.has_w() else pipe.schedule.simulate(f=1.0, b=2.0)
+    r = pipe.schedule.simulate(f=1.0, b=2.0)     # a split backward: B and W share it
     say(f"jaxpipe: {FLAGS.model} ({sum(x.size for x in jax.tree.leaves(pipe.model.params)):,} parameters), "
         f"{FLAGS.schedule}, mesh data={FLAGS.data} x stage={FLAGS.stages}"
         f"{f' x fsdp={FLAGS.fsdp}' if FLAGS.fsdp > 1 else ''}{f' x tensor={FLAGS.tensor}' if FLAGS.tensor > 1 else ''}, "

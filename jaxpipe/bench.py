@@ -214,7 +214,7 @@ def pipeline_runner(name: str, model: PipelineModel, batch, num_microbatches: in
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     split = pipe.schedule.has_w()          # zero-bubble: B and W each half of a backward
-    rep = pipe.schedule.simulate(f=1.0, b=1.0, w=1.0) if split else pipe.schedule.simulate(f=1.0, b=2.0)
+    rep = pipe.schedule.simulate(f=1.0, b=2.0, w=1.0 if split else None)
     # asynchronous schedules never flush: in steady state the alternating timeline holds one F or one B per
     # device per tick, so its only lockstep loss is a tick costing max(f, b): 1 - (f + b) / (2 max(f, b));
     # the lanes timeline (F and B lanes every tick) loses nothing in steady state

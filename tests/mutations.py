@@ -333,6 +333,10 @@ MUTATIONS = [
     Mutation("cut_record_of_another_shape_read", "jaxpipe/tune/part_costs.py",
              "    if not _valid_rounds(rounds):\n", "    if rounds is None:\n",
              "tests/test_measure_cache.py::test_a_bad_cut_costs_file_is_named_set_aside_and_not_read[{\"rounds\": [{\"f_block\": 1.0}]}]"),
+    # a split backward priced as b + w (ZB-H1 drawn slower than 1F1B)
+    Mutation("split_backward_priced_on_top", "jaxpipe/schedules/simulate.py",
+             "    return b - w, w\n", "    return b, w\n",
+             "tests/test_schedules.py::test_b_is_the_whole_backward_for_every_schedule"),
     # ... and the two weak kills: the loop's refusal without its finiteness check; the data split of a prediction
     Mutation("loop_refusal_only_on_the_skip_flag", "jaxpipe/training/loop.py",
              'return bool(metrics.get("skipped", False)) or not finite', 'return bool(metrics.get("skipped", False))',

@@ -158,7 +158,7 @@ def test_interleaved_bubble(D, v, M):
 def test_zb_h1_bubble_below_1f1b_same_peak_memory(D, M):
     """Greedy ZB-H1 (see zero_bubble.py): <= 0.6 of 1F1B's bubble (the handcrafted one of the paper reaches
     1/3), same peak in-flight activations as 1F1B (max over devices)."""
-    z = schedules.build("zb_h1", D, M).simulate(f=1.0, b=1.0, w=1.0)
+    z = schedules.build("zb_h1", D, M).simulate(f=1.0, b=2.0, w=1.0)
     o = schedules.build("1f1b", D, M).simulate(f=1.0, b=2.0)
     bubble = lambda r: r.makespan - 3.0 * M
     assert bubble(z) <= 0.6 * bubble(o)
@@ -169,7 +169,7 @@ def test_zb_h1_bubble_below_1f1b_same_peak_memory(D, M):
 def test_zb_h1_deferred_w_is_a_third_of_1f1b(D, M):
     """With up to D deferred W's (max_deferred_w = D - 1) the bubble is exactly the paper's (D-1)(f+b-w),
     a third of 1F1B's; the price in this executor is memory: stage 0 holds up to 2D - 1 micro-batches."""
-    z = schedules.build("zb_h1", D, M, max_deferred_w=D - 1).simulate(f=1.0, b=1.0, w=1.0)
+    z = schedules.build("zb_h1", D, M, max_deferred_w=D - 1).simulate(f=1.0, b=2.0, w=1.0)
     o = schedules.build("1f1b", D, M).simulate(f=1.0, b=2.0)
     assert z.makespan - 3.0 * M == pytest.approx((o.makespan - 3.0 * M) / 3) == pytest.approx(D - 1)
     assert z.peak_inflight[0] == 2 * D - 1

@@ -137,7 +137,7 @@ def test_zero_bubble_schedules_are_predicted_at_their_bubble(D, M, want):
             assert fastest_placement(s) == "ordered"
             # the executor's plan costs what the simulator's one-op-per-tick lockstep costs
             assert s.plan("ordered").lockstep_makespan(f, b, w) == pytest.approx(
-                s.simulate(f, b, w=w).lockstep_makespan)
+                s.simulate(f, b + w, w=w).lockstep_makespan)
             # at 1F1B's memory: D micro-batches of stage activations on stage 0 (chunks: 2D half stages)
             # (DualPipeV holds one half-stage more: its V runs a second micro-batch's forward on the way back)
             assert s.plan("ordered").stash_capacity == {"zb_h1": D, "zb_v": 2 * D, "dualpipe_v": 2 * D + 1}[name]

@@ -93,3 +93,36 @@ def test_ir_imports_no_jax():
            "print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_b_is_the_whole_backward_for_every_schedule():
+    """One cost convention: ``b`` is a stage's whole backward; a split backward runs it as B = b - w and W = w
+    (default b / 2).  So ZB-H1 at D = 4, M = 8 is drawn at its bubble (29 against 1F1B's 33, README's table),
+    never slower than 1F1B -- its B and W priced 2 + 1 drew it at 43, the executor's plan at 53."""
+    from jaxpipe.schedules.simulate import split_backward
+    one = schedules.build("1f1b", 4, 8).simulate(f=1.0, b=2.0)
+    zb = schedules.build("zb_h1", 4, 8)
+    for r in (zb.simulate(f=1.0, b=2.0), zb.simulate(f=1.0, b=2.0, w=1.0)):
+        assert (r.makespan, r.lockstep_makespan, r.lane_makespan) == (29.0, 29.0, 29.0)
+        assert r.makespan < one.makespan == 33.0
+    assert split_backward(zb, 2.0) == (1.0, 1.0) and split_backward(zb, 3.0, 1.0) == (2.0, 1.0)
+    assert split_backward(schedules.build("1f1b", 2, 4), 2.0, 5.0) == (2.0, 0.0)     # unsplit: w unused
+    with pytest.raises(ValueError, match=r"w=3 is the weight-gradient part of the whole backward b=2"):
+        zb.simulate(f=1.0, b=2.0, w=3.0)
+    for name in ("zb_v", "dualpipe_v"):                  # two chunks a device: half-stage ops, the same rule
+        v = schedules.build(name, 4, 8).simulate(f=0.5, b=1.0)
+        assert v.makespan < one.makespan, name
+
+
+def test_the_timeline_runner_draws_zero_bubble_at_its_bubble_by_default(tmp_path):
+    """``python -m experiments.timeline --schedule=zb_h1`` with its defaults (f = 1, b = 2): 29, not 43."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-m", "experiments.timeline", "--schedule=zb_h1", "--stages=4",
+                        "--microbatches=8", f"--out={tmp_path}/zb.png", "--text=false"], cwd=root,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "b=2 (B 1 + W 1) | event-driven makespan 29" in p.stdout and "makespan 29, bubble" in p.stdout, p.stdout
+    assert (tmp_path / "zb.png").stat().st_size > 0

@@ -35,7 +35,7 @@ def test_predict_equals_lockstep_makespan_without_communication():
         s = schedules.build(name, 4, 8)
         b = 1.0 if s.has_w() else 2.0
         p = predict(s, _costs(4, b=b), act_bytes=0, grad_bytes=0, replicas=1)
-        sim = s.simulate(f=1.0, b=b, w=1.0 if s.has_w() else None)
+        sim = s.simulate(f=1.0, b=b + (1.0 if s.has_w() else 0.0), w=1.0 if s.has_w() else None)
         assert p["lockstep"] == pytest.approx(sim.lockstep_makespan)
         assert p["paper"] == pytest.approx((p["C_f"] * 1.0 + p["C_b"] * b))
 

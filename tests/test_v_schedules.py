@@ -77,7 +77,7 @@ def test_bubble_and_memory(schedule, D, M):
     1F1B's 3(D - 1) whole-stage units; peak in-flight activations within ZB-V's 2D chunk sets (= 1F1B's D whole
     stages), DualPipeV's PP + 1 = 2D + 1."""
     s = schedules.build(schedule, num_stages=D, num_microbatches=M)
-    r = s.simulate(f=1.0, b=1.0, w=1.0)
+    r = s.simulate(f=1.0, b=2.0, w=1.0)
     assert r.makespan == 6 * M + D - 1
     one = schedules.build("1f1b", num_stages=D, num_microbatches=M).simulate(f=2.0, b=4.0)   # whole stages
     assert r.makespan < one.makespan

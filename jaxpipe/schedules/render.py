@@ -55,7 +55,7 @@ def _boxes(s: Schedule, mode: str, f: float, b: float, w: float):
         raise ValueError(f"mode must be 'event', 'lockstep', 'lanes' or 'ordered', got {mode!r}")
 
 
-def render_png(s: Schedule, path: Optional[str] = None, f: float = 1.0, b: float = 2.0, w: float = 1.0,
+def render_png(s: Schedule, path: Optional[str] = None, f: float = 1.0, b: float = 2.0, w: Optional[float] = None,
                mode: str = "event", title: Optional[str] = None):
     import logging
     # matplotlib logs its font cache's first build at INFO ("font_manager: generating new fontManager"): a
@@ -66,6 +66,9 @@ def render_png(s: Schedule, path: Optional[str] = None, f: float = 1.0, b: float
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
+    from .simulate import split_backward
+    whole = b                              # the whole backward; a split one is drawn as its B and W parts
+    b, w = split_backward(s, whole, w)
     boxes = list(_boxes(s, mode, f, b, w))
     end = max(st + wd for _, st, wd, _ in boxes)
     fig, ax = plt.subplots(figsize=(max(6.0, min(28.0, 0.35 * end + 2)), 0.55 * s.D + 1.4))
@@ -80,8 +83,9 @@ def render_png(s: Schedule, path: Optional[str] = None, f: float = 1.0, b: float
     ax.set_xlabel({"lockstep": "time (one op per device per tick; a tick lasts its slowest op)",
                    "lanes": "time (each tick: an F lane then a B lane, each as long as its slowest op)",
                    "ordered": "time (the executor's ordered placement: lanes of one op per device per tick)"}.get(
-        mode, f"time (forward = {f:g}, backward = {b:g})"))
-    r = s.simulate(f=f, b=b, w=w if s.has_w() else None)
+        mode, f"time (forward = {f:g}, backward = {whole:g}" + (f": input grad {b:g} + weight grad {w:g})"
+                                                                 if s.has_w() else ")")))
+    r = s.simulate(f=f, b=whole, w=w if s.has_w() else None)
     span, bubble = {"lockstep": (r.lockstep_makespan, r.lockstep_bubble_ratio),
                     "lanes": (r.lane_makespan, r.lane_bubble_ratio)}.get(mode, (r.makespan, r.bubble_ratio))
     if mode == "ordered":
@@ -133,9 +137,12 @@ def render_text(s: Schedule, width: int = 0) -> str:
     return "\n".join(lines)
 
 
-def chrome_trace(s: Schedule, path: Optional[str] = None, f: float = 1.0, b: float = 2.0, w: float = 1.0,
-                 mode: str = "event") -> dict:
-    """Chrome/Perfetto trace-event JSON (open in ui.perfetto.dev or chrome://tracing); 1 time unit = 1 ms."""
+def chrome_trace(s: Schedule, path: Optional[str] = None, f: float = 1.0, b: float = 2.0,
+                 w: Optional[float] = None, mode: str = "event") -> dict:
+    """Chrome/Perfetto trace-event JSON (open in ui.perfetto.dev or chrome://tracing); 1 time unit = 1 ms.
+    ``b``: the whole backward; ``w``: a split backward's weight part (:func:`~.simulate.split_backward`)."""
+    from .simulate import split_backward
+    b, w = split_backward(s, b, w)
     events = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": f"{s.name} D={s.D} M={s.M}"}}]
     for d in range(s.D):
         events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": d, "args": {"name": f"device {d}"}})

@@ -8,7 +8,7 @@ the definition of Chimera §2.
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional
+from typing import Tuple, List, Optional
 
 from .ir import Action, B, F, W, Schedule
 
@@ -19,8 +19,8 @@ class SimReport:
     num_devices: int
     num_microbatches: int
     f: float
-    b: float
-    w: float
+    b: float            # the whole backward (a split one: B + W)
+    w: float            # a split backward's weight-gradient part W (0: not split)
     makespan: float                 # event-driven
     bubble_ratio: float             # event-driven
     lockstep_makespan: float        # SPMD executor: sum over ticks of the slowest op
@@ -41,7 +41,7 @@ class SimReport:
 
     def summary(self) -> str:
         return (f"{self.schedule}: D={self.num_devices} M={self.num_microbatches} f={self.f:g} b={self.b:g}"
-                f"{'' if not self.w else f' w={self.w:g}'} | event-driven makespan {self.makespan:g}, bubble "
+                f"{'' if not self.w else f' (B {self.b - self.w:g} + W {self.w:g})'} | event-driven makespan {self.makespan:g}, bubble "
                 f"{self.bubble_ratio:.3f} | lockstep {self.num_ticks} ticks, makespan {self.lockstep_makespan:g},"
                 f" bubble {self.lockstep_bubble_ratio:.3f} | peak in-flight {self.peak_inflight} | weight "
                 f"versions {self.weight_versions} | executor ({self.lane_placement}): {self.lane_ticks} ticks, makespan "
@@ -61,16 +61,31 @@ def inflight_profile(s: Schedule, device: int) -> List[int]:
     return out
 
 
+def split_backward(s: Schedule, b: float, w: Optional[float] = None) -> Tuple[float, float]:
+    """``(B, W)``: the durations of a stage's backward ``b`` (the whole backward, as for every schedule) as
+    ``s`` runs it -- one B of ``b`` (``W = 0``) or, for a split backward (zero-bubble, the V schedules), an
+    input-gradient part B of ``b - w`` and a weight-gradient part W of ``w`` (default ``b / 2``, the papers'
+    count).  One convention for every schedule, so a split schedule is never drawn with more backward work
+    than 1F1B's (Zero Bubble Pipeline Parallelism, §2: B and W share the backward)."""
+    b = float(b)
+    if not s.has_w():
+        return b, 0.0
+    w = b / 2 if w is None else float(w)
+    if not 0.0 <= w <= b:
+        raise ValueError(f"w={w:g} is the weight-gradient part of the whole backward b={b:g}: give 0 <= w <= b "
+                         f"(B, the input-gradient part, then runs b - w)")
+    return b - w, w
+
+
 def simulate(s: Schedule, f: float = 1.0, b: float = 2.0, w: Optional[float] = None) -> SimReport:
     """Simulate ``s`` with forward time ``f`` and backward time ``b`` per stage and micro-batch.
 
-    With a split backward (zero-bubble), ``b`` is the input-gradient part and ``w`` the weight-gradient
-    part, which must then be given explicitly.
+    ``b`` is the whole backward for every schedule; a split backward (zero-bubble) runs it as B and W, ``w``
+    its weight-gradient part (default ``b / 2``; :func:`split_backward`).
     """
     has_w = s.has_w()
-    if has_w and w is None:
-        raise ValueError(f"{s.name} splits the backward into B and W: give simulate() the W time w=...")
-    w = float(w) if has_w else 0.0
+    whole = float(b)
+    b, w = split_backward(s, whole, w)
     dur = {F: float(f), B: float(b), W: w}
     placed = s.place(f, b, w if has_w else 1.0)
     makespan = max(placed["finish"].values())
@@ -88,7 +103,7 @@ def simulate(s: Schedule, f: float = 1.0, b: float = 2.0, w: Optional[float] = N
     lp = plan(s, placement)
     lane_span = lp.lockstep_makespan(f, b, w)
     return SimReport(
-        schedule=s.name, num_devices=s.D, num_microbatches=s.M, f=float(f), b=float(b), w=w,
+        schedule=s.name, num_devices=s.D, num_microbatches=s.M, f=float(f), b=whole, w=w,
         makespan=makespan, bubble_ratio=1.0 - work / (s.D * makespan),
         lockstep_makespan=lock, lockstep_bubble_ratio=1.0 - work / (s.D * lock),
         num_ticks=len(grid),
