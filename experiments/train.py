@@ -267,7 +267,27 @@ def _auto_configure(jp, say):
     if FLAGS.cut:
         raise app.UsageError(f"--auto cuts the model evenly for the stages it considers; drop --cut={FLAGS.cut}")
     devices = FLAGS.stages * FLAGS.data
-    budget = FLAGS.memory_budget_mb * 2**20 if FLAGS.memory_budget_mb > 0 else float("inf")
+    mb = FLAGS.memory_budget_mb
+    if not (mb == mb and 0 <= mb < float("inf")):       # NaN, negative, infinite: not a budget
+        raise app.UsageError(f"--memory_budget_mb={mb:g}: give the MiB a device may hold (> 0), or 0 for no limit")
+    budget = mb * 2**20 if mb > 0 else float("inf")
+    flushing = [n for n in jp.schedules.available() if jp.schedules.method(n).flushes]
+    bad = [n for n in FLAGS.auto_schedules if n not in flushing]
+    if bad or not FLAGS.auto_schedules:
+        raise app.UsageError(f"--auto_schedules={','.join(FLAGS.auto_schedules)}: "
+                             f"{f'{bad[0]!r} is not one' if bad else 'none given'}; --auto chooses among "
+                             f"{', '.join(flushing)}")
+    try:
+        counts = tuple(int(m) for m in FLAGS.auto_microbatches)
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise app.UsageError(f"--auto_microbatches={','.join(FLAGS.auto_microbatches)}: give positive micro-batch "
+                             f"counts, e.g. 2,4,8")
+    if not any(FLAGS.batch % (d * m) == 0 for m in counts for d in range(1, devices + 1) if devices % d == 0):
+        raise app.UsageError(f"--auto_microbatches={','.join(FLAGS.auto_microbatches)}: none of them splits "
+                             f"--batch={FLAGS.batch} rows over any data split of {devices} devices; give counts "
+                             f"that divide the batch (e.g. 2,4,8 for --batch=32)")
     # the model as given (--stages x --blocks_per_stage blocks), cut into n stages for each candidate
     blocks = FLAGS.stages * FLAGS.blocks_per_stage
 
@@ -288,7 +308,7 @@ def _auto_configure(jp, say):
         f"M in {', '.join(FLAGS.auto_microbatches)}, residuals all / inputs"
         f"{f', within {FLAGS.memory_budget_mb:g} MiB a device' if FLAGS.memory_budget_mb > 0 else ''} ...")
     conf = jp.configure(make, sample, optax.adamw(1e-3), devices=devices, memory_budget=budget,
-                        schedules=tuple(FLAGS.auto_schedules), microbatches=tuple(int(m) for m in FLAGS.auto_microbatches),
+                        schedules=tuple(FLAGS.auto_schedules), microbatches=counts,
                         verbose=False)
     best = conf.best
     say(conf.table())

@@ -58,3 +58,16 @@ def test_a_factorys_dict_with_a_misspelt_key_is_named_with_the_fields(tmp_path):
     rc, out = _train(["--model=my_factory:factory", "--stages=2", "--steps=1", "--progress=false"], tmp_path,
                      pythonpath=str(tmp_path))
     assert rc != 0 and "unknown key 'batchs' (did you mean 'batches'?)" in out and "no 'batches'" in out, out[-2000:]
+
+
+@pytest.mark.parametrize("flag,match", [
+    ("--memory_budget_mb=-5", r"--memory_budget_mb=-5: give the MiB a device may hold \(> 0\), or 0 for no limit"),
+    ("--memory_budget_mb=nan", r"--memory_budget_mb=nan: give the MiB"),
+    ("--auto_schedules=nope", r"--auto_schedules=nope: 'nope' is not one; --auto chooses among 1f1b"),
+    ("--auto_microbatches=3", r"--auto_microbatches=3: none of them splits --batch=8 rows"),
+    ("--auto_microbatches=x", r"--auto_microbatches=x: give positive micro-batch counts"),
+])
+def test_the_auto_flags_are_checked_by_name(tmp_path, flag, match):
+    import re
+    rc, out = _train(MLP + ["--auto", flag], tmp_path)
+    assert rc != 0 and re.search(match, out), out[-2000:]
