@@ -166,7 +166,8 @@ def pytest_xdist_auto_num_workers(config):
 # first test always, so every file runs), starting from JAXPIPE_TEST_SAMPLE_OFFSET (default: the UTC day number
 # mod k, so k days of CI runs cover the whole suite on the newest releases), and leaves out the tests marked
 # ``ci_once`` (process and file handling, the optimised-build and planted-bug samples: jaxpipe's own machinery,
-# which the first leg runs).  Unset or 1: everything.  Test ids named on the command line are all kept.
+# which the first leg runs); a test marked ``every_leg`` (a claim that must hold on every JAX CI tests) is always
+# kept.  Unset or 1: everything.  Test ids named on the command line are all kept.
 @pytest.hookimpl(tryfirst=True)      # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config, items):
     _mark_quick(config, items)
@@ -203,7 +204,7 @@ def _sample(config, items):
     for item in items:
         f = item.nodeid.split("::")[0]
         i = seen[f] = seen.get(f, -1) + 1
-        chosen = i == 0 or (i - offset) % k == 0
+        chosen = i == 0 or (i - offset) % k == 0 or item.get_closest_marker("every_leg") is not None
         (keep if chosen and not item.get_closest_marker("ci_once") else dropped).append(item)
     config.hook.pytest_deselected(items=dropped)
     items[:] = keep

@@ -1,7 +1,9 @@
 """Multi-host (issue #6 part 1): 2 processes x 2 CPU devices (gloo over loopback, started by
-``experiments.launch``) train exactly like 1 process x 4 devices -- same losses, same final parameters --
-for a synchronous (1f1b), an asynchronous (pipeoptim) and a bidirectional (chimera) schedule; a process
-that cannot reach the coordinator fails with a clear message within a bounded time."""
+``experiments.launch``) train like 1 process x 4 devices -- the same losses and final parameters to float
+rounding (1e-6 relative: a cross-device sum, the clipping's global gradient norm, is added in another order by
+the inter-process collectives; README, "Multi-process runs") -- for a synchronous (1f1b), an asynchronous
+(pipeoptim) and a bidirectional (chimera) schedule; a process that cannot reach the coordinator fails with a
+clear message within a bounded time.  The first test runs on both CI legs (the newest JAX's too: ``every_leg``)."""
 import json
 import os
 import subprocess
@@ -9,7 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import assert_close, assert_same, SUBPROCESS_XLA_FLAGS
+from helpers import assert_close, SUBPROCESS_XLA_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--model=mlp", "--stages=4", "--steps=4", "--microbatches=4", "--batch=32", "--eval_every=0",
@@ -31,7 +33,8 @@ def run(cmd, timeout=300):
     return p
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "pipeoptim", "chimera"])
+@pytest.mark.parametrize("schedule", [pytest.param("1f1b", marks=pytest.mark.every_leg), "pipeoptim",
+                                      "chimera"])
 def test_two_processes_equal_one(schedule, tmp_path):
     out, ck = {}, tmp_path / "ck"
     for name, cmd in (("multi", ["experiments.launch", "--num_processes=2", "--"]), ("single", ["experiments.train"])):
@@ -79,8 +82,10 @@ def test_bad_multihost_flags():
     assert p.returncode != 0 and "process_id=5: give this process's index in [0, 1]" in p.stderr
 
 
+@pytest.mark.every_leg
 def test_two_processes_equal_one_with_model_axes(tmp_path):
-    """2 processes x 4 devices train the GPT on stage 2 x data 2 x tensor 2 exactly like 1 process x 8."""
+    """2 processes x 4 devices train the GPT on stage 2 x data 2 x tensor 2 like 1 process x 8 (to float
+    rounding: the data replicas' all-reduce sums in the collectives' own order)."""
     args = ["--model=gpt", "--stages=2", "--data=2", "--tensor=2", "--steps=3", "--microbatches=2", "--batch=8",
             "--seq_len=16", "--d_model=32", "--heads=2", "--eval_every=0", "--sample_len=0", "--progress=false"]
     out = {}
@@ -91,9 +96,10 @@ def test_two_processes_equal_one_with_model_axes(tmp_path):
         if name == "multi":
             assert "2 processes x 4 cpu devices" in p.stdout and "tensor=2" in p.stdout
     (lm, pm), (ls, ps) = out["multi"], out["single"]
-    assert len(lm) == 3 and lm == ls
+    assert len(lm) == 3 and np.allclose(lm, ls, rtol=1e-6, atol=0)
+    assert pm.files == ps.files and len(pm.files) > 0
     for k in pm.files:
-        assert_same(pm[k], ps[k])
+        assert_close(pm[k], ps[k], rtol=1e-6, atol=1e-7)
 
 
 def _two_by_hand(per_process_args, xla_flags=SUBPROCESS_XLA_FLAGS, timeout=180):
