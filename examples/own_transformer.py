@@ -132,14 +132,14 @@ def factory(stages: int, batch: int, seed: int):
     batches (``experiments.factories``)."""
     from experiments.factories import TrainParts
     blocks, embed, head = make_modules(seed)
-    model, _ = jp.models.from_nnx(
+    model, to_modules = jp.models.from_nnx(
         blocks, embed, head, masked_ce, num_stages=stages, stage_inputs=("pad",),
         block_call=lambda apply, p, x, ctx: apply(p, x, ctx.inputs["pad"], ctx.key),
         integer_inputs={"x": VOCAB, "y": VOCAB})
     train_text, val_text = jp.data.byte_corpus()
     held_out = batches(val_text, batch, seed=10_000 + seed)
     return TrainParts(model, lambda: batches(train_text, batch, seed), [next(held_out) for _ in range(2)],
-                      unit="tokens", per_row=T)
+                      unit="tokens", per_row=T, to_modules=to_modules)
 
 
 class Whole(nnx.Module):

@@ -37,6 +37,9 @@ class TrainParts:
     unit: str = "examples"          # what the throughput counts ...
     per_row: int = 1                # ... per batch row (a sequence's tokens)
     evaluate: Optional[Callable] = None   # (params, batch) -> {"eval_...": float}; default: the model's loss
+    #: ``from_nnx`` / ``from_linen``'s second result: ``--save_params`` then writes the parameters in the
+    #: modules' own layout (``blocks/0/attn/kernel``, ``embed/...``, ``head/...``), not the pipeline's
+    to_modules: Optional[Callable] = None
 
 
 def resumable(batches):

@@ -215,7 +215,7 @@ def run(argv):
         sys.stderr.write(f"\njaxpipe: {e}\n")
         sys.exit(3)
     if FLAGS.save_params:
-        _save_params(jp, pipe, result.state, primary)
+        _save_params(jp, pipe, result.state, primary, parts.to_modules)
     if result.summary is not None:
         _report(jp, pipe, parts.model, result, primary)
 
@@ -431,10 +431,16 @@ def _debug_hook(trainer, done):
         trainer.request_stop(f"--stop_at_step={done}")
 
 
-def _save_params(jp, pipe, state, primary):
-    """The trained parameters in the model's own layout, each array named by its tree path (``np.load`` reads
-    them: ``jp.save_params``); every process takes part (a collective), process 0 writes."""
-    path = jp.save_params(FLAGS.save_params, pipe.params(state))
+def _save_params(jp, pipe, state, primary, to_modules=None):
+    """The trained parameters in the model's own layout -- the modules' (``blocks/0/...``, ``embed/...``,
+    ``head/...``) where the factory gives ``to_modules`` -- each array named by its tree path (``np.load``
+    reads them: ``jp.save_params``); every process takes part (a collective), process 0 writes."""
+    params = pipe.params(state)
+    if to_modules is not None:
+        modules = to_modules(params)
+        params = dict(zip(("blocks", "embed", "head"), modules)) if isinstance(modules, tuple) and \
+            len(modules) == 3 else {"modules": modules}
+    path = jp.save_params(FLAGS.save_params, params)
     if primary:
         print(f"parameters written to {path} (np.load: arrays named by their tree paths)")
 

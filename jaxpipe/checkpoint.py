@@ -79,9 +79,11 @@ def _state_layout(pipe) -> Optional[dict]:
 
 
 def params_by_path(params) -> Dict[str, np.ndarray]:
-    """``params`` (``pipe.params(state)``: ``(stages, pre, post)`` in the model's own layout) as host arrays
-    named by their tree paths: ``"stages/blocks/0/attn/kernel"``, ``"pre/embed"``, ... -- the stage leaves
-    stacked ``[stages, ...]`` (a model of blocks given a cut: ``[blocks, ...]``), as the model holds them."""
+    """``params`` as host arrays named by their tree paths.  ``pipe.params(state)`` (``(stages, pre, post)`` in the
+    model's own layout): ``"stages/blocks/0/attn/kernel"``, ``"pre/embed"``, ... -- the stage leaves stacked
+    ``[stages, ...]`` (a model of blocks given a cut: ``[blocks, ...]``).  Any other pytree by its own paths; Flax
+    NNX modules in it (what ``from_nnx``'s ``to_modules`` gives) by their state's paths, one array per Variable
+    (``"blocks/0/attn/key/kernel"``)."""
     from . import distributed
 
     def name(path) -> str:
@@ -89,12 +91,25 @@ def params_by_path(params) -> Dict[str, np.ndarray]:
         for k in path:
             key = getattr(k, "key", getattr(k, "idx", getattr(k, "name", None)))
             parts.append(str(key if key is not None else k))
+        if len(parts) > 1 and parts[-1] == "value" and type(path[-1]).__name__ == "GetAttrKey":
+            parts = parts[:-1]               # an NNX Variable's array
         return "/".join(parts)
     named = dict(zip(("stages", "pre", "post"), params)) if isinstance(params, tuple) and len(params) == 3 \
-        else {"params": params}
+        else params if isinstance(params, dict) else {"params": params}
+    named = _module_states(named)
     flat = jax.tree_util.tree_flatten_with_path(named)[0]
     values = distributed.to_host([v for _, v in flat])          # a collective: every process calls it
     return {name(k): np.asarray(v) for (k, _), v in zip(flat, values)}
+
+
+def _module_states(tree):
+    """Flax NNX modules in ``tree`` as their states (pytrees of their Variables' arrays)."""
+    try:
+        from flax import nnx
+    except ImportError:
+        return tree
+    is_module = lambda m: isinstance(m, nnx.Module)
+    return jax.tree.map(lambda m: nnx.state(m) if is_module(m) else m, tree, is_leaf=is_module)
 
 
 def check_params_path(path: str, what: str = "save_params") -> str:
@@ -114,8 +129,9 @@ def check_params_path(path: str, what: str = "save_params") -> str:
 
 
 def save_params(path: str, params) -> str:
-    """Write ``params`` (``pipe.params(state)``) to the ``.npz`` at ``path``, each array named by its tree path
-    (:func:`params_by_path`): ``np.load(path)["pre/embed"]`` reads one back without jaxpipe.  Every process
+    """Write ``params`` (``pipe.params(state)``, or the modules ``to_modules`` makes of them -- a dict of names to
+    modules) to the ``.npz`` at ``path``, each array named by its tree path (:func:`params_by_path`):
+    ``np.load(path)["pre/embed"]`` reads one back without jaxpipe.  Every process
     calls it (the arrays are gathered); process 0 writes, whole, through a temporary file.  Returns the path."""
     path = check_params_path(path, "save_params")
     arrays = params_by_path(params)
@@ -275,7 +291,7 @@ class Checkpointer:
         closed and the directory's lock released -- whatever happened, and without raising (the caller is
         already raising its own error).  None where everything finished; else what was abandoned.  An abandoned
         write stays an unfinished temporary folder, which no restore reads: the newest finished checkpoint is
-        what a later run resumes from."""
+        what a later run resumes from (a write still going on in the background may yet finish it)."""
         import threading
         errors = []
 

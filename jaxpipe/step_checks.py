@@ -315,7 +315,9 @@ class PendingStatus:
         if call is not None:
             src = _key_leaf(state_in)
             call.out = _weak(leaf)
-            call.out_leaves = [_weak(a) for a in jax.tree.leaves(state_out)]
+            # the leaves until the status is read (their values taint a refused state; dropped at the read, so
+            # the chain of parents holds no state: a donated one's buffers are gone anyway)
+            call.out_leaves = tuple(jax.tree.leaves(state_out))
             call.parent = next((c for c in self._queue if c is not call and c.out is not None and c.out() is src),
                                None)
             if call.refused is not None:
@@ -385,6 +387,7 @@ class PendingStatus:
         call.status = None
         msg = self.checks.message(call.fields, status, call.where, call.batch_fields)
         if not msg:
+            call.out_leaves = None
             return
         kept = self.checks.kept_state(call.fields, status)
         later = list(self._queue)
@@ -397,6 +400,7 @@ class PendingStatus:
             for c in later:           # the calls that ran on its state, or on one derived from it
                 if c.parent is not None and c.parent.refused is not None:
                     self._refuse(c, msg)
+        call.out_leaves = None
         raise ConfigError(msg)
 
     def _refuse(self, call: _Call, msg: str) -> None:
@@ -404,8 +408,7 @@ class PendingStatus:
         call.refused = msg
         out = call.out() if call.out is not None else None
         if out is not None:
-            leaves = [w() for w in call.out_leaves or ()]
-            self._taint(out, msg, leaves if leaves and all(a is not None for a in leaves) else None)
+            self._taint(out, msg, call.out_leaves)
 
     def unread_failure(self) -> Optional[str]:
         """The message of the first unread failed call (None where every unread call passed)."""

@@ -303,3 +303,20 @@ def test_a_write_that_fails_is_one_clear_error(tmp_path):
     assert "The newest finished checkpoint holds step none" in last
     # nothing else: neither Orbax's logged tracebacks nor tensorstore's "Event loop is closed" callbacks
     assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr[:3000]
+
+
+def test_closing_on_an_error_path_is_bounded_and_frees_the_lock(tmp_path):
+    """``close_within``: a write that never finishes (a stalled file system) is abandoned after the bound,
+    named, and the directory's lock is released all the same -- the error that ended the run goes on."""
+    import threading
+    ck = jp.Checkpointer(str(tmp_path / "ck"), None, writer=True)
+    assert os.path.exists(tmp_path / "ck" / ".jaxpipe.lock")
+    stall = threading.Event()
+    ck.manager.wait_until_finished = lambda: stall.wait(30)
+    ck._pending = 7
+    note = ck.close_within(0.2)
+    assert note is not None and "checkpoint step 7" in note and "did not finish within 0.2 s" in note, note
+    assert not os.path.exists(tmp_path / "ck" / ".jaxpipe.lock")
+    stall.set()
+    again = jp.Checkpointer(str(tmp_path / "ck"), None, writer=True)     # the directory is free
+    assert again.close_within(5.0) is None

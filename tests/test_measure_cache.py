@@ -115,3 +115,13 @@ def test_a_bad_cut_costs_file_is_named_set_aside_and_not_read(tmp_path, text):
     good = [{k: 1.0 for k in part_costs.ROUND_KEYS}]
     part_costs.store(str(tmp_path), "k", good)
     assert part_costs.load(str(tmp_path), "k") == good
+
+
+def test_the_backend_key_changes_with_what_the_compiler_is_told(monkeypatch):
+    """Measurements under other XLA flags (another device count, another optimisation level) are others: the
+    backend part of every key holds the flags, the device kind and count and the versions."""
+    from jaxpipe.tune.measure_cache import backend_key
+    here = backend_key()
+    assert backend_key() == here
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_fast_math=true")
+    assert backend_key() != here

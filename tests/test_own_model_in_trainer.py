@@ -38,9 +38,15 @@ def test_own_model_from_a_config_file_stops_on_sigterm_and_resumes_bit_equal(tmp
     config = tmp_path / "own.flags"
     config.write_text("\n".join(CONFIG) + "\n")
     cache = tmp_path / "cache"
-    rc, out = _train([f"--flagfile={config}", f"--out_dir={tmp_path}/ref", f"--compilation_cache_dir={cache}"],
+    rc, out = _train([f"--flagfile={config}", f"--out_dir={tmp_path}/ref", f"--compilation_cache_dir={cache}",
+                      f"--save_params={tmp_path}/own.npz"],
                      env=dict(_env(), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0"))
     assert rc == 0, out[-3000:]
+    # the trained parameters in the NNX modules' own layout (the factory gives to_modules), by their paths
+    saved = np.load(tmp_path / "own.npz")
+    assert "blocks/0/attn/key/kernel" in saved.files and any(f.startswith("embed/") for f in saved.files), \
+        saved.files[:8]
+    assert not any(f.startswith(("stages/", "arr_")) for f in saved.files)
     assert any(cache.iterdir()), "the run kept no compiled program in --compilation_cache_dir"
     ref = _losses(tmp_path / "ref")
     assert len(ref) == 5 and np.all(np.isfinite(ref))

@@ -187,8 +187,11 @@ class Trainer:
         what could not finish is said on stderr, never raised over the caller's error."""
         if self.ckpt is None:
             return
+        import jax
         ckpt, self.ckpt = self.ckpt, None
-        note = ckpt.close_within(CLOSE_ON_ERROR_S)
+        # several processes: a write finishes only with every process's shards, and a failed peer sends none --
+        # a short bound, so the failure reaches the launcher at once
+        note = ckpt.close_within(CLOSE_ON_ERROR_S if jax.process_count() == 1 else 10.0)
         if note:
             print(f"jaxpipe: {note}", file=sys.stderr, flush=True)
 
