@@ -304,9 +304,7 @@ class Checkpointer:
         worker = threading.Thread(target=finish, name="jaxpipe-checkpoint-close", daemon=True)
         worker.start()
         worker.join(timeout_s)
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
+        self.abandon()
         if worker.is_alive():
             return (f"the write of checkpoint step {self._pending} to {self.directory} did not finish within "
                     f"{timeout_s:g} s and is abandoned; the newest finished checkpoint holds step "
@@ -314,6 +312,17 @@ class Checkpointer:
         if errors:
             return f"closing the checkpoints in {self.directory}: {errors[0]}"
         return None
+
+    def abandon(self) -> None:
+        """Give up the directory without waiting for anything: its lock released, the manager left as it is (a
+        write that failed -- :class:`CheckpointWriteError` -- or hangs on a directory made read-only: waiting
+        for it stalled the process for minutes).  What finished stays readable."""
+        if self._lock is not None:
+            lock, self._lock = self._lock, None
+            try:
+                lock.release()
+            except OSError:                   # the process's end releases an flock anyway
+                pass
 
     def _newest_finished(self) -> Optional[int]:
         """The newest finished step, from the folder names (no Orbax call: usable while a write hangs)."""
@@ -686,7 +695,10 @@ class _DirectoryLock:
     def release(self):
         import fcntl
         if self.fd is not None:
-            os.unlink(self.path)              # while still holding it (see __init__'s check of the path)
+            try:
+                os.unlink(self.path)          # while still holding it (see __init__'s check of the path)
+            except OSError:                   # a directory made read-only: the file stays, the lock goes (the
+                pass                          # next run takes it over: flock is free once released)
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None

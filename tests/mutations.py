@@ -188,7 +188,7 @@ MUTATIONS = [
              "    if c == 0:\n        return pstate\n", "    if True:\n        return pstate\n",
              "tests/test_chunk_state.py::test_two_chunks_a_device_are_held_apart_and_the_step_never_stacks_them"),
     Mutation("chunked_recut_in_device_order", "jaxpipe/checkpoint.py",
-             "from_cut, to_cut, self._stage_order)", "from_cut, to_cut, None)",
+             'from_cut, to_cut, self._orders(step, meta.get("fingerprint") or {}))', "from_cut, to_cut, None)",
              "tests/test_chunk_state.py::test_a_chunked_checkpoint_restores_onto_another_cut"),
     Mutation("parent_death_counted_each_time", "jaxpipe/training/stopping.py",
              '        if getattr(self, "_parent_died", False):\n            return\n', "",

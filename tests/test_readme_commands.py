@@ -61,9 +61,13 @@ def quick(cmd):
     """The command with its runner's quick flags appended (after the launcher's ``--`` for launch)."""
     args = shlex.split(cmd.rstrip("&").strip())
     runner = args[2].split(".", 1)[1]
+    own = [a for a in args if a.startswith("--model=") and ":" in a]
+    # a user's factory builds its model itself: the runner's own model flags (--seq_len, ...) are refused there
+    from experiments.factories import MODEL_FLAGS
+    train = [a for a in TRAIN if not own or a[2:].split("=")[0] not in MODEL_FLAGS]
     if runner == "launch":
-        return args + TRAIN
-    return args + QUICK[runner]
+        return args + train
+    return args + (train if runner == "train" else QUICK[runner])
 
 
 def test_the_readme_has_commands_for_every_runner_listed():

@@ -184,11 +184,16 @@ class Trainer:
 
     def _close_checkpointer_after_error(self) -> None:
         """The checkpointer closed on an error path (:meth:`~jaxpipe.checkpoint.Checkpointer.close_within`):
-        what could not finish is said on stderr, never raised over the caller's error."""
+        what could not finish is said on stderr, never raised over the caller's error.  Where that error is a
+        failed checkpoint write, nothing is waited for (the write will not finish): the lock is released."""
         if self.ckpt is None:
             return
         import jax
+        from jaxpipe.checkpoint import CheckpointWriteError
         ckpt, self.ckpt = self.ckpt, None
+        if isinstance(sys.exc_info()[1], CheckpointWriteError):
+            ckpt.abandon()
+            return
         # several processes: a write finishes only with every process's shards, and a failed peer sends none --
         # a short bound, so the failure reaches the launcher at once
         note = ckpt.close_within(CLOSE_ON_ERROR_S if jax.process_count() == 1 else 10.0)
