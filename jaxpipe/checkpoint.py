@@ -116,11 +116,15 @@ def check_params_path(path: str, what: str = "save_params") -> str:
     """``path`` made an ``.npz`` path whose directory exists and is writable, or a ConfigError -- checked before
     a run, not after it trained."""
     path = os.fspath(path)
+    if os.path.isdir(path) or path.endswith(os.sep) or not os.path.basename(path):
+        raise ConfigError(f"{what}={path}: a directory; give a file path, e.g. {os.path.join(path, 'params.npz')}")
     if not path.endswith(".npz"):
         path += ".npz"           # (what np.savez would write)
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise ConfigError(f"{what}={path}: a directory is there; give a file path, e.g. {os.path.join(path, 'params.npz')}")
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ConfigError(f"{what}={path}: {folder} is a file, not a directory; give another path")
     if not os.path.isdir(folder):
         raise ConfigError(f"{what}={path}: the directory {folder} does not exist; create it or give another path")
     if not os.access(folder, os.W_OK):
