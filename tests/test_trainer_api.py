@@ -189,8 +189,12 @@ def test_a_batches_function_that_returns_one_shared_iterator_is_refused_with_the
     (dict(stop_grace_s=float("nan")), r"stop_grace_s=nan: give seconds >= 0"),
     (dict(eval_batches=3), r"eval_batches=int: give a list"), (dict(hooks=[print, 3]), r"hooks\[1\]=3: give a function"),
     (dict(evaluate="acc"), r"evaluate='acc': give a function"),
+    (dict(units_per_step="x"), r"units_per_step='x': give a positive number"),
+    (dict(learning_rate=1e-3), r"learning_rate=0.001: give the optax schedule"),
+    (dict(checkpoint_keep="3"), r"checkpoint_keep='3': give a whole number"),
 ], ids=["steps_float", "steps_str", "steps_none", "eval_every_negative", "checkpoint_every_float", "grace_nan",
-        "eval_batches_int", "hook_not_callable", "evaluate_str"])
+        "eval_batches_int", "hook_not_callable", "evaluate_str", "units_per_step_str", "learning_rate_float",
+        "keep_str"])
 def test_the_loops_options_are_checked_by_name(pipe, kw, match):
     with pytest.raises(jp.ConfigError, match=match):
         jp.Trainer(pipe, stream(), **{"steps": 3, **kw})

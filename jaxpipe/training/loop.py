@@ -77,6 +77,16 @@ class TrainOptions:
                 raise ConfigError(f"{name}={value!r}: give a whole number (an int, e.g. {name}={max(low, 1)})")
             if value < low:
                 raise ConfigError(f"{name}={value}: must be at least {low}")
+        per = self.units_per_step
+        if per is not None and (isinstance(per, bool) or not isinstance(per, (int, float)) or not per > 0):
+            raise ConfigError(f"units_per_step={per!r}: give a positive number (what one step processes), or None "
+                              f"for the batch's rows")
+        if self.learning_rate is not None and not callable(self.learning_rate):
+            raise ConfigError(f"learning_rate={self.learning_rate!r}: give the optax schedule the optimizer uses "
+                              f"(a function of the step), or None")
+        if not isinstance(self.units, str) or not isinstance(self.describe, dict):
+            raise ConfigError(f"units={self.units!r} / describe={type(self.describe).__name__}: give a name (str) "
+                              f"and a dict")
         grace = self.stop_grace_s
         if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace < float("inf"):
             raise ConfigError(f"stop_grace_s={grace!r}: give seconds >= 0")
