@@ -22,6 +22,8 @@ FILES = [
     "tests/test_xla_cost.py",
     "tests/test_config_errors_48.py",
     "tests/test_host_ahead.py",
+    "tests/test_stop_agreement.py",
+    "tests/test_measure_cache.py",
 ]
 
 #: single tests: one exactness case per method, small configurations
