@@ -123,8 +123,10 @@ def check_params_path(path: str, what: str = "save_params") -> str:
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise ConfigError(f"{what}={path}: a directory is there; give a file path, e.g. {os.path.join(path, 'params.npz')}")
-    if os.path.exists(folder) and not os.path.isdir(folder):
-        raise ConfigError(f"{what}={path}: {folder} is a file, not a directory; give another path")
+    from .validate import file_in_the_way
+    blocker = file_in_the_way(path)
+    if blocker:
+        raise ConfigError(f"{what}={path}: {blocker} is a file, not a directory; give another path")
     if not os.path.isdir(folder):
         raise ConfigError(f"{what}={path}: the directory {folder} does not exist; create it or give another path")
     if not os.access(folder, os.W_OK):

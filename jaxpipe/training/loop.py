@@ -104,11 +104,10 @@ def check_directory(path: str, what: str) -> None:
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"{what}={path}: a file is there, not a directory; give a directory path (it is created "
                           f"if missing)")
-    parent = os.path.dirname(os.path.abspath(path))
-    while parent and not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if parent and not os.path.isdir(parent):
-        raise ConfigError(f"{what}={path}: {parent} is a file, so no directory can be made under it; give another "
+    from jaxpipe.validate import file_in_the_way
+    blocker = file_in_the_way(path)
+    if blocker:
+        raise ConfigError(f"{what}={path}: {blocker} is a file, so no directory can be made under it; give another "
                           f"path")
 
 

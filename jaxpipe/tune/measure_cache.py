@@ -77,10 +77,9 @@ def check_path(path: str, what: str) -> None:
     if os.path.isdir(path):
         raise ConfigError(f"{what}: {path} is a directory; the measurements are kept in one JSON file: give a file "
                           f"path (e.g. {os.path.join(path, 'measurements.json')}), or None to keep nothing")
-    parent = os.path.dirname(os.path.abspath(path))
-    while parent and not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if parent and not os.path.isdir(parent):
+    from ..validate import file_in_the_way
+    parent = file_in_the_way(path)
+    if parent:
         raise ConfigError(f"{what}: {path} lies under {parent}, which is a file, not a directory: give a path in a "
                           f"directory (set $JAXPIPE_CACHE_DIR to a directory), or None to keep nothing")
 

@@ -127,11 +127,11 @@ def check_directory(directory: str) -> None:
     from ..errors import ConfigError
     if not directory:
         return
-    path = os.path.abspath(directory)
-    while path and not os.path.exists(path):
-        path = os.path.dirname(path)
-    if path and not os.path.isdir(path):
-        raise ConfigError(f"the cut costs' cache {directory} {'is' if path == os.path.abspath(directory) else 'lies under'} "
+    from ..validate import file_in_the_way
+    mine = os.path.abspath(directory)
+    path = mine if os.path.isfile(mine) else file_in_the_way(mine)
+    if path:
+        raise ConfigError(f"the cut costs' cache {directory} {'is' if path == mine else 'lies under'} "
                           f"a file ({path}), not a directory: set $JAXPIPE_CACHE_DIR (or balance={{'cache_dir': ...}}) "
                           f"to a directory, or balance={{'cache_dir': ''}} to keep nothing")
 
