@@ -239,16 +239,22 @@ def test_the_one_pass_finite_check_sees_every_nan_and_inf(shape):
         assert int(f(jnp.asarray(a, dt))) == 1
 
 
-def test_a_refused_state_is_never_written_however_often_it_is_saved(tmp_path):
-    """WPipe's state is not kept back (two chunks a device): after a refused step, that state and every state
-    derived from it are refused by every save -- the second identical save too (issue #48: it was accepted
-    and wrote the refused step's effect) -- until a restore gives a clean one."""
+def _wpipe_with_a_refusable_batch(tmp_path):
+    """WPipe (its state is not kept back: two chunks a device), a good batch, one whose label -1 the check
+    refuses (a finite effect: only the check can tell) and a synchronous Checkpointer."""
     model, batch_fn = small_model("mlp", 4)
     pipe = jp.Pipeline(model, schedule="wpipe", num_microbatches=2, optimizer=optax.sgd(0.05),
                        mesh=jp.make_mesh(stages=2))
     good = jax.tree.map(jnp.asarray, batch_fn(8))
-    bad = dict(good, y=good["y"].at[3].set(-1))          # a finite effect: only the check can tell
-    ck = jp.Checkpointer(str(tmp_path / "ck"), pipe, async_save=False)
+    bad = dict(good, y=good["y"].at[3].set(-1))
+    return pipe, good, bad, jp.Checkpointer(str(tmp_path / "ck"), pipe, async_save=False)
+
+
+def test_a_refused_state_is_never_written_however_often_it_is_saved(tmp_path):
+    """WPipe's state is not kept back (two chunks a device): after a refused step, that state and every state
+    derived from it are refused by every save -- the second identical save too (issue #48: it was accepted
+    and wrote the refused step's effect) -- until a restore gives a clean one."""
+    pipe, good, bad, ck = _wpipe_with_a_refusable_batch(tmp_path)
     try:
         state, _ = pipe.step(pipe.init(), good)
         ck.save(1, state)
@@ -347,12 +353,7 @@ def test_a_refusal_follows_the_states_values_into_copies_and_their_descendants(t
     """WPipe's refused state is refused by save however it is carried: a copy (``jnp.copy`` of every leaf), a
     ``device_put`` onto the same devices, a state a step derived from the copy -- until a restore gives a clean
     one.  (The refusal was tied to the identity of the state's first array: the copy was written.)"""
-    model, batch_fn = small_model("mlp", 4)
-    pipe = jp.Pipeline(model, schedule="wpipe", num_microbatches=2, optimizer=optax.sgd(0.05),
-                       mesh=jp.make_mesh(stages=2))
-    good = jax.tree.map(jnp.asarray, batch_fn(8))
-    bad = dict(good, y=good["y"].at[3].set(-1))          # a finite effect: only the check can tell
-    ck = jp.Checkpointer(str(tmp_path / "ck"), pipe, async_save=False)
+    pipe, good, bad, ck = _wpipe_with_a_refusable_batch(tmp_path)
     try:
         state, _ = pipe.step(pipe.init(), good)
         ck.save(1, state)
