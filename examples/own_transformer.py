@@ -127,10 +127,10 @@ def pipelined(modules, schedule: str, precision=None):
 
 
 def factory(stages: int, batch: int, seed: int):
-    """``experiments.train --model=examples.own_transformer:factory``: the model cut into ``stages`` stages, its
+    """``jaxpipe train --model=examples.own_transformer:factory``: the model cut into ``stages`` stages, its
     training batches (a function that starts the seeded stream: a resumed run skips what it used) and held-out
-    batches (``experiments.factories``)."""
-    from experiments.factories import TrainParts
+    batches (``jaxpipe.cli.factories``)."""
+    from jaxpipe.cli.factories import TrainParts
     blocks, embed, head = make_modules(seed)
     model, to_modules = jp.models.from_nnx(
         blocks, embed, head, masked_ce, num_stages=stages, stage_inputs=("pad",),

@@ -5,7 +5,7 @@
     python -m experiments.accelerator_cost --small --timed        # tiny sizes, timed on any backend (smoke test)
 
 For each model it compares, in one process, the plain jitted one-device step that accumulates the same M
-micro-batches and applies one AdamW update (``jaxpipe.bench.plain_train_step``, the whole model on one device)
+micro-batches and applies one AdamW update (``experiments.bench.plain_train_step``, the whole model on one device)
 with the pipeline on D = ``--stages`` devices:
 
 * ``program``: the pipeline's jitted step function called directly (the device program alone);
@@ -22,7 +22,7 @@ import math
 import statistics
 import time
 
-from experiments import cli
+from jaxpipe.cli import common as cli
 from absl import app, flags
 
 flags.DEFINE_string("models", "mlp4096,mlp1024,gpt", "mlp4096 (4x4096^2, 1024-row micro-batches), mlp1024 "
@@ -47,7 +47,7 @@ def models(names, D, small, layers=4):
     import jax
     import jax.numpy as jnp
     from jaxpipe import models as zoo
-    from jaxpipe.bench import make_tanh_mlp
+    from experiments.bench import make_tanh_mlp
     M, key, out = FLAGS.microbatches, jax.random.key(1), {}
     for name in names:
         if name.startswith("mlp"):
@@ -88,7 +88,7 @@ def measure(step, timed, n):
 
 def costs(compiled):
     """(flops, bytes accessed, temp bytes[, HLO byte account]) of a compiled program (per device)."""
-    from jaxpipe.bench import compiled_costs
+    from experiments.bench import compiled_costs
     if not FLAGS.hlo_lines:
         return compiled_costs(compiled)
     from jaxpipe.hlo_bytes import account
@@ -107,7 +107,7 @@ def bench(label, model, batch, D, timed, scheds, layers):
     import jax
     import optax
     from jaxpipe import Pipeline, make_mesh
-    from jaxpipe.bench import plain_train_step
+    from experiments.bench import plain_train_step
     opt, M = optax.adamw(1e-4), FLAGS.microbatches
     dev = jax.devices()[0]
     fn = plain_train_step(model, opt, M)

@@ -12,7 +12,7 @@ tick, a tick costs its slowest op; f = 1, b = 2, or b = w = 1 for ZB-H1), with p
 """
 from __future__ import annotations
 
-from experiments import cli
+from jaxpipe.cli import common as cli
 from absl import app, flags
 
 flags.DEFINE_string("stages", "4,8,16,32", "comma-separated D values")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-from experiments import cli
+from jaxpipe.cli import common as cli
 from absl import app, flags
 
 from experiments import emulate_cpu_devices

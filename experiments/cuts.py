@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import statistics
 
-from experiments import cli
+from jaxpipe.cli import common as cli
 from absl import app, flags
 
 flags.DEFINE_integer("cores", 1, "CPU cores the process may use (os.sched_setaffinity); 0: leave as it is")
@@ -65,7 +65,7 @@ def main(_):
     from jaxpipe.cuts import even_cut
     from jaxpipe.tune.cut import balance
 
-    from jaxpipe.bench import machine_load, ratio_spread, reliability
+    from experiments.bench import machine_load, ratio_spread, reliability
     load = machine_load()              # before this run's own work
     D, M = FLAGS.stages, FLAGS.microbatches
     rng = np.random.default_rng(0)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 
-from experiments import cli
+from jaxpipe.cli import common as cli
 from absl import app, flags
 
 flags.DEFINE_integer("cores", 1, "CPU cores the process may use (os.sched_setaffinity); 0: leave as it is")
@@ -133,7 +133,7 @@ def timed(runs, rounds: int, block: int):
     import resource
     import jax
     import numpy as np
-    from jaxpipe.bench import block_medians, interleaved_medians, median_ratio, ratio_spread
+    from experiments.bench import block_medians, interleaved_medians, median_ratio, ratio_spread
     usage = {k: [] for k in runs}
 
     def counted(k, run):
@@ -180,7 +180,7 @@ def main(argv):
 
     from jaxpipe import host_memory
     host_memory.choose(FLAGS.allocator == "keep_freed")   # the Pipelines built next leave the defaults alone
-    from jaxpipe.bench import machine_load, reliability
+    from experiments.bench import machine_load, reliability
     load = machine_load()              # before this run's own work
     runs, errs, ref = build_runs(FLAGS.schedules.split(","), D, M, L, H, B)
     phases = {name: timed(runs, FLAGS.rounds, FLAGS.block) for name in allocator_phases(FLAGS.allocator)}

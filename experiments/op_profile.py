@@ -1,5 +1,5 @@
 """Where a pipelined step's time goes, next to the plain step it is compared with: a ``jax.profiler`` trace
-of each, cut into operation categories (``jaxpipe.profiling``).
+of each, cut into operation categories (``experiments.profiling``).
 
     python -m experiments.op_profile                                   # gpipe, chimera, spectrain, cdp_dp_v1
     python -m experiments.op_profile --schedules=chimera --steps=5 --trace_dir=/tmp/prof
@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import sys
 
-from experiments import cli
+from jaxpipe.cli import common as cli
 from absl import app, flags
 
 from experiments import throughput  # noqa: F401  (its model and batch flags are this runner's flags)
@@ -34,7 +34,7 @@ DEFAULT_SCHEDULES = "gpipe,chimera,spectrain,cdp_dp_v1"
 
 def _table(cols, breakdowns):
     """A markdown table: one column per traced step, a row per category (thread ms/step, operations/step)."""
-    from jaxpipe.profiling import CATEGORY_NAMES
+    from experiments.profiling import CATEGORY_NAMES
     cats = CATEGORY_NAMES
     print("| per step | " + " | ".join(cols) + " |")
     print("|---|" + "---|" * len(cols))
@@ -48,7 +48,7 @@ def _table(cols, breakdowns):
 def _per_device(name, b):
     """Per emulated device: its operations' exclusive ms per step by category (their sum is about the
     step's wall time: a device runs its program in order), and the largest operations of the step."""
-    from jaxpipe.profiling import CATEGORY_NAMES
+    from experiments.profiling import CATEGORY_NAMES
     cats = CATEGORY_NAMES
     print(f"  {name} per device, ms/step: " + "; ".join(
         f"device {d}: " + " ".join(f"{c.split()[0]} {ms.get(c, 0.0):.0f}" for c in cats) + f" = {sum(ms.values()):.0f}"
@@ -62,7 +62,7 @@ def profile_group(names):
     import logging
     logging.getLogger("jax._src.profiler").setLevel(logging.WARNING)   # "Writing perfetto_trace.json.gz..."
     import jax
-    from jaxpipe.profiling import trace_steps
+    from experiments.profiling import trace_steps
     steps = FLAGS.steps if FLAGS["steps"].present else 3
     opt, model, batch = throughput.benchmark_setup(f"traced steps: {steps} each")
     r = throughput.build_runners(names, model, batch, opt)
@@ -83,7 +83,7 @@ def profile_group(names):
         _per_device(name, bds[0])
         pictured += [(c, b) for c, b in zip(cols, bds) if c not in {p for p, _ in pictured}]
     if FLAGS.out:
-        from jaxpipe.profiling import plot_breakdowns
+        from experiments.profiling import plot_breakdowns
         path = FLAGS.out
         if os.environ.get("JAXPIPE_OP_PROFILE_GROUPS", "1") != "1":
             stem, ext = os.path.splitext(path)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 
-from experiments import cli
+from jaxpipe.cli import common as cli
 from absl import app, flags
 
 from experiments import executor_cost  # noqa: F401  (the model, D, M and --cores flags)
@@ -44,7 +44,7 @@ def one_core_check(names, costs, copy, D, M, L, H, B):
     """Measure and predict the one-core steps; returns the per-op costs as a step pays them (the isolated
     measurement scaled so that the plain accumulation is its ops) and the calibrated tick (seconds)."""
     import numpy as np
-    from jaxpipe.bench import interleaved_medians
+    from experiments.bench import interleaved_medians
     from jaxpipe.tune import calibrate_tick, predict_one_core
     runs, _, _ = executor_cost.build_runs(names, D, M, L, H, B, anchor=False)
     t = {k: float(np.median(v)) for k, v in interleaved_medians(runs, FLAGS.rounds).items()}

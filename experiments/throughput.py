@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
-from experiments import cli
+from jaxpipe.cli import common as cli
 from absl import app, flags
 
 from experiments import with_device_count
@@ -112,7 +112,7 @@ def benchmark_setup(timing: str):
     import jax.numpy as jnp
     import jaxpipe as jp
     from jaxpipe import host_memory
-    from jaxpipe.bench import make_tanh_mlp
+    from experiments.bench import make_tanh_mlp
     host_memory.choose(FLAGS.keep_freed_memory)
     opt = jp.optim.by_name(FLAGS.optimizer, 1e-3)
     model = make_tanh_mlp(FLAGS.stages, FLAGS.layers // FLAGS.stages, FLAGS.width)
@@ -132,7 +132,7 @@ def build_runners(names, model, batch, opt):
     ``predicting`` (schedule -> the plain step making its weight predictions)."""
     import types
     import jaxpipe as jp
-    from jaxpipe.bench import (cyclic_runner, make_tanh_mlp, pipeline_runner, plain_predicting_runner,
+    from experiments.bench import (cyclic_runner, make_tanh_mlp, pipeline_runner, plain_predicting_runner,
                                plain_runner, sync_dp_runner)
     from jaxpipe.optim.policies import pipeoptim_distance, spectrain_distances
     runners = {"accum": plain_runner(model, batch, FLAGS.microbatches, opt),
@@ -204,7 +204,7 @@ def main(argv):
     import json
     import jaxpipe as jp
     import statistics
-    from jaxpipe.bench import block_medians, compile_time, interleaved_medians, median_ratio
+    from experiments.bench import block_medians, compile_time, interleaved_medians, median_ratio
 
     if FLAGS.layers % FLAGS.stages:
         raise app.UsageError(f"--layers={FLAGS.layers} must be a multiple of --stages={FLAGS.stages}")

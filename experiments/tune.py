@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
-from experiments import cli
+from jaxpipe.cli import common as cli
 from absl import app, flags
 
 from experiments import emulate_cpu_devices
@@ -50,7 +50,7 @@ def main(argv):
     from tqdm import tqdm
 
     import jaxpipe as jp
-    from jaxpipe.bench import make_tanh_mlp
+    from experiments.bench import make_tanh_mlp
     from jaxpipe.tune import enumerate_candidates, memory_estimate, predict
     from jaxpipe.tune import microbench as mb
     from jaxpipe.tune.perf_model import Costs

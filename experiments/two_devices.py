@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 
-from experiments import cli
+from jaxpipe.cli import common as cli
 from absl import app, flags
 
 flags.DEFINE_string("schedules", "1f1b,gpipe,zb_h1,zb_v,dualpipe_v,interleaved_1f1b,chimera",
@@ -198,7 +198,7 @@ def worker(pid: int):
     plains = {M: _plain_step(Ws, x, y, M) for M in {k[0] for k in runs}} if pid == 0 else {}
     for M, fn in plains.items():       # process 0 alone, on its core, in the same rounds (the other waits)
         runs[(M, "plain")] = [fn, jax.block_until_ready(fn(fn(Ws)))]          # compiled and warm
-    from jaxpipe.bench import round_steps
+    from experiments.bench import round_steps
     per_round = round_steps(runs, FLAGS.rounds)
     got = {k: float(np.median(v)) for k, v in per_round.items()}
     if FLAGS.profile:
@@ -258,7 +258,7 @@ def main(argv):
     if FLAGS.worker >= 0:
         return worker(FLAGS.worker)
     args = [a for a in sys.argv[1:] if not a.startswith("--worker")]
-    from jaxpipe.bench import machine_load
+    from experiments.bench import machine_load
     load = machine_load()              # before this run's own work
     from jaxpipe import host_memory      # each worker's glibc keeps freed memory from its start (host_memory)
     env = dict(os.environ) if os.environ.get(host_memory.OPT_OUT, "1") == "0" else {**os.environ,
@@ -339,7 +339,7 @@ def report(res):
           f"{'predicted':>10s} {'meas/pred':>9s} {'pred/1f1b':>9s}")
     base = {M: t for M, spec, _, t, *_ in rows if spec == "1f1b"}
     pred = {(M, spec): parts["step"] + (scale - 1) * parts["compute"] + fixed for M, spec, _, _, _, parts in rows}
-    from jaxpipe.bench import ratio_spread, reliability
+    from experiments.bench import ratio_spread, reliability
     rounds, spreads, out = res.get("rounds", {}), {}, []
     for M, spec, placement, t, plain, parts in rows:
         p = pred[(M, spec)]

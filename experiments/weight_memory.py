@@ -13,7 +13,7 @@ the declared maximum on every stage.
 """
 from __future__ import annotations
 
-from experiments import cli
+from jaxpipe.cli import common as cli
 from absl import app, flags
 
 from experiments import emulate_cpu_devices
@@ -41,7 +41,7 @@ def measure(name: str, options: dict):
     import jax.numpy as jnp
     import optax
     import jaxpipe as jp
-    from jaxpipe.bench import make_tanh_mlp
+    from experiments.bench import make_tanh_mlp
 
     D, M = FLAGS.stages, FLAGS.microbatches
     stages = 2 * D if name == "wpipe" else D

@@ -38,8 +38,9 @@ class Pipeline:
     :mod:`jaxpipe.schedules.registry` (``jp.schedules.method(name).options`` lists them with their defaults):
     chimera ``pipelines``, ``concat``, ``eager_reduce``; interleaved_1f1b ``virtual``; zb_h1 ``max_deferred_w``, ``w_from``;
     avgpipe ``alpha``, ``advance``, ``memory_limit``, ``tolerance`` (needs a mesh with ``pipes=N``); wpipe
-    ``recompute`` (the model has 2 x stage-axis partitions).  The per-method keywords ``chimera=``, ``virtual=``,
-    ``zb=``, ``avgpipe=``, ``wpipe=`` still work for this release and warn (DeprecationWarning).
+    ``recompute`` (the model has 2 x stage-axis partitions).  The per-method keywords of the unreleased 0.1.0
+    (``chimera=``, ``virtual=``, ``zb=``, ``avgpipe=``, ``wpipe=``, ``recompute=``) are refused with the new
+    spelling (CHANGELOG.md).
     ``schedule`` may also be a built :class:`~jaxpipe.schedules.Schedule` of a registered method (its own
     options are used).  ``skip_nonfinite=True`` (synchronous
     schedules): a step whose loss or gradient norm is NaN/Inf leaves parameters and optimizer state unchanged
@@ -60,18 +61,17 @@ class Pipeline:
     slower (issue #49) -- and ZB-H1 and ZB-V choose their ticks for (``jaxpipe.schedules.zb_costed``;
     ``options={"costs": ...}`` is the same for them alone).  ``residuals`` says what a stage keeps between its forward and its backward
     (the stash): ``"all"`` (default) every residual of its vjp; ``"inputs"`` its input only, the forward
-    recomputed in the backward (``jax.checkpoint``; ``recompute=True`` is the same); or a ``jax.checkpoint``
+    recomputed in the backward (``jax.checkpoint``); or a ``jax.checkpoint``
     policy such as ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable`` (matmul outputs kept, the
     rest recomputed).  README's "What a stage keeps" table trades memory for compute on a GPT.
     """
 
     def __init__(self, model: PipelineModel, schedule: str = "1f1b", num_microbatches: int = 1,
                  optimizer: Optional[optax.GradientTransformation] = None, mesh=None, *,
-                 nan_bubbles: bool = False, chimera: Optional[dict] = None, virtual: Optional[int] = None,
-                 zb: Optional[dict] = None, avgpipe: Optional[dict] = None, wpipe: Optional[dict] = None,
-                 skip_nonfinite: bool = False, check_inputs: bool = True, placement: str = "auto",
-                 recompute: bool = False, seed: int = 0, precision=None, options: Optional[dict] = None,
-                 batch_axes=("data",), residuals="all", op_costs=None):
+                 nan_bubbles: bool = False, skip_nonfinite: bool = False, check_inputs: bool = True,
+                 placement: str = "auto", seed: int = 0, precision=None, options: Optional[dict] = None,
+                 batch_axes=("data",), residuals="all", op_costs=None, **removed):
+        _refuse_removed(schedule, removed)
         if not isinstance(model, PipelineModel):
             raise ConfigError(f"model must be a jp.PipelineModel, got {type(model).__name__}")
         _check_optimizer(optimizer)
@@ -83,8 +83,7 @@ class Pipeline:
             options = dict(built.options)
         if schedule not in schedules.available():
             raise ConfigError(f"unknown schedule {schedule!r}; available: {', '.join(schedules.available())}")
-        options = _merge_legacy(schedule, options, chimera=chimera, virtual=virtual, zb=zb, avgpipe=avgpipe,
-                                wpipe=wpipe)
+        options = _checked_options(options)
         if built is None:
             mesh, model = _recut_for(schedule, options, model, _checked_mesh(mesh, model))
         self.user_model, model = model, model.padded()      # uneven stages: held padded (jaxpipe.cuts)
@@ -100,8 +99,8 @@ class Pipeline:
                                   f"needs none) or a synchronous schedule")
         mesh = _checked_mesh(mesh, model)
         D = mesh.shape[STAGE]
-        _check_scalars(num_microbatches, placement, recompute, seed)
-        residuals = _check_residuals(residuals, recompute)
+        _check_scalars(num_microbatches, placement, seed)
+        residuals = _check_residuals(residuals)
         self.placement, self.recompute = placement, residuals == "inputs"
         self.model, self.mesh, self.optimizer = model, mesh, optimizer
         self.num_microbatches = num_microbatches
@@ -370,35 +369,31 @@ class Pipeline:
         checked.add(key)
 
 
-#: deprecated keyword -> the method whose options it carried (each method's declaration names its own)
-_LEGACY = {m.legacy_keyword: name for name, m in schedules.METHODS.items() if m.legacy_keyword}
+#: keyword of the unreleased 0.1.0 -> the method whose options it carried (each method's declaration names it)
+_REMOVED = {m.legacy_keyword: name for name, m in schedules.METHODS.items() if m.legacy_keyword}
 
 
-def _merge_legacy(schedule: str, options: Optional[dict], **legacy) -> dict:
-    """``options`` with the deprecated per-method keywords (``chimera={...}``, ``virtual=2``, ...) merged in."""
+def _refuse_removed(schedule, removed: dict) -> None:
+    """A ``TypeError`` naming the new spelling of a keyword the unreleased 0.1.0 took (``chimera={...}``,
+    ``virtual=2``, ``recompute=True``, ...), or Python's own for any other unknown keyword."""
+    for kw, value in removed.items():
+        if kw == "recompute":
+            raise TypeError(f"Pipeline(recompute={value!r}) was removed: use residuals='inputs' (the stage input "
+                            f"only, the forward recomputed) or residuals='all' (the default)")
+        if kw in _REMOVED:
+            new = {"virtual": value} if kw == "virtual" else value
+            raise TypeError(f"Pipeline({kw}={value!r}) was removed: use Pipeline(..., schedule={_REMOVED[kw]!r}, "
+                            f"options={new!r})" + ("" if schedule == _REMOVED[kw] else
+                                                   f"; {kw}= carried options of {_REMOVED[kw]!r} only"))
+        raise TypeError(f"Pipeline() got an unexpected keyword argument {kw!r}")
+
+
+def _checked_options(options: Optional[dict]) -> dict:
+    """``options`` as a new dict (empty for None), or a ConfigError saying what it takes."""
     if options is not None and not isinstance(options, dict):
         raise ConfigError(f"options={options!r}: give a dict of the schedule's options, e.g. "
                           f"options={{'concat': 'forward_doubling'}} for chimera")
-    out = dict(options or {})
-    for kw, value in legacy.items():
-        if value is None:
-            continue
-        owner = _LEGACY[kw]
-        if owner != schedule:
-            raise ConfigError(f"{kw}={value!r} given for schedule {schedule!r}; it is an option of {owner!r} only")
-        import warnings
-        new = {"virtual": value} if kw == "virtual" else value
-        if not isinstance(new, dict):
-            raise ConfigError(f"{kw}={value!r}: give a dict of {owner}'s options")
-        clash = {k: (out[k], v) for k, v in new.items() if k in (options or {}) and options[k] != v}
-        if clash:
-            raise ConfigError(f"{kw}={value!r} and options={options!r} disagree on "
-                              + ", ".join(f"{k!r} ({a!r} in options, {b!r} in {kw}=)" for k, (a, b) in clash.items())
-                              + f"; give them once, in options= ({kw}= is deprecated)")
-        warnings.warn(f"Pipeline({kw}={value!r}) is deprecated: use Pipeline(..., options={new!r})",
-                      DeprecationWarning, stacklevel=3)
-        out.update(new)
-    return out
+    return dict(options or {})
 
 
 def _check_optimizer(optimizer) -> None:
@@ -452,7 +447,7 @@ def _checked_costs(op_costs):
         raise ConfigError(str(e)) from None
 
 
-def _check_scalars(num_microbatches, placement, recompute, seed) -> None:
+def _check_scalars(num_microbatches, placement, seed) -> None:
     if not is_int(num_microbatches, 1):
         raise ConfigError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
     from .schedules.lanes import PLACEMENTS
@@ -461,8 +456,6 @@ def _check_scalars(num_microbatches, placement, recompute, seed) -> None:
                           f"'lanes' (an F and a B lane in every tick: a tick costs "
                           f"f + b, stage 0 holds up to 2D - 1 micro-batches) or 'ordered' (the schedule's own "
                           f"one action per tick: its memory bound, e.g. D for 1F1B, at max(f, b) per tick)")
-    if not isinstance(recompute, bool):
-        raise ConfigError(f"recompute must be True or False, got {recompute!r}")
     if not is_int(seed):
         raise ConfigError(f"seed={seed!r}: give an int (the stage keys of a context model derive from it)")
 
@@ -478,9 +471,9 @@ def _step_checks(pipe, model):
     return pending_for(model, pipe.check_inputs, not pipe.skip_nonfinite, "Pipeline", keeps)
 
 
-def _check_residuals(residuals, recompute: bool):
+def _check_residuals(residuals):
     """``residuals``: ``"all"`` (every residual of a stage's vjp is stashed until its backward), ``"inputs"`` (the
-    stage's input only; the backward recomputes the forward: ``recompute=True``), or a ``jax.checkpoint`` policy
+    stage's input only; the backward recomputes the forward), or a ``jax.checkpoint`` policy
     (``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``, ...: what it saves is stashed, the rest
     recomputed)."""
     if not (residuals in ("all", "inputs") or callable(residuals)):
@@ -488,11 +481,6 @@ def _check_residuals(residuals, recompute: bool):
                           f"most memory, no recomputation), 'inputs' (the stage input only, the forward recomputed: "
                           f"the least memory) or a jax.checkpoint policy, e.g. "
                           f"jax.checkpoint_policies.dots_with_no_batch_dims_saveable (matmul outputs kept)")
-    if recompute:
-        if residuals not in ("all", "inputs"):
-            raise ConfigError("recompute=True and a residuals= policy both say what a stage stashes; give one "
-                              "(recompute=True is residuals='inputs')")
-        return "inputs"
     if residuals not in ("all", "inputs"):
         _probe_policy(residuals)
     return residuals

@@ -46,7 +46,7 @@ MUTATIONS = [
     Mutation("fused_tick_swaps_a_devices_actions", "jaxpipe/schedules/lanes.py",
              "if any(group[k] >= li_of[a.kind] for k in mine):", "if any(group[k] == li_of[a.kind] for k in mine):",
              "tests/test_lanes.py::test_ordered_ticks_are_fused_where_no_message_moves"),
-    Mutation("watchdog_names_only_the_oldest", "experiments/launch.py",
+    Mutation("watchdog_names_only_the_oldest", "jaxpipe/cli/launch.py",
              "return sorted(i for i, a in ages.items() if a > limit / 2), max(ages.values())",
              "return sorted(i for i, a in ages.items() if a > limit), max(ages.values())",
              "tests/test_launcher_faults.py::test_the_watchdog_names_the_peers_that_stalled_with_the_stuck_worker"),

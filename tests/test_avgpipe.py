@@ -139,8 +139,8 @@ def test_bad_options(opts, match):
 
 def test_misuse_errors():
     model, batch_fn = small_model("mlp", 2)
-    with pytest.raises(jp.ConfigError, match="avgpipe"):
-        jp.Pipeline(model, schedule="1f1b", num_microbatches=2, mesh=jp.make_mesh(stages=2), avgpipe={})
+    with pytest.raises(jp.ConfigError, match="unknown option.*alpha"):
+        jp.Pipeline(model, schedule="1f1b", num_microbatches=2, mesh=jp.make_mesh(stages=2), options={"alpha": 0.5})
     with pytest.raises(jp.ConfigError, match="optimizer"):
         jp.Pipeline(model, schedule="avgpipe", num_microbatches=2, mesh=jp.make_mesh(pipes=2, stages=2))
     pipe = jp.Pipeline(model, schedule="avgpipe", num_microbatches=2, optimizer=optax.sgd(0.1),

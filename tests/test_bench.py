@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import optax
 
 from helpers import rel_err
-from jaxpipe.bench import make_tanh_mlp, plain_predicting_step, plain_train_step
+from experiments.bench import make_tanh_mlp, plain_predicting_step, plain_train_step
 
 
 def _batch(n=16, width=8):
@@ -33,7 +33,7 @@ def test_predicting_step_at_distance_zero_is_the_plain_micro_step():
 def test_ratios_come_with_their_spread_and_noisy_ones_are_named():
     """Issue #52 item 4: a ratio is the median of the rounds' ratios, with half their interquartile range; one
     that varies by more than 5%, or a busy machine, is warned about by name."""
-    from jaxpipe.bench import ratio_spread, reliability
+    from experiments.bench import ratio_spread, reliability
     r, s = ratio_spread([2.0, 2.0, 2.0, 2.0, 2.0], [1.0, 1.0, 1.0, 1.0, 1.0])
     assert (r, s) == (2.0, 0.0)
     r, s = ratio_spread([1.0, 1.2, 0.8, 1.0, 1.4, 0.6], [1.0] * 6)

@@ -11,7 +11,7 @@ import pytest
 
 import jaxpipe as jp
 from helpers import rel_err, small_model, change, RULE_MARGIN
-from jaxpipe.one_device import single_device_dp_grad, single_device_grad
+from experiments.one_device import single_device_dp_grad, single_device_grad
 from jaxpipe.optim.reference import serial_reference
 from jaxpipe.schedules import cyclic as cyc
 
@@ -212,7 +212,7 @@ def test_no_weight_sized_copy_in_the_step():
     step copies no stage-weight-sized array (a version swap of per-chunk buffers inside conditionals made XLA
     copy the weights in every tick -- BUILD_NOTES, "One no-flush executor")."""
     import re
-    from jaxpipe.bench import make_tanh_mlp
+    from experiments.bench import make_tanh_mlp
     model = make_tanh_mlp(4, 2, 48)
     cdp = jp.CyclicDataParallel(model, optax.adamw(1e-3), rule="v2", mesh=jp.make_mesh(data=4))
     batch = {"x": jnp.zeros((8, 48), jnp.float32), "y": jnp.zeros((8, 48), jnp.float32)}

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import jaxpipe as jp
-from jaxpipe.bench import compiled_costs, plain_train_step
+from experiments.bench import compiled_costs, plain_train_step
 from helpers import reference, rel_err, small_model
 
 CASES = [(1, 1, 1), (1, 3, 1), (2, 3, 1), (4, 4, 1), (4, 8, 1), (4, 6, 1), (2, 2, 2)]   # (stages, microbatches, data)

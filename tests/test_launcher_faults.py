@@ -39,7 +39,7 @@ def _start(tmp_path, extra_launch, extra_train, steps_before=3):
         assert job.poll() is None, job.stdout.read()[-3000:]
         time.sleep(0.1)
     assert log.exists(), "no step was logged"
-    workers = subprocess.run(["pgrep", "-f", "--", f"experiments.train .*--out_dir={out_dir}"],
+    workers = subprocess.run(["pgrep", "-f", "--", f"cli.train .*--out_dir={out_dir}"],
                              capture_output=True, text=True).stdout.split()
     workers = [int(w) for w in workers if int(w) != job.pid]
     assert len(workers) == 2, workers
@@ -118,7 +118,7 @@ def test_a_second_job_on_a_running_jobs_port_is_refused_without_harm(tmp_path):
     and its process 1, which used to connect and abort both processes of the running job ("different
     incarnation"), is now refused by the running job's join gate.  The running job goes on, logging the
     intruder."""
-    from experiments.launch import free_port
+    from jaxpipe.cli.launch import free_port
     port = free_port()
     job, workers = _start(tmp_path / "a", [f"--port={port}", "--stall_timeout=600"], [])
     env = dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS, JAX_PLATFORMS="cpu")
@@ -148,7 +148,7 @@ def test_the_gate_refuses_a_process_of_a_running_job(tmp_path):
     is refused with the reason, which ask() raises as a ConfigError."""
     import jaxpipe as jp
     from jaxpipe import join_gate
-    from experiments.launch import free_port
+    from jaxpipe.cli.launch import free_port
     coord = f"127.0.0.1:{free_port()}"
     gate = join_gate.Gate(coord, 2)
     try:
@@ -169,7 +169,7 @@ def test_the_watchdog_names_the_peers_that_stalled_with_the_stuck_worker(tmp_pat
     """Once a heartbeat is older than --stall_timeout, every worker idle for over half of it is named: a stuck
     worker that finished its last step a little after its waiting peer (a loaded machine) is named with it
     (a CI run named only the peer), one still stepping is not."""
-    from experiments.launch import _stalled
+    from jaxpipe.cli.launch import _stalled
     now = time.time()
     beats = []
     for i, age in enumerate((6.0, 4.0, 1.0)):

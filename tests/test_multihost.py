@@ -105,7 +105,7 @@ def test_two_processes_equal_one_with_model_axes(tmp_path):
 def _two_by_hand(per_process_args, xla_flags=SUBPROCESS_XLA_FLAGS, timeout=180):
     """Processes 0 and 1 started by hand (not through the launcher), each with its own extra flags; returns
     [(returncode, output)] -- bounded by the subprocess timeout."""
-    from experiments.launch import free_port
+    from jaxpipe.cli.launch import free_port
     port = free_port()
     e = dict(env(), XLA_FLAGS=xla_flags)
     procs = [subprocess.Popen([sys.executable, "-m", "experiments.train", *ARGS, *extra, "--num_processes=2",

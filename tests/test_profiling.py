@@ -1,8 +1,8 @@
-"""`jaxpipe.profiling`: a jax.profiler trace read back into operation categories."""
+"""`experiments.profiling`: a jax.profiler trace read back into operation categories."""
 import jax
 import jax.numpy as jnp
 
-from jaxpipe.profiling import Breakdown, category, plot_breakdowns, trace_steps
+from experiments.profiling import Breakdown, category, plot_breakdowns, trace_steps
 
 
 def test_categories_of_xla_operation_names():

@@ -63,7 +63,7 @@ def quick(cmd):
     runner = args[2].split(".", 1)[1]
     own = [a for a in args if a.startswith("--model=") and ":" in a]
     # a user's factory builds its model itself: the runner's own model flags (--seq_len, ...) are refused there
-    from experiments.factories import MODEL_FLAGS
+    from jaxpipe.cli.factories import MODEL_FLAGS
     train = [a for a in TRAIN if not own or a[2:].split("=")[0] not in MODEL_FLAGS]
     if runner == "launch":
         return args + train

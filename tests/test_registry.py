@@ -35,17 +35,26 @@ def test_unknown_options_name_the_valid_ones_and_their_owner():
                     mesh=jp.make_mesh(stages=4), options=["direct"])
 
 
-def test_options_and_the_deprecated_keywords_build_the_same_pipeline():
-    model, batch_fn = small_model("mlp", 4)
+@pytest.mark.parametrize("removed,spelling", [
+    ({"chimera": {"concat": "backward_halving"}}, r"schedule='chimera', options=\{'concat': 'backward_halving'\}"),
+    ({"virtual": 2}, r"schedule='interleaved_1f1b', options=\{'virtual': 2\}\); virtual= carried"),
+    ({"zb": {"max_deferred_w": 2}}, r"schedule='zb_h1', options=\{'max_deferred_w': 2\}"),
+    ({"avgpipe": {}}, r"schedule='avgpipe', options=\{\}"),
+    ({"wpipe": {"recompute": True}}, r"schedule='wpipe'"),
+    ({"recompute": True}, r"recompute=True\) was removed: use residuals='inputs'"),
+])
+def test_the_removed_keywords_name_their_new_spelling(removed, spelling):
+    """The per-method keywords of the unreleased 0.1.0 are refused with the spelling that replaced them."""
+    model, _ = small_model("mlp", 4)
     kw = dict(schedule="chimera", num_microbatches=8, optimizer=optax.sgd(0.1), mesh=jp.make_mesh(stages=4))
-    new = jp.Pipeline(model, options={"concat": "backward_halving"}, **kw)
-    with pytest.warns(DeprecationWarning, match=r"use Pipeline\(\.\.\., options="):
-        old = jp.Pipeline(model, chimera={"concat": "backward_halving"}, **kw)
-    assert new.options == old.options and new.schedule.options == old.schedule.options
-    assert new.schedule.M == 16                      # backward halving: each micro-batch split in two
+    with pytest.raises(TypeError, match=spelling):
+        jp.Pipeline(model, **kw, **removed)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'chimeras'"):
+        jp.Pipeline(model, **kw, chimeras={})
     with warnings.catch_warnings():
-        warnings.simplefilter("error")               # the new form does not warn
-        jp.Pipeline(model, options={"pipelines": 2}, **kw)
+        warnings.simplefilter("error")               # the options= form builds without a warning
+        pipe = jp.Pipeline(model, options={"concat": "backward_halving"}, **kw)
+    assert pipe.schedule.M == 16                     # backward halving: each micro-batch split in two
 
 
 def test_a_built_schedule_runs_with_its_own_options():
@@ -111,12 +120,3 @@ def test_well_typed_options_pass(name, opts):
         assert schedules.options_for(name, 8, 4, {"max_deferred_w": np.int64(3)})["max_deferred_w"] == 3
 
 
-def test_a_deprecated_keyword_that_contradicts_options_is_refused():
-    model, _ = small_model("mlp", 4)
-    kw = dict(schedule="chimera", num_microbatches=8, optimizer=optax.sgd(0.1), mesh=jp.make_mesh(stages=4))
-    with pytest.raises(jp.ConfigError, match=r"disagree on 'concat' \('direct' in options, 'backward_halving' in "
-                                             r"chimera=\)"):
-        jp.Pipeline(model, options={"concat": "direct"}, chimera={"concat": "backward_halving"}, **kw)
-    with pytest.warns(DeprecationWarning):       # agreeing, or on other keys: merged
-        p = jp.Pipeline(model, options={"pipelines": 2}, chimera={"concat": "backward_halving"}, **kw)
-    assert p.options["concat"] == "backward_halving"

@@ -58,9 +58,6 @@ def test_bad_residuals_are_refused():
     model, _ = small_model("mlp", 2)
     with pytest.raises(jp.ConfigError, match="residuals='some'.*'all'.*'inputs'.*jax.checkpoint policy"):
         jp.Pipeline(model, schedule="1f1b", num_microbatches=2, mesh=jp.make_mesh(stages=2), residuals="some")
-    with pytest.raises(jp.ConfigError, match="recompute=True and a residuals= policy"):
-        jp.Pipeline(model, schedule="1f1b", num_microbatches=2, mesh=jp.make_mesh(stages=2), recompute=True,
-                    residuals=DOTS)
 
 
 def test_residuals_that_depend_on_no_activation_are_not_stashed():
@@ -97,11 +94,11 @@ def test_residuals_that_depend_on_no_activation_are_not_stashed():
 
 
 def _policy(name):
-    """A residual policy by name, as ``Pipeline`` keywords (``recompute=True`` is the keyword form of "inputs")."""
-    return {"inputs": {"residuals": "inputs"}, "dots": {"residuals": DOTS}, "recompute": {"recompute": True}}[name]
+    """A residual policy by name, as ``Pipeline`` keywords."""
+    return {"inputs": {"residuals": "inputs"}, "dots": {"residuals": DOTS}}[name]
 
 
-@pytest.mark.parametrize("method,D,policy", [("pipeoptim", 2, "inputs"), ("pipeoptim", 2, "recompute"),
+@pytest.mark.parametrize("method,D,policy", [("pipeoptim", 2, "inputs"), ("pipeoptim", 2, "dots"),
                                              ("spectrain", 3, "inputs")])
 def test_predicting_methods_recompute_on_the_weights_their_forward_read(method, D, policy):
     """PipeOptim and SpecTrain read predicted weights in F and others in B: a stage that recomputes its forward
@@ -129,7 +126,7 @@ def test_predicting_method_recomputes_a_gpt_with_dropout_on_its_forward_weights(
     assert rel_err(change(got, model.params), change(want, model.params)) <= 1e-5
 
 
-@pytest.mark.parametrize("method,policy", [("cdp_v1", "recompute"), ("cdp_v2", "dots"), ("wpipe", "inputs")])
+@pytest.mark.parametrize("method,policy", [("cdp_v1", "inputs"), ("cdp_v2", "dots"), ("wpipe", "inputs")])
 def test_version_methods_are_exact_with_a_residual_policy(method, policy):
     """F and B of a micro-batch read one version here: plain recomputation is exact (their hand-written
     version tables, tests/test_independent_references.py)."""

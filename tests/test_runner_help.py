@@ -1,21 +1,51 @@
-"""Issue #52 item 4: ``--help`` on a runner exited 1 (absl's), and ``schedule_choice --help`` did not list the
-flags it takes from ``experiments.executor_cost``.  Now it exits 0 and lists every flag the runner reads."""
+"""Every runner answers ``--help`` with exit 0 and the flags it reads (those it takes from another module too),
+and every module in ``experiments/`` is a runner listed with its question or a named helper."""
+import ast
 import os
 import subprocess
 import sys
 
+import pytest
+
+import experiments
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def test_help_exits_0_and_lists_the_runners_own_flags():
-    cases = {"train": ["--schedule", "--checkpoint_dir", "zb_v", "dualpipe_v"],
+HELPERS = {"__init__", "bench", "one_device", "profiling"}
+#: flags a runner's --help must list beside its docstring (the ones it takes from another module included)
+MUST_LIST = {"train": ["--schedule", "--checkpoint_dir", "zb_v", "dualpipe_v", "--compilation_cache_dir"],
              "schedule_choice": ["--devices", "--microbatches", "--cores", "flags of experiments.executor_cost"],
-             "launch": ["--num_processes", "--stall_timeout"]}
+             "launch": ["--num_processes", "--stall_timeout"],
+             "configure": ["--memory_budget_mb", "--auto_schedules", "flags of jaxpipe.cli.train"],
+             "timeline": ["--schedule", "--mode"]}
+
+
+def _doc(name):
+    """The runner's docstring (for a command of ``jaxpipe``, the command's), read without importing it."""
+    cli = os.path.join(ROOT, "jaxpipe", "cli", f"{name}.py")
+    path = cli if os.path.exists(cli) else os.path.join(ROOT, "experiments", f"{name}.py")
+    with open(path) as fh:
+        return ast.get_docstring(ast.parse(fh.read())).strip()
+
+
+def test_every_module_in_experiments_is_a_listed_runner_or_a_helper():
+    modules = {f[:-3] for f in os.listdir(os.path.join(ROOT, "experiments")) if f.endswith(".py")}
+    assert modules - HELPERS == set(experiments.RUNNERS), "list each runner in experiments.RUNNERS with its question"
+    assert all(q.strip() for q in experiments.RUNNERS.values())
+
+
+@pytest.mark.ci_once
+def test_every_runners_help_exits_0_and_lists_its_flags():
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    procs = {name: subprocess.Popen([sys.executable, "-m", f"experiments.{name}", "--help"], cwd=ROOT, env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for name in cases}
-    for name, p in procs.items():
-        out = p.communicate(timeout=120)[0]
-        assert p.returncode == 0, (name, out[-2000:])
-        for want in cases[name]:
+    names, outs = list(experiments.RUNNERS), {}
+    for start in range(0, len(names), 4):            # four at a time: each imports its libraries
+        procs = {n: subprocess.Popen([sys.executable, "-m", f"experiments.{n}", "--help"], cwd=ROOT, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for n in names[start:start + 4]}
+        for n, p in procs.items():
+            outs[n] = (p.communicate(timeout=300)[0], p.returncode)
+    for name, (out, rc) in outs.items():
+        assert rc == 0, (name, out[-2000:])
+        assert _doc(name).splitlines()[0] in out, (name, out[:500])       # its docstring, then its flags
+        assert "flags of" in out, (name, out[-1000:])
+        for want in MUST_LIST.get(name, []):
             assert want in out, (name, want, out[-2000:])

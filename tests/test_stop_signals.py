@@ -11,7 +11,7 @@ import pytest
 
 from helpers import SUBPROCESS_XLA_FLAGS
 from test_faults import BASE, ROOT, finalized
-from experiments.launch import free_port
+from jaxpipe.cli.launch import free_port
 
 # CI's second leg leaves these out (tests/conftest.py): jaxpipe's own process and file handling
 pytestmark = pytest.mark.ci_once
@@ -145,7 +145,7 @@ def test_workers_stop_when_the_launcher_is_killed(tmp_path):
     while time.monotonic() < deadline and not (log.exists() and len(log.read_text().splitlines()) >= 3):
         assert job.poll() is None, job.stdout.read()[-2000:]
         time.sleep(0.1)
-    workers = subprocess.run(["pgrep", "-f", "--", f"experiments.train .*--out_dir={tmp_path}/run"], capture_output=True, text=True).stdout.split()
+    workers = subprocess.run(["pgrep", "-f", "--", f"cli.train .*--out_dir={tmp_path}/run"], capture_output=True, text=True).stdout.split()
     workers = [int(w) for w in workers if int(w) != job.pid]
     assert len(workers) == 2, workers
     job.kill()

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import jaxpipe as jp
-from jaxpipe.bench import make_tanh_mlp
+from experiments.bench import make_tanh_mlp
 from jaxpipe.runtime.stage import StageOps
 from jaxpipe.runtime.wsplit import split_backward
 from helpers import assert_same, reference, rel_err, small_model

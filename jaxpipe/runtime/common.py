@@ -33,7 +33,7 @@ class RecomputedAtForwardWeights:
 
     For the methods whose forward and backward of one micro-batch read different weights (PipeOptim's and
     SpecTrain's predictions; a method's ``reads_differ``) under a residual policy that recomputes
-    (``residuals="inputs"``, a ``jax.checkpoint`` policy, ``recompute=True``).  ``jax.checkpoint`` alone
+    (``residuals="inputs"``, a ``jax.checkpoint`` policy).  ``jax.checkpoint`` alone
     recomputes the forward from the weights the *backward* reads, which are not the ones the activations came
     from (issue #48: PipeOptim 7.5e-3 off its serial reference).  Here the stash keeps the stage's input, its
     context and the weights the forward read; the backward reruns the forward on them with every residual kept

@@ -12,7 +12,7 @@ model stages each device holds (``stages_per_device(options)``); which options f
 weight versions each stage holds (``weight_versions``, the no-flush methods, PipeOptim Table II); whether its
 weight rule is per batch (``per_batch_rule``: it may run the lanes timeline) and accumulates a step's gradients
 (``accumulating``); the rule its serial reference applies (``reference``: which versions a micro-batch's F and B
-read, :mod:`jaxpipe.optim.reference`); the deprecated ``Pipeline`` keyword that carried its options
+read, :mod:`jaxpipe.optim.reference`); the removed ``Pipeline`` keyword that carried its options (refused by name)
 (``legacy_keyword``); whether the configuration search considers it (``tunable``); and the paper.  Adding a
 method = one builder (a new schedule family: one file) + one entry here + its tests; a new weight rule adds
 its policy to :mod:`jaxpipe.optim.policies` under the entry's ``policy`` name.
@@ -57,7 +57,7 @@ class Method:
     accumulating: bool = False          # a step's gradients summed, one update per step
     #: (stage s, micro-batch i, batch b, D, M, versions h of stage s, updates u, axpy[, o=options]) -> (w_F, w_B)
     reference: Optional[Callable] = None
-    legacy_keyword: Optional[str] = None  # the deprecated Pipeline(<keyword>=...) that carried its options
+    legacy_keyword: Optional[str] = None  # the removed Pipeline(<keyword>=...) that carried its options (refused by name)
     tunable: bool = False               # considered by the configuration search (jaxpipe.tune)
     types: Dict[str, Opt] = dataclasses.field(default_factory=dict)   # each option's type and range
     #: a micro-batch's forward and backward on one stage may read different weights (a prediction): a stage

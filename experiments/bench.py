@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from .model import PipelineModel
-from .axes import DATA
+from jaxpipe.model import PipelineModel
+from jaxpipe.axes import DATA
 
 
 def make_tanh_mlp(stages: int, layers_per_stage: int, width: int, seed: int = 0,
@@ -101,7 +101,7 @@ def plain_predicting_step(model: PipelineModel, opt: optax.GradientTransformatio
     backward ``w_s + bwd_distance(s) u_s`` (``u_s``: the stage's last update; distance 0 or ``None``: ``w_s``
     itself, no axpy), through the executor's own ``StageOps`` -- the weight predictions SpecTrain and
     PipeOptim add to the plain micro-steps, which a pipeline cannot make cheaper."""
-    from .runtime.stage import StageOps
+    from jaxpipe.runtime.stage import StageOps
     D, M = model.num_stages, num_microbatches
 
     def read(w, u, s, dist):
@@ -173,7 +173,7 @@ def sync_dp_runner(model: PipelineModel, batch, workers: int, opt) -> Callable[[
     gradient of its ``batch / workers`` rows, one ``psum``, the optimizer replicated (the textbook
     ``shard_map`` DP step) -- what Cyclic Data Parallelism replaces, on the same emulated devices."""
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from . import make_mesh
+    from jaxpipe import make_mesh
     mesh = make_mesh(data=workers)
 
     def step(params, opt_state, b):
@@ -202,7 +202,7 @@ def pipeline_runner(name: str, model: PipelineModel, batch, num_microbatches: in
     """``(run, info)``: a closure running ``Pipeline.step`` and its compile time, memory and simulation.
     ``devices``: the mesh's stage size (default: one device per model stage; interleaved uses fewer).
     ``options``: the schedule's options (default: none; a tunable advance, AvgPipe's, timed at 0)."""
-    from . import Pipeline, make_mesh, schedules
+    from jaxpipe import Pipeline, make_mesh, schedules
     pipe = Pipeline(model, schedule=name, num_microbatches=num_microbatches, optimizer=opt,
                     mesh=make_mesh(stages=devices or model.num_stages, data=data, pipes=pipes),
                     # a method with a tunable advance (AvgPipe) is timed at 0, without Algorithm 1's search
@@ -318,7 +318,7 @@ def compile_time(name: str, model: PipelineModel, batch, num_microbatches: int, 
 def cyclic_runner(rule: str, model: PipelineModel, batch, opt):
     """``(run, info)`` for Cyclic Data Parallelism's DP form: N = model stages workers on 'data', one
     micro-batch of ``batch / N`` rows each per step (the plain step to compare with accumulates N)."""
-    from . import CyclicDataParallel, make_mesh
+    from jaxpipe import CyclicDataParallel, make_mesh
     N = model.num_stages
     cdp = CyclicDataParallel(model, opt, rule=rule, mesh=make_mesh(data=N))
     b = jax.device_put(batch, jax.sharding.NamedSharding(cdp.mesh, jax.sharding.PartitionSpec(DATA)))

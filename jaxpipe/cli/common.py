@@ -1,14 +1,23 @@
-"""What every runner's ``python -m experiments.<runner>`` shares: ``--help`` that lists the runner's own flags
-(those it imports from another runner included) and exits 0 -- absl's exits 1, and lists only the flags the
-``__main__`` module itself defines; and JAX's persistent compilation cache, on by default
+"""What every command of ``jaxpipe`` (and every ``python -m experiments.<runner>``) shares: ``--help`` that
+lists the command's own flags (those it imports from another module included) and exits 0 -- absl's exits 1, and
+lists only the flags the ``__main__`` module itself defines; JAX's persistent compilation cache, on by default
 (``--compilation_cache_dir``): a run compiles what an earlier run with the same program, flags and versions
-compiled once (the first step of a 10-block model took 100-250 s on a busy 2-core machine, issue #52)."""
+compiled once (the first step of a 10-block model took 100-250 s on a busy 2-core machine); and a quiet start:
+JAX's platform probe logs "Unable to initialize backend 'tpu'" at INFO on every CPU run, raised to WARNING here
+unless absl's ``--verbosity`` (``-v``) is given."""
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
 from absl import app, flags
+
+if not any(a.startswith(("--verbosity", "-v", "--v=")) for a in sys.argv[1:]):
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+
+#: the modules whose flags a command's ``--help`` lists beside its own
+FLAG_MODULES = ("jaxpipe.cli", "experiments")
 
 HELP = ("--help", "-h", "-?", "--helpshort")
 
@@ -20,12 +29,13 @@ flags.DEFINE_string("compilation_cache_dir", DEFAULT_CACHE,
                     "('' turns it off; default $JAX_COMPILATION_CACHE_DIR, else ~/.cache/jaxpipe/xla)")
 
 
-def run(main) -> None:
-    """``absl.app.run(main)``, after answering ``--help`` (before a ``--``: what follows is a worker's)."""
+def run(main, doc: str | None = None) -> None:
+    """``absl.app.run(main)``, after answering ``--help`` (before a ``--``: what follows is a worker's) with
+    ``doc`` (default: the ``__main__`` module's docstring) and the command's flags."""
     argv = sys.argv[1:]
     own = argv[:argv.index("--")] if "--" in argv else argv
     if any(a in HELP for a in own):
-        print(usage())
+        print(usage(doc))
         sys.exit(0)
 
     def cached(argv):
@@ -55,18 +65,19 @@ def use_compilation_cache(path: str) -> None:
 
 
 def runner_modules():
-    """The modules whose flags the running runner reads: ``__main__`` first, then the ``experiments.*`` ones."""
+    """The modules whose flags the running command reads: ``__main__`` first, then jaxpipe's command modules
+    and the ``experiments.*`` ones."""
     here = os.path.abspath(getattr(sys.modules["__main__"], "__file__", "") or "")
     ours = [m for m in flags.FLAGS.flags_by_module_dict()
-            if os.path.abspath(m) == here or m == "__main__" or m.startswith("experiments")]
-    return sorted(ours, key=lambda m: (m.startswith("experiments"), m))
+            if os.path.abspath(m) == here or m == "__main__" or m.startswith(FLAG_MODULES)]
+    return sorted(ours, key=lambda m: (m.endswith(".common"), m.startswith(FLAG_MODULES), m))
 
 
-def usage() -> str:
-    """The runner's docstring, then its flags, grouped by the module that defines them."""
-    parts = [(sys.modules["__main__"].__doc__ or "").strip(), ""]
+def usage(doc: str | None = None) -> str:
+    """The command's docstring, then its flags, grouped by the module that defines them."""
+    parts = [(doc if doc is not None else sys.modules["__main__"].__doc__ or "").strip(), ""]
     for m in runner_modules():
-        name = m if m.startswith("experiments") else "this runner"
+        name = m if m.startswith(FLAG_MODULES) else "this command"
         parts += [f"flags of {name}:", flags.FLAGS.module_help(m), ""]
     parts.append("--helpfull lists every flag (absl's and JAX's too).")
     return "\n".join(parts)

@@ -12,8 +12,8 @@ from absl import flags
 
 
 def runner_flags():
-    """The flags the running runner reads (:func:`experiments.cli.runner_modules`), by name."""
-    from experiments.cli import runner_modules
+    """The flags the running runner reads (:func:`jaxpipe.cli.common.runner_modules`), by name."""
+    from jaxpipe.cli.common import runner_modules
     by_module = flags.FLAGS.flags_by_module_dict()
     return sorted({f.name: f for m in runner_modules() for f in by_module[m]}.values(), key=lambda f: f.name)
 

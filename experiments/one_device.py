@@ -7,12 +7,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .cyclic import _require_mean_loss
-from .errors import ConfigError
-from .model import PipelineModel, microbatch_key
-from .runtime.common import cast, full, read, write
-from .runtime.stage import StageOps
-from .schedules import cyclic as cyc
+from jaxpipe.cyclic import _require_mean_loss
+from jaxpipe.errors import ConfigError
+from jaxpipe.model import PipelineModel, microbatch_key
+from jaxpipe.runtime.common import cast, full, read, write
+from jaxpipe.runtime.stage import StageOps
+from jaxpipe.schedules import cyclic as cyc
 
 
 def single_device_grad(model: PipelineModel, num_workers: int, cyclic: bool = True):

@@ -1,4 +1,4 @@
-"""Models for ``experiments.train``: ``--model=gpt``, ``--model=mlp`` or ``--model=package.module:factory`` --
+"""Models for ``jaxpipe train``: ``--model=gpt``, ``--model=mlp`` or ``--model=package.module:factory`` --
 your own model with the runner's whole loop (checkpoints and resume, preemption and stop signals, the launcher
 and its watchdog, non-finite handling, evaluation, progress, metrics, TensorBoard, the saved config).
 
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
+import sys
 import itertools
 from typing import Any, Callable, Optional, Sequence
 
@@ -55,8 +57,10 @@ def load(spec: str) -> Callable:
     module, _, name = spec.partition(":")
     if not module or not name:
         raise app.UsageError(f"--model={spec}: give gpt, mlp, or package.module:factory (a function of "
-                             f"(stages, batch, seed) returning the model and its batches; see experiments.factories)")
+                             f"(stages, batch, seed) returning the model and its batches; see jaxpipe.cli.factories)")
     try:
+        if os.getcwd() not in sys.path and "" not in sys.path:     # the console script: as python -m does
+            sys.path.insert(0, os.getcwd())
         fn = getattr(importlib.import_module(module), name)
     except ImportError as e:
         raise app.UsageError(f"--model={spec}: cannot import {module!r} ({e}); run from the directory that holds "
@@ -92,12 +96,12 @@ def build(spec: str, stages: int, batch: int, seed: int) -> TrainParts:
             said = [f"unknown key {k!r}" + (f" (did you mean {near[k][0]!r}?)" if near[k] else "") for k in unknown]
             said += [f"no {k!r}" for k in missing]
             raise app.UsageError(f"--model={spec} returned a dict with {', '.join(said)}; its keys are the fields "
-                                 f"of experiments.factories.TrainParts: {', '.join(fields)} (model and batches "
+                                 f"of jaxpipe.cli.factories.TrainParts: {', '.join(fields)} (model and batches "
                                  f"needed)")
         parts = TrainParts(**parts)
     if not isinstance(parts, TrainParts):
         raise app.UsageError(f"--model={spec} returned a {type(parts).__name__}; a factory returns "
-                             f"experiments.factories.TrainParts(model=..., batches=...) or a dict of its fields")
+                             f"jaxpipe.cli.factories.TrainParts(model=..., batches=...) or a dict of its fields")
     return dataclasses.replace(parts, batches=resumable(parts.batches), eval_batches=list(parts.eval_batches))
 
 

@@ -1,0 +1,4 @@
+"""``python -m jaxpipe <command>``: the ``jaxpipe`` command (:mod:`jaxpipe.cli`)."""
+from jaxpipe.cli import main
+
+main()
