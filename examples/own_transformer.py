@@ -17,15 +17,16 @@ byte-level text with sequences of different lengths, padded. What this script do
 The same model in the runner, with its whole loop (checkpoints, preemption, the launcher, TensorBoard):
 
     python -m experiments.train --model=examples.own_transformer:factory --schedule=1f1b --stages=4 \
-        --batch=16 --microbatches=4 --steps=60 --checkpoint_dir=/tmp/own    # SIGTERM it; run again: it resumes
+        --batch=16 --microbatches=4 --steps=60 --checkpoint_dir=/tmp/own  # SIGTERM it, run again: resumed
 """
+
 from __future__ import annotations
 
 import argparse
 import os
 import tempfile
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")   # before JAX is imported
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")  # before JAX is imported
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +51,7 @@ class Embed(nnx.Module):
 
 class Head(nnx.Module):
     """Final layer norm, then logits against the token embedding: the same Variable (a tied head)."""
+
     def __init__(self, embed: Embed, rngs):
         self.norm = nnx.LayerNorm(WIDTH, rngs=rngs)
         self.table = embed.tok.embedding
@@ -88,7 +90,9 @@ def make_modules(seed: int = 0, dropout: float = 0.1):
 
 def masked_ce(logits, batch):
     """(sum of the real tokens' cross-entropies, their number): an exact masked mean over the whole batch."""
-    ce = -jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)), batch["y"][..., None], -1)[..., 0]
+    ce = -jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)), batch["y"][..., None], -1)[
+        ..., 0
+    ]
     m = batch["pad"].astype(jnp.float32)
     return jnp.sum(ce * m), jnp.sum(m)
 
@@ -104,11 +108,12 @@ def full_loss(blocks, embed, head, batch):
 
 # ----------------------------------------------------------------------------------------- data
 def batches(text: np.ndarray, n: int, seed: int):
-    """Windows of ``T + 1`` bytes cut to random lengths ``T/4 .. T`` and padded (``pad`` marks real tokens)."""
+    """Windows of ``T + 1`` bytes cut to random lengths ``T/4 .. T`` and padded (``pad`` marks real
+    tokens)."""
     r = np.random.default_rng(seed)
     while True:
         starts = r.integers(0, len(text) - T - 1, n)
-        seq = np.stack([text[s:s + T + 1] for s in starts]).astype(np.int32)
+        seq = np.stack([text[s : s + T + 1] for s in starts]).astype(np.int32)
         lengths = r.integers(T // 4, T + 1, n)
         pad = (np.arange(T)[None] < lengths[:, None]).astype(np.int32)
         yield {"x": seq[:, :-1] * pad, "y": seq[:, 1:] * pad, "pad": pad}
@@ -119,10 +124,23 @@ def pipelined(modules, schedule: str, precision=None):
     blocks, embed, head = modules
     # each block gets the micro-batch's padding mask and its own dropout key from the stage context
     model, to_modules = jp.models.from_nnx(
-        blocks, embed, head, masked_ce, num_stages=STAGES, stage_inputs=("pad",),
-        block_call=lambda apply, p, x, ctx: apply(p, x, ctx.inputs["pad"], ctx.key))
-    pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=4, optimizer=optax.adamw(3e-3),
-                       mesh=jp.make_mesh(stages=STAGES), precision=precision, seed=0)
+        blocks,
+        embed,
+        head,
+        masked_ce,
+        num_stages=STAGES,
+        stage_inputs=("pad",),
+        block_call=lambda apply, p, x, ctx: apply(p, x, ctx.inputs["pad"], ctx.key),
+    )
+    pipe = jp.Pipeline(
+        model,
+        schedule=schedule,
+        num_microbatches=4,
+        optimizer=optax.adamw(3e-3),
+        mesh=jp.make_mesh(stages=STAGES),
+        precision=precision,
+        seed=0,
+    )
     return pipe, to_modules
 
 
@@ -131,20 +149,34 @@ def factory(stages: int, batch: int, seed: int):
     training batches (a function that starts the seeded stream: a resumed run skips what it used) and held-out
     batches (``jaxpipe.cli.factories``)."""
     from jaxpipe.cli.factories import TrainParts
+
     blocks, embed, head = make_modules(seed)
     model, to_modules = jp.models.from_nnx(
-        blocks, embed, head, masked_ce, num_stages=stages, stage_inputs=("pad",),
+        blocks,
+        embed,
+        head,
+        masked_ce,
+        num_stages=stages,
+        stage_inputs=("pad",),
         block_call=lambda apply, p, x, ctx: apply(p, x, ctx.inputs["pad"], ctx.key),
-        integer_inputs={"x": VOCAB, "y": VOCAB})
+        integer_inputs={"x": VOCAB, "y": VOCAB},
+    )
     train_text, val_text = jp.data.byte_corpus()
     held_out = batches(val_text, batch, seed=10_000 + seed)
-    return TrainParts(model, lambda: batches(train_text, batch, seed), [next(held_out) for _ in range(2)],
-                      unit="tokens", per_row=T, to_modules=to_modules)
+    return TrainParts(
+        model,
+        lambda: batches(train_text, batch, seed),
+        [next(held_out) for _ in range(2)],
+        unit="tokens",
+        per_row=T,
+        to_modules=to_modules,
+    )
 
 
 class Whole(nnx.Module):
     """The three parts in one graph, so that ``nnx.grad`` sees the head's and the embedding's shared Variable
     as one (differentiating the embedding alone would miss the head's use of it)."""
+
     def __init__(self, blocks, embed, head):
         self.blocks, self.embed, self.head = nnx.List(blocks), embed, head
 
@@ -154,10 +186,18 @@ def check_exact(batch):
     modules = make_modules(dropout=0.0)
     pipe, _ = pipelined(modules, "1f1b")
     loss, grads = pipe.loss_and_grad(pipe.init(), batch)
-    ref_loss, ref = nnx.value_and_grad(lambda w: full_loss(list(w.blocks), w.embed, w.head, batch))(Whole(*modules))
-    g_tok, r_tok = grads[1]["tok"]["embedding"], ref.embed.tok.embedding[...]    # the tied array: both uses summed
+    ref_loss, ref = nnx.value_and_grad(lambda w: full_loss(list(w.blocks), w.embed, w.head, batch))(
+        Whole(*modules)
+    )
+    g_tok, r_tok = (
+        grads[1]["tok"]["embedding"],
+        ref.embed.tok.embedding[...],
+    )  # the tied array: both uses summed
     err = float(jnp.linalg.norm(g_tok - r_tok) / jnp.linalg.norm(r_tok))
-    print(f"exactness: loss {float(loss):.6f} vs {float(ref_loss):.6f}; tied embedding gradient rel. error {err:.1e}")
+    print(
+        f"exactness: loss {float(loss):.6f} vs {float(ref_loss):.6f}; tied embedding gradient rel. error "
+        f"{err:.1e}"
+    )
     return abs(float(loss) - float(ref_loss)) / abs(float(ref_loss)), err
 
 
@@ -204,9 +244,17 @@ def main(argv=None):
     blocks, embed, head = to_modules(pipe.params(state))
     shared = head.table is embed.tok.embedding
     val = full_loss(blocks, embed, head, batch)
-    print(f"trained modules: loss on the first batch {float(val):.3f}; head shares the embedding's Variable: {shared}")
-    return {"loss_err": loss_err, "grad_err": grad_err, "shared": shared, "resumed_from": start,
-            "final_loss": float(val)}
+    print(
+        f"trained modules: loss on the first batch {float(val):.3f}; head shares the embedding's Variable: "
+        f"{shared}"
+    )
+    return {
+        "loss_err": loss_err,
+        "grad_err": grad_err,
+        "shared": shared,
+        "resumed_from": start,
+        "final_loss": float(val),
+    }
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 user runs is installed as the ``jaxpipe`` command (:mod:`jaxpipe.cli`); the modules of the same name here are
 its entries for a clone.  Each runner, by the question it answers (``RUNNERS``; a test runs every ``--help``):
 """
+
 import logging as _logging
 import sys as _sys
 
@@ -17,17 +18,21 @@ RUNNERS = {
     "configure": "which split, schedule and micro-batch count should this model use? (jaxpipe configure)",
     "timeline": "what does a schedule look like, and what is its bubble? (jaxpipe timeline)",
     "bubbles": "does the simulator give each paper's bubble formula, for every synchronous schedule?",
-    "schedule_choice": "which synchronous schedule pays off on D real devices, predicted from measured op costs?",
-    "two_devices": "what does each schedule cost on a real two-device pipeline, against the lockstep prediction?",
+    "schedule_choice": "which synchronous schedule pays off on D real devices, predicted from measured op "
+    "costs?",
+    "two_devices": "what does each schedule cost on a real two-device pipeline, against the lockstep "
+    "prediction?",
     "throughput": "what does a pipelined step cost over the plain one-device step doing the same work?",
     "executor_cost": "what does the executor itself add, each schedule on one core, beside the scan-GPipe?",
-    "accelerator_cost": "what do the executor's programs cost a device in XLA's bytes and temp, on any backend?",
+    "accelerator_cost": "what do the executor's programs cost a device in XLA's bytes and temp, on any "
+    "backend?",
     "op_profile": "where does a pipelined step's time go, by operation kind, beside the plain step?",
     "cuts": "is an uneven cut's padding free, and does the balanced cut pay?",
     "weight_memory": "how much weight memory does each no-flush method hold, against PipeOptim's Table II?",
     "convergence": "do the asynchronous methods converge as GPipe does (PipeOptim Table IV, Figs. 2-4)?",
     "tune": "how close is the Chimera-3.4 step-time model to the measured steps (Chimera, sec. 3.4)?",
-    "tune_avgpipe": "how close is AvgPipe's profiled choice of (M, N) to the measured best (AvgPipe, sec. 5.2)?",
+    "tune_avgpipe": "how close is AvgPipe's profiled choice of (M, N) to the measured best (AvgPipe, sec. "
+    "5.2)?",
 }
 
 
@@ -41,6 +46,7 @@ def with_device_count(xla_flags: str, n: int) -> str:
 def emulate_cpu_devices(n: int) -> None:
     """Before JAX is imported: emulate ``n`` CPU devices unless the user's XLA_FLAGS already chose a count."""
     import os
+
     flags = os.environ.get("XLA_FLAGS", "")
     if "--xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = with_device_count(flags, n)

@@ -1,4 +1,5 @@
 """Benchmark helpers shared by ``experiments.throughput`` (timings are ratios measured in one process)."""
+
 from __future__ import annotations
 
 import statistics
@@ -13,8 +14,9 @@ from jaxpipe.model import PipelineModel
 from jaxpipe.axes import DATA
 
 
-def make_tanh_mlp(stages: int, layers_per_stage: int, width: int, seed: int = 0,
-                  pytree: bool = False) -> PipelineModel:
+def make_tanh_mlp(
+    stages: int, layers_per_stage: int, width: int, seed: int = 0, pytree: bool = False
+) -> PipelineModel:
     """The benchmark model: ``h = tanh(h @ W)`` layers, W ``width x width``, MSE head on the last output.
 
     ``pytree=True``: the same math with the activation sent as a pair of halves ``(h[:, :w/2], h[:, w/2:])``
@@ -28,14 +30,18 @@ def make_tanh_mlp(stages: int, layers_per_stage: int, width: int, seed: int = 0,
         return h
 
     if not pytree:
-        return PipelineModel(stage_fn=stage_fn, stage_params=w,
-                             post_loss=lambda _, h, b: jnp.mean((h - b["y"]) ** 2))
+        return PipelineModel(
+            stage_fn=stage_fn, stage_params=w, post_loss=lambda _, h, b: jnp.mean((h - b["y"]) ** 2)
+        )
     half = width // 2
     split = lambda h: (h[:, :half], h[:, half:])
     join = lambda t: jnp.concatenate(t, axis=-1)
-    return PipelineModel(stage_fn=lambda p, t: split(stage_fn(p, join(t))), stage_params=w,
-                         pre=lambda _, b: split(b["x"]),
-                         post_loss=lambda _, t, b: jnp.mean((join(t) - b["y"]) ** 2))
+    return PipelineModel(
+        stage_fn=lambda p, t: split(stage_fn(p, join(t))),
+        stage_params=w,
+        pre=lambda _, b: split(b["x"]),
+        post_loss=lambda _, t, b: jnp.mean((join(t) - b["y"]) ** 2),
+    )
 
 
 def compiled_costs(compiled):
@@ -46,8 +52,13 @@ def compiled_costs(compiled):
     return c.get("flops", 0.0), c.get("bytes accessed", 0.0), compiled.memory_analysis().temp_size_in_bytes
 
 
-def plain_train_step(model: PipelineModel, opt: optax.GradientTransformation, num_microbatches: int,
-                     per_microbatch: bool = False, parts: int = 1):
+def plain_train_step(
+    model: PipelineModel,
+    opt: optax.GradientTransformation,
+    num_microbatches: int,
+    per_microbatch: bool = False,
+    parts: int = 1,
+):
     """One-device step: gradient accumulated over ``num_microbatches`` with ``lax.scan`` (1 = unchunked).
 
     ``per_microbatch``: the same work as a method that updates after every micro-batch -- M (gradient,
@@ -94,14 +105,20 @@ def plain_train_step(model: PipelineModel, opt: optax.GradientTransformation, nu
     return jax.jit(fn, donate_argnums=(0, 1))
 
 
-def plain_predicting_step(model: PipelineModel, opt: optax.GradientTransformation, num_microbatches: int,
-                          fwd_distance: Callable[[int], int], bwd_distance: Optional[Callable[[int], int]] = None):
+def plain_predicting_step(
+    model: PipelineModel,
+    opt: optax.GradientTransformation,
+    num_microbatches: int,
+    fwd_distance: Callable[[int], int],
+    bwd_distance: Optional[Callable[[int], int]] = None,
+):
     """One-device step doing a predicting method's own work without a pipeline: M (gradient, update)
     micro-steps in a ``lax.scan`` where stage ``s``'s forward reads ``w_s + fwd_distance(s) u_s`` and its
     backward ``w_s + bwd_distance(s) u_s`` (``u_s``: the stage's last update; distance 0 or ``None``: ``w_s``
     itself, no axpy), through the executor's own ``StageOps`` -- the weight predictions SpecTrain and
     PipeOptim add to the plain micro-steps, which a pipeline cannot make cheaper."""
     from jaxpipe.runtime.stage import StageOps
+
     D, M = model.num_stages, num_microbatches
 
     def read(w, u, s, dist):
@@ -113,11 +130,14 @@ def plain_predicting_step(model: PipelineModel, opt: optax.GradientTransformatio
         params, opt_state, u, loss = c
         (w, pre_p, post_p) = params
         x = jax.eval_shape(model.pre, pre_p, mb)
-        ops, _ = StageOps.build(model, jax.tree.map(lambda a: a[0], w), jax.tree.map(
-            lambda a: jnp.zeros(a.shape, a.dtype), x), mb)
+        ops, _ = StageOps.build(
+            model, jax.tree.map(lambda a: a[0], w), jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), x), mb
+        )
         h, stash = None, []
         for s in range(D):
-            h, res, head = ops.forward(read(w, u[0], s, fwd_distance), h, mb, pre_p, post_p, s == 0, s == D - 1)
+            h, res, head = ops.forward(
+                read(w, u[0], s, fwd_distance), h, mb, pre_p, post_p, s == 0, s == D - 1
+            )
             stash.append(res)
         l, _, g_post, dy = head
         dws = [None] * D
@@ -135,8 +155,9 @@ def plain_predicting_step(model: PipelineModel, opt: optax.GradientTransformatio
     return jax.jit(step, donate_argnums=(0, 1, 2))
 
 
-def plain_predicting_runner(model: PipelineModel, batch, num_microbatches: int, opt, fwd_distance,
-                            bwd_distance=None) -> Callable[[], object]:
+def plain_predicting_runner(
+    model: PipelineModel, batch, num_microbatches: int, opt, fwd_distance, bwd_distance=None
+) -> Callable[[], object]:
     """A closure running :func:`plain_predicting_step` on one device."""
     dev = jax.devices()[0]
     fn = plain_predicting_step(model, opt, num_microbatches, fwd_distance, bwd_distance)
@@ -151,8 +172,9 @@ def plain_predicting_runner(model: PipelineModel, batch, num_microbatches: int, 
     return run
 
 
-def plain_runner(model: PipelineModel, batch, num_microbatches: int, opt, per_microbatch: bool = False,
-                 parts: int = 1) -> Callable[[], object]:
+def plain_runner(
+    model: PipelineModel, batch, num_microbatches: int, opt, per_microbatch: bool = False, parts: int = 1
+) -> Callable[[], object]:
     """A closure running the plain one-device step (accumulating over ``num_microbatches``; 1 = unchunked;
     see :func:`plain_train_step` for ``per_microbatch`` and ``parts``)."""
     dev = jax.devices()[0]
@@ -174,6 +196,7 @@ def sync_dp_runner(model: PipelineModel, batch, workers: int, opt) -> Callable[[
     ``shard_map`` DP step) -- what Cyclic Data Parallelism replaces, on the same emulated devices."""
     from jax.sharding import NamedSharding, PartitionSpec as P
     from jaxpipe import make_mesh
+
     mesh = make_mesh(data=workers)
 
     def step(params, opt_state, b):
@@ -182,8 +205,12 @@ def sync_dp_runner(model: PipelineModel, batch, workers: int, opt) -> Callable[[
         u, opt_state = opt.update(g, opt_state, params)
         return optax.apply_updates(params, u), opt_state, loss
 
-    fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P(DATA)), out_specs=(P(), P(), P()),
-                               check_vma=False), donate_argnums=(0, 1))
+    fn = jax.jit(
+        jax.shard_map(
+            step, mesh=mesh, in_specs=(P(), P(), P(DATA)), out_specs=(P(), P(), P()), check_vma=False
+        ),
+        donate_argnums=(0, 1),
+    )
     rep = NamedSharding(mesh, P())
     b = jax.device_put(batch, NamedSharding(mesh, P(DATA)))
     # a copy of our own: the step donates its inputs, and a replicated device_put may alias device 0's shard
@@ -197,23 +224,39 @@ def sync_dp_runner(model: PipelineModel, batch, workers: int, opt) -> Callable[[
     return run
 
 
-def pipeline_runner(name: str, model: PipelineModel, batch, num_microbatches: int, opt, data: int = 1,
-                    devices: int = 0, pipes: int = 1, options=None):
+def pipeline_runner(
+    name: str,
+    model: PipelineModel,
+    batch,
+    num_microbatches: int,
+    opt,
+    data: int = 1,
+    devices: int = 0,
+    pipes: int = 1,
+    options=None,
+):
     """``(run, info)``: a closure running ``Pipeline.step`` and its compile time, memory and simulation.
     ``devices``: the mesh's stage size (default: one device per model stage; interleaved uses fewer).
     ``options``: the schedule's options (default: none; a tunable advance, AvgPipe's, timed at 0)."""
     from jaxpipe import Pipeline, make_mesh, schedules
-    pipe = Pipeline(model, schedule=name, num_microbatches=num_microbatches, optimizer=opt,
-                    mesh=make_mesh(stages=devices or model.num_stages, data=data, pipes=pipes),
-                    # a method with a tunable advance (AvgPipe) is timed at 0, without Algorithm 1's search
-                    options=options if options is not None else (
-                        {"advance": 0} if "advance" in schedules.method(name).options else None))
+
+    pipe = Pipeline(
+        model,
+        schedule=name,
+        num_microbatches=num_microbatches,
+        optimizer=opt,
+        mesh=make_mesh(stages=devices or model.num_stages, data=data, pipes=pipes),
+        # a method with a tunable advance (AvgPipe) is timed at 0, without Algorithm 1's search
+        options=options
+        if options is not None
+        else ({"advance": 0} if "advance" in schedules.method(name).options else None),
+    )
     state = pipe.init()
     t0 = time.perf_counter()
     compiled = pipe.lower("step", state, batch).compile()
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
-    split = pipe.schedule.has_w()          # zero-bubble: B and W each half of a backward
+    split = pipe.schedule.has_w()  # zero-bubble: B and W each half of a backward
     rep = pipe.schedule.simulate(f=1.0, b=2.0, w=1.0 if split else None)
     # asynchronous schedules never flush: in steady state the alternating timeline holds one F or one B per
     # device per tick, so its only lockstep loss is a tick costing max(f, b): 1 - (f + b) / (2 max(f, b));
@@ -228,14 +271,20 @@ def pipeline_runner(name: str, model: PipelineModel, batch, num_microbatches: in
         st["s"], metrics = pipe.step(st["s"], b)
         return metrics["loss"]
 
-    return run, {"schedule": name, "compile_s": compile_s,
-                 "temp_bytes": int(getattr(mem, "temp_size_in_bytes", -1)),
-                 "state_bytes": int(getattr(mem, "argument_size_in_bytes", -1)),
-                 "weight_versions": rep.weight_versions,
-                 "lockstep_bubble": lock_bubble, "bubble": rep.bubble_ratio}
+    return run, {
+        "schedule": name,
+        "compile_s": compile_s,
+        "temp_bytes": int(getattr(mem, "temp_size_in_bytes", -1)),
+        "state_bytes": int(getattr(mem, "argument_size_in_bytes", -1)),
+        "weight_versions": rep.weight_versions,
+        "lockstep_bubble": lock_bubble,
+        "bubble": rep.bubble_ratio,
+    }
 
 
-def interleaved_medians(runners: Dict[str, Callable[[], object]], rounds: int, warmup: int = 2) -> Dict[str, list]:
+def interleaved_medians(
+    runners: Dict[str, Callable[[], object]], rounds: int, warmup: int = 2
+) -> Dict[str, list]:
     """Time every runner once per round, in turn, for ``rounds`` rounds; returns the per-round times.
 
     Interleaving makes the ratios robust to the machine's speed drifting during the run (a shared CPU):
@@ -277,8 +326,8 @@ def median_ratio(a, b) -> float:
 
 
 def ratio_spread(a, b) -> Tuple[float, float]:
-    """``(median, spread)`` of the per-round ratios ``a[i] / b[i]``: ``spread`` is half their interquartile range
-    (the ratio is ``median +- spread`` for the middle half of the rounds)."""
+    """``(median, spread)`` of the per-round ratios ``a[i] / b[i]``: ``spread`` is half their interquartile
+    range (the ratio is ``median +- spread`` for the middle half of the rounds)."""
     r = sorted(x / y for x, y in zip(a, b))
     if len(r) < 4:
         return statistics.median(r), (r[-1] - r[0]) / 2
@@ -292,12 +341,18 @@ NOISY = 0.05
 
 def reliability(spreads: Dict[str, Tuple[float, float]], load: Optional[float] = None) -> List[str]:
     """Warnings for a benchmark's ratios (``{name: (ratio, spread)}``): those whose spread exceeds
-    :data:`NOISY` of the ratio, and a machine that was busy (``load``: the 1-minute load average per usable core
-    before the run, :func:`machine_load`)."""
-    out = [f"{k}: {r:.3f}x +- {s:.3f} varies by {s / r:.0%} between rounds (over {NOISY:.0%}): do not read its "
-           f"last digits; rerun on a quiet machine or with more rounds" for k, (r, s) in spreads.items() if r and s / r > NOISY]
+    :data:`NOISY` of the ratio, and a machine that was busy (``load``: the 1-minute load average per usable
+    core before the run, :func:`machine_load`)."""
+    out = [
+        f"{k}: {r:.3f}x +- {s:.3f} varies by {s / r:.0%} between rounds (over {NOISY:.0%}): do not read its "
+        f"last digits; rerun on a quiet machine or with more rounds"
+        for k, (r, s) in spreads.items()
+        if r and s / r > NOISY
+    ]
     if load is not None and load > 0.25:
-        out.append(f"the machine was busy before this run (load {load:.2f} per core): ratios here may not repeat")
+        out.append(
+            f"the machine was busy before this run (load {load:.2f} per core): ratios here may not repeat"
+        )
     return out
 
 
@@ -305,20 +360,25 @@ def machine_load() -> Optional[float]:
     """The 1-minute load average per usable core (None where the OS does not say)."""
     try:
         import os
+
         return os.getloadavg()[0] / max(len(os.sched_getaffinity(0)), 1)
     except (OSError, AttributeError):
         return None
 
 
-def compile_time(name: str, model: PipelineModel, batch, num_microbatches: int, opt, devices: int = 0,
-                 options=None) -> float:
-    return pipeline_runner(name, model, batch, num_microbatches, opt, devices=devices, options=options)[1]["compile_s"]
+def compile_time(
+    name: str, model: PipelineModel, batch, num_microbatches: int, opt, devices: int = 0, options=None
+) -> float:
+    return pipeline_runner(name, model, batch, num_microbatches, opt, devices=devices, options=options)[1][
+        "compile_s"
+    ]
 
 
 def cyclic_runner(rule: str, model: PipelineModel, batch, opt):
     """``(run, info)`` for Cyclic Data Parallelism's DP form: N = model stages workers on 'data', one
     micro-batch of ``batch / N`` rows each per step (the plain step to compare with accumulates N)."""
     from jaxpipe import CyclicDataParallel, make_mesh
+
     N = model.num_stages
     cdp = CyclicDataParallel(model, opt, rule=rule, mesh=make_mesh(data=N))
     b = jax.device_put(batch, jax.sharding.NamedSharding(cdp.mesh, jax.sharding.PartitionSpec(DATA)))
@@ -334,10 +394,15 @@ def cyclic_runner(rule: str, model: PipelineModel, batch, opt):
         st["s"], metrics = cdp.step(st["s"], batch)
         return metrics["loss"]
 
-    return run, {"schedule": f"cdp_dp_{rule}", "compile_s": compile_s,
-                 "temp_bytes": int(getattr(mem, "temp_size_in_bytes", -1)),
-                 "state_bytes": int(getattr(mem, "argument_size_in_bytes", -1)),
-                 "weight_versions": [2] * N, "lockstep_bubble": 0.0, "bubble": 0.0}
+    return run, {
+        "schedule": f"cdp_dp_{rule}",
+        "compile_s": compile_s,
+        "temp_bytes": int(getattr(mem, "temp_size_in_bytes", -1)),
+        "state_bytes": int(getattr(mem, "argument_size_in_bytes", -1)),
+        "weight_versions": [2] * N,
+        "lockstep_bubble": 0.0,
+        "bubble": 0.0,
+    }
 
 
 def round_steps(runs, rounds: int):

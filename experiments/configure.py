@@ -1,4 +1,6 @@
-"""``python -m experiments.configure``: the installed ``jaxpipe configure`` (:mod:`jaxpipe.cli.configure`), for a clone."""
+"""``python -m experiments.configure``: the installed ``jaxpipe configure`` (:mod:`jaxpipe.cli.configure`),
+for a clone."""
+
 from jaxpipe.cli import configure as command
 from jaxpipe.cli.common import run
 

@@ -1,4 +1,5 @@
-"""Convergence of the asynchronous methods vs GPipe: the small-scale analogue of PipeOptim Table IV, Figs. 2-4.
+"""Convergence of the asynchronous methods vs GPipe: the small-scale analogue of PipeOptim Table IV, Figs.
+2-4.
 
     python -m experiments.convergence                      # all three tasks below, 3 seeds, D=4
     python -m experiments.convergence --task=digits --optimizer=momentum --schedules=gpipe,pipeoptim
@@ -8,6 +9,7 @@ Tasks: ``digits`` (scikit-learn digits, residual MLP classifier; SGD-momentum or
 the same batches; asynchronous methods drain at the end.  Writes ``results.csv`` (per evaluation point),
 ``summary.md`` (final metric mean ± std per method) and one PNG of curves per task to ``--out_dir``.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,19 +20,32 @@ from absl import app, flags
 
 from experiments import emulate_cpu_devices
 
-flags.DEFINE_enum("task", "all", ["all", "digits", "bytelm"], "all = digits+momentum, digits+adamw, bytelm+adam")
-flags.DEFINE_string("optimizer", "", "for a single --task: momentum | adamw | adam | sgd (default: momentum for "
-                    "digits, adam for bytelm)")
-flags.DEFINE_string("schedules", "gpipe,pipedream,pipedream_2bw,spectrain,pipeoptim", "methods to compare; "
-                    "spectrain is skipped (with a note) for optimizers without momentum, as it requires; "
-                    "'dp' is the synchronous data-parallel baseline (computed exactly by GPipe); also "
-                    "cdp_v1, cdp_v2 (cyclic data parallelism, pipeline form; the DP form jp.CyclicDataParallel "
-                    "computes the same numbers, tested), avgpipe (--avgpipe_pipes parallel pipelines, the global "
-                    "batch split over them, elastic averaging with alpha = 1/N), wpipe (the same --stages partitions "
-                    "on stages/2 devices), wpipe_apc (wpipe with float16-compressed messages, APC)")
+flags.DEFINE_enum(
+    "task", "all", ["all", "digits", "bytelm"], "all = digits+momentum, digits+adamw, bytelm+adam"
+)
+flags.DEFINE_string(
+    "optimizer",
+    "",
+    "for a single --task: momentum | adamw | adam | sgd (default: momentum for digits, adam for bytelm)",
+)
+flags.DEFINE_string(
+    "schedules",
+    "gpipe,pipedream,pipedream_2bw,spectrain,pipeoptim",
+    "methods to compare; "
+    "spectrain is skipped (with a note) for optimizers without momentum, as it requires; "
+    "'dp' is the synchronous data-parallel baseline (computed exactly by GPipe); also "
+    "cdp_v1, cdp_v2 (cyclic data parallelism, pipeline form; the DP form jp.CyclicDataParallel "
+    "computes the same numbers, tested), avgpipe (--avgpipe_pipes parallel pipelines, the global "
+    "batch split over them, elastic averaging with alpha = 1/N), wpipe (the same --stages partitions "
+    "on stages/2 devices), wpipe_apc (wpipe with float16-compressed messages, APC)",
+)
 flags.DEFINE_integer("avgpipe_pipes", 2, "parallel pipelines N of avgpipe (N x stages devices)")
-flags.DEFINE_float("target_slack", 0.05, "steps-to-target: the first evaluation whose eval loss is within this "
-                   "fraction of the dp baseline's final eval loss (AvgPipe Fig. 14)")
+flags.DEFINE_float(
+    "target_slack",
+    0.05,
+    "steps-to-target: the first evaluation whose eval loss is within this "
+    "fraction of the dp baseline's final eval loss (AvgPipe Fig. 14)",
+)
 flags.DEFINE_integer("seeds", 3, "seeds per method (model init and data order)")
 flags.DEFINE_integer("stages", 4, "pipeline stages D")
 flags.DEFINE_integer("microbatches", 4, "micro-batches per step M (pipedream_2bw needs M >= D)")
@@ -60,8 +75,12 @@ def run_one(task, opt_name, schedule, seed, steps, lr):
         model = jp.models.gpt(D, d_model=32, heads=2, seq_len=32, seed=seed)
         batches = jp.data.lm_batches(train, FLAGS.batch, 32, seed=seed)
         evals = list(__import__("itertools").islice(jp.data.lm_batches(val, FLAGS.batch, 32, seed=999), 4))
-    opt = {"momentum": lambda: optax.sgd(lr, momentum=0.9), "sgd": lambda: optax.sgd(lr),
-           "adam": lambda: optax.adam(lr), "adamw": lambda: optax.adamw(lr, weight_decay=1e-4)}[opt_name]()
+    opt = {
+        "momentum": lambda: optax.sgd(lr, momentum=0.9),
+        "sgd": lambda: optax.sgd(lr),
+        "adam": lambda: optax.adam(lr),
+        "adamw": lambda: optax.adamw(lr, weight_decay=1e-4),
+    }[opt_name]()
     # "dp": the synchronous baseline -- plain data-parallel SGD semantics (one update per step from the
     # gradient at the current weights), which every synchronous schedule computes exactly; run as GPipe
     name = "gpipe" if schedule == "dp" else schedule
@@ -71,15 +90,31 @@ def run_one(task, opt_name, schedule, seed, steps, lr):
     if name == "wpipe":
         # the same model (D partitions) on D/2 devices: G0 = partitions 0..D/2-1, G1 the rest
         if D % 2:
-            raise app.UsageError(f"wpipe cuts the model into 2 x devices partitions: --stages={D} must be even")
-        pipe = jp.Pipeline(model, schedule=name, num_microbatches=M, optimizer=opt,
-                           mesh=jp.make_mesh(stages=D // 2), options={"apc": apc})
+            raise app.UsageError(
+                f"wpipe cuts the model into 2 x devices partitions: --stages={D} must be even"
+            )
+        pipe = jp.Pipeline(
+            model,
+            schedule=name,
+            num_microbatches=M,
+            optimizer=opt,
+            mesh=jp.make_mesh(stages=D // 2),
+            options={"apc": apc},
+        )
     elif name == "avgpipe":
         # N pipelines, each on its share of the global batch (same samples per step as dp)
-        pipe = jp.Pipeline(model, schedule=name, num_microbatches=M, optimizer=opt,
-                           mesh=jp.make_mesh(pipes=FLAGS.avgpipe_pipes, stages=D), options={"advance": 0})
+        pipe = jp.Pipeline(
+            model,
+            schedule=name,
+            num_microbatches=M,
+            optimizer=opt,
+            mesh=jp.make_mesh(pipes=FLAGS.avgpipe_pipes, stages=D),
+            options={"advance": 0},
+        )
     else:
-        pipe = jp.Pipeline(model, schedule=name, num_microbatches=M, optimizer=opt, mesh=jp.make_mesh(stages=D))
+        pipe = jp.Pipeline(
+            model, schedule=name, num_microbatches=M, optimizer=opt, mesh=jp.make_mesh(stages=D)
+        )
     loss_fn = jax.jit(model.loss)
 
     def evaluate(params):
@@ -97,8 +132,13 @@ def run_one(task, opt_name, schedule, seed, steps, lr):
         if (i + 1) % FLAGS.eval_every == 0 or i + 1 == steps:
             if i + 1 == steps:
                 state, _ = pipe.drain(state)
-            rows.append({"step": i + 1, "train_loss": float(np.mean(recent)) if recent else float("nan"),
-                         **evaluate(pipe.params(state))})
+            rows.append(
+                {
+                    "step": i + 1,
+                    "train_loss": float(np.mean(recent)) if recent else float("nan"),
+                    **evaluate(pipe.params(state)),
+                }
+            )
             recent = []
     return rows
 
@@ -112,6 +152,7 @@ def main(argv):
     from tqdm import tqdm
 
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -120,8 +161,13 @@ def main(argv):
     else:
         configs = [(FLAGS.task, FLAGS.optimizer or ("momentum" if FLAGS.task == "digits" else "adam"))]
     os.makedirs(FLAGS.out_dir, exist_ok=True)
-    all_rows, summary = [], ["| task | optimizer | method | final eval loss | final eval acc | steps to dp target "
-                             "| seeds |", "|---|---|---|---|---|---|---|"]
+    all_rows, summary = (
+        [],
+        [
+            "| task | optimizer | method | final eval loss | final eval acc | steps to dp target | seeds |",
+            "|---|---|---|---|---|---|---|",
+        ],
+    )
     for task, opt_name in configs:
         steps = FLAGS.steps or (300 if task == "digits" else 150)
         lr = FLAGS.lr or (0.05 if opt_name in ("momentum", "sgd") else 3e-3)
@@ -153,7 +199,8 @@ def main(argv):
                 mu, sd = np.nanmean(vals, 0), np.nanstd(vals, 0)
                 ax.plot(steps_axis, mu, label=method)
                 ax.fill_between(steps_axis, mu - sd, mu + sd, alpha=0.2)
-                ax.set_xlabel("step"); ax.set_ylabel(key)
+                ax.set_xlabel("step")
+                ax.set_ylabel(key)
             fl = np.array([run[-1]["eval_loss"] for run in rs])
             fa = np.array([run[-1].get("eval_acc", np.nan) for run in rs])
             acc = f"{np.mean(fa):.4f} ± {np.std(fa):.4f}" if task == "digits" else "-"
@@ -161,13 +208,20 @@ def main(argv):
                 reach = "-"
             else:
                 st = np.array([steps_to(run) for run in rs], float)
-                reach = f"{np.nanmean(st):.0f} ({int(np.sum(np.isfinite(st)))}/{len(rs)} reached)" \
-                    if np.any(np.isfinite(st)) else f"not reached (0/{len(rs)})"
-            summary.append(f"| {task} | {opt_name} | {method} | {np.mean(fl):.4f} ± {np.std(fl):.4f} | {acc} | "
-                           f"{reach} | {len(rs)} |")
+                reach = (
+                    f"{np.nanmean(st):.0f} ({int(np.sum(np.isfinite(st)))}/{len(rs)} reached)"
+                    if np.any(np.isfinite(st))
+                    else f"not reached (0/{len(rs)})"
+                )
+            summary.append(
+                f"| {task} | {opt_name} | {method} | {np.mean(fl):.4f} ± {np.std(fl):.4f} | {acc} | "
+                f"{reach} | {len(rs)} |"
+            )
         axes[0].legend()
-        fig.suptitle(f"{task}, {opt_name} lr {lr:g}, D={FLAGS.stages}, M={FLAGS.microbatches}, "
-                     f"batch {FLAGS.batch}, mean ± std over {FLAGS.seeds} seeds")
+        fig.suptitle(
+            f"{task}, {opt_name} lr {lr:g}, D={FLAGS.stages}, M={FLAGS.microbatches}, "
+            f"batch {FLAGS.batch}, mean ± std over {FLAGS.seeds} seeds"
+        )
         fig.tight_layout()
         fig.savefig(os.path.join(FLAGS.out_dir, f"{task}_{opt_name}.png"), dpi=110)
         plt.close(fig)

@@ -7,10 +7,10 @@ the ratio is the work the executor adds, not how emulated devices share cores), 
     python -m experiments.executor_cost --cores=1 --schedules=1f1b,zb_v,dualpipe_v
     python -m experiments.executor_cost --cores=1 --allocator=default   # glibc's defaults only
 
-The model: ``--layers`` x ``tanh(h @ W)``, W ``--width``^2, each stage a ``lax.scan`` over its layers (the form
-the Flax adapters and MaxText-style models build); D = ``--stages``, M = ``--microbatches``, batch ``--batch``;
-round-robin, medians of ``--rounds``.  Schedules with two chunks per device (interleaved, V-schedules) cut the
-same layers into 2D stages.
+The model: ``--layers`` x ``tanh(h @ W)``, W ``--width``^2, each stage a ``lax.scan`` over its layers (the
+form the Flax adapters and MaxText-style models build); D = ``--stages``, M = ``--microbatches``, batch
+``--batch``; round-robin, medians of ``--rounds``.  Schedules with two chunks per device (interleaved,
+V-schedules) cut the same layers into 2D stages.
 
 On XLA CPU every execution allocates its large buffers afresh (outputs and temps), and glibc's malloc maps
 buffers that large anew and returns them when freed, so each step page-faults its whole footprint again: a
@@ -20,6 +20,7 @@ pays for it in time although it computes no more.  So every program is timed twi
 (glibc keeps what is freed, as accelerator allocators pool memory); beside each time, the page faults and
 kernel time per step, which say how much of it the allocator is.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,20 +29,30 @@ from jaxpipe.cli import common as cli
 from absl import app, flags
 
 flags.DEFINE_integer("cores", 1, "CPU cores the process may use (os.sched_setaffinity); 0: leave as it is")
-flags.DEFINE_string("schedules", "gpipe,1f1b,interleaved_1f1b,zb_h1,zb_v,dualpipe_v,chimera", "schedules to time")
+flags.DEFINE_string(
+    "schedules", "gpipe,1f1b,interleaved_1f1b,zb_h1,zb_v,dualpipe_v,chimera", "schedules to time"
+)
 flags.DEFINE_integer("stages", 4, "devices D (emulated)")
 flags.DEFINE_integer("microbatches", 8, "micro-batches M")
 flags.DEFINE_integer("layers", 8, "layers in total")
 flags.DEFINE_integer("width", 1024, "hidden width")
 flags.DEFINE_integer("batch", 512, "batch size")
 flags.DEFINE_integer("rounds", 7, "timed rounds (median)")
-flags.DEFINE_integer("block", 3, "consecutive steps per program and round in the second timing (as training runs "
-                     "them; the first switches program at every step); 0: round-robin only")
-flags.DEFINE_enum("allocator", "both", ["both", "default", "keep_freed"],
-                  "host allocator the programs are timed with: glibc's defaults (XLA CPU allocates each execution's "
-                  "large buffers afresh, and every step maps and page-faults them anew -- a cost in proportion to "
-                  "the buffers a step allocates, which accelerator allocators, pooling memory, do not have), "
-                  "keep_freed (jaxpipe.host_memory.keep_freed_memory()), or both, one after the other in this process")
+flags.DEFINE_integer(
+    "block",
+    3,
+    "consecutive steps per program and round in the second timing (as training runs "
+    "them; the first switches program at every step); 0: round-robin only",
+)
+flags.DEFINE_enum(
+    "allocator",
+    "both",
+    ["both", "default", "keep_freed"],
+    "host allocator the programs are timed with: glibc's defaults (XLA CPU allocates each execution's "
+    "large buffers afresh, and every step maps and page-faults them anew -- a cost in proportion to "
+    "the buffers a step allocates, which accelerator allocators, pooling memory, do not have), "
+    "keep_freed (jaxpipe.host_memory.keep_freed_memory()), or both, one after the other in this process",
+)
 FLAGS = flags.FLAGS
 
 
@@ -61,11 +72,14 @@ def scan_gpipe(stage_fn, D: int, M: int, mesh):
             k = t - (D - 1)
             outs = jnp.where((i == D - 1) & (k >= 0), outs.at[jnp.clip(k, 0, M - 1)].set(out), outs)
             return (jax.lax.ppermute(out, "stage", [(j, j + 1) for j in range(D - 1)]), outs), None
+
         zero = lambda s: jax.lax.pcast(jnp.zeros(s), ("stage",), to="varying")
         (_, outs), _ = jax.lax.scan(tick, (zero(mb), zero((M,) + mb)), jnp.arange(M + D - 1))
         return jax.lax.psum(jnp.where(i == D - 1, jnp.mean((outs - ys) ** 2), 0.0), "stage")
-    return jax.jit(jax.value_and_grad(jax.shard_map(loss, mesh=mesh, in_specs=(P("stage"), P(), P()),
-                                                    out_specs=P())))
+
+    return jax.jit(
+        jax.value_and_grad(jax.shard_map(loss, mesh=mesh, in_specs=(P("stage"), P(), P()), out_specs=P()))
+    )
 
 
 def mlp_setup(L: int, H: int, B: int):
@@ -73,6 +87,7 @@ def mlp_setup(L: int, H: int, B: int):
     import jax
     import jax.numpy as jnp
     import numpy as np
+
     W = jax.random.normal(jax.random.PRNGKey(0), (L, H, H)) / np.sqrt(H)
     x, y = (jax.random.normal(jax.random.PRNGKey(k), (B, H)) for k in (1, 2))
     stage_fn = lambda w, h: jax.lax.scan(lambda h_, wi: (jnp.tanh(h_ @ wi), None), h, w)[0]
@@ -96,6 +111,7 @@ def build_runs(names, D: int, M: int, L: int, H: int, B: int, anchor: bool = Tru
         def body(c, xy):
             l, g = jax.value_and_grad(loss)(w, *xy)
             return (c[0] + l / M, c[1] + g / M), None
+
         return jax.lax.scan(body, (0.0, jnp.zeros_like(w)), (x.reshape(M, -1, H), y.reshape(M, -1, H)))[0]
 
     runs, errs = {"plain accumulation": lambda: accum(W, x, y)}, {}
@@ -110,11 +126,14 @@ def build_runs(names, D: int, M: int, L: int, H: int, B: int, anchor: bool = Tru
     batch = {"x": x, "y": y}
     for name in names:
         S = D * jp.schedules.method(name).stages_per_device({"virtual": 2})
-        model = jp.PipelineModel(stage_fn=stage_fn, stage_params=W.reshape(S, L // S, H, H),
-                                 post_loss=lambda _, h, b: jnp.mean((h - b["y"]) ** 2))
+        model = jp.PipelineModel(
+            stage_fn=stage_fn,
+            stage_params=W.reshape(S, L // S, H, H),
+            post_loss=lambda _, h, b: jnp.mean((h - b["y"]) ** 2),
+        )
         pipe = jp.Pipeline(model, schedule=name, num_microbatches=M, mesh=jp.make_mesh(stages=D))
         state = pipe.init()
-        runs[name] = (lambda p=pipe, s=state: p.loss_and_grad(s, batch))
+        runs[name] = lambda p=pipe, s=state: p.loss_and_grad(s, batch)
         errs[name] = runs[name]()[1][0].reshape(L, H, H)
     return runs, errs, ref
 
@@ -134,6 +153,7 @@ def timed(runs, rounds: int, block: int):
     import jax
     import numpy as np
     from experiments.bench import block_medians, interleaved_medians, median_ratio, ratio_spread
+
     usage = {k: [] for k in runs}
 
     def counted(k, run):
@@ -143,24 +163,42 @@ def timed(runs, rounds: int, block: int):
             r1 = resource.getrusage(resource.RUSAGE_SELF)
             usage[k].append((r1.ru_minflt - r0.ru_minflt, 1e3 * (r1.ru_stime - r0.ru_stime)))
             return out
+
         return call
+
     times = interleaved_medians({k: counted(k, r) for k, r in runs.items()}, rounds)
-    out = {k: (1e3 * float(np.median(times[k])), float(np.median([u[0] for u in usage[k][-rounds:]])),
-               float(np.median([u[1] for u in usage[k][-rounds:]]))) for k in runs}
+    out = {
+        k: (
+            1e3 * float(np.median(times[k])),
+            float(np.median([u[0] for u in usage[k][-rounds:]])),
+            float(np.median([u[1] for u in usage[k][-rounds:]])),
+        )
+        for k in runs
+    }
     blocks = block_medians(runs, rounds, block) if block else None
     # + (consecutive ratio, (round-robin ratio, its spread)): the ratios of each round, not of the medians
-    return {k: v + (median_ratio(blocks[k], blocks["plain accumulation"]) if blocks else float("nan"),
-                    ratio_spread(times[k], times["plain accumulation"])) for k, v in out.items()}
+    return {
+        k: v
+        + (
+            median_ratio(blocks[k], blocks["plain accumulation"]) if blocks else float("nan"),
+            ratio_spread(times[k], times["plain accumulation"]),
+        )
+        for k, v in out.items()
+    }
 
 
 def allocator_phases(which: str):
     """The allocator phases ``--allocator`` asks for, in the order they must run: glibc's defaults can only
-    be measured before ``keep_freed_memory`` (which is permanent); yields each phase's name after setting it."""
+    be measured before ``keep_freed_memory`` (which is permanent); yields each phase's name after setting
+    it."""
     from jaxpipe import host_memory
+
     if which in ("both", "default"):
         if host_memory.keeps_freed_memory():
-            raise app.UsageError("glibc was started keeping freed memory (MALLOC_*_ in the environment), so its "
-                                 "defaults cannot be measured here: unset them, or pass --allocator=keep_freed")
+            raise app.UsageError(
+                "glibc was started keeping freed memory (MALLOC_*_ in the environment), so its "
+                "defaults cannot be measured here: unset them, or pass --allocator=keep_freed"
+            )
         yield "glibc defaults"
     if which in ("both", "keep_freed"):
         if not host_memory.keep_freed_memory():
@@ -173,26 +211,35 @@ def main(argv):
     del argv
     pin_cores(FLAGS.cores)
     from experiments import emulate_cpu_devices
+
     D, M, L, H, B = FLAGS.stages, FLAGS.microbatches, FLAGS.layers, FLAGS.width, FLAGS.batch
     emulate_cpu_devices(D)
     import jax
     import jax.numpy as jnp
 
     from jaxpipe import host_memory
-    host_memory.choose(FLAGS.allocator == "keep_freed")   # the Pipelines built next leave the defaults alone
+
+    host_memory.choose(FLAGS.allocator == "keep_freed")  # the Pipelines built next leave the defaults alone
     from experiments.bench import machine_load, reliability
-    load = machine_load()              # before this run's own work
+
+    load = machine_load()  # before this run's own work
     runs, errs, ref = build_runs(FLAGS.schedules.split(","), D, M, L, H, B)
     phases = {name: timed(runs, FLAGS.rounds, FLAGS.block) for name in allocator_phases(FLAGS.allocator)}
-    print(f"jax {jax.__version__}, {D} emulated devices on {len(os.sched_getaffinity(0))} core(s); MLP {L} x "
-          f"{H}^2 tanh, each stage a lax.scan over its layers; batch {B}, M={M}; medians of {FLAGS.rounds} rounds "
-          f"per allocator phase (one process: " + " first, then ".join(phases) + "); x plain: programs "
-          f"round-robin, step by step; consecutive: {FLAGS.block} steps in a row of each")
+    print(
+        f"jax {jax.__version__}, {D} emulated devices on {len(os.sched_getaffinity(0))} core(s); MLP {L} x "
+        f"{H}^2 tanh, each stage a lax.scan over its layers; batch {B}, M={M}; medians of {FLAGS.rounds} "
+        "rounds "
+        f"per allocator phase (one process: " + " first, then ".join(phases) + "); x plain: programs "
+        f"round-robin, step by step; consecutive: {FLAGS.block} steps in a row of each"
+    )
     head = "".join(f" {p}: ms | x plain | consecutive | faults/step | kernel ms |" for p in phases)
     print(f"| program |{head} gradient rel. error |\n|---|" + "---|---|---|---|---|" * len(phases) + "---|")
     for k in runs:
-        cells = "".join(f" {t[k][0]:.1f} | {t[k][4][0]:.3f}x +- {t[k][4][1]:.3f} | {t[k][3]:.3f}x | "
-                        f"{t[k][1]:.0f} | {t[k][2]:.1f} |" for t in phases.values())
+        cells = "".join(
+            f" {t[k][0]:.1f} | {t[k][4][0]:.3f}x +- {t[k][4][1]:.3f} | {t[k][3]:.3f}x | "
+            f"{t[k][1]:.0f} | {t[k][2]:.1f} |"
+            for t in phases.values()
+        )
         err = 0.0 if k not in errs else float(jnp.linalg.norm(errs[k] - ref) / jnp.linalg.norm(ref))
         print(f"| {k} |{cells} {err:.1e} |")
     spreads = {f"{k} ({p})": t[k][4] for p, t in phases.items() for k in runs if k != "plain accumulation"}

@@ -1,4 +1,6 @@
-"""``python -m experiments.launch``: the installed ``jaxpipe launch`` (:mod:`jaxpipe.cli.launch`), for a clone."""
+"""``python -m experiments.launch``: the installed ``jaxpipe launch`` (:mod:`jaxpipe.cli.launch`), for a
+clone."""
+
 from jaxpipe.cli import launch as command
 from jaxpipe.cli.common import run
 

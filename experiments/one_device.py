@@ -1,6 +1,7 @@
 """One-device programs the pipelines are compared with, kept out of the library's runtime path: Cyclic Data
 Parallelism's single-device cyclic order (Fournier & Oyallon, Table 1, "Single-GPU DP + Cyclic") and the plain
 single-device data-parallel gradient beside it."""
+
 from __future__ import annotations
 
 import jax
@@ -62,7 +63,9 @@ def single_device_grad(model: PipelineModel, num_workers: int, cyclic: bool = Tr
                 br = jnp.where(ok, jnp.where(is_f, 1 + pos, 5 + pos), 0)
                 slot = pool_slot(N, i, j, kk)
                 r_in = [read(a, slot) for a in pool]
-                r, y, d, gq, g, loss = lax.switch(br, branches, i, j, kk, read(act, i), r_in, read(dy, i), g, loss)
+                r, y, d, gq, g, loss = lax.switch(
+                    br, branches, i, j, kk, read(act, i), r_in, read(dy, i), g, loss
+                )
                 f_last = ok & is_f & (j == N - 1)
                 b_last = ok & ~is_f & (j == N - 1)
                 # the head's gradient joins with the backward of the last stage
@@ -83,14 +86,18 @@ def single_device_dp_grad(model: PipelineModel, num_workers: int):
     """``fn(params, mbs) -> (loss_sum, grads_sum)`` the standard way on one device: each step's N micro-
     batches forward and backward together (Table 1, "Single-GPU DP": N B Psi_A of activations at the peak),
     a scan over the K steps."""
+
     def fn(params, mbs):
         def one(g, step_mbs):
             def loss(p):
                 return jnp.sum(jax.vmap(lambda mb: model.loss(p, mb))(step_mbs))
+
             l, gg = jax.value_and_grad(loss)(params)
             return jax.tree.map(jnp.add, g, gg), l
+
         g, ls = lax.scan(one, jax.tree.map(jnp.zeros_like, params), mbs)
         return jnp.sum(ls), g
+
     return fn
 
 
@@ -98,17 +105,20 @@ def _cyclic_branches(ops, xa, w_all, pre_p, post_p, mbs):
     """The switch of :func:`single_device_grad`'s tick: idle, then F and B at each (first, last) position.
     Branches return small new values; the pool and the registers are written outside the switch (a branch
     returning the whole pool makes XLA copy it every tick)."""
+
     def f_op(first, last):
         def f(i, j, k, x_in, r_in, dy_in, g, loss):
             w = jax.tree.map(lambda a: read(a, j), w_all)
             mb = jax.tree.map(lambda a: a[k, i], mbs)
-            y, r, head = ops.forward(w, x_in, mb, pre_p, post_p, first, last,
-                                     ops.context(mb, microbatch_key(0, k, i), j))
+            y, r, head = ops.forward(
+                w, x_in, mb, pre_p, post_p, first, last, ops.context(mb, microbatch_key(0, k, i), j)
+            )
             dy, gq = full(xa, 0), jax.tree.map(jnp.zeros_like, post_p)
             if last:
                 l, _, gq, d = head
                 dy, loss = cast(d, xa), loss + l
             return r, cast(y, xa), dy, gq, g, loss
+
         return f
 
     def b_op(first, last):
@@ -121,8 +131,8 @@ def _cyclic_branches(ops, xa, w_all, pre_p, post_p, mbs):
                 mb = jax.tree.map(lambda a: a[k, i], mbs)
                 dpre = ops.pre_grad(pre_p, mb, cast(dx, xa))
                 gpre = jax.tree.map(jnp.add, gpre, dpre)
-            return (r_in, x_in, cast(dx, xa), jax.tree.map(jnp.zeros_like, post_p),
-                    (gw, gpre, gpo), loss)
+            return (r_in, x_in, cast(dx, xa), jax.tree.map(jnp.zeros_like, post_p), (gw, gpre, gpo), loss)
+
         return b
 
     def idle(i, j, k, x_in, r_in, dy_in, g, loss):
@@ -130,4 +140,3 @@ def _cyclic_branches(ops, xa, w_all, pre_p, post_p, mbs):
 
     flags = [(False, False), (True, False), (False, True), (True, True)]
     return [idle] + [f_op(*f) for f in flags] + [b_op(*f) for f in flags]
-

@@ -3,11 +3,12 @@
 :func:`trace_steps` records ``steps`` calls of a runner with ``jax.profiler`` (a Perfetto trace beside
 the XPlane file); :func:`op_breakdown` reads the Perfetto trace back and sums each XLA operation's
 *exclusive* time (its span minus the spans nested in it, per thread) into the categories of
-:data:`CATEGORY_NAMES`, per step.  The numbers are thread time summed over XLA's worker threads: on CPU-emulated
-devices every emulated device's operations run on one shared pool, so a category's share of the pool's
-time -- and how it moves between a pipelined step and the plain step doing the same work -- is what the
+:data:`CATEGORY_NAMES`, per step.  The numbers are thread time summed over XLA's worker threads: on
+CPU-emulated devices every emulated device's operations run on one shared pool, so a category's share of the
+pool's time -- and how it moves between a pipelined step and the plain step doing the same work -- is what the
 profile says, not a per-device timeline.  On a GPU the same trace holds the device's kernels as well.
 """
+
 from __future__ import annotations
 
 import collections
@@ -24,16 +25,35 @@ import jax
 
 # first match wins; names are XLA's HLO instruction / thunk names as the CPU runtime records them
 CATEGORIES = (
-    ("collective", r"^(Rendezvous|ppermute|collective-permute|all-reduce|all-gather|reduce-scatter|all-to-all|"
-                   r"psum|pmean|pmax|collective)"),
-    ("pool wait", r"^Wait: pending_threads"),             # an op's parallel share waiting for pool threads
+    (
+        "collective",
+        r"^(Rendezvous|ppermute|collective-permute|all-reduce|all-gather|reduce-scatter|all-to-all|"
+        r"psum|pmean|pmax|collective)",
+    ),
+    ("pool wait", r"^Wait: pending_threads"),  # an op's parallel share waiting for pool threads
     ("control", r"^(conditional|while|call|ThunkExecutor::Execute$)"),
     ("matmul", r"(^ynn_fusion|^dot|dot_|convolution|gemm|cublas)"),
 )
 # a fusion is named after its operations ("select_dynamic-update-slice_fusion.7"): data movement when every
 # one of them only moves or selects values, elementwise when any computes ("broadcast_multiply_fusion")
-_MOVES = {"copy", "slice", "dynamic-slice", "dynamic-update-slice", "bitcast", "bitcast-convert", "concatenate",
-          "transpose", "broadcast", "pad", "gather", "scatter", "select", "reshape", "iota", "memcpy"}
+_MOVES = {
+    "copy",
+    "slice",
+    "dynamic-slice",
+    "dynamic-update-slice",
+    "bitcast",
+    "bitcast-convert",
+    "concatenate",
+    "transpose",
+    "broadcast",
+    "pad",
+    "gather",
+    "scatter",
+    "select",
+    "reshape",
+    "iota",
+    "memcpy",
+}
 CATEGORY_NAMES = ("matmul", "elementwise", "data movement", "control", "collective", "pool wait")
 _SKIP = re.compile(r"^(end: |ThreadpoolListener::|ThunkExecutor::Execute \(wait for completion\))")
 
@@ -53,15 +73,17 @@ class Breakdown:
     """Per-step thread milliseconds by category (``ms``) and by operation (``ops``), how many times each
     category's (``calls``) and each operation's (``op_calls``) spans ran per step, and the step's wall
     time (``wall_ms``, median of the traced steps)."""
+
     ms: Dict[str, float]
     ops: Dict[str, float]
     calls: Dict[str, float]
     op_calls: Dict[str, float] = field(default_factory=dict)
     wall_ms: float = 0.0
-    per_device: Dict[int, Dict[str, float]] = field(default_factory=dict)   # device ordinal -> ms by category
+    per_device: Dict[int, Dict[str, float]] = field(default_factory=dict)  # device ordinal -> ms by category
 
     def top(self, cat: str, n: int):
-        """The ``n`` operations of category ``cat`` with the most thread time: ``(name, ms, calls)`` per step."""
+        """The ``n`` operations of category ``cat`` with the most thread time: ``(name, ms, calls)`` per
+        step."""
         names = sorted((k for k in self.ops if category(k) == cat), key=lambda k: -self.ops[k])[:n]
         return [(k, self.ops[k], self.op_calls.get(k, 0.0)) for k in names]
 
@@ -113,8 +135,13 @@ def op_breakdown(trace_path: str, steps: int) -> Breakdown:
             op_calls[e["name"]] += 1 / steps
             if e["_dev"] >= 0:
                 per_device[e["_dev"]][cat] += e["_ex"] / 1e3 / steps
-    return Breakdown(dict(ms), dict(ops), dict(calls), dict(op_calls),
-                     per_device={d: dict(c) for d, c in sorted(per_device.items())})
+    return Breakdown(
+        dict(ms),
+        dict(ops),
+        dict(calls),
+        dict(op_calls),
+        per_device={d: dict(c) for d, c in sorted(per_device.items())},
+    )
 
 
 def trace_steps(run: Callable[[], object], steps: int, log_dir: str, warmup: int = 2) -> Breakdown:
@@ -132,8 +159,9 @@ def trace_steps(run: Callable[[], object], steps: int, log_dir: str, warmup: int
             walls.append(time.perf_counter() - t0)
     finally:
         jax.profiler.stop_trace()
-    paths = sorted(glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"), recursive=True),
-                   key=os.path.getmtime)
+    paths = sorted(
+        glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"), recursive=True), key=os.path.getmtime
+    )
     if not paths:
         raise RuntimeError(f"jax.profiler wrote no perfetto_trace.json.gz under {log_dir}")
     b = op_breakdown(paths[-1], steps)
@@ -146,14 +174,17 @@ def plot_breakdowns(rows, path: str, title: str = "") -> None:
     of it (a plain one-device step: one bar), stacked by category in exclusive milliseconds per step, with the
     step's wall time marked.  Written to ``path`` (PNG, SVG or PDF by its extension)."""
     import logging
+
     # matplotlib logs its font cache's first build at INFO ("font_manager: generating new fontManager"): a
     # stray line in a user's run (absl's handler prints INFO)
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     colors = dict(zip(CATEGORY_NAMES, ("#4477aa", "#66ccee", "#228833", "#ccbb44", "#ee6677", "#bbbbbb")))
-    bars = []                                   # (label, ms by category, wall)
+    bars = []  # (label, ms by category, wall)
     for label, b in rows:
         devices = b.per_device or {0: b.ms}
         for d, ms in devices.items():

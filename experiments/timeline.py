@@ -1,4 +1,6 @@
-"""``python -m experiments.timeline``: the installed ``jaxpipe timeline`` (:mod:`jaxpipe.cli.timeline`), for a clone."""
+"""``python -m experiments.timeline``: the installed ``jaxpipe timeline`` (:mod:`jaxpipe.cli.timeline`), for a
+clone."""
+
 from jaxpipe.cli import timeline as command
 from jaxpipe.cli.common import run
 

@@ -1,4 +1,6 @@
-"""``python -m experiments.train``: the installed ``jaxpipe train`` (:mod:`jaxpipe.cli.train`), for a clone."""
+"""``python -m experiments.train``: the installed ``jaxpipe train`` (:mod:`jaxpipe.cli.train`), for a
+clone."""
+
 from jaxpipe.cli import train as command
 from jaxpipe.cli.common import run
 

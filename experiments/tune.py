@@ -11,6 +11,7 @@
    4. Builds and times ``--validate`` configurations (the calibration one excluded) and prints predicted vs
    measured step time and the error; writes everything to ``--out`` as JSON.
 """
+
 from __future__ import annotations
 
 import os
@@ -63,21 +64,28 @@ def main(argv):
     def make_model(stages):
         if FLAGS.model == "mlp":
             return make_tanh_mlp(stages, L // stages, FLAGS.width)
-        return jp.models.gpt(stages, vocab=64, d_model=FLAGS.width, heads=4, seq_len=32, blocks_per_stage=L // stages)
+        return jp.models.gpt(
+            stages, vocab=64, d_model=FLAGS.width, heads=4, seq_len=32, blocks_per_stage=L // stages
+        )
 
     def make_batch(n):
         r = np.random.default_rng(0)
         if FLAGS.model == "mlp":
-            return {"x": jnp.asarray(r.normal(size=(n, FLAGS.width)), jnp.float32),
-                    "y": jnp.zeros((n, FLAGS.width), jnp.float32)}
+            return {
+                "x": jnp.asarray(r.normal(size=(n, FLAGS.width)), jnp.float32),
+                "y": jnp.zeros((n, FLAGS.width), jnp.float32),
+            }
         t = r.integers(0, 64, (n, 33)).astype(np.int32)
         return {"x": jnp.asarray(t[:, :-1]), "y": jnp.asarray(t[:, 1:])}
 
-    one = make_model(L)                          # one layer per stage: the unit the costs scale from
+    one = make_model(L)  # one layer per stage: the unit the costs scale from
     w1 = jax.tree.map(lambda a: a[0], one.stage_params)
     Bs = [int(b) for b in FLAGS.micro_batch_sizes.split(",")]
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform} x{P}; {FLAGS.model} {L} layers, width "
-          f"{FLAGS.width}, batch {batch}", flush=True)
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].platform} x{P}; {FLAGS.model} {L} layers, width "
+        f"{FLAGS.width}, batch {batch}",
+        flush=True,
+    )
     t0 = time.perf_counter()
     costs_of = {}
     for B in tqdm(Bs, desc="micro-benchmarks (per micro-batch size)"):
@@ -85,20 +93,27 @@ def main(argv):
         x = jnp.ones(x.shape, x.dtype) * 0.1
         ops = mb.op_costs(one.stage_fn, w1, x, P, busy=sorted({1, 2, P // 2, P}), split=False)
         ops_split = mb.op_costs(one.stage_fn, w1, x, P, busy=sorted({1, P}), split=True)
-        costs_of[B] = ({k: v for k, v in ops.items()}, {"B": ops_split["B"], "W": ops_split["W"]},
-                       int(np.prod(x.shape)) * x.dtype.itemsize)
+        costs_of[B] = (
+            {k: v for k, v in ops.items()},
+            {"B": ops_split["B"], "W": ops_split["W"]},
+            int(np.prod(x.shape)) * x.dtype.itemsize,
+        )
     layer_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(w1))
     # fit alpha/beta over the sizes the step really moves: activations up to whole stages' weights
     # (Chimera's replica exchange) and gradients (the data-parallel all-reduce); on CPU the cost per byte
     # of a 16 MB collective is not what a 1 MB one suggests
     big = max(1 << 20, int(layer_bytes * L // 2))
     act_max = max(costs_of[B][2] for B in Bs)
-    pa, pb = mb.p2p_alpha_beta(P, sizes=tuple(sorted({1 << 12, max(act_max, 1 << 14), big // 4, big})), reps=4)
+    pa, pb = mb.p2p_alpha_beta(
+        P, sizes=tuple(sorted({1 << 12, max(act_max, 1 << 14), big // 4, big})), reps=4
+    )
     ar_of = {}
 
     def allreduce_for(W):
         if W not in ar_of:
-            ar_of[W] = mb.allreduce_alpha_beta(P, sizes=tuple(sorted({1 << 16, big // 4, big})), reps=4, group=W)
+            ar_of[W] = mb.allreduce_alpha_beta(
+                P, sizes=tuple(sorted({1 << 16, big // 4, big})), reps=4, group=W
+            )
         return ar_of[W]
 
     aa, ab = allreduce_for(P)
@@ -109,15 +124,22 @@ def main(argv):
         # per stage whatever the schedule: Chimera's replicas are gathered from it), replicated over 'data'
         if (D, W) not in upd_of:
             m = make_model(D)
-            upd_of[(D, W)] = mb.update_time(opt, m.stage_params, jp.make_mesh(stages=D, data=W),
-                                            jax.sharding.PartitionSpec("stage"))
+            upd_of[(D, W)] = mb.update_time(
+                opt, m.stage_params, jp.make_mesh(stages=D, data=W), jax.sharding.PartitionSpec("stage")
+            )
         return upd_of[(D, W)]
 
-    print(f"measured in {time.perf_counter() - t0:.0f} s: p2p alpha {pa * 1e6:.1f} us beta {pb * 1e9:.3f} ns/B; "
-          f"all-reduce alpha {aa * 1e6:.1f} us beta {ab * 1e9:.3f} ns/B", flush=True)
+    print(
+        f"measured in {time.perf_counter() - t0:.0f} s: p2p alpha {pa * 1e6:.1f} us beta {pb * 1e9:.3f} "
+        "ns/B; "
+        f"all-reduce alpha {aa * 1e6:.1f} us beta {ab * 1e9:.3f} ns/B",
+        flush=True,
+    )
     for B in Bs:
-        print(f"  B={B}: one layer F {[f'{t * 1e3:.2f}' for t in costs_of[B][0]['F']]} ms, "
-              f"B {[f'{t * 1e3:.2f}' for t in costs_of[B][0]['B']]} ms (n = 1..{P} busy devices)")
+        print(
+            f"  B={B}: one layer F {[f'{t * 1e3:.2f}' for t in costs_of[B][0]['F']]} ms, "
+            f"B {[f'{t * 1e3:.2f}' for t in costs_of[B][0]['B']]} ms (n = 1..{P} busy devices)"
+        )
 
     def costs_for(c):
         ops, split_ops, act = costs_of[c.B]
@@ -130,20 +152,38 @@ def main(argv):
         chunks = int(s.stage_of_chunk().shape[1])
         upd = update_for(c.D, c.W)
         a_w, b_w = allreduce_for(c.W) if c.W > 1 else (0.0, 0.0)
-        return s, Costs(op=op, p2p_alpha=pa, p2p_beta=pb, ar_alpha=a_w, ar_beta=b_w, update=upd), act, \
-            layer_bytes * per, chunks
+        return (
+            s,
+            Costs(op=op, p2p_alpha=pa, p2p_beta=pb, ar_alpha=a_w, ar_beta=b_w, update=upd),
+            act,
+            layer_bytes * per,
+            chunks,
+        )
 
     def predicted(c, op_overhead, step_overhead, chunk_overhead=0.0, dp_overhead=0.0):
         s, co, act, gbytes, chunks = costs_for(c)
         co.overhead = step_overhead + dp_overhead * (c.W - 1)
-        replicas = c.W        # Chimera's two replicas are summed by the ppermute exchange (the layout term)
-        return predict(s, co, act, gbytes, replicas, width=c.W, op_overhead=op_overhead,
-                       chunk_tick_overhead=chunk_overhead)
+        replicas = c.W  # Chimera's two replicas are summed by the ppermute exchange (the layout term)
+        return predict(
+            s,
+            co,
+            act,
+            gbytes,
+            replicas,
+            width=c.W,
+            op_overhead=op_overhead,
+            chunk_tick_overhead=chunk_overhead,
+        )
 
     def measure_step(c):
         model = make_model(c.model_stages)
-        pipe = jp.Pipeline(model, schedule=c.schedule, num_microbatches=c.N, optimizer=opt,
-                           mesh=jp.make_mesh(stages=c.D, data=c.W))
+        pipe = jp.Pipeline(
+            model,
+            schedule=c.schedule,
+            num_microbatches=c.N,
+            optimizer=opt,
+            mesh=jp.make_mesh(stages=c.D, data=c.W),
+        )
         state = pipe.init()
         b = pipe.shard_batch(make_batch(batch))
         for _ in range(2):
@@ -166,9 +206,11 @@ def main(argv):
     # fitted the same way was measured twice as wrong (BUILD_NOTES, "Re-run in the fourth stop")
     f1 = [c for c in cands if c.schedule == "1f1b"]
     if not f1:
-        raise app.UsageError(f"the calibration runs 1F1B, and no 1F1B configuration fits --devices={P}, "
-                             f"--layers={L}, --batch={batch} with --schedules={FLAGS.schedules}: add 1f1b to "
-                             f"--schedules, or give as many layers as devices (e.g. --layers={P})")
+        raise app.UsageError(
+            f"the calibration runs 1F1B, and no 1F1B configuration fits --devices={P}, "
+            f"--layers={L}, --batch={batch} with --schedules={FLAGS.schedules}: add 1f1b to "
+            f"--schedules, or give as many layers as devices (e.g. --layers={P})"
+        )
     # the fewest data-parallel replicas there are (W = 1 unless the layers are fewer than the devices)
     w_min = min(c.W for c in f1)
     ones = sorted((c for c in f1 if c.W == w_min), key=lambda c: c.build().num_ticks)
@@ -176,7 +218,9 @@ def main(argv):
     eq = []
     for c in calibs:
         t_meas = measure_step(c)
-        eq.append((sum(len(a) for a in c.build().actions), t_meas - predicted(c, 0.0, 0.0)["lockstep"], t_meas))
+        eq.append(
+            (sum(len(a) for a in c.build().actions), t_meas - predicted(c, 0.0, 0.0)["lockstep"], t_meas)
+        )
     (n1, r1, _), (n2, r2, _) = eq
     op_oh = max(0.0, (r1 - r2) / (n1 - n2)) if n1 != n2 else max(0.0, r1 / n1)
     # the intercept may be negative: the micro-benchmarked ops and update can exceed what a step pays
@@ -184,7 +228,9 @@ def main(argv):
     # a third run, of a two-chunk schedule (Chimera), gives the extra per-tick cost of a second chunk; a
     # fourth, of 1F1B with the widest data parallelism, the per-step cost of data parallelism that the
     # all-reduce and update micro-benchmarks do not see (per extra replica)
-    chims = sorted((c for c in cands if c.schedule == "chimera" and c.W == 1), key=lambda c: c.build().num_ticks)
+    chims = sorted(
+        (c for c in cands if c.schedule == "chimera" and c.W == 1), key=lambda c: c.build().num_ticks
+    )
     chunk_oh = dp_oh = 0.0
     if chims:
         cc = chims[-1]
@@ -193,7 +239,9 @@ def main(argv):
         chunk_oh = max(0.0, rest / cc.build().num_ticks)
         calibs.append(cc)
         eq.append((cc.build().num_ticks, rest, t_cc))
-    wides = sorted((c for c in cands if c.schedule == "1f1b" and c.W > 1), key=lambda c: (-c.W, c.build().num_ticks))
+    wides = sorted(
+        (c for c in cands if c.schedule == "1f1b" and c.W > 1), key=lambda c: (-c.W, c.build().num_ticks)
+    )
     if wides:
         cw = wides[0]
         t_cw = measure_step(cw)
@@ -201,10 +249,12 @@ def main(argv):
         dp_oh = max(0.0, rest / (cw.W - 1))
         calibs.append(cw)
         eq.append((cw.build().num_ticks, rest, t_cw))
-    print(f"calibration on {', '.join(f'{c.label()} ({e[2] * 1e3:.1f} ms)' for c, e in zip(calibs, eq))}: "
-          f"{op_oh * 1e6:.0f} us per device-op, {chunk_oh * 1e6:.0f} us per tick per extra chunk, "
-          f"{step_oh * 1e3:.2f} ms per step, {dp_oh * 1e3:.2f} ms per step per extra data-parallel replica",
-          flush=True)
+    print(
+        f"calibration on {', '.join(f'{c.label()} ({e[2] * 1e3:.1f} ms)' for c, e in zip(calibs, eq))}: "
+        f"{op_oh * 1e6:.0f} us per device-op, {chunk_oh * 1e6:.0f} us per tick per extra chunk, "
+        f"{step_oh * 1e3:.2f} ms per step, {dp_oh * 1e3:.2f} ms per step per extra data-parallel replica",
+        flush=True,
+    )
 
     rows = []
     for c in cands:
@@ -218,9 +268,12 @@ def main(argv):
     print(f"\n{len(rows)} configurations fit {FLAGS.memory_mib:g} MiB; best predicted:")
     print("| config | predicted ms (lockstep) | paper eq.(1) ms | C_f | C_b | ticks | est. MiB/device |")
     print("|---|---|---|---|---|---|---|")
-    for r in rows[:FLAGS.top]:
-        print(f"| {r['config']} | {r['lockstep'] * 1e3:.1f} | {r['paper'] * 1e3:.1f} | {r['C_f']} | {r['C_b']} | "
-              f"{r['ticks']} | {r['memory_mib']:.1f} |")
+    for r in rows[: FLAGS.top]:
+        print(
+            f"| {r['config']} | {r['lockstep'] * 1e3:.1f} | {r['paper'] * 1e3:.1f} | {r['C_f']} | "
+            f"{r['C_b']} | "
+            f"{r['ticks']} | {r['memory_mib']:.1f} |"
+        )
     # validation: the best few and a spread over schedules and (W, D)
     pick, seen = [], set()
     for r in rows:
@@ -229,7 +282,7 @@ def main(argv):
         if c not in calibs and key not in seen:
             pick.append(r)
             seen.add(key)
-    pick = pick[:FLAGS.validate]
+    pick = pick[: FLAGS.validate]
     print(f"\nvalidation: predicted vs measured (median of 5 steps), {len(pick)} configurations", flush=True)
     print("| config | predicted ms | measured ms | error |")
     print("|---|---|---|---|")
@@ -245,10 +298,21 @@ def main(argv):
     print(f"predicted best: {rows[0]['config']}; measured best among validated: {best['config']}")
     os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
     with open(FLAGS.out, "w") as fh:
-        json.dump({"op_overhead_s": op_oh, "step_overhead_s": step_oh, "chunk_tick_overhead_s": chunk_oh, "dp_step_overhead_s": dp_oh,
-                   "calibration": [c.label() for c in calibs], "calibration_measured_s": [e[2] for e in eq],
-                   "p2p": [pa, pb], "allreduce": [aa, ab],
-                   "rows": [{k: v for k, v in r.items() if k != "candidate"} for r in rows]}, fh, indent=1)
+        json.dump(
+            {
+                "op_overhead_s": op_oh,
+                "step_overhead_s": step_oh,
+                "chunk_tick_overhead_s": chunk_oh,
+                "dp_step_overhead_s": dp_oh,
+                "calibration": [c.label() for c in calibs],
+                "calibration_measured_s": [e[2] for e in eq],
+                "p2p": [pa, pb],
+                "allreduce": [aa, ab],
+                "rows": [{k: v for k, v in r.items() if k != "candidate"} for r in rows],
+            },
+            fh,
+            indent=1,
+        )
     print(f"wrote {FLAGS.out}")
 
 

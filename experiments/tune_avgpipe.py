@@ -15,13 +15,14 @@
 Writes ``--out`` (JSON) and ``--markdown`` (default ``runs/tune_avgpipe.md``; the table in ``docs/`` is the
 recorded run: pass ``--markdown=docs/tune_avgpipe.md`` to replace it).
 """
+
 from __future__ import annotations
 
 import os
 import sys
 
 from jaxpipe.cli import common as cli
-from absl import app, flags
+from absl import flags
 
 from experiments import emulate_cpu_devices
 
@@ -36,10 +37,18 @@ flags.DEFINE_string("ms", "1,2,4,8", "micro-batch counts M to consider")
 flags.DEFINE_string("ns", "1,2,4", "parallel pipeline counts N to consider")
 flags.DEFINE_float("memory_limit", 0.0, "MiB per device (0: no limit)")
 flags.DEFINE_integer("steps", 5, "timed steps per setting (median)")
-flags.DEFINE_boolean("shared", False, "the paper's setting: the N pipelines share the same D devices "
-                     "(options={'shared': N}, eq. 8's n*/n memory terms) instead of N x D devices on the pipe axis")
+flags.DEFINE_boolean(
+    "shared",
+    False,
+    "the paper's setting: the N pipelines share the same D devices "
+    "(options={'shared': N}, eq. 8's n*/n memory terms) instead of N x D devices on the pipe axis",
+)
 flags.DEFINE_string("out", "runs/tune_avgpipe.json", "JSON output")
-flags.DEFINE_string("markdown", "runs/tune_avgpipe.md", "Markdown table output ('' to skip; the recorded table is docs/tune_avgpipe.md)")
+flags.DEFINE_string(
+    "markdown",
+    "runs/tune_avgpipe.md",
+    "Markdown table output ('' to skip; the recorded table is docs/tune_avgpipe.md)",
+)
 FLAGS = flags.FLAGS
 
 
@@ -70,20 +79,37 @@ def main(argv):
 
     def batch_for(n):
         r = np.random.default_rng(0)
-        return {"x": jnp.asarray(r.normal(size=(n * B, FLAGS.width)), jnp.float32),
-                "y": jnp.zeros((n * B, FLAGS.width), jnp.float32)}
+        return {
+            "x": jnp.asarray(r.normal(size=(n * B, FLAGS.width)), jnp.float32),
+            "y": jnp.zeros((n * B, FLAGS.width), jnp.float32),
+        }
 
     def run_setting(m, n, steps):
         # memory of the 1F1B program (eq. 8 scales activations with the micro-batch size, 1F1B's case),
         # time of AFAB (the case eqs. 1-7 predict; advance forward propagation approaches it)
-        where = dict(mesh=jp.make_mesh(stages=D), shared={"shared": n}) if FLAGS.shared else \
-            dict(mesh=jp.make_mesh(pipes=n, stages=D), shared={})
-        pipe = jp.Pipeline(model, schedule="avgpipe", num_microbatches=m, optimizer=opt, mesh=where["mesh"],
-                           options={"advance": 0, **where["shared"]})
+        where = (
+            dict(mesh=jp.make_mesh(stages=D), shared={"shared": n})
+            if FLAGS.shared
+            else dict(mesh=jp.make_mesh(pipes=n, stages=D), shared={})
+        )
+        pipe = jp.Pipeline(
+            model,
+            schedule="avgpipe",
+            num_microbatches=m,
+            optimizer=opt,
+            mesh=where["mesh"],
+            options={"advance": 0, **where["shared"]},
+        )
         state, batch = pipe.init(), batch_for(n)
         ma = pipe.lower("step", state, batch).compile().memory_analysis()
-        pipe = jp.Pipeline(model, schedule="avgpipe", num_microbatches=m, optimizer=opt, mesh=where["mesh"],
-                           options={"advance": m - 1, **where["shared"]})
+        pipe = jp.Pipeline(
+            model,
+            schedule="avgpipe",
+            num_microbatches=m,
+            optimizer=opt,
+            mesh=where["mesh"],
+            options={"advance": m - 1, **where["shared"]},
+        )
         for _ in range(2):
             state, met = pipe.step(state, batch)
         jax.block_until_ready(met["loss"])
@@ -97,12 +123,21 @@ def main(argv):
             cpus.append((c1.user - c0.user) + (c1.system - c0.system))
         wall = statistics.median(walls)
         util = min(1.0, statistics.median([c / (w * cores) for c, w in zip(cpus, walls)]))
-        return {"m": m, "n": n, "step_s": wall, "util": util, "args_bytes": int(ma.argument_size_in_bytes),
-                "temp_bytes": int(ma.temp_size_in_bytes)}
+        return {
+            "m": m,
+            "n": n,
+            "step_s": wall,
+            "util": util,
+            "args_bytes": int(ma.argument_size_in_bytes),
+            "temp_bytes": int(ma.temp_size_in_bytes),
+        }
 
     m0, n0 = FLAGS.profile_m, FLAGS.profile_n
-    print(f"jax {jax.__version__}, {P} CPU-emulated devices on {cores} cores; tanh MLP {FLAGS.layers}x"
-          f"{FLAGS.width}^2 in {D} stages, batch {B} per pipeline, Adam; profiling (M={m0}, N={n0})", flush=True)
+    print(
+        f"jax {jax.__version__}, {P} CPU-emulated devices on {cores} cores; tanh MLP {FLAGS.layers}x"
+        f"{FLAGS.width}^2 in {D} stages, batch {B} per pipeline, Adam; profiling (M={m0}, N={n0})",
+        flush=True,
+    )
     prof = run_setting(m0, n0, FLAGS.steps)
     one = make_tanh_mlp(FLAGS.layers, 1, FLAGS.width)
     w1 = jax.tree.map(lambda a: a[0], one.stage_params)
@@ -113,71 +148,119 @@ def main(argv):
     act_bytes = int(np.prod(x.shape)) * 4
     pa, pb = mb.p2p_alpha_beta(D, sizes=(1 << 12, max(act_bytes, 1 << 14), 1 << 20), reps=4)
     msg = pa + pb * act_bytes
-    t_gpu = [m0 * per_mb / n0] * D                                       # per batch, amortised over N
+    t_gpu = [m0 * per_mb / n0] * D  # per batch, amortised over N
     t_comm = [m0 * msg * ((k < D - 1) + (k > 0)) for k in range(D)]
     # data bytes: the stashed residuals of the micro-batches 1F1B holds on device k (D - k of them) plus
     # the message buffers; the rest of XLA's bytes is the model's (parameters, optimizer, reference, grads)
     from jaxpipe.runtime.common import residual_mask
+
     w_stage = jax.tree.map(lambda a: a[0], model.stage_params)
     _, res = residual_mask(model.stage_fn, w_stage, x)
     per_mb_bytes = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in res) + 3 * act_bytes
     f_dat = [min(D - k, m0) * per_mb_bytes for k in range(D)]
     total = prof["args_bytes"] + prof["temp_bytes"]
-    profile = AvgPipeProfile(m0, n0, t_gpu, [prof["util"]] * D, t_comm, [total - f for f in f_dat], f_dat,
-                             shared_compute=True, shared_memory=FLAGS.shared)
+    profile = AvgPipeProfile(
+        m0,
+        n0,
+        t_gpu,
+        [prof["util"]] * D,
+        t_comm,
+        [total - f for f in f_dat],
+        f_dat,
+        shared_compute=True,
+        shared_memory=FLAGS.shared,
+    )
     raw = predict(profile, m0, n0).step
     profile.tick_overhead = calibrate_tick_overhead(profile, prof["step_s"])
-    print(f"profile: step {prof['step_s'] * 1e3:.1f} ms, CPU utilisation {prof['util']:.2f}, compute "
-          f"{per_mb * 1e3:.2f} ms per micro-batch and device, message {msg * 1e6:.0f} us; eqs. 1-7 alone give "
-          f"{raw * 1e3:.1f} ms on it: executor cost {profile.tick_overhead * 1e3:.2f} ms per tick", flush=True)
+    print(
+        f"profile: step {prof['step_s'] * 1e3:.1f} ms, CPU utilisation {prof['util']:.2f}, compute "
+        f"{per_mb * 1e3:.2f} ms per micro-batch and device, message {msg * 1e6:.0f} us; eqs. 1-7 alone give "
+        f"{raw * 1e3:.1f} ms on it: executor cost {profile.tick_overhead * 1e3:.2f} ms per tick",
+        flush=True,
+    )
 
     ms = [int(v) for v in FLAGS.ms.split(",")]
     ns = [int(v) for v in FLAGS.ns.split(",")]
     settings = [(m, n) for n in ns for m in ms if (D if FLAGS.shared else n * D) <= P and B % m == 0]
-    limit = FLAGS.memory_limit * 2 ** 20 if FLAGS.memory_limit > 0 else None
+    limit = FLAGS.memory_limit * 2**20 if FLAGS.memory_limit > 0 else None
     best, preds = choose(profile, settings, limit, batch_per_pipe=B)
     rows = []
     for q in tqdm(preds, desc="measuring every setting"):
         r = prof if (q.m, q.n) == (m0, n0) else run_setting(q.m, q.n, FLAGS.steps)
         mem = r["args_bytes"] + r["temp_bytes"]
-        rows.append({"m": q.m, "n": q.n, "pred_step_s": q.step,
-                     "pred_eqs_only_s": predict(dataclasses.replace(profile, tick_overhead=0.0), q.m, q.n).step,
-                     "meas_step_s": r["step_s"], "time_err": q.step / r["step_s"] - 1,
-                     "pred_mem": q.memory, "meas_mem": mem, "mem_err": q.memory / mem - 1,
-                     "pred_tput": q.n * B / q.step, "meas_tput": q.n * B / r["step_s"], "profiled": (q.m, q.n) == (m0, n0)})
+        rows.append(
+            {
+                "m": q.m,
+                "n": q.n,
+                "pred_step_s": q.step,
+                "pred_eqs_only_s": predict(dataclasses.replace(profile, tick_overhead=0.0), q.m, q.n).step,
+                "meas_step_s": r["step_s"],
+                "time_err": q.step / r["step_s"] - 1,
+                "pred_mem": q.memory,
+                "meas_mem": mem,
+                "mem_err": q.memory / mem - 1,
+                "pred_tput": q.n * B / q.step,
+                "meas_tput": q.n * B / r["step_s"],
+                "profiled": (q.m, q.n) == (m0, n0),
+            }
+        )
     fit = [r for r in rows if limit is None or r["meas_mem"] <= limit]
     meas_best = max(fit, key=lambda r: r["meas_tput"], default=None)
-    lines = ["| M | N | predicted step (ms) | measured (ms) | error | predicted MiB/device | measured MiB | "
-             "error | samples/s measured |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| M | N | predicted step (ms) | measured (ms) | error | predicted MiB/device | measured MiB | "
+        "error | samples/s measured |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['m']} | {r['n']}{' (profiled)' if r['profiled'] else ''} | {r['pred_step_s'] * 1e3:.1f} | "
-                     f"{r['meas_step_s'] * 1e3:.1f} | {r['time_err'] * 100:+.0f}% | {r['pred_mem'] / 2**20:.1f} | "
-                     f"{r['meas_mem'] / 2**20:.1f} | {r['mem_err'] * 100:+.0f}% | {r['meas_tput']:.0f} |")
+        lines.append(
+            f"| {r['m']} | {r['n']}{' (profiled)' if r['profiled'] else ''} | {r['pred_step_s'] * 1e3:.1f} | "
+            f"{r['meas_step_s'] * 1e3:.1f} | {r['time_err'] * 100:+.0f}% | {r['pred_mem'] / 2**20:.1f} | "
+            f"{r['meas_mem'] / 2**20:.1f} | {r['mem_err'] * 100:+.0f}% | {r['meas_tput']:.0f} |"
+        )
     others = [r for r in rows if not r["profiled"]]
     mean_t = float(np.mean([abs(r["time_err"]) for r in others])) if others else float("nan")
     mean_m = float(np.mean([abs(r["mem_err"]) for r in others])) if others else float("nan")
-    summary = (f"Held-out settings: mean |time error| {mean_t * 100:.0f}%, max "
-               f"{max(abs(r['time_err']) for r in others) * 100:.0f}%; mean |memory error| {mean_m * 100:.0f}%. "
-               f"Chosen (predicted best under the limit): "
-               f"{None if best is None else (best.m, best.n)}; measured best: "
-               f"{None if meas_best is None else (meas_best['m'], meas_best['n'])}.")
+    summary = (
+        f"Held-out settings: mean |time error| {mean_t * 100:.0f}%, max "
+        f"{max(abs(r['time_err']) for r in others) * 100:.0f}%; mean |memory error| {mean_m * 100:.0f}%. "
+        f"Chosen (predicted best under the limit): "
+        f"{None if best is None else (best.m, best.n)}; measured best: "
+        f"{None if meas_best is None else (meas_best['m'], meas_best['n'])}."
+    )
     table = "\n".join(lines)
     print(table + "\n" + summary)
     os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
     with open(FLAGS.out, "w") as f:
-        json.dump({"profile": {**prof, "per_mb_s": per_mb, "msg_s": msg, "tick_overhead_s": profile.tick_overhead},
-                   "rows": rows, "chosen": None if best is None else [best.m, best.n],
-                   "measured_best": None if meas_best is None else [meas_best["m"], meas_best["n"]]}, f, indent=1)
+        json.dump(
+            {
+                "profile": {
+                    **prof,
+                    "per_mb_s": per_mb,
+                    "msg_s": msg,
+                    "tick_overhead_s": profile.tick_overhead,
+                },
+                "rows": rows,
+                "chosen": None if best is None else [best.m, best.n],
+                "measured_best": None if meas_best is None else [meas_best["m"], meas_best["n"]],
+            },
+            f,
+            indent=1,
+        )
     if FLAGS.markdown:
         os.makedirs(os.path.dirname(FLAGS.markdown) or ".", exist_ok=True)
         with open(FLAGS.markdown, "w") as f:
-            shown = (f"--shared --devices={FLAGS.devices} " if FLAGS.shared else "") + f"--memory_limit={FLAGS.memory_limit:g}"
-            f.write(f"# AvgPipe tuning (§5.2): predicted vs measured\n\n`python -m experiments.tune_avgpipe "
-                    f"{shown}`: tanh MLP {FLAGS.layers}x{FLAGS.width}², {D} stages, "
-                    f"batch {B} per pipeline, Adam, {P} CPU-emulated devices on {cores} cores; profiled "
-                    f"(M={m0}, N={n0}); predictions add the executor's per-tick cost calibrated on the profiled run "
-                    f"({profile.tick_overhead * 1e3:.2f} ms/tick; eqs. 1-7 alone gave {raw * 1e3:.1f} ms "
-                    f"there vs {prof['step_s'] * 1e3:.1f} measured).\n\n{table}\n\n{summary}\n")
+            shown = (
+                f"--shared --devices={FLAGS.devices} " if FLAGS.shared else ""
+            ) + f"--memory_limit={FLAGS.memory_limit:g}"
+            f.write(
+                f"# AvgPipe tuning (§5.2): predicted vs measured\n\n`python -m experiments.tune_avgpipe "
+                f"{shown}`: tanh MLP {FLAGS.layers}x{FLAGS.width}², {D} stages, "
+                f"batch {B} per pipeline, Adam, {P} CPU-emulated devices on {cores} cores; profiled "
+                f"(M={m0}, N={n0}); predictions add the executor's per-tick cost calibrated on the profiled "
+                "run "
+                f"({profile.tick_overhead * 1e3:.2f} ms/tick; eqs. 1-7 alone gave {raw * 1e3:.1f} ms "
+                f"there vs {prof['step_s'] * 1e3:.1f} measured).\n\n{table}\n\n{summary}\n"
+            )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Every synchronous schedule on a real two-device pipeline, beside the lockstep model's prediction (issue #49).
+"""Every synchronous schedule on a real two-device pipeline, beside the lockstep model's prediction (issue
+#49).
 
 Two processes (``jax.distributed``, Gloo collectives), one CPU device each, each pinned to its own core, are a
 real pipeline: the devices run side by side and wait for each other's messages, so a bubble costs real time
@@ -20,6 +21,7 @@ bytes/s), and one calibrated cost, a step's own (``jaxpipe.tune.lockstep.calibra
 too), so 1F1B's prediction equals its measurement on average; every other schedule's is a prediction.  Needs
 a quiet machine with two cores.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,8 +33,11 @@ import time
 from jaxpipe.cli import common as cli
 from absl import app, flags
 
-flags.DEFINE_string("schedules", "1f1b,gpipe,zb_h1,zb_v,dualpipe_v,interleaved_1f1b,chimera",
-                    "comma-separated schedules, each optionally name:placement")
+flags.DEFINE_string(
+    "schedules",
+    "1f1b,gpipe,zb_h1,zb_v,dualpipe_v,interleaved_1f1b,chimera",
+    "comma-separated schedules, each optionally name:placement",
+)
 flags.DEFINE_string("microbatches", "4,8", "comma-separated M values")
 flags.DEFINE_integer("layers", 8, "tanh layers in the model")
 flags.DEFINE_integer("width", 1024, "layer width")
@@ -40,41 +45,73 @@ flags.DEFINE_integer("batch", 256, "rows per step")
 flags.DEFINE_integer("rounds", 9, "timing rounds (3 steps each, schedules in turns)")
 flags.DEFINE_integer("port", 12419, "coordinator port on 127.0.0.1")
 flags.DEFINE_string("json", "", "also write the results to this file")
-flags.DEFINE_bool("measure_ops", False, "predict from one layer's F, B, B-input and W measured on this machine "
-                  "(jaxpipe.tune.microbench.layer_costs; on a noisy VM they move by 2x between runs) instead of "
-                  "from the plain step with b = 2 f and a split backward's parts f each, as the papers count")
-flags.DEFINE_bool("ops_alone", False, "with --measure_ops: time the ops on process 0 while the other waits (the "
-                  "default times them on both processes at once, as a pipeline's ticks run them: the two cores share "
-                  "the L3 cache and the memory bus, and ops timed alone priced the many small ops of the two-chunk "
-                  "plans 10-20% low)")
-flags.DEFINE_string("profile", "", "after the timed rounds, trace 3 steps of every pipeline on both processes "
-                    "with jax.profiler into this folder (p<process>_<M>_<schedule>/)")
-flags.DEFINE_string("op_costs", "", "f,b,w[,x]: one stage's forward, its backward's input part, its weight part "
-                    "(and a tick's exchange x) "
-                    "(any one unit, e.g. 10,10,16 ms as profiled here), given to every Pipeline (op_costs=): "
-                    "placement='auto' ranks at them and zb_h1 and zb_v choose their ticks for them "
-                    "(jaxpipe.schedules.zb_costed); 'zb_h1/unit' (or zb_v/unit) in --schedules runs the unit-time order beside it, "
-                    "and the prediction takes the same ratios")
-flags.DEFINE_bool("fit_scale", False, "calibrate the ops' scale from 1F1B's runs at two micro-batch counts too, "
-                  "not only a step's own cost (jaxpipe.tune.lockstep.calibrate_step)")
-flags.DEFINE_enum("link_thread", "idle", ["idle", "shared"],
-                  "idle: each process's Gloo I/O thread runs at SCHED_IDLE, so it gets the process's core only while "
-                  "the device's compute waits (a device's link does not run on its compute core); shared: as Gloo "
-                  "starts it -- its busy poll takes the core from the compute for up to a scheduler slice an "
-                  "exchange (1-3 ms at 128-256 KiB on this VM)")
-flags.DEFINE_integer("worker", -1, "internal: this process's index (the launcher sets it; -2: the one-core costs)")
+flags.DEFINE_bool(
+    "measure_ops",
+    False,
+    "predict from one layer's F, B, B-input and W measured on this machine "
+    "(jaxpipe.tune.microbench.layer_costs; on a noisy VM they move by 2x between runs) instead of "
+    "from the plain step with b = 2 f and a split backward's parts f each, as the papers count",
+)
+flags.DEFINE_bool(
+    "ops_alone",
+    False,
+    "with --measure_ops: time the ops on process 0 while the other waits (the "
+    "default times them on both processes at once, as a pipeline's ticks run them: the two cores share "
+    "the L3 cache and the memory bus, and ops timed alone priced the many small ops of the two-chunk "
+    "plans 10-20% low)",
+)
+flags.DEFINE_string(
+    "profile",
+    "",
+    "after the timed rounds, trace 3 steps of every pipeline on both processes "
+    "with jax.profiler into this folder (p<process>_<M>_<schedule>/)",
+)
+flags.DEFINE_string(
+    "op_costs",
+    "",
+    "f,b,w[,x]: one stage's forward, its backward's input part, its weight part "
+    "(and a tick's exchange x) "
+    "(any one unit, e.g. 10,10,16 ms as profiled here), given to every Pipeline (op_costs=): "
+    "placement='auto' ranks at them and zb_h1 and zb_v choose their ticks for them "
+    "(jaxpipe.schedules.zb_costed); 'zb_h1/unit' (or zb_v/unit) in --schedules runs the unit-time order "
+    "beside it, "
+    "and the prediction takes the same ratios",
+)
+flags.DEFINE_bool(
+    "fit_scale",
+    False,
+    "calibrate the ops' scale from 1F1B's runs at two micro-batch counts too, "
+    "not only a step's own cost (jaxpipe.tune.lockstep.calibrate_step)",
+)
+flags.DEFINE_enum(
+    "link_thread",
+    "idle",
+    ["idle", "shared"],
+    "idle: each process's Gloo I/O thread runs at SCHED_IDLE, so it gets the process's core only while "
+    "the device's compute waits (a device's link does not run on its compute core); shared: as Gloo "
+    "starts it -- its busy poll takes the core from the compute for up to a scheduler slice an "
+    "exchange (1-3 ms at 128-256 KiB on this VM)",
+)
+flags.DEFINE_integer(
+    "worker", -1, "internal: this process's index (the launcher sets it; -2: the one-core costs)"
+)
 FLAGS = flags.FLAGS
 CHUNKED = ("interleaved_1f1b", "zb_v", "dualpipe_v")
 
 
 def _model(jp, jnp, Ws, stages):
     from jax import lax
+
     layers = lambda ws, h: lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, ws)[0]
     L, W = Ws.shape[0], Ws.shape[1]
-    return jp.PipelineModel(stage_fn=lambda p, h: layers(p["w"], h),
-                            stage_params={"w": Ws.reshape(stages, L // stages, W, W)},
-                            pre=lambda p, b: b["x"], pre_params=jnp.zeros(()),
-                            post_loss=lambda p, h, b: jnp.mean((h - b["y"]) ** 2), post_params=jnp.zeros(()))
+    return jp.PipelineModel(
+        stage_fn=lambda p, h: layers(p["w"], h),
+        stage_params={"w": Ws.reshape(stages, L // stages, W, W)},
+        pre=lambda p, b: b["x"],
+        pre_params=jnp.zeros(()),
+        post_loss=lambda p, h, b: jnp.mean((h - b["y"]) ** 2),
+        post_params=jnp.zeros(()),
+    )
 
 
 def _link(pid, sizes):
@@ -86,14 +123,19 @@ def _link(pid, sizes):
     import numpy as np
     from jax import lax
     from jax.sharding import NamedSharding, PartitionSpec as P
+
     mesh = jax.make_mesh((2,), ("stage",))
     best = {}
-    for _ in range(2):          # every size twice, the cheaper kept: the first loops also pay the link's warm-up
+    for _ in range(2):  # every size twice, the cheaper kept: the first loops also pay the link's warm-up
         for n in sizes:
-            x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("stage")), np.ones((n,), np.float32))
+            x = jax.make_array_from_process_local_data(
+                NamedSharding(mesh, P("stage")), np.ones((n,), np.float32)
+            )
             per = {}
             for k in (5, 25):
-                loop = lambda a, k=k: lax.fori_loop(0, k, lambda i, a: lax.ppermute(a, "stage", [(0, 1), (1, 0)]), a)
+                loop = lambda a, k=k: lax.fori_loop(
+                    0, k, lambda i, a: lax.ppermute(a, "stage", [(0, 1), (1, 0)]), a
+                )
                 f = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=P("stage"), out_specs=P("stage")))
                 jax.block_until_ready(f(f(x)))
                 t = []
@@ -110,6 +152,7 @@ def _link(pid, sizes):
 def _thread_cpu():
     """``{thread id: (CPU ticks, name)}`` of this process's threads."""
     import glob
+
     out = {}
     for t in glob.glob("/proc/self/task/*"):
         try:
@@ -133,8 +176,11 @@ def _idle_link_thread():
     import numpy as np
     from jax import lax
     from jax.sharding import NamedSharding, PartitionSpec as P
+
     mesh = jax.make_mesh((2,), ("stage",))
-    x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("stage")), np.ones((1 << 15,), np.float32))
+    x = jax.make_array_from_process_local_data(
+        NamedSharding(mesh, P("stage")), np.ones((1 << 15,), np.float32)
+    )
     loop = lambda a: lax.fori_loop(0, 25, lambda i, a: lax.ppermute(a, "stage", [(0, 1), (1, 0)]), a)
     f = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=P("stage"), out_specs=P("stage")))
     jax.block_until_ready(f(x))
@@ -142,8 +188,11 @@ def _idle_link_thread():
     for _ in range(20):
         jax.block_until_ready(f(x))
     after = _thread_cpu()
-    used = {t: c - before.get(t, (0, ""))[0] for t, (c, name) in after.items()
-            if t != os.getpid() and not name.startswith("tf_")}
+    used = {
+        t: c - before.get(t, (0, ""))[0]
+        for t, (c, name) in after.items()
+        if t != os.getpid() and not name.startswith("tf_")
+    }
     tid = max(used, key=used.get)
     total = sum(c - before.get(t, (0, ""))[0] for t, (c, _) in after.items()) or 1
     os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
@@ -153,12 +202,14 @@ def _idle_link_thread():
 def worker(pid: int):
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
     import jax
+
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{FLAGS.port}", num_processes=2, process_id=pid)
     import jax.numpy as jnp
     import numpy as np
     import optax
     import jaxpipe as jp
+
     L, W, B = FLAGS.layers, FLAGS.width, FLAGS.batch
     r = np.random.default_rng(0)
     Ws = jnp.asarray(r.normal(size=(L, W, W)) / np.sqrt(W), jnp.float32)
@@ -169,10 +220,16 @@ def worker(pid: int):
             name, _, placement = spec.partition(":")
             name, unit = name.split("/")[0], name.endswith("/unit")
             stages = 4 if name in CHUNKED else 2
-            pipe = jp.Pipeline(_model(jp, jnp, Ws, stages), schedule=name, num_microbatches=M,
-                               optimizer=optax.sgd(1e-3), mesh=jp.make_mesh(stages=2),
-                               placement=placement or "auto", op_costs=None if unit else _op_costs(),
-                               options={"virtual": 2} if name == "interleaved_1f1b" else {})
+            pipe = jp.Pipeline(
+                _model(jp, jnp, Ws, stages),
+                schedule=name,
+                num_microbatches=M,
+                optimizer=optax.sgd(1e-3),
+                mesh=jp.make_mesh(stages=2),
+                placement=placement or "auto",
+                op_costs=None if unit else _op_costs(),
+                options={"virtual": 2} if name == "interleaved_1f1b" else {},
+            )
             b = pipe.shard_batch({"x": x, "y": y})
             s = pipe.init()
             for _ in range(2):
@@ -185,36 +242,55 @@ def worker(pid: int):
     costs = {}
     if FLAGS.measure_ops and (pid == 0 or not FLAGS.ops_alone):
         from jax.experimental import multihost_utils
+
         if not FLAGS.ops_alone:
             multihost_utils.sync_global_devices("layer costs")
-        costs = {f"{M},{per}": _layer_costs(Ws[:per], x[:B // M], per)
-                 for M in sorted({k[0] for k in runs})
-                 for per in sorted({L // (4 if k[1].partition(":")[0] in CHUNKED else 2) for k in runs})}
+        costs = {
+            f"{M},{per}": _layer_costs(Ws[:per], x[: B // M], per)
+            for M in sorted({k[0] for k in runs})
+            for per in sorted({L // (4 if k[1].partition(":")[0] in CHUNKED else 2) for k in runs})
+        }
         costs = costs if pid == 0 else {}
-    # the sizes the steps move: a small message, a micro-batch's activation, the stage's weights (Chimera's replica)
+    # the sizes the steps move: a small message, a micro-batch's activation, the stage's weights (Chimera's
+    # replica)
     acts = {FLAGS.batch // M * W for M in {k[0] for k in runs}}
     idled = _idle_link_thread() if FLAGS.link_thread == "idle" else None
     link = _link(pid, sorted({16, *acts, L // 2 * W * W}))
     plains = {M: _plain_step(Ws, x, y, M) for M in {k[0] for k in runs}} if pid == 0 else {}
-    for M, fn in plains.items():       # process 0 alone, on its core, in the same rounds (the other waits)
-        runs[(M, "plain")] = [fn, jax.block_until_ready(fn(fn(Ws)))]          # compiled and warm
+    for M, fn in plains.items():  # process 0 alone, on its core, in the same rounds (the other waits)
+        runs[(M, "plain")] = [fn, jax.block_until_ready(fn(fn(Ws)))]  # compiled and warm
     from experiments.bench import round_steps
+
     per_round = round_steps(runs, FLAGS.rounds)
     got = {k: float(np.median(v)) for k, v in per_round.items()}
     if FLAGS.profile:
         _profile(pid, {k: v for k, v in runs.items() if k[1] != "plain"})
     if pid == 0:
-        print(json.dumps({"link": link, "idled": idled, "plain": {M: got[(M, "plain")] for M in plains}, "costs": costs,
-                          "steps": [[M, spec, meta[(M, spec)][1], t] for (M, spec), t in got.items()
-                                    if spec != "plain"],
-                          "rounds": {f"{M},{spec}": v for (M, spec), v in per_round.items()}}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "link": link,
+                    "idled": idled,
+                    "plain": {M: got[(M, "plain")] for M in plains},
+                    "costs": costs,
+                    "steps": [
+                        [M, spec, meta[(M, spec)][1], t] for (M, spec), t in got.items() if spec != "plain"
+                    ],
+                    "rounds": {f"{M},{spec}": v for (M, spec), v in per_round.items()},
+                }
+            ),
+            flush=True,
+        )
 
 
 def _profile(pid, runs):
     """3 steps of each run traced by ``jax.profiler`` into ``--profile``/p<pid>_<M>_<schedule>."""
     import jax
+
     for (M, spec), entry in runs.items():
-        jax.profiler.start_trace(os.path.join(FLAGS.profile, f"p{pid}_{M}_{spec.replace(':', '-').replace('/', '-')}"))
+        jax.profiler.start_trace(
+            os.path.join(FLAGS.profile, f"p{pid}_{M}_{spec.replace(':', '-').replace('/', '-')}")
+        )
         for _ in range(3):
             entry[1] = entry[0](entry[1])
         jax.block_until_ready(entry[1])
@@ -222,23 +298,26 @@ def _profile(pid, runs):
 
 
 def _layer_costs(ws, xb, per):
-    """``[f, b, b_input, w]`` seconds per layer of a stage of ``per`` layers on one micro-batch ``xb``, on this
-    core, as the executor runs them (:func:`jaxpipe.tune.stage_bench.stashed_stage_costs`: residuals through a
-    stash, W from B's frontier added into the sums in place)."""
+    """``[f, b, b_input, w]`` seconds per layer of a stage of ``per`` layers on one micro-batch ``xb``, on
+    this core, as the executor runs them (:func:`jaxpipe.tune.stage_bench.stashed_stage_costs`: residuals
+    through a stash, W from B's frontier added into the sums in place)."""
     import jax.numpy as jnp
     import jaxpipe as jp
     from jaxpipe.tune.stage_bench import stashed_stage_costs
+
     xb = jnp.asarray(xb)
     c = stashed_stage_costs(_model(jp, jnp, ws, 1), {"w": ws}, xb, {"x": xb, "y": xb}, split=True)
     return [c[k] / per for k in ("F", "B", "B_input", "W")]
 
 
 def _plain_step(Ws, x, y, M):
-    """The plain one-device jitted step of the same work: M micro-batches' gradients summed, one SGD update."""
+    """The plain one-device jitted step of the same work: M micro-batches' gradients summed, one SGD
+    update."""
     import jax
     import jax.numpy as jnp
     import optax
     from jax import lax
+
     opt = optax.sgd(1e-3)
     B, W = x.shape
 
@@ -250,6 +329,7 @@ def _plain_step(Ws, x, y, M):
         xs, ys = jnp.asarray(x).reshape(M, B // M, W), jnp.asarray(y).reshape(M, B // M, W)
         g = lax.scan(lambda acc, a: (acc + jax.grad(loss)(ws, *a), None), jnp.zeros_like(ws), (xs, ys))[0]
         return optax.apply_updates(ws, opt.update(g / M, opt.init(ws), ws)[0])
+
     return step
 
 
@@ -259,20 +339,42 @@ def main(argv):
         return worker(FLAGS.worker)
     args = [a for a in sys.argv[1:] if not a.startswith("--worker")]
     from experiments.bench import machine_load
-    load = machine_load()              # before this run's own work
-    from jaxpipe import host_memory      # each worker's glibc keeps freed memory from its start (host_memory)
-    env = dict(os.environ) if os.environ.get(host_memory.OPT_OUT, "1") == "0" else {**os.environ,
-                                                                                     **host_memory.KEEP_FREED_ENV}
-    procs = [subprocess.Popen(["taskset", "-c", str(p), sys.executable, "-m", "experiments.two_devices", *args,
-                               f"--worker={p}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                              env=env)
-             for p in (1, 0)]
+
+    load = machine_load()  # before this run's own work
+    from jaxpipe import host_memory  # each worker's glibc keeps freed memory from its start (host_memory)
+
+    env = (
+        dict(os.environ)
+        if os.environ.get(host_memory.OPT_OUT, "1") == "0"
+        else {**os.environ, **host_memory.KEEP_FREED_ENV}
+    )
+    procs = [
+        subprocess.Popen(
+            [
+                "taskset",
+                "-c",
+                str(p),
+                sys.executable,
+                "-m",
+                "experiments.two_devices",
+                *args,
+                f"--worker={p}",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
+        for p in (1, 0)
+    ]
     out = procs[1].communicate()[0]
     procs[0].wait()
     lines = [ln for ln in out.splitlines() if ln.startswith("{")]
     if not lines:
-        raise SystemExit("experiments.two_devices: the workers reported nothing (is port "
-                         f"{FLAGS.port} free, and are there two cores?)")
+        raise SystemExit(
+            "experiments.two_devices: the workers reported nothing (is port "
+            f"{FLAGS.port} free, and are there two cores?)"
+        )
     report({**json.loads(lines[-1]), "load": load})
 
 
@@ -282,6 +384,7 @@ def _op_costs():
         return None
     from jaxpipe.schedules.lanes import check_costs
     from jaxpipe.schedules import ScheduleError
+
     try:
         return check_costs(FLAGS.op_costs.split(","), "--op_costs")
     except ScheduleError as e:
@@ -295,6 +398,7 @@ def report(res):
     from 1F1B's measured steps (module docstring)."""
     import jaxpipe as jp
     from jaxpipe.tune import LayerCosts, Link, calibrate_step, predict_devices
+
     table = tuple((float(n), float(t)) for n, t in res["link"])
     (n0, t0), (n1, t1) = table[0], table[-1]
     link = Link(t0, (t1 - t0) / max(n1 - n0, 1.0), table)
@@ -306,7 +410,7 @@ def report(res):
         name, unit = name.split("/")[0], name.endswith("/unit")
         extra = {"virtual": 2} if name == "interleaved_1f1b" else {}
         if name in ("zb_h1", "zb_v") and given and not unit:
-            extra["costs"] = given              # the plan the pipeline ran
+            extra["costs"] = given  # the plan the pipeline ran
         s = jp.schedules.build(name, 2, M, **extra)
         plain = res["plain"][str(M)]
         per = L / s.num_model_stages
@@ -323,23 +427,44 @@ def report(res):
         parts = predict_devices(s, lc, per, 0.0, link, act, per * W * W * 4, placement=placement)
         rows.append([M, spec, placement, t, plain, parts])
     ref = [(parts, t) for M, spec, _, t, _, parts in rows if spec == "1f1b"]
-    scale, fixed = (calibrate_step([p for p, _ in ref], [t for _, t in ref], fit_scale=FLAGS.fit_scale)
-                     if ref else (1.0, 0.0))
+    scale, fixed = (
+        calibrate_step([p for p, _ in ref], [t for _, t in ref], fit_scale=FLAGS.fit_scale)
+        if ref
+        else (1.0, 0.0)
+    )
     for key, (f, b, b_in, w) in sorted(res.get("costs", {}).items()):
         M, per = key.split(",")
-        print(f"one layer, M={M} ({per} a stage): f {f * 1e3:.2f} ms, b {b / f:.2f} f, B's input part {b_in / f:.2f} f, "
-              f"W {w / f:.2f} f")
-    print("link (one exchange in a compiled loop): " + ", ".join(f"{n / 2**20:.3g} MiB {t * 1e3:.2f} ms" for n, t in table)
-          + f"; from 1f1b's "
-          f"{len(ref)} run(s): ops x {scale:.3f}, {fixed * 1e3:.1f} ms a step")
+        print(
+            f"one layer, M={M} ({per} a stage): f {f * 1e3:.2f} ms, b {b / f:.2f} f, B's input part "
+            f"{b_in / f:.2f} f, "
+            f"W {w / f:.2f} f"
+        )
+    print(
+        "link (one exchange in a compiled loop): "
+        + ", ".join(f"{n / 2**20:.3g} MiB {t * 1e3:.2f} ms" for n, t in table)
+        + f"; from 1f1b's "
+        f"{len(ref)} run(s): ops x {scale:.3f}, {fixed * 1e3:.1f} ms a step"
+    )
     idled = res.get("idled")
-    print("link thread: " + (f"Gloo's I/O thread at SCHED_IDLE (it used {idled[1]:.0%} of the core while only "
-                             f"exchanges ran)" if idled else "shared (as Gloo starts it; --link_thread=idle demotes it)"))
-    print(f"{'M':>2} {'schedule':22s} {'placement':9s} {'measured':>9s} {'x plain':>8s} {'x 1f1b (+- IQR/2)':>17s} "
-          f"{'predicted':>10s} {'meas/pred':>9s} {'pred/1f1b':>9s}")
+    print(
+        "link thread: "
+        + (
+            f"Gloo's I/O thread at SCHED_IDLE (it used {idled[1]:.0%} of the core while only exchanges ran)"
+            if idled
+            else "shared (as Gloo starts it; --link_thread=idle demotes it)"
+        )
+    )
+    print(
+        f"{'M':>2} {'schedule':22s} {'placement':9s} {'measured':>9s} {'x plain':>8s} "
+        f"{'x 1f1b (+- IQR/2)':>17s} "
+        f"{'predicted':>10s} {'meas/pred':>9s} {'pred/1f1b':>9s}"
+    )
     base = {M: t for M, spec, _, t, *_ in rows if spec == "1f1b"}
-    pred = {(M, spec): parts["step"] + (scale - 1) * parts["compute"] + fixed for M, spec, _, _, _, parts in rows}
+    pred = {
+        (M, spec): parts["step"] + (scale - 1) * parts["compute"] + fixed for M, spec, _, _, _, parts in rows
+    }
     from experiments.bench import ratio_spread, reliability
+
     rounds, spreads, out = res.get("rounds", {}), {}, []
     for M, spec, placement, t, plain, parts in rows:
         p = pred[(M, spec)]
@@ -347,15 +472,36 @@ def report(res):
         r, sp = ratio_spread(own, ref) if own and ref else (t / base[M] if M in base else float("nan"), 0.0)
         if spec != "1f1b":
             spreads[f"M={M} {spec} / 1f1b"] = (r, sp)
-        print(f"{M:>2} {spec:22s} {placement:9s} {t * 1e3:7.1f}ms {t / plain:8.3f} {r:9.3f} +- {sp:.3f} "
-              f"{p * 1e3:8.1f}ms {t / p:9.3f} {p / pred.get((M, '1f1b'), float('nan')):9.3f}")
-        out.append({"M": M, "schedule": spec, "placement": placement, "measured_s": t, "plain_s": plain,
-                    "predicted_s": p, "parts": parts})
+        print(
+            f"{M:>2} {spec:22s} {placement:9s} {t * 1e3:7.1f}ms {t / plain:8.3f} {r:9.3f} +- {sp:.3f} "
+            f"{p * 1e3:8.1f}ms {t / p:9.3f} {p / pred.get((M, '1f1b'), float('nan')):9.3f}"
+        )
+        out.append(
+            {
+                "M": M,
+                "schedule": spec,
+                "placement": placement,
+                "measured_s": t,
+                "plain_s": plain,
+                "predicted_s": p,
+                "parts": parts,
+            }
+        )
     for w in reliability(spreads, res.get("load")):
         print("warning: " + w)
     if FLAGS.json:
         with open(FLAGS.json, "w") as fh:
-            json.dump({"link": res["link"], "link_thread": FLAGS.link_thread, "scale": scale, "fixed_s": fixed, "rows": out}, fh, indent=1)
+            json.dump(
+                {
+                    "link": res["link"],
+                    "link_thread": FLAGS.link_thread,
+                    "scale": scale,
+                    "fixed_s": fixed,
+                    "rows": out,
+                },
+                fh,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

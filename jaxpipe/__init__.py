@@ -1,16 +1,18 @@
 """jaxpipe: pipeline-parallel training in JAX -- every method one ``shard_map`` program over a device mesh.
 
     import jaxpipe as jp, optax
-    model = jp.PipelineModel(stage_fn=..., stage_params=..., pre=..., pre_params=..., post_loss=..., post_params=...)
+    model = jp.PipelineModel(stage_fn=..., stage_params=..., pre=..., pre_params=...,
+                             post_loss=..., post_params=...)
     pipe = jp.Pipeline(model, schedule="1f1b", num_microbatches=8, optimizer=optax.adamw(1e-3),
                        mesh=jp.make_mesh(stages=4, data=1))
     state = pipe.init()
     state, metrics = pipe.step(state, batch)
-    result = jp.train(pipe, batches, steps=1000, checkpoint_dir="ckpt")   # the whole loop: checkpoints, stops, ...
+    result = jp.train(pipe, batches, steps=1000, checkpoint_dir="ckpt")  # the loop: checkpoints, stops
 
 ``jaxpipe.schedules`` (the schedule IR, simulator and pictures) never imports JAX; the rest is loaded on
 first use.
 """
+
 import importlib
 
 from . import schedules
@@ -46,9 +48,29 @@ _LAZY = {
     "save_params": ("checkpoint", "save_params"),
 }
 
-__all__ = ["Checkpointer", "ConfigError", "CyclicDataParallel", "Pipeline", "PipelineModel", "PipelineState", "Precision", "StageContext", "data", "make_mesh",
-           "microbatch_key", "models", "optim", "with_precision", "train", "Trainer", "training", "configure",
-           "schedules", "tune", "save_params"]
+__all__ = [
+    "Checkpointer",
+    "ConfigError",
+    "CyclicDataParallel",
+    "Pipeline",
+    "PipelineModel",
+    "PipelineState",
+    "Precision",
+    "StageContext",
+    "data",
+    "make_mesh",
+    "microbatch_key",
+    "models",
+    "optim",
+    "with_precision",
+    "train",
+    "Trainer",
+    "training",
+    "configure",
+    "schedules",
+    "tune",
+    "save_params",
+]
 
 
 def __getattr__(name):

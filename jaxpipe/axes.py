@@ -4,6 +4,7 @@ Pipeline axes -- manual inside jaxpipe's programs: ``pipe`` holds parallel pipel
 replicates a pipeline (data parallelism; CyclicDataParallel's workers), ``stage`` carries the pipeline.
 Every other axis of a mesh is a *model axis* (``fsdp``, ``tensor``, or a user's own): left to XLA's SPMD
 partitioner inside the stages, sharding a stage's weights the way its ``param_specs`` say."""
+
 from math import prod
 
 PIPE, DATA, STAGE = "pipe", "data", "stage"

@@ -22,9 +22,11 @@ arrays' sums and refuses a checkpoint where either differs.
 ``restore_latest`` falls back from a corrupt or unreadable newest checkpoint to the newest intact one and
 says which it skipped and why.  One writer per directory: a lock file (``.jaxpipe.lock``, held with ``flock``;
 it names host, pid, time) is taken by the first save (or at once with ``writer=True``) and released on
-``close`` or when the process dies (a later run takes it over, said so); a live owner is a ConfigError naming it.  All processes of a multi-host job call save/restore; Orbax
-writes each array's shards from the process that holds them and the metadata from process 0.
+``close`` or when the process dies (a later run takes it over, said so); a live owner is a ConfigError naming
+it.  All processes of a multi-host job call save/restore; Orbax writes each array's shards from the process
+that holds them and the metadata from process 0.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -46,8 +48,14 @@ def fingerprint(pipe) -> Dict[str, Any]:
     # the model as the user gave it: a cut model's blocks, not the padded layout the executor holds
     user = getattr(pipe, "user_model", None)
     model = user if getattr(user, "cut", None) else pipe.model
-    shapes = [(jax.tree_util.keystr(k), tuple(int(d) for d in np.shape(v)), str(v.dtype if hasattr(v, "dtype") else np.result_type(v)))
-              for k, v in jax.tree_util.tree_flatten_with_path(model.params)[0]]
+    shapes = [
+        (
+            jax.tree_util.keystr(k),
+            tuple(int(d) for d in np.shape(v)),
+            str(v.dtype if hasattr(v, "dtype") else np.result_type(v)),
+        )
+        for k, v in jax.tree_util.tree_flatten_with_path(model.params)[0]
+    ]
     digest = hashlib.sha256(repr(shapes).encode()).hexdigest()[:16]
     opt = getattr(pipe, "optimizer", None)
     opt_digest = None
@@ -55,22 +63,32 @@ def fingerprint(pipe) -> Dict[str, Any]:
         try:
             o = jax.eval_shape(opt.init, pipe.model.params)
             opt_digest = hashlib.sha256(repr(jax.tree.structure(o)).encode()).hexdigest()[:16]
-        except Exception:                    # an optimizer that cannot init on the model's layout: no check
+        except Exception:  # an optimizer that cannot init on the model's layout: no check
             opt_digest = None
     ties = [[list(map(str, a)), list(map(str, b))] for a, b in getattr(pipe.model, "tied", ())]
     digest = hashlib.sha256(repr((shapes, ties) if ties else shapes).encode()).hexdigest()[:16]
     from .cuts import blocks_layout
-    blocks, cut = blocks_layout(model)          # a model of identical blocks: restorable onto another cut
-    rest = [s for s in shapes if not s[0].startswith("[0]")]    # the embedding and head must agree too
+
+    blocks, cut = blocks_layout(model)  # a model of identical blocks: restorable onto another cut
+    rest = [s for s in shapes if not s[0].startswith("[0]")]  # the embedding and head must agree too
     blocks = None if blocks is None else hashlib.sha256(repr((blocks, rest, ties)).encode()).hexdigest()[:16]
-    return {"blocks": blocks, "block_cut": None if cut is None else list(cut), "model": digest, "optimizer": opt_digest, "model_parameters": int(sum(int(np.prod(s[1])) for s in shapes)),
-            "model_leaves": [[k, list(sh), dt] for k, sh, dt in shapes], "tied": ties,
-            "model_stages": int(model.num_stages), "cut": list(model.cut) if getattr(model, "cut", None) else None,
-            "schedule": pipe.schedule.name,
-            "microbatches": int(pipe.num_microbatches), "mesh": {k: int(v) for k, v in pipe.mesh.shape.items()},
-            # how the state holds the stage leaves (chunks a device, a device-local order): a restore onto
-            # another number of devices reads them in the writer's layout, not its own
-            "state_layout": _state_layout(pipe)}
+    return {
+        "blocks": blocks,
+        "block_cut": None if cut is None else list(cut),
+        "model": digest,
+        "optimizer": opt_digest,
+        "model_parameters": int(sum(int(np.prod(s[1])) for s in shapes)),
+        "model_leaves": [[k, list(sh), dt] for k, sh, dt in shapes],
+        "tied": ties,
+        "model_stages": int(model.num_stages),
+        "cut": list(model.cut) if getattr(model, "cut", None) else None,
+        "schedule": pipe.schedule.name,
+        "microbatches": int(pipe.num_microbatches),
+        "mesh": {k: int(v) for k, v in pipe.mesh.shape.items()},
+        # how the state holds the stage leaves (chunks a device, a device-local order): a restore onto
+        # another number of devices reads them in the writer's layout, not its own
+        "state_layout": _state_layout(pipe),
+    }
 
 
 def _state_layout(pipe) -> Optional[dict]:
@@ -79,11 +97,11 @@ def _state_layout(pipe) -> Optional[dict]:
 
 
 def params_by_path(params) -> Dict[str, np.ndarray]:
-    """``params`` as host arrays named by their tree paths.  ``pipe.params(state)`` (``(stages, pre, post)`` in the
-    model's own layout): ``"stages/blocks/0/attn/kernel"``, ``"pre/embed"``, ... -- the stage leaves stacked
-    ``[stages, ...]`` (a model of blocks given a cut: ``[blocks, ...]``).  Any other pytree by its own paths; Flax
-    NNX modules in it (what ``from_nnx``'s ``to_modules`` gives) by their state's paths, one array per Variable
-    (``"blocks/0/attn/key/kernel"``)."""
+    """``params`` as host arrays named by their tree paths.  ``pipe.params(state)`` (``(stages, pre, post)``
+    in the model's own layout): ``"stages/blocks/0/attn/kernel"``, ``"pre/embed"``, ... -- the stage leaves
+    stacked ``[stages, ...]`` (a model of blocks given a cut: ``[blocks, ...]``).  Any other pytree by its own
+    paths; Flax NNX modules in it (what ``from_nnx``'s ``to_modules`` gives) by their state's paths, one array
+    per Variable (``"blocks/0/attn/key/kernel"``)."""
     from . import distributed
 
     def name(path) -> str:
@@ -92,13 +110,19 @@ def params_by_path(params) -> Dict[str, np.ndarray]:
             key = getattr(k, "key", getattr(k, "idx", getattr(k, "name", None)))
             parts.append(str(key if key is not None else k))
         if len(parts) > 1 and parts[-1] == "value" and type(path[-1]).__name__ == "GetAttrKey":
-            parts = parts[:-1]               # an NNX Variable's array
+            parts = parts[:-1]  # an NNX Variable's array
         return "/".join(parts)
-    named = dict(zip(("stages", "pre", "post"), params)) if isinstance(params, tuple) and len(params) == 3 \
-        else params if isinstance(params, dict) else {"params": params}
+
+    named = (
+        dict(zip(("stages", "pre", "post"), params))
+        if isinstance(params, tuple) and len(params) == 3
+        else params
+        if isinstance(params, dict)
+        else {"params": params}
+    )
     named = _module_states(named)
     flat = jax.tree_util.tree_flatten_with_path(named)[0]
-    values = distributed.to_host([v for _, v in flat])          # a collective: every process calls it
+    values = distributed.to_host([v for _, v in flat])  # a collective: every process calls it
     return {name(k): np.asarray(v) for (k, _), v in zip(flat, values)}
 
 
@@ -113,32 +137,40 @@ def _module_states(tree):
 
 
 def check_params_path(path: str, what: str = "save_params") -> str:
-    """``path`` made an ``.npz`` path whose directory exists and is writable, or a ConfigError -- checked before
-    a run, not after it trained."""
+    """``path`` made an ``.npz`` path whose directory exists and is writable, or a ConfigError -- checked
+    before a run, not after it trained."""
     path = os.fspath(path)
     if os.path.isdir(path) or path.endswith(os.sep) or not os.path.basename(path):
-        raise ConfigError(f"{what}={path}: a directory; give a file path, e.g. {os.path.join(path, 'params.npz')}")
+        raise ConfigError(
+            f"{what}={path}: a directory; give a file path, e.g. {os.path.join(path, 'params.npz')}"
+        )
     if not path.endswith(".npz"):
-        path += ".npz"           # (what np.savez would write)
+        path += ".npz"  # (what np.savez would write)
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
-        raise ConfigError(f"{what}={path}: a directory is there; give a file path, e.g. {os.path.join(path, 'params.npz')}")
+        raise ConfigError(
+            f"{what}={path}: a directory is there; give a file path, e.g. {os.path.join(path, 'params.npz')}"
+        )
     from .validate import file_in_the_way
+
     blocker = file_in_the_way(path)
     if blocker:
         raise ConfigError(f"{what}={path}: {blocker} is a file, not a directory; give another path")
     if not os.path.isdir(folder):
-        raise ConfigError(f"{what}={path}: the directory {folder} does not exist; create it or give another path")
+        raise ConfigError(
+            f"{what}={path}: the directory {folder} does not exist; create it or give another path"
+        )
     if not os.access(folder, os.W_OK):
         raise ConfigError(f"{what}={path}: the directory {folder} is not writable by this user")
     return path
 
 
 def save_params(path: str, params) -> str:
-    """Write ``params`` (``pipe.params(state)``, or the modules ``to_modules`` makes of them -- a dict of names to
-    modules) to the ``.npz`` at ``path``, each array named by its tree path (:func:`params_by_path`):
+    """Write ``params`` (``pipe.params(state)``, or the modules ``to_modules`` makes of them -- a dict of
+    names to modules) to the ``.npz`` at ``path``, each array named by its tree path (:func:`params_by_path`):
     ``np.load(path)["pre/embed"]`` reads one back without jaxpipe.  Every process
-    calls it (the arrays are gathered); process 0 writes, whole, through a temporary file.  Returns the path."""
+    calls it (the arrays are gathered); process 0 writes, whole, through a temporary file.  Returns the
+    path."""
     path = check_params_path(path, "save_params")
     arrays = params_by_path(params)
     if jax.process_index() == 0:
@@ -152,8 +184,16 @@ class Checkpointer:
     """Orbax ``CheckpointManager`` for one ``jp.Pipeline`` (or any object with ``model``, ``schedule``,
     ``num_microbatches`` and ``mesh``; pass ``pipe=None`` to skip the fingerprint check)."""
 
-    def __init__(self, directory: str, pipe=None, *, keep: Optional[int] = 3, every: int = 0,
-                 async_save: bool = True, writer: bool = False):
+    def __init__(
+        self,
+        directory: str,
+        pipe=None,
+        *,
+        keep: Optional[int] = 3,
+        every: int = 0,
+        async_save: bool = True,
+        writer: bool = False,
+    ):
         """``directory``: where the steps go (created if missing); ``pipe``: the pipeline whose fingerprint a
         restore checks (None: no check); ``keep``: how many finished checkpoints to keep (None: all);
         ``every``: ``maybe_save`` saves at multiples of it (0: only when forced); ``async_save``: write in the
@@ -161,25 +201,36 @@ class Checkpointer:
         (a training run: fail before step 1 if another run writes there); otherwise the lock is taken by the
         first save, and a Checkpointer that only restores never takes it."""
         import orbax.checkpoint as ocp
+
         if keep is not None and not is_int(keep, 1):
-            raise ConfigError(f"Checkpointer keep={keep!r}: give how many checkpoints to keep (>= 1) or None for all")
+            raise ConfigError(
+                f"Checkpointer keep={keep!r}: give how many checkpoints to keep (>= 1) or None for all"
+            )
         if not is_int(every, 0):
-            raise ConfigError(f"Checkpointer every={every!r}: give a step interval >= 1, or 0 to save only when "
-                              f"asked (save(..., force=True))")
+            raise ConfigError(
+                f"Checkpointer every={every!r}: give a step interval >= 1, or 0 to save only when "
+                f"asked (save(..., force=True))"
+            )
         self.directory = os.path.abspath(os.fspath(directory))
         self.every, self.keep = every, keep
         if os.path.exists(self.directory) and not os.path.isdir(self.directory):
-            raise ConfigError(f"checkpoint directory {self.directory} is a file, not a directory: give a directory "
-                              f"path (it is created if missing)")
+            raise ConfigError(
+                f"checkpoint directory {self.directory} is a file, not a directory: give a directory "
+                f"path (it is created if missing)"
+            )
         try:
             os.makedirs(self.directory, exist_ok=True)
-        except OSError as e:      # a path under a regular file, a read-only parent, an immutable one
-            raise ConfigError(f"checkpoint directory {self.directory} cannot be created: {e.strerror}"
-                              f"{' (a part of the path is a file)' if isinstance(e, NotADirectoryError) else ''}; "
-                              f"give a writable --checkpoint_dir") from None
+        except OSError as e:  # a path under a regular file, a read-only parent, an immutable one
+            raise ConfigError(
+                f"checkpoint directory {self.directory} cannot be created: {e.strerror}"
+                f"{' (a part of the path is a file)' if isinstance(e, NotADirectoryError) else ''}; "
+                f"give a writable --checkpoint_dir"
+            ) from None
         if not os.access(self.directory, os.W_OK):
-            raise ConfigError(f"checkpoint directory {self.directory} is not writable by this user: give a writable "
-                              f"--checkpoint_dir (checked before step 1, not at the first save)")
+            raise ConfigError(
+                f"checkpoint directory {self.directory} is not writable by this user: give a writable "
+                f"--checkpoint_dir (checked before step 1, not at the first save)"
+            )
         self._lock = None
         if writer:
             self._take_lock()
@@ -187,20 +238,27 @@ class Checkpointer:
         # the pipeline's pending on-device checks: a state whose step failed them is never written
         self._check_pipe = getattr(pipe, "check", None)
         self._check_saveable = getattr(pipe, "check_saveable", None)
-        self._optimizer = getattr(pipe, "optimizer", None)      # finds the optimizer state's copies of the blocks
+        self._optimizer = getattr(pipe, "optimizer", None)  # finds the optimizer state's copies of the blocks
         order = getattr(getattr(pipe, "_runner", None), "stage_order", None)
-        self._stage_order = order() if order is not None else None   # the state's stage leaves in the model's order
+        self._stage_order = (
+            order() if order is not None else None
+        )  # the state's stage leaves in the model's order
         self._ocp = ocp
-        opts = ocp.CheckpointManagerOptions(max_to_keep=keep, save_interval_steps=max(every, 1),
-                                            enable_async_checkpointing=async_save, create=True)
+        opts = ocp.CheckpointManagerOptions(
+            max_to_keep=keep,
+            save_interval_steps=max(every, 1),
+            enable_async_checkpointing=async_save,
+            create=True,
+        )
         self.manager = ocp.CheckpointManager(self.directory, options=opts, item_names=("state", "meta"))
         import logging
+
         for name in ("absl", ""):
             logger = logging.getLogger(name)
             if not any(isinstance(f, _QuietOrbaxWrites) for f in logger.filters):
                 logger.addFilter(_QuietOrbaxWrites())
         _quiet_closed_loop_callbacks()
-        self._pending = None          # the step of the write in flight, for the message if it fails
+        self._pending = None  # the step of the write in flight, for the message if it fails
 
     # ------------------------------------------------------------------ save
     def latest_step(self) -> Optional[int]:
@@ -215,34 +273,45 @@ class Checkpointer:
     def maybe_save(self, step: int, state, extra: Optional[dict] = None, force: bool = False) -> bool:
         """Save at multiples of ``every`` (or always with ``force``); returns whether a save started.
 
-        The state is refused if its trained values (not the in-flight buffers) hold NaN or Inf (a diverged run must never overwrite a good checkpoint)."""
+        The state is refused if its trained values (not the in-flight buffers) hold NaN or Inf (a diverged run
+        must never overwrite a good checkpoint)."""
         if not force and (self.every == 0 or step % self.every):
             return False
         from .checks import require_live
+
         require_live(state, f"Checkpointer.save of step {step}")
-        if self._check_saveable is not None:     # the last step's checks, and no refused step's effect held
+        if self._check_saveable is not None:  # the last step's checks, and no refused step's effect held
             try:
                 self._check_saveable(state)
             except ConfigError as e:
                 raise ConfigError(f"{e}; the last good checkpoint is step {self.latest_step()}") from None
         elif self._check_pipe is not None:
-            self._check_pipe()        # the last step's checks: raises where that step failed them
+            self._check_pipe()  # the last step's checks: raises where that step failed them
         if step in (self.manager.all_steps() or []):
             return False
-        # the trained values only: a no-flush state's in-flight buffers (``.carry``) hold NaN in their idle slots
+        # the trained values only: a no-flush state's in-flight buffers (``.carry``) hold NaN in their idle
+        # slots
         # in NaN mode (``nan_bubbles=True``) by design; a non-finite live activation shows in the next step's
         # loss and parameters, which the train loop and the next save refuse
         bad = [k for k in nonfinite_leaves(state) if not k.startswith(".carry")]
         if bad:
-            raise ConfigError(f"refusing to checkpoint step {step}: the state holds NaN/Inf in {bad[:3]}"
-                              f"{' ...' if len(bad) > 3 else ''}; the last good checkpoint is step "
-                              f"{self.latest_step()}")
+            raise ConfigError(
+                f"refusing to checkpoint step {step}: the state holds NaN/Inf in {bad[:3]}"
+                f"{' ...' if len(bad) > 3 else ''}; the last good checkpoint is step "
+                f"{self.latest_step()}"
+            )
         self._take_lock()
-        meta = {"step": int(step), "fingerprint": self.fingerprint, "extra": extra or {}, "shapes": _shapes(state),
-                "checksums": checksums(state)}
+        meta = {
+            "step": int(step),
+            "fingerprint": self.fingerprint,
+            "extra": extra or {},
+            "shapes": _shapes(state),
+            "checksums": checksums(state),
+        }
         meta["meta_sha256"] = meta_digest(meta)
-        args = self._ocp.args.Composite(state=self._ocp.args.StandardSave(state),
-                                        meta=self._ocp.args.JsonSave(meta))
+        args = self._ocp.args.Composite(
+            state=self._ocp.args.StandardSave(state), meta=self._ocp.args.JsonSave(meta)
+        )
         started = self._writing(lambda: bool(self.manager.save(step, args=args, force=True)), step)
         self._pending = step
         return started
@@ -261,9 +330,12 @@ class Checkpointer:
             step = self._pending if self._pending is not None and self._pending not in finished else step
             done = [s for s in finished if s != step]
             raise CheckpointWriteError(
-                f"checkpoint step {step} could not be written to {self.directory}: {why}. The newest finished "
-                f"checkpoint holds step {max(done) if done else 'none'}; free space or fix the directory, then run "
-                f"again to resume from it") from None
+                f"checkpoint step {step} could not be written to {self.directory}: {why}. The newest "
+                "finished "
+                f"checkpoint holds step {max(done) if done else 'none'}; free space or fix the directory, "
+                "then run "
+                f"again to resume from it"
+            ) from None
 
     def _take_lock(self):
         if self._lock is None and jax.process_index() == 0:
@@ -273,9 +345,11 @@ class Checkpointer:
         """Save ``step`` now.  A step already saved is refused with a ConfigError: writing it again silently
         would leave the older state there, which a later restore of that step would return."""
         if step in (self.manager.all_steps() or []):
-            raise ConfigError(f"Checkpointer.save: step {step} is already saved in {self.directory}, and a "
-                              f"checkpoint is never overwritten; save under another step number, or delete "
-                              f"{os.path.join(self.directory, str(step))} first to replace it")
+            raise ConfigError(
+                f"Checkpointer.save: step {step} is already saved in {self.directory}, and a "
+                f"checkpoint is never overwritten; save under another step number, or delete "
+                f"{os.path.join(self.directory, str(step))} first to replace it"
+            )
         return self.maybe_save(step, state, extra, force=True)
 
     def wait(self):
@@ -293,28 +367,33 @@ class Checkpointer:
             self._check_pipe()
 
     def close_within(self, timeout_s: float) -> Optional[str]:
-        """Close on an error path: the write in flight gets ``timeout_s`` seconds to finish, then the manager is
-        closed and the directory's lock released -- whatever happened, and without raising (the caller is
-        already raising its own error).  None where everything finished; else what was abandoned.  An abandoned
-        write stays an unfinished temporary folder, which no restore reads: the newest finished checkpoint is
-        what a later run resumes from (a write still going on in the background may yet finish it)."""
+        """Close on an error path: the write in flight gets ``timeout_s`` seconds to finish, then the manager
+        is closed and the directory's lock released -- whatever happened, and without raising (the caller is
+        already raising its own error).  None where everything finished; else what was abandoned.  An
+        abandoned write stays an unfinished temporary folder, which no restore reads: the newest finished
+        checkpoint is what a later run resumes from (a write still going on in the background may yet finish
+        it)."""
         import threading
+
         errors = []
 
         def finish():
             try:
                 self._writing(self.manager.wait_until_finished)
                 self._close_quietly()
-            except BaseException as e:        # reported below; the caller's error goes on
+            except BaseException as e:  # reported below; the caller's error goes on
                 errors.append(e)
+
         worker = threading.Thread(target=finish, name="jaxpipe-checkpoint-close", daemon=True)
         worker.start()
         worker.join(timeout_s)
         self.abandon()
         if worker.is_alive():
-            return (f"the write of checkpoint step {self._pending} to {self.directory} did not finish within "
-                    f"{timeout_s:g} s and is abandoned; the newest finished checkpoint holds step "
-                    f"{self._newest_finished()}")
+            return (
+                f"the write of checkpoint step {self._pending} to {self.directory} did not finish within "
+                f"{timeout_s:g} s and is abandoned; the newest finished checkpoint holds step "
+                f"{self._newest_finished()}"
+            )
         if errors:
             return f"closing the checkpoints in {self.directory}: {errors[0]}"
         return None
@@ -327,7 +406,7 @@ class Checkpointer:
             lock, self._lock = self._lock, None
             try:
                 lock.release()
-            except OSError:                   # the process's end releases an flock anyway
+            except OSError:  # the process's end releases an flock anyway
                 pass
 
     def _newest_finished(self) -> Optional[int]:
@@ -340,7 +419,7 @@ class Checkpointer:
     def _close_quietly(self):
         try:
             self.manager.close()
-        except Exception as e:   # the failed write, raised a second time: already said by wait
+        except Exception as e:  # the failed write, raised a second time: already said by wait
             if _write_failure(e) is None:
                 raise
         if self._lock is not None:
@@ -361,25 +440,36 @@ class Checkpointer:
         if "meta_sha256" in meta and meta_digest(meta) != meta["meta_sha256"]:
             # checked before anything is read from it: a flipped digit would resume at another step or
             # position in the data, or look like another configuration's checkpoint
-            raise CorruptCheckpoint(f"checkpoint step {step} in {self.directory} is corrupt: its metadata (step, "
-                                    f"data position, fingerprint, checksums) differs from the digest written with it")
+            raise CorruptCheckpoint(
+                f"checkpoint step {step} in {self.directory} is corrupt: its metadata (step, "
+                f"data position, fingerprint, checksums) differs from the digest written with it"
+            )
         from_cut = self._check_fingerprint(meta.get("fingerprint"), step)
         if _carry_missing(template):
-            raise ConfigError("the restore template has empty in-flight state (carry=None): build it with "
-                              "pipe.prepare(pipe.init(), example_batch) so the buffers exist")
+            raise ConfigError(
+                "the restore template has empty in-flight state (carry=None): build it with "
+                "pipe.prepare(pipe.init(), example_batch) so the buffers exist"
+            )
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, template)
         if from_cut is not None:
             return self._restore_across_cuts(step, meta, abstract, from_cut)
         saved, want = meta.get("shapes") or {}, _shapes(abstract)
         _check_stash(step, saved, want)
-        diff = [f"{k}: saved {tuple(saved[k])}, needed {tuple(v)}" for k, v in want.items()
-                if k in saved and tuple(saved[k]) != tuple(v)]
+        diff = [
+            f"{k}: saved {tuple(saved[k])}, needed {tuple(v)}"
+            for k, v in want.items()
+            if k in saved and tuple(saved[k]) != tuple(v)
+        ]
         if diff:
-            self._mesh_error(step, meta.get("fingerprint"), "; ".join(diff[:2]) + (" ..." if len(diff) > 2 else ""))
+            self._mesh_error(
+                step, meta.get("fingerprint"), "; ".join(diff[:2]) + (" ..." if len(diff) > 2 else "")
+            )
         if saved and set(saved) != set(want):
-            raise ConfigError(f"checkpoint step {step} holds a state of another structure (e.g. "
-                              f"{sorted(set(saved) ^ set(want))[:2]}): it was written by another schedule or "
-                              f"jaxpipe version; resume with the configuration that wrote it, or start afresh")
+            raise ConfigError(
+                f"checkpoint step {step} holds a state of another structure (e.g. "
+                f"{sorted(set(saved) ^ set(want))[:2]}): it was written by another schedule or "
+                f"jaxpipe version; resume with the configuration that wrote it, or start afresh"
+            )
         return self._read(step, meta, abstract), meta.get("extra", {}), int(meta["step"])
 
     def _read(self, step, meta, abstract):
@@ -391,8 +481,10 @@ class Checkpointer:
             got = checksums(out["state"])
             bad = [k for k, v in want_sums.items() if got.get(k) != v]
             if bad:
-                raise CorruptCheckpoint(f"checkpoint step {step} in {self.directory} is corrupt: {len(bad)} array(s) "
-                                        f"differ from the checksums written with them (e.g. {bad[0]})")
+                raise CorruptCheckpoint(
+                    f"checkpoint step {step} in {self.directory} is corrupt: {len(bad)} array(s) "
+                    f"differ from the checksums written with them (e.g. {bad[0]})"
+                )
         return out["state"]
 
     def _restore_across_cuts(self, step, meta, abstract, from_cut):
@@ -400,36 +492,59 @@ class Checkpointer:
         block by block onto this run's cut (:func:`jaxpipe.cuts.recut_state`; issue #41)."""
         from jax.sharding import NamedSharding, PartitionSpec
         from .cuts import recut_state
+
         to_cut = tuple(self.fingerprint["block_cut"])
         if not hasattr(abstract, "opt_state") or hasattr(abstract, "carry"):
             raise ConfigError(
-                f"checkpoint step {step} holds this model's blocks cut as {list(from_cut)}, this run cuts them as "
+                f"checkpoint step {step} holds this model's blocks cut as {list(from_cut)}, this run cuts "
+                "them as "
                 f"{list(to_cut)}: a state moves between cuts for the synchronous schedules (gpipe, 1f1b, "
-                f"interleaved_1f1b, zb_h1, zb_v, chimera, dualpipe_v); {self.fingerprint['schedule']}'s holds "
+                f"interleaved_1f1b, zb_h1, zb_v, chimera, dualpipe_v); {self.fingerprint['schedule']}'s "
+                "holds "
                 f"in-flight micro-batches and weight versions laid out for the old cut. Resume with "
                 f"cut={list(from_cut)}, or start the new cut from its weights: jp.PipelineModel(..., "
-                f"stage_params=pipe.params(state)[0], cut={list(to_cut)}) (optimizer state restarts)")
+                f"stage_params=pipe.params(state)[0], cut={list(to_cut)}) (optimizer state restarts)"
+            )
         saved = meta.get("shapes") or {}
 
-        def as_saved(path, leaf):         # a stage leaf of the old cut: read whole (replicated), moved below
+        def as_saved(path, leaf):  # a stage leaf of the old cut: read whole (replicated), moved below
             shape = tuple(saved.get(jax.tree_util.keystr(path), leaf.shape))
-            return leaf if shape == tuple(leaf.shape) else jax.ShapeDtypeStruct(
-                shape, leaf.dtype, sharding=NamedSharding(leaf.sharding.mesh, PartitionSpec()))
-        state = recut_state(self._read(step, meta, jax.tree_util.tree_map_with_path(as_saved, abstract)),
-                            self._optimizer, from_cut, to_cut, self._orders(step, meta.get("fingerprint") or {}))
+            return (
+                leaf
+                if shape == tuple(leaf.shape)
+                else jax.ShapeDtypeStruct(
+                    shape, leaf.dtype, sharding=NamedSharding(leaf.sharding.mesh, PartitionSpec())
+                )
+            )
+
+        state = recut_state(
+            self._read(step, meta, jax.tree_util.tree_map_with_path(as_saved, abstract)),
+            self._optimizer,
+            from_cut,
+            to_cut,
+            self._orders(step, meta.get("fingerprint") or {}),
+        )
         got, want = _shapes(state), _shapes(abstract)
         if got != want:
-            diff = [f"{k}: moved {tuple(got.get(k, ()))}, needed {tuple(v)}" for k, v in want.items() if got.get(k) != v]
+            diff = [
+                f"{k}: moved {tuple(got.get(k, ()))}, needed {tuple(v)}"
+                for k, v in want.items()
+                if got.get(k) != v
+            ]
             self._mesh_error(step, meta.get("fingerprint"), "; ".join(diff[:2]))
-        return jax.tree.map(lambda a, t: jax.device_put(a, t.sharding), state, abstract), meta.get("extra", {}), \
-            int(meta["step"])
+        return (
+            jax.tree.map(lambda a, t: jax.device_put(a, t.sharding), state, abstract),
+            meta.get("extra", {}),
+            int(meta["step"]),
+        )
 
     def _orders(self, step, saved: dict):
         """``(to_model, from_model)`` for :func:`~jaxpipe.cuts.recut_state`: the saved stage leaves into the
-        model's order by the *writer's* layout (chunks a device depend on its number of devices), then into this
-        run's.  A checkpoint that did not record its layout is refused where the number of devices differs
-        (its chunks would be read in this run's order: blocks swapped without a word)."""
+        model's order by the *writer's* layout (chunks a device depend on its number of devices), then into
+        this run's.  A checkpoint that did not record its layout is refused where the number of devices
+        differs (its chunks would be read in this run's order: blocks swapped without a word)."""
         from .runtime.chunk_state import layout_order
+
         same = lambda a: a
         mine = self._stage_order or (same, same)
         if "state_layout" in saved:
@@ -442,11 +557,13 @@ class Checkpointer:
         else:
             raise ConfigError(
                 f"checkpoint step {step} in {self.directory} holds {saved.get('schedule')}'s state on "
-                f"{(saved.get('mesh') or {}).get(STAGE)} stage devices; this run has {self.fingerprint['mesh'].get(STAGE)}, "
+                f"{(saved.get('mesh') or {}).get(STAGE)} stage devices; this run has "
+                f"{self.fingerprint['mesh'].get(STAGE)}, "
                 f"and the checkpoint (written by an older jaxpipe) does not record how its devices held the "
                 f"chunks. Resume on {(saved.get('mesh') or {}).get(STAGE)} stage devices (a later checkpoint "
                 f"then moves), or start the new layout from its weights: jp.PipelineModel(..., "
-                f"stage_params=pipe.params(state)[0], cut=...) (optimizer state restarts)")
+                f"stage_params=pipe.params(state)[0], cut=...) (optimizer state restarts)"
+            )
         return theirs[0], mine[1]
 
     def restore_latest(self, template, report=print) -> Tuple[Any, dict, int]:
@@ -459,14 +576,22 @@ class Checkpointer:
                 return self.restore(template, step)
             except ConfigError as e:
                 if not isinstance(e, CorruptCheckpoint):
-                    raise                         # a checkpoint of another configuration: the user decides
+                    raise  # a checkpoint of another configuration: the user decides
                 why = str(e)
-            except Exception as e:                # Orbax / tensorstore / JSON: unreadable files
-                why = (f"checkpoint step {step} in {self.directory} cannot be read ({type(e).__name__}: "
-                       f"{str(e).splitlines()[0][:200] if str(e) else ''})")
+            except Exception as e:  # Orbax / tensorstore / JSON: unreadable files
+                why = (
+                    f"checkpoint step {step} in {self.directory} cannot be read ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0][:200] if str(e) else ''})"
+                )
             nxt = steps[i + 1] if i + 1 < len(steps) else None
-            report(f"jaxpipe: {why}; " + (f"falling back to step {nxt}" if nxt is not None else
-                                          "no older checkpoint: starting afresh"))
+            report(
+                f"jaxpipe: {why}; "
+                + (
+                    f"falling back to step {nxt}"
+                    if nxt is not None
+                    else "no older checkpoint: starting afresh"
+                )
+            )
         return template, {}, 0
 
     def _check_fingerprint(self, saved: Optional[dict], step: int) -> Optional[tuple]:
@@ -476,14 +601,20 @@ class Checkpointer:
         if mine is None or saved is None:
             return
         where = f"checkpoint step {step} in {self.directory}"
-        moved = saved.get("block_cut") and mine.get("block_cut") and saved["block_cut"] != mine["block_cut"] \
+        moved = (
+            saved.get("block_cut")
+            and mine.get("block_cut")
+            and saved["block_cut"] != mine["block_cut"]
             and saved.get("blocks") == mine.get("blocks") is not None
-        if moved:                                      # the same blocks, another cut (issue #41)
+        )
+        if moved:  # the same blocks, another cut (issue #41)
             for k in ("optimizer", "schedule", "microbatches"):
                 if saved.get(k) != mine.get(k):
-                    raise ConfigError(f"{where} holds this model's blocks cut as {saved['block_cut']}; it can be "
-                                      f"restored onto cut {mine['block_cut']} with the same {k} only (it was "
-                                      f"written with {saved.get(k)!r}, this run has {mine.get(k)!r})")
+                    raise ConfigError(
+                        f"{where} holds this model's blocks cut as {saved['block_cut']}; it can be "
+                        f"restored onto cut {mine['block_cut']} with the same {k} only (it was "
+                        f"written with {saved.get(k)!r}, this run has {mine.get(k)!r})"
+                    )
             return tuple(saved["block_cut"])
         if saved["model"] != mine["model"]:
             raise ConfigError(
@@ -491,45 +622,62 @@ class Checkpointer:
                 f"{saved['model_stages']} stages (fingerprint {saved['model']}), this run's model has "
                 f"{mine['model_parameters']:,} in {mine['model_stages']} (fingerprint {mine['model']})"
                 f"{model_difference(saved, mine)}{_blocks_hint(saved, mine)}; build the same model, or point "
-                f"--checkpoint_dir at an empty directory to start afresh")
-        if saved.get("cut") != mine.get("cut"):       # written before checkpoints recorded the blocks
+                f"--checkpoint_dir at an empty directory to start afresh"
+            )
+        if saved.get("cut") != mine.get("cut"):  # written before checkpoints recorded the blocks
             raise ConfigError(
-                f"{where} holds this model cut into stages as {saved.get('cut') or 'an even cut'}; this run cuts it "
-                f"as {mine.get('cut') or 'an even cut'}, and the checkpoint was written by a jaxpipe that did not "
-                f"record the blocks' layout: resume with cut={saved.get('cut')}, or start afresh in another directory")
+                f"{where} holds this model cut into stages as {saved.get('cut') or 'an even cut'}; this run "
+                "cuts it "
+                f"as {mine.get('cut') or 'an even cut'}, and the checkpoint was written by a jaxpipe that "
+                "did not "
+                f"record the blocks' layout: resume with cut={saved.get('cut')}, or start afresh in another "
+                "directory"
+            )
         if saved.get("optimizer") and mine.get("optimizer") and saved["optimizer"] != mine["optimizer"]:
             raise ConfigError(
                 f"{where} was written with another optimizer (its state has another structure, fingerprint "
-                f"{saved['optimizer']} vs {mine['optimizer']}): resume with the optimizer that wrote it (e.g. the same "
-                f"--optimizer), or start afresh in another directory")
+                f"{saved['optimizer']} vs {mine['optimizer']}): resume with the optimizer that wrote it "
+                "(e.g. the same "
+                f"--optimizer), or start afresh in another directory"
+            )
         for k in ("schedule", "microbatches"):
             if saved[k] != mine[k]:
                 raise ConfigError(
                     f"{where} was written by schedule {saved['schedule']!r} with {saved['microbatches']} "
-                    f"micro-batches; this run uses {mine['schedule']!r} with {mine['microbatches']}: the state "
-                    f"layout ({k}) differs. Resume with the same schedule and num_microbatches, or start afresh")
+                    f"micro-batches; this run uses {mine['schedule']!r} with {mine['microbatches']}: the "
+                    "state "
+                    f"layout ({k}) differs. Resume with the same schedule and num_microbatches, or start "
+                    "afresh"
+                )
 
     def _mesh_error(self, step, fp, detail):
         was = (fp or {}).get("mesh")
         now = self.fingerprint["mesh"] if self.fingerprint else None
         if was is not None and was == now:
             raise ConfigError(
-                f"checkpoint step {step} holds arrays of other shapes than this run's state ({detail}) on the same "
-                f"mesh {now}: the in-flight pipeline of a no-flush schedule is sized by the micro-batch, so the batch "
-                f"size (or sequence length) differs from the run that wrote it. Resume with that batch size, or "
-                f"start afresh in another directory") from None
+                f"checkpoint step {step} holds arrays of other shapes than this run's state ({detail}) on "
+                "the same "
+                f"mesh {now}: the in-flight pipeline of a no-flush schedule is sized by the micro-batch, so "
+                "the batch "
+                "size (or sequence length) differs from the run that wrote it. Resume with that batch "
+                "size, or "
+                f"start afresh in another directory"
+            ) from None
         per = "pipe replica" if was and now and was.get(PIPE) != now.get(PIPE) else "device"
         raise ConfigError(
-            f"checkpoint step {step} cannot be restored onto this mesh: an array differs in shape ({detail}). "
+            f"checkpoint step {step} cannot be restored onto this mesh: an array differs in shape "
+            f"({detail}). "
             f"It was written on mesh {was}, this run has {now}; this schedule's state (in-flight pipeline, "
-            f"replicas) is laid out per {per}. Resume on mesh {was}, or (synchronous schedules, whose state does "
-            f"not depend on the 'data' axis) change only 'data'") from None
+            f"replicas) is laid out per {per}. Resume on mesh {was}, or (synchronous schedules, whose state "
+            "does "
+            f"not depend on the 'data' axis) change only 'data'"
+        ) from None
 
 
 def _blocks_hint(saved: dict, mine: dict) -> str:
-    """Where one side is a model of blocks (``cut=``, the Flax adapters, ``block_fn``) and the other one module
-    per stage with as many parameters (the reference GPT without ``cut=``): checkpoints move between cuts and
-    stage counts only between models of blocks; the even model's form as blocks, by name."""
+    """Where one side is a model of blocks (``cut=``, the Flax adapters, ``block_fn``) and the other one
+    module per stage with as many parameters (the reference GPT without ``cut=``): checkpoints move between
+    cuts and stage counts only between models of blocks; the even model's form as blocks, by name."""
     blocky = [fp for fp in (saved, mine) if fp.get("block_cut")]
     if len(blocky) != 1 or saved.get("model_parameters") != mine.get("model_parameters"):
         return ""
@@ -538,16 +686,20 @@ def _blocks_hint(saved: dict, mine: dict) -> str:
     S = int(other.get("model_stages") or 0)
     form = f" (this model as blocks: cut={[n // S] * S})" if S and n % S == 0 else ""
     side = "the checkpoint's" if other is saved else "this run's"
-    return (f". Only models of blocks (a cut=, the Flax adapters, block_fn) move between cuts and stage counts, "
-            f"and {side} model is one module per stage (the reference GPT without cut=): build it with cut= on "
-            f"both sides{form}")
+    return (
+        f". Only models of blocks (a cut=, the Flax adapters, block_fn) move between cuts and stage counts, "
+        f"and {side} model is one module per stage (the reference GPT without cut=): build it with cut= on "
+        f"both sides{form}"
+    )
 
 
 def model_difference(saved: dict, mine: dict) -> str:
     """What differs between two fingerprints' models, in words (ties, then up to three leaves)."""
     out = []
     if "tied" in saved and saved.get("tied") != mine.get("tied"):
-        out.append(f"tied arrays {saved.get('tied') or 'none'} in the checkpoint, {mine.get('tied') or 'none'} here")
+        out.append(
+            f"tied arrays {saved.get('tied') or 'none'} in the checkpoint, {mine.get('tied') or 'none'} here"
+        )
     if "model_leaves" in saved:
         a = {k: (tuple(sh), dt) for k, sh, dt in saved["model_leaves"]}
         b = {k: (tuple(sh), dt) for k, sh, dt in mine["model_leaves"]}
@@ -556,13 +708,21 @@ def model_difference(saved: dict, mine: dict) -> str:
                 fmt = lambda v: "absent" if v is None else f"{v[1]}{list(v[0])}"
                 out.append(f"{k or 'params'}: {fmt(a.get(k))} in the checkpoint, {fmt(b.get(k))} here")
     shown = out[:4]
-    return ("" if not shown else ": " + "; ".join(shown) + (f" (and {len(out) - 4} more)" if len(out) > 4 else ""))
+    return (
+        "" if not shown else ": " + "; ".join(shown) + (f" (and {len(out) - 4} more)" if len(out) > 4 else "")
+    )
 
 
 #: what a failed write says, whatever layer (OSError, tensorstore's ValueError) reports it
-_WRITE_FAILURES = ("File too large", "No space left", "Permission denied", "Operation not permitted",
-                   "Read-only file system",
-                   "Disk quota exceeded", "Failed writing")
+_WRITE_FAILURES = (
+    "File too large",
+    "No space left",
+    "Permission denied",
+    "Operation not permitted",
+    "Read-only file system",
+    "Disk quota exceeded",
+    "Failed writing",
+)
 
 
 class CheckpointWriteError(ConfigError):
@@ -586,7 +746,9 @@ class _QuietOrbaxWrites:
     def filter(self, record) -> bool:
         if "orbax" not in (record.pathname or "") or record.levelno < 40:
             return True
-        text = record.getMessage() + (str(record.exc_info[1]) if record.exc_info and record.exc_info[1] else "")
+        text = record.getMessage() + (
+            str(record.exc_info[1]) if record.exc_info and record.exc_info[1] else ""
+        )
         return not any(p in text for p in _WRITE_FAILURES)
 
 
@@ -604,6 +766,7 @@ def _quiet_closed_loop_callbacks():
     """Drop :func:`_closed_loop_callback` reports (a failed write reaches the caller as one
     :class:`CheckpointWriteError`); every other unraisable exception goes to the hook that was there."""
     import sys
+
     previous = sys.unraisablehook
     if getattr(previous, "_jaxpipe_quiet", False):
         return
@@ -611,6 +774,7 @@ def _quiet_closed_loop_callbacks():
     def hook(u):
         if not _closed_loop_callback(u):
             previous(u)
+
     hook._jaxpipe_quiet = True
     sys.unraisablehook = hook
 
@@ -622,12 +786,14 @@ class CorruptCheckpoint(ConfigError):
 def meta_digest(meta: dict) -> str:
     """SHA-256 of the metadata's canonical JSON, its own digest left out."""
     import json
+
     body = {k: v for k, v in meta.items() if k != "meta_sha256"}
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _digest(a):
     import jax.numpy as jnp
+
     if a.dtype == jnp.bool_:
         a = a.astype(jnp.uint8)
     bits = a.view({1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[a.dtype.itemsize]).ravel()
@@ -643,34 +809,46 @@ _digests = jax.jit(lambda xs: [_digest(x) for x in xs])
 def checksums(tree) -> Dict[str, list]:
     """Per array leaf: two 32-bit sums of its bits (plain and position-weighted), computed on the devices:
     any single flipped bit changes the first; reordered values change the second."""
-    flat = [(jax.tree_util.keystr(k), v) for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]
-            if hasattr(v, "dtype") and hasattr(v, "shape")]
+    flat = [
+        (jax.tree_util.keystr(k), v)
+        for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]
+        if hasattr(v, "dtype") and hasattr(v, "shape")
+    ]
     sums = _digests([v for _, v in flat]) if flat else []
     if jax.process_count() == 1:
         sums = jax.device_get(sums)
-    else:                                   # results of a collective: every process reads them locally
+    else:  # results of a collective: every process reads them locally
         from jax.experimental import multihost_utils
-        sums = [np.asarray(s.addressable_shards[0].data) if s.sharding.is_fully_replicated
-                else multihost_utils.process_allgather(s, tiled=True) for s in sums]
+
+        sums = [
+            np.asarray(s.addressable_shards[0].data)
+            if s.sharding.is_fully_replicated
+            else multihost_utils.process_allgather(s, tiled=True)
+            for s in sums
+        ]
     return {k: [int(x) for x in np.asarray(s).reshape(-1)[:2]] for (k, _), s in zip(flat, sums)}
 
 
 class _DirectoryLock:
-    """``<dir>/.jaxpipe.lock``, held with an exclusive ``flock`` for as long as the run lives: the kernel releases
-    it when the process dies, so a dead owner's lock is free at once, and two processes taking it over at the
-    same moment cannot both get it (a lock file of a dead pid, unlinked and created again, let 51 of 300 racing
-    pairs both believe they held it).  The file names its owner (host, pid, time) for the error message."""
+    """``<dir>/.jaxpipe.lock``, held with an exclusive ``flock`` for as long as the run lives: the kernel
+    releases it when the process dies, so a dead owner's lock is free at once, and two processes taking it
+    over at the same moment cannot both get it (a lock file of a dead pid, unlinked and created again, let 51
+    of 300 racing pairs both believe they held it).  The file names its owner (host, pid, time) for the error
+    message."""
 
     def __init__(self, directory: str):
         import fcntl
         import json
         import socket
         import time
+
         self.path = os.path.join(directory, ".jaxpipe.lock")
         me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
         if os.path.isdir(self.path):
-            raise ConfigError(f"{self.path} is a directory; jaxpipe keeps its writer lock in a file of that name. "
-                              f"Remove that directory (it is not a checkpoint) or use another --checkpoint_dir")
+            raise ConfigError(
+                f"{self.path} is a directory; jaxpipe keeps its writer lock in a file of that name. "
+                f"Remove that directory (it is not a checkpoint) or use another --checkpoint_dir"
+            )
         while True:
             fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
             try:
@@ -678,11 +856,16 @@ class _DirectoryLock:
             except BlockingIOError:
                 owner = _owner(fd)
                 os.close(fd)
-                who = (f"process {owner['pid']} on host {owner.get('host')} (since {owner.get('since')})"
-                       if owner.get("pid") else "another process (which has not written its name yet)")
+                who = (
+                    f"process {owner['pid']} on host {owner.get('host')} (since {owner.get('since')})"
+                    if owner.get("pid")
+                    else "another process (which has not written its name yet)"
+                )
                 raise ConfigError(
-                    f"checkpoint directory {directory} is in use by {who}: two runs writing one directory would "
-                    f"mix their steps. Stop that run or use another --checkpoint_dir") from None
+                    f"checkpoint directory {directory} is in use by {who}: two runs writing one directory "
+                    "would "
+                    f"mix their steps. Stop that run or use another --checkpoint_dir"
+                ) from None
             # the holder unlinks the file on release: a lock got on a file no longer at the path is no lock
             try:
                 if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
@@ -692,19 +875,23 @@ class _DirectoryLock:
             os.close(fd)
         before = _owner(fd)
         if before.get("pid") and before.get("pid") != me["pid"]:
-            print(f"jaxpipe: taking over the lock of {directory} left by process {before.get('pid')} on host "
-                  f"{before.get('host')} (no longer holding it)", flush=True)
+            print(
+                f"jaxpipe: taking over the lock of {directory} left by process {before.get('pid')} on host "
+                f"{before.get('host')} (no longer holding it)",
+                flush=True,
+            )
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(me).encode(), 0)
         self.fd, self.owner = fd, me
 
     def release(self):
         import fcntl
+
         if self.fd is not None:
             try:
-                os.unlink(self.path)          # while still holding it (see __init__'s check of the path)
-            except OSError:                   # a directory made read-only: the file stays, the lock goes (the
-                pass                          # next run takes it over: flock is free once released)
+                os.unlink(self.path)  # while still holding it (see __init__'s check of the path)
+            except OSError:  # a directory made read-only: the file stays, the lock goes (the
+                pass  # next run takes it over: flock is free once released)
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
@@ -713,6 +900,7 @@ class _DirectoryLock:
 def _owner(fd) -> dict:
     """The owner a lock file names ({} when empty or unreadable)."""
     import json
+
     try:
         return json.loads(os.pread(fd, 4096, 0).decode() or "{}")
     except (OSError, ValueError, UnicodeDecodeError):
@@ -720,24 +908,30 @@ def _owner(fd) -> dict:
 
 
 def _check_stash(step, saved: dict, want: dict) -> None:
-    """A no-flush state's stash holds one array per residual kept of ``stage_fn``'s pullback: another number in
-    the checkpoint means the residuals are kept differently there, and its in-flight micro-batches cannot be
-    carried over (the micro-batch size would change shapes, not the count)."""
+    """A no-flush state's stash holds one array per residual kept of ``stage_fn``'s pullback: another number
+    in the checkpoint means the residuals are kept differently there, and its in-flight micro-batches cannot
+    be carried over (the micro-batch size would change shapes, not the count)."""
     count = lambda d: sum(1 for k in d if k.startswith(".carry.stash["))
     a, b = count(saved), count(want)
     if saved and a != b:
         raise ConfigError(
-            f"checkpoint step {step} keeps {a} residual arrays of each in-flight micro-batch, this run {b}: the "
+            f"checkpoint step {step} keeps {a} residual arrays of each in-flight micro-batch, this run {b}: "
+            "the "
             f"stage's residuals are kept differently -- another residuals= policy (or recompute=), another "
-            f"stage_fn, or a jaxpipe before 2026-11-27, which also stashed residuals that depend on no activation "
-            f"(a causal mask's). The micro-batches in flight cannot move between the two. Resume with what wrote "
+            "stage_fn, or a jaxpipe before 2026-11-27, which also stashed residuals that depend on no "
+            "activation "
+            "(a causal mask's). The micro-batches in flight cannot move between the two. Resume with what "
+            "wrote "
             f"it, or start this run from its weights (pipe.params(state) of the restored state) in another "
-            f"directory")
+            f"directory"
+        )
 
 
 def _shapes(tree) -> Dict[str, list]:
-    return {jax.tree_util.keystr(k): [int(d) for d in np.shape(v)]
-            for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    return {
+        jax.tree_util.keystr(k): [int(d) for d in np.shape(v)]
+        for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
 
 
 def _carry_missing(tree) -> bool:
@@ -749,10 +943,13 @@ def _carry_missing(tree) -> bool:
 def nonfinite_leaves(tree):
     """Key paths of floating-point leaves holding NaN or Inf (checked on device, one bool per leaf)."""
     import jax.numpy as jnp
-    flat = [(k, v) for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]
-            if hasattr(v, "dtype") and jnp.issubdtype(v.dtype, jnp.floating)]
+
+    flat = [
+        (k, v)
+        for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]
+        if hasattr(v, "dtype") and jnp.issubdtype(v.dtype, jnp.floating)
+    ]
     if not flat:
         return []
     ok = jax.jit(lambda xs: [jnp.all(jnp.isfinite(x)) for x in xs])([v for _, v in flat])
     return [jax.tree_util.keystr(k) for (k, _), good in zip(flat, ok) if not bool(good)]
-

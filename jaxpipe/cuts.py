@@ -17,6 +17,7 @@ slots as the longest one; a shorter stage's extra slots are *padding*:
 
 No JAX tracing here beyond the two layout maps and the scan; the cut itself is plain data.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,26 +44,34 @@ def check_cut(cut, n_blocks: int, num_stages: Optional[int] = None) -> Tuple[int
         if any(int(c) != c for c in cut):
             raise ValueError
     except (TypeError, ValueError):
-        raise ConfigError(f"cut={cut!r}: give one block count per stage, e.g. {list(even_cut(n_blocks, num_stages or 2))}"
-                          ) from None
+        raise ConfigError(
+            f"cut={cut!r}: give one block count per stage, e.g. {list(even_cut(n_blocks, num_stages or 2))}"
+        ) from None
     if num_stages is not None and len(out) != num_stages:
-        raise ConfigError(f"cut={list(out)} has {len(out)} entries for num_stages={num_stages}: give one block count "
-                          f"per stage, e.g. {list(even_cut(n_blocks, num_stages))}")
+        raise ConfigError(
+            f"cut={list(out)} has {len(out)} entries for num_stages={num_stages}: give one block count "
+            f"per stage, e.g. {list(even_cut(n_blocks, num_stages))}"
+        )
     if any(c < 1 for c in out):
-        raise ConfigError(f"cut={list(out)}: every stage needs at least one block (stage "
-                          f"{[i for i, c in enumerate(out) if c < 1][0]} has {min(out)}); use fewer stages")
+        raise ConfigError(
+            f"cut={list(out)}: every stage needs at least one block (stage "
+            f"{[i for i, c in enumerate(out) if c < 1][0]} has {min(out)}); use fewer stages"
+        )
     if sum(out) != n_blocks:
-        raise ConfigError(f"cut={list(out)} places {sum(out)} blocks but the model has {n_blocks}: the counts must "
-                          f"add up to {n_blocks}, e.g. {list(even_cut(n_blocks, len(out)))}")
+        raise ConfigError(
+            f"cut={list(out)} places {sum(out)} blocks but the model has {n_blocks}: the counts must "
+            f"add up to {n_blocks}, e.g. {list(even_cut(n_blocks, len(out)))}"
+        )
     return out
 
 
 def resolve_cut(cut, build, num_stages: int, n_blocks: int, balance: Optional[dict]):
     """``cut`` as given (None, a list of block counts) or, for ``"balanced"``, the cut
     :func:`jaxpipe.tune.cut.balance` picks from the parts' measured costs on ``balance["example"]`` (one
-    micro-batch) for ``balance.get("schedule", "1f1b")`` and ``balance.get("options")`` (printed, with the even
-    cut's prediction and how sure the choice is); the measured costs are kept per (model, backend) and read
-    back by later calls (``balance["cache_dir"]``, ``balance["remeasure"]``: :mod:`jaxpipe.tune.part_costs`).  ``build(n)``: the model of ``n`` blocks, one stage each."""
+    micro-batch) for ``balance.get("schedule", "1f1b")`` and ``balance.get("options")`` (printed, with the
+    even cut's prediction and how sure the choice is); the measured costs are kept per (model, backend) and
+    read back by later calls (``balance["cache_dir"]``, ``balance["remeasure"]``:
+    :mod:`jaxpipe.tune.part_costs`).  ``build(n)``: the model of ``n`` blocks, one stage each."""
     if not isinstance(cut, str):
         return cut
     if cut != "balanced":
@@ -70,18 +79,27 @@ def resolve_cut(cut, build, num_stages: int, n_blocks: int, balance: Optional[di
             hint = f" (as a list: cut={[int(c) for c in cut.split(',')]})"
         except ValueError:
             hint = ""
-        raise ConfigError(f"cut={cut!r}: give a list of block counts per stage{hint}, or 'balanced' (with "
-                          f"balance={{'example': one_microbatch}})")
+        raise ConfigError(
+            f"cut={cut!r}: give a list of block counts per stage{hint}, or 'balanced' (with "
+            f"balance={{'example': one_microbatch}})"
+        )
     if not balance or "example" not in balance:
-        raise ConfigError("cut='balanced' measures one block, the embedding and the head on a micro-batch: give "
-                          "balance={'example': one_microbatch} (and optionally 'schedule', 'num_microbatches', "
-                          "'options', e.g. {'virtual': 3} for interleaved_1f1b)")
-    unknown = sorted(set(balance) - {"example", "schedule", "num_microbatches", "options", "cache_dir", "remeasure"})
+        raise ConfigError(
+            "cut='balanced' measures one block, the embedding and the head on a micro-batch: give "
+            "balance={'example': one_microbatch} (and optionally 'schedule', 'num_microbatches', "
+            "'options', e.g. {'virtual': 3} for interleaved_1f1b)"
+        )
+    unknown = sorted(
+        set(balance) - {"example", "schedule", "num_microbatches", "options", "cache_dir", "remeasure"}
+    )
     if unknown:
-        raise ConfigError(f"balance={{...}} has unknown key(s) {unknown}: it takes 'example', 'schedule', "
-                          f"'num_microbatches', 'options', 'cache_dir' (where measured costs are kept; '' keeps "
-                          f"none) and 'remeasure'")
+        raise ConfigError(
+            f"balance={{...}} has unknown key(s) {unknown}: it takes 'example', 'schedule', "
+            f"'num_microbatches', 'options', 'cache_dir' (where measured costs are kept; '' keeps "
+            f"none) and 'remeasure'"
+        )
     from .tune.cut import balance as pick
+
     extra = {k: v for k, v in balance.items() if k != "example"}
     return pick(build(n_blocks), num_stages, balance["example"], **extra)[1].cut
 
@@ -93,8 +111,10 @@ def split_cut(cut: Sequence[int], parts: int) -> Tuple[int, ...]:
         return tuple(cut)
     small = [c for c in cut if c < parts]
     if small:
-        raise ConfigError(f"cut={list(cut)} cannot give each stage {parts} chunks of at least one block (a stage "
-                          f"holds {min(small)}): give every stage at least {parts} blocks, or fewer chunks")
+        raise ConfigError(
+            f"cut={list(cut)} cannot give each stage {parts} chunks of at least one block (a stage "
+            f"holds {min(small)}): give every stage at least {parts} blocks, or fewer chunks"
+        )
     return tuple(k for c in cut for k in even_cut(c, parts))
 
 
@@ -111,7 +131,8 @@ def pad_blocks(blocks, cut: Sequence[int]):
     def one(a):
         flat = jnp.zeros((S * width,) + a.shape[1:], a.dtype).at[idx].set(a)
         return flat.reshape((S, width) + a.shape[1:])
-    return jax.jit(lambda b: jax.tree.map(one, b))(blocks)     # one program, not three a leaf
+
+    return jax.jit(lambda b: jax.tree.map(one, b))(blocks)  # one program, not three a leaf
 
 
 def unpad_blocks(stages, cut: Sequence[int]):
@@ -123,8 +144,8 @@ def unpad_blocks(stages, cut: Sequence[int]):
 def stage_of_blocks(block_fn: Callable, cut: Optional[Sequence[int]], context: bool) -> Callable:
     """``stage_fn(w, x, ctx)`` running a stage's blocks in order: ``lax.scan`` over the block slots of ``w``
     (leaves ``[slots, ...]``).  With a ``cut``, the first ``min(cut)`` slots -- real on every stage -- run in
-    a plain scan, and only the rest in a scan whose slots a ``lax.cond`` on ``cut[ctx.stage]`` skips: a skipped
-    slot computes nothing but still moves its share of the scan's activation-sized buffers (the cond's
+    a plain scan, and only the rest in a scan whose slots a ``lax.cond`` on ``cut[ctx.stage]`` skips: a
+    skipped slot computes nothing but still moves its share of the scan's activation-sized buffers (the cond's
     residuals are those of its block branch, zero-filled when skipped; BUILD_NOTES, "Uneven cuts").
     ``block_fn(p, x)``, or ``block_fn(p, x, ctx)`` for a context model, where the ctx's ``key`` is the block's
     own: ``fold_in(ctx.key, b)`` with ``b`` the block's index in the whole model (``ctx.key`` is the
@@ -133,7 +154,7 @@ def stage_of_blocks(block_fn: Callable, cut: Optional[Sequence[int]], context: b
     counts = None if cut is None else np.asarray(cut, np.int32)
     # the index of each stage's first block in the model
     first_block = None if cut is None else np.concatenate([[0], np.cumsum(cut)[:-1]]).astype(np.int32)
-    sure = 0 if cut is None or min(cut) == max(cut) else min(cut)     # slots real on every stage
+    sure = 0 if cut is None or min(cut) == max(cut) else min(cut)  # slots real on every stage
 
     def run(p, h, ctx):
         return block_fn(p, h, ctx) if context else block_fn(p, h)
@@ -149,6 +170,7 @@ def stage_of_blocks(block_fn: Callable, cut: Optional[Sequence[int]], context: b
             # the block rematerialised inside the cond: its residuals are the slot's inputs, so a skipped slot
             # moves no zero-filled activations (BUILD_NOTES, "Uneven cuts")
             return lax.cond(i < real, jax.checkpoint(lambda h_: run(p, h_, c)), lambda h_: h_, h), None
+
         return lax.scan(one, h, (first + jnp.arange(n), w, keys))[0]
 
     def stage(w, x, ctx=None):
@@ -174,15 +196,19 @@ def blocks_layout(model) -> Tuple[Optional[list], Optional[Tuple[int, ...]]]:
     its own cut, or an even model's ``(k,) * stages`` read from ``stage_params [stages, k, ...]``; ``(None,
     None)`` for a model of other stages.  What a checkpoint records so it can move between cuts."""
     if getattr(model, "block_fn", None) is None or getattr(model, "padded_cut", None) is not None:
-        return None, None                         # (a padded model is the executor's copy of a cut one)
+        return None, None  # (a padded model is the executor's copy of a cut one)
     leaves = jax.tree_util.tree_flatten_with_path(model.stage_params)[0]
     if model.cut is not None:
-        return [(jax.tree_util.keystr(k), tuple(np.shape(a)), str(a.dtype)) for k, a in leaves], tuple(model.cut)
+        return [(jax.tree_util.keystr(k), tuple(np.shape(a)), str(a.dtype)) for k, a in leaves], tuple(
+            model.cut
+        )
     if not leaves or any(np.ndim(a) < 2 for _, a in leaves):
         return None, None
     S, k = np.shape(leaves[0][1])[:2]
-    return ([(jax.tree_util.keystr(p), (S * k,) + tuple(np.shape(a)[2:]), str(a.dtype)) for p, a in leaves],
-            (int(k),) * int(S))
+    return (
+        [(jax.tree_util.keystr(p), (S * k,) + tuple(np.shape(a)[2:]), str(a.dtype)) for p, a in leaves],
+        (int(k),) * int(S),
+    )
 
 
 def recut_state(state, optimizer, from_cut: Sequence[int], to_cut: Sequence[int], order=None):
@@ -194,13 +220,20 @@ def recut_state(state, optimizer, from_cut: Sequence[int], to_cut: Sequence[int]
     interleaved 1F1B's device order, the V-schedules' chunks)."""
     import optax
     from .runtime.chunk_state import is_chunks
+
     to_model, from_model = order or ((lambda a: a), (lambda a: a))
     move = lambda a: from_model(pad_blocks(unpad_blocks(to_model(a), from_cut), to_cut))
     stage, pre, post = state.params
-    mask = (jax.tree.map(lambda _: True, stage, is_leaf=is_chunks), jax.tree.map(lambda _: False, pre),
-            jax.tree.map(lambda _: False, post))
+    mask = (
+        jax.tree.map(lambda _: True, stage, is_leaf=is_chunks),
+        jax.tree.map(lambda _: False, pre),
+        jax.tree.map(lambda _: False, post),
+    )
     opt_state = state.opt_state
     if optimizer is not None:
-        opt_state = optax.tree_utils.tree_map_params(optimizer, lambda a, s: move(a) if s else a, opt_state, mask,
-                                                     is_leaf=is_chunks)
-    return state._replace(params=(jax.tree.map(move, stage, is_leaf=is_chunks), pre, post), opt_state=opt_state)
+        opt_state = optax.tree_utils.tree_map_params(
+            optimizer, lambda a, s: move(a) if s else a, opt_state, mask, is_leaf=is_chunks
+        )
+    return state._replace(
+        params=(jax.tree.map(move, stage, is_leaf=is_chunks), pre, post), opt_state=opt_state
+    )

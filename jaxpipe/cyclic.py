@@ -20,11 +20,11 @@ Gradients are reduced by point-to-point ``ppermute``s spread over the step, neve
 worker ``i`` finishes stage ``j``'s backward it adds its gradient to the partial sum worker ``i - 1`` sent
 it (two ticks earlier) and sends the sum on to ``i + 1``; worker ``N - 1`` completes the sum, applies the
 update (it alone runs the optimizer and holds its state) and sends the updated stage directly to every other
-worker (``broadcast="balanced"``: scattered and all-gathered, :func:`jaxpipe.runtime.common.balanced_broadcast`),
-which lands it at the start of the next tick (every worker keeps a full replica, its stages stacked and
-written in place; the replicas stay bit-identical without running the optimizer N times).  Whether a sum
-completes in a tick depends on the tick only, so the broadcast is compiled into those ticks alone: no
-collective inside a conditional.
+worker (``broadcast="balanced"``: scattered and all-gathered,
+:func:`jaxpipe.runtime.common.balanced_broadcast`), which lands it at the start of the next tick (every worker
+keeps a full replica, its stages stacked and written in place; the replicas stay bit-identical without running
+the optimizer N times).  Whether a sum completes in a tick depends on the tick only, so the broadcast is
+compiled into those ticks alone: no collective inside a conditional.
 
 Update rules (eq. CDP): micro-batch ``i`` of step ``t`` reads stage ``j`` at version
 * ``v1``: ``t - 1`` everywhere (eq. CDP-v1, PipeDream-2BW's rule),
@@ -36,6 +36,7 @@ The backward reads the version its forward read; so a stage keeps the previous v
 reader (two versions, as in the pipeline form).  Both equal the serial reference of
 :mod:`jaxpipe.optim.reference` (``cdp_v1`` / ``cdp_v2`` with M = N micro-batches) -- tested.
 """
+
 from __future__ import annotations
 
 import jax
@@ -59,7 +60,8 @@ RULES = ("v1", "v2")
 BROADCASTS = ("direct", "balanced")
 
 
-#: the train state (the no-flush runner's): params ``(w [W, S, ...], pre [W, S, ...], post [W, S, ...])``, each
+#: the train state (the no-flush runner's): params ``(w [W, S, ...], pre [W, S, ...], post [W, S, ...])``,
+#: each
 #: worker's replica per stage; the optimizer's state per worker and stage (worker N - 1's is the one used);
 #: per worker and stage the previous version and the updates applied (``policies.cyclic_dp``); the in-flight
 #: state per worker; the counters ``(tick, base, fed)``; the steps fed
@@ -67,7 +69,8 @@ CyclicState = AsyncState
 
 
 class CyclicDataParallel:
-    """Cyclic Data Parallelism over the mesh's ``data`` axis (the module docstring has the timeline and rules).
+    """Cyclic Data Parallelism over the mesh's ``data`` axis (the module docstring has the timeline and
+    rules).
 
     Arguments: ``model`` (a :class:`PipelineModel` whose ``num_stages`` equals the mesh's ``data`` size: each
     worker holds the whole model cut into that many stages); ``optimizer`` (an optax transformation, run by
@@ -77,38 +80,61 @@ class CyclicDataParallel:
     with NaN: a test of the executor); ``broadcast`` (``"direct"`` or ``"balanced"``: how the updated stage
     reaches the other workers).  Methods as :class:`Pipeline`'s: ``init``, ``step``, ``drain``, ``params``."""
 
-    def __init__(self, model: PipelineModel, optimizer: optax.GradientTransformation, rule: str = "v2",
-                 mesh=None, *, check_inputs: bool = True, seed: int = 0, nan_bubbles: bool = False,
-                 broadcast: str = "direct"):
+    def __init__(
+        self,
+        model: PipelineModel,
+        optimizer: optax.GradientTransformation,
+        rule: str = "v2",
+        mesh=None,
+        *,
+        check_inputs: bool = True,
+        seed: int = 0,
+        nan_bubbles: bool = False,
+        broadcast: str = "direct",
+    ):
         self.seed = seed
         if broadcast not in BROADCASTS:
-            raise ConfigError(f"CyclicDataParallel broadcast={broadcast!r}: choose 'direct' (worker N - 1 sends the "
-                              f"updated stage to each other worker: (N - 1) x the stage per step from one worker) "
-                              f"or 'balanced' (scattered in N - 1 chunks, then all-gathered among the receivers: "
-                              f"no worker sends more than the stage, as in the paper's Table 1)")
+            raise ConfigError(
+                f"CyclicDataParallel broadcast={broadcast!r}: choose 'direct' (worker N - 1 sends the "
+                f"updated stage to each other worker: (N - 1) x the stage per step from one worker) "
+                f"or 'balanced' (scattered in N - 1 chunks, then all-gathered among the receivers: "
+                f"no worker sends more than the stage, as in the paper's Table 1)"
+            )
         self.broadcast = broadcast
         if not isinstance(model, PipelineModel):
-            raise ConfigError(f"model must be a jp.PipelineModel cut into N stages, got {type(model).__name__}")
+            raise ConfigError(
+                f"model must be a jp.PipelineModel cut into N stages, got {type(model).__name__}"
+            )
         if rule not in RULES:
-            raise ConfigError(f"CyclicDataParallel rule={rule!r}: choose 'v1' (eq. CDP-v1, one step of delay "
-                              f"everywhere) or 'v2' (eq. CDP-v2, fresh parameters where the stage allows)")
+            raise ConfigError(
+                f"CyclicDataParallel rule={rule!r}: choose 'v1' (eq. CDP-v1, one step of delay "
+                f"everywhere) or 'v2' (eq. CDP-v2, fresh parameters where the stage allows)"
+            )
         if optimizer is None:
-            raise ConfigError("CyclicDataParallel updates inside the cycle: give optimizer=optax.sgd(...) or "
-                              "another optax optimizer")
+            raise ConfigError(
+                "CyclicDataParallel updates inside the cycle: give optimizer=optax.sgd(...) or "
+                "another optax optimizer"
+            )
         if mesh is None:
             from .runtime.mesh import make_mesh
+
             mesh = make_mesh(data=model.num_stages)
         if mesh.shape.get(STAGE, 1) != 1 or mesh.shape.get(PIPE, 1) != 1:
-            raise ConfigError(f"CyclicDataParallel runs N workers on the 'data' axis, each with the whole model; "
-                              f"the mesh has stage={mesh.shape.get('stage')} pipe={mesh.shape.get('pipe')}: "
-                              f"use jp.make_mesh(data=N)")
+            raise ConfigError(
+                f"CyclicDataParallel runs N workers on the 'data' axis, each with the whole model; "
+                f"the mesh has stage={mesh.shape.get('stage')} pipe={mesh.shape.get('pipe')}: "
+                f"use jp.make_mesh(data=N)"
+            )
         N = mesh.shape[DATA]
         if model.num_stages != N:
-            raise ConfigError(f"Cyclic Data Parallelism cuts the model into as many stages as workers (one time "
-                              f"step per stage, workers 2 steps apart): the model has {model.num_stages} stages "
-                              f"and the mesh {N} workers; build the model with {N} stages or use "
-                              f"jp.make_mesh(data={model.num_stages})")
-        # uneven stages: the executor holds a cut model's blocks padded (jaxpipe.cuts); params() drops the padding
+            raise ConfigError(
+                f"Cyclic Data Parallelism cuts the model into as many stages as workers (one time "
+                f"step per stage, workers 2 steps apart): the model has {model.num_stages} stages "
+                f"and the mesh {N} workers; build the model with {N} stages or use "
+                f"jp.make_mesh(data={model.num_stages})"
+            )
+        # uneven stages: the executor holds a cut model's blocks padded (jaxpipe.cuts); params() drops the
+        # padding
         self.user_model, model = model, model.padded()
         self.model, self.opt, self.rule, self.mesh, self.N = model, optimizer, rule, mesh, N
         self.check_inputs = bool(check_inputs)
@@ -116,6 +142,7 @@ class CyclicDataParallel:
         # which idle backward lanes resend), so a bubble read into a result shows as a non-finite number
         self.nan_bubbles = bool(nan_bubbles)
         from .tying import Ties
+
         # tied arrays: held once, in stage 0's pre; a micro-batch reads the version its stage-0 forward read
         # (carried with its activation) and its head gradient joins that micro-batch's stage-0 gradient
         self.ties = Ties(model)
@@ -126,14 +153,29 @@ class CyclicDataParallel:
         from .runners import RunContext
         from .runners.cyclic import CyclicRunner
         from .step_checks import pending_for
+
         # reported by a later call, not kept back (jaxpipe.step_checks: a conditional would copy the ring's
         # stacked stages)
-        checks, self._pending = pending_for(model, self.check_inputs, True, "CyclicDataParallel", keeps_state=False)
-        self._runner = CyclicRunner(RunContext(
-            model=model, mesh=mesh, schedule=self.periodic.expand(1), method=None,
-            options={"policies": self.policies, "broadcast": broadcast}, optimizer=optimizer, num_microbatches=1,
-            ties=self.ties, nan_bubbles=self.nan_bubbles, seed=seed, checks=checks, pending=self._pending))
-        host_memory.keep_freed_memory_for(mesh)     # once built: on CPU no per-step page faults (host_memory)
+        checks, self._pending = pending_for(
+            model, self.check_inputs, True, "CyclicDataParallel", keeps_state=False
+        )
+        self._runner = CyclicRunner(
+            RunContext(
+                model=model,
+                mesh=mesh,
+                schedule=self.periodic.expand(1),
+                method=None,
+                options={"policies": self.policies, "broadcast": broadcast},
+                optimizer=optimizer,
+                num_microbatches=1,
+                ties=self.ties,
+                nan_bubbles=self.nan_bubbles,
+                seed=seed,
+                checks=checks,
+                pending=self._pending,
+            )
+        )
+        host_memory.keep_freed_memory_for(mesh)  # once built: on CPU no per-step page faults (host_memory)
 
     # ------------------------------------------------------------------ state and programs (the runner's)
     def init(self) -> CyclicState:
@@ -161,8 +203,10 @@ class CyclicDataParallel:
     def _check_batch(self, batch):
         sizes = {int(np.shape(l)[0]) for l in jax.tree.leaves(batch)}
         if len(sizes) != 1 or next(iter(sizes)) % self.N:
-            raise ConfigError(f"the batch's leading size {sorted(sizes)} must be one size divisible by the "
-                              f"{self.N} workers (one micro-batch each); use a multiple of {self.N}")
+            raise ConfigError(
+                f"the batch's leading size {sorted(sizes)} must be one size divisible by the "
+                f"{self.N} workers (one micro-batch each); use a multiple of {self.N}"
+            )
 
     # ------------------------------------------------------------------ public
     def prepare(self, state: CyclicState, batch) -> CyclicState:
@@ -178,13 +222,14 @@ class CyclicDataParallel:
         require_live(state, "step()")
         self._check_batch(batch)
         from .checks import check_integer_inputs, check_integer_keys, require_finite_on_host
+
         check_integer_keys(self.model, batch)
         if self.check_inputs:
             opt_out = "CyclicDataParallel(..., check_inputs=False)"
             require_finite_on_host(batch, opt_out)
             check_integer_inputs(self.model, batch, opt_out)
-        self._pending.poll()            # earlier calls' checks: those done, or the oldest of IN_FLIGHT
-        why = self._pending.refusal(state)              # before the step consumes the state's arrays
+        self._pending.poll()  # earlier calls' checks: those done, or the oldest of IN_FLIGHT
+        why = self._pending.refusal(state)  # before the step consumes the state's arrays
         new, metrics = self._runner.step(state, batch)
         self._pending.track(state, new, why)
         return new, metrics
@@ -209,7 +254,9 @@ def _require_mean_loss(model, x_aval, mb):
     count) post_loss would silently become a mean of micro-batch means there: refuse it."""
     mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype), mb)
     if model.reduction(x_aval, mb) == "sum":
-        raise ConfigError("CyclicDataParallel averages the workers' micro-batch gradients, and post_loss returns a "
-                          "(sum, count) pair: the normalisation would silently be the mean of micro-batch means. "
-                          "Return a scalar mean loss, or train with a synchronous schedule (gpipe, 1f1b, ...), "
-                          "which divides by the exact global count")
+        raise ConfigError(
+            "CyclicDataParallel averages the workers' micro-batch gradients, and post_loss returns a "
+            "(sum, count) pair: the normalisation would silently be the mean of micro-batch means. "
+            "Return a scalar mean loss, or train with a synchronous schedule (gpipe, 1f1b, ...), "
+            "which divides by the exact global count"
+        )

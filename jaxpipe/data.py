@@ -1,4 +1,5 @@
 """Datasets that need no download (docs/design.md §5)."""
+
 from __future__ import annotations
 
 from typing import Dict, Tuple
@@ -7,7 +8,8 @@ import numpy as np
 
 
 def digits(test_fraction: float = 0.2, seed: int = 0) -> Tuple[Dict[str, np.ndarray], Dict[str, np.ndarray]]:
-    """scikit-learn's bundled 8x8 digits (1,797 images): ``({"x": float32[n, 64] in [0, 1], "y": int32[n]}, test)``."""
+    """scikit-learn's bundled 8x8 digits (1,797 images): ``({"x": float32[n, 64] in [0, 1], "y": int32[n]},
+    test)``."""
     pixels, labels = _digits_table()
     x = (pixels / 16.0).astype(np.float32)
     y = labels.astype(np.int32)
@@ -18,11 +20,13 @@ def digits(test_fraction: float = 0.2, seed: int = 0) -> Tuple[Dict[str, np.ndar
 
 
 def _digits_table() -> Tuple[np.ndarray, np.ndarray]:
-    """scikit-learn's ``digits.csv.gz`` read directly (what ``load_digits`` reads), without importing scikit-learn:
-    its import costs 3 s, paid by every process a run starts.  Falls back to ``load_digits`` if the file moved."""
+    """scikit-learn's ``digits.csv.gz`` read directly (what ``load_digits`` reads), without importing
+    scikit-learn: its import costs 3 s, paid by every process a run starts.  Falls back to ``load_digits`` if
+    the file moved."""
     import gzip
     import importlib.util
     import os
+
     spec = importlib.util.find_spec("sklearn")
     roots = spec.submodule_search_locations if spec is not None else None
     path = os.path.join(roots[0], "datasets", "data", "digits.csv.gz") if roots else ""
@@ -31,6 +35,7 @@ def _digits_table() -> Tuple[np.ndarray, np.ndarray]:
             table = np.loadtxt(f, delimiter=",")
         return table[:, :-1], table[:, -1].astype(np.int64)
     from sklearn.datasets import load_digits
+
     d = load_digits()
     return d.data, d.target
 
@@ -38,6 +43,7 @@ def _digits_table() -> Tuple[np.ndarray, np.ndarray]:
 def byte_corpus(split: float = 0.9) -> Tuple[np.ndarray, np.ndarray]:
     """The Python standard library's documentation text (``pydoc_data.topics``) as bytes, split 90/10."""
     from pydoc_data.topics import topics
+
     text = "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
     data = np.frombuffer(text, dtype=np.uint8)
     cut = int(len(data) * split)
@@ -82,14 +88,17 @@ class lm_batches(_Stream):
 
     def __next__(self) -> Dict[str, np.ndarray]:
         starts = self.rng.integers(0, len(self.data) - self.seq_len - 1, size=self.batch)
-        win = np.stack([self.data[s:s + self.seq_len + 1] for s in starts]).astype(np.int32)
+        win = np.stack([self.data[s : s + self.seq_len + 1] for s in starts]).astype(np.int32)
         self.position += 1
         out = {"x": win[:, :-1], "y": win[:, 1:]}
         if self.pad:
             lengths = self.rng.integers(max(1, self.seq_len // 4), self.seq_len + 1, size=self.batch)
-            mask = (np.arange(self.seq_len)[None] < lengths[:, None])
-            out = {"x": np.where(mask, out["x"], 0), "y": np.where(mask, out["y"], 0),
-                   "mask": mask.astype(np.float32)}
+            mask = np.arange(self.seq_len)[None] < lengths[:, None]
+            out = {
+                "x": np.where(mask, out["x"], 0),
+                "y": np.where(mask, out["y"], 0),
+                "mask": mask.astype(np.float32),
+            }
         return out
 
 
@@ -108,7 +117,7 @@ class class_batches(_Stream):
     def __next__(self) -> Dict[str, np.ndarray]:
         if self.perm is None or self.offset + self.batch > self.n:
             self.perm, self.offset = self.rng.permutation(self.n), 0
-        sel = self.perm[self.offset:self.offset + self.batch]
+        sel = self.perm[self.offset : self.offset + self.batch]
         self.offset += self.batch
         self.position += 1
         return {k: v[sel] for k, v in self.ds.items()}

@@ -1,34 +1,64 @@
 """Bytes a compiled program moves per call, loops counted as often as they run (issue #51 item 3).
 
-XLA's ``compiled.cost_analysis()["bytes accessed"]`` counts a ``while`` loop's body **once**, whatever its trip
-count, and a ``conditional`` as its dearest branch (``HloCostAnalysis::HandleWhile`` / ``HandleConditional``).
-Two programs doing the same work then compare by their *code*, not their traffic: the plain step's
-accumulation is one loop body (one micro-batch) plus the update; 1F1B at D = 1 is one loop body (one tick) plus
-the update; interleaved 1F1B at D = 1 has three phases -- a tick of forwards alone and a tick of backwards alone,
-each run once and so inlined by XLA, and the steady phase's loop -- so XLA counts three ticks where the others
-count one.  The figure ``1.66x`` of issue #51 is that.
+XLA's ``compiled.cost_analysis()["bytes accessed"]`` counts a ``while`` loop's body **once**, whatever its
+trip count, and a ``conditional`` as its dearest branch (``HloCostAnalysis::HandleWhile`` /
+``HandleConditional``). Two programs doing the same work then compare by their *code*, not their traffic: the
+plain step's accumulation is one loop body (one micro-batch) plus the update; 1F1B at D = 1 is one loop body
+(one tick) plus the update; interleaved 1F1B at D = 1 has three phases -- a tick of forwards alone and a tick
+of backwards alone, each run once and so inlined by XLA, and the steady phase's loop -- so XLA counts three
+ticks where the others count one.  The figure ``1.66x`` of issue #51 is that.
 
 :func:`account` reads the optimised HLO text (``compiled.as_text()``: the one place in jaxpipe that parses it)
 and counts each instruction as ``HloCostAnalysis`` does for the instructions such programs hold -- an
 instruction's operands and result, a fusion's operands and result, a dynamic slice the slice it reads twice
 (read and written), a dynamic-update-slice its update twice, nothing for tuples, bitcasts, parameters and
-constants -- and counts a ``while`` body ``known_trip_count`` times (XLA's own annotation), a conditional as its
-dearest branch (as XLA does: an upper bound for a tick whose lanes branch).  Its ``static`` total (every loop
-once) is checked against XLA's own figure by the tests; its ``per_call`` total is what the program moves."""
+constants -- and counts a ``while`` body ``known_trip_count`` times (XLA's own annotation), a conditional as
+its dearest branch (as XLA does: an upper bound for a tick whose lanes branch).  Its ``static`` total (every
+loop once) is checked against XLA's own figure by the tests; its ``per_call`` total is what the program
+moves."""
+
 from __future__ import annotations
 
 import dataclasses
 import re
 from typing import Dict, List, Tuple
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
-                "s4": 1, "u4": 1}
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "s4": 1,
+    "u4": 1,
+}
 _ARRAY = re.compile(r"\b(" + "|".join(sorted(_DTYPE_BYTES, key=len, reverse=True)) + r")\[([0-9,]*)\]")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\((.*)\)\s*->\s*.*\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
-_FREE = {"tuple", "get-tuple-element", "bitcast", "parameter", "constant", "after-all", "partition-id",
-         "replica-id", "iota", "opt-barrier"}
+_FREE = {
+    "tuple",
+    "get-tuple-element",
+    "bitcast",
+    "parameter",
+    "constant",
+    "after-all",
+    "partition-id",
+    "replica-id",
+    "iota",
+    "opt-barrier",
+}
 
 
 def _bytes(shape: str) -> int:
@@ -50,7 +80,7 @@ class _Instr:
     op: str
     operands: List[str]
     attrs: str
-    args: str = ""           # the text between the op's parentheses
+    args: str = ""  # the text between the op's parentheses
     root: bool = False
 
 
@@ -60,12 +90,12 @@ def _split_operands(rest: str) -> Tuple[List[str], str, str]:
     while i < len(rest) and depth:
         depth += {"(": 1, ")": -1}.get(rest[i], 0)
         i += 1
-    return re.findall(r"%([\w.\-]+)", rest[:i - 1]), rest[i:], rest[:i - 1]
+    return re.findall(r"%([\w.\-]+)", rest[: i - 1]), rest[i:], rest[: i - 1]
 
 
 def parse(text: str) -> Tuple[Dict[str, List[_Instr]], str, Dict[str, Dict[str, str]]]:
-    """``(computations, entry name, shapes)``: each computation's instructions in order, and per computation the
-    shape of every name (its parameters' and instructions')."""
+    """``(computations, entry name, shapes)``: each computation's instructions in order, and per computation
+    the shape of every name (its parameters' and instructions')."""
     comps: Dict[str, List[_Instr]] = {}
     shapes: Dict[str, Dict[str, str]] = {}
     entry, cur = "", None
@@ -76,8 +106,9 @@ def parse(text: str) -> Tuple[Dict[str, List[_Instr]], str, Dict[str, Dict[str, 
             comps[cur], shapes[cur] = [], {}
             if h.group(1):
                 entry = cur
-            for pname, pshape in re.findall(r"([\w.\-]+):\s*((?:\([^)]*\))|[^,()]+\[[0-9,]*\](?:\{[0-9,]*\})?|[^,()]+)",
-                                            h.group(3)):
+            for pname, pshape in re.findall(
+                r"([\w.\-]+):\s*((?:\([^)]*\))|[^,()]+\[[0-9,]*\](?:\{[0-9,]*\})?|[^,()]+)", h.group(3)
+            ):
                 shapes[cur][pname] = pshape
             continue
         if cur is None:
@@ -107,7 +138,7 @@ def _trips(attrs: str) -> int:
 class _Counter:
     def __init__(self, text: str):
         self.comps, self.entry, self.shapes = parse(text)
-        self.lines: List[Tuple[str, str, float, int]] = []     # (computation, instruction, bytes, times run)
+        self.lines: List[Tuple[str, str, float, int]] = []  # (computation, instruction, bytes, times run)
 
     def instr(self, comp: str, ins: _Instr) -> int:
         """Bytes of one instruction, run once (its called computations apart)."""
@@ -127,20 +158,27 @@ class _Counter:
         return out + sum(read)
 
     def _fusion_writes(self, ins: _Instr, out: int) -> int:
-        """A fusion whose result is a dynamic-update-slice of one of its parameters updates that buffer in place:
-        it writes the update, not the buffer (and :meth:`_fusion_reads` does not count the buffer read)."""
+        """A fusion whose result is a dynamic-update-slice of one of its parameters updates that buffer in
+        place: it writes the update, not the buffer (and :meth:`_fusion_reads` does not count the buffer
+        read)."""
         called = _called(ins.attrs, "calls")
         body = self.comps.get(called[0], []) if called else []
         root = next((i for i in body if i.root), None)
         params = {i.name for i in body if i.op == "parameter"}
-        if root is not None and root.op == "dynamic-update-slice" and root.operands[:1] and \
-                root.operands[0] in params and len(root.operands) > 1:
+        if (
+            root is not None
+            and root.op == "dynamic-update-slice"
+            and root.operands[:1]
+            and root.operands[0] in params
+            and len(root.operands) > 1
+        ):
             return _bytes(self.shapes[called[0]].get(root.operands[1], ""))
         return out
 
     def _fusion_reads(self, ins: _Instr, read: List[int]) -> List[int]:
         """A fusion's operand read only through (dynamic) slices inside it counts what those slices read (as
-        XLA's operand utilisation does): a layer's weights sliced out of the stacked stage weights read one layer."""
+        XLA's operand utilisation does): a layer's weights sliced out of the stacked stage weights read one
+        layer."""
         called = _called(ins.attrs, "calls")
         body = self.comps.get(called[0], []) if called else []
         out = list(read)
@@ -150,9 +188,13 @@ class _Counter:
             users = [u for u in body if p.name in u.operands]
             if users and all(u.op in ("slice", "dynamic-slice") and u.operands[0] == p.name for u in users):
                 out[int(p.args)] = min(out[int(p.args)], sum(_bytes(u.shape) for u in users))
-            elif len(users) == 1 and users[0].root and users[0].op == "dynamic-update-slice" and \
-                    users[0].operands[0] == p.name:
-                out[int(p.args)] = 0          # the buffer updated in place
+            elif (
+                len(users) == 1
+                and users[0].root
+                and users[0].op == "dynamic-update-slice"
+                and users[0].operands[0] == p.name
+            ):
+                out[int(p.args)] = 0  # the buffer updated in place
         return out
 
     def total(self, comp: str, weighted: bool, times: int = 1, record: bool = False) -> float:
@@ -170,7 +212,8 @@ class _Counter:
                         s += n * self.total(c, weighted, times * n, record)
             elif ins.op == "conditional":
                 branches = _called(ins.attrs, "branch_computations") or (
-                    _called(ins.attrs, "true_computation") + _called(ins.attrs, "false_computation"))
+                    _called(ins.attrs, "true_computation") + _called(ins.attrs, "false_computation")
+                )
                 costs = [(self.total(c, weighted), c) for c in branches]
                 if costs:
                     best = max(costs)
@@ -187,7 +230,9 @@ class _Counter:
 class Account:
     """``static``: bytes with every loop body once (what XLA's ``bytes accessed`` counts); ``per_call``: loops
     counted as often as they run; ``loops``: ``(trip count, body bytes)`` per while loop of the entry;
-    ``top``: the instructions moving the most bytes per call, ``(computation, instruction, bytes per call)``."""
+    ``top``: the instructions moving the most bytes per call, ``(computation, instruction, bytes per
+    call)``."""
+
     static: float
     per_call: float
     loops: Tuple[Tuple[int, float], ...]

@@ -18,13 +18,14 @@ glibc (macOS, musl) it changes nothing and says so.
 
 **Threads that allocated before it keep their own arenas** (``M_ARENA_MAX`` binds only threads that have not
 allocated yet): XLA's worker threads, started with the CPU backend before any ``Pipeline``, still map and trim
-their heaps. Measured (the two-process testbed's model, D = 2 emulated on one core, Chimera M = 4): 34,400 page
-faults a step and 1.41x 1F1B's step when kept from the first ``Pipeline``; 1.06x and no faults with
+their heaps. Measured (the two-process testbed's model, D = 2 emulated on one core, Chimera M = 4): 34,400
+page faults a step and 1.41x 1F1B's step when kept from the first ``Pipeline``; 1.06x and no faults with
 :data:`KEEP_FREED_ENV` in the environment from the start. It is not set at import: one arena for every thread
 also serialises XLA's compiler threads on malloc's lock -- README's ``configure`` search took 118 s cold with
 ``MALLOC_ARENA_MAX=1`` from the start against 82 s without. A long CPU run (a benchmark of many steps) should
 start with :data:`KEEP_FREED_ENV`; a compile-heavy one (tests, a search) should not.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -38,12 +39,18 @@ M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -2, -3, -8
 #: kept at the top of each heap (without it, glibc's per-thread heaps -- where XLA's worker threads allocate
 #: -- are still released when they empty; measured: 10k faults per step left at top pad 0, none at 64 MiB),
 #: and one arena: a thread's own arena grows in heaps of at most 64 MiB, so a larger buffer allocated on an
-#: XLA worker thread is mapped and unmapped on every call whatever the thresholds say (Chimera, D = 2, one core,
-#: 8 x 1024² MLP: 32,898 faults and 60 ms in the kernel per step, 1.43x the plain step; one arena: none, 1.16x)
+#: XLA worker thread is mapped and unmapped on every call whatever the thresholds say (Chimera, D = 2, one
+#: core,
+#: 8 x 1024² MLP: 32,898 faults and 60 ms in the kernel per step, 1.43x the plain step; one arena: none,
+#: 1.16x)
 KEEP_FREED = {M_MMAP_THRESHOLD: 1 << 30, M_TRIM_THRESHOLD: 1 << 30, M_TOP_PAD: 64 << 20, M_ARENA_MAX: 1}
 #: the same, as the environment variables glibc reads at process start (for a child process)
-KEEP_FREED_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
-                  "MALLOC_TOP_PAD_": str(64 << 20), "MALLOC_ARENA_MAX": "1"}
+KEEP_FREED_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
+    "MALLOC_TOP_PAD_": str(64 << 20),
+    "MALLOC_ARENA_MAX": "1",
+}
 
 _state = {"kept": False, "why_not": ""}
 
@@ -67,8 +74,8 @@ def _glibc():
 def keep_freed_memory() -> bool:
     """Tell glibc's malloc to keep freed memory in this process (see the module docstring); idempotent.
 
-    Returns True where it took effect (Linux with glibc), False elsewhere; :func:`describe` says which and why.
-    Call it any time -- before or after JAX starts; buffers freed from then on are kept.
+    Returns True where it took effect (Linux with glibc), False elsewhere; :func:`describe` says which and
+    why. Call it any time -- before or after JAX starts; buffers freed from then on are kept.
     """
     if _state["kept"]:
         return True
@@ -78,13 +85,16 @@ def keep_freed_memory() -> bool:
         return False
     refused = [k for k, v in KEEP_FREED.items() if mallopt(k, v) != 1]
     if refused:  # pragma: no cover - every glibc since 2.x takes these values
-        _state["why_not"] = f"glibc refused mallopt parameter(s) {refused}: the host allocator is left as it is"
+        _state["why_not"] = (
+            f"glibc refused mallopt parameter(s) {refused}: the host allocator is left as it is"
+        )
         return False
     _state["kept"] = True
     return True
 
 
-#: the environment variable that turns off what :func:`keep_freed_memory_for` does ("0": glibc's defaults stay)
+#: the environment variable that turns off what :func:`keep_freed_memory_for` does ("0": glibc's defaults
+#: stay)
 OPT_OUT = "JAXPIPE_KEEP_FREED_MEMORY"
 
 

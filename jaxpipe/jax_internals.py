@@ -1,11 +1,11 @@
 """Every read of JAX internals in jaxpipe, in one place (jaxpr equation parameters).
 
 jaxpipe reads a jaxpr in one place only: zero-bubble's B/W split (:mod:`jaxpipe.runtime.wsplit`) walks the
-pullback of a stage and cuts a ``scan`` over layers in two.  It needs, of a ``scan`` equation, its body and how
-its operands divide into constants, carry and scanned inputs.  How JAX spells that changed:
+pullback of a stage and cuts a ``scan`` over layers in two.  It needs, of a ``scan`` equation, its body and
+how its operands divide into constants, carry and scanned inputs.  How JAX spells that changed:
 
-* jax 0.10.x (the pinned set, constraints.txt): ``params["jaxpr"]`` a ``ClosedJaxpr``, ``params["num_consts"]``
-  and ``params["num_carry"]`` ints;
+* jax 0.10.x (the pinned set, constraints.txt): ``params["jaxpr"]`` a ``ClosedJaxpr``,
+  ``params["num_consts"]`` and ``params["num_carry"]`` ints;
 * jax 0.11.x and 0.12.x (tested: 0.12.0.1): no ``num_consts``/``num_carry``; ``params["ft_in"]``, a flat tree
   of three groups ``(consts, carry, xs)`` over the equation's operands, and ``params["jaxpr"]`` a ``Jaxpr``
   that carries its own ``consts`` (``.jaxpr`` is itself).
@@ -14,9 +14,11 @@ its operands divide into constants, carry and scanned inputs.  How JAX spells th
 "recompute W" (exact, slower) with one warning instead of a crash.
 
 The residual analysis (:func:`jaxpipe.runtime.common.residual_mask`) looks inside call equations (``jit``,
-``closed_call``, ``checkpoint``: :func:`call_body`) to tell which of their outputs depend on the activation; an
-equation it cannot read counts as depending on every input (conservative: a residual stashed that need not be).
+``closed_call``, ``checkpoint``: :func:`call_body`) to tell which of their outputs depend on the activation;
+an equation it cannot read counts as depending on every input (conservative: a residual stashed that need not
+be).
 """
+
 from __future__ import annotations
 
 from typing import Any, NamedTuple
@@ -27,7 +29,7 @@ class UnknownJaxprLayout(Exception):
 
 
 class ScanLayout(NamedTuple):
-    body: Any            # the body: ``.jaxpr`` (its equations, invars, outvars) and ``.consts``
+    body: Any  # the body: ``.jaxpr`` (its equations, invars, outvars) and ``.consts``
     num_consts: int
     num_carry: int
     length: int
@@ -39,16 +41,18 @@ def scan_layout(eqn) -> ScanLayout:
     p = eqn.params
     try:
         body = p["jaxpr"]
-        if "num_consts" in p:                           # jax <= 0.10
+        if "num_consts" in p:  # jax <= 0.10
             nc, ncar = int(p["num_consts"]), int(p["num_carry"])
-        else:                                           # jax >= 0.11: a flat tree (consts, carry, xs)
+        else:  # jax >= 0.11: a flat tree (consts, carry, xs)
             consts, carry, _ = p["ft_in"].unpack()
             nc, ncar = len(consts), len(carry)
         if not (hasattr(body, "jaxpr") and hasattr(body, "consts")):
             raise TypeError(f"scan body of type {type(body).__name__}")
         return ScanLayout(body, nc, ncar, int(p["length"]), bool(p["reverse"]))
     except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise UnknownJaxprLayout(f"a scan equation with parameters {sorted(p)} ({type(e).__name__}: {e})") from None
+        raise UnknownJaxprLayout(
+            f"a scan equation with parameters {sorted(p)} ({type(e).__name__}: {e})"
+        ) from None
 
 
 #: call-like primitives whose body maps the equation's operands and results one to one (jax 0.10: ``pjit``;
@@ -62,7 +66,7 @@ def call_body(eqn):
     if getattr(eqn.primitive, "name", None) not in CALLS:
         return None
     body = eqn.params.get("jaxpr")
-    body = getattr(body, "jaxpr", body)          # a ClosedJaxpr's Jaxpr (a Jaxpr's .jaxpr is itself on 0.11+)
+    body = getattr(body, "jaxpr", body)  # a ClosedJaxpr's Jaxpr (a Jaxpr's .jaxpr is itself on 0.11+)
     if not (hasattr(body, "invars") and hasattr(body, "outvars") and hasattr(body, "eqns")):
         return None
     if len(body.invars) != len(eqn.invars) or len(body.outvars) != len(eqn.outvars):

@@ -1,4 +1,5 @@
-"""A gate in front of a job's coordinator: a process of another job cannot join it by mistake (issue #42, item 3).
+"""A gate in front of a job's coordinator: a process of another job cannot join it by mistake (issue #42, item
+3).
 
 JAX's coordination service (process 0, on the coordinator's port) takes a process that connects as task ``k``
 of a running job for task ``k`` restarted, and aborts every process of the job ("unexpectedly tried to connect
@@ -12,6 +13,7 @@ which ``experiments.launch`` sets per launch); once the job runs, it refuses eve
 which raises a :class:`~jaxpipe.errors.ConfigError` naming the running job -- and logs the intruder on process
 0.  Where the gate's port is taken or a gate does not answer (a job without one), processes join as before.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,7 +25,7 @@ from typing import Optional
 
 from .errors import ConfigError
 
-_GATE = None          # process 0's gate (one per process)
+_GATE = None  # process 0's gate (one per process)
 
 
 def gate_address(coordinator: str):
@@ -80,19 +82,26 @@ class Gate:
         k, n, job = int(words[1]), int(words[2]), words[3]
         why = None
         if self.running:
-            why = (f"the job on this coordinator is running since {self.since} with all {self.n} processes joined "
-                   f"(process 0: pid {os.getpid()} on {socket.gethostname()})")
+            why = (
+                f"the job on this coordinator is running since {self.since} with all {self.n} processes "
+                "joined "
+                f"(process 0: pid {os.getpid()} on {socket.gethostname()})"
+            )
         elif n != self.n or job != self.job:
-            why = (f"the job on this coordinator has {self.n} processes and identity {self.job!r}; this process "
-                   f"asks to join one of {n} with identity {job!r}")
+            why = (
+                f"the job on this coordinator has {self.n} processes and identity {self.job!r}; this process "
+                f"asks to join one of {n} with identity {job!r}"
+            )
         elif k in self.claimed:
             why = f"process {k} of the job on this coordinator has joined already"
         if why is None:
             self.claimed.add(k)
             return "OK"
         try:
-            sys.stderr.write(f"jaxpipe: refused a process at {peer[0]}:{peer[1]} asking to join as process {k} of "
-                             f"{n} (identity {job!r}): {why}. This job goes on\n")
+            sys.stderr.write(
+                f"jaxpipe: refused a process at {peer[0]}:{peer[1]} asking to join as process {k} of "
+                f"{n} (identity {job!r}): {why}. This job goes on\n"
+            )
             sys.stderr.flush()
         except OSError:
             pass
@@ -106,9 +115,11 @@ def open_gate(coordinator: str, num_processes: int) -> Optional[Gate]:
         _GATE = Gate(coordinator, num_processes)
     except OSError as e:
         host, port = gate_address(coordinator)
-        sys.stderr.write(f"jaxpipe: port {port} (the coordinator's + 1) is taken ({e.strerror}): this job runs "
-                         f"without a join gate, so a process of another job started on its coordinator would "
-                         f"abort it; a coordinator port whose next port is free avoids that\n")
+        sys.stderr.write(
+            f"jaxpipe: port {port} (the coordinator's + 1) is taken ({e.strerror}): this job runs "
+            f"without a join gate, so a process of another job started on its coordinator would "
+            f"abort it; a coordinator port whose next port is free avoids that\n"
+        )
         _GATE = None
     return _GATE
 
@@ -129,6 +140,8 @@ def ask(coordinator: str, process_id: int, num_processes: int, timeout_s: float 
     except OSError:
         return
     if reply.startswith("REFUSE"):
-        raise ConfigError(f"process {process_id} of {num_processes} was refused by the coordinator at "
-                          f"{coordinator}: {reply[len('REFUSE '):]}. Joining would abort that job; give this job "
-                          f"its own --coordinator port (experiments.launch picks a free one)")
+        raise ConfigError(
+            f"process {process_id} of {num_processes} was refused by the coordinator at "
+            f"{coordinator}: {reply[len('REFUSE ') :]}. Joining would abort that job; give this job "
+            f"its own --coordinator port (experiments.launch picks a free one)"
+        )

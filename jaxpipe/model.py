@@ -1,4 +1,6 @@
-"""``PipelineModel``: a model cut into ``pre`` -> ``stage_fn`` x num_stages -> ``post_loss`` (docs/design.md §5)."""
+"""``PipelineModel``: a model cut into ``pre`` -> ``stage_fn`` x num_stages -> ``post_loss`` (docs/design.md
+§5)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,8 +14,10 @@ from .errors import ConfigError
 
 def _default_pre(_, batch):
     if not isinstance(batch, dict) or "x" not in batch:
-        raise ConfigError("the default pre(pre_params, batch) returns batch['x'], but the batch has no key "
-                          "'x'; pass pre=... to PipelineModel or give the batch an 'x' entry")
+        raise ConfigError(
+            "the default pre(pre_params, batch) returns batch['x'], but the batch has no key "
+            "'x'; pass pre=... to PipelineModel or give the batch an 'x' entry"
+        )
     return batch["x"]
 
 
@@ -27,14 +31,18 @@ def stack_stages(per_stage):
     ref_avals = [(jnp.shape(l), jnp.result_type(l)) for l in jax.tree.leaves(per_stage[0])]
     for i, p in enumerate(per_stage[1:], 1):
         if jax.tree.structure(p) != ref:
-            raise ConfigError(f"stage {i}'s parameters have another pytree structure than stage 0's "
-                              f"({jax.tree.structure(p)} vs {ref}): every stage runs the same stage_fn, so "
-                              f"every stage needs the same parameter structure (pad or share layers so they agree)")
+            raise ConfigError(
+                f"stage {i}'s parameters have another pytree structure than stage 0's "
+                f"({jax.tree.structure(p)} vs {ref}): every stage runs the same stage_fn, so "
+                f"every stage needs the same parameter structure (pad or share layers so they agree)"
+            )
         avals = [(jnp.shape(l), jnp.result_type(l)) for l in jax.tree.leaves(p)]
         for j, (a, b) in enumerate(zip(avals, ref_avals)):
             if a != b:
-                raise ConfigError(f"stage {i}'s parameter leaf {j} is {a[1]}{list(a[0])} but stage 0's is "
-                                  f"{b[1]}{list(b[0])}: stacking needs equal shapes and dtypes per leaf")
+                raise ConfigError(
+                    f"stage {i}'s parameter leaf {j} is {a[1]}{list(a[0])} but stage 0's is "
+                    f"{b[1]}{list(b[0])}: stacking needs equal shapes and dtypes per leaf"
+                )
     return jax.tree.map(lambda *ls: jnp.stack(ls), *per_stage)
 
 
@@ -43,14 +51,20 @@ def loss_terms(out):
     ``(sum, count)`` pair (a masked or variable-length loss) is itself.  Raises ConfigError otherwise."""
     if isinstance(out, (tuple, list)):
         if len(out) != 2 or any(jnp.shape(o) != () for o in out):
-            raise ConfigError(f"post_loss returned {type(out).__name__} of {len(out)} value(s) with shapes "
-                              f"{[tuple(jnp.shape(o)) for o in out]}: return a scalar mean loss, or a pair of "
-                              f"scalars (sum of the per-token/per-example losses, their count) for an exact "
-                              f"masked mean over the whole batch")
-        return out[0], (out[1] if isinstance(out[1], jax.ShapeDtypeStruct) else jnp.asarray(out[1], jnp.float32))
+            raise ConfigError(
+                f"post_loss returned {type(out).__name__} of {len(out)} value(s) with shapes "
+                f"{[tuple(jnp.shape(o)) for o in out]}: return a scalar mean loss, or a pair of "
+                f"scalars (sum of the per-token/per-example losses, their count) for an exact "
+                f"masked mean over the whole batch"
+            )
+        return out[0], (
+            out[1] if isinstance(out[1], jax.ShapeDtypeStruct) else jnp.asarray(out[1], jnp.float32)
+        )
     if jnp.shape(out) != ():
-        raise ConfigError(f"post_loss returned shape {tuple(jnp.shape(out))}: return a scalar mean loss over "
-                          f"the micro-batch, or a (sum, count) pair of scalars")
+        raise ConfigError(
+            f"post_loss returned shape {tuple(jnp.shape(out))}: return a scalar mean loss over "
+            f"the micro-batch, or a (sum, count) pair of scalars"
+        )
     return out, jnp.ones((), jnp.float32)
 
 
@@ -60,11 +74,12 @@ class StageContext:
     """What a context-taking ``stage_fn(params, x, ctx)`` receives besides its activation.
 
     ``inputs``: the micro-batch's fields named in ``PipelineModel.stage_inputs`` (attention masks, positions,
-    segment ids), sliced to the micro-batch, never sent between stages; ``key``: a PRNG key (raw ``uint32[2]``)
-    that depends only on (step, micro-batch, stage) -- :func:`stage_key` -- so dropout is the same in every
-    schedule and in the unpipelined reference (``None`` when the model is evaluated without a key:
-    ``model.loss(params, batch)`` / ``forward`` -- a stage_fn should then skip dropout); ``stage``: the model
-    stage index (int32)."""
+    segment ids), sliced to the micro-batch, never sent between stages; ``key``: a PRNG key (raw
+    ``uint32[2]``) that depends only on (step, micro-batch, stage) -- :func:`stage_key` -- so dropout is the
+    same in every schedule and in the unpipelined reference (``None`` when the model is evaluated without a
+    key: ``model.loss(params, batch)`` / ``forward`` -- a stage_fn should then skip dropout); ``stage``: the
+    model stage index (int32)."""
+
     inputs: Any
     key: Any
     stage: Any
@@ -93,61 +108,70 @@ class PipelineModel:
       ``stage_fn(params, x, ctx)`` (below).
     * ``stage_params`` -- one pytree for all stages, every leaf stacked on a leading axis of size num_stages
       (``jp.stack_stages([p0, p1, ...])`` builds it); stage ``s`` gets ``leaf[s]``.  A stage may hold several
-      layers and ``lax.scan`` over them (the Flax adapters do): zero-bubble's B/W split works through the scan.
+      layers and ``lax.scan`` over them (the Flax adapters do): zero-bubble's B/W split works through the
+      scan.
     * ``pre(pre_params, batch) -> x`` -- run on the first stage (embedding, input projection); default:
       ``batch["x"]``.  ``pre_params``: its parameters (any pytree; ``()`` for none).
-    * ``post_loss(post_params, x, batch)`` -- run on the last stage; returns the micro-batch's scalar mean loss,
-      or a ``(sum, count)`` pair (masked tokens: ``(jnp.sum(ce * mask), jnp.sum(mask))``), which the pipeline
-      divides by the count summed over every micro-batch, replica and host -- the full-batch masked mean.  A
-      micro-batch whose count is 0 contributes nothing.  ``post_params``: its parameters.
+    * ``post_loss(post_params, x, batch)`` -- run on the last stage; returns the micro-batch's scalar mean
+      loss, or a ``(sum, count)`` pair (masked tokens: ``(jnp.sum(ce * mask), jnp.sum(mask))``), which the
+      pipeline divides by the count summed over every micro-batch, replica and host -- the full-batch masked
+      mean.  A micro-batch whose count is 0 contributes nothing.  ``post_params``: its parameters.
     * ``head(post_params, x) -> outputs`` -- optional: the last stage's outputs without the loss (logits), for
       evaluation and sampling (``model.outputs``); not used in training.
-    * ``context`` -- True: ``stage_fn`` takes a third argument, a :class:`StageContext` with ``ctx.inputs`` (the
-      micro-batch's ``stage_inputs`` fields, sliced on the device, never sent between stages), ``ctx.key`` (a
-      PRNG key that depends only on step, micro-batch and stage: dropout) and ``ctx.stage`` (the model stage).
+    * ``context`` -- True: ``stage_fn`` takes a third argument, a :class:`StageContext` with ``ctx.inputs``
+      (the micro-batch's ``stage_inputs`` fields, sliced on the device, never sent between stages),
+      ``ctx.key`` (a PRNG key that depends only on step, micro-batch and stage: dropout) and ``ctx.stage``
+      (the model stage).
     * ``stage_inputs`` -- batch fields ``stage_fn`` reads from ``ctx.inputs`` (an attention mask, positions);
       giving any implies ``context=True``.  A field read but not listed is a ConfigError naming it.
-    * ``tied`` -- ``[(pre_path, post_path), ...]``: the leaf at ``post_path`` of ``post_params`` *is* the leaf at
-      ``pre_path`` of ``pre_params`` (a tied embedding and LM head; paths are tuples of dict keys / indices).
-      The pipeline holds it once: one gradient (the sum of both uses, at the pre path), one optimizer state.
-      Both sides must hold the same array (checked).  ``jp.models.from_nnx`` finds ties itself.
-    * ``integer_inputs`` -- ``{batch key: bound or None}``: fields holding integer ids (labels, tokens) checked
-      to lie in ``[0, bound)`` at every step (``None``: non-negative) -- a label of -1 would otherwise read the
-      last class silently.  Off unless given (the reference models give it).
-    * ``recut`` -- optional ``recut(n) -> PipelineModel``: the same model in ``n`` stages (the Flax adapters give
-      it: their stages scan whole blocks), so ``schedule="interleaved_1f1b"`` and the V-schedules can take the
-      model as written with one stage per device and cut it into the chunks they need.
+    * ``tied`` -- ``[(pre_path, post_path), ...]``: the leaf at ``post_path`` of ``post_params`` *is* the leaf
+      at ``pre_path`` of ``pre_params`` (a tied embedding and LM head; paths are tuples of dict keys /
+      indices). The pipeline holds it once: one gradient (the sum of both uses, at the pre path), one
+      optimizer state. Both sides must hold the same array (checked).  ``jp.models.from_nnx`` finds ties
+      itself.
+    * ``integer_inputs`` -- ``{batch key: bound or None}``: fields holding integer ids (labels, tokens)
+      checked to lie in ``[0, bound)`` at every step (``None``: non-negative) -- a label of -1 would otherwise
+      read the last class silently.  Off unless given (the reference models give it).
+    * ``recut`` -- optional ``recut(n) -> PipelineModel``: the same model in ``n`` stages (the Flax adapters
+      give it: their stages scan whole blocks), so ``schedule="interleaved_1f1b"`` and the V-schedules can
+      take the model as written with one stage per device and cut it into the chunks they need.
     * ``block_fn`` and ``cut`` -- a model of identical blocks: ``block_fn(params_of_one_block, x)`` (``(p, x,
-      ctx)`` with ``context``) and ``stage_fn`` left out (a stage scans its blocks).  ``cut=(8, 8, 8, 7)``: stages
-      of different lengths; ``stage_params`` are then the blocks' own, leaves ``[n_blocks, ...]``, and stay so in
-      everything the pipeline gives back (``params``, gradients); inside, shorter stages are padded and the
-      padding skipped (:mod:`jaxpipe.cuts`; README, "Cutting a model into stages").
-    * ``param_specs`` -- ``(stage_specs, pre_specs, post_specs)``: ``PartitionSpec``s over the mesh's model axes
-      (``fsdp``, ``tensor``) for ONE stage's leaves (jaxpipe adds the stage axis) and for ``pre``/``post_loss``'s
-      parameters; ``None`` (or a ``None`` entry): replicated.  See :mod:`jaxpipe.sharding`.
+      ctx)`` with ``context``) and ``stage_fn`` left out (a stage scans its blocks).  ``cut=(8, 8, 8, 7)``:
+      stages of different lengths; ``stage_params`` are then the blocks' own, leaves ``[n_blocks, ...]``, and
+      stay so in everything the pipeline gives back (``params``, gradients); inside, shorter stages are padded
+      and the padding skipped (:mod:`jaxpipe.cuts`; README, "Cutting a model into stages").
+    * ``param_specs`` -- ``(stage_specs, pre_specs, post_specs)``: ``PartitionSpec``s over the mesh's model
+      axes (``fsdp``, ``tensor``) for ONE stage's leaves (jaxpipe adds the stage axis) and for
+      ``pre``/``post_loss``'s parameters; ``None`` (or a ``None`` entry): replicated.  See
+      :mod:`jaxpipe.sharding`.
     """
+
     stage_fn: Optional[Callable] = None
     stage_params: Any = None
     pre: Optional[Callable] = None
     pre_params: Any = ()
     post_loss: Optional[Callable] = None
     post_params: Any = ()
-    head: Optional[Callable] = None   # optional head(post_params, x) -> outputs (logits), for eval/sampling
-    context: bool = False             # stage_fn(params, x, ctx) with a StageContext (inputs, key, stage)
-    stage_inputs: Tuple[str, ...] = ()   # batch fields stage_fn reads (ctx.inputs); implies context
-    tied: Tuple = ()                  # ((pre_path, post_path), ...): one array used by pre and post_loss
-    integer_inputs: Any = None        # {batch key: bound or None}: integer ids checked in [0, bound)
+    head: Optional[Callable] = None  # optional head(post_params, x) -> outputs (logits), for eval/sampling
+    context: bool = False  # stage_fn(params, x, ctx) with a StageContext (inputs, key, stage)
+    stage_inputs: Tuple[str, ...] = ()  # batch fields stage_fn reads (ctx.inputs); implies context
+    tied: Tuple = ()  # ((pre_path, post_path), ...): one array used by pre and post_loss
+    integer_inputs: Any = None  # {batch key: bound or None}: integer ids checked in [0, bound)
     #: (stage_specs, pre_specs, post_specs): PartitionSpecs over the mesh's model axes (fsdp, tensor, ...) for
     #: ONE stage's leaves (jaxpipe adds the stage axis) and for pre/post_loss's parameters; None: replicated
     #: (:mod:`jaxpipe.sharding`)
     param_specs: Any = None
     #: ``recut(n)``: the same model cut into ``n`` stages (its stages scan whole blocks: the Flax adapters set
     #: it).  Interleaved 1F1B and the V-schedules use it when the model as written has one stage per device.
-    recut: Optional[Callable[[int], "PipelineModel"]] = dataclasses.field(default=None, compare=False, repr=False)
-    #: ``block_fn(params_of_one_block, x)`` (``(p, x, ctx)`` for a context model): a model of identical blocks;
+    recut: Optional[Callable[[int], "PipelineModel"]] = dataclasses.field(
+        default=None, compare=False, repr=False
+    )
+    #: ``block_fn(params_of_one_block, x)`` (``(p, x, ctx)`` for a context model): a model of identical
+    #: blocks;
     #: ``stage_fn`` then runs a stage's blocks in order (``lax.scan``) and may be left out
     block_fn: Optional[Callable] = dataclasses.field(default=None, compare=False, repr=False)
-    #: ``cut=(8, 8, 8, 7)``: blocks per stage (uneven stages, :mod:`jaxpipe.cuts`); ``stage_params`` are then the
+    #: ``cut=(8, 8, 8, 7)``: blocks per stage (uneven stages, :mod:`jaxpipe.cuts`); ``stage_params`` are then
+    #: the
     #: blocks' own, leaves ``[n_blocks, ...]``, and ``block_fn`` is needed
     cut: Optional[Tuple[int, ...]] = None
     #: whether ``block_fn`` takes a ctx (set from ``context``/``stage_inputs`` when ``stage_fn`` is derived)
@@ -155,9 +179,11 @@ class PipelineModel:
     #: the cut of the model :meth:`padded` made this one from: its ``loss``/``forward`` also take the blocks'
     #: layout (``pipe.params``), so ``pipe.model.loss(pipe.params(state), batch)`` works for any cut
     padded_cut: Optional[Tuple[int, ...]] = dataclasses.field(default=None, compare=False, repr=False)
-    #: the stage runs ``block_fn`` over its blocks (set when ``stage_fn`` is derived): each block's key derives
+    #: the stage runs ``block_fn`` over its blocks (set when ``stage_fn`` is derived): each block's key
+    #: derives
     #: from the micro-batch's key and the block's index in the whole model, not from the stage holding it, so
-    #: another cut or another number of stages draws the same dropout masks (:func:`~jaxpipe.cuts.stage_of_blocks`)
+    #: another cut or another number of stages draws the same dropout masks
+    #: (:func:`~jaxpipe.cuts.stage_of_blocks`)
     block_keys: bool = dataclasses.field(default=False, compare=False, repr=False)
 
     def __post_init__(self):
@@ -174,39 +200,58 @@ class PipelineModel:
             raise ConfigError("PipelineModel needs post_loss(post_params, x, batch) -> scalar mean loss")
         leaves = jax.tree.leaves(self.stage_params)
         if not leaves:
-            raise ConfigError("stage_params has no arrays: give every stage its parameters, stacked on a "
-                              "leading axis of size num_stages")
+            raise ConfigError(
+                "stage_params has no arrays: give every stage its parameters, stacked on a "
+                "leading axis of size num_stages"
+            )
         sizes = {jnp.shape(l)[0] if jnp.ndim(l) else None for l in leaves}
         if len(sizes) != 1 or None in sizes:
-            raise ConfigError(f"every stage_params leaf needs the same leading (stage) axis; leading sizes "
-                              f"found: {sorted(map(str, sizes))}. Stack one parameter pytree per stage with "
-                              f"jp.stack_stages([params_of_stage_0, params_of_stage_1, ...]) (a list of per-layer "
-                              f"dicts is not a stacked pytree)")
+            raise ConfigError(
+                f"every stage_params leaf needs the same leading (stage) axis; leading sizes "
+                f"found: {sorted(map(str, sizes))}. Stack one parameter pytree per stage with "
+                f"jp.stack_stages([params_of_stage_0, params_of_stage_1, ...]) (a list of per-layer "
+                f"dicts is not a stacked pytree)"
+            )
 
     def _set_blocks(self):
         """``block_fn`` and ``cut``: the stage function that runs a stage's blocks (skipping padding)."""
         if self.stage_params is None:
-            raise ConfigError("PipelineModel needs stage_params: the stages' parameters stacked on a leading "
-                              "stage axis (or, with cut=, the blocks' stacked on a leading block axis)")
+            raise ConfigError(
+                "PipelineModel needs stage_params: the stages' parameters stacked on a leading "
+                "stage axis (or, with cut=, the blocks' stacked on a leading block axis)"
+            )
         if self.cut is not None:
             from .cuts import check_cut
+
             if self.block_fn is None:
-                raise ConfigError("PipelineModel(cut=...) needs block_fn(params_of_one_block, x): stages of "
-                                  "different lengths run their blocks one by one, skipping the padding")
-            n = jnp.shape(jax.tree.leaves(self.stage_params)[0])[0] if jax.tree.leaves(self.stage_params) else 0
+                raise ConfigError(
+                    "PipelineModel(cut=...) needs block_fn(params_of_one_block, x): stages of "
+                    "different lengths run their blocks one by one, skipping the padding"
+                )
+            n = (
+                jnp.shape(jax.tree.leaves(self.stage_params)[0])[0]
+                if jax.tree.leaves(self.stage_params)
+                else 0
+            )
             object.__setattr__(self, "cut", check_cut(self.cut, n))
         if self.block_fn is not None and self.stage_fn is None:
             from .cuts import stage_of_blocks
-            takes_ctx = self.block_context if self.block_context is not None else (self.context or
-                                                                                  bool(self.stage_inputs))
+
+            takes_ctx = (
+                self.block_context
+                if self.block_context is not None
+                else (self.context or bool(self.stage_inputs))
+            )
             object.__setattr__(self, "block_context", takes_ctx)
             object.__setattr__(self, "block_keys", True)
             object.__setattr__(self, "stage_fn", stage_of_blocks(self.block_fn, self.cut, takes_ctx))
             if self.cut is not None:
-                object.__setattr__(self, "context", True)     # the stage reads ctx.stage to skip its padding
+                object.__setattr__(self, "context", True)  # the stage reads ctx.stage to skip its padding
         if self.stage_fn is None:
-            raise ConfigError("PipelineModel needs stage_fn(params_of_one_stage, x) -> x, or block_fn for a "
-                              "model of identical blocks")
+            raise ConfigError(
+                "PipelineModel needs stage_fn(params_of_one_stage, x) -> x, or block_fn for a "
+                "model of identical blocks"
+            )
 
     @property
     def num_stages(self) -> int:
@@ -220,20 +265,31 @@ class PipelineModel:
         if self.cut is None:
             return self
         from .cuts import pad_blocks
-        return dataclasses.replace(self, stage_params=pad_blocks(self.stage_params, self.cut), cut=None,
-                                   recut=None, padded_cut=self.cut)
+
+        return dataclasses.replace(
+            self,
+            stage_params=pad_blocks(self.stage_params, self.cut),
+            cut=None,
+            recut=None,
+            padded_cut=self.cut,
+        )
 
     def stage_layout(self, stage_params):
-        """A cut model's blocks ``[n_blocks, ...]`` as the executor holds them (padded); otherwise unchanged."""
+        """A cut model's blocks ``[n_blocks, ...]`` as the executor holds them (padded); otherwise
+        unchanged."""
         from .cuts import pad_blocks
-        if self.cut is None and self.padded_cut is not None:       # the blocks' layout given to a padded model
-            blocks = jnp.ndim(jax.tree.leaves(stage_params)[0]) < jnp.ndim(jax.tree.leaves(self.stage_params)[0])
+
+        if self.cut is None and self.padded_cut is not None:  # the blocks' layout given to a padded model
+            blocks = jnp.ndim(jax.tree.leaves(stage_params)[0]) < jnp.ndim(
+                jax.tree.leaves(self.stage_params)[0]
+            )
             return pad_blocks(stage_params, self.padded_cut) if blocks else stage_params
         return stage_params if self.cut is None else pad_blocks(stage_params, self.cut)
 
     def user_layout(self, stage_params):
         """The inverse of :meth:`stage_layout`: the padding dropped."""
         from .cuts import unpad_blocks
+
         return stage_params if self.cut is None else unpad_blocks(stage_params, self.cut)
 
     def chunks(self, n: int) -> "PipelineModel":
@@ -244,10 +300,12 @@ class PipelineModel:
                 raise ConfigError(f"the model cannot be cut into {n} stages: it has no recut")
             return self.recut(n)
         from .cuts import split_cut
+
         if n % len(self.cut):
             raise ConfigError(f"{n} chunks is not a multiple of the cut's {len(self.cut)} stages")
-        return dataclasses.replace(self, cut=split_cut(self.cut, n // len(self.cut)), stage_fn=None,
-                                   context=bool(self.block_context))
+        return dataclasses.replace(
+            self, cut=split_cut(self.cut, n // len(self.cut)), stage_fn=None, context=bool(self.block_context)
+        )
 
     @property
     def params(self):
@@ -270,8 +328,10 @@ class PipelineModel:
         missing = [k for k in self.stage_inputs if not isinstance(batch, dict) or k not in batch]
         if missing:
             have = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
-            raise ConfigError(f"stage_inputs names {missing} but the batch has {have}: give the batch those "
-                              f"fields, or drop them from PipelineModel(stage_inputs=...)")
+            raise ConfigError(
+                f"stage_inputs names {missing} but the batch has {have}: give the batch those "
+                f"fields, or drop them from PipelineModel(stage_inputs=...)"
+            )
         inputs = {k: batch[k] for k in self.stage_inputs}
         # a model of blocks: the blocks fold in their own index in the model (the stage only locates them)
         key = None if mb_key is None else (mb_key if self.block_keys else stage_key(mb_key, stage))
@@ -312,15 +372,23 @@ class PipelineModel:
         it is sent to the next stage into buffers of that structure."""
         show = lambda t: jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", t)
         if jax.tree.structure(x_aval) != jax.tree.structure(y_aval) or any(
-                a.shape != b.shape or a.dtype != b.dtype
-                for a, b in zip(jax.tree.leaves(x_aval), jax.tree.leaves(y_aval))):
-            raise ConfigError(f"stage_fn must map an activation to one of the same shape and dtype, leaf by leaf (it "
-                              f"is sent to the next stage): pre gives {show(x_aval)}, stage_fn returns "
-                              f"{show(y_aval)}")
-        bad = [f"{a.dtype}{list(a.shape)}" for a in jax.tree.leaves(x_aval)
-               if not jnp.issubdtype(a.dtype, jnp.floating)]
+            a.shape != b.shape or a.dtype != b.dtype
+            for a, b in zip(jax.tree.leaves(x_aval), jax.tree.leaves(y_aval))
+        ):
+            raise ConfigError(
+                f"stage_fn must map an activation to one of the same shape and dtype, leaf by leaf (it "
+                f"is sent to the next stage): pre gives {show(x_aval)}, stage_fn returns "
+                f"{show(y_aval)}"
+            )
+        bad = [
+            f"{a.dtype}{list(a.shape)}"
+            for a in jax.tree.leaves(x_aval)
+            if not jnp.issubdtype(a.dtype, jnp.floating)
+        ]
         if bad:
-            raise ConfigError(f"the activation has non-floating leaves {bad}: activations are differentiated and "
-                              f"their gradients sent back, so every leaf must be a float array. Pass integer "
-                              f"per-example data (positions, segment ids, masks) to stage_fn as a side input "
-                              f"instead: PipelineModel(stage_inputs=('positions',)) -> ctx.inputs")
+            raise ConfigError(
+                f"the activation has non-floating leaves {bad}: activations are differentiated and "
+                f"their gradients sent back, so every leaf must be a float array. Pass integer "
+                f"per-example data (positions, segment ids, masks) to stage_fn as a side input "
+                f"instead: PipelineModel(stage_inputs=('positions',)) -> ctx.inputs"
+            )

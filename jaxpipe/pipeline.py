@@ -1,4 +1,5 @@
 """``jp.Pipeline``: a model, a schedule, an optimizer and a mesh, compiled into one train step."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -9,7 +10,13 @@ import numpy as np
 import optax
 
 from . import host_memory, schedules
-from .checks import check_dtypes, check_integer_inputs, check_integer_keys, require_finite_on_host, require_live
+from .checks import (
+    check_dtypes,
+    check_integer_inputs,
+    check_integer_keys,
+    require_finite_on_host,
+    require_live,
+)
 from .errors import ConfigError
 from .model import PipelineModel
 from .runners.sync import PipelineState
@@ -31,16 +38,16 @@ class Pipeline:
     :class:`Precision` (mixed precision, loss scaling); ``batch_axes``: the mesh axes the batch is split over
     (default ``("data",)``; FSDP: ``("data", "fsdp")``).
 
-    ``nan_bubbles=True`` is a debugging aid: buffers start as NaN and idle ticks send NaN, so anything a bubble
-    leaks into the result shows up as NaN.
+    ``nan_bubbles=True`` is a debugging aid: buffers start as NaN and idle ticks send NaN, so anything a
+    bubble leaks into the result shows up as NaN.
 
     Schedule options: ``options={...}``, checked against the method's schema in
     :mod:`jaxpipe.schedules.registry` (``jp.schedules.method(name).options`` lists them with their defaults):
-    chimera ``pipelines``, ``concat``, ``eager_reduce``; interleaved_1f1b ``virtual``; zb_h1 ``max_deferred_w``, ``w_from``;
-    avgpipe ``alpha``, ``advance``, ``memory_limit``, ``tolerance`` (needs a mesh with ``pipes=N``); wpipe
-    ``recompute`` (the model has 2 x stage-axis partitions).  The per-method keywords of the unreleased 0.1.0
-    (``chimera=``, ``virtual=``, ``zb=``, ``avgpipe=``, ``wpipe=``, ``recompute=``) are refused with the new
-    spelling (CHANGELOG.md).
+    chimera ``pipelines``, ``concat``, ``eager_reduce``; interleaved_1f1b ``virtual``; zb_h1
+    ``max_deferred_w``, ``w_from``; avgpipe ``alpha``, ``advance``, ``memory_limit``, ``tolerance`` (needs a
+    mesh with ``pipes=N``); wpipe ``recompute`` (the model has 2 x stage-axis partitions).  The per-method
+    keywords of the unreleased 0.1.0 (``chimera=``, ``virtual=``, ``zb=``, ``avgpipe=``, ``wpipe=``,
+    ``recompute=``) are refused with the new spelling (CHANGELOG.md).
     ``schedule`` may also be a built :class:`~jaxpipe.schedules.Schedule` of a registered method (its own
     options are used).  ``skip_nonfinite=True`` (synchronous
     schedules): a step whose loss or gradient norm is NaN/Inf leaves parameters and optimizer state unchanged
@@ -57,20 +64,35 @@ class Pipeline:
     exchange after all its lanes ran.  ``op_costs=(f, b, w)``: one stage's forward, its backward's input part
     and its weight part as measured (any one unit; ``jaxpipe.tune.microbench.layer_costs``; a fourth value:
     what a tick's exchange costs, each tick of a plan paying one), which ``"auto"``
-    ranks the two plans at instead of unit costs -- where W costs more than F, ZB-H1's unit-time order can be the
-    slower (issue #49) -- and ZB-H1 and ZB-V choose their ticks for (``jaxpipe.schedules.zb_costed``;
-    ``options={"costs": ...}`` is the same for them alone).  ``residuals`` says what a stage keeps between its forward and its backward
-    (the stash): ``"all"`` (default) every residual of its vjp; ``"inputs"`` its input only, the forward
-    recomputed in the backward (``jax.checkpoint``); or a ``jax.checkpoint``
+    ranks the two plans at instead of unit costs -- where W costs more than F, ZB-H1's unit-time order can be
+    the slower (issue #49) -- and ZB-H1 and ZB-V choose their ticks for (``jaxpipe.schedules.zb_costed``;
+    ``options={"costs": ...}`` is the same for them alone).  ``residuals`` says what a stage keeps between its
+    forward and its backward (the stash): ``"all"`` (default) every residual of its vjp; ``"inputs"`` its
+    input only, the forward recomputed in the backward (``jax.checkpoint``); or a ``jax.checkpoint``
     policy such as ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable`` (matmul outputs kept, the
     rest recomputed).  README's "What a stage keeps" table trades memory for compute on a GPT.
     """
 
-    def __init__(self, model: PipelineModel, schedule: str = "1f1b", num_microbatches: int = 1,
-                 optimizer: Optional[optax.GradientTransformation] = None, mesh=None, *,
-                 nan_bubbles: bool = False, skip_nonfinite: bool = False, check_inputs: bool = True,
-                 placement: str = "auto", seed: int = 0, precision=None, options: Optional[dict] = None,
-                 batch_axes=("data",), residuals="all", op_costs=None, **removed):
+    def __init__(
+        self,
+        model: PipelineModel,
+        schedule: str = "1f1b",
+        num_microbatches: int = 1,
+        optimizer: Optional[optax.GradientTransformation] = None,
+        mesh=None,
+        *,
+        nan_bubbles: bool = False,
+        skip_nonfinite: bool = False,
+        check_inputs: bool = True,
+        placement: str = "auto",
+        seed: int = 0,
+        precision=None,
+        options: Optional[dict] = None,
+        batch_axes=("data",),
+        residuals="all",
+        op_costs=None,
+        **removed,
+    ):
         _refuse_removed(schedule, removed)
         if not isinstance(model, PipelineModel):
             raise ConfigError(f"model must be a jp.PipelineModel, got {type(model).__name__}")
@@ -79,24 +101,31 @@ class Pipeline:
         if built is not None:
             schedule = built.name
             if options:
-                raise ConfigError("options= goes with a schedule name; a built Schedule carries its own options")
+                raise ConfigError(
+                    "options= goes with a schedule name; a built Schedule carries its own options"
+                )
             options = dict(built.options)
         if schedule not in schedules.available():
             raise ConfigError(f"unknown schedule {schedule!r}; available: {', '.join(schedules.available())}")
         options = _checked_options(options)
         if built is None:
             mesh, model = _recut_for(schedule, options, model, _checked_mesh(mesh, model))
-        self.user_model, model = model, model.padded()      # uneven stages: held padded (jaxpipe.cuts)
+        self.user_model, model = model, model.padded()  # uneven stages: held padded (jaxpipe.cuts)
         from .precision import Precision, with_precision
+
         if precision is not None and not isinstance(precision, Precision):
-            raise ConfigError(f"precision={precision!r}: give jp.Precision(params='float32', compute='bfloat16')")
+            raise ConfigError(
+                f"precision={precision!r}: give jp.Precision(params='float32', compute='bfloat16')"
+            )
         self.precision = precision
         if precision is not None:
             model = with_precision(model, precision)
             if precision.loss_scale != 1 and schedules.method(schedule).updates_inside:
-                raise ConfigError(f"Precision(loss_scale={precision.loss_scale}) unscales the gradients before the "
-                                  f"update, which {schedule} applies inside the pipeline; use loss_scale=1 (bfloat16 "
-                                  f"needs none) or a synchronous schedule")
+                raise ConfigError(
+                    f"Precision(loss_scale={precision.loss_scale}) unscales the gradients before the "
+                    f"update, which {schedule} applies inside the pipeline; use loss_scale=1 (bfloat16 "
+                    f"needs none) or a synchronous schedule"
+                )
         mesh = _checked_mesh(mesh, model)
         D = mesh.shape[STAGE]
         _check_scalars(num_microbatches, placement, seed)
@@ -106,18 +135,28 @@ class Pipeline:
         self.num_microbatches = num_microbatches
         self.method = schedules.method(schedule)
         if op_costs is not None and "costs" in self.method.options and not (options or {}).get("costs"):
-            options = {**(options or {}), "costs": _checked_costs(op_costs)}     # zb_h1: ticks for the costs
+            options = {**(options or {}), "costs": _checked_costs(op_costs)}  # zb_h1: ticks for the costs
         try:
             self.options = self.method.resolve(options, model.num_stages, D)
-            self.schedule = built if built is not None else schedules.build(
-                schedule, num_stages=D, num_microbatches=num_microbatches, **self.method.builder_options(self.options))
+            self.schedule = (
+                built
+                if built is not None
+                else schedules.build(
+                    schedule,
+                    num_stages=D,
+                    num_microbatches=num_microbatches,
+                    **self.method.builder_options(self.options),
+                )
+            )
         except schedules.ScheduleError as e:
             raise ConfigError(str(e)) from None
         _check_fit(built, self.schedule, model, D, num_microbatches, schedule)
-        if placement == "auto":          # the plan with the smaller lockstep step (jaxpipe.schedules.lanes)
+        if placement == "auto":  # the plan with the smaller lockstep step (jaxpipe.schedules.lanes)
             from .schedules.lanes import fastest_placement
-            placement = fastest_placement(self.schedule, _checked_costs(op_costs)) if self.method.flushes \
-                else "lanes"
+
+            placement = (
+                fastest_placement(self.schedule, _checked_costs(op_costs)) if self.method.flushes else "lanes"
+            )
             self.placement = placement
         self.model = model = _recomputing(model, self.method, self.options, residuals)
         self.nan_bubbles = nan_bubbles
@@ -125,24 +164,41 @@ class Pipeline:
         self.skip_nonfinite = bool(skip_nonfinite)
         self.check_inputs = bool(check_inputs)
         if skip_nonfinite and schedules.method(schedule).updates_inside:
-            raise ConfigError(f"skip_nonfinite=True needs one update per step to skip; {schedule} updates inside "
-                              f"the pipeline (per micro-batch or per pipeline replica). Use a synchronous schedule "
-                              f"(gpipe, 1f1b, interleaved_1f1b, zb_h1, chimera) or stop on a non-finite loss")
+            raise ConfigError(
+                f"skip_nonfinite=True needs one update per step to skip; {schedule} updates inside "
+                f"the pipeline (per micro-batch or per pipeline replica). Use a synchronous schedule "
+                f"(gpipe, 1f1b, interleaved_1f1b, zb_h1, chimera) or stop on a non-finite loss"
+            )
         from .runners import RunContext, make_runner
         from .tying import Ties
         from .sharding import check_model_axes_used, param_shardings
+
         ties = Ties(model)
         ties.check_values(model)
         self.param_shardings = param_shardings(model, mesh, ties)
         self.batch_axes = check_model_axes_used(model, mesh, batch_axes)
         checks, pending = _step_checks(self, model)
         self.context = RunContext(
-            model=model, mesh=mesh, schedule=self.schedule, method=self.method, options=self.options,
-            optimizer=optimizer, num_microbatches=num_microbatches, ties=ties, nan_bubbles=nan_bubbles, seed=seed,
-            precision=precision, skip_nonfinite=self.skip_nonfinite, placement=placement,
-            param_shardings=self.param_shardings, batch_axes=self.batch_axes, checks=checks, pending=pending)
-        self._runner = make_runner(self.context)      # which one: the method's registry entry
-        host_memory.keep_freed_memory_for(mesh)     # once built: on CPU no per-step page faults (host_memory)
+            model=model,
+            mesh=mesh,
+            schedule=self.schedule,
+            method=self.method,
+            options=self.options,
+            optimizer=optimizer,
+            num_microbatches=num_microbatches,
+            ties=ties,
+            nan_bubbles=nan_bubbles,
+            seed=seed,
+            precision=precision,
+            skip_nonfinite=self.skip_nonfinite,
+            placement=placement,
+            param_shardings=self.param_shardings,
+            batch_axes=self.batch_axes,
+            checks=checks,
+            pending=pending,
+        )
+        self._runner = make_runner(self.context)  # which one: the method's registry entry
+        host_memory.keep_freed_memory_for(mesh)  # once built: on CPU no per-step page faults (host_memory)
 
     # ------------------------------------------------------------------ public API
     @property
@@ -187,8 +243,8 @@ class Pipeline:
     def check(self):
         """Raise the ConfigError of a call whose on-device checks failed (a batch with NaN/Inf or an id out of
         range; a non-finite loss), waiting for every call dispatched so far.  ``drain``, ``params`` and
-        ``Checkpointer.save`` call it first; ``step`` and ``loss_and_grad`` read the calls already done and wait
-        only for the oldest of ``jaxpipe.step_checks.IN_FLIGHT`` unread ones (the host runs ahead of the
+        ``Checkpointer.save`` call it first; ``step`` and ``loss_and_grad`` read the calls already done and
+        wait only for the oldest of ``jaxpipe.step_checks.IN_FLIGHT`` unread ones (the host runs ahead of the
         device), so a failure is reported at the latest two calls later, naming its call (``step() #7``); a
         step that failed changed nothing (``jaxpipe.step_checks``) and the calls since ran on the state before
         it."""
@@ -196,14 +252,15 @@ class Pipeline:
 
     def check_saveable(self, state):
         """Raise a ConfigError where ``state`` may not be checkpointed: the last call's checks failed, or
-        ``state`` holds (or derives from) the effect of a refused step of a method whose state is not kept back
-        (``jaxpipe.step_checks.PendingStatus``)."""
+        ``state`` holds (or derives from) the effect of a refused step of a method whose state is not kept
+        back (``jaxpipe.step_checks.PendingStatus``)."""
         self.context.pending.require_saveable(state)
 
     def device_layout(self, state):
         """Stage parameters as the executor holds them: ``[D, chunks, ...]`` (device d, local chunk c holds
         model stage ``schedule.stage_of_chunk()[d, c]``; Chimera: two replicas per device)."""
         from .schedules.layout import layout_index
+
         D = self.mesh.shape[STAGE]
         lay = jnp.asarray(layout_index(self.schedule))
         self.check()
@@ -226,24 +283,38 @@ class Pipeline:
         if want is None:
             want = self._state_example = jax.eval_shape(self.init)
         if type(state) is not type(want):
-            what = ("the model's parameters" if isinstance(state, tuple) and len(state) == 3 and
-                    not hasattr(state, "_fields") else f"a {type(state).__name__}")
-            raise ConfigError(f"step() got {what}; it needs this pipeline's train state ({type(want).__name__}, from "
-                              f"pipe.init() or the previous step) -- a state of another schedule or runner "
-                              f"does not fit {self.schedule.name!r}")
-        fields = getattr(want, "_fields", ("params", "opt_state"))   # a no-flush state: its stashes and carry too
+            what = (
+                "the model's parameters"
+                if isinstance(state, tuple) and len(state) == 3 and not hasattr(state, "_fields")
+                else f"a {type(state).__name__}"
+            )
+            raise ConfigError(
+                f"step() got {what}; it needs this pipeline's train state ({type(want).__name__}, from "
+                f"pipe.init() or the previous step) -- a state of another schedule or runner "
+                f"does not fit {self.schedule.name!r}"
+            )
+        fields = getattr(
+            want, "_fields", ("params", "opt_state")
+        )  # a no-flush state: its stashes and carry too
         for field in fields:
             a, b = getattr(state, field), getattr(want, field)
-            if field == "carry" and (a is None or b is None):    # allocated by the first step (or prepare)
+            if field == "carry" and (a is None or b is None):  # allocated by the first step (or prepare)
                 continue
             sa, sb = jax.tree.structure(a), jax.tree.structure(b)
-            shapes = [(tuple(np.shape(x)), tuple(np.shape(y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))]
+            shapes = [
+                (tuple(np.shape(x)), tuple(np.shape(y)))
+                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+            ]
             if sa != sb or any(x != y for x, y in shapes):
                 raise ConfigError(
-                    f"this state's {field} do not match this pipeline's ({'structure differs' if sa != sb else 'shapes differ'}): "
-                    f"it was made by a Pipeline with another model, optimizer or schedule (a no-flush state holds "
-                    f"its method's weight versions and in-flight pipeline). Use this pipeline's pipe.init(), or "
-                    f"restore a checkpoint written by the same configuration")
+                    f"this state's {field} do not match this pipeline's "
+                    f"({'structure differs' if sa != sb else 'shapes differ'}): "
+                    "it was made by a Pipeline with another model, optimizer or schedule (a no-flush state "
+                    "holds "
+                    "its method's weight versions and in-flight pipeline). Use this pipeline's "
+                    "pipe.init(), or "
+                    f"restore a checkpoint written by the same configuration"
+                )
 
     def _check_inflight(self, state, batch):
         """A no-flush pipeline keeps earlier micro-batches in flight: every step must feed the same shapes."""
@@ -253,12 +324,16 @@ class Pipeline:
         per = self.data_parallel * self.num_microbatches
         for (k, r), b in zip(jax.tree_util.tree_flatten_with_path(ring)[0], jax.tree.leaves(batch)):
             mb = (np.shape(b)[0] // per,) + tuple(np.shape(b)[1:])
-            if tuple(r.shape[-len(mb):]) != mb:
+            if tuple(r.shape[-len(mb) :]) != mb:
                 raise ConfigError(
-                    f"this {self.schedule.name} pipeline holds micro-batches shaped {list(r.shape[-len(mb):])} in "
-                    f"flight (batch entry {jax.tree_util.keystr(k)}), and this batch gives {list(mb)}: a no-flush "
-                    f"pipeline needs the same batch shapes every step. Keep the batch size, or drain() and start "
-                    f"a fresh state with pipe.init()")
+                    f"this {self.schedule.name} pipeline holds micro-batches shaped "
+                    f"{list(r.shape[-len(mb) :])} in "
+                    f"flight (batch entry {jax.tree_util.keystr(k)}), and this batch gives {list(mb)}: a "
+                    "no-flush "
+                    "pipeline needs the same batch shapes every step. Keep the batch size, or drain() and "
+                    "start "
+                    f"a fresh state with pipe.init()"
+                )
 
     def step(self, state: PipelineState, batch):
         """One optimizer step on ``batch``; returns ``(state, metrics)`` (metrics: loss, grad_norm, step).
@@ -271,8 +346,8 @@ class Pipeline:
         self._check_values(batch)
         self._check_state(state)
         self._check_inflight(state, batch)
-        self.context.pending.poll()     # earlier calls' on-device checks: those done, or the oldest of IN_FLIGHT
-        why = self.context.pending.refusal(state)      # before the step consumes the state's arrays
+        self.context.pending.poll()  # earlier calls' on-device checks: those done, or the oldest of IN_FLIGHT
+        why = self.context.pending.refusal(state)  # before the step consumes the state's arrays
         new, metrics = self._runner.step(state, batch)
         self.context.pending.track(state, new, why)
         return new, metrics
@@ -301,34 +376,44 @@ class Pipeline:
     # ------------------------------------------------------------------ internals
     def _check_batch(self, batch):
         if not isinstance(batch, dict):
-            raise ConfigError(f"the batch is a {type(batch).__name__}; give a dict of arrays with a leading batch "
-                              f"axis, e.g. {{'x': float32[n, ...], 'y': int32[n]}} (pre/post_loss read it by key)")
+            raise ConfigError(
+                f"the batch is a {type(batch).__name__}; give a dict of arrays with a leading batch "
+                f"axis, e.g. {{'x': float32[n, ...], 'y': int32[n]}} (pre/post_loss read it by key)"
+            )
         leaves = jax.tree.leaves(batch)
         if not leaves:
-            raise ConfigError(f"the batch {batch!r} has no arrays: give a pytree of arrays with a leading batch "
-                              f"axis, e.g. {{'x': float32[n, ...], 'y': int32[n]}}")
+            raise ConfigError(
+                f"the batch {batch!r} has no arrays: give a pytree of arrays with a leading batch "
+                f"axis, e.g. {{'x': float32[n, ...], 'y': int32[n]}}"
+            )
         check_dtypes(batch)
         scalars = [k for k, v in jax.tree_util.tree_flatten_with_path(batch)[0] if np.ndim(v) == 0]
         if scalars:
-            raise ConfigError(f"batch entry {jax.tree_util.keystr(scalars[0])} is a scalar: every entry needs a "
-                              f"leading batch axis (one row per example)")
+            raise ConfigError(
+                f"batch entry {jax.tree_util.keystr(scalars[0])} is a scalar: every entry needs a "
+                f"leading batch axis (one row per example)"
+            )
         sizes = {int(jnp.shape(l)[0]) for l in leaves}
         if sizes == {0}:
-            raise ConfigError("the batch has 0 rows: a step needs at least one example per micro-batch and replica "
-                              "(an empty batch would give a NaN loss and still update the optimizer state)")
+            raise ConfigError(
+                "the batch has 0 rows: a step needs at least one example per micro-batch and replica "
+                "(an empty batch would give a NaN loss and still update the optimizer state)"
+            )
         if len(sizes) != 1:
             raise ConfigError(f"every batch leaf needs the same leading (batch) size; found {sorted(sizes)}")
         n = sizes.pop()
-        units = self.schedule.M          # backward halving splits each micro-batch in two
+        units = self.schedule.M  # backward halving splits each micro-batch in two
         per = self.data_parallel * units
         if n % per:
             lo, hi = (n // per) * per, (n // per + 1) * per
             what = f"{self.num_microbatches} micro-batches" + (
-                f" halved into {units} (backward_halving)" if units != self.num_microbatches else "")
+                f" halved into {units} (backward_halving)" if units != self.num_microbatches else ""
+            )
             raise ConfigError(
                 f"batch size {n} does not split into {self.data_parallel} data-parallel replica(s) x "
                 f"{what} of equal size; use a multiple of {per} (e.g. {lo or hi} or {hi}) or change "
-                f"num_microbatches")
+                f"num_microbatches"
+            )
 
     def _check_values(self, batch):
         """What is known without reading the device: keys, dtypes, float64 beyond float32.  The values (NaN,
@@ -343,8 +428,13 @@ class Pipeline:
         """Trace the unpipelined loss once per batch structure: a key or shape the model reads and the batch
         lacks is reported here, by name, instead of deep inside the pipelined program."""
         self._check_batch(batch)
-        example = jax.tree.map(lambda l: jax.ShapeDtypeStruct(np.shape(l)[:1] and (1,) + tuple(np.shape(l)[1:]),
-                                                              np.asarray(l).dtype if not hasattr(l, "dtype") else l.dtype), batch)
+        example = jax.tree.map(
+            lambda l: jax.ShapeDtypeStruct(
+                np.shape(l)[:1] and (1,) + tuple(np.shape(l)[1:]),
+                np.asarray(l).dtype if not hasattr(l, "dtype") else l.dtype,
+            ),
+            batch,
+        )
         key = (jax.tree.structure(example), tuple(jax.tree.leaves(example)))
         checked = self.__dict__.setdefault("_keys_checked", set())
         if key in checked:
@@ -352,20 +442,26 @@ class Pipeline:
         try:
             m = self.model
             x = jax.eval_shape(m.pre, m.pre_params, example)
-            w0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(jnp.shape(a))[1:], jnp.result_type(a)), m.stage_params)
-            m.check_activation(x, m.stage_output_aval(w0, x, example))     # structure before the loss
+            w0 = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(tuple(jnp.shape(a))[1:], jnp.result_type(a)), m.stage_params
+            )
+            m.check_activation(x, m.stage_output_aval(w0, x, example))  # structure before the loss
             jax.eval_shape(lambda p, b: m.loss(p, b, key=jax.random.PRNGKey(0)), m.params, example)
         except KeyError as e:
             if isinstance(batch, dict) and e.args and e.args[0] in batch:
                 if self.model.context and e.args[0] not in self.model.stage_inputs:
                     raise ConfigError(
-                        f"the model reads {e.args[0]!r}, which the batch has but the stages do not get: a stage sees "
+                        f"the model reads {e.args[0]!r}, which the batch has but the stages do not get: a "
+                        "stage sees "
                         f"the batch fields named in PipelineModel(stage_inputs=...) (now "
-                        f"{list(self.model.stage_inputs)}) as ctx.inputs; add {e.args[0]!r} there") from None
-                raise                                   # not a missing batch entry: the model's own KeyError
+                        f"{list(self.model.stage_inputs)}) as ctx.inputs; add {e.args[0]!r} there"
+                    ) from None
+                raise  # not a missing batch entry: the model's own KeyError
             keys = list(batch) if isinstance(batch, dict) else type(batch).__name__
-            raise ConfigError(f"the model reads batch[{e.args[0]!r}], which the batch lacks (it has {keys}); give "
-                              f"the batch that entry or a model whose pre/post_loss reads the batch's keys") from None
+            raise ConfigError(
+                f"the model reads batch[{e.args[0]!r}], which the batch lacks (it has {keys}); give "
+                f"the batch that entry or a model whose pre/post_loss reads the batch's keys"
+            ) from None
         checked.add(key)
 
 
@@ -378,29 +474,38 @@ def _refuse_removed(schedule, removed: dict) -> None:
     ``virtual=2``, ``recompute=True``, ...), or Python's own for any other unknown keyword."""
     for kw, value in removed.items():
         if kw == "recompute":
-            raise TypeError(f"Pipeline(recompute={value!r}) was removed: use residuals='inputs' (the stage input "
-                            f"only, the forward recomputed) or residuals='all' (the default)")
+            raise TypeError(
+                f"Pipeline(recompute={value!r}) was removed: use residuals='inputs' (the stage input "
+                f"only, the forward recomputed) or residuals='all' (the default)"
+            )
         if kw in _REMOVED:
             new = {"virtual": value} if kw == "virtual" else value
-            raise TypeError(f"Pipeline({kw}={value!r}) was removed: use Pipeline(..., schedule={_REMOVED[kw]!r}, "
-                            f"options={new!r})" + ("" if schedule == _REMOVED[kw] else
-                                                   f"; {kw}= carried options of {_REMOVED[kw]!r} only"))
+            raise TypeError(
+                f"Pipeline({kw}={value!r}) was removed: use Pipeline(..., schedule={_REMOVED[kw]!r}, "
+                f"options={new!r})"
+                + ("" if schedule == _REMOVED[kw] else f"; {kw}= carried options of {_REMOVED[kw]!r} only")
+            )
         raise TypeError(f"Pipeline() got an unexpected keyword argument {kw!r}")
 
 
 def _checked_options(options: Optional[dict]) -> dict:
     """``options`` as a new dict (empty for None), or a ConfigError saying what it takes."""
     if options is not None and not isinstance(options, dict):
-        raise ConfigError(f"options={options!r}: give a dict of the schedule's options, e.g. "
-                          f"options={{'concat': 'forward_doubling'}} for chimera")
+        raise ConfigError(
+            f"options={options!r}: give a dict of the schedule's options, e.g. "
+            f"options={{'concat': 'forward_doubling'}} for chimera"
+        )
     return dict(options or {})
 
 
 def _check_optimizer(optimizer) -> None:
     if optimizer is not None and not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
-        hint = (f"{getattr(optimizer, '__module__', '')}.{getattr(optimizer, '__name__', '')} is the function "
-                f"that builds one; call it, e.g. optax.adam(1e-3)" if callable(optimizer) else
-                "give an optax GradientTransformation, e.g. optax.adamw(1e-3)")
+        hint = (
+            f"{getattr(optimizer, '__module__', '')}.{getattr(optimizer, '__name__', '')} is the function "
+            f"that builds one; call it, e.g. optax.adam(1e-3)"
+            if callable(optimizer)
+            else "give an optax GradientTransformation, e.g. optax.adamw(1e-3)"
+        )
         raise ConfigError(f"optimizer={optimizer!r} is not an optax optimizer: {hint}")
 
 
@@ -408,21 +513,25 @@ def _checked_mesh(mesh, model):
     """The mesh (default: one 'stage' device per model stage), with the axes the executor needs."""
     if mesh is None:
         from .runtime.mesh import make_mesh
+
         mesh = make_mesh(stages=model.num_stages)
     missing = [a for a in (PIPE, DATA, STAGE) if a not in mesh.axis_names]
     if missing:
-        raise ConfigError(f"mesh needs axes ('pipe', 'data', 'stage'), it lacks {missing}; build it with "
-                          f"jp.make_mesh(stages=..., data=...)")
+        raise ConfigError(
+            f"mesh needs axes ('pipe', 'data', 'stage'), it lacks {missing}; build it with "
+            f"jp.make_mesh(stages=..., data=...)"
+        )
     return mesh
 
 
 def _recut_for(schedule: str, options: dict, model, mesh):
     """The model as written, cut into the chunks the schedule needs: a schedule holding v > 1 model stages per
     device (interleaved 1F1B, the V-schedules) given a model of one stage per device whose ``recut`` can make
-    v x D stages (the Flax adapters' models); otherwise the model unchanged (the schedule's own checks say what
-    to change).  Returns ``(mesh, model)``; ``mesh`` is the checked mesh (default: one device per model stage as
-    given)."""
+    v x D stages (the Flax adapters' models); otherwise the model unchanged (the schedule's own checks say
+    what to change).  Returns ``(mesh, model)``; ``mesh`` is the checked mesh (default: one device per model
+    stage as given)."""
     from .axes import STAGE
+
     if (model.recut is None and model.cut is None) or mesh is None or STAGE not in getattr(mesh, "shape", {}):
         return mesh, model
     D = mesh.shape[STAGE]
@@ -432,8 +541,10 @@ def _recut_for(schedule: str, options: dict, model, mesh):
     try:
         return mesh, model.chunks(v * D)
     except ConfigError as e:
-        raise ConfigError(f"{schedule} holds {v} model stages per device, {v * D} in all, but this model's "
-                          f"blocks cannot be cut so: {e}") from None
+        raise ConfigError(
+            f"{schedule} holds {v} model stages per device, {v * D} in all, but this model's "
+            f"blocks cannot be cut so: {e}"
+        ) from None
 
 
 def _checked_costs(op_costs):
@@ -441,6 +552,7 @@ def _checked_costs(op_costs):
     if op_costs is None:
         return None
     from .schedules.lanes import check_costs
+
     try:
         return check_costs(op_costs, "op_costs")
     except schedules.ScheduleError as e:
@@ -451,36 +563,45 @@ def _check_scalars(num_microbatches, placement, seed) -> None:
     if not is_int(num_microbatches, 1):
         raise ConfigError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
     from .schedules.lanes import PLACEMENTS
+
     if placement not in PLACEMENTS:
-        raise ConfigError(f"placement={placement!r}: use 'auto' (the faster of the two for the schedule), "
-                          f"'lanes' (an F and a B lane in every tick: a tick costs "
-                          f"f + b, stage 0 holds up to 2D - 1 micro-batches) or 'ordered' (the schedule's own "
-                          f"one action per tick: its memory bound, e.g. D for 1F1B, at max(f, b) per tick)")
+        raise ConfigError(
+            f"placement={placement!r}: use 'auto' (the faster of the two for the schedule), "
+            f"'lanes' (an F and a B lane in every tick: a tick costs "
+            f"f + b, stage 0 holds up to 2D - 1 micro-batches) or 'ordered' (the schedule's own "
+            f"one action per tick: its memory bound, e.g. D for 1F1B, at max(f, b) per tick)"
+        )
     if not is_int(seed):
         raise ConfigError(f"seed={seed!r}: give an int (the stage keys of a context model derive from it)")
 
 
 def _step_checks(pipe, model):
-    """``(StepChecks, PendingStatus)`` of ``pipe``: a no-flush method of several chunks per device (WPipe), or on
-    a mesh whose conditionals may not hold collectives (model axes on XLA CPU), reports a bad batch but is not
-    kept back -- the conditional around its program cost +51% temp (BUILD_NOTES, "A step that never waits")."""
+    """``(StepChecks, PendingStatus)`` of ``pipe``: a no-flush method of several chunks per device (WPipe), or
+    on a mesh whose conditionals may not hold collectives (model axes on XLA CPU), reports a bad batch but is
+    not kept back -- the conditional around its program cost +51% temp (BUILD_NOTES, "A step that never
+    waits")."""
     from .sharding import branches_refused
     from .step_checks import pending_for
-    keeps = not (pipe.method.updates_inside and (pipe.method.stages_per_device(pipe.options) > 1 or
-                                                  branches_refused(pipe.mesh)))
+
+    keeps = not (
+        pipe.method.updates_inside
+        and (pipe.method.stages_per_device(pipe.options) > 1 or branches_refused(pipe.mesh))
+    )
     return pending_for(model, pipe.check_inputs, not pipe.skip_nonfinite, "Pipeline", keeps)
 
 
 def _check_residuals(residuals):
-    """``residuals``: ``"all"`` (every residual of a stage's vjp is stashed until its backward), ``"inputs"`` (the
-    stage's input only; the backward recomputes the forward), or a ``jax.checkpoint`` policy
+    """``residuals``: ``"all"`` (every residual of a stage's vjp is stashed until its backward), ``"inputs"``
+    (the stage's input only; the backward recomputes the forward), or a ``jax.checkpoint`` policy
     (``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``, ...: what it saves is stashed, the rest
     recomputed)."""
     if not (residuals in ("all", "inputs") or callable(residuals)):
-        raise ConfigError(f"residuals={residuals!r}: give 'all' (stash every residual of a stage's backward: the "
-                          f"most memory, no recomputation), 'inputs' (the stage input only, the forward recomputed: "
-                          f"the least memory) or a jax.checkpoint policy, e.g. "
-                          f"jax.checkpoint_policies.dots_with_no_batch_dims_saveable (matmul outputs kept)")
+        raise ConfigError(
+            f"residuals={residuals!r}: give 'all' (stash every residual of a stage's backward: the "
+            f"most memory, no recomputation), 'inputs' (the stage input only, the forward recomputed: "
+            f"the least memory) or a jax.checkpoint policy, e.g. "
+            f"jax.checkpoint_policies.dots_with_no_batch_dims_saveable (matmul outputs kept)"
+        )
     if residuals not in ("all", "inputs"):
         _probe_policy(residuals)
     return residuals
@@ -493,28 +614,33 @@ def _probe_policy(policy) -> None:
     probe = lambda x: jnp.sum(jnp.sin(x @ x))
     try:
         jax.make_jaxpr(lambda x: jax.vjp(jax.checkpoint(probe, policy=policy), x)[1](1.0))(
-            jax.ShapeDtypeStruct((2, 2), jnp.float32))
-    except Exception as e:        # whatever the policy raised when JAX called it
+            jax.ShapeDtypeStruct((2, 2), jnp.float32)
+        )
+    except Exception as e:  # whatever the policy raised when JAX called it
         name = getattr(policy, "__name__", repr(policy))
-        raise ConfigError(f"residuals={name}: not a jax.checkpoint policy -- JAX calls a policy as "
-                          f"policy(primitive, *avals, **params) and it raised {type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:160] if str(e) else ''}. Give 'all', 'inputs' or a policy such as "
-                          f"jax.checkpoint_policies.dots_with_no_batch_dims_saveable; a policy factory must be "
-                          f"called first (e.g. jax.checkpoint_policies.save_only_these_names('name'))") from None
+        raise ConfigError(
+            f"residuals={name}: not a jax.checkpoint policy -- JAX calls a policy as "
+            f"policy(primitive, *avals, **params) and it raised {type(e).__name__}: "
+            f"{str(e).splitlines()[0][:160] if str(e) else ''}. Give 'all', 'inputs' or a policy such as "
+            f"jax.checkpoint_policies.dots_with_no_batch_dims_saveable; a policy factory must be "
+            f"called first (e.g. jax.checkpoint_policies.save_only_these_names('name'))"
+        ) from None
 
 
 def _recomputing(model, method, options, residuals):
-    """The model whose stage keeps what ``residuals`` says between its forward and its backward.  The stash keeps
-    each stage's input only and the backward recomputes the rest -- on request, or where the method says
+    """The model whose stage keeps what ``residuals`` says between its forward and its backward.  The stash
+    keeps each stage's input only and the backward recomputes the rest -- on request, or where the method says
     (WPipe-R §3.3 by option; Chimera's forward doubling always: it holds two micro-batches' activations per
     forward tick, §3.5).  A method whose F and B read different weights recomputes on F's (issue #48)."""
     import dataclasses
+
     if residuals == "all" and method.recompute(options):
         residuals = "inputs"
     if residuals == "all":
         return model
     if method.reads_differ:
         from .runtime.common import RecomputedAtForwardWeights
+
         return dataclasses.replace(model, stage_fn=RecomputedAtForwardWeights(model.stage_fn))
     policy = None if residuals == "inputs" else residuals
     return dataclasses.replace(model, stage_fn=jax.checkpoint(model.stage_fn, policy=policy))
@@ -523,13 +649,16 @@ def _recomputing(model, method, options, residuals):
 def _check_fit(built, sched, model, D, num_microbatches, name) -> None:
     """A user-built Schedule matches the mesh and M; the schedule's model stages match the model's."""
     if built is not None and (built.D, built.num_microbatches) != (D, num_microbatches):
-        raise ConfigError(f"the Schedule was built for {built.D} devices and {built.num_microbatches} "
-                          f"micro-batches; this pipeline has {D} 'stage' devices and num_microbatches="
-                          f"{num_microbatches}")
+        raise ConfigError(
+            f"the Schedule was built for {built.D} devices and {built.num_microbatches} "
+            f"micro-batches; this pipeline has {D} 'stage' devices and num_microbatches="
+            f"{num_microbatches}"
+        )
     if sched.num_model_stages != model.num_stages:
         per = sched.num_model_stages // D
         raise ConfigError(
             f"the model has {model.num_stages} stages (leading axis of stage_params) but the mesh's 'stage' "
             f"axis has {D} devices and {name} puts {per} stage(s) on each, {sched.num_model_stages} "
             f"in all; stack {sched.num_model_stages} stages' parameters or use "
-            f"jp.make_mesh(stages={max(model.num_stages // max(per, 1), 1)}, ...)")
+            f"jp.make_mesh(stages={max(model.num_stages // max(per, 1), 1)}, ...)"
+        )

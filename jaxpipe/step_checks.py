@@ -1,14 +1,15 @@
 """What a train step checks, on the device, without making the host wait (issue #39, item 1; #42, item 5).
 
 A step's program computes, beside its result, a small int32 *status* vector: per floating batch field
-whether it holds a NaN/Inf value, per field of ``PipelineModel(integer_inputs=...)`` the number of ids out of range
-with the smallest and largest id, and one flag for a non-finite loss (or gradient norm).  A step whose batch
-fails its checks keeps its whole input state -- weights, optimizer state, step counter, in-flight micro-batches;
-a synchronous step with a non-finite loss applies no update.  The state is kept by a ``lax.cond`` around the
-update (the synchronous runners) or around the whole program (:meth:`StepChecks.guard`: the no-flush methods,
-whose updates happen inside it), never by a select of old and new values: a select needs the old buffers alive
-beside the new ones, and XLA then copies every donated optimizer-state buffer each step (measured: two 16 MiB
-copies, +50% bytes accessed, on AdamW over 4 x 1024^2 weights).
+whether it holds a NaN/Inf value, per field of ``PipelineModel(integer_inputs=...)`` the number of ids out of
+range with the smallest and largest id, and one flag for a non-finite loss (or gradient norm).  A step whose
+batch fails its checks keeps its whole input state -- weights, optimizer state, step counter, in-flight
+micro-batches; a synchronous step with a non-finite loss applies no update.  The state is kept by a
+``lax.cond`` around the update (the synchronous runners) or around the whole program
+(:meth:`StepChecks.guard`: the no-flush methods, whose updates happen inside it), never by a select of old and
+new values: a select needs the old buffers alive beside the new ones, and XLA then copies every donated
+optimizer-state buffer each step (measured: two 16 MiB copies, +50% bytes accessed, on AdamW over 4 x 1024^2
+weights).
 
 The host never reads the status inside the call that made it.  :class:`PendingStatus` starts its copy to the
 host (``copy_to_host_async``) after dispatch; ``step`` and ``loss_and_grad`` read, before they dispatch, the
@@ -17,6 +18,7 @@ runs up to two steps ahead of the device (issue #51); ``drain``, ``params``, ``C
 ``pipe.check()`` read them all.  A failure raises the :class:`~jaxpipe.errors.ConfigError` that names its call
 and the field.  The read is an explicit ``jax.device_get``: it passes ``jax.transfer_guard("disallow")``.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -43,18 +45,19 @@ def pop_status(metrics):
 
 
 class Field(NamedTuple):
-    kind: str           # "finite" (count) or "ids" (count, lo, hi)
-    name: str           # the batch key path, as the user reads it
+    kind: str  # "finite" (count) or "ids" (count, lo, hi)
+    name: str  # the batch key path, as the user reads it
     bound: Optional[int]
 
 
 class StepChecks:
     """The checks of one pipeline: ``check_inputs`` (NaN/Inf in floating fields, ids of ``integer_inputs`` in
-    range) and ``check_loss`` (a non-finite loss or gradient norm is an error, not an update).  ``opt_out`` names
-    the argument that turns the input checks off, for the messages."""
+    range) and ``check_loss`` (a non-finite loss or gradient norm is an error, not an update).  ``opt_out``
+    names the argument that turns the input checks off, for the messages."""
 
-    def __init__(self, integer_inputs, check_inputs: bool, check_loss: bool, opt_out: str,
-                 keeps_state: bool = True):
+    def __init__(
+        self, integer_inputs, check_inputs: bool, check_loss: bool, opt_out: str, keeps_state: bool = True
+    ):
         self.integer_inputs = dict(integer_inputs or {})
         self.check_inputs, self.check_loss, self.opt_out = bool(check_inputs), bool(check_loss), opt_out
         self.keeps_state = keeps_state
@@ -84,15 +87,24 @@ class StepChecks:
         """The batch's part of the status vector (traced inside the step's program) and ``ok``: every check
         of the batch passed."""
         parts = [jnp.zeros((0,), jnp.int32)]
-        leaves = {jax.tree_util.keystr(k) or "batch": v for k, v in jax.tree_util.tree_flatten_with_path(batch)[0]}
+        leaves = {
+            jax.tree_util.keystr(k) or "batch": v for k, v in jax.tree_util.tree_flatten_with_path(batch)[0]
+        }
         for f in self.fields(batch):
             if f.kind == "finite":
                 parts.append(_any_nonfinite(leaves[f.name])[None])
             else:
                 v = leaves[f"[{f.name}]"]
                 bad = (v < 0) if f.bound is None else (v < 0) | (v >= f.bound)
-                parts.append(jnp.stack([jnp.sum(bad).astype(jnp.int32), jnp.min(v).astype(jnp.int32),
-                                        jnp.max(v).astype(jnp.int32)]))
+                parts.append(
+                    jnp.stack(
+                        [
+                            jnp.sum(bad).astype(jnp.int32),
+                            jnp.min(v).astype(jnp.int32),
+                            jnp.max(v).astype(jnp.int32),
+                        ]
+                    )
+                )
         return jnp.concatenate(parts), ~_any(p[0] > 0 for p in parts[1:])
 
     def checked(self, batch, mesh):
@@ -111,7 +123,8 @@ class StepChecks:
             return inputs, ok, batch
         leaves, tree = jax.tree.flatten(batch)
         k = min(range(len(leaves)), key=lambda i: np.size(leaves[i]))
-        # the whole vector (its min / max reductions too) feeds the predicate: always true for ints, not folded
+        # the whole vector (its min / max reductions too) feeds the predicate: always true for ints, not
+        # folded
         keep = ok & jnp.isfinite(jnp.sum(inputs.astype(jnp.float32)))
         leaves[k] = jnp.where(keep, leaves[k], jnp.zeros_like(leaves[k]))
         return inputs, ok, jax.tree.unflatten(tree, leaves)
@@ -123,12 +136,14 @@ class StepChecks:
         return jnp.concatenate([inputs, lb.astype(jnp.int32)[None]])
 
     def guard(self, run: Callable, mesh, loss_bad: Optional[Callable] = None) -> Callable:
-        """A program whose state updates happen inside it (the no-flush methods, Cyclic DP): ``run(state, batch,
+        """A program whose state updates happen inside it (the no-flush methods, Cyclic DP): ``run(state,
+        batch,
         *rest) -> (state, metrics)`` runs only where the batch passed its checks (``lax.cond``: the state's
         buffers are updated in place, no copy of them is kept for the other branch); otherwise the state comes
         back as given.  The status is in ``metrics[STATUS]`` (the runner pops it: :func:`pop_status`).
-        Where ``keeps_state`` is False the program runs unconditionally and the failure is only reported (Cyclic
-        DP: its ring lands stages in place into stacked buffers, which inside a conditional XLA copies -- temp
+        Where ``keeps_state`` is False the program runs unconditionally and the failure is only reported
+        (Cyclic DP: its ring lands stages in place into stacked buffers, which inside a conditional XLA copies
+        -- temp
         2.2x, measured)."""
         if loss_bad is not None:
             self.loss_keeps_state = False
@@ -139,30 +154,41 @@ class StepChecks:
                 new, metrics = run(state, batch, *rest)
             else:
                 shapes = jax.eval_shape(lambda s: run(s, batch, *rest)[1], state)
-                idle = jax.tree.map(lambda a: jnp.full(a.shape, jnp.nan if jnp.issubdtype(a.dtype, jnp.floating)
-                                                       else 0, a.dtype), shapes)
+                idle = jax.tree.map(
+                    lambda a: jnp.full(
+                        a.shape, jnp.nan if jnp.issubdtype(a.dtype, jnp.floating) else 0, a.dtype
+                    ),
+                    shapes,
+                )
                 new, metrics = jax.lax.cond(ok, lambda s: run(s, batch, *rest), lambda s: (s, idle), state)
                 if "step" in metrics and hasattr(new, "step"):
                     metrics = {**metrics, "step": new.step}
-            return new, {**metrics, STATUS: self.status(inputs, None if loss_bad is None else loss_bad(metrics))}
+            return new, {
+                **metrics,
+                STATUS: self.status(inputs, None if loss_bad is None else loss_bad(metrics)),
+            }
+
         return guarded
 
     # ------------------------------------------------------------------ host side
     def kept_state(self, fields: List[Field], status: np.ndarray) -> bool:
-        """Whether the call whose read-back ``status`` failed left its input state as it was (an input check is
-        kept back where ``keeps_state``; a non-finite loss where ``loss_keeps_state``)."""
+        """Whether the call whose read-back ``status`` failed left its input state as it was (an input check
+        is kept back where ``keeps_state``; a non-finite loss where ``loss_keeps_state``)."""
         pos, inputs_failed = 0, False
-        for f in fields:          # a finite flag, or an id count with its smallest and largest id
+        for f in fields:  # a finite flag, or an id count with its smallest and largest id
             inputs_failed |= bool(status[pos])
             pos += 1 if f.kind == "finite" else 3
         return self.keeps_state if inputs_failed else self.loss_keeps_state
 
     @staticmethod
     def _kept(kept: bool) -> str:
-        return ("it changed nothing: the weights, optimizer state, step counter and any micro-batches in flight "
-                "are as before it" if kept else
-                "that step ran (this method's state is not kept back; a checkpoint of it, or of any state "
-                "derived from it, is refused): restore the last checkpoint")
+        return (
+            "it changed nothing: the weights, optimizer state, step counter and any micro-batches in flight "
+            "are as before it"
+            if kept
+            else "that step ran (this method's state is not kept back; a checkpoint of it, or of any state "
+            "derived from it, is refused): restore the last checkpoint"
+        )
 
     def message(self, fields: List[Field], status: np.ndarray, where: str, batch_fields) -> Optional[str]:
         """The error for a read-back status, or None where every check passed."""
@@ -173,31 +199,46 @@ class StepChecks:
                     nonfinite.append(f.name)
                 pos += 1
             else:
-                n, lo, hi = (int(x) for x in status[pos:pos + 3])
+                n, lo, hi = (int(x) for x in status[pos : pos + 3])
                 if n:
                     ids.append((f, lo, hi))
                 pos += 3
         kept = self._kept(self.keeps_state if (nonfinite or ids) else self.loss_keeps_state)
         if nonfinite:
-            return (f"{where}: the batch holds NaN or Inf in {', '.join(nonfinite)}, which a pipeline would spread "
-                    f"into every stage's weights; {kept}. Clean the data (np.nan_to_num, drop the rows), or pass "
-                    f"{self.opt_out} if non-finite inputs are intended")
+            return (
+                f"{where}: the batch holds NaN or Inf in {', '.join(nonfinite)}, which a pipeline would "
+                "spread "
+                f"into every stage's weights; {kept}. Clean the data (np.nan_to_num, drop the rows), or pass "
+                f"{self.opt_out} if non-finite inputs are intended"
+            )
         if ids:
             f, lo, hi = ids[0]
             bad = lo if lo < 0 else hi
-            return (f"{where}: batch[{f.name}] holds {bad}, outside [0, {f.bound if f.bound is not None else 'inf'}) "
-                    f"that the model accepts ({'negative ids read the last rows' if bad < 0 else 'past the table: NaN loss or NaN weights'}); "
-                    f"{kept}. Fix the data, or declare the right size in integer_inputs= (of PipelineModel, from_nnx or from_linen); "
-                    f"{self.opt_out} turns the check off")
+            return (
+                f"{where}: batch[{f.name}] holds {bad}, outside [0, "
+                f"{f.bound if f.bound is not None else 'inf'}) "
+                "that the model accepts "
+                f"({'negative ids read the last rows' if bad < 0 else 'past the table: a NaN loss'}). "
+                f"{kept}. Fix the data, or declare the right size in integer_inputs= (of PipelineModel, "
+                "from_nnx or from_linen); "
+                f"{self.opt_out} turns the check off"
+            )
         if status[pos]:
             undeclared = [k for k in batch_fields if k not in self.integer_inputs]
-            cause = (f" Likely cause: batch field(s) {undeclared} hold integer ids the model does not declare: a "
-                     f"label or token id outside its table gives a NaN loss (-1 silently reads the last row); "
-                     f"declare them, e.g. integer_inputs={{{undeclared[0]!r}: num_classes}} (an argument of PipelineModel, from_nnx and from_linen), and "
-                     f"the batch is checked before it trains." if undeclared else "")
-            return (f"{where}: the loss or the gradient norm is NaN or Inf; {kept}.{cause} Lower the learning "
-                    f"rate or use loss scaling if the model diverged; Pipeline(..., skip_nonfinite=True) skips "
-                    f"such steps and goes on (synchronous schedules)")
+            cause = (
+                f" Likely cause: batch field(s) {undeclared} hold integer ids the model does not declare: a "
+                f"label or token id outside its table gives a NaN loss (-1 silently reads the last row); "
+                f"declare them, e.g. integer_inputs={{{undeclared[0]!r}: num_classes}} (an argument of "
+                "PipelineModel, from_nnx and from_linen), and "
+                f"the batch is checked before it trains."
+                if undeclared
+                else ""
+            )
+            return (
+                f"{where}: the loss or the gradient norm is NaN or Inf; {kept}.{cause} Lower the learning "
+                f"rate or use loss scaling if the model diverged; Pipeline(..., skip_nonfinite=True) skips "
+                f"such steps and goes on (synchronous schedules)"
+            )
         return None
 
 
@@ -236,7 +277,8 @@ IN_FLIGHT = 2
 
 
 def read_status(status) -> np.ndarray:
-    """The host copy of a step's status: an explicit ``jax.device_get`` (it waits where the step is not done)."""
+    """The host copy of a step's status: an explicit ``jax.device_get`` (it waits where the step is not
+    done)."""
     return np.asarray(jax.device_get(status))
 
 
@@ -244,7 +286,7 @@ def is_ready(status) -> bool:
     """Whether the step that computes ``status`` is done (reading it then costs no wait)."""
     try:
         return bool(status.is_ready())
-    except AttributeError:        # a host array
+    except AttributeError:  # a host array
         return True
 
 
@@ -253,8 +295,9 @@ _UNSET = object()
 
 class _Call:
     """One dispatched call: its status (until read), what the message needs, the state it returned (a weak
-    reference, set by :meth:`PendingStatus.track`), the unread call whose state it ran on, and -- once read and
-    refused with its effect kept -- the refusal."""
+    reference, set by :meth:`PendingStatus.track`), the unread call whose state it ran on, and -- once read
+    and refused with its effect kept -- the refusal."""
+
     __slots__ = ("status", "fields", "where", "batch_fields", "out", "out_leaves", "parent", "refused")
 
     def __init__(self, status, fields, where, batch_fields):
@@ -278,10 +321,10 @@ class PendingStatus:
 
     def __init__(self, checks: StepChecks):
         self.checks = checks
-        self._queue = collections.deque()     # the unread calls, oldest first
-        self._newest = None                   # the last call put (read or not), until tracked
-        self._counts = {}                     # per kind of call ("step()"...): how many were put
-        self._tainted = {}                    # id(leaf) -> (weak reference, the refusal's message)
+        self._queue = collections.deque()  # the unread calls, oldest first
+        self._newest = None  # the last call put (read or not), until tracked
+        self._counts = {}  # per kind of call ("step()"...): how many were put
+        self._tainted = {}  # id(leaf) -> (weak reference, the refusal's message)
         # the values of every refused state (:func:`value_digest`) -> the message: a copy of one, or a state
         # put on other devices, holds the same values and is refused too
         self._tainted_values = {}
@@ -291,7 +334,8 @@ class PendingStatus:
         _LIVE.add(self)
 
     def put(self, status, batch, where: str) -> None:
-        """Remember ``status`` of a call ``where`` (``"step()"``...) on ``batch``; its copy to the host starts."""
+        """Remember ``status`` of a call ``where`` (``"step()"``...) on ``batch``; its copy to the host
+        starts."""
         if not self.checks.active:
             return
         try:
@@ -303,8 +347,8 @@ class PendingStatus:
         self._queue.append(self._newest)
 
     def track(self, state_in, state_out, why_in=_UNSET) -> None:
-        """``state_out`` came from ``state_in`` by the last call put: it inherits a refusal of ``state_in`` (or
-        of the call itself, once read) and is the state a refusal of that call will name.  ``why_in``: the
+        """``state_out`` came from ``state_in`` by the last call put: it inherits a refusal of ``state_in``
+        (or of the call itself, once read) and is the state a refusal of that call will name.  ``why_in``: the
         :meth:`refusal` of ``state_in`` taken before the call (the call consumed its arrays: their values can
         no longer be read)."""
         leaf = _key_leaf(state_out)
@@ -318,8 +362,9 @@ class PendingStatus:
             # the leaves until the status is read (their values taint a refused state; dropped at the read, so
             # the chain of parents holds no state: a donated one's buffers are gone anyway)
             call.out_leaves = tuple(jax.tree.leaves(state_out))
-            call.parent = next((c for c in self._queue if c is not call and c.out is not None and c.out() is src),
-                               None)
+            call.parent = next(
+                (c for c in self._queue if c is not call and c.out is not None and c.out() is src), None
+            )
             if call.refused is not None:
                 self._taint(leaf, call.refused, state_out)
         if why is not None:
@@ -329,8 +374,8 @@ class PendingStatus:
 
     def refusal(self, state) -> Optional[str]:
         """The message of the refused step whose effect ``state`` holds (None for a clean state): the state a
-        refused call returned, one derived from it by a step or a drain, or one holding the same values (a copy,
-        a ``device_put``; compared only while a refused state was seen, once per state)."""
+        refused call returned, one derived from it by a step or a drain, or one holding the same values (a
+        copy, a ``device_put``; compared only while a refused state was seen, once per state)."""
         leaf = _key_leaf(state)
         if leaf is None:
             return None
@@ -343,7 +388,7 @@ class PendingStatus:
         if known is not None and known() is leaf:
             return None
         digest = value_digest(jax.tree.leaves(state))
-        if digest is None:            # a consumed state: its values are gone (require_live names it)
+        if digest is None:  # a consumed state: its values are gone (require_live names it)
             return None
         why = self._tainted_values.get(digest)
         if why is None:
@@ -351,15 +396,18 @@ class PendingStatus:
         return why
 
     def require_saveable(self, state) -> None:
-        """Every call's checks (:meth:`check`), then a ConfigError where ``state`` holds a refused step's effect
-        (:meth:`refusal`): what ``Checkpointer.save`` asks of a pipeline before writing ``state``."""
+        """Every call's checks (:meth:`check`), then a ConfigError where ``state`` holds a refused step's
+        effect (:meth:`refusal`): what ``Checkpointer.save`` asks of a pipeline before writing ``state``."""
         self.check()
         why = self.refusal(state)
         if why is not None:
-            raise ConfigError(f"refusing to checkpoint this state: it holds the effect of a refused step ({why})")
+            raise ConfigError(
+                f"refusing to checkpoint this state: it holds the effect of a refused step ({why})"
+            )
 
     def _taint(self, leaf, msg: str, state=None) -> None:
-        """Mark the state whose key leaf is ``leaf``, and its values where ``state`` (or its leaves) is given."""
+        """Mark the state whose key leaf is ``leaf``, and its values where ``state`` (or its leaves) is
+        given."""
         key = id(leaf)
         self._tainted[key] = (_weak(leaf, lambda _: self._tainted.pop(key, None)), msg)
         self._clean.pop(key, None)
@@ -372,8 +420,10 @@ class PendingStatus:
         """Before a call is dispatched: read the statuses that are ready, and wait for the oldest only while
         :data:`IN_FLIGHT` or more are unread; raise the first failure read."""
         if isinstance(IN_FLIGHT, bool) or not isinstance(IN_FLIGHT, int) or IN_FLIGHT < 1:
-            raise ConfigError(f"jaxpipe.step_checks.IN_FLIGHT={IN_FLIGHT!r}: give a whole number >= 1 (the calls "
-                              f"the host runs ahead of the device: 2 by default, 1 to wait for every call)")
+            raise ConfigError(
+                f"jaxpipe.step_checks.IN_FLIGHT={IN_FLIGHT!r}: give a whole number >= 1 (the calls "
+                f"the host runs ahead of the device: 2 by default, 1 to wait for every call)"
+            )
         while self._queue and (len(self._queue) >= max(IN_FLIGHT, 1) or is_ready(self._queue[0].status)):
             self._read(self._queue.popleft())
 
@@ -392,12 +442,14 @@ class PendingStatus:
         kept = self.checks.kept_state(call.fields, status)
         later = list(self._queue)
         if later:
-            msg += (f". Read {len(later)} call(s) later (the host runs ahead of the device): "
-                    + ("they ran on the state as it was before it" if kept else
-                       "those that ran on its state hold its effect too, and are refused by save as well"))
+            msg += f". Read {len(later)} call(s) later (the host runs ahead of the device): " + (
+                "they ran on the state as it was before it"
+                if kept
+                else "those that ran on its state hold its effect too, and are refused by save as well"
+            )
         if not kept:
             self._refuse(call, msg)
-            for c in later:           # the calls that ran on its state, or on one derived from it
+            for c in later:  # the calls that ran on its state, or on one derived from it
                 if c.parent is not None and c.parent.refused is not None:
                     self._refuse(c, msg)
         call.out_leaves = None
@@ -420,10 +472,11 @@ class PendingStatus:
 
 
 def value_digest(leaves) -> Optional[tuple]:
-    """What identifies a state's values: each array leaf's shape, dtype and two on-device checksums of its bits
-    (:func:`jaxpipe.checkpoint.checksums`: one small read back).  None where a leaf was consumed (donated to a
-    step): its values are gone."""
+    """What identifies a state's values: each array leaf's shape, dtype and two on-device checksums of its
+    bits (:func:`jaxpipe.checkpoint.checksums`: one small read back).  None where a leaf was consumed (donated
+    to a step): its values are gone."""
     from .checkpoint import checksums
+
     arrays = [a for a in leaves if hasattr(a, "dtype") and hasattr(a, "shape")]
     if any(getattr(a, "is_deleted", lambda: False)() for a in arrays):
         return None
@@ -438,7 +491,8 @@ def _key_leaf(state):
 
 
 def _weak(leaf, callback=None):
-    """A weak reference to ``leaf`` (a strong one where it has none: a NumPy array, kept alive with its mark)."""
+    """A weak reference to ``leaf`` (a strong one where it has none: a NumPy array, kept alive with its
+    mark)."""
     try:
         return weakref.ref(leaf, callback)
     except TypeError:
@@ -454,11 +508,14 @@ def _report_unread_at_exit() -> None:
     for pending in list(_LIVE):
         try:
             msg = pending.unread_failure()
-        except Exception:      # the runtime may already be going down: nothing more to say
+        except Exception:  # the runtime may already be going down: nothing more to say
             continue
         if msg:
-            print(f"jaxpipe: a step of this run was refused and nothing read it before exit: {msg}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"jaxpipe: a step of this run was refused and nothing read it before exit: {msg}",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 atexit.register(_report_unread_at_exit)
@@ -467,15 +524,17 @@ atexit.register(_report_unread_at_exit)
 def pending_for(model, check_inputs: bool, check_loss: bool, owner: str, keeps_state: bool = True):
     """``(StepChecks, PendingStatus)`` of a pipeline of ``model`` (``owner``: the class a user configures, for
     the messages' opt-out hint)."""
-    checks = StepChecks(model.integer_inputs, check_inputs, check_loss, f"{owner}(..., check_inputs=False)",
-                        keeps_state)
+    checks = StepChecks(
+        model.integer_inputs, check_inputs, check_loss, f"{owner}(..., check_inputs=False)", keeps_state
+    )
     return checks, PendingStatus(checks)
 
 
 def gate(ok, update: Callable, operands: tuple, by_select: bool = False):
-    """``update(*operands)`` where ``ok``, else ``operands`` unchanged: a ``lax.cond``, so XLA updates the donated
-    buffers in place -- or, where a conditional holding collectives is refused (``by_select``: model axes on
-    XLA CPU, :func:`jaxpipe.sharding.branches_refused`), a select, which costs copies of the operands."""
+    """``update(*operands)`` where ``ok``, else ``operands`` unchanged: a ``lax.cond``, so XLA updates the
+    donated buffers in place -- or, where a conditional holding collectives is refused (``by_select``: model
+    axes on XLA CPU, :func:`jaxpipe.sharding.branches_refused`), a select, which costs copies of the
+    operands."""
     if by_select:
         new = update(*operands)
         return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, tuple(operands))

@@ -1,6 +1,7 @@
 """Tied parameters: one array used by ``pre`` and by ``post_loss`` (a tied input embedding and output head).
 
-``PipelineModel(..., tied=[(pre_path, post_path)])`` says that the leaf at ``post_path`` of ``post_params`` *is*
+``PipelineModel(..., tied=[(pre_path, post_path)])`` says that the leaf at ``post_path`` of ``post_params``
+*is*
 the leaf at ``pre_path`` of ``pre_params`` (paths: tuples of dict keys / sequence indices).  The pipeline then
 holds it once: the train state's ``post_params`` has ``None`` at ``post_path`` (so the optimizer keeps one
 state and applies one update), every program gets the full parameters with the pre leaf filled in at the
@@ -11,10 +12,11 @@ Synchronous schedules and AvgPipe do all of it outside the executor (``strip``/`
 asynchronous 1F1B family (pipedream, 2BW, spectrain, pipeoptim, CDP) keeps the array where ``pre`` is trained,
 on stage 0, and gives it one rule (BUILD_NOTES "Tied parameters"): a micro-batch reads *one* version of a tied
 array -- the version stage 0's forward read under the method's own rule, which travels with the activation
-(``pre_leaves`` / ``post_with``) -- and the last stage's gradient of it travels back with dL/dy and joins stage
-0's gradient of the same micro-batch (``take_post`` / ``add_to_pre``): one gradient, one optimizer state, one
-update, at stage 0's update time.
+(``pre_leaves`` / ``post_with``) -- and the last stage's gradient of it travels back with dL/dy and joins
+stage 0's gradient of the same micro-batch (``take_post`` / ``add_to_pre``): one gradient, one optimizer
+state, one update, at stage 0's update time.
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence, Tuple
@@ -34,9 +36,11 @@ def _get(tree, path: Path, where: str):
             node = node[k]
         except (KeyError, IndexError, TypeError):
             have = sorted(node) if isinstance(node, dict) else type(node).__name__
-            raise ConfigError(f"tied: {where} has no entry {list(path[:i + 1])} (at that level: {have}); give "
-                              f"paths as tuples of dict keys / indices, e.g. tied=[(('embedding',), "
-                              f"('embedding',))]") from None
+            raise ConfigError(
+                f"tied: {where} has no entry {list(path[: i + 1])} (at that level: {have}); give "
+                f"paths as tuples of dict keys / indices, e.g. tied=[(('embedding',), "
+                f"('embedding',))]"
+            ) from None
     return node
 
 
@@ -63,13 +67,18 @@ class Ties:
             for what, path, v in (("pre_params", a, x), ("post_params", b, y)):
                 if not hasattr(v, "shape"):
                     kind = f"a dict with keys {sorted(v)}" if isinstance(v, dict) else f"a {type(v).__name__}"
-                    raise ConfigError(f"tied: {what}{list(path)} is {kind}, not an array; a tie names one array "
-                                      f"on each side: extend the path to the leaf, e.g. {list(path) + [sorted(v)[0]] if isinstance(v, dict) and v else list(path)}")
+                    raise ConfigError(
+                        f"tied: {what}{list(path)} is {kind}, not an array; a tie names one array "
+                        "on each side: extend the path to the leaf, e.g. "
+                        f"{list(path) + [sorted(v)[0]] if isinstance(v, dict) and v else list(path)}"
+                    )
             if jnp.shape(x) != jnp.shape(y) or jnp.result_type(x) != jnp.result_type(y):
-                raise ConfigError(f"tied: pre_params{list(a)} is {jnp.result_type(x)}{list(jnp.shape(x))} but "
-                                  f"post_params{list(b)} is {jnp.result_type(y)}{list(jnp.shape(y))}; a tied "
-                                  f"array is one array: use it in the same shape in both (transpose inside "
-                                  f"post_loss, e.g. logits = h @ E.T)")
+                raise ConfigError(
+                    f"tied: pre_params{list(a)} is {jnp.result_type(x)}{list(jnp.shape(x))} but "
+                    f"post_params{list(b)} is {jnp.result_type(y)}{list(jnp.shape(y))}; a tied "
+                    f"array is one array: use it in the same shape in both (transpose inside "
+                    f"post_loss, e.g. logits = h @ E.T)"
+                )
 
     def __bool__(self):
         return bool(self.pairs)
@@ -78,6 +87,7 @@ class Ties:
         """ConfigError where a tie's two arrays hold different values: the pipeline holds the pre one only, so
         the post one would be dropped silently (abstract arrays -- shapes only -- are not compared)."""
         import numpy as np
+
         for a, b in self.pairs:
             x, y = _get(model.pre_params, a, "pre_params"), _get(model.post_params, b, "post_params")
             if x is y or not all(isinstance(v, (jax.Array, np.ndarray)) for v in (x, y)):
@@ -89,9 +99,11 @@ class Ties:
                 diff = float(np.max(np.abs(xa.astype(np.float64) - ya.astype(np.float64))))
                 raise ConfigError(
                     f"tied: pre_params{list(a)} and post_params{list(b)} hold different values (largest "
-                    f"difference {diff:.3g}); a tied array is one array and the pipeline keeps the pre one, so "
+                    f"difference {diff:.3g}); a tied array is one array and the pipeline keeps the pre one, "
+                    "so "
                     f"the post one would be dropped silently. Give the same array on both sides (post_params "
-                    f"built from pre_params), or remove the tie to train two arrays")
+                    f"built from pre_params), or remove the tie to train two arrays"
+                )
 
     def strip(self, params):
         """The train state's form: ``None`` at every tied post path."""

@@ -1,4 +1,5 @@
 """Pure-Python value checks shared by every layer (no JAX: the schedule IR imports this too)."""
+
 from __future__ import annotations
 
 import os

@@ -3,12 +3,13 @@ SpecTrain): F runs on the predicted weights and keeps its activations; B back-pr
 activations with the weights B reads -- the paper's Algorithm 1 (PipeOptim) line 14, "backward propagation
 using W_t", after the forward at the predicted weights.  Imports nothing from jaxpipe's runtime or its
 serial references: the second, independent oracle of those rules."""
+
 import jax.numpy as jnp
 import numpy as np
 
 import jaxpipe as jp
 
-L, H, N, LR, MU = 2, 8, 8, 0.05, 0.9      # layers per stage, width, rows per micro-batch, sgd lr, momentum
+L, H, N, LR, MU = 2, 8, 8, 0.05, 0.9  # layers per stage, width, rows per micro-batch, sgd lr, momentum
 
 
 def tanh_mlp(D, seed=0):
@@ -19,15 +20,18 @@ def tanh_mlp(D, seed=0):
             h = jnp.tanh(h @ p[i])
         return h
 
-    model = jp.PipelineModel(stage_fn=stage_fn, stage_params=jnp.asarray(w),
-                             post_loss=lambda _, h, b: jnp.mean((h - b["y"]) ** 2))
+    model = jp.PipelineModel(
+        stage_fn=stage_fn, stage_params=jnp.asarray(w), post_loss=lambda _, h, b: jnp.mean((h - b["y"]) ** 2)
+    )
     return model, w.astype(np.float64)
 
 
 def batches(k, M, seed=1):
     r = np.random.default_rng(seed)
-    return [{"x": r.normal(size=(M * N, H)).astype(np.float32), "y": r.normal(size=(M * N, H)).astype(np.float32)}
-            for _ in range(k)]
+    return [
+        {"x": r.normal(size=(M * N, H)).astype(np.float32), "y": r.normal(size=(M * N, H)).astype(np.float32)}
+        for _ in range(k)
+    ]
 
 
 def numpy_predicting(w0, bs, M, fwd_dist, bwd_dist, momentum):
@@ -37,9 +41,16 @@ def numpy_predicting(w0, bs, M, fwd_dist, bwd_dist, momentum):
     hist = [[w0[s]] for s in range(D)]
     upd = [[np.zeros_like(w0[s])] for s in range(D)]
     buf = [np.zeros_like(w0[s]) for s in range(D)]
-    mbs = [{k: v[j * (len(b['x']) // M):(j + 1) * (len(b['x']) // M)] for k, v in b.items()} for b in bs for j in range(M)]
+    mbs = [
+        {k: v[j * (len(b["x"]) // M) : (j + 1) * (len(b["x"]) // M)] for k, v in b.items()}
+        for b in bs
+        for j in range(M)
+    ]
     for i, mb in enumerate(mbs):
-        wF = [hist[s][max(0, i - (D - 1 - s))] + fwd_dist(s, D) * upd[s][max(0, i - (D - 1 - s))] for s in range(D)]
+        wF = [
+            hist[s][max(0, i - (D - 1 - s))] + fwd_dist(s, D) * upd[s][max(0, i - (D - 1 - s))]
+            for s in range(D)
+        ]
         wB = [hist[s][i] + bwd_dist(s, D) * upd[s][i] for s in range(D)]
         h, acts = np.asarray(mb["x"], np.float64), []
         for s in range(D):
@@ -50,9 +61,9 @@ def numpy_predicting(w0, bs, M, fwd_dist, bwd_dist, momentum):
         dt = 2.0 * (h - mb["y"]) / h.size
         grads = [np.zeros_like(w0[s]) for s in range(D)]
         for s, l, hin, t in reversed(acts):
-            da = dt * (1.0 - t ** 2)
+            da = dt * (1.0 - t**2)
             grads[s][l] = hin.T @ da
-            dt = da @ wB[s][l].T                     # B's weights, F's activations
+            dt = da @ wB[s][l].T  # B's weights, F's activations
         for s in range(D):
             buf[s] = MU * buf[s] + grads[s] if momentum else grads[s]
             u = -LR * buf[s]
@@ -69,7 +80,8 @@ def weights_read_at_backward(fn, w_f, w_b, x, ctx, dy):
     depend on the weights alone (a weight, its transpose, ...) recomputed at ``w_b`` and every other value
     (activations, masks, dropout bits) as the forward computed it.  Returns ``(y, dw, dx)``."""
     import jax
-    with jax.disable_jit():                 # nested jits inlined: one flat list of primitives
+
+    with jax.disable_jit():  # nested jits inlined: one flat list of primitives
         closed = jax.make_jaxpr(lambda w, x_: fn(w, x_, ctx))(w_f, x)
     jaxpr = closed.jaxpr
     wl_f, wl_b, xl = jax.tree.leaves(w_f), jax.tree.leaves(w_b), jax.tree.leaves(x)
@@ -112,6 +124,7 @@ def weights_read_at_backward(fn, w_f, w_b, x, ctx, dy):
                 args[i] = a
             out = e.primitive.bind(*args, **e.params)
             return out if e.primitive.multiple_results else [out]
+
         outs, pull = jax.vjp(op, *[ins[i] for i in diff])
         grads = pull([c if c is not None else jnp.zeros_like(o) for c, o in zip(cts, outs)])
         for i, g in zip(diff, grads):
@@ -120,25 +133,37 @@ def weights_read_at_backward(fn, w_f, w_b, x, ctx, dy):
     zeros = lambda v, a: ct.get(v, jnp.zeros_like(a))
     dw = jax.tree.unflatten(jax.tree.structure(w_f), [zeros(v, a) for v, a in zip(jaxpr.invars[:n_w], wl_f)])
     dx = jax.tree.unflatten(jax.tree.structure(x), [zeros(v, a) for v, a in zip(jaxpr.invars[n_w:], xl)])
-    y = jax.tree.unflatten(jax.tree.structure(dy), [read(v) if not is_lit(v) else v.val for v in jaxpr.outvars])
+    y = jax.tree.unflatten(
+        jax.tree.structure(dy), [read(v) if not is_lit(v) else v.val for v in jaxpr.outvars]
+    )
     return y, dw, dx
 
 
 #: (F's, B's) prediction distance of stage s of S: PipeOptim (eq. 4; B reads the current weights), SpecTrain
 #: (Chen et al. §4, its "version difference" for each pass)
-DISTANCES = {"pipeoptim": (lambda s, S: S - 1 - s, lambda s, S: 0),
-             "spectrain": (lambda s, S: s // 2 + S - 1 - s, lambda s, S: s // 2)}
+DISTANCES = {
+    "pipeoptim": (lambda s, S: S - 1 - s, lambda s, S: 0),
+    "spectrain": (lambda s, S: s // 2 + S - 1 - s, lambda s, S: s // 2),
+}
 
 
 def pipelined_and_by_hand(method, D, M=4, **pipeline_kw):
     """``(got, want, w0)``: the tanh MLP trained two batches + drain by ``method``'s pipeline (NaN bubbles,
     SGD-momentum; ``pipeline_kw`` to ``jp.Pipeline``) and by :func:`numpy_predicting`, float64 weights."""
     import optax
+
     model, w0 = tanh_mlp(D)
     bs = batches(2, M)
     want = numpy_predicting(w0, bs, M, *DISTANCES[method], True)
-    pipe = jp.Pipeline(model, schedule=method, num_microbatches=M, optimizer=optax.sgd(LR, momentum=MU),
-                       mesh=jp.make_mesh(stages=D), nan_bubbles=True, **pipeline_kw)
+    pipe = jp.Pipeline(
+        model,
+        schedule=method,
+        num_microbatches=M,
+        optimizer=optax.sgd(LR, momentum=MU),
+        mesh=jp.make_mesh(stages=D),
+        nan_bubbles=True,
+        **pipeline_kw,
+    )
     state = pipe.init()
     for b in bs:
         state, _ = pipe.step(state, b)

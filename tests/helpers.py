@@ -1,4 +1,5 @@
 """Shared test helpers: small reference models and the comparison against unpipelined ``jax.grad``."""
+
 import functools
 import os
 
@@ -7,11 +8,16 @@ import numpy as np
 
 import jaxpipe as jp
 
-#: XLA_FLAGS for the tests' subprocesses (runners, launchers, multi-process jobs): XLA's backend optimisation off,
-#: as in the suite itself (compiles ~20% faster from a cold cache: `experiments.train`'s quick run 26.7 -> 22.3 s);
-#: no device count -- each runner emulates its own; and XLA's older fusion emitters where jaxlib has them, as the
+#: XLA_FLAGS for the tests' subprocesses (runners, launchers, multi-process jobs): XLA's backend optimisation
+#: off,
+#: as in the suite itself (compiles ~20% faster from a cold cache: `experiments.train`'s quick run 26.7 ->
+#: 22.3 s);
+#: no device count -- each runner emulates its own; and XLA's older fusion emitters where jaxlib has them, as
+#: the
 #: suite takes them (tests/conftest.py)
-SUBPROCESS_XLA_FLAGS = ("--xla_backend_optimization_level=0 " + os.environ.get("JAXPIPE_TEST_LEGACY_EMITTERS", "")).strip()
+SUBPROCESS_XLA_FLAGS = (
+    "--xla_backend_optimization_level=0 " + os.environ.get("JAXPIPE_TEST_LEGACY_EMITTERS", "")
+).strip()
 
 
 def rel_err(a, b) -> float:
@@ -28,8 +34,10 @@ def rel_err(a, b) -> float:
         # NaN/Inf anywhere, on either side, is a failure: a leaked bubble or a wrong slot shows as NaN, and
         # Python's max() would skip a NaN that is not first (max([1e-8, nan]) == 1e-8)
         for side, v in (("first", x), ("second", y)):
-            assert np.all(np.isfinite(v)), (f"leaf {path or '(root)'} of the {side} argument holds "
-                                            f"{int(np.sum(~np.isfinite(v)))} NaN/Inf value(s)")
+            assert np.all(np.isfinite(v)), (
+                f"leaf {path or '(root)'} of the {side} argument holds "
+                f"{int(np.sum(~np.isfinite(v)))} NaN/Inf value(s)"
+            )
         errs.append(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30))
     return max(errs) if errs else 0.0
 
@@ -41,7 +49,9 @@ def assert_close(a, b, rtol=1e-7, atol=0.0):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     assert a.shape == b.shape or b.ndim == 0, f"shapes differ: {a.shape} vs {b.shape}"
     for side, v in (("first", a), ("second", b)):
-        assert np.all(np.isfinite(v)), f"the {side} argument holds {int(np.sum(~np.isfinite(v)))} NaN/Inf value(s)"
+        assert np.all(np.isfinite(v)), (
+            f"the {side} argument holds {int(np.sum(~np.isfinite(v)))} NaN/Inf value(s)"
+        )
     np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, equal_nan=False)
 
 
@@ -68,6 +78,7 @@ def small_model(kind: str, stages: int, seed: int = 0):
             r = np.random.default_rng(s)
             t = r.integers(0, 32, (n, 9)).astype(np.int32)
             return {"x": t[:, :-1], "y": t[:, 1:]}
+
     return model, batch
 
 
@@ -104,6 +115,7 @@ class read_only:
     def __enter__(self):
         import os
         import subprocess
+
         if os.geteuid() != 0:
             os.chmod(self.path, 0o555)
         else:
@@ -115,6 +127,7 @@ class read_only:
     def __exit__(self, *exc):
         import os
         import subprocess
+
         if os.geteuid() != 0:
             os.chmod(self.path, 0o755)
         else:
@@ -129,13 +142,14 @@ def read_events(logdir):
     import struct
 
     from tensorboardX.proto import event_pb2
+
     out = {}
     for name in sorted(os.listdir(logdir)):
         data = open(os.path.join(logdir, name), "rb").read()
         pos = 0
         while pos < len(data):
-            (n,) = struct.unpack("<Q", data[pos:pos + 8])
-            ev = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
+            (n,) = struct.unpack("<Q", data[pos : pos + 8])
+            ev = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + n])
             pos += 12 + n + 4
             for v in ev.summary.value:
                 out.setdefault(v.tag, []).append((ev.step, v.simple_value))

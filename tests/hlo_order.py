@@ -3,14 +3,19 @@
 XLA's CPU runtime runs independent instructions of a program in whatever order its threads reach them, and
 differently on each emulated device: two collectives that no data dependency orders -- a top-level all-reduce
 and a loop whose body holds collective-permutes -- can deadlock, one device waiting in each (CI, WPipe on
-stage x data x tensor).  This reads the optimised HLO text: the entry's instructions, their operands, and which
-of them are collectives or hold collectives in the computations they call."""
+stage x data x tensor).  This reads the optimised HLO text: the entry's instructions, their operands, and
+which of them are collectives or hold collectives in the computations they call."""
+
 import re
 from typing import Dict, List, Set, Tuple
 
-_COLLECTIVE = re.compile(r" (all-reduce|collective-permute|all-gather|reduce-scatter|all-to-all)(?:-start)?\(")
-_CALLED = re.compile(r"(?:branch_computations|body|condition|calls|true_computation|false_computation)="
-                     r"\{?(%?[\w.\-]+(?:, %[\w.\-]+)*)\}?")
+_COLLECTIVE = re.compile(
+    r" (all-reduce|collective-permute|all-gather|reduce-scatter|all-to-all)(?:-start)?\("
+)
+_CALLED = re.compile(
+    r"(?:branch_computations|body|condition|calls|true_computation|false_computation)="
+    r"\{?(%?[\w.\-]+(?:, %[\w.\-]+)*)\}?"
+)
 
 
 def _computations(text: str) -> Tuple[Dict[str, List[str]], str]:
@@ -28,9 +33,15 @@ def _computations(text: str) -> Tuple[Dict[str, List[str]], str]:
 def _holds_collective(comps, name, memo) -> bool:
     if name not in memo:
         memo[name] = False
-        memo[name] = any(_COLLECTIVE.search(l) or any(_holds_collective(comps, c.strip().lstrip("%"), memo)
-                                                      for m in _CALLED.finditer(l) for c in m.group(1).split(","))
-                         for l in comps.get(name, []))
+        memo[name] = any(
+            _COLLECTIVE.search(l)
+            or any(
+                _holds_collective(comps, c.strip().lstrip("%"), memo)
+                for m in _CALLED.finditer(l)
+                for c in m.group(1).split(",")
+            )
+            for l in comps.get(name, [])
+        )
     return memo[name]
 
 
@@ -55,7 +66,11 @@ def unordered_collectives(text: str) -> List[Tuple[str, str]]:
         elif _COLLECTIVE.search(" " + rest.split(" ", 1)[-1]):
             marked.append(name)
     before: Dict[str, Set[str]] = {}
-    for name in deps:                       # HLO text lists operands before their users
+    for name in deps:  # HLO text lists operands before their users
         before[name] = set().union(*([{d} | before[d] for d in deps[name]] or [set()]))
-    return [(a, b) for i, a in enumerate(marked) for b in marked[i + 1:]
-            if (a in holders or b in holders) and a not in before[b] and b not in before[a]]
+    return [
+        (a, b)
+        for i, a in enumerate(marked)
+        for b in marked[i + 1 :]
+        if (a in holders or b in holders) and a not in before[b] and b not in before[a]
+    ]

@@ -1,12 +1,12 @@
 """The quick tier (issue #50): ``python -m pytest -q -n auto -m quick tests`` -- a few minutes that run first.
 
-Every method's exactness once (each synchronous schedule against ``jax.grad``, each asynchronous method against
-its serial reference loop, both with NaN-filled bubbles: the tests' default), the leak detector itself, a resume,
-and the fast unit files (schedules, simulator, errors).  The whole suite still runs every case; this is the set a
-new user runs as a smoke test and a developer runs before the whole suite.
+Every method's exactness once (each synchronous schedule against ``jax.grad``, each asynchronous method
+against its serial reference loop, both with NaN-filled bubbles: the tests' default), the leak detector
+itself, a resume, and the fast unit files (schedules, simulator, errors).  The whole suite still runs every
+case; this is the set a new user runs as a smoke test and a developer runs before the whole suite.
 
-``conftest.py`` marks these tests ``quick`` at collection and refuses a name here that the collected files do not
-hold (a test renamed or removed must be renamed here too, never silently dropped from the tier).
+``conftest.py`` marks these tests ``quick`` at collection and refuses a name here that the collected files do
+not hold (a test renamed or removed must be renamed here too, never silently dropped from the tier).
 """
 
 #: whole files: unit tests that compile little (each well under a minute on 2 cores)

@@ -1,4 +1,6 @@
-"""The benchmark's plain baselines compute what they claim (they are the denominators of every speed figure)."""
+"""The benchmark's plain baselines compute what they claim (they are the denominators of every speed
+figure)."""
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -34,6 +36,7 @@ def test_ratios_come_with_their_spread_and_noisy_ones_are_named():
     """Issue #52 item 4: a ratio is the median of the rounds' ratios, with half their interquartile range; one
     that varies by more than 5%, or a busy machine, is warned about by name."""
     from experiments.bench import ratio_spread, reliability
+
     r, s = ratio_spread([2.0, 2.0, 2.0, 2.0, 2.0], [1.0, 1.0, 1.0, 1.0, 1.0])
     assert (r, s) == (2.0, 0.0)
     r, s = ratio_spread([1.0, 1.2, 0.8, 1.0, 1.4, 0.6], [1.0] * 6)

@@ -1,5 +1,6 @@
 """Cyclic Data Parallelism in pipeline form (Fournier & Oyallon, §3.2): CDP-v1 (= PipeDream-2BW's rule) and
 CDP-v2 (fresh parameters where the stage index allows), each equal to its serial reference loop."""
+
 import jax
 import numpy as np
 import optax
@@ -11,9 +12,17 @@ from test_async import OPTS, run_and_compare
 
 
 # each rule at each (D, M) once and each optimizer twice (6 of the 18 combinations: CI's hour, issue #40)
-@pytest.mark.parametrize("method,D,M,opt_name", [
-    ("cdp_v1", 2, 2, "sgd"), ("cdp_v1", 4, 4, "adamw"), ("cdp_v1", 4, 6, "momentum"),
-    ("cdp_v2", 2, 2, "adamw"), ("cdp_v2", 4, 4, "momentum"), ("cdp_v2", 4, 6, "sgd")])
+@pytest.mark.parametrize(
+    "method,D,M,opt_name",
+    [
+        ("cdp_v1", 2, 2, "sgd"),
+        ("cdp_v1", 4, 4, "adamw"),
+        ("cdp_v1", 4, 6, "momentum"),
+        ("cdp_v2", 2, 2, "adamw"),
+        ("cdp_v2", 4, 4, "momentum"),
+        ("cdp_v2", 4, 6, "sgd"),
+    ],
+)
 def test_mlp_matches_serial_reference(method, D, M, opt_name):
     run_and_compare(method, "mlp", D, opt_name, M=M)
 
@@ -28,8 +37,9 @@ def test_data_x_stage_mesh():
 
 def _final(method, D=4, M=4, steps=3):
     model, batch_fn = small_model("mlp", D)
-    pipe = jp.Pipeline(model, schedule=method, num_microbatches=M, optimizer=OPTS["momentum"](),
-                       mesh=jp.make_mesh(stages=D))
+    pipe = jp.Pipeline(
+        model, schedule=method, num_microbatches=M, optimizer=OPTS["momentum"](), mesh=jp.make_mesh(stages=D)
+    )
     state = pipe.init()
     for k in range(steps):
         state, _ = pipe.step(state, batch_fn(2 * M, s=k))
@@ -51,6 +61,7 @@ def test_cdp_v2_reads_fresh_parameters_on_the_last_i_stages():
     theta_{t-1} on the others -- the rule the executor's timeline gives (j + s >= D - 1)."""
     from jaxpipe.optim.policies import make_policy
     import jax.numpy as jnp
+
     D = M = 4
     pol = make_policy("cdp_v2", optax.sgd(0.1), D, M)
     lp = (jnp.ones(()), jnp.zeros(()), jnp.zeros(()))

@@ -2,6 +2,7 @@
 versions and stashes, in-flight pipeline, elastic-averaging reference -- survives save/restore, and a run
 resumed from a checkpoint ends bit-equal to the uninterrupted run.  Retention, torn writes, a checkpoint
 from another model or onto another mesh."""
+
 import shutil
 
 import jax
@@ -16,9 +17,16 @@ from helpers import small_model
 # one case per state type: PipelineState (plain, Chimera's replica layout, interleaved's device layout),
 # AsyncState with each policy state (pipedream: the weight stash; 2bw: shadow + accumulator; pipeoptim: the
 # last update; spectrain / cdp_v* share those), WPipeState, AvgPipeState; CyclicState below
-CASES = {"1f1b": (2, {}, 1), "chimera": (2, {}, 1), "interleaved_1f1b": (2, {}, 1), "pipeoptim": (2, {}, 1),
-         "pipedream": (2, {}, 1), "pipedream_2bw": (2, {}, 1), "wpipe": (2, {}, 1),
-         "avgpipe": (2, {"options": {"advance": 1}}, 2)}
+CASES = {
+    "1f1b": (2, {}, 1),
+    "chimera": (2, {}, 1),
+    "interleaved_1f1b": (2, {}, 1),
+    "pipeoptim": (2, {}, 1),
+    "pipedream": (2, {}, 1),
+    "pipedream_2bw": (2, {}, 1),
+    "wpipe": (2, {}, 1),
+    "avgpipe": (2, {"options": {"advance": 1}}, 2),
+}
 
 
 def make(schedule, data=1):
@@ -26,8 +34,14 @@ def make(schedule, data=1):
     stages = 2 * D if schedule in ("wpipe", "interleaved_1f1b") else D
     model, batch_fn = small_model("mlp", stages)
     opt = optax.adamw(1e-2)
-    pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=4, optimizer=opt,
-                       mesh=jp.make_mesh(stages=D, pipes=pipes, data=data), **kw)
+    pipe = jp.Pipeline(
+        model,
+        schedule=schedule,
+        num_microbatches=4,
+        optimizer=opt,
+        mesh=jp.make_mesh(stages=D, pipes=pipes, data=data),
+        **kw,
+    )
     return pipe, lambda k: batch_fn(8 * pipes * data, s=k)
 
 
@@ -50,7 +64,7 @@ def test_resume_is_bit_equal(schedule, tmp_path):
         state, _ = pipe.step(state, batch(k))
     want = leaves(pipe, state)
 
-    pipe2, _ = make(schedule)                       # a fresh process would build everything anew
+    pipe2, _ = make(schedule)  # a fresh process would build everything anew
     template = pipe2.prepare(pipe2.init(), batch(0))
     state2, extra, step = jp.Checkpointer(tmp_path / "ck", pipe2).restore_latest(template)
     assert step == 4 and extra == {"data": {"position": 4}}
@@ -63,8 +77,9 @@ def test_resume_is_bit_equal(schedule, tmp_path):
 
 def test_cyclic_data_parallel_resume(tmp_path):
     model, batch_fn = small_model("mlp", 4)
-    make_cdp = lambda: jp.CyclicDataParallel(model, optax.sgd(0.05, momentum=0.9), rule="v2",
-                                             mesh=jp.make_mesh(data=4))
+    make_cdp = lambda: jp.CyclicDataParallel(
+        model, optax.sgd(0.05, momentum=0.9), rule="v2", mesh=jp.make_mesh(data=4)
+    )
     cdp = make_cdp()
     state = cdp.init()
     for k in range(3):
@@ -95,7 +110,7 @@ def test_torn_write_is_never_latest(tmp_path):
     shutil.copytree(src, tmp_path / "ck" / "3.orbax-checkpoint-tmp-1234567")
     for f in (tmp_path / "ck" / "3.orbax-checkpoint-tmp-1234567").rglob("*"):
         if f.is_file() and f.stat().st_size > 16:
-            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])      # half-written files
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])  # half-written files
     ck2 = jp.Checkpointer(tmp_path / "ck", pipe)
     assert ck2.latest_step() == 2
     _, _, step = ck2.restore_latest(pipe.prepare(pipe.init(), batch(0)))
@@ -107,8 +122,9 @@ def test_checkpoint_from_another_model(tmp_path):
     ck = jp.Checkpointer(tmp_path / "ck", pipe, async_save=False)
     ck.save(1, pipe.step(pipe.init(), batch(0))[0])
     model, _ = jp.models.residual_mlp(2, in_dim=12, num_classes=5, width=32), None
-    other = jp.Pipeline(model, schedule="1f1b", num_microbatches=4, optimizer=optax.adamw(1e-2),
-                        mesh=jp.make_mesh(stages=2))
+    other = jp.Pipeline(
+        model, schedule="1f1b", num_microbatches=4, optimizer=optax.adamw(1e-2), mesh=jp.make_mesh(stages=2)
+    )
     with pytest.raises(jp.ConfigError, match=r"from another model: it holds .* parameters in 2 stages"):
         jp.Checkpointer(tmp_path / "ck", other).restore(other.init())
 
@@ -117,13 +133,21 @@ def test_in_flight_state_kept_under_another_residual_policy_is_refused_by_name(t
     """A no-flush checkpoint's stash holds the residuals its run kept; a run that keeps others (another
     residuals= policy, or a jaxpipe that stashes fewer) is told so, not told to change its batch size."""
     model, batch_fn = small_model("mlp", 2)
-    make_pipe = lambda **kw: jp.Pipeline(model, schedule="pipedream", num_microbatches=4,
-                                         optimizer=optax.sgd(0.05), mesh=jp.make_mesh(stages=2), **kw)
+    make_pipe = lambda **kw: jp.Pipeline(
+        model,
+        schedule="pipedream",
+        num_microbatches=4,
+        optimizer=optax.sgd(0.05),
+        mesh=jp.make_mesh(stages=2),
+        **kw,
+    )
     pipe = make_pipe()
     ck = jp.Checkpointer(tmp_path / "ck", pipe, async_save=False)
     ck.save(1, pipe.step(pipe.init(), batch_fn(8))[0])
     other = make_pipe(residuals="inputs")
-    with pytest.raises(jp.ConfigError, match=r"keeps \d+ residual arrays .* this run \d+: .*residuals= policy"):
+    with pytest.raises(
+        jp.ConfigError, match=r"keeps \d+ residual arrays .* this run \d+: .*residuals= policy"
+    ):
         jp.Checkpointer(tmp_path / "ck", other).restore(other.prepare(other.init(), batch_fn(8)))
 
 
@@ -153,6 +177,8 @@ def test_nonfinite_state_is_never_saved(tmp_path):
     ck = jp.Checkpointer(tmp_path / "ck", pipe, async_save=False)
     ck.save(1, state)
     bad = state._replace(params=jax.tree.map(lambda a: a * np.nan, state.params))
-    with pytest.raises(jp.ConfigError, match=r"refusing to checkpoint step 2: .*NaN.*last good checkpoint is step 1"):
+    with pytest.raises(
+        jp.ConfigError, match=r"refusing to checkpoint step 2: .*NaN.*last good checkpoint is step 1"
+    ):
         ck.save(2, bad)
     assert ck.all_steps() == [1]

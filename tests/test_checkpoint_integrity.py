@@ -1,5 +1,6 @@
 """Checkpoint integrity (issue #16): checksums verified on restore, fallback to the newest intact checkpoint,
 one writer per directory."""
+
 import glob
 import os
 
@@ -17,8 +18,9 @@ pytestmark = pytest.mark.ci_once
 
 def make():
     model, batch_fn = small_model("mlp", 2)
-    return jp.Pipeline(model, schedule="1f1b", num_microbatches=2, optimizer=optax.adam(1e-2),
-                       mesh=jp.make_mesh(stages=2)), batch_fn
+    return jp.Pipeline(
+        model, schedule="1f1b", num_microbatches=2, optimizer=optax.adam(1e-2), mesh=jp.make_mesh(stages=2)
+    ), batch_fn
 
 
 def train_and_save(tmp_path, steps=(2, 4)):
@@ -38,8 +40,9 @@ def train_and_save(tmp_path, steps=(2, 4)):
 def flip_one_bit(step_dir, rng):
     """Flip one random bit of a checkpoint step's state files (a file drawn with probability by its size: a
     uniformly random byte of the checkpoint)."""
-    files = sorted(f for f in glob.glob(os.path.join(step_dir, "state", "**", "*"), recursive=True)
-                   if os.path.isfile(f))
+    files = sorted(
+        f for f in glob.glob(os.path.join(step_dir, "state", "**", "*"), recursive=True) if os.path.isfile(f)
+    )
     sizes = np.array([os.path.getsize(f) for f in files], float)
     f = files[int(rng.choice(len(files), p=sizes / sizes.sum()))]
     data = bytearray(open(f, "rb").read())
@@ -55,7 +58,9 @@ def test_intact_checkpoint_restores_and_verifies(tmp_path):
     state, extra, step = ck.restore_latest(pipe.init())
     ck.close()
     assert step == 4 and extra == {"k": 4}
-    assert all(np.array_equal(a, b) for a, b in zip(saved[4], [np.asarray(x) for x in jax.tree.leaves(state.params)]))
+    assert all(
+        np.array_equal(a, b) for a, b in zip(saved[4], [np.asarray(x) for x in jax.tree.leaves(state.params)])
+    )
 
 
 def test_a_flipped_bit_never_restores_other_values(tmp_path):
@@ -63,6 +68,7 @@ def test_a_flipped_bit_never_restores_other_values(tmp_path):
     and falls back to step 2, or restores step 4 bit-equal to what was saved (the bit was in bytes no array
     reads); never other values silently.  (Before checksums: 27 of 40 flips restored other finite values.)"""
     import shutil
+
     saved = train_and_save(tmp_path)
     rng = np.random.default_rng(0)
     pipe, _ = make()
@@ -88,6 +94,7 @@ def test_a_flipped_bit_never_restores_other_values(tmp_path):
 def test_missing_files_fall_back_too(tmp_path):
     train_and_save(tmp_path)
     import shutil
+
     shutil.rmtree(tmp_path / "ck" / "4" / "meta")
     pipe, _ = make()
     said = []
@@ -102,10 +109,10 @@ def test_one_writer_per_directory(tmp_path):
     first = jp.Checkpointer(tmp_path / "ck", pipe, writer=True)
     with pytest.raises(jp.ConfigError, match=f"in use by process {os.getpid()}"):
         jp.Checkpointer(tmp_path / "ck", pipe, writer=True)
-    reader = jp.Checkpointer(tmp_path / "ck", pipe)          # restoring needs no lock
+    reader = jp.Checkpointer(tmp_path / "ck", pipe)  # restoring needs no lock
     reader.close()
     first.close()
-    jp.Checkpointer(tmp_path / "ck", pipe, writer=True).close()          # released on close
+    jp.Checkpointer(tmp_path / "ck", pipe, writer=True).close()  # released on close
 
 
 def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path, capsys):
@@ -113,11 +120,14 @@ def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path, capsys):
     import socket
     import subprocess
     import sys
+
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     os.makedirs(tmp_path / "ck")
-    json.dump({"host": socket.gethostname(), "pid": dead.pid, "since": "earlier"},
-              open(tmp_path / "ck" / ".jaxpipe.lock", "w"))
+    json.dump(
+        {"host": socket.gethostname(), "pid": dead.pid, "since": "earlier"},
+        open(tmp_path / "ck" / ".jaxpipe.lock", "w"),
+    )
     pipe, _ = make()
     jp.Checkpointer(tmp_path / "ck", pipe, writer=True).close()
     assert "taking over" in capsys.readouterr().out
@@ -126,6 +136,7 @@ def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path, capsys):
 def test_read_only_directory_is_refused_before_training(tmp_path):
     """Also as root (CI): the immutable attribute stops root's writes, and a path under a regular file."""
     from helpers import read_only
+
     d = tmp_path / "ro"
     os.makedirs(d)
     pipe, _ = make()
@@ -141,20 +152,39 @@ def test_read_only_directory_is_refused_before_training(tmp_path):
 
 def test_a_directory_made_read_only_mid_run_ends_in_one_clear_error(tmp_path):
     """#31: the checkpoint directory becomes unwritable after step 4's checkpoint (as root too): the run ends
-    with status 1 and one line naming the step that failed and the intact one (it used to stall ~300 s and print
-    364 lines of Orbax tracebacks). Event-driven: the flip waits for step 4's folder, bounded."""
+    with status 1 and one line naming the step that failed and the intact one (it used to stall ~300 s and
+    print 364 lines of Orbax tracebacks). Event-driven: the flip waits for step 4's folder, bounded."""
     import subprocess
     import sys
     import time
     from helpers import read_only
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
     ck = tmp_path / "ck"
-    p = subprocess.Popen([sys.executable, "-m", "experiments.train", "--model=mlp", "--steps=200", "--batch=32",
-                          "--microbatches=4", "--stages=2", "--eval_every=0", "--progress=false",
-                          f"--checkpoint_dir={ck}", "--checkpoint_every=4", "--throttle_s=0.2",
-                          f"--out_dir={tmp_path}/run"], cwd=root, env=env, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "experiments.train",
+            "--model=mlp",
+            "--steps=200",
+            "--batch=32",
+            "--microbatches=4",
+            "--stages=2",
+            "--eval_every=0",
+            "--progress=false",
+            f"--checkpoint_dir={ck}",
+            "--checkpoint_every=4",
+            "--throttle_s=0.2",
+            f"--out_dir={tmp_path}/run",
+        ],
+        cwd=root,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 240
     while not (ck / "4").is_dir() and p.poll() is None and time.time() < deadline:
         time.sleep(0.05)
@@ -164,14 +194,17 @@ def test_a_directory_made_read_only_mid_run_ends_in_one_clear_error(tmp_path):
     assert p.returncode == 1, err[-3000:]
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err[:3000]
-    assert "could not be written" in lines[0] and "newest finished checkpoint holds step 4" in lines[0], lines[0]
+    assert "could not be written" in lines[0] and "newest finished checkpoint holds step 4" in lines[0], (
+        lines[0]
+    )
     assert ("Operation not permitted" if os.geteuid() == 0 else "Permission denied") in lines[0], lines[0]
 
 
 def test_restore_with_another_optimizer_or_batch_size_names_the_cause(tmp_path):
     model, batch_fn = small_model("mlp", 2)
-    mk = lambda opt: jp.Pipeline(model, schedule="pipeoptim", num_microbatches=2, optimizer=opt,
-                                 mesh=jp.make_mesh(stages=2))
+    mk = lambda opt: jp.Pipeline(
+        model, schedule="pipeoptim", num_microbatches=2, optimizer=opt, mesh=jp.make_mesh(stages=2)
+    )
     p = mk(optax.adam(1e-2))
     st, _ = p.step(p.init(), batch_fn(8))
     ck = jp.Checkpointer(tmp_path / "ck", p, async_save=False)
@@ -186,8 +219,11 @@ def test_restore_with_another_optimizer_or_batch_size_names_the_cause(tmp_path):
 
 
 def _meta_file(step_dir):
-    files = [f for f in glob.glob(os.path.join(step_dir, "meta", "**", "*"), recursive=True)
-             if os.path.isfile(f) and not f.endswith(".txt")]
+    files = [
+        f
+        for f in glob.glob(os.path.join(step_dir, "meta", "**", "*"), recursive=True)
+        if os.path.isfile(f) and not f.endswith(".txt")
+    ]
     assert len(files) == 1, files
     return files[0]
 
@@ -196,11 +232,12 @@ def test_metadata_is_checksummed_and_covered_by_the_fallback(tmp_path):
     """A flipped digit in the metadata (the step, the data position) must not resume "at step 6" with step 4's
     weights: the metadata's own SHA-256 is checked first, and the newest intact checkpoint is used instead."""
     import json
+
     train_and_save(tmp_path)
     path = _meta_file(tmp_path / "ck" / "4")
     meta = json.load(open(path))
     assert len(meta["meta_sha256"]) == 64
-    meta["step"] = 6                                        # one digit changed, the digest left as written
+    meta["step"] = 6  # one digit changed, the digest left as written
     json.dump(meta, open(path, "w"))
     pipe, _ = make()
     said = []
@@ -226,8 +263,9 @@ def test_saving_a_step_again_is_refused_and_the_first_stays(tmp_path):
     with pytest.raises(jp.ConfigError, match="step 1 is already saved.*never overwritten"):
         ck.save(1, state)
     restored, _, step = ck.restore(pipe.init(), 1)
-    assert step == 1 and all(np.array_equal(a, np.asarray(b)) for a, b in
-                             zip(jax.tree.leaves(first), jax.tree.leaves(restored)))
+    assert step == 1 and all(
+        np.array_equal(a, np.asarray(b)) for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(restored))
+    )
     ck.close()
 
 
@@ -263,18 +301,26 @@ def test_racing_takeovers_of_a_dead_owners_lock_give_it_to_one(tmp_path):
     import subprocess
     import sys
     import time
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for trial in range(5):
         d = tmp_path / f"ck{trial}"
         os.makedirs(d)
         json.dump({"host": "here", "pid": 999999, "since": "earlier"}, open(d / ".jaxpipe.lock", "w"))
         start = time.time() + 1.0
-        procs = [subprocess.Popen([sys.executable, "-c", LOCKER.format(root=root), str(d), str(start)],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-                 for _ in range(4)]
-        first = [p.stdout.readline() for p in procs]            # each says HELD or REFUSED, then waits
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", LOCKER.format(root=root), str(d), str(start)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
+            for _ in range(4)
+        ]
+        first = [p.stdout.readline() for p in procs]  # each says HELD or REFUSED, then waits
         for p in procs:
-            p.communicate("\n", timeout=30)                     # the holder lets go; the others have ended
+            p.communicate("\n", timeout=30)  # the holder lets go; the others have ended
         assert sum(l.startswith("HELD") for l in first) == 1, first
         assert all("is in use by" in l for l in first if l.startswith("REFUSED")), first
 
@@ -285,6 +331,7 @@ def test_a_write_that_fails_is_one_clear_error(tmp_path):
     and the newest finished checkpoint (experiments.train prints it as one line and exits 1)."""
     import subprocess
     import sys
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=SUBPROCESS_XLA_FLAGS)
     # no compilation cache: under the file-size limit its entries are written truncated, and every later run
@@ -292,14 +339,37 @@ def test_a_write_that_fails_is_one_clear_error(tmp_path):
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
     # the shell sets the limit (100 KiB per file) and becomes the run: no fork of this JAX process
-    p = subprocess.run(["bash", "-c", 'ulimit -f 100 && exec "$@"', "bash", sys.executable, "-m", "experiments.train",
-                        "--model=mlp", "--steps=12", "--batch=32", "--microbatches=4", "--stages=2", "--eval_every=0",
-                        "--progress=false", f"--checkpoint_dir={tmp_path}/ck", "--checkpoint_every=4",
-                        f"--out_dir={tmp_path}/run"],
-                       cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            "bash",
+            "-c",
+            'ulimit -f 100 && exec "$@"',
+            "bash",
+            sys.executable,
+            "-m",
+            "experiments.train",
+            "--model=mlp",
+            "--steps=12",
+            "--batch=32",
+            "--microbatches=4",
+            "--stages=2",
+            "--eval_every=0",
+            "--progress=false",
+            f"--checkpoint_dir={tmp_path}/ck",
+            "--checkpoint_every=4",
+            f"--out_dir={tmp_path}/run",
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 1, p.stderr[-3000:]
     last = p.stderr.strip().splitlines()[-1]
-    assert last.startswith("jaxpipe: checkpoint step 4 could not be written to") and "File too large" in last, last
+    assert (
+        last.startswith("jaxpipe: checkpoint step 4 could not be written to") and "File too large" in last
+    ), last
     assert "The newest finished checkpoint holds step none" in last
     # nothing else: neither Orbax's logged tracebacks nor tensorstore's "Event loop is closed" callbacks
     assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr[:3000]
@@ -309,6 +379,7 @@ def test_closing_on_an_error_path_is_bounded_and_frees_the_lock(tmp_path):
     """``close_within``: a write that never finishes (a stalled file system) is abandoned after the bound,
     named, and the directory's lock is released all the same -- the error that ended the run goes on."""
     import threading
+
     ck = jp.Checkpointer(str(tmp_path / "ck"), None, writer=True)
     assert os.path.exists(tmp_path / "ck" / ".jaxpipe.lock")
     stall = threading.Event()
@@ -318,5 +389,5 @@ def test_closing_on_an_error_path_is_bounded_and_frees_the_lock(tmp_path):
     assert note is not None and "checkpoint step 7" in note and "did not finish within 0.2 s" in note, note
     assert not os.path.exists(tmp_path / "ck" / ".jaxpipe.lock")
     stall.set()
-    again = jp.Checkpointer(str(tmp_path / "ck"), None, writer=True)     # the directory is free
+    again = jp.Checkpointer(str(tmp_path / "ck"), None, writer=True)  # the directory is free
     assert again.close_within(5.0) is None

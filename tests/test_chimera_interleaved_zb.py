@@ -5,6 +5,7 @@ every variant, D in {2, 4, 8}, several N, with and without data parallelism, bot
 Oracles: Chimera Table 2 (bubble (D-2)/(2N+D-2) with f = b, weights 2 M_theta, activations
 [(D/2+1) M_a, D M_a] at N = D) and Table 3 (2f pipelines); interleaved (D-1)/(v M); ZB-H1 a third of 1F1B.
 """
+
 import jax
 import numpy as np
 import optax
@@ -16,18 +17,34 @@ from helpers import reference, rel_err, small_model
 
 # (schedule, D, M, data, options)
 CASES = [
-    ("chimera", 2, 2, 1, {}), ("chimera", 4, 4, 1, {}), ("chimera", 4, 1, 1, {}), ("chimera", 4, 3, 1, {}),
-    ("chimera", 4, 8, 1, {}), ("chimera", 4, 4, 2, {}), ("chimera", 8, 8, 1, {}),
-    ("chimera", 8, 8, 1, {"pipelines": 4}), ("chimera", 4, 4, 1, {"pipelines": 4}),
-    ("chimera", 4, 8, 1, {"concat": "forward_doubling"}), ("chimera", 4, 4, 2, {"concat": "backward_halving"}),
-    ("chimera", 2, 6, 1, {"concat": "backward_halving"}), ("chimera", 4, 12, 1, {"concat": "forward_doubling"}),
-    ("chimera", 4, 4, 2, {"eager_reduce": True}), ("chimera", 8, 16, 1, {"eager_reduce": True}),
+    ("chimera", 2, 2, 1, {}),
+    ("chimera", 4, 4, 1, {}),
+    ("chimera", 4, 1, 1, {}),
+    ("chimera", 4, 3, 1, {}),
+    ("chimera", 4, 8, 1, {}),
+    ("chimera", 4, 4, 2, {}),
+    ("chimera", 8, 8, 1, {}),
+    ("chimera", 8, 8, 1, {"pipelines": 4}),
+    ("chimera", 4, 4, 1, {"pipelines": 4}),
+    ("chimera", 4, 8, 1, {"concat": "forward_doubling"}),
+    ("chimera", 4, 4, 2, {"concat": "backward_halving"}),
+    ("chimera", 2, 6, 1, {"concat": "backward_halving"}),
+    ("chimera", 4, 12, 1, {"concat": "forward_doubling"}),
+    ("chimera", 4, 4, 2, {"eager_reduce": True}),
+    ("chimera", 8, 16, 1, {"eager_reduce": True}),
     ("chimera", 4, 8, 1, {"eager_reduce": True, "concat": "forward_doubling"}),
-    ("interleaved_1f1b", 2, 2, 1, {"virtual": 2}), ("interleaved_1f1b", 4, 4, 1, {"virtual": 2}),
-    ("interleaved_1f1b", 4, 8, 2, {"virtual": 2}), ("interleaved_1f1b", 2, 4, 1, {"virtual": 3}),
-    ("interleaved_1f1b", 8, 8, 1, {"virtual": 2}), ("interleaved_1f1b", 1, 2, 1, {"virtual": 2}),
-    ("zb_h1", 2, 3, 1, {}), ("zb_h1", 4, 4, 1, {}), ("zb_h1", 4, 8, 2, {}), ("zb_h1", 8, 8, 1, {}),
-    ("zb_h1", 4, 8, 1, {"max_deferred_w": 3}), ("zb_h1", 2, 4, 2, {"max_deferred_w": 1}),
+    ("interleaved_1f1b", 2, 2, 1, {"virtual": 2}),
+    ("interleaved_1f1b", 4, 4, 1, {"virtual": 2}),
+    ("interleaved_1f1b", 4, 8, 2, {"virtual": 2}),
+    ("interleaved_1f1b", 2, 4, 1, {"virtual": 3}),
+    ("interleaved_1f1b", 8, 8, 1, {"virtual": 2}),
+    ("interleaved_1f1b", 1, 2, 1, {"virtual": 2}),
+    ("zb_h1", 2, 3, 1, {}),
+    ("zb_h1", 4, 4, 1, {}),
+    ("zb_h1", 4, 8, 2, {}),
+    ("zb_h1", 8, 8, 1, {}),
+    ("zb_h1", 4, 8, 1, {"max_deferred_w": 3}),
+    ("zb_h1", 2, 4, 2, {"max_deferred_w": 1}),
     ("zb_h1", 4, 8, 2, {"w_from": "recompute"}),
 ]
 
@@ -36,22 +53,38 @@ def _pipe(kind, schedule, D, M, data, opts, **kw):
     v = opts.get("virtual", 1)
     model, batch_fn = small_model(kind, D * v)
     extra = {"options": opts} if schedule in ("chimera", "zb_h1") and opts else {}
-    pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=M, optimizer=optax.sgd(0.1),
-                       mesh=jp.make_mesh(stages=D, data=data), **extra, **kw)
+    pipe = jp.Pipeline(
+        model,
+        schedule=schedule,
+        num_microbatches=M,
+        optimizer=optax.sgd(0.1),
+        mesh=jp.make_mesh(stages=D, data=data),
+        **extra,
+        **kw,
+    )
     return model, pipe, batch_fn(2 * M * data)
 
 
 # the GPT runs one representative case per schedule variant (the MLP runs them all): CI's time budget
-GPT_CASES = [c for c in CASES if (c[0], c[1], c[2], c[3], tuple(sorted(c[4].items()))) in {
-    ("chimera", 4, 4, 2, (("concat", "backward_halving"),)), ("chimera", 4, 8, 1, (("concat", "forward_doubling"),)),
-    ("interleaved_1f1b", 4, 8, 2, (("virtual", 2),)), ("zb_h1", 4, 8, 1, (("max_deferred_w", 3),))}]
+GPT_CASES = [
+    c
+    for c in CASES
+    if (c[0], c[1], c[2], c[3], tuple(sorted(c[4].items())))
+    in {
+        ("chimera", 4, 4, 2, (("concat", "backward_halving"),)),
+        ("chimera", 4, 8, 1, (("concat", "forward_doubling"),)),
+        ("interleaved_1f1b", 4, 8, 2, (("virtual", 2),)),
+        ("zb_h1", 4, 8, 1, (("max_deferred_w", 3),)),
+    }
+]
 # (plain and eager-reduce Chimera on the GPT were cut for CI time at issue #40: the MLP runs them, and the GPT
 # runs Chimera's two concatenations, which hold its own code paths)
 # (the D=8 GPT cases -- chimera, interleaved, zb_h1 -- were cut for CI time at issue #6; the MLP runs them)
 
 
-@pytest.mark.parametrize("kind,schedule,D,M,data,opts",
-                         [("mlp",) + c for c in CASES] + [("gpt",) + c for c in GPT_CASES])
+@pytest.mark.parametrize(
+    "kind,schedule,D,M,data,opts", [("mlp",) + c for c in CASES] + [("gpt",) + c for c in GPT_CASES]
+)
 def test_matches_jax_grad(kind, schedule, D, M, data, opts):
     model, pipe, batch = _pipe(kind, schedule, D, M, data, opts)
     loss, grads = pipe.loss_and_grad(pipe.init(), batch)
@@ -60,9 +93,16 @@ def test_matches_jax_grad(kind, schedule, D, M, data, opts):
     assert rel_err(grads, ref_grads) <= 1e-5
 
 
-@pytest.mark.parametrize("schedule,opts,M", [("chimera", {}, 4), ("interleaved_1f1b", {"virtual": 2}, 4),
-                                             ("zb_h1", {}, 4), ("chimera", {"concat": "forward_doubling"}, 8),
-                                             ("chimera", {"concat": "backward_halving"}, 4)])
+@pytest.mark.parametrize(
+    "schedule,opts,M",
+    [
+        ("chimera", {}, 4),
+        ("interleaved_1f1b", {"virtual": 2}, 4),
+        ("zb_h1", {}, 4),
+        ("chimera", {"concat": "forward_doubling"}, 8),
+        ("chimera", {"concat": "backward_halving"}, 4),
+    ],
+)
 def test_nan_filled_bubbles_stay_finite(schedule, opts, M):
     model, pipe, batch = _pipe("mlp", schedule, 4, M, 1, opts, nan_bubbles=True)
     loss, grads = pipe.loss_and_grad(pipe.init(), batch)
@@ -77,7 +117,7 @@ def test_chimera_replicas_bit_identical_after_steps():
     for _ in range(3):
         state, _ = pipe.step(state, batch)
     stage_p = pipe.params(state)[0]
-    lay = pipe.device_layout(state)          # [D, chunks, ...] as the executor holds them
+    lay = pipe.device_layout(state)  # [D, chunks, ...] as the executor holds them
     soc = pipe.schedule.stage_of_chunk()
     for d in range(4):
         for c in range(2):
@@ -96,8 +136,8 @@ def test_chimera_bubble_equals_table2(D, k):
     assert r.bubble_ratio == pytest.approx((D - 2) / (2 * N + D - 2))
     assert r.weight_versions == [2] * D
     if k == 1:
-        assert sorted(r.peak_inflight)[0] == D // 2 + 1 and max(r.peak_inflight) == D       # [(D/2+1) M_a, D M_a]
-        r2 = schedules.build("chimera", D, N).simulate(f=1.0, b=2.0)           # §2: b = 2f leaves middle bubbles
+        assert sorted(r.peak_inflight)[0] == D // 2 + 1 and max(r.peak_inflight) == D  # [(D/2+1) M_a, D M_a]
+        r2 = schedules.build("chimera", D, N).simulate(f=1.0, b=2.0)  # §2: b = 2f leaves middle bubbles
         assert r2.bubble_ratio == pytest.approx((D - 2) / (1.5 * N + D - 2))
 
 
@@ -123,9 +163,16 @@ def test_chimera_doubling_removes_intermediate_bubbles(concat, D, K):
 def test_forward_doubling_recomputes():
     """Forward doubling wraps the stage in jax.checkpoint: the stash keeps less than without it."""
     from jaxpipe.runtime.common import residual_mask
+
     model, _ = small_model("gpt", 4)
-    pipe = jp.Pipeline(model, schedule="chimera", num_microbatches=8, optimizer=optax.sgd(0.1),
-                       mesh=jp.make_mesh(stages=4), options={"concat": "forward_doubling"})
+    pipe = jp.Pipeline(
+        model,
+        schedule="chimera",
+        num_microbatches=8,
+        optimizer=optax.sgd(0.1),
+        mesh=jp.make_mesh(stages=4),
+        options={"concat": "forward_doubling"},
+    )
     w = jax.tree.map(lambda a: a[0], model.stage_params)
     x = np.zeros((2, 8, 16), np.float32)
     size = lambda avals: sum(int(np.prod(a.shape)) for a in avals)
@@ -175,45 +222,72 @@ def test_zb_h1_deferred_w_is_a_third_of_1f1b(D, M):
     assert z.peak_inflight[0] == 2 * D - 1
 
 
-@pytest.mark.parametrize("bad,match", [
-    (dict(schedule="chimera", D=3), "even number of stages"),
-    (dict(schedule="chimera", D=4, options={"pipelines": 3}), "2f with f dividing"),
-    (dict(schedule="chimera", D=4, options={"concat": "sideways"}), r"options\[.concat.\]=.sideways. \(str\); it must be one of .direct."),
-    (dict(schedule="chimera", D=4, M=6, options={"concat": "forward_doubling"}), "needs N >= 8 and a multiple of 4"),
-    (dict(schedule="chimera", D=4, options={"eager_reduce": True, "pipelines": 4}), "implemented for 2 pipelines"),
-    (dict(schedule="chimera", D=4, options={"lanes": 2}), "unknown option"),
-    (dict(schedule="1f1b", D=4, options={"pipelines": 2}), r"unknown option\(s\) \['pipelines'\]"),
-    (dict(schedule="zb_h1", D=4, options={"max_deferred_w": -1}), r"options\[.max_deferred_w.\]=-1 \(int\); it must be an integer >= 0"),
-    (dict(schedule="interleaved_1f1b", D=4, M=6, stages=8), "whole groups of D=4"),
-    (dict(schedule="interleaved_1f1b", D=4, stages=6), "not a multiple of the 4"),
-    (dict(schedule="1f1b", D=2, stages=4), "axis has 2 devices and 1f1b puts 1 stage"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (dict(schedule="chimera", D=3), "even number of stages"),
+        (dict(schedule="chimera", D=4, options={"pipelines": 3}), "2f with f dividing"),
+        (
+            dict(schedule="chimera", D=4, options={"concat": "sideways"}),
+            r"options\[.concat.\]=.sideways. \(str\); it must be one of .direct.",
+        ),
+        (
+            dict(schedule="chimera", D=4, M=6, options={"concat": "forward_doubling"}),
+            "needs N >= 8 and a multiple of 4",
+        ),
+        (
+            dict(schedule="chimera", D=4, options={"eager_reduce": True, "pipelines": 4}),
+            "implemented for 2 pipelines",
+        ),
+        (dict(schedule="chimera", D=4, options={"lanes": 2}), "unknown option"),
+        (dict(schedule="1f1b", D=4, options={"pipelines": 2}), r"unknown option\(s\) \['pipelines'\]"),
+        (
+            dict(schedule="zb_h1", D=4, options={"max_deferred_w": -1}),
+            r"options\[.max_deferred_w.\]=-1 \(int\); it must be an integer >= 0",
+        ),
+        (dict(schedule="interleaved_1f1b", D=4, M=6, stages=8), "whole groups of D=4"),
+        (dict(schedule="interleaved_1f1b", D=4, stages=6), "not a multiple of the 4"),
+        (dict(schedule="1f1b", D=2, stages=4), "axis has 2 devices and 1f1b puts 1 stage"),
+    ],
+)
 def test_clear_errors(bad, match):
     D = bad["D"]
     model, _ = small_model("mlp", bad.get("stages", D))
     kw = {k: bad[k] for k in ("options",) if k in bad}
     with pytest.raises(jp.ConfigError, match=match):
-        jp.Pipeline(model, schedule=bad["schedule"], num_microbatches=bad.get("M", 4), optimizer=optax.sgd(0.1),
-                    mesh=jp.make_mesh(stages=D), **kw)
+        jp.Pipeline(
+            model,
+            schedule=bad["schedule"],
+            num_microbatches=bad.get("M", 4),
+            optimizer=optax.sgd(0.1),
+            mesh=jp.make_mesh(stages=D),
+            **kw,
+        )
 
 
 @pytest.mark.parametrize("D,N", [(4, 4), (8, 8), (8, 32)])
 def test_eager_reduction_point_is_early(D, N):
-    """§3.2: the last stage's replica gradient is final well before the pipeline ends (P0 and P3 in Fig. 4)."""
+    """§3.2: the last stage's replica gradient is final well before the pipeline ends (P0 and P3 in Fig.
+    4)."""
     from jaxpipe.schedules.layout import eager_point
+
     s = schedules.build("chimera", D, N, eager_reduce=True)
     t_e, src, chunk, dst = eager_point(s)
     assert (src, chunk, dst) == (0, 1, D - 1)
     assert t_e < s.num_ticks - D // 2
 
 
-# ---------------------------------------------------------------------- forward doubling as one 2B micro-batch
-@pytest.mark.parametrize("kind,D,M,data", [("mlp", 4, 8, 1), ("mlp", 4, 12, 2), ("mlp", 2, 4, 1), ("gpt", 4, 8, 1)])
+# ---------------------------------------------------------------------- forward doubling as one 2B
+# micro-batch
+@pytest.mark.parametrize(
+    "kind,D,M,data", [("mlp", 4, 8, 1), ("mlp", 4, 12, 2), ("mlp", 2, 4, 1), ("gpt", 4, 8, 1)]
+)
 def test_double_batch_matches_jax_grad_in_one_forward(kind, D, M, data):
     """Chimera §3.5: each forward pair runs as ONE stage forward over both micro-batches concatenated (the
     stage function is traced at twice the micro-batch's rows), and the loss and gradients still equal plain
     jax.grad; the NaN-filled bubbles stay out of them."""
     import dataclasses
+
     model, batch_fn = small_model(kind, D)
     rows_seen = set()
 
@@ -225,34 +299,62 @@ def test_double_batch_matches_jax_grad_in_one_forward(kind, D, M, data):
     batch = batch_fn(2 * M * data)
     rows = 2 * M * data // (M * data)
     for nan in (False, True):
-        pipe = jp.Pipeline(m, schedule="chimera", num_microbatches=M, optimizer=optax.sgd(0.1), placement="ordered",
-                           mesh=jp.make_mesh(stages=D, data=data), nan_bubbles=nan,
-                           options={"concat": "forward_doubling", "double_batch": True})
+        pipe = jp.Pipeline(
+            m,
+            schedule="chimera",
+            num_microbatches=M,
+            optimizer=optax.sgd(0.1),
+            placement="ordered",
+            mesh=jp.make_mesh(stages=D, data=data),
+            nan_bubbles=nan,
+            options={"concat": "forward_doubling", "double_batch": True},
+        )
         loss, grads = pipe.loss_and_grad(pipe.init(), batch)
         ref_loss, ref_grads = reference(model, batch)
         assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
         assert rel_err(grads, ref_grads) <= 1e-5
-    assert 2 * rows in rows_seen          # the doubled forward ran (and the recomputing backward at `rows`)
+    assert 2 * rows in rows_seen  # the doubled forward ran (and the recomputing backward at `rows`)
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(options={"concat": "direct", "double_batch": True}), "needs concat='forward_doubling'"),
-    # (the default "auto" placement runs Chimera ordered, where the pairs exist; forced onto lanes they do not)
-    (dict(options={"concat": "forward_doubling", "double_batch": True}, placement="lanes"), "placement='ordered'"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(options={"concat": "direct", "double_batch": True}), "needs concat='forward_doubling'"),
+        # (the default "auto" placement runs Chimera ordered, where the pairs exist; forced onto lanes they do
+        # not)
+        (
+            dict(options={"concat": "forward_doubling", "double_batch": True}, placement="lanes"),
+            "placement='ordered'",
+        ),
+    ],
+)
 def test_double_batch_bad_configuration(kw, match):
     model, batch_fn = small_model("mlp", 4)
     with pytest.raises((jp.ConfigError, schedules.ScheduleError), match=match):
-        pipe = jp.Pipeline(model, schedule="chimera", num_microbatches=8, optimizer=optax.sgd(0.1),
-                           mesh=jp.make_mesh(stages=4), **kw)
+        pipe = jp.Pipeline(
+            model,
+            schedule="chimera",
+            num_microbatches=8,
+            optimizer=optax.sgd(0.1),
+            mesh=jp.make_mesh(stages=4),
+            **kw,
+        )
         pipe.loss_and_grad(pipe.init(), batch_fn(16))
 
 
 def test_double_batch_refuses_a_context_model():
-    """A stage context (dropout key per micro-batch) cannot be reproduced by one forward of two micro-batches."""
+    """A stage context (dropout key per micro-batch) cannot be reproduced by one forward of two
+    micro-batches."""
     model = jp.models.gpt(4, vocab=32, d_model=16, heads=2, seq_len=8, dropout=0.1)
-    pipe = jp.Pipeline(model, schedule="chimera", num_microbatches=8, optimizer=optax.sgd(0.1), placement="ordered",
-                       mesh=jp.make_mesh(stages=4), options={"concat": "forward_doubling", "double_batch": True})
+    pipe = jp.Pipeline(
+        model,
+        schedule="chimera",
+        num_microbatches=8,
+        optimizer=optax.sgd(0.1),
+        placement="ordered",
+        mesh=jp.make_mesh(stages=4),
+        options={"concat": "forward_doubling", "double_batch": True},
+    )
     t = np.random.default_rng(0).integers(0, 32, (16, 9)).astype(np.int32)
     with pytest.raises(jp.ConfigError, match="stage context"):
         pipe.loss_and_grad(pipe.init(), {"x": t[:, :-1], "y": t[:, 1:]})
@@ -265,22 +367,30 @@ def test_eager_synchronisation_covers_every_stage(D, N):
     for the final exchange.  The executor's plan has a phase boundary at each point."""
     from jaxpipe.schedules.layout import eager_points
     from jaxpipe.schedules.layout import lane_plan
+
     s = schedules.build("chimera", D, N, eager_reduce=True)
     pts = eager_points(s)
     pairs = [p for _, ps in pts for p in ps]
     ticks = [t for t, _ in pts]
     assert ticks == sorted(ticks) and ticks[-1] < s.num_ticks
     assert sorted(pairs) == sorted((d, D - 1 - d) for d in range(D) if (d, D - 1 - d) in pairs)
-    assert len(pairs) >= D - 1 and pairs[0] == (0, D - 1)       # the last stage's (eager_point's) first
+    assert len(pairs) >= D - 1 and pairs[0] == (0, D - 1)  # the last stage's (eager_point's) first
     p = lane_plan(s)
     starts = {a for a, _, _ in p.phases}
     assert all(t in starts for t, _ in eager_points(s, p.where))
 
 
-@pytest.mark.parametrize("schedule,D,M,data,opts", [
-    ("chimera", 4, 4, 1, {"pipelines": 4}), ("zb_h1", 4, 8, 1, {"max_deferred_w": 3}),
-    ("1f1b", 4, 8, 2, {}), ("chimera", 4, 4, 2, {"eager_reduce": True}),
-    ("interleaved_1f1b", 2, 4, 2, {"virtual": 2}), ("zb_h1", 2, 4, 2, {"max_deferred_w": 1})])
+@pytest.mark.parametrize(
+    "schedule,D,M,data,opts",
+    [
+        ("chimera", 4, 4, 1, {"pipelines": 4}),
+        ("zb_h1", 4, 8, 1, {"max_deferred_w": 3}),
+        ("1f1b", 4, 8, 2, {}),
+        ("chimera", 4, 4, 2, {"eager_reduce": True}),
+        ("interleaved_1f1b", 2, 4, 2, {"virtual": 2}),
+        ("zb_h1", 2, 4, 2, {"max_deferred_w": 1}),
+    ],
+)
 def test_nan_filled_bubbles_stay_finite_with_options_and_data(schedule, D, M, data, opts):
     """The NaN mode in the configurations the executor issue named: data > 1, eager_reduce, pipelines=4,
     max_deferred_w -- buffers start NaN and idle lanes send NaN; results finite and equal to jax.grad."""
@@ -290,14 +400,28 @@ def test_nan_filled_bubbles_stay_finite_with_options_and_data(schedule, D, M, da
     assert rel_err(grads, reference(model, batch)[1]) <= 1e-5
 
 
-@pytest.mark.parametrize("schedule,opts", [("chimera", {}), ("interleaved_1f1b", {"virtual": 2}), ("zb_h1", {}),
-                                           ("chimera", {"concat": "backward_halving"})])
+@pytest.mark.parametrize(
+    "schedule,opts",
+    [
+        ("chimera", {}),
+        ("interleaved_1f1b", {"virtual": 2}),
+        ("zb_h1", {}),
+        ("chimera", {"concat": "backward_halving"}),
+    ],
+)
 def test_step_is_the_update_of_jax_grad(schedule, opts):
     """Two steps change the parameters exactly as SGD on jax.grad of the unpipelined model does (the change,
     not the parameters: a wrong update would hide behind a small learning rate otherwise)."""
     model, batch_fn = small_model("mlp", 4 * opts.get("virtual", 1))
-    pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=4, optimizer=optax.sgd(0.5),
-                       mesh=jp.make_mesh(stages=4), options=opts or None, nan_bubbles=True)
+    pipe = jp.Pipeline(
+        model,
+        schedule=schedule,
+        num_microbatches=4,
+        optimizer=optax.sgd(0.5),
+        mesh=jp.make_mesh(stages=4),
+        options=opts or None,
+        nan_bubbles=True,
+    )
     state, p = pipe.init(), model.params
     for s in range(2):
         batch = batch_fn(8, s)

@@ -1,7 +1,8 @@
-"""The train state of a schedule with two chunks a device (ZB-V here; interleaved 1F1B and DualPipeV hold theirs
-the same way): each stage leaf as one array per chunk, never stacked in a step (issue #49), and everything that
-reads the state in the model's structure -- ``params()``, optax masks, checkpoints moved onto another cut --
-unchanged for the user."""
+"""The train state of a schedule with two chunks a device (ZB-V here; interleaved 1F1B and DualPipeV hold
+theirs the same way): each stage leaf as one array per chunk, never stacked in a step (issue #49), and
+everything that reads the state in the model's structure -- ``params()``, optax masks, checkpoints moved onto
+another cut -- unchanged for the user."""
+
 import re
 
 import jax
@@ -22,23 +23,31 @@ def _model(n=4, seed=0):
     """``n`` stages of ``tanh(h @ a) @ b``: leaves of shapes no activation or stash has (24 x 40, 40 x 24)."""
     k = jax.random.split(jax.random.PRNGKey(seed), 3)
     stage = {"a": jax.random.normal(k[0], (n, A, B)) / 5, "b": jax.random.normal(k[1], (n, B, A)) / 6}
-    return jp.PipelineModel(stage_fn=lambda p, h: jnp.tanh(h @ p["a"]) @ p["b"], stage_params=stage,
-                            post_loss=lambda p, h, b: jnp.mean((h @ p - b["y"]) ** 2),
-                            post_params=jax.random.normal(k[2], (A, 2)))
+    return jp.PipelineModel(
+        stage_fn=lambda p, h: jnp.tanh(h @ p["a"]) @ p["b"],
+        stage_params=stage,
+        post_loss=lambda p, h, b: jnp.mean((h @ p - b["y"]) ** 2),
+        post_params=jax.random.normal(k[2], (A, 2)),
+    )
 
 
 def _batch(seed=1):
     r = np.random.default_rng(seed)
-    return {"x": r.normal(size=(4 * ROWS, A)).astype(np.float32),
-            "y": r.normal(size=(4 * ROWS, 2)).astype(np.float32)}
+    return {
+        "x": r.normal(size=(4 * ROWS, A)).astype(np.float32),
+        "y": r.normal(size=(4 * ROWS, 2)).astype(np.float32),
+    }
 
 
 def test_two_chunks_a_device_are_held_apart_and_the_step_never_stacks_them():
     """ZB-V on 2 devices, 4 stages: each stage leaf is two ``[2, ...]`` arrays (chunk c of both devices), the
-    model's order comes back from ``params()`` bit-equal, and the compiled step holds no array of both chunks of
-    a leaf (``[.., 2, 24, 40]``: the slices and the gradients' stack every step made) nor of every stage."""
+    model's order comes back from ``params()`` bit-equal, and the compiled step holds no array of both chunks
+    of a leaf (``[.., 2, 24, 40]``: the slices and the gradients' stack every step made) nor of every
+    stage."""
     model = _model()
-    pipe = jp.Pipeline(model, "zb_v", num_microbatches=4, optimizer=optax.adamw(1e-2), mesh=jp.make_mesh(stages=2))
+    pipe = jp.Pipeline(
+        model, "zb_v", num_microbatches=4, optimizer=optax.adamw(1e-2), mesh=jp.make_mesh(stages=2)
+    )
     state = pipe.init()
     held = jax.tree.leaves(state.params[0], is_leaf=is_chunks)
     assert all(isinstance(h, Chunks) and len(h) == 2 for h in held)
@@ -47,19 +56,22 @@ def test_two_chunks_a_device_are_held_apart_and_the_step_never_stacks_them():
     hlo = pipe.lower("step", state, pipe.shard_batch(_batch())).compile().as_text()
     stacked = re.findall(rf"\[(?:\d+,)*(?:2|4),(?:{A},{B}|{B},{A})\]", hlo)
     assert not stacked, f"a step stacks the chunks of a leaf: {sorted(set(stacked))}"
-    assert re.search(rf"\[1,{A},{B}\]", hlo)        # (the pattern does see the chunks' own shards)
-    # nor a copy of a leaf: the chunks' zero gradient sums are filled apart, not one fill copied for the second
+    assert re.search(rf"\[1,{A},{B}\]", hlo)  # (the pattern does see the chunks' own shards)
+    # nor a copy of a leaf: the chunks' zero gradient sums are filled apart, not one fill copied for the
+    # second
     copies = re.findall(rf"= f32\[(?:1,)?(?:{A},{B}|{B},{A})\]\{{[^}}]*\}} copy\(", hlo)
     assert not copies, copies
 
 
 def test_a_label_tree_in_the_models_structure_applies_to_every_chunk():
     """``optax.multi_transform`` with labels in the model's structure (a prefix of the chunked state): the
-    frozen leaves of every chunk keep their values, the others take AdamW's step from ``jax.grad`` of the model."""
+    frozen leaves of every chunk keep their values, the others take AdamW's step from ``jax.grad`` of the
+    model."""
     model = _model()
     labels = ({"a": "adam", "b": "frozen"}, "frozen", "adam")
-    opt = optax.multi_transform({"adam": optax.adamw(1e-2, weight_decay=0.1), "frozen": optax.set_to_zero()},
-                                labels)
+    opt = optax.multi_transform(
+        {"adam": optax.adamw(1e-2, weight_decay=0.1), "frozen": optax.set_to_zero()}, labels
+    )
     pipe = jp.Pipeline(model, "zb_v", num_microbatches=4, optimizer=opt, mesh=jp.make_mesh(stages=2))
     batch = _batch()
     state, _ = pipe.step(pipe.init(), batch)
@@ -89,17 +101,29 @@ def test_a_chunked_checkpoint_restores_onto_another_cut(tmp_path):
     assert rel_err(p2.params(b), p1.params(a)) <= 1e-5
 
 
-@pytest.mark.parametrize("schedule,devices", [("zb_v", (2, 4)), ("dualpipe_v", (4, 2)), ("zb_v", (4, 2)),
-                                              ("interleaved_1f1b", (2, 4))])
+@pytest.mark.parametrize(
+    "schedule,devices",
+    [("zb_v", (2, 4)), ("dualpipe_v", (4, 2)), ("zb_v", (4, 2)), ("interleaved_1f1b", (2, 4))],
+)
 def test_a_chunked_checkpoint_restores_onto_another_number_of_devices(schedule, devices, tmp_path):
-    """8 blocks on 2 devices (cut [2, 2, 2, 2], two chunks each) and on 4 ([1] * 8): a device holds other model
-    stages as its chunks, so the saved chunks are read in the writer's layout -- read in the reader's, blocks 4
-    and 5 held saved blocks 6 and 7 (the next loss 1.53 where the writer's is 1.31), without a word."""
+    """8 blocks on 2 devices (cut [2, 2, 2, 2], two chunks each) and on 4 ([1] * 8): a device holds other
+    model stages as its chunks, so the saved chunks are read in the writer's layout -- read in the reader's,
+    blocks 4 and 5 held saved blocks 6 and 7 (the next loss 1.53 where the writer's is 1.31), without a
+    word."""
     opt = optax.adamw(1e-2, weight_decay=0.1)
     kw = {"options": {"virtual": 2}} if schedule == "interleaved_1f1b" else {}
-    M = 8 if schedule == "dualpipe_v" else 4          # (DualPipeV fills both chunks of 4 devices: M >= 8)
-    pipes = [jp.Pipeline(mlp((8 // (2 * d),) * (2 * d)), schedule, num_microbatches=M, optimizer=opt,
-                         mesh=jp.make_mesh(stages=d), **kw) for d in devices]
+    M = 8 if schedule == "dualpipe_v" else 4  # (DualPipeV fills both chunks of 4 devices: M >= 8)
+    pipes = [
+        jp.Pipeline(
+            mlp((8 // (2 * d),) * (2 * d)),
+            schedule,
+            num_microbatches=M,
+            optimizer=opt,
+            mesh=jp.make_mesh(stages=d),
+            **kw,
+        )
+        for d in devices
+    ]
     s1, _ = pipes[0].step(pipes[0].init(), mlp_batch(8, seed=2))
     ck = jp.Checkpointer(str(tmp_path), pipes[0])
     ck.save(1, s1)
@@ -122,8 +146,11 @@ def test_a_chunked_checkpoint_without_its_layout_is_refused_on_another_number_of
     ck = jp.Checkpointer(str(tmp_path), pipe)
     try:
         old = {"schedule": "zb_v", "mesh": {"stage": 2}}
-        with pytest.raises(jp.ConfigError, match=r"zb_v's state on 2 stage devices; this run has 4.*does not "
-                                                 r"record how its devices held the chunks"):
+        with pytest.raises(
+            jp.ConfigError,
+            match=r"zb_v's state on 2 stage devices; this run has 4.*does not "
+            r"record how its devices held the chunks",
+        ):
             ck._orders(3, old)
         same = ck._orders(3, {"schedule": "zb_v", "mesh": {"stage": 4}})
         assert same == (ck._stage_order[0], ck._stage_order[1])

@@ -1,7 +1,9 @@
 """Every loop or conditional holding collectives is ordered by data against every other collective of the
-step's compiled program (tests/hlo_order.py).  XLA's CPU runtime runs independent instructions in any order, per
-device: an unordered pair deadlocked CI once (WPipe, stage x data x tensor: the batch check's all-reduce ran
-before the pipeline's loop on one device and after it on another).  Deterministic, where the hang was not."""
+step's compiled program (tests/hlo_order.py).  XLA's CPU runtime runs independent instructions in any order,
+per device: an unordered pair deadlocked CI once (WPipe, stage x data x tensor: the batch check's all-reduce
+ran before the pipeline's loop on one device and after it on another).  Deterministic, where the hang was
+not."""
+
 import dataclasses
 
 import numpy as np
@@ -15,10 +17,10 @@ from test_model_axes import MLP_SPECS, TP
 
 
 def _loops_unordered(text):
-    """The unordered pairs with a loop in them (the hang CI saw).  Pairs of a plain collective and a conditional
-    XLA peeled out of a loop's last tick (1f1b: the loss's psum beside the last B lane's tensor all-reduces) are
-    left out: they come from XLA's own restructuring, and no run has hung on them (BUILD_NOTES, "Collective
-    order on XLA CPU")."""
+    """The unordered pairs with a loop in them (the hang CI saw).  Pairs of a plain collective and a
+    conditional XLA peeled out of a loop's last tick (1f1b: the loss's psum beside the last B lane's tensor
+    all-reduces) are left out: they come from XLA's own restructuring, and no run has hung on them
+    (BUILD_NOTES, "Collective order on XLA CPU")."""
     return [p for p in unordered_collectives(text) if any(n.startswith("while") for n in p)]
 
 
@@ -26,13 +28,20 @@ def _pipeline(schedule, mesh_axes, model_axes=True, **kw):
     model, batch_fn = small_model("mlp", 4 if schedule == "wpipe" else 2)
     if model_axes:
         model = dataclasses.replace(model, param_specs=MLP_SPECS)
-    pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=4, optimizer=optax.adam(1e-2),
-                       mesh=jp.make_mesh(**mesh_axes), **kw)
+    pipe = jp.Pipeline(
+        model,
+        schedule=schedule,
+        num_microbatches=4,
+        optimizer=optax.adam(1e-2),
+        mesh=jp.make_mesh(**mesh_axes),
+        **kw,
+    )
     return pipe, batch_fn(16)
 
 
-@pytest.mark.parametrize("schedule,what", [("wpipe", "step"), ("pipedream", "step"), ("1f1b", "step"),
-                                           ("1f1b", "grad")])
+@pytest.mark.parametrize(
+    "schedule,what", [("wpipe", "step"), ("pipedream", "step"), ("1f1b", "step"), ("1f1b", "grad")]
+)
 def test_model_axes_programs_order_their_collectives(schedule, what):
     pipe, batch = _pipeline(schedule, TP)
     state = pipe.init()
@@ -52,8 +61,13 @@ def test_model_axes_programs_order_their_collectives(schedule, what):
 
 def test_data_parallel_with_integer_checks_orders_its_collectives():
     model, batch_fn = small_model("mlp", 2)
-    pipe = jp.Pipeline(model, schedule="pipedream", num_microbatches=4, optimizer=optax.adam(1e-2),
-                       mesh=jp.make_mesh(stages=2, data=4))
+    pipe = jp.Pipeline(
+        model,
+        schedule="pipedream",
+        num_microbatches=4,
+        optimizer=optax.adam(1e-2),
+        mesh=jp.make_mesh(stages=2, data=4),
+    )
     text = pipe.lower("step", pipe.init(), batch_fn(16)).compile().as_text()
     assert _loops_unordered(text) == []
 
@@ -65,11 +79,13 @@ def test_the_helper_sees_the_hazard():
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
+
     mesh = jax.make_mesh((8,), ("s",))
 
     def loop(x):
         def body(c, _):
             return jax.lax.ppermute(c, "s", [(i, (i + 1) % 8) for i in range(8)]), None
+
         return jax.lax.scan(body, x, None, length=3)[0]
 
     def program(x, y):

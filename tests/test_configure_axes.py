@@ -1,7 +1,8 @@
 """``jp.configure`` over model axes (issue #53 item 1, "mesh axes"): where the model's ``param_specs`` name
-``tensor`` (or ``fsdp``), the search splits the devices into stage x data x tensor as well; a tensor candidate's
-memory is its own shards (the state's and the residuals' XLA gives a compiled forward), its stage is timed on
-that many devices, and the choice is checked by compiling as any other."""
+``tensor`` (or ``fsdp``), the search splits the devices into stage x data x tensor as well; a tensor
+candidate's memory is its own shards (the state's and the residuals' XLA gives a compiled forward), its stage
+is timed on that many devices, and the choice is checked by compiling as any other."""
+
 import jax
 import numpy as np
 import optax
@@ -20,28 +21,43 @@ def _batch():
 
 
 def _model(stages, tensor="tensor"):
-    return jp.models.gpt(stages, vocab=64, d_model=32, heads=2, blocks_per_stage=4 // stages, seq_len=T,
-                         tensor=tensor)
+    return jp.models.gpt(
+        stages, vocab=64, d_model=32, heads=2, blocks_per_stage=4 // stages, seq_len=T, tensor=tensor
+    )
 
 
-TIMED = []      # the devices each stage benchmark ran on (the search below, spied)
+TIMED = []  # the devices each stage benchmark ran on (the search below, spied)
 
 
 @pytest.fixture(scope="module")
 def searched(tmp_path_factory):
     import jaxpipe.tune.stage_bench as stage_bench
+
     cache = str(tmp_path_factory.mktemp("configure_axes") / "measurements.json")
     timed = stage_bench.stashed_stage_costs
 
     def spy(model, w, x, mb, **kw):
-        TIMED.append(len(set().union(*(a.sharding.device_set for a in jax.tree.leaves(w)
-                                        if hasattr(a, "sharding")))) or 1)
+        TIMED.append(
+            len(set().union(*(a.sharding.device_set for a in jax.tree.leaves(w) if hasattr(a, "sharding"))))
+            or 1
+        )
         return timed(model, w, x, mb, **kw)
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(stage_bench, "stashed_stage_costs", spy)
-        return configure(_model, _batch(), optax.adamw(1e-3), devices=2, memory_budget=1 << 40,
-                         schedules=("1f1b",), microbatches=(2,), residuals=("all",), verbose=False, cache=cache,
-                         balance_cut=False)
+        return configure(
+            _model,
+            _batch(),
+            optax.adamw(1e-3),
+            devices=2,
+            memory_budget=1 << 40,
+            schedules=("1f1b",),
+            microbatches=(2,),
+            residuals=("all",),
+            verbose=False,
+            cache=cache,
+            balance_cut=False,
+        )
 
 
 def _by_split(conf):
@@ -63,8 +79,8 @@ def test_the_splits_include_tensor_where_the_specs_name_it(searched):
 
 def test_a_tensor_stage_is_timed_on_its_devices(searched):
     """The tensor candidate's F / B / W come from its stage run on two devices, weights sharded (XLA's
-    collectives in the time), not from the one-device stage: one benchmark per (rows, model axes) -- two of one
-    device (the micro-batch rows of data=2 and data=1), one of two."""
+    collectives in the time), not from the one-device stage: one benchmark per (rows, model axes) -- two of
+    one device (the micro-batch rows of data=2 and data=1), one of two."""
     assert sorted(TIMED) == [1, 1, 2]
 
 
@@ -72,6 +88,7 @@ def test_a_tensor_candidate_holds_its_shards(searched):
     """The state per device is the shards' (the Megatron-split MLP halves); the stash's residuals are the
     compiled forward's shards: fewer bytes than one unsharded device's at the same micro-batch rows."""
     from jaxpipe.tune.memory import residual_bytes
+
     got = _by_split(searched)
     one, t = got[(1, 2, 1)], got[(1, 1, 2)]
     fp_one, fp_t = searched._built[id(one)][1], searched._built[id(t)][1]
@@ -80,8 +97,10 @@ def test_a_tensor_candidate_holds_its_shards(searched):
     rows = 8 // (t.data * t.microbatches)
     r_pol, r_all = residual_bytes(pipe_t.model, _batch(), rows)
     assert fp_t.working < r_all and fp_t.residuals <= r_pol
-    assert fp_t.working > r_all / 2           # the attention's and the block inputs' residuals are whole
-    full_state = sum(np.asarray(a).nbytes for a in __import__("jax").tree.leaves(searched._bench.state(t, pipe_t)))
+    assert fp_t.working > r_all / 2  # the attention's and the block inputs' residuals are whole
+    full_state = sum(
+        np.asarray(a).nbytes for a in __import__("jax").tree.leaves(searched._bench.state(t, pipe_t))
+    )
     assert fp_t.state < full_state
 
 
@@ -101,19 +120,44 @@ def test_a_budget_only_the_tensor_split_meets_is_chosen_checked_and_trains(searc
 
 def test_an_axis_the_specs_do_not_name_is_refused():
     with pytest.raises(ConfigError, match="do not name the 'tensor' axis"):
-        configure(lambda n: _model(n, tensor=None), _batch(), optax.adamw(1e-3), devices=2, memory_budget=1 << 40,
-                  tensor=(1, 2), schedules=("1f1b",), microbatches=(2,), verbose=False, cache=None)
+        configure(
+            lambda n: _model(n, tensor=None),
+            _batch(),
+            optax.adamw(1e-3),
+            devices=2,
+            memory_budget=1 << 40,
+            tensor=(1, 2),
+            schedules=("1f1b",),
+            microbatches=(2,),
+            verbose=False,
+            cache=None,
+        )
 
 
 def test_an_fsdp_split_shards_the_batch_too_and_trains():
     """FSDP is data parallelism with sharded weights: its candidate splits the batch over ``data`` x ``fsdp``
-    (a micro-batch count that does not split the rows so is dropped, saying so), is checked by compiling as the
-    choice, and trains."""
-    conf = configure(lambda n: jp.models.gpt(
-        n, vocab=64, d_model=32, heads=2, blocks_per_stage=4 // n, seq_len=T, fsdp="fsdp"), _batch(),
-        optax.adamw(1e-3), devices=2, memory_budget=1 << 40, fsdp=(2,), schedules=("1f1b",), microbatches=(2, 8),
-        residuals=("all",), verbose=False, cache=None, balance_cut=False)
-    assert {(c.stages, c.data, c.fsdp, c.microbatches) for c in conf.candidates} == {(1, 1, 2, 2), (1, 1, 2, 8)}
+    (a micro-batch count that does not split the rows so is dropped, saying so), is checked by compiling as
+    the choice, and trains."""
+    conf = configure(
+        lambda n: jp.models.gpt(
+            n, vocab=64, d_model=32, heads=2, blocks_per_stage=4 // n, seq_len=T, fsdp="fsdp"
+        ),
+        _batch(),
+        optax.adamw(1e-3),
+        devices=2,
+        memory_budget=1 << 40,
+        fsdp=(2,),
+        schedules=("1f1b",),
+        microbatches=(2, 8),
+        residuals=("all",),
+        verbose=False,
+        cache=None,
+        balance_cut=False,
+    )
+    assert {(c.stages, c.data, c.fsdp, c.microbatches) for c in conf.candidates} == {
+        (1, 1, 2, 2),
+        (1, 1, 2, 8),
+    }
     m8 = next(c for c in conf.candidates if c.microbatches == 8)
     assert "8 rows do not split into data=1 x fsdp=2 x M=8" in m8.dropped
     best = conf.best
@@ -126,10 +170,11 @@ def test_an_fsdp_split_shards_the_batch_too_and_trains():
 
 
 def test_the_choice_names_the_placement_it_was_predicted_with(searched):
-    """``Pipeline(placement="auto")`` takes the faster plan in the lockstep model; the candidate carries the one its
-    prediction is of, and ``pipeline_kwargs()`` gives it to ``Pipeline`` as such (the label says where it is the
-    ordered plan)."""
+    """``Pipeline(placement="auto")`` takes the faster plan in the lockstep model; the candidate carries the
+    one its prediction is of, and ``pipeline_kwargs()`` gives it to ``Pipeline`` as such (the label says where
+    it is the ordered plan)."""
     from jaxpipe.tune.configure import Candidate
+
     for c in searched.candidates:
         pipe = searched._built[id(c)][0]
         assert c.placement == pipe.placement == "lanes" and c.pipeline_kwargs()["placement"] == "lanes"

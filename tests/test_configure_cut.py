@@ -1,6 +1,7 @@
 """``configure`` balances the cut (issue #53 item 1, "the cut"; :mod:`jaxpipe.tune.configure_cut`): each stage
-count's fastest fitting candidate is tried again with its blocks cut from measured costs, as a candidate of its
-own, its memory compiled, its model the same function."""
+count's fastest fitting candidate is tried again with its blocks cut from measured costs, as a candidate of
+its own, its memory compiled, its model the same function."""
+
 import numpy as np
 import optax
 import pytest
@@ -30,11 +31,22 @@ HEAVY = dict(f_block=1e-3, b_block=2e-3, f_pre=1e-4, b_pre=2e-4, f_post=6e-3, b_
 def heavy(tmp_path_factory):
     from jaxpipe.tune import config_bench
     from jaxpipe.tune.cut import PartCosts
+
     path = str(tmp_path_factory.mktemp("configure_cut") / "measurements.json")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(config_bench.Bench, "parts", lambda self, rows: PartCosts(**HEAVY))
-        return configure(_heavy_head, _batch(256), optax.adamw(1e-3), devices=2, memory_budget=1 << 40,
-                         schedules=("1f1b",), microbatches=(2,), residuals=("all",), verbose=False, cache=path)
+        return configure(
+            _heavy_head,
+            _batch(256),
+            optax.adamw(1e-3),
+            devices=2,
+            memory_budget=1 << 40,
+            schedules=("1f1b",),
+            microbatches=(2,),
+            residuals=("all",),
+            verbose=False,
+            cache=path,
+        )
 
 
 def _twin(conf):
@@ -46,9 +58,9 @@ def _twin(conf):
 
 def test_a_heavy_head_gets_a_balanced_cut_as_a_candidate_of_its_own(heavy):
     twin, even = _twin(heavy)
-    assert twin.cut[0] > twin.cut[-1] and sum(twin.cut) == BLOCKS, twin.cut     # the head's stage holds fewer
+    assert twin.cut[0] > twin.cut[-1] and sum(twin.cut) == BLOCKS, twin.cut  # the head's stage holds fewer
     assert (twin.schedule, twin.stages, twin.microbatches) == (even.schedule, even.stages, even.microbatches)
-    assert twin.step_s < even.step_s                        # predicted faster: the cut model's ratio applied
+    assert twin.step_s < even.step_s  # predicted faster: the cut model's ratio applied
     assert twin.compiled_memory is not None and twin.memory == twin.compiled_memory
     assert f"cut={','.join(map(str, twin.cut))}" in heavy.table()
     assert "2 stages: balanced cut" in heavy.cut_note, heavy.cut_note
@@ -71,8 +83,18 @@ def test_the_balanced_model_computes_what_the_even_one_does(heavy):
 
 def test_a_model_without_blocks_keeps_its_cut_and_says_why(tmp_path):
     make = lambda n: jp.models.gpt(n, vocab=64, d_model=32, heads=2, seq_len=T, blocks_per_stage=BLOCKS // n)
-    conf = configure(make, _batch(64), optax.adamw(1e-3), devices=2, memory_budget=1 << 40, schedules=("1f1b",),
-                     microbatches=(2,), residuals=("all",), verbose=False, cache=str(tmp_path / "m.json"))
+    conf = configure(
+        make,
+        _batch(64),
+        optax.adamw(1e-3),
+        devices=2,
+        memory_budget=1 << 40,
+        schedules=("1f1b",),
+        microbatches=(2,),
+        residuals=("all",),
+        verbose=False,
+        cache=str(tmp_path / "m.json"),
+    )
     assert all(c.cut is None for c in conf.candidates)
     assert "without blocks" in conf.cut_note and "block_fn" in conf.cut_note
 
@@ -80,6 +102,7 @@ def test_a_model_without_blocks_keeps_its_cut_and_says_why(tmp_path):
 def test_the_part_costs_are_measured_once_per_micro_batch_size(tmp_path):
     from jaxpipe.tune.config_bench import Bench
     from jaxpipe.tune.measure_cache import MeasureCache
+
     make = lambda n: jp.models.gpt(n, vocab=64, d_model=32, heads=2, seq_len=T, cut=[BLOCKS // n] * n)
     bench = Bench(make, _batch(64), optax.adamw(1e-3), MeasureCache(str(tmp_path / "m.json")))
     bench.model(2)

@@ -1,4 +1,5 @@
 """The balanced cut's cost model by hand (issue #50: two planted bugs survived in ``jaxpipe.tune.cut``)."""
+
 import numpy as np
 import pytest
 
@@ -12,10 +13,12 @@ def test_stage_costs_by_hand():
     rematerialising conditional: one more forward in B), stage 1 one block, one padding slot and the head.
     B and W halve the blocks' backward; the embedding's backward belongs to stage 0's W (a weight gradient),
     the head's to the last stage's B (an input gradient)."""
-    c = PartCosts(f_block=1.0, b_block=2.0, f_pre=0.3, b_pre=0.5, f_post=0.7, b_post=1.1, f_pad=0.01, b_pad=0.02)
+    c = PartCosts(
+        f_block=1.0, b_block=2.0, f_pre=0.3, b_pre=0.5, f_post=0.7, b_post=1.1, f_pad=0.01, b_pad=0.02
+    )
     got = _stage_costs((2, 1), c)
     f = [2 * 1.0 + 0.3, 1 * 1.0 + 0.01 + 0.7]
-    b_blocks = [2 * 2.0 + 1 * 1.0, 1 * 2.0 + 0.02]     # stage 0: its second block is past min(cut): remat
+    b_blocks = [2 * 2.0 + 1 * 1.0, 1 * 2.0 + 0.02]  # stage 0: its second block is past min(cut): remat
     b = [b_blocks[0] + 0.5, b_blocks[1] + 1.1]
     b_in = [b_blocks[0] / 2, b_blocks[1] / 2 + 1.1]
     w = [b_blocks[0] / 2 + 0.5, b_blocks[1] / 2]
@@ -43,12 +46,21 @@ def test_a_measured_round_becomes_part_costs_by_hand():
     """A backward is the forward-and-backward program's time less the forward's (the pullback timed with its
     forward), and a padding slot is what the stage of one block and one slot adds to one block."""
     from jaxpipe.tune.part_costs import to_costs
-    r = {"f_block": 1.0, "fb_block": 3.5, "f_two": 1.25, "fb_two": 4.0, "f_pre": 0.5, "fb_pre": 0.75,
-         "f_post": 2.0, "fb_post": 2.25}
+
+    r = {
+        "f_block": 1.0,
+        "fb_block": 3.5,
+        "f_two": 1.25,
+        "fb_two": 4.0,
+        "f_pre": 0.5,
+        "fb_pre": 0.75,
+        "f_post": 2.0,
+        "fb_post": 2.25,
+    }
     c = to_costs(r)
     assert (c.f_block, c.b_block, c.f_pre, c.b_pre, c.f_post, c.b_post) == (1.0, 2.5, 0.5, 0.25, 2.0, 0.25)
-    assert (c.f_pad, c.b_pad) == (0.25, 0.25)                    # (1.25 - 1.0, (4.0 - 1.25) - 2.5)
-    assert to_costs(dict(r, fb_post=1.0)).b_post == 0.0          # a noisy round never gives a negative cost
+    assert (c.f_pad, c.b_pad) == (0.25, 0.25)  # (1.25 - 1.0, (4.0 - 1.25) - 2.5)
+    assert to_costs(dict(r, fb_post=1.0)).b_post == 0.0  # a noisy round never gives a negative cost
     # no padding program (a model without block_fn): the padding slot costs nothing
     c = to_costs({k: v for k, v in r.items() if "two" not in k})
     assert (c.f_pad, c.b_pad) == (0.0, 0.0)
@@ -59,9 +71,11 @@ def test_two_models_never_share_a_cut_cost_key():
     keys, so one never reads the other's costs; the same model gets its key again."""
     import jaxpipe as jp
     from jaxpipe.tune.part_costs import cost_key, part_programs
+
     tok = np.zeros((4, 9), np.int32)
     mb = {"x": tok[:, :-1], "y": tok[:, 1:]}
-    key = lambda d: cost_key(part_programs(jp.models.gpt(2, vocab=32, d_model=d, heads=2, seq_len=8,
-                                                         cut=(1, 1)), mb)[1])
+    key = lambda d: cost_key(
+        part_programs(jp.models.gpt(2, vocab=32, d_model=d, heads=2, seq_len=8, cut=(1, 1)), mb)[1]
+    )
     assert key(16) != key(64)
     assert key(16) == key(16)

@@ -2,6 +2,7 @@
 drain, against its serial reference restarted where the pipeline was drained, with no version error on any
 call.  A drain that forgot to advance the global micro-batch index, or restarted a method's versions wrongly,
 passed every single-call test."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,20 +20,31 @@ def _noisy_model(D):
     """A context model: stage s of micro-batch i adds noise from its key (the key's global index matters)."""
     r = np.random.default_rng(0)
     W = jnp.asarray(r.normal(size=(D, 8, 8)) / 3, jnp.float32)
-    model = jp.PipelineModel(stage_fn=lambda w, h, ctx: jnp.tanh(h @ w["w"]) + 0.3 * jax.random.uniform(ctx.key, h.shape),
-                             stage_params={"w": W}, context=True,
-                             post_loss=lambda p, h, b: jnp.mean((h - b["y"]) ** 2))
+    model = jp.PipelineModel(
+        stage_fn=lambda w, h, ctx: jnp.tanh(h @ w["w"]) + 0.3 * jax.random.uniform(ctx.key, h.shape),
+        stage_params={"w": W},
+        context=True,
+        post_loss=lambda p, h, b: jnp.mean((h - b["y"]) ** 2),
+    )
 
     def batch_fn(n, s=1):
         q = np.random.default_rng(s)
         return {"x": q.normal(size=(n, 8)).astype(np.float32), "y": q.normal(size=(n, 8)).astype(np.float32)}
+
     return model, batch_fn
 
 
 def _run_sequence(model, method, batches, M, D):
     opt = optax.sgd(0.05, momentum=0.9)
-    pipe = jp.Pipeline(model, schedule=method, num_microbatches=M, optimizer=opt, mesh=jp.make_mesh(stages=D),
-                       nan_bubbles=True, seed=0)
+    pipe = jp.Pipeline(
+        model,
+        schedule=method,
+        num_microbatches=M,
+        optimizer=opt,
+        mesh=jp.make_mesh(stages=D),
+        nan_bubbles=True,
+        seed=0,
+    )
     state = pipe.init()
     for k, b in enumerate(batches):
         state, m = pipe.step(state, b)

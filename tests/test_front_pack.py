@@ -2,6 +2,7 @@
 issue #49 item 4): the places are found or refused correctly, a write reaches only its own slot and never a
 residual W reads, and the compiled zero-bubble step is exact with less temporary memory than with the
 frontier in slots of its own."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,7 +27,8 @@ def test_places_go_largest_first_into_the_roomiest_dead_residual():
     # with residual 1 dead: the 64-element one first, as 2 of its 4 rows, then the 32-element one as its third
     # row; the bfloat16 one in the bfloat16 residual -- (residual, axis, offset, extent)
     assert front_pack.pack(front, stash, w_reads=(0,)) == [(1, 0, 2, 1), (1, 0, 0, 2), (3, 0, 0, 2)]
-    # whole rows of one axis: 12 elements are no number of (4, 8)'s rows, but 3 of its 8 columns; 5 are neither
+    # whole rows of one axis: 12 elements are no number of (4, 8)'s rows, but 3 of its 8 columns; 5 are
+    # neither
     assert front_pack.pack([S((2, 6), jnp.float32)], [S((4, 8), jnp.float32)], ()) == [(0, 1, 0, 3)]
     assert front_pack.pack([S((5,), jnp.float32)], [S((4, 8), jnp.float32)], ()) is None
     # a dtype finds only its own dtype
@@ -36,14 +38,15 @@ def test_places_go_largest_first_into_the_roomiest_dead_residual():
 def test_put_writes_only_its_slot_and_get_reads_it_back():
     stash = [jnp.full((3, 4, 8), 7.0), jnp.full((3, 40), 5.0)]
     front = [jnp.arange(32.0).reshape(4, 8), -jnp.ones((2, 3))]
-    places = front_pack.pack([S(f.shape, f.dtype) for f in front], [S(a.shape[1:], a.dtype) for a in stash],
-                             w_reads=(0,))
+    places = front_pack.pack(
+        [S(f.shape, f.dtype) for f in front], [S(a.shape[1:], a.dtype) for a in stash], w_reads=(0,)
+    )
     out = front_pack.put(stash, jnp.int32(1), front, places)
     got = front_pack.get(out, jnp.int32(1), [S(f.shape, f.dtype) for f in front], places)
     for g, f in zip(got, front):
         assert_same(g, f)
-    assert_same(out[0], stash[0])                                  # W's residual untouched
-    assert_same(out[1][0], stash[1][0])                           # the other slots too
+    assert_same(out[0], stash[0])  # W's residual untouched
+    assert_same(out[1][0], stash[1][0])  # the other slots too
     assert_same(out[1][2], stash[1][2])
 
 
@@ -58,7 +61,7 @@ def test_models_frontier_fits_in_the_residuals_b_alone_reads(kind):
     sp = split_backward(ops.backward, w, [jnp.zeros(a.shape, a.dtype) for a in avals], x, avals)
     places = front_pack.pack(sp.frontier_avals, avals, sp.w_reads)
     assert places is not None
-    assert front_pack.placed_in_stash(sp, avals, slots=4) is None      # a few KiB: kept in slots of its own
+    assert front_pack.placed_in_stash(sp, avals, slots=4) is None  # a few KiB: kept in slots of its own
     assert sp.w_reads and not {p[0] for p in places} & set(sp.w_reads)
 
 
@@ -78,8 +81,14 @@ def test_zb_h1_keeps_its_frontier_in_the_stash_exactly_and_in_less_memory(monkey
     for packed in (True, False):
         if not packed:
             monkeypatch.setattr(executor, "placed_in_stash", lambda wsp, avals, slots: None)
-        pipe = jp.Pipeline(model, schedule="zb_h1", num_microbatches=4, optimizer=optax.sgd(0.1),
-                           mesh=jp.make_mesh(stages=2), placement="ordered")
+        pipe = jp.Pipeline(
+            model,
+            schedule="zb_h1",
+            num_microbatches=4,
+            optimizer=optax.sgd(0.1),
+            mesh=jp.make_mesh(stages=2),
+            placement="ordered",
+        )
         state = pipe.init()
         assert rel_err(pipe.loss_and_grad(state, batch)[1], ref) <= 1e-5
         temps[packed] = _temp(pipe, state, batch)

@@ -2,8 +2,9 @@
 waits only for the oldest of ``IN_FLIGHT`` (2) unread ones, so step k + 1 is dispatched before step k ends.
 
 The device is made "never done" (``is_ready`` -> False) and every status read is counted, so these tests say
-which call reads which status without timing anything.  The rest of the suite reads each status at the next call
-(conftest: ``IN_FLIGHT = 1``); here the default runs."""
+which call reads which status without timing anything.  The rest of the suite reads each status at the next
+call (conftest: ``IN_FLIGHT = 1``); here the default runs."""
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -27,10 +28,11 @@ def slow_device(monkeypatch):
 
 
 def _pipe(schedule):
-    D = 1 if schedule == "wpipe" else 2       # (WPipe puts two model stages on each device)
+    D = 1 if schedule == "wpipe" else 2  # (WPipe puts two model stages on each device)
     model, batch_fn = small_model("mlp", 2)
-    pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=2, optimizer=optax.sgd(0.1),
-                       mesh=jp.make_mesh(stages=D))
+    pipe = jp.Pipeline(
+        model, schedule=schedule, num_microbatches=2, optimizer=optax.sgd(0.1), mesh=jp.make_mesh(stages=D)
+    )
     good = jax.tree.map(jnp.asarray, batch_fn(8))
     return pipe, good, dict(good, x=good["x"].at[0, 0].set(jnp.nan))
 
@@ -70,16 +72,19 @@ def test_loss_and_grad_and_cyclic_data_parallel_run_ahead_too(slow_device):
 
 
 def test_a_refused_step_is_named_two_calls_later_and_changed_nothing(slow_device):
-    """Step 2's batch holds a NaN; step 3 runs before anything read step 2's status; call 4 reads it and raises,
-    naming step 2 and saying that step 3 ran on the state from before it -- which step 2 left as it was, so
-    step 3's state is step 1's state stepped once on the good batch."""
+    """Step 2's batch holds a NaN; step 3 runs before anything read step 2's status; call 4 reads it and
+    raises, naming step 2 and saying that step 3 ran on the state from before it -- which step 2 left as it
+    was, so step 3's state is step 1's state stepped once on the good batch."""
     pipe, good, bad = _pipe("1f1b")
     s1, _ = pipe.step(pipe.init(), good)
     s1_copy = jax.tree.map(jnp.copy, s1)
     s2, _ = pipe.step(s1, bad)
     s3, _ = pipe.step(s2, good)
-    with pytest.raises(jp.ConfigError, match=r"step\(\) #2: the batch holds NaN or Inf in \['x'\].*it changed "
-                                             r"nothing.*Read 1 call\(s\) later.*ran on the state as it was"):
+    with pytest.raises(
+        jp.ConfigError,
+        match=r"step\(\) #2: the batch holds NaN or Inf in \['x'\].*it changed "
+        r"nothing.*Read 1 call\(s\) later.*ran on the state as it was",
+    ):
         pipe.step(s3, good)
     jax.tree.map(assert_same, pipe.params(s3), pipe.params(pipe.step(s1_copy, good)[0]))
 
@@ -96,7 +101,7 @@ def test_states_derived_before_the_refusal_was_read_are_refused_by_save(slow_dev
     pending = pipe.context.pending
     assert "step() #2" in pending.refusal(s2) and "step() #2" in pending.refusal(s3)
     try:
-        pipe.check()          # step 3 ran on NaN weights: its own loss may be refused as well
+        pipe.check()  # step 3 ran on NaN weights: its own loss may be refused as well
     except jp.ConfigError as e:
         assert "step() #3" in str(e)
     for s in (s2, s3):

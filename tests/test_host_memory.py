@@ -2,6 +2,7 @@
 reused instead of mapped and page-faulted again (issue #30: Chimera's one-core cost on XLA CPU was mostly
 that), on the main thread and on a worker thread (XLA allocates from its own threads); elsewhere than glibc it
 changes nothing and says why."""
+
 import json
 import os
 import platform
@@ -55,8 +56,10 @@ def run_probe(env_extra=None):
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
-                    reason="the probe counts glibc's page faults")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+    reason="the probe counts glibc's page faults",
+)
 def test_kept_memory_is_reused_without_page_faults():
     r = run_probe()
     # glibc's defaults: every 48 MiB step maps and faults its pages again (5 steps, main thread and a thread)
@@ -103,8 +106,10 @@ print(json.dumps([before, jp.host_memory.keeps_freed_memory(), jp.host_memory.de
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
-                    reason="keeping freed memory needs glibc")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+    reason="keeping freed memory needs glibc",
+)
 @pytest.mark.parametrize("opt_out", ["", "0"])
 def test_a_pipeline_on_cpu_keeps_freed_memory_unless_told_not_to(opt_out):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != host_memory.OPT_OUT}

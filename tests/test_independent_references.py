@@ -6,7 +6,8 @@ papers), then the method's optimizer rule is applied per stage.  Parameter chang
 at 1e-5 of each change; the pipelines run with NaN bubbles.  The existing serial references stay as a second
 opinion (the other test files).
 
-Version tables (``i``: global micro-batch index, ``j = i mod M`` its place in batch ``b``; ``S`` model stages):
+Version tables (``i``: global micro-batch index, ``j = i mod M`` its place in batch ``b``; ``S`` model
+stages):
 
 * PipeDream (weight stashing, Narayanan et al. 2019 §3.3): micro-batch i's forward and backward on stage s
   read the version with the updates of micro-batches before i - (S - 1 - s) applied -- 1F1B keeps S - s
@@ -27,6 +28,7 @@ Version tables (``i``: global micro-batch index, ``j = i mod M`` its place in ba
 Tied arrays (the GPT's head and embedding) belong to stage 0; the last stage's use reads the version stage 0
 read for the same micro-batch, and both uses' gradients update stage 0's copy.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,11 +37,16 @@ import pytest
 
 import jaxpipe as jp
 from jaxpipe.model import loss_terms, microbatch_key
-from hand_backward import DISTANCES, batches as tanh_batches, numpy_predicting, pipelined_and_by_hand, \
-    weights_read_at_backward
+from hand_backward import (
+    DISTANCES,
+    batches as tanh_batches,
+    numpy_predicting,
+    pipelined_and_by_hand,
+    weights_read_at_backward,
+)
 from helpers import RULE_MARGIN, change, rel_err, small_model
 
-SEED = 3                     # the pipelines' dropout seed (context models)
+SEED = 3  # the pipelines' dropout seed (context models)
 
 
 # ------------------------------------------------------------------ the version tables, by hand
@@ -48,7 +55,7 @@ def pipedream_reads(S, M, lag=None):
     return lambda s, i, j, b: ("update", max(0, i - lag(s)))
 
 
-def delayed_reads(S, M):                     # PipeDream-2BW, CDP-v1
+def delayed_reads(S, M):  # PipeDream-2BW, CDP-v1
     return lambda s, i, j, b: ("batch", max(b - 1, 0))
 
 
@@ -56,11 +63,11 @@ def cdp_v2_reads(S, M):
     return lambda s, i, j, b: ("batch", b if s >= S - 1 - j else max(b - 1, 0))
 
 
-def wpipe_reads(S, M):                        # S = 2D partitions; G0 = partitions < D
+def wpipe_reads(S, M):  # S = 2D partitions; G0 = partitions < D
     return lambda s, i, j, b: ("batch", max(b - 1, 0) if s < S // 2 else b)
 
 
-def fresh_reads(S, M):                        # what no method does: every read the newest version (rule-matters)
+def fresh_reads(S, M):  # what no method does: every read the newest version (rule-matters)
     return lambda s, i, j, b: ("fresh", -1)
 
 
@@ -88,8 +95,8 @@ def stage_parts(model, s):
 
 
 def assemble(model, per_stage):
-    """``(stacked w, pre, post)`` for ``model.loss_sum_count``; a tied leaf of ``post`` is stage 0's array (the
-    version stage 0 read), so its gradient flows to stage 0 and the last stage's own copy gets none."""
+    """``(stacked w, pre, post)`` for ``model.loss_sum_count``; a tied leaf of ``post`` is stage 0's array
+    (the version stage 0 read), so its gradient flows to stage 0 and the last stage's own copy gets none."""
     S = model.num_stages
     pre, post = per_stage[0][1], per_stage[S - 1][2]
     for pre_path, post_path in model.tied:
@@ -100,9 +107,10 @@ def assemble(model, per_stage):
 def version_table_reference(model, opt, batches, M, reads, per_microbatch):
     """The method's rule from its version table: ``reads(s, i, j, b)`` names the version stage s reads for
     micro-batch i = (b, j), as ``("update", n)`` (after n per-micro-batch updates), ``("batch", b')``
-    (after b' per-batch updates) or ``("fresh", -1)`` (the newest version).  ``per_microbatch``: each backward updates its stage (the mean-loss
-    gradient of that micro-batch); else the batch's summed gradient over its summed count updates every
-    stage once (a mean loss counts 1 per micro-batch: the mean of the gradients)."""
+    (after b' per-batch updates) or ``("fresh", -1)`` (the newest version).  ``per_microbatch``: each backward
+    updates its stage (the mean-loss gradient of that micro-batch); else the batch's summed gradient over its
+    summed count updates every stage once (a mean loss counts 1 per micro-batch: the mean of the
+    gradients)."""
     S = model.num_stages
     hist = [[stage_parts(model, s)] for s in range(S)]
     states = [opt.init(h[0]) for h in hist]
@@ -113,7 +121,7 @@ def version_table_reference(model, opt, batches, M, reads, per_microbatch):
         acc, count = None, 0.0
         for j in range(M):
             i = b * M + j
-            mb = {k: v[j * n:(j + 1) * n] for k, v in batch.items()}
+            mb = {k: v[j * n : (j + 1) * n] for k, v in batch.items()}
             g, c = grad([hist[s][reads(s, i, j, b)[1]] for s in range(S)], mb, microbatch_key(SEED, b, j))
             if per_microbatch:
                 for s in range(S):
@@ -143,8 +151,16 @@ CASES = {  # method: (version table, per-micro-batch updates, model stages for D
 
 
 def run_pipeline(model, method, opt, batches, M, D, **kw):
-    pipe = jp.Pipeline(model, schedule=method, num_microbatches=M, optimizer=opt, mesh=jp.make_mesh(stages=D),
-                       nan_bubbles=True, seed=SEED, **kw)
+    pipe = jp.Pipeline(
+        model,
+        schedule=method,
+        num_microbatches=M,
+        optimizer=opt,
+        mesh=jp.make_mesh(stages=D),
+        nan_bubbles=True,
+        seed=SEED,
+        **kw,
+    )
     state = pipe.init()
     for b in batches:
         state, _ = pipe.step(state, b)
@@ -155,14 +171,16 @@ def run_pipeline(model, method, opt, batches, M, D, **kw):
 def gpt_model(S):
     """The reference GPT with everything that touches the version table: dropout keyed by (step,
     micro-batch, stage), padding masks with the exact masked mean, the head tied to the token embedding."""
-    model = jp.models.gpt(S, vocab=32, d_model=16, heads=2, seq_len=8, dropout=0.1, tie_embeddings=True,
-                          masked=True)
+    model = jp.models.gpt(
+        S, vocab=32, d_model=16, heads=2, seq_len=8, dropout=0.1, tie_embeddings=True, masked=True
+    )
 
     def batch(n, s):
         r = np.random.default_rng(s)
         t = r.integers(0, 32, (n, 9)).astype(np.int32)
         mask = (np.arange(8)[None] < r.integers(3, 9, (n, 1))).astype(np.float32)
         return {"x": t[:, :-1], "y": t[:, 1:], "mask": mask}
+
     return model, batch
 
 
@@ -171,7 +189,7 @@ def gpt_model(S):
 def test_no_flush_method_equals_its_hand_written_version_table(method, D):
     reads, per_mb, stages = CASES[method]
     S = stages(D)
-    M = D if method == "cdp_v2" else 4            # CDP-v2's table is the paper's with N = M = S micro-batches
+    M = D if method == "cdp_v2" else 4  # CDP-v2's table is the paper's with N = M = S micro-batches
     model, batch_fn = small_model("mlp", S)
     opt = optax.sgd(0.05, momentum=0.9)
     batches = [batch_fn(2 * M, s=k) for k in range(3)]
@@ -185,19 +203,21 @@ def test_no_flush_method_equals_its_hand_written_version_table(method, D):
 
 # D = 4 for every method, D = 2 for the two whose tables differ most there (CI's hour; the MLP test above runs
 # every method at both)
-@pytest.mark.parametrize("method,D", [(m, 4) for m in CASES] + [(m, 2) for m in ("pipedream", "wpipe") if m in CASES])
+@pytest.mark.parametrize(
+    "method,D", [(m, 4) for m in CASES] + [(m, 2) for m in ("pipedream", "wpipe") if m in CASES]
+)
 def test_gpt_with_dropout_masks_and_tying_equals_its_version_table(method, D):
     reads, per_mb, stages = CASES[method]
-    M = D                                  # the GPT: M = D (2BW, CDP and WPipe need M >= D)
+    M = D  # the GPT: M = D (2BW, CDP and WPipe need M >= D)
     S = stages(D)
     model, batch_fn = gpt_model(S)
-    opt = optax.sgd(0.05, momentum=0.9)     # not Adam: a zero-gradient bias would compare float noise
+    opt = optax.sgd(0.05, momentum=0.9)  # not Adam: a zero-gradient bias would compare float noise
     batches = [batch_fn(2 * M, s=k) for k in range(3)]
     got = run_pipeline(model, method, opt, batches, M, D)
     want = version_table_reference(model, opt, batches, M, reads(S, M), per_mb)
     assert rel_err(change(got, model.params), change(want, model.params)) <= 1e-5
     emb = got[1]["tok"]["embedding"]
-    assert np.array_equal(np.asarray(emb), np.asarray(got[2]["emb"]))     # still one array
+    assert np.array_equal(np.asarray(emb), np.asarray(got[2]["emb"]))  # still one array
 
 
 @pytest.mark.parametrize("rule,N", [("v1", 2), ("v2", 2), ("v2", 4)])
@@ -223,14 +243,14 @@ def test_predicting_method_equals_the_hand_written_backward(method, D):
     §4, its "version difference" for each pass).  SpecTrain runs at D = 3: at D = 2 both rules coincide."""
     got, want, w0 = pipelined_and_by_hand(method, D)
     assert rel_err(got - w0, want - w0) <= 1e-5
-    plain = numpy_predicting(w0, tanh_batches(2, 4), 4, lambda s, D: 0, lambda s, D: 0, True)   # no prediction
+    plain = numpy_predicting(w0, tanh_batches(2, 4), 4, lambda s, D: 0, lambda s, D: 0, True)  # no prediction
     assert rel_err(plain - w0, want - w0) > RULE_MARGIN
 
 
 def predicting_reference(model, opt, batches, M, fwd_dist, bwd_dist):
     """PipeOptim / SpecTrain on any model, one update per micro-batch: stage s's F reads
-    w(c) + fwd_dist(s) u(c) with c = max(0, i - (S-1-s)), its B reads w(i) + bwd_dist(s) u(i) (u(c): the update
-    that made w(c), zero for c = 0), and B back-propagates through F's activations with B's weights
+    w(c) + fwd_dist(s) u(c) with c = max(0, i - (S-1-s)), its B reads w(i) + bwd_dist(s) u(i) (u(c): the
+    update that made w(c), zero for c = 0), and B back-propagates through F's activations with B's weights
     (``hand_backward.weights_read_at_backward``).  Tied arrays: the last stage reads stage 0's F version."""
     S = model.num_stages
     hist = [[stage_parts(model, s)] for s in range(S)]
@@ -240,7 +260,11 @@ def predicting_reference(model, opt, batches, M, fwd_dist, bwd_dist):
     for b, batch in enumerate(batches):
         n = len(batch["x"]) // M
         for j in range(M):
-            i, mb, key = b * M + j, {k: v[j * n:(j + 1) * n] for k, v in batch.items()}, microbatch_key(SEED, b, j)
+            i, mb, key = (
+                b * M + j,
+                {k: v[j * n : (j + 1) * n] for k, v in batch.items()},
+                microbatch_key(SEED, b, j),
+            )
             c = [max(0, i - (S - 1 - s)) for s in range(S)]
             wF = [axpy(fwd_dist(s, S), upd[s][c[s]], hist[s][c[s]]) for s in range(S)]
             wB = [axpy(bwd_dist(s, S), upd[s][i], hist[s][i]) for s in range(S)]
@@ -256,9 +280,13 @@ def predicting_reference(model, opt, batches, M, fwd_dist, bwd_dist):
             g = [None] * S
             for s in reversed(range(S)):
                 _, dw, dy = weights_read_at_backward(model.stage_fn, wF[s][0], wB[s][0], h[s], ctx[s], dy)
-                g[s] = [dw, jax.tree.map(jnp.zeros_like, hist[s][0][1]), jax.tree.map(jnp.zeros_like, hist[s][0][2])]
+                g[s] = [
+                    dw,
+                    jax.tree.map(jnp.zeros_like, hist[s][0][1]),
+                    jax.tree.map(jnp.zeros_like, hist[s][0][2]),
+                ]
             g[0][1] = jax.vjp(lambda q: model.pre(q, mb), wB[0][1])[1](dy)[0]
-            for pre_path, post_path in model.tied:          # the head's use of the tied array: stage 0's gradient
+            for pre_path, post_path in model.tied:  # the head's use of the tied array: stage 0's gradient
                 g[0][1] = _set(g[0][1], pre_path, _get(g[0][1], pre_path) + _get(gpost, post_path))
                 gpost = _set(gpost, post_path, jnp.zeros_like(_get(gpost, post_path)))
             g[S - 1][2] = gpost

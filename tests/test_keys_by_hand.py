@@ -1,5 +1,6 @@
 """Dropout keys written out by hand (issue #43, item 2): no jaxpipe function on the reference side, so a key
 derivation that ignores the stage, the micro-batch or the step cannot pass through both sides unnoticed."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,10 +29,10 @@ def _stage_fn(w, h, ctx):
 def _loss_by_hand(W, batch, step, drop=()):
     tot = 0.0
     for j in range(M):
-        h = batch["x"][j * N_ROWS:(j + 1) * N_ROWS]
+        h = batch["x"][j * N_ROWS : (j + 1) * N_ROWS]
         for s in range(D):
             h = jnp.tanh(h @ W[s]) + 0.5 * jax.random.uniform(_key(step, j, s, drop), h.shape)
-        tot = tot + jnp.mean((h - batch["y"][j * N_ROWS:(j + 1) * N_ROWS]) ** 2)
+        tot = tot + jnp.mean((h - batch["y"][j * N_ROWS : (j + 1) * N_ROWS]) ** 2)
     return tot / M
 
 
@@ -39,12 +40,25 @@ def _loss_by_hand(W, batch, step, drop=()):
 def test_every_stage_microbatch_and_step_has_its_own_key(schedule):
     r = np.random.default_rng(0)
     W = jnp.asarray(r.normal(size=(D, WIDTH, WIDTH)) / 3, jnp.float32)
-    model = jp.PipelineModel(stage_fn=_stage_fn, stage_params={"w": W}, context=True,
-                             post_loss=lambda p, h, b: jnp.mean((h - b["y"]) ** 2))
-    batch = {"x": jnp.asarray(r.normal(size=(M * N_ROWS, WIDTH)), jnp.float32),
-             "y": jnp.asarray(r.normal(size=(M * N_ROWS, WIDTH)), jnp.float32)}
-    pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=M, optimizer=optax.sgd(0.0),
-                       mesh=jp.make_mesh(stages=D), seed=SEED, nan_bubbles=True)
+    model = jp.PipelineModel(
+        stage_fn=_stage_fn,
+        stage_params={"w": W},
+        context=True,
+        post_loss=lambda p, h, b: jnp.mean((h - b["y"]) ** 2),
+    )
+    batch = {
+        "x": jnp.asarray(r.normal(size=(M * N_ROWS, WIDTH)), jnp.float32),
+        "y": jnp.asarray(r.normal(size=(M * N_ROWS, WIDTH)), jnp.float32),
+    }
+    pipe = jp.Pipeline(
+        model,
+        schedule=schedule,
+        num_microbatches=M,
+        optimizer=optax.sgd(0.0),
+        mesh=jp.make_mesh(stages=D),
+        seed=SEED,
+        nan_bubbles=True,
+    )
     state = pipe.init()
     for step in (0, 1):
         loss, grads = pipe.loss_and_grad(state, batch)
@@ -56,5 +70,5 @@ def test_every_stage_microbatch_and_step_has_its_own_key(schedule):
         for drop in ("stage", "microbatch", "step"):
             other = jax.grad(_loss_by_hand)(W, batch, step, drop=(drop,))
             assert rel_err(other, ref_g) > 100 * 1e-5, drop
-        state, _ = pipe.step(state, batch)          # lr 0: the weights stay, the step counter moves on
+        state, _ = pipe.step(state, batch)  # lr 0: the weights stay, the step counter moves on
         assert int(state.step) == step + 1

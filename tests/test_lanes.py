@@ -1,5 +1,6 @@
 """Lane plans (what the executor runs) and the executor running them: placement rules, slots, memory, phases,
 exactness and NaN-filled bubbles for every flushing schedule under both placements."""
+
 import jax
 import numpy as np
 import optax
@@ -11,27 +12,35 @@ from jaxpipe.schedules.ir import F, SEND_KEEP, SEND_NONE
 from jaxpipe.schedules.lanes import L, MAX_PHASES, plan
 from helpers import reference, rel_err, small_model
 
-SCHEDULES = [("gpipe", 4, {}), ("1f1b", 4, {}), ("zb_h1", 4, {}), ("interleaved_1f1b", 4, {"virtual": 2}),
-             ("chimera", 4, {}), ("chimera", 4, {"concat": "forward_doubling"}),
-             ("chimera", 4, {"concat": "backward_halving"}), ("chimera", 8, {"pipelines": 4}),
-             ("chimera", 4, {"eager_reduce": True}), ("zb_h1", 4, {"max_deferred_w": 3})]
+SCHEDULES = [
+    ("gpipe", 4, {}),
+    ("1f1b", 4, {}),
+    ("zb_h1", 4, {}),
+    ("interleaved_1f1b", 4, {"virtual": 2}),
+    ("chimera", 4, {}),
+    ("chimera", 4, {"concat": "forward_doubling"}),
+    ("chimera", 4, {"concat": "backward_halving"}),
+    ("chimera", 8, {"pipelines": 4}),
+    ("chimera", 4, {"eager_reduce": True}),
+    ("zb_h1", 4, {"max_deferred_w": 3}),
+]
 
 
 def _check_plan(p):
     s = p.schedule
     nl = len(p.lanes)
     dev = {k: v[0] for k, v in s.location().items()}
-    assert set(p.where) == set(dev)                                   # every action placed, once
+    assert set(p.where) == set(dev)  # every action placed, once
     seen = set()
     for key, (t, li) in p.where.items():
-        assert (t, dev[key], li) not in seen                          # one action per lane per device per tick
+        assert (t, dev[key], li) not in seen  # one action per lane per device per tick
         seen.add((t, dev[key], li))
         for dep in s.deps(jp.schedules.Action(key[0], key[2], key[1])):
             td, ld = p.where[dep]
             if dev[dep] == dev[key]:
-                assert (td, ld) < (t, li), (key, dep)                  # same device: an earlier lane suffices
+                assert (td, ld) < (t, li), (key, dep)  # same device: an earlier lane suffices
             else:
-                assert td < t, (key, dep)                              # another device: the next tick at least
+                assert td < t, (key, dep)  # another device: the next tick at least
     # stash slots: a slot is rewritten only after every read of its previous content
     last = "W" if s.has_w() else "B"
     for d in range(s.D):
@@ -62,8 +71,12 @@ def _check_plan(p):
     # every sent message lands in a real slot that its reader reads
     for key, (t, li) in p.where.items():
         send = p.table[t, dev[key], li, L["send"]]
-        assert send == SEND_NONE or send == SEND_KEEP or p.table[t, :, li, L["recv_p"]].min() < p.mbuf_capacity \
+        assert (
+            send == SEND_NONE
+            or send == SEND_KEEP
+            or p.table[t, :, li, L["recv_p"]].min() < p.mbuf_capacity
             or p.table[t, :, li, L["recv_m"]].min() < p.mbuf_capacity
+        )
 
 
 @pytest.mark.parametrize("name,D,opts", SCHEDULES)
@@ -73,12 +86,15 @@ def test_plans_are_valid(name, D, opts, placement):
     _check_plan(plan(s, placement))
 
 
-@pytest.mark.parametrize("name,D,opts", SCHEDULES + [("zb_h1", 2, {}), ("1f1b", 2, {}), ("dualpipe_v", 2, {})])
+@pytest.mark.parametrize(
+    "name,D,opts", SCHEDULES + [("zb_h1", 2, {}), ("1f1b", 2, {}), ("dualpipe_v", 2, {})]
+)
 def test_ordered_ticks_are_fused_where_no_message_moves(name, D, opts, monkeypatch):
     """Issue #49: consecutive ticks of the ordered placement run as one where no message has to move between
     them (each tick ends in an exchange, a rendezvous on a real link).  Every device runs its actions in the
     order the schedule's own ticks give them, and the plan holds what the unfused one holds."""
     from jaxpipe.schedules import lanes
+
     s = schedules.build(name, D, 2 * D, **opts)
     fused = plan(s, "ordered")
     monkeypatch.setattr(lanes, "_fuse_ticks", lambda s_, where, lanes_, dev: where)
@@ -87,14 +103,19 @@ def test_ordered_ticks_are_fused_where_no_message_moves(name, D, opts, monkeypat
     for d in range(D):
         order = lambda p: sorted((k for k in p.where if dev[k] == d), key=lambda k: p.where[k])
         assert order(fused) == order(one)
-    assert (fused.stash_capacity, fused.front_capacity, fused.mbuf_capacity) == \
-        (one.stash_capacity, one.front_capacity, one.mbuf_capacity)
+    assert (fused.stash_capacity, fused.front_capacity, fused.mbuf_capacity) == (
+        one.stash_capacity,
+        one.front_capacity,
+        one.mbuf_capacity,
+    )
     assert fused.num_ticks <= one.num_ticks
+
     # as many ppermutes an exchange: a channel the lanes shared (each device sending at most one message on
     # it a tick) is still shared
     def unshared(p):
         chans = [set(c) - {SEND_KEEP} for c in p.channels]
         return {c for c in set().union(*chans) if sum(c in x for x in chans) > 1} - set(p.shared)
+
     assert unshared(fused) <= unshared(one)
     costs = lanes.unit_costs(s)
     assert fused.lockstep_makespan(*costs) <= one.lockstep_makespan(*costs)
@@ -120,12 +141,18 @@ def test_1f1b_lanes_cost_and_memory(D, M):
     and stage d holds up to 2(D - d) - 1 micro-batches; ordered keeps 1F1B's D - d at max(f, b) per tick."""
     s = schedules.build("1f1b", D, M)
     lanes, ordered = plan(s, "lanes"), plan(s, "ordered")
-    assert lanes.lockstep_makespan(1.0, 2.0) == pytest.approx((M + D - 1) * 3.0) == pytest.approx(s.simulate().makespan)
+    assert (
+        lanes.lockstep_makespan(1.0, 2.0)
+        == pytest.approx((M + D - 1) * 3.0)
+        == pytest.approx(s.simulate().makespan)
+    )
     assert lanes.peak_inflight() == [min(2 * (D - d) - 1, M) for d in range(D)]
     assert ordered.peak_inflight() == [min(D - d, M) for d in range(D)]
     assert ordered.lockstep_makespan(1.0, 2.0) >= lanes.lockstep_makespan(1.0, 2.0)
     r = s.simulate()
-    assert r.lane_makespan == lanes.lockstep_makespan(1.0, 2.0) and r.lane_peak_inflight == lanes.peak_inflight()
+    assert (
+        r.lane_makespan == lanes.lockstep_makespan(1.0, 2.0) and r.lane_peak_inflight == lanes.peak_inflight()
+    )
 
 
 @pytest.mark.parametrize("name,D,opts", SCHEDULES[:5])
@@ -135,40 +162,67 @@ def test_phases_do_not_grow_with_microbatches(name, D, opts):
     assert n[0] == n[1] <= MAX_PHASES
     p = plan(schedules.build(name, D, 16 * D, **opts))
     active = p.table[..., L["op"]] > 0
-    for t0, t1, used in p.phases:                     # no phase compiles a lane that none of its ticks uses
+    for t0, t1, used in p.phases:  # no phase compiles a lane that none of its ticks uses
         assert all(active[t0:t1, :, li].any() for li in used)
     # a lane the executor runs without a conditional is busy on every device in every tick of its phase
     assert len(p.full) == len(p.phases)
     for (t0, t1, used), full in zip(p.phases, p.full):
         assert set(full) <= set(used) and all(active[t0:t1, :, li].all() for li in full)
-    one = plan(schedules.build(name, 1, 8, **{k: v for k, v in opts.items() if k == "virtual"})) \
-        if name in ("gpipe", "1f1b", "zb_h1") else None
-    if one is not None:                               # one device: every lane busy in every tick
+    one = (
+        plan(schedules.build(name, 1, 8, **{k: v for k, v in opts.items() if k == "virtual"}))
+        if name in ("gpipe", "1f1b", "zb_h1")
+        else None
+    )
+    if one is not None:  # one device: every lane busy in every tick
         assert len(one.phases) == 1 and one.full[0] == one.phases[0][2]
 
 
 def _pipe(kind, name, D, M, opts, **kw):
     model, batch_fn = small_model(kind, D * (opts.get("virtual", 1)))
-    pipe = jp.Pipeline(model, schedule=name, num_microbatches=M, optimizer=optax.adam(1e-2),
-                       mesh=jp.make_mesh(stages=D), options=dict(opts), **kw)
+    pipe = jp.Pipeline(
+        model,
+        schedule=name,
+        num_microbatches=M,
+        optimizer=optax.adam(1e-2),
+        mesh=jp.make_mesh(stages=D),
+        options=dict(opts),
+        **kw,
+    )
     return model, pipe, batch_fn
 
 
-@pytest.mark.parametrize("name,D,opts", [("zb_h1", 4, {}), ("zb_h1", 2, {}), ("interleaved_1f1b", 2, {"virtual": 2}),
-                                         ("chimera", 4, {}), ("chimera", 4, {"concat": "forward_doubling"})])
+@pytest.mark.parametrize(
+    "name,D,opts",
+    [
+        ("zb_h1", 4, {}),
+        ("zb_h1", 2, {}),
+        ("interleaved_1f1b", 2, {"virtual": 2}),
+        ("chimera", 4, {}),
+        ("chimera", 4, {"concat": "forward_doubling"}),
+    ],
+)
 def test_ordered_placement_is_exact(name, D, opts):
-    """(zb_h1 at D = 2, M = 4 ends with a phase of W alone: its W lane was skipped there, silently -- the stage
-    gradients 48% off -- until the W lane ran apart from the B lane's branch.)"""
+    """(zb_h1 at D = 2, M = 4 ends with a phase of W alone: its W lane was skipped there, silently -- the
+    stage gradients 48% off -- until the W lane ran apart from the B lane's branch.)"""
     model, pipe, batch_fn = _pipe("mlp", name, D, 2 * D, opts, placement="ordered")
     batch = batch_fn(4 * D)
     loss, grads = pipe.loss_and_grad(pipe.init(), batch)
     ref_loss, ref_grads = reference(model, batch)
-    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss)) and rel_err(grads, ref_grads) <= 1e-5
+    assert (
+        abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+        and rel_err(grads, ref_grads) <= 1e-5
+    )
 
 
-@pytest.mark.parametrize("name,D,opts", [("zb_h1", 4, {}), ("interleaved_1f1b", 2, {"virtual": 2}),
-                                         ("chimera", 4, {"eager_reduce": True}),
-                                         ("chimera", 4, {"concat": "backward_halving"})])
+@pytest.mark.parametrize(
+    "name,D,opts",
+    [
+        ("zb_h1", 4, {}),
+        ("interleaved_1f1b", 2, {"virtual": 2}),
+        ("chimera", 4, {"eager_reduce": True}),
+        ("chimera", 4, {"concat": "backward_halving"}),
+    ],
+)
 @pytest.mark.parametrize("placement", ["lanes", "ordered"])
 def test_nan_bubbles_stay_finite_every_schedule(name, D, opts, placement):
     model, pipe, batch_fn = _pipe("gpt", name, D, 2 * D, opts, placement=placement, nan_bubbles=True)
@@ -184,11 +238,18 @@ def test_recompute_is_exact_and_stashes_less():
     batch = batch_fn(16)
     outs = {}
     for rc in (False, True):
-        pipe = jp.Pipeline(model, schedule="1f1b", num_microbatches=4, optimizer=optax.sgd(0.1),
-                           mesh=jp.make_mesh(stages=4),
-                           residuals="inputs" if rc else "all")
+        pipe = jp.Pipeline(
+            model,
+            schedule="1f1b",
+            num_microbatches=4,
+            optimizer=optax.sgd(0.1),
+            mesh=jp.make_mesh(stages=4),
+            residuals="inputs" if rc else "all",
+        )
         outs[rc] = pipe.loss_and_grad(pipe.init(), batch)
-        outs[rc, "temp"] = pipe.lower("grad", pipe.init(), batch).compile().memory_analysis().temp_size_in_bytes
+        outs[rc, "temp"] = (
+            pipe.lower("grad", pipe.init(), batch).compile().memory_analysis().temp_size_in_bytes
+        )
     assert rel_err(outs[True][1], reference(model, batch)[1]) <= 1e-5
     assert outs[True, "temp"] < outs[False, "temp"]
 
@@ -196,5 +257,11 @@ def test_recompute_is_exact_and_stashes_less():
 def test_bad_placement_is_refused():
     model, _ = small_model("mlp", 2)
     with pytest.raises(jp.ConfigError, match="placement='fast'.*'lanes'.*'ordered'"):
-        jp.Pipeline(model, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.1),
-                    mesh=jp.make_mesh(stages=2), placement="fast")
+        jp.Pipeline(
+            model,
+            schedule="1f1b",
+            num_microbatches=2,
+            optimizer=optax.sgd(0.1),
+            mesh=jp.make_mesh(stages=2),
+            placement="fast",
+        )

@@ -1,5 +1,6 @@
 """The launcher's workers end when it is gone, and a paused worker ends the job with one line (issue #42,
 items 1 and 2).  Every wait is bounded and event-driven (a file appearing, a process's exit)."""
+
 import os
 import signal
 import subprocess
@@ -12,8 +13,10 @@ from helpers import SUBPROCESS_XLA_FLAGS
 from test_faults import BASE, ROOT
 
 # CI's second leg leaves these out (tests/conftest.py): jaxpipe's own process handling
-pytestmark = [pytest.mark.ci_once,
-              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and PR_SET_PDEATHSIG are Linux's")]
+pytestmark = [
+    pytest.mark.ci_once,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and PR_SET_PDEATHSIG are Linux's"),
+]
 
 
 def _alive(pid):
@@ -29,18 +32,34 @@ def _start(tmp_path, extra_launch, extra_train, steps_before=3):
     logged."""
     env = dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS, JAX_PLATFORMS="cpu")
     out_dir = tmp_path / "run"
-    args = [*[a for a in BASE if not a.startswith("--stages")], "--stages=2", "--schedule=1f1b", "--steps=2000",
-            "--throttle_s=0.05", f"--out_dir={out_dir}", *extra_train]
-    job = subprocess.Popen([sys.executable, "-m", "experiments.launch", "--num_processes=2", *extra_launch, "--",
-                            *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    args = [
+        *[a for a in BASE if not a.startswith("--stages")],
+        "--stages=2",
+        "--schedule=1f1b",
+        "--steps=2000",
+        "--throttle_s=0.05",
+        f"--out_dir={out_dir}",
+        *extra_train,
+    ]
+    job = subprocess.Popen(
+        [sys.executable, "-m", "experiments.launch", "--num_processes=2", *extra_launch, "--", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     log = out_dir / "metrics.jsonl"
     deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and not (log.exists() and len(log.read_text().splitlines()) >= steps_before):
+    while time.monotonic() < deadline and not (
+        log.exists() and len(log.read_text().splitlines()) >= steps_before
+    ):
         assert job.poll() is None, job.stdout.read()[-3000:]
         time.sleep(0.1)
     assert log.exists(), "no step was logged"
-    workers = subprocess.run(["pgrep", "-f", "--", f"cli.train .*--out_dir={out_dir}"],
-                             capture_output=True, text=True).stdout.split()
+    workers = subprocess.run(
+        ["pgrep", "-f", "--", f"cli.train .*--out_dir={out_dir}"], capture_output=True, text=True
+    ).stdout.split()
     workers = [int(w) for w in workers if int(w) != job.pid]
     assert len(workers) == 2, workers
     return job, workers
@@ -52,9 +71,10 @@ def test_workers_end_when_the_launcher_is_killed_while_one_is_stuck(tmp_path):
     reaches).  Now each ends within --stop_timeout of the launcher's death: the one stuck in Python and its
     peer blocked in the step's collective.  Every worker is waited for: watching one and then asserting on
     both raced the other's exit by the watch thread's poll (CI, stop 45)."""
-    job, workers = _start(tmp_path, ["--stall_timeout=600", "--stop_timeout=5"],
-                          ["--stall_at_step=3", "--fail_process=1"])
-    time.sleep(1.0)                     # worker 0 is now inside the next step's collective
+    job, workers = _start(
+        tmp_path, ["--stall_timeout=600", "--stop_timeout=5"], ["--stall_at_step=3", "--fail_process=1"]
+    )
+    time.sleep(1.0)  # worker 0 is now inside the next step's collective
     job.kill()
     job.wait(timeout=30)
     t = time.monotonic()
@@ -65,8 +85,10 @@ def test_workers_end_when_the_launcher_is_killed_while_one_is_stuck(tmp_path):
     alive = [w for w in workers if w not in ended]
     for w in alive:
         os.kill(w, signal.SIGKILL)
-    assert not alive, f"workers {alive} still running 60 s after the launcher died (--stop_timeout=5); " \
-                      f"ended: {ended} (s after its death)"
+    assert not alive, (
+        f"workers {alive} still running 60 s after the launcher died (--stop_timeout=5); "
+        f"ended: {ended} (s after its death)"
+    )
 
 
 def test_a_paused_worker_ends_the_job_with_one_line(tmp_path):
@@ -119,13 +141,25 @@ def test_a_second_job_on_a_running_jobs_port_is_refused_without_harm(tmp_path):
     incarnation"), is now refused by the running job's join gate.  The running job goes on, logging the
     intruder."""
     from jaxpipe.cli.launch import free_port
+
     port = free_port()
     job, workers = _start(tmp_path / "a", [f"--port={port}", "--stall_timeout=600"], [])
     env = dict(os.environ, XLA_FLAGS=SUBPROCESS_XLA_FLAGS, JAX_PLATFORMS="cpu")
-    args = [*[a for a in BASE if not a.startswith("--stages")], "--stages=2", "--schedule=1f1b", "--steps=50",
-            f"--out_dir={tmp_path / 'b' / 'run'}"]
-    second = subprocess.run([sys.executable, "-m", "experiments.launch", "--num_processes=2", f"--port={port}",
-                             "--", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    args = [
+        *[a for a in BASE if not a.startswith("--stages")],
+        "--stages=2",
+        "--schedule=1f1b",
+        "--steps=50",
+        f"--out_dir={tmp_path / 'b' / 'run'}",
+    ]
+    second = subprocess.run(
+        [sys.executable, "-m", "experiments.launch", "--num_processes=2", f"--port={port}", "--", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     out2 = second.stdout + second.stderr
     assert second.returncode != 0, out2[-3000:]
     assert "port is taken" in out2 or "was refused by the coordinator" in out2, out2[-3000:]
@@ -149,20 +183,25 @@ def test_the_gate_refuses_a_process_of_a_running_job(tmp_path):
     import jaxpipe as jp
     from jaxpipe import join_gate
     from jaxpipe.cli.launch import free_port
+
     coord = f"127.0.0.1:{free_port()}"
     gate = join_gate.Gate(coord, 2)
     try:
-        join_gate.ask(coord, 1, 2)                      # admitted
-        with pytest.raises(jp.ConfigError, match="process 1 of the job on this coordinator has joined already"):
+        join_gate.ask(coord, 1, 2)  # admitted
+        with pytest.raises(
+            jp.ConfigError, match="process 1 of the job on this coordinator has joined already"
+        ):
             join_gate.ask(coord, 1, 2)
         with pytest.raises(jp.ConfigError, match="has 2 processes"):
             join_gate.ask(coord, 2, 3)
         gate.started()
-        with pytest.raises(jp.ConfigError, match=r"running since .* all 2 processes joined.*own --coordinator"):
+        with pytest.raises(
+            jp.ConfigError, match=r"running since .* all 2 processes joined.*own --coordinator"
+        ):
             join_gate.ask(coord, 1, 2)
     finally:
         gate.close()
-    join_gate.ask(coord, 1, 2)                          # no gate answers: join as before
+    join_gate.ask(coord, 1, 2)  # no gate answers: join as before
 
 
 def test_the_watchdog_names_the_peers_that_stalled_with_the_stuck_worker(tmp_path):
@@ -170,6 +209,7 @@ def test_the_watchdog_names_the_peers_that_stalled_with_the_stuck_worker(tmp_pat
     worker that finished its last step a little after its waiting peer (a loaded machine) is named with it
     (a CI run named only the peer), one still stepping is not."""
     from jaxpipe.cli.launch import _stalled
+
     now = time.time()
     beats = []
     for i, age in enumerate((6.0, 4.0, 1.0)):

@@ -1,6 +1,7 @@
 """Loss normalisation (issue #15): a ``post_loss`` returning ``(sum, count)`` is divided by the count summed
 over every micro-batch and data replica, so a masked token loss with variable lengths equals the unpipelined
 full-batch masked mean; the scalar form stays the mean of micro-batch means (the default)."""
+
 import dataclasses
 
 import jax
@@ -28,7 +29,9 @@ def masked_gpt(D):
         s, n = post_loss(p, h, b)
         return s / n
 
-    return dataclasses.replace(model, post_loss=post_loss), dataclasses.replace(model, post_loss=mean_of_means)
+    return dataclasses.replace(model, post_loss=post_loss), dataclasses.replace(
+        model, post_loss=mean_of_means
+    )
 
 
 def padded_batch(n, seed=1):
@@ -40,16 +43,30 @@ def padded_batch(n, seed=1):
     return {"x": t[:, :-1], "y": t[:, 1:], "mask": mask}
 
 
-@pytest.mark.parametrize("schedule,kw,data", [
-    ("gpipe", {}, 1), ("1f1b", {}, 2), ("1f1b", {"placement": "ordered"}, 1), ("zb_h1", {}, 1),
-    ("interleaved_1f1b", {"options": {"virtual": 2}}, 1), ("chimera", {}, 1)])
+@pytest.mark.parametrize(
+    "schedule,kw,data",
+    [
+        ("gpipe", {}, 1),
+        ("1f1b", {}, 2),
+        ("1f1b", {"placement": "ordered"}, 1),
+        ("zb_h1", {}, 1),
+        ("interleaved_1f1b", {"options": {"virtual": 2}}, 1),
+        ("chimera", {}, 1),
+    ],
+)
 def test_summed_loss_equals_full_batch_masked_mean(schedule, kw, data):
     D, M = 2 if schedule == "interleaved_1f1b" else 4, 4
     model, _ = masked_gpt(D * kw.get("options", {}).get("virtual", 1))
     batch = padded_batch(2 * M * data)
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(model.loss))(model.params, batch)
-    pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=M, optimizer=optax.sgd(0.1),
-                       mesh=jp.make_mesh(stages=D, data=data), **kw)
+    pipe = jp.Pipeline(
+        model,
+        schedule=schedule,
+        num_microbatches=M,
+        optimizer=optax.sgd(0.1),
+        mesh=jp.make_mesh(stages=D, data=data),
+        **kw,
+    )
     loss, grads = pipe.loss_and_grad(pipe.init(), batch)
     assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
     assert rel_err(grads, ref_grads) <= 1e-5
@@ -60,10 +77,11 @@ def test_mean_of_means_is_what_the_scalar_form_gives_and_differs():
     from the true masked mean (so the summed test above could fail)."""
     summed, scalar = masked_gpt(4)
     batch = padded_batch(8)
-    pipe = jp.Pipeline(scalar, schedule="1f1b", num_microbatches=4, optimizer=optax.sgd(0.1),
-                       mesh=jp.make_mesh(stages=4))
+    pipe = jp.Pipeline(
+        scalar, schedule="1f1b", num_microbatches=4, optimizer=optax.sgd(0.1), mesh=jp.make_mesh(stages=4)
+    )
     loss, grads = pipe.loss_and_grad(pipe.init(), batch)
-    mbs = [jax.tree.map(lambda a: a[2 * j:2 * j + 2], batch) for j in range(4)]
+    mbs = [jax.tree.map(lambda a: a[2 * j : 2 * j + 2], batch) for j in range(4)]
     mom = lambda p: sum(scalar.loss(p, mb) for mb in mbs) / 4
     ref_loss, ref_grads = jax.value_and_grad(mom)(scalar.params)
     assert rel_err(grads, ref_grads) <= 1e-5
@@ -77,8 +95,13 @@ def test_summed_loss_in_a_per_microbatch_updater_equals_its_reference():
     model, _ = masked_gpt(2)
     M, data = 2, 2
     batches = [padded_batch(2 * M * data, seed=s) for s in (3, 4)]
-    pipe = jp.Pipeline(model, schedule="pipedream", num_microbatches=M, optimizer=optax.sgd(0.05),
-                       mesh=jp.make_mesh(stages=2, data=data))
+    pipe = jp.Pipeline(
+        model,
+        schedule="pipedream",
+        num_microbatches=M,
+        optimizer=optax.sgd(0.05),
+        mesh=jp.make_mesh(stages=2, data=data),
+    )
     state = pipe.init()
     for b in batches:
         state, _ = pipe.step(state, b)
@@ -95,18 +118,25 @@ def _change(p, model):
     return jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64), p, model.params)
 
 
-@pytest.mark.parametrize("schedule,D,data", [("pipedream_2bw", 2, 1), ("cdp_v2", 2, 2), ("wpipe", 2, 1),
-                                             ("wpipe", 1, 2)])
+@pytest.mark.parametrize(
+    "schedule,D,data", [("pipedream_2bw", 2, 1), ("cdp_v2", 2, 2), ("wpipe", 2, 1), ("wpipe", 1, 2)]
+)
 def test_summed_loss_in_an_accumulating_method_equals_its_reference(schedule, D, data):
     """2BW / CDP / WPipe sum a step's micro-batch gradients of the summed losses; every micro-batch's global
-    count travels back with dL/dy (WPipe: through the wrap-around too) and each stage divides its step's sum by
-    the step's count -- the serial reference's exact masked mean per step, far from the mean of means."""
+    count travels back with dL/dy (WPipe: through the wrap-around too) and each stage divides its step's sum
+    by the step's count -- the serial reference's exact masked mean per step, far from the mean of means."""
     M = 2
     model, scalar = masked_gpt(2 * D if schedule == "wpipe" else D)
     batches = [padded_batch(2 * M * data, seed=s) for s in (3, 4, 5)]
     opt = optax.sgd(0.05, momentum=0.9)
-    pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=M, optimizer=opt,
-                       mesh=jp.make_mesh(stages=D, data=data), nan_bubbles=True)
+    pipe = jp.Pipeline(
+        model,
+        schedule=schedule,
+        num_microbatches=M,
+        optimizer=opt,
+        mesh=jp.make_mesh(stages=D, data=data),
+        nan_bubbles=True,
+    )
     state = pipe.init()
     for b in batches:
         state, m = pipe.step(state, b)
@@ -137,8 +167,9 @@ def test_summed_loss_in_cyclic_data_parallel_equals_its_reference():
 def test_post_loss_of_a_wrong_form_is_a_clear_error():
     model, _ = small_model("mlp", 2)
     bad = dataclasses.replace(model, post_loss=lambda p, h, b: (jnp.sum(h), jnp.sum(h), 1.0))
-    pipe = jp.Pipeline(bad, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.1),
-                       mesh=jp.make_mesh(stages=2))
+    pipe = jp.Pipeline(
+        bad, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.1), mesh=jp.make_mesh(stages=2)
+    )
     x = {"x": np.zeros((4, 12), np.float32), "y": np.zeros((4,), np.int32)}
     with pytest.raises(jp.ConfigError, match="scalar mean loss"):
         pipe.loss_and_grad(pipe.init(), x)
@@ -152,10 +183,16 @@ def test_a_fully_masked_micro_batch_contributes_nothing(schedule):
     model, _ = masked_gpt(2)
     M = 2
     batches = [padded_batch(2 * M, seed=s) for s in (3, 4)]
-    batches[0]["mask"][2:] = 0.0                   # micro-batch 1 of the first step: nothing to learn from
+    batches[0]["mask"][2:] = 0.0  # micro-batch 1 of the first step: nothing to learn from
     opt = optax.sgd(0.05)
-    pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=M, optimizer=opt, mesh=jp.make_mesh(stages=2),
-                       nan_bubbles=True)
+    pipe = jp.Pipeline(
+        model,
+        schedule=schedule,
+        num_microbatches=M,
+        optimizer=opt,
+        mesh=jp.make_mesh(stages=2),
+        nan_bubbles=True,
+    )
     state = pipe.init()
     for b in batches:
         state, m = pipe.step(state, b)

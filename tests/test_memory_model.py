@@ -1,6 +1,7 @@
-"""``jaxpipe.tune.memory`` (issue #53 item 2): a pipeline's memory per device predicted without compiling, from
-its plan and avals, calibrated on two compiles, against XLA's own ``memory_analysis()`` of the compiled step."""
-import jax
+"""``jaxpipe.tune.memory`` (issue #53 item 2): a pipeline's memory per device predicted without compiling,
+from its plan and avals, calibrated on two compiles, against XLA's own ``memory_analysis()`` of the compiled
+step."""
+
 import numpy as np
 import optax
 import pytest
@@ -18,15 +19,21 @@ def _batch():
 
 def _pipe(D, M, residuals="all", data=1):
     model = jp.models.gpt(D, vocab=64, d_model=32, heads=2, blocks_per_stage=4 // D, seq_len=T)
-    return jp.Pipeline(model, schedule="1f1b", num_microbatches=M, optimizer=optax.adamw(1e-3),
-                       mesh=jp.make_mesh(stages=D, data=data), residuals=residuals)
+    return jp.Pipeline(
+        model,
+        schedule="1f1b",
+        num_microbatches=M,
+        optimizer=optax.adamw(1e-3),
+        mesh=jp.make_mesh(stages=D, data=data),
+        residuals=residuals,
+    )
 
 
 @pytest.fixture(scope="module")
 def measured():
     """(footprint, XLA's figures) of three configurations, each compiled once for the module."""
     out = {}
-    for key in [(2, 2), (2, 4), (4, 4), (2, 2, "all", 2)]:     # the last: stages 2 x data 2
+    for key in [(2, 2), (2, 4), (4, 4), (2, 2, "all", 2)]:  # the last: stages 2 x data 2
         pipe = _pipe(*key)
         state = pipe.init()
         out[key] = (footprint(pipe, _batch(), state), compiled(pipe, _batch(), state))
@@ -37,8 +44,8 @@ def test_the_state_on_a_device_is_the_compiled_steps_arguments(measured):
     """Also on a data x stage mesh, where a device holds its replica's share of the batch, not all of it."""
     for fp, xla in measured.values():
         assert fp.state == xla["arguments"]
-        assert fp.stash > 0 and fp.residuals == fp.working         # residuals="all": the stash keeps them all
-    assert measured[(2, 2, "all", 2)][0].state < measured[(2, 2)][0].state     # the same weights, half the rows
+        assert fp.stash > 0 and fp.residuals == fp.working  # residuals="all": the stash keeps them all
+    assert measured[(2, 2, "all", 2)][0].state < measured[(2, 2)][0].state  # the same weights, half the rows
 
 
 def test_the_compiled_total_counts_a_donated_output_once(measured):
@@ -46,11 +53,13 @@ def test_the_compiled_total_counts_a_donated_output_once(measured):
     (arguments + temp + outputs - aliases); counted again, a candidate that fits could be dropped."""
     from types import SimpleNamespace
     from jaxpipe.tune.memory import memory_total
+
     for fp, xla in measured.values():
         assert xla["alias"] > 0
         assert xla["total"] == xla["arguments"] + xla["temp"] + xla["outputs"] - xla["alias"]
-    ma = SimpleNamespace(argument_size_in_bytes=100, temp_size_in_bytes=30, output_size_in_bytes=90,
-                         alias_size_in_bytes=80)
+    ma = SimpleNamespace(
+        argument_size_in_bytes=100, temp_size_in_bytes=30, output_size_in_bytes=90, alias_size_in_bytes=80
+    )
     assert memory_total(ma) == 140
 
 
@@ -73,10 +82,11 @@ def test_a_recomputing_policy_is_its_own_family_and_needs_its_own_calibration(me
 
 
 def test_a_program_compiled_for_its_figures_only_has_the_optimised_programs_figures():
-    """``memory_analysis`` compiles with the backend's optimisation off and, where jaxlib has them, XLA's older
-    fusion emitters (on CPU): the buffers, and so every figure, are those of the program compiled as a user's
-    is, to a few hundred bytes of temp (the suite's own flags are overridden by the options)."""
+    """``memory_analysis`` compiles with the backend's optimisation off and, where jaxlib has them, XLA's
+    older fusion emitters (on CPU): the buffers, and so every figure, are those of the program compiled as a
+    user's is, to a few hundred bytes of temp (the suite's own flags are overridden by the options)."""
     from jaxpipe.tune import memory
+
     pipe = _pipe(2, 2, residuals="inputs")
     lowered = pipe.lower("step", pipe.init(), pipe.shard_batch(_batch()))
     quick = memory.memory_analysis(lowered)
@@ -102,14 +112,20 @@ def test_a_one_stage_plan_is_a_family_of_its_own_whatever_its_policy():
 
 def test_zero_bubbles_own_frontier_slots_are_known_before_compiling():
     """ZB-H1's B keeps the frontier W reads in slots of its own where packing it into the stash saves too
-    little: those bytes, slots x frontier, are known from the split (README's search: a ZB line fitted where the
-    plan had two slots put four slots 8.9% low, now within 1%).  A recomputing policy's W reruns the backward:
-    no frontier."""
+    little: those bytes, slots x frontier, are known from the split (README's search: a ZB line fitted where
+    the plan had two slots put four slots 8.9% low, now within 1%).  A recomputing policy's W reruns the
+    backward: no frontier."""
     model = jp.models.gpt(2, vocab=64, d_model=32, heads=2, blocks_per_stage=2, seq_len=T)
     fps = {}
     for res in ("all", "inputs"):
-        pipe = jp.Pipeline(model, schedule="zb_h1", num_microbatches=4, optimizer=optax.adamw(1e-3),
-                           mesh=jp.make_mesh(stages=2), residuals=res)
+        pipe = jp.Pipeline(
+            model,
+            schedule="zb_h1",
+            num_microbatches=4,
+            optimizer=optax.adamw(1e-3),
+            mesh=jp.make_mesh(stages=2),
+            residuals=res,
+        )
         fps[res] = (pipe.lane_plan.front_capacity, footprint(pipe, _batch(), known_state=0))
     cap, fp = fps["all"]
     assert cap >= 2 and fp.frontier > 0 and fp.frontier % cap == 0

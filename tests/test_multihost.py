@@ -3,7 +3,9 @@
 rounding (1e-6 relative: a cross-device sum, the clipping's global gradient norm, is added in another order by
 the inter-process collectives; README, "Multi-process runs") -- for a synchronous (1f1b), an asynchronous
 (pipeoptim) and a bidirectional (chimera) schedule; a process that cannot reach the coordinator fails with a
-clear message within a bounded time.  The first test runs on both CI legs (the newest JAX's too: ``every_leg``)."""
+clear message within a bounded time.  The first test runs on both CI legs (the newest JAX's too:
+``every_leg``)."""
+
 import json
 import os
 import subprocess
@@ -14,8 +16,16 @@ import pytest
 from helpers import assert_close, SUBPROCESS_XLA_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ARGS = ["--model=mlp", "--stages=4", "--steps=4", "--microbatches=4", "--batch=32", "--eval_every=0",
-        "--progress=false", "--d_model=32"]
+ARGS = [
+    "--model=mlp",
+    "--stages=4",
+    "--steps=4",
+    "--microbatches=4",
+    "--batch=32",
+    "--eval_every=0",
+    "--progress=false",
+    "--d_model=32",
+]
 
 
 def env():
@@ -27,20 +37,29 @@ def env():
 
 
 def run(cmd, timeout=300):
-    p = subprocess.run([sys.executable, "-m", *cmd], cwd=ROOT, env=env(), capture_output=True, text=True,
-                       timeout=timeout)
+    p = subprocess.run(
+        [sys.executable, "-m", *cmd], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p
 
 
-@pytest.mark.parametrize("schedule", [pytest.param("1f1b", marks=pytest.mark.every_leg), "pipeoptim",
-                                      "chimera"])
+@pytest.mark.parametrize(
+    "schedule", [pytest.param("1f1b", marks=pytest.mark.every_leg), "pipeoptim", "chimera"]
+)
 def test_two_processes_equal_one(schedule, tmp_path):
     out, ck = {}, tmp_path / "ck"
-    for name, cmd in (("multi", ["experiments.launch", "--num_processes=2", "--"]), ("single", ["experiments.train"])):
+    for name, cmd in (
+        ("multi", ["experiments.launch", "--num_processes=2", "--"]),
+        ("single", ["experiments.train"]),
+    ):
         d = tmp_path / name
         # pipeoptim: the 2 processes also write checkpoints cooperatively (steps 2 and 4)
-        extra = [f"--checkpoint_dir={ck}", "--checkpoint_every=2"] if name == "multi" and schedule == "pipeoptim" else []
+        extra = (
+            [f"--checkpoint_dir={ck}", "--checkpoint_every=2"]
+            if name == "multi" and schedule == "pipeoptim"
+            else []
+        )
         p = run(cmd + ARGS + extra + [f"--schedule={schedule}", f"--out_dir={d}", f"--save_params={d}/p.npz"])
         losses = [json.loads(l)["loss"] for l in open(d / "metrics.jsonl")]
         out[name] = (losses, np.load(d / "p.npz"))
@@ -55,11 +74,20 @@ def test_two_processes_equal_one(schedule, tmp_path):
         # the 2-process checkpoint of step 2 (in-flight pipeline included), resumed by 1 process with 4
         # devices, ends where the uninterrupted run ended
         import shutil
+
         assert sorted(os.listdir(ck)) == ["2", "4"]
         shutil.rmtree(ck / "4")
         d = tmp_path / "resumed"
-        run(["experiments.train", *ARGS, f"--schedule={schedule}", f"--checkpoint_dir={ck}", f"--out_dir={d}",
-             f"--save_params={d}/p.npz"])
+        run(
+            [
+                "experiments.train",
+                *ARGS,
+                f"--schedule={schedule}",
+                f"--checkpoint_dir={ck}",
+                f"--out_dir={d}",
+                f"--save_params={d}/p.npz",
+            ]
+        )
         assert json.load(open(d / "summary.json"))["resumed_at"] == 2
         pr = np.load(d / "p.npz")
         for k in ps.files:
@@ -68,17 +96,43 @@ def test_two_processes_equal_one(schedule, tmp_path):
 
 def test_unreachable_coordinator_fails_fast():
     # bounded by the subprocess timeout (a hang raises TimeoutExpired), not by a wall-clock assertion
-    p = subprocess.run([sys.executable, "-m", "experiments.train", *ARGS, "--num_processes=2", "--process_id=1",
-                        "--coordinator=127.0.0.1:9", "--init_timeout=3"], cwd=ROOT, env=env(),
-                       capture_output=True, text=True, timeout=90)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "experiments.train",
+            *ARGS,
+            "--num_processes=2",
+            "--process_id=1",
+            "--coordinator=127.0.0.1:9",
+            "--init_timeout=3",
+        ],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
     assert p.returncode != 0
     assert "could not reach the coordinator at 127.0.0.1:9 within 3 s" in p.stderr
 
 
 def test_bad_multihost_flags():
-    p = subprocess.run([sys.executable, "-m", "experiments.train", "--num_processes=2", "--process_id=5",
-                        "--coordinator=127.0.0.1:1234"], cwd=ROOT, env=env(), capture_output=True, text=True,
-                       timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "experiments.train",
+            "--num_processes=2",
+            "--process_id=5",
+            "--coordinator=127.0.0.1:1234",
+        ],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode != 0 and "process_id=5: give this process's index in [0, 1]" in p.stderr
 
 
@@ -86,10 +140,26 @@ def test_bad_multihost_flags():
 def test_two_processes_equal_one_with_model_axes(tmp_path):
     """2 processes x 4 devices train the GPT on stage 2 x data 2 x tensor 2 like 1 process x 8 (to float
     rounding: the data replicas' all-reduce sums in the collectives' own order)."""
-    args = ["--model=gpt", "--stages=2", "--data=2", "--tensor=2", "--steps=3", "--microbatches=2", "--batch=8",
-            "--seq_len=16", "--d_model=32", "--heads=2", "--eval_every=0", "--sample_len=0", "--progress=false"]
+    args = [
+        "--model=gpt",
+        "--stages=2",
+        "--data=2",
+        "--tensor=2",
+        "--steps=3",
+        "--microbatches=2",
+        "--batch=8",
+        "--seq_len=16",
+        "--d_model=32",
+        "--heads=2",
+        "--eval_every=0",
+        "--sample_len=0",
+        "--progress=false",
+    ]
     out = {}
-    for name, cmd in (("multi", ["experiments.launch", "--num_processes=2", "--"]), ("single", ["experiments.train"])):
+    for name, cmd in (
+        ("multi", ["experiments.launch", "--num_processes=2", "--"]),
+        ("single", ["experiments.train"]),
+    ):
         d = tmp_path / name
         p = run(cmd + args + [f"--out_dir={d}", f"--save_params={d}/p.npz"])
         out[name] = ([json.loads(l)["loss"] for l in open(d / "metrics.jsonl")], np.load(d / "p.npz"))
@@ -106,12 +176,30 @@ def _two_by_hand(per_process_args, xla_flags=SUBPROCESS_XLA_FLAGS, timeout=180):
     """Processes 0 and 1 started by hand (not through the launcher), each with its own extra flags; returns
     [(returncode, output)] -- bounded by the subprocess timeout."""
     from jaxpipe.cli.launch import free_port
+
     port = free_port()
     e = dict(env(), XLA_FLAGS=xla_flags)
-    procs = [subprocess.Popen([sys.executable, "-m", "experiments.train", *ARGS, *extra, "--num_processes=2",
-                               f"--process_id={i}", f"--coordinator=127.0.0.1:{port}", "--init_timeout=60"],
-                              cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i, extra in enumerate(per_process_args)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "experiments.train",
+                *ARGS,
+                *extra,
+                "--num_processes=2",
+                f"--process_id={i}",
+                f"--coordinator=127.0.0.1:{port}",
+                "--init_timeout=60",
+            ],
+            cwd=ROOT,
+            env=e,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i, extra in enumerate(per_process_args)
+    ]
     try:
         return [(p.wait(timeout=timeout), p.stdout.read()) for p in procs]
     finally:
@@ -121,12 +209,14 @@ def _two_by_hand(per_process_args, xla_flags=SUBPROCESS_XLA_FLAGS, timeout=180):
 
 
 def test_flags_that_differ_across_processes_are_named_on_every_process():
-    """Issue #31 item 3: --lr and --seed given differently to the two processes trained inconsistent parameters
-    with no warning; now both processes stop before step 1 naming both flags."""
+    """Issue #31 item 3: --lr and --seed given differently to the two processes trained inconsistent
+    parameters with no warning; now both processes stop before step 1 naming both flags."""
     out = _two_by_hand([["--lr=0.01", "--seed=0"], ["--lr=0.02", "--seed=1"]])
     for i, (rc, text) in enumerate(out):
         assert rc != 0, text[-2000:]
-        assert f"process {i}: the processes of this job were started with different flags" in text, text[-2000:]
+        assert f"process {i}: the processes of this job were started with different flags" in text, text[
+            -2000:
+        ]
         assert "--lr (this process: " in text and "--seed (this process: " in text, text[-2000:]
 
 
@@ -137,17 +227,34 @@ def test_a_mesh_that_leaves_a_process_out_is_named():
     out = _two_by_hand([["--stages=2"], ["--stages=2"]], xla_flags=flags_)
     for rc, text in out:
         assert rc != 0, text[-2000:]
-        assert "process(es) [1] hold none of them. The job has 2 processes x 8 devices = 16" in text, text[-2000:]
+        assert "process(es) [1] hold none of them. The job has 2 processes x 8 devices = 16" in text, text[
+            -2000:
+        ]
 
 
 def test_a_taken_coordinator_port_is_refused_by_process_0():
     import socket
-    with socket.socket() as s:                     # "another job" listening on the port
+
+    with socket.socket() as s:  # "another job" listening on the port
         s.bind(("127.0.0.1", 0))
         s.listen(1)
         port = s.getsockname()[1]
-        p = subprocess.run([sys.executable, "-m", "experiments.train", *ARGS, "--num_processes=2", "--process_id=0",
-                            f"--coordinator=127.0.0.1:{port}", "--init_timeout=5"], cwd=ROOT, env=env(),
-                           capture_output=True, text=True, timeout=90)
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "experiments.train",
+                *ARGS,
+                "--num_processes=2",
+                "--process_id=0",
+                f"--coordinator=127.0.0.1:{port}",
+                "--init_timeout=5",
+            ],
+            cwd=ROOT,
+            env=env(),
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
     assert p.returncode != 0
     assert f"cannot host the coordinator at 127.0.0.1:{port}: the port is taken" in p.stderr, p.stderr[-2000:]

@@ -1,7 +1,8 @@
 """The planted-bug runner's own checks (issue #43, item 4): every mutation still applies to the code, the
-comparison helper sees NaN anywhere, and a sample of mutations is caught in CI's first leg -- two fixed, two that
-rotate by the day, so CI runs every planted bug within a few weeks (issue #50 item 2); the full list, 6 minutes:
-``python tests/mutations.py``."""
+comparison helper sees NaN anywhere, and a sample of mutations is caught in CI's first leg -- two fixed, two
+that rotate by the day, so CI runs every planted bug within a few weeks (issue #50 item 2); the full list, 6
+minutes: ``python tests/mutations.py``."""
+
 import os
 
 import numpy as np
@@ -19,7 +20,9 @@ def test_every_mutation_applies_to_the_code_as_it_is():
         assert os.path.exists(os.path.join(mutations.ROOT, test_file)), m.test
         # a test id that names no test makes pytest exit 4 or 5, which the runner reports as an error, never
         # as caught; checked here too, so a renamed test shows before anyone runs the list
-        assert f"def {test_name.split('[')[0]}(" in open(os.path.join(mutations.ROOT, test_file)).read(), m.test
+        assert f"def {test_name.split('[')[0]}(" in open(os.path.join(mutations.ROOT, test_file)).read(), (
+            m.test
+        )
 
 
 def test_rel_err_sees_nan_in_any_leaf():
@@ -36,15 +39,18 @@ def test_rel_err_sees_nan_in_any_leaf():
 
 
 def rotating_sample(day: int, k: int = 2):
-    """The ``k`` planted bugs of UTC day ``day``: consecutive entries of the list, so that every bug is run by CI
-    within ``ceil(len / k)`` days (the whole runner takes 6 minutes: too long for every CI run)."""
+    """The ``k`` planted bugs of UTC day ``day``: consecutive entries of the list, so that every bug is run by
+    CI within ``ceil(len / k)`` days (the whole runner takes 6 minutes: too long for every CI run)."""
     n = len(mutations.MUTATIONS)
     return [mutations.MUTATIONS[(day * k + i) % n].name for i in range(k)]
 
 
 def _today() -> int:
     import datetime
-    return int(os.environ.get("JAXPIPE_MUTATION_DAY", datetime.datetime.now(datetime.timezone.utc).toordinal()))
+
+    return int(
+        os.environ.get("JAXPIPE_MUTATION_DAY", datetime.datetime.now(datetime.timezone.utc).toordinal())
+    )
 
 
 def test_the_rotating_sample_covers_every_planted_bug():
@@ -53,9 +59,10 @@ def test_the_rotating_sample_covers_every_planted_bug():
     assert {name for d in days for name in rotating_sample(d)} == {m.name for m in mutations.MUTATIONS}
 
 
-@pytest.mark.ci_once        # CI's first leg only (tests/conftest.py): each mutant is a pytest run of its own
-@pytest.mark.parametrize("name", ["status_never_read", "stage_key_ignores_stage"] +
-                         [f"today-{i}" for i in range(2)])
+@pytest.mark.ci_once  # CI's first leg only (tests/conftest.py): each mutant is a pytest run of its own
+@pytest.mark.parametrize(
+    "name", ["status_never_read", "stage_key_ignores_stage"] + [f"today-{i}" for i in range(2)]
+)
 def test_a_sample_of_planted_bugs_is_caught(name):
     # two fixed bugs, and two that rotate by the UTC day (JAXPIPE_MUTATION_DAY=<ordinal> picks a day)
     if name.startswith("today-"):

@@ -1,4 +1,5 @@
 """Pipeline API behaviour: updates equal the plain optax step, training reduces the loss, compile reuse."""
+
 import re
 
 import jax
@@ -18,7 +19,9 @@ def test_step_equals_plain_optax_update(schedule):
     # in test_exactness).
     model, batch_fn = small_model("gpt", 4)
     opt = optax.chain(optax.add_decayed_weights(1e-2), optax.sgd(0.1, momentum=0.9))
-    pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=4, optimizer=opt, mesh=jp.make_mesh(stages=4))
+    pipe = jp.Pipeline(
+        model, schedule=schedule, num_microbatches=4, optimizer=opt, mesh=jp.make_mesh(stages=4)
+    )
     state = pipe.init()
     params, opt_state = model.params, opt.init(model.params)
     ref_grad = jax.jit(jax.value_and_grad(model.loss))
@@ -36,8 +39,9 @@ def test_step_equals_plain_optax_update(schedule):
 def test_training_reduces_loss_on_digits():
     train, _ = jp.data.digits()
     model = jp.models.residual_mlp(2, 64, 10, width=32)
-    pipe = jp.Pipeline(model, schedule="1f1b", num_microbatches=4, optimizer=optax.adam(3e-3),
-                       mesh=jp.make_mesh(stages=2))
+    pipe = jp.Pipeline(
+        model, schedule="1f1b", num_microbatches=4, optimizer=optax.adam(3e-3), mesh=jp.make_mesh(stages=2)
+    )
     state = pipe.init()
     it = jp.data.class_batches(train, 64)
     losses = []
@@ -49,13 +53,14 @@ def test_training_reduces_loss_on_digits():
 
 def test_model_params_survive_donation_and_compile_is_reused():
     model, batch_fn = small_model("mlp", 2)
-    pipe = jp.Pipeline(model, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.1),
-                       mesh=jp.make_mesh(stages=2))
+    pipe = jp.Pipeline(
+        model, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.1), mesh=jp.make_mesh(stages=2)
+    )
     state = pipe.init()
     for i in range(3):
         state, _ = pipe.step(state, batch_fn(4, s=i))
     assert len(pipe._runner._compiled) == 1
-    jax.tree.map(lambda a: np.asarray(a), model.params)   # still alive after donated steps
+    jax.tree.map(lambda a: np.asarray(a), model.params)  # still alive after donated steps
     state2 = pipe.init()
     assert rel_err(pipe.params(state2), model.params) == 0.0
 
@@ -65,9 +70,10 @@ def test_compile_time_flat_in_microbatches():
     model, _ = small_model("mlp", 4)
     sizes = []
     for M in (4, 32):
-        pipe = jp.Pipeline(model, schedule="1f1b", num_microbatches=M, optimizer=optax.sgd(0.1),
-                           mesh=jp.make_mesh(stages=4))
+        pipe = jp.Pipeline(
+            model, schedule="1f1b", num_microbatches=M, optimizer=optax.sgd(0.1), mesh=jp.make_mesh(stages=4)
+        )
         batch = {"x": jnp.zeros((2 * M, 12)), "y": jnp.zeros((2 * M,), jnp.int32)}
         text = pipe.lower("step", pipe.init(), batch).as_text()
-        sizes.append(len(re.sub(r"dense<[^>]*>", "", text)))   # the schedule table constant grows with M
+        sizes.append(len(re.sub(r"dense<[^>]*>", "", text)))  # the schedule table constant grows with M
     assert sizes[1] < 1.1 * sizes[0]

@@ -1,5 +1,6 @@
 """Weight prediction for any optax optimizer: u_last (the last update the wrapped optimizer produced) equals
 -lr * Delta W_t of PipeOptim Table I for SGD-momentum, Adam and AdamW (AdamW: plus its decoupled decay)."""
+
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -24,8 +25,11 @@ def test_u_last_is_table1_delta(name):
     w0 = jnp.asarray(r.normal(size=(5, 3)), jnp.float32)
     grads = [jnp.asarray(r.normal(size=(5, 3)), jnp.float32) for _ in range(4)]
     lr, mu, b1, b2, eps, lam = 0.1, 0.9, 0.9, 0.999, 1e-8, 0.01
-    opt = {"sgdm": optax.sgd(lr, momentum=mu), "adam": optax.adam(lr, b1, b2, eps),
-           "adamw": optax.adamw(lr, b1, b2, eps, weight_decay=lam)}[name]
+    opt = {
+        "sgdm": optax.sgd(lr, momentum=mu),
+        "adam": optax.adam(lr, b1, b2, eps),
+        "adamw": optax.adamw(lr, b1, b2, eps, weight_decay=lam),
+    }[name]
     w_final, u_last = run(opt, grads, w0)
     # Table I, by hand (float64): v_t = u v_{t-1} + (1 - tau) g_t (tau = 0); Adam's bias-corrected moments
     v = m = s = 0.0
@@ -39,11 +43,11 @@ def test_u_last_is_table1_delta(name):
         else:
             m = b1 * m + (1 - b1) * g
             s = b2 * s + (1 - b2) * g * g
-            delta = (m / (1 - b1 ** t)) / (np.sqrt(s / (1 - b2 ** t)) + eps)
+            delta = (m / (1 - b1**t)) / (np.sqrt(s / (1 - b2**t)) + eps)
         step = -lr * delta - (lr * lam * w_prev if name == "adamw" else 0.0)
         w = w_prev + step
     assert_close(np.asarray(u_last), step, rtol=1e-5, atol=1e-7)
-    assert_close(np.asarray(w_final), w, rtol=1e-5, atol=1e-5)   # float32 accumulation
+    assert_close(np.asarray(w_final), w, rtol=1e-5, atol=1e-5)  # float32 accumulation
 
 
 def test_prediction_reads_w_plus_s_u_last():
@@ -62,16 +66,16 @@ def test_prediction_reads_w_plus_s_u_last():
         wF, _ = pol.forward_weights(lp1, ps, 1, jnp.int32(s))
         assert_close(np.asarray(wF[0]), np.asarray(lp1[0]) + (D - 1 - s) * (-0.1 * 2.0), rtol=1e-6)
         assert_close(np.asarray(pol.backward_weights(lp1, ps, 1, jnp.int32(s))[0]), np.asarray(lp1[0]))
-    assert [pipeoptim_distance(D)(s) for s in range(D)] == [3, 2, 1, 0]       # last stage: no prediction
+    assert [pipeoptim_distance(D)(s) for s in range(D)] == [3, 2, 1, 0]  # last stage: no prediction
     f, b = spectrain_distances(D)
     assert [f(s) for s in range(D)] == [3, 2, 2, 1] and [b(s) for s in range(D)] == [0, 0, 1, 1]
-    assert all(f(s) - b(s) == D - 1 - s for s in range(D))   # F and B predict the same version
+    assert all(f(s) - b(s) == D - 1 - s for s in range(D))  # F and B predict the same version
     # the ops that predict by 0 read the weights themselves (the executor skips their axpy)
     spec = spectrain(opt, D)
     assert [bool(spec.backward_is_current(jnp.int32(s))) for s in range(D)] == [True, True, False, False]
     assert not any(bool(spec.forward_is_current(jnp.int32(s))) for s in range(D))
     assert [bool(pol.forward_is_current(jnp.int32(s))) for s in range(D)] == [False, False, False, True]
-    assert pol.backward_is_current is None          # PipeOptim's B always reads the current weights
+    assert pol.backward_is_current is None  # PipeOptim's B always reads the current weights
 
 
 @pytest.mark.parametrize("D", [1, 2, 4, 8])
@@ -81,6 +85,7 @@ def test_async_schedule_is_what_runs_and_sets_the_distances(D):
     number of updates the IR puts between a micro-batch's F and its B."""
     from jaxpipe import schedules
     from jaxpipe.optim.policies import pipeoptim_distance
+
     s = schedules.build("pipeoptim", D, 2 * D)
     p = s.periodic
     for (kind, stage, mb), t in s.ticks().items():
@@ -92,5 +97,6 @@ def test_async_schedule_is_what_runs_and_sets_the_distances(D):
 def test_a_periodic_schedule_with_a_broken_dependency_is_refused():
     from jaxpipe.schedules.ir import ScheduleError
     from jaxpipe.schedules.periodic import Periodic
+
     with pytest.raises(ScheduleError, match="B on device 0 before its input from device 1"):
         Periodic("bad", 2, 2, {"F": (0, 1), "B": (1, 2)}).validate()

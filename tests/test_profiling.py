@@ -1,4 +1,5 @@
 """`experiments.profiling`: a jax.profiler trace read back into operation categories."""
+
 import jax
 import jax.numpy as jnp
 
@@ -41,8 +42,10 @@ def test_trace_of_a_step_counts_its_matmuls_and_collectives(tmp_path):
     # 3 matmuls and 1 collective-permute per device per step, 4 devices
     assert b.calls["matmul"] >= 12 and b.ms["matmul"] > 0
     assert b.calls["collective"] >= 4 and b.ms["collective"] > 0
-    assert all(n == "ppermute" or n.startswith(("ppermute", "Rendezvous", "collective"))
-               for n, _, _ in b.top("collective", 5))
+    assert all(
+        n == "ppermute" or n.startswith(("ppermute", "Rendezvous", "collective"))
+        for n, _, _ in b.top("collective", 5)
+    )
     assert abs(b.total - sum(b.ms.values())) < 1e-9
     # the picture: one bar per device of the traced step, beside a one-device row
     out = tmp_path / "prof.png"

@@ -7,6 +7,7 @@ tanh MLP in NumPy, with the activations of F and the weights of B; (2) plain ``j
 the rule degenerates (one stage: no staleness); and (3) each rule against its nearest neighbour in the same
 configuration, on parameter *changes*, by at least 10x the 1e-5 tolerance.
 """
+
 import jax
 import numpy as np
 import optax
@@ -28,7 +29,7 @@ def test_prediction_references_equal_a_hand_written_backward(method):
         opt = optax.sgd(LR, momentum=MU)
         ref = numpy_predicting(w0, bs, M, lambda s, D: s // 2 + D - 1 - s, lambda s, D: s // 2, True)
     got = np.asarray(serial_reference(model, method, opt, M, bs)["params"][0], np.float64)
-    assert rel_err(got - w0, ref - w0) <= 1e-5            # on the changes, not on the initial weights
+    assert rel_err(got - w0, ref - w0) <= 1e-5  # on the changes, not on the initial weights
     # and the hand-written backward is not vacuous: B on F's weights instead differs
     other = numpy_predicting(w0, bs, M, lambda s, D: D - 1 - s, lambda s, D: D - 1 - s, method == "spectrain")
     assert rel_err(other - w0, ref - w0) > 1e-4
@@ -65,11 +66,19 @@ def test_2bw_one_stage_is_the_delayed_accumulating_loop():
     assert rel_err(change(ref["params"]), change(cur)) <= 1e-5
 
 
-@pytest.mark.parametrize("a,b", [("wpipe", "pipedream_2bw"), ("cdp_v2", "cdp_v1"), ("pipeoptim", "pipedream"),
-                                 ("spectrain", "pipeoptim")])
+@pytest.mark.parametrize(
+    "a,b",
+    [
+        ("wpipe", "pipedream_2bw"),
+        ("cdp_v2", "cdp_v1"),
+        ("pipeoptim", "pipedream"),
+        ("spectrain", "pipeoptim"),
+    ],
+)
 def test_each_rule_differs_from_its_neighbour(a, b):
     """In one configuration, a rule and its nearest neighbour move the parameters differently by >= 100x the
-    tolerance the tests use (RULE_MARGIN: a test comparing a method with its reference can tell them apart)."""
+    tolerance the tests use (RULE_MARGIN: a test comparing a method with its reference can tell them
+    apart)."""
     model, batch_fn = small_model("mlp", 4)
     opt = optax.sgd(0.05, momentum=0.9)
     bs = [batch_fn(16, s=k) for k in range(3)]

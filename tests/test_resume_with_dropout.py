@@ -1,6 +1,7 @@
 """A resumed run of a model whose numbers depend on the step (dropout keys) equals one that never stopped
 (issue #43, item 3): every other checkpoint test resumes a model without keys, where a restored step counter
 that is wrong changes nothing."""
+
 import jax
 import numpy as np
 import optax
@@ -16,8 +17,14 @@ def test_resume_restores_the_step_and_the_keys(schedule, tmp_path):
     D, M = 2, 2
     model, batch_fn = _noisy_model(D)
     batches = [batch_fn(2 * M, s=k) for k in range(4)]
-    make = lambda: jp.Pipeline(model, schedule=schedule, num_microbatches=M, optimizer=optax.adam(1e-2),
-                               mesh=jp.make_mesh(stages=D), seed=5)
+    make = lambda: jp.Pipeline(
+        model,
+        schedule=schedule,
+        num_microbatches=M,
+        optimizer=optax.adam(1e-2),
+        mesh=jp.make_mesh(stages=D),
+        seed=5,
+    )
     pipe = make()
     state = pipe.init()
     for b in batches:
@@ -44,7 +51,9 @@ def test_resume_restores_the_step_and_the_keys(schedule, tmp_path):
     # the keys matter: the same run restored with its key index reset (a synchronous step's counter; a
     # no-flush pipeline's global micro-batch index, shifted) ends elsewhere
     third = make()
-    restored, _, _ = jp.Checkpointer(str(tmp_path / "ck"), third).restore(third.prepare(third.init(), batches[0]))
+    restored, _, _ = jp.Checkpointer(str(tmp_path / "ck"), third).restore(
+        third.prepare(third.init(), batches[0])
+    )
     if hasattr(restored, "counters"):
         t, base, fed = restored.counters
         restored = restored._replace(counters=(t, base + 7, fed))

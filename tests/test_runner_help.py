@@ -1,5 +1,6 @@
-"""Every runner answers ``--help`` with exit 0 and the flags it reads (those it takes from another module too),
-and every module in ``experiments/`` is a runner listed with its question or a named helper."""
+"""Every runner answers ``--help`` with exit 0 and the flags it reads (those it takes from another module
+too), and every module in ``experiments/`` is a runner listed with its question or a named helper."""
+
 import ast
 import os
 import subprocess
@@ -12,11 +13,13 @@ import experiments
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HELPERS = {"__init__", "bench", "one_device", "profiling"}
 #: flags a runner's --help must list beside its docstring (the ones it takes from another module included)
-MUST_LIST = {"train": ["--schedule", "--checkpoint_dir", "zb_v", "dualpipe_v", "--compilation_cache_dir"],
-             "schedule_choice": ["--devices", "--microbatches", "--cores", "flags of experiments.executor_cost"],
-             "launch": ["--num_processes", "--stall_timeout"],
-             "configure": ["--memory_budget_mb", "--auto_schedules", "flags of jaxpipe.cli.train"],
-             "timeline": ["--schedule", "--mode"]}
+MUST_LIST = {
+    "train": ["--schedule", "--checkpoint_dir", "zb_v", "dualpipe_v", "--compilation_cache_dir"],
+    "schedule_choice": ["--devices", "--microbatches", "--cores", "flags of experiments.executor_cost"],
+    "launch": ["--num_processes", "--stall_timeout"],
+    "configure": ["--memory_budget_mb", "--auto_schedules", "flags of jaxpipe.cli.train"],
+    "timeline": ["--schedule", "--mode"],
+}
 
 
 def _doc(name):
@@ -29,7 +32,9 @@ def _doc(name):
 
 def test_every_module_in_experiments_is_a_listed_runner_or_a_helper():
     modules = {f[:-3] for f in os.listdir(os.path.join(ROOT, "experiments")) if f.endswith(".py")}
-    assert modules - HELPERS == set(experiments.RUNNERS), "list each runner in experiments.RUNNERS with its question"
+    assert modules - HELPERS == set(experiments.RUNNERS), (
+        "list each runner in experiments.RUNNERS with its question"
+    )
     assert all(q.strip() for q in experiments.RUNNERS.values())
 
 
@@ -37,15 +42,23 @@ def test_every_module_in_experiments_is_a_listed_runner_or_a_helper():
 def test_every_runners_help_exits_0_and_lists_its_flags():
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     names, outs = list(experiments.RUNNERS), {}
-    for start in range(0, len(names), 4):            # four at a time: each imports its libraries
-        procs = {n: subprocess.Popen([sys.executable, "-m", f"experiments.{n}", "--help"], cwd=ROOT, env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for n in names[start:start + 4]}
+    for start in range(0, len(names), 4):  # four at a time: each imports its libraries
+        procs = {
+            n: subprocess.Popen(
+                [sys.executable, "-m", f"experiments.{n}", "--help"],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for n in names[start : start + 4]
+        }
         for n, p in procs.items():
             outs[n] = (p.communicate(timeout=300)[0], p.returncode)
     for name, (out, rc) in outs.items():
         assert rc == 0, (name, out[-2000:])
-        assert _doc(name).splitlines()[0] in out, (name, out[:500])       # its docstring, then its flags
+        assert _doc(name).splitlines()[0] in out, (name, out[:500])  # its docstring, then its flags
         assert "flags of" in out, (name, out[-1000:])
         for want in MUST_LIST.get(name, []):
             assert want in out, (name, want, out[-2000:])

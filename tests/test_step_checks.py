@@ -1,6 +1,7 @@
 """A step that never waits (issue #39, item 1; #42, item 5): the batch and the loss are checked inside the
 step's program, nothing is read back inside the call, a failed step changes nothing, and the next call
 raises the ConfigError that names the field."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,8 +14,9 @@ from helpers import small_model
 
 def _equal(a, b):
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True)
-                                      for x, y in zip(la, lb))
+    return len(la) == len(lb) and all(
+        np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True) for x, y in zip(la, lb)
+    )
 
 
 def _host(state):
@@ -23,8 +25,14 @@ def _host(state):
 
 def _mlp_pipe(schedule, **kw):
     model, batch_fn = small_model("mlp", 2)
-    pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=2, optimizer=optax.adam(1e-2),
-                       mesh=jp.make_mesh(stages=2), **kw)
+    pipe = jp.Pipeline(
+        model,
+        schedule=schedule,
+        num_microbatches=2,
+        optimizer=optax.adam(1e-2),
+        mesh=jp.make_mesh(stages=2),
+        **kw,
+    )
     return pipe, batch_fn
 
 
@@ -35,11 +43,14 @@ def test_a_bad_device_batch_changes_nothing_and_the_next_call_says_so(schedule, 
     pipe, batch_fn = _mlp_pipe(schedule)
     good = jax.tree.map(jnp.asarray, batch_fn(8))
     state, _ = pipe.step(pipe.init(), good)
-    state, _ = pipe.step(state, good)              # a no-flush pipeline now has micro-batches in flight
+    state, _ = pipe.step(state, good)  # a no-flush pipeline now has micro-batches in flight
     before = _host(state)
-    bad = (dict(good, x=good["x"].at[1, 0].set(jnp.inf)) if bad_field == "x" else
-           dict(good, y=good["y"].at[3].set(-1)))
-    with jax.transfer_guard_device_to_host("disallow"):      # nothing is read back inside the step
+    bad = (
+        dict(good, x=good["x"].at[1, 0].set(jnp.inf))
+        if bad_field == "x"
+        else dict(good, y=good["y"].at[3].set(-1))
+    )
+    with jax.transfer_guard_device_to_host("disallow"):  # nothing is read back inside the step
         state, metrics = pipe.step(state, bad)
     after = _host(state)
     assert _equal(before, after), "a step on a batch with Inf changed the state"
@@ -60,8 +71,9 @@ def test_a_bad_device_batch_changes_nothing_and_the_next_call_says_so(schedule, 
 
 def test_an_id_out_of_range_on_the_device_is_named_at_the_next_call():
     model, batch_fn = small_model("gpt", 2)
-    pipe = jp.Pipeline(model, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.1),
-                       mesh=jp.make_mesh(stages=2))
+    pipe = jp.Pipeline(
+        model, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.1), mesh=jp.make_mesh(stages=2)
+    )
     good = jax.tree.map(jnp.asarray, batch_fn(4))
     key = next(k for k in (model.integer_inputs or {}) if k in good)
     bound = model.integer_inputs[key]
@@ -73,7 +85,7 @@ def test_an_id_out_of_range_on_the_device_is_named_at_the_next_call():
         assert _equal(before, _host(state))
         with pytest.raises(jp.ConfigError, match=f"holds {bad}, outside \\[0, {bound}\\)"):
             pipe.check()
-        pipe.check()                                    # reported once
+        pipe.check()  # reported once
 
 
 def _classifier(integer_inputs=None):
@@ -83,19 +95,31 @@ def _classifier(integer_inputs=None):
 
     def post_loss(p, h, b):
         logp = jax.nn.log_softmax(h @ p)
-        return -jnp.mean(jnp.take_along_axis(logp, b["label"][:, None], axis=1, mode="fill",
-                                             fill_value=jnp.nan))
-    model = jp.PipelineModel(stage_fn=lambda w, h: jnp.tanh(h @ w["w"]), stage_params={"w": W},
-                             pre=lambda p, b: b["x"] @ p, pre_params=jnp.eye(4, 8), post_loss=post_loss,
-                             post_params=jnp.ones((8, 5)) / 8, integer_inputs=integer_inputs)
-    batch = {"x": jnp.asarray(r.normal(size=(8, 4)), jnp.float32), "label": jnp.arange(8, dtype=jnp.int32) % 5}
+        return -jnp.mean(
+            jnp.take_along_axis(logp, b["label"][:, None], axis=1, mode="fill", fill_value=jnp.nan)
+        )
+
+    model = jp.PipelineModel(
+        stage_fn=lambda w, h: jnp.tanh(h @ w["w"]),
+        stage_params={"w": W},
+        pre=lambda p, b: b["x"] @ p,
+        pre_params=jnp.eye(4, 8),
+        post_loss=post_loss,
+        post_params=jnp.ones((8, 5)) / 8,
+        integer_inputs=integer_inputs,
+    )
+    batch = {
+        "x": jnp.asarray(r.normal(size=(8, 4)), jnp.float32),
+        "label": jnp.arange(8, dtype=jnp.int32) % 5,
+    }
     return model, batch
 
 
 def test_a_nonfinite_loss_applies_no_update_and_names_the_likely_cause():
     model, batch = _classifier()
-    pipe = jp.Pipeline(model, schedule="gpipe", num_microbatches=2, optimizer=optax.sgd(0.1),
-                       mesh=jp.make_mesh(stages=2))
+    pipe = jp.Pipeline(
+        model, schedule="gpipe", num_microbatches=2, optimizer=optax.sgd(0.1), mesh=jp.make_mesh(stages=2)
+    )
     state = pipe.init()
     before = _host(state)
     state, m = pipe.step(state, dict(batch, label=batch["label"].at[3].set(99)))
@@ -109,28 +133,36 @@ def test_a_nonfinite_loss_applies_no_update_and_names_the_likely_cause():
 
 def test_skip_nonfinite_skips_without_an_error():
     model, batch = _classifier()
-    pipe = jp.Pipeline(model, schedule="gpipe", num_microbatches=2, optimizer=optax.sgd(0.1),
-                       mesh=jp.make_mesh(stages=2), skip_nonfinite=True)
+    pipe = jp.Pipeline(
+        model,
+        schedule="gpipe",
+        num_microbatches=2,
+        optimizer=optax.sgd(0.1),
+        mesh=jp.make_mesh(stages=2),
+        skip_nonfinite=True,
+    )
     state = pipe.init()
     p0 = _host(pipe.params(state))
     state, m = pipe.step(state, dict(batch, label=batch["label"].at[3].set(99)))
     assert bool(m["skipped"])
-    state, m = pipe.step(state, batch)             # no error: skipping is what was asked for
+    state, m = pipe.step(state, batch)  # no error: skipping is what was asked for
     assert not bool(m["skipped"]) and not _equal(p0, _host(pipe.params(state)))
 
 
 def test_an_integer_inputs_key_the_batch_lacks_is_refused():
     model, batch = _classifier(integer_inputs={"labels": 5})
-    pipe = jp.Pipeline(model, schedule="gpipe", num_microbatches=2, optimizer=optax.sgd(0.1),
-                       mesh=jp.make_mesh(stages=2))
+    pipe = jp.Pipeline(
+        model, schedule="gpipe", num_microbatches=2, optimizer=optax.sgd(0.1), mesh=jp.make_mesh(stages=2)
+    )
     with pytest.raises(jp.ConfigError, match=r"integer_inputs= names \['labels'\], which the batch lacks"):
         pipe.step(pipe.init(), batch)
 
 
 def test_a_declared_id_field_is_checked_on_the_device():
     model, batch = _classifier(integer_inputs={"label": 5})
-    pipe = jp.Pipeline(model, schedule="gpipe", num_microbatches=2, optimizer=optax.sgd(0.1),
-                       mesh=jp.make_mesh(stages=2))
+    pipe = jp.Pipeline(
+        model, schedule="gpipe", num_microbatches=2, optimizer=optax.sgd(0.1), mesh=jp.make_mesh(stages=2)
+    )
     state, _ = pipe.step(pipe.init(), dict(batch, label=batch["label"].at[0].set(-1)))
     with pytest.raises(jp.ConfigError, match=r"batch\['label'\] holds -1.*negative ids read the last rows"):
         pipe.step(state, batch)
@@ -163,10 +195,11 @@ def test_steps_back_to_back_read_nothing_but_the_previous_status(monkeypatch):
     """Twenty steps: the host reads exactly one small status per step (the previous one's, explicitly) and
     nothing else -- no per-leaf isfinite read, no integer-range read."""
     model, batch = _classifier(integer_inputs={"label": 5})
-    pipe = jp.Pipeline(model, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.1),
-                       mesh=jp.make_mesh(stages=2))
+    pipe = jp.Pipeline(
+        model, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.1), mesh=jp.make_mesh(stages=2)
+    )
     state = pipe.init()
-    state, _ = pipe.step(state, batch)              # compile
+    state, _ = pipe.step(state, batch)  # compile
     reads = []
     real = jax.device_get
     monkeypatch.setattr(jax, "device_get", lambda x: reads.append(np.shape(x)) or real(x))
@@ -197,8 +230,12 @@ def test_a_consumed_state_is_refused_before_anything_runs(schedule, tmp_path):
     batch = batch_fn(8)
     state = pipe.init()
     state2, _ = pipe.step(state, batch)
-    for call in (lambda: pipe.step(state, batch), lambda: pipe.loss_and_grad(state, batch),
-                 lambda: pipe.drain(state), lambda: pipe.params(state)):
+    for call in (
+        lambda: pipe.step(state, batch),
+        lambda: pipe.loss_and_grad(state, batch),
+        lambda: pipe.drain(state),
+        lambda: pipe.params(state),
+    ):
         with pytest.raises(jp.ConfigError, match="consumed.*donate"):
             call()
     ck = jp.Checkpointer(str(tmp_path / "ck"), pipe)
@@ -213,7 +250,7 @@ def test_a_consumed_state_is_refused_before_anything_runs(schedule, tmp_path):
             pipe.drain(state2)
         pipe.params(drained)
         state2 = drained
-    state3, m = pipe.step(state2, batch)           # the returned state goes on
+    state3, m = pipe.step(state2, batch)  # the returned state goes on
     assert np.isfinite(float(m["loss"]))
 
 
@@ -223,6 +260,7 @@ def test_the_one_pass_finite_check_sees_every_nan_and_inf(shape):
     reduction XLA CPU splits and runs in parallel; ``max(abs(v))`` there missed NaN, measured), and 0 for
     finite values as large as float32 holds; bf16 and f16 too."""
     from jaxpipe.step_checks import _any_nonfinite
+
     f = jax.jit(_any_nonfinite)
     n = int(np.prod(shape))
     rng = np.random.default_rng(0)
@@ -243,8 +281,9 @@ def _wpipe_with_a_refusable_batch(tmp_path):
     """WPipe (its state is not kept back: two chunks a device), a good batch, one whose label -1 the check
     refuses (a finite effect: only the check can tell) and a synchronous Checkpointer."""
     model, batch_fn = small_model("mlp", 4)
-    pipe = jp.Pipeline(model, schedule="wpipe", num_microbatches=2, optimizer=optax.sgd(0.05),
-                       mesh=jp.make_mesh(stages=2))
+    pipe = jp.Pipeline(
+        model, schedule="wpipe", num_microbatches=2, optimizer=optax.sgd(0.05), mesh=jp.make_mesh(stages=2)
+    )
     good = jax.tree.map(jnp.asarray, batch_fn(8))
     bad = dict(good, y=good["y"].at[3].set(-1))
     return pipe, good, bad, jp.Checkpointer(str(tmp_path / "ck"), pipe, async_save=False)
@@ -283,6 +322,7 @@ def test_a_refused_last_step_is_reported_when_the_script_ends(tmp_path):
     import subprocess
     import sys
     import textwrap
+
     code = textwrap.dedent("""
         import sys; sys.path.insert(0, "tests")
         import conftest  # the tests' XLA flags
@@ -303,21 +343,30 @@ def test_a_refused_last_step_is_reported_when_the_script_ends(tmp_path):
         print("loss", float(m["loss"]))
     """)
     import os
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ck")], cwd=root, capture_output=True,
-                       text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "ck")],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert "close raised: step() #2: the batch holds NaN or Inf in ['x']" in p.stdout, p.stdout
-    assert ("jaxpipe: a step of this run was refused and nothing read it before exit: step() #3: the batch "
-            "holds NaN or Inf in ['x']") in p.stderr, p.stderr[-3000:]
+    assert (
+        "jaxpipe: a step of this run was refused and nothing read it before exit: step() #3: the batch "
+        "holds NaN or Inf in ['x']"
+    ) in p.stderr, p.stderr[-3000:]
 
 
 def test_the_grad_norm_metric_is_the_norm_of_the_steps_mean_gradient():
-    """``metrics["grad_norm"]`` is the norm of the gradient the update used (the mean over micro-batches), not of
-    the micro-batch sums (issue #50: a norm M times too large survived every test)."""
+    """``metrics["grad_norm"]`` is the norm of the gradient the update used (the mean over micro-batches), not
+    of the micro-batch sums (issue #50: a norm M times too large survived every test)."""
     model, batch = _classifier()
-    pipe = jp.Pipeline(model, schedule="1f1b", num_microbatches=4, optimizer=optax.sgd(0.1),
-                       mesh=jp.make_mesh(stages=2))
+    pipe = jp.Pipeline(
+        model, schedule="1f1b", num_microbatches=4, optimizer=optax.sgd(0.1), mesh=jp.make_mesh(stages=2)
+    )
     state = pipe.init()
     _, grads = pipe.loss_and_grad(state, batch)
     _, m = pipe.step(state, batch)
@@ -331,11 +380,19 @@ def test_a_no_flush_steps_nonfinite_loss_is_not_kept_back_and_its_states_are_ref
     The next call says so, and that state and the one derived from it are refused by save -- judged on the
     loss flag, not on the input flag alone."""
     model, batch = _classifier()
-    pipe = jp.Pipeline(model, schedule="pipedream_2bw", num_microbatches=2, optimizer=optax.sgd(0.1),
-                       mesh=jp.make_mesh(stages=2))
+    pipe = jp.Pipeline(
+        model,
+        schedule="pipedream_2bw",
+        num_microbatches=2,
+        optimizer=optax.sgd(0.1),
+        mesh=jp.make_mesh(stages=2),
+    )
     state, m = pipe.step(pipe.init(), dict(batch, label=batch["label"].at[3].set(99)))
-    with pytest.raises(jp.ConfigError, match=r"loss or the gradient norm is NaN or Inf; that step ran \(this "
-                                             r"method's state is not kept back"):
+    with pytest.raises(
+        jp.ConfigError,
+        match=r"loss or the gradient norm is NaN or Inf; that step ran \(this "
+        r"method's state is not kept back",
+    ):
         pipe.check()
     ck = jp.Checkpointer(str(tmp_path / "ck"), pipe, async_save=False)
     try:
@@ -351,8 +408,8 @@ def test_a_no_flush_steps_nonfinite_loss_is_not_kept_back_and_its_states_are_ref
 
 def test_a_refusal_follows_the_states_values_into_copies_and_their_descendants(tmp_path):
     """WPipe's refused state is refused by save however it is carried: a copy (``jnp.copy`` of every leaf), a
-    ``device_put`` onto the same devices, a state a step derived from the copy -- until a restore gives a clean
-    one.  (The refusal was tied to the identity of the state's first array: the copy was written.)"""
+    ``device_put`` onto the same devices, a state a step derived from the copy -- until a restore gives a
+    clean one.  (The refusal was tied to the identity of the state's first array: the copy was written.)"""
     pipe, good, bad, ck = _wpipe_with_a_refusable_batch(tmp_path)
     try:
         state, _ = pipe.step(pipe.init(), good)

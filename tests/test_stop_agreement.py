@@ -1,6 +1,7 @@
 """The job's stop as the processes agree on it, without starting processes: the per-step agreement
 (``Trainer._agreed_stop``) with the peers' flags given by hand, and ``Stop``'s first cause kept over later
 requests.  A stop seen by one process of several must stop them all, and say whose it was."""
+
 import types
 
 import numpy as np
@@ -15,13 +16,20 @@ def _agree(monkeypatch, told, this=0, own_reason=None):
     process was told to stop)."""
     import jax
     from jax.experimental import multihost_utils
+
     stop = Stop(1.0)
     if own_reason:
         stop.request(own_reason)
     monkeypatch.setattr(jax, "process_count", lambda: len(told))
-    monkeypatch.setattr(multihost_utils, "process_allgather",
-                        lambda x: (np.asarray(told, np.int32) if int(x) == told[this] else pytest.fail(
-                            f"process {this} sent {int(x)}, its flag is {told[this]}")))
+    monkeypatch.setattr(
+        multihost_utils,
+        "process_allgather",
+        lambda x: (
+            np.asarray(told, np.int32)
+            if int(x) == told[this]
+            else pytest.fail(f"process {this} sent {int(x)}, its flag is {told[this]}")
+        ),
+    )
     trainer = types.SimpleNamespace(stop=stop)
     return loop.Trainer._agreed_stop(trainer), stop
 
@@ -45,7 +53,7 @@ def test_no_process_told_goes_on(monkeypatch):
 def test_a_second_request_keeps_the_first_cause():
     """SIGTERM, then a peer's stop or a hook's: the stop is still reported as the SIGTERM."""
     stop = Stop(1.0, write=lambda _: None)
-    stop.on_signal(15)                       # SIGTERM, as its handler gets it
+    stop.on_signal(15)  # SIGTERM, as its handler gets it
     stop.request("a stop signal to process 1")
     stop.request("stop_at_step=3")
     assert stop.reason == "SIGTERM" and stop.signals == ["SIGTERM"]

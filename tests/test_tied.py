@@ -1,5 +1,6 @@
 """Tied parameters (issue #15): an embedding used by ``pre`` and by ``post_loss`` is one array -- one
 gradient (the sum of its uses), one optimizer state, one update, bit-identical wherever it is read."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,10 +23,14 @@ def tied_lm(num_stages, tied=True, seed=0):
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), b["y"][..., None], -1))
 
     return jp.PipelineModel(
-        stage_fn=lambda w, x: x + jnp.tanh(x @ w["w"]), stage_params=stage_params,
-        pre=lambda p, b: p["emb"][b["x"]] + p["pos"], pre_params={"emb": E, "pos": jnp.zeros((T, DM))},
-        post_loss=post_loss, post_params={"emb": E, "b": jnp.zeros((V,))},
-        tied=[(("emb",), ("emb",))] if tied else ())
+        stage_fn=lambda w, x: x + jnp.tanh(x @ w["w"]),
+        stage_params=stage_params,
+        pre=lambda p, b: p["emb"][b["x"]] + p["pos"],
+        pre_params={"emb": E, "pos": jnp.zeros((T, DM))},
+        post_loss=post_loss,
+        post_params={"emb": E, "b": jnp.zeros((V,))},
+        tied=[(("emb",), ("emb",))] if tied else (),
+    )
 
 
 def batch_of(n, seed=1):
@@ -42,14 +47,22 @@ def tied_loss(model):
     return lambda c, b: model.loss((c[0], c[1], {**c[2], "emb": c[1]["emb"]}), b)
 
 
-@pytest.mark.parametrize("schedule,kw", [("gpipe", {}), ("1f1b", {}), ("interleaved_1f1b", {"virtual": 2}),
-                                         ("zb_h1", {}), ("chimera", {})])
+@pytest.mark.parametrize(
+    "schedule,kw",
+    [("gpipe", {}), ("1f1b", {}), ("interleaved_1f1b", {"virtual": 2}), ("zb_h1", {}), ("chimera", {})],
+)
 def test_tied_gradient_is_the_sum_of_both_uses(schedule, kw):
     D = 2 if schedule == "interleaved_1f1b" else 4
     model = tied_lm(D * kw.get("virtual", 1))
     batch = batch_of(8)
-    pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=4, optimizer=optax.adamw(1e-2),
-                       mesh=jp.make_mesh(stages=D), options=kw or None)
+    pipe = jp.Pipeline(
+        model,
+        schedule=schedule,
+        num_microbatches=4,
+        optimizer=optax.adamw(1e-2),
+        mesh=jp.make_mesh(stages=D),
+        options=kw or None,
+    )
     loss, grads = pipe.loss_and_grad(pipe.init(), batch)
     ref_loss, ref_grads = jax.value_and_grad(tied_loss(model))(canonical(model), batch)
     assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
@@ -71,11 +84,16 @@ def test_tied_training_equals_one_array_trained_by_optax_and_stays_identical():
         u, o = opt.update(g_fn(c, b), o, c)
         c = optax.apply_updates(c, u)
     got = pipe.params(state)
-    assert np.array_equal(np.asarray(got[1]["emb"]), np.asarray(got[2]["emb"]))     # one array
+    assert np.array_equal(np.asarray(got[1]["emb"]), np.asarray(got[2]["emb"]))  # one array
     assert rel_err(got[1], c[1]) <= 1e-5 and rel_err(got[0], c[0]) <= 1e-5
     # untied (two copies, each with half the uses): the copies drift apart -- what tying prevents
-    untied = jp.Pipeline(tied_lm(4, tied=False), schedule="1f1b", num_microbatches=4, optimizer=opt,
-                         mesh=jp.make_mesh(stages=4))
+    untied = jp.Pipeline(
+        tied_lm(4, tied=False),
+        schedule="1f1b",
+        num_microbatches=4,
+        optimizer=opt,
+        mesh=jp.make_mesh(stages=4),
+    )
     st = untied.init()
     for b in batches:
         st, _ = untied.step(st, b)
@@ -86,30 +104,57 @@ def test_tied_training_equals_one_array_trained_by_optax_and_stays_identical():
 def test_tying_is_checked():
     model = tied_lm(2)
     import dataclasses
+
     with pytest.raises(jp.ConfigError, match="no entry"):
-        jp.Pipeline(dataclasses.replace(model, tied=[(("embedding",), ("emb",))]), schedule="1f1b",
-                    num_microbatches=2, optimizer=optax.sgd(0.1), mesh=jp.make_mesh(stages=2))
+        jp.Pipeline(
+            dataclasses.replace(model, tied=[(("embedding",), ("emb",))]),
+            schedule="1f1b",
+            num_microbatches=2,
+            optimizer=optax.sgd(0.1),
+            mesh=jp.make_mesh(stages=2),
+        )
     bad = dataclasses.replace(model, post_params={**model.post_params, "emb": model.post_params["emb"].T})
     with pytest.raises(jp.ConfigError, match="transpose inside"):
-        jp.Pipeline(bad, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.1), mesh=jp.make_mesh(stages=2))
+        jp.Pipeline(
+            bad, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.1), mesh=jp.make_mesh(stages=2)
+        )
     # two arrays of one shape but different values: the post one would be dropped silently
     other = dataclasses.replace(model, post_params={**model.post_params, "emb": model.post_params["emb"] * 2})
     for schedule in ("1f1b", "pipeoptim"):
-        with pytest.raises(jp.ConfigError, match=r"pre_params\['emb'\] and post_params\['emb'\] hold different "
-                                                 r"values \(largest difference [0-9.e+-]+\)"):
-            jp.Pipeline(other, schedule=schedule, num_microbatches=2, optimizer=optax.sgd(0.1),
-                        mesh=jp.make_mesh(stages=2))
-    copy = dataclasses.replace(model, post_params={**model.post_params, "emb": jnp.array(model.post_params["emb"])})
-    jp.Pipeline(copy, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.1), mesh=jp.make_mesh(stages=2))
+        with pytest.raises(
+            jp.ConfigError,
+            match=r"pre_params\['emb'\] and post_params\['emb'\] hold different "
+            r"values \(largest difference [0-9.e+-]+\)",
+        ):
+            jp.Pipeline(
+                other,
+                schedule=schedule,
+                num_microbatches=2,
+                optimizer=optax.sgd(0.1),
+                mesh=jp.make_mesh(stages=2),
+            )
+    copy = dataclasses.replace(
+        model, post_params={**model.post_params, "emb": jnp.array(model.post_params["emb"])}
+    )
+    jp.Pipeline(
+        copy, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.1), mesh=jp.make_mesh(stages=2)
+    )
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "pipeoptim"])
 def test_tied_checkpoint_resumes_bit_equal(schedule, tmp_path):
     """The train state holds the tied array once (None at the post path); a restore continues bit-equal
     (pipeoptim: mid-stream, with the tied versions and gradients in flight in the carry)."""
+
     def make():
-        return jp.Pipeline(tied_lm(2), schedule=schedule, num_microbatches=2, optimizer=optax.adamw(1e-2),
-                           mesh=jp.make_mesh(stages=2))
+        return jp.Pipeline(
+            tied_lm(2),
+            schedule=schedule,
+            num_microbatches=2,
+            optimizer=optax.adamw(1e-2),
+            mesh=jp.make_mesh(stages=2),
+        )
+
     pipe = make()
     state = pipe.init()
     assert state.params[2]["emb"] is None
@@ -132,13 +177,22 @@ def test_tied_checkpoint_resumes_bit_equal(schedule, tmp_path):
 
 # ---------------------------------------------------------------- no-flush methods (jaxpipe.tying's rule)
 def change(params, model):
-    """Parameter change since init: what the methods' rules decide (the initial values dominate the params)."""
-    return jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64), params, model.params)
+    """Parameter change since init: what the methods' rules decide (the initial values dominate the
+    params)."""
+    return jax.tree.map(
+        lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64), params, model.params
+    )
 
 
 def run_no_flush(method, model, D, M, opt, batches):
-    pipe = jp.Pipeline(model, schedule=method, num_microbatches=M, optimizer=opt, mesh=jp.make_mesh(stages=D),
-                       nan_bubbles=True)
+    pipe = jp.Pipeline(
+        model,
+        schedule=method,
+        num_microbatches=M,
+        optimizer=opt,
+        mesh=jp.make_mesh(stages=D),
+        nan_bubbles=True,
+    )
     state = pipe.init()
     for b in batches:
         state, _ = pipe.step(state, b)
@@ -146,13 +200,25 @@ def run_no_flush(method, model, D, M, opt, batches):
     return pipe.params(state), m
 
 
-@pytest.mark.parametrize("method,D", [("pipedream", 4), ("pipeoptim", 4), ("spectrain", 4), ("pipedream_2bw", 4),
-                                      ("cdp_v1", 4), ("cdp_v2", 4), ("wpipe", 2), ("wpipe", 1)])
+@pytest.mark.parametrize(
+    "method,D",
+    [
+        ("pipedream", 4),
+        ("pipeoptim", 4),
+        ("spectrain", 4),
+        ("pipedream_2bw", 4),
+        ("cdp_v1", 4),
+        ("cdp_v2", 4),
+        ("wpipe", 2),
+        ("wpipe", 1),
+    ],
+)
 def test_no_flush_tying_equals_serial_reference(method, D):
     """One tied array under each method's own rule: the last stage reads the version stage 0's forward read
-    for the same micro-batch, its gradient joins stage 0's; equal to the serial reference, NaN bubbles stay out,
-    and both uses read one array (bit-identical in the returned parameters)."""
+    for the same micro-batch, its gradient joins stage 0's; equal to the serial reference, NaN bubbles stay
+    out, and both uses read one array (bit-identical in the returned parameters)."""
     from jaxpipe.optim.reference import serial_reference
+
     stages = 2 * D if method == "wpipe" else D
     model = tied_lm(stages)
     opt = optax.sgd(0.1, momentum=0.9) if method == "spectrain" else optax.adamw(3e-2)
@@ -169,6 +235,7 @@ def test_tied_reference_is_plain_optax_when_the_pipeline_is_one_stage():
     """Degenerate case, independent of the executor's code: at D = 1 PipeDream is one optax update per
     micro-batch on jax.grad of the tied loss."""
     from jaxpipe.optim.reference import global_microbatches, serial_reference
+
     model, opt = tied_lm(1), optax.adamw(3e-2)
     batches = [batch_of(8, seed=s) for s in range(2)]
     c = canonical(model)
@@ -186,9 +253,10 @@ def test_tied_reference_is_plain_optax_when_the_pipeline_is_one_stage():
 
 
 def test_tying_changes_what_a_no_flush_method_computes():
-    """The rule is visible: the tied run differs from the untied one (two arrays, each with its own use) by far
-    more than the tolerance, and an untied pair drifts apart where the tied array cannot."""
+    """The rule is visible: the tied run differs from the untied one (two arrays, each with its own use) by
+    far more than the tolerance, and an untied pair drifts apart where the tied array cannot."""
     from jaxpipe.optim.reference import serial_reference
+
     opt, batches = optax.adamw(3e-2), [batch_of(8, seed=s) for s in range(3)]
     tied = serial_reference(tied_lm(4), "pipeoptim", opt, 4, batches)["params"]
     untied_model = tied_lm(4, tied=False)
@@ -199,6 +267,7 @@ def test_tying_changes_what_a_no_flush_method_computes():
 
 def test_tied_cyclic_data_parallel_and_avgpipe():
     from jaxpipe.optim.reference import avgpipe_reference, serial_reference
+
     opt = optax.adamw(3e-2)
     model = tied_lm(4)
     batches = [batch_of(8, seed=s) for s in range(3)]
@@ -208,14 +277,23 @@ def test_tied_cyclic_data_parallel_and_avgpipe():
         st, _ = cdp.step(st, b)
     st, m = cdp.drain(st)
     got = cdp.params(st)
-    assert int(m["version_errors"]) == 0 and np.array_equal(np.asarray(got[1]["emb"]), np.asarray(got[2]["emb"]))
+    assert int(m["version_errors"]) == 0 and np.array_equal(
+        np.asarray(got[1]["emb"]), np.asarray(got[2]["emb"])
+    )
     ref = serial_reference(model, "cdp_v2", opt, 4, batches)["params"]
     assert rel_err(change(got, model), change(ref, model)) <= 1e-5
     model = tied_lm(2)
-    pipe = jp.Pipeline(model, schedule="avgpipe", num_microbatches=2, optimizer=opt,
-                       mesh=jp.make_mesh(stages=2, pipes=2), options={"advance": 0}, nan_bubbles=True)
+    pipe = jp.Pipeline(
+        model,
+        schedule="avgpipe",
+        num_microbatches=2,
+        optimizer=opt,
+        mesh=jp.make_mesh(stages=2, pipes=2),
+        options={"advance": 0},
+        nan_bubbles=True,
+    )
     st = pipe.init()
-    assert st.params[2]["emb"] is None                   # held once per replica
+    assert st.params[2]["emb"] is None  # held once per replica
     for b in batches:
         st, _ = pipe.step(st, b)
     got = pipe.params(st)

@@ -1,8 +1,9 @@
 """Issue #52 item 1: the training loop as a library entry point, ``jp.train`` / ``jp.Trainer`` -- a user's
 script gets what ``experiments.train`` has (it runs through the same function): a stop (a real SIGTERM to this
-process) saves and returns, the next call resumes bit-equal to a run that never stopped, the signal handlers are
-given back, a NaN step is stopped by name or skipped, evaluation and the metrics file, and clear errors for a
-bad option or a stream that cannot resume.  One small pipeline for the whole module: one compile."""
+process) saves and returns, the next call resumes bit-equal to a run that never stopped, the signal handlers
+are given back, a NaN step is stopped by name or skipped, evaluation and the metrics file, and clear errors
+for a bad option or a stream that cannot resume.  One small pipeline for the whole module: one compile."""
+
 import itertools
 import json
 import os
@@ -22,18 +23,26 @@ QUIET = dict(progress=False, tensorboard="false")
 
 @pytest.fixture(scope="module")
 def pipe():
-    return jp.Pipeline(MODEL, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.05),
-                       mesh=jp.make_mesh(stages=2), skip_nonfinite=True)
+    return jp.Pipeline(
+        MODEL,
+        schedule="1f1b",
+        num_microbatches=2,
+        optimizer=optax.sgd(0.05),
+        mesh=jp.make_mesh(stages=2),
+        skip_nonfinite=True,
+    )
 
 
 def stream(nan_at=None):
     """A function that starts the seeded stream (so a resumed run can skip what was used)."""
+
     def start():
         for s in itertools.count(1):
             b = BATCH(8, s)
             if s == nan_at:
-                b["x"] = np.full_like(b["x"], 3e38)     # finite on the host (the input check passes); inf inside
+                b["x"] = np.full_like(b["x"], 3e38)  # finite on the host (the input check passes); inf inside
             yield b
+
     return start
 
 
@@ -42,8 +51,16 @@ def losses(out_dir):
 
 
 def test_a_sigterm_saves_and_returns_and_the_next_call_resumes_bit_equal(pipe, tmp_path):
-    ref = jp.train(pipe, stream(), steps=5, out_dir=str(tmp_path / "ref"), eval_batches=[BATCH(8, 99)],
-                   eval_every=2, evaluate=lambda p, b: {"eval_rows": float(len(b["x"]))}, **QUIET)
+    ref = jp.train(
+        pipe,
+        stream(),
+        steps=5,
+        out_dir=str(tmp_path / "ref"),
+        eval_batches=[BATCH(8, 99)],
+        eval_every=2,
+        evaluate=lambda p, b: {"eval_rows": float(len(b["x"]))},
+        **QUIET,
+    )
     assert ref.step == 5 and ref.stopped is None and ref.summary["steps"] == 5
     lines = [json.loads(l) for l in open(tmp_path / "ref" / "metrics.jsonl")]
     assert [l["step"] for l in lines if "eval_loss" in l] == [2, 4, 5]
@@ -52,18 +69,37 @@ def test_a_sigterm_saves_and_returns_and_the_next_call_resumes_bit_equal(pipe, t
 
     before = signal.getsignal(signal.SIGTERM)
 
-    def preempt(trainer, step):           # the scheduler's SIGTERM arrives during step 2
+    def preempt(trainer, step):  # the scheduler's SIGTERM arrives during step 2
         if step == 2:
             os.kill(os.getpid(), signal.SIGTERM)
+
     run, ck = str(tmp_path / "run"), str(tmp_path / "ck")
-    first = jp.train(pipe, stream(), steps=5, out_dir=run, checkpoint_dir=ck, hooks=[preempt], exit_on_stop=False,
-                     eval_batches=[BATCH(8, 99)], eval_every=2, **QUIET)
+    first = jp.train(
+        pipe,
+        stream(),
+        steps=5,
+        out_dir=run,
+        checkpoint_dir=ck,
+        hooks=[preempt],
+        exit_on_stop=False,
+        eval_batches=[BATCH(8, 99)],
+        eval_every=2,
+        **QUIET,
+    )
     assert first.stopped == "SIGTERM" and first.step == 2 and first.summary is None
     assert signal.getsignal(signal.SIGTERM) is before, "the loop kept its SIGTERM handler after returning"
-    second = jp.train(pipe, stream(), steps=5, out_dir=run, checkpoint_dir=ck, eval_batches=[BATCH(8, 99)],
-                      eval_every=2, **QUIET)
+    second = jp.train(
+        pipe,
+        stream(),
+        steps=5,
+        out_dir=run,
+        checkpoint_dir=ck,
+        eval_batches=[BATCH(8, 99)],
+        eval_every=2,
+        **QUIET,
+    )
     assert second.summary["resumed_at"] == 2 and second.step == 5
-    assert losses(run) == losses(tmp_path / "ref")     # bit for bit, the kept lines of steps 1-2 included
+    assert losses(run) == losses(tmp_path / "ref")  # bit for bit, the kept lines of steps 1-2 included
     jax.tree.map(assert_same, pipe.params(second.state), pipe.params(ref.state))
     # the finished checkpoint again: nothing to do, the final state returned
     third = jp.train(pipe, stream(), steps=5, out_dir=run, checkpoint_dir=ck, **QUIET)
@@ -75,8 +111,10 @@ def test_a_nan_step_is_stopped_by_name_or_skipped(pipe, tmp_path):
     with pytest.raises(jp.training.NonFiniteLoss, match="non-finite loss nan .* at step 2") as e:
         jp.train(pipe, stream(nan_at=2), steps=4, out_dir=str(tmp_path / "stop"), **QUIET)
     assert e.value.step == 2
-    assert len(losses(tmp_path / "stop")) == 2        # the refused step is logged, nothing after it
-    done = jp.train(pipe, stream(nan_at=2), steps=4, out_dir=str(tmp_path / "skip"), on_nonfinite="skip", **QUIET)
+    assert len(losses(tmp_path / "stop")) == 2  # the refused step is logged, nothing after it
+    done = jp.train(
+        pipe, stream(nan_at=2), steps=4, out_dir=str(tmp_path / "skip"), on_nonfinite="skip", **QUIET
+    )
     assert done.summary["skipped_updates"] == 1
     assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(pipe.params(done.state)))
 
@@ -90,8 +128,9 @@ def test_bad_options_and_streams_say_what_would_work(pipe, tmp_path):
         jp.Trainer(pipe, stream(), steps=3, checkpoint_keep=0)
     with pytest.raises(jp.ConfigError, match="function of no arguments that starts the stream"):
         jp.Trainer(pipe, iter([BATCH(8)]), steps=1, checkpoint_dir=str(tmp_path / "ck"))
-    unguarded = jp.Pipeline(MODEL, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.05),
-                            mesh=jp.make_mesh(stages=2))
+    unguarded = jp.Pipeline(
+        MODEL, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.05), mesh=jp.make_mesh(stages=2)
+    )
     with pytest.raises(jp.ConfigError, match="skip_nonfinite=True"):
         jp.Trainer(unguarded, stream(), steps=1, on_nonfinite="skip")
 
@@ -100,9 +139,9 @@ def test_a_step_is_refused_on_its_loss_and_grad_norm_not_only_on_a_skip_flag():
     """The loop's refusal condition by itself: the library test above runs ``skip_nonfinite=True``, whose
     ``skipped`` flag would hide a dropped finiteness check (a NaN loss then trained on, unreported)."""
     refused = jp.Trainer._refused
-    assert refused({"loss": np.nan}, np.nan)                           # no skip flag: the loss alone
-    assert refused({"loss": 1.0, "grad_norm": np.inf}, 1.0)             # a finite loss, an Inf gradient
-    assert refused({"loss": 1.0, "grad_norm": np.array([1.0, np.nan])}, 1.0)    # AvgPipe: one per pipeline
+    assert refused({"loss": np.nan}, np.nan)  # no skip flag: the loss alone
+    assert refused({"loss": 1.0, "grad_norm": np.inf}, 1.0)  # a finite loss, an Inf gradient
+    assert refused({"loss": 1.0, "grad_norm": np.array([1.0, np.nan])}, 1.0)  # AvgPipe: one per pipeline
     assert refused({"loss": 1.0, "skipped": True}, 1.0)
     assert not refused({"loss": 1.0, "grad_norm": 2.0, "skipped": False}, 1.0)
     # a no-flush step that computed no loss yet (the pipeline filling): its NaN placeholder is no failure
@@ -113,8 +152,9 @@ def test_a_step_is_refused_on_its_loss_and_grad_norm_not_only_on_a_skip_flag():
 def test_without_skip_nonfinite_a_nan_step_stops_the_loop_by_name(tmp_path):
     """The same stop on a pipeline that does not skip (its step gates the update, and only the loop's own
     finiteness check sees the NaN before the next call)."""
-    plain = jp.Pipeline(MODEL, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.05),
-                        mesh=jp.make_mesh(stages=2))
+    plain = jp.Pipeline(
+        MODEL, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.05), mesh=jp.make_mesh(stages=2)
+    )
     with pytest.raises(jp.training.NonFiniteLoss, match="non-finite loss nan .* at step 2"):
         jp.train(plain, stream(nan_at=2), steps=4, out_dir=str(tmp_path / "stop"), **QUIET)
     assert len(losses(tmp_path / "stop")) == 2
@@ -123,6 +163,7 @@ def test_without_skip_nonfinite_a_nan_step_stops_the_loop_by_name(tmp_path):
 def failing_stream(fail_at, how):
     """The seeded stream, whose batch ``fail_at`` raises (the user's data code failing mid-run) or holds NaN
     (refused by the step's input check)."""
+
     def start():
         for s in itertools.count(1):
             b = BATCH(8, s)
@@ -131,20 +172,25 @@ def failing_stream(fail_at, how):
             if s == fail_at:
                 b["x"] = np.full_like(b["x"], np.nan)
             yield b
+
     return start
 
 
-@pytest.mark.parametrize("how,error,saved", [("raises", OSError, ["1", "2"]),
-                                              ("nan", (jp.ConfigError, jp.training.NonFiniteLoss), ["1", "2"])])
-def test_a_run_that_ends_on_an_error_keeps_its_checkpoints_and_frees_the_directory(pipe, tmp_path, how, error,
-                                                                                   saved):
+@pytest.mark.parametrize(
+    "how,error,saved",
+    [("raises", OSError, ["1", "2"]), ("nan", (jp.ConfigError, jp.training.NonFiniteLoss), ["1", "2"])],
+)
+def test_a_run_that_ends_on_an_error_keeps_its_checkpoints_and_frees_the_directory(
+    pipe, tmp_path, how, error, saved
+):
     """The user's batches raise at step 3, or hold NaN there: the checkpoint of step 2 in flight is finished
     (not left as a temporary folder), the checkpointer closed and the directory's lock released -- the same
     process trains on from step 2 at once, as a run that never failed."""
     ck, run = str(tmp_path / "ck"), str(tmp_path / "run")
     with pytest.raises(error):
-        jp.train(pipe, failing_stream(3, how), steps=5, out_dir=run, checkpoint_dir=ck, checkpoint_every=1,
-                 **QUIET)
+        jp.train(
+            pipe, failing_stream(3, how), steps=5, out_dir=run, checkpoint_dir=ck, checkpoint_every=1, **QUIET
+        )
     left = sorted(os.listdir(ck))
     assert [x for x in left if x.isdigit()] == saved, left
     assert not [x for x in left if "tmp" in x] and ".jaxpipe.lock" not in left, left
@@ -160,8 +206,9 @@ def test_a_refused_resume_frees_the_directory_for_the_right_model(pipe, tmp_path
     ck = str(tmp_path / "ck")
     jp.train(pipe, stream(), steps=2, out_dir=str(tmp_path / "a"), checkpoint_dir=ck, **QUIET)
     wider = jp.models.residual_mlp(2, in_dim=12, num_classes=5, width=24)
-    other = jp.Pipeline(wider, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.05),
-                        mesh=jp.make_mesh(stages=2))
+    other = jp.Pipeline(
+        wider, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.05), mesh=jp.make_mesh(stages=2)
+    )
     with pytest.raises(jp.ConfigError, match="another model"):
         jp.train(other, stream(), steps=3, out_dir=str(tmp_path / "b"), checkpoint_dir=ck, **QUIET)
     assert ".jaxpipe.lock" not in os.listdir(ck)
@@ -175,26 +222,50 @@ def test_a_batches_function_that_returns_one_shared_iterator_is_refused_with_the
     step 1 of a checkpointed run; a run without checkpoints never restarts and trains on it."""
     it = stream()()
     with pytest.raises(jp.ConfigError, match=r"returns the same iterator each time.*generator function"):
-        jp.train(pipe, lambda: it, steps=2, out_dir=str(tmp_path / "a"), checkpoint_dir=str(tmp_path / "ck"),
-                 **QUIET)
+        jp.train(
+            pipe,
+            lambda: it,
+            steps=2,
+            out_dir=str(tmp_path / "a"),
+            checkpoint_dir=str(tmp_path / "ck"),
+            **QUIET,
+        )
     assert not os.path.exists(tmp_path / "ck" / ".jaxpipe.lock")
     done = jp.train(pipe, lambda: it, steps=2, out_dir=str(tmp_path / "b"), **QUIET)
     assert done.step == 2
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(steps=2.5), r"steps=2.5: give a whole number"), (dict(steps="3"), r"steps='3': give a whole number"),
-    (dict(steps=None), r"steps=None: give a whole number"), (dict(eval_every=-1), r"eval_every=-1: must be at least 0"),
-    (dict(checkpoint_every=1.5), r"checkpoint_every=1.5: give a whole number"),
-    (dict(stop_grace_s=float("nan")), r"stop_grace_s=nan: give seconds >= 0"),
-    (dict(eval_batches=3), r"eval_batches=int: give a list"), (dict(hooks=[print, 3]), r"hooks\[1\]=3: give a function"),
-    (dict(evaluate="acc"), r"evaluate='acc': give a function"),
-    (dict(units_per_step="x"), r"units_per_step='x': give a positive number"),
-    (dict(learning_rate=1e-3), r"learning_rate=0.001: give the optax schedule"),
-    (dict(checkpoint_keep="3"), r"checkpoint_keep='3': give a whole number"),
-], ids=["steps_float", "steps_str", "steps_none", "eval_every_negative", "checkpoint_every_float", "grace_nan",
-        "eval_batches_int", "hook_not_callable", "evaluate_str", "units_per_step_str", "learning_rate_float",
-        "keep_str"])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(steps=2.5), r"steps=2.5: give a whole number"),
+        (dict(steps="3"), r"steps='3': give a whole number"),
+        (dict(steps=None), r"steps=None: give a whole number"),
+        (dict(eval_every=-1), r"eval_every=-1: must be at least 0"),
+        (dict(checkpoint_every=1.5), r"checkpoint_every=1.5: give a whole number"),
+        (dict(stop_grace_s=float("nan")), r"stop_grace_s=nan: give seconds >= 0"),
+        (dict(eval_batches=3), r"eval_batches=int: give a list"),
+        (dict(hooks=[print, 3]), r"hooks\[1\]=3: give a function"),
+        (dict(evaluate="acc"), r"evaluate='acc': give a function"),
+        (dict(units_per_step="x"), r"units_per_step='x': give a positive number"),
+        (dict(learning_rate=1e-3), r"learning_rate=0.001: give the optax schedule"),
+        (dict(checkpoint_keep="3"), r"checkpoint_keep='3': give a whole number"),
+    ],
+    ids=[
+        "steps_float",
+        "steps_str",
+        "steps_none",
+        "eval_every_negative",
+        "checkpoint_every_float",
+        "grace_nan",
+        "eval_batches_int",
+        "hook_not_callable",
+        "evaluate_str",
+        "units_per_step_str",
+        "learning_rate_float",
+        "keep_str",
+    ],
+)
 def test_the_loops_options_are_checked_by_name(pipe, kw, match):
     with pytest.raises(jp.ConfigError, match=match):
         jp.Trainer(pipe, stream(), **{"steps": 3, **kw})
@@ -221,6 +292,7 @@ def test_no_eval_batches_and_batches_that_run_out(pipe, tmp_path):
 
 def test_in_flight_of_another_type_is_named(pipe, monkeypatch):
     import jaxpipe.step_checks as sc
+
     monkeypatch.setattr(sc, "IN_FLIGHT", "2")
     with pytest.raises(jp.ConfigError, match=r"IN_FLIGHT='2': give a whole number >= 1"):
         pipe.step(pipe.init(), BATCH(8))
@@ -230,26 +302,33 @@ def test_the_non_finite_stop_keeps_the_librarys_likely_cause(tmp_path):
     """A label past the table of a model that does not declare its integer ids: the loop's stop names the
     field as the pipeline's own check does (it said only "Lower the learning rate")."""
     from test_step_checks import _classifier
+
     model, batch = _classifier()
-    pipe = jp.Pipeline(model, schedule="gpipe", num_microbatches=2, optimizer=optax.sgd(0.1),
-                       mesh=jp.make_mesh(stages=2))
+    pipe = jp.Pipeline(
+        model, schedule="gpipe", num_microbatches=2, optimizer=optax.sgd(0.1), mesh=jp.make_mesh(stages=2)
+    )
     bad = dict(batch, label=batch["label"].at[3].set(99))
-    with pytest.raises(jp.training.NonFiniteLoss, match=r"at step 1, .*Likely cause: batch field\(s\) \['label'\] "
-                                                        r"hold integer ids the model does not declare.*Lower the"):
+    with pytest.raises(
+        jp.training.NonFiniteLoss,
+        match=r"at step 1, .*Likely cause: batch field\(s\) \['label'\] "
+        r"hold integer ids the model does not declare.*Lower the",
+    ):
         jp.train(pipe, [bad, batch], steps=2, out_dir=str(tmp_path), **QUIET)
 
 
 def test_saved_params_are_named_by_their_tree_paths_and_load_with_plain_numpy(pipe, tmp_path):
-    """``jp.save_params`` (what ``--save_params`` writes): every array of ``pipe.params(state)`` under its tree
-    path in the model's own layout -- ``np.load`` gives them back, no jaxpipe needed (it wrote arr_0 ... arr_11
-    in the executor's stacked layout)."""
+    """``jp.save_params`` (what ``--save_params`` writes): every array of ``pipe.params(state)`` under its
+    tree path in the model's own layout -- ``np.load`` gives them back, no jaxpipe needed (it wrote arr_0 ...
+    arr_11 in the executor's stacked layout)."""
     state = pipe.init()
     params = pipe.params(state)
     path = jp.save_params(str(tmp_path / "p"), params)
     assert path == str(tmp_path / "p.npz")
     loaded = np.load(path)
     flat = jax.tree_util.tree_flatten_with_path(dict(zip(("stages", "pre", "post"), params)))[0]
-    assert len(loaded.files) == len(flat) and all(f.split("/")[0] in ("stages", "pre", "post") for f in loaded.files)
+    assert len(loaded.files) == len(flat) and all(
+        f.split("/")[0] in ("stages", "pre", "post") for f in loaded.files
+    )
     assert not any(f.startswith("arr_") for f in loaded.files)
     by_name = {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path_): v for path_, v in flat}
     for name, value in by_name.items():

@@ -1,9 +1,18 @@
-"""Performance model (Chimera §3.4): IR-derived counts, the cost formula, the search; a micro-benchmark smoke."""
+"""Performance model (Chimera §3.4): IR-derived counts, the cost formula, the search; a micro-benchmark
+smoke."""
+
 import jax.numpy as jnp
 import pytest
 
 from jaxpipe import schedules
-from jaxpipe.tune import Costs, critical_path_counts, enumerate_candidates, lockstep_profile, memory_estimate, predict
+from jaxpipe.tune import (
+    Costs,
+    critical_path_counts,
+    enumerate_candidates,
+    lockstep_profile,
+    memory_estimate,
+    predict,
+)
 
 
 def test_critical_path_of_chimera_figure6():
@@ -21,13 +30,18 @@ def test_critical_path_of_flushing_pipelines(name):
 def test_lockstep_profile_counts_every_busy_tick():
     s = schedules.build("1f1b", 4, 8)
     prof = lockstep_profile(s)
-    assert sum(prof.values()) == s.num_ticks          # 1F1B has no all-idle tick
-    assert sum(k * n for (_, k), n in prof.items()) == 2 * 4 * 8     # every op counted once
+    assert sum(prof.values()) == s.num_ticks  # 1F1B has no all-idle tick
+    assert sum(k * n for (_, k), n in prof.items()) == 2 * 4 * 8  # every op counted once
 
 
 def _costs(D, f=1.0, b=2.0, alpha=0.0, beta=0.0):
-    return Costs(op={"F": [f] * D, "B": [b] * D, "W": [1.0] * D}, p2p_alpha=alpha, p2p_beta=beta,
-                 ar_alpha=alpha, ar_beta=beta)
+    return Costs(
+        op={"F": [f] * D, "B": [b] * D, "W": [1.0] * D},
+        p2p_alpha=alpha,
+        p2p_beta=beta,
+        ar_alpha=alpha,
+        ar_beta=beta,
+    )
 
 
 def test_predict_equals_lockstep_makespan_without_communication():
@@ -54,7 +68,7 @@ def test_op_overhead_counts_every_device_op_of_every_pipeline():
     s = schedules.build("1f1b", 4, 8)
     base = predict(s, _costs(4), 0, 0, replicas=1, width=2)["lockstep"]
     more = predict(s, _costs(4), 0, 0, replicas=1, width=2, op_overhead=1e-3)["lockstep"]
-    assert more - base == pytest.approx(1e-3 * 2 * (2 * 4 * 8))     # 2 pipelines x (F + B) x D x M
+    assert more - base == pytest.approx(1e-3 * 2 * (2 * 4 * 8))  # 2 pipelines x (F + B) x D x M
 
 
 def test_search_space_and_memory():
@@ -66,12 +80,13 @@ def test_search_space_and_memory():
     o = next(c for c in cands if c.schedule == "1f1b" and c.D == 4 and c.B == 4)
     ch = next(c for c in cands if c.schedule == "chimera" and c.D == 4 and c.B == 4)
     mem = lambda c: memory_estimate(c, stage_param_bytes=1e6, stash_bytes_per_mb=1e5)
-    assert mem(o) < mem(g)                     # 1F1B stashes D micro-batches, GPipe N
-    assert mem(ch) > mem(o)                    # Chimera holds two weight replicas
+    assert mem(o) < mem(g)  # 1F1B stashes D micro-batches, GPipe N
+    assert mem(ch) > mem(o)  # Chimera holds two weight replicas
 
 
 def test_microbenchmarks_run_and_are_positive():
     from jaxpipe.tune import microbench as mb
+
     c = mb.measure(lambda w, x: jnp.tanh(x @ w), jnp.ones((16, 16)) * 0.1, jnp.ones((4, 16)), devices=2)
     assert len(c.op["F"]) == 2 and all(t > 0 for t in c.op["F"] + c.op["B"])
     # the fits are clamped at 0, so ">= 0" could not fail: a 1 MiB message must cost more than a 4 KiB one
@@ -85,6 +100,7 @@ def test_chimera_free_regions_figure6():
     the step -- regions (a), (b) -- and the tail -- region (c); they add up to the step minus its busy time
     from that point on; some device has a bubble before the tail."""
     from jaxpipe.tune.perf_model import free_regions
+
     s = schedules.build("chimera", 6, 6)
     place = s.place(1.0, 2.0)
     end = max(place["finish"].values())
@@ -103,8 +119,9 @@ def test_unoverlapped_allreduce_fills_free_regions_first():
     step's last op (nothing is left to overlap it); beyond the regions every extra second of all-reduce
     (two per device: two replicas) is a second of step time."""
     from jaxpipe.tune.perf_model import unoverlapped_allreduce
+
     s = schedules.build("chimera", 6, 6)
     un = lambda alpha: unoverlapped_allreduce(s, _costs(6, alpha=alpha), grad_bytes=0, replicas=2)
-    assert un(1e-3) == pytest.approx(2 * 1e-3)      # exactly one all-reduce (2 alpha) stays exposed
-    big1, big2 = un(100.0), un(200.0)      # allreduce(0 bytes, 2 replicas) = 2 alpha
+    assert un(1e-3) == pytest.approx(2 * 1e-3)  # exactly one all-reduce (2 alpha) stays exposed
+    big1, big2 = un(100.0), un(200.0)  # allreduce(0 bytes, 2 replicas) = 2 alpha
     assert big2 - big1 == pytest.approx(2 * 2 * 100.0)

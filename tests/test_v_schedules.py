@@ -1,6 +1,7 @@
 """V-shaped schedules (ZB-V, DualPipeV): added as data only (a builder and a registry entry), run by the one
 executor.  Exact against jax.grad with NaN in every bubble; a step equals the optimizer's update on jax.grad;
 the simulator's bubble and peak in-flight activations next to the published figures."""
+
 import jax
 import numpy as np
 import optax
@@ -12,15 +13,29 @@ from jaxpipe.schedules.v_shape import dualpipe_v_order, v_stage
 from helpers import reference, rel_err, small_model
 
 # (kind, schedule, D, M, data)
-CASES = [("mlp", "zb_v", 2, 4, 1), ("mlp", "zb_v", 4, 8, 1), ("mlp", "zb_v", 4, 8, 2), ("mlp", "zb_v", 2, 3, 2),
-         ("mlp", "dualpipe_v", 2, 4, 1), ("mlp", "dualpipe_v", 4, 8, 1), ("mlp", "dualpipe_v", 4, 10, 2),
-         ("gpt", "zb_v", 4, 8, 1), ("gpt", "dualpipe_v", 2, 4, 2)]
+CASES = [
+    ("mlp", "zb_v", 2, 4, 1),
+    ("mlp", "zb_v", 4, 8, 1),
+    ("mlp", "zb_v", 4, 8, 2),
+    ("mlp", "zb_v", 2, 3, 2),
+    ("mlp", "dualpipe_v", 2, 4, 1),
+    ("mlp", "dualpipe_v", 4, 8, 1),
+    ("mlp", "dualpipe_v", 4, 10, 2),
+    ("gpt", "zb_v", 4, 8, 1),
+    ("gpt", "dualpipe_v", 2, 4, 2),
+]
 
 
 def _pipe(kind, schedule, D, M, data, **kw):
     model, batch_fn = small_model(kind, 2 * D)
-    pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=M, optimizer=optax.adam(1e-2),
-                       mesh=jp.make_mesh(stages=D, data=data), **kw)
+    pipe = jp.Pipeline(
+        model,
+        schedule=schedule,
+        num_microbatches=M,
+        optimizer=optax.adam(1e-2),
+        mesh=jp.make_mesh(stages=D, data=data),
+        **kw,
+    )
     return model, pipe, batch_fn(2 * M * data)
 
 
@@ -37,8 +52,14 @@ def test_matches_jax_grad_with_nan_bubbles(kind, schedule, D, M, data):
 @pytest.mark.parametrize("schedule", ["zb_v", "dualpipe_v"])
 def test_w_recomputed_matches_jax_grad(schedule):
     model, batch_fn = small_model("mlp", 4)
-    pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=4, options={"w_from": "recompute"},
-                       mesh=jp.make_mesh(stages=2), nan_bubbles=True)
+    pipe = jp.Pipeline(
+        model,
+        schedule=schedule,
+        num_microbatches=4,
+        options={"w_from": "recompute"},
+        mesh=jp.make_mesh(stages=2),
+        nan_bubbles=True,
+    )
     batch = batch_fn(8)
     _, grads = pipe.loss_and_grad(pipe.init(), batch)
     assert rel_err(grads, reference(model, batch)[1]) <= 1e-5
@@ -66,7 +87,11 @@ def test_v_placement():
     s = schedules.build("zb_v", num_stages=4, num_microbatches=8)
     assert s.num_model_stages == 8
     soc = s.stage_of_chunk()
-    assert soc.tolist() == [[v_stage(d, 0, 4), v_stage(d, 1, 4)] for d in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert (
+        soc.tolist()
+        == [[v_stage(d, 0, 4), v_stage(d, 1, 4)] for d in range(4)]
+        == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    )
 
 
 @pytest.mark.parametrize("schedule", ["zb_v", "dualpipe_v"])
@@ -74,16 +99,16 @@ def test_v_placement():
 def test_bubble_and_memory(schedule, D, M):
     """f = b = w per chunk: the event-driven makespan is the work (6M chunk ops) plus D - 1 ticks of fill (the
     last device starts D - 1 ticks late; the published (D-1)(F+B-2W) = 0 counts steady state only) -- against
-    1F1B's 3(D - 1) whole-stage units; peak in-flight activations within ZB-V's 2D chunk sets (= 1F1B's D whole
-    stages), DualPipeV's PP + 1 = 2D + 1."""
+    1F1B's 3(D - 1) whole-stage units; peak in-flight activations within ZB-V's 2D chunk sets (= 1F1B's D
+    whole stages), DualPipeV's PP + 1 = 2D + 1."""
     s = schedules.build(schedule, num_stages=D, num_microbatches=M)
     r = s.simulate(f=1.0, b=2.0, w=1.0)
     assert r.makespan == 6 * M + D - 1
-    one = schedules.build("1f1b", num_stages=D, num_microbatches=M).simulate(f=2.0, b=4.0)   # whole stages
+    one = schedules.build("1f1b", num_stages=D, num_microbatches=M).simulate(f=2.0, b=4.0)  # whole stages
     assert r.makespan < one.makespan
     cap = 2 * D if schedule == "zb_v" else 2 * D + 1
     assert max(r.peak_inflight) <= cap
-    assert max(r.peak_inflight) >= 2 * D          # both chunks of the V fill
+    assert max(r.peak_inflight) >= 2 * D  # both chunks of the V fill
     assert r.lane_stash_capacity >= max(r.lane_peak_inflight)
 
 
@@ -99,10 +124,13 @@ def test_dualpipe_v_order_is_its_eight_steps():
         assert len(order) == 3 * 2 * 8
 
 
-@pytest.mark.parametrize("bad,match", [
-    (dict(schedule="dualpipe_v", num_microbatches=3), "at least 2 x devices"),
-    (dict(schedule="zb_v", num_microbatches=4, options={"w_from": "nope"}), "w_from"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (dict(schedule="dualpipe_v", num_microbatches=3), "at least 2 x devices"),
+        (dict(schedule="zb_v", num_microbatches=4, options={"w_from": "nope"}), "w_from"),
+    ],
+)
 def test_clear_errors(bad, match):
     model, _ = small_model("mlp", 4)
     with pytest.raises(Exception, match=match):

@@ -1,5 +1,6 @@
 """XLA's own cost of a compiled program against the plain one-device step that does the same work
 (``compiled.cost_analysis()`` bytes accessed): what the executor adds where no pipeline hides it (D = 1)."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,10 +29,11 @@ def _account_agrees_with_xla(compiled, trips):
     runs ``trips`` times, and counted so (with the layer scans inside it) the program moves at least that many
     bodies more than XLA's once-per-body figure."""
     from jaxpipe.hlo_bytes import account
+
     a = account(compiled.as_text())
     assert a.static == pytest.approx(_bytes(compiled), rel=0.02)
     assert [n for n, _ in a.loops] == [trips]
-    assert a.per_call >= (a.static + (trips - 1) * a.loops[0][1]) * (1 - 1e-6)     # (and loops inside it)
+    assert a.per_call >= (a.static + (trips - 1) * a.loops[0][1]) * (1 - 1e-6)  # (and loops inside it)
     assert a.top and a.top[0][2] >= a.top[-1][2]
 
 
@@ -39,8 +41,8 @@ def _account_agrees_with_xla(compiled, trips):
 def test_loss_and_grad_at_one_device_adds_no_pass_over_the_gradient(schedule):
     """Issue #51 item 3: ``loss_and_grad`` divided the summed gradient after its loop -- one more read and
     write of the whole gradient, 1.32x the plain step's bytes (MLP 8 x 1024²).  It now divides each
-    micro-batch's gradient as it adds it, as the plain step does; and the stage's layer scan adds into the sums in
-    place (``runtime.wsplit.BackwardSplit.weight_part_into``)."""
+    micro-batch's gradient as it adds it, as the plain step does; and the stage's layer scan adds into the
+    sums in place (``runtime.wsplit.BackwardSplit.weight_part_into``)."""
     r = np.random.default_rng(0)
     w = jnp.asarray(r.normal(size=(L, H, H)) / np.sqrt(H), jnp.float32)
     x, y = (jnp.asarray(r.normal(size=(B, H)), jnp.float32) for _ in range(2))
@@ -50,9 +52,12 @@ def test_loss_and_grad_at_one_device_adds_no_pass_over_the_gradient(schedule):
         def body(c, xy):
             l, g = jax.value_and_grad(_mse)(w, *xy)
             return (c[0] + l / M, c[1] + g / M), None
+
         return jax.lax.scan(body, (0.0, jnp.zeros_like(w)), (x.reshape(M, -1, H), y.reshape(M, -1, H)))[0]
 
-    model = jp.PipelineModel(stage_fn=_stage, stage_params=w[None], post_loss=lambda _, h, b: jnp.mean((h - b["y"]) ** 2))
+    model = jp.PipelineModel(
+        stage_fn=_stage, stage_params=w[None], post_loss=lambda _, h, b: jnp.mean((h - b["y"]) ** 2)
+    )
     pipe = jp.Pipeline(model, schedule=schedule, num_microbatches=M, mesh=jp.make_mesh(stages=1, data=1))
     state, batch = pipe.init(), {"x": x, "y": y}
     ours, theirs = pipe.lower("grad", state, batch).compile(), plain.lower(w, x, y).compile()

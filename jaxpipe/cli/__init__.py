@@ -1,6 +1,6 @@
 """The ``jaxpipe`` command (installed with the package), one subcommand a task, absl flags each:
 
-    jaxpipe train --model=mlp --stages=2 --steps=100        # train a model (bundled, or --model=pkg.mod:factory)
+    jaxpipe train --model=mlp --stages=2 --steps=100        # bundled, or --model=pkg.mod:factory
     jaxpipe launch --num_processes=2 -- --model=mlp          # a multi-process job on this machine
     jaxpipe configure --model=gpt --stages=4                 # let jaxpipe choose the split, schedule and M
     jaxpipe timeline --schedule=zb_v --stages=4              # draw a schedule
@@ -8,6 +8,7 @@
 
 ``python -m jaxpipe.cli.<command>`` (and, in a clone, ``python -m experiments.<command>``) runs the same code.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -16,15 +17,18 @@ from typing import NamedTuple
 
 
 class Command(NamedTuple):
-    module: str       # the module whose ``main(argv)`` runs it and whose flags it takes
+    module: str  # the module whose ``main(argv)`` runs it and whose flags it takes
     summary: str
 
 
 COMMANDS = {
     "train": Command("jaxpipe.cli.train", "train a pipelined model: checkpoints, resume, stops, evaluation"),
     "launch": Command("jaxpipe.cli.launch", "start a multi-process job on this machine (jax.distributed)"),
-    "configure": Command("jaxpipe.cli.configure", "choose the stage x data split, schedule, micro-batches "
-                                                  "and residuals for a model, and print the command"),
+    "configure": Command(
+        "jaxpipe.cli.configure",
+        "choose the stage x data split, schedule, micro-batches "
+        "and residuals for a model, and print the command",
+    ),
     "timeline": Command("jaxpipe.cli.timeline", "draw a schedule's timeline and print its simulated bubble"),
 }
 
@@ -44,6 +48,7 @@ def main(argv=None) -> None:
         sys.exit(0 if len(argv) >= 2 else 2)
     if argv[1] in ("--version", "version"):
         from jaxpipe import __version__
+
         print(f"jaxpipe {__version__}")
         sys.exit(0)
     command = COMMANDS.get(argv[1])
@@ -53,4 +58,5 @@ def main(argv=None) -> None:
     sys.argv = [f"jaxpipe {argv[1]}", *argv[2:]]
     module = importlib.import_module(command.module)
     from jaxpipe.cli import common
+
     common.run(module.main, module.__doc__)

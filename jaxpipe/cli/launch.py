@@ -11,6 +11,7 @@ worker paused (SIGSTOP, a debugger, a frozen VM) for half the workers' ``--heart
 with one line naming it (exit 124), before the coordination service would abort every process.  Each process
 gets ``stages x data x pipes / N`` CPU devices.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,12 +31,24 @@ flags.DEFINE_integer("num_processes", 2, "processes to start")
 flags.DEFINE_integer("port", 0, "coordinator port on 127.0.0.1 (0: pick a free one)")
 flags.DEFINE_string("module", "jaxpipe.cli.train", "the runner every process executes")
 flags.DEFINE_integer("timeout", 0, "seconds before the whole job is stopped (0: none)")
-flags.DEFINE_integer("stall_timeout", 300, "seconds a worker may go without finishing a step (its heartbeat, "
-                     "counted from its first step) before the job is stopped (0: no watchdog)")
-flags.DEFINE_integer("stop_timeout", 120, "seconds the workers get to save and exit after a stop before they "
-                     "are terminated (then killed min(30, this) s later)")
-flags.DEFINE_boolean("verbose", False, "also relay the collective library's connection chatter ('[Gloo] Rank i "
-                     "is connected to ...', printed by its C++ code on every process)")
+flags.DEFINE_integer(
+    "stall_timeout",
+    300,
+    "seconds a worker may go without finishing a step (its heartbeat, "
+    "counted from its first step) before the job is stopped (0: no watchdog)",
+)
+flags.DEFINE_integer(
+    "stop_timeout",
+    120,
+    "seconds the workers get to save and exit after a stop before they "
+    "are terminated (then killed min(30, this) s later)",
+)
+flags.DEFINE_boolean(
+    "verbose",
+    False,
+    "also relay the collective library's connection chatter ('[Gloo] Rank i "
+    "is connected to ...', printed by its C++ code on every process)",
+)
 FLAGS = flags.FLAGS
 
 
@@ -59,10 +72,11 @@ def _die_with_parent() -> None:
     (``jaxpipe.training.stopping.PARENT_DEATH``, counted once however often the kernel sends it) -- the worker
     then stops as if preempted (checkpoint, exit 143) instead of training headless to the end."""
     import ctypes
+
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, PARENT_DEATH, 0, 0, 0)          # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):                 # not Linux: nothing to set
+        libc.prctl(1, PARENT_DEATH, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: nothing to set
         pass
 
 
@@ -76,10 +90,10 @@ def _pump(i, stream, out, verbose=False):
 
 def _stalled(beats, limit: float):
     """``(workers, age)``: the workers whose heartbeat file (touched after every step) is older than ``limit``
-    seconds, and the oldest age; None if none is.  A worker that has not finished a step yet has no file and is
-    not judged.  Workers waiting in a collective for a stalled peer stall too, from about the same step: once
-    one is late, every worker whose heartbeat is older than half the limit is named (the stuck one may have
-    finished its last step after a waiting peer did -- a loaded machine -- and be a little younger)."""
+    seconds, and the oldest age; None if none is.  A worker that has not finished a step yet has no file and
+    is not judged.  Workers waiting in a collective for a stalled peer stall too, from about the same step:
+    once one is late, every worker whose heartbeat is older than half the limit is named (the stuck one may
+    have finished its last step after a waiting peer did -- a loaded machine -- and be a little younger)."""
     now, ages = time.time(), {}
     for i, path in enumerate(beats):
         try:
@@ -121,28 +135,56 @@ def _heartbeat_timeout(args) -> float:
 STOPPED = 143
 
 
-def launch(args, num_processes: int, module: str = "jaxpipe.cli.train", port: int = 0, timeout: float = 0,
-           verbose: bool = False, stall_timeout: float = 0, stop_timeout: float = 120) -> int:
-    """Run the job; returns 0 if every process succeeded, else the first failing process's status (124: the job
-    ran past ``timeout``, or a worker stalled past ``stall_timeout``)."""
+def launch(
+    args,
+    num_processes: int,
+    module: str = "jaxpipe.cli.train",
+    port: int = 0,
+    timeout: float = 0,
+    verbose: bool = False,
+    stall_timeout: float = 0,
+    stop_timeout: float = 120,
+) -> int:
+    """Run the job; returns 0 if every process succeeded, else the first failing process's status (124: the
+    job ran past ``timeout``, or a worker stalled past ``stall_timeout``)."""
     import tempfile
+
     if num_processes < 1:
         raise app.UsageError(f"--num_processes={num_processes}: give at least 1")
     port = port or free_port()
-    job_id = f"{socket.gethostname()}-{os.getpid()}-{int(time.time())}"    # the join gate's identity of this job
+    job_id = (
+        f"{socket.gethostname()}-{os.getpid()}-{int(time.time())}"  # the join gate's identity of this job
+    )
     procs, pumps = [], []
     beat_dir = tempfile.mkdtemp(prefix="jaxpipe-heartbeat-")
     beats = [os.path.join(beat_dir, str(i)) for i in range(num_processes)]
     for i in range(num_processes):
-        cmd = [sys.executable, "-m", module, *args, f"--num_processes={num_processes}", f"--process_id={i}",
-               f"--coordinator=127.0.0.1:{port}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            module,
+            *args,
+            f"--num_processes={num_processes}",
+            f"--process_id={i}",
+            f"--coordinator=127.0.0.1:{port}",
+        ]
         # own session: a Ctrl-C in the terminal reaches the launcher only, which forwards it once
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                             env=dict(os.environ, JAXPIPE_HEARTBEAT=beats[i], JAXPIPE_LAUNCHER_PID=str(os.getpid()),
-                                      JAXPIPE_JOB_ID=job_id,
-                                      JAXPIPE_STOP_TIMEOUT=str(stop_timeout),
-                                      **({"JAXPIPE_VERBOSE": "1"} if verbose else {})),
-                             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+        p = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            env=dict(
+                os.environ,
+                JAXPIPE_HEARTBEAT=beats[i],
+                JAXPIPE_LAUNCHER_PID=str(os.getpid()),
+                JAXPIPE_JOB_ID=job_id,
+                JAXPIPE_STOP_TIMEOUT=str(stop_timeout),
+                **({"JAXPIPE_VERBOSE": "1"} if verbose else {}),
+            ),
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        )
         t = threading.Thread(target=_pump, args=(i, p.stdout, sys.stdout, verbose), daemon=True)
         t.start()
         procs.append(p)
@@ -170,23 +212,32 @@ def launch(args, num_processes: int, module: str = "jaxpipe.cli.train", port: in
         _paused(procs, paused, time.monotonic())
         long_paused = sorted(i for i, t in paused.items() if time.monotonic() - t >= pause_limit)
         if long_paused:
-            print(f"launch: process(es) {long_paused} paused (stopped: SIGSTOP, a debugger, a frozen VM) for "
-                  f"{pause_limit:g} s; the other processes wait for them in their collectives and the "
-                  f"coordination service would abort every process after --heartbeat_timeout="
-                  f"{_heartbeat_timeout(args):g} s: ending the job now (exit 124); resume it from its last "
-                  f"checkpoint", file=sys.stderr, flush=True)
+            print(
+                f"launch: process(es) {long_paused} paused (stopped: SIGSTOP, a debugger, a frozen VM) for "
+                f"{pause_limit:g} s; the other processes wait for them in their collectives and the "
+                f"coordination service would abort every process after --heartbeat_timeout="
+                f"{_heartbeat_timeout(args):g} s: ending the job now (exit 124); resume it from its last "
+                f"checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
             for p in procs:
                 if p.poll() is None:
-                    p.kill()            # a stopped process takes no SIGTERM until it runs again
+                    p.kill()  # a stopped process takes no SIGTERM until it runs again
             rc = 124
             break
         if not got and stall_timeout and (stall := _stalled(beats, stall_timeout)) is not None:
-            print(f"launch: process(es) {stall[0]} finished no step for {stall[1]:.0f} s (--stall_timeout="
-                  f"{stall_timeout:g}; a process waiting in a collective for a stuck peer stalls with it): "
-                  f"stopping the job", file=sys.stderr, flush=True)
+            print(
+                f"launch: process(es) {stall[0]} finished no step for {stall[1]:.0f} s (--stall_timeout="
+                f"{stall_timeout:g}; a process waiting in a collective for a stuck peer stalls with it): "
+                f"stopping the job",
+                file=sys.stderr,
+                flush=True,
+            )
             forward(signal.SIGTERM, None)
         if not got and STOPPED in codes:
-            # a worker stopped on its own (a stop its processes agreed on: --stop_at_step, a signal sent to the
+            # a worker stopped on its own (a stop its processes agreed on: --stop_at_step, a signal sent to
+            # the
             # workers, not to the launcher): the others are saving their share too -- wait for them as for a
             # forwarded stop, not end them as after a failure
             got.append(None)
@@ -195,10 +246,13 @@ def launch(args, num_processes: int, module: str = "jaxpipe.cli.train", port: in
             # stopping: every worker saves its share of the checkpoint and exits; wait for all (bounded)
             if all(c is not None for c in codes) or time.monotonic() - got_at[0] > stop_timeout:
                 late = [i for i, c in enumerate(codes) if c is None]
-                if late:       # a step that cannot finish (a stuck peer, user code): the stop-save never came
-                    print(f"launch: process(es) {late} did not finish the stop within --stop_timeout="
-                          f"{stop_timeout:g} s (a step that cannot finish); ending them without their save",
-                          file=sys.stderr, flush=True)
+                if late:  # a step that cannot finish (a stuck peer, user code): the stop-save never came
+                    print(
+                        f"launch: process(es) {late} did not finish the stop within --stop_timeout="
+                        f"{stop_timeout:g} s (a step that cannot finish); ending them without their save",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 rc = 124 if stall is not None or late else failed[0] if failed else 0
                 break
         elif failed or all(c == 0 for c in codes):
@@ -212,6 +266,7 @@ def launch(args, num_processes: int, module: str = "jaxpipe.cli.train", port: in
     if got and not rc:
         rc = next((c for c in (p.returncode for p in procs) if c), 0)
     import shutil
+
     shutil.rmtree(beat_dir, ignore_errors=True)
     grace = max(5.0, min(30.0, stop_timeout))
     for p in procs:
@@ -219,10 +274,12 @@ def launch(args, num_processes: int, module: str = "jaxpipe.cli.train", port: in
             p.terminate()
     for p in procs:
         try:
-            p.wait(timeout=grace)              # bounded shutdown: then killed
+            p.wait(timeout=grace)  # bounded shutdown: then killed
         except subprocess.TimeoutExpired:
-            print(f"launch: process {procs.index(p)} did not exit {grace:g} s after SIGTERM; killing it",
-                  file=sys.stderr)
+            print(
+                f"launch: process {procs.index(p)} did not exit {grace:g} s after SIGTERM; killing it",
+                file=sys.stderr,
+            )
             p.kill()
     for sig, h in old.items():
         signal.signal(sig, h)
@@ -232,8 +289,12 @@ def launch(args, num_processes: int, module: str = "jaxpipe.cli.train", port: in
     if codes and all(c == STOPPED for c in codes):
         # every worker saved its share of the checkpoint and exited as a stopped job does: a preemption, not a
         # failure -- the launcher's own status says the same
-        print(f"launch: the job stopped (every process saved its checkpoint and exited {STOPPED}): run the same "
-              f"command again to resume", file=sys.stderr)
+        print(
+            f"launch: the job stopped (every process saved its checkpoint and exited {STOPPED}): run the "
+            "same "
+            f"command again to resume",
+            file=sys.stderr,
+        )
         return STOPPED
     if rc:
         print(f"launch: process {codes} exit statuses; job failed", file=sys.stderr)
@@ -241,8 +302,18 @@ def launch(args, num_processes: int, module: str = "jaxpipe.cli.train", port: in
 
 
 def main(argv):
-    sys.exit(launch(argv[1:], FLAGS.num_processes, FLAGS.module, FLAGS.port, FLAGS.timeout, FLAGS.verbose,
-                    FLAGS.stall_timeout, FLAGS.stop_timeout))
+    sys.exit(
+        launch(
+            argv[1:],
+            FLAGS.num_processes,
+            FLAGS.module,
+            FLAGS.port,
+            FLAGS.timeout,
+            FLAGS.verbose,
+            FLAGS.stall_timeout,
+            FLAGS.stop_timeout,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """What a runner leaves beside its ``metrics.jsonl``: the resolved configuration as an absl flag file
-(``config.flags``: run it again with ``--flagfile=<out_dir>/config.flags``).  The metrics and their TensorBoard
-event files are written by the training loop (``jaxpipe.training.records``).
+(``config.flags``: run it again with ``--flagfile=<out_dir>/config.flags``).  The metrics and their
+TensorBoard event files are written by the training loop (``jaxpipe.training.records``).
 
-Why absl flag files for configs: the runners' flags are absl's already, so a flag file needs no new dependency,
-takes every flag a runner has (its ``--help`` lists them), can be layered (``--flagfile=a --flagfile=b --lr=1e-3``:
+Why absl flag files for configs: the runners' flags are absl's already, so a flag file needs no new
+dependency, takes every flag a runner has (its ``--help`` lists them), can be layered (``--flagfile=a
+--flagfile=b --lr=1e-3``:
 later wins) and is what the saved config is -- one format to write and to read back."""
+
 from __future__ import annotations
 
 import os
@@ -14,6 +16,7 @@ from absl import flags
 def runner_flags():
     """The flags the running runner reads (:func:`jaxpipe.cli.common.runner_modules`), by name."""
     from jaxpipe.cli.common import runner_modules
+
     by_module = flags.FLAGS.flags_by_module_dict()
     return sorted({f.name: f for m in runner_modules() for f in by_module[m]}.values(), key=lambda f: f.name)
 

@@ -9,6 +9,7 @@
 Also prints the text form and the simulator's report (event-driven and lockstep makespan, bubble ratio,
 peak in-flight micro-batches and weight versions per device).  No JAX is imported.
 """
+
 from __future__ import annotations
 
 from jaxpipe.cli import common as cli
@@ -18,18 +19,30 @@ flags.DEFINE_string("schedule", "1f1b", "schedule to draw (see jaxpipe.schedules
 flags.DEFINE_integer("stages", 4, "pipeline stages (devices)")
 flags.DEFINE_integer("microbatches", 8, "micro-batches per step")
 flags.DEFINE_float("f", 1.0, "forward time of one stage on one micro-batch")
-flags.DEFINE_float("b", 2.0, "backward time of one stage on one micro-batch: the whole backward, for every "
-                   "schedule (a split one -- zb_h1, zb_v, dualpipe_v -- runs it as B and W)")
-flags.DEFINE_float("w", None, "split backward (zb_h1, zb_v, dualpipe_v): the weight-gradient part W of --b "
-                   "(B runs b - w); default b / 2")
+flags.DEFINE_float(
+    "b",
+    2.0,
+    "backward time of one stage on one micro-batch: the whole backward, for every "
+    "schedule (a split one -- zb_h1, zb_v, dualpipe_v -- runs it as B and W)",
+)
+flags.DEFINE_float(
+    "w",
+    None,
+    "split backward (zb_h1, zb_v, dualpipe_v): the weight-gradient part W of --b "
+    "(B runs b - w); default b / 2",
+)
 flags.DEFINE_integer("pipelines", 2, "chimera: 2f pipelines (f dividing stages/2)")
 flags.DEFINE_integer("virtual", 2, "interleaved_1f1b: model chunks per device")
 flags.DEFINE_integer("advance", 0, "avgpipe: forwards issued beyond 1F1B's warm-up (0 = 1F1B, M-1 = AFAB)")
-flags.DEFINE_enum("mode", "event", ["event", "lockstep", "lanes", "ordered"],
-                  "event: as-soon-as-possible (MPMD) timeline; lanes: what the executor runs by default (an F "
-                  "and a B lane per tick, each as long as its slowest op); ordered: the executor's "
-                  "placement=\"ordered\" (one op per device per tick); lockstep: that, one op per tick costing the "
-                  "slowest")
+flags.DEFINE_enum(
+    "mode",
+    "event",
+    ["event", "lockstep", "lanes", "ordered"],
+    "event: as-soon-as-possible (MPMD) timeline; lanes: what the executor runs by default (an F "
+    "and a B lane per tick, each as long as its slowest op); ordered: the executor's "
+    'placement="ordered" (one op per device per tick); lockstep: that, one op per tick costing the '
+    "slowest",
+)
 flags.DEFINE_string("out", "timeline.png", "PNG path ('' to skip)")
 flags.DEFINE_string("trace", "", "optional Chrome/Perfetto trace JSON path")
 flags.DEFINE_bool("text", True, "print the text timeline (one column per lockstep tick)")
@@ -39,22 +52,34 @@ FLAGS = flags.FLAGS
 def main(argv):
     del argv
     from jaxpipe import schedules
+
     if FLAGS.schedule in ("cdp_dp", "cyclic"):
         return cyclic_timeline()
     try:
-        opts = {"chimera": {"pipelines": FLAGS.pipelines}, "interleaved_1f1b": {"virtual": FLAGS.virtual},
-                "avgpipe": {"advance": FLAGS.advance}}
-        s = schedules.build(FLAGS.schedule, num_stages=FLAGS.stages, num_microbatches=FLAGS.microbatches,
-                            **opts.get(FLAGS.schedule, {}))
+        opts = {
+            "chimera": {"pipelines": FLAGS.pipelines},
+            "interleaved_1f1b": {"virtual": FLAGS.virtual},
+            "avgpipe": {"advance": FLAGS.advance},
+        }
+        s = schedules.build(
+            FLAGS.schedule,
+            num_stages=FLAGS.stages,
+            num_microbatches=FLAGS.microbatches,
+            **opts.get(FLAGS.schedule, {}),
+        )
         if FLAGS.schedule == "wpipe":
             # three batches, to show the steady state between fill and drain
             from jaxpipe.schedules import wpipe
+
             s = wpipe.build_wpipe(FLAGS.stages, FLAGS.microbatches, batches=3).validate()
             ss = wpipe.steady_state(FLAGS.stages, FLAGS.microbatches)
-            print(f"wpipe steady state: bubble {ss.bubble:g}, period {ss.period} ticks per batch, in flight per "
-                  f"device G0 {ss.g0_inflight} G1 {ss.g1_inflight} micro-batches ({ss.activations_units:g} "
-                  f"partition-activations in all; WPipe Table 1's (4M-N+1)/4 S_a is {ss.table1_units:g}), "
-                  f"G0 two versions + G1 one")
+            print(
+                f"wpipe steady state: bubble {ss.bubble:g}, period {ss.period} ticks per batch, in flight "
+                "per "
+                f"device G0 {ss.g0_inflight} G1 {ss.g1_inflight} micro-batches ({ss.activations_units:g} "
+                f"partition-activations in all; WPipe Table 1's (4M-N+1)/4 S_a is {ss.table1_units:g}), "
+                f"G0 two versions + G1 one"
+            )
             print("| WPipe | paper (Table 1, §3.2) | this timeline |\n|---|---|---|")
             for what, paper, here in ss.table1():
                 print(f"| {what} | {paper} | {here} |")
@@ -64,8 +89,9 @@ def main(argv):
         print(s.render_text())
     w = FLAGS.w if s.has_w() else None
     if w is not None and not 0 <= w <= FLAGS.b:
-        raise app.UsageError(f"--w={w:g}: the weight-gradient part of the whole backward --b={FLAGS.b:g}; give "
-                             f"0 <= w <= b")
+        raise app.UsageError(
+            f"--w={w:g}: the weight-gradient part of the whole backward --b={FLAGS.b:g}; give 0 <= w <= b"
+        )
     print(s.simulate(f=FLAGS.f, b=FLAGS.b, w=w).summary())
     if FLAGS.out:
         s.render(FLAGS.out, f=FLAGS.f, b=FLAGS.b, w=w, mode=FLAGS.mode)
@@ -79,6 +105,7 @@ def cyclic_timeline():
     """Cyclic Data Parallelism's DP form (``--schedule=cdp_dp``): N = --stages workers, one row each, and
     the activations one device would hold running them all, cyclic vs DP order (Figure 1, Table 1)."""
     from jaxpipe.schedules import cyclic as cyc
+
     N = FLAGS.stages
     ticks = range(0, 6 * N)
     for i in range(N):
@@ -89,19 +116,29 @@ def cyclic_timeline():
         print(f"worker {i}: " + " ".join(f"{c:>3}" for c in cells))
     prof_c = [cyc.live_units(N, t) for t in ticks]
     prof_d = [cyc.live_units(N, t, cyclic=False) for t in ticks]
-    print(f"stage activations held on one device: cyclic {prof_c}\n                                       DP {prof_d}")
-    print(f"steady state: cyclic {N * (N + 1) // 2} units = (N+1)/2 B Psi_A at every tick; DP peaks at {N * N} "
-          f"= N B Psi_A (Table 1)")
+    print(
+        f"stage activations held on one device: cyclic {prof_c}\n                                       DP "
+        f"{prof_d}"
+    )
+    print(
+        f"steady state: cyclic {N * (N + 1) // 2} units = (N+1)/2 B Psi_A at every tick; DP peaks at {N * N} "
+        f"= N B Psi_A (Table 1)"
+    )
     if FLAGS.out:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+
         fig, ax = plt.subplots(figsize=(8, 3))
         ax.step(list(ticks), prof_d, where="mid", label="DP (all workers in step)")
         ax.step(list(ticks), prof_c, where="mid", label="cyclic (workers 2 steps apart)")
-        ax.set_xlabel("time step"); ax.set_ylabel("stage activations held")
+        ax.set_xlabel("time step")
+        ax.set_ylabel("stage activations held")
         ax.set_title(f"Cyclic Data Parallelism, N={N}: activations on a single device")
-        ax.legend(); fig.tight_layout(); fig.savefig(FLAGS.out, dpi=110)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(FLAGS.out, dpi=110)
         print(f"wrote {FLAGS.out}")
 
 

@@ -13,20 +13,20 @@ parameters into the modules' own layout again.
 ``batch["x"]``).  Blocks called with the block's input only; blocks that need masks or dropout keys take
 ``block_call=lambda apply, p, x, ctx: ...`` (a context model: ``stage_inputs=`` names the batch fields).
 
-Sharding: the modules' own partitioning metadata becomes the model's ``param_specs`` (:mod:`jaxpipe.sharding`):
-``nnx.with_partitioning`` (NNX, variables created with ``nnx.use_eager_sharding(False)`` or under a mesh) or
-``nn.with_logical_partitioning`` (Linen: pass the boxed parameters), with ``rules=[("embed", "fsdp"), ("mlp",
-"tensor"), ...]`` mapping logical axis names to mesh axes (names without a rule are replicated; no rules: the
-names are mesh axes).  A stage's spec gets ``None`` for its block axis.
+Sharding: the modules' own partitioning metadata becomes the model's ``param_specs``
+(:mod:`jaxpipe.sharding`): ``nnx.with_partitioning`` (NNX, variables created with
+``nnx.use_eager_sharding(False)`` or under a mesh) or ``nn.with_logical_partitioning`` (Linen: pass the boxed
+parameters), with ``rules=[("embed", "fsdp"), ("mlp", "tensor"), ...]`` mapping logical axis names to mesh
+axes (names without a rule are replicated; no rules: the names are mesh axes).  A stage's spec gets ``None``
+for its block axis.
 """
+
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from ..errors import ConfigError
 from ..model import PipelineModel
@@ -36,19 +36,27 @@ def _stack_blocks(per_block: Sequence[Any], num_stages: int, cut=None):
     """The blocks' parameters stacked: ``[num_stages, n / num_stages, ...]`` for an even cut, or the blocks'
     own ``[n, ...]`` for a ``cut`` (the pipeline pads them: :mod:`jaxpipe.cuts`)."""
     from ..cuts import check_cut, even_cut
+
     n = len(per_block)
     if cut is None and (num_stages < 1 or n % num_stages):
-        suggestion = f"cut={list(even_cut(n, num_stages))} (uneven stages), or " if 1 <= num_stages <= n else ""
-        raise ConfigError(f"{n} blocks cannot be cut into {num_stages} equal stages: give {suggestion}a number of "
-                          f"stages dividing {n} (e.g. {[d for d in range(1, n + 1) if n % d == 0]})")
+        suggestion = (
+            f"cut={list(even_cut(n, num_stages))} (uneven stages), or " if 1 <= num_stages <= n else ""
+        )
+        raise ConfigError(
+            f"{n} blocks cannot be cut into {num_stages} equal stages: give {suggestion}a number of "
+            f"stages dividing {n} (e.g. {[d for d in range(1, n + 1) if n % d == 0]})"
+        )
     if cut is not None:
         check_cut(cut, n, num_stages)
     ref = jax.tree.structure(per_block[0])
     for i, p in enumerate(per_block[1:], 1):
         if jax.tree.structure(p) != ref or any(
-                jnp.shape(a) != jnp.shape(b) for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(per_block[0]))):
-            raise ConfigError(f"block {i}'s parameters differ in structure or shape from block 0's: a pipeline "
-                              f"stage runs identical blocks (put differing layers into the embedding or head)")
+            jnp.shape(a) != jnp.shape(b) for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(per_block[0]))
+        ):
+            raise ConfigError(
+                f"block {i}'s parameters differ in structure or shape from block 0's: a pipeline "
+                f"stage runs identical blocks (put differing layers into the embedding or head)"
+            )
     if cut is not None:
         return jax.tree.map(lambda *xs: jnp.stack(xs), *per_block)
     per = n // num_stages
@@ -66,10 +74,13 @@ def _block_fn(apply_block: Callable, block_call: Optional[Callable]):
 def _mesh_spec(spec, rules):
     """A logical PartitionSpec mapped to mesh axes by ``rules`` (logical name -> mesh axis or None)."""
     from jax.sharding import PartitionSpec as P
+
     if rules is None:
         return P(*spec)
     table = dict(rules)
-    one = lambda n: table.get(n) if isinstance(n, str) else (tuple(table.get(x) for x in n if table.get(x)) or None)
+    one = lambda n: (
+        table.get(n) if isinstance(n, str) else (tuple(table.get(x) for x in n if table.get(x)) or None)
+    )
     return P(*(None if e is None else one(e) for e in spec))
 
 
@@ -77,6 +88,7 @@ def _param_specs(block_specs, embed_specs, head_specs, rules):
     """``param_specs`` from the modules' partition specs (trees of PartitionSpec); None where nothing is
     sharded."""
     from jax.sharding import PartitionSpec as P
+
     is_p = lambda x: isinstance(x, P)
     conv = lambda t, lead=(): jax.tree.map(lambda s: P(*lead, *_mesh_spec(s, rules)), t, is_leaf=is_p)
     out = (conv(block_specs, (None,)), conv(embed_specs), conv(head_specs))
@@ -89,9 +101,13 @@ def _shared_variables(embed, head):
     """``[(embed path, head path)]`` of the NNX Variables the embedding and the head share (one object
     reachable from both: a head reusing the token embedding), in ``to_pure_dict`` paths."""
     from flax import nnx
+
     mine = {id(n): tuple(p) for p, n in nnx.iter_graph(embed) if isinstance(n, nnx.Variable)}
-    return [(mine[id(n)], tuple(p)) for p, n in nnx.iter_graph(head)
-            if isinstance(n, nnx.Variable) and id(n) in mine]
+    return [
+        (mine[id(n)], tuple(p))
+        for p, n in nnx.iter_graph(head)
+        if isinstance(n, nnx.Variable) and id(n) in mine
+    ]
 
 
 def _same_arrays(a, b):
@@ -106,21 +122,47 @@ def _share(module, path, variable):
     node = module
     for k in path[:-1]:
         node = node[k] if isinstance(k, int) else getattr(node, k)
-    setattr(node, path[-1], variable) if not isinstance(path[-1], int) else node.__setitem__(path[-1], variable)
+    setattr(node, path[-1], variable) if not isinstance(path[-1], int) else node.__setitem__(
+        path[-1], variable
+    )
     return module
 
 
-def _model(apply_block, stacked, apply_embed, embed_p, apply_head, head_p, loss, inputs, block_call,
-           stage_inputs, param_specs=None, tied=(), recut=None, cut=None, integer_inputs=None):
+def _model(
+    apply_block,
+    stacked,
+    apply_embed,
+    embed_p,
+    apply_head,
+    head_p,
+    loss,
+    inputs,
+    block_call,
+    stage_inputs,
+    param_specs=None,
+    tied=(),
+    recut=None,
+    cut=None,
+    integer_inputs=None,
+):
     block_fn, context = _block_fn(apply_block, block_call)
     pick = inputs or (lambda b: b["x"])
     return PipelineModel(
-        block_fn=block_fn, stage_params=stacked, cut=None if cut is None else tuple(cut),
-        pre=lambda p, b: apply_embed(p, pick(b)), pre_params=embed_p,
-        post_loss=lambda p, h, b: loss(apply_head(p, h), b), post_params=head_p,
-        head=apply_head, context=context or bool(stage_inputs), stage_inputs=tuple(stage_inputs),
-        param_specs=param_specs, tied=tuple(tied), recut=None if cut is not None else recut,
-        integer_inputs=integer_inputs)
+        block_fn=block_fn,
+        stage_params=stacked,
+        cut=None if cut is None else tuple(cut),
+        pre=lambda p, b: apply_embed(p, pick(b)),
+        pre_params=embed_p,
+        post_loss=lambda p, h, b: loss(apply_head(p, h), b),
+        post_params=head_p,
+        head=apply_head,
+        context=context or bool(stage_inputs),
+        stage_inputs=tuple(stage_inputs),
+        param_specs=param_specs,
+        tied=tuple(tied),
+        recut=None if cut is not None else recut,
+        integer_inputs=integer_inputs,
+    )
 
 
 def _flat_blocks(stage_p, cut):
@@ -128,21 +170,33 @@ def _flat_blocks(stage_p, cut):
     return stage_p if cut is not None else jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), stage_p)
 
 
-def from_nnx(blocks: Sequence[Any], embed: Any, head: Any, loss: Callable, num_stages: int, *,
-             inputs: Optional[Callable] = None, block_call: Optional[Callable] = None,
-             stage_inputs: Sequence[str] = (), rules=None, cut=None,
-             balance: Optional[dict] = None, integer_inputs: Optional[dict] = None) -> Tuple[PipelineModel, Callable]:
+def from_nnx(
+    blocks: Sequence[Any],
+    embed: Any,
+    head: Any,
+    loss: Callable,
+    num_stages: int,
+    *,
+    inputs: Optional[Callable] = None,
+    block_call: Optional[Callable] = None,
+    stage_inputs: Sequence[str] = (),
+    rules=None,
+    cut=None,
+    balance: Optional[dict] = None,
+    integer_inputs: Optional[dict] = None,
+) -> Tuple[PipelineModel, Callable]:
     """``(model, to_modules)`` from NNX modules.  ``to_modules(params)`` returns ``(blocks, embed, head)``:
     new module instances holding ``params`` (``pipe.params(state)``).  ``rules``: logical axis name -> mesh
-    axis, for the modules' ``nnx.with_partitioning`` metadata (module docstring).  A Variable the embedding and
-    the head share (a head reusing the token embedding) is found and tied (``PipelineModel.tied``: one array,
-    its two uses' gradients summed); ``to_modules`` gives a head sharing the embedding's Variable again.
-    ``cut=[8, 8, 8, 7]``: blocks per stage where they differ (:mod:`jaxpipe.cuts`; ``pipe.params`` then holds
-    the blocks as ``[n_blocks, ...]``); ``cut="balanced"`` with ``balance={"example": micro_batch, "schedule":
-    "1f1b"}``: chosen from measured costs (:func:`jaxpipe.tune.cut.balance`).  ``integer_inputs``: the batch
-    fields that hold integer ids and their bounds, checked before they train (``PipelineModel.integer_inputs``,
-    e.g. ``{"x": vocab, "y": vocab}``)."""
+    axis, for the modules' ``nnx.with_partitioning`` metadata (module docstring).  A Variable the embedding
+    and the head share (a head reusing the token embedding) is found and tied (``PipelineModel.tied``: one
+    array, its two uses' gradients summed); ``to_modules`` gives a head sharing the embedding's Variable
+    again. ``cut=[8, 8, 8, 7]``: blocks per stage where they differ (:mod:`jaxpipe.cuts`; ``pipe.params`` then
+    holds the blocks as ``[n_blocks, ...]``); ``cut="balanced"`` with ``balance={"example": micro_batch,
+    "schedule": "1f1b"}``: chosen from measured costs (:func:`jaxpipe.tune.cut.balance`).  ``integer_inputs``:
+    the batch fields that hold integer ids and their bounds, checked before they train
+    (``PipelineModel.integer_inputs``, e.g. ``{"x": vocab, "y": vocab}``)."""
     from flax import nnx
+
     blocks = list(blocks)
     if not blocks:
         raise ConfigError("from_nnx needs at least one block")
@@ -162,18 +216,35 @@ def from_nnx(blocks: Sequence[Any], embed: Any, head: Any, loss: Callable, num_s
     specs = _param_specs(spec(defs[0][1]), spec(e_state), spec(h_state), rules)
 
     def build(n, cut=None):
-        return _model(merged(gdef, defs[0][1]), _stack_blocks(per_block, n, cut), merged(e_def, e_state),
-                      nnx.to_pure_dict(e_state), merged(h_def, h_state), nnx.to_pure_dict(h_state), loss, inputs,
-                      block_call, stage_inputs, specs, tied, recut=build, cut=cut, integer_inputs=integer_inputs)
+        return _model(
+            merged(gdef, defs[0][1]),
+            _stack_blocks(per_block, n, cut),
+            merged(e_def, e_state),
+            nnx.to_pure_dict(e_state),
+            merged(h_def, h_state),
+            nnx.to_pure_dict(h_state),
+            loss,
+            inputs,
+            block_call,
+            stage_inputs,
+            specs,
+            tied,
+            recut=build,
+            cut=cut,
+            integer_inputs=integer_inputs,
+        )
+
     model = build(num_stages, _resolve_cut(cut, build, num_stages, len(blocks), balance))
 
     def to_modules(params):
         stage_p, pre_p, post_p = params
         flat = _flat_blocks(stage_p, model.cut)
-        out = [nnx.merge(gdef, _restore(defs[0][1], jax.tree.map(lambda a: a[i], flat)))
-               for i in range(len(blocks))]
+        out = [
+            nnx.merge(gdef, _restore(defs[0][1], jax.tree.map(lambda a: a[i], flat)))
+            for i in range(len(blocks))
+        ]
         e_mod, h_mod = nnx.merge(e_def, _restore(e_state, pre_p)), nnx.merge(h_def, _restore(h_state, post_p))
-        for e_path, h_path in tied:            # the head shares the embedding's Variable again
+        for e_path, h_path in tied:  # the head shares the embedding's Variable again
             node = e_mod
             for k in e_path:
                 node = node[k] if isinstance(k, int) else getattr(node, k)
@@ -186,40 +257,69 @@ def from_nnx(blocks: Sequence[Any], embed: Any, head: Any, loss: Callable, num_s
 def _restore(state, pure):
     """An NNX state with the values of the pure dict ``pure`` (a copy; ``state`` is not changed)."""
     from flax import nnx
+
     st = jax.tree.map(lambda x: x, state)
     nnx.replace_by_pure_dict(st, pure)
     return st
 
 
-def from_linen(block: Any, block_params: Sequence[Any], embed: Tuple[Any, Any], head: Tuple[Any, Any],
-               loss: Callable, num_stages: int, *, inputs: Optional[Callable] = None,
-               block_call: Optional[Callable] = None, stage_inputs: Sequence[str] = (), rules=None,
-               tied: Sequence[Tuple[Tuple, Tuple]] = (), cut=None,
-               balance: Optional[dict] = None, integer_inputs: Optional[dict] = None) -> Tuple[PipelineModel, Callable]:
+def from_linen(
+    block: Any,
+    block_params: Sequence[Any],
+    embed: Tuple[Any, Any],
+    head: Tuple[Any, Any],
+    loss: Callable,
+    num_stages: int,
+    *,
+    inputs: Optional[Callable] = None,
+    block_call: Optional[Callable] = None,
+    stage_inputs: Sequence[str] = (),
+    rules=None,
+    tied: Sequence[Tuple[Tuple, Tuple]] = (),
+    cut=None,
+    balance: Optional[dict] = None,
+    integer_inputs: Optional[dict] = None,
+) -> Tuple[PipelineModel, Callable]:
     """``(model, to_params)`` from Linen modules: ``block`` with one ``params`` dict per layer, and
-    ``(module, params)`` for the embedding and the head -- the head may be ``(module, params, method)`` (a tied
-    LM head: ``(embed_module, embed_params, "attend")``).  ``to_params(params)`` returns ``(block_params list,
-    embed params, head params)`` in Linen's layout (unboxed).  Parameters boxed by
+    ``(module, params)`` for the embedding and the head -- the head may be ``(module, params, method)`` (a
+    tied LM head: ``(embed_module, embed_params, "attend")``).  ``to_params(params)`` returns ``(block_params
+    list, embed params, head params)`` in Linen's layout (unboxed).  Parameters boxed by
     ``nn.with_logical_partitioning`` give the model's ``param_specs`` through ``rules`` (module docstring).
     Ties: an array object that the embedding's and the head's parameters both hold is tied (one array, its two
     uses' gradients summed); ``tied=[(embed_path, head_path)]`` (tuples of dict keys) names others -- the two
     arrays must then be equal.  ``cut``, ``integer_inputs``: as in :func:`from_nnx`."""
     import flax.linen as nn
     from flax.core import meta
+
     specs = [nn.get_partition_spec(p) for p in (list(block_params)[:1] or [{}]) + [embed[1], head[1]]]
     block_params = [meta.unbox(p) for p in block_params]
     h_mod, h_p, *h_method = head
     (e_mod, e_p), h_p = (embed[0], meta.unbox(embed[1])), meta.unbox(h_p)
     if not block_params:
         raise ConfigError("from_linen needs the parameters of at least one block")
-    lin = lambda mod, *m: (lambda p, *a: mod.apply({"params": p}, *a, **({"method": m[0]} if m else {})))
+    lin = lambda mod, *m: lambda p, *a: mod.apply({"params": p}, *a, **({"method": m[0]} if m else {}))
     ties = [(tuple(a), tuple(b)) for a, b in tied]
     ties += [t for t in _same_arrays(e_p, h_p) if t not in ties]
 
     def build(n, cut=None):
-        return _model(lin(block), _stack_blocks(block_params, n, cut), lin(e_mod), e_p, lin(h_mod, *h_method), h_p,
-                      loss, inputs, block_call, stage_inputs, _param_specs(*specs, rules), ties, recut=build, cut=cut,
-                      integer_inputs=integer_inputs)
+        return _model(
+            lin(block),
+            _stack_blocks(block_params, n, cut),
+            lin(e_mod),
+            e_p,
+            lin(h_mod, *h_method),
+            h_p,
+            loss,
+            inputs,
+            block_call,
+            stage_inputs,
+            _param_specs(*specs, rules),
+            ties,
+            recut=build,
+            cut=cut,
+            integer_inputs=integer_inputs,
+        )
+
     model = build(num_stages, _resolve_cut(cut, build, num_stages, len(block_params), balance))
 
     def to_params(params):
@@ -234,4 +334,5 @@ def from_linen(block: Any, block_params: Sequence[Any], embed: Tuple[Any, Any], 
 
 def _resolve_cut(cut, build, num_stages: int, n_blocks: int, balance: Optional[dict]):
     from ..cuts import resolve_cut
+
     return resolve_cut(cut, build, num_stages, n_blocks, balance)

@@ -1,4 +1,5 @@
 """Helpers to build a :class:`PipelineModel` from Flax NNX modules (parameters as pure dicts)."""
+
 from __future__ import annotations
 
 from typing import Callable, Tuple
@@ -21,13 +22,14 @@ def stacked_stages(make_stage: Callable[[nnx.Rngs], nnx.Module], num_stages: int
     """
     graphdef, first = split_pure(make_stage(nnx.Rngs(seed * 1000 + 1)))
     rest = [split_pure(make_stage(nnx.Rngs(seed * 1000 + 1 + s)))[1] for s in range(1, num_stages)]
-    stacked = jax.jit(lambda *ps: jax.tree.map(lambda *xs: jnp.stack(xs), *ps))(first, *rest)   # one program
+    stacked = jax.jit(lambda *ps: jax.tree.map(lambda *xs: jnp.stack(xs), *ps))(first, *rest)  # one program
     return module_apply(graphdef), stacked
 
 
 def module_apply(graphdef) -> Callable:
     def apply(params, *args):
         return nnx.merge(graphdef, params)(*args)
+
     return apply
 
 

@@ -4,6 +4,7 @@ pre: token + position embedding; each stage: ``blocks_per_stage`` pre-LayerNorm 
 multi-head self-attention, GELU MLP); post: final LayerNorm, linear head to the vocabulary, next-token
 cross-entropy.  Batches are ``{"x": int[B, T], "y": int[B, T]}`` with y the next byte after each x.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -33,7 +34,7 @@ class CausalSelfAttention(nnx.Module):
         q, k, v = split(q), split(k), split(v)
         att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(d // self.heads).astype(x.dtype)
         mask = jnp.tril(jnp.ones((T, T), bool))
-        if keep is not None:          # key padding: no token attends to padding (the diagonal stays, no NaN)
+        if keep is not None:  # key padding: no token attends to padding (the diagonal stays, no NaN)
             mask = mask & ((keep[:, None, None, :] > 0) | jnp.eye(T, dtype=bool))
         att = jnp.where(mask, att, jnp.finfo(att.dtype).min)
         out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(att, axis=-1), v).reshape(B, T, d)
@@ -102,10 +103,22 @@ class TiedHead(nnx.Module):
         return self.ln(x) @ emb.T.astype(x.dtype) + self.bias[...].astype(x.dtype)
 
 
-def gpt(num_stages: int, vocab: int = 256, d_model: int = 64, heads: int = 4, blocks_per_stage: int = 1,
-        seq_len: int = 64, seed: int = 0, dropout: float = 0.0, tie_embeddings: bool = False,
-        masked: bool = False, tensor: Optional[str] = None, fsdp: Optional[str] = None,
-        cut: Optional[Sequence[int]] = None, balance: Optional[dict] = None) -> PipelineModel:
+def gpt(
+    num_stages: int,
+    vocab: int = 256,
+    d_model: int = 64,
+    heads: int = 4,
+    blocks_per_stage: int = 1,
+    seq_len: int = 64,
+    seed: int = 0,
+    dropout: float = 0.0,
+    tie_embeddings: bool = False,
+    masked: bool = False,
+    tensor: Optional[str] = None,
+    fsdp: Optional[str] = None,
+    cut: Optional[Sequence[int]] = None,
+    balance: Optional[dict] = None,
+) -> PipelineModel:
     """A byte-level GPT cut into ``num_stages`` stages; ``model.head(post_params, h)`` gives logits.
 
     ``dropout``: GPT-2's residual dropout inside the stages (keys from the stage context, so every schedule
@@ -114,27 +127,41 @@ def gpt(num_stages: int, vocab: int = 256, d_model: int = 64, heads: int = 4, bl
     ``jp.data.lm_batches(pad=True)``): padding is masked out of attention and the loss is the exact mean over
     real tokens (``post_loss`` returns ``(sum, count)``).  ``tensor`` / ``fsdp``: mesh axis names to shard the
     stages over, Megatron-style (:func:`megatron_specs`: the model's ``param_specs``).  ``cut=[3, 3, 2, 2]``:
-    uneven stages of that many blocks each (``blocks_per_stage`` unused; :mod:`jaxpipe.cuts`); ``cut="balanced"``
-    with ``balance={"example": micro_batch, "schedule": "1f1b"}``: the ``num_stages x blocks_per_stage`` blocks
-    cut from measured costs, as the Flax adapters' (:func:`jaxpipe.cuts.resolve_cut`).  A model given a cut is
-    a model of blocks: its checkpoints move between cuts and stage counts (the even form, without ``cut=``, is
-    one module per stage; ``cut=[blocks_per_stage] * num_stages`` is the same model as blocks)."""
+    uneven stages of that many blocks each (``blocks_per_stage`` unused; :mod:`jaxpipe.cuts`);
+    ``cut="balanced"`` with ``balance={"example": micro_batch, "schedule": "1f1b"}``: the ``num_stages x
+    blocks_per_stage`` blocks cut from measured costs, as the Flax adapters'
+    (:func:`jaxpipe.cuts.resolve_cut`).  A model given a cut is a model of blocks: its checkpoints move
+    between cuts and stage counts (the even form, without ``cut=``, is one module per stage;
+    ``cut=[blocks_per_stage] * num_stages`` is the same model as blocks)."""
     if isinstance(cut, str):
         from ..cuts import resolve_cut
-        kw = dict(vocab=vocab, d_model=d_model, heads=heads, seq_len=seq_len, seed=seed, dropout=dropout,
-                  tie_embeddings=tie_embeddings, masked=masked, tensor=tensor, fsdp=fsdp)
+
+        kw = dict(
+            vocab=vocab,
+            d_model=d_model,
+            heads=heads,
+            seq_len=seq_len,
+            seed=seed,
+            dropout=dropout,
+            tie_embeddings=tie_embeddings,
+            masked=masked,
+            tensor=tensor,
+            fsdp=fsdp,
+        )
         n = num_stages * blocks_per_stage
         cut = resolve_cut(cut, lambda k: gpt(k, cut=(1,) * k, **kw), num_stages, n, balance)
     elif balance is not None:
         raise ConfigError("balance= goes with cut='balanced'")
     if cut is not None:
         from ..cuts import check_cut
-        n = _block_count(cut)        # (too few for the stages: the hint of check_cut's error uses the even count)
+
+        n = _block_count(cut)  # (too few for the stages: the hint of check_cut's error uses the even count)
         cut = check_cut(cut, n if n >= num_stages else num_stages * blocks_per_stage, num_stages)
         block_apply, stage_params = stacked_stages(lambda r: Block(d_model, heads, r), sum(cut), seed)
     else:
-        stage_apply, stage_params = stacked_stages(lambda r: GPTStage(d_model, heads, blocks_per_stage, r),
-                                                   num_stages, seed)
+        stage_apply, stage_params = stacked_stages(
+            lambda r: GPTStage(d_model, heads, blocks_per_stage, r), num_stages, seed
+        )
     emb_def, emb_params = split_pure(Embed(vocab, d_model, seq_len, nnx.Rngs(seed * 1000)))
     embed = module_apply(emb_def)
     if tie_embeddings:
@@ -149,8 +176,15 @@ def gpt(num_stages: int, vocab: int = 256, d_model: int = 64, heads: int = 4, bl
     context = bool(dropout) or masked
     if cut is not None:
         stage_fn = None
-        block_fn = (lambda w, x, ctx: block_apply(w, x, ctx.key if dropout else None, dropout,
-                                                   ctx.inputs.get("mask"))) if context else block_apply
+        block_fn = (
+            (
+                lambda w, x, ctx: block_apply(
+                    w, x, ctx.key if dropout else None, dropout, ctx.inputs.get("mask")
+                )
+            )
+            if context
+            else block_apply
+        )
     elif context:
         block_fn = None
 
@@ -168,12 +202,23 @@ def gpt(num_stages: int, vocab: int = 256, d_model: int = 64, heads: int = 4, bl
         return jnp.sum(ce * m), jnp.sum(m)
 
     return PipelineModel(
-        stage_fn=stage_fn, stage_params=stage_params, block_fn=block_fn, cut=cut,
-        pre=lambda p, b: embed(p, b["x"]), pre_params=emb_params,
-        post_loss=post_loss, post_params=head_params, head=head,
-        context=context, stage_inputs=("mask",) if masked else (), tied=tied,
+        stage_fn=stage_fn,
+        stage_params=stage_params,
+        block_fn=block_fn,
+        cut=cut,
+        pre=lambda p, b: embed(p, b["x"]),
+        pre_params=emb_params,
+        post_loss=post_loss,
+        post_params=head_params,
+        head=head,
+        context=context,
+        stage_inputs=("mask",) if masked else (),
+        tied=tied,
         integer_inputs={"x": vocab, "y": vocab},
-        param_specs=_specs(stage_params, emb_params, head_params, tensor, fsdp, cut) if tensor or fsdp else None)
+        param_specs=_specs(stage_params, emb_params, head_params, tensor, fsdp, cut)
+        if tensor or fsdp
+        else None,
+    )
 
 
 def _block_count(cut) -> int:
@@ -200,13 +245,15 @@ def _specs(stage_params, emb_params, head_params, tensor, fsdp, cut):
 COLUMN, ROW = ("up",), ("down",)
 
 
-def megatron_specs(stage_params, pre_params, post_params, tensor: Optional[str] = "tensor",
-                   fsdp: Optional[str] = None):
+def megatron_specs(
+    stage_params, pre_params, post_params, tensor: Optional[str] = "tensor", fsdp: Optional[str] = None
+):
     """``(stage, pre, post)`` PartitionSpecs (``PipelineModel.param_specs``) of a GPT stage, Megatron-style
-    (Shoeybi et al. 2019) for the MLP: the up projection split by output columns over ``tensor`` (its bias too),
-    the down projection by input rows, one all-reduce per block; ``fsdp`` additionally shards every kernel's
-    other dimension (ZeRO-3 style: gathered for use, gradients reduce-scattered) and the token embedding's
-    rows.  The attention, layer norms and position embedding stay replicated (see ``COLUMN``)."""
+    (Shoeybi et al. 2019) for the MLP: the up projection split by output columns over ``tensor`` (its bias
+    too), the down projection by input rows, one all-reduce per block; ``fsdp`` additionally shards every
+    kernel's other dimension (ZeRO-3 style: gathered for use, gradients reduce-scattered) and the token
+    embedding's rows.  The attention, layer norms and position embedding stay replicated (see ``COLUMN``)."""
+
     def stage_spec(path, a):
         names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
         layer, leaf = (names[-2] if len(names) > 1 else None), names[-1]
@@ -215,15 +262,18 @@ def megatron_specs(stage_params, pre_params, post_params, tensor: Optional[str] 
         if layer in ROW:
             return P(tensor, fsdp) if leaf == "kernel" else P()
         return P()
+
     one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stage_params)
     stage = jax.tree_util.tree_map_with_path(stage_spec, one)
     pre = jax.tree_util.tree_map_with_path(
-        lambda path, a: P(fsdp, None) if fsdp and "tok" in str(path) else P(), pre_params)
+        lambda path, a: P(fsdp, None) if fsdp and "tok" in str(path) else P(), pre_params
+    )
     return stage, pre, jax.tree.map(lambda a: P(), post_params)
 
 
-def sample(model: PipelineModel, params, prompt: bytes, length: int, seq_len: int, key,
-           temperature: float = 0.8) -> bytes:
+def sample(
+    model: PipelineModel, params, prompt: bytes, length: int, seq_len: int, key, temperature: float = 0.8
+) -> bytes:
     """Generate ``length`` bytes after ``prompt`` with the unpipelined model (for the train runner)."""
     stage_p, pre_p, post_p = params
 
@@ -232,7 +282,7 @@ def sample(model: PipelineModel, params, prompt: bytes, length: int, seq_len: in
         batch = {"x": tokens[None]}
         if "mask" in model.stage_inputs:
             batch["mask"] = jnp.ones((1, tokens.shape[0]), jnp.float32)
-        h = model.forward(params, batch)            # no key: evaluation, no dropout
+        h = model.forward(params, batch)  # no key: evaluation, no dropout
         return model.head(post_p, h)[0]
 
     toks = list(prompt[-seq_len:]) or [10]

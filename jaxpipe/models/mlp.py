@@ -3,6 +3,7 @@
 pre: ``Linear(in_dim -> width)``; each stage: ``layers_per_stage`` residual blocks
 ``h + W2 gelu(W1 LayerNorm(h))``; post: ``LayerNorm -> Linear(width -> classes)`` + softmax cross-entropy.
 """
+
 from __future__ import annotations
 
 import jax
@@ -41,15 +42,21 @@ class Head(nnx.Module):
         return self.out(self.norm(h))
 
 
-def residual_mlp(num_stages: int, in_dim: int, num_classes: int, width: int = 64, layers_per_stage: int = 1,
-                 seed: int = 0) -> PipelineModel:
+def residual_mlp(
+    num_stages: int, in_dim: int, num_classes: int, width: int = 64, layers_per_stage: int = 1, seed: int = 0
+) -> PipelineModel:
     """Classifier on ``batch = {"x": float[B, in_dim], "y": int[B]}``; ``model.head`` gives logits."""
     stage_fn, stage_params = stacked_stages(lambda r: MLPStage(width, layers_per_stage, r), num_stages, seed)
     emb_def, emb_params = split_pure(nnx.Linear(in_dim, width, rngs=nnx.Rngs(seed * 1000)))
     head_def, head_params = split_pure(Head(width, num_classes, nnx.Rngs(seed * 1000 + 999)))
     embed, head = module_apply(emb_def), module_apply(head_def)
     return PipelineModel(
-        stage_fn=stage_fn, stage_params=stage_params,
-        pre=lambda p, b: embed(p, b["x"]), pre_params=emb_params,
-        post_loss=lambda p, h, b: softmax_xent(head(p, h), b["y"]), post_params=head_params,
-        head=head, integer_inputs={"y": num_classes})
+        stage_fn=stage_fn,
+        stage_params=stage_params,
+        pre=lambda p, b: embed(p, b["x"]),
+        pre_params=emb_params,
+        post_loss=lambda p, h, b: softmax_xent(head(p, h), b["y"]),
+        post_params=head_params,
+        head=head,
+        integer_inputs={"y": num_classes},
+    )

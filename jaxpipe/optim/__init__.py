@@ -3,6 +3,7 @@
 The synchronous schedules use the ``sync`` policy: one weight version, gradients accumulated over the
 micro-batches of a step, one update of the user's optax optimizer.
 """
+
 from __future__ import annotations
 
 import jax
@@ -29,26 +30,33 @@ def _warmup(peak: float, warm: int):
     return optax.linear_schedule(0.0, peak, warm)
 
 
-#: learning-rate schedules by name: ``(peak, steps, warm) -> optax schedule``, each a linear warm-up from 0 over
+#: learning-rate schedules by name: ``(peak, steps, warm) -> optax schedule``, each a linear warm-up from 0
+#: over
 #: ``warm`` steps, then: ``cosine`` decay to 0, ``linear`` decay to 0, ``rsqrt`` (peak sqrt(warm / step), the
 #: Transformer paper's) or ``constant``
 SCHEDULES = {
-    "cosine": lambda peak, steps, warm: optax.warmup_cosine_decay_schedule(0.0, peak, warm, max(steps, warm + 1)),
+    "cosine": lambda peak, steps, warm: optax.warmup_cosine_decay_schedule(
+        0.0, peak, warm, max(steps, warm + 1)
+    ),
     "linear": lambda peak, steps, warm: optax.join_schedules(
-        [_warmup(peak, warm), optax.linear_schedule(peak, 0.0, max(steps - warm, 1))], [warm]),
+        [_warmup(peak, warm), optax.linear_schedule(peak, 0.0, max(steps - warm, 1))], [warm]
+    ),
     "rsqrt": lambda peak, steps, warm: optax.join_schedules(
-        [_warmup(peak, warm), lambda n: peak * jax.lax.rsqrt((n + warm) / warm)], [warm]),
-    "constant": lambda peak, steps, warm: optax.join_schedules([_warmup(peak, warm), optax.constant_schedule(peak)],
-                                                                [warm]),
+        [_warmup(peak, warm), lambda n: peak * jax.lax.rsqrt((n + warm) / warm)], [warm]
+    ),
+    "constant": lambda peak, steps, warm: optax.join_schedules(
+        [_warmup(peak, warm), optax.constant_schedule(peak)], [warm]
+    ),
 }
 
 
 def schedule_by_name(name: str, peak: float, steps: int, warmup: float = 0.05) -> optax.Schedule:
-    """A learning-rate schedule of :data:`SCHEDULES` over ``steps`` updates, peaking at ``peak`` after a linear
-    warm-up of ``warmup`` (a fraction of ``steps`` if below 1, else a number of steps; at least one step)."""
+    """A learning-rate schedule of :data:`SCHEDULES` over ``steps`` updates, peaking at ``peak`` after a
+    linear warm-up of ``warmup`` (a fraction of ``steps`` if below 1, else a number of steps; at least one
+    step)."""
     if name not in SCHEDULES:
         raise ConfigError(f"unknown learning-rate schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     if warmup < 0 or (warmup >= 1 and warmup != int(warmup)):
         raise ConfigError(f"warmup={warmup!r}: a fraction of the steps in [0, 1) or a whole number of steps")
-    warm = max(1, int(warmup * steps + 1e-9) if warmup < 1 else int(warmup))      # 5%: steps // 20
+    warm = max(1, int(warmup * steps + 1e-9) if warmup < 1 else int(warmup))  # 5%: steps // 20
     return SCHEDULES[name](peak, steps, warm)

@@ -15,6 +15,7 @@ optimizer works (the point of §3.2 against EASGD, which is an SGD variant).  ``
 
 Pytrees carry a leading replica axis of size N (the mesh's ``pipe`` axis).
 """
+
 from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional
@@ -27,8 +28,8 @@ from ..errors import ConfigError
 
 
 class ElasticState(NamedTuple):
-    inner: Any   # the wrapped optimizer's state, one per replica (leading axis N)
-    ref: Any     # the reference model (no replica axis)
+    inner: Any  # the wrapped optimizer's state, one per replica (leading axis N)
+    ref: Any  # the reference model (no replica axis)
 
 
 def default_alpha(num_pipes: int) -> float:
@@ -39,14 +40,17 @@ def check_alpha(alpha, num_pipes: int) -> float:
     if alpha is None:
         return default_alpha(num_pipes)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= float(alpha) <= 1.0:
-        raise ConfigError(f"avgpipe alpha={alpha!r}: the elastic ratio must be a number in [0, 1] (the "
-                          f"reference's share when diluting each replica, AvgPipe §3.2); None gives 1/N = "
-                          f"{default_alpha(num_pipes):g} for N={num_pipes} parallel pipelines")
+        raise ConfigError(
+            f"avgpipe alpha={alpha!r}: the elastic ratio must be a number in [0, 1] (the "
+            f"reference's share when diluting each replica, AvgPipe §3.2); None gives 1/N = "
+            f"{default_alpha(num_pipes):g} for N={num_pipes} parallel pipelines"
+        )
     return float(alpha)
 
 
-def elastic_averaging(opt: optax.GradientTransformation, num_pipes: int,
-                      alpha: Optional[float] = None) -> optax.GradientTransformation:
+def elastic_averaging(
+    opt: optax.GradientTransformation, num_pipes: int, alpha: Optional[float] = None
+) -> optax.GradientTransformation:
     """Wrap ``opt`` for ``num_pipes`` replicas stacked on a leading axis; ``update`` needs ``params``."""
     a = check_alpha(alpha, num_pipes)
 
@@ -58,8 +62,9 @@ def elastic_averaging(opt: optax.GradientTransformation, num_pipes: int,
             raise ValueError("elastic_averaging needs params: tx.update(grads, state, params)")
         u, inner = jax.vmap(opt.update)(grads, state.inner, params)
         # (1 - a) w + a ref + u, written as an update to w
-        out = jax.tree.map(lambda w, r, uu: (a * (r[None].astype(w.dtype) - w) + uu).astype(w.dtype),
-                           params, state.ref, u)
+        out = jax.tree.map(
+            lambda w, r, uu: (a * (r[None].astype(w.dtype) - w) + uu).astype(w.dtype), params, state.ref, u
+        )
         ref = jax.tree.map(lambda r, uu: r + jnp.mean(uu, axis=0).astype(r.dtype), state.ref, u)
         return out, ElasticState(inner, ref)
 

@@ -15,10 +15,11 @@ where ``u_s[c]`` is the update that produced ``w_s[c]`` (zero for c = 0).  Each 
 optimizer state over its local parameters (w_s, pre, post); only stage 0 gets gradients for ``pre`` and
 only stage D-1 for ``post``.  Tied arrays (``PipelineModel(tied=...)``, ``jaxpipe.tying``) live in stage 0's
 ``pre`` only: the last stage's use of micro-batch ``i`` reads the version stage 0's F read for ``i``, and its
-gradient joins stage 0's gradient of ``i``.  F keeps the activations it computed; B backpropagates through them with the
-weights B reads (``rebuild_pullback``), as PipeOptim's and SpecTrain's implementations do.  Each rule is
-the ``reference`` of its method's declaration (:mod:`jaxpipe.schedules.registry`).
+gradient joins stage 0's gradient of ``i``.  F keeps the activations it computed; B backpropagates through
+them with the weights B reads (``rebuild_pullback``), as PipeOptim's and SpecTrain's implementations do.  Each
+rule is the ``reference`` of its method's declaration (:mod:`jaxpipe.schedules.registry`).
 """
+
 from __future__ import annotations
 
 from typing import Dict, List
@@ -40,20 +41,20 @@ def global_microbatches(batch, num_microbatches: int, data_parallel: int = 1) ->
     R, M = data_parallel, num_microbatches
     out = []
     for j in range(M):
+
         def take(a):
             a = np.asarray(a)
             n = a.shape[0] // (R * M)
-            return np.concatenate([a[(r * M + j) * n:(r * M + j + 1) * n] for r in range(R)])
+            return np.concatenate([a[(r * M + j) * n : (r * M + j + 1) * n] for r in range(R)])
+
         out.append(jax.tree.map(take, batch))
     return out
 
 
-
-
 def _microbatch_grads(model, ties, fwd, bwd, ctx_of, x0, wF, wB, mb, i, by_count):
     """One micro-batch through every stage serially: ``(loss, count, grads)`` with ``grads[s] = (dw, dpre,
-    dpost)`` of stage ``s``; F of stage s reads ``wF[s]``, B reads ``wB[s]``.  ``by_count``: a (sum, count) loss
-    whose gradient is of the sum (an accumulating method divides by the step's count)."""
+    dpost)`` of stage ``s``; F of stage s reads ``wF[s]``, B reads ``wB[s]``.  ``by_count``: a (sum, count)
+    loss whose gradient is of the sum (an accumulating method divides by the step's count)."""
     D = len(wF)
     pre0, post0 = wF[0][1], wF[D - 1][2]
     # forward, stage by stage, keeping each stage's activation residuals
@@ -74,7 +75,8 @@ def _microbatch_grads(model, ties, fwd, bwd, ctx_of, x0, wF, wB, mb, i, by_count
         n_mb = 1.0
         # a micro-batch whose every token is masked (count 0) contributes nothing (its sum is 0 too)
         loss, (gpost, dy) = jax.value_and_grad(
-            lambda q, y: (lambda sc: sc[0] / jnp.where(sc[1] > 0, sc[1], 1.0))(terms(q, y)), argnums=(0, 1))(q_last, x)
+            lambda q, y: (lambda sc: sc[0] / jnp.where(sc[1] > 0, sc[1], 1.0))(terms(q, y)), argnums=(0, 1)
+        )(q_last, x)
     gpost, g_tied = ties.take_post(gpost)
     grads = [None] * D
     for s in reversed(range(D)):
@@ -88,32 +90,44 @@ def _microbatch_grads(model, ties, fwd, bwd, ctx_of, x0, wF, wB, mb, i, by_count
     return loss, n_mb, grads
 
 
-def serial_reference(model, method: str, opt: optax.GradientTransformation, num_microbatches: int,
-                     batches, data_parallel: int = 1, seed: int = 0, options=None, drains=()) -> Dict[str, object]:
+def serial_reference(
+    model,
+    method: str,
+    opt: optax.GradientTransformation,
+    num_microbatches: int,
+    batches,
+    data_parallel: int = 1,
+    seed: int = 0,
+    options=None,
+    drains=(),
+) -> Dict[str, object]:
     """Run ``method`` serially over ``batches`` (global batches, each of M micro-batches), fill and drain
     included.  Returns ``{"params": (w [D..], pre, post), "losses": [per micro-batch]}``.  ``options``: the
-    method's options where its rule depends on them (PipeOptim's ``distance`` and ``prediction``).  A context model's
-    stage s gets micro-batch i's key ``stage_key(microbatch_key(seed, i // M, i % M), s)`` (one replica).
-    ``drains``: the batch counts after which the pipeline was drained: a per-micro-batch method's rule counts
-    micro-batches, batches and weight versions from there (an accumulating method's batch-counted versions go
-    on); the updates, the optimizer state and the keys' global micro-batch index go on."""
-    user_layout, model = model.user_layout, model.padded()      # uneven stages: padded as the pipeline holds them
+    method's options where its rule depends on them (PipeOptim's ``distance`` and ``prediction``).  A context
+    model's stage s gets micro-batch i's key ``stage_key(microbatch_key(seed, i // M, i % M), s)`` (one
+    replica). ``drains``: the batch counts after which the pipeline was drained: a per-micro-batch method's
+    rule counts micro-batches, batches and weight versions from there (an accumulating method's batch-counted
+    versions go on); the updates, the optimizer state and the keys' global micro-batch index go on."""
+    user_layout, model = model.user_layout, model.padded()  # uneven stages: padded as the pipeline holds them
     if model.context and data_parallel != 1:
-        raise ValueError("the serial reference of a context model runs one replica (its global micro-batches "
-                         "join the replicas', which have their own keys); use data_parallel=1")
+        raise ValueError(
+            "the serial reference of a context model runs one replica (its global micro-batches "
+            "join the replicas', which have their own keys); use data_parallel=1"
+        )
     D, M = model.num_stages, num_microbatches
     ties = Ties(model)
     w0, pre0, post0 = ties.strip(model.params)
     local = [(jax.tree.map(lambda a: a[s], w0), pre0, post0) for s in range(D)]
-    hist = [[lp] for lp in local]                         # hist[s][c]: version after c updates
-    upd = [[jax.tree.map(jnp.zeros_like, lp)] for lp in local]   # upd[s][c]: the update that made it
+    hist = [[lp] for lp in local]  # hist[s][c]: version after c updates
+    upd = [[jax.tree.map(jnp.zeros_like, lp)] for lp in local]  # upd[s][c]: the update that made it
     ostate = [opt.init(lp) for lp in local]
     mbs = [mb for b in batches for mb in global_microbatches(b, M, data_parallel)]
     x0 = jax.eval_shape(model.pre, pre0, mbs[0])
-    ctx_of = lambda mb, i, s: (model.stage_context(mb, microbatch_key(seed, i // M, i % M), s)
-                               if model.context else None)
+    ctx_of = lambda mb, i, s: (
+        model.stage_context(mb, microbatch_key(seed, i // M, i % M), s) if model.context else None
+    )
     ctx0 = ctx_of(mbs[0], 0, 0)
-    x_like = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), x0)     # activations may be pytrees
+    x_like = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), x0)  # activations may be pytrees
     mask, _ = residual_mask(model.stage_fn, local[0][0], x_like, ctx0)
     ctx_like = jax.tree.map(jnp.zeros_like, ctx0)
     # jitted: a pullback's residuals come out in the same structure as the traced mask only under tracing
@@ -127,22 +141,39 @@ def serial_reference(model, method: str, opt: optax.GradientTransformation, num_
         known = ", ".join(n for n, m in METHODS.items() if m.reference is not None)
         raise ValueError(f"no serial reference for {method!r}; known: {known}")
     accumulating = METHODS[method].accumulating
-    summed = model.reduction(jax.eval_shape(lambda p, b: model.forward(p, b, key=jax.random.PRNGKey(0)),
-                                            model.params, mbs[0]), mbs[0]) == "sum"
+    summed = (
+        model.reduction(
+            jax.eval_shape(lambda p, b: model.forward(p, b, key=jax.random.PRNGKey(0)), model.params, mbs[0]),
+            mbs[0],
+        )
+        == "sum"
+    )
     step_count = 0.0
     # a drain restarts a per-micro-batch method's stream: i0, v0 = its first micro-batch, each stage's version
     restarts, i0, v0 = {int(n) * M * data_parallel for n in drains}, 0, [0] * D
 
     for i, mb in enumerate(mbs):
-        if i in restarts and not accumulating:      # (an accumulating method's versions count batches: go on)
+        if i in restarts and not accumulating:  # (an accumulating method's versions count batches: go on)
             i0, v0 = i, [len(h) - 1 for h in hist]
         b = (i - i0) // M
         wF, wB = [], []
         for s in range(D):
-            f, bw = rule(s, i - i0, b, D, M, hist[s][v0[s]:], upd[s][v0[s]:], axpy, **({"o": options} if options else {}))
-            wF.append(f); wB.append(bw)
-        loss, n_mb, grads = _microbatch_grads(model, ties, fwd, bwd, ctx_of, x0, wF, wB, mb, i,
-                                              accumulating and summed)
+            f, bw = rule(
+                s,
+                i - i0,
+                b,
+                D,
+                M,
+                hist[s][v0[s] :],
+                upd[s][v0[s] :],
+                axpy,
+                **({"o": options} if options else {}),
+            )
+            wF.append(f)
+            wB.append(bw)
+        loss, n_mb, grads = _microbatch_grads(
+            model, ties, fwd, bwd, ctx_of, x0, wF, wB, mb, i, accumulating and summed
+        )
         losses.append(float(loss))
         for s in range(D):
             if accumulating:
@@ -160,18 +191,33 @@ def serial_reference(model, method: str, opt: optax.GradientTransformation, num_
             cur = hist[s][-1]
             u, new_state = opt.update(g, ostate[s], cur)
             hist[s].append(optax.apply_updates(cur, u))
-            if (options or {}).get("prediction") == "decay_free":     # PipeOptim Table I: without decay
+            if (options or {}).get("prediction") == "decay_free":  # PipeOptim Table I: without decay
                 u = opt.update(g, ostate[s], jax.tree.map(jnp.zeros_like, cur))[0]
             ostate[s] = new_state
             upd[s].append(u)
 
     final = [h[-1] for h in hist]
-    return {"params": ties.fill((user_layout(jax.tree.map(lambda *a: jnp.stack(a), *[f[0] for f in final])),
-                                 final[0][1], final[D - 1][2])), "losses": losses}
+    return {
+        "params": ties.fill(
+            (
+                user_layout(jax.tree.map(lambda *a: jnp.stack(a), *[f[0] for f in final])),
+                final[0][1],
+                final[D - 1][2],
+            )
+        ),
+        "losses": losses,
+    }
 
 
-def avgpipe_reference(model, opt: optax.GradientTransformation, num_pipes: int, num_microbatches: int,
-                      batches, alpha=None, data_parallel: int = 1) -> Dict[str, object]:
+def avgpipe_reference(
+    model,
+    opt: optax.GradientTransformation,
+    num_pipes: int,
+    num_microbatches: int,
+    batches,
+    alpha=None,
+    data_parallel: int = 1,
+) -> Dict[str, object]:
     """AvgPipe serially: for each global batch, pipeline ``i`` takes rows ``[i n/N, (i+1) n/N)``, computes
     its loss and gradient with plain ``jax.grad`` of the unpipelined model (the mean over its M x data
     micro-batches), its local update with its own optimizer state, and then every replica is diluted with
@@ -179,6 +225,7 @@ def avgpipe_reference(model, opt: optax.GradientTransformation, num_pipes: int, 
     arrays are held once (at their pre path) with the sum of their uses as gradient.
     Returns ``{"params": reference model, "replicas": [per pipe], "losses": [per step, per pipe]}``."""
     from .elastic import check_alpha
+
     N, M = num_pipes, num_microbatches
     a = check_alpha(alpha, N)
     ties = Ties(model)
@@ -200,15 +247,21 @@ def avgpipe_reference(model, opt: optax.GradientTransformation, num_pipes: int, 
         n = jax.tree.leaves(batch)[0].shape[0] // N
         us, row = [], []
         for i in range(N):
-            rows = jax.tree.map(lambda x: np.asarray(x)[i * n:(i + 1) * n], batch)
+            rows = jax.tree.map(lambda x: np.asarray(x)[i * n : (i + 1) * n], batch)
             l, g = vg(reps[i], global_microbatches(rows, M, data_parallel))
             u, states[i] = opt.update(g, states[i], reps[i])
             us.append(u)
             row.append(float(l))
         losses.append(row)
-        reps = [optax.apply_updates(reps[i], jax.tree.map(
-            lambda w, r, uu: (a * (r.astype(w.dtype) - w) + uu).astype(w.dtype), reps[i], ref, us[i]))
-            for i in range(N)]
+        reps = [
+            optax.apply_updates(
+                reps[i],
+                jax.tree.map(
+                    lambda w, r, uu: (a * (r.astype(w.dtype) - w) + uu).astype(w.dtype), reps[i], ref, us[i]
+                ),
+            )
+            for i in range(N)
+        ]
         mean_u = jax.tree.map(lambda *u: jnp.mean(jnp.stack(u), axis=0), *us)
         ref = jax.tree.map(lambda r, uu: r + uu.astype(r.dtype), ref, mean_u)
     return {"params": ties.fill(ref), "replicas": [ties.fill(r) for r in reps], "losses": losses}

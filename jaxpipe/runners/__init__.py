@@ -12,11 +12,13 @@ and says whether its state carries micro-batches between calls (``in_flight``). 
 is data: the method's registry entry (``jaxpipe.schedules.registry.Method.runner``).  ``jp.Pipeline``
 checks the user's input and delegates.
 
-* ``sync`` (:mod:`.sync`): the flushing schedules -- the one executor's gradient of the lane plan (a stream of one call), one optimizer update;
+* ``sync`` (:mod:`.sync`): the flushing schedules -- the one executor's gradient of the lane plan (a stream of
+  one call), one optimizer update;
 * ``async`` (:mod:`.no_flush`): the no-flush methods -- the asynchronous 1F1B family, CDP's pipeline form and
   WPipe's two groups (one weight policy per chunk);
 * ``avgpipe`` (:mod:`.avgpipe`): AvgPipe's parallel pipelines with elastic averaging.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,28 +34,30 @@ from ..axes import DATA, PIPE
 class RunContext:
     """What a runner needs to know: the (precision-wrapped, recompute-wrapped) model, the mesh, the built
     schedule and its method's options, the optimizer and the run's flags."""
+
     model: Any
     mesh: Any
-    schedule: Any                   # jaxpipe.schedules.Schedule
-    method: Any                     # jaxpipe.schedules.registry.Method
+    schedule: Any  # jaxpipe.schedules.Schedule
+    method: Any  # jaxpipe.schedules.registry.Method
     options: dict
     optimizer: Any
     num_microbatches: int
-    ties: Any                       # jaxpipe.tying.Ties
+    ties: Any  # jaxpipe.tying.Ties
     nan_bubbles: bool = False
     seed: int = 0
     precision: Any = None
     skip_nonfinite: bool = False
     placement: str = "lanes"
     param_shardings: Optional[tuple] = None
-    batch_axes: tuple = ("data",)   # the batch's leading axis: over pipe, these (data; fsdp for FSDP)
-    checks: Any = None              # jaxpipe.step_checks.StepChecks: what a step checks on the device
-    pending: Any = None             # jaxpipe.step_checks.PendingStatus: the last step's status, read later
+    batch_axes: tuple = ("data",)  # the batch's leading axis: over pipe, these (data; fsdp for FSDP)
+    checks: Any = None  # jaxpipe.step_checks.StepChecks: what a step checks on the device
+    pending: Any = None  # jaxpipe.step_checks.PendingStatus: the last step's status, read later
     _lane_plan: Any = None
 
     def __post_init__(self):
         if self.checks is None:
             from ..step_checks import PendingStatus, StepChecks
+
             self.checks = StepChecks(getattr(self.model, "integer_inputs", None), False, False, "")
             self.pending = PendingStatus(self.checks)
 
@@ -66,6 +70,7 @@ class RunContext:
         """The lane plan the flushing executor runs (``jaxpipe.schedules.lanes.LanePlan``)."""
         if self._lane_plan is None:
             from ..schedules.layout import lane_plan
+
             self._lane_plan = lane_plan(self.schedule, self.placement)
         return self._lane_plan
 
@@ -73,20 +78,27 @@ class RunContext:
         """A global batch placed on the mesh (leading axis split over ``pipe`` x ``data``; each process copies
         in its own rows)."""
         from ..distributed import global_batch
+
         return global_batch(batch, NamedSharding(self.mesh, P((PIPE,) + tuple(self.batch_axes))))
 
 
 #: a registry entry's ``runner`` -> (module, class)
-RUNNERS = {"sync": (".sync", "SyncRunner"), "async": (".no_flush", "AsyncRunner"),
-           "avgpipe": (".avgpipe", "AvgPipeRunner")}
+RUNNERS = {
+    "sync": (".sync", "SyncRunner"),
+    "async": (".no_flush", "AsyncRunner"),
+    "avgpipe": (".avgpipe", "AvgPipeRunner"),
+}
 
 
 def make_runner(ctx: RunContext):
     """The runner the method's registry entry names."""
     kind = ctx.method.runner
     if kind not in RUNNERS:
-        raise ValueError(f"registry entry {ctx.method.name!r} names runner {kind!r}; known: {', '.join(RUNNERS)}")
+        raise ValueError(
+            f"registry entry {ctx.method.name!r} names runner {kind!r}; known: {', '.join(RUNNERS)}"
+        )
     import importlib
+
     module, cls = RUNNERS[kind]
     return getattr(importlib.import_module(module, __name__), cls)(ctx)
 

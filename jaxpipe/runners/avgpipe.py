@@ -12,6 +12,7 @@ than ``tolerance``) and the compiled program's memory stays under ``memory_limit
 fastest.  Changing ``advance`` never changes the numbers (same gradient accumulation order): it is a pure
 speed/memory trade-off, so the search cannot change what training computes.
 """
+
 from __future__ import annotations
 
 import time
@@ -37,8 +38,8 @@ from ..axes import DATA, PIPE, STAGE
 
 
 class AvgPipeState(NamedTuple):
-    params: Any        # (w [N, S, ...], pre [N, ...], post [N, ...]): one replica per pipe index
-    opt_state: Any     # ElasticState: the wrapped optimizer's state per replica + the reference model
+    params: Any  # (w [N, S, ...], pre [N, ...], post [N, ...]): one replica per pipe index
+    opt_state: Any  # ElasticState: the wrapped optimizer's state per replica + the reference model
     step: jax.Array
 
 
@@ -47,16 +48,21 @@ class AvgPipeRunner:
         opts = dict(ctx.options)
         self.ctx = ctx
         self.N = ctx.mesh.shape[PIPE]
-        # shared=N: the paper's setting, N pipelines on the same stage devices (jaxpipe.runners.avgpipe_shared)
+        # shared=N: the paper's setting, N pipelines on the same stage devices
+        # (jaxpipe.runners.avgpipe_shared)
         self.shared = opts.get("shared")
         if self.shared is not None:
             if not is_int(self.shared, 1):
-                raise ConfigError(f"avgpipe shared={self.shared!r}: give the number N >= 1 of parallel pipelines "
-                                  f"that share the stage devices, or None for one pipeline per 'pipe' index")
+                raise ConfigError(
+                    f"avgpipe shared={self.shared!r}: give the number N >= 1 of parallel pipelines "
+                    f"that share the stage devices, or None for one pipeline per 'pipe' index"
+                )
             if self.N != 1:
-                raise ConfigError(f"avgpipe shared={self.shared} runs the pipelines on the same stage devices, and "
-                                  f"the mesh has pipes={self.N}: use jp.make_mesh(stages=D) (pipes=1), or drop "
-                                  f"'shared' to run one pipeline per 'pipe' index")
+                raise ConfigError(
+                    f"avgpipe shared={self.shared} runs the pipelines on the same stage devices, and "
+                    f"the mesh has pipes={self.N}: use jp.make_mesh(stages=D) (pipes=1), or drop "
+                    f"'shared' to run one pipeline per 'pipe' index"
+                )
             check_shareable(ctx.model, self.shared)
             self.N = int(self.shared)
         self.D = ctx.mesh.shape[STAGE]
@@ -65,33 +71,45 @@ class AvgPipeRunner:
         adv = opts.get("advance", "auto")
         self.auto = adv in ("auto", None)
         if not self.auto and not is_int(adv, 0):
-            raise ConfigError(f"avgpipe advance={adv!r}: give a non-negative integer (forwards issued beyond "
-                              f"1F1B's warm-up: 0 = 1F1B, {max(self.M - 1, 0)} = all forwards first) or 'auto'")
+            raise ConfigError(
+                f"avgpipe advance={adv!r}: give a non-negative integer (forwards issued beyond "
+                f"1F1B's warm-up: 0 = 1F1B, {max(self.M - 1, 0)} = all forwards first) or 'auto'"
+            )
         self.advance = 0 if self.auto else min(adv, max(self.M - 1, 0))
         self.memory_limit = opts.get("memory_limit")
-        if self.memory_limit is not None and (isinstance(self.memory_limit, bool) or
-                                              not isinstance(self.memory_limit, (int, float)) or self.memory_limit <= 0):
-            raise ConfigError(f"avgpipe memory_limit={self.memory_limit!r}: give bytes per device (> 0) or None")
+        if self.memory_limit is not None and (
+            isinstance(self.memory_limit, bool)
+            or not isinstance(self.memory_limit, (int, float))
+            or self.memory_limit <= 0
+        ):
+            raise ConfigError(
+                f"avgpipe memory_limit={self.memory_limit!r}: give bytes per device (> 0) or None"
+            )
         self.tolerance = float(opts.get("tolerance", 0.02))
         if ctx.optimizer is None:
-            raise ConfigError("avgpipe trains each parallel model with the optimizer you give: "
-                              "Pipeline(..., optimizer=optax.adam(1e-3)) or another optax optimizer")
+            raise ConfigError(
+                "avgpipe trains each parallel model with the optimizer you give: "
+                "Pipeline(..., optimizer=optax.adam(1e-3)) or another optax optimizer"
+            )
         self.tx = elastic_averaging(ctx.optimizer, self.N, self.alpha)
         self._fns: Dict[Any, Any] = {}
         self._calls: Dict[int, int] = {}
-        self.log: List[dict] = []          # Algorithm 1's decisions: advance, seconds, temp bytes, verdict
-        self._best = None                  # (seconds, advance)
+        self.log: List[dict] = []  # Algorithm 1's decisions: advance, seconds, temp bytes, verdict
+        self._best = None  # (seconds, advance)
         self.settled = not self.auto
 
     # ------------------------------------------------------------------ state
     def _shardings(self):
         mesh, model = self.ctx.mesh, self.ctx.model
-        rep_axis = None if self.shared is not None else PIPE       # shared: every replica on every stage device
+        rep_axis = None if self.shared is not None else PIPE  # shared: every replica on every stage device
         # each replica over its stages, and over the model axes as the model's param_specs say
         s, pre, post = param_specs(model, mesh, self.ctx.ties)
-        on = lambda lead: (lambda spec: NamedSharding(mesh, P(*lead, *spec)))
-        return (jax.tree.map(on((rep_axis, STAGE)), s, is_leaf=is_P),
-                jax.tree.map(on((rep_axis,)), pre, is_leaf=is_P), jax.tree.map(on((rep_axis,)), post, is_leaf=is_P))
+        on = lambda lead: lambda spec: NamedSharding(mesh, P(*lead, *spec))
+        return (
+            jax.tree.map(on((rep_axis, STAGE)), s, is_leaf=is_P),
+            jax.tree.map(on((rep_axis,)), pre, is_leaf=is_P),
+            jax.tree.map(on((rep_axis,)), post, is_leaf=is_P),
+        )
 
     def init(self) -> AvgPipeState:
         N = self.N
@@ -101,8 +119,13 @@ class AvgPipeRunner:
         # each replica's optimizer state lives with the replica (over 'pipe' x 'stage'), not replicated
         example = jax.eval_shape(self.ctx.optimizer.init, jax.tree.map(lambda a: a[0], params))
         pipe_sh = NamedSharding(self.ctx.mesh, P(PIPE) if self.shared is None else P())
-        inner_sh = optax.tree_map_params(self.ctx.optimizer, lambda _, sh: sh, example, self._shardings(),
-                                         transform_non_params=lambda _: pipe_sh)
+        inner_sh = optax.tree_map_params(
+            self.ctx.optimizer,
+            lambda _, sh: sh,
+            example,
+            self._shardings(),
+            transform_non_params=lambda _: pipe_sh,
+        )
         opt_state = jax.jit(self.tx.init)(params)
         opt_state = opt_state._replace(inner=jax.device_put(opt_state.inner, inner_sh))
         # the reference model is laid out like the model (stage leaves over 'stage'), not gathered anywhere
@@ -129,23 +152,44 @@ class AvgPipeRunner:
             sched = self.schedule(advance)
             stream, sopts = one_call(lane_plan(sched)), stream_options(sched)
             n_dp = ctx.mesh.shape[PIPE] * ctx.mesh.shape[DATA]
-            mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // (n_dp * M),) + tuple(a.shape[1:]),
-                                                             a.dtype), example)
+            mb = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct((a.shape[0] // (n_dp * M),) + tuple(a.shape[1:]), a.dtype),
+                example,
+            )
             if self.shared is None:
                 # tied arrays travel inside the program; their gradients come back folded into pre's
-                grad_fn = make_stream_grad_fn(ctx.model, stream, ctx.mesh, mb, M, nan_bubbles=ctx.nan_bubbles,
-                                              seed=seed, replicas=True, **sopts)
+                grad_fn = make_stream_grad_fn(
+                    ctx.model,
+                    stream,
+                    ctx.mesh,
+                    mb,
+                    M,
+                    nan_bubbles=ctx.nan_bubbles,
+                    seed=seed,
+                    replicas=True,
+                    **sopts,
+                )
 
                 def replica_grads(params, b, step):
                     return grad_fn(*params, b, step)
             else:
                 avals = jax.eval_shape(to_executor, state.params)
-                grad_fn = make_stream_grad_fn(shared_model(ctx.model, N, avals), stream, ctx.mesh, mb, M,
-                                              nan_bubbles=ctx.nan_bubbles, seed=seed, **sopts)
+                grad_fn = make_stream_grad_fn(
+                    shared_model(ctx.model, N, avals),
+                    stream,
+                    ctx.mesh,
+                    mb,
+                    M,
+                    nan_bubbles=ctx.nan_bubbles,
+                    seed=seed,
+                    **sopts,
+                )
 
                 def replica_grads(params, b, step):
                     total, grads = grad_fn(*to_executor(params), interleave_shares(b, N, M), step)
-                    return total / N, from_executor(grads)   # the replicas' mean loss (not separated per replica)
+                    return total / N, from_executor(
+                        grads
+                    )  # the replicas' mean loss (not separated per replica)
 
             checks = ctx.checks
 
@@ -154,28 +198,35 @@ class AvgPipeRunner:
                 losses, grads = replica_grads(state.params, b, state.step)
                 gnorm = jax.vmap(optax.tree.norm)(grads)
                 finite = jnp.all(jnp.isfinite(losses)) & jnp.all(jnp.isfinite(gnorm))
-                applied = ok_in & finite        # as the synchronous runner: no update from a failed check
+                applied = ok_in & finite  # as the synchronous runner: no update from a failed check
 
                 def update(params, opt_state):
                     updates, opt_state = tx.update(grads, opt_state, params)
                     return optax.apply_updates(params, updates), opt_state
-                params, opt_state = gate(applied, update, (state.params, state.opt_state),
-                                         branches_refused(ctx.mesh))
+
+                params, opt_state = gate(
+                    applied, update, (state.params, state.opt_state), branches_refused(ctx.mesh)
+                )
                 count = state.step + applied.astype(state.step.dtype)
-                metrics = {"loss": jnp.mean(losses), "grad_norm": gnorm, "step": count,
-                           STATUS: checks.status(inputs, ~finite)}
-                if self.shared is None:          # shared: one summed loss, no per-pipeline split
+                metrics = {
+                    "loss": jnp.mean(losses),
+                    "grad_norm": gnorm,
+                    "step": count,
+                    STATUS: checks.status(inputs, ~finite),
+                }
+                if self.shared is None:  # shared: one summed loss, no per-pipeline split
                     metrics["pipe_losses"] = losses
                 return AvgPipeState(params, opt_state, count), metrics
 
             rep = NamedSharding(ctx.mesh, P())
             names = ("loss", "grad_norm", "step") + (("pipe_losses",) if self.shared is None else ())
-            self._fns[key] = jax.jit(step, donate_argnums=(0,),
-                                     out_shardings=(state_sh, {k: rep for k in names + (STATUS,)}))
+            self._fns[key] = jax.jit(
+                step, donate_argnums=(0,), out_shardings=(state_sh, {k: rep for k in names + (STATUS,)})
+            )
             self._fns[key] = guard_collectives(self._fns[key], self.ctx.mesh)
         return self._fns[key]
 
-    in_flight = False           # every pipeline flushes each step
+    in_flight = False  # every pipeline flushes each step
 
     def prepare(self, state, batch):
         return state
@@ -184,13 +235,16 @@ class AvgPipeRunner:
         return state, {}
 
     def loss_and_grad(self, state, batch):
-        raise ConfigError("avgpipe trains one replica per 'pipe' index, each with its own gradient; use step() "
-                          "(metrics['pipe_losses'] has each pipeline's loss)")
+        raise ConfigError(
+            "avgpipe trains one replica per 'pipe' index, each with its own gradient; use step() "
+            "(metrics['pipe_losses'] has each pipeline's loss)"
+        )
 
     def lower(self, what: str, state, batch):
         if what != "step":
-            raise ConfigError("avgpipe: only the 'step' program exists (one gradient per replica, then the "
-                              "elastic average)")
+            raise ConfigError(
+                "avgpipe: only the 'step' program exists (one gradient per replica, then the elastic average)"
+            )
         batch = self.ctx.shard_batch(batch)
         return self._fn(self.advance, batch, state).lower(state, batch)
 
@@ -205,7 +259,7 @@ class AvgPipeRunner:
         fn = self._fn(a, batch, state)
         n = self._calls.get(a, 0)
         self._calls[a] = n + 1
-        if self.settled or n == 0:          # the first call of a program compiles: not a timing
+        if self.settled or n == 0:  # the first call of a program compiles: not a timing
             state, m = self._call(fn, state, batch)
             return state, {**m, "advance": a}
         t0 = time.perf_counter()

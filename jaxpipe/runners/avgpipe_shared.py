@@ -12,6 +12,7 @@ averaging is the same optax transform over the replica axis -- here a local mean
 numbers equal the ``pipe``-axis form's (tested); what changes is where the replicas live: N x the stage's
 weights and activations on each of D devices instead of N x D devices.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,15 +26,20 @@ from ..model import PipelineModel
 
 def check_shareable(model: PipelineModel, N: int):
     if model.context:
-        raise ConfigError("avgpipe shared=N runs the N replicas' stage ops as one vmapped op, which cannot give "
-                          "each replica its own stage context (dropout key per micro-batch and pipeline); use "
-                          "the pipe-axis form (jp.make_mesh(pipes=N, stages=D)) for a context model")
+        raise ConfigError(
+            "avgpipe shared=N runs the N replicas' stage ops as one vmapped op, which cannot give "
+            "each replica its own stage context (dropout key per micro-batch and pipeline); use "
+            "the pipe-axis form (jp.make_mesh(pipes=N, stages=D)) for a context model"
+        )
     if model.tied:
-        raise ConfigError("avgpipe shared=N: tied parameters are not supported in the shared-device form; use "
-                          "the pipe-axis form (jp.make_mesh(pipes=N, stages=D))")
+        raise ConfigError(
+            "avgpipe shared=N: tied parameters are not supported in the shared-device form; use "
+            "the pipe-axis form (jp.make_mesh(pipes=N, stages=D))"
+        )
     if N < 1:
-        raise ConfigError(f"avgpipe shared={N!r}: give the number of parallel pipelines (>= 1) that share the "
-                          f"stage devices")
+        raise ConfigError(
+            f"avgpipe shared={N!r}: give the number of parallel pipelines (>= 1) that share the stage devices"
+        )
 
 
 def shared_model(model: PipelineModel, N: int, params) -> PipelineModel:
@@ -46,13 +52,22 @@ def shared_model(model: PipelineModel, N: int, params) -> PipelineModel:
     def post_loss(q, y, mb):
         losses = jax.vmap(model.post_loss)(q, y, split(mb))
         if isinstance(losses, tuple):
-            raise ConfigError("avgpipe shared=N needs a scalar mean post_loss: a (sum, count) pair would be "
-                              "normalised per replica, which one summed loss cannot express")
+            raise ConfigError(
+                "avgpipe shared=N needs a scalar mean post_loss: a (sum, count) pair would be "
+                "normalised per replica, which one summed loss cannot express"
+            )
         return jnp.sum(losses)
 
     return dataclasses.replace(
-        model, stage_fn=jax.vmap(model.stage_fn), stage_params=params[0], pre_params=params[1],
-        post_params=params[2], pre=lambda p, mb: jax.vmap(model.pre)(p, split(mb)), post_loss=post_loss, head=None)
+        model,
+        stage_fn=jax.vmap(model.stage_fn),
+        stage_params=params[0],
+        pre_params=params[1],
+        post_params=params[2],
+        pre=lambda p, mb: jax.vmap(model.pre)(p, split(mb)),
+        post_loss=post_loss,
+        head=None,
+    )
 
 
 def to_executor(params):
@@ -68,12 +83,17 @@ def from_executor(grads):
 
 def interleave_shares(batch, N: int, M: int):
     """The global batch's rows rearranged so that micro-batch ``j`` holds micro-batch ``j`` of every
-    replica's share, replica-major (share ``r`` = rows ``[r B/N, (r+1) B/N)``, as the pipe axis splits them)."""
+    replica's share, replica-major (share ``r`` = rows ``[r B/N, (r+1) B/N)``, as the pipe axis splits
+    them)."""
+
     def one(a):
         B = a.shape[0]
         if B % (N * M):
-            raise ConfigError(f"avgpipe shared={N}: the batch's {B} rows must split into {N} shares of {M} "
-                              f"micro-batches; use a multiple of {N * M}")
+            raise ConfigError(
+                f"avgpipe shared={N}: the batch's {B} rows must split into {N} shares of {M} "
+                f"micro-batches; use a multiple of {N * M}"
+            )
         x = a.reshape((N, M, B // (N * M)) + a.shape[1:])
         return jnp.swapaxes(x, 0, 1).reshape(a.shape)
+
     return jax.tree.map(one, batch)

@@ -1,6 +1,7 @@
 """The runner of the flushing schedules (gpipe, 1f1b, interleaved_1f1b, zb_h1, chimera): the one executor runs
 the schedule's lane plan as a stream of one call (:func:`jaxpipe.schedules.periodic.one_call`) under the
 ``gradient`` policy; the step's gradient, then one optimizer update (``jaxpipe.runners``' protocol)."""
+
 from __future__ import annotations
 
 from typing import Any, Dict, NamedTuple, Optional, Tuple
@@ -20,24 +21,24 @@ from ..step_checks import STATUS, gate, pop_status
 from ..runtime import chunk_state
 
 
-
 class PipelineState(NamedTuple):
     """Train state: parameters ``(stage, pre, post)``, optimizer state, and the number of updates applied."""
+
     params: Tuple[Any, Any, Any]
     opt_state: Any
     step: jax.Array
 
 
 def _mean(divisor):
-    """The gradients' mean from what the program returns: sums over the micro-batches where ``divisor`` is set,
-    divided where they are read -- inside the update's conditional and the norm, where the division fuses
-    instead of writing the mean gradient once more (issue #39 item 2).  ``loss_and_grad``'s program divides each
-    micro-batch's gradient as it adds it (issue #51), so its ``divisor`` is None."""
+    """The gradients' mean from what the program returns: sums over the micro-batches where ``divisor`` is
+    set, divided where they are read -- inside the update's conditional and the norm, where the division fuses
+    instead of writing the mean gradient once more (issue #39 item 2).  ``loss_and_grad``'s program divides
+    each micro-batch's gradient as it adds it (issue #51), so its ``divisor`` is None."""
     return (lambda g: g) if divisor is None else (lambda g: jax.tree.map(lambda a: a / divisor, g))
 
 
 class SyncRunner:
-    in_flight = False           # a step ends with an empty pipeline
+    in_flight = False  # a step ends with an empty pipeline
 
     def __init__(self, ctx):
         self.ctx = ctx
@@ -47,8 +48,9 @@ class SyncRunner:
         # where every model stage sits in exactly one device-local chunk (interleaved 1F1B), the state holds
         # the stage parameters in that order (``a[layout]``), so no step gathers weights across devices;
         # params() gives them back in the model's order
-        self._stored = (not self._identity_layout and
-                        sorted(self._layout.tolist()) == list(range(ctx.schedule.num_model_stages)))
+        self._stored = not self._identity_layout and sorted(self._layout.tolist()) == list(
+            range(ctx.schedule.num_model_stages)
+        )
         self._inverse = np.argsort(self._layout)
         # several chunks a device: each stage leaf held as one array per chunk (chunk_state: no step slices
         # the chunks out of one stack or stacks their gradients back)
@@ -61,10 +63,14 @@ class SyncRunner:
         ctx = self.ctx
         # A copy made by jit: step() donates the state, and the model's own arrays must survive that.
         order = self.stage_order()
-        to_state = lambda p: (jax.tree.map(order[1] if order else jnp.copy, p[0]), *jax.tree.map(jnp.copy, p[1:]))
+        to_state = lambda p: (
+            jax.tree.map(order[1] if order else jnp.copy, p[0]),
+            *jax.tree.map(jnp.copy, p[1:]),
+        )
         rep = NamedSharding(ctx.mesh, P())
         stripped = ctx.ties.strip(ctx.model.params)
-        opt = ctx.optimizer if ctx.optimizer is not None else optax.identity()   # (no state: an empty tuple)
+        opt = ctx.optimizer if ctx.optimizer is not None else optax.identity()  # (no state: an empty tuple)
+
         # Optimizer state of a parameter (Adam's moments, momentum) lives with it -- its stage, its model-axis
         # shards: left to jit, it came out replicated and every device updated every stage (measured: +20% per
         # step).  Parameters, optimizer state and the step count come from one program (three compiles were a
@@ -85,9 +91,9 @@ class SyncRunner:
         return (chunk_state.repeat(stage, self._chunks) if self._chunks > 1 else stage, *rest)
 
     def stage_order(self):
-        """``(to_model, from_model)``: one stage leaf of the state in the model's order (``[stages, ...]``) and
-        back -- the layouts that are not the model's own (chunks a device, a device-local order); None where the
-        state holds the model's order."""
+        """``(to_model, from_model)``: one stage leaf of the state in the model's order (``[stages, ...]``)
+        and back -- the layouts that are not the model's own (chunks a device, a device-local order); None
+        where the state holds the model's order."""
         return chunk_state.layout_order(self._layout, self._chunks) if self._stored else None
 
     def state_layout(self) -> Optional[dict]:
@@ -134,42 +140,66 @@ class SyncRunner:
         if scale == 1.0:
             return self.ctx.model
         import dataclasses
+
         post = self.ctx.model.post_loss
 
         def scaled(p, x, b):
             out = post(p, x, b)
             return (out[0] * scale, out[1]) if isinstance(out, (tuple, list)) else out * scale
+
         return dataclasses.replace(self.ctx.model, post_loss=scaled)
 
     def _fn(self, what: str, batch, state: Optional[PipelineState] = None):
-        example = jax.tree.map(lambda l: jax.ShapeDtypeStruct(np.shape(l), getattr(l, "dtype", None) or np.asarray(l).dtype), batch)
+        example = jax.tree.map(
+            lambda l: jax.ShapeDtypeStruct(np.shape(l), getattr(l, "dtype", None) or np.asarray(l).dtype),
+            batch,
+        )
         # The step returns the state with the shardings it came in with, so the second call does not compile
         # again (XLA would otherwise pick its own output shardings for the optimizer state).
-        state_sh = None if state is None else jax.tree.map(
-            lambda a: a.sharding if isinstance(a, jax.Array) else NamedSharding(self.ctx.mesh, P()), state)
-        key = (what, jax.tree.structure(example), tuple(jax.tree.leaves(example)),
-               None if state_sh is None else (jax.tree.structure(state_sh), tuple(jax.tree.leaves(state_sh))))
+        state_sh = (
+            None
+            if state is None
+            else jax.tree.map(
+                lambda a: a.sharding if isinstance(a, jax.Array) else NamedSharding(self.ctx.mesh, P()), state
+            )
+        )
+        key = (
+            what,
+            jax.tree.structure(example),
+            tuple(jax.tree.leaves(example)),
+            None if state_sh is None else (jax.tree.structure(state_sh), tuple(jax.tree.leaves(state_sh))),
+        )
         if key not in self._compiled:
             scale = 1.0 if self.ctx.precision is None else float(self.ctx.precision.loss_scale)
-            M, n_dp = self.ctx.schedule.M, self.ctx.data_parallel      # backward halving: M units
-            mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // (n_dp * M),) + tuple(a.shape[1:]),
-                                                             a.dtype), example)
-            grad_fn = make_stream_grad_fn(self._scaled(scale), self.stream, self.ctx.mesh, mb, M,
-                                          nan_bubbles=self.ctx.nan_bubbles, seed=self.ctx.seed,
-                                          perms=exchange_perms(self.ctx.schedule) if self._identity_layout else None,
-                                          # loss_and_grad: each gradient divided as it is added (no pass
-                                          # after the loop); the step divides inside its update, where it fuses
-                                          divide=scale != 1.0 or what == "grad", **stream_options(self.ctx.schedule))
+            M, n_dp = self.ctx.schedule.M, self.ctx.data_parallel  # backward halving: M units
+            mb = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct((a.shape[0] // (n_dp * M),) + tuple(a.shape[1:]), a.dtype),
+                example,
+            )
+            grad_fn = make_stream_grad_fn(
+                self._scaled(scale),
+                self.stream,
+                self.ctx.mesh,
+                mb,
+                M,
+                nan_bubbles=self.ctx.nan_bubbles,
+                seed=self.ctx.seed,
+                perms=exchange_perms(self.ctx.schedule) if self._identity_layout else None,
+                # loss_and_grad: each gradient divided as it is added (no pass
+                # after the loop); the step divides inside its update, where it fuses
+                divide=scale != 1.0 or what == "grad",
+                **stream_options(self.ctx.schedule),
+            )
             mean = _mean(grad_fn.divisor)
 
             lay, identity = jnp.asarray(self._layout), self._identity_layout
-            lay_sh = self.ctx.param_shardings[0]      # P("stage", *the leaf's model-axis spec)
+            lay_sh = self.ctx.param_shardings[0]  # P("stage", *the leaf's model-axis spec)
             stored = self._stored
 
             def lg(params, b, step):
                 # tied arrays travel inside the program; their gradients come back folded into pre's
                 loss, grads = lg_stream(params, b, step)
-                if scale != 1.0:                    # static loss scaling: undo it before anyone sees it
+                if scale != 1.0:  # static loss scaling: undo it before anyone sees it
                     loss, grads = jax.tree.map(lambda a: (a / scale).astype(a.dtype), (loss, grads))
                 return loss, grads
 
@@ -181,17 +211,22 @@ class SyncRunner:
                 # pipeline); the gradients of a stage's replicas are summed back
                 local = jax.lax.with_sharding_constraint(jax.tree.map(lambda a: a[lay], stage_p), lay_sh)
                 loss, (g_local, g_pre, g_post) = grad_fn(local, pre_p, post_p, b, step)
-                return loss, (jax.tree.map(lambda a, g: jnp.zeros_like(a).at[lay].add(g), stage_p, g_local),
-                              g_pre, g_post)
+                return loss, (
+                    jax.tree.map(lambda a, g: jnp.zeros_like(a).at[lay].add(g), stage_p, g_local),
+                    g_pre,
+                    g_post,
+                )
 
             checks = self.ctx.checks
             if what == "grad":
+
                 def grad_in_model_order(params, b, step):
                     inputs, _, b = checks.checked(b, self.ctx.mesh)
                     loss, sums = lg(params, b, step)
                     g, g_pre, g_post = mean(sums)
                     status = checks.status(inputs)
                     return loss, (self._model_order(g), g_pre, g_post), status
+
                 self._compiled[key] = jax.jit(grad_in_model_order)
                 self._compiled[key] = guard_collectives(self._compiled[key], self.ctx.mesh)
             else:
@@ -209,22 +244,40 @@ class SyncRunner:
             loss, sums = lg(state.params, b, state.step)
             gnorm = optax.tree.norm(mean(sums))
             finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
-            applied = ok_in & finite    # never an update from a bad batch or a non-finite gradient
+            applied = ok_in & finite  # never an update from a bad batch or a non-finite gradient
 
             def update(params, opt_state):
                 updates, opt_state = opt.update(mean(sums), opt_state, params)
                 return optax.apply_updates(params, updates), opt_state
+
             # a conditional, not a select of new and old: XLA updates the donated buffers in place
             # (jaxpipe.step_checks)
             params, opt_state = gate(applied, update, (state.params, state.opt_state), by_select)
             # the counter counts updates, and steps skipped on request (skip_nonfinite)
             count = state.step + (ok_in & (finite | skip)).astype(state.step.dtype)
-            metrics = {"loss": loss, "grad_norm": gnorm, "step": count, STATUS: checks.status(inputs, ~finite)}
+            metrics = {
+                "loss": loss,
+                "grad_norm": gnorm,
+                "step": count,
+                STATUS: checks.status(inputs, ~finite),
+            }
             if skip:
                 metrics["skipped"] = ~applied
             return PipelineState(params, opt_state, count), metrics
 
         rep = NamedSharding(self.ctx.mesh, P())
-        fn = jax.jit(step, donate_argnums=(0,), out_shardings=(
-            state_sh, {"loss": rep, "grad_norm": rep, "step": rep, STATUS: rep, **({"skipped": rep} if skip else {})}))
+        fn = jax.jit(
+            step,
+            donate_argnums=(0,),
+            out_shardings=(
+                state_sh,
+                {
+                    "loss": rep,
+                    "grad_norm": rep,
+                    "step": rep,
+                    STATUS: rep,
+                    **({"skipped": rep} if skip else {}),
+                },
+            ),
+        )
         return guard_collectives(fn, self.ctx.mesh)

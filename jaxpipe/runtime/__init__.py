@@ -1,4 +1,5 @@
 """Executors: the shard_map programs that run schedule tables on a mesh."""
+
 from .gradient import make_grad_fn
 from .mesh import make_mesh
 

@@ -1,6 +1,7 @@
 """Where a tick's ops come from: the stream's call table read for a device and a lane, chunk positions,
 the versions a chunk's policy offers.  Functions of the executor's
 :class:`~jaxpipe.runtime.program.Program` and :class:`~jaxpipe.runtime.executor.Trace`."""
+
 from __future__ import annotations
 
 import jax
@@ -59,7 +60,7 @@ def op_of(prog, tr, t, d, kind, r=None):
     u, shift = tr.ctab[t % prog.T, d, kind, 0], tr.ctab[t % prog.T, d, kind, 1]
     q = t // prog.T - shift
     row = tr.unit_tab[jnp.maximum(u, 0)]
-    g = (q + jnp.where(kind in (0, prog.KF2), row[1], row[2])) * prog.M + row[3]     # W: the B's micro-batch
+    g = (q + jnp.where(kind in (0, prog.KF2), row[1], row[2])) * prog.M + row[3]  # W: the B's micro-batch
     return (u >= 0) & (q >= 0) & (g >= 0) & (g < tr.n_fed), row[0], g
 
 
@@ -82,7 +83,8 @@ def choices(prog, tr, g, lps, pss):
 
 
 def operands(prog, tr, ch, lps, pss):
-    """The version switch's weight operands (``Program.grads``: each chunk's candidates, or a ring's stacks)."""
+    """The version switch's weight operands (``Program.grads``: each chunk's candidates, or a ring's
+    stacks)."""
     return prog.grads.operands(prog, tr, ch, lps, pss)
 
 
@@ -97,6 +99,8 @@ def candidate(prog, tr, cs, cc, w):
 
 def errors_of(prog, tr, c, g, runs, pss):
     """1 where the op would read a version its chunk's policy no longer holds."""
-    ok = [p.held(ps, tr.base + g, tr.me) if p.held is not None else jnp.asarray(True)
-          for p, ps in zip(prog.policies, pss)]
+    ok = [
+        p.held(ps, tr.base + g, tr.me) if p.held is not None else jnp.asarray(True)
+        for p, ps in zip(prog.policies, pss)
+    ]
     return (runs & ~pick(prog, tr, c, ok)).astype(jnp.int32)

@@ -2,17 +2,18 @@
 stage parameter held as one array per chunk (issue #49).
 
 Each device of such a schedule holds K model stages (its chunks).  Stacked as one ``[D * K, ...]`` array per
-leaf, every step sliced the K chunks out at entry and stacked their gradient sums back at exit: XLA cannot alias
-a slice into the call's ``while`` operands, so each was a copy of the device's stage weights (two stage bytes of
-temp per device; 6.5-7 ms of a 92-ms step on the two-process testbed's MLP at D = 1, BUILD_NOTES).  Held as
-:class:`Chunks` -- K arrays ``[D, ...]``, array ``c`` holding chunk ``c`` of every device -- the step hands
-them to the executor as they are and gets the gradients back the same way.
+leaf, every step sliced the K chunks out at entry and stacked their gradient sums back at exit: XLA cannot
+alias a slice into the call's ``while`` operands, so each was a copy of the device's stage weights (two stage
+bytes of temp per device; 6.5-7 ms of a 92-ms step on the two-process testbed's MLP at D = 1, BUILD_NOTES).
+Held as :class:`Chunks` -- K arrays ``[D, ...]``, array ``c`` holding chunk ``c`` of every device -- the step
+hands them to the executor as they are and gets the gradients back the same way.
 
 :class:`Chunks` is a pytree node under each stage *leaf*: a tree given in the model's structure (an optax
 ``masked`` / ``multi_transform`` mask or label tree, a weight-decay mask) is a prefix of the state's and
 applies to every chunk of a leaf.  ``Pipeline.params(state)`` gives the stage parameters in the model's
 order, as for every other schedule.
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -26,6 +27,7 @@ from jax.tree_util import SequenceKey
 @jax.tree_util.register_pytree_with_keys_class
 class Chunks:
     """One stage parameter as K arrays ``[D, ...]``: ``parts[c][d]`` is chunk ``c`` of device ``d``."""
+
     __slots__ = ("parts",)
 
     def __init__(self, parts: Sequence[Any]):
@@ -73,8 +75,9 @@ def join_leaf(ch: Chunks, inverse: np.ndarray):
 
 
 def layout_order(layout: Sequence[int], K: int):
-    """``(to_model, from_model)`` for one stage leaf held in ``layout`` (the model stage of each held position;
-    ``K`` chunks a device): :class:`Chunks` where ``K > 1``, else a permuted ``[stages, ...]`` array."""
+    """``(to_model, from_model)`` for one stage leaf held in ``layout`` (the model stage of each held
+    position; ``K`` chunks a device): :class:`Chunks` where ``K > 1``, else a permuted ``[stages, ...]``
+    array."""
     lay = np.asarray(layout)
     inverse = np.argsort(lay)
     if K > 1:

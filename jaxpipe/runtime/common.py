@@ -1,6 +1,7 @@
 """Pieces of the executor kept apart: the vjp residual split, stash reads/writes and collectives over live
 axes.  (The schedule-only helpers -- the layout of model stages over devices, the lane plan, Chimera's eager
 points -- are in :mod:`jaxpipe.schedules.layout`.)"""
+
 from __future__ import annotations
 
 import collections
@@ -12,12 +13,10 @@ import numpy as np
 from jax import lax
 
 
-
-
-
 def cond(pred, true_fn, false_fn, *operands):
-    """``lax.cond``, or ``true_fn(*operands)`` where ``pred`` is the Python ``True`` (a lane busy on every device
-    in every tick of its phase: run in the tick's own body, where XLA can share what F and B both read --
+    """``lax.cond``, or ``true_fn(*operands)`` where ``pred`` is the Python ``True`` (a lane busy on every
+    device in every tick of its phase: run in the tick's own body, where XLA can share what F and B both read
+    --
     a weight slice materialised in each lane's conditional was read twice; issue #39)."""
     if pred is True:
         return true_fn(*operands)
@@ -49,7 +48,8 @@ class RecomputedAtForwardWeights:
         return self.stage_fn(*args)
 
 
-#: the jitted stage functions, newest last (at most :data:`_TRACED_KEPT`: a sweep building many models does not
+#: the jitted stage functions, newest last (at most :data:`_TRACED_KEPT`: a sweep building many models does
+#: not
 #: keep every one's traces alive)
 _TRACED: "collections.OrderedDict[int, tuple]" = collections.OrderedDict()
 _TRACED_KEPT = 64
@@ -81,8 +81,8 @@ def residual_mask(stage_fn, w, x, ctx=None) -> Tuple[Tuple[bool, ...], list]:
 
     Those are stashed by F.  The others are functions of the weights alone (the weights themselves, slices,
     transposes, casts of them): B recomputes them from the weights it must read, so weights are never
-    copied into the stash.  Found by a dependency walk over the jaxpr that follows call bodies (``jit``) output
-    by output and is conservative elsewhere (any other equation with an x-dependent input makes all its
+    copied into the stash.  Found by a dependency walk over the jaxpr that follows call bodies (``jit``)
+    output by output and is conservative elsewhere (any other equation with an x-dependent input makes all its
     outputs x-dependent).  Call it in the context the executor traces in
     (inside the ``shard_map``): how many residuals a pullback has can depend on it.  Returns the mask and
     the shapes of the stashed residuals.  ``ctx`` (a :class:`~jaxpipe.model.StageContext`, for
@@ -107,12 +107,13 @@ def residual_mask(stage_fn, w, x, ctx=None) -> Tuple[Tuple[bool, ...], list]:
 
 def _depends(jaxpr, dep_in: Sequence[bool]) -> List[bool]:
     """Per output of ``jaxpr``: does it depend on an input marked in ``dep_in``?  Call equations (``jit``...)
-    are followed inside, output by output: a ``jnp.where`` under ``jit`` returns its (broadcast) predicate as a
-    residual, which for a causal mask depends on no activation -- stashed as one, GPT d1024's attention kept
+    are followed inside, output by output: a ``jnp.where`` under ``jit`` returns its (broadcast) predicate as
+    a residual, which for a causal mask depends on no activation -- stashed as one, GPT d1024's attention kept
     128 MiB a micro-batch a block for nothing (issue #39).  Any other equation with a dependent input makes
     all its outputs dependent."""
     from ..jax_internals import call_body
-    is_var = lambda v: not hasattr(v, "val")          # Literals carry .val
+
+    is_var = lambda v: not hasattr(v, "val")  # Literals carry .val
     dep = {v for v, d in zip(jaxpr.invars, dep_in) if d}
     for eqn in jaxpr.eqns:
         ins = [is_var(v) and v in dep for v in eqn.invars]
@@ -135,8 +136,10 @@ def split_residuals(stage_fn, w, x, mask: Sequence[bool], ctx=None):
     y, pullback = jax.vjp(f, w, x)
     leaves, treedef = jax.tree.flatten(pullback)
     if len(leaves) != len(mask):
-        raise RuntimeError(f"stage_fn's pullback has {len(leaves)} residuals here but {len(mask)} when "
-                           f"analysed; stage_fn must trace the same way every time")
+        raise RuntimeError(
+            f"stage_fn's pullback has {len(leaves)} residuals here but {len(mask)} when "
+            f"analysed; stage_fn must trace the same way every time"
+        )
     return y, [l for l, m in zip(leaves, mask) if m], leaves, treedef
 
 
@@ -169,24 +172,28 @@ def write(buf, slot, val):
 def full(avals, value, lead=()):
     """Arrays shaped like ``avals`` (a pytree of ShapeDtypeStructs) with leading dims ``lead``, all ``value``
     (NaN mode's NaN only where the dtype has it: integer leaves, such as a stashed PRNG key, get 0)."""
-    return jax.tree.map(lambda a: jnp.full(tuple(lead) + tuple(a.shape), fill_value(value, a.dtype), a.dtype),
-                        avals)
+    return jax.tree.map(
+        lambda a: jnp.full(tuple(lead) + tuple(a.shape), fill_value(value, a.dtype), a.dtype), avals
+    )
 
 
 def host_zeros(avals):
     """Zeros shaped like ``avals`` (arrays or ShapeDtypeStructs) as host (numpy) arrays: inputs for tracing a
     function for its shapes, which compile nothing (``jnp.zeros`` compiles a program per shape and placement).
     A dtype numpy cannot hold (a typed PRNG key) gets ``jnp.zeros``."""
+
     def one(a):
         try:
             return np.zeros(tuple(a.shape), np.dtype(a.dtype))
         except TypeError:
             return jnp.zeros(a.shape, a.dtype)
+
     return jax.tree.map(one, avals)
 
 
 def fill_value(value, dtype):
-    """``value``, or 0 where it is NaN and ``dtype`` cannot hold NaN (casting NaN to an integer is undefined)."""
+    """``value``, or 0 where it is NaN and ``dtype`` cannot hold NaN (casting NaN to an integer is
+    undefined)."""
     nan = isinstance(value, float) and value != value
     return 0 if nan and not jnp.issubdtype(dtype, jnp.inexact) else value
 
@@ -209,6 +216,7 @@ def ppermute_bits(x, axis, perm):
     same bytes: exact).  Measured on XLA CPU (BUILD_NOTES, "Messages as bits"): the same no-flush program
     ran 10-20% faster when its float messages travelled this way -- the collective-permute itself costs the
     same (micro-benchmark), the difference is in how XLA schedules the float result's consumers."""
+
     def to_bits(a):
         if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize in _INT_OF_WIDTH:
             return jax.lax.bitcast_convert_type(a, _INT_OF_WIDTH[a.dtype.itemsize])
@@ -230,7 +238,8 @@ def psum_over(x, mesh, axes: Sequence[str]):
     XLA keeps an all-reduce over one-device groups (``replica_groups={{0},{1},...}``): the no-flush methods
     ran a weight-sized one in every tick without data parallelism (BUILD_NOTES, "Collectives over one
     device"); a sum over one device is its operand, exactly.  Only for ``check_vma=False`` programs: with
-    varying-axis checks the skipped reduction changes the value's type (the executor runs with ``check_vma=False``)."""
+    varying-axis checks the skipped reduction changes the value's type (the executor runs with
+    ``check_vma=False``)."""
     live = live_axes(mesh, axes)
     return lax.psum(x, live) if live else x
 
@@ -246,8 +255,10 @@ def balanced_broadcast(x, N: int, me, axis):
     worker ``N - 1`` scatters ``x`` in ``N - 1`` chunks (chunk ``r`` to worker ``r``), then the receivers
     all-gather them along a ring (``N - 2`` shifts; each sends ``(N - 2) / (N - 1)`` of ``x``).  The direct
     alternative sends ``(N - 1)`` copies from one worker.  Exact (a permutation of bytes; leaves of mixed
-    float dtypes travel in their common dtype and come back exactly).  Worker ``N - 1``'s result is garbage."""
+    float dtypes travel in their common dtype and come back exactly).  Worker ``N - 1``'s result is
+    garbage."""
     from jax.flatten_util import ravel_pytree
+
     flat, unravel = ravel_pytree(x)
     R, n = N - 1, flat.shape[0]
     size = -(-n // R)

@@ -13,6 +13,7 @@ needed; what W needs stays), with the stash's slots as the only B-to-W storage.
 same dtype that W does not read; where they do not all fit (a stage whose W reads most of its residuals), it
 returns None and the frontier keeps slots of its own, as before.
 """
+
 from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
@@ -43,7 +44,7 @@ def pack(front_avals: Sequence, stash_avals: Sequence, w_reads: Sequence[int]) -
     indices W does), largest first into the residual with the most room left (same dtype, whole rows of one
     axis); None if one does not fit."""
     dead = [j for j, a in enumerate(stash_avals) if j not in set(w_reads) and _size(a.shape)]
-    axis, used = {}, {}         # per residual: the axis it is filled along, how far
+    axis, used = {}, {}  # per residual: the axis it is filled along, how far
     places: List[Optional[Place]] = [None] * len(front_avals)
     for i in sorted(range(len(front_avals)), key=lambda i: -_size(front_avals[i].shape)):
         need, best = _size(front_avals[i].shape), None
@@ -51,10 +52,14 @@ def pack(front_avals: Sequence, stash_avals: Sequence, w_reads: Sequence[int]) -
             shape = tuple(stash_avals[j].shape)
             if np.dtype(stash_avals[j].dtype) != np.dtype(front_avals[i].dtype):
                 continue
-            for k in ([axis[j]] if j in axis else range(len(shape))):
+            for k in [axis[j]] if j in axis else range(len(shape)):
                 n = _fits(need, shape, k)
                 room = shape[k] - used.get(j, 0) if n is not None else -1
-                if n is not None and n <= room and (best is None or room * _size(shape) // shape[k] > best[0]):
+                if (
+                    n is not None
+                    and n <= room
+                    and (best is None or room * _size(shape) // shape[k] > best[0])
+                ):
                     best = (room * _size(shape) // shape[k], j, k, n)
         if best is None:
             return None
@@ -66,7 +71,7 @@ def pack(front_avals: Sequence, stash_avals: Sequence, w_reads: Sequence[int]) -
 
 
 def _box(shape, k, n):
-    return tuple(shape[:k]) + (n,) + tuple(shape[k + 1:])
+    return tuple(shape[:k]) + (n,) + tuple(shape[k + 1 :])
 
 
 def put(stash: list, slot, front: Sequence, places: Sequence[Place]) -> list:
@@ -103,7 +108,6 @@ MIN_SAVING = 64 << 20
 def placed_in_stash(wsp, stash_avals, slots: int) -> Optional[List[Place]]:
     """:func:`pack` for a split backward whose ``slots`` frontier slots would hold at least :data:`MIN_SAVING`
     bytes (None where it does not pay)."""
-    if slots * sum(_size(a.shape) * np.dtype(a.dtype).itemsize
-                                  for a in wsp.frontier_avals) < MIN_SAVING:
+    if slots * sum(_size(a.shape) * np.dtype(a.dtype).itemsize for a in wsp.frontier_avals) < MIN_SAVING:
         return None
     return pack(wsp.frontier_avals, stash_avals, wsp.w_reads)

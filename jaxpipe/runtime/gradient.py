@@ -1,6 +1,8 @@
 """A flushing schedule's gradient on the one executor (:mod:`.executor`): its lane plan as a stream of one
-call (:func:`jaxpipe.schedules.periodic.one_call`), every chunk under the ``gradient`` policy (the micro-batches'
-gradients summed, reduced over the data replicas after the call), nothing carried between calls."""
+call (:func:`jaxpipe.schedules.periodic.one_call`), every chunk under the ``gradient`` policy (the
+micro-batches' gradients summed, reduced over the data replicas after the call), nothing carried between
+calls."""
+
 from __future__ import annotations
 
 import jax
@@ -18,26 +20,54 @@ from .common import host_zeros
 from . import chunk_state
 
 
-def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubbles: bool = False, seed: int = 0,
-                        perms=None, replicas: bool = False, w_from: str = "frontier", eager_reduce: bool = False,
-                        double_batch: bool = False, divide: bool = True):
+def make_stream_grad_fn(
+    model,
+    periodic,
+    mesh,
+    mb_example,
+    M: int,
+    *,
+    nan_bubbles: bool = False,
+    seed: int = 0,
+    perms=None,
+    replicas: bool = False,
+    w_from: str = "frontier",
+    eager_reduce: bool = False,
+    double_batch: bool = False,
+    divide: bool = True,
+):
     """``fn(stage_p, pre_p, post_p, batch, step) -> (loss, (g_stage, g_pre, g_post))`` with ``stage_p`` in the
     executor's layout (leading axis ``D * chunks``, device-major: index ``d K + c`` holds model stage
     ``soc[d, c]``, :func:`.common.layout_index`), or each leaf as :class:`~.chunk_state.Chunks` (K arrays
     ``[D, ...]``, what the runner's state holds: the gradient comes back the same way, nothing sliced or
     stacked); parameters and gradients without tied copies (a tied
     array's gradient comes back summed into ``pre``'s).  ``step``: the step index (a context model's keys are
-    ``model.microbatch_key(seed, step, replica * M + j)``).  ``perms`` (:func:`.common.exchange_perms`, Chimera):
-    ``stage_p`` is in the model's order, one stage per device; chunk ``c`` is fetched with one ``ppermute``
-    and its gradient goes home the same way, summed with the owner's (no gather of every stage).
-    ``replicas`` (AvgPipe's parallel pipelines): every parameter and gradient has a leading axis of one replica
-    per ``pipe`` index, each pipeline trains its own (averaged over ``data`` only), the loss is per replica."""
+    ``model.microbatch_key(seed, step, replica * M + j)``).  ``perms`` (:func:`.common.exchange_perms`,
+    Chimera): ``stage_p`` is in the model's order, one stage per device; chunk ``c`` is fetched with one
+    ``ppermute`` and its gradient goes home the same way, summed with the owner's (no gather of every stage).
+    ``replicas`` (AvgPipe's parallel pipelines): every parameter and gradient has a leading axis of one
+    replica per ``pipe`` index, each pipeline trains its own (averaged over ``data`` only), the loss is per
+    replica."""
     D, K = periodic.num_devices, periodic.chunks
-    per_add = _divides_here(model, divide, replicas) and not sums_losses(model, mb_example)   # (sum, count): after
+    per_add = _divides_here(model, divide, replicas) and not sums_losses(
+        model, mb_example
+    )  # (sum, count): after
     policies = tuple(gradient(M, divide=per_add) for _ in range(K))
-    run, x_aval = make_stream_program(model, policies if K > 1 else policies[0], None, D, M, mesh, mb_example,
-                                      nan_bubbles=nan_bubbles, periodic=periodic, seed=seed, replicas=replicas,
-                                      w_from=w_from, eager_reduce=eager_reduce)
+    run, x_aval = make_stream_program(
+        model,
+        policies if K > 1 else policies[0],
+        None,
+        D,
+        M,
+        mesh,
+        mb_example,
+        nan_bubbles=nan_bubbles,
+        periodic=periodic,
+        seed=seed,
+        replicas=replicas,
+        w_from=w_from,
+        eager_reduce=eager_reduce,
+    )
     w0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), model.stage_params)
     _, res_avals = stage_residuals(model, host_zeros(w0), host_zeros(x_aval), host_zeros(mb_example))
     if double_batch:
@@ -45,37 +75,64 @@ def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubble
     n_dev = pipeline_devices(mesh)
     on_stage = NamedSharding(mesh, P(STAGE))
     on_own = NamedSharding(mesh, P((PIPE, STAGE)))
-    like = lambda g, q: jax.tree.map(lambda a, b: a.astype(b.dtype), g, q)     # gradients in the params' dtypes
+    like = lambda g, q: jax.tree.map(lambda a, b: a.astype(b.dtype), g, q)  # gradients in the params' dtypes
     permute = lambda t, pairs: _permute(mesh, t, pairs)
 
     def fn(stage_p, pre_p, post_p, batch, step):
-        if replicas:     # pipeline r's stage s at r D + s: the executor's parameter layout over (pipe, stage)
+        if replicas:  # pipeline r's stage s at r D + s: the executor's parameter layout over (pipe, stage)
             R = mesh.shape[PIPE]
-            flat = lambda t: jax.tree.map(lambda a: jax.lax.with_sharding_constraint(
-                a.reshape((R * a.shape[1],) + a.shape[2:]), on_own), t)
-            spread = lambda t: flat(jax.tree.map(lambda a: jnp.broadcast_to(a[:, None], (R, D) + a.shape[1:]), t))
+            flat = lambda t: jax.tree.map(
+                lambda a: jax.lax.with_sharding_constraint(
+                    a.reshape((R * a.shape[1],) + a.shape[2:]), on_own
+                ),
+                t,
+            )
+            spread = lambda t: flat(
+                jax.tree.map(lambda a: jnp.broadcast_to(a[:, None], (R, D) + a.shape[1:]), t)
+            )
             loss, (g_w, g_pre, g_post) = one_call(flat(stage_p), spread(pre_p), spread(post_p), batch, step)
             back = lambda g: jax.tree.map(lambda a: a.reshape((R, D) + a.shape[1:]), g)
             sums = lambda g: jax.tree.map(lambda a: a.sum(1), back(g))
             return loss, (like(back(g_w), stage_p), like(sums(g_pre), pre_p), like(sums(g_post), post_p))
         return one_call(stage_p, pre_p, post_p, batch, step)
+
     fn.divisor = None if _divides_here(model, divide, replicas) or run.counting else M
 
     def one_call(stage_p, pre_p, post_p, batch, step):
         """Replicas: the parameters as the executor holds them (pre/post one copy per device), the
         gradients too (pre/post per device, summed by the caller)."""
-        bcast = (lambda t: t) if replicas else (lambda t: jax.tree.map(lambda a: jax.lax.with_sharding_constraint(
-            jnp.broadcast_to(a, (D,) + jnp.shape(a)), on_stage), t))
+        bcast = (
+            (lambda t: t)
+            if replicas
+            else (
+                lambda t: jax.tree.map(
+                    lambda a: jax.lax.with_sharding_constraint(
+                        jnp.broadcast_to(a, (D,) + jnp.shape(a)), on_stage
+                    ),
+                    t,
+                )
+            )
+        )
         pin = lambda t: jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, on_stage), t)
-        chunks = tuple((w, bcast(pre_p), bcast(post_p)) for w in _chunk_weights(stage_p, perms, D, K, pin, permute))
+        chunks = tuple(
+            (w, bcast(pre_p), bcast(post_p)) for w in _chunk_weights(stage_p, perms, D, K, pin, permute)
+        )
         pstate = tuple(_apart(jax.vmap(p.init)(lp), c) for c, (p, lp) in enumerate(zip(policies, chunks)))
         carry = jax.lax.with_sharding_constraint(
             empty_carry(model, periodic, M, n_dev, mb_example, x_aval, res_avals, nan_bubbles),
-            NamedSharding(mesh, P(ALL)))
+            NamedSharding(mesh, P(ALL)),
+        )
         counters = (jnp.zeros((), jnp.int32), (step * M).astype(jnp.int32), jnp.zeros((), jnp.int32))
         one = (lambda t: t[0]) if K == 1 else (lambda t: t)
-        _, _, pss, _, _, (loss, _, _, _) = run(one(chunks), one(tuple(() for _ in range(K))), one(pstate), carry,
-                                               counters, batch, jnp.asarray(True))
+        _, _, pss, _, _, (loss, _, _, _) = run(
+            one(chunks),
+            one(tuple(() for _ in range(K))),
+            one(pstate),
+            carry,
+            counters,
+            batch,
+            jnp.asarray(True),
+        )
         pss = (pss,) if K == 1 else pss
         if perms is not None and any(pm is not None for pm in perms):
             # the replicas' gradients go home by collective-permute only once the loss metric's all-reduce is
@@ -90,8 +147,8 @@ def make_stream_grad_fn(model, periodic, mesh, mb_example, M: int, *, nan_bubble
         if replicas:
             return loss, (g_w, g_pre, g_post)
         return loss, (like(g_w, stage_p), like(g_pre, pre_p), like(g_post, post_p))
-    return fn
 
+    return fn
 
 
 def _chunk_weights(stage_p, perms, D, K, pin, permute):
@@ -111,18 +168,21 @@ def _chunk_weights(stage_p, perms, D, K, pin, permute):
 def _apart(pstate, c: int):
     """Chunk ``c``'s policy state (its zero gradient sums) built so that XLA cannot merge it with another
     chunk's: the K chunks' equal zero fills were one buffer, copied for each chunk after the first as the call
-    took them apart (one chunk's stage bytes a step, BUILD_NOTES).  Each float leaf plus a zero XLA cannot fold
-    (``c - c`` through an optimization barrier): the same +0 fill, one per chunk."""
+    took them apart (one chunk's stage bytes a step, BUILD_NOTES).  Each float leaf plus a zero XLA cannot
+    fold (``c - c`` through an optimization barrier): the same +0 fill, one per chunk."""
     if c == 0:
         return pstate
     zero = jax.lax.optimization_barrier(jnp.float32(c)) - c
-    return jax.tree.map(lambda a: a + zero.astype(a.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, pstate)
+    return jax.tree.map(
+        lambda a: a + zero.astype(a.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, pstate
+    )
 
 
 def _divides_here(model, divide: bool, replicas: bool) -> bool:
     """``divide=False`` asks for the gradients as sums over the micro-batches, ``fn.divisor`` saying what the
-    caller divides them by; they are divided here all the same for AvgPipe's replicas and for parameters stored
-    below float32 (their gradients are cast before they leave), and (sum, count) losses divide by their counts."""
+    caller divides them by; they are divided here all the same for AvgPipe's replicas and for parameters
+    stored below float32 (their gradients are cast before they leave), and (sum, count) losses divide by their
+    counts."""
     low = any(jnp.promote_types(a.dtype, jnp.float32) != a.dtype for a in jax.tree.leaves(model.params))
     return divide or replicas or low
 
@@ -130,8 +190,13 @@ def _divides_here(model, divide: bool, replicas: bool) -> bool:
 def _permute(mesh, t, pairs):
     """``t`` (leading axis over ``stage``) moved along ``pairs`` (one ``ppermute`` per leaf)."""
     spec = jax.tree.map(lambda _: P(STAGE), t)
-    return jax.shard_map(lambda a: jax.tree.map(lambda x: jax.lax.ppermute(x, STAGE, pairs), a), mesh=mesh,
-                         in_specs=(spec,), out_specs=spec, **manual(mesh))(t)
+    return jax.shard_map(
+        lambda a: jax.tree.map(lambda x: jax.lax.ppermute(x, STAGE, pairs), a),
+        mesh=mesh,
+        in_specs=(spec,),
+        out_specs=spec,
+        **manual(mesh),
+    )(t)
 
 
 def _stage_gradient(pss, perms, D, pin, permute, held=False):
@@ -140,15 +205,20 @@ def _stage_gradient(pss, perms, D, pin, permute, held=False):
     parameters came as :class:`~.chunk_state.Chunks`), or the chunks interleaved device-major."""
     K = len(pss)
     if perms is not None:
-        home = [ps.acc[0] if pm is None else permute(ps.acc[0], [(d, s_) for s_, d in pm])
-                for ps, pm in zip(pss, perms)]
+        home = [
+            ps.acc[0] if pm is None else permute(ps.acc[0], [(d, s_) for s_, d in pm])
+            for ps, pm in zip(pss, perms)
+        ]
         return jax.tree.map(lambda *g: sum(g), *home)
     if K == 1:
         return pss[0].acc[0]
     if held:
         return chunk_state.gather([ps.acc[0] for ps in pss])
-    return pin(jax.tree.map(lambda *g: jnp.stack(g, 1).reshape((D * K,) + g[0].shape[1:]),
-                            *(ps.acc[0] for ps in pss)))
+    return pin(
+        jax.tree.map(
+            lambda *g: jnp.stack(g, 1).reshape((D * K,) + g[0].shape[1:]), *(ps.acc[0] for ps in pss)
+        )
+    )
 
 
 def check_double_batch(model, plan, x_aval, mb_example):
@@ -159,46 +229,69 @@ def check_double_batch(model, plan, x_aval, mb_example):
     from ..errors import ConfigError
     from ..schedules.lanes import F2, L
     from .common import residual_mask
+
     if F2 not in plan.lanes:
-        raise ConfigError("double_batch=True runs paired forwards as one: it needs Chimera with "
-                          "concat='forward_doubling' and placement='ordered' (the lanes placement runs forwards "
-                          "one per F lane beside the backwards, unpaired)")
+        raise ConfigError(
+            "double_batch=True runs paired forwards as one: it needs Chimera with "
+            "concat='forward_doubling' and placement='ordered' (the lanes placement runs forwards "
+            "one per F lane beside the backwards, unpaired)"
+        )
     if model.context:
-        raise ConfigError("double_batch=True: this model takes a stage context (a key per micro-batch), which "
-                          "one forward of two micro-batches cannot reproduce; use double_batch=False (paired "
-                          "forwards, the same numbers)")
+        raise ConfigError(
+            "double_batch=True: this model takes a stage context (a key per micro-batch), which "
+            "one forward of two micro-batches cannot reproduce; use double_batch=False (paired "
+            "forwards, the same numbers)"
+        )
     rows = {int(np.shape(a)[0]) for a in jax.tree.leaves(mb_example)}
     xs = {int(np.shape(a)[0]) if np.ndim(a) else -1 for a in jax.tree.leaves(x_aval)}
     w = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), model.stage_params)
     x2 = jax.tree.map(lambda a: jax.ShapeDtypeStruct((2 * a.shape[0],) + tuple(a.shape[1:]), a.dtype), x_aval)
     _, r1 = residual_mask(model.stage_fn, w, x_aval, None)
     _, r2 = residual_mask(model.stage_fn, w, x2, None)
-    ok_res = len(r1) == len(r2) and all(tuple(b.shape) == (2 * a.shape[0],) + tuple(a.shape[1:])
-                                        for a, b in zip(r1, r2))
+    ok_res = len(r1) == len(r2) and all(
+        tuple(b.shape) == (2 * a.shape[0],) + tuple(a.shape[1:]) for a, b in zip(r1, r2)
+    )
     if len(rows) != 1 or xs != rows or not ok_res:
-        raise ConfigError(f"double_batch=True concatenates two micro-batches along the leading axis: every "
-                          f"activation leaf and stashed residual must lead with the micro-batch's rows "
-                          f"(micro-batch rows {sorted(rows)}, activation leading sizes {sorted(xs)}, residuals "
-                          f"split {'ok' if ok_res else 'not along the rows'}); use double_batch=False")
+        raise ConfigError(
+            f"double_batch=True concatenates two micro-batches along the leading axis: every "
+            f"activation leaf and stashed residual must lead with the micro-batch's rows "
+            f"(micro-batch rows {sorted(rows)}, activation leading sizes {sorted(xs)}, residuals "
+            f"split {'ok' if ok_res else 'not along the rows'}); use double_batch=False"
+        )
     la, lb = plan.lanes.index("F"), plan.lanes.index(F2)
     tab = plan.table
     both = tab[:, :, lb, L["op"]] > 0
-    if np.any(both & ((tab[:, :, la, L["op"]] <= 0) | (tab[:, :, la, L["stage"]] != tab[:, :, lb, L["stage"]]))):
+    if np.any(
+        both & ((tab[:, :, la, L["op"]] <= 0) | (tab[:, :, la, L["stage"]] != tab[:, :, lb, L["stage"]]))
+    ):
         raise ConfigError("double_batch=True: the plan pairs forwards of different stages (executor bug)")
 
 
-def make_grad_fn(model, sched, mesh, batch_example, *, nan_bubbles: bool = False, placement: str = "lanes",
-                 seed: int = 0):
+def make_grad_fn(
+    model, sched, mesh, batch_example, *, nan_bubbles: bool = False, placement: str = "lanes", seed: int = 0
+):
     """The gradient of a flushing schedule's step on the one executor:
     ``fn(stage_p, pre_p, post_p, batch, step) -> (loss, (g_stage, g_pre, g_post))`` with ``stage_p`` in the
     executor's layout (:func:`.common.layout_index`: leading axis ``D * chunks``, device-major) and no tied
     copies.  ``batch_example`` (arrays or ShapeDtypeStructs, global shapes) fixes the shapes.
-    :class:`jaxpipe.Pipeline` (``loss_and_grad``, ``step``) is the usual way in; this is the program under it."""
+    :class:`jaxpipe.Pipeline` (``loss_and_grad``, ``step``) is the usual way in; this is the program under
+    it."""
     from ..axes import DATA
     from ..schedules.periodic import one_call
     from ..schedules.layout import lane_plan, stream_options
+
     M, n_dp = sched.M, mesh.shape[PIPE] * mesh.shape[DATA]
-    mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // (n_dp * M),) + tuple(a.shape[1:]), a.dtype),
-                      batch_example)
-    return make_stream_grad_fn(model, one_call(lane_plan(sched, placement)), mesh, mb, M,
-                               nan_bubbles=nan_bubbles, seed=seed, **stream_options(sched))
+    mb = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct((a.shape[0] // (n_dp * M),) + tuple(a.shape[1:]), a.dtype),
+        batch_example,
+    )
+    return make_stream_grad_fn(
+        model,
+        one_call(lane_plan(sched, placement)),
+        mesh,
+        mb,
+        M,
+        nan_bubbles=nan_bubbles,
+        seed=seed,
+        **stream_options(sched),
+    )

@@ -1,6 +1,7 @@
 """Where a stream's tick loop is cut (:mod:`.executor`): the ticks where accumulating policies land their
 batch's update (in a scan or between scans) and, for a ring reduction, the ticks that may complete a sum.
 Read off the replayed stream (:meth:`jaxpipe.schedules.periodic.Periodic.events`); pure Python + NumPy."""
+
 from __future__ import annotations
 
 from ..errors import ConfigError
@@ -14,7 +15,7 @@ def landing_segments(periodic, M: int, D: int):
     n = periodic.period * M
     offs = sorted({periodic.tick("B", s, M - 1) % n for s in range(D)})
     lo, hi = offs[0], offs[-1] + 1
-    if hi - lo > n // 2:        # spread over the call: one scan that may land in every tick
+    if hi - lo > n // 2:  # spread over the call: one scan that may land in every tick
         return [(0, n, True)]
     return [seg for seg in ((0, lo, False), (lo, hi, True), (hi, n, False)) if seg[1] > seg[0]]
 
@@ -29,8 +30,10 @@ def landing_points(periodic, M: int, chunk: int, policy, b: int = 4):
     ends = periodic.batch_ticks(M, chunk, b)["last_b"]
     calls = {t // T for t in ends}
     if len(calls) != 1:
-        raise ConfigError(f"{policy.name}: stages finish a batch in different calls ({sorted(calls)}); it must "
-                          f"land inside the scan (landing=\"in_scan\")")
+        raise ConfigError(
+            f"{policy.name}: stages finish a batch in different calls ({sorted(calls)}); it must "
+            f'land inside the scan (landing="in_scan")'
+        )
     q = calls.pop()
     start = max(t % T for t in ends) + 1
     first = min(periodic.batch_ticks(M, chunk, b + 1 + policy.stale)["first"])
@@ -39,15 +42,19 @@ def landing_points(periodic, M: int, chunk: int, policy, b: int = 4):
     elif first >= q * T + start:
         tau = start
     else:
-        raise ConfigError(f"{policy.name}: with D={periodic.num_devices}, M={M} batch {b + 1 + policy.stale} "
-                          f"starts (tick {first}) before batch {b}'s update can land (tick {q * T + start})")
+        raise ConfigError(
+            f"{policy.name}: with D={periodic.num_devices}, M={M} batch {b + 1 + policy.stale} "
+            f"starts (tick {first}) before batch {b}'s update can land (tick {q * T + start})"
+        )
     open_ = {}
     for t, d, kind, c, g in periodic.events(M, calls=b + 6):
         if c == chunk and kind == "B":
             open_.setdefault((t - tau) // T, set()).add(g // M)
     if max(len(v) for v in open_.values()) > policy.accumulators:
-        raise ConfigError(f"{policy.name}: this timeline accumulates {max(len(v) for v in open_.values())} "
-                          f"batches at once; the policy keeps {policy.accumulators}")
+        raise ConfigError(
+            f"{policy.name}: this timeline accumulates {max(len(v) for v in open_.values())} "
+            f"batches at once; the policy keeps {policy.accumulators}"
+        )
     return q - b, tau
 
 

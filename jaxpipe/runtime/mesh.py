@@ -1,5 +1,6 @@
 """Device meshes with jaxpipe's axes ``("pipe", "data", "stage")`` and, where asked, the model axes
 ``("fsdp", "tensor")``."""
+
 from __future__ import annotations
 
 import jax
@@ -10,9 +11,9 @@ from ..validate import is_int
 from ..axes import AXES, FSDP, TENSOR
 
 
-
-def make_mesh(stages: int = 1, data: int = 1, pipes: int = 1, fsdp: int = 1, tensor: int = 1,
-              devices=None) -> jax.sharding.Mesh:
+def make_mesh(
+    stages: int = 1, data: int = 1, pipes: int = 1, fsdp: int = 1, tensor: int = 1, devices=None
+) -> jax.sharding.Mesh:
     """A mesh of shape (pipes, data, stages) over the first pipes*data*stages devices -- with model axes
     ``fsdp`` and ``tensor`` after them, shape (pipes, data, stages, fsdp, tensor), where either is above 1.
 
@@ -30,15 +31,19 @@ def make_mesh(stages: int = 1, data: int = 1, pipes: int = 1, fsdp: int = 1, ten
     seen = set()
     twice = [d for d in devs if d in seen or seen.add(d)]
     if twice:
-        raise ConfigError(f"make_mesh(devices=...): {twice[0]} is listed {devs.count(twice[0])} times; each device "
-                          f"can hold one place of the mesh -- give distinct devices")
+        raise ConfigError(
+            f"make_mesh(devices=...): {twice[0]} is listed {devs.count(twice[0])} times; each device "
+            f"can hold one place of the mesh -- give distinct devices"
+        )
     need = pipes * data * stages * fsdp * tensor
     if need > len(devs):
         given = ", ".join(f"{k}={v}" for k, v in sizes.items() if v != 1 or k == "stages")
         raise ConfigError(
             f"make_mesh({given}) needs {need} devices but "
             f"{len(devs)} {devs[0].platform.upper()} device(s) are visible. On CPU, emulate more with "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={need} set before JAX is imported; or shrink the mesh.")
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={need} set before JAX is imported; or shrink "
+            "the mesh."
+        )
     shape, names = (pipes, data, stages), AXES
     if fsdp > 1 or tensor > 1:
         shape, names = shape + (fsdp, tensor), AXES + (FSDP, TENSOR)

@@ -7,6 +7,7 @@ Nothing here asks a method's name or reads a method's options by key: the polici
 (:data:`jaxpipe.optim.policies.MODES`), the runner passes the schedule's choices as fields (``w_from``,
 ``eager_reduce``), and the stream (:class:`jaxpipe.schedules.periodic.Periodic`) says which lanes a tick has.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,6 +32,7 @@ class PhaseLanes(NamedTuple):
     """A lane plan's phase as its scan compiles it: the lanes some device uses there, and those busy on every
     device in every tick (run without a conditional: a plan's stream of one call is always fed, so the table
     says exactly which ops run)."""
+
     used: frozenset
     full: frozenset
 
@@ -40,17 +42,20 @@ class Modes:
     """How the program runs, decided once from the policies' declarations and the stream.
 
     ``routing``: ``"slots"`` -- a lane plan's stream of one call: messages and residuals in the slots the plan
-    allocated (:mod:`jaxpipe.schedules.lanes`); ``"registers"`` -- a periodic stream: one register per direction,
-    consumed the tick after it was sent (and wrap-around buffers between chunks).
+    allocated (:mod:`jaxpipe.schedules.lanes`); ``"registers"`` -- a periodic stream: one register per
+    direction, consumed the tick after it was sent (and wrap-around buffers between chunks).
     ``gradients``: ``"sum"`` -- the policies only sum local gradients in place, reduced over the data replicas
     once after the call (a flushing schedule's gradient); ``"update"`` -- a backward's gradient, reduced over
     the replicas, feeds its chunk's update; ``"ring"`` -- Cyclic DP's ring over the data workers
     (:mod:`.reduction`).
-    ``landing``: ``"none"``, ``"in_scan"`` or ``"call_end"`` (accumulating policies).  ``reads``: ``"branch"`` --
+    ``landing``: ``"none"``, ``"in_scan"`` or ``"call_end"`` (accumulating policies).  ``reads``: ``"branch"``
+    --
     one branch per stored version (and chunk); ``"computed"`` -- the policy computes the version an op reads.
     ``w_lane``: ``"none"``, or ZB's weight-gradient lane computing W ``"frontier"`` (from the per-layer output
     gradients B keeps) or ``"recompute"`` (back-propagating through the stage again).  ``paired``: Chimera's
-    doubled forward (an F2 lane).  ``counting``: (sum, count) losses whose counts travel with the gradients."""
+    doubled forward (an F2 lane).  ``counting``: (sum, count) losses whose counts travel with the
+    gradients."""
+
     routing: str
     gradients: str
     landing: str
@@ -63,12 +68,13 @@ class Modes:
 @dataclasses.dataclass(frozen=True, eq=False)
 class Program:
     """The program's static description (see the module docstring); ``modes`` says how it runs."""
+
     model: Any
     D: int
     M: int
     mesh: Any
     policies: Tuple[Any, ...]
-    chunked: bool                  # a tuple of policies (one per chunk) was given: the state is per chunk
+    chunked: bool  # a tuple of policies (one per chunk) was given: the state is per chunk
     periodic: Any
     modes: Modes
     nan_bubbles: bool
@@ -76,28 +82,28 @@ class Program:
     apc: bool
     broadcast: str
     replicas: bool
-    units: np.ndarray              # the stream's unit table
-    RED: Tuple[str, ...]           # the axes gradients are reduced over
+    units: np.ndarray  # the stream's unit table
+    RED: Tuple[str, ...]  # the axes gradients are reduced over
     n_red: int
-    buf: Dict[str, Any]            # the stream's buffer sizes (Periodic.buffers)
+    buf: Dict[str, Any]  # the stream's buffer sizes (Periodic.buffers)
     x_aval: Any
-    summed: bool                   # the loss is a (sum, count) pair
+    summed: bool  # the loss is a (sum, count) pair
     ties: Any
     tie_avals: Any
-    T: int                         # ticks per call
-    segments: Tuple[Any, ...]      # the call's scans: (first tick, end tick, static flags)
-    lands: Dict[int, Tuple[int, int]]   # chunk -> (lag, tick offset) of a between-scans landing
-    stg: np.ndarray                # [chunk, device] -> model stage
-    routes: Optional[np.ndarray]   # a lane plan's routing columns
-    kinds: Tuple[str, ...]         # the lanes of a tick
-    eager: Dict[int, Tuple[Tuple[int, int], ...]]   # tick -> Chimera's eager exchange pairs after it
-    used_pos: Tuple[Tuple[int, ...], ...]           # per chunk, the positions (first/last codes) compiled
-    remap: np.ndarray              # [chunk, position code] -> branch of the compiled positions
+    T: int  # ticks per call
+    segments: Tuple[Any, ...]  # the call's scans: (first tick, end tick, static flags)
+    lands: Dict[int, Tuple[int, int]]  # chunk -> (lag, tick offset) of a between-scans landing
+    stg: np.ndarray  # [chunk, device] -> model stage
+    routes: Optional[np.ndarray]  # a lane plan's routing columns
+    kinds: Tuple[str, ...]  # the lanes of a tick
+    eager: Dict[int, Tuple[Tuple[int, int], ...]]  # tick -> Chimera's eager exchange pairs after it
+    used_pos: Tuple[Tuple[int, ...], ...]  # per chunk, the positions (first/last codes) compiled
+    remap: np.ndarray  # [chunk, position code] -> branch of the compiled positions
     done_tab: np.ndarray
 
     # ---- derived readers
     K = property(lambda self: len(self.policies))
-    W = property(lambda self: self.mesh.shape[DATA])           # ring workers
+    W = property(lambda self: self.mesh.shape[DATA])  # ring workers
     C = property(lambda self: self.buf["ring"])
     S = property(lambda self: self.buf["stash"])
     S_off = property(lambda self: np.concatenate([[0], np.cumsum(self.buf["stash"])]))
@@ -106,8 +112,8 @@ class Program:
     KW = property(lambda self: self.kinds.index("W") if "W" in self.kinds else -1)
     KF2 = property(lambda self: self.kinds.index("F2") if "F2" in self.kinds else -1)
     ring = property(lambda self: self.modes.gradients == "ring")
-    grads = property(lambda self: REDUCTIONS[self.modes.gradients])   # the gradient strategy (.reduction)
-    route = property(lambda self: ROUTINGS[self.modes.routing])   # the message routing strategy (.routing)
+    grads = property(lambda self: REDUCTIONS[self.modes.gradients])  # the gradient strategy (.reduction)
+    route = property(lambda self: ROUTINGS[self.modes.routing])  # the message routing strategy (.routing)
     fused = property(lambda self: self.modes.gradients == "sum")
     by_branch = property(lambda self: self.modes.reads == "branch")
     in_scan = property(lambda self: self.modes.landing == "in_scan")
@@ -119,19 +125,35 @@ class Program:
     direct = property(lambda self: self.periodic.plan is not None and self.periodic.plan.direct)
 
     def model_key(self, step, mb):
-        """The stage context's key of micro-batch ``mb`` of step ``step`` (the synchronous schedules' keys)."""
+        """The stage context's key of micro-batch ``mb`` of step ``step`` (the synchronous schedules'
+        keys)."""
         return microbatch_key(self.seed, step, mb)
 
 
-def describe(model, policy, D: int, M: int, mesh, mb_example, *, periodic=None, nan_bubbles: bool = False,
-             seed: int = 0, apc: bool = False, broadcast: str = "direct", replicas: bool = False,
-             w_from: str = "frontier", eager_reduce: bool = False) -> Program:
+def describe(
+    model,
+    policy,
+    D: int,
+    M: int,
+    mesh,
+    mb_example,
+    *,
+    periodic=None,
+    nan_bubbles: bool = False,
+    seed: int = 0,
+    apc: bool = False,
+    broadcast: str = "direct",
+    replicas: bool = False,
+    w_from: str = "frontier",
+    eager_reduce: bool = False,
+) -> Program:
     """The :class:`Program` of ``model`` under ``policy`` (one :class:`~jaxpipe.optim.policies.WeightPolicy`,
     or a tuple of one per chunk) on the stream ``periodic`` (default: the no-flush 1F1B)."""
-    chunked = not hasattr(policy, "_fields")       # a WeightPolicy is a NamedTuple; chunks: a tuple of them
+    chunked = not hasattr(policy, "_fields")  # a WeightPolicy is a NamedTuple; chunks: a tuple of them
     policies = tuple(check_policy(p) for p in (policy if chunked else (policy,)))
     if periodic is None:
         from ..schedules.periodic import no_flush_1f1b
+
         periodic = no_flush_1f1b(policies[0].name, D)
     _check_policies(policies, periodic, mesh, D)
     ring = policies[0].reduction == "ring"
@@ -142,38 +164,68 @@ def describe(model, policy, D: int, M: int, mesh, mb_example, *, periodic=None, 
     summed = model.reduction(y_aval, mb_example) == "sum"
     ties = Ties(model)
     slots = periodic.plan is not None
-    kinds = periodic.kinds                  # the lanes of a tick: F, (F2,) B, (W)
+    kinds = periodic.kinds  # the lanes of a tick: F, (F2,) B, (W)
     modes = Modes(
         routing="slots" if slots else "registers",
         gradients="ring" if ring else "sum" if all(p.reduction == "sum" for p in policies) else "update",
         landing=policies[0].landing,
         reads="branch" if len(policies) > 1 or policies[0].reads == "stored" else "computed",
-        w_lane=w_from if "W" in kinds else "none", paired="F2" in kinds,
+        w_lane=w_from if "W" in kinds else "none",
+        paired="F2" in kinds,
         # (sum, count) losses: per-micro-batch updaters scale each micro-batch at the loss by replicas / its
-        # global count; accumulating policies (2BW, CDP, WPipe) get unscaled sums, and each micro-batch's global
+        # global count; accumulating policies (2BW, CDP, WPipe) get unscaled sums, and each micro-batch's
+        # global
         # count travels back with dL/dy so that every stage divides its step's summed gradient by the step's
         # count (the ring reduction sums each micro-batch's count along the ring with its gradient)
-        counting=summed and (ring or not policies[0].per_microbatch))
+        counting=summed and (ring or not policies[0].per_microbatch),
+    )
     if slots and modes.gradients != "sum":
-        raise ConfigError("a lane plan's stream runs under a policy that returns the call's gradient ('gradient')")
+        raise ConfigError(
+            "a lane plan's stream runs under a policy that returns the call's gradient ('gradient')"
+        )
     # replicas (AvgPipe's parallel pipelines): one set of weights per 'pipe' index, averaged over 'data' only
     T = periodic.call_ticks(M)
     eager = _eager(periodic, policies, eager_reduce and slots)
     segments, lands = _segments(periodic, M, D, policies, mesh, ring, eager)
     used_pos, remap = _positions(periodic, D, len(policies))
     return Program(
-        model=model, D=D, M=M, mesh=mesh, policies=policies, chunked=chunked, periodic=periodic, modes=modes,
-        nan_bubbles=nan_bubbles, seed=seed, apc=apc, broadcast=broadcast, replicas=replicas,
-        units=periodic.unit_table(M), RED=(DATA,) if replicas else DP_AXES,
-        n_red=mesh.shape[DATA] if replicas else n_dp, buf=buf, x_aval=x_aval, summed=summed, ties=ties,
-        tie_avals=ties.pre_leaves(model.pre_params), T=T, segments=tuple(segments), lands=lands,
+        model=model,
+        D=D,
+        M=M,
+        mesh=mesh,
+        policies=policies,
+        chunked=chunked,
+        periodic=periodic,
+        modes=modes,
+        nan_bubbles=nan_bubbles,
+        seed=seed,
+        apc=apc,
+        broadcast=broadcast,
+        replicas=replicas,
+        units=periodic.unit_table(M),
+        RED=(DATA,) if replicas else DP_AXES,
+        n_red=mesh.shape[DATA] if replicas else n_dp,
+        buf=buf,
+        x_aval=x_aval,
+        summed=summed,
+        ties=ties,
+        tie_avals=ties.pre_leaves(model.pre_params),
+        T=T,
+        segments=tuple(segments),
+        lands=lands,
         stg=periodic.stage_table(),
         routes=_routes(periodic.plan) if slots else None,
-        kinds=kinds, eager=eager, used_pos=used_pos, remap=remap, done_tab=np.asarray(buf["done"], np.int32))
+        kinds=kinds,
+        eager=eager,
+        used_pos=used_pos,
+        remap=remap,
+        done_tab=np.asarray(buf["done"], np.int32),
+    )
 
 
 def _routes(plan) -> np.ndarray:
-    """A lane plan's routing columns (:data:`ROUTE_COLUMNS`; the frontier's, last, only where a W lane reads it)."""
+    """A lane plan's routing columns (:data:`ROUTE_COLUMNS`; the frontier's, last, only where a W lane reads
+    it)."""
     cols = ROUTE_COLUMNS if "W" in plan.lanes else ROUTE_COLUMNS[:-1]
     return np.asarray(plan.table[..., [_L[k] for k in cols]])
 
@@ -183,13 +235,18 @@ def _check_policies(policies, periodic, mesh, D) -> None:
     if periodic.chunks != K:
         raise ConfigError(f"the timeline has {periodic.chunks} chunks per device, the policy {K}")
     if K > 1 and any(p.reads != "stored" or p.landing == "in_scan" for p in policies):
-        raise ConfigError("a timeline of several chunks runs policies that choose among stored versions and "
-                          "land between scans")
+        raise ConfigError(
+            "a timeline of several chunks runs policies that choose among stored versions and "
+            "land between scans"
+        )
     if len({p.per_microbatch for p in policies}) != 1:
         raise ConfigError("the chunks' policies must all update per micro-batch or all per batch")
-    if policies[0].reduction == "ring" and (D != 1 or mesh.shape[PIPE] != 1 or
-                                            any(p.reduction != "ring" for p in policies)):
-        raise ConfigError("a ring reduction runs every stage on each worker of the 'data' axis (stage = pipe = 1)")
+    if policies[0].reduction == "ring" and (
+        D != 1 or mesh.shape[PIPE] != 1 or any(p.reduction != "ring" for p in policies)
+    ):
+        raise ConfigError(
+            "a ring reduction runs every stage on each worker of the 'data' axis (stage = pipe = 1)"
+        )
 
 
 def _eager(periodic, policies, eager_reduce: bool):
@@ -199,8 +256,10 @@ def _eager(periodic, policies, eager_reduce: bool):
         return {}
     eager = dict(eager_points(periodic.plan.schedule, periodic.plan.where))
     if eager and (len(policies) != 2 or any(p.sums is None for p in policies)):
-        raise ConfigError("eager_reduce moves one chunk's gradient sums to another's: two chunks whose policies "
-                          "expose their sums")
+        raise ConfigError(
+            "eager_reduce moves one chunk's gradient sums to another's: two chunks whose policies "
+            "expose their sums"
+        )
     return eager
 
 
@@ -213,19 +272,23 @@ def _segments(periodic, M, D, policies, mesh, ring, eager):
     cuts = sorted({tau for _, tau in lands.values() if tau < T})
     if cuts:
         segments = [(a, b, False) for a, b in zip([0] + cuts, cuts + [T])]
-    if ring:        # runs of ticks with the same (may land, may update): only those compile the broadcast
+    if ring:  # runs of ticks with the same (may land, may update): only those compile the broadcast
         segments = []
         for tau, f in enumerate(ring_phases(periodic, M, mesh.shape[DATA])):
             if segments and segments[-1][2] == f:
                 segments[-1] = (segments[-1][0], tau + 1, f)
             else:
                 segments.append((tau, tau + 1, f))
-    if periodic.plan is not None:   # one scan per phase of the plan, compiling only the lanes some device uses
+    if periodic.plan is not None:  # one scan per phase of the plan, compiling only the lanes some device uses
         # there (its cuts include the eager-reduction points); a lane idle on every device costs a conditional
-        segments = [(a, b, PhaseLanes(frozenset(u), frozenset(f)))
-                    for (a, b, u), f in zip(periodic.plan.phases, periodic.plan.full)]
+        segments = [
+            (a, b, PhaseLanes(frozenset(u), frozenset(f)))
+            for (a, b, u), f in zip(periodic.plan.phases, periodic.plan.full)
+        ]
         if not {b for _, b, _ in segments} >= set(eager):
-            raise ConfigError("the plan's phases must end at its eager-reduction points (schedules.lane_plan)")
+            raise ConfigError(
+                "the plan's phases must end at its eager-reduction points (schedules.lane_plan)"
+            )
     return segments, lands
 
 

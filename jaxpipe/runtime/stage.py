@@ -12,6 +12,7 @@ through :class:`StageOps`:
 Executors differ in where the results go (stash slots, messages, accumulators, weight updates), not in
 what a stage computes; a change to what a stage computes is made here.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,13 +33,13 @@ def stage_residuals(model, w, x, mb):
 
 @dataclasses.dataclass(frozen=True)
 class StageOps:
-    model: Any                       # the PipelineModel (stage_fn, pre, post_loss)
-    mask: Sequence[bool]             # which pullback leaves are stashed (residual_mask)
-    x_aval: Any                      # the activation's shape and dtype
-    x_like: Optional[Callable] = None   # a dummy activation for rebuilding pullbacks (default: zeros)
-    ctx_aval: Any = None             # the stage context's shapes (context models)
-    zeros: Optional[Callable] = None    # (shape, dtype) -> a dummy array (default jnp.zeros)
-    mark: Optional[Callable] = None     # marks values device-varying (for check_vma programs; default: none)
+    model: Any  # the PipelineModel (stage_fn, pre, post_loss)
+    mask: Sequence[bool]  # which pullback leaves are stashed (residual_mask)
+    x_aval: Any  # the activation's shape and dtype
+    x_like: Optional[Callable] = None  # a dummy activation for rebuilding pullbacks (default: zeros)
+    ctx_aval: Any = None  # the stage context's shapes (context models)
+    zeros: Optional[Callable] = None  # (shape, dtype) -> a dummy array (default jnp.zeros)
+    mark: Optional[Callable] = None  # marks values device-varying (for check_vma programs; default: none)
 
     @classmethod
     def build(cls, model, w, x, mb, x_like=None, zeros=None, mark=None):
@@ -67,8 +68,9 @@ class StageOps:
             return None
         return self.model.stage_context(mb, mb_key, stage)
 
-    def forward(self, w, x, mb=None, pre_p=None, post_p=None, first: bool = False, last: bool = False,
-                ctx=None):
+    def forward(
+        self, w, x, mb=None, pre_p=None, post_p=None, first: bool = False, last: bool = False, ctx=None
+    ):
         """``(y, residuals, head)``: the stage's output and its stash entries; ``head`` is None except on the
         last stage, where it is ``(value, count, g_post, dy)``: ``post_loss``'s loss (a mean, or a sum with
         its count; :func:`~jaxpipe.model.loss_terms`) and its gradients at ``y``.  ``first``: the input is
@@ -79,7 +81,7 @@ class StageOps:
         if m.context and ctx is None:
             raise RuntimeError("a context model's stage needs its StageContext (executor bug)")
         y, res, _, _ = split_residuals(m.stage_fn, w, x, self.mask, ctx if m.context else None)
-        if self.mark is not None:     # residuals of the context (a stage index, a key) vary like the rest
+        if self.mark is not None:  # residuals of the context (a stage index, a key) vary like the rest
             res = [self.mark(r) for r in res]
         if not last:
             return y, res, None
@@ -88,7 +90,8 @@ class StageOps:
     def head(self, post_p, y, mb):
         """``(value, count, g_post, dy)`` of ``post_loss`` at the last stage's output ``y``."""
         (value, count), (g_post, dy) = jax.value_and_grad(
-            lambda q, v: loss_terms(self.model.post_loss(q, v, mb)), argnums=(0, 1), has_aux=True)(post_p, y)
+            lambda q, v: loss_terms(self.model.post_loss(q, v, mb)), argnums=(0, 1), has_aux=True
+        )(post_p, y)
         return value, count, g_post, dy
 
     def backward(self, w, res: List[Any], dy):

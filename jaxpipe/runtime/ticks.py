@@ -1,6 +1,7 @@
 """A lockstep tick (its F, F2, B and W lanes, the messages they send), the call's scans over the plan's
 phases, and what happens between scans (landings, Chimera's eager exchange).  Functions over the
 executor's :class:`~jaxpipe.runtime.program.Program` and :class:`~jaxpipe.runtime.executor.Trace`."""
+
 from __future__ import annotations
 
 import jax
@@ -19,9 +20,11 @@ def scan_phases(prog, tr, st):
     and Chimera's eager exchanges between them."""
     for a, b, flags in prog.segments:
         ticks = tr.t0 + jnp.arange(a, b, dtype=jnp.int32)
-        if prog.fused:       # sum-only policies never write the weights: they stay out of the loop's state
+        if prog.fused:  # sum-only policies never write the weights: they stay out of the loop's state
+
             def scan_tick(s_, t, fixed=st[:2], flags=flags):
                 return tick(prog, tr, fixed + s_, t, flags)[0][2:], None
+
             rest, _ = lax.scan(scan_tick, st[2:], ticks)
             st = st[:2] + rest
         else:
@@ -37,21 +40,25 @@ def tick(prog, tr, st, t, flags=True):
     ring, (may land an arrived stage, may complete a sum); a lane plan's phase: the lanes some device
     uses in these ticks (the others are not compiled here)."""
     lps, oss, pss, cr, loss = st
-    tr.outbox.clear()          # (what an interrupted trace may have left)
-    run, rr = prog.route.lanes(prog, tr, t, flags)     # the lanes compiled here; this device's route rows
+    tr.outbox.clear()  # (what an interrupted trace may have left)
+    run, rr = prog.route.lanes(prog, tr, t, flags)  # the lanes compiled here; this device's route rows
     lps, pss, stacks = prog.grads.before_tick(prog, tr, lps, oss, pss, cr, flags)
     is_f, cf, gf = op_of(prog, tr, t, tr.me, 0)
     is_b, cb, gb = op_of(prog, tr, t, tr.me, prog.KB)
-    is_f, is_b = (True if run[0] == 2 else is_f), (True if run[prog.KB] == 2 else is_b)   # no conditional
+    is_f, is_b = (True if run[0] == 2 else is_f), (True if run[prog.KB] == 2 else is_b)  # no conditional
     err = errors_of(prog, tr, cf, gf, is_f, per_chunk(prog, tr, lps, pss)[1])
     if run[0]:
         pss, cr, loss = forward_lanes(prog, tr, t, rr, run, (is_f, cf, gf), lps, pss, cr, loss)
     if run[prog.KB]:
         err = err + errors_of(prog, tr, cb, gb, is_b, per_chunk(prog, tr, lps, pss)[1])
-        lps, oss, pss, cr = backward_lanes(prog, tr, t, rr, run, flags, (is_b, cb, gb), stacks, lps, oss, pss, cr)
-    if prog.split and run[prog.KW]:     # ZB's W lane (a lane plan's: W reads its slots), also in a phase without B
+        lps, oss, pss, cr = backward_lanes(
+            prog, tr, t, rr, run, flags, (is_b, cb, gb), stacks, lps, oss, pss, cr
+        )
+    if (
+        prog.split and run[prog.KW]
+    ):  # ZB's W lane (a lane plan's: W reads its slots), also in a phase without B
         pss = w_lanes(prog, tr, t, rr[prog.KW], lps, oss, pss, cr)
-    cr = prog.route.exchange(prog, tr, cr)          # the tick's messages, in one exchange after every lane
+    cr = prog.route.exchange(prog, tr, cr)  # the tick's messages, in one exchange after every lane
     cr = cr._replace(errors=cr.errors + err, **({"stash": []} if prog.direct else {}))
     lps, oss, pss = prog.grads.end_tick(lps, oss, pss)
     return (lps, oss, pss, cr, loss), None
@@ -61,9 +68,10 @@ def forward_lanes(prog, tr, t, rr, run, op, lps, pss, cr, loss):
     """The tick's F lane (with its F2 pair where the plan has one) and the messages they send."""
     is_f, cf, gf = op
     x_in, t_in, sf = prog.route.forward_in(prog, tr, t, rr, cr, cf, gf)
-    if prog.paired and run[prog.KF2]:     # F2 pairs with F: one forward of the two micro-batches where both run
-        (pss, cr, loss), send_f, send_f2 = f_lanes_paired(prog, tr, t, rr, is_f, cf, gf, sf, x_in, t_in,
-                                                               (lps, pss, cr, loss))
+    if prog.paired and run[prog.KF2]:  # F2 pairs with F: one forward of the two micro-batches where both run
+        (pss, cr, loss), send_f, send_f2 = f_lanes_paired(
+            prog, tr, t, rr, is_f, cf, gf, sf, x_in, t_in, (lps, pss, cr, loss)
+        )
         return pss, prog.route.paired_out(prog, tr, t, rr, cr, send_f, send_f2), loss
     (pss, cr, loss), send_f = f_cond(prog, tr, is_f, cf, gf, sf, x_in, t_in, ops=(lps, pss, cr, loss))
     return pss, prog.route.forward_out(prog, tr, t, rr, cr, send_f), loss
@@ -73,11 +81,16 @@ def backward_lanes(prog, tr, t, rr, run, flags, op, stacks, lps, oss, pss, cr):
     """The tick's B lane, the update it feeds (or the ring's exchange), and its messages."""
     is_b, cb, gb = op
     dy_in, tb_in, cnt, sb = prog.route.backward_in(prog, tr, rr, cr, cb, gb)
-    if tr.wsp is not None:      # B keeps its frontier for W in a slot of its own
+    if tr.wsp is not None:  # B keeps its frontier for W in a slot of its own
         sb = (sb, rr[prog.KB, ROUTE["front"]])
-    pss, cr, grad, send_b = prog.grads.backward(prog, tr, (cb, gb, sb, dy_in, tb_in, cnt), is_b, lps, oss, pss, cr)
-    send_b = send_b + (jnp.where(is_b & ~is_first(prog, tr, cb), cnt,
-                                 jnp.full((), jnp.nan if prog.nan_bubbles else 0, jnp.float32)),)
+    pss, cr, grad, send_b = prog.grads.backward(
+        prog, tr, (cb, gb, sb, dy_in, tb_in, cnt), is_b, lps, oss, pss, cr
+    )
+    send_b = send_b + (
+        jnp.where(
+            is_b & ~is_first(prog, tr, cb), cnt, jnp.full((), jnp.nan if prog.nan_bubbles else 0, jnp.float32)
+        ),
+    )
     lps, oss, pss, cr = prog.grads.apply(prog, tr, t, flags, stacks, op, grad, cnt, lps, oss, pss, cr)
     cr = prog.route.backward_out(prog, tr, t, rr, cr, send_b)
     return lps, oss, pss, cr
@@ -97,7 +110,11 @@ def land_between(prog, tr, st, tau):
         lps[c], oss[c], pss[c] = lax.cond(
             (bk >= 0) & (bk * prog.M < tr.n_fed),
             lambda *a, c=c: prog.policies[c].land(*a, counting=prog.counting, b=tr.base // prog.M + bk),
-            lambda *a: a, lps[c], oss[c], pss[c])
+            lambda *a: a,
+            lps[c],
+            oss[c],
+            pss[c],
+        )
     return tuple(lps), tuple(oss), tuple(pss), cr, loss
 
 

@@ -16,6 +16,7 @@ frontier would hold that equation's outputs -- the weight gradients themselves. 
 returns None when the frontier is larger than the stashed residuals (or W has nothing of its own), and the
 executor keeps recomputing.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,7 +43,9 @@ def _eval_eqns(eqns, env, inline: bool = False):
     calls of jitted functions equation by equation (so that tracing this gives a flat jaxpr)."""
     for eqn in eqns:
         invals = [_read(env, v) for v in eqn.invars]
-        inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr")) if eqn.primitive.name in _CALLS else None
+        inner = (
+            eqn.params.get("jaxpr", eqn.params.get("call_jaxpr")) if eqn.primitive.name in _CALLS else None
+        )
         if inline and inner is not None:
             closed = inner if hasattr(inner, "consts") else None
             jx = closed.jaxpr if closed is not None else inner
@@ -72,9 +75,10 @@ class BackwardSplit(NamedTuple):
     """``input_part(w, res, dy) -> (dx, frontier)`` for B, ``weight_part(w, res, dy, frontier) -> dw`` for W;
     ``frontier_avals``: the shapes B hands to W (one slot per in-flight micro-batch); ``w_reads``: the indices
     of the residuals W reads (the others are dead once B ran: :mod:`.front_pack` keeps the frontier there).
-    ``weight_part_into(w, res, dy, frontier, sums, add) -> sums``: W's gradient added into ``sums`` (a tree like
-    ``dw``) by ``add(sum_leaf, dw_leaf)`` (elementwise); a split scan's stacked weight gradients are added
-    layer by layer into their slices in place, never stacked apart first (:func:`_run_w_scan_into`)."""
+    ``weight_part_into(w, res, dy, frontier, sums, add) -> sums``: W's gradient added into ``sums`` (a tree
+    like ``dw``) by ``add(sum_leaf, dw_leaf)`` (elementwise); a split scan's stacked weight gradients are
+    added layer by layer into their slices in place, never stacked apart first (:func:`_run_w_scan_into`)."""
+
     input_part: Callable
     weight_part: Callable
     frontier_avals: List[Any]
@@ -89,10 +93,10 @@ def _nbytes(avals) -> int:
 
 
 def _scan_split(eqn, need_b_out, need_w_out):
-    """The split of one ``scan`` equation of B's part whose outputs W alone needs (a stage scanning its layers):
-    B runs the scan's input-gradient equations and stacks, per iteration, the values W's equations read (the
-    layer's output gradient); W maps the weight-gradient equations over the iterations.  Returns None where
-    the body cannot be cut (a carry only W needs)."""
+    """The split of one ``scan`` equation of B's part whose outputs W alone needs (a stage scanning its
+    layers): B runs the scan's input-gradient equations and stacks, per iteration, the values W's equations
+    read (the layer's output gradient); W maps the weight-gradient equations over the iterations.  Returns
+    None where the body cannot be cut (a carry only W needs)."""
     lay = scan_layout(eqn)
     body, nc, ncar = lay.body, lay.num_consts, lay.num_carry
     bj = body.jaxpr
@@ -102,21 +106,32 @@ def _scan_split(eqn, need_b_out, need_w_out):
         return None
     inner_b = _needed(bj.eqns, [bj.outvars[i] for i in outs_b])
     inner_w = sorted(_needed(bj.eqns, [bj.outvars[i] for i in outs_w]) - inner_b)
-    b_def = {v for k in inner_b for v in bj.eqns[k].outvars} | set(bj.invars[nc:nc + ncar])
+    b_def = {v for k in inner_b for v in bj.eqns[k].outvars} | set(bj.invars[nc : nc + ncar])
     used = [u for k in inner_w for u in bj.eqns[k].invars] + [bj.outvars[i] for i in outs_w]
     front = list(dict.fromkeys(v for v in used if not _is_literal(v) and v in b_def))
-    outer_in = sorted({j for j, v in enumerate(bj.invars) if j < nc or j >= nc + ncar
-                       for u in used if u is v})
-    return dict(eqn=eqn, body=body, nc=nc, ncar=ncar, length=lay.length, reverse=lay.reverse,
-                outs_b=outs_b, outs_w=outs_w,
-                b_eqns=[bj.eqns[k] for k in sorted(inner_b)], w_eqns=[bj.eqns[k] for k in inner_w],
-                front=front, outer_in=outer_in)
+    outer_in = sorted(
+        {j for j, v in enumerate(bj.invars) if j < nc or j >= nc + ncar for u in used if u is v}
+    )
+    return dict(
+        eqn=eqn,
+        body=body,
+        nc=nc,
+        ncar=ncar,
+        length=lay.length,
+        reverse=lay.reverse,
+        outs_b=outs_b,
+        outs_w=outs_w,
+        b_eqns=[bj.eqns[k] for k in sorted(inner_b)],
+        w_eqns=[bj.eqns[k] for k in inner_w],
+        front=front,
+        outer_in=outer_in,
+    )
 
 
 def _run_b_scan(sp, invals):
     """B's half of a split scan: ``(values of outs_b, stacked frontier)``."""
     bj, nc, ncar = sp["body"].jaxpr, sp["nc"], sp["ncar"]
-    consts, carry, xs = invals[:nc], invals[nc:nc + ncar], invals[nc + ncar:]
+    consts, carry, xs = invals[:nc], invals[nc : nc + ncar], invals[nc + ncar :]
 
     def step(c, x):
         env = dict(zip(bj.constvars, sp["body"].consts))
@@ -124,8 +139,10 @@ def _run_b_scan(sp, invals):
         _eval_eqns(sp["b_eqns"], env)
         outs = [_read(env, bj.outvars[i]) for i in sp["outs_b"]]
         return outs[:ncar], (outs[ncar:], [_read(env, v) for v in sp["front"]])
-    carry_out, (ys, front) = jax.lax.scan(step, list(carry), list(xs), length=sp["length"],
-                                          reverse=sp["reverse"])
+
+    carry_out, (ys, front) = jax.lax.scan(
+        step, list(carry), list(xs), length=sp["length"], reverse=sp["reverse"]
+    )
     return carry_out + ys, front
 
 
@@ -143,6 +160,7 @@ def _run_w_scan(sp, invals, front):
         env.update(zip(sp["front"], fv))
         _eval_eqns(sp["w_eqns"], env)
         return None, [_read(env, bj.outvars[i]) for i in sp["outs_w"]]
+
     _, ys = jax.lax.scan(step, None, (list(xs.values()), list(front)), length=sp["length"])
     return ys
 
@@ -166,6 +184,7 @@ def _run_w_scan_into(sp, invals, front, sums, add):
         _eval_eqns(sp["w_eqns"], env)
         outs = [_read(env, bj.outvars[i]) for i in sp["outs_w"]]
         return [jax.lax.dynamic_update_index_in_dim(a, add(at(a, l), y), l, 0) for a, y in zip(acc, outs)]
+
     return jax.lax.fori_loop(0, sp["length"], step, list(sums))
 
 
@@ -200,14 +219,17 @@ def _scan_splits(jx, b_set, w_only, dx_vars, dw_vars):
 def _w_reads(jx, w_only, splits, dw_vars) -> list:
     """What W reads: its equations' inputs, the outer inputs of the split scans' weight halves, and the
     weight gradients themselves (B may make some)."""
-    return [u for k in w_only for u in jx.eqns[k].invars] + [
-        sp["eqn"].invars[j] for sp in splits.values() for j in sp["outer_in"]] + list(dw_vars)
+    return (
+        [u for k in w_only for u in jx.eqns[k].invars]
+        + [sp["eqn"].invars[j] for sp in splits.values() for j in sp["outer_in"]]
+        + list(dw_vars)
+    )
 
 
 def _indices_in(invars, w, res, read) -> Tuple[int, ...]:
     """The indices of the residuals (flat inputs after the weights') among the variables ``read``."""
     n_w = len(jax.tree.leaves(w))
-    return tuple(i for i, v in enumerate(invars[n_w:n_w + len(jax.tree.leaves(res))]) if v in read)
+    return tuple(i for i, v in enumerate(invars[n_w : n_w + len(jax.tree.leaves(res))]) if v in read)
 
 
 def _frontier(jx, b_set, w_only, splits, dw_vars, w_made):
@@ -228,17 +250,20 @@ def _warn_once(message: str) -> None:
     if message not in _WARNED:
         _WARNED.add(message)
         import warnings
+
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def split_backward(bwd: Callable, w, res, dy, stash_avals) -> Optional[BackwardSplit]:
     """The split of ``bwd(w, res, dy) -> (dw, dx)`` (pytrees) traced at these arguments, or None where it
-    would not pay (see the module docstring).  Call it where the executor traces (inside the ``shard_map``)."""
+    would not pay (see the module docstring).  Call it where the executor traces (inside the
+    ``shard_map``)."""
     flat_args, in_tree = jax.tree.flatten((w, res, dy))
-    nested, out_shape = jax.make_jaxpr(lambda *a: bwd(*jax.tree.unflatten(in_tree, a)),
-                                       return_shape=True)(*flat_args)
+    nested, out_shape = jax.make_jaxpr(lambda *a: bwd(*jax.tree.unflatten(in_tree, a)), return_shape=True)(
+        *flat_args
+    )
 
-    def flat_bwd(*leaves):          # the same equations with jitted calls inlined
+    def flat_bwd(*leaves):  # the same equations with jitted calls inlined
         env = dict(zip(nested.jaxpr.constvars, nested.consts))
         env.update(zip(nested.jaxpr.invars, leaves))
         _eval_eqns(nested.jaxpr.eqns, env, inline=True)
@@ -255,9 +280,11 @@ def split_backward(bwd: Callable, w, res, dy, stash_avals) -> Optional[BackwardS
     try:
         splits = _scan_splits(jx, b_set, w_only, dx_vars, dw_vars)
     except UnknownJaxprLayout as e:
-        _warn_once(f"jaxpipe: zero-bubble's B/W split cannot read this JAX's ({jax.__version__}) jaxpr: {e}. W "
-                   f"recomputes the stage's backward instead (exact, about one more backward pass of compute); "
-                   f"jaxpipe.jax_internals lists the JAX versions it reads")
+        _warn_once(
+            f"jaxpipe: zero-bubble's B/W split cannot read this JAX's ({jax.__version__}) jaxpr: {e}. W "
+            f"recomputes the stage's backward instead (exact, about one more backward pass of compute); "
+            f"jaxpipe.jax_internals lists the JAX versions it reads"
+        )
         return None
     if not w_only and not splits:
         return None
@@ -265,34 +292,58 @@ def split_backward(bwd: Callable, w, res, dy, stash_avals) -> Optional[BackwardS
     front = _frontier(jx, b_set, w_only, splits, dw_vars, w_made)
     # a frontier value made by an equation with a jaxpr inside (a remat, a custom rule, a scan that could not
     # be cut) means B would run W's part of that equation too: no split there
-    atomic = {v for k in b_set for v in jx.eqns[k].outvars
-              if any(hasattr(p, "eqns") or hasattr(p, "jaxpr") for p in jx.eqns[k].params.values())} - w_made
-    inner_avals = [jax.ShapeDtypeStruct((sp["length"],) + tuple(v.aval.shape), v.aval.dtype)
-                   for sp in splits.values() for v in sp["front"]]
+    atomic = {
+        v
+        for k in b_set
+        for v in jx.eqns[k].outvars
+        if any(hasattr(p, "eqns") or hasattr(p, "jaxpr") for p in jx.eqns[k].params.values())
+    } - w_made
+    inner_avals = [
+        jax.ShapeDtypeStruct((sp["length"],) + tuple(v.aval.shape), v.aval.dtype)
+        for sp in splits.values()
+        for v in sp["front"]
+    ]
     front_avals = [v.aval for v in front] + inner_avals
     if any(v in atomic for v in front) or _nbytes(front_avals) > _nbytes(stash_avals):
         return None
-    parts = _Parts(jx, closed.consts, splits, front, sorted(b_set), sorted(set(w_only) | set(splits)), dx_vars,
-                   dw_vars, _direct_outputs(jx, w_only, splits, dw_vars), out_tree.children()[1],
-                   out_tree.children()[0])
+    parts = _Parts(
+        jx,
+        closed.consts,
+        splits,
+        front,
+        sorted(b_set),
+        sorted(set(w_only) | set(splits)),
+        dx_vars,
+        dw_vars,
+        _direct_outputs(jx, w_only, splits, dw_vars),
+        out_tree.children()[1],
+        out_tree.children()[0],
+    )
     read = {v for v in _w_reads(jx, w_only, splits, dw_vars) if not _is_literal(v)}
     in_place = any(splits[k]["length"] > 1 for k in parts.direct)
-    return BackwardSplit(parts.input_part, parts.weight_part, front_avals, _indices_in(jx.invars, w, res, read),
-                         parts.weight_part_into, in_place)
+    return BackwardSplit(
+        parts.input_part,
+        parts.weight_part,
+        front_avals,
+        _indices_in(jx.invars, w, res, read),
+        parts.weight_part_into,
+        in_place,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class _Parts:
     """B's and W's halves of one flat backward jaxpr ``jx`` (:func:`split_backward`'s analysis)."""
+
     jx: Any
     consts: Any
-    splits: dict            # {equation index: a split scan (_scan_split)}
-    front: list             # the values B computes that W reads (then the split scans' stacked ones)
+    splits: dict  # {equation index: a split scan (_scan_split)}
+    front: list  # the values B computes that W reads (then the split scans' stacked ones)
     b_tasks: list
     w_tasks: list
     dx_vars: list
     dw_vars: list
-    direct: dict            # _direct_outputs: split scans whose W adds into the sums in place
+    direct: dict  # _direct_outputs: split scans whose W adds into the sums in place
     dx_tree: Any
     dw_tree: Any
 
@@ -311,13 +362,15 @@ class _Parts:
                 inner += fr
             else:
                 _eval_eqns([self.jx.eqns[k]], env)
-        return (jax.tree.unflatten(self.dx_tree, [_read(env, v) for v in self.dx_vars]),
-                [env[v] for v in self.front] + inner)
+        return (
+            jax.tree.unflatten(self.dx_tree, [_read(env, v) for v in self.dx_vars]),
+            [env[v] for v in self.front] + inner,
+        )
 
     def run_w(self, w_, res_, dy_, frontier, into=None):
         env, done = self.start(w_, res_, dy_), {}
-        env.update(zip(self.front, frontier[:len(self.front)]))
-        inner, pos = frontier[len(self.front):], 0
+        env.update(zip(self.front, frontier[: len(self.front)]))
+        inner, pos = frontier[len(self.front) :], 0
         for k in self.w_tasks:
             if k not in self.splits:
                 _eval_eqns([self.jx.eqns[k]], env)
@@ -328,39 +381,46 @@ class _Parts:
             # one layer: stacked and added as a whole (in place in a loop of one, XLA copied the sums)
             if into is not None and k in self.direct and sp["length"] > 1:
                 sums, add = into
-                new = _run_w_scan_into(sp, invals, inner[pos:pos + n], [sums[p] for p in self.direct[k]], add)
+                new = _run_w_scan_into(
+                    sp, invals, inner[pos : pos + n], [sums[p] for p in self.direct[k]], add
+                )
                 done.update(zip(self.direct[k], new))
             else:
-                ys = _run_w_scan(sp, invals, inner[pos:pos + n])
+                ys = _run_w_scan(sp, invals, inner[pos : pos + n])
                 env.update((sp["eqn"].outvars[i], y) for i, y in zip(sp["outs_w"], ys))
             pos += n
         if into is None:
             return jax.tree.unflatten(self.dw_tree, [_read(env, v) for v in self.dw_vars])
         sums, add = into
-        return jax.tree.unflatten(self.dw_tree, [done[p] if p in done else add(sums[p], _read(env, v))
-                                                 for p, v in enumerate(self.dw_vars)])
+        return jax.tree.unflatten(
+            self.dw_tree,
+            [done[p] if p in done else add(sums[p], _read(env, v)) for p, v in enumerate(self.dw_vars)],
+        )
 
     def weight_part(self, w_, res_, dy_, frontier):
         return self.run_w(w_, res_, dy_, frontier)
 
     def weight_part_into(self, w_, res_, dy_, frontier, sums, add):
         if jax.tree.structure(sums) != self.dw_tree:
-            raise ValueError(f"weight_part_into: sums {jax.tree.structure(sums)} are not shaped like the weight "
-                             f"gradient {self.dw_tree}")
+            raise ValueError(
+                f"weight_part_into: sums {jax.tree.structure(sums)} are not shaped like the weight "
+                f"gradient {self.dw_tree}"
+            )
         return self.run_w(w_, res_, dy_, frontier, (jax.tree.leaves(sums), add))
 
 
 def stage_splits(model, w, x, mb) -> bool:
     """Whether zero-bubble's W of ``model``'s stage (weights ``w``, activation ``x``, micro-batch ``mb``) runs
-    from the frontier B keeps (True), or recomputes the backward (False: a recomputing residual policy, a stage
-    whose layers sit in one equation) -- as the executor decides it.  A cost model prices W at the weight
-    products alone in the first case and at a whole backward again in the second."""
+    from the frontier B keeps (True), or recomputes the backward (False: a recomputing residual policy, a
+    stage whose layers sit in one equation) -- as the executor decides it.  A cost model prices W at the
+    weight products alone in the first case and at a whole backward again in the second."""
     return _stage_split(model, w, x, mb)[0] is not None
 
 
 def _stage_split(model, w, x, mb):
     """``(split or None, stashed residual avals)`` of ``model``'s stage, analysed as the executor does."""
     from .stage import StageOps
+
     zeros = lambda t: jax.tree.map(lambda a: jax.numpy.zeros(a.shape, a.dtype), t)
     sop, avals = StageOps.build(model, w, zeros(x), mb)
     return split_backward(sop.backward, w, zeros(avals), zeros(x), avals), avals
@@ -368,9 +428,10 @@ def _stage_split(model, w, x, mb):
 
 def frontier_slot_bytes(model, w, x, mb, slots: int) -> int:
     """Bytes of the frontier slots zero-bubble's B keeps for W in buffers of their own (``slots`` of them, at
-    least one, as the executor allocates them): 0 where W recomputes the backward or the frontier is packed into
-    the stash slots B alone reads (:func:`~jaxpipe.runtime.front_pack.placed_in_stash`)."""
+    least one, as the executor allocates them): 0 where W recomputes the backward or the frontier is packed
+    into the stash slots B alone reads (:func:`~jaxpipe.runtime.front_pack.placed_in_stash`)."""
     from .front_pack import placed_in_stash
+
     sp, avals = _stage_split(model, w, x, mb)
     if sp is None or placed_in_stash(sp, avals, slots) is not None:
         return 0

@@ -1,8 +1,9 @@
 """Schedule IR, builders, simulator and renderer.  Pure Python + NumPy: importing this never imports JAX.
 
-    >>> from jaxpipe import schedules
-    >>> schedules.build("1f1b", num_stages=4, num_microbatches=8).simulate(f=1.0, b=2.0).bubble_ratio
+>>> from jaxpipe import schedules
+>>> schedules.build("1f1b", num_stages=4, num_microbatches=8).simulate(f=1.0, b=2.0).bubble_ratio
 """
+
 from __future__ import annotations
 
 from typing import Callable, Dict, Optional
@@ -25,9 +26,9 @@ def is_async(name: str) -> bool:
 
 
 def options_for(name: str, model_stages: int, devices: int, options: Optional[dict] = None) -> dict:
-    """The full options of ``name`` (its registry defaults updated with ``options``) checked against its schema;
-    ``ScheduleError`` naming the valid keys on an unknown one.  :meth:`Method.builder_options` turns them
-    into the builder's keywords."""
+    """The full options of ``name`` (its registry defaults updated with ``options``) checked against its
+    schema; ``ScheduleError`` naming the valid keys on an unknown one.  :meth:`Method.builder_options` turns
+    them into the builder's keywords."""
     return method(name).resolve(options, model_stages, devices)
 
 
@@ -47,6 +48,24 @@ def build(name: str, num_stages: int, num_microbatches: int, **options) -> Sched
 
 assert all(callable(b) for b in BUILDERS.values()), "every method's declaration names its builder"
 
-__all__ = ["ASYNCHRONOUS", "Action", "B", "BUILDERS", "METHODS", "Method", "WEIGHT_VERSIONS", "is_async", "F", "W",
-           "Schedule", "ScheduleError", "method", "options_for", "SimReport", "LanePlan", "available", "build",
-           "simulate"]
+__all__ = [
+    "ASYNCHRONOUS",
+    "Action",
+    "B",
+    "BUILDERS",
+    "METHODS",
+    "Method",
+    "WEIGHT_VERSIONS",
+    "is_async",
+    "F",
+    "W",
+    "Schedule",
+    "ScheduleError",
+    "method",
+    "options_for",
+    "SimReport",
+    "LanePlan",
+    "available",
+    "build",
+    "simulate",
+]

@@ -8,6 +8,7 @@ weight memory each stage holds, PipeOptim Table II (units of one stage's weights
 step's micro-batches with fill and drain at the ticks the executor runs them; in training the pipeline
 fills once and drains once (``Pipeline.drain``).
 """
+
 from __future__ import annotations
 
 from typing import Callable, List
@@ -30,21 +31,27 @@ def timeline(name: str, D: int, M: int, choice: str = "auto", per_batch: bool = 
         raise ScheduleError(f"{name}: timeline={choice!r}; choose one of {TIMELINES}")
     ok = per_batch and M >= 2 * D - 2
     if choice == "lanes" and not ok:
-        why = (f"needs num_microbatches >= 2D - 2 = {2 * D - 2} (got {M}) so that two weight versions suffice"
-               if per_batch else "its weight rule follows the ticks (lanes would double the "
-               "updates between a micro-batch's F and its B)")
+        why = (
+            f"needs num_microbatches >= 2D - 2 = {2 * D - 2} (got {M}) so that two weight versions suffice"
+            if per_batch
+            else "its weight rule follows the ticks (lanes would double the "
+            "updates between a micro-batch's F and its B)"
+        )
         raise ScheduleError(f"{name}: timeline='lanes' {why}; use timeline='alternating' or 'auto'")
     return "lanes" if ok and choice != "alternating" else "alternating"
 
 
 def builder(name: str, versions: Callable[[int], List[int]], per_batch: bool = False):
-    """The schedule builder of the no-flush method ``name`` holding ``versions(D)`` weight versions per stage."""
+    """The schedule builder of the no-flush method ``name`` holding ``versions(D)`` weight versions per
+    stage."""
+
     def build(num_stages: int, num_microbatches: int, timeline_choice: str = "auto") -> Schedule:
         """One step's M micro-batches of the method's periodic no-flush timeline at the ticks the executor
         runs them (fill and drain included); ``.periodic`` is the steady-state pattern the executor reads."""
         D, M = num_stages, num_microbatches
-        make = no_flush_lanes if timeline(name, D, M, timeline_choice, per_batch) == "lanes" else no_flush_1f1b
+        make = (
+            no_flush_lanes if timeline(name, D, M, timeline_choice, per_batch) == "lanes" else no_flush_1f1b
+        )
         return make(name, D).expand(M, versions(D))
 
     return build
-

@@ -8,6 +8,7 @@ runs ``min(D - 1 - d + advance, M)`` forwards, then alternates one forward and o
 two ends the paper says it degenerates to.  Advance forwards let communication overlap computation (Fig. 7c)
 at the price of ``advance`` more micro-batches' activations on the upstream devices.
 """
+
 from __future__ import annotations
 
 from typing import List
@@ -37,8 +38,10 @@ def max_advance(D: int, M: int) -> int:
 def build_avgpipe(num_stages: int, num_microbatches: int, advance: int = 0) -> Schedule:
     D, M = num_stages, num_microbatches
     if not is_int(advance, 0):
-        raise ScheduleError(f"avgpipe: advance must be a non-negative integer (forwards issued beyond 1F1B's "
-                            f"warm-up; 0 = 1F1B, {max_advance(D, M)} = all forwards first), got {advance!r}")
+        raise ScheduleError(
+            f"avgpipe: advance must be a non-negative integer (forwards issued beyond 1F1B's "
+            f"warm-up; 0 = 1F1B, {max_advance(D, M)} = all forwards first), got {advance!r}"
+        )
     advance = min(advance, max_advance(D, M))
     s = Schedule("avgpipe", D, M, [advance_order(d, D, M, advance) for d in range(D)])
     s.options = {"advance": advance}

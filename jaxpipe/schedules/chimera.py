@@ -15,6 +15,7 @@ weights 2f M_theta, activations [(D - D/2f + 1) M_a, D M_a].
 units' orders are concatenated and list-scheduled in unit time, so the first unit's trailing bubbles take
 the next unit's forwards.  Bubble ratios equal Table 2/3 for every (D, N, f) tested (tests/test_chimera).
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Tuple
@@ -35,12 +36,16 @@ def pipeline_maps(D: int, pipelines: int) -> List[List[int]]:
 
 def check(D: int, M: int, pipelines: int, concat: str) -> None:
     if D % 2:
-        raise ScheduleError(f"chimera needs an even number of stages (it pairs stage d with stage D-1-d on "
-                            f"one device), got D={D}; use D={D - 1 if D > 1 else 2} or {D + 1}")
+        raise ScheduleError(
+            f"chimera needs an even number of stages (it pairs stage d with stage D-1-d on "
+            f"one device), got D={D}; use D={D - 1 if D > 1 else 2} or {D + 1}"
+        )
     if pipelines < 2 or pipelines % 2 or (D // 2) % (pipelines // 2):
         ok = [2 * f for f in range(1, D // 2 + 1) if (D // 2) % f == 0]
-        raise ScheduleError(f"chimera: pipelines={pipelines} is not 2f with f dividing D/2={D // 2}; for D={D} "
-                            f"use one of {ok}")
+        raise ScheduleError(
+            f"chimera: pipelines={pipelines} is not 2f with f dividing D/2={D // 2}; for D={D} "
+            f"use one of {ok}"
+        )
     if concat not in CONCATS:
         raise ScheduleError(f"chimera: unknown concat {concat!r}; use one of {', '.join(CONCATS)}")
 
@@ -56,8 +61,9 @@ def unit_ticks(D: int, mbs_per_pipe: List[List[int]], pipelines: int) -> List[Tu
         ticks = one.ticks()
         for pos, acts in enumerate(one.actions):
             for a in acts:
-                out.append((ticks[(a.kind, a.stage, a.mb)], mp[a.stage], Action(a.kind, mbs[a.mb], a.stage, j),
-                            a.mb))
+                out.append(
+                    (ticks[(a.kind, a.stage, a.mb)], mp[a.stage], Action(a.kind, mbs[a.mb], a.stage, j), a.mb)
+                )
     return out
 
 
@@ -66,7 +72,7 @@ def split_microbatches(mbs: List[int], pipelines: int) -> List[List[int]]:
     n, out, start = len(mbs), [], 0
     for j in range(pipelines):
         k = n // pipelines + (1 if j < n % pipelines else 0)
-        out.append(mbs[start:start + k])
+        out.append(mbs[start : start + k])
         start += k
     # with fewer micro-batches than pipelines, alternate down / up so N = 2 uses both directions
     if n < pipelines:
@@ -116,25 +122,37 @@ def list_schedule(priority: List[List[Action]], D: int, M: int) -> List[List[Act
     return out
 
 
-def build_chimera(num_stages: int, num_microbatches: int, pipelines: int = 2, concat: str = "direct",
-                  eager_reduce: bool = False, double_batch: bool = False) -> Schedule:
+def build_chimera(
+    num_stages: int,
+    num_microbatches: int,
+    pipelines: int = 2,
+    concat: str = "direct",
+    eager_reduce: bool = False,
+    double_batch: bool = False,
+) -> Schedule:
     """``double_batch`` (forward doubling only): the executor runs each forward pair as one micro-batch of
     twice the size (§3.5: the point is the arithmetic intensity), not as two forwards in one tick."""
     D, M = num_stages, num_microbatches
     check(D, M, pipelines, concat)
     if eager_reduce and pipelines != 2:
-        raise ScheduleError(f"chimera: eager_reduce=True is implemented for 2 pipelines (the last stage's two "
-                            f"replicas); got pipelines={pipelines}: use eager_reduce=False")
+        raise ScheduleError(
+            f"chimera: eager_reduce=True is implemented for 2 pipelines (the last stage's two "
+            f"replicas); got pipelines={pipelines}: use eager_reduce=False"
+        )
     if double_batch and concat != "forward_doubling":
-        raise ScheduleError(f"chimera: double_batch=True runs forward doubling's pairs as one double-size "
-                            f"micro-batch; it needs concat='forward_doubling' (got concat={concat!r})")
+        raise ScheduleError(
+            f"chimera: double_batch=True runs forward doubling's pairs as one double-size "
+            f"micro-batch; it needs concat='forward_doubling' (got concat={concat!r})"
+        )
     if concat != "direct":
         s = build_doubled(D, M, pipelines, concat)
         s.options["eager_reduce"] = eager_reduce
         s.options["double_batch"] = bool(double_batch)
         return s
-    units = [merge(unit_ticks(D, split_microbatches(list(range(m0, min(m0 + D, M))), pipelines), pipelines), D)
-             for m0 in range(0, M, D)]
+    units = [
+        merge(unit_ticks(D, split_microbatches(list(range(m0, min(m0 + D, M))), pipelines), pipelines), D)
+        for m0 in range(0, M, D)
+    ]
     priority = [[a for u in units for a in u[d]] for d in range(D)]
     s = Schedule("chimera", D, M, list_schedule(priority, D, M), weight_versions=[pipelines] * D)
     s.options = {"pipelines": pipelines, "concat": concat, "eager_reduce": eager_reduce}
@@ -154,10 +172,15 @@ def build_doubled(D: int, N: int, pipelines: int, concat: str) -> Schedule:
     micro-batch (2N units, the schedule's ``num_microbatches``), no recomputation."""
     units = N if concat == "forward_doubling" else 2 * N
     if units < 2 * D or units % D:
-        need = f"N >= {2 * D} and a multiple of {D}" if concat == "forward_doubling" else \
-            f"N >= {D} and a multiple of {D // 2}"
-        raise ScheduleError(f"chimera: concat={concat!r} works on blocks of 2D = {2 * D} units; with D={D} it "
-                            f"needs {need}, got N={N}; use concat='direct' or a larger N")
+        need = (
+            f"N >= {2 * D} and a multiple of {D}"
+            if concat == "forward_doubling"
+            else f"N >= {D} and a multiple of {D // 2}"
+        )
+        raise ScheduleError(
+            f"chimera: concat={concat!r} works on blocks of 2D = {2 * D} units; with D={D} it "
+            f"needs {need}, got N={N}; use concat='direct' or a larger N"
+        )
     blocks = []
     start = 0
     while units - start >= 2 * D:
@@ -176,9 +199,10 @@ def build_doubled(D: int, N: int, pipelines: int, concat: str) -> Schedule:
             block.append(out)
         blocks.append(block)
         start += 2 * D
-    if start < units:          # K odd: the residual D units as a plain basic unit
-        blocks.append(merge(unit_ticks(D, split_microbatches(list(range(start, units)), pipelines),
-                                       pipelines), D))
+    if start < units:  # K odd: the residual D units as a plain basic unit
+        blocks.append(
+            merge(unit_ticks(D, split_microbatches(list(range(start, units)), pipelines), pipelines), D)
+        )
     priority = [[a for blk in blocks for a in blk[d]] for d in range(D)]
     s = Schedule("chimera", D, units, list_schedule(priority, D, units), weight_versions=[pipelines] * D)
     s.options = {"pipelines": pipelines, "concat": concat, "eager_reduce": False, "units": units}

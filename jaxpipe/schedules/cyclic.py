@@ -11,10 +11,10 @@ On one device holding all N workers, DP peaks at ``N x N`` units (N B Psi_A) eve
 cyclic order holds exactly ``N (N + 1) / 2`` units (``(N + 1)/2 B Psi_A``) at every tick: Table 1's
 "Single-GPU DP + Cyclic" row, constant in time.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Tuple
-
 
 
 def op_of(N: int, worker: int, tick: int, cyclic: bool = True) -> Tuple[str, int, int]:
@@ -32,14 +32,14 @@ def live_units(N: int, tick: int, cyclic: bool = True) -> int:
     total = 0
     for i in range(N):
         kind, j, _ = op_of(N, i, tick, cyclic)
-        if kind:                        # F of stage j holds stages 0..j; B of stage j still reads them too
+        if kind:  # F of stage j holds stages 0..j; B of stage j still reads them too
             total += j + 1
     return total
 
 
 def activation_profile(N: int, cyclic: bool = True, periods: int = 3) -> List[int]:
     """Live stage-activation units per tick over ``periods`` x 2N ticks, from the steady state on."""
-    start = 2 * N if cyclic else 0          # the cyclic order is steady once every worker started
+    start = 2 * N if cyclic else 0  # the cyclic order is steady once every worker started
     return [live_units(N, t, cyclic) for t in range(start, start + periods * 2 * N)]
 
 
@@ -85,11 +85,20 @@ def check_pool(N: int, periods: int = 4) -> int:
 def stream(N: int):
     """The DP form as data for the no-flush executor (``runtime/executor.py`` runs it; pictures read
     :func:`op_of`, and a test replays one against the other): every worker holds the N stages as chunks of one
-    device, a call is one step of 2N ticks in which the worker's micro-batch runs F down the stages (stage j at
-    tick j) and B back up (stage j at 2N - 1 - j), and worker i runs it 2i ticks late (``replica_delay``)."""
+    device, a call is one step of 2N ticks in which the worker's micro-batch runs F down the stages (stage j
+    at tick j) and B back up (stage j at 2N - 1 - j), and worker i runs it 2i ticks late
+    (``replica_delay``)."""
     from .ir import B, F
     from .periodic import Periodic
-    return Periodic("cdp_dp", 1, 2 * N, {F: (0,), B: (2 * N - 1,)}, chunks=N,
-                    units=tuple((j, 0, 0, 0) for j in range(N)),
-                    unit_offsets={F: tuple((j,) for j in range(N)), B: tuple((2 * N - 1 - j,) for j in range(N))},
-                    call_length=2 * N, replica_delay=2).validate()
+
+    return Periodic(
+        "cdp_dp",
+        1,
+        2 * N,
+        {F: (0,), B: (2 * N - 1,)},
+        chunks=N,
+        units=tuple((j, 0, 0, 0) for j in range(N)),
+        unit_offsets={F: tuple((j,) for j in range(N)), B: tuple((2 * N - 1 - j,) for j in range(N))},
+        call_length=2 * N,
+        replica_delay=2,
+    ).validate()

@@ -3,6 +3,7 @@
 Chimera §2 / Table 2: bubble ratio (D-1)/(N+D-1), weights M_theta, activations N*M_a (every micro-batch is
 in flight on every stage before the first backward).
 """
+
 from __future__ import annotations
 
 from .ir import Action, B, F, Schedule

@@ -8,6 +8,7 @@ Forwards walk the chunks in groups of ``D`` micro-batches (Megatron's order: mic
 backwards walk the chunks in reverse.  With chunk times ``f/v``, ``b/v`` the bubble is ``(D-1)/(v M)`` of the
 ideal step time, ``v`` times less than 1F1B, for ``v``-fold more point-to-point messages.
 """
+
 from __future__ import annotations
 
 from typing import List
@@ -55,11 +56,15 @@ def interleaved_order(d: int, D: int, M: int, v: int) -> List[Action]:
 def build_interleaved_1f1b(num_stages: int, num_microbatches: int, virtual: int = 2) -> Schedule:
     D, M, v = num_stages, num_microbatches, virtual
     if not is_int(v, 1):
-        raise ScheduleError(f"interleaved_1f1b: virtual (model chunks per device) must be a positive integer, "
-                            f"got {v!r}")
+        raise ScheduleError(
+            f"interleaved_1f1b: virtual (model chunks per device) must be a positive integer, got {v!r}"
+        )
     if M % D:
-        raise ScheduleError(f"interleaved_1f1b: {M} micro-batches do not form whole groups of D={D} (the "
-                            f"schedule sends micro-batches around the ring in groups of D); use a multiple of "
-                            f"{D}, e.g. {D * max(1, -(-M // D))}")
-    return Schedule("interleaved_1f1b", D, M, [interleaved_order(d, D, M, v) for d in range(D)],
-                    num_model_stages=v * D)
+        raise ScheduleError(
+            f"interleaved_1f1b: {M} micro-batches do not form whole groups of D={D} (the "
+            f"schedule sends micro-batches around the ring in groups of D); use a multiple of "
+            f"{D}, e.g. {D * max(1, -(-M // D))}"
+        )
+    return Schedule(
+        "interleaved_1f1b", D, M, [interleaved_order(d, D, M, v) for d in range(D)], num_model_stages=v * D
+    )

@@ -19,6 +19,7 @@ Dependencies (docs/design.md §1): F(s, m) after F(s-1, m); B(s, m) after F(s, m
 W(s, m) after B(s, m).  Messages between different devices cost one tick in lockstep (``ppermute`` at the
 end of a tick); in the event-driven placement they are free (the papers' figures ignore communication).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,11 +46,12 @@ class Action:
     (0 .. num_model_stages-1).  ``chunk`` is which of the device's local model chunks holds that stage
     (0 for GPipe/1F1B; virtual stages and bidirectional pipelines use more).
     """
+
     kind: str
     mb: int
     stage: int
     chunk: int = 0
-    pair: bool = False    # a forward that runs in the same tick as the forward before it (Chimera §3.5)
+    pair: bool = False  # a forward that runs in the same tick as the forward before it (Chimera §3.5)
 
     def __str__(self) -> str:
         return ("+" if self.pair else "") + f"{self.kind}{self.mb}" + (f"s{self.stage}" if self.chunk else "")
@@ -61,13 +63,14 @@ Key = Tuple[str, int, int]  # (kind, stage, mb)
 @dataclasses.dataclass
 class Schedule:
     """Per-device action lists plus the facts needed to run and cost them."""
+
     name: str
     num_devices: int
     num_microbatches: int
     actions: List[List[Action]]
     num_model_stages: Optional[int] = None
-    weight_versions: Optional[Sequence[int]] = None   # per device, in units of one stage's weights
-    options: dict = dataclasses.field(default_factory=dict)   # the builder options it was built with
+    weight_versions: Optional[Sequence[int]] = None  # per device, in units of one stage's weights
+    options: dict = dataclasses.field(default_factory=dict)  # the builder options it was built with
 
     def __post_init__(self):
         if self.num_model_stages is None:
@@ -92,8 +95,10 @@ class Schedule:
             for i, a in enumerate(acts):
                 key = (a.kind, a.stage, a.mb)
                 if key in loc:
-                    raise ScheduleError(f"{self.name}: {a.kind}{a.mb} of stage {a.stage} appears twice "
-                                        f"(devices {loc[key][0]} and {d})")
+                    raise ScheduleError(
+                        f"{self.name}: {a.kind}{a.mb} of stage {a.stage} appears twice "
+                        f"(devices {loc[key][0]} and {d})"
+                    )
                 loc[key] = (d, i)
         return loc
 
@@ -137,8 +142,10 @@ class Schedule:
                     ok = True
                     for dep in self.deps(a):
                         if dep not in loc:
-                            raise ScheduleError(f"{self.name}: {a.kind}{a.mb} on stage {a.stage} needs "
-                                                f"{dep[0]}{dep[2]} of stage {dep[1]}, which no device runs")
+                            raise ScheduleError(
+                                f"{self.name}: {a.kind}{a.mb} on stage {a.stage} needs "
+                                f"{dep[0]}{dep[2]} of stage {dep[1]}, which no device runs"
+                            )
                         if dep not in finish:
                             ok = False
                             break
@@ -152,7 +159,9 @@ class Schedule:
                     remaining -= 1
                     progressed = True
             if not progressed:
-                stuck = {d: str(self.actions[d][nxt[d]]) for d in range(self.D) if nxt[d] < len(self.actions[d])}
+                stuck = {
+                    d: str(self.actions[d][nxt[d]]) for d in range(self.D) if nxt[d] < len(self.actions[d])
+                }
                 raise ScheduleError(f"{self.name}: deadlock, each device waits on another: {stuck}")
         out = {"start": start, "finish": finish, "device": {k: v[0] for k, v in loc.items()}}
         self._placed[cache_key] = out
@@ -167,7 +176,7 @@ class Schedule:
         forward before it (the executor's second lane)."""
         if getattr(self, "_ticks", None) is not None:
             return self._ticks
-        if getattr(self, "fixed_ticks", None) is not None:     # a periodic (no-flush) schedule's own ticks
+        if getattr(self, "fixed_ticks", None) is not None:  # a periodic (no-flush) schedule's own ticks
             self._ticks = dict(self.fixed_ticks)
             return self._ticks
         if not self.has_pairs():
@@ -180,10 +189,17 @@ class Schedule:
             g = []
             for a in acts:
                 if a.pair:
-                    if not g or len(g[-1]) > 1 or g[-1][-1].kind != F or a.kind != F or \
-                            g[-1][-1].stage != a.stage:
-                        raise ScheduleError(f"{self.name}: device {d}: a paired action must be a forward of "
-                                            f"the same stage following an unpaired forward ({a})")
+                    if (
+                        not g
+                        or len(g[-1]) > 1
+                        or g[-1][-1].kind != F
+                        or a.kind != F
+                        or g[-1][-1].stage != a.stage
+                    ):
+                        raise ScheduleError(
+                            f"{self.name}: device {d}: a paired action must be a forward of "
+                            f"the same stage following an unpaired forward ({a})"
+                        )
                     g[-1].append(a)
                 else:
                     g.append([a])
@@ -290,6 +306,7 @@ class Schedule:
         cache = self.__dict__.setdefault("_plans", {})
         if placement not in cache:
             from .lanes import plan
+
             cache[placement] = plan(self, placement)
         return cache[placement]
 
@@ -304,19 +321,23 @@ class Schedule:
 
     def simulate(self, f: float = 1.0, b: float = 2.0, w: Optional[float] = None):
         from .simulate import simulate
+
         return simulate(self, f=f, b=b, w=w)
 
     def render(self, path: Optional[str] = None, **kw):
         """PNG timeline (devices as rows); returns the matplotlib figure. See :mod:`.render`."""
         from .render import render_png
+
         return render_png(self, path, **kw)
 
     def render_text(self, **kw) -> str:
         from .render import render_text
+
         return render_text(self, **kw)
 
     def to_chrome_trace(self, path: Optional[str] = None, **kw) -> dict:
         from .render import chrome_trace
+
         return chrome_trace(self, path, **kw)
 
 
@@ -332,7 +353,7 @@ class _Slots:
 
     def alloc(self, write_tick: int, last_read: int) -> int:
         for i, until in enumerate(self.busy_until):
-            if until <= write_tick:       # last read happened at or before this write
+            if until <= write_tick:  # last read happened at or before this write
                 self.busy_until[i] = last_read
                 return i
         self.busy_until.append(last_read)

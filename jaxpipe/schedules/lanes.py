@@ -24,6 +24,7 @@ position ``p`` (``tick * lanes + lane``) is free once every read of its previous
 ``p``; a message slot is written at the end of its sender's lane, so a read in that same lane position may
 still use the old content.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,8 +32,20 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .ir import B, F, W, Action, Schedule, ScheduleError, _channel, _Slots, SEND_KEEP, SEND_MINUS, SEND_NONE, \
-    SEND_PLUS
+from .ir import (
+    B,
+    F,
+    W,
+    Action,
+    Schedule,
+    ScheduleError,
+    _channel,
+    _Slots,
+    SEND_KEEP,
+    SEND_MINUS,
+    SEND_NONE,
+    SEND_PLUS,
+)
 
 F2 = "F2"
 PLACEMENTS = ("auto", "lanes", "ordered")
@@ -48,23 +61,24 @@ MAX_PHASES = 5
 @dataclasses.dataclass
 class LanePlan:
     """The executor's view of a schedule: ``table[tick, device, lane, column]`` (columns :data:`LCOLS`)."""
+
     schedule: Schedule
     placement: str
     lanes: Tuple[str, ...]
-    where: Dict[Tuple[str, int, int], Tuple[int, int]]     # (kind, stage, mb) -> (tick, lane)
+    where: Dict[Tuple[str, int, int], Tuple[int, int]]  # (kind, stage, mb) -> (tick, lane)
     table: np.ndarray
     stash_capacity: int
     mbuf_capacity: int
-    channels: Tuple[Tuple[int, ...], ...]                    # per lane: channels it sends on
-    keeps: Tuple[bool, ...]                                  # per lane: does it keep a message on-device
-    phases: Tuple[Tuple[int, int, Tuple[int, ...]], ...]     # (first tick, end tick, lanes compiled)
-    full: Tuple[Tuple[int, ...], ...] = ()                   # per phase: lanes busy on every device, every tick
-    direct: bool = False     # every B reads the residuals of the F run earlier in its own tick: no stash
+    channels: Tuple[Tuple[int, ...], ...]  # per lane: channels it sends on
+    keeps: Tuple[bool, ...]  # per lane: does it keep a message on-device
+    phases: Tuple[Tuple[int, int, Tuple[int, ...]], ...]  # (first tick, end tick, lanes compiled)
+    full: Tuple[Tuple[int, ...], ...] = ()  # per phase: lanes busy on every device, every tick
+    direct: bool = False  # every B reads the residuals of the F run earlier in its own tick: no stash
     front_capacity: int = 0  # a split backward's frontier slots (B to W), on every device
     #: channels on which no device sends, nor receives, more than one message in any tick: the lanes' messages
-    #: on such a channel share one ``ppermute`` in the tick's exchange (the ordered placement: one action a tick)
+    #: on such a channel share one ``ppermute`` in the tick's exchange (the ordered placement: one action a
+    #: tick)
     shared: Tuple[int, ...] = ()
-
 
     @property
     def num_ticks(self) -> int:
@@ -151,8 +165,9 @@ def _place_lanes(s: Schedule, lanes: Sequence[str], dev) -> Dict[tuple, Tuple[in
                         break
         t += 1
         if t > limit:
-            raise ScheduleError(f"{s.name}: lane placement stalled at tick {t}; the schedule's per-kind orders "
-                                f"deadlock")
+            raise ScheduleError(
+                f"{s.name}: lane placement stalled at tick {t}; the schedule's per-kind orders deadlock"
+            )
     return where
 
 
@@ -188,27 +203,36 @@ def _link(D: int, src: int, dst: int) -> int:
 def _sends(s: Schedule, key, dev) -> int:
     """The channel the message of action ``key`` leaves on (SEND_NONE where it sends none)."""
     k, st, m = key
-    dst = (F, st + 1, m) if k == F and st < s.num_model_stages - 1 else (B, st - 1, m) if k == B and st > 0 else None
+    dst = (
+        (F, st + 1, m)
+        if k == F and st < s.num_model_stages - 1
+        else (B, st - 1, m)
+        if k == B and st > 0
+        else None
+    )
     if dst is None or dev[dst] == dev[key]:
         return SEND_NONE
     return _link(s.D, dev[key], dev[dst])
 
 
 def _joins(s: Schedule, group: dict, acts, li_of, dev) -> bool:
-    """Whether the actions ``acts`` of the next ordered tick can run in the tick being built (``group``: key ->
+    """Whether the actions ``acts`` of the next ordered tick can run in the tick being built (``group``: key
+    ->
     lane of the actions placed in it): a device's actions keep their order (each in a later lane than the
-    device's actions before it: a swap would let an F take a stash slot before a B frees one), it sends at most
-    one message per channel in a tick, and no action reads a message sent in the tick (it moves only at the
-    tick's end)."""
+    device's actions before it: a swap would let an F take a stash slot before a B frees one), it sends at
+    most one message per channel in a tick, and no action reads a message sent in the tick (it moves only at
+    the tick's end)."""
     for a in acts:
         key, d = (a.kind, a.stage, a.mb), dev[(a.kind, a.stage, a.mb)]
         mine = [k for k in group if dev[k] == d]
-        if any(group[k] >= li_of[a.kind] for k in mine):     # lane order is the device's order: no swap
+        if any(group[k] >= li_of[a.kind] for k in mine):  # lane order is the device's order: no swap
             return False
         ch = _sends(s, key, dev)
         if ch != SEND_NONE and any(_sends(s, k, dev) == ch for k in mine):
             return False
-        for dep in s.deps(a) + ([(B, a.stage + 1, a.mb)] if a.kind == W and a.stage < s.num_model_stages - 1 else []):
+        for dep in s.deps(a) + (
+            [(B, a.stage + 1, a.mb)] if a.kind == W and a.stage < s.num_model_stages - 1 else []
+        ):
             if dep in group and (dev[dep] != d or group[dep] >= li_of[a.kind]):
                 return False
     return True
@@ -257,13 +281,16 @@ def _phases(active: np.ndarray):
             runs.append([t, t + 1, used[t], full[t]])
     while len(runs) > MAX_PHASES:
         i = min(range(len(runs)), key=lambda k: runs[k][1] - runs[k][0])
-        j = i - 1 if i == len(runs) - 1 or (i > 0 and runs[i - 1][1] - runs[i - 1][0] <=
-                                                   runs[i + 1][1] - runs[i + 1][0]) else i + 1
+        j = (
+            i - 1
+            if i == len(runs) - 1
+            or (i > 0 and runs[i - 1][1] - runs[i - 1][0] <= runs[i + 1][1] - runs[i + 1][0])
+            else i + 1
+        )
         a, b = sorted((i, j))
         runs[a] = [runs[a][0], runs[b][1], runs[a][2] | runs[b][2], runs[a][3] & runs[b][3]]
         del runs[b]
-    return (tuple((a, b, tuple(sorted(u))) for a, b, u, _ in runs),
-            tuple(tuple(sorted(f)) for *_, f in runs))
+    return (tuple((a, b, tuple(sorted(u))) for a, b, u, _ in runs), tuple(tuple(sorted(f)) for *_, f in runs))
 
 
 def _route_messages(s: Schedule, where, dev, tab, pos, nl: int, split: bool):
@@ -286,11 +313,15 @@ def _route_messages(s: Schedule, where, dev, tab, pos, nl: int, split: bool):
         a, b = dev[src], dev[users[0]]
         for u in users:
             if pos(u) <= pos(src) or (dev[u] != a and where[u][0] <= ts):
-                raise ScheduleError(f"{s.name}: {u} placed at {where[u]} before its input {src} at {(ts, ls)}")
+                raise ScheduleError(
+                    f"{s.name}: {u} placed at {where[u]} before its input {src} at {(ts, ls)}"
+                )
         ch = _link(D, a, b)
         if ch < 0:
-            raise ScheduleError(f"{s.name}: a message from device {a} to device {b}; the executor moves messages "
-                                f"to a neighbouring device (d +- 1 mod {D}) only")
+            raise ScheduleError(
+                f"{s.name}: a message from device {a} to device {b}; the executor moves messages "
+                f"to a neighbouring device (d +- 1 mod {D}) only"
+            )
         slot = alloc[b].alloc(pos(src), max(pos(u) for u in users))
         tab[ts, a, ls, L["send"]] = ch
         if ch == SEND_KEEP:
@@ -343,8 +374,9 @@ def _hands_over(lanes, where) -> bool:
     """Whether the F lane may hand its residuals straight to the B lane of the same tick: every B runs in
     the tick of its F (one stage per device, one chunk: ``D = 1``), and nothing else (a W, a paired F2)
     reads residuals.  Every tick then runs an F and a B on the one device, so both lanes run without a
-    conditional (no idle F has to make residuals up).  The executor keeps no stash at all (issue #39: at D = 1 the stash's fill and its
-    slot traffic were most of the bytes the pipelined step moved beyond the plain one)."""
+    conditional (no idle F has to make residuals up).  The executor keeps no stash at all (issue #39: at D = 1
+    the stash's fill and its slot traffic were most of the bytes the pipelined step moved beyond the plain
+    one)."""
     if tuple(lanes) != (F, B):
         return False
     return all(where[(F, st, m)][0] == t for (k, st, m), (t, _) in where.items() if k == B)
@@ -357,19 +389,23 @@ def unit_costs(s: Schedule) -> Tuple[float, float, float]:
 
 
 def check_costs(costs, label: str = "costs") -> Tuple[float, ...]:
-    """``(f, b, w)`` or ``(f, b, w, exchange)`` as floats -- one stage's forward, its backward's input part, its
-    weight part and a tick's exchange, in any one unit -- or a ScheduleError that says what they are
+    """``(f, b, w)`` or ``(f, b, w, exchange)`` as floats -- one stage's forward, its backward's input part,
+    its weight part and a tick's exchange, in any one unit -- or a ScheduleError that says what they are
     (``label``: how the caller's user wrote them, e.g. ``"op_costs"``)."""
     try:
         vals = tuple(float(c) for c in costs)
     except (TypeError, ValueError):
         vals = ()
     if len(vals) not in (3, 4):
-        raise ScheduleError(f"{label}={costs!r}: give (f, b, w), one stage's forward, its backward's input part and "
-                            f"its weight part, e.g. (10.0, 10.0, 16.0) in ms, and optionally a tick's exchange as "
-                            f"a fourth")
+        raise ScheduleError(
+            f"{label}={costs!r}: give (f, b, w), one stage's forward, its backward's input part and "
+            f"its weight part, e.g. (10.0, 10.0, 16.0) in ms, and optionally a tick's exchange as "
+            f"a fourth"
+        )
     if not (vals[0] > 0 and vals[1] > 0 and min(vals[2:]) >= 0 and np.isfinite(vals).all()):
-        raise ScheduleError(f"{label}={costs!r}: f and b must be positive, w and the exchange at least 0 (finite)")
+        raise ScheduleError(
+            f"{label}={costs!r}: f and b must be positive, w and the exchange at least 0 (finite)"
+        )
     return vals
 
 
@@ -381,8 +417,10 @@ def fastest_placement(s: Schedule, costs: Optional[Sequence[float]] = None) -> s
     V schedules' own one-action-per-tick order reaches their bubble now that a tick ends in one exchange
     (issue #49), and 1F1B's F and B lanes stay the faster for it; where W costs more than F the ordered plan
     can lose (a tick lasts as long as its slowest device, and the ordered steady state puts one device's W
-    beside another's F: ZB-H1 at D = 2, M = 8 and costs (10, 10, 16) is 1.05x 1F1B's lanes, its own lanes 1.00x).
-    A tie goes to the plan with fewer stash slots (Chimera: ordered; GPipe: lanes, whose order holds D, not M)."""
+    beside another's F: ZB-H1 at D = 2, M = 8 and costs (10, 10, 16) is 1.05x 1F1B's lanes, its own lanes
+    1.00x).
+    A tie goes to the plan with fewer stash slots (Chimera: ordered; GPipe: lanes, whose order holds D, not
+    M)."""
     if s.has_pairs() and not s.options.get("double_batch"):
         # Chimera's forward doubling: the ordered plan pairs forwards, and the executor runs a pair as one
         # double-size forward (``double_batch``), which a context model cannot; asked for, it is ordered
@@ -394,8 +432,7 @@ def fastest_placement(s: Schedule, costs: Optional[Sequence[float]] = None) -> s
         f, b, w, *rest = check_costs(costs)
         costs, exchange = ((f, b, w) if s.has_w() else (f, b + w, 0.0)), (rest[0] if rest else 0.0)
     step = lambda p: s.plan(p).lockstep_makespan(*costs) + exchange * s.plan(p).num_ticks
-    key = {p: (round(step(p), 9), s.plan(p).stash_capacity, p)
-           for p in ("ordered", "lanes")}
+    key = {p: (round(step(p), 9), s.plan(p).stash_capacity, p) for p in ("ordered", "lanes")}
     return min(key, key=key.get)
 
 
@@ -409,7 +446,11 @@ def plan(s: Schedule, placement: str = "lanes", cut: Sequence[int] = ()) -> Lane
     lanes = lane_kinds(s, placement)
     loc = s.location()
     dev = {k: v[0] for k, v in loc.items()}
-    where = _place_lanes(s, lanes, dev) if placement == "lanes" else _fuse_ticks(s, _place_ordered(s, lanes), lanes, dev)
+    where = (
+        _place_lanes(s, lanes, dev)
+        if placement == "lanes"
+        else _fuse_ticks(s, _place_ordered(s, lanes), lanes, dev)
+    )
     nl, D, S = len(lanes), s.D, s.num_model_stages
     T = 1 + max(t for t, _ in where.values())
     pos = lambda key: where[key][0] * nl + where[key][1]
@@ -426,22 +467,37 @@ def plan(s: Schedule, placement: str = "lanes", cut: Sequence[int] = ()) -> Lane
     cap_f = _held_slots(D, where, dev, tab, pos, B, (W,), "front") if split else 0
     channels, keeps, cap_m = _route_messages(s, where, dev, tab, pos, nl, split)
     for c in ("keep", "recv_p", "recv_m"):
-        tab[..., L[c]][tab[..., L[c]] < 0] = cap_m          # the scratch slot
+        tab[..., L[c]][tab[..., L[c]] < 0] = cap_m  # the scratch slot
     for c in ("mb", "stage", "chunk", "stash", "in", "front"):
         tab[..., L[c]][tab[..., L[c]] < 0] = 0
     first = (tab[..., L["stage"]] == 0).astype(np.int64)
     last = (tab[..., L["stage"]] == S - 1).astype(np.int64)
-    tab[..., L["branch"]] = np.where(tab[..., L["op"]] > 0, 1 + tab[..., L["chunk"]] * 4 + first + 2 * last, 0)
+    tab[..., L["branch"]] = np.where(
+        tab[..., L["op"]] > 0, 1 + tab[..., L["chunk"]] * 4 + first + 2 * last, 0
+    )
     active = tab[..., L["op"]] > 0
     phases, full = map(list, _phases(active))
     for c in sorted(set(cut)):
         for i, (a0, b0, u) in enumerate(phases):
             if a0 < c < b0:
-                phases[i:i + 1] = [(a0, c, u), (c, b0, u)]
-                full[i:i + 1] = [full[i], full[i]]
+                phases[i : i + 1] = [(a0, c, u), (c, b0, u)]
+                full[i : i + 1] = [full[i], full[i]]
                 break
-    out = LanePlan(s, placement, lanes, where, tab.astype(np.int32), cap_s, cap_m,
-                   tuple(tuple(sorted(c)) for c in channels), tuple(keeps), tuple(phases), tuple(full),
-                   _hands_over(lanes, where), cap_f, _shared_channels(tab, channels, cap_m))
+    out = LanePlan(
+        s,
+        placement,
+        lanes,
+        where,
+        tab.astype(np.int32),
+        cap_s,
+        cap_m,
+        tuple(tuple(sorted(c)) for c in channels),
+        tuple(keeps),
+        tuple(phases),
+        tuple(full),
+        _hands_over(lanes, where),
+        cap_f,
+        _shared_channels(tab, channels, cap_m),
+    )
     out._dev = dev
     return out

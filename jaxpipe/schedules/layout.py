@@ -1,7 +1,8 @@
 """Where a schedule puts things, as data (pure Python + NumPy, no JAX): which device-local chunk holds which
-model stage (:func:`layout_index`, :func:`exchange_perms`), the lane plan the executor runs (:func:`lane_plan`),
-the plan columns its slot routing reads (:data:`ROUTE_COLUMNS`) and Chimera's eager-reduction points
-(:func:`eager_points`)."""
+model stage (:func:`layout_index`, :func:`exchange_perms`), the lane plan the executor runs
+(:func:`lane_plan`), the plan columns its slot routing reads (:data:`ROUTE_COLUMNS`) and Chimera's
+eager-reduction points (:func:`eager_points`)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -80,10 +81,14 @@ def eager_points(sched: Schedule, where=None):
 def stream_options(sched: Schedule) -> dict:
     """The schedule's choices the executor takes as fields (``make_stream_program``'s keywords): how ZB's W
     is computed (``w_from``), Chimera's eager reduction (``eager_reduce``) and one forward of a doubled batch
-    (``double_batch``).  Read here, from the schedule's own options, so the runtime never reads them by key."""
+    (``double_batch``).  Read here, from the schedule's own options, so the runtime never reads them by
+    key."""
     o = sched.options
-    return {"w_from": o.get("w_from", "frontier"), "eager_reduce": bool(o.get("eager_reduce")),
-            "double_batch": bool(o.get("double_batch"))}
+    return {
+        "w_from": o.get("w_from", "frontier"),
+        "eager_reduce": bool(o.get("eager_reduce")),
+        "double_batch": bool(o.get("double_batch")),
+    }
 
 
 def lane_plan(sched: Schedule, placement: str = "lanes"):

@@ -4,6 +4,7 @@ Chimera §2 / Table 2 and PipeOptim §II-C: stage ``d`` runs ``min(D-1-d, M)`` w
 alternates one forward and one backward, then drains the remaining backwards.  Same bubble ratio as GPipe,
 (D-1)/(N+D-1), but at most ``D-d`` micro-batches in flight on stage ``d`` instead of N.
 """
+
 from __future__ import annotations
 
 from typing import List

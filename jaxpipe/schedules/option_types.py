@@ -1,6 +1,8 @@
 """The types and ranges of the methods' options (``Pipeline(options=...)``), checked before anything is built:
-``options={"apc": "false"}`` must not switch APC on (``bool("false")`` is True), ``max_deferred_w=2.7`` must not
-become 2.  Pure Python.  Each :class:`Opt` says what a value must be and gives an example for the error."""
+``options={"apc": "false"}`` must not switch APC on (``bool("false")`` is True), ``max_deferred_w=2.7`` must
+not become 2.  Pure Python.  Each :class:`Opt` says what a value must be and gives an example for the
+error."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,6 +17,7 @@ class Opt:
     """``kind``: ``"bool"``, ``"int"``, ``"number"`` or ``"choice"``; ``minimum`` (int/number, inclusive),
     ``above`` (number: strictly greater), ``maximum`` (number, inclusive); ``choices`` (choice); ``none_ok``:
     None is accepted (the method picks); ``literals``: other accepted values (``"auto"``)."""
+
     kind: str
     minimum: Optional[float] = None
     above: Optional[float] = None
@@ -22,13 +25,13 @@ class Opt:
     choices: Tuple[Any, ...] = ()
     none_ok: bool = False
     literals: Tuple[Any, ...] = ()
-    meaning: str = ""             # what the option does, said in the error
+    meaning: str = ""  # what the option does, said in the error
 
     def accepts(self, v) -> bool:
         if v is None and self.none_ok or (isinstance(v, str) and v in self.literals):
             return True
         if self.kind == "bool":
-            return isinstance(v, bool) or (type(v).__name__ == "bool_")      # numpy.bool_
+            return isinstance(v, bool) or (type(v).__name__ == "bool_")  # numpy.bool_
         if self.kind == "choice":
             return isinstance(v, str) and v in self.choices
         integral = isinstance(v, numbers.Integral) and not isinstance(v, bool)
@@ -36,8 +39,11 @@ class Opt:
             return False
         if self.kind == "number" and not (isinstance(v, numbers.Real) and not isinstance(v, bool)):
             return False
-        return ((self.minimum is None or v >= self.minimum) and (self.above is None or v > self.above)
-                and (self.maximum is None or v <= self.maximum))
+        return (
+            (self.minimum is None or v >= self.minimum)
+            and (self.above is None or v > self.above)
+            and (self.maximum is None or v <= self.maximum)
+        )
 
     def wants(self) -> str:
         """What a value must be, in words."""
@@ -47,9 +53,11 @@ class Opt:
             out = "one of " + ", ".join(repr(c) for c in self.choices)
         else:
             out = "an integer" if self.kind == "int" else "a number"
-            bounds = [f">= {self.minimum:g}" if self.minimum is not None else "",
-                      f"> {self.above:g}" if self.above is not None else "",
-                      f"<= {self.maximum:g}" if self.maximum is not None else ""]
+            bounds = [
+                f">= {self.minimum:g}" if self.minimum is not None else "",
+                f"> {self.above:g}" if self.above is not None else "",
+                f"<= {self.maximum:g}" if self.maximum is not None else "",
+            ]
             out += "".join(" " + b for b in bounds if b)
         extra = [repr(x) for x in self.literals] + (["None (the method's default)"] if self.none_ok else [])
         return out + ("" if not extra else ", or " + " or ".join(extra))
@@ -63,5 +71,7 @@ def check_options(method: str, values: dict, types: dict) -> None:
     for key, value in values.items():
         spec = types.get(key)
         if spec is not None and not spec.accepts(value):
-            raise ScheduleError(f"{method}: options[{key!r}]={value!r} ({type(value).__name__}); it must be "
-                                f"{spec.wants()}" + (f" ({spec.meaning})" if spec.meaning else ""))
+            raise ScheduleError(
+                f"{method}: options[{key!r}]={value!r} ({type(value).__name__}); it must be "
+                f"{spec.wants()}" + (f" ({spec.meaning})" if spec.meaning else "")
+            )

@@ -22,6 +22,7 @@ backward of batch ``p`` in one unit.  :meth:`Periodic.events` replays the stream
 derives from it every capacity the executor allocates (stash slots per chunk, the ring of recent
 micro-batches) and :meth:`Periodic.batch_ticks` when a chunk's batch starts and ends (landing points).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,7 +32,7 @@ import numpy as np
 
 from .ir import Action, B, F, W, Schedule, ScheduleError
 
-F2 = "F2"       # a paired forward's lane (jaxpipe.schedules.lanes.F2)
+F2 = "F2"  # a paired forward's lane (jaxpipe.schedules.lanes.F2)
 
 KIND_CODE = {F: 1, B: 2}
 
@@ -41,8 +42,8 @@ class Periodic:
     name: str
     num_devices: int
     period: int
-    offsets: Dict[str, Tuple[int, ...]]          # kind -> per-device tick offset
-    chunks: int = 1                              # model chunks per device (stage c D + d on device d)
+    offsets: Dict[str, Tuple[int, ...]]  # kind -> per-device tick offset
+    chunks: int = 1  # model chunks per device (stage c D + d on device d)
     #: per unit of a call: (chunk, F batch offset, B batch offset, micro-batch j); None: unit u of a call is
     #: micro-batch u of the call's batch on chunk 0 (a call feeds one batch of M micro-batches)
     units: Optional[Tuple[Tuple[int, int, int, int], ...]] = None
@@ -68,8 +69,8 @@ class Periodic:
         return tuple(k for k in (F, F2, B, W) if k in self.unit_offsets)
 
     def runs(self, kind: str, d: int, u: int) -> bool:
-        """Whether unit ``u``'s op ``kind`` runs in that lane on device ``d`` (a paired stream's forward runs in
-        the F or the F2 lane: offset -1 in the other)."""
+        """Whether unit ``u``'s op ``kind`` runs in that lane on device ``d`` (a paired stream's forward runs
+        in the F or the F2 lane: offset -1 in the other)."""
         return self.unit_offsets is None or self.unit_offsets[kind][u][d] >= 0
 
     def stage_table(self) -> np.ndarray:
@@ -104,7 +105,9 @@ class Periodic:
                 raise ScheduleError(f"{self.name}: device {d} runs F and B in the same phase of the period")
             late = self.tick(B, d, 0) < self.tick(F, d, 0) + (0 if d == D - 1 and self.two_lanes else 1)
             if late:
-                raise ScheduleError(f"{self.name}: device {d}'s backward of a micro-batch precedes its forward")
+                raise ScheduleError(
+                    f"{self.name}: device {d}'s backward of a micro-batch precedes its forward"
+                )
         for d in range(D - 1):
             if self.tick(F, d + 1, 0) < self.tick(F, d, 0) + 1:
                 raise ScheduleError(f"{self.name}: F on device {d + 1} before its input from device {d}")
@@ -118,8 +121,9 @@ class Periodic:
         return self.period == 1
 
     def table(self) -> np.ndarray:
-        """``[period, D, 2]`` int32: at phase ``t mod period`` device ``d`` runs F (column 0) / B (column 1) of
-        the micro-batch whose op is due at ``t - offset``, with that column holding ``offset`` (-1: none)."""
+        """``[period, D, 2]`` int32: at phase ``t mod period`` device ``d`` runs F (column 0) / B (column 1)
+        of the micro-batch whose op is due at ``t - offset``, with that column holding ``offset`` (-1:
+        none)."""
         D, P = self.num_devices, self.period
         out = np.full((P, D, 2), -1, np.int32)
         for kind, offs in self.offsets.items():
@@ -151,12 +155,15 @@ class Periodic:
 
     def max_inflight(self) -> int:
         """Micro-batches a device holds at most (F run, B not yet): the stash slots the executor needs."""
-        return max((self.tick(B, d, 0) - self.tick(F, d, 0)) // self.period + 1 for d in range(self.num_devices))
+        return max(
+            (self.tick(B, d, 0) - self.tick(F, d, 0)) // self.period + 1 for d in range(self.num_devices)
+        )
 
     def unit_table(self, M: int) -> np.ndarray:
         """``[U, 4]`` int32: unit ``u`` of a call (``U`` units, ``period * U`` ticks, one batch of ``M``
         micro-batches fed) runs ``(chunk, F batch offset, B batch offset, micro-batch j)``: its F is of
-        micro-batch ``(q + F offset) M + j`` of the stream, its B of ``(q + B offset) M + j``, in call ``q``."""
+        micro-batch ``(q + F offset) M + j`` of the stream, its B of ``(q + B offset) M + j``, in call
+        ``q``."""
         if self.units is None:
             return np.asarray([(0, 0, 0, u) for u in range(M)], np.int32).reshape(M, 4)
         tab = np.asarray(self.units, np.int32)
@@ -168,9 +175,10 @@ class Periodic:
         return self.call_length if self.unit_offsets is not None else self.period * len(self.unit_table(M))
 
     def call_table(self, M: int) -> np.ndarray:
-        """``[T, D, lanes, 2]`` int32 (``T`` ticks per call): at tick offset ``tau`` of call ``q`` device ``d``'s F
-        (``[..., 0, :]``) / B (``[..., 1, :]``) / W (``[..., 2, :]``, where split) lane runs unit ``u`` of call
-        ``q - shift`` as ``(u, shift)``; ``u = -1``: the lane idles.  What the executor reads."""
+        """``[T, D, lanes, 2]`` int32 (``T`` ticks per call): at tick offset ``tau`` of call ``q`` device
+        ``d``'s F (``[..., 0, :]``) / B (``[..., 1, :]``) / W (``[..., 2, :]``, where split) lane runs unit
+        ``u`` of call ``q - shift`` as ``(u, shift)``; ``u = -1``: the lane idles.  What the executor
+        reads."""
         T, D, U = self.call_ticks(M), self.num_devices, len(self.unit_table(M))
         out = np.full((T, D, len(self.kinds), 2), -1, np.int32)
         for u in range(U):
@@ -180,27 +188,39 @@ class Periodic:
                         continue
                     t = self.tick(kind, d, u)
                     if out[t % T, d, k, 0] >= 0:
-                        raise ScheduleError(f"{self.name}: device {d} runs two {kind} ops at tick offset {t % T}")
+                        raise ScheduleError(
+                            f"{self.name}: device {d} runs two {kind} ops at tick offset {t % T}"
+                        )
                     out[t % T, d, k] = (u, t // T)
         return out
 
     def validate_stream(self, M: int) -> "Periodic":
         """Raise :class:`ScheduleError` unless the replayed stream keeps every dependency of each micro-batch:
-        model stage k + 1's F after stage k's, B after F on the last stage, stage k's B after stage k + 1's, W after
-        its B -- one tick later across devices, a later lane of the same tick on one device."""
+        model stage k + 1's F after stage k's, B after F on the last stage, stage k's B after stage k + 1's, W
+        after its B -- one tick later across devices, a later lane of the same tick on one device."""
         when, st, S = {}, self.stage_table(), self.num_stages
         for t, d, kind, c, g in self.events(M, calls=4):
             when[(F if kind == F2 else kind, int(st[c, d]), g)] = (t, self.kinds.index(kind), d)
         for (kind, k, g), (t, lane, d) in when.items():
-            prev = [(F, k - 1)] if kind == F else [(B, k)] if kind == W else [(B, k + 1)] if k + 1 < S else [(F, k)]
+            prev = (
+                [(F, k - 1)]
+                if kind == F
+                else [(B, k)]
+                if kind == W
+                else [(B, k + 1)]
+                if k + 1 < S
+                else [(F, k)]
+            )
             for pk, pstage in prev:
                 if pstage < 0 or (pk, pstage, g) not in when:
                     continue
                 pt, plane, pd = when[(pk, pstage, g)]
                 ok = (t, lane) > (pt, plane) if pd == d else t > pt
                 if not ok:
-                    raise ScheduleError(f"{self.name}: {kind} of stage {k}, micro-batch {g} at tick {t} does "
-                                        f"not follow {pk} of stage {pstage} (tick {pt})")
+                    raise ScheduleError(
+                        f"{self.name}: {kind} of stage {k}, micro-batch {g} at tick {t} does "
+                        f"not follow {pk} of stage {pstage} (tick {pt})"
+                    )
         return self
 
     def events(self, M: int, calls: int = 12) -> List[Tuple[int, int, str, int, int]]:
@@ -222,20 +242,20 @@ class Periodic:
         return out
 
     def buffers(self, M: int, span: int = 0) -> Dict[str, object]:
-        """What the executor allocates, derived by replaying the stream: ``stash`` -- slots per chunk (micro-batch
-        ``g`` of chunk ``c`` in slot ``g mod stash[c]``: a slot is rewritten only after its B read it; a B after
-        an F in the same tick counts as later); ``ring`` -- recent micro-batches kept (``g`` in slot ``g mod
-        ring``; a call writes its batch before its first tick, so ``g + ring`` must be fed after ``g``'s last
-        op); ``done`` -- per call ``q``, the micro-batches whose every op has run by its end (steady state:
-        ``done_steady + M q``); ``latency`` -- calls after its feeding call in which a micro-batch's last op may
-        run (what ``drain`` runs).  ``span``: ticks the last replica runs behind the first
-        (``replica_delay * (replicas - 1)``): its ops count that much later."""
+        """What the executor allocates, derived by replaying the stream: ``stash`` -- slots per chunk
+        (micro-batch ``g`` of chunk ``c`` in slot ``g mod stash[c]``: a slot is rewritten only after its B
+        read it; a B after an F in the same tick counts as later); ``ring`` -- recent micro-batches kept
+        (``g`` in slot ``g mod ring``; a call writes its batch before its first tick, so ``g + ring`` must be
+        fed after ``g``'s last op); ``done`` -- per call ``q``, the micro-batches whose every op has run by
+        its end (steady state: ``done_steady + M q``); ``latency`` -- calls after its feeding call in which a
+        micro-batch's last op may run (what ``drain`` runs).  ``span``: ticks the last replica runs behind the
+        first (``replica_delay * (replicas - 1)``): its ops count that much later."""
         T, D = self.call_ticks(M), self.num_devices
         ev = self.events(M)
         calls = ev[-1][0] // T + 1
         stash = []
         for c in range(self.chunks):
-            live, need = [set() for _ in range(D)], 1          # the most micro-batches held at once: a floor
+            live, need = [set() for _ in range(D)], 1  # the most micro-batches held at once: a floor
             for t, d, kind, cc, g in ev:
                 if cc == c:
                     (live[d].add if kind in (F, F2) else live[d].discard)(g)
@@ -257,39 +277,46 @@ class Periodic:
         last: Dict[int, int] = {}
         for t, d, kind, c, g in ev:
             last[g] = max(last.get(g, t), t + span)
-        steady = [g for g in last if (calls - 4) * M > g >= 2 * M]     # away from the replay's ends
+        steady = [g for g in last if (calls - 4) * M > g >= 2 * M]  # away from the replay's ends
         ring = M
         while any((g + ring) // M <= last[g] // T for g in steady):
             ring += 1
         done = [sum(1 for g, t in last.items() if t < (q + 1) * T) for q in range(calls - 3)]
         latency = max(last[g] // T - g // M for g in steady)
-        return {"stash": stash, "ring": ring, "done": done[:-1], "done_steady": done[-1] - M * (len(done) - 1),
-                "latency": latency}
+        return {
+            "stash": stash,
+            "ring": ring,
+            "done": done[:-1],
+            "done_steady": done[-1] - M * (len(done) - 1),
+            "latency": latency,
+        }
 
     def batch_ticks(self, M: int, chunk: int, b: int = 4) -> Dict[str, List[int]]:
-        """Per device, for batch ``b`` (steady state) of ``chunk``: the tick of its first op (``first``) and of
-        its last B (``last_b``)."""
+        """Per device, for batch ``b`` (steady state) of ``chunk``: the tick of its first op (``first``) and
+        of its last B (``last_b``)."""
         first, last_b = {}, {}
         for t, d, kind, c, g in self.events(M, calls=b + 6):
             if c == chunk and g // M == b:
                 first.setdefault(d, t)
                 if kind == B:
                     last_b[d] = t
-        return {"first": [first[d] for d in range(self.num_devices)],
-                "last_b": [last_b[d] for d in range(self.num_devices)]}
+        return {
+            "first": [first[d] for d in range(self.num_devices)],
+            "last_b": [last_b[d] for d in range(self.num_devices)],
+        }
 
     def expand(self, num_microbatches: int, weight_versions=None, batches: int = 1) -> Schedule:
-        """The finite schedule of ``batches`` batches of ``M`` micro-batches (fill, steady state, drain) at the
-        ticks that run.  With two lanes the actions are in lane order and the IR places them itself
-        (``placement="lanes"``: an F lane and a B lane per tick, as the executor runs them; tested equal to this
-        pattern's ticks); otherwise the schedule carries the stream's own ticks (``fixed_ticks``), chunks
+        """The finite schedule of ``batches`` batches of ``M`` micro-batches (fill, steady state, drain) at
+        the ticks that run.  With two lanes the actions are in lane order and the IR places them itself
+        (``placement="lanes"``: an F lane and a B lane per tick, as the executor runs them; tested equal to
+        this pattern's ticks); otherwise the schedule carries the stream's own ticks (``fixed_ticks``), chunks
         included (stage ``c D + d`` on device ``d``): the simulator and the picture show what runs."""
         D, M = self.num_devices, num_microbatches
         n = batches * M
         ev = [e for e in self.events(M, calls=batches + self.buffers(M)["latency"] + 1) if e[4] < n]
         acts, ticks = [[] for _ in range(D)], {}
         st = self.stage_table()
-        for t, d, kind, c, g in ev:          # in execution order: tick, then lane (F before B)
+        for t, d, kind, c, g in ev:  # in execution order: tick, then lane (F before B)
             acts[d].append(Action(kind, int(g), int(st[c, d]), c))
             ticks[(kind, int(st[c, d]), int(g))] = t
         s = Schedule(self.name, D, n, acts, num_model_stages=self.num_stages, weight_versions=weight_versions)
@@ -315,21 +342,21 @@ def no_flush_lanes(name: str, num_devices: int) -> Periodic:
     return Periodic(name, D, 1, {F: tuple(range(D)), B: tuple(2 * D - 2 - s for s in range(D))}).validate()
 
 
-
 def one_call(lane_plan) -> Periodic:
     """A flushing schedule's lane plan as a stream of one call: one unit per (micro-batch, chunk it passes
     through), its F and B at the ticks the plan placed them, nothing left in flight when the call ends -- what
     the one executor runs (with the ``gradient`` policy: the step's gradient, applied by the runner).  The
     stream carries the plan: the executor stashes residuals and routes messages (both directions, waiting
     where the plan makes them wait, the last stage's dL/dy kept on the device) in the slots the plan
-    allocated.  Raises :class:`ScheduleError` where the plan has a lane a stream does not run (W, paired F)."""
+    allocated.  Raises :class:`ScheduleError` where the plan has a lane a stream does not run (W, paired
+    F)."""
     s = lane_plan.schedule
     D, M = s.D, s.M
     where = lane_plan.where
     kinds = tuple(lane_plan.lanes)
     if kinds not in ((F, B), (F, B, W), (F, F2, B)):
         raise ScheduleError(f"{s.name}: lanes {lane_plan.lanes}; a stream runs F, F2, B and W lanes")
-    soc = s.stage_of_chunk()                                 # [D, chunks]
+    soc = s.stage_of_chunk()  # [D, chunks]
     K = soc.shape[1]
     if (soc < 0).any():
         raise ScheduleError(f"{s.name}: a device leaves a chunk unused; a stream's chunks hold a stage each")
@@ -355,7 +382,15 @@ def one_call(lane_plan) -> Periodic:
                 offs.setdefault(kind, []).append(tuple(ticks[kind]))
     if len(units) % M or len(units) != sum(1 for k in where if k[0] == F) // D:
         raise ScheduleError(f"{s.name}: its micro-batches do not each pass every device once per chunk")
-    return Periodic(s.name, D, 1, {}, chunks=K, units=tuple(units), unit_offsets={k: tuple(v) for k, v in offs.items()},
-                    call_length=lane_plan.num_ticks, stages=tuple(tuple(int(soc[d, c]) for d in range(D))
-                                                                  for c in range(K)),
-                    plan=lane_plan).validate_stream(M)
+    return Periodic(
+        s.name,
+        D,
+        1,
+        {},
+        chunks=K,
+        units=tuple(units),
+        unit_offsets={k: tuple(v) for k, v in offs.items()},
+        call_length=lane_plan.num_ticks,
+        stages=tuple(tuple(int(soc[d, c]) for d in range(D)) for c in range(K)),
+        plan=lane_plan,
+    ).validate_stream(M)

@@ -3,6 +3,7 @@
 ``mode="event"`` draws the event-driven timeline with durations f, b, w; ``mode="lockstep"`` draws the
 ticks the SPMD executor runs (each tick as wide as its slowest action).
 """
+
 from __future__ import annotations
 
 import json
@@ -10,9 +11,11 @@ from typing import Optional
 
 from .ir import B, F, W, Schedule
 
-_COLORS = {F: ["#4C8BF5", "#8FB8FF", "#2A5DB0", "#B9D3FF"],
-           B: ["#34A853", "#8ED39E", "#1E7A38", "#C3EBCB"],
-           W: ["#F4A340", "#FBD19A", "#B86E12", "#FDE6C6"]}
+_COLORS = {
+    F: ["#4C8BF5", "#8FB8FF", "#2A5DB0", "#B9D3FF"],
+    B: ["#34A853", "#8ED39E", "#1E7A38", "#C3EBCB"],
+    W: ["#F4A340", "#FBD19A", "#B86E12", "#FDE6C6"],
+}
 
 
 def _boxes(s: Schedule, mode: str, f: float, b: float, w: float):
@@ -28,8 +31,14 @@ def _boxes(s: Schedule, mode: str, f: float, b: float, w: float):
         t0 = 0.0
         lanes = s.lanes() if s.has_pairs() else [[None] * s.D for _ in range(s.num_ticks)]
         for row, prow in zip(s.grid(), lanes):
-            width = max((dur[a.kind] + (dur[F] if p is not None else 0.0) for a, p in zip(row, prow)
-                         if a is not None), default=0.0)
+            width = max(
+                (
+                    dur[a.kind] + (dur[F] if p is not None else 0.0)
+                    for a, p in zip(row, prow)
+                    if a is not None
+                ),
+                default=0.0,
+            )
             for d, (a, p) in enumerate(zip(row, prow)):
                 if a is not None:
                     yield d, t0, dur[a.kind], a
@@ -39,6 +48,7 @@ def _boxes(s: Schedule, mode: str, f: float, b: float, w: float):
     elif mode in ("lanes", "ordered"):
         # what the executor runs: every tick's lanes one after the other, each as wide as its slowest op
         from .lanes import F2, plan
+
         p = plan(s, mode)
         ldur = {F: f, F2: f, B: b, W: w}
         t0 = 0.0
@@ -55,57 +65,100 @@ def _boxes(s: Schedule, mode: str, f: float, b: float, w: float):
         raise ValueError(f"mode must be 'event', 'lockstep', 'lanes' or 'ordered', got {mode!r}")
 
 
-def render_png(s: Schedule, path: Optional[str] = None, f: float = 1.0, b: float = 2.0, w: Optional[float] = None,
-               mode: str = "event", title: Optional[str] = None):
+def render_png(
+    s: Schedule,
+    path: Optional[str] = None,
+    f: float = 1.0,
+    b: float = 2.0,
+    w: Optional[float] = None,
+    mode: str = "event",
+    title: Optional[str] = None,
+):
     import logging
+
     # matplotlib logs its font cache's first build at INFO ("font_manager: generating new fontManager"): a
     # stray line in a user's run (absl's handler prints INFO)
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
     from .simulate import split_backward
-    whole = b                              # the whole backward; a split one is drawn as its B and W parts
+
+    whole = b  # the whole backward; a split one is drawn as its B and W parts
     b, w = split_backward(s, whole, w)
     boxes = list(_boxes(s, mode, f, b, w))
     end = max(st + wd for _, st, wd, _ in boxes)
     fig, ax = plt.subplots(figsize=(max(6.0, min(28.0, 0.35 * end + 2)), 0.55 * s.D + 1.4))
     for d, st, wd, a in boxes:
-        ax.add_patch(plt.Rectangle((st, d - 0.42), wd, 0.84, facecolor=_COLORS[a.kind][a.chunk % 4],
-                                   edgecolor="black", linewidth=0.6))
+        ax.add_patch(
+            plt.Rectangle(
+                (st, d - 0.42),
+                wd,
+                0.84,
+                facecolor=_COLORS[a.kind][a.chunk % 4],
+                edgecolor="black",
+                linewidth=0.6,
+            )
+        )
         ax.text(st + wd / 2, d, str(a.mb), ha="center", va="center", fontsize=7 if s.M < 40 else 5)
     ax.set_xlim(0, end)
     ax.set_ylim(s.D - 0.5, -0.5)
     ax.set_yticks(range(s.D))
     ax.set_yticklabels([f"device {d}" for d in range(s.D)])
-    ax.set_xlabel({"lockstep": "time (one op per device per tick; a tick lasts its slowest op)",
-                   "lanes": "time (each tick: an F lane then a B lane, each as long as its slowest op)",
-                   "ordered": "time (the executor's ordered placement: lanes of one op per device per tick)"}.get(
-        mode, f"time (forward = {f:g}, backward = {whole:g}" + (f": input grad {b:g} + weight grad {w:g})"
-                                                                 if s.has_w() else ")")))
+    ax.set_xlabel(
+        {
+            "lockstep": "time (one op per device per tick; a tick lasts its slowest op)",
+            "lanes": "time (each tick: an F lane then a B lane, each as long as its slowest op)",
+            "ordered": "time (the executor's ordered placement: lanes of one op per device per tick)",
+        }.get(
+            mode,
+            f"time (forward = {f:g}, backward = {whole:g}"
+            + (f": input grad {b:g} + weight grad {w:g})" if s.has_w() else ")"),
+        )
+    )
     r = s.simulate(f=f, b=whole, w=w if s.has_w() else None)
-    span, bubble = {"lockstep": (r.lockstep_makespan, r.lockstep_bubble_ratio),
-                    "lanes": (r.lane_makespan, r.lane_bubble_ratio)}.get(mode, (r.makespan, r.bubble_ratio))
+    span, bubble = {
+        "lockstep": (r.lockstep_makespan, r.lockstep_bubble_ratio),
+        "lanes": (r.lane_makespan, r.lane_bubble_ratio),
+    }.get(mode, (r.makespan, r.bubble_ratio))
     if mode == "ordered":
         from .lanes import plan
+
         span = plan(s, "ordered").lockstep_makespan(f, b, w if s.has_w() else 0.0)
         bubble = 1.0 - (r.makespan * (1.0 - r.bubble_ratio)) / span
-    what = {"event": "as soon as inputs arrive", "lockstep": "one op per tick", "lanes": "executor, lanes",
-            "ordered": "executor, ordered"}[mode]
+    what = {
+        "event": "as soon as inputs arrive",
+        "lockstep": "one op per tick",
+        "lanes": "executor, lanes",
+        "ordered": "executor, ordered",
+    }[mode]
     ax.set_title(title or f"{s.name}  D={s.D}  M={s.M}  ({what}): total time {span:g}, idle {bubble:.1%}")
     kinds = [F, B] + ([W] if s.has_w() else [])
     names = {F: "forward", B: "backward" if not s.has_w() else "backward (input grad)", W: "weight grad"}
     nchunk = 1 + max(a.chunk for _, _, _, a in boxes)
     chunk_names = _chunk_names(s, nchunk)
     # one entry per (kind, chunk) drawn, in the colour it is drawn with, plus idle time
-    handles = [Patch(facecolor=_COLORS[k][c % 4], edgecolor="black",
-                     label=names[k] + (f", {chunk_names[c]}" if nchunk > 1 else ""))
-               for k in kinds for c in range(nchunk)]
+    handles = [
+        Patch(
+            facecolor=_COLORS[k][c % 4],
+            edgecolor="black",
+            label=names[k] + (f", {chunk_names[c]}" if nchunk > 1 else ""),
+        )
+        for k in kinds
+        for c in range(nchunk)
+    ]
     handles.append(Patch(facecolor="white", edgecolor="grey", label="idle"))
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=7, frameon=False,
-              borderaxespad=0.0)
+    ax.legend(
+        handles=handles,
+        loc="upper left",
+        bbox_to_anchor=(1.005, 1.0),
+        fontsize=7,
+        frameon=False,
+        borderaxespad=0.0,
+    )
     fig.tight_layout()
     if path:
         fig.savefig(path, dpi=130)
@@ -115,11 +168,15 @@ def render_png(s: Schedule, path: Optional[str] = None, f: float = 1.0, b: float
 
 def _chunk_names(s: Schedule, nchunk: int):
     """Legend words for a device's chunks: Chimera's pipelines, interleaved's virtual stages."""
-    if "pipelines" in s.options:          # bidirectional pipelines (Chimera)
+    if "pipelines" in s.options:  # bidirectional pipelines (Chimera)
         p = s.options["pipelines"]
         f = p // 2
-        return [(f"down pipeline {c}" if c < f else f"up pipeline {c - f}") if f > 1 else
-                ("down pipeline" if c == 0 else "up pipeline") for c in range(nchunk)]
+        return [
+            (f"down pipeline {c}" if c < f else f"up pipeline {c - f}")
+            if f > 1
+            else ("down pipeline" if c == 0 else "up pipeline")
+            for c in range(nchunk)
+        ]
     return [f"chunk {c}" for c in range(nchunk)]
 
 
@@ -129,27 +186,45 @@ def render_text(s: Schedule, width: int = 0) -> str:
     grid = s.grid()
     lanes = s.lanes() if s.has_pairs() else [[None] * s.D for _ in grid]
     lines = [f"{s.name} D={s.D} M={s.M} ({len(grid)} lockstep ticks)"]
-    label = lambda a, p: ((str(a) if a is not None else ".") + (f"+{p.mb}" if p is not None else ""))
-    width = width or 1 + max((len(label(a, p)) for row, pr in zip(grid, lanes) for a, p in zip(row, pr)), default=1)
+    label = lambda a, p: (str(a) if a is not None else ".") + (f"+{p.mb}" if p is not None else "")
+    width = width or 1 + max(
+        (len(label(a, p)) for row, pr in zip(grid, lanes) for a, p in zip(row, pr)), default=1
+    )
     for d in range(s.D):
         cells = [label(row[d], pr[d]).ljust(width) for row, pr in zip(grid, lanes)]
         lines.append(f"dev{d:<3d}" + "".join(cells).rstrip())
     return "\n".join(lines)
 
 
-def chrome_trace(s: Schedule, path: Optional[str] = None, f: float = 1.0, b: float = 2.0,
-                 w: Optional[float] = None, mode: str = "event") -> dict:
+def chrome_trace(
+    s: Schedule,
+    path: Optional[str] = None,
+    f: float = 1.0,
+    b: float = 2.0,
+    w: Optional[float] = None,
+    mode: str = "event",
+) -> dict:
     """Chrome/Perfetto trace-event JSON (open in ui.perfetto.dev or chrome://tracing); 1 time unit = 1 ms.
     ``b``: the whole backward; ``w``: a split backward's weight part (:func:`~.simulate.split_backward`)."""
     from .simulate import split_backward
+
     b, w = split_backward(s, b, w)
     events = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": f"{s.name} D={s.D} M={s.M}"}}]
     for d in range(s.D):
         events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": d, "args": {"name": f"device {d}"}})
     for d, st, wd, a in _boxes(s, mode, f, b, w):
-        events.append({"name": f"{a.kind}{a.mb}", "cat": a.kind, "ph": "X", "pid": 0, "tid": d,
-                       "ts": st * 1000.0, "dur": wd * 1000.0,
-                       "args": {"microbatch": a.mb, "stage": a.stage, "chunk": a.chunk}})
+        events.append(
+            {
+                "name": f"{a.kind}{a.mb}",
+                "cat": a.kind,
+                "ph": "X",
+                "pid": 0,
+                "tid": d,
+                "ts": st * 1000.0,
+                "dur": wd * 1000.0,
+                "args": {"microbatch": a.mb, "stage": a.stage, "chunk": a.chunk},
+            }
+        )
     trace = {"traceEvents": events, "displayTimeUnit": "ms"}
     if path:
         with open(path, "w") as fh:

@@ -5,6 +5,7 @@ Lockstep: the executor runs one action per device per tick and a tick lasts as l
 it, so a tick mixing an F and a B costs max(f, b).  Bubble ratio = 1 - useful work / (devices x makespan),
 the definition of Chimera §2.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,17 +20,17 @@ class SimReport:
     num_devices: int
     num_microbatches: int
     f: float
-    b: float            # the whole backward (a split one: B + W)
-    w: float            # a split backward's weight-gradient part W (0: not split)
-    makespan: float                 # event-driven
-    bubble_ratio: float             # event-driven
-    lockstep_makespan: float        # SPMD executor: sum over ticks of the slowest op
+    b: float  # the whole backward (a split one: B + W)
+    w: float  # a split backward's weight-gradient part W (0: not split)
+    makespan: float  # event-driven
+    bubble_ratio: float  # event-driven
+    lockstep_makespan: float  # SPMD executor: sum over ticks of the slowest op
     lockstep_bubble_ratio: float
     num_ticks: int
-    peak_inflight: List[int]        # per device, micro-batches of one stage's activations held at once
-    weight_versions: List[int]      # per device, in units of one stage's weights
-    stash_capacity: int             # stash slots of the one-op-per-tick ("ordered") plan, on every device
-    messages: int                   # point-to-point activation/gradient messages per step
+    peak_inflight: List[int]  # per device, micro-batches of one stage's activations held at once
+    weight_versions: List[int]  # per device, in units of one stage's weights
+    stash_capacity: int  # stash slots of the one-op-per-tick ("ordered") plan, on every device
+    messages: int  # point-to-point activation/gradient messages per step
     # what the executor runs with its default placement ("auto": jaxpipe.schedules.lanes.fastest_placement),
     # a tick as long as its slowest device's actions (one exchange at its end); the memory it holds
     lane_makespan: float = 0.0
@@ -37,15 +38,22 @@ class SimReport:
     lane_ticks: int = 0
     lane_peak_inflight: Optional[List[int]] = None
     lane_stash_capacity: int = 0
-    lane_placement: str = "lanes"   # "ordered" for the periodic no-flush schedules: one op per tick is what runs
+    lane_placement: str = (
+        "lanes"  # "ordered" for the periodic no-flush schedules: one op per tick is what runs
+    )
 
     def summary(self) -> str:
-        return (f"{self.schedule}: D={self.num_devices} M={self.num_microbatches} f={self.f:g} b={self.b:g}"
-                f"{'' if not self.w else f' (B {self.b - self.w:g} + W {self.w:g})'} | event-driven makespan {self.makespan:g}, bubble "
-                f"{self.bubble_ratio:.3f} | lockstep {self.num_ticks} ticks, makespan {self.lockstep_makespan:g},"
-                f" bubble {self.lockstep_bubble_ratio:.3f} | peak in-flight {self.peak_inflight} | weight "
-                f"versions {self.weight_versions} | executor ({self.lane_placement}): {self.lane_ticks} ticks, makespan "
-                f"{self.lane_makespan:g}, bubble {self.lane_bubble_ratio:.3f}, peak in-flight {self.lane_peak_inflight}")
+        return (
+            f"{self.schedule}: D={self.num_devices} M={self.num_microbatches} f={self.f:g} b={self.b:g}"
+            f"{'' if not self.w else f' (B {self.b - self.w:g} + W {self.w:g})'} | event-driven makespan "
+            f"{self.makespan:g}, bubble "
+            f"{self.bubble_ratio:.3f} | lockstep {self.num_ticks} ticks, makespan {self.lockstep_makespan:g},"
+            f" bubble {self.lockstep_bubble_ratio:.3f} | peak in-flight {self.peak_inflight} | weight "
+            f"versions {self.weight_versions} | executor ({self.lane_placement}): {self.lane_ticks} ticks, "
+            "makespan "
+            f"{self.lane_makespan:g}, bubble {self.lane_bubble_ratio:.3f}, peak in-flight "
+            f"{self.lane_peak_inflight}"
+        )
 
 
 def inflight_profile(s: Schedule, device: int) -> List[int]:
@@ -72,8 +80,10 @@ def split_backward(s: Schedule, b: float, w: Optional[float] = None) -> Tuple[fl
         return b, 0.0
     w = b / 2 if w is None else float(w)
     if not 0.0 <= w <= b:
-        raise ValueError(f"w={w:g} is the weight-gradient part of the whole backward b={b:g}: give 0 <= w <= b "
-                         f"(B, the input-gradient part, then runs b - w)")
+        raise ValueError(
+            f"w={w:g} is the weight-gradient part of the whole backward b={b:g}: give 0 <= w <= b "
+            f"(B, the input-gradient part, then runs b - w)"
+        )
     return b - w, w
 
 
@@ -93,23 +103,41 @@ def simulate(s: Schedule, f: float = 1.0, b: float = 2.0, w: Optional[float] = N
     grid = s.grid()
     lanes = s.lanes() if s.has_pairs() else [[None] * s.D for _ in grid]
     # a tick lasts as long as its slowest device; a device with a paired forward runs both in the tick
-    lock = sum(max((dur[a.kind] + (dur[F] if p is not None else 0.0) for a, p in zip(row, prow) if a is not None),
-                   default=0.0) for row, prow in zip(grid, lanes))
+    lock = sum(
+        max(
+            (dur[a.kind] + (dur[F] if p is not None else 0.0) for a, p in zip(row, prow) if a is not None),
+            default=0.0,
+        )
+        for row, prow in zip(grid, lanes)
+    )
     loc = placed["device"]
     messages = sum(1 for (k, st, m), d in loc.items() for dep in s.deps(Action(k, m, st)) if loc[dep] != d)
     from .lanes import plan
     from .lanes import fastest_placement
+
     placement = "ordered" if getattr(s, "fixed_ticks", None) is not None else fastest_placement(s)
     lp = plan(s, placement)
     lane_span = lp.lockstep_makespan(f, b, w)
     return SimReport(
-        schedule=s.name, num_devices=s.D, num_microbatches=s.M, f=float(f), b=whole, w=w,
-        makespan=makespan, bubble_ratio=1.0 - work / (s.D * makespan),
-        lockstep_makespan=lock, lockstep_bubble_ratio=1.0 - work / (s.D * lock),
+        schedule=s.name,
+        num_devices=s.D,
+        num_microbatches=s.M,
+        f=float(f),
+        b=whole,
+        w=w,
+        makespan=makespan,
+        bubble_ratio=1.0 - work / (s.D * makespan),
+        lockstep_makespan=lock,
+        lockstep_bubble_ratio=1.0 - work / (s.D * lock),
         num_ticks=len(grid),
         peak_inflight=[max(inflight_profile(s, d), default=0) for d in range(s.D)],
-        weight_versions=list(s.weight_versions), stash_capacity=s.plan("ordered").stash_capacity,
-        messages=messages, lane_makespan=lane_span, lane_bubble_ratio=1.0 - work / (s.D * lane_span),
-        lane_ticks=lp.num_ticks, lane_peak_inflight=lp.peak_inflight(), lane_stash_capacity=lp.stash_capacity,
-        lane_placement=placement)
-
+        weight_versions=list(s.weight_versions),
+        stash_capacity=s.plan("ordered").stash_capacity,
+        messages=messages,
+        lane_makespan=lane_span,
+        lane_bubble_ratio=1.0 - work / (s.D * lane_span),
+        lane_ticks=lp.num_ticks,
+        lane_peak_inflight=lp.peak_inflight(),
+        lane_stash_capacity=lp.stash_capacity,
+        lane_placement=placement,
+    )

@@ -5,18 +5,20 @@ papers the project started from.
 
 * ``zb_v`` -- ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, §6 / appendix "ZB-V"):
   the backward split into ``B`` (input gradient) and ``W`` (weight gradient); at most ``2D`` chunk activations
-  per device (``D`` whole stages: 1F1B's activation memory) and, with ``F = B = W``, no bubble in steady state:
-  the paper's bubble is ``(D - 1)(F + B - 2W)`` in whole-stage times.  Built by list scheduling in unit time
-  (the paper's own ZB-V heuristic is a search in the same spirit): a device runs a ready ``B`` first, else a
-  forward if its activation limit allows (chunk 1 first: it moves a micro-batch toward the loss), else a
-  pending ``W``.
+  per device (``D`` whole stages: 1F1B's activation memory) and, with ``F = B = W``, no bubble in steady
+  state: the paper's bubble is ``(D - 1)(F + B - 2W)`` in whole-stage times.  Built by list scheduling in unit
+  time (the paper's own ZB-V heuristic is a search in the same spirit): a device runs a ready ``B`` first,
+  else a forward if its activation limit allows (chunk 1 first: it moves a micro-batch toward the loss), else
+  a pending ``W``.
 * ``dualpipe_v`` -- DualPipeV (DeepSeek-AI, DualPipe's "cut-in-half" V form, github.com/deepseek-ai/DualPipe,
-  ``dualpipev.py``): the eight steps of its ``step()`` per rank, written as the action order: warm-up forwards,
-  zero-bubble backwards (``B`` now, ``W`` deferred) at the ends, and in the middle forward-and-backward pairs of
-  different micro-batches (``F0 B1 F1 B0``) whose backward is whole (``B`` and its ``W`` together).  The
-  executor's lane placement runs such a pair in one tick (its F lane and its B lane).  Published bubble
-  ``(PP/2 - 1)(F&B + B - 3W)``, activations ``PP + 1`` chunk sets at ``PP = 2D`` stages; needs ``M >= 2D``.
+  ``dualpipev.py``): the eight steps of its ``step()`` per rank, written as the action order: warm-up
+  forwards, zero-bubble backwards (``B`` now, ``W`` deferred) at the ends, and in the middle
+  forward-and-backward pairs of different micro-batches (``F0 B1 F1 B0``) whose backward is whole (``B`` and
+  its ``W`` together).  The executor's lane placement runs such a pair in one tick (its F lane and its B
+  lane).  Published bubble ``(PP/2 - 1)(F&B + B - 3W)``, activations ``PP + 1`` chunk sets at ``PP = 2D``
+  stages; needs ``M >= 2D``.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -33,8 +35,10 @@ def v_stage(d: int, chunk: int, D: int) -> int:
 
 def _check(name: str, D: int, M: int, w_from: str) -> None:
     if w_from not in W_FROM:
-        raise ScheduleError(f"{name}: w_from={w_from!r}; choose one of {W_FROM} (W from the per-layer output "
-                            f"gradients B keeps, or recomputed through the stage)")
+        raise ScheduleError(
+            f"{name}: w_from={w_from!r}; choose one of {W_FROM} (W from the per-layer output "
+            f"gradients B keeps, or recomputed through the stage)"
+        )
 
 
 def _finish(name: str, D: int, M: int, orders, w_from: str) -> Schedule:
@@ -50,15 +54,22 @@ def build_zb_v(num_stages: int, num_microbatches: int, w_from: str = "frontier",
     _check("zb_v", D, M, w_from)
     if costs is not None:
         from .zb_costed import build_costed
+
         S = 2 * D
-        s = build_costed(D, M, costs, name="zb_v", devices=[st if st < D else S - 1 - st for st in range(S)],
-                         chunk_of=[0 if st < D else 1 for st in range(S)])
+        s = build_costed(
+            D,
+            M,
+            costs,
+            name="zb_v",
+            devices=[st if st < D else S - 1 - st for st in range(S)],
+            chunk_of=[0 if st < D else 1 for st in range(S)],
+        )
         s.options = {"w_from": w_from, "costs": tuple(float(c) for c in costs)}
         return s
-    S, limit = 2 * D, 2 * D          # chunk activations held per device: D whole stages, as 1F1B's stage 0
-    done = {}                        # (kind, stage, mb) -> tick its result is usable on another device
+    S, limit = 2 * D, 2 * D  # chunk activations held per device: D whole stages, as 1F1B's stage 0
+    done = {}  # (kind, stage, mb) -> tick its result is usable on another device
     orders: List[List[Action]] = [[] for _ in range(D)]
-    nf = [[0, 0] for _ in range(D)]          # next forward micro-batch per (device, chunk)
+    nf = [[0, 0] for _ in range(D)]  # next forward micro-batch per (device, chunk)
     nb = [[0, 0] for _ in range(D)]
     pending = [deque() for _ in range(D)]
     held = [0] * D
@@ -67,7 +78,7 @@ def build_zb_v(num_stages: int, num_microbatches: int, w_from: str = "frontier",
     while sum(len(o) for o in orders) < total:
         for d in range(D):
             act = None
-            for c in (0, 1):                 # B first (critical path); chunk 0 finishes micro-batches
+            for c in (0, 1):  # B first (critical path); chunk 0 finishes micro-batches
                 m, st = nb[d][c], v_stage(d, c, D)
                 if m < nf[d][c]:
                     dep = (B, st + 1, m) if st < S - 1 else (F, st, m)
@@ -126,36 +137,36 @@ class _Rank:
 def dualpipe_v_order(d: int, D: int, M: int) -> List[Action]:
     """Rank ``d``'s actions: steps 1-8 of DualPipeV's ``step()`` (``dualpipev.py``)."""
     r = _Rank(d, D)
-    for _ in range(2 * (D - d - 1)):             # 1: nF0
+    for _ in range(2 * (D - d - 1)):  # 1: nF0
         r.f(0)
-    for _ in range(d + 1):                       # 2: nF0F1
+    for _ in range(d + 1):  # 2: nF0F1
         r.f(0)
         r.f(1)
-    for _ in range(D - d - 1):                   # 3: nB1W1F1 (zero bubble)
+    for _ in range(D - d - 1):  # 3: nB1W1F1 (zero bubble)
         r.b(1, zb=True)
         r.w()
         r.f(1)
-    for _ in range(M - 2 * D + d + 1):           # 4: nF0B1F1B0 (forward-backward pairs)
+    for _ in range(M - 2 * D + d + 1):  # 4: nF0B1F1B0 (forward-backward pairs)
         r.f(0)
         r.b(1)
         r.f(1)
         r.b(0)
-    for _ in range(D - d - 1):                   # 5: nB1F1B0
+    for _ in range(D - d - 1):  # 5: nB1F1B0
         r.b(1)
         r.f(1)
         r.b(0)
     zb = False
-    for i in range(d + 1):                       # 6: nB1B0 (the second half zero bubble)
+    for i in range(d + 1):  # 6: nB1B0 (the second half zero bubble)
         if i == (d + 1) // 2 and d % 2 == 1:
             zb = True
         r.b(1, zb)
         if i == (d + 1) // 2 and d % 2 == 0:
             zb = True
         r.b(0, zb)
-    for _ in range(D - d - 1):                   # 7: nWB0
+    for _ in range(D - d - 1):  # 7: nWB0
         r.w()
         r.b(0, zb=True)
-    for _ in range(d + 1):                       # 8: nW
+    for _ in range(d + 1):  # 8: nW
         r.w()
     if r.deferred:
         raise RuntimeError(f"dualpipe_v: rank {d} left {len(r.deferred)} weight gradients undone")
@@ -167,7 +178,9 @@ def build_dualpipe_v(num_stages: int, num_microbatches: int, w_from: str = "fron
     D, M = num_stages, num_microbatches
     _check("dualpipe_v", D, M, w_from)
     if M < 2 * D:
-        raise ScheduleError(f"dualpipe_v: {M} micro-batches for {D} devices; DualPipeV needs at least 2 x devices "
-                            f"= {2 * D} (its warm-up fills both chunks of every rank), e.g. num_microbatches="
-                            f"{2 * D}")
+        raise ScheduleError(
+            f"dualpipe_v: {M} micro-batches for {D} devices; DualPipeV needs at least 2 x devices "
+            f"= {2 * D} (its warm-up fills both chunks of every rank), e.g. num_microbatches="
+            f"{2 * D}"
+        )
     return _finish("dualpipe_v", D, M, [dualpipe_v_order(d, D, M) for d in range(D)], w_from)

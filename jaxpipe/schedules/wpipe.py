@@ -25,6 +25,7 @@ Valid for ``M >= D - 1`` (checked).  ``steady_state(D, M)`` reports the bubble, 
 weight versions measured on this timeline; ``build_wpipe`` gives one batch's actions (fill and drain
 included) for drawing.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,7 +39,8 @@ def check(D: int, M: int):
         raise ScheduleError(
             f"wpipe needs num_microbatches >= num_stages - 1 (got M={M}, D={D}): each group's run of M units "
             f"must cover the pipeline's depth so that G1's batches never overlap on a device (its one weight "
-            f"version) and G0 keeps two (WPipe §3.2, M >= N); use num_microbatches={max(D - 1, 1)} or more")
+            f"version) and G0 keeps two (WPipe §3.2, M >= N); use num_microbatches={max(D - 1, 1)} or more"
+        )
 
 
 def unit(s: int, M: int) -> Tuple[int, int, int]:
@@ -70,43 +72,69 @@ def stream(D: int, M: int):
     2M units) G0's ``(F of batch q, B of batch q - 1, micro-batch u)`` for ``u < M`` and G1's ``(F and B of
     batch q, micro-batch u - M)`` after them."""
     from .periodic import Periodic
+
     check(D, M)
     units = tuple((0, 0, -1, j) for j in range(M)) + tuple((1, 0, 0, j) for j in range(M))
-    return Periodic("wpipe", D, 2, {F: tuple(range(D)), B: tuple(2 * D - 1 - d for d in range(D))},
-                    chunks=2, units=units).validate()
+    return Periodic(
+        "wpipe", D, 2, {F: tuple(range(D)), B: tuple(2 * D - 1 - d for d in range(D))}, chunks=2, units=units
+    ).validate()
 
 
 @dataclasses.dataclass
 class WPipeSteadyState:
     D: int
     M: int
-    period: int                 # ticks per batch (4M: each device runs 4M ops per batch)
-    bubble: float               # idle fraction of the steady-state ticks
-    g0_inflight: List[int]      # per device: most G0 partitions' activations held at once (micro-batches)
-    g1_inflight: List[int]      # per device: same for G1
-    activations_units: float    # the sum over devices of (G0 + G1) peaks, in S_a / (2D) units
-    table1_units: float         # the paper's (4M - N + 1)/4 S_a in the same units: D (4M - D + 1) / 2
-    weight_buffer_partitions: int   # G0's two versions on every device (S_m in Table 1's accounting)
-    boundary_wait: int          # ticks the G0 -> G1 activation and the G1 -> G0 gradient wait
+    period: int  # ticks per batch (4M: each device runs 4M ops per batch)
+    bubble: float  # idle fraction of the steady-state ticks
+    g0_inflight: List[int]  # per device: most G0 partitions' activations held at once (micro-batches)
+    g1_inflight: List[int]  # per device: same for G1
+    activations_units: float  # the sum over devices of (G0 + G1) peaks, in S_a / (2D) units
+    table1_units: float  # the paper's (4M - N + 1)/4 S_a in the same units: D (4M - D + 1) / 2
+    weight_buffer_partitions: int  # G0's two versions on every device (S_m in Table 1's accounting)
+    boundary_wait: int  # ticks the G0 -> G1 activation and the G1 -> G0 gradient wait
 
     def table1(self) -> List[Tuple[str, str, str]]:
         """(quantity, WPipe's Table 1 / §3.2-3.3, this timeline) -- and why they differ where they do."""
         D, M = self.D, self.M
         return [
-            ("condition", "M >= N (N = D stages)",
-             "M >= D - 1: each group's run of M units sits M + 1 units from the other group's, which already "
-             "separates G1's batches and keeps G0 at two versions when M = D - 1 (replayed: 0 version errors)"),
-            ("bubble", "0", f"{self.bubble:g} in the steady state (unit ticks; fill and drain only at start/end)"),
-            ("weight buffers", "S_m (G0's second version)", f"{self.weight_buffer_partitions} partitions = G0's "
-             f"2 x D partitions: S_m as Table 1 counts it"),
-            ("G0 in flight on stage d", f"M = {M}",
-             f"min(M + D - d, 2M) = {self.g0_inflight}: a G0 activation lives a whole period plus the V unit's "
-             f"skew (its forward moved one period ahead of its backward, then D - d ticks of the pipe)"),
-            ("G1 in flight on stage d", f"M - d = {[M - d for d in range(D)]}",
-             f"min(D - d, M) = {self.g1_inflight}: G1 runs 1F1B-like units, the paper's Figure 5 keeps G1's "
-             f"forwards of a batch before its backwards"),
-            ("activations, sum over stages", f"(4M - N + 1)/4 S_a = {self.table1_units:g} units of S_a / 2N",
-             f"{self.activations_units:g} units: smaller when M > D + 1, larger below"),
+            (
+                "condition",
+                "M >= N (N = D stages)",
+                "M >= D - 1: each group's run of M units sits M + 1 units from the other group's, which "
+                "already "
+                "separates G1's batches and keeps G0 at two versions when M = D - 1 (replayed: 0 version "
+                "errors)",
+            ),
+            (
+                "bubble",
+                "0",
+                f"{self.bubble:g} in the steady state (unit ticks; fill and drain only at start/end)",
+            ),
+            (
+                "weight buffers",
+                "S_m (G0's second version)",
+                f"{self.weight_buffer_partitions} partitions = G0's "
+                f"2 x D partitions: S_m as Table 1 counts it",
+            ),
+            (
+                "G0 in flight on stage d",
+                f"M = {M}",
+                f"min(M + D - d, 2M) = {self.g0_inflight}: a G0 activation lives a whole period plus the V "
+                "unit's "
+                f"skew (its forward moved one period ahead of its backward, then D - d ticks of the pipe)",
+            ),
+            (
+                "G1 in flight on stage d",
+                f"M - d = {[M - d for d in range(D)]}",
+                f"min(D - d, M) = {self.g1_inflight}: G1 runs 1F1B-like units, the paper's Figure 5 keeps "
+                "G1's "
+                f"forwards of a batch before its backwards",
+            ),
+            (
+                "activations, sum over stages",
+                f"(4M - N + 1)/4 S_a = {self.table1_units:g} units of S_a / 2N",
+                f"{self.activations_units:g} units: smaller when M > D + 1, larger below",
+            ),
         ]
 
 
@@ -135,16 +163,27 @@ def steady_state(D: int, M: int, periods: int = 6) -> WPipeSteadyState:
                 held[(d, g)].discard((p, j))
     g0 = [peak[(d, 0)] for d in range(D)]
     g1 = [peak[(d, 1)] for d in range(D)]
-    return WPipeSteadyState(D, M, T, idle / (D * (last - first)), g0, g1, float(sum(g0) + sum(g1)),
-                            D * (4 * M - D + 1) / 2, 2 * D, 2 * M - D)
+    return WPipeSteadyState(
+        D,
+        M,
+        T,
+        idle / (D * (last - first)),
+        g0,
+        g1,
+        float(sum(g0) + sum(g1)),
+        D * (4 * M - D + 1) / 2,
+        2 * D,
+        2 * M - D,
+    )
 
 
 def build_wpipe(num_stages: int, num_microbatches: int, batches: int = 2) -> Schedule:
     """Per-device actions of ``batches`` consecutive batches through the stream, fill and drain included
-    (micro-batch index ``p M + j``; stage ``d`` is G0's partition on device d, ``D + d`` G1's), at the ticks the
-    executor runs them: the expansion of :func:`stream` (replayed against :func:`op_at` in the tests)."""
-    s = stream(num_stages, num_microbatches).expand(num_microbatches, weight_versions=[3] * num_stages,
-                                                    batches=batches)
+    (micro-batch index ``p M + j``; stage ``d`` is G0's partition on device d, ``D + d`` G1's), at the ticks
+    the executor runs them: the expansion of :func:`stream` (replayed against :func:`op_at` in the tests)."""
+    s = stream(num_stages, num_microbatches).expand(
+        num_microbatches, weight_versions=[3] * num_stages, batches=batches
+    )
     s.options = {"batches": batches}
     return s
 

@@ -1,5 +1,5 @@
-"""ZB-H1 and ZB-V placed for measured op costs (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, §3: the
-paper's own schedules are built from profiled F, B and W times; issue #49).
+"""ZB-H1 and ZB-V placed for measured op costs (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, §3:
+the paper's own schedules are built from profiled F, B and W times; issue #49).
 
 The unit-time ZB-H1 order (:mod:`.zero_bubble`) assumes f = b = w.  Run in lockstep -- a tick lasts as long
 as its slowest device's action, and ends in one exchange -- it loses where W costs more than F: on the
@@ -23,6 +23,7 @@ The search keeps the ``width`` cheapest partial plans per tick (by cost so far p
 remaining work), so it is exact for small D and M and a good plan beyond; the schedule carries its ticks
 (``fixed_ticks``), which the executor's ordered placement runs as they are.
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Sequence, Tuple
@@ -30,7 +31,8 @@ from typing import Dict, List, Sequence, Tuple
 from .ir import Action, B, F, W, Schedule, ScheduleError
 from .lanes import check_costs
 
-#: partial plans kept per tick, by device count (found the exhaustive optimum at D = 2, M <= 8, and 27 units at
+#: partial plans kept per tick, by device count (found the exhaustive optimum at D = 2, M <= 8, and 27 units
+#: at
 #: D = 4, M = 8, unit costs -- the paper's (D - 1)(f + b - w) bubble -- in about two seconds)
 WIDTH = {1: 400, 2: 400, 3: 300, 4: 150}
 #: the same for two chunks a device (a V: 7 moves a device a tick; the optimum of width 200 at D = 2, M <= 16)
@@ -88,7 +90,9 @@ def _group_step(moves, state, grp, on_dev, S: int):
         kind, s = m
         if _LANE[kind] <= lanes[d]:
             return False
-        sends = (kind == F and s < S - 1 and on_dev[s + 1] != d) or (kind == B and s > 0 and on_dev[s - 1] != d)
+        sends = (kind == F and s < S - 1 and on_dev[s + 1] != d) or (
+            kind == B and s > 0 and on_dev[s - 1] != d
+        )
         if sends and sent[d]:
             return False
         nf, nb, _ = state[s]
@@ -110,13 +114,23 @@ def _grouped(moves, grp, on_dev, S: int):
         if m is not None:
             kind, s = m
             lanes[d] = _LANE[kind]
-            sent[d] = sent[d] or (kind == F and s < S - 1 and on_dev[s + 1] != d) or \
-                (kind == B and s > 0 and on_dev[s - 1] != d)
+            sent[d] = (
+                sent[d]
+                or (kind == F and s < S - 1 and on_dev[s + 1] != d)
+                or (kind == B and s > 0 and on_dev[s - 1] != d)
+            )
     return mark, tuple(lanes), tuple(sent)
 
 
-def search(D: int, M: int, costs: Sequence[float], width: int = 0, devices: Sequence[int] = (),
-           cap: int = 0, exchange: float = 0.0) -> Tuple[float, List[tuple]]:
+def search(
+    D: int,
+    M: int,
+    costs: Sequence[float],
+    width: int = 0,
+    devices: Sequence[int] = (),
+    cap: int = 0,
+    exchange: float = 0.0,
+) -> Tuple[float, List[tuple]]:
     """``(predicted step, per-tick moves)`` of the cheapest lockstep plan the search finds (module docstring).
     ``devices``: the device of each model stage (default: stage d on device d); ``cap``: stage activations a
     device may hold between a forward and its W (default: D whole stages).  Consecutive ticks run as one
@@ -131,7 +145,9 @@ def search(D: int, M: int, costs: Sequence[float], width: int = 0, devices: Sequ
     price = {F: f, B: b, W: w}
     start = tuple((0, 0, 0) for _ in range(S))
     goal = tuple((M, M, M) for _ in range(S))
-    left = lambda st: max(sum((M - st[s][0]) * f + (M - st[s][1]) * b + (M - st[s][2]) * w for s in ss) for ss in on)
+    left = lambda st: max(
+        sum((M - st[s][0]) * f + (M - st[s][1]) * b + (M - st[s][2]) * w for s in ss) for ss in on
+    )
     empty = lambda st: (st, (-1,) * D, (False,) * D)
     # key (counts, the open tick's state, its devices' work so far) -> (cost of the closed ticks, path)
     beam: Dict[tuple, Tuple[float, list]] = {(start, empty(start), (0.0,) * D): (0.0, [])}
@@ -145,14 +161,14 @@ def search(D: int, M: int, costs: Sequence[float], width: int = 0, devices: Sequ
                 add = [price[m[0]] if m is not None else 0.0 for m in moves]
                 if _group_step(moves, st, grp, devices, S):
                     c, g, a = closed, grp, tuple(x + y for x, y in zip(acc, add))
-                else:                           # the open tick ends in an exchange; the moves open the next
+                else:  # the open tick ends in an exchange; the moves open the next
                     c, g, a = closed + max(acc) + exchange, empty(st), tuple(add)
                 key = (_advance(st, moves), _grouped(moves, g, devices, S), a)
                 if key not in nxt or c < nxt[key][0]:
                     nxt[key] = (c, path + [moves])
         ranked = sorted(nxt.items(), key=lambda kv: (kv[1][0] + max(kv[0][2]) + left(kv[0][0]), kv[1][0]))
         beam, per = {}, {}
-        for key, val in ranked:            # at most PER_COUNTS open ticks a state of the counts: a diverse beam
+        for key, val in ranked:  # at most PER_COUNTS open ticks a state of the counts: a diverse beam
             if per.get(key[0], 0) < PER_COUNTS:
                 per[key[0]] = per.get(key[0], 0) + 1
                 beam[key] = val
@@ -161,16 +177,25 @@ def search(D: int, M: int, costs: Sequence[float], width: int = 0, devices: Sequ
     raise ScheduleError(f"the cost-aware search found no complete plan for D = {D}, M = {M}")
 
 
-def build_costed(num_stages: int, num_microbatches: int, costs: Sequence[float], width: int = 0,
-                 name: str = "zb_h1", devices: Sequence[int] = (), chunk_of: Sequence[int] = ()) -> Schedule:
+def build_costed(
+    num_stages: int,
+    num_microbatches: int,
+    costs: Sequence[float],
+    width: int = 0,
+    name: str = "zb_h1",
+    devices: Sequence[int] = (),
+    chunk_of: Sequence[int] = (),
+) -> Schedule:
     """``name``'s actions with ticks chosen for ``costs`` = (f, b, w) of one model stage (module docstring).
     ``devices`` / ``chunk_of``: each model stage's device and chunk there (default: one stage a device)."""
     D, M = num_stages, num_microbatches
     S = len(devices) or D
     if D > (4 if S == D else 3) or M > 32:
-        raise ScheduleError(f"{name}: costs= plans D = {D}, M = {M} by a search over every device's move per "
-                            f"tick; it serves D <= {4 if S == D else 3} and M <= 32 -- leave costs out for the "
-                            f"unit-time order")
+        raise ScheduleError(
+            f"{name}: costs= plans D = {D}, M = {M} by a search over every device's move per "
+            f"tick; it serves D <= {4 if S == D else 3} and M <= 32 -- leave costs out for the "
+            f"unit-time order"
+        )
     vals = check_costs(costs, f"{name}: costs")
     _, path = search(D, M, vals[:3], width, devices, exchange=vals[3] if len(vals) == 4 else 0.0)
     devices, chunk_of = list(devices) or list(range(D)), list(chunk_of) or [0] * D

@@ -8,6 +8,7 @@ fills the bubbles with deferred W's.  The order is built by list scheduling in u
 ready B first, else a forward if its in-flight limit allows, else a pending W.  With ``f = b = w`` the
 bubble is about a third of 1F1B's: (D-1)(f+b-w) against (D-1)(f+b+w).
 """
+
 from __future__ import annotations
 
 from typing import List, Optional
@@ -18,21 +19,30 @@ from .ir import Action, B, F, W, Schedule, ScheduleError
 W_FROM = ("frontier", "recompute")
 
 
-def build_zb_h1(num_stages: int, num_microbatches: int, max_deferred_w: Optional[int] = None,
-                w_from: str = "frontier", costs=None) -> Schedule:
+def build_zb_h1(
+    num_stages: int,
+    num_microbatches: int,
+    max_deferred_w: Optional[int] = None,
+    w_from: str = "frontier",
+    costs=None,
+) -> Schedule:
     """The ZB-H1 order (``max_deferred_w`` below) with ``options["w_from"]``: how the executor computes W --
     ``"frontier"`` (default; the paper's form) from the per-layer output gradients B keeps for it
     (:mod:`jaxpipe.runtime.wsplit`), ``"recompute"`` by back-propagating through the stage again (no
     memory beside the residual stash).  ``costs=(f, b, w)``: measured op costs; the ticks are then chosen for
     them (:mod:`.zb_costed`, at the same memory) instead of the unit-time order."""
     if w_from not in W_FROM:
-        raise ScheduleError(f"zb_h1: w_from={w_from!r}; choose one of {W_FROM} (W from the per-layer output "
-                            f"gradients B keeps, or recomputed through the stage)")
+        raise ScheduleError(
+            f"zb_h1: w_from={w_from!r}; choose one of {W_FROM} (W from the per-layer output "
+            f"gradients B keeps, or recomputed through the stage)"
+        )
     if costs is not None:
         if max_deferred_w is not None:
-            raise ScheduleError("zb_h1: costs= chooses the ticks itself at 1F1B's memory; give it or "
-                                "max_deferred_w, not both")
+            raise ScheduleError(
+                "zb_h1: costs= chooses the ticks itself at 1F1B's memory; give it or max_deferred_w, not both"
+            )
         from .zb_costed import build_costed
+
         s = build_costed(num_stages, num_microbatches, costs)
         s.options = {**s.options, "w_from": w_from, "costs": tuple(float(c) for c in costs)}
         return s
@@ -53,7 +63,7 @@ def _build(num_stages: int, num_microbatches: int, max_deferred_w: Optional[int]
     D, M = num_stages, num_microbatches
     if max_deferred_w is not None:
         return _deferred(D, M, int(max_deferred_w))
-    done = {}                     # (kind, stage, mb) -> tick finished (unit time, message arrives next tick)
+    done = {}  # (kind, stage, mb) -> tick finished (unit time, message arrives next tick)
     orders: List[List[Action]] = [[] for _ in range(D)]
     nf, nb, pending_w = [0] * D, [0] * D, [[] for _ in range(D)]
     held = [0] * D
@@ -98,19 +108,19 @@ def _deferred(D: int, M: int, cap: int) -> Schedule:
         for d in range(D):
             ready = lambda key: key in done and done[key] <= t
             act = None
-            if nb[d] < nf[d]:                                   # B first: it is on the critical path
+            if nb[d] < nf[d]:  # B first: it is on the critical path
                 m = nb[d]
                 dep = (B, d + 1, m) if d < D - 1 else (F, d, m)
                 if ready(dep) and ready((F, d, m)):
                     act = Action(B, m, d)
                     nb[d] += 1
                     pending[d].append(m)
-            if act is None and len(pending[d]) > cap:           # too many W's deferred
+            if act is None and len(pending[d]) > cap:  # too many W's deferred
                 act = Action(W, pending[d].pop(0), d)
             if act is None and nf[d] < M and nf[d] - nb[d] < D - d and (d == 0 or ready((F, d - 1, nf[d]))):
                 act = Action(F, nf[d], d)
                 nf[d] += 1
-            if act is None and pending[d]:                      # fill the bubble with a deferred W
+            if act is None and pending[d]:  # fill the bubble with a deferred W
                 act = Action(W, pending[d].pop(0), d)
             if act is not None:
                 orders[d].append(act)

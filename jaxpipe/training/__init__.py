@@ -2,10 +2,17 @@
 resume, preemption and stop signals, non-finite losses, evaluation, progress, metrics and TensorBoard),
 the stop protocol (:mod:`.stopping`) and resumable batch streams (:mod:`.streams`).  Importing this package
 does not import JAX; the loop does when it runs."""
+
 import importlib
 
-_LAZY = {"train": "loop", "Trainer": "loop", "TrainOptions": "loop", "TrainResult": "loop",
-         "NonFiniteLoss": "loop", "STOPPED_EXIT": "loop"}
+_LAZY = {
+    "train": "loop",
+    "Trainer": "loop",
+    "TrainOptions": "loop",
+    "TrainResult": "loop",
+    "NonFiniteLoss": "loop",
+    "STOPPED_EXIT": "loop",
+}
 
 __all__ = sorted(_LAZY)
 

@@ -14,6 +14,7 @@ What a long job needs besides ``pipe.step``, for a :class:`~jaxpipe.Pipeline` of
 * progress (a bar on a terminal, a line every ``progress_every`` steps otherwise), ``metrics.jsonl``,
   TensorBoard event files, and ``summary.json`` in ``out_dir``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,7 +31,8 @@ from jaxpipe.training.stopping import Stop, guard_streams
 
 #: the exit status of a job stopped by a signal (what a preempted process is expected to return)
 STOPPED_EXIT = 143
-#: seconds a checkpoint write in flight gets to finish when the run ends on an error (then it is abandoned, the
+#: seconds a checkpoint write in flight gets to finish when the run ends on an error (then it is abandoned,
+#: the
 #: lock released and the error raised; the newest finished checkpoint stays readable)
 CLOSE_ON_ERROR_S = 120.0
 
@@ -47,46 +49,63 @@ class NonFiniteLoss(RuntimeError):
 @dataclasses.dataclass
 class TrainOptions:
     """The loop's settings (the keyword arguments of :func:`train` and :class:`Trainer`)."""
+
     steps: int
     out_dir: str = "runs/train"
-    eval_every: int = 50                 # 0: evaluate only after the last step
+    eval_every: int = 50  # 0: evaluate only after the last step
     checkpoint_dir: Optional[str] = None
-    checkpoint_every: int = 0            # 0: only at the end (and at a stop)
+    checkpoint_every: int = 0  # 0: only at the end (and at a stop)
     checkpoint_keep: int = 3
-    on_nonfinite: str = "stop"           # "stop" | "skip"
+    on_nonfinite: str = "stop"  # "stop" | "skip"
     progress: bool = True
-    progress_every: int = 0              # lines when not on a terminal; 0: a tenth of the run
-    tensorboard: str = "auto"            # "auto" | "true" | "false"
-    stop_grace_s: float = 60.0           # after a second signal, the stop-save's time before the process exits
-    learning_rate: Optional[Callable[[int], Any]] = None   # an optax schedule: logged as "lr"
-    units: str = "examples"              # what the throughput counts ...
-    units_per_step: Optional[float] = None   # ... per step (default: the rows of a batch)
-    exit_on_stop: bool = True            # a stop ends the process with status 143 once saved (False: returns)
-    describe: Dict[str, Any] = dataclasses.field(default_factory=dict)   # first entries of the summary
+    progress_every: int = 0  # lines when not on a terminal; 0: a tenth of the run
+    tensorboard: str = "auto"  # "auto" | "true" | "false"
+    stop_grace_s: float = 60.0  # after a second signal, the stop-save's time before the process exits
+    learning_rate: Optional[Callable[[int], Any]] = None  # an optax schedule: logged as "lr"
+    units: str = "examples"  # what the throughput counts ...
+    units_per_step: Optional[float] = None  # ... per step (default: the rows of a batch)
+    exit_on_stop: bool = True  # a stop ends the process with status 143 once saved (False: returns)
+    describe: Dict[str, Any] = dataclasses.field(default_factory=dict)  # first entries of the summary
 
     def check(self) -> None:
         """Every option's type and range, each a ConfigError naming the option, before anything runs."""
         from jaxpipe.validate import is_int
+
         for name, choices in (("on_nonfinite", ("stop", "skip")), ("tensorboard", ("auto", "true", "false"))):
             if getattr(self, name) not in choices:
-                raise ConfigError(f"{name}={getattr(self, name)!r}: choose one of {', '.join(map(repr, choices))}")
-        for name, low in (("steps", 0), ("eval_every", 0), ("checkpoint_every", 0), ("checkpoint_keep", 1),
-                          ("progress_every", 0)):
+                raise ConfigError(
+                    f"{name}={getattr(self, name)!r}: choose one of {', '.join(map(repr, choices))}"
+                )
+        for name, low in (
+            ("steps", 0),
+            ("eval_every", 0),
+            ("checkpoint_every", 0),
+            ("checkpoint_keep", 1),
+            ("progress_every", 0),
+        ):
             value = getattr(self, name)
             if not is_int(value):
-                raise ConfigError(f"{name}={value!r}: give a whole number (an int, e.g. {name}={max(low, 1)})")
+                raise ConfigError(
+                    f"{name}={value!r}: give a whole number (an int, e.g. {name}={max(low, 1)})"
+                )
             if value < low:
                 raise ConfigError(f"{name}={value}: must be at least {low}")
         per = self.units_per_step
         if per is not None and (isinstance(per, bool) or not isinstance(per, (int, float)) or not per > 0):
-            raise ConfigError(f"units_per_step={per!r}: give a positive number (what one step processes), or None "
-                              f"for the batch's rows")
+            raise ConfigError(
+                f"units_per_step={per!r}: give a positive number (what one step processes), or None "
+                f"for the batch's rows"
+            )
         if self.learning_rate is not None and not callable(self.learning_rate):
-            raise ConfigError(f"learning_rate={self.learning_rate!r}: give the optax schedule the optimizer uses "
-                              f"(a function of the step), or None")
+            raise ConfigError(
+                f"learning_rate={self.learning_rate!r}: give the optax schedule the optimizer uses "
+                f"(a function of the step), or None"
+            )
         if not isinstance(self.units, str) or not isinstance(self.describe, dict):
-            raise ConfigError(f"units={self.units!r} / describe={type(self.describe).__name__}: give a name (str) "
-                              f"and a dict")
+            raise ConfigError(
+                f"units={self.units!r} / describe={type(self.describe).__name__}: give a name (str) "
+                f"and a dict"
+            )
         grace = self.stop_grace_s
         if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace < float("inf"):
             raise ConfigError(f"stop_grace_s={grace!r}: give seconds >= 0")
@@ -100,88 +119,127 @@ class TrainOptions:
 
 
 def check_directory(path: str, what: str) -> None:
-    """A ConfigError where ``path`` cannot be a directory this run writes to: a file, or a path under a file."""
+    """A ConfigError where ``path`` cannot be a directory this run writes to: a file, or a path under a
+    file."""
     if os.path.exists(path) and not os.path.isdir(path):
-        raise ConfigError(f"{what}={path}: a file is there, not a directory; give a directory path (it is created "
-                          f"if missing)")
+        raise ConfigError(
+            f"{what}={path}: a file is there, not a directory; give a directory path (it is created "
+            f"if missing)"
+        )
     from jaxpipe.validate import file_in_the_way
+
     blocker = file_in_the_way(path)
     if blocker:
-        raise ConfigError(f"{what}={path}: {blocker} is a file, so no directory can be made under it; give another "
-                          f"path")
+        raise ConfigError(
+            f"{what}={path}: {blocker} is a file, so no directory can be made under it; give another path"
+        )
 
 
 @dataclasses.dataclass
 class TrainResult:
-    state: Any                           # the final PipelineState (drained: nothing in flight)
-    step: int                            # the last step taken (or the checkpoint's, if there was nothing to do)
-    summary: Optional[dict]              # None when there was nothing to do
-    stopped: Optional[str] = None        # the stop's cause (a signal's name, ...) when stopped before `steps`
+    state: Any  # the final PipelineState (drained: nothing in flight)
+    step: int  # the last step taken (or the checkpoint's, if there was nothing to do)
+    summary: Optional[dict]  # None when there was nothing to do
+    stopped: Optional[str] = None  # the stop's cause (a signal's name, ...) when stopped before `steps`
 
 
-def train(pipe, batches, *, eval_batches: Sequence[Any] = (), evaluate: Optional[Callable] = None,
-          hooks: Sequence[Callable] = (), state=None, **options) -> TrainResult:
+def train(
+    pipe,
+    batches,
+    *,
+    eval_batches: Sequence[Any] = (),
+    evaluate: Optional[Callable] = None,
+    hooks: Sequence[Callable] = (),
+    state=None,
+    **options,
+) -> TrainResult:
     """Train ``pipe`` on ``batches`` for ``steps`` steps (:class:`TrainOptions` lists the other options).
 
     ``batches``: an iterator of batches, or -- for checkpoints -- a stream with ``state_dict()`` /
     ``load_state_dict()`` or a function of no arguments that starts the stream.  ``evaluate(params, batch)``:
     extra measures (``{"eval_acc": ...}``) beside the model's loss on ``eval_batches``.  ``hooks``: functions
     ``hook(trainer, step)`` called after every step (``trainer.request_stop(reason)`` stops the run there)."""
-    return Trainer(pipe, batches, eval_batches=eval_batches, evaluate=evaluate, hooks=hooks, **options).run(state)
+    return Trainer(pipe, batches, eval_batches=eval_batches, evaluate=evaluate, hooks=hooks, **options).run(
+        state
+    )
 
 
 class Trainer:
     """The loop of :func:`train`, for callers that want ``request_stop`` or the pieces (module docstring)."""
 
-    def __init__(self, pipe, batches, *, eval_batches: Sequence[Any] = (), evaluate: Optional[Callable] = None,
-                 hooks: Sequence[Callable] = (), **options):
+    def __init__(
+        self,
+        pipe,
+        batches,
+        *,
+        eval_batches: Sequence[Any] = (),
+        evaluate: Optional[Callable] = None,
+        hooks: Sequence[Callable] = (),
+        **options,
+    ):
         fields = {f.name for f in dataclasses.fields(TrainOptions)}
         unknown = sorted(set(options) - fields)
         if unknown or "steps" not in options:
-            raise ConfigError(f"Trainer options: {'unknown ' + ', '.join(unknown) if unknown else 'steps= is needed'}"
-                              f"; the options are {', '.join(sorted(fields))}")
+            raise ConfigError(
+                f"Trainer options: {'unknown ' + ', '.join(unknown) if unknown else 'steps= is needed'}"
+                f"; the options are {', '.join(sorted(fields))}"
+            )
         self.opts = TrainOptions(**options)
         self.opts.check()
         if self.opts.on_nonfinite == "skip" and not pipe.skip_nonfinite:
-            raise ConfigError("on_nonfinite='skip' needs Pipeline(..., skip_nonfinite=True) (a synchronous "
-                              "schedule) so that a non-finite update is refused on the device; or use 'stop'")
+            raise ConfigError(
+                "on_nonfinite='skip' needs Pipeline(..., skip_nonfinite=True) (a synchronous "
+                "schedule) so that a non-finite update is refused on the device; or use 'stop'"
+            )
         self.pipe = pipe
         self.batches = streams.resumable(batches) if self.opts.checkpoint_dir else streams.stream(batches)
-        self.eval_batches, self.evaluate_fn, self.hooks = _listed("eval_batches", eval_batches), evaluate, \
-            _listed("hooks", hooks)
+        self.eval_batches, self.evaluate_fn, self.hooks = (
+            _listed("eval_batches", eval_batches),
+            evaluate,
+            _listed("hooks", hooks),
+        )
         for name, f in [("evaluate", evaluate)] + [(f"hooks[{i}]", h) for i, h in enumerate(self.hooks)]:
             if f is not None and not callable(f):
-                raise ConfigError(f"{name}={f!r}: give a function ({'evaluate(params, batch) -> dict' if name == 'evaluate' else 'hook(trainer, step)'})")
+                raise ConfigError(
+                    f"{name}={f!r}: give a function "
+                    f"({'evaluate(params, batch) -> dict' if name == 'evaluate' else 'hook(trainer, step)'})"
+                )
         self.ckpt, self.stop, self._eval_loss, self._lrs = None, None, None, None
 
     # ------------------------------------------------------------------ the run
     def run(self, state=None) -> TrainResult:
         import jax
+
         o = self.opts
         self.primary = jax.process_index() == 0
         os.makedirs(o.out_dir, exist_ok=True)
         state = self.pipe.init() if state is None else state
         try:
             state, start = self._restore(state)
-        except BaseException:         # a refused resume: the directory's lock goes with the error
+        except BaseException:  # a refused resume: the directory's lock goes with the error
             self._close_checkpointer_after_error()
             raise
         self.log = MetricsLog(o.out_dir, start, self.primary)
-        self.board = TensorBoard(os.path.join(o.out_dir, "tensorboard"), o.tensorboard if self.primary else "false")
+        self.board = TensorBoard(
+            os.path.join(o.out_dir, "tensorboard"), o.tensorboard if self.primary else "false"
+        )
         # a launcher that dies takes our output's reader with it: writes must not raise, and what this process
         # says after that (its stop, its save, or why neither happened) goes to a file in out_dir
         guard_streams(os.path.join(o.out_dir, f"process{jax.process_index()}.orphaned.log"))
         self.stop = Stop(o.stop_grace_s, last_checkpoint=self._finished_checkpoint)
         self.stop.exits = o.exit_on_stop
         self.stop.install()
-        self.stop.watch_launcher(int(os.environ.get("JAXPIPE_LAUNCHER_PID", "0") or 0),
-                                 float(os.environ.get("JAXPIPE_STOP_TIMEOUT", "120")))
+        self.stop.watch_launcher(
+            int(os.environ.get("JAXPIPE_LAUNCHER_PID", "0") or 0),
+            float(os.environ.get("JAXPIPE_STOP_TIMEOUT", "120")),
+        )
         exiting = False
         try:
             result = self._loop(state, start)
             exiting = result.stopped is not None and o.exit_on_stop
         except BaseException:
-            # the write in flight gets a bounded time to finish (a directory made read-only stalled an unbounded
+            # the write in flight gets a bounded time to finish (a directory made read-only stalled an
+            # unbounded
             # close for minutes), the lock is released, and the error goes to the caller
             self._close_checkpointer_after_error()
             self._close(restore_signals=True)
@@ -199,11 +257,13 @@ class Trainer:
             return
         import jax
         from jaxpipe.checkpoint import CheckpointWriteError
+
         ckpt, self.ckpt = self.ckpt, None
         if isinstance(sys.exc_info()[1], CheckpointWriteError):
             ckpt.abandon()
             return
-        # several processes: a write finishes only with every process's shards, and a failed peer sends none --
+        # several processes: a write finishes only with every process's shards, and a failed peer sends none
+        # --
         # a short bound, so the failure reaches the launcher at once
         note = ckpt.close_within(CLOSE_ON_ERROR_S if jax.process_count() == 1 else 10.0)
         if note:
@@ -225,21 +285,26 @@ class Trainer:
         from jaxpipe.checkpoint import Checkpointer
         import jax
         import numpy as np
+
         # one writer per directory: a second run fails here, not later
-        self.ckpt = Checkpointer(o.checkpoint_dir, self.pipe, keep=o.checkpoint_keep, every=o.checkpoint_every,
-                                 writer=True)
+        self.ckpt = Checkpointer(
+            o.checkpoint_dir, self.pipe, keep=o.checkpoint_keep, every=o.checkpoint_every, writer=True
+        )
         if self.ckpt.latest_step() is None:
             return state, 0
         example = jax.tree.map(np.zeros_like, streams.peek(self.batches))
         state, extra, start = self.ckpt.restore_latest(self.pipe.prepare(state, example), report=self.say)
         if start:
             self.batches.load_state_dict(extra["data"])
-            self.say(f"resumed from {o.checkpoint_dir} at step {start} (data position "
-                     f"{getattr(self.batches, 'position', '?')})")
+            self.say(
+                f"resumed from {o.checkpoint_dir} at step {start} (data position "
+                f"{getattr(self.batches, 'position', '?')})"
+            )
         return state, start
 
     def _finished_checkpoint(self) -> Optional[int]:
-        """The newest finished checkpoint, read from the directory (Orbax renames a step's folder when done)."""
+        """The newest finished checkpoint, read from the directory (Orbax renames a step's folder when
+        done)."""
         d = self.opts.checkpoint_dir
         if self.ckpt is None or not d or not os.path.isdir(d):
             return None
@@ -260,18 +325,29 @@ class Trainer:
 
     def _loop(self, state, start: int) -> TrainResult:
         import numpy as np
+
         o = self.opts
         progress = _Progress(o, start, self.primary)
-        t_start, t_first, first_loss, loss, skipped, done = time.perf_counter(), None, None, float("nan"), 0, start
+        t_start, t_first, first_loss, loss, skipped, done = (
+            time.perf_counter(),
+            None,
+            None,
+            float("nan"),
+            0,
+            start,
+        )
         last_eval: Dict[str, float] = {}
         for i in progress.steps():
             try:
                 batch = next(self.batches)
             except StopIteration:
                 raise ConfigError(
-                    f"the batches ran out before step {i + 1} of steps={o.steps} (after {i - start} batch(es) this "
-                    f"run{f', resumed at step {start}' if start else ''}): give a stream of at least {o.steps} "
-                    f"batches, a repeating one (itertools.cycle, or more epochs), or fewer steps") from None
+                    f"the batches ran out before step {i + 1} of steps={o.steps} (after {i - start} "
+                    "batch(es) this "
+                    f"run{f', resumed at step {start}' if start else ''}): give a stream of at least "
+                    f"{o.steps} "
+                    f"batches, a repeating one (itertools.cycle, or more epochs), or fewer steps"
+                ) from None
             t0 = time.perf_counter()
             state, metrics = self.pipe.step(state, batch)
             loss = float(metrics["loss"])
@@ -279,8 +355,12 @@ class Trainer:
             if t_first is None:
                 t_first, first_loss = dt, loss
                 units = o.units_per_step or _rows(batch)
-            rec = {"step": i + 1, "time_s": dt, **self._lr(i),
-                   **{k: float(v) if np.ndim(v) == 0 else np.asarray(v).tolist() for k, v in metrics.items()}}
+            rec = {
+                "step": i + 1,
+                "time_s": dt,
+                **self._lr(i),
+                **{k: float(v) if np.ndim(v) == 0 else np.asarray(v).tolist() for k, v in metrics.items()},
+            }
             if self._refused(metrics, loss):
                 if o.on_nonfinite == "skip":
                     skipped += 1
@@ -293,7 +373,7 @@ class Trainer:
             # the checkpoint holds the running pipeline (before the final drain), so a longer run resumed from
             # it equals one that never stopped
             self._save(done, state, force=done == o.steps)
-            if done == o.steps and self.pipe.is_async:     # finish the micro-batches still in flight
+            if done == o.steps and self.pipe.is_async:  # finish the micro-batches still in flight
                 state, _ = self.pipe.drain(state)
             if o.eval_every and done % o.eval_every == 0 or done == o.steps:
                 last_eval = self._evaluate(self.pipe.params(state))
@@ -310,15 +390,28 @@ class Trainer:
                 return self._stopped(state, done)
         progress.close()
         if t_first is None:
-            self.say(f"nothing to do: the checkpoint in {o.checkpoint_dir} is at step {start} >= steps={o.steps}")
+            self.say(
+                f"nothing to do: the checkpoint in {o.checkpoint_dir} is at step {start} >= steps={o.steps}"
+            )
             return TrainResult(self.pipe.drain(state)[0] if self.pipe.is_async else state, start, None)
         wall = time.perf_counter() - t_start
         steady = (wall - t_first) / max(1, o.steps - start - 1)
         import jax
-        summary = {**o.describe, "steps": o.steps, "resumed_at": start, "processes": jax.process_count(),
-                   "skipped_updates": skipped, "first_loss": first_loss, "final_loss": loss, **last_eval,
-                   "wall_s": wall, "compile_and_first_step_s": t_first, "steady_step_s": steady,
-                   f"{o.units}_per_s": units / steady}
+
+        summary = {
+            **o.describe,
+            "steps": o.steps,
+            "resumed_at": start,
+            "processes": jax.process_count(),
+            "skipped_updates": skipped,
+            "first_loss": first_loss,
+            "final_loss": loss,
+            **last_eval,
+            "wall_s": wall,
+            "compile_and_first_step_s": t_first,
+            "steady_step_s": steady,
+            f"{o.units}_per_s": units / steady,
+        }
         if self.primary:
             with open(os.path.join(o.out_dir, "summary.json"), "w") as fh:
                 json.dump(summary, fh, indent=1)
@@ -333,6 +426,7 @@ class Trainer:
             import jax
             import jax.numpy as jnp
             import numpy as np
+
             self._lrs = np.asarray(jax.vmap(self.opts.learning_rate)(jnp.arange(max(self.opts.steps, 1))))
         return {"lr": float(self._lrs[min(i, len(self._lrs) - 1)])}
 
@@ -340,10 +434,12 @@ class Trainer:
     def _refused(metrics, loss: float) -> bool:
         """Whether the step's update was skipped or its loss or gradient norm is not finite."""
         import numpy as np
+
         computed = int(metrics.get("losses_computed", 1))
         # grad_norm is a vector for avgpipe (one per pipeline)
-        finite = (not computed or np.isfinite(loss)) and bool(np.all(np.isfinite(np.asarray(
-            metrics.get("grad_norm", 0.0)))))
+        finite = (not computed or np.isfinite(loss)) and bool(
+            np.all(np.isfinite(np.asarray(metrics.get("grad_norm", 0.0))))
+        )
         return bool(metrics.get("skipped", False)) or not finite
 
     def _evaluate(self, params) -> Dict[str, float]:
@@ -351,15 +447,16 @@ class Trainer:
         import jax
         import numpy as np
         from jaxpipe import distributed
+
         if not self.eval_batches:
             return {}
-        if self._eval_loss is None:     # the model as trained (precision policy); no key: no dropout
+        if self._eval_loss is None:  # the model as trained (precision policy); no key: no dropout
             self._eval_loss = jax.jit(self.pipe.model.loss)
-        params = distributed.to_host(params)      # all processes gather (collective), then evaluate locally
+        params = distributed.to_host(params)  # all processes gather (collective), then evaluate locally
         losses = [float(self._eval_loss(params, b)) for b in self.eval_batches]
         more = [self.evaluate_fn(params, b) for b in self.eval_batches] if self.evaluate_fn else []
         out = {"eval_loss": float(np.mean(losses))}
-        for k in (more[0] if more else {}):
+        for k in more[0] if more else {}:
             out[k] = float(np.mean([m[k] for m in more]))
         return out
 
@@ -368,9 +465,11 @@ class Trainer:
         collective checkpoint save of one waits forever for the others (a tiny allgather per step)."""
         import jax
         import numpy as np
+
         if jax.process_count() == 1:
             return bool(self.stop)
         from jax.experimental import multihost_utils
+
         told = multihost_utils.process_allgather(np.int32(1 if self.stop else 0))
         if np.any(told):
             self.stop.request(f"a stop signal to process {int(np.argmax(told))}")
@@ -378,36 +477,48 @@ class Trainer:
 
     def _stopped(self, state, done: int) -> TrainResult:
         import jax
-        print(f"jaxpipe: process {jax.process_index()}: stopping ({self.stop.reason}) after step {done}; saving",
-              file=sys.stderr, flush=True)
+
+        print(
+            f"jaxpipe: process {jax.process_index()}: stopping ({self.stop.reason}) after step {done}; "
+            "saving",
+            file=sys.stderr,
+            flush=True,
+        )
         self._save(done, state, force=True)
         if self.ckpt is not None:
             ckpt, self.ckpt = self.ckpt, None
             ckpt.close()
         if self.opts.exit_on_stop:
-            self.stop.done()                # saved: a signal arriving while the process exits changes nothing
-        self.say(f"\nstopped by {self.stop.reason} at step {done}" + (
-            f"; checkpoint saved in {self.opts.checkpoint_dir}, run again to resume" if self.opts.checkpoint_dir
-            else ""))
+            self.stop.done()  # saved: a signal arriving while the process exits changes nothing
+        self.say(
+            f"\nstopped by {self.stop.reason} at step {done}"
+            + (
+                f"; checkpoint saved in {self.opts.checkpoint_dir}, run again to resume"
+                if self.opts.checkpoint_dir
+                else ""
+            )
+        )
         return TrainResult(state, done, None, stopped=self.stop.reason)
 
     def _nonfinite(self, state, batch, metrics, step: int):
-        """Raise :class:`NonFiniteLoss` with the step, the stage where the NaN/Inf first appears (an unpipelined
-        replay) and the newest intact checkpoint."""
+        """Raise :class:`NonFiniteLoss` with the step, the stage where the NaN/Inf first appears (an
+        unpipelined replay) and the newest intact checkpoint."""
         import numpy as np
         from jaxpipe import diagnose, distributed
         from jaxpipe.checkpoint import Checkpointer
+
         last, cause = None, ""
-        try:               # this stop is the report of the step's failed checks: read them here, once
+        try:  # this stop is the report of the step's failed checks: read them here, once
             self.pipe.check()
-        except ConfigError as e:          # the library's diagnosis (an undeclared id field, ...) is kept
+        except ConfigError as e:  # the library's diagnosis (an undeclared id field, ...) is kept
             found = str(e).find(" Likely cause: ")
             if found >= 0:
                 cause = str(e)[found:].split(" Lower the learning rate")[0].rstrip()
         if self.ckpt is not None:
             ckpt, self.ckpt = self.ckpt, None
-            ckpt.close()       # the writes in flight (all of finite states) finish; nothing new starts
-            # name a checkpoint that really is good: restore the newest intact one (checksums verified; a damaged
+            ckpt.close()  # the writes in flight (all of finite states) finish; nothing new starts
+            # name a checkpoint that really is good: restore the newest intact one (checksums verified; a
+            # damaged
             # one is reported and skipped) -- every process takes part, as in a resume
             reader = Checkpointer(ckpt.directory, self.pipe)
             try:
@@ -415,30 +526,52 @@ class Trainer:
             finally:
                 reader.close()
             last = last or None
-        where = diagnose.locate_nonfinite(self.pipe.model, distributed.to_host(self.pipe.params(state)), batch)
-        used = ("the weights this step used (its update was not applied)" if metrics.get("skipped", False) else
-                "the weights after this step's updates (asynchronous: updated inside the pipeline)")
-        at = (f"first at stage {where['stage']} ({where['where']}: {where['detail']}; replayed unpipelined with "
-              f"{used})" if where else
-              "the unpipelined model reproduces no NaN with the updated weights (the pipelined step's inputs held it)")
+        where = diagnose.locate_nonfinite(
+            self.pipe.model, distributed.to_host(self.pipe.params(state)), batch
+        )
+        used = (
+            "the weights this step used (its update was not applied)"
+            if metrics.get("skipped", False)
+            else "the weights after this step's updates (asynchronous: updated inside the pipeline)"
+        )
+        at = (
+            f"first at stage {where['stage']} ({where['where']}: {where['detail']}; replayed unpipelined "
+            "with "
+            f"{used})"
+            if where
+            else "the unpipelined model reproduces no NaN with the updated weights (the pipelined step's "
+            "inputs held it)"
+        )
         raise NonFiniteLoss(
-            f"non-finite loss {float(metrics['loss'])} / grad_norm {np.asarray(metrics.get('grad_norm', np.nan))} "
+            f"non-finite loss {float(metrics['loss'])} / grad_norm "
+            f"{np.asarray(metrics.get('grad_norm', np.nan))} "
             f"at step {step}, {at}. Stopped; nothing was checkpointed after it"
-            f"{f' (last good checkpoint, verified just now: step {last})' if last is not None else ''}.{cause} "
+            f"{f' (last good checkpoint, verified just now: step {last})' if last is not None else ''}."
+            f"{cause} "
             f"Lower the learning rate, add clipping, or skip such updates (on_nonfinite='skip')",
-            step, where["stage"] if where else None, last)
+            step,
+            where["stage"] if where else None,
+            last,
+        )
 
 
 class _Progress:
-    """A bar on a terminal; a plain line every ``progress_every`` steps when the output goes to a file or a pipe
-    (a bar's carriage returns wrote 54 KB of one line into a redirected log)."""
+    """A bar on a terminal; a plain line every ``progress_every`` steps when the output goes to a file or a
+    pipe (a bar's carriage returns wrote 54 KB of one line into a redirected log)."""
 
     def __init__(self, o: TrainOptions, start: int, primary: bool):
         from tqdm import tqdm
+
         tty = sys.stderr.isatty()
         self.steps_ = o.steps
-        self.bar = tqdm(range(start, o.steps), disable=not (o.progress and primary and tty), unit="step",
-                        dynamic_ncols=True, initial=start, total=o.steps)
+        self.bar = tqdm(
+            range(start, o.steps),
+            disable=not (o.progress and primary and tty),
+            unit="step",
+            dynamic_ncols=True,
+            initial=start,
+            total=o.steps,
+        )
         self.every = o.progress_every or max(1, (o.steps - start) // 10)
         self.lines = o.progress and primary and not tty
         self.eval_step = None
@@ -454,8 +587,11 @@ class _Progress:
         if self.lines and (done % self.every == 0 or done == self.steps_):
             # an evaluation is printed where it was made, and later marked with its step (not as if new)
             since = "" if self.eval_step == done else f" (step {self.eval_step})"
-            print(f"step {done}/{self.steps_}  loss {loss:.3f}  {dt * 1e3:.0f} ms/step" +
-                  "".join(f"  {k} {v:.3f}{since}" for k, v in last_eval.items()), flush=True)
+            print(
+                f"step {done}/{self.steps_}  loss {loss:.3f}  {dt * 1e3:.0f} ms/step"
+                + "".join(f"  {k} {v:.3f}{since}" for k, v in last_eval.items()),
+                flush=True,
+            )
 
     def close(self) -> None:
         self.bar.close()
@@ -468,7 +604,7 @@ def _heartbeat() -> None:
         try:
             open(beat, "a").close()
             os.utime(beat)
-        except OSError:             # the launcher is gone and took its directory: nothing to tell
+        except OSError:  # the launcher is gone and took its directory: nothing to tell
             pass
 
 
@@ -477,12 +613,16 @@ def _listed(name: str, value) -> list:
     if value is None:
         return []
     if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
-        raise ConfigError(f"{name}={type(value).__name__}: give a list ({'of batches' if name == 'eval_batches' else 'of functions'}), or leave it out")
+        raise ConfigError(
+            f"{name}={type(value).__name__}: give a list "
+            f"({'of batches' if name == 'eval_batches' else 'of functions'}), or leave it out"
+        )
     return list(value)
 
 
 def _rows(batch) -> float:
     """The rows of a batch (the leading dimension of its first array)."""
     import jax
+
     leaves = jax.tree.leaves(batch)
     return float(leaves[0].shape[0]) if leaves and getattr(leaves[0], "ndim", 0) else 1.0

@@ -1,6 +1,7 @@
 """What a run writes as it goes: one JSON line of metrics per step (``metrics.jsonl``; a resumed run keeps the
 lines of the steps its checkpoint holds) and the same scalars as TensorBoard event files (``tensorboard/``,
 through ``tensorboardX``: ``pip install -e ".[tensorboard]"``)."""
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,10 @@ class TensorBoard:
             from tensorboardX import SummaryWriter
         except ImportError:
             if mode == "true":
-                raise ImportError('tensorboard="true" needs tensorboardX: pip install -e ".[tensorboard]" '
-                                  '(or pip install tensorboardX)') from None
+                raise ImportError(
+                    'tensorboard="true" needs tensorboardX: pip install -e ".[tensorboard]" '
+                    "(or pip install tensorboardX)"
+                ) from None
             return
         self.writer = SummaryWriter(logdir=logdir)
 

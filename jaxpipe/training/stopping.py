@@ -6,8 +6,10 @@ before its own signal arrives.  That signal only confirms the stop already agree
 a second one (it did, and the job lost its checkpoint: process 1 exited while process 0 waited in the
 collective save).  So: a process's *first* signal starts the stop or confirms it; its *second* gives the
 stop-save ``grace_s`` seconds more, then exits; a third exits at once.  A forced exit says which step the
-newest finished checkpoint holds.  Used by :class:`jaxpipe.training.Trainer` (and so by ``experiments.train``).
+newest finished checkpoint holds.  Used by :class:`jaxpipe.training.Trainer` (and so by
+``experiments.train``).
 """
+
 from __future__ import annotations
 
 import os
@@ -17,9 +19,11 @@ import threading
 from typing import Callable, List, Optional
 
 
-#: The signal a worker of ``experiments.launch`` gets when its launcher dies (the launcher sets PR_SET_PDEATHSIG
+#: The signal a worker of ``experiments.launch`` gets when its launcher dies (the launcher sets
+#: PR_SET_PDEATHSIG
 #: to it).  Not SIGTERM: the kernel sends the parent-death signal each time the worker is handed to another of
-#: the dying launcher's threads, and once more to init -- three SIGTERMs within a millisecond, which counted as
+#: the dying launcher's threads, and once more to init -- three SIGTERMs within a millisecond, which counted
+#: as
 #: the second and third signal and ended the stop-save at once (the launcher-killed flake of the sixteenth
 #: stop: "SIGTERM at +0.0 s (parent pid L), ... (parent pid L), ... (parent pid 1)").  This one counts once.
 PARENT_DEATH = signal.SIGUSR1
@@ -78,15 +82,19 @@ class Stop:
     """The job's stop: ``reason`` (the first cause, None while running), the signals this process got, and
     the bounded exit after a second one.  ``last_checkpoint()``: the newest finished checkpoint's step."""
 
-    def __init__(self, grace_s: float, last_checkpoint: Callable[[], Optional[int]] = lambda: None,
-                 write: Callable[[str], None] = None):
+    def __init__(
+        self,
+        grace_s: float,
+        last_checkpoint: Callable[[], Optional[int]] = lambda: None,
+        write: Callable[[str], None] = None,
+    ):
         self.reason: Optional[str] = None
-        self._received: list = []        # (monotonic time, signal name, parent pid then), one per signal
+        self._received: list = []  # (monotonic time, signal name, parent pid then), one per signal
         self.grace_s = grace_s
         self.last_checkpoint = last_checkpoint
         self.write = write or self._stderr
         self._timer: Optional[threading.Timer] = None
-        self.exits = True             # a stop ends the process (False: the loop returns to its caller)
+        self.exits = True  # a stop ends the process (False: the loop returns to its caller)
 
     @property
     def signals(self) -> List[str]:
@@ -102,7 +110,8 @@ class Stop:
             self.reason = reason
 
     def done(self) -> None:
-        """The stop-save finished: later signals are ignored while the process exits (its status stays 143)."""
+        """The stop-save finished: later signals are ignored while the process exits (its status stays
+        143)."""
         if self._timer is not None:
             self._timer.cancel()
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -123,10 +132,10 @@ class Stop:
     def watch_launcher(self, launcher_pid: Optional[int], stop_timeout: float, poll_s: float = 0.5) -> None:
         """A worker of ``experiments.launch`` ends when its launcher is gone, whatever it is doing: the
         launcher's death sends :data:`PARENT_DEATH` (PR_SET_PDEATHSIG), which stops a worker as one SIGTERM
-        would, however often the kernel sends it; a worker that cannot reach the end of its step (stuck in user
-        code, or waiting in a collective for a stuck peer) is ended by this thread ``stop_timeout`` seconds
-        later -- never an orphan.  A thread runs while the main thread waits in native code (a collective
-        releases the GIL) or loops in Python."""
+        would, however often the kernel sends it; a worker that cannot reach the end of its step (stuck in
+        user code, or waiting in a collective for a stuck peer) is ended by this thread ``stop_timeout``
+        seconds later -- never an orphan.  A thread runs while the main thread waits in native code (a
+        collective releases the GIL) or loops in Python."""
         if not launcher_pid:
             return
         if threading.current_thread() is threading.main_thread():
@@ -135,20 +144,25 @@ class Stop:
 
         def watch():
             import time
+
             while os.getppid() == launcher_pid:
                 time.sleep(poll_s)
             time.sleep(stop_timeout)
             self._orphaned()
-            self._force_exit("SIGTERM", f"the launcher (pid {launcher_pid}) is gone and this process did not "
-                                        f"finish its stop within --stop_timeout={stop_timeout:g} s (a step that "
-                                        f"cannot finish)")
+            self._force_exit(
+                "SIGTERM",
+                f"the launcher (pid {launcher_pid}) is gone and this process did not "
+                f"finish its stop within --stop_timeout={stop_timeout:g} s (a step that "
+                f"cannot finish)",
+            )
+
         threading.Thread(target=watch, name="jaxpipe-launcher-watch", daemon=True).start()
 
     def _stderr(self, text: str) -> None:
         try:
             sys.stderr.write(text + "\n")
             sys.stderr.flush()
-        except OSError:               # the reader is gone (a launcher killed): the stop-save must still run
+        except OSError:  # the reader is gone (a launcher killed): the stop-save must still run
             self._to_orphan_log()
 
     def _to_orphan_log(self) -> None:
@@ -156,7 +170,8 @@ class Stop:
         stream = _orphan_stream()
         for fd in (1, 2):
             os.dup2(stream.fileno(), fd)
-        # Python's own streams may be duplicates of the old descriptors (jaxpipe.distributed.quiet_native_stdout)
+        # Python's own streams may be duplicates of the old descriptors
+        # (jaxpipe.distributed.quiet_native_stdout)
         sys.stdout = sys.stderr = stream
 
     def _orphaned(self) -> None:
@@ -171,8 +186,11 @@ class Stop:
 
     def _where(self) -> str:
         step = self.last_checkpoint()
-        return (f"the newest finished checkpoint holds step {step}" if step is not None
-                else "no checkpoint was finished")
+        return (
+            f"the newest finished checkpoint holds step {step}"
+            if step is not None
+            else "no checkpoint was finished"
+        )
 
     def _force_exit(self, name: str, why: str) -> None:
         self.write(f"jaxpipe: {why}: exiting now; {self._where()}")
@@ -180,6 +198,7 @@ class Stop:
 
     def on_signal(self, signum, _frame=None) -> None:
         import time
+
         ppid = os.getppid()
         self._orphaned()
         name = signal.Signals(signum).name
@@ -189,23 +208,32 @@ class Stop:
             if self.reason is None:
                 self.reason = name
                 then = f"exit {self._exit_code(name)}" if self.exits else "return to the caller"
-                self.write(f"\njaxpipe: {name}: stopping after this step (checkpoint, then {then}); a second signal allows {self.grace_s:g} s more, a third "
-                           f"exits at once")
+                self.write(
+                    f"\njaxpipe: {name}: stopping after this step (checkpoint, then {then}); a second "
+                    f"signal allows {self.grace_s:g} s more, a third "
+                    f"exits at once"
+                )
             else:
                 self.write(f"\njaxpipe: {name}: already stopping ({self.reason}); this signal confirms it")
             return
         if n == 2:
-            self.write(f"\njaxpipe: second {name}: the stop-save gets at most {self.grace_s:g} s more, then this "
-                       f"process exits; a third signal exits at once")
-            self._timer = threading.Timer(self.grace_s, self._force_exit,
-                                          (name, f"the stop-save did not finish within {self.grace_s:g} s"))
+            self.write(
+                f"\njaxpipe: second {name}: the stop-save gets at most {self.grace_s:g} s more, then this "
+                f"process exits; a third signal exits at once"
+            )
+            self._timer = threading.Timer(
+                self.grace_s,
+                self._force_exit,
+                (name, f"the stop-save did not finish within {self.grace_s:g} s"),
+            )
             self._timer.daemon = True
             self._timer.start()
             return
         self._force_exit(name, f"signal {n} ({name}; {self._history()})")
 
     def on_parent_death(self, _signum=None, _frame=None) -> None:
-        """The launcher is gone: a stop as one SIGTERM starts it (checkpoint, exit 143), the first time only."""
+        """The launcher is gone: a stop as one SIGTERM starts it (checkpoint, exit 143), the first time
+        only."""
         if getattr(self, "_parent_died", False):
             return
         self._parent_died = True
@@ -215,5 +243,6 @@ class Stop:
         """When each signal came and who this process's parent was then (a parent that changed between two
         says which came from a launcher and which after it died)."""
         t0 = self._received[0][0]
-        return "received: " + ", ".join(f"{name} at +{t - t0:.1f} s (parent pid {pp})"
-                                        for t, name, pp in self._received)
+        return "received: " + ", ".join(
+            f"{name} at +{t - t0:.1f} s (parent pid {pp})" for t, name, pp in self._received
+        )

@@ -2,9 +2,10 @@
 
 A stream resumes in one of two ways: it is an object with ``state_dict()`` / ``load_state_dict()``
 (``jaxpipe.data``'s streams have them), or it is given as a function of no arguments that starts the stream
-over -- :class:`Replay` then counts what was used, and a resumed run skips as many batches (the same batches, in
-the same order, if the stream is seeded).
+over -- :class:`Replay` then counts what was used, and a resumed run skips as many batches (the same batches,
+in the same order, if the stream is seeded).
 """
+
 from __future__ import annotations
 
 import copy
@@ -17,8 +18,8 @@ class Replay:
     """A batch stream that resumes by starting over and skipping what was used (``state_dict``: the position).
 
     ``start`` must begin a new stream at each call: one that hands back the same iterator each time (``lambda:
-    it``) cannot start over -- a resume would skip from wherever that iterator is, and each restart (the peek at
-    the batch's shapes included) loses batches.  That is refused at the first restart, and up front where
+    it``) cannot start over -- a resume would skip from wherever that iterator is, and each restart (the peek
+    at the batch's shapes included) loses batches.  That is refused at the first restart, and up front where
     ``check_restart`` (a checkpointed run: it will restart when resumed)."""
 
     def __init__(self, start: Callable[[], Iterator], check_restart: bool = False):
@@ -34,10 +35,14 @@ class Replay:
             name = getattr(self._start, "__name__", type(self._start).__name__)
             raise ConfigError(
                 f"the batches function {name} returns the same iterator each time it is called "
-                f"({type(it).__name__} object): a checkpointed run starts the stream over to resume it, and this "
-                f"one would go on from wherever it is (a batch lost at every restart). Make the function start a "
-                f"new stream, e.g. lambda: iter(my_dataset) or a generator function (def batches(): ... yield b), "
-                f"or give an object with state_dict() and load_state_dict()")
+                f"({type(it).__name__} object): a checkpointed run starts the stream over to resume it, and "
+                "this "
+                "one would go on from wherever it is (a batch lost at every restart). Make the function "
+                "start a "
+                "new stream, e.g. lambda: iter(my_dataset) or a generator function (def batches(): ... "
+                "yield b), "
+                f"or give an object with state_dict() and load_state_dict()"
+            )
         return it
 
     def __iter__(self):
@@ -78,9 +83,11 @@ def resumable(batches):
     if callable(batches):
         return Replay(batches, check_restart=True)
     raise ConfigError(
-        f"the batches are a {type(batches).__name__}, which a resumed run cannot put back where it was: give a "
+        f"the batches are a {type(batches).__name__}, which a resumed run cannot put back where it was: "
+        "give a "
         f"function of no arguments that starts the stream (e.g. lambda: my_batches(seed)), or an object with "
-        f"state_dict() and load_state_dict()")
+        f"state_dict() and load_state_dict()"
+    )
 
 
 def stream(batches):

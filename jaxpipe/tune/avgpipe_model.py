@@ -18,12 +18,13 @@ The paper co-locates the N pipelines on the same K GPUs.  jaxpipe puts them on t
 two flags say what is shared: ``shared_compute`` (the pipelines compete for the same compute: the paper's
 GPUs, and CPU-emulated devices, which share the host's cores) keeps the ``n*/n`` in the utilisation of eq. 2;
 ``shared_memory`` (the paper's co-location) keeps the ``n*/n`` of eq. 8 -- on separate devices each holds one
-replica's partition whatever N is, and eq. 8 becomes ``F_mod + m/m* F_dat``.  The paper predicts AFAB's time (advance forward
-propagation makes 1F1B about as fast, §5.2.2).  jaxpipe adds one term the paper does not have: the
-executor's cost per lockstep tick (``tick_overhead``, calibrated on the profiled run itself by
+replica's partition whatever N is, and eq. 8 becomes ``F_mod + m/m* F_dat``.  The paper predicts AFAB's time
+(advance forward propagation makes 1F1B about as fast, §5.2.2).  jaxpipe adds one term the paper does not
+have: the executor's cost per lockstep tick (``tick_overhead``, calibrated on the profiled run itself by
 :func:`calibrate_tick_overhead`), which dominates small models on CPU-emulated devices; ``scale`` is an
 alternative, purely multiplicative calibration.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,17 +33,17 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 @dataclasses.dataclass
 class AvgPipeProfile:
-    m: int                       # micro-batches per batch in the profiled run
-    n: int                       # parallel pipelines in the profiled run
-    t_gpu: Sequence[float]       # per device: computation time per batch (s)
-    phi: Sequence[float]         # per device: utilisation while computing (1.0 = the device saturated)
-    t_comm: Sequence[float]      # per device: total communication time per batch (s)
-    f_mod: Sequence[float]       # per device: parameter / optimizer / reference bytes
-    f_dat: Sequence[float]       # per device: activation and temporary bytes
-    scale: float = 1.0           # measured / predicted step time on the profiled setting (1.0: none)
-    tick_overhead: float = 0.0   # seconds per lockstep tick and pipeline (executor cost, calibrated)
+    m: int  # micro-batches per batch in the profiled run
+    n: int  # parallel pipelines in the profiled run
+    t_gpu: Sequence[float]  # per device: computation time per batch (s)
+    phi: Sequence[float]  # per device: utilisation while computing (1.0 = the device saturated)
+    t_comm: Sequence[float]  # per device: total communication time per batch (s)
+    f_mod: Sequence[float]  # per device: parameter / optimizer / reference bytes
+    f_dat: Sequence[float]  # per device: activation and temporary bytes
+    scale: float = 1.0  # measured / predicted step time on the profiled setting (1.0: none)
+    tick_overhead: float = 0.0  # seconds per lockstep tick and pipeline (executor cost, calibrated)
     shared_compute: bool = True  # pipelines share the devices' compute (paper; CPU-emulated devices)
-    shared_memory: bool = True   # pipelines share the devices' memory (paper); False on the 'pipe' axis
+    shared_memory: bool = True  # pipelines share the devices' memory (paper); False on the 'pipe' axis
 
     @property
     def K(self) -> int:
@@ -53,9 +54,9 @@ class AvgPipeProfile:
 class AvgPipePrediction:
     m: int
     n: int
-    per_batch: float             # max_k T^k* (s per batch)
-    step: float                  # one step of n* pipelines = n* batches (s), times ``scale``
-    memory: float                # max_k F^k* (bytes per device)
+    per_batch: float  # max_k T^k* (s per batch)
+    step: float  # one step of n* pipelines = n* batches (s), times ``scale``
+    memory: float  # max_k F^k* (bytes per device)
     parts: Dict[str, List[float]]
 
 
@@ -78,29 +79,38 @@ def predict(p: AvgPipeProfile, m_star: int, n_star: int) -> AvgPipePrediction:
     m, n, K = p.m, p.n, p.K
     nn = n_star / n if p.shared_compute else 1.0
     r = m_star / (m * nn)
-    t_gpu = [r * (t + t * max(ph / r - 1.0, 0.0)) for t, ph in zip(p.t_gpu, p.phi)]          # (2)
-    tt = [n_star / n * c for c in p.t_comm]                                                     # (TT^k)*
-    t_com = [c / m_star + (m_star - 1) / m_star * max(c - g, 0.0) for c, g in zip(tt, t_gpu)]   # (4)
+    t_gpu = [r * (t + t * max(ph / r - 1.0, 0.0)) for t, ph in zip(p.t_gpu, p.phi)]  # (2)
+    tt = [n_star / n * c for c in p.t_comm]  # (TT^k)*
+    t_com = [c / m_star + (m_star - 1) / m_star * max(c - g, 0.0) for c, g in zip(tt, t_gpu)]  # (4)
     up = [0.0] * K
     for k in range(1, K):
-        up[k] = up[k - 1] + (tt[k - 1] + t_gpu[k - 1]) / m_star                                 # (6)
+        up[k] = up[k - 1] + (tt[k - 1] + t_gpu[k - 1]) / m_star  # (6)
     down = [0.0] * K
     for k in range(K - 2, -1, -1):
-        down[k] = down[k + 1] + (tt[k + 1] + t_gpu[k + 1]) / m_star                             # (7)
-    total = [g + c + u + d for g, c, u, d in zip(t_gpu, t_com, up, down)]                       # (1), (5)
+        down[k] = down[k + 1] + (tt[k + 1] + t_gpu[k + 1]) / m_star  # (7)
+    total = [g + c + u + d for g, c, u, d in zip(t_gpu, t_com, up, down)]  # (1), (5)
     nm = n_star / n if p.shared_memory else 1.0
-    mem = [nm * fm + (m * nm) / m_star * fd for fm, fd in zip(p.f_mod, p.f_dat)]                 # (8)
+    mem = [nm * fm + (m * nm) / m_star * fd for fm, fd in zip(p.f_mod, p.f_dat)]  # (8)
     per_batch = max(total)
     # a step trains n* batches: in turn on shared compute (T is per batch, eq. 2's n/n*), at once otherwise
     step = per_batch * (n_star if p.shared_compute else 1) * p.scale
     step += p.tick_overhead * lockstep_ticks(m_star, K) * (n_star if p.shared_compute else 1)
-    return AvgPipePrediction(m_star, n_star, per_batch, step, max(mem),
-                             {"t_gpu": t_gpu, "t_com": t_com, "t_up": up, "t_down": down, "total": total,
-                              "memory": mem})
+    return AvgPipePrediction(
+        m_star,
+        n_star,
+        per_batch,
+        step,
+        max(mem),
+        {"t_gpu": t_gpu, "t_com": t_com, "t_up": up, "t_down": down, "total": total, "memory": mem},
+    )
 
 
-def choose(p: AvgPipeProfile, settings: Iterable[Tuple[int, int]], memory_limit: Optional[float] = None,
-           batch_per_pipe: int = 1) -> Tuple[Optional[AvgPipePrediction], List[AvgPipePrediction]]:
+def choose(
+    p: AvgPipeProfile,
+    settings: Iterable[Tuple[int, int]],
+    memory_limit: Optional[float] = None,
+    batch_per_pipe: int = 1,
+) -> Tuple[Optional[AvgPipePrediction], List[AvgPipePrediction]]:
     """Every setting's prediction, and the one with the highest predicted throughput (samples per second:
     ``n* batch / step``) whose predicted memory fits ``memory_limit`` (None: no limit)."""
     preds = [predict(p, m, n) for m, n in settings]

@@ -1,8 +1,8 @@
 """Automatic configuration, first version (issue #53): from a model, a device count and a memory budget to the
 predicted-fastest pipeline that fits.
 
-:func:`configure` considers every split of the devices into ``stage`` x ``data`` (x the model axes, below), every schedule given, every
-micro-batch count and residual policy, and for each predicts
+:func:`configure` considers every split of the devices into ``stage`` x ``data`` (x the model axes, below),
+every schedule given, every micro-batch count and residual policy, and for each predicts
 
 * **memory per device** with :mod:`jaxpipe.tune.memory`: the state exact, the temp from the plan's stash slots
   and the stage's residuals, a line per family (residual policy, split backward, chunks per device; one
@@ -26,20 +26,21 @@ same programs.
 
 It returns a :class:`Configuration`: the choice (``Pipeline`` keyword arguments and the mesh), every candidate
 with its predicted step, bubble, memory and why a candidate was dropped, and :meth:`Configuration.table`.
-The cut: each stage count's fastest fitting candidate is also tried with its blocks' cut balanced from measured
-costs (:mod:`.configure_cut`).
+The cut: each stage count's fastest fitting candidate is also tried with its blocks' cut balanced from
+measured costs (:mod:`.configure_cut`).
 
 Model axes: where the model's ``param_specs`` name ``tensor`` or ``fsdp``, the devices are also split into
-``stage x data x fsdp x tensor`` (FSDP splits the batch too: ``batch_axes=("data", "fsdp")``).  Such a candidate's
-state is its own shards; its residuals are the shards XLA's sharding propagation gives a compiled forward of one
-stage (:func:`~jaxpipe.tune.memory.residual_bytes_on`), and its families are lines of their own (the model axes'
-sizes in the family: their slope is fitted on their own two compiles); its stage is timed on that many devices
-with its weights sharded as the pipeline shards them, XLA's collectives included
+``stage x data x fsdp x tensor`` (FSDP splits the batch too: ``batch_axes=("data", "fsdp")``).  Such a
+candidate's state is its own shards; its residuals are the shards XLA's sharding propagation gives a compiled
+forward of one stage (:func:`~jaxpipe.tune.memory.residual_bytes_on`), and its families are lines of their own
+(the model axes' sizes in the family: their slope is fitted on their own two compiles); its stage is timed on
+that many devices with its weights sharded as the pipeline shards them, XLA's collectives included
 (:meth:`~jaxpipe.tune.config_bench.Bench.stage_costs`); the update and the data all-reduce are of one device's
 shards.  The embedding and the head are timed whole (under FSDP on a device's rows).  A candidate with every
 model axis at 1 runs the model with its specs dropped (weights replicated).  Not yet (issue #53): a per-stage
 policy, the no-flush methods.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -73,10 +74,10 @@ class Candidate:
     residuals: str
     step_s: float = float("nan")
     bubble: float = float("nan")
-    memory: float = float("nan")           # bytes per device, predicted (or compiled, once checked)
+    memory: float = float("nan")  # bytes per device, predicted (or compiled, once checked)
     compiled_memory: Optional[float] = None
     dropped: str = ""
-    measured_s: Optional[float] = None     # its step timed on the devices (``configure(measure=k)``)
+    measured_s: Optional[float] = None  # its step timed on the devices (``configure(measure=k)``)
     #: blocks per model stage where the cut is not the model's own even one (the pick's balanced cut,
     #: :mod:`.configure_cut`); build the model with :meth:`Configuration.model`
     cut: Optional[Tuple[int, ...]] = None
@@ -84,7 +85,8 @@ class Candidate:
     #: 1: that axis is left out and the weights replicated)
     fsdp: int = 1
     tensor: int = 1
-    #: the plan's placement the prediction is of (``Pipeline``'s ``placement="auto"``: the faster of the two in
+    #: the plan's placement the prediction is of (``Pipeline``'s ``placement="auto"``: the faster of the two
+    #: in
     #: the lockstep model), set once the candidate is built and given to ``Pipeline`` as such
     placement: Optional[str] = None
 
@@ -96,10 +98,16 @@ class Candidate:
     def pipeline_kwargs(self) -> dict:
         """What to give ``jp.Pipeline`` (with the model cut into :meth:`model_stages` stages)."""
         from ..runtime.mesh import make_mesh
-        return {"schedule": self.schedule, "num_microbatches": self.microbatches, "residuals": self.residuals,
-                "mesh": make_mesh(stages=self.stages, data=self.data, fsdp=self.fsdp, tensor=self.tensor),
-                "options": self._options(), **({"batch_axes": ("data", "fsdp")} if self.fsdp > 1 else {}),
-                **({"placement": self.placement} if self.placement else {})}
+
+        return {
+            "schedule": self.schedule,
+            "num_microbatches": self.microbatches,
+            "residuals": self.residuals,
+            "mesh": make_mesh(stages=self.stages, data=self.data, fsdp=self.fsdp, tensor=self.tensor),
+            "options": self._options(),
+            **({"batch_axes": ("data", "fsdp")} if self.fsdp > 1 else {}),
+            **({"placement": self.placement} if self.placement else {}),
+        }
 
     def _options(self) -> dict:
         """Two model chunks a device where the method stacks chunks (interleaved's ``virtual``), as the search
@@ -114,9 +122,11 @@ class Candidate:
     def label(self) -> str:
         cut = "" if self.cut is None else f" cut={','.join(map(str, self.cut))}"
         axes = "".join(f" {n}={v}" for n, v in (("fsdp", self.fsdp), ("tensor", self.tensor)) if v > 1)
-        place = " placement=ordered" if self.placement == "ordered" else ""   # (lanes: most plans)
-        return (f"{self.schedule} stage={self.stages} data={self.data}{axes} M={self.microbatches} "
-                f"residuals={self.residuals}{cut}{place}")
+        place = " placement=ordered" if self.placement == "ordered" else ""  # (lanes: most plans)
+        return (
+            f"{self.schedule} stage={self.stages} data={self.data}{axes} M={self.microbatches} "
+            f"residuals={self.residuals}{cut}{place}"
+        )
 
 
 @dataclasses.dataclass
@@ -131,8 +141,8 @@ class Configuration:
     _balance: bool = dataclasses.field(default=True, repr=False)
 
     def model(self, candidate: Optional[Candidate] = None):
-        """The model ``candidate`` (default: the choice) runs: ``make_model(candidate.model_stages)``, or with a
-        balanced cut, the same blocks cut as :attr:`Candidate.cut` says."""
+        """The model ``candidate`` (default: the choice) runs: ``make_model(candidate.model_stages)``, or with
+        a balanced cut, the same blocks cut as :attr:`Candidate.cut` says."""
         return self._bench.model_for(self.best if candidate is None else candidate)
 
     @property
@@ -145,8 +155,9 @@ class Configuration:
         """Measurements made (timed or compiled) by the search."""
         return self._bench.cache.misses
 
-    def within(self, memory_budget: float, measure: int = 0, rounds: int = 3,
-               min_time_s: float = MIN_TIME_S) -> "Configuration":
+    def within(
+        self, memory_budget: float, measure: int = 0, rounds: int = 3, min_time_s: float = MIN_TIME_S
+    ) -> "Configuration":
         """The choice under another budget, from the same predictions (compiling only what the check needs);
         ``measure``, ``rounds``, ``min_time_s``: as :func:`configure`'s."""
         cands = [dataclasses.replace(c, measured_s=None) for c in self.candidates]
@@ -165,8 +176,10 @@ class Configuration:
     def table(self) -> str:
         """The candidates, fitting ones fastest first, then the dropped ones with why."""
         ok = sorted((c for c in self.candidates if not c.dropped), key=lambda c: c.step_s)
-        rows = ["| candidate | predicted step | measured | bubble | memory / device | compiled | note |",
-                "|---|---|---|---|---|---|---|"]
+        rows = [
+            "| candidate | predicted step | measured | bubble | memory / device | compiled | note |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for c in ok + [c for c in self.candidates if c.dropped]:
             comp = "" if c.compiled_memory is None else f"{c.compiled_memory / 2**20:,.1f} MiB"
             note = c.dropped or ("chosen" if c is self.best else "")
@@ -181,7 +194,8 @@ class Configuration:
 def _candidates(devices, rows, names, microbatches, residuals, model_axes=((1, 1),)) -> List[Candidate]:
     out = []
     # on one stage there is no pipeline and no bubble: every schedule is the plain accumulation of the M
-    # micro-batches, and one of them stands for the rest (1F1B's, the simplest plan; zero-bubble's split and two
+    # micro-batches, and one of them stands for the rest (1F1B's, the simplest plan; zero-bubble's split and
+    # two
     # chunks on one device only add work there: H200, D = 1, zb_h1 1.20x and interleaved 2.1x the plain step
     # where 1F1B was 1.05x)
     one = "1f1b" if "1f1b" in names else names[0]
@@ -204,8 +218,8 @@ def _candidates(devices, rows, names, microbatches, residuals, model_axes=((1, 1
 
 
 def _model_axes(bench, devices: int, fsdp, tensor) -> List[Tuple[int, int]]:
-    """The ``(fsdp, tensor)`` sizes to search: for an axis the model's ``param_specs`` name, ``None`` means every
-    divisor of ``devices``; an axis they do not name is 1 (asking for more is an error: nothing would be
+    """The ``(fsdp, tensor)`` sizes to search: for an axis the model's ``param_specs`` name, ``None`` means
+    every divisor of ``devices``; an axis they do not name is 1 (asking for more is an error: nothing would be
     sharded over it)."""
     named = bench.model_axis_names()
     sizes = []
@@ -217,19 +231,35 @@ def _model_axes(bench, devices: int, fsdp, tensor) -> List[Tuple[int, int]]:
         if any(v < 1 for v in given):
             raise ConfigError(f"configure({axis}={given}): sizes are positive integers")
         if any(v > 1 for v in given) and axis not in named:
-            raise ConfigError(f"configure({axis}={given}): the model's param_specs do not name the {axis!r} axis "
-                              f"(they name {sorted(named) or 'none'}), so no weight would be sharded over it; build "
-                              f"the model with specs over {axis!r} (e.g. jp.models.gpt(n, {axis}={axis!r})) or leave "
-                              f"{axis} at 1")
+            raise ConfigError(
+                f"configure({axis}={given}): the model's param_specs do not name the {axis!r} axis "
+                f"(they name {sorted(named) or 'none'}), so no weight would be sharded over it; build "
+                f"the model with specs over {axis!r} (e.g. jp.models.gpt(n, {axis}={axis!r})) or leave "
+                f"{axis} at 1"
+            )
         sizes.append(sorted(set(given)))
     return [(f, t) for f in sizes[0] for t in sizes[1] if devices % (f * t) == 0]
 
 
-def configure(make_model: Callable[[int], object], batch: Dict[str, np.ndarray], optimizer, *, devices: int,
-              memory_budget: float, schedules: Sequence[str] = ("1f1b", "gpipe", "zb_h1", "interleaved_1f1b"),
-              microbatches: Sequence[int] = (2, 4, 8), residuals: Sequence[str] = ("all", "inputs"),
-              verbose: bool = True, cache="default", measure: int = 0, rounds: int = 3,
-              min_time_s: float = MIN_TIME_S, balance_cut: bool = True, tensor=None, fsdp=None) -> Configuration:
+def configure(
+    make_model: Callable[[int], object],
+    batch: Dict[str, np.ndarray],
+    optimizer,
+    *,
+    devices: int,
+    memory_budget: float,
+    schedules: Sequence[str] = ("1f1b", "gpipe", "zb_h1", "interleaved_1f1b"),
+    microbatches: Sequence[int] = (2, 4, 8),
+    residuals: Sequence[str] = ("all", "inputs"),
+    verbose: bool = True,
+    cache="default",
+    measure: int = 0,
+    rounds: int = 3,
+    min_time_s: float = MIN_TIME_S,
+    balance_cut: bool = True,
+    tensor=None,
+    fsdp=None,
+) -> Configuration:
     """The predicted-fastest configuration of ``make_model(num_stages)`` (a ``PipelineModel`` of that many
     stages) on ``devices`` devices within ``memory_budget`` bytes per device (module docstring).  ``batch``:
     one step's host batch (its rows are split over ``data`` and micro-batches).  ``cache``: where measurements
@@ -238,19 +268,32 @@ def configure(make_model: Callable[[int], object], batch: Dict[str, np.ndarray],
     devices (rounds of 3 steps, in turns: at least ``rounds``, and the fastest timed ``min_time_s`` seconds in
     all) of at most ``k`` fitting candidates -- the two
     predicted fastest and the predicted fastest of each (stage count, residual policy) -- where the model's
-    ranking is least sure (:func:`_measured_best`).  ``balance_cut``: each stage count's fastest fitting candidate
-    with its cut balanced from measured costs, a candidate of its own (:mod:`.configure_cut`; models of blocks
-    only).  ``tensor`` / ``fsdp``: the sizes of those model axes to search (a stage's weights sharded over them
-    as the model's ``param_specs`` say); default: every divisor of ``devices`` for an axis the specs name, else 1
-    (a candidate with both at 1 runs the model with its weights replicated)."""
+    ranking is least sure (:func:`_measured_best`).  ``balance_cut``: each stage count's fastest fitting
+    candidate with its cut balanced from measured costs, a candidate of its own (:mod:`.configure_cut`; models
+    of blocks only).  ``tensor`` / ``fsdp``: the sizes of those model axes to search (a stage's weights
+    sharded over them as the model's ``param_specs`` say); default: every divisor of ``devices`` for an axis
+    the specs name, else 1 (a candidate with both at 1 runs the model with its weights replicated)."""
     from ..pipeline import Pipeline
-    schedules, microbatches, residuals = _check_arguments(make_model, batch, optimizer, devices, memory_budget,
-                                                          schedules, microbatches, residuals, measure, rounds,
-                                                          min_time_s, cache)
+
+    schedules, microbatches, residuals = _check_arguments(
+        make_model,
+        batch,
+        optimizer,
+        devices,
+        memory_budget,
+        schedules,
+        microbatches,
+        residuals,
+        measure,
+        rounds,
+        min_time_s,
+        cache,
+    )
     store = MeasureCache(default_path() if cache == "default" else cache)
     bench = Bench(make_model, batch, optimizer, store)
-    cands = _candidates(devices, bench.rows, schedules, microbatches, residuals,
-                        _model_axes(bench, devices, fsdp, tensor))
+    cands = _candidates(
+        devices, bench.rows, schedules, microbatches, residuals, _model_axes(bench, devices, fsdp, tensor)
+    )
     built, fams, programs = {}, {}, {}
     for c in cands:
         if c.dropped:
@@ -261,7 +304,7 @@ def configure(make_model: Callable[[int], object], batch: Dict[str, np.ndarray],
             c.dropped = f"not buildable: {str(e).splitlines()[0][:80]}"
             continue
         same = programs.setdefault(_program_key(c, pipe), c)
-        if same is not c:       # GPipe under lanes is 1F1B's plan: timing both measures noise, not a choice
+        if same is not c:  # GPipe under lanes is 1F1B's plan: timing both measures noise, not a choice
             c.dropped = f"the same program as {same.schedule}'s (placement {pipe.placement})"
             continue
         fp = bench.footprint(c, pipe)
@@ -292,40 +335,67 @@ def _names(what: str, given, allowed: Sequence[str], example: str) -> Tuple[str,
     try:
         names = tuple(names)
     except TypeError:
-        raise ConfigError(f"configure({what}={given!r}): give a sequence of names, e.g. {what}={example}") from None
+        raise ConfigError(
+            f"configure({what}={given!r}): give a sequence of names, e.g. {what}={example}"
+        ) from None
     bad = [n for n in names if n not in allowed]
     if not names or bad:
-        raise ConfigError(f"configure({what}={given!r}): {'nothing given' if not names else f'{bad[0]!r} is not one'}"
-                          f"; choose from {', '.join(map(repr, allowed))}, e.g. {what}={example}")
+        raise ConfigError(
+            f"configure({what}={given!r}): {'nothing given' if not names else f'{bad[0]!r} is not one'}"
+            f"; choose from {', '.join(map(repr, allowed))}, e.g. {what}={example}"
+        )
     return tuple(dict.fromkeys(names))
 
 
-def _check_arguments(make_model, batch, optimizer, devices, memory_budget, schedules, microbatches, residuals,
-                     measure, rounds, min_time_s, cache) -> Tuple[tuple, tuple, tuple]:
-    """Every argument of :func:`configure` checked before anything is measured: a ConfigError naming the value,
-    why it cannot be taken and what would work.  Returns the schedules, micro-batch counts and policies as
-    tuples."""
+def _check_arguments(
+    make_model,
+    batch,
+    optimizer,
+    devices,
+    memory_budget,
+    schedules,
+    microbatches,
+    residuals,
+    measure,
+    rounds,
+    min_time_s,
+    cache,
+) -> Tuple[tuple, tuple, tuple]:
+    """Every argument of :func:`configure` checked before anything is measured: a ConfigError naming the
+    value, why it cannot be taken and what would work.  Returns the schedules, micro-batch counts and policies
+    as tuples."""
     from ..validate import is_int
+
     if not callable(make_model):
-        raise ConfigError(f"configure(make_model={make_model!r}): give a function of the stage count that builds "
-                          f"the model, e.g. lambda n: jp.models.gpt(n)")
+        raise ConfigError(
+            f"configure(make_model={make_model!r}): give a function of the stage count that builds "
+            f"the model, e.g. lambda n: jp.models.gpt(n)"
+        )
     if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
-        raise ConfigError(f"configure(optimizer={optimizer!r}): give an optax GradientTransformation, e.g. "
-                          f"optax.adamw(1e-3)")
+        raise ConfigError(
+            f"configure(optimizer={optimizer!r}): give an optax GradientTransformation, e.g. "
+            f"optax.adamw(1e-3)"
+        )
     leaves = jax.tree.leaves(batch)
     if not leaves or any(np.ndim(a) == 0 for a in leaves):
-        raise ConfigError("configure(batch=...): give one step's batch, e.g. {'x': array, 'y': array}, every "
-                          "field with the rows on its leading axis")
+        raise ConfigError(
+            "configure(batch=...): give one step's batch, e.g. {'x': array, 'y': array}, every "
+            "field with the rows on its leading axis"
+        )
     if not is_int(devices, 1) or devices > jax.device_count():
-        raise ConfigError(f"configure(devices={devices!r}): give a device count from 1 to the "
-                          f"{jax.device_count()} device(s) JAX sees")
+        raise ConfigError(
+            f"configure(devices={devices!r}): give a device count from 1 to the "
+            f"{jax.device_count()} device(s) JAX sees"
+        )
     try:
         budget = float(memory_budget)
     except (TypeError, ValueError):
         budget = float("nan")
-    if isinstance(memory_budget, bool) or not budget > 0:      # NaN, 0, negative, not a number
-        raise ConfigError(f"configure(memory_budget={memory_budget!r}): give the bytes a device may hold, a "
-                          f"positive number (e.g. 16 * 2**30; float('inf') for no limit)")
+    if isinstance(memory_budget, bool) or not budget > 0:  # NaN, 0, negative, not a number
+        raise ConfigError(
+            f"configure(memory_budget={memory_budget!r}): give the bytes a device may hold, a "
+            f"positive number (e.g. 16 * 2**30; float('inf') for no limit)"
+        )
     flushing = [n for n in _schedules.available() if _schedules.method(n).flushes]
     schedules = _names("schedules", schedules, flushing, "('1f1b', 'zb_h1')")
     counts = (microbatches,) if is_int(microbatches) else microbatches
@@ -334,8 +404,10 @@ def _check_arguments(make_model, batch, optimizer, devices, memory_budget, sched
     except TypeError:
         counts = (microbatches,)
     if not counts or not all(is_int(m, 1) for m in counts):
-        raise ConfigError(f"configure(microbatches={microbatches!r}): give positive micro-batch counts, e.g. "
-                          f"microbatches=(2, 4, 8)")
+        raise ConfigError(
+            f"configure(microbatches={microbatches!r}): give positive micro-batch counts, e.g. "
+            f"microbatches=(2, 4, 8)"
+        )
     residuals = _names("residuals", residuals, ("all", "inputs"), "('all', 'inputs')")
     for name, value, low in (("measure", measure, 0), ("rounds", rounds, 1)):
         if not is_int(value, low):
@@ -343,7 +415,9 @@ def _check_arguments(make_model, batch, optimizer, devices, memory_budget, sched
     if not (isinstance(min_time_s, (int, float)) and 0 <= min_time_s < float("inf")):
         raise ConfigError(f"configure(min_time_s={min_time_s!r}): give seconds >= 0")
     if not (cache in ("default", None) or isinstance(cache, (str, os.PathLike))):
-        raise ConfigError(f"configure(cache={cache!r}): give 'default', a file path, or None (measure everything)")
+        raise ConfigError(
+            f"configure(cache={cache!r}): give 'default', a file path, or None (measure everything)"
+        )
     return schedules, tuple(dict.fromkeys(counts)), residuals
 
 
@@ -351,23 +425,42 @@ def _program_key(c, pipe) -> tuple:
     """What the executor compiles for ``pipe``: the split, M, policy, the lane plan it runs and the schedule's
     options the executor reads.  Two candidates with the same key are one program."""
     from ..schedules.layout import exchange_perms, stream_options
+
     p = pipe.lane_plan
-    plan = (p.lanes, tuple(map(tuple, p.phases)), p.stash_capacity, p.front_capacity, p.direct, p.table.tobytes(),
-            p.table.shape)
-    return (c.model_stages, c.stages, c.data, c.model_axes, c.microbatches, c.residuals, pipe.schedule.has_w(), plan,
-            tuple(sorted(stream_options(pipe.schedule).items())), exchange_perms(pipe.schedule) is None)
+    plan = (
+        p.lanes,
+        tuple(map(tuple, p.phases)),
+        p.stash_capacity,
+        p.front_capacity,
+        p.direct,
+        p.table.tobytes(),
+        p.table.shape,
+    )
+    return (
+        c.model_stages,
+        c.stages,
+        c.data,
+        c.model_axes,
+        c.microbatches,
+        c.residuals,
+        pipe.schedule.has_w(),
+        plan,
+        tuple(sorted(stream_options(pipe.schedule).items())),
+        exchange_perms(pipe.schedule) is None,
+    )
 
 
 def _calibrate(fams, built, bench) -> MemoryModel:
-    """Each family's line ``temp = a * working + b`` (:mod:`.memory`).  The slope ``a`` is the residual policy's
-    (how many working-set-sized buffers its programs keep: README's search, 1.44-1.60 under ``"all"``, 0.88-1.04
-    under recomputing policies, whatever the split or chunks): it is fitted on one family of each policy -- the
-    one with the most candidates -- from two compiles at its two most different micro-batch sizes, and every
-    other family of that policy takes it with one compile of its own for ``b`` (at its largest working set, where
-    a budget bites first).  All compiles at once, two side by side; from the cache where measured before.  The
-    choice and the runner-up are compiled again if not among these (:func:`_checked_best`)."""
+    """Each family's line ``temp = a * working + b`` (:mod:`.memory`).  The slope ``a`` is the residual
+    policy's (how many working-set-sized buffers its programs keep: README's search, 1.44-1.60 under
+    ``"all"``, 0.88-1.04 under recomputing policies, whatever the split or chunks): it is fitted on one family
+    of each policy -- the one with the most candidates -- from two compiles at its two most different
+    micro-batch sizes, and every other family of that policy takes it with one compile of its own for ``b``
+    (at its largest working set, where a budget bites first).  All compiles at once, two side by side; from
+    the cache where measured before.  The choice and the runner-up are compiled again if not among these
+    (:func:`_checked_best`)."""
     work = lambda c: built[id(c)][1].working
-    kind = lambda fam: (fam[0],) + tuple(fam[3:])      # the policy, and the model axes (sharded residuals)
+    kind = lambda fam: (fam[0],) + tuple(fam[3:])  # the policy, and the model axes (sharded residuals)
     anchors = {}
     for fam, cs in fams.items():
         best = anchors.get(kind(fam))
@@ -381,7 +474,7 @@ def _calibrate(fams, built, bench) -> MemoryModel:
     bench.compile_memory([(c, built[id(c)][0]) for cs in points.values() for c in cs])
     model = MemoryModel({})
     xy = lambda c: (built[id(c)][1], c.compiled_memory - built[id(c)][1].state)
-    for fam in sorted(points, key=lambda f: anchors[kind(f)] != f):     # anchors first: their slopes are shared
+    for fam in sorted(points, key=lambda f: anchors[kind(f)] != f):  # anchors first: their slopes are shared
         pts = [xy(c) for c in points[fam]]
         if len(pts) == 2 and pts[0][0].working != pts[1][0].working:
             model = calibrate(pts, model)
@@ -400,7 +493,8 @@ def _choose(cands, built, bench, budget) -> Configuration:
 
 
 def _checked_best(cands, built, bench, budget) -> Candidate:
-    """The fastest fitting candidate, its prediction and the runner-up's checked by compiling (module docstring)."""
+    """The fastest fitting candidate, its prediction and the runner-up's checked by compiling (module
+    docstring)."""
     while True:
         ok = sorted((c for c in cands if not c.dropped), key=lambda c: c.step_s)
         if not ok:
@@ -423,7 +517,7 @@ def nothing_fits(cands, budget: float) -> str:
     """Why no candidate is left: each reason once, with how many candidates it dropped and an example, and the
     smallest memory need where candidates were measured."""
     measured = [c.memory for c in cands if not np.isnan(c.memory)]
-    need = (f"; the smallest needs {min(measured) / 2**20:,.1f} MiB a device" if measured else "")
+    need = f"; the smallest needs {min(measured) / 2**20:,.1f} MiB a device" if measured else ""
     by_reason: Dict[str, List[Candidate]] = {}
     for c in cands:
         over = c.dropped.startswith(("needs", "compiled"))
@@ -431,9 +525,12 @@ def nothing_fits(cands, budget: float) -> str:
     shown = list(by_reason.items())[:6]
     why = "; ".join(f"{len(cs)} x {reason} (e.g. {cs[0].label()})" for reason, cs in shown)
     why += f"; and {len(by_reason) - len(shown)} other reason(s)" if len(by_reason) > len(shown) else ""
-    return (f"no configuration fits {budget / 2**20:,.1f} MiB a device{need}. Dropped: {why or 'no candidates'}. "
-            f"Raise the budget, add devices, or allow more micro-batches / residuals='inputs'; micro-batch counts "
-            f"must divide the batch's rows over the data replicas")
+    return (
+        f"no configuration fits {budget / 2**20:,.1f} MiB a device{need}. Dropped: {why or 'no candidates'}. "
+        "Raise the budget, add devices, or allow more micro-batches / residuals='inputs'; micro-batch "
+        "counts "
+        f"must divide the batch's rows over the data replicas"
+    )
 
 
 def _predict_times(cands, built, bench, devices) -> None:
@@ -449,12 +546,27 @@ def _predict_times(cands, built, bench, devices) -> None:
             continue
         pipe, fp = built[id(c)]
         rows = bench.rows // (c.data * c.microbatches)
-        lc, act = bench.stage_costs(finest[(c.residuals, c.model_axes)], c.model_stages, c.residuals, rows,
-                                    pipe.schedule.has_w(), lambda n, res: pipes[(n, res, c.model_axes)],
-                                    axes=c.model_axes)
+        lc, act = bench.stage_costs(
+            finest[(c.residuals, c.model_axes)],
+            c.model_stages,
+            c.residuals,
+            rows,
+            pipe.schedule.has_w(),
+            lambda n, res: pipes[(n, res, c.model_axes)],
+            axes=c.model_axes,
+        )
         # the embedding and the head as one device runs them: FSDP splits their rows (tensor: timed whole)
-        parts = predict_devices(pipe.schedule, lc, 1.0, 0.0, link, act, 0.0, placement=pipe.placement,
-                                edges=bench.edges(max(rows // c.fsdp, 1)))
+        parts = predict_devices(
+            pipe.schedule,
+            lc,
+            1.0,
+            0.0,
+            link,
+            act,
+            0.0,
+            placement=pipe.placement,
+            edges=bench.edges(max(rows // c.fsdp, 1)),
+        )
         # the data replicas' gradient all-reduce after the pipeline, its leaves as the step has them
         allreduce = bench.allreduce(c, pipe, devices) if c.data > 1 else 0.0
         update = bench.update(c, pipe)
@@ -464,12 +576,13 @@ def _predict_times(cands, built, bench, devices) -> None:
 
 def _measured_best(conf: Configuration, k: int, rounds: int, min_time_s: float = MIN_TIME_S) -> Candidate:
     """The fastest measured of at most ``k`` fitting candidates: the two predicted fastest, then the predicted
-    fastest of each (stage count, model axes, residual policy) group.  Each is built, warmed up (2 steps) and timed in
-    turns with the others, the median of the rounds of 3 steps: at least ``rounds`` rounds, and enough that the
-    fastest candidate is timed for ``min_time_s`` (:func:`_rounds_for`; on 12-ms steps three rounds were too
-    few: one candidate timed 1.33x its own speed, and the pick lost 24%).  In a multi-process job the times and
-    the round count are process 0's (every process then builds and steps the same)."""
+    fastest of each (stage count, model axes, residual policy) group.  Each is built, warmed up (2 steps) and
+    timed in turns with the others, the median of the rounds of 3 steps: at least ``rounds`` rounds, and
+    enough that the fastest candidate is timed for ``min_time_s`` (:func:`_rounds_for`; on 12-ms steps three
+    rounds were too few: one candidate timed 1.33x its own speed, and the pick lost 24%).  In a multi-process
+    job the times and the round count are process 0's (every process then builds and steps the same)."""
     from ..pipeline import Pipeline
+
     ok = sorted((c for c in conf.candidates if not c.dropped), key=lambda c: c.step_s)
     group = lambda c: (c.stages, c.model_axes, c.residuals)
     pick, seen = ok[:2], {group(c) for c in ok[:2]}
@@ -477,7 +590,7 @@ def _measured_best(conf: Configuration, k: int, rounds: int, min_time_s: float =
         if group(c) not in seen:
             pick.append(c)
             seen.add(group(c))
-    pick = pick[:max(k, 1)]
+    pick = pick[: max(k, 1)]
     bench, runs = conf._bench, []
     for c in pick:
         pipe = Pipeline(bench.model_for(c), optimizer=bench.optimizer, **c.pipeline_kwargs())
@@ -507,7 +620,9 @@ def _time_round(runs, steps: int = 3) -> None:
         ts.append((time.perf_counter() - t0) / steps)
 
 
-def _rounds_for(fastest_s: float, rounds: int, min_time_s: float, steps: int = 3, most: int = MAX_ROUNDS) -> int:
+def _rounds_for(
+    fastest_s: float, rounds: int, min_time_s: float, steps: int = 3, most: int = MAX_ROUNDS
+) -> int:
     """Rounds of ``steps`` steps so that a candidate stepping in ``fastest_s`` is timed ``min_time_s`` in all:
     at least ``rounds``, at most ``most``."""
     need = int(np.ceil(min_time_s / max(fastest_s * steps, 1e-9)))

@@ -11,10 +11,12 @@ block past ``min(cut)``: those slots run in a ``lax.cond`` that rematerialises i
 padding slot's, the embedding's and the head-plus-loss's forward and backward measured on the running backend
 (:func:`measure_parts`), and a cut's step time is the schedule's compute on D devices: the sum over ticks of
 the slowest device's own actions in the tick (:func:`predict_cut`, on the plan ``Pipeline`` runs; the
-executor's fixed cost per lane-tick is the same for every cut of one schedule and left out).  :func:`balanced_cut` searches the cuts by
-moving one block at a time from the most even cut while the prediction falls.  Zero-bubble's B and W are
-taken as half the backward each (its W carries the embedding's weight gradient, its B the head's).
+executor's fixed cost per lane-tick is the same for every cut of one schedule and left out).
+:func:`balanced_cut` searches the cuts by moving one block at a time from the most even cut while the
+prediction falls.  Zero-bubble's B and W are taken as half the backward each (its W carries the embedding's
+weight gradient, its B the head's).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,6 +33,7 @@ from ..errors import ConfigError
 class PartCosts:
     """Seconds for one micro-batch: a block's forward and backward, the embedding's (``pre``) and the
     head-plus-loss's (``post``)."""
+
     f_block: float
     b_block: float
     f_pre: float = 0.0
@@ -45,7 +48,9 @@ class PartCosts:
 
 @dataclasses.dataclass(frozen=True)
 class CutChoice:
-    """The chosen cut, its predicted step compute (seconds), the most even cut's, and the gain (even / chosen)."""
+    """The chosen cut, its predicted step compute (seconds), the most even cut's, and the gain (even /
+    chosen)."""
+
     cut: Tuple[int, ...]
     predicted: float
     even_cut: Tuple[int, ...]
@@ -61,18 +66,23 @@ class CutChoice:
         return self.even_predicted / self.predicted if self.predicted else 1.0
 
     def __str__(self):
-        return (f"balanced cut {list(self.cut)}: predicted {self.predicted * 1e3:.3f} ms of compute per step, "
-                f"against {self.even_predicted * 1e3:.3f} ms for the even cut {list(self.even_cut)} "
-                f"({self.gain:.3f}x); best in {self.agreement[0]} of {self.agreement[1]} measured rounds"
-                + ("" if self.source == "measured" else f" (costs kept in {self.source}; remeasure=True "
-                                                        f"measures again)"))
+        return (
+            f"balanced cut {list(self.cut)}: predicted {self.predicted * 1e3:.3f} ms of compute per step, "
+            f"against {self.even_predicted * 1e3:.3f} ms for the even cut {list(self.even_cut)} "
+            f"({self.gain:.3f}x); best in {self.agreement[0]} of {self.agreement[1]} measured rounds"
+            + (
+                ""
+                if self.source == "measured"
+                else f" (costs kept in {self.source}; remeasure=True measures again)"
+            )
+        )
 
 
 def _stage_costs(cut: Sequence[int], c: PartCosts) -> np.ndarray:
     """``[stage, kind]`` seconds of one op, kinds F, B, W, F2 (B and W: half the backward each)."""
     n = np.asarray(cut, float)
-    pad = max(cut) - n                   # every stage scans max(cut) slots; the short ones skip the rest
-    remat = n - min(cut)                 # real blocks in the cond'ed slots recompute their forward in B
+    pad = max(cut) - n  # every stage scans max(cut) slots; the short ones skip the rest
+    remat = n - min(cut)  # real blocks in the cond'ed slots recompute their forward in B
     f = n * c.f_block + pad * c.f_pad
     b = n * c.b_block + pad * c.b_pad + remat * c.f_block
     f[0] += c.f_pre
@@ -86,9 +96,11 @@ def _stage_costs(cut: Sequence[int], c: PartCosts) -> np.ndarray:
 
 
 def _plan_arrays(schedule):
-    """``(active [tick, device, lane], stage [tick, device, lane], kind index per lane, compiled [tick, lane])``."""
+    """``(active [tick, device, lane], stage [tick, device, lane], kind index per lane, compiled [tick,
+    lane])``."""
     from ..schedules.lanes import L
     from .lockstep import _compiled_lane_ticks, running_plan
+
     p = running_plan(schedule)
     split = schedule.has_w()
     col = {"F": 0, "B": 2 if split else 1, "W": 3, "F2": 4}
@@ -105,17 +117,24 @@ def predict_cut(schedule, cut: Sequence[int], costs: PartCosts, _plan=None) -> f
     v = schedule.num_model_stages // len(cut)
     table = _stage_costs(split_cut(cut, v) if v > 1 else cut, costs)
     ops = np.where(active, table[stage, kinds[None, None, :]], 0.0)
-    return float(ops.sum(axis=2).max(axis=1).sum())        # per tick: the slowest device's own actions
+    return float(ops.sum(axis=2).max(axis=1).sum())  # per tick: the slowest device's own actions
 
 
-def _descend(schedule, start: Tuple[int, ...], costs: PartCosts, least: int, plan=None) -> Tuple[Tuple[int, ...], float]:
-    """Steepest descent over single-block moves between any two stages from ``start``: ``(cut, predicted)``."""
+def _descend(
+    schedule, start: Tuple[int, ...], costs: PartCosts, least: int, plan=None
+) -> Tuple[Tuple[int, ...], float]:
+    """Steepest descent over single-block moves between any two stages from ``start``: ``(cut,
+    predicted)``."""
     D = schedule.D
     plan = plan if plan is not None else _plan_arrays(schedule)
     cur, t = start, predict_cut(schedule, start, costs, plan)
     while True:
-        moves = [tuple(c - (k == i) + (k == j) for k, c in enumerate(cur))
-                 for i in range(D) for j in range(D) if i != j and cur[i] > least]
+        moves = [
+            tuple(c - (k == i) + (k == j) for k, c in enumerate(cur))
+            for i in range(D)
+            for j in range(D)
+            if i != j and cur[i] > least
+        ]
         scored = [(predict_cut(schedule, m, costs, plan), m) for m in moves]
         if not scored or min(scored)[0] >= t - 1e-15:
             return cur, t
@@ -129,11 +148,18 @@ def _search(schedule, n_blocks: int, costs: PartCosts, least: int) -> Tuple[Tupl
     return min((_descend(schedule, s, costs, least, plan) for s in starts), key=lambda ct: (ct[1], ct[0]))
 
 
-def balanced_cut(n_blocks: int, num_stages: int, costs: PartCosts, schedule: str = "1f1b",
-                 num_microbatches: Optional[int] = None, options: Optional[dict] = None) -> CutChoice:
+def balanced_cut(
+    n_blocks: int,
+    num_stages: int,
+    costs: PartCosts,
+    schedule: str = "1f1b",
+    num_microbatches: Optional[int] = None,
+    options: Optional[dict] = None,
+) -> CutChoice:
     """The cut of ``n_blocks`` over ``num_stages`` devices that minimises ``schedule``'s predicted step
     compute (``num_microbatches``: default 2 x devices), beside the most even cut's."""
     from .. import schedules
+
     if n_blocks < num_stages:
         raise ConfigError(f"{n_blocks} blocks cannot fill {num_stages} stages: every stage needs a block")
     M = num_microbatches or 2 * num_stages
@@ -145,8 +171,10 @@ def balanced_cut(n_blocks: int, num_stages: int, costs: PartCosts, schedule: str
     s = schedules.build(schedule, num_stages=num_stages, num_microbatches=M, **method.builder_options(opts))
     v = s.num_model_stages // num_stages
     cut, t = _search(s, n_blocks, costs, least=max(v, 1))
-    even = min((even_cut(n_blocks, num_stages), tuple(reversed(even_cut(n_blocks, num_stages)))),
-               key=lambda c: predict_cut(s, c, costs))
+    even = min(
+        (even_cut(n_blocks, num_stages), tuple(reversed(even_cut(n_blocks, num_stages)))),
+        key=lambda c: predict_cut(s, c, costs),
+    )
     return CutChoice(tuple(int(c) for c in cut), t, even, predict_cut(s, even, costs), costs)
 
 
@@ -156,12 +184,21 @@ def measure_parts(model, microbatch, calls: int = 7) -> PartCosts:
     backward as a pullback (the executor's B: residuals kept from the forward).  :func:`balance` measures in
     rounds and keeps the costs (:mod:`jaxpipe.tune.part_costs`)."""
     from .part_costs import measure_rounds, part_programs, to_costs
+
     return to_costs(measure_rounds(part_programs(model, microbatch)[0], 1, calls)[0])
 
 
-def balance(model, num_stages: int, example, schedule: str = "1f1b", num_microbatches: Optional[int] = None,
-            options: Optional[dict] = None, verbose: bool = True, cache_dir: Optional[str] = None,
-            remeasure: bool = False):
+def balance(
+    model,
+    num_stages: int,
+    example,
+    schedule: str = "1f1b",
+    num_microbatches: Optional[int] = None,
+    options: Optional[dict] = None,
+    verbose: bool = True,
+    cache_dir: Optional[str] = None,
+    remeasure: bool = False,
+):
     """``(model with the balanced cut, CutChoice)`` for a model of blocks (``block_fn``; stage parameters
     stacked per stage or, with a cut, per block), measured on ``example`` (one micro-batch) in rounds until
     the choice is stable, or read from the costs an earlier call kept in ``cache_dir``
@@ -170,10 +207,14 @@ def balance(model, num_stages: int, example, schedule: str = "1f1b", num_microba
     per_block_model = per_block(model)
     n = len(per_block_model.cut)
     from .part_costs import stable_costs
+
     choose = lambda c: balanced_cut(n, num_stages, c, schedule, num_microbatches, options).cut
     costs, agreement, source = stable_costs(per_block_model, example, choose, cache_dir, remeasure)
-    choice = dataclasses.replace(balanced_cut(n, num_stages, costs, schedule, num_microbatches, options),
-                                 agreement=agreement, source=source)
+    choice = dataclasses.replace(
+        balanced_cut(n, num_stages, costs, schedule, num_microbatches, options),
+        agreement=agreement,
+        source=source,
+    )
     if verbose:
         print(f"jaxpipe: {choice}")
     return dataclasses.replace(per_block_model, cut=choice.cut, stage_fn=None), choice
@@ -183,13 +224,19 @@ def per_block(model):
     """``model`` (a model of blocks: ``block_fn``, stage parameters stacked per stage or, with a cut, per
     block) with one block a stage: what :func:`measure_parts` and :func:`recut` start from."""
     if model.block_fn is None:
-        raise ConfigError("a balanced cut moves blocks between stages: give the model as block_fn + blocks "
-                          "(PipelineModel(block_fn=..., stage_params=blocks, cut=...)) or use the Flax adapters")
-    blocks = model.stage_params if model.cut is not None else jax.tree.map(
-        lambda a: a.reshape((-1,) + a.shape[2:]), model.stage_params)
+        raise ConfigError(
+            "a balanced cut moves blocks between stages: give the model as block_fn + blocks "
+            "(PipelineModel(block_fn=..., stage_params=blocks, cut=...)) or use the Flax adapters"
+        )
+    blocks = (
+        model.stage_params
+        if model.cut is not None
+        else jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), model.stage_params)
+    )
     n = int(jax.tree.leaves(blocks)[0].shape[0])
-    return dataclasses.replace(model, stage_params=blocks, cut=(1,) * n, stage_fn=None,
-                               context=bool(model.block_context), recut=None)
+    return dataclasses.replace(
+        model, stage_params=blocks, cut=(1,) * n, stage_fn=None, context=bool(model.block_context), recut=None
+    )
 
 
 def recut(model, cut: Sequence[int]):

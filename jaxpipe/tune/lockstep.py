@@ -22,6 +22,7 @@ compiled lane in one tick (slot reads and writes, the conditionals) -- is the on
 (:func:`calibrate_tick`, from one schedule's one-core measurement).  ``placement`` (every function): the plan
 to cost, default ``"auto"`` as ``Pipeline``'s.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,6 +43,7 @@ def running_plan(s: Schedule, placement: str = "auto"):
 class LayerCosts:
     """Seconds for one micro-batch through ONE layer on one device: ``f`` forward, ``b`` the whole backward,
     ``b_input`` / ``w`` zero-bubble's input-gradient and weight-gradient parts."""
+
     f: float
     b: float
     b_input: float
@@ -61,6 +63,7 @@ class Link:
     point its last segment's slope): over a real link the cost per byte is not one number -- two processes
     over Gloo moved 4 MiB at 1.5 GB/s and 16 MiB at 1.3 GB/s, so a line through a small and a 4 MiB message
     priced Chimera's 16 MiB replica 40% low."""
+
     alpha: float
     beta: float
     table: Tuple[Tuple[float, float], ...] = ()
@@ -77,9 +80,10 @@ class Link:
 @dataclasses.dataclass(frozen=True)
 class EdgeCosts:
     """Seconds for one micro-batch of what only the first and the last model stage run: the embedding's
-    (``pre``) forward and backward, the head-and-loss's (``post``).  A head of a large vocabulary costs several
-    blocks: its stage is the slowest device of every tick it runs in.  Zero-bubble's split backward puts the
-    head's backward in B and the embedding's weight gradient in W (as :mod:`jaxpipe.tune.cut`)."""
+    (``pre``) forward and backward, the head-and-loss's (``post``).  A head of a large vocabulary costs
+    several blocks: its stage is the slowest device of every tick it runs in.  Zero-bubble's split backward
+    puts the head's backward in B and the embedding's weight gradient in W (as :mod:`jaxpipe.tune.cut`)."""
+
     f_pre: float = 0.0
     b_pre: float = 0.0
     f_post: float = 0.0
@@ -101,8 +105,9 @@ class EdgeCosts:
         return out
 
 
-def _lane_ops(s: Schedule, layers_per_stage: float, costs: LayerCosts, placement: str = "auto",
-              edges: EdgeCosts = None) -> np.ndarray:
+def _lane_ops(
+    s: Schedule, layers_per_stage: float, costs: LayerCosts, placement: str = "auto", edges: EdgeCosts = None
+) -> np.ndarray:
     """``[tick, device, lane]`` seconds of each planned op (0 where a device is idle in the lane)."""
     p = running_plan(s, placement)
     split = s.has_w()
@@ -117,7 +122,8 @@ def _lane_ops(s: Schedule, layers_per_stage: float, costs: LayerCosts, placement
 
 
 def _compiled_lane_ticks(s: Schedule, placement: str = "auto") -> np.ndarray:
-    """``[tick, lane]``: 1 where the tick's phase compiles the lane (a lane outside its phase costs nothing)."""
+    """``[tick, lane]``: 1 where the tick's phase compiles the lane (a lane outside its phase costs
+    nothing)."""
     p = running_plan(s, placement)
     out = np.zeros((p.num_ticks, len(p.lanes)))
     for t0, t1, lanes in p.phases:
@@ -145,33 +151,61 @@ def layout_bytes(s: Schedule, stage_bytes: float) -> float:
     """Bytes each device moves per step outside the ticks: Chimera's replica of another device's stage,
     fetched at the step's start and its gradient sent home at its end (the executor's identity layout)."""
     soc = s.stage_of_chunk()
-    moved = sum(1 for c in range(soc.shape[1]) if s.num_model_stages == s.D and
-                any(int(soc[d, c]) != d for d in range(s.D)))
+    moved = sum(
+        1
+        for c in range(soc.shape[1])
+        if s.num_model_stages == s.D and any(int(soc[d, c]) != d for d in range(s.D))
+    )
     return 2.0 * moved * stage_bytes
 
 
-def predict_devices(s: Schedule, costs: LayerCosts, layers_per_stage: float, tick: float, link: Link,
-                    act_bytes: float, stage_bytes: float, placement: str = "auto", scale: float = 1.0,
-                    fixed: float = 0.0, edges: EdgeCosts = None) -> Dict[str, float]:
+def predict_devices(
+    s: Schedule,
+    costs: LayerCosts,
+    layers_per_stage: float,
+    tick: float,
+    link: Link,
+    act_bytes: float,
+    stage_bytes: float,
+    placement: str = "auto",
+    scale: float = 1.0,
+    fixed: float = 0.0,
+    edges: EdgeCosts = None,
+) -> Dict[str, float]:
     """The step's seconds on ``s.D`` real devices (module docstring), and its parts.  ``scale`` and ``fixed``
     (:func:`calibrate_step`): the ops' measured costs times ``scale``, plus ``fixed`` seconds a step.
     ``edges``: the embedding's and the head's costs, on the first and last model stage's ops."""
     ops = _lane_ops(s, layers_per_stage, costs, placement, edges)
     lanes = _compiled_lane_ticks(s, placement)
-    compute = float(ops.sum(axis=2).max(axis=1).sum())   # per tick: the slowest device's own actions
-    busy = float(ops.sum() / s.D)                 # one device's share of the work, the bubble-free bound
+    compute = float(ops.sum(axis=2).max(axis=1).sum())  # per tick: the slowest device's own actions
+    busy = float(ops.sum() / s.D)  # one device's share of the work, the bubble-free bound
     lane_fixed = float(lanes.sum() * tick)
     msgs = float(_messages(s, placement).sum() * link(act_bytes))
     n_layout = layout_bytes(s, stage_bytes)
     layout = link(n_layout / 2) * 2 if n_layout else 0.0
-    return {"step": scale * compute + lane_fixed + msgs + layout + fixed, "compute": scale * compute,
-            "busy": scale * busy, "fixed": lane_fixed + fixed,
-            "messages": msgs, "layout": layout, "lane_ticks": float(lanes.sum()),
-            "ticks": float(lanes.shape[0]), "ppermutes": float(_messages(s, placement).sum())}
+    return {
+        "step": scale * compute + lane_fixed + msgs + layout + fixed,
+        "compute": scale * compute,
+        "busy": scale * busy,
+        "fixed": lane_fixed + fixed,
+        "messages": msgs,
+        "layout": layout,
+        "lane_ticks": float(lanes.sum()),
+        "ticks": float(lanes.shape[0]),
+        "ppermutes": float(_messages(s, placement).sum()),
+    }
 
 
-def predict_one_core(s: Schedule, costs: LayerCosts, layers_per_stage: float, tick: float, copy: Link,
-                     act_bytes: float, stage_bytes: float, placement: str = "auto") -> Dict[str, float]:
+def predict_one_core(
+    s: Schedule,
+    costs: LayerCosts,
+    layers_per_stage: float,
+    tick: float,
+    copy: Link,
+    act_bytes: float,
+    stage_bytes: float,
+    placement: str = "auto",
+) -> Dict[str, float]:
     """The step's seconds with every device's work on one core (module docstring): ``copy`` is one
     ``ppermute`` over the D emulated devices (D copies) as measured on that core."""
     work = float(_lane_ops(s, layers_per_stage, costs, placement).sum())
@@ -180,12 +214,26 @@ def predict_one_core(s: Schedule, costs: LayerCosts, layers_per_stage: float, ti
     msgs = float(_messages(s, placement).sum() * copy(act_bytes))
     n_layout = layout_bytes(s, stage_bytes)
     layout = 2 * copy(n_layout / 2) if n_layout else 0.0
-    return {"step": work + fixed + msgs + layout, "work": work, "fixed": fixed, "messages": msgs,
-            "layout": layout}
+    return {
+        "step": work + fixed + msgs + layout,
+        "work": work,
+        "fixed": fixed,
+        "messages": msgs,
+        "layout": layout,
+    }
 
 
-def calibrate_tick(s: Schedule, costs: LayerCosts, layers_per_stage: float, copy: Link, act_bytes: float,
-                   stage_bytes: float, measured: float, baseline: float = 0.0, placement: str = "auto") -> float:
+def calibrate_tick(
+    s: Schedule,
+    costs: LayerCosts,
+    layers_per_stage: float,
+    copy: Link,
+    act_bytes: float,
+    stage_bytes: float,
+    measured: float,
+    baseline: float = 0.0,
+    placement: str = "auto",
+) -> float:
     """The per-device, per-lane-tick cost that makes :func:`predict_one_core` of ``s`` equal ``measured``
     seconds (``baseline``: what the one-core measurement holds besides the plan, e.g. the plain step's
     own fixed cost; 0 by default).  Clipped at 0."""
@@ -194,14 +242,15 @@ def calibrate_tick(s: Schedule, costs: LayerCosts, layers_per_stage: float, copy
     return max((measured - baseline - rest["step"]) / (lane_ticks * s.D), 0.0)
 
 
-def calibrate_step(parts: Sequence[Dict[str, float]], measured: Sequence[float],
-                   fit_scale: bool = False) -> Tuple[float, float]:
+def calibrate_step(
+    parts: Sequence[Dict[str, float]], measured: Sequence[float], fit_scale: bool = False
+) -> Tuple[float, float]:
     """``(scale, fixed)`` such that ``scale * compute + fixed + the rest`` of each of :func:`predict_devices`'
     ``parts`` (predicted with ``scale=1, fixed=0``) meets the ``measured`` seconds: ``fixed`` is a step's own
     cost beyond its ticks (the update, the call's start on every process), the mean over the runs.  With
-    ``fit_scale`` and runs at two or more micro-batch counts, ``scale`` is fitted too (least squares, kept within
-    [0.5, 2]): op costs derived from a plain step carry that step's own fixed cost.  Measured on the two-process
-    testbed the fitted scale moved by 10% between runs, so the default keeps ``scale`` 1."""
+    ``fit_scale`` and runs at two or more micro-batch counts, ``scale`` is fitted too (least squares, kept
+    within [0.5, 2]): op costs derived from a plain step carry that step's own fixed cost.  Measured on the
+    two-process testbed the fitted scale moved by 10% between runs, so the default keeps ``scale`` 1."""
     compute = np.array([p["compute"] for p in parts])
     rest = np.array([p["step"] - p["compute"] for p in parts])
     y = np.asarray(measured, float) - rest

@@ -2,6 +2,7 @@
 stage's forward / backward on one micro-batch with n devices busy at once, ``ppermute`` and all-reduce
 alpha-beta, and the optimizer update.  Each is a small ``shard_map`` program timed as the median of a few
 calls, every call looping ``reps`` times on the device (so dispatch does not count)."""
+
 from __future__ import annotations
 
 import statistics
@@ -48,8 +49,9 @@ def time_branches(fn: Callable, n: int, args, calls: int, per: int) -> List[floa
     return t
 
 
-def op_costs(stage_fn, w, x, devices: int, busy: Sequence[int], reps: int = 8, split: bool = False
-             ) -> Dict[str, List[float]]:
+def op_costs(
+    stage_fn, w, x, devices: int, busy: Sequence[int], reps: int = 8, split: bool = False
+) -> Dict[str, List[float]]:
     """``{"F": [...], "B": [...] (, "W": [...])}``: seconds per op with n of ``devices`` busy, for every n
     in 1..devices (measured at ``busy``, linearly interpolated between).  B is the pullback only (the
     executor rebuilds it from stashed residuals, it does not rerun the forward); with ``split`` B is the
@@ -77,6 +79,7 @@ def op_costs(stage_fn, w, x, devices: int, busy: Sequence[int], reps: int = 8, s
                     if kind == "B" and split:
                         return dx.astype(dh.dtype), acc
                     return dx.astype(dh.dtype), acc_dw
+
                 zeros = jax.tree.map(jnp.zeros_like, w)
                 dh, acc = lax.fori_loop(0, reps, one, (h, zeros))
                 return dh + 1e-30 * sum(jnp.sum(l[..., :1]) for l in jax.tree.leaves(acc))
@@ -84,6 +87,7 @@ def op_costs(stage_fn, w, x, devices: int, busy: Sequence[int], reps: int = 8, s
             run = f_loop if kind == "F" else b_loop
             out = lax.cond(me < n, run, lambda h: h, y)
             return jnp.sum(out)[None]
+
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=rep_spec, out_specs=P("x"), check_vma=False))
 
     kinds = ["F", "B"] + (["W"] if split else [])
@@ -98,12 +102,15 @@ def op_costs(stage_fn, w, x, devices: int, busy: Sequence[int], reps: int = 8, s
 
 
 def edge_costs(model, mb, calls: int = 9) -> Dict[str, float]:
-    """``{"f_pre", "b_pre", "f_post", "b_post"}``: seconds of the embedding's (``pre``) and the head-and-loss's
-    (``post_loss``) forward and backward (the pullback, residuals kept) on the micro-batch ``mb``, each the
-    least of ``calls`` calls, on the default device (:class:`~jaxpipe.tune.lockstep.EdgeCosts`)."""
+    """``{"f_pre", "b_pre", "f_post", "b_post"}``: seconds of the embedding's (``pre``) and the
+    head-and-loss's (``post_loss``) forward and backward (the pullback, residuals kept) on the micro-batch
+    ``mb``, each the least of ``calls`` calls, on the default device
+    (:class:`~jaxpipe.tune.lockstep.EdgeCosts`)."""
     x = jax.jit(model.pre)(model.pre_params, mb)
-    parts = {"pre": (lambda p: model.pre(p, mb), (model.pre_params,)),
-             "post": (lambda p, h: model.post_loss(p, h, mb), (model.post_params, x))}
+    parts = {
+        "pre": (lambda p: model.pre(p, mb), (model.pre_params,)),
+        "post": (lambda p, h: model.post_loss(p, h, mb), (model.post_params, x)),
+    }
     out = {}
     for name, (f, args) in parts.items():
         ct = jax.tree.map(lambda a: jnp.ones(a.shape, a.dtype), jax.eval_shape(f, *args))
@@ -120,6 +127,7 @@ def layer_costs(stage_fn, w, x, layers: int, reps: int = 8):
     per-layer output gradients B kept (``runtime.wsplit``), so it runs the weight products alone (W measured
     apart would back-propagate through the stage again: ``w_from="recompute"``)."""
     from .lockstep import LayerCosts
+
     whole = op_costs(stage_fn, w, x, 1, [1], reps=reps)
     split = op_costs(stage_fn, w, x, 1, [1], reps=reps, split=True)
     f, b, b_in = whole["F"][0] / layers, whole["B"][0] / layers, split["B"][0] / layers
@@ -144,8 +152,10 @@ def p2p_alpha_beta(devices: int, sizes=(1 << 12, 1 << 16, 1 << 20), reps: int = 
         a = _global_ones(mesh, P("x"), devices * (L // 4))
         per = []
         for k in (reps // 4, reps):
+
             def body(a, k=k):
                 return lax.fori_loop(0, k, lambda i, a: lax.ppermute(a, "x", perm) * 1.0000001, a)
+
             fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
             per.append(_timeit(fn, (a,)))
         ts.append(max(per[1] - per[0], 0.0) / (reps - reps // 4))
@@ -162,14 +172,19 @@ def allreduce_alpha_beta(devices: int, sizes=(1 << 12, 1 << 16, 1 << 20), reps: 
         return 0.0, 0.0
     mesh = Mesh(np.array(jax.devices()[:devices]).reshape(devices // group, group), ("g", "x"))
     ts = []
-    for L in sizes:           # inside a compiled loop, as p2p_alpha_beta: loops of reps // 4 and reps
+    for L in sizes:  # inside a compiled loop, as p2p_alpha_beta: loops of reps // 4 and reps
         a = _global_ones(mesh, P(("g", "x")), devices * (L // 4))
         per = []
         for k in (reps // 4, reps):
+
             def body(a, k=k):
                 return lax.fori_loop(0, k, lambda i, a: lax.psum(a, "x") * (1.0 / group), a)
-            fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(("g", "x")), out_specs=P(("g", "x")),
-                                       check_vma=False))
+
+            fn = jax.jit(
+                jax.shard_map(
+                    body, mesh=mesh, in_specs=P(("g", "x")), out_specs=P(("g", "x")), check_vma=False
+                )
+            )
             per.append(_timeit(fn, (a,)))
         ts.append(max(per[1] - per[0], 0.0) / (reps - reps // 4))
     slope, icpt = np.polyfit(np.array(sizes, float), np.array(ts), 1)
@@ -186,15 +201,22 @@ def tree_allreduce_time(tree, devices: int, group: int, reps: int = 4) -> float:
         return 0.0
     mesh = Mesh(np.array(jax.devices()[:devices]).reshape(devices // group, group), ("g", "x"))
     spec = P(("g", "x"))
-    # every leaf's zeros from one program (a program per leaf compiled ~60 times for a GPT: 10 s of a cold search)
-    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct((devices,) + tuple(np.shape(a)), jnp.asarray(a).dtype), tree)
-    t = jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
-                out_shardings=jax.tree.map(lambda _: NamedSharding(mesh, spec), shapes))()
+    # every leaf's zeros from one program (a program per leaf compiled ~60 times for a GPT: 10 s of a cold
+    # search)
+    shapes = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct((devices,) + tuple(np.shape(a)), jnp.asarray(a).dtype), tree
+    )
+    t = jax.jit(
+        lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
+        out_shardings=jax.tree.map(lambda _: NamedSharding(mesh, spec), shapes),
+    )()
     per = []
     for k in (1, reps):
+
         def body(t, k=k):
             step = lambda i, t: jax.tree.map(lambda a: (lax.psum(a, "x") * (1.0 / group)).astype(a.dtype), t)
             return lax.fori_loop(0, k, step, t)
+
         fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
         per.append(_timeit(fn, (t,), calls=3))
     return max(per[1] - per[0], 0.0) / (reps - 1)
@@ -203,6 +225,7 @@ def tree_allreduce_time(tree, devices: int, group: int, reps: int = 4) -> float:
 def update_time(opt, params, mesh, spec) -> float:
     """The optimizer update of ``params`` placed with ``spec`` on ``mesh`` (one jitted call)."""
     import optax
+
     sh = jax.tree.map(lambda _: NamedSharding(mesh, spec), params)
     p = jax.device_put(params, sh)
     state = jax.jit(opt.init)(p)

@@ -1,8 +1,9 @@
-"""The measured costs behind a balanced cut: in rounds until the choice is stable, and kept per (model, backend).
+"""The measured costs behind a balanced cut: in rounds until the choice is stable, and kept per (model,
+backend).
 
 Measuring a block, a padding slot, the embedding and the head compiles eight small programs and times each;
-on a busy 2-core machine that took 30-45 s on every ``from_nnx(cut="balanced")`` call, and the chosen cut moved
-from run to run (issue #52: 25% between runs).  So:
+on a busy 2-core machine that took 30-45 s on every ``from_nnx(cut="balanced")`` call, and the chosen cut
+moved from run to run (issue #52: 25% between runs).  So:
 
 * :func:`measure_rounds` compiles the eight programs once and times them in rounds, each round calling every
   program in turn (a drift of the machine touches every part alike); each round gives one
@@ -16,6 +17,7 @@ from run to run (issue #52: 25% between runs).  So:
   call with the same key reads them: no measuring, and the same cut.  ``balance={"remeasure": True}`` measures
   again and replaces them; ``balance={"cache_dir": ""}`` keeps nothing.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,7 +40,8 @@ def cache_dir(given: Optional[str] = None) -> str:
     if given is not None:
         return given
     root = os.environ.get("JAXPIPE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "jaxpipe")
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "jaxpipe"
+    )
     return os.path.join(root, "cuts")
 
 
@@ -48,23 +51,33 @@ def part_programs(model, microbatch) -> Tuple[List[Tuple[str, Callable, tuple]],
     part that says what is computed)."""
     import jax.numpy as jnp
     from ..cuts import pad_blocks, stage_of_blocks
+
     stage_p, pre_p, post_p = model.params
-    if model.cut is not None:                 # one block as a stage of one slot
+    if model.cut is not None:  # one block as a stage of one slot
         w = jax.tree.map(lambda a: a[0], pad_blocks(jax.tree.map(lambda a: a[:1], stage_p), (1,)))
     else:
         w = jax.tree.map(lambda a: a[0], stage_p)
-    one = dataclasses.replace(model, cut=None, stage_params=jax.tree.map(lambda a: a[None], w), recut=None) \
-        if model.cut is not None else model
+    one = (
+        dataclasses.replace(model, cut=None, stage_params=jax.tree.map(lambda a: a[None], w), recut=None)
+        if model.cut is not None
+        else model
+    )
     ctx = one.example_context(microbatch)
     x = jax.jit(model.pre)(pre_p, microbatch)
     # a stage of one real block and one padding slot (cut (1, 2), stage 0), over the one-block stage
     two = stage_of_blocks(model.block_fn, (1, 2), bool(model.block_context)) if model.block_fn else None
     w2 = jax.tree.map(lambda a: jnp.concatenate([a, a]), w)
-    ctx2 = dataclasses.replace(ctx, stage=jnp.int32(0)) if ctx is not None else one.stage_context(microbatch, None, 0)
-    parts = [("block", lambda w_, x_: one.apply_stage(w_, x_, ctx), (w, x)),
-             ("two", (lambda w_, x_: two(w_, x_, ctx2)) if two else None, (w2, x)),
-             ("pre", lambda p: model.pre(p, microbatch), (pre_p,)),
-             ("post", lambda p, x_: model.post_loss(p, x_, microbatch), (post_p, x))]
+    ctx2 = (
+        dataclasses.replace(ctx, stage=jnp.int32(0))
+        if ctx is not None
+        else one.stage_context(microbatch, None, 0)
+    )
+    parts = [
+        ("block", lambda w_, x_: one.apply_stage(w_, x_, ctx), (w, x)),
+        ("two", (lambda w_, x_: two(w_, x_, ctx2)) if two else None, (w2, x)),
+        ("pre", lambda p: model.pre(p, microbatch), (pre_p,)),
+        ("post", lambda p, x_: model.post_loss(p, x_, microbatch), (post_p, x)),
+    ]
     programs, text = [], []
     for name, f, args in parts:
         if f is None:
@@ -78,7 +91,7 @@ def part_programs(model, microbatch) -> Tuple[List[Tuple[str, Callable, tuple]],
 
 def measure_rounds(programs, rounds: int, calls: int = 7) -> List[dict]:
     """Each round: every program's median over ``calls`` calls (seconds), the programs taken in turn."""
-    for _, fn, args in programs:                       # compile and warm up, once
+    for _, fn, args in programs:  # compile and warm up, once
         jax.block_until_ready(fn(*args))
     out = []
     for _ in range(rounds):
@@ -95,12 +108,22 @@ def measure_rounds(programs, rounds: int, calls: int = 7) -> List[dict]:
 
 
 def to_costs(r: dict):
-    """A round's timings as :class:`~jaxpipe.tune.cut.PartCosts` (a backward: forward-and-backward less forward)."""
+    """A round's timings as :class:`~jaxpipe.tune.cut.PartCosts` (a backward: forward-and-backward less
+    forward)."""
     from .cut import PartCosts
+
     back = lambda p: max(r[f"fb_{p}"] - r[f"f_{p}"], 0.0)
     f_two, b_two = (r["f_two"], back("two")) if "f_two" in r else (r["f_block"], back("block"))
-    return PartCosts(r["f_block"], back("block"), r["f_pre"], back("pre"), r["f_post"], back("post"),
-                     max(f_two - r["f_block"], 0.0), max(b_two - back("block"), 0.0))
+    return PartCosts(
+        r["f_block"],
+        back("block"),
+        r["f_pre"],
+        back("pre"),
+        r["f_post"],
+        back("post"),
+        max(f_two - r["f_block"], 0.0),
+        max(b_two - back("block"), 0.0),
+    )
 
 
 def median_round(rounds: Sequence[dict]) -> dict:
@@ -125,28 +148,41 @@ def check_directory(directory: str) -> None:
     """A ConfigError, before anything is measured, where ``directory`` cannot hold the cut costs: a file, or a
     path under a file."""
     from ..errors import ConfigError
+
     if not directory:
         return
     from ..validate import file_in_the_way
+
     mine = os.path.abspath(directory)
     path = mine if os.path.isfile(mine) else file_in_the_way(mine)
     if path:
-        raise ConfigError(f"the cut costs' cache {directory} {'is' if path == mine else 'lies under'} "
-                          f"a file ({path}), not a directory: set $JAXPIPE_CACHE_DIR (or balance={{'cache_dir': ...}}) "
-                          f"to a directory, or balance={{'cache_dir': ''}} to keep nothing")
+        raise ConfigError(
+            f"the cut costs' cache {directory} {'is' if path == mine else 'lies under'} "
+            f"a file ({path}), not a directory: set $JAXPIPE_CACHE_DIR (or balance={{'cache_dir': ...}}) "
+            f"to a directory, or balance={{'cache_dir': ''}} to keep nothing"
+        )
 
 
 def _valid_rounds(rounds) -> bool:
-    return (isinstance(rounds, list) and bool(rounds) and all(
-        isinstance(r, dict) and all(k in r for k in ROUND_KEYS) and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and 0 <= v < float("inf")
-            for v in r.values()) for r in rounds))
+    return (
+        isinstance(rounds, list)
+        and bool(rounds)
+        and all(
+            isinstance(r, dict)
+            and all(k in r for k in ROUND_KEYS)
+            and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and 0 <= v < float("inf")
+                for v in r.values()
+            )
+            for r in rounds
+        )
+    )
 
 
 def load(directory: str, key: str) -> Optional[List[dict]]:
     """The rounds kept for ``key``, or None.  A file that is not such a record (unreadable, not JSON, JSON of
-    another shape: an interrupted copy, a hand edit) is set aside as ``.bad`` with a warning, and the costs are
-    measured again."""
+    another shape: an interrupted copy, a hand edit) is set aside as ``.bad`` with a warning, and the costs
+    are measured again."""
     if not directory:
         return None
     path = os.path.join(directory, f"{key}.json")
@@ -160,14 +196,16 @@ def load(directory: str, key: str) -> Optional[List[dict]]:
         return None
     rounds = data.get("rounds") if isinstance(data, dict) else None
     if not _valid_rounds(rounds):
-        _set_aside(path, "is not a record of measured rounds (each a table of "
-                         f"{', '.join(ROUND_KEYS)} in seconds)")
+        _set_aside(
+            path, f"is not a record of measured rounds (each a table of {', '.join(ROUND_KEYS)} in seconds)"
+        )
         return None
     return rounds
 
 
 def _set_aside(path: str, why: str) -> None:
     from .measure_cache import set_aside
+
     set_aside(path, why)
 
 
@@ -180,16 +218,25 @@ def store(directory: str, key: str, rounds: List[dict]) -> Optional[str]:
         path = os.path.join(directory, f"{key}.json")
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "w") as fh:
-            json.dump({"rounds": rounds, "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-                       "written": time.strftime("%Y-%m-%d %H:%M:%S")}, fh, indent=1)
+            json.dump(
+                {
+                    "rounds": rounds,
+                    "device": str(jax.devices()[0].device_kind),
+                    "jax": jax.__version__,
+                    "written": time.strftime("%Y-%m-%d %H:%M:%S"),
+                },
+                fh,
+                indent=1,
+            )
         os.replace(tmp, path)
         return path
-    except OSError:             # a read-only home: the choice stands, it is only not kept
+    except OSError:  # a read-only home: the choice stands, it is only not kept
         return None
 
 
-def stable_costs(model, microbatch, choose: Callable, directory: Optional[str] = None,
-                 remeasure: bool = False) -> Tuple[object, Tuple[int, int], str]:
+def stable_costs(
+    model, microbatch, choose: Callable, directory: Optional[str] = None, remeasure: bool = False
+) -> Tuple[object, Tuple[int, int], str]:
     """``(median PartCosts, (rounds agreeing with the median's choice, rounds), source)`` -- ``choose(costs)``
     gives the cut a PartCosts picks; source is "measured" or the cache file read (module docstring)."""
     directory = cache_dir(directory)

@@ -1,18 +1,20 @@
 """Step-time model of a schedule (Chimera §3.4, equation (1)), plus the lockstep form jaxpipe's executor pays.
 
 Paper (MPMD, event-driven):  T = (F_t + Comm_p2p) C_f + (B_t + Comm_p2p) C_b + max_i Comm_unoverlapped(i),
-with C_f, C_b the forwards and backwards on the critical path (read off the IR by :func:`critical_path_counts`),
-Comm_p2p = alpha + beta L (one activation), and the gradient all-reduce of r stage replicas by Rabenseifner's
-algorithm, 2 log2(r) alpha + 2 (r-1)/r beta L, of which only what does not fit in the device's free region
-after its last backward counts (:func:`unoverlapped_allreduce`).
+with C_f, C_b the forwards and backwards on the critical path (read off the IR by
+:func:`critical_path_counts`), Comm_p2p = alpha + beta L (one activation), and the gradient all-reduce of r
+stage replicas by Rabenseifner's algorithm, 2 log2(r) alpha + 2 (r-1)/r beta L, of which only what does not
+fit in the device's free region after its last backward counts (:func:`unoverlapped_allreduce`).
 
 jaxpipe's SPMD executor runs lockstep ticks (one op per device per tick, every device waits for the tick's
 slowest op, one ``ppermute`` per channel each tick) and reduces gradients after the pipeline, so its model is
-    T = sum_ticks [ cost(op kind, busy devices) + channels * Comm_p2p ] + ops * c_op + Comm_allreduce + T_update,
+    T = sum_ticks [ cost(op kind, busy devices) + channels * Comm_p2p ] + ops * c_op
+        + Comm_allreduce + T_update,
 with ``cost(kind, k)`` the measured time of k devices running that op at once (a flat function of k on a GPU
 per device; on CPU-emulated devices sharing cores it grows with k, which is why it is measured per k).
 No JAX here: the measured numbers come from :mod:`.microbench`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,13 +30,14 @@ class Costs:
     micro-batch on one stage when k devices run it at once (k = 1..D).  p2p: one ``ppermute`` of ``L``
     bytes costs ``p2p_alpha + p2p_beta * L``; all-reduce over r replicas: Rabenseifner with ``ar_alpha``,
     ``ar_beta``; ``update``: the optimizer update of the whole model's parameters held per device."""
+
     op: Dict[str, List[float]]
     p2p_alpha: float
     p2p_beta: float
     ar_alpha: float
     ar_beta: float
     update: float = 0.0
-    overhead: float = 0.0          # per step: dispatch and the gather/scatter around the program
+    overhead: float = 0.0  # per step: dispatch and the gather/scatter around the program
 
     def op_time(self, kind: str, k: int) -> float:
         row = self.op[kind]
@@ -131,7 +134,7 @@ def unoverlapped_allreduce(s: Schedule, costs: Costs, grad_bytes: float, replica
                 chunks[a.chunk] = max(chunks.get(a.chunk, 0.0), place["finish"][(a.kind, a.stage, a.mb)])
         left, clock = 0.0, 0.0
         for _, t_done in sorted(chunks.items(), key=lambda x: x[1]):
-            need = costs.allreduce(grad_bytes, replicas) + left     # a later replica waits for the earlier
+            need = costs.allreduce(grad_bytes, replicas) + left  # a later replica waits for the earlier
             for a0, a1 in free_regions(s, d, max(t_done, clock), place):
                 use = min(need, a1 - a0)
                 need, clock = need - use, a0 + use
@@ -142,9 +145,17 @@ def unoverlapped_allreduce(s: Schedule, costs: Costs, grad_bytes: float, replica
     return worst
 
 
-def predict(s: Schedule, costs: Costs, act_bytes: float, grad_bytes: float, replicas: int,
-            width: int = 1, channels: Optional[int] = None, chunk_tick_overhead: float = 0.0,
-            op_overhead: float = 0.0) -> Dict[str, float]:
+def predict(
+    s: Schedule,
+    costs: Costs,
+    act_bytes: float,
+    grad_bytes: float,
+    replicas: int,
+    width: int = 1,
+    channels: Optional[int] = None,
+    chunk_tick_overhead: float = 0.0,
+    op_overhead: float = 0.0,
+) -> Dict[str, float]:
     """Predicted step time, seconds: ``lockstep`` (jaxpipe's executor) and ``paper`` (equation (1)).
 
     act_bytes: one micro-batch's activation message; grad_bytes: one stage's gradients; replicas: how many
@@ -159,9 +170,11 @@ def predict(s: Schedule, costs: Costs, act_bytes: float, grad_bytes: float, repl
     idle_ticks = s.num_ticks - sum(prof.values())
     compute = sum(n * costs.op_time(kind, k * width) for (kind, k), n in prof.items())
     nchunk = int(s.stage_of_chunk().shape[1])
-    p2p = s.num_ticks * (ch * costs.p2p(act_bytes) if s.D > 1 else 0.0) + \
-        s.num_ticks * (nchunk - 1) * chunk_tick_overhead + \
-        op_overhead * width * sum(len(a) for a in s.actions)
+    p2p = (
+        s.num_ticks * (ch * costs.p2p(act_bytes) if s.D > 1 else 0.0)
+        + s.num_ticks * (nchunk - 1) * chunk_tick_overhead
+        + op_overhead * width * sum(len(a) for a in s.actions)
+    )
     ar = nchunk * costs.allreduce(grad_bytes, replicas)
     # Chimera: each extra replica is fetched from its owner by one ppermute and its gradient sent back by
     # another; interleaved: the step gathers the device's chunks and scatter-adds their gradients
@@ -173,11 +186,26 @@ def predict(s: Schedule, costs: Costs, act_bytes: float, grad_bytes: float, repl
     else:
         layout = 2 * nchunk * costs.p2p(grad_bytes)
     lock = compute + p2p + ar + layout + costs.update + costs.overhead
-    n = min(s.D * width, len(costs.op[F]))       # the paper's F_t: every device busy
+    n = min(s.D * width, len(costs.op[F]))  # the paper's F_t: every device busy
     ft, bt = costs.op_time(F, n), costs.op_time(B, n)
     cf, cb = critical_path_counts(s, ft, bt, costs.op_time(W, n) if s.has_w() else 1.0)
     pp = costs.p2p(act_bytes) if s.D > 1 else 0.0
-    paper = ((ft + pp) * cf + (bt + pp) * cb
-             + unoverlapped_allreduce(s, costs, grad_bytes, replicas) + costs.update + costs.overhead)
-    return {"lockstep": lock, "paper": paper, "C_f": cf, "C_b": cb, "ticks": s.num_ticks,
-            "idle_ticks": idle_ticks, "compute": compute, "p2p": p2p, "allreduce": ar, "layout": layout}
+    paper = (
+        (ft + pp) * cf
+        + (bt + pp) * cb
+        + unoverlapped_allreduce(s, costs, grad_bytes, replicas)
+        + costs.update
+        + costs.overhead
+    )
+    return {
+        "lockstep": lock,
+        "paper": paper,
+        "C_f": cf,
+        "C_b": cb,
+        "ticks": s.num_ticks,
+        "idle_ticks": idle_ticks,
+        "compute": compute,
+        "p2p": p2p,
+        "allreduce": ar,
+        "layout": layout,
+    }

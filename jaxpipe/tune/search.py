@@ -1,6 +1,7 @@
 """Configuration search (Chimera §3.4): every (W, D, B, N, schedule) that fits a memory budget, ranked by
 predicted step time.  W data-parallel replicas x D stages = P devices, B micro-batch size, N = batch / (W B)
 micro-batches per replica.  No JAX here."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -8,16 +9,16 @@ from typing import Iterable, List, Optional
 
 from .. import schedules
 
-SCHEDULES = tuple(name for name, m in schedules.METHODS.items() if m.tunable)   # declared: Method.tunable
+SCHEDULES = tuple(name for name, m in schedules.METHODS.items() if m.tunable)  # declared: Method.tunable
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     schedule: str
-    W: int               # data-parallel width
-    D: int               # pipeline stages (devices per pipeline)
-    B: int               # micro-batch size
-    N: int               # micro-batches per replica per step
+    W: int  # data-parallel width
+    D: int  # pipeline stages (devices per pipeline)
+    B: int  # micro-batch size
+    N: int  # micro-batches per replica per step
 
     def options(self) -> dict:
         """The method's options as the search uses them: its defaults, two model chunks per device where the
@@ -37,8 +38,14 @@ class Candidate:
         return f"{self.schedule} W={self.W} D={self.D} B={self.B} N={self.N}"
 
 
-def enumerate_candidates(devices: int, batch: int, num_layers: int, schedule_names: Iterable[str] = SCHEDULES,
-                         micro_batch_sizes: Optional[Iterable[int]] = None, max_n: int = 64) -> List[Candidate]:
+def enumerate_candidates(
+    devices: int,
+    batch: int,
+    num_layers: int,
+    schedule_names: Iterable[str] = SCHEDULES,
+    micro_batch_sizes: Optional[Iterable[int]] = None,
+    max_n: int = 64,
+) -> List[Candidate]:
     out = []
     for D in range(1, devices + 1):
         if devices % D:
@@ -47,7 +54,7 @@ def enumerate_candidates(devices: int, batch: int, num_layers: int, schedule_nam
         if batch % W:
             continue
         per = batch // W
-        for B in (micro_batch_sizes or [b for b in range(1, per + 1) if per % b == 0]):
+        for B in micro_batch_sizes or [b for b in range(1, per + 1) if per % b == 0]:
             if per % B or per // B > max_n:
                 continue
             N = per // B
@@ -58,23 +65,29 @@ def enumerate_candidates(devices: int, batch: int, num_layers: int, schedule_nam
                 try:
                     c.build()
                 except (schedules.ScheduleError, ValueError):
-                    continue          # e.g. chimera with odd D, interleaved with N not a multiple of D
+                    continue  # e.g. chimera with odd D, interleaved with N not a multiple of D
                 out.append(c)
     return out
 
 
-def memory_estimate(c: Candidate, stage_param_bytes: float, stash_bytes_per_mb: float,
-                    optimizer_copies: float = 2.0, message_bytes: float = 0.0) -> float:
+def memory_estimate(
+    c: Candidate,
+    stage_param_bytes: float,
+    stash_bytes_per_mb: float,
+    optimizer_copies: float = 2.0,
+    message_bytes: float = 0.0,
+) -> float:
     """Bytes per device: weights x copies the schedule holds (Chimera 2f replicas), optimizer state and a
     gradient accumulator per copy, the stash (the executor's slot capacity, which is >= the peak in-flight
     micro-batches), and the message buffer.  Chimera eq.: weights 2f M_theta, activations [(D/2+1), D] M_a.
-    ``stage_param_bytes`` / ``stash_bytes_per_mb`` are for one stage of the D-stage cut at micro-batch size B."""
+    ``stage_param_bytes`` / ``stash_bytes_per_mb`` are for one stage of the D-stage cut at micro-batch size
+    B."""
     s = c.build()
-    t = s.plan("ordered")      # the one-op-per-tick plan's slots (the memory bound the paper formulas state)
+    t = s.plan("ordered")  # the one-op-per-tick plan's slots (the memory bound the paper formulas state)
     copies = int(s.stage_of_chunk().shape[1])
     per = schedules.method(c.schedule).stages_per_device(c.options())
-    if per > 1 and copies == per:       # the D-stage cut's stage split in chunks: each chunk holds 1/per of it
+    if per > 1 and copies == per:  # the D-stage cut's stage split in chunks: each chunk holds 1/per of it
         stage_param_bytes = stage_param_bytes / per
         stash_bytes_per_mb = stash_bytes_per_mb / per
-    weights = copies * stage_param_bytes * (2 + optimizer_copies)     # params, grads, optimizer state
+    weights = copies * stage_param_bytes * (2 + optimizer_copies)  # params, grads, optimizer state
     return weights + (t.stash_capacity + 1) * stash_bytes_per_mb + (t.mbuf_capacity + 1) * message_bytes

@@ -5,16 +5,19 @@ The executor writes each micro-batch's residuals into a stash slot (:class:`~jax
 and its backward reads them ticks later, after other micro-batches' work went through the cache.  Measured on
 one pinned core (GPT d 128, 2 blocks a stage): a stage stashing every residual of 8-sequence micro-batches
 (20 MiB a slot) cost 16.2 + 26.3 ms a micro-batch through a stash against 6.1 + 20.6 back to back; with
-4-sequence ones (10 MiB) both ways cost the same.  The two-process testbed's steps were 194 against 130 ms -- the order the back-to-back costs predicted the other way round (issue #53).
+4-sequence ones (10 MiB) both ways cost the same.  The two-process testbed's steps were 194 against 130 ms --
+the order the back-to-back costs predicted the other way round (issue #53).
 
-Here one program writes ``slots`` micro-batches' residuals into a stash (F), then runs the backward of each from
-its slot (B); under zero-bubble's split, B-input keeps each slot's frontier and W reads it, with the executor's
-own split (:func:`jaxpipe.runtime.wsplit.split_backward`: W is priced as it runs, a recomputed backward where
-the stage cannot be split); B is the whole backward as a flushing schedule runs it (where the stage splits, the
-input part and then W's added into the gradient sums in place).  The op is a runtime argument of a
-``lax.switch`` (one compile; each branch runs the forwards first): F = t(F), B = t(F, B) - t(F), B-input = t(F, B-input) - t(F), W = t(F, B-input, W) -
-t(F, B-input).  Seconds per micro-batch, the least of ``calls`` timed calls of each, taken in turns.
+Here one program writes ``slots`` micro-batches' residuals into a stash (F), then runs the backward of each
+from its slot (B); under zero-bubble's split, B-input keeps each slot's frontier and W reads it, with the
+executor's own split (:func:`jaxpipe.runtime.wsplit.split_backward`: W is priced as it runs, a recomputed
+backward where the stage cannot be split); B is the whole backward as a flushing schedule runs it (where the
+stage splits, the input part and then W's added into the gradient sums in place).  The op is a runtime
+argument of a ``lax.switch`` (one compile; each branch runs the forwards first): F = t(F), B = t(F, B) - t(F),
+B-input = t(F, B-input) - t(F), W = t(F, B-input, W) - t(F, B-input).  Seconds per micro-batch, the least of
+``calls`` timed calls of each, taken in turns.
 """
+
 from __future__ import annotations
 
 from typing import Dict
@@ -40,9 +43,11 @@ def _put(stash, i, values):
 
 
 def _whole_backward(sop, w, res, dy, avals, acc):
-    """``(dx, acc + dw)`` as a flushing schedule's summing B runs it: where the stage scans its layers, the input
-    part and then W's added into the sums in place (``runtime.lanes_backward.bwd``); else the fused backward."""
+    """``(dx, acc + dw)`` as a flushing schedule's summing B runs it: where the stage scans its layers, the
+    input part and then W's added into the sums in place (``runtime.lanes_backward.bwd``); else the fused
+    backward."""
     from ..runtime.wsplit import split_backward
+
     sp = split_backward(sop.backward, w, res, dy, avals)
     if sp is not None and sp.in_place:
         dx, fr = sp.input_part(w, res, dy)
@@ -51,12 +56,15 @@ def _whole_backward(sop, w, res, dy, avals, acc):
     return dx, jax.tree.map(jnp.add, acc, dw)
 
 
-def stashed_stage_costs(model, w, x, mb, split: bool = True, slots: int = 4, calls: int = 7) -> Dict[str, float]:
+def stashed_stage_costs(
+    model, w, x, mb, split: bool = True, slots: int = 4, calls: int = 7
+) -> Dict[str, float]:
     """``{"F", "B", "B_input", "W", "splits"}`` of one stage of ``model`` (weights ``w``, input activation
     ``x``, micro-batch ``mb`` for a context model's stage context) with ``slots`` micro-batches in the stash
     (module docstring).  Without ``split``, B_input is half of B and W the other half (unused)."""
     from ..runtime.stage import StageOps
     from ..runtime.wsplit import split_backward
+
     sop, avals = StageOps.build(model, w, x, mb)
     ctx = model.example_context(mb) if model.context else None
     zeros = lambda a: jnp.zeros(a.shape, a.dtype)
@@ -67,6 +75,7 @@ def stashed_stage_costs(model, w, x, mb, split: bool = True, slots: int = 4, cal
             h, stash = c
             y, res, _ = sop.forward(w, h, ctx=ctx)
             return _unit(jax.tree.map(lambda a, b: a.astype(b.dtype), y, h)), _put(stash, i, res)
+
         h, stash = lax.fori_loop(0, slots, body, (x, [jnp.zeros((slots,) + a.shape, a.dtype) for a in avals]))
         return h, stash
 
@@ -80,11 +89,12 @@ def stashed_stage_costs(model, w, x, mb, split: bool = True, slots: int = 4, cal
                 sp = split_backward(sop.backward, w, res, d, avals) if split else None
                 found.append(sp is not None)
                 if sp is None:
-                    dx = sop.backward(w, res, d)[1]       # the input gradient alone (the rest dead code)
+                    dx = sop.backward(w, res, d)[1]  # the input gradient alone (the rest dead code)
                 else:
                     dx, fr = sp.input_part(w, res, d)
                     front = _put(front, i, fr)
             return _unit(jax.tree.map(lambda a, b: a.astype(b.dtype), dx, d)), acc, front
+
         sp0 = split_backward(sop.backward, w, [zeros(a) for a in avals], dy, avals) if split else None
         front = [jnp.zeros((slots,) + tuple(a.shape), a.dtype) for a in (sp0.frontier_avals if sp0 else [])]
         d, acc, front = lax.fori_loop(0, slots, body, (dy, jax.tree.map(jnp.zeros_like, w), front))
@@ -93,9 +103,10 @@ def stashed_stage_costs(model, w, x, mb, split: bool = True, slots: int = 4, cal
     def weights(w, stash, dy, front, sp):
         def body(i, acc):
             res = _slot(stash, i)
-            if sp is not None:      # added into the sums in place, as the executor's W lane does
+            if sp is not None:  # added into the sums in place, as the executor's W lane does
                 return sp.weight_part_into(w, res, dy, _slot(front, i), acc, jnp.add)
             return jax.tree.map(jnp.add, acc, sop.backward(w, res, dy)[0])
+
         return lax.fori_loop(0, slots, body, jax.tree.map(jnp.zeros_like, w))
 
     def total(*trees):
@@ -113,7 +124,9 @@ def stashed_stage_costs(model, w, x, mb, split: bool = True, slots: int = 4, cal
                 if and_w:
                     acc = weights(w, stash, h, front, sp)
                 return total(d, acc, [f[:, :1] for f in front])
+
             return go
+
         return lax.switch(kind, [only_f, f_b("B", False), f_b("B_input", False), f_b("B_input", True)], w, x)
 
     t = time_branches(jax.jit(run), 4 if split else 2, (w, x), calls, slots)
