@@ -11,7 +11,7 @@ from jax import lax
 from jaxpipe.cyclic import _require_mean_loss
 from jaxpipe.errors import ConfigError
 from jaxpipe.model import PipelineModel, microbatch_key
-from jaxpipe.runtime.common import cast, full, read, write
+from jaxpipe.runtime.buffers import cast, full, read, write
 from jaxpipe.runtime.stage import StageOps
 from jaxpipe.schedules import cyclic as cyc
 

@@ -152,7 +152,7 @@ def main(argv):
     t_comm = [m0 * msg * ((k < D - 1) + (k > 0)) for k in range(D)]
     # data bytes: the stashed residuals of the micro-batches 1F1B holds on device k (D - k of them) plus
     # the message buffers; the rest of XLA's bytes is the model's (parameters, optimizer, reference, grads)
-    from jaxpipe.runtime.common import residual_mask
+    from jaxpipe.runtime.residuals import residual_mask
 
     w_stage = jax.tree.map(lambda a: a[0], model.stage_params)
     _, res = residual_mask(model.stage_fn, w_stage, x)

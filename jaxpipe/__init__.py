@@ -38,7 +38,6 @@ _LAZY = {
     "data": ("data", None),
     "optim": ("optim", None),
     "runtime": ("runtime", None),
-    "bench": ("bench", None),
     "tune": ("tune", None),
     "host_memory": ("host_memory", None),
     "training": ("training", None),

@@ -21,10 +21,10 @@ worker ``i`` finishes stage ``j``'s backward it adds its gradient to the partial
 it (two ticks earlier) and sends the sum on to ``i + 1``; worker ``N - 1`` completes the sum, applies the
 update (it alone runs the optimizer and holds its state) and sends the updated stage directly to every other
 worker (``broadcast="balanced"``: scattered and all-gathered,
-:func:`jaxpipe.runtime.common.balanced_broadcast`), which lands it at the start of the next tick (every worker
-keeps a full replica, its stages stacked and written in place; the replicas stay bit-identical without running
-the optimizer N times).  Whether a sum completes in a tick depends on the tick only, so the broadcast is
-compiled into those ticks alone: no collective inside a conditional.
+:func:`jaxpipe.runtime.collectives.balanced_broadcast`), which lands it at the start of the next tick (every
+worker keeps a full replica, its stages stacked and written in place; the replicas stay bit-identical without
+running the optimizer N times).  Whether a sum completes in a tick depends on the tick only, so the broadcast
+is compiled into those ticks alone: no collective inside a conditional.
 
 Update rules (eq. CDP): micro-batch ``i`` of step ``t`` reads stage ``j`` at version
 * ``v1``: ``t - 1`` everywhere (eq. CDP-v1, PipeDream-2BW's rule),
@@ -50,7 +50,7 @@ from .errors import ConfigError
 from .model import PipelineModel
 from .optim.policies import cyclic_dp
 from .runners.no_flush import AsyncState
-from .runtime.common import balanced_broadcast
+from .runtime.collectives import balanced_broadcast
 from .schedules import cyclic as cyc
 from .axes import DATA, PIPE, STAGE
 

@@ -13,7 +13,7 @@ how its operands divide into constants, carry and scanned inputs.  How JAX spell
 :func:`scan_layout` reads either; anything else raises :class:`UnknownJaxprLayout`, which the split turns into
 "recompute W" (exact, slower) with one warning instead of a crash.
 
-The residual analysis (:func:`jaxpipe.runtime.common.residual_mask`) looks inside call equations (``jit``,
+The residual analysis (:func:`jaxpipe.runtime.residuals.residual_mask`) looks inside call equations (``jit``,
 ``closed_call``, ``checkpoint``: :func:`call_body`) to tell which of their outputs depend on the activation;
 an equation it cannot read counts as depending on every input (conservative: a residual stashed that need not
 be).

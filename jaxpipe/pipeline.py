@@ -639,7 +639,7 @@ def _recomputing(model, method, options, residuals):
     if residuals == "all":
         return model
     if method.reads_differ:
-        from .runtime.common import RecomputedAtForwardWeights
+        from .runtime.residuals import RecomputedAtForwardWeights
 
         return dataclasses.replace(model, stage_fn=RecomputedAtForwardWeights(model.stage_fn))
     policy = None if residuals == "inputs" else residuals

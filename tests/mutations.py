@@ -36,15 +36,15 @@ MUTATIONS = [
     Mutation(
         "w_lane_only_beside_b",
         "jaxpipe/runtime/ticks.py",
-        "        prog.split and run[prog.KW]\n",
-        "        prog.split and run[prog.KW] and run[prog.KB]\n",
+        "        prog.split and run[prog.lane_w]\n",
+        "        prog.split and run[prog.lane_w] and run[prog.lane_b]\n",
         "tests/test_lanes.py::test_ordered_placement_is_exact",
     ),
     Mutation(
         "zb_w_wrong_frontier_slot",
         "jaxpipe/runtime/lanes_backward.py",
-        '                    else [read(a, rw[ROUTE["front"]]) for a in cr.front]\n',
-        '                    else [read(a, rw[ROUTE["front"]] + 1) for a in cr.front]\n',
+        '                    else [read(a, rw[ROUTE["front"]]) for a in carry.front]\n',
+        '                    else [read(a, rw[ROUTE["front"]] + 1) for a in carry.front]\n',
         "tests/test_wsplit.py::test_executor_runs_w_from_the_frontier",
     ),
     Mutation(
@@ -62,7 +62,8 @@ MUTATIONS = [
         "mine):  # lane order is "
         "the device's order: no "
         "swap\n",
-        "        if any(group[k] == li_of[a.kind] for k in mine):  # lane order is the device's order: no swap\n",
+        "        if any(group[k] == li_of[a.kind] for k in mine):  # lane order is the device's order: no "
+        "swap\n",
         "tests/test_lanes.py::test_ordered_ticks_are_fused_where_no_message_moves",
     ),
     Mutation(
@@ -75,8 +76,10 @@ MUTATIONS = [
     Mutation(
         "zb_w_reads_the_frontier_of_another_stash_slot",
         "jaxpipe/runtime/lanes_backward.py",
-        '                    front_pack.get(cr.stash, rw[ROUTE["stash"]], tr.wsp.frontier_avals, tr.fplace)\n',
-        '                    front_pack.get(cr.stash, rw[ROUTE["stash"]] + 1, tr.wsp.frontier_avals, tr.fplace)\n',
+        '                    front_pack.get(carry.stash, rw[ROUTE["stash"]], trace.wsp.frontier_avals, '
+        "trace.fplace)\n",
+        '                    front_pack.get(\n                        carry.stash, rw[ROUTE["stash"]] + 1, '
+        "trace.wsp.frontier_avals, trace.fplace\n                    )\n",
         "tests/test_front_pack.py::test_zb_h1_keeps_its_frontier_in_the_stash_exactly_and_in_less_memory",
     ),
     Mutation(
@@ -142,7 +145,8 @@ MUTATIONS = [
         "            lambda w, r, uu: (a * "
         "(r[None].astype(w.dtype) - w) + "
         "uu).astype(w.dtype), params, state.ref, u\n",
-        "            lambda w, r, uu: (a * (w - r[None].astype(w.dtype)) + uu).astype(w.dtype), params, state.ref, u\n",
+        "            lambda w, r, uu: (a * (w - r[None].astype(w.dtype)) + uu).astype(w.dtype), params, "
+        "state.ref, u\n",
         "tests/test_avgpipe.py::test_reference_is_the_mean_of_the_replicas_and_alpha_matters",
     ),
     Mutation(
@@ -151,14 +155,17 @@ MUTATIONS = [
         '        return self._read(step, meta, abstract), meta.get("extra", {}), int(meta["step"])\n',
         "        return (\n  "
         "          (lambda "
-        's: s._replace(step=s.step * 0))(self._read(step, meta, abstract)),\n            meta.get("extra", {}),\n            int(meta["step"]),\n        )\n',
+        's: s._replace(step=s.step * 0))(self._read(step, meta, abstract)),\n            meta.get("extra", '
+        '{}),\n            int(meta["step"]),\n        )\n',
         "tests/test_resume_with_dropout.py::test_resume_restores_the_step_and_the_keys[1f1b]",
     ),
     Mutation(
         "restore_loses_the_optimizer_state",
         "jaxpipe/checkpoint.py",
         '        return self._read(step, meta, abstract), meta.get("extra", {}), int(meta["step"])\n',
-        '        return (\n            self._read(step, meta, abstract)._replace(opt_state=template.opt_state),\n            meta.get("extra", {}),\n            int(meta["step"]),\n        )\n',
+        "        return (\n            self._read(step, meta, "
+        'abstract)._replace(opt_state=template.opt_state),\n            meta.get("extra", {}),\n            '
+        'int(meta["step"]),\n        )\n',
         "tests/test_checkpoint.py::test_resume_is_bit_equal[1f1b]",
     ),
     # the comparison helper itself
@@ -205,7 +212,8 @@ MUTATIONS = [
         "    return min((_descend(schedule, s, "
         "costs, least, plan) for s in starts), "
         "key=lambda ct: (ct[1], ct[0]))\n",
-        "    return max((_descend(schedule, s, costs, least, plan) for s in starts), key=lambda ct: (ct[1], ct[0]))\n",
+        "    return max((_descend(schedule, s, costs, least, plan) for s in starts), key=lambda ct: (ct[1], "
+        "ct[0]))\n",
         "tests/test_cut_costs.py::test_the_search_keeps_the_better_of_its_two_descents",
     ),
     Mutation(
@@ -292,7 +300,8 @@ MUTATIONS = [
         "jaxpipe/runtime/wsplit.py",
         "        return "
         "[jax.lax.dynamic_update_index_in_dim(a, add(at(a, l), y), l, 0) for a, y in zip(acc, outs)]\n",
-        "        return [jax.lax.dynamic_update_index_in_dim(a, add(at(a, 0), y), l, 0) for a, y in zip(acc, outs)]\n",
+        "        return [jax.lax.dynamic_update_index_in_dim(a, add(at(a, 0), y), l, 0) for a, y in "
+        "zip(acc, outs)]\n",
         "tests/test_wsplit.py::test_zb_h1_with_scanned_stages_matches_jax_grad",
     ),
     # the flushing schedules' B adds into the sums in place -- never, or its stage gradient dropped
@@ -309,8 +318,8 @@ MUTATIONS = [
     Mutation(
         "summing_b_drops_the_stage_gradient",
         "jaxpipe/runtime/lanes_backward.py",
-        "                ps = prog.policies[c].sums[1](ps, sums[0])\n",
-        "                ps = ps\n",
+        "                pstate = prog.policies[chunk].sums[1](pstate, sums[0])\n",
+        "                pstate = pstate\n",
         "tests/test_wsplit.py::test_flushing_schedules_add_a_scanned_stages_gradient_in_place[gpipe-2-options1]",
     ),
     # issue #53: the memory model forgets the stash; the configuration keeps a candidate over the budget
@@ -545,7 +554,8 @@ MUTATIONS = [
         "jaxpipe/tune/memory.py",
         "    return int(\n        "
         "ma.argument_size_in_bytes\n  "
-        "      + ma.temp_size_in_bytes\n        + max(ma.output_size_in_bytes - ma.alias_size_in_bytes, 0)\n    )\n",
+        "      + ma.temp_size_in_bytes\n        + max(ma.output_size_in_bytes - ma.alias_size_in_bytes, "
+        "0)\n    )\n",
         "    return int(ma.argument_size_in_bytes + ma.temp_size_in_bytes + ma.output_size_in_bytes)\n",
         "tests/test_memory_model.py::test_the_compiled_total_counts_a_donated_output_once",
     ),
@@ -566,7 +576,8 @@ MUTATIONS = [
     Mutation(
         "model_key_without_dtypes",
         "jaxpipe/tune/measure_cache.py",
-        '    return str([(tuple(np.shape(a)), str(getattr(a, "dtype", type(a)))) for a in jax.tree.leaves(tree)])\n',
+        '    return str([(tuple(np.shape(a)), str(getattr(a, "dtype", type(a)))) for a in '
+        "jax.tree.leaves(tree)])\n",
         "    return str([tuple(np.shape(a)) for a in jax.tree.leaves(tree)])\n",
         "tests/test_measure_cache.py::test_optimizers_whose_states_differ_only_in_dtype_get_two_keys",
     ),
@@ -601,7 +612,8 @@ MUTATIONS = [
         "released, and the error goes "
         "to the caller\n            "
         "self._close_checkpointer_after_error()\n",
-        "            # close for minutes), the lock is released, and the error goes to the caller\n            self.ckpt = None\n",
+        "            # close for minutes), the lock is released, and the error goes to the caller\n         "
+        "   self.ckpt = None\n",
         "tests/test_trainer_api.py::test_a_run_that_ends_on_an_error_keeps_its_checkpoints_and_frees_the_directory[raises-OSError-saved0]",
     ),
     Mutation(
@@ -612,7 +624,8 @@ MUTATIONS = [
         "directory's lock goes with the "
         "error\n            "
         "self._close_checkpointer_after_error()\n",
-        "        except BaseException:  # a refused resume: the directory's lock goes with the error\n            pass\n",
+        "        except BaseException:  # a refused resume: the directory's lock goes with the error\n      "
+        "      pass\n",
         "tests/test_trainer_api.py::test_a_refused_resume_frees_the_directory_for_the_right_model",
     ),
     # a refused state's refusal tied to its first array's identity: a copy of it is written
@@ -660,7 +673,8 @@ MUTATIONS = [
         "jaxpipe/tune/part_costs.py",
         "    if not _valid_rounds(rounds):\n",
         "    if rounds is None:\n",
-        'tests/test_measure_cache.py::test_a_bad_cut_costs_file_is_named_set_aside_and_not_read[{"rounds": [{"f_block": 1.0}]}]',
+        'tests/test_measure_cache.py::test_a_bad_cut_costs_file_is_named_set_aside_and_not_read[{"rounds": '
+        '[{"f_block": 1.0}]}]',
     ),
     # a split backward priced as b + w (ZB-H1 drawn slower than 1F1B)
     Mutation(

@@ -162,7 +162,7 @@ def test_chimera_doubling_removes_intermediate_bubbles(concat, D, K):
 
 def test_forward_doubling_recomputes():
     """Forward doubling wraps the stage in jax.checkpoint: the stash keeps less than without it."""
-    from jaxpipe.runtime.common import residual_mask
+    from jaxpipe.runtime.residuals import residual_mask
 
     model, _ = small_model("gpt", 4)
     pipe = jp.Pipeline(

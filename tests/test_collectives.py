@@ -1,6 +1,6 @@
 """What the no-flush programs send, read from the compiled HLO (issue #13): a reduction over data-parallel
 axes of one device each is no reduction -- XLA keeps such an all-reduce (one-device groups), and the
-no-flush executors would run a weight-sized one in every tick (``runtime.common.psum_over``)."""
+no-flush executors would run a weight-sized one in every tick (``runtime.collectives.psum_over``)."""
 
 import re
 

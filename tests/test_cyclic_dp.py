@@ -178,7 +178,9 @@ def test_simulated_activation_profile(N):
 
 @pytest.mark.parametrize("N", [2, 4])
 def test_single_device_cyclic_memory_in_xla(N):
-    model = jp.bench.make_tanh_mlp(N, 1, 32)
+    from experiments.bench import make_tanh_mlp
+
+    model = make_tanh_mlp(N, 1, 32)
     K, B = 2, 256
     r = np.random.default_rng(0)
     mbs = {
@@ -195,7 +197,7 @@ def test_single_device_cyclic_memory_in_xla(N):
         assert abs(float(out[k][0]) - float(out["dp"][0])) <= 1e-5 * abs(float(out["dp"][0]))
         assert rel_err(out[k][1], out["dp"][1]) <= 1e-5
     temp = {k: fns[k].lower(model.params, mbs).compile().memory_analysis().temp_size_in_bytes for k in fns}
-    from jaxpipe.runtime.common import residual_mask
+    from jaxpipe.runtime.residuals import residual_mask
 
     w0 = jax.tree.map(lambda a: a[0], model.stage_params)
     _, res = residual_mask(model.stage_fn, w0, jnp.zeros((B, 32), jnp.float32))

@@ -84,7 +84,7 @@ def test_residuals_that_depend_on_no_activation_are_not_stashed():
     and a zero tangent as residuals: neither depends on the activation, so neither is stashed (issue #39: 128
     MiB a micro-batch a block on GPT d1024) -- while the exp and the probabilities of the softmax are."""
     import jax.numpy as jnp
-    from jaxpipe.runtime.common import rebuild_pullback, residual_mask, split_residuals
+    from jaxpipe.runtime.residuals import rebuild_pullback, residual_mask, split_residuals
 
     causal = jnp.tril(jnp.ones((8, 8), bool))
 
@@ -101,7 +101,7 @@ def test_residuals_that_depend_on_no_activation_are_not_stashed():
     assert len(kept) < len(leaves) and any(l.dtype == jnp.bool_ for l in leaves)
     # the pullback rebuilt from the stash and the recomputed leaves is the real one
     # (both compiled whole, as the executor's program is: the stage runs jitted inside it -- traced once,
-    # runtime.common.traced_once -- and eager op-by-op rounding would differ in the last bit)
+    # runtime.residuals.traced_once -- and eager op-by-op rounding would differ in the last bit)
     dy = jax.random.normal(jax.random.key(2), (2, 8, 4))
 
     @jax.jit

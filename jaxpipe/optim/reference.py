@@ -30,7 +30,7 @@ import numpy as np
 import optax
 
 from ..model import loss_terms, microbatch_key
-from ..runtime.common import rebuild_pullback, residual_mask, split_residuals
+from ..runtime.residuals import rebuild_pullback, residual_mask, split_residuals
 from ..schedules.registry import METHODS
 from ..tying import Ties
 

@@ -9,7 +9,8 @@ Every runner implements one small protocol and receives a plain :class:`RunConte
     lower(what, state, batch) -> jax.stages.Lowered
 
 and says whether its state carries micro-batches between calls (``in_flight``).  Which runner runs a method
-is data: the method's registry entry (``jaxpipe.schedules.registry.Method.runner``).  ``jp.Pipeline``
+is data: the method's registry entry names its family (``jaxpipe.schedules.registry.Method.runner``), and
+:data:`RUNNERS` holds the family's class.  ``jp.Pipeline``
 checks the user's input and delegates.
 
 * ``sync`` (:mod:`.sync`): the flushing schedules -- the one executor's gradient of the lane plan (a stream of
@@ -82,25 +83,24 @@ class RunContext:
         return global_batch(batch, NamedSharding(self.mesh, P((PIPE,) + tuple(self.batch_axes))))
 
 
-#: a registry entry's ``runner`` -> (module, class)
-RUNNERS = {
-    "sync": (".sync", "SyncRunner"),
-    "async": (".no_flush", "AsyncRunner"),
-    "avgpipe": (".avgpipe", "AvgPipeRunner"),
-}
-
-
 def make_runner(ctx: RunContext):
-    """The runner the method's registry entry names."""
-    kind = ctx.method.runner
-    if kind not in RUNNERS:
+    """The runner of the method's family: its registry entry's ``runner`` names one of :data:`RUNNERS`."""
+    runner = RUNNERS.get(ctx.method.runner)
+    if runner is None:
         raise ValueError(
-            f"registry entry {ctx.method.name!r} names runner {kind!r}; known: {', '.join(RUNNERS)}"
+            f"registry entry {ctx.method.name!r} names runner {ctx.method.runner!r}; known: "
+            f"{', '.join(RUNNERS)}"
         )
-    import importlib
-
-    module, cls = RUNNERS[kind]
-    return getattr(importlib.import_module(module, __name__), cls)(ctx)
+    return runner(ctx)
 
 
-__all__ = ["RUNNERS", "RunContext", "make_runner"]
+# the runner classes (imported after RunContext: they run what it describes)
+from .avgpipe import AvgPipeRunner  # noqa: E402
+from .no_flush import AsyncRunner  # noqa: E402
+from .sync import SyncRunner  # noqa: E402
+
+#: a registry entry's ``runner`` (the method's family, :class:`jaxpipe.schedules.registry.Method`) -> its
+#: class
+RUNNERS = {"sync": SyncRunner, "async": AsyncRunner, "avgpipe": AvgPipeRunner}
+
+__all__ = ["RUNNERS", "AsyncRunner", "AvgPipeRunner", "RunContext", "SyncRunner", "make_runner"]

@@ -13,7 +13,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ..axes import AXES, DATA, STAGE
-from ..runtime.common import host_zeros
+from ..runtime.buffers import host_zeros
 from ..runtime.executor import make_stream_program
 from ..runtime.inflight import empty_carry
 from ..runtime.stage import stage_residuals

@@ -19,7 +19,7 @@ from ..errors import ConfigError
 from ..optim.policies import make_policy
 from ..runtime.executor import ALL, make_stream_program
 from ..runtime.inflight import empty_carry
-from ..runtime.common import full, host_zeros
+from ..runtime.buffers import full, host_zeros
 from ..runtime.stage import stage_residuals
 from ..axes import STAGE, pipeline_devices
 from ..sharding import is_P, like_params, param_specs, per_stage_shardings, guard_collectives

@@ -30,7 +30,9 @@ def apc_unpack(packed, like):
     """The receiver's side of :func:`apc_pack`: back to the original dtypes of ``like``, times the scaler."""
     payload, e = packed
     return jax.tree.map(
-        lambda q, s, a: q if q.dtype == a.dtype else (q.astype(a.dtype) * jnp.exp2(s).astype(a.dtype)),
+        lambda q, s, leaf: (
+            q if q.dtype == leaf.dtype else (q.astype(leaf.dtype) * jnp.exp2(s).astype(leaf.dtype))
+        ),
         payload,
         e,
         like,

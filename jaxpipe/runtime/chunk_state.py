@@ -33,8 +33,8 @@ class Chunks:
     def __init__(self, parts: Sequence[Any]):
         self.parts = tuple(parts)
 
-    def __getitem__(self, c: int):
-        return self.parts[c]
+    def __getitem__(self, chunk: int):
+        return self.parts[chunk]
 
     def __len__(self) -> int:
         return len(self.parts)
@@ -62,32 +62,32 @@ def holds_chunks(tree) -> bool:
     return any(is_chunks(x) for x in jax.tree.leaves(tree, is_leaf=is_chunks))
 
 
-def split_leaf(a, layout: np.ndarray, K: int) -> Chunks:
+def split_leaf(a, layout: np.ndarray, num_chunks: int) -> Chunks:
     """One leaf ``[D * K, ...]`` in the model's order as :class:`Chunks`: chunk ``c`` of device ``d`` is model
     stage ``layout[d * K + c]``."""
-    per = np.asarray(layout).reshape(-1, K)
-    return Chunks(a[per[:, c]] for c in range(K))
+    per = np.asarray(layout).reshape(-1, num_chunks)
+    return Chunks(a[per[:, c]] for c in range(num_chunks))
 
 
-def join_leaf(ch: Chunks, inverse: np.ndarray):
+def join_leaf(chunk: Chunks, inverse: np.ndarray):
     """The inverse of :func:`split_leaf` (``inverse``: the layout's inverse permutation)."""
-    return jnp.stack(ch.parts, 1).reshape((-1,) + ch.parts[0].shape[1:])[jnp.asarray(inverse)]
+    return jnp.stack(chunk.parts, 1).reshape((-1,) + chunk.parts[0].shape[1:])[jnp.asarray(inverse)]
 
 
-def layout_order(layout: Sequence[int], K: int):
+def layout_order(layout: Sequence[int], num_chunks: int):
     """``(to_model, from_model)`` for one stage leaf held in ``layout`` (the model stage of each held
     position; ``K`` chunks a device): :class:`Chunks` where ``K > 1``, else a permuted ``[stages, ...]``
     array."""
     lay = np.asarray(layout)
     inverse = np.argsort(lay)
-    if K > 1:
-        return (lambda ch: join_leaf(ch, inverse)), (lambda a: split_leaf(a, lay, K))
-    return (lambda a: a[jnp.asarray(inverse)]), (lambda a: a[jnp.asarray(lay)])
+    if num_chunks > 1:
+        return (lambda ch: join_leaf(ch, inverse)), (lambda leaf: split_leaf(leaf, lay, num_chunks))
+    return (lambda leaf: leaf[jnp.asarray(inverse)]), (lambda leaf: leaf[jnp.asarray(lay)])
 
 
-def chunk(stage, c: int):
+def chunk(stage, chunk: int):
     """Chunk ``c`` of every device: the tree with each :class:`Chunks` leaf's array ``c``."""
-    return jax.tree.map(lambda ch: ch[c], stage, is_leaf=is_chunks)
+    return jax.tree.map(lambda ch: ch[chunk], stage, is_leaf=is_chunks)
 
 
 def gather(trees: Sequence[Any]):
@@ -95,6 +95,6 @@ def gather(trees: Sequence[Any]):
     return jax.tree.map(lambda *parts: Chunks(parts), *trees)
 
 
-def repeat(tree, K: int):
+def repeat(tree, num_chunks: int):
     """Each leaf (a sharding, a spec, a mask entry) the same for each of K chunks."""
-    return jax.tree.map(lambda x: Chunks((x,) * K), tree)
+    return jax.tree.map(lambda x: Chunks((x,) * num_chunks), tree)

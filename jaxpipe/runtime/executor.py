@@ -43,12 +43,12 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from ..axes import AXES, DATA, DP_AXES, PIPE, STAGE, manual
-from .common import full
+from .buffers import full
 from .inflight import own_buffers
 from .lanes_forward import double_at, forward_at
 from .program import Program, describe
 from .stage import StageOps
-from .ticks import scan_phases
+from .ticks import TickState, scan_phases
 from .front_pack import placed_in_stash
 from .wsplit import split_backward
 
@@ -90,8 +90,8 @@ def make_stream_program(
     stage a chunk of the worker): replica ``r`` runs the stream ``r * replica_delay`` ticks late; a backward
     adds the previous worker's partial sum of its chunk and sends the sum on (one ``ppermute`` per tick); the
     last worker's sum is complete: it updates the stage (``apply_sum``) and sends it to the others
-    (``broadcast``: ``"direct"`` or ``"balanced"``, :func:`.common.balanced_broadcast`), which land it the
-    next tick.  No collective runs inside a conditional, and none but point-to-point ones in the scan.
+    (``broadcast``: ``"direct"`` or ``"balanced"``, :func:`.collectives.balanced_broadcast`), which land it
+    the next tick.  No collective runs inside a conditional, and none but point-to-point ones in the scan.
     ``params``, ``opt_state`` and ``policy_state`` are then one replica per worker (leading axis over data and
     stage) with the worker's chunks stacked (``[K, ...]``): the lanes slice their chunk inside their branches,
     a stage lands by dynamic-update-slice (:func:`.ring.land_stacked`).
@@ -114,15 +114,15 @@ def make_stream_program(
     )
 
     def body(params, opt_state, pstate, carry, counters, batch, feed):
-        tr, state = open_trace(prog, params, opt_state, pstate, carry, counters, batch, feed)
-        return run_call(prog, tr, state)
+        trace, state = open_trace(prog, params, opt_state, pstate, carry, counters, batch, feed)
+        return run_call(prog, trace, state)
 
     # a ring's workers each hold a replica of their own (one per data index), AvgPipe's pipelines one per pipe
     # index; otherwise stage s's at index s
-    own = prog.grads.own_spec(prog)
-    stage = lambda t: jax.tree.map(lambda _: own, t)
-    dev = lambda t: jax.tree.map(lambda _: P(ALL), t)
-    rep = lambda t: jax.tree.map(lambda _: P(), t)
+    own = prog.reduction.own_spec(prog)
+    stage = lambda tree: jax.tree.map(lambda _: own, tree)
+    dev = lambda tree: jax.tree.map(lambda _: P(ALL), tree)
+    rep = lambda tree: jax.tree.map(lambda _: P(), tree)
 
     def fn(params, opt_state, pstate, carry, counters, batch, feed):
         in_specs = (
@@ -179,18 +179,18 @@ class Trace:
 
 
 def open_trace(prog: Program, params, opt_state, pstate, carry, counters, batch, feed):
-    """This device's :class:`Trace` and its state ``(lps, oss, pss, carry)`` (chunks as tuples): the stage
-    analysed, the call's micro-batches placed, the split backward prepared."""
-    sq = lambda t: jax.tree.map(lambda a: a[0], t)
-    lps, oss, pss, carry = sq(params), sq(opt_state), sq(pstate), sq(carry)
+    """This device's :class:`Trace` and its state ``(chunk_params, opt_states, policy_states, carry)`` (chunks
+    as tuples): the stage analysed, the call's micro-batches placed, the split backward prepared."""
+    sq = lambda tree: jax.tree.map(lambda leaf: leaf[0], tree)
+    chunk_params, opt_states, policy_states, carry = sq(params), sq(opt_state), sq(pstate), sq(carry)
     if not prog.chunked:
-        lps, oss, pss = (lps,), (oss,), (pss,)
+        chunk_params, opt_states, policy_states = (chunk_params,), (opt_states,), (policy_states,)
     t0, base, n_fed = counters
     me = lax.axis_index(STAGE)
     replica = lax.axis_index(PIPE) * prog.mesh.shape[DATA] + lax.axis_index(DATA)
-    first_w = prog.grads.per_chunk(prog, None, lps, ())[0][0][0]  # chunk 0's stage weights
+    first_w = prog.reduction.per_chunk(prog, None, chunk_params, ())[0][0][0]  # chunk 0's stage weights
     sop, avals = StageOps.build(
-        prog.model, first_w, full(prog.x_aval, 0), jax.tree.map(lambda a: a[0], carry.ring)
+        prog.model, first_w, full(prog.x_aval, 0), jax.tree.map(lambda leaf: leaf[0], carry.ring)
     )
     if not prog.direct and len(avals) != len(carry.stash):
         raise RuntimeError(
@@ -199,11 +199,11 @@ def open_trace(prog: Program, params, opt_state, pstate, carry, counters, batch,
         )
     wsp = wfuse = None
     if prog.w_frontier:  # W from the frontier B keeps (none where the stage cannot be split: W recomputes)
-        wsp = split_backward(sop.backward, lps[0][0], full(avals, 0), full(prog.x_aval, 0), avals)
+        wsp = split_backward(sop.backward, chunk_params[0][0], full(avals, 0), full(prog.x_aval, 0), avals)
     elif not prog.split and all(p.add_leaf is not None and p.sums is not None for p in prog.policies):
         # a summing policy's B in the same two parts, W's added into the sums in place (lanes_backward.bwd),
         # where the stage scans its layers (elsewhere the fused backward, as before: nothing to gain)
-        wfuse = split_backward(sop.backward, lps[0][0], full(avals, 0), full(prog.x_aval, 0), avals)
+        wfuse = split_backward(sop.backward, chunk_params[0][0], full(avals, 0), full(prog.x_aval, 0), avals)
         wfuse = wfuse if wfuse is not None and wfuse.in_place else None
     # ZB's frontier in the residuals of its own stash slot that only B read (front_pack); where it does not
     # fit
@@ -223,8 +223,8 @@ def open_trace(prog: Program, params, opt_state, pstate, carry, counters, batch,
                 )
             )
         )
-    mb_of, carry = prog.route.micro_batches(prog, base, n_fed, batch, carry)
-    tr = Trace(
+    mb_of, carry = prog.routing.micro_batches(prog, base, n_fed, batch, carry)
+    trace = Trace(
         t0=t0,
         base=base,
         n_fed=n_fed + prog.M * feed.astype(jnp.int32),
@@ -236,47 +236,65 @@ def open_trace(prog: Program, params, opt_state, pstate, carry, counters, batch,
         fplace=places,
         mb_of=mb_of,
         ctab=jnp.asarray(prog.periodic.call_table(prog.M)),
-        unit_tab=jnp.asarray(prog.units),
-        s_off=jnp.asarray(prog.S_off[:-1], jnp.int32),
-        s_cap=jnp.asarray(prog.S, jnp.int32),
+        unit_tab=jnp.asarray(prog.unit_table),
+        s_off=jnp.asarray(prog.stash_offsets[:-1], jnp.int32),
+        s_cap=jnp.asarray(prog.stash_slots, jnp.int32),
         ring_f=[(d, (d + 1) % prog.D) for d in range(prog.D)],
         ring_b=[(d, (d - 1) % prog.D) for d in range(prog.D)],
     )
     variants = [
-        [forward_at(prog, tr, bool(p & 1), bool(p & 2)) for p in prog.used_pos[c]] for c in range(prog.K)
+        [forward_at(prog, trace, bool(p & 1), bool(p & 2)) for p in prog.used_positions[c]]
+        for c in range(prog.num_chunks)
     ]
     doubles = (
-        [[double_at(prog, tr, bool(p & 1), bool(p & 2)) for p in prog.used_pos[c]] for c in range(prog.K)]
+        [
+            [double_at(prog, trace, bool(p & 1), bool(p & 2)) for p in prog.used_positions[c]]
+            for c in range(prog.num_chunks)
+        ]
         if prog.paired
         else None
     )
-    return dataclasses.replace(tr, variants=variants, doubles=doubles), (lps, oss, pss, carry)
+    return dataclasses.replace(trace, variants=variants, doubles=doubles), (
+        chunk_params,
+        opt_states,
+        policy_states,
+        carry,
+    )
 
 
-def run_call(prog: Program, tr: Trace, state):
+def run_call(prog: Program, trace: Trace, state):
     """The call: the scans of its phases (landings and eager exchanges between them), then the metrics,
     the counters, and a gradient policy's reduction."""
-    lps, oss, pss, carry = state
-    M, T = prog.M, prog.T
+    chunk_params, opt_states, policy_states, carry = state
+    M, T = prog.M, prog.num_ticks
     loss0 = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
-    st = scan_phases(prog, tr, (lps, oss, pss, carry, loss0))
-    lps, oss, pss, carry, (lsum, lcount, lweight) = st
+    state = scan_phases(prog, trace, TickState(chunk_params, opt_states, policy_states, carry, loss0))
+    chunk_params, opt_states, policy_states, carry, (lsum, lcount, lweight) = state
     carry = carry._replace(front=())
-    loss, lcount, lweight, errors = prog.grads.call_loss(prog, lsum, lcount, lweight, carry.errors)
-    ex = lambda t: jax.tree.map(lambda a: a[None], t)
-    q = tr.t0 // T
-    done_tab = prog.done_tab
+    loss, lcount, lweight, errors = prog.reduction.call_loss(prog, lsum, lcount, lweight, carry.errors)
+    ex = lambda tree: jax.tree.map(lambda leaf: leaf[None], tree)
+    q = trace.t0 // T
+    done_tab = prog.done_table
     done = jnp.where(
         q < len(done_tab),
         jnp.asarray(done_tab)[jnp.minimum(q, len(done_tab) - 1)],
-        M * q + prog.buf["done_steady"],
+        M * q + prog.buffers["done_steady"],
     )
-    done = jnp.clip(done, 0, tr.n_fed)  # every op of these micro-batches has run
-    counters = (tr.t0 + T, tr.base, tr.n_fed)
-    pss = prog.route.head_grad_to_sums(prog, tr, lps, oss, pss, carry)
-    pss = prog.grads.finish(prog, pss, lweight)
+    done = jnp.clip(done, 0, trace.n_fed)  # every op of these micro-batches has run
+    counters = (trace.t0 + T, trace.base, trace.n_fed)
+    policy_states = prog.routing.head_grad_to_sums(
+        prog, trace, chunk_params, opt_states, policy_states, carry
+    )
+    policy_states = prog.reduction.finish(prog, policy_states, lweight)
     if not prog.chunked:
-        lps, oss, pss = lps[0], oss[0], pss[0]
+        chunk_params, opt_states, policy_states = chunk_params[0], opt_states[0], policy_states[0]
     if prog.replicas:  # each pipeline's own loss
         loss = loss[None]
-    return ex(lps), ex(oss), ex(pss), ex(carry), counters, (loss, lcount, tr.base + done, errors)
+    return (
+        ex(chunk_params),
+        ex(opt_states),
+        ex(policy_states),
+        ex(carry),
+        counters,
+        (loss, lcount, trace.base + done, errors),
+    )

@@ -16,7 +16,7 @@ from .executor import ALL, make_stream_program
 from .program import sums_losses
 from .inflight import empty_carry
 from .stage import stage_residuals
-from .common import host_zeros
+from .buffers import host_zeros
 from . import chunk_state
 
 
@@ -68,31 +68,35 @@ def make_stream_grad_fn(
         w_from=w_from,
         eager_reduce=eager_reduce,
     )
-    w0 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), model.stage_params)
+    w0 = jax.tree.map(
+        lambda leaf: jax.ShapeDtypeStruct(tuple(leaf.shape[1:]), leaf.dtype), model.stage_params
+    )
     _, res_avals = stage_residuals(model, host_zeros(w0), host_zeros(x_aval), host_zeros(mb_example))
     if double_batch:
         check_double_batch(model, periodic.plan, x_aval, mb_example)
     n_dev = pipeline_devices(mesh)
     on_stage = NamedSharding(mesh, P(STAGE))
     on_own = NamedSharding(mesh, P((PIPE, STAGE)))
-    like = lambda g, q: jax.tree.map(lambda a, b: a.astype(b.dtype), g, q)  # gradients in the params' dtypes
-    permute = lambda t, pairs: _permute(mesh, t, pairs)
+    like = lambda g, q: jax.tree.map(
+        lambda leaf, b: leaf.astype(b.dtype), g, q
+    )  # gradients in the params' dtypes
+    permute = lambda tree, pairs: _permute(mesh, tree, pairs)
 
     def fn(stage_p, pre_p, post_p, batch, step):
         if replicas:  # pipeline r's stage s at r D + s: the executor's parameter layout over (pipe, stage)
             R = mesh.shape[PIPE]
-            flat = lambda t: jax.tree.map(
-                lambda a: jax.lax.with_sharding_constraint(
-                    a.reshape((R * a.shape[1],) + a.shape[2:]), on_own
+            flat = lambda tree: jax.tree.map(
+                lambda leaf: jax.lax.with_sharding_constraint(
+                    leaf.reshape((R * leaf.shape[1],) + leaf.shape[2:]), on_own
                 ),
-                t,
+                tree,
             )
-            spread = lambda t: flat(
-                jax.tree.map(lambda a: jnp.broadcast_to(a[:, None], (R, D) + a.shape[1:]), t)
+            spread = lambda tree: flat(
+                jax.tree.map(lambda leaf: jnp.broadcast_to(leaf[:, None], (R, D) + leaf.shape[1:]), tree)
             )
             loss, (g_w, g_pre, g_post) = one_call(flat(stage_p), spread(pre_p), spread(post_p), batch, step)
-            back = lambda g: jax.tree.map(lambda a: a.reshape((R, D) + a.shape[1:]), g)
-            sums = lambda g: jax.tree.map(lambda a: a.sum(1), back(g))
+            back = lambda g: jax.tree.map(lambda leaf: leaf.reshape((R, D) + leaf.shape[1:]), g)
+            sums = lambda g: jax.tree.map(lambda leaf: leaf.sum(1), back(g))
             return loss, (like(back(g_w), stage_p), like(sums(g_pre), pre_p), like(sums(g_post), post_p))
         return one_call(stage_p, pre_p, post_p, batch, step)
 
@@ -102,29 +106,31 @@ def make_stream_grad_fn(
         """Replicas: the parameters as the executor holds them (pre/post one copy per device), the
         gradients too (pre/post per device, summed by the caller)."""
         bcast = (
-            (lambda t: t)
+            (lambda tree: tree)
             if replicas
             else (
-                lambda t: jax.tree.map(
-                    lambda a: jax.lax.with_sharding_constraint(
-                        jnp.broadcast_to(a, (D,) + jnp.shape(a)), on_stage
+                lambda tree: jax.tree.map(
+                    lambda leaf: jax.lax.with_sharding_constraint(
+                        jnp.broadcast_to(leaf, (D,) + jnp.shape(leaf)), on_stage
                     ),
-                    t,
+                    tree,
                 )
             )
         )
-        pin = lambda t: jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, on_stage), t)
+        pin = lambda tree: jax.tree.map(lambda leaf: jax.lax.with_sharding_constraint(leaf, on_stage), tree)
         chunks = tuple(
             (w, bcast(pre_p), bcast(post_p)) for w in _chunk_weights(stage_p, perms, D, K, pin, permute)
         )
-        pstate = tuple(_apart(jax.vmap(p.init)(lp), c) for c, (p, lp) in enumerate(zip(policies, chunks)))
+        pstate = tuple(
+            _apart(jax.vmap(p.init)(params), c) for c, (p, params) in enumerate(zip(policies, chunks))
+        )
         carry = jax.lax.with_sharding_constraint(
             empty_carry(model, periodic, M, n_dev, mb_example, x_aval, res_avals, nan_bubbles),
             NamedSharding(mesh, P(ALL)),
         )
         counters = (jnp.zeros((), jnp.int32), (step * M).astype(jnp.int32), jnp.zeros((), jnp.int32))
-        one = (lambda t: t[0]) if K == 1 else (lambda t: t)
-        _, _, pss, _, _, (loss, _, _, _) = run(
+        one = (lambda tree: tree[0]) if K == 1 else (lambda tree: tree)
+        _, _, policy_states, _, _, (loss, _, _, _) = run(
             one(chunks),
             one(tuple(() for _ in range(K))),
             one(pstate),
@@ -133,17 +139,17 @@ def make_stream_grad_fn(
             batch,
             jnp.asarray(True),
         )
-        pss = (pss,) if K == 1 else pss
+        policy_states = (policy_states,) if K == 1 else policy_states
         if perms is not None and any(pm is not None for pm in perms):
             # the replicas' gradients go home by collective-permute only once the loss metric's all-reduce is
             # done: independent, the two ran in different orders on different devices in XLA CPU's concurrent
             # thunk executor and deadlocked (once in a CI run: device 0 in the all-reduce, the others in the
             # permute; BUILD_NOTES, "Traps")
-            loss, pss = jax.lax.optimization_barrier((loss, pss))
-        g_w = _stage_gradient(pss, perms, D, pin, permute, chunk_state.holds_chunks(stage_p))
-        total = (lambda a: a) if replicas else (lambda a: a.sum(0))
-        g_pre = jax.tree.map(lambda *g: sum(total(a) for a in g), *(ps.acc[1] for ps in pss))
-        g_post = jax.tree.map(lambda *g: sum(total(a) for a in g), *(ps.acc[2] for ps in pss))
+            loss, policy_states = jax.lax.optimization_barrier((loss, policy_states))
+        g_w = _stage_gradient(policy_states, perms, D, pin, permute, chunk_state.holds_chunks(stage_p))
+        total = (lambda leaf: leaf) if replicas else (lambda leaf: leaf.sum(0))
+        g_pre = jax.tree.map(lambda *g: sum(total(a) for a in g), *(ps.acc[1] for ps in policy_states))
+        g_post = jax.tree.map(lambda *g: sum(total(a) for a in g), *(ps.acc[2] for ps in policy_states))
         if replicas:
             return loss, (g_w, g_pre, g_post)
         return loss, (like(g_w, stage_p), like(g_pre, pre_p), like(g_post, post_p))
@@ -161,8 +167,8 @@ def _chunk_weights(stage_p, perms, D, K, pin, permute):
         return (stage_p,)
     if chunk_state.holds_chunks(stage_p):
         return tuple(pin(chunk_state.chunk(stage_p, c)) for c in range(K))
-    per_dev = jax.tree.map(lambda a: a.reshape((D, K) + a.shape[1:]), stage_p)
-    return tuple(pin(jax.tree.map(lambda a: a[:, c], per_dev)) for c in range(K))
+    per_dev = jax.tree.map(lambda leaf: leaf.reshape((D, K) + leaf.shape[1:]), stage_p)
+    return tuple(pin(jax.tree.map(lambda leaf: leaf[:, c], per_dev)) for c in range(K))
 
 
 def _apart(pstate, c: int):
@@ -174,7 +180,8 @@ def _apart(pstate, c: int):
         return pstate
     zero = jax.lax.optimization_barrier(jnp.float32(c)) - c
     return jax.tree.map(
-        lambda a: a + zero.astype(a.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, pstate
+        lambda leaf: leaf + zero.astype(leaf.dtype) if jnp.issubdtype(leaf.dtype, jnp.floating) else leaf,
+        pstate,
     )
 
 
@@ -191,7 +198,7 @@ def _permute(mesh, t, pairs):
     """``t`` (leading axis over ``stage``) moved along ``pairs`` (one ``ppermute`` per leaf)."""
     spec = jax.tree.map(lambda _: P(STAGE), t)
     return jax.shard_map(
-        lambda a: jax.tree.map(lambda x: jax.lax.ppermute(x, STAGE, pairs), a),
+        lambda leaf: jax.tree.map(lambda x: jax.lax.ppermute(x, STAGE, pairs), leaf),
         mesh=mesh,
         in_specs=(spec,),
         out_specs=spec,
@@ -199,24 +206,25 @@ def _permute(mesh, t, pairs):
     )(t)
 
 
-def _stage_gradient(pss, perms, D, pin, permute, held=False):
+def _stage_gradient(policy_states, perms, D, pin, permute, held=False):
     """The stage weights' gradient in the caller's layout from the chunks' sums: each replica's home to its
     stage's owner, summed there (``perms``: Chimera), the one chunk's, the chunks' as they are (``held``: the
     parameters came as :class:`~.chunk_state.Chunks`), or the chunks interleaved device-major."""
-    K = len(pss)
+    K = len(policy_states)
     if perms is not None:
         home = [
             ps.acc[0] if pm is None else permute(ps.acc[0], [(d, s_) for s_, d in pm])
-            for ps, pm in zip(pss, perms)
+            for ps, pm in zip(policy_states, perms)
         ]
         return jax.tree.map(lambda *g: sum(g), *home)
     if K == 1:
-        return pss[0].acc[0]
+        return policy_states[0].acc[0]
     if held:
-        return chunk_state.gather([ps.acc[0] for ps in pss])
+        return chunk_state.gather([ps.acc[0] for ps in policy_states])
     return pin(
         jax.tree.map(
-            lambda *g: jnp.stack(g, 1).reshape((D * K,) + g[0].shape[1:]), *(ps.acc[0] for ps in pss)
+            lambda *g: jnp.stack(g, 1).reshape((D * K,) + g[0].shape[1:]),
+            *(ps.acc[0] for ps in policy_states),
         )
     )
 
@@ -228,7 +236,7 @@ def check_double_batch(model, plan, x_aval, mb_example):
     same stage (the executor doubles only such pairs).  A ConfigError naming what is off otherwise."""
     from ..errors import ConfigError
     from ..schedules.lanes import F2, L
-    from .common import residual_mask
+    from .residuals import residual_mask
 
     if F2 not in plan.lanes:
         raise ConfigError(
@@ -244,8 +252,10 @@ def check_double_batch(model, plan, x_aval, mb_example):
         )
     rows = {int(np.shape(a)[0]) for a in jax.tree.leaves(mb_example)}
     xs = {int(np.shape(a)[0]) if np.ndim(a) else -1 for a in jax.tree.leaves(x_aval)}
-    w = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), model.stage_params)
-    x2 = jax.tree.map(lambda a: jax.ShapeDtypeStruct((2 * a.shape[0],) + tuple(a.shape[1:]), a.dtype), x_aval)
+    w = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(tuple(leaf.shape[1:]), leaf.dtype), model.stage_params)
+    x2 = jax.tree.map(
+        lambda leaf: jax.ShapeDtypeStruct((2 * leaf.shape[0],) + tuple(leaf.shape[1:]), leaf.dtype), x_aval
+    )
     _, r1 = residual_mask(model.stage_fn, w, x_aval, None)
     _, r2 = residual_mask(model.stage_fn, w, x2, None)
     ok_res = len(r1) == len(r2) and all(
@@ -282,7 +292,7 @@ def make_grad_fn(
 
     M, n_dp = sched.M, mesh.shape[PIPE] * mesh.shape[DATA]
     mb = jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct((a.shape[0] // (n_dp * M),) + tuple(a.shape[1:]), a.dtype),
+        lambda leaf: jax.ShapeDtypeStruct((leaf.shape[0] // (n_dp * M),) + tuple(leaf.shape[1:]), leaf.dtype),
         batch_example,
     )
     return make_stream_grad_fn(

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..tying import Ties
-from .common import fill_value, full
+from .buffers import fill_value, full
 
 
 class AsyncCarry(NamedTuple):
@@ -112,11 +112,11 @@ def empty_carry(
         dy_own=msg(),
         mbuf=mbuf,
         gpost=jax.tree.map(
-            lambda a: per(jnp.shape(a), sums(getattr(a, "dtype", None) or jnp.asarray(a).dtype)),
+            lambda leaf: per(jnp.shape(leaf), sums(getattr(leaf, "dtype", None) or jnp.asarray(leaf).dtype)),
             ties.strip(model.params)[2],
         ),
         # the recent micro-batches: NaN-filled too (float fields), so an op reading a slot no feed wrote shows
-        ring=jax.tree.map(lambda a: nan((C,) + tuple(a.shape), a.dtype), mb_example),
+        ring=jax.tree.map(lambda leaf: nan((C,) + tuple(leaf.shape), leaf.dtype), mb_example),
         tie_f=tie_msg(),
         tie_b=tie_msg(),
         gtie=tie_msg(),
@@ -129,15 +129,17 @@ def empty_carry(
     )
 
 
-def ring_buffers(lp, K: int, n_devices: int, nan_bubbles: bool = False) -> RingState:
+def ring_buffers(params, num_chunks: int, n_devices: int, nan_bubbles: bool = False) -> RingState:
     """A ring reduction's buffers, one per device (float buffers NaN in the NaN mode)."""
     fill = lambda shape, dtype: jnp.full(
         (n_devices,) + tuple(shape), fill_value(jnp.nan if nan_bubbles else 0, dtype), dtype
     )
-    like = lambda lead: jax.tree.map(lambda a: fill(tuple(lead) + tuple(np.shape(a)), a.dtype), lp)
+    like = lambda lead: jax.tree.map(
+        lambda leaf: fill(tuple(lead) + tuple(np.shape(leaf)), leaf.dtype), params
+    )
     return RingState(
-        partial=like((K + 1,)),
-        pcnt=fill((K + 1,), jnp.float32),
+        partial=like((num_chunks + 1,)),
+        pcnt=fill((num_chunks + 1,), jnp.float32),
         gbuf=like(()),
         gcnt=fill((), jnp.float32),
         bnew=like(()),

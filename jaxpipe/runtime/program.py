@@ -24,8 +24,8 @@ from ..schedules.lanes import L as _L
 from ..schedules.layout import ROUTE_COLUMNS, eager_points
 from ..tying import Ties
 from .landing import landing_points, landing_segments, ring_phases
-from .reduction import REDUCTIONS
-from .routing import ROUTINGS
+from .reduction import RingReduction, SumAfterCall, UpdateEach
+from .routing import PlanSlots, Registers
 
 
 class PhaseLanes(NamedTuple):
@@ -77,43 +77,43 @@ class Program:
     chunked: bool  # a tuple of policies (one per chunk) was given: the state is per chunk
     periodic: Any
     modes: Modes
+    routing: Any  # how messages and residuals move: PlanSlots or Registers (.routing), from modes.routing
+    reduction: Any  # how gradients are reduced and applied: SumAfterCall, UpdateEach or RingReduction
     nan_bubbles: bool
     seed: int
     apc: bool
     broadcast: str
     replicas: bool
-    units: np.ndarray  # the stream's unit table
-    RED: Tuple[str, ...]  # the axes gradients are reduced over
-    n_red: int
-    buf: Dict[str, Any]  # the stream's buffer sizes (Periodic.buffers)
+    unit_table: np.ndarray  # the stream's unit table
+    reduce_axes: Tuple[str, ...]  # the axes gradients are reduced over
+    num_replicas: int
+    buffers: Dict[str, Any]  # the stream's buffer sizes (Periodic.buffers)
     x_aval: Any
     summed: bool  # the loss is a (sum, count) pair
     ties: Any
     tie_avals: Any
-    T: int  # ticks per call
+    num_ticks: int  # ticks per call
     segments: Tuple[Any, ...]  # the call's scans: (first tick, end tick, static flags)
     lands: Dict[int, Tuple[int, int]]  # chunk -> (lag, tick offset) of a between-scans landing
-    stg: np.ndarray  # [chunk, device] -> model stage
+    stage_table: np.ndarray  # [chunk, device] -> model stage
     routes: Optional[np.ndarray]  # a lane plan's routing columns
     kinds: Tuple[str, ...]  # the lanes of a tick
     eager: Dict[int, Tuple[Tuple[int, int], ...]]  # tick -> Chimera's eager exchange pairs after it
-    used_pos: Tuple[Tuple[int, ...], ...]  # per chunk, the positions (first/last codes) compiled
+    used_positions: Tuple[Tuple[int, ...], ...]  # per chunk, the positions (first/last codes) compiled
     remap: np.ndarray  # [chunk, position code] -> branch of the compiled positions
-    done_tab: np.ndarray
+    done_table: np.ndarray
 
     # ---- derived readers
-    K = property(lambda self: len(self.policies))
-    W = property(lambda self: self.mesh.shape[DATA])  # ring workers
-    C = property(lambda self: self.buf["ring"])
-    S = property(lambda self: self.buf["stash"])
-    S_off = property(lambda self: np.concatenate([[0], np.cumsum(self.buf["stash"])]))
-    n_st = property(lambda self: self.periodic.num_stages)
-    KB = property(lambda self: self.kinds.index("B"))
-    KW = property(lambda self: self.kinds.index("W") if "W" in self.kinds else -1)
-    KF2 = property(lambda self: self.kinds.index("F2") if "F2" in self.kinds else -1)
+    num_chunks = property(lambda self: len(self.policies))
+    ring_workers = property(lambda self: self.mesh.shape[DATA])  # ring workers
+    ring_slots = property(lambda self: self.buffers["ring"])
+    stash_slots = property(lambda self: self.buffers["stash"])
+    stash_offsets = property(lambda self: np.concatenate([[0], np.cumsum(self.buffers["stash"])]))
+    num_stages = property(lambda self: self.periodic.num_stages)
+    lane_b = property(lambda self: self.kinds.index("B"))
+    lane_w = property(lambda self: self.kinds.index("W") if "W" in self.kinds else -1)
+    lane_f2 = property(lambda self: self.kinds.index("F2") if "F2" in self.kinds else -1)
     ring = property(lambda self: self.modes.gradients == "ring")
-    grads = property(lambda self: REDUCTIONS[self.modes.gradients])  # the gradient strategy (.reduction)
-    route = property(lambda self: ROUTINGS[self.modes.routing])  # the message routing strategy (.routing)
     fused = property(lambda self: self.modes.gradients == "sum")
     by_branch = property(lambda self: self.modes.reads == "branch")
     in_scan = property(lambda self: self.modes.landing == "in_scan")
@@ -124,10 +124,10 @@ class Program:
     # a lane plan whose F hands its residuals to the B of the same tick (D = 1): no stash slots
     direct = property(lambda self: self.periodic.plan is not None and self.periodic.plan.direct)
 
-    def model_key(self, step, mb):
+    def model_key(self, step, microbatch):
         """The stage context's key of micro-batch ``mb`` of step ``step`` (the synchronous schedules'
         keys)."""
-        return microbatch_key(self.seed, step, mb)
+        return microbatch_key(self.seed, step, microbatch)
 
 
 def describe(
@@ -197,29 +197,31 @@ def describe(
         chunked=chunked,
         periodic=periodic,
         modes=modes,
+        routing=PlanSlots() if modes.routing == "slots" else Registers(),
+        reduction=RingReduction() if ring else SumAfterCall() if modes.gradients == "sum" else UpdateEach(),
         nan_bubbles=nan_bubbles,
         seed=seed,
         apc=apc,
         broadcast=broadcast,
         replicas=replicas,
-        units=periodic.unit_table(M),
-        RED=(DATA,) if replicas else DP_AXES,
-        n_red=mesh.shape[DATA] if replicas else n_dp,
-        buf=buf,
+        unit_table=periodic.unit_table(M),
+        reduce_axes=(DATA,) if replicas else DP_AXES,
+        num_replicas=mesh.shape[DATA] if replicas else n_dp,
+        buffers=buf,
         x_aval=x_aval,
         summed=summed,
         ties=ties,
         tie_avals=ties.pre_leaves(model.pre_params),
-        T=T,
+        num_ticks=T,
         segments=tuple(segments),
         lands=lands,
-        stg=periodic.stage_table(),
+        stage_table=periodic.stage_table(),
         routes=_routes(periodic.plan) if slots else None,
         kinds=kinds,
         eager=eager,
-        used_pos=used_pos,
+        used_positions=used_pos,
         remap=remap,
-        done_tab=np.asarray(buf["done"], np.int32),
+        done_table=np.asarray(buf["done"], np.int32),
     )
 
 
@@ -292,21 +294,23 @@ def _segments(periodic, M, D, policies, mesh, ring, eager):
     return segments, lands
 
 
-def _positions(periodic, D, K):
+def _positions(periodic, D, num_chunks):
     """Chunk ``c`` of device ``d`` is first (pre) where it holds model stage 0, last (loss) where it holds the
     last; only the (chunk, position) pairs some device has are compiled."""
     stg, n_st = periodic.stage_table(), periodic.num_stages
     pos_of = lambda c, d: int(stg[c, d] == 0) + 2 * int(stg[c, d] == n_st - 1)
-    used_pos = tuple(tuple(sorted({pos_of(c, d) for d in range(D)})) for c in range(K))
-    remap = np.zeros((K, 4), np.int32)
-    for c in range(K):
+    used_pos = tuple(tuple(sorted({pos_of(c, d) for d in range(D)})) for c in range(num_chunks))
+    remap = np.zeros((num_chunks, 4), np.int32)
+    for c in range(num_chunks):
         remap[c, list(used_pos[c])] = np.arange(len(used_pos[c]))
     return used_pos, remap
 
 
 def _activation_avals(model, mb_example):
     """A micro-batch's activation as the stages receive it and as the last one returns it (shapes only)."""
-    w_example = jax.tree.map(lambda a: jax.ShapeDtypeStruct(tuple(a.shape[1:]), a.dtype), model.stage_params)
+    w_example = jax.tree.map(
+        lambda leaf: jax.ShapeDtypeStruct(tuple(leaf.shape[1:]), leaf.dtype), model.stage_params
+    )
     x_aval = jax.eval_shape(model.pre, model.pre_params, mb_example)
     return x_aval, model.stage_output_aval(w_example, x_aval, mb_example)
 

@@ -11,7 +11,7 @@ declared ``reduction`` (``Program.grads``).
   previous worker's partial sum, the last worker updates, nothing collective but point-to-point runs in the
   scan; every worker holds its chunks stacked, which the lanes read through static views (:mod:`.ring`).
 
-Every method reads the :class:`~.program.Program` ``prog`` and the :class:`~.executor.Trace` ``tr`` it is
+Every method reads the :class:`~.program.Program` ``prog`` and the :class:`~.executor.Trace` ``trace`` it is
 given.
 """
 
@@ -26,7 +26,8 @@ from jax.sharding import PartitionSpec as P
 
 from ..axes import DATA, DP_AXES, PIPE, STAGE
 from .call_base import blank, blank_tie, views, zero_like
-from .common import cast, pmean_over, psum_over, read
+from .buffers import cast, read
+from .collectives import pmean_over, psum_over
 from .lanes_backward import b_idle, b_lane, b_lanes_summing, b_updates
 from .ring import receive_arrived, ring_exchange
 
@@ -40,61 +41,66 @@ class AllReduce:
         index)."""
         return P((PIPE, STAGE)) if prog.replicas else P(STAGE)
 
-    def per_chunk(self, prog, tr, lps, pss):
+    def per_chunk(self, prog, trace, chunk_params, policy_states):
         """The chunks' (weights, policy state)."""
-        return lps, pss
+        return chunk_params, policy_states
 
-    def operands(self, prog, tr, ch, lps, pss):
+    def operands(self, prog, trace, chunk, chunk_params, policy_states):
         """The version switch's weight operands: every chunk's candidates, each read in place by its
         branch."""
-        return [cands for _, cands in ch]
+        return [cands for _, cands in chunk]
 
-    def candidate(self, prog, tr, cs, cc, w):
-        return cs[cc][w]
+    def candidate(self, prog, trace, chunk_stack, chunk_choice, weights):
+        return chunk_stack[chunk_choice][weights]
 
-    def before_tick(self, prog, tr, lps, oss, pss, cr, flags):
-        return lps, pss, None
+    def before_tick(self, prog, trace, chunk_params, opt_states, policy_states, carry, flags):
+        return chunk_params, policy_states, None
 
-    def end_tick(self, lps, oss, pss):
-        return tuple(lps), tuple(oss), tuple(pss)
+    def end_tick(self, chunk_params, opt_states, policy_states):
+        return tuple(chunk_params), tuple(opt_states), tuple(policy_states)
 
-    def head(self, prog, tr, res, dy, gq, l, gt, n):
+    def head(self, prog, trace, residuals, cotangent, grad_post, loss, grad_tied, n):
         """The last stage's outputs of a forward: ``(sum, count)`` losses get their global count (a collective
         over the replicas) and are scaled or summed for the reduction that follows."""
         n_glob = (
-            psum_over(n, prog.mesh, prog.RED).astype(jnp.float32)
+            psum_over(n, prog.mesh, prog.reduce_axes).astype(jnp.float32)
             if prog.summed
             else jnp.zeros((), jnp.float32)
         )
         if prog.counting:
-            l = psum_over(l, prog.mesh, prog.RED)  # the metric: summed, over the summed counts (below)
+            loss = psum_over(
+                loss, prog.mesh, prog.reduce_axes
+            )  # the metric: summed, over the summed counts (below)
         elif prog.summed:
             # (sum, count): this micro-batch's loss over every replica's real tokens -- scaled here so
             # that the pmean over replicas in B gives sum over replicas / global count
             # a micro-batch whose every token is masked (count 0) contributes nothing, not 0/0
-            scale = jnp.where(n_glob > 0, prog.n_red / jnp.where(n_glob > 0, n_glob, 1.0), 0.0)
-            l, gq, gt, dy = l * scale, *jax.tree.map(lambda g: g * scale.astype(g.dtype), (gq, gt, dy))
+            scale = jnp.where(n_glob > 0, prog.num_replicas / jnp.where(n_glob > 0, n_glob, 1.0), 0.0)
+            loss, grad_post, grad_tied, cotangent = (
+                loss * scale,
+                *jax.tree.map(lambda g: g * scale.astype(g.dtype), (grad_post, grad_tied, cotangent)),
+            )
         return (
-            blank(prog, tr),
-            res,
-            cast(dy, prog.x_aval),
-            gq,
-            l.astype(jnp.float32),
-            blank_tie(prog, tr),
-            gt,
+            blank(prog, trace),
+            residuals,
+            cast(cotangent, prog.x_aval),
+            grad_post,
+            loss.astype(jnp.float32),
+            blank_tie(prog, trace),
+            grad_tied,
             n_glob,
         )
 
-    def with_partial(self, prog, tr, c, grad, cr):
+    def with_partial(self, prog, trace, chunk, grad, carry):
         return grad
 
-    def idle_grad(self, prog, tr, lps, cr):
-        return zero_like(prog, tr, lps[0])
+    def idle_grad(self, prog, trace, chunk_params, carry):
+        return zero_like(prog, trace, chunk_params[0])
 
     def call_loss(self, prog, lsum, lcount, lweight, errors):
         """The call's loss metric over the stages and replicas, its count, the version errors."""
         lsum, lcount, lweight = lax.psum((lsum, lcount, lweight), STAGE)
-        lsum = pmean_over(lsum, prog.mesh, prog.RED)
+        lsum = pmean_over(lsum, prog.mesh, prog.reduce_axes)
         lcount = lax.pmax(lcount, DP_AXES)
         if (
             prog.counting
@@ -104,16 +110,19 @@ class AllReduce:
             loss = jnp.where(lcount > 0, lsum / jnp.maximum(lcount, 1), jnp.nan)
         return loss, lcount, lweight, lax.psum(errors, STAGE)
 
-    def finish(self, prog, pss, lweight):
+    def finish(self, prog, policy_states, lweight):
         """A summing policy's sums reduced over the replicas once (``(sum, count)`` losses: over the call's
         global count; a chunk may see some micro-batches only)."""
-        mesh, RED = prog.mesh, prog.RED
+        mesh, RED = prog.mesh, prog.reduce_axes
         reduce = (
-            (lambda t: psum_over(t, mesh, RED)) if prog.counting else (lambda t: pmean_over(t, mesh, RED))
+            (lambda tree: psum_over(tree, mesh, RED))
+            if prog.counting
+            else (lambda tree: pmean_over(tree, mesh, RED))
         )
         total = lweight if prog.counting else None
         return tuple(
-            p.finish(ps, reduce, total) if p.finish is not None else ps for p, ps in zip(prog.policies, pss)
+            p.finish(pstate, reduce, total) if p.finish is not None else pstate
+            for p, pstate in zip(prog.policies, policy_states)
         )
 
 
@@ -122,14 +131,43 @@ class SumAfterCall(AllReduce):
 
     name = "sum"
 
-    def backward(self, prog, tr, b_in, is_b, lps, oss, pss, cr):
-        """``(pss, cr, grad, message)``: the B lane with its sum (the gradient stays in the sums: None)."""
-        cb, gb, sb, dy_in, tb_in, cnt = b_in
-        pss, cr, send_b = b_lanes_summing(prog, tr, cb, gb, sb, dy_in, tb_in, cnt, is_b, lps, oss, pss, cr)
-        return pss, cr, None, send_b
+    def backward(self, prog, trace, b_in, is_b, chunk_params, opt_states, policy_states, carry):
+        """``(policy_states, carry, grad, message)``: the B lane with its sum (the gradient stays in the sums:
+        None)."""
+        chunk_b, mb_b, slot_b, dy_in, tb_in, count = b_in
+        policy_states, carry, send_b = b_lanes_summing(
+            prog,
+            trace,
+            chunk_b,
+            mb_b,
+            slot_b,
+            dy_in,
+            tb_in,
+            count,
+            is_b,
+            chunk_params,
+            opt_states,
+            policy_states,
+            carry,
+        )
+        return policy_states, carry, None, send_b
 
-    def apply(self, prog, tr, t, flags, stacks, op, grad, cnt, lps, oss, pss, cr):
-        return lps, oss, pss, cr
+    def apply(
+        self,
+        prog,
+        trace,
+        tick,
+        flags,
+        stacks,
+        lane_op,
+        grad,
+        count,
+        chunk_params,
+        opt_states,
+        policy_states,
+        carry,
+    ):
+        return chunk_params, opt_states, policy_states, carry
 
 
 class UpdateEach(AllReduce):
@@ -137,16 +175,36 @@ class UpdateEach(AllReduce):
 
     name = "update"
 
-    def backward(self, prog, tr, b_in, is_b, lps, oss, pss, cr):
+    def backward(self, prog, trace, b_in, is_b, chunk_params, opt_states, policy_states, carry):
         grad, send_b, _ = lax.cond(
-            is_b, partial(b_lane, prog, tr), partial(b_idle, prog, tr), *b_in[:5], (lps, pss, cr)
+            is_b,
+            partial(b_lane, prog, trace),
+            partial(b_idle, prog, trace),
+            *b_in[:5],
+            (chunk_params, policy_states, carry),
         )
-        return pss, cr, grad, send_b
+        return policy_states, carry, grad, send_b
 
-    def apply(self, prog, tr, t, flags, stacks, op, grad, cnt, lps, oss, pss, cr):
-        is_b, cb, gb = op
-        lps, oss, pss = b_updates(prog, tr, is_b, cb, gb, grad, cnt, flags, lps, oss, pss)
-        return lps, oss, pss, cr
+    def apply(
+        self,
+        prog,
+        trace,
+        tick,
+        flags,
+        stacks,
+        lane_op,
+        grad,
+        count,
+        chunk_params,
+        opt_states,
+        policy_states,
+        carry,
+    ):
+        is_b, chunk_b, mb_b = lane_op
+        chunk_params, opt_states, policy_states = b_updates(
+            prog, trace, is_b, chunk_b, mb_b, grad, count, flags, chunk_params, opt_states, policy_states
+        )
+        return chunk_params, opt_states, policy_states, carry
 
 
 class RingReduction(UpdateEach):
@@ -158,57 +216,75 @@ class RingReduction(UpdateEach):
     def own_spec(self, prog):
         return P((DATA, STAGE))  # each worker holds a replica of its own
 
-    def per_chunk(self, prog, tr, lps, pss):
-        return views(prog, tr, lps), views(prog, tr, pss)
+    def per_chunk(self, prog, trace, chunk_params, policy_states):
+        return views(prog, trace, chunk_params), views(prog, trace, policy_states)
 
-    def operands(self, prog, tr, ch, lps, pss):
-        """The stacked candidates (``lps``, ``pss``: the stacks), each branch slicing its chunk (views sliced
-        outside were materialised: 173 MiB of temp)."""
-        return prog.policies[0].choose(lps, pss, tr.base, tr.me)[1]
+    def operands(self, prog, trace, chunk, chunk_params, policy_states):
+        """The stacked candidates (``chunk_params``, ``policy_states``: the stacks), each branch slicing its
+        chunk (views sliced outside were materialised: 173 MiB of temp)."""
+        return prog.policies[0].choose(chunk_params, policy_states, trace.base, trace.me)[1]
 
-    def candidate(self, prog, tr, cs, cc, w):
-        return jax.tree.map(lambda a: a[cc], cs[w])
+    def candidate(self, prog, trace, chunk_stack, chunk_choice, weights):
+        return jax.tree.map(lambda leaf: leaf[chunk_choice], chunk_stack[weights])
 
-    def before_tick(self, prog, tr, lps, oss, pss, cr, flags):
+    def before_tick(self, prog, trace, chunk_params, opt_states, policy_states, carry, flags):
         """The stage the last worker sent last tick lands; the lanes read static views of the stacks."""
         if flags[0]:
-            lps, pss = receive_arrived(prog, tr, lps, pss, cr.reduce)
-        return lps, pss, (lps, oss, pss)
+            chunk_params, policy_states = receive_arrived(
+                prog, trace, chunk_params, policy_states, carry.reduce
+            )
+        return chunk_params, policy_states, (chunk_params, opt_states, policy_states)
 
-    def end_tick(self, lps, oss, pss):
-        return lps, oss, pss
+    def end_tick(self, chunk_params, opt_states, policy_states):
+        return chunk_params, opt_states, policy_states
 
-    def head(self, prog, tr, res, dy, gq, l, gt, n):
+    def head(self, prog, trace, residuals, cotangent, grad_post, loss, grad_tied, n):
         """Workers run the head at different ticks: nothing collective; counts travel the ring."""
         n = jnp.asarray(n, jnp.float32) if prog.summed else jnp.zeros((), jnp.float32)
         return (
-            blank(prog, tr),
-            res,
-            cast(dy, prog.x_aval),
-            gq,
-            l.astype(jnp.float32),
-            blank_tie(prog, tr),
-            gt,
+            blank(prog, trace),
+            residuals,
+            cast(cotangent, prog.x_aval),
+            grad_post,
+            loss.astype(jnp.float32),
+            blank_tie(prog, trace),
+            grad_tied,
             n,
         )
 
-    def with_partial(self, prog, tr, c, grad, cr):
+    def with_partial(self, prog, trace, chunk, grad, carry):
         """The previous worker's partial sum of this chunk added (none on the first worker)."""
         return jax.tree.map(
-            lambda p_, a: jnp.where(tr.replica > 0, p_, jnp.zeros_like(p_)) + a.astype(p_.dtype),
-            jax.tree.map(lambda b: read(b, c), cr.reduce.partial),
+            lambda p_, leaf: jnp.where(trace.replica > 0, p_, jnp.zeros_like(p_)) + leaf.astype(p_.dtype),
+            jax.tree.map(lambda b: read(b, chunk), carry.reduce.partial),
             grad,
         )
 
-    def idle_grad(self, prog, tr, lps, cr):
+    def idle_grad(self, prog, trace, chunk_params, carry):
         return (
-            cr.reduce.gbuf
+            carry.reduce.gbuf
         )  # the last sum passes through (a fresh fill would be a weight-sized write per tick)
 
-    def apply(self, prog, tr, t, flags, stacks, op, grad, cnt, lps, oss, pss, cr):
-        is_b, cb, _ = op
-        lps, oss, pss, rs = ring_exchange(prog, tr, t, *stacks, cr.reduce, is_b, cb, grad, cnt, flags[1])
-        return lps, oss, pss, cr._replace(reduce=rs)
+    def apply(
+        self,
+        prog,
+        trace,
+        tick,
+        flags,
+        stacks,
+        lane_op,
+        grad,
+        count,
+        chunk_params,
+        opt_states,
+        policy_states,
+        carry,
+    ):
+        is_b, chunk_b, _ = lane_op
+        chunk_params, opt_states, policy_states, ring_state = ring_exchange(
+            prog, trace, tick, *stacks, carry.reduce, is_b, chunk_b, grad, count, flags[1]
+        )
+        return chunk_params, opt_states, policy_states, carry._replace(reduce=ring_state)
 
     def call_loss(self, prog, lsum, lcount, lweight, errors):
         """Every worker's own micro-batches: the call's losses over their summed weight."""
@@ -216,8 +292,5 @@ class RingReduction(UpdateEach):
         loss = jnp.where(lweight > 0, lsum / jnp.where(lweight > 0, lweight, 1.0), jnp.nan)
         return loss, lcount, lweight, lax.psum(errors, (DATA, STAGE))
 
-    def finish(self, prog, pss, lweight):
-        return pss
-
-
-REDUCTIONS = {"sum": SumAfterCall(), "update": UpdateEach(), "ring": RingReduction()}
+    def finish(self, prog, policy_states, lweight):
+        return policy_states

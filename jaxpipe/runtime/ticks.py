@@ -4,6 +4,8 @@ executor's :class:`~jaxpipe.runtime.program.Program` and :class:`~jaxpipe.runtim
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -15,118 +17,231 @@ from .lanes_backward import w_lanes
 from .lanes_forward import f_cond, f_lanes_paired
 
 
-def scan_phases(prog, tr, st):
+class TickState(NamedTuple):
+    """What a call's scan carries from tick to tick (chunks as tuples, one entry per chunk of the device)."""
+
+    chunk_params: Any  # each chunk's stage weights
+    opt_states: Any  # each chunk's optimizer state
+    policy_states: Any  # each chunk's weight-policy state (versions, stashes, gradient sums)
+    carry: Any  # the in-flight buffers: messages, stash, counters (.inflight)
+    loss: Any  # (loss sum, count, weight) of the call so far
+
+
+def scan_phases(prog, trace, state: TickState) -> TickState:
     """The call's scans, one per phase (``segments``: a tick range and its static flags), with the landings
     and Chimera's eager exchanges between them."""
+    state = TickState(*state)
     for a, b, flags in prog.segments:
-        ticks = tr.t0 + jnp.arange(a, b, dtype=jnp.int32)
+        ticks = trace.t0 + jnp.arange(a, b, dtype=jnp.int32)
         if prog.fused:  # sum-only policies never write the weights: they stay out of the loop's state
+            fixed = state[:2]  # (chunk_params, opt_states)
 
-            def scan_tick(s_, t, fixed=st[:2], flags=flags):
-                return tick(prog, tr, fixed + s_, t, flags)[0][2:], None
+            def scan_tick(moving, tick_index, fixed=fixed, flags=flags):
+                return tuple(tick(prog, trace, TickState(*fixed, *moving), tick_index, flags)[0][2:]), None
 
-            rest, _ = lax.scan(scan_tick, st[2:], ticks)
-            st = st[:2] + rest
+            moving, _ = lax.scan(scan_tick, tuple(state[2:]), ticks)
+            state = TickState(*fixed, *moving)
         else:
-            st, _ = lax.scan(lambda s_, t, flags=flags: tick(prog, tr, s_, t, flags), st, ticks)
-        st = land_between(prog, tr, st, b)
+            state, _ = lax.scan(
+                lambda s_, tick_index, flags=flags: tick(prog, trace, s_, tick_index, flags), state, ticks
+            )
+        state = land_between(prog, trace, state, b)
         if b in prog.eager:
-            st = exchange_between(prog, tr, st, prog.eager[b])
-    return st
+            state = exchange_between(prog, trace, state, prog.eager[b])
+    return state
 
 
-def tick(prog, tr, st, t, flags=True):
+def tick(prog, trace, state: TickState, tick_index, flags=True):
     """One tick.  ``flags`` (static, per scan segment): whether an in-scan landing may happen in it; on a
     ring, (may land an arrived stage, may complete a sum); a lane plan's phase: the lanes some device
     uses in these ticks (the others are not compiled here)."""
-    lps, oss, pss, cr, loss = st
-    tr.outbox.clear()  # (what an interrupted trace may have left)
-    run, rr = prog.route.lanes(prog, tr, t, flags)  # the lanes compiled here; this device's route rows
-    lps, pss, stacks = prog.grads.before_tick(prog, tr, lps, oss, pss, cr, flags)
-    is_f, cf, gf = op_of(prog, tr, t, tr.me, 0)
-    is_b, cb, gb = op_of(prog, tr, t, tr.me, prog.KB)
-    is_f, is_b = (True if run[0] == 2 else is_f), (True if run[prog.KB] == 2 else is_b)  # no conditional
-    err = errors_of(prog, tr, cf, gf, is_f, per_chunk(prog, tr, lps, pss)[1])
+    chunk_params, opt_states, policy_states, carry, loss = state
+    trace.outbox.clear()  # (what an interrupted trace may have left)
+    run, route_row = prog.routing.lanes(
+        prog, trace, tick_index, flags
+    )  # the lanes compiled here; this device's route rows
+    chunk_params, policy_states, stacks = prog.reduction.before_tick(
+        prog, trace, chunk_params, opt_states, policy_states, carry, flags
+    )
+    is_f, chunk_f, mb_f = op_of(prog, trace, tick_index, trace.me, 0)
+    is_b, chunk_b, mb_b = op_of(prog, trace, tick_index, trace.me, prog.lane_b)
+    is_f, is_b = (True if run[0] == 2 else is_f), (True if run[prog.lane_b] == 2 else is_b)  # no conditional
+    err = errors_of(prog, trace, chunk_f, mb_f, is_f, per_chunk(prog, trace, chunk_params, policy_states)[1])
     if run[0]:
-        pss, cr, loss = forward_lanes(prog, tr, t, rr, run, (is_f, cf, gf), lps, pss, cr, loss)
-    if run[prog.KB]:
-        err = err + errors_of(prog, tr, cb, gb, is_b, per_chunk(prog, tr, lps, pss)[1])
-        lps, oss, pss, cr = backward_lanes(
-            prog, tr, t, rr, run, flags, (is_b, cb, gb), stacks, lps, oss, pss, cr
+        policy_states, carry, loss = forward_lanes(
+            prog,
+            trace,
+            tick_index,
+            route_row,
+            run,
+            (is_f, chunk_f, mb_f),
+            chunk_params,
+            policy_states,
+            carry,
+            loss,
+        )
+    if run[prog.lane_b]:
+        err = err + errors_of(
+            prog, trace, chunk_b, mb_b, is_b, per_chunk(prog, trace, chunk_params, policy_states)[1]
+        )
+        chunk_params, opt_states, policy_states, carry = backward_lanes(
+            prog,
+            trace,
+            tick_index,
+            route_row,
+            run,
+            flags,
+            (is_b, chunk_b, mb_b),
+            stacks,
+            chunk_params,
+            opt_states,
+            policy_states,
+            carry,
         )
     if (
-        prog.split and run[prog.KW]
+        prog.split and run[prog.lane_w]
     ):  # ZB's W lane (a lane plan's: W reads its slots), also in a phase without B
-        pss = w_lanes(prog, tr, t, rr[prog.KW], lps, oss, pss, cr)
-    cr = prog.route.exchange(prog, tr, cr)  # the tick's messages, in one exchange after every lane
-    cr = cr._replace(errors=cr.errors + err, **({"stash": []} if prog.direct else {}))
-    lps, oss, pss = prog.grads.end_tick(lps, oss, pss)
-    return (lps, oss, pss, cr, loss), None
-
-
-def forward_lanes(prog, tr, t, rr, run, op, lps, pss, cr, loss):
-    """The tick's F lane (with its F2 pair where the plan has one) and the messages they send."""
-    is_f, cf, gf = op
-    x_in, t_in, sf = prog.route.forward_in(prog, tr, t, rr, cr, cf, gf)
-    if prog.paired and run[prog.KF2]:  # F2 pairs with F: one forward of the two micro-batches where both run
-        (pss, cr, loss), send_f, send_f2 = f_lanes_paired(
-            prog, tr, t, rr, is_f, cf, gf, sf, x_in, t_in, (lps, pss, cr, loss)
+        policy_states = w_lanes(
+            prog, trace, tick_index, route_row[prog.lane_w], chunk_params, opt_states, policy_states, carry
         )
-        return pss, prog.route.paired_out(prog, tr, t, rr, cr, send_f, send_f2), loss
-    (pss, cr, loss), send_f = f_cond(prog, tr, is_f, cf, gf, sf, x_in, t_in, ops=(lps, pss, cr, loss))
-    return pss, prog.route.forward_out(prog, tr, t, rr, cr, send_f), loss
+    carry = prog.routing.exchange(prog, trace, carry)  # the tick's messages, in one exchange after every lane
+    carry = carry._replace(errors=carry.errors + err, **({"stash": []} if prog.direct else {}))
+    chunk_params, opt_states, policy_states = prog.reduction.end_tick(chunk_params, opt_states, policy_states)
+    return TickState(chunk_params, opt_states, policy_states, carry, loss), None
 
 
-def backward_lanes(prog, tr, t, rr, run, flags, op, stacks, lps, oss, pss, cr):
+def forward_lanes(prog, trace, tick_index, route_row, run, lane_op, chunk_params, policy_states, carry, loss):
+    """The tick's F lane (with its F2 pair where the plan has one) and the messages they send."""
+    is_f, chunk_f, mb_f = lane_op
+    x_in, t_in, slot_f = prog.routing.forward_in(prog, trace, tick_index, route_row, carry, chunk_f, mb_f)
+    if (
+        prog.paired and run[prog.lane_f2]
+    ):  # F2 pairs with F: one forward of the two micro-batches where both run
+        (policy_states, carry, loss), send_f, send_f2 = f_lanes_paired(
+            prog,
+            trace,
+            tick_index,
+            route_row,
+            is_f,
+            chunk_f,
+            mb_f,
+            slot_f,
+            x_in,
+            t_in,
+            (chunk_params, policy_states, carry, loss),
+        )
+        return (
+            policy_states,
+            prog.routing.paired_out(prog, trace, tick_index, route_row, carry, send_f, send_f2),
+            loss,
+        )
+    (policy_states, carry, loss), send_f = f_cond(
+        prog,
+        trace,
+        is_f,
+        chunk_f,
+        mb_f,
+        slot_f,
+        x_in,
+        t_in,
+        lane_ops=(chunk_params, policy_states, carry, loss),
+    )
+    return policy_states, prog.routing.forward_out(prog, trace, tick_index, route_row, carry, send_f), loss
+
+
+def backward_lanes(
+    prog,
+    trace,
+    tick_index,
+    route_row,
+    run,
+    flags,
+    lane_op,
+    stacks,
+    chunk_params,
+    opt_states,
+    policy_states,
+    carry,
+):
     """The tick's B lane, the update it feeds (or the ring's exchange), and its messages."""
-    is_b, cb, gb = op
-    dy_in, tb_in, cnt, sb = prog.route.backward_in(prog, tr, rr, cr, cb, gb)
-    if tr.wsp is not None:  # B keeps its frontier for W in a slot of its own
-        sb = (sb, rr[prog.KB, ROUTE["front"]])
-    pss, cr, grad, send_b = prog.grads.backward(
-        prog, tr, (cb, gb, sb, dy_in, tb_in, cnt), is_b, lps, oss, pss, cr
+    is_b, chunk_b, mb_b = lane_op
+    dy_in, tb_in, count, slot_b = prog.routing.backward_in(prog, trace, route_row, carry, chunk_b, mb_b)
+    if trace.wsp is not None:  # B keeps its frontier for W in a slot of its own
+        slot_b = (slot_b, route_row[prog.lane_b, ROUTE["front"]])
+    policy_states, carry, grad, send_b = prog.reduction.backward(
+        prog,
+        trace,
+        (chunk_b, mb_b, slot_b, dy_in, tb_in, count),
+        is_b,
+        chunk_params,
+        opt_states,
+        policy_states,
+        carry,
     )
     send_b = send_b + (
         jnp.where(
-            is_b & ~is_first(prog, tr, cb), cnt, jnp.full((), jnp.nan if prog.nan_bubbles else 0, jnp.float32)
+            is_b & ~is_first(prog, trace, chunk_b),
+            count,
+            jnp.full((), jnp.nan if prog.nan_bubbles else 0, jnp.float32),
         ),
     )
-    lps, oss, pss, cr = prog.grads.apply(prog, tr, t, flags, stacks, op, grad, cnt, lps, oss, pss, cr)
-    cr = prog.route.backward_out(prog, tr, t, rr, cr, send_b)
-    return lps, oss, pss, cr
+    chunk_params, opt_states, policy_states, carry = prog.reduction.apply(
+        prog,
+        trace,
+        tick_index,
+        flags,
+        stacks,
+        lane_op,
+        grad,
+        count,
+        chunk_params,
+        opt_states,
+        policy_states,
+        carry,
+    )
+    carry = prog.routing.backward_out(prog, trace, tick_index, route_row, carry, send_b)
+    return chunk_params, opt_states, policy_states, carry
 
 
-def land_between(prog, tr, st, tau):
+def land_between(prog, trace, state, tau):
     """The chunks whose batch completes by tick offset ``tau`` land it now (``lag`` calls after it was
     fed), outside any scan: a landing conditional in a scan made XLA copy the weights every tick."""
     if not any(tc == tau for _, tc in prog.lands.values()):
-        return st
-    lps, oss, pss, cr, loss = st
-    lps, oss, pss = list(lps), list(oss), list(pss)
+        return state
+    chunk_params, opt_states, policy_states, carry, loss = state
+    chunk_params, opt_states, policy_states = list(chunk_params), list(opt_states), list(policy_states)
     for c, (lag, tc) in prog.lands.items():
         if tc != tau:
             continue
-        bk = tr.t0 // prog.T - lag
-        lps[c], oss[c], pss[c] = lax.cond(
-            (bk >= 0) & (bk * prog.M < tr.n_fed),
-            lambda *a, c=c: prog.policies[c].land(*a, counting=prog.counting, b=tr.base // prog.M + bk),
-            lambda *a: a,
-            lps[c],
-            oss[c],
-            pss[c],
+        bk = trace.t0 // prog.num_ticks - lag
+        chunk_params[c], opt_states[c], policy_states[c] = lax.cond(
+            (bk >= 0) & (bk * prog.M < trace.n_fed),
+            lambda *leaf, c=c: prog.policies[c].land(
+                *leaf, counting=prog.counting, b=trace.base // prog.M + bk
+            ),
+            lambda *leaf: leaf,
+            chunk_params[c],
+            opt_states[c],
+            policy_states[c],
         )
-    return tuple(lps), tuple(oss), tuple(pss), cr, loss
+    return TickState(tuple(chunk_params), tuple(opt_states), tuple(policy_states), carry, loss)
 
 
-def exchange_between(prog, tr, st, pairs):
+def exchange_between(prog, trace, state, pairs):
     """Chimera §3.2: the replica gradients of the stages whose backwards are all done go home now
     (one ``ppermute`` for the group), where the transfer may overlap the rest of the pipeline; the sent
     sums are zeroed, so the exchange after the call adds nothing for them."""
-    lps, oss, pss, cr, loss = st
+    chunk_params, opt_states, policy_states, carry, loss = state
     (get0, put0), (get1, put1) = prog.policies[0].sums, prog.policies[1].sums
-    got = jax.tree.map(lambda a: lax.ppermute(a, STAGE, list(pairs)), get1(pss[1]))
-    dst = jnp.isin(tr.me, jnp.asarray([d for _, d in pairs]))
-    src = jnp.isin(tr.me, jnp.asarray([r for r, _ in pairs]))
-    p0 = put0(pss[0], jax.tree.map(lambda a, b: jnp.where(dst, a + b, a), get0(pss[0]), got))
-    p1 = put1(pss[1], jax.tree.map(lambda a: jnp.where(src, jnp.zeros_like(a), a), get1(pss[1])))
-    return lps, oss, (p0, p1), cr, loss
+    got = jax.tree.map(lambda leaf: lax.ppermute(leaf, STAGE, list(pairs)), get1(policy_states[1]))
+    dst = jnp.isin(trace.me, jnp.asarray([d for _, d in pairs]))
+    src = jnp.isin(trace.me, jnp.asarray([r for r, _ in pairs]))
+    p0 = put0(
+        policy_states[0],
+        jax.tree.map(lambda leaf, b: jnp.where(dst, leaf + b, leaf), get0(policy_states[0]), got),
+    )
+    p1 = put1(
+        policy_states[1],
+        jax.tree.map(lambda leaf: jnp.where(src, jnp.zeros_like(leaf), leaf), get1(policy_states[1])),
+    )
+    return TickState(chunk_params, opt_states, (p0, p1), carry, loss)

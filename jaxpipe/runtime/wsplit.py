@@ -48,11 +48,11 @@ def _eval_eqns(eqns, env, inline: bool = False):
         )
         if inline and inner is not None:
             closed = inner if hasattr(inner, "consts") else None
-            jx = closed.jaxpr if closed is not None else inner
-            sub = dict(zip(jx.constvars, closed.consts if closed is not None else []))
-            sub.update(zip(jx.invars, invals))
-            _eval_eqns(jx.eqns, sub, inline=True)
-            outs = [_read(sub, v) for v in jx.outvars]
+            jaxpr = closed.jaxpr if closed is not None else inner
+            sub = dict(zip(jaxpr.constvars, closed.consts if closed is not None else []))
+            sub.update(zip(jaxpr.invars, invals))
+            _eval_eqns(jaxpr.eqns, sub, inline=True)
+            outs = [_read(sub, v) for v in jaxpr.outvars]
         else:
             outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
             if not eqn.primitive.multiple_results:
@@ -174,7 +174,7 @@ def _run_w_scan_into(sp, invals, front, sums, add):
     bj, nc, ncar = sp["body"].jaxpr, sp["nc"], sp["ncar"]
     consts = {j: invals[j] for j in sp["outer_in"] if j < nc}
     xs = {j: invals[j] for j in sp["outer_in"] if j >= nc + ncar}
-    at = lambda a, l: jax.lax.dynamic_index_in_dim(a, l, 0, keepdims=False)
+    at = lambda leaf, l: jax.lax.dynamic_index_in_dim(leaf, l, 0, keepdims=False)
 
     def step(l, acc):
         env = dict(zip(bj.constvars, sp["body"].consts))
@@ -188,10 +188,10 @@ def _run_w_scan_into(sp, invals, front, sums, add):
     return jax.lax.fori_loop(0, sp["length"], step, list(sums))
 
 
-def _direct_outputs(jx, w_only, splits, dw_vars) -> dict:
+def _direct_outputs(jaxpr, w_only, splits, dw_vars) -> dict:
     """``{split scan's equation index: [position in dw_vars of each of its W outputs]}`` for the split scans
     whose W outputs are all returned as they are (once each) and read by nothing else in W."""
-    read = {u for u in _w_reads(jx, w_only, splits, ()) if not _is_literal(u)}
+    read = {u for u in _w_reads(jaxpr, w_only, splits, ()) if not _is_literal(u)}
     direct = {}
     for k, sp in splits.items():
         outs = [sp["eqn"].outvars[i] for i in sp["outs_w"]]
@@ -201,26 +201,26 @@ def _direct_outputs(jx, w_only, splits, dw_vars) -> dict:
     return direct
 
 
-def _scan_splits(jx, b_set, w_only, dx_vars, dw_vars):
+def _scan_splits(jaxpr, b_set, w_only, dx_vars, dw_vars):
     """``{equation index: split}`` of the scans over layers in B's part whose outputs W alone needs (the
     stacked weight gradients): each is cut in two (:func:`_scan_split`)."""
-    read_by = lambda ks: {u for k in ks for u in jx.eqns[k].invars if not _is_literal(u)}
+    read_by = lambda ks: {u for k in ks for u in jaxpr.eqns[k].invars if not _is_literal(u)}
     need_b_out = read_by(b_set) | set(dx_vars)
     need_w_out = read_by(w_only) | set(dw_vars)
     splits = {}
     for k in sorted(b_set):
-        if jx.eqns[k].primitive.name == "scan":
-            sp = _scan_split(jx.eqns[k], need_b_out, need_w_out)
+        if jaxpr.eqns[k].primitive.name == "scan":
+            sp = _scan_split(jaxpr.eqns[k], need_b_out, need_w_out)
             if sp is not None:
                 splits[k] = sp
     return splits
 
 
-def _w_reads(jx, w_only, splits, dw_vars) -> list:
+def _w_reads(jaxpr, w_only, splits, dw_vars) -> list:
     """What W reads: its equations' inputs, the outer inputs of the split scans' weight halves, and the
     weight gradients themselves (B may make some)."""
     return (
-        [u for k in w_only for u in jx.eqns[k].invars]
+        [u for k in w_only for u in jaxpr.eqns[k].invars]
         + [sp["eqn"].invars[j] for sp in splits.values() for j in sp["outer_in"]]
         + list(dw_vars)
     )
@@ -232,11 +232,11 @@ def _indices_in(invars, w, res, read) -> Tuple[int, ...]:
     return tuple(i for i, v in enumerate(invars[n_w : n_w + len(jax.tree.leaves(res))]) if v in read)
 
 
-def _frontier(jx, b_set, w_only, splits, dw_vars, w_made):
+def _frontier(jaxpr, b_set, w_only, splits, dw_vars, w_made):
     """The values B computes that W reads (in order, once each)."""
-    b_defined = {v for k in b_set for v in jx.eqns[k].outvars} - w_made
+    b_defined = {v for k in b_set for v in jaxpr.eqns[k].outvars} - w_made
     front, seen = [], set()
-    for v in _w_reads(jx, w_only, splits, dw_vars):
+    for v in _w_reads(jaxpr, w_only, splits, dw_vars):
         if not _is_literal(v) and v in b_defined and v not in seen:
             seen.add(v)
             front.append(v)
@@ -259,9 +259,9 @@ def split_backward(bwd: Callable, w, res, dy, stash_avals) -> Optional[BackwardS
     would not pay (see the module docstring).  Call it where the executor traces (inside the
     ``shard_map``)."""
     flat_args, in_tree = jax.tree.flatten((w, res, dy))
-    nested, out_shape = jax.make_jaxpr(lambda *a: bwd(*jax.tree.unflatten(in_tree, a)), return_shape=True)(
-        *flat_args
-    )
+    nested, out_shape = jax.make_jaxpr(
+        lambda *leaf: bwd(*jax.tree.unflatten(in_tree, leaf)), return_shape=True
+    )(*flat_args)
 
     def flat_bwd(*leaves):  # the same equations with jitted calls inlined
         env = dict(zip(nested.jaxpr.constvars, nested.consts))
@@ -271,14 +271,14 @@ def split_backward(bwd: Callable, w, res, dy, stash_avals) -> Optional[BackwardS
 
     closed = jax.make_jaxpr(flat_bwd)(*flat_args)
     out_tree = jax.tree.structure(out_shape)
-    jx = closed.jaxpr
+    jaxpr = closed.jaxpr
     n_dw = len(jax.tree.leaves(out_shape[0]))
-    dw_vars, dx_vars = jx.outvars[:n_dw], jx.outvars[n_dw:]
-    b_set = _needed(jx.eqns, dx_vars)
-    w_need = _needed(jx.eqns, dw_vars)
+    dw_vars, dx_vars = jaxpr.outvars[:n_dw], jaxpr.outvars[n_dw:]
+    b_set = _needed(jaxpr.eqns, dx_vars)
+    w_need = _needed(jaxpr.eqns, dw_vars)
     w_only = sorted(w_need - b_set)
     try:
-        splits = _scan_splits(jx, b_set, w_only, dx_vars, dw_vars)
+        splits = _scan_splits(jaxpr, b_set, w_only, dx_vars, dw_vars)
     except UnknownJaxprLayout as e:
         _warn_once(
             f"jaxpipe: zero-bubble's B/W split cannot read this JAX's ({jax.__version__}) jaxpr: {e}. W "
@@ -289,14 +289,14 @@ def split_backward(bwd: Callable, w, res, dy, stash_avals) -> Optional[BackwardS
     if not w_only and not splits:
         return None
     w_made = {sp["eqn"].outvars[i] for sp in splits.values() for i in sp["outs_w"]}
-    front = _frontier(jx, b_set, w_only, splits, dw_vars, w_made)
+    front = _frontier(jaxpr, b_set, w_only, splits, dw_vars, w_made)
     # a frontier value made by an equation with a jaxpr inside (a remat, a custom rule, a scan that could not
     # be cut) means B would run W's part of that equation too: no split there
     atomic = {
         v
         for k in b_set
-        for v in jx.eqns[k].outvars
-        if any(hasattr(p, "eqns") or hasattr(p, "jaxpr") for p in jx.eqns[k].params.values())
+        for v in jaxpr.eqns[k].outvars
+        if any(hasattr(p, "eqns") or hasattr(p, "jaxpr") for p in jaxpr.eqns[k].params.values())
     } - w_made
     inner_avals = [
         jax.ShapeDtypeStruct((sp["length"],) + tuple(v.aval.shape), v.aval.dtype)
@@ -307,7 +307,7 @@ def split_backward(bwd: Callable, w, res, dy, stash_avals) -> Optional[BackwardS
     if any(v in atomic for v in front) or _nbytes(front_avals) > _nbytes(stash_avals):
         return None
     parts = _Parts(
-        jx,
+        jaxpr,
         closed.consts,
         splits,
         front,
@@ -315,17 +315,17 @@ def split_backward(bwd: Callable, w, res, dy, stash_avals) -> Optional[BackwardS
         sorted(set(w_only) | set(splits)),
         dx_vars,
         dw_vars,
-        _direct_outputs(jx, w_only, splits, dw_vars),
+        _direct_outputs(jaxpr, w_only, splits, dw_vars),
         out_tree.children()[1],
         out_tree.children()[0],
     )
-    read = {v for v in _w_reads(jx, w_only, splits, dw_vars) if not _is_literal(v)}
+    read = {v for v in _w_reads(jaxpr, w_only, splits, dw_vars) if not _is_literal(v)}
     in_place = any(splits[k]["length"] > 1 for k in parts.direct)
     return BackwardSplit(
         parts.input_part,
         parts.weight_part,
         front_avals,
-        _indices_in(jx.invars, w, res, read),
+        _indices_in(jaxpr.invars, w, res, read),
         parts.weight_part_into,
         in_place,
     )
@@ -335,7 +335,7 @@ def split_backward(bwd: Callable, w, res, dy, stash_avals) -> Optional[BackwardS
 class _Parts:
     """B's and W's halves of one flat backward jaxpr ``jx`` (:func:`split_backward`'s analysis)."""
 
-    jx: Any
+    jaxpr: Any
     consts: Any
     splits: dict  # {equation index: a split scan (_scan_split)}
     front: list  # the values B computes that W reads (then the split scans' stacked ones)
@@ -347,13 +347,13 @@ class _Parts:
     dx_tree: Any
     dw_tree: Any
 
-    def start(self, w_, res_, dy_):
-        env = dict(zip(self.jx.constvars, self.consts))
-        env.update(zip(self.jx.invars, jax.tree.leaves((w_, res_, dy_))))
+    def start(self, w_, res_, cotangent_):
+        env = dict(zip(self.jaxpr.constvars, self.consts))
+        env.update(zip(self.jaxpr.invars, jax.tree.leaves((w_, res_, cotangent_))))
         return env
 
-    def input_part(self, w_, res_, dy_):
-        env, inner = self.start(w_, res_, dy_), []
+    def input_part(self, w_, res_, cotangent_):
+        env, inner = self.start(w_, res_, cotangent_), []
         for k in self.b_tasks:
             if k in self.splits:
                 sp = self.splits[k]
@@ -361,19 +361,19 @@ class _Parts:
                 env.update((sp["eqn"].outvars[i], o) for i, o in zip(sp["outs_b"], outs))
                 inner += fr
             else:
-                _eval_eqns([self.jx.eqns[k]], env)
+                _eval_eqns([self.jaxpr.eqns[k]], env)
         return (
             jax.tree.unflatten(self.dx_tree, [_read(env, v) for v in self.dx_vars]),
             [env[v] for v in self.front] + inner,
         )
 
-    def run_w(self, w_, res_, dy_, frontier, into=None):
-        env, done = self.start(w_, res_, dy_), {}
+    def run_w(self, w_, res_, cotangent_, frontier, into=None):
+        env, done = self.start(w_, res_, cotangent_), {}
         env.update(zip(self.front, frontier[: len(self.front)]))
         inner, pos = frontier[len(self.front) :], 0
         for k in self.w_tasks:
             if k not in self.splits:
-                _eval_eqns([self.jx.eqns[k]], env)
+                _eval_eqns([self.jaxpr.eqns[k]], env)
                 continue
             sp = self.splits[k]
             n = len(sp["front"])
@@ -397,16 +397,16 @@ class _Parts:
             [done[p] if p in done else add(sums[p], _read(env, v)) for p, v in enumerate(self.dw_vars)],
         )
 
-    def weight_part(self, w_, res_, dy_, frontier):
-        return self.run_w(w_, res_, dy_, frontier)
+    def weight_part(self, w_, res_, cotangent_, frontier):
+        return self.run_w(w_, res_, cotangent_, frontier)
 
-    def weight_part_into(self, w_, res_, dy_, frontier, sums, add):
+    def weight_part_into(self, w_, res_, cotangent_, frontier, sums, add):
         if jax.tree.structure(sums) != self.dw_tree:
             raise ValueError(
                 f"weight_part_into: sums {jax.tree.structure(sums)} are not shaped like the weight "
                 f"gradient {self.dw_tree}"
             )
-        return self.run_w(w_, res_, dy_, frontier, (jax.tree.leaves(sums), add))
+        return self.run_w(w_, res_, cotangent_, frontier, (jax.tree.leaves(sums), add))
 
 
 def stage_splits(model, w, x, mb) -> bool:
@@ -421,7 +421,7 @@ def _stage_split(model, w, x, mb):
     """``(split or None, stashed residual avals)`` of ``model``'s stage, analysed as the executor does."""
     from .stage import StageOps
 
-    zeros = lambda t: jax.tree.map(lambda a: jax.numpy.zeros(a.shape, a.dtype), t)
+    zeros = lambda tree: jax.tree.map(lambda leaf: jax.numpy.zeros(leaf.shape, leaf.dtype), tree)
     sop, avals = StageOps.build(model, w, zeros(x), mb)
     return split_backward(sop.backward, w, zeros(avals), zeros(x), avals), avals
 

@@ -66,7 +66,7 @@ class Method:
     types: Dict[str, Opt] = dataclasses.field(default_factory=dict)  # each option's type and range
     #: a micro-batch's forward and backward on one stage may read different weights (a prediction): a stage
     #: that recomputes its forward in the backward must recompute it on the forward's weights
-    #: (:class:`jaxpipe.runtime.common.RecomputedAtForwardWeights`)
+    #: (:class:`jaxpipe.runtime.residuals.RecomputedAtForwardWeights`)
     reads_differ: bool = False
 
     def resolve(self, user: Optional[dict], model_stages: int, devices: int) -> dict:

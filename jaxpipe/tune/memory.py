@@ -39,7 +39,7 @@ def tree_bytes(tree) -> int:
 
 def _all_residuals(stage_fn):
     """The stage function under the ``"all"`` policy: ``jax.checkpoint``'s wrapped function, or the stage
-    that :class:`~jaxpipe.runtime.common.RecomputedAtForwardWeights` reruns."""
+    that :class:`~jaxpipe.runtime.residuals.RecomputedAtForwardWeights` reruns."""
     inner = getattr(stage_fn, "__wrapped__", None) or getattr(stage_fn, "stage_fn", None)
     return stage_fn if inner is None else _all_residuals(inner)
 
@@ -118,7 +118,7 @@ def state_bytes(state) -> int:
 def _stage_inputs(model, batch, rows: int):
     """Zeros of one stage's weights, activation and micro-batch of ``rows`` rows (host arrays, for
     tracing)."""
-    from ..runtime.common import host_zeros
+    from ..runtime.buffers import host_zeros
 
     mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((rows,) + tuple(a.shape[1:]), a.dtype), batch)
     x = jax.eval_shape(model.pre, model.pre_params, mb)

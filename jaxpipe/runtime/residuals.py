@@ -1,30 +1,15 @@
-"""Pieces of the executor kept apart: the vjp residual split, stash reads/writes and collectives over live
-axes.  (The schedule-only helpers -- the layout of model stages over devices, the lane plan, Chimera's eager
-points -- are in :mod:`jaxpipe.schedules.layout`.)"""
+"""What a stage keeps between its forward and its backward: the vjp residuals split into those that
+depend on the activation (stashed) and the rest (recomputed), the pullback rebuilt from them, and the stage
+that recomputes its forward at the weights its forward read."""
 
 from __future__ import annotations
 
 import collections
+
 from typing import Any, List, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax import lax
-
-
-def cond(pred, true_fn, false_fn, *operands):
-    """``lax.cond``, or ``true_fn(*operands)`` where ``pred`` is the Python ``True`` (a lane busy on every
-    device in every tick of its phase: run in the tick's own body, where XLA can share what F and B both read
-    --
-    a weight slice materialised in each lane's conditional was read twice; issue #39)."""
-    if pred is True:
-        return true_fn(*operands)
-    return lax.cond(pred, true_fn, false_fn, *operands)
-
-
-#: the in-flight fields a forward lane writes (the rest pass through its conditional untouched)
-F_OUT = ("stash", "gpost", "dy_own", "gtie", "cnt_own")
 
 
 class RecomputedAtForwardWeights:
@@ -48,11 +33,10 @@ class RecomputedAtForwardWeights:
         return self.stage_fn(*args)
 
 
-#: the jitted stage functions, newest last (at most :data:`_TRACED_KEPT`: a sweep building many models does
-#: not
-#: keep every one's traces alive)
-_TRACED: "collections.OrderedDict[int, tuple]" = collections.OrderedDict()
 _TRACED_KEPT = 64
+#: the jitted stage functions, newest last (at most :data:`_TRACED_KEPT`: a sweep building many models does
+#: not keep every one's traces alive)
+_TRACED: "collections.OrderedDict[int, tuple]" = collections.OrderedDict()
 
 
 def traced_once(stage_fn):
@@ -113,7 +97,7 @@ def _depends(jaxpr, dep_in: Sequence[bool]) -> List[bool]:
     all its outputs dependent."""
     from ..jax_internals import call_body
 
-    is_var = lambda v: not hasattr(v, "val")  # Literals carry .val
+    is_var = lambda value: not hasattr(value, "val")  # Literals carry .val
     dep = {v for v, d in zip(jaxpr.invars, dep_in) if d}
     for eqn in jaxpr.eqns:
         ins = [is_var(v) and v in dep for v in eqn.invars]
@@ -157,118 +141,3 @@ def rebuild_pullback(stage_fn, w, x_like, stashed: List[Any], mask: Sequence[boo
     _, _, fresh, treedef = split_residuals(stage_fn, w, x_like, mask, ctx_like)
     it = iter(stashed)
     return jax.tree.unflatten(treedef, [next(it) if m else f for f, m in zip(fresh, mask)])
-
-
-def read(buf, slot):
-    """Slot ``slot`` of a buffer (or of every buffer of a pytree: activations may be pytrees)."""
-    return jax.tree.map(lambda b: lax.dynamic_index_in_dim(b, slot, 0, False), buf)
-
-
-def write(buf, slot, val):
-    """``buf`` with ``val`` written at ``slot`` (pytrees: leaf by leaf), cast to the buffer's dtype."""
-    return jax.tree.map(lambda b, v: lax.dynamic_update_index_in_dim(b, v.astype(b.dtype), slot, 0), buf, val)
-
-
-def full(avals, value, lead=()):
-    """Arrays shaped like ``avals`` (a pytree of ShapeDtypeStructs) with leading dims ``lead``, all ``value``
-    (NaN mode's NaN only where the dtype has it: integer leaves, such as a stashed PRNG key, get 0)."""
-    return jax.tree.map(
-        lambda a: jnp.full(tuple(lead) + tuple(a.shape), fill_value(value, a.dtype), a.dtype), avals
-    )
-
-
-def host_zeros(avals):
-    """Zeros shaped like ``avals`` (arrays or ShapeDtypeStructs) as host (numpy) arrays: inputs for tracing a
-    function for its shapes, which compile nothing (``jnp.zeros`` compiles a program per shape and placement).
-    A dtype numpy cannot hold (a typed PRNG key) gets ``jnp.zeros``."""
-
-    def one(a):
-        try:
-            return np.zeros(tuple(a.shape), np.dtype(a.dtype))
-        except TypeError:
-            return jnp.zeros(a.shape, a.dtype)
-
-    return jax.tree.map(one, avals)
-
-
-def fill_value(value, dtype):
-    """``value``, or 0 where it is NaN and ``dtype`` cannot hold NaN (casting NaN to an integer is
-    undefined)."""
-    nan = isinstance(value, float) and value != value
-    return 0 if nan and not jnp.issubdtype(dtype, jnp.inexact) else value
-
-
-def cast(x, avals):
-    """``x`` with every leaf cast to the dtype of the matching leaf of ``avals``."""
-    return jax.tree.map(lambda v, a: v.astype(a.dtype), x, avals)
-
-
-def where(cond, a, b):
-    """``jnp.where(cond, a, b)`` leaf by leaf."""
-    return jax.tree.map(lambda u, v: jnp.where(cond, u, v), a, b)
-
-
-_INT_OF_WIDTH = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
-
-
-def ppermute_bits(x, axis, perm):
-    """``lax.ppermute`` of a pytree with every floating leaf sent as the integers of its bits (bitcast, the
-    same bytes: exact).  Measured on XLA CPU (BUILD_NOTES, "Messages as bits"): the same no-flush program
-    ran 10-20% faster when its float messages travelled this way -- the collective-permute itself costs the
-    same (micro-benchmark), the difference is in how XLA schedules the float result's consumers."""
-
-    def to_bits(a):
-        if jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize in _INT_OF_WIDTH:
-            return jax.lax.bitcast_convert_type(a, _INT_OF_WIDTH[a.dtype.itemsize])
-        return a
-
-    def from_bits(b, a):
-        return jax.lax.bitcast_convert_type(b, a.dtype) if b.dtype != a.dtype else b
-
-    return jax.tree.map(from_bits, jax.lax.ppermute(jax.tree.map(to_bits, x), axis, perm), x)
-
-
-def live_axes(mesh, axes: Sequence[str]) -> Tuple[str, ...]:
-    """The axes of ``axes`` with more than one device in ``mesh``."""
-    return tuple(a for a in axes if mesh.shape[a] > 1)
-
-
-def psum_over(x, mesh, axes: Sequence[str]):
-    """``lax.psum`` over the axes of ``axes`` that have more than one device; the identity where none has.
-    XLA keeps an all-reduce over one-device groups (``replica_groups={{0},{1},...}``): the no-flush methods
-    ran a weight-sized one in every tick without data parallelism (BUILD_NOTES, "Collectives over one
-    device"); a sum over one device is its operand, exactly.  Only for ``check_vma=False`` programs: with
-    varying-axis checks the skipped reduction changes the value's type (the executor runs with
-    ``check_vma=False``)."""
-    live = live_axes(mesh, axes)
-    return lax.psum(x, live) if live else x
-
-
-def pmean_over(x, mesh, axes: Sequence[str]):
-    """``lax.pmean`` over the axes with more than one device (see :func:`psum_over`)."""
-    live = live_axes(mesh, axes)
-    return lax.pmean(x, live) if live else x
-
-
-def balanced_broadcast(x, N: int, me, axis):
-    """``x`` (a pytree) of worker ``N - 1`` on every other worker, no worker sending more than ``x``'s size:
-    worker ``N - 1`` scatters ``x`` in ``N - 1`` chunks (chunk ``r`` to worker ``r``), then the receivers
-    all-gather them along a ring (``N - 2`` shifts; each sends ``(N - 2) / (N - 1)`` of ``x``).  The direct
-    alternative sends ``(N - 1)`` copies from one worker.  Exact (a permutation of bytes; leaves of mixed
-    float dtypes travel in their common dtype and come back exactly).  Worker ``N - 1``'s result is
-    garbage."""
-    from jax.flatten_util import ravel_pytree
-
-    flat, unravel = ravel_pytree(x)
-    R, n = N - 1, flat.shape[0]
-    size = -(-n // R)
-    chunks = jnp.pad(flat, (0, size * R - n)).reshape(R, size)
-    mine = jnp.zeros((size,), flat.dtype)
-    for r in range(R):
-        got = lax.ppermute(chunks[r], axis, [(N - 1, r)])
-        mine = jnp.where(me == r, got, mine)
-    out = jnp.zeros((R, size), flat.dtype).at[jnp.minimum(me, R - 1)].set(mine)
-    for shift in range(1, R):
-        got = lax.ppermute(mine, axis, [(i, (i + shift) % R) for i in range(R)])
-        out = out.at[jnp.mod(me - shift, R)].set(got)
-    return unravel(out.reshape(-1)[:n])
