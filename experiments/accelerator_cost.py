@@ -61,7 +61,7 @@ def models(names, D, small, layers=4):
     import jax
     import jax.numpy as jnp
     from jaxpipe import models as zoo
-    from experiments.bench import make_tanh_mlp
+    from jaxpipe.bench import make_tanh_mlp
 
     M, key, out = FLAGS.microbatches, jax.random.key(1), {}
     for name in names:
@@ -115,7 +115,7 @@ def measure(step, timed, n):
 
 def costs(compiled):
     """(flops, bytes accessed, temp bytes[, HLO byte account]) of a compiled program (per device)."""
-    from experiments.bench import compiled_costs
+    from jaxpipe.bench import compiled_costs
 
     if not FLAGS.hlo_lines:
         return compiled_costs(compiled)
@@ -140,7 +140,7 @@ def bench(label, model, batch, D, timed, scheds, layers):
     import jax
     import optax
     from jaxpipe import Pipeline, make_mesh
-    from experiments.bench import plain_train_step
+    from jaxpipe.bench import plain_train_step
 
     opt, M = optax.adamw(1e-4), FLAGS.microbatches
     dev = jax.devices()[0]

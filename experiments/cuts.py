@@ -8,7 +8,7 @@ Two tables, one process:
    one core (``--cores``: every device's work runs one after the other, so each cut does the same work):
    the time of each cut over the even one's.  With more blocks than an even cut allows, the uneven cuts are
    compared among themselves.
-2. **The balanced cut.**  :func:`jaxpipe.tune.cut.balance` measures one block, the embedding and the
+2. **The balanced cut.**  :func:`jaxpipe.cuts.balanced.balance` measures one block, the embedding and the
    head-plus-loss, searches the cuts for the least predicted lockstep compute on ``--stages`` devices and
    prints its choice beside the most even cut; both are then timed on one core (where a cut cannot help:
    it checks the total work is the same, so the prediction's gain is the lockstep bound's, not less work).
@@ -68,7 +68,7 @@ def main(_):
     import numpy as np
     import jaxpipe as jp
     from jaxpipe.cuts import even_cut
-    from jaxpipe.tune.cut import balance
+    from jaxpipe.cuts.balanced import balance
 
     from experiments.bench import machine_load, ratio_spread, reliability
 

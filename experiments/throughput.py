@@ -138,7 +138,7 @@ def benchmark_setup(timing: str):
     import jax.numpy as jnp
     import jaxpipe as jp
     from jaxpipe import host_memory
-    from experiments.bench import make_tanh_mlp
+    from jaxpipe.bench import make_tanh_mlp
 
     host_memory.choose(FLAGS.keep_freed_memory)
     opt = jp.optim.by_name(FLAGS.optimizer, 1e-3)

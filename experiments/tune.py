@@ -51,7 +51,7 @@ def main(argv):
     from tqdm import tqdm
 
     import jaxpipe as jp
-    from experiments.bench import make_tanh_mlp
+    from jaxpipe.bench import make_tanh_mlp
     from jaxpipe.tune import enumerate_candidates, memory_estimate, predict
     from jaxpipe.tune import microbench as mb
     from jaxpipe.tune.perf_model import Costs

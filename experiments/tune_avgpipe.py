@@ -68,7 +68,7 @@ def main(argv):
     from tqdm import tqdm
 
     import jaxpipe as jp
-    from experiments.bench import make_tanh_mlp
+    from jaxpipe.bench import make_tanh_mlp
     from jaxpipe.tune import microbench as mb
     from jaxpipe.tune.avgpipe_model import AvgPipeProfile, calibrate_tick_overhead, choose, predict
 

@@ -53,7 +53,7 @@ def measure(name: str, options: dict):
     import jax.numpy as jnp
     import optax
     import jaxpipe as jp
-    from experiments.bench import make_tanh_mlp
+    from jaxpipe.bench import make_tanh_mlp
 
     D, M = FLAGS.stages, FLAGS.microbatches
     stages = 2 * D if name == "wpipe" else D

@@ -68,7 +68,7 @@ os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "jaxpipe-tests-xla-cache")
 )
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-# the balanced cut's measured costs (jaxpipe.tune.part_costs) beside it, not in the user's ~/.cache
+# the balanced cut's measured costs (jaxpipe.cuts.part_costs) beside it, not in the user's ~/.cache
 os.environ.setdefault("JAXPIPE_CACHE_DIR", os.path.join(tempfile.gettempdir(), "jaxpipe-tests-cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 

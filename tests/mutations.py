@@ -208,7 +208,7 @@ MUTATIONS = [
     ),
     Mutation(
         "cut_search_keeps_the_worse",
-        "jaxpipe/tune/cut.py",
+        "jaxpipe/cuts/balanced.py",
         "    return min((_descend(schedule, s, "
         "costs, least, plan) for s in starts), "
         "key=lambda ct: (ct[1], ct[0]))\n",
@@ -218,7 +218,7 @@ MUTATIONS = [
     ),
     Mutation(
         "zb_embedding_w_on_the_last_stage",
-        "jaxpipe/tune/cut.py",
+        "jaxpipe/cuts/balanced.py",
         "    w[0] += c.b_pre\n",
         "    w[-1] += c.b_pre\n",
         "tests/test_cut_costs.py::test_stage_costs_by_hand",
@@ -274,7 +274,7 @@ MUTATIONS = [
     # issue #52 item 3: the balanced cut stops measuring after three rounds even when a round disagrees
     Mutation(
         "cut_measurement_never_adds_rounds",
-        "jaxpipe/tune/part_costs.py",
+        "jaxpipe/cuts/part_costs.py",
         "        while _agreement(rounds, choose)[0] < len(rounds) and len(rounds) < MAX_ROUNDS:\n",
         "        while False:\n",
         "tests/test_uneven_cuts.py::test_the_cut_measurement_adds_rounds_while_a_round_disagrees",
@@ -416,7 +416,7 @@ MUTATIONS = [
     # the balanced cut's candidate priced as its even twin (never preferred: the cut model's ratio dropped)
     Mutation(
         "configure_cut_step_not_scaled",
-        "jaxpipe/tune/configure_cut.py",
+        "jaxpipe/cuts/configure.py",
         "        step_s=best.step_s * choice.predicted / max(choice.even_predicted, 1e-30),\n",
         "        step_s=best.step_s * choice.even_predicted / max(choice.even_predicted, 1e-30),\n",
         "tests/test_configure_cut.py::test_a_heavy_head_gets_a_balanced_cut_as_a_candidate_of_its_own",
@@ -424,7 +424,7 @@ MUTATIONS = [
     # its memory taken from the even twin instead of compiled (a longer stage holds more)
     Mutation(
         "configure_cut_memory_not_compiled",
-        "jaxpipe/tune/configure_cut.py",
+        "jaxpipe/cuts/configure.py",
         "    twin.memory = twin.compiled_memory\n",
         "    twin.memory = best.memory\n",
         "tests/test_configure_cut.py::test_a_heavy_head_gets_a_balanced_cut_as_a_candidate_of_its_own",
@@ -537,7 +537,7 @@ MUTATIONS = [
     ),
     Mutation(
         "cutless_block_keys_by_stage",
-        "jaxpipe/cuts.py",
+        "jaxpipe/cuts/layout.py",
         "            b0 = ctx.stage * n if first_block is None else jnp.asarray(first_block)[ctx.stage]\n",
         "            b0 = ctx.stage if first_block is None else jnp.asarray(first_block)[ctx.stage]\n",
         "tests/test_uneven_cuts.py::test_dropout_masks_of_a_model_without_a_cut_do_not_depend_on_the_stage_count",
@@ -561,14 +561,14 @@ MUTATIONS = [
     ),
     Mutation(
         "part_backward_includes_the_forward",
-        "jaxpipe/tune/part_costs.py",
+        "jaxpipe/cuts/part_costs.py",
         '    back = lambda p: max(r[f"fb_{p}"] - r[f"f_{p}"], 0.0)\n',
         '    back = lambda p: r[f"fb_{p}"]\n',
         "tests/test_cut_costs.py::test_a_measured_round_becomes_part_costs_by_hand",
     ),
     Mutation(
         "cut_cost_key_without_the_programs",
-        "jaxpipe/tune/part_costs.py",
+        "jaxpipe/cuts/part_costs.py",
         '    text = "\\n".join([traced, d.platform, getattr(d, "device_kind", ""), jax.__version__, code])\n',
         '    text = "\\n".join([d.platform, getattr(d, "device_kind", ""), jax.__version__, code])\n',
         "tests/test_cut_costs.py::test_two_models_never_share_a_cut_cost_key",
@@ -670,7 +670,7 @@ MUTATIONS = [
     ),
     Mutation(
         "cut_record_of_another_shape_read",
-        "jaxpipe/tune/part_costs.py",
+        "jaxpipe/cuts/part_costs.py",
         "    if not _valid_rounds(rounds):\n",
         "    if rounds is None:\n",
         'tests/test_measure_cache.py::test_a_bad_cut_costs_file_is_named_set_aside_and_not_read[{"rounds": '

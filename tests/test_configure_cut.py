@@ -1,4 +1,4 @@
-"""``configure`` balances the cut (issue #53 item 1, "the cut"; :mod:`jaxpipe.tune.configure_cut`): each stage
+"""``configure`` balances the cut (issue #53 item 1, "the cut"; :mod:`jaxpipe.cuts.configure`): each stage
 count's fastest fitting candidate is tried again with its blocks cut from measured costs, as a candidate of
 its own, its memory compiled, its model the same function."""
 
@@ -30,7 +30,7 @@ HEAVY = dict(f_block=1e-3, b_block=2e-3, f_pre=1e-4, b_pre=2e-4, f_post=6e-3, b_
 @pytest.fixture(scope="module")
 def heavy(tmp_path_factory):
     from jaxpipe.tune import config_bench
-    from jaxpipe.tune.cut import PartCosts
+    from jaxpipe.cuts.balanced import PartCosts
 
     path = str(tmp_path_factory.mktemp("configure_cut") / "measurements.json")
     with pytest.MonkeyPatch.context() as mp:

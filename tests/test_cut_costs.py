@@ -1,11 +1,12 @@
-"""The balanced cut's cost model by hand (issue #50: two planted bugs survived in ``jaxpipe.tune.cut``)."""
+"""The balanced cut's cost model by hand (issue #50: two planted bugs survived in
+``jaxpipe.cuts.balanced``)."""
 
 import numpy as np
 import pytest
 
 from jaxpipe import schedules
 from jaxpipe.cuts import even_cut
-from jaxpipe.tune.cut import PartCosts, _descend, _search, _stage_costs
+from jaxpipe.cuts.balanced import PartCosts, _descend, _search, _stage_costs
 
 
 def test_stage_costs_by_hand():
@@ -45,7 +46,7 @@ def test_the_search_keeps_the_better_of_its_two_descents():
 def test_a_measured_round_becomes_part_costs_by_hand():
     """A backward is the forward-and-backward program's time less the forward's (the pullback timed with its
     forward), and a padding slot is what the stage of one block and one slot adds to one block."""
-    from jaxpipe.tune.part_costs import to_costs
+    from jaxpipe.cuts.part_costs import to_costs
 
     r = {
         "f_block": 1.0,
@@ -70,7 +71,7 @@ def test_two_models_never_share_a_cut_cost_key():
     """The key holds the traced programs: GPTs of width 16 and 64 (the same blocks, the same backend) get two
     keys, so one never reads the other's costs; the same model gets its key again."""
     import jaxpipe as jp
-    from jaxpipe.tune.part_costs import cost_key, part_programs
+    from jaxpipe.cuts.part_costs import cost_key, part_programs
 
     tok = np.zeros((4, 9), np.int32)
     mb = {"x": tok[:, :-1], "y": tok[:, 1:]}

@@ -178,7 +178,7 @@ def test_simulated_activation_profile(N):
 
 @pytest.mark.parametrize("N", [2, 4])
 def test_single_device_cyclic_memory_in_xla(N):
-    from experiments.bench import make_tanh_mlp
+    from jaxpipe.bench import make_tanh_mlp
 
     model = make_tanh_mlp(N, 1, 32)
     K, B = 2, 256
@@ -252,7 +252,7 @@ def test_no_weight_sized_copy_in_the_step():
     step copies no stage-weight-sized array (a version swap of per-chunk buffers inside conditionals made XLA
     copy the weights in every tick -- BUILD_NOTES, "One no-flush executor")."""
     import re
-    from experiments.bench import make_tanh_mlp
+    from jaxpipe.bench import make_tanh_mlp
 
     model = make_tanh_mlp(4, 2, 48)
     cdp = jp.CyclicDataParallel(model, optax.adamw(1e-3), rule="v2", mesh=jp.make_mesh(data=4))

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import jaxpipe as jp
-from experiments.bench import compiled_costs, plain_train_step
+from jaxpipe.bench import compiled_costs, plain_train_step
 from helpers import reference, rel_err, small_model
 
 CASES = [

@@ -1,4 +1,4 @@
-"""The caches of measured costs (``jaxpipe.tune.measure_cache``, ``jaxpipe.tune.part_costs``): two setups that
+"""The caches of measured costs (``jaxpipe.tune.measure_cache``, ``jaxpipe.cuts.part_costs``): two setups that
 measure differently never share a key, the same setup always gets its own key back; a bad file is named, set
 aside and measured again; a bad path is refused before anything is measured."""
 
@@ -12,7 +12,7 @@ import pytest
 
 import jaxpipe as jp
 from jaxpipe.errors import ConfigError
-from jaxpipe.tune import part_costs
+from jaxpipe.cuts import part_costs
 from jaxpipe.tune.measure_cache import MeasureCache, model_key
 
 T = 8
@@ -88,7 +88,7 @@ def test_a_bad_measurements_file_is_named_set_aside_and_measured_again(tmp_path,
 def test_an_entry_of_another_shape_is_measured_again_with_a_warning(tmp_path):
     """Valid JSON whose entry does not convert (a hand edit, another version's table): measured again, never a
     KeyError from deep inside the search."""
-    from jaxpipe.tune.cut import PartCosts
+    from jaxpipe.cuts.balanced import PartCosts
 
     path = tmp_path / "measurements.json"
     path.write_text(json.dumps({'["parts"]': {"f_block": 1.0}, '["n"]': "many"}))

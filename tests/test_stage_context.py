@@ -182,7 +182,8 @@ def test_context_model_in_no_flush_methods_equals_the_serial_reference(schedule)
 
 
 @pytest.mark.parametrize(
-    "schedule,kw", [("1f1b", {"recompute": True}), ("chimera", {"options": {"concat": "forward_doubling"}})]
+    "schedule,kw",
+    [("1f1b", {"residuals": "inputs"}), ("chimera", {"options": {"concat": "forward_doubling"}})],
 )
 def test_context_with_recomputation(schedule, kw):
     """jax.checkpoint keeps the context (stage index, key) as residuals: they must be stashed like the

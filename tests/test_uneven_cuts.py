@@ -325,7 +325,7 @@ def test_linen_adapter_with_an_uneven_cut():
 def test_balanced_cut_moves_blocks_off_an_expensive_head():
     """With a head that costs two blocks, the search gives the last stage fewer blocks than the even cut and
     predicts less compute; with free embedding and head it keeps an even cut."""
-    from jaxpipe.tune.cut import PartCosts, balanced_cut
+    from jaxpipe.cuts.balanced import PartCosts, balanced_cut
 
     heavy = balanced_cut(10, 4, PartCosts(1.0, 2.0, 0.0, 0.0, 2.0, 4.0), "1f1b", 8)
     assert heavy.cut[-1] < 2 <= min(heavy.cut[:-1]) and sum(heavy.cut) == 10
@@ -334,7 +334,7 @@ def test_balanced_cut_moves_blocks_off_an_expensive_head():
     assert free.cut == (2, 2, 2, 2) and free.gain == 1.0
     # a padding slot that costs what a block does makes moving blocks off the head pay less
     from jaxpipe import schedules
-    from jaxpipe.tune.cut import predict_cut
+    from jaxpipe.cuts.balanced import predict_cut
 
     s = schedules.build("1f1b", num_stages=4, num_microbatches=8)
     padded = PartCosts(1.0, 2.0, 0.0, 0.0, 2.0, 4.0, f_pad=1.0, b_pad=2.0)
@@ -348,7 +348,7 @@ def test_balanced_cut_through_an_adapter_is_measured_kept_and_read_back(capsys, 
     """Issue #52 item 3: measured in rounds (the print says in how many the choice was best), the costs kept
     per (model, backend), and a later call reads them -- no measuring, the same cut -- unless told to
     remeasure."""
-    from jaxpipe.tune import part_costs
+    from jaxpipe.cuts import part_costs
 
     rngs = nnx.Rngs(0)
     emb = nnx.Embed(11, W, rngs=rngs)
@@ -377,7 +377,7 @@ def test_the_cut_measurement_adds_rounds_while_a_round_disagrees(tmp_path, monke
     """Three rounds first; a round whose own costs choose another cut adds rounds, up to seven; the choice
     says in how many it was best, and the rounds are kept."""
     import json
-    from jaxpipe.tune import part_costs
+    from jaxpipe.cuts import part_costs
 
     times = iter([1.0, 2.0, 1.0] + [1.0] * 10)
     names = ["f_block", "fb_block", "f_pre", "fb_pre", "f_post", "fb_post"]

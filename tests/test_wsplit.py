@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import jaxpipe as jp
-from experiments.bench import make_tanh_mlp
+from jaxpipe.bench import make_tanh_mlp
 from jaxpipe.runtime.stage import StageOps
 from jaxpipe.runtime.wsplit import split_backward
 from helpers import assert_same, reference, rel_err, small_model

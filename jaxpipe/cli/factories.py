@@ -201,7 +201,7 @@ def _gpt(n_stages, train, say):
             )
         return jp.models.gpt(FLAGS.stages, cut=cut, **kw)
     from jaxpipe.cuts import even_cut
-    from jaxpipe.tune.cut import balance
+    from jaxpipe.cuts.balanced import balance
 
     n = FLAGS.blocks or FLAGS.stages * FLAGS.blocks_per_stage
     example = next(jp.data.lm_batches(train, FLAGS.batch, FLAGS.seq_len, seed=FLAGS.seed, pad=FLAGS.pad))

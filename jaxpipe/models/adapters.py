@@ -192,8 +192,8 @@ def from_nnx(
     array, its two uses' gradients summed); ``to_modules`` gives a head sharing the embedding's Variable
     again. ``cut=[8, 8, 8, 7]``: blocks per stage where they differ (:mod:`jaxpipe.cuts`; ``pipe.params`` then
     holds the blocks as ``[n_blocks, ...]``); ``cut="balanced"`` with ``balance={"example": micro_batch,
-    "schedule": "1f1b"}``: chosen from measured costs (:func:`jaxpipe.tune.cut.balance`).  ``integer_inputs``:
-    the batch fields that hold integer ids and their bounds, checked before they train
+    "schedule": "1f1b"}``: chosen from measured costs (:func:`jaxpipe.cuts.balanced.balance`).
+    ``integer_inputs``: the batch fields that hold integer ids and their bounds, checked before they train
     (``PipelineModel.integer_inputs``, e.g. ``{"x": vocab, "y": vocab}``)."""
     from flax import nnx
 

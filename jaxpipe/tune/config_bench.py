@@ -65,7 +65,7 @@ class Bench:
             return self.model(c.model_stages)
         key = (c.model_stages, c.cut, plain)
         if key not in self._cut_models:
-            from .cut import recut
+            from ..cuts.balanced import recut
 
             m = self.model(c.model_stages) if c.cut is None else recut(self.model(c.model_stages), c.cut)
             self._cut_models[key] = dataclasses.replace(m, param_specs=None) if plain else m
@@ -97,9 +97,9 @@ class Bench:
         )
 
     def parts(self, rows: int):
-        """:class:`~jaxpipe.tune.cut.PartCosts` of one block, the embedding and the head on ``rows``-row
+        """:class:`~jaxpipe.cuts.balanced.PartCosts` of one block, the embedding and the head on ``rows``-row
         micro-batches (the model of the finest cut measured; every cut holds the same blocks)."""
-        from .cut import PartCosts, measure_parts, per_block
+        from ..cuts.balanced import PartCosts, measure_parts, per_block
 
         n = max(self._models)
 

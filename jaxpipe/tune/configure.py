@@ -54,7 +54,7 @@ import numpy as np
 from .. import schedules as _schedules
 from ..errors import ConfigError
 from .config_bench import Bench, agreed
-from .configure_cut import balance_cuts
+from ..cuts.configure import balance_cuts
 from .lockstep import Link, predict_devices
 from .measure_cache import MeasureCache, default_path
 from .memory import MemoryModel, calibrate

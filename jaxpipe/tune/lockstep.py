@@ -82,7 +82,8 @@ class EdgeCosts:
     """Seconds for one micro-batch of what only the first and the last model stage run: the embedding's
     (``pre``) forward and backward, the head-and-loss's (``post``).  A head of a large vocabulary costs
     several blocks: its stage is the slowest device of every tick it runs in.  Zero-bubble's split backward
-    puts the head's backward in B and the embedding's weight gradient in W (as :mod:`jaxpipe.tune.cut`)."""
+    puts the head's backward in B and the embedding's weight gradient in W (as
+    :mod:`jaxpipe.cuts.balanced`)."""
 
     f_pre: float = 0.0
     b_pre: float = 0.0

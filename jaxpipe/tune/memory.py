@@ -162,7 +162,7 @@ def residual_bytes_on(model, batch, rows: int, mesh, w_specs, batch_spec) -> Tup
     def per_device(m):
         def residuals(w, x, mb):
             sop, _ = StageOps.build(m, w, x, mb)
-            return sop.forward(w, x, ctx=m.example_context(mb))[1]
+            return sop.forward(w, x, context=m.example_context(mb))[1]
 
         # shapes with their shardings, not host arrays: the mesh may span processes
         sds = lambda t, sh: jax.tree.map(

@@ -73,7 +73,7 @@ def stashed_stage_costs(
     def forwards(w, x):
         def body(i, c):
             h, stash = c
-            y, res, _ = sop.forward(w, h, ctx=ctx)
+            y, res, _ = sop.forward(w, h, context=ctx)
             return _unit(jax.tree.map(lambda a, b: a.astype(b.dtype), y, h)), _put(stash, i, res)
 
         h, stash = lax.fori_loop(0, slots, body, (x, [jnp.zeros((slots,) + a.shape, a.dtype) for a in avals]))

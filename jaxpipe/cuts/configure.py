@@ -1,12 +1,12 @@
 """The cut of the configuration :func:`jaxpipe.tune.configure.configure` picks, balanced (issue #53 item 1:
-"the cut"; issue #41's balanced cut, :mod:`jaxpipe.tune.cut`).
+"the cut"; issue #41's balanced cut, :mod:`jaxpipe.cuts.balanced`).
 
 The search ranks even cuts (``make_model(n)`` as the user cuts it).  An even cut is not a balanced one: the
 first stage also runs the embedding, the last the head and the loss, and a heavy head makes the last stage the
 one every tick waits for.  So once the search has ranked them, the fastest fitting candidate of each stage
 count has its blocks cut again from measured costs -- one block's, the embedding's and the head's forward and
 backward on its micro-batch (:meth:`~jaxpipe.tune.config_bench.Bench.parts`) -- by
-:func:`~jaxpipe.tune.cut.balanced_cut` for its schedule, stage count and micro-batches.  Where that cut
+:func:`~jaxpipe.cuts.balanced.balanced_cut` for its schedule, stage count and micro-batches.  Where that cut
 differs from the even one, it is a candidate of its own (its label says ``cut=...``):
 
 * its step is the even candidate's predicted step times the cut model's ratio (balanced over even: the same
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..cuts import even_cut
+from .layout import even_cut
 from ..errors import ConfigError
 
 
@@ -55,7 +55,7 @@ def _twin(conf, best, budget: float) -> str:
     """``best`` with its cut balanced, a candidate of ``conf`` where the cut differs from the even one and
     builds; what happened, in words."""
     from ..pipeline import Pipeline
-    from .cut import balanced_cut, per_block
+    from .balanced import balanced_cut, per_block
 
     bench = conf._bench
     model = bench.model_for(best)

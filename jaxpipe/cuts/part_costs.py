@@ -7,7 +7,7 @@ moved from run to run (issue #52: 25% between runs).  So:
 
 * :func:`measure_rounds` compiles the eight programs once and times them in rounds, each round calling every
   program in turn (a drift of the machine touches every part alike); each round gives one
-  :class:`~jaxpipe.tune.cut.PartCosts`.
+  :class:`~jaxpipe.cuts.balanced.PartCosts`.
 * :func:`stable_costs` measures three rounds, chooses the cut from the rounds' median costs and from each
   round's own costs, and adds rounds (up to seven) while a round disagrees; the choice says in how many rounds
   it was the best (``CutChoice.agreement``) -- how sure it is.
@@ -34,6 +34,23 @@ import jax
 FIRST_ROUNDS, MAX_ROUNDS = 3, 7
 
 
+@dataclasses.dataclass(frozen=True)
+class PartCosts:
+    """Seconds for one micro-batch: a block's forward and backward, the embedding's (``pre``) and the
+    head-plus-loss's (``post``)."""
+
+    f_block: float
+    b_block: float
+    f_pre: float = 0.0
+    b_pre: float = 0.0
+    f_post: float = 0.0
+    b_post: float = 0.0
+    #: a skipped padding slot's forward and backward: no block compute, but its share of the stage scan's
+    #: activation-sized buffers (BUILD_NOTES, "Uneven cuts": on XLA CPU up to a real block's time)
+    f_pad: float = 0.0
+    b_pad: float = 0.0
+
+
 def cache_dir(given: Optional[str] = None) -> str:
     """Where measured costs are kept: ``given``, else ``$JAXPIPE_CACHE_DIR/cuts``, else ~/.cache/jaxpipe/cuts
     ('' keeps nothing)."""
@@ -50,7 +67,7 @@ def part_programs(model, microbatch) -> Tuple[List[Tuple[str, Callable, tuple]],
     forward-and-backward (the pullback: residuals kept from the forward) -- and their traced text (the key's
     part that says what is computed)."""
     import jax.numpy as jnp
-    from ..cuts import pad_blocks, stage_of_blocks
+    from .layout import pad_blocks, stage_of_blocks
 
     stage_p, pre_p, post_p = model.params
     if model.cut is not None:  # one block as a stage of one slot
@@ -108,10 +125,8 @@ def measure_rounds(programs, rounds: int, calls: int = 7) -> List[dict]:
 
 
 def to_costs(r: dict):
-    """A round's timings as :class:`~jaxpipe.tune.cut.PartCosts` (a backward: forward-and-backward less
+    """A round's timings as :class:`~jaxpipe.cuts.balanced.PartCosts` (a backward: forward-and-backward less
     forward)."""
-    from .cut import PartCosts
-
     back = lambda p: max(r[f"fb_{p}"] - r[f"f_{p}"], 0.0)
     f_two, b_two = (r["f_two"], back("two")) if "f_two" in r else (r["f_block"], back("block"))
     return PartCosts(
@@ -132,10 +147,10 @@ def median_round(rounds: Sequence[dict]) -> dict:
 
 def cost_key(traced: str) -> str:
     """What a cost depends on: the traced programs, the backend and its device kind, JAX's version and the
-    measuring code (this module and :mod:`jaxpipe.tune.cut`)."""
+    measuring code (this module and :mod:`jaxpipe.cuts.balanced`)."""
     d = jax.devices()[0]
     here = os.path.dirname(os.path.abspath(__file__))
-    code = "".join(open(os.path.join(here, f)).read() for f in ("part_costs.py", "cut.py"))
+    code = "".join(open(os.path.join(here, f)).read() for f in ("part_costs.py", "balanced.py"))
     text = "\n".join([traced, d.platform, getattr(d, "device_kind", ""), jax.__version__, code])
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
@@ -204,7 +219,7 @@ def load(directory: str, key: str) -> Optional[List[dict]]:
 
 
 def _set_aside(path: str, why: str) -> None:
-    from .measure_cache import set_aside
+    from ..tune.measure_cache import set_aside
 
     set_aside(path, why)
 

@@ -25,25 +25,9 @@ from typing import Optional, Sequence, Tuple
 import jax
 import numpy as np
 
-from ..cuts import even_cut, split_cut
+from .layout import even_cut, split_cut
+from .part_costs import PartCosts
 from ..errors import ConfigError
-
-
-@dataclasses.dataclass(frozen=True)
-class PartCosts:
-    """Seconds for one micro-batch: a block's forward and backward, the embedding's (``pre``) and the
-    head-plus-loss's (``post``)."""
-
-    f_block: float
-    b_block: float
-    f_pre: float = 0.0
-    b_pre: float = 0.0
-    f_post: float = 0.0
-    b_post: float = 0.0
-    #: a skipped padding slot's forward and backward: no block compute, but its share of the stage scan's
-    #: activation-sized buffers (BUILD_NOTES, "Uneven cuts": on XLA CPU up to a real block's time)
-    f_pad: float = 0.0
-    b_pad: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +83,7 @@ def _plan_arrays(schedule):
     """``(active [tick, device, lane], stage [tick, device, lane], kind index per lane, compiled [tick,
     lane])``."""
     from ..schedules.lanes import L
-    from .lockstep import _compiled_lane_ticks, running_plan
+    from ..tune.lockstep import _compiled_lane_ticks, running_plan
 
     p = running_plan(schedule)
     split = schedule.has_w()
@@ -182,7 +166,7 @@ def measure_parts(model, microbatch, calls: int = 7) -> PartCosts:
     """:class:`PartCosts` of ``model`` (a :class:`~jaxpipe.PipelineModel`; a cut model's first block stands
     for every block) on one micro-batch, measured once on the default device: each part's forward, and its
     backward as a pullback (the executor's B: residuals kept from the forward).  :func:`balance` measures in
-    rounds and keeps the costs (:mod:`jaxpipe.tune.part_costs`)."""
+    rounds and keeps the costs (:mod:`jaxpipe.cuts.part_costs`)."""
     from .part_costs import measure_rounds, part_programs, to_costs
 
     return to_costs(measure_rounds(part_programs(model, microbatch)[0], 1, calls)[0])
@@ -202,7 +186,7 @@ def balance(
     """``(model with the balanced cut, CutChoice)`` for a model of blocks (``block_fn``; stage parameters
     stacked per stage or, with a cut, per block), measured on ``example`` (one micro-batch) in rounds until
     the choice is stable, or read from the costs an earlier call kept in ``cache_dir``
-    (:mod:`jaxpipe.tune.part_costs`; ``remeasure=True`` measures again).  Prints the choice unless
+    (:mod:`jaxpipe.cuts.part_costs`; ``remeasure=True`` measures again).  Prints the choice unless
     ``verbose=False``."""
     per_block_model = per_block(model)
     n = len(per_block_model.cut)
@@ -242,3 +226,43 @@ def per_block(model):
 def recut(model, cut: Sequence[int]):
     """``model``'s blocks cut as ``cut`` says (one block count per model stage)."""
     return dataclasses.replace(per_block(model), cut=tuple(int(c) for c in cut), stage_fn=None)
+
+
+_pick = balance  # resolve_cut's ``balance`` (the options) shadows the function
+
+
+def resolve_cut(cut, build, num_stages: int, n_blocks: int, balance: Optional[dict]):
+    """``cut`` as given (None, a list of block counts) or, for ``"balanced"``, the cut
+    :func:`jaxpipe.cuts.balanced.balance` picks from the parts' measured costs on ``balance["example"]`` (one
+    micro-batch) for ``balance.get("schedule", "1f1b")`` and ``balance.get("options")`` (printed, with the
+    even cut's prediction and how sure the choice is); the measured costs are kept per (model, backend) and
+    read back by later calls (``balance["cache_dir"]``, ``balance["remeasure"]``:
+    :mod:`jaxpipe.cuts.part_costs`).  ``build(n)``: the model of ``n`` blocks, one stage each."""
+    if not isinstance(cut, str):
+        return cut
+    if cut != "balanced":
+        try:
+            hint = f" (as a list: cut={[int(c) for c in cut.split(',')]})"
+        except ValueError:
+            hint = ""
+        raise ConfigError(
+            f"cut={cut!r}: give a list of block counts per stage{hint}, or 'balanced' (with "
+            f"balance={{'example': one_microbatch}})"
+        )
+    if not balance or "example" not in balance:
+        raise ConfigError(
+            "cut='balanced' measures one block, the embedding and the head on a micro-batch: give "
+            "balance={'example': one_microbatch} (and optionally 'schedule', 'num_microbatches', "
+            "'options', e.g. {'virtual': 3} for interleaved_1f1b)"
+        )
+    unknown = sorted(
+        set(balance) - {"example", "schedule", "num_microbatches", "options", "cache_dir", "remeasure"}
+    )
+    if unknown:
+        raise ConfigError(
+            f"balance={{...}} has unknown key(s) {unknown}: it takes 'example', 'schedule', "
+            f"'num_microbatches', 'options', 'cache_dir' (where measured costs are kept; '' keeps "
+            f"none) and 'remeasure'"
+        )
+    extra = {k: v for k, v in balance.items() if k != "example"}
+    return _pick(build(n_blocks), num_stages, balance["example"], **extra)[1].cut

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 def even_cut(n_blocks: int, num_stages: int) -> Tuple[int, ...]:
@@ -63,45 +63,6 @@ def check_cut(cut, n_blocks: int, num_stages: Optional[int] = None) -> Tuple[int
             f"add up to {n_blocks}, e.g. {list(even_cut(n_blocks, len(out)))}"
         )
     return out
-
-
-def resolve_cut(cut, build, num_stages: int, n_blocks: int, balance: Optional[dict]):
-    """``cut`` as given (None, a list of block counts) or, for ``"balanced"``, the cut
-    :func:`jaxpipe.tune.cut.balance` picks from the parts' measured costs on ``balance["example"]`` (one
-    micro-batch) for ``balance.get("schedule", "1f1b")`` and ``balance.get("options")`` (printed, with the
-    even cut's prediction and how sure the choice is); the measured costs are kept per (model, backend) and
-    read back by later calls (``balance["cache_dir"]``, ``balance["remeasure"]``:
-    :mod:`jaxpipe.tune.part_costs`).  ``build(n)``: the model of ``n`` blocks, one stage each."""
-    if not isinstance(cut, str):
-        return cut
-    if cut != "balanced":
-        try:
-            hint = f" (as a list: cut={[int(c) for c in cut.split(',')]})"
-        except ValueError:
-            hint = ""
-        raise ConfigError(
-            f"cut={cut!r}: give a list of block counts per stage{hint}, or 'balanced' (with "
-            f"balance={{'example': one_microbatch}})"
-        )
-    if not balance or "example" not in balance:
-        raise ConfigError(
-            "cut='balanced' measures one block, the embedding and the head on a micro-batch: give "
-            "balance={'example': one_microbatch} (and optionally 'schedule', 'num_microbatches', "
-            "'options', e.g. {'virtual': 3} for interleaved_1f1b)"
-        )
-    unknown = sorted(
-        set(balance) - {"example", "schedule", "num_microbatches", "options", "cache_dir", "remeasure"}
-    )
-    if unknown:
-        raise ConfigError(
-            f"balance={{...}} has unknown key(s) {unknown}: it takes 'example', 'schedule', "
-            f"'num_microbatches', 'options', 'cache_dir' (where measured costs are kept; '' keeps "
-            f"none) and 'remeasure'"
-        )
-    from .tune.cut import balance as pick
-
-    extra = {k: v for k, v in balance.items() if k != "example"}
-    return pick(build(n_blocks), num_stages, balance["example"], **extra)[1].cut
 
 
 def split_cut(cut: Sequence[int], parts: int) -> Tuple[int, ...]:
@@ -219,7 +180,7 @@ def recut_state(state, optimizer, from_cut: Sequence[int], to_cut: Sequence[int]
     from_model)`` for a state whose stage leaves are not in the model's order (the runner's ``stage_order()``:
     interleaved 1F1B's device order, the V-schedules' chunks)."""
     import optax
-    from .runtime.chunk_state import is_chunks
+    from ..runtime.chunk_state import is_chunks
 
     to_model, from_model = order or ((lambda a: a), (lambda a: a))
     move = lambda a: from_model(pad_blocks(unpad_blocks(to_model(a), from_cut), to_cut))
