@@ -32,7 +32,7 @@ _LAZY = {
     "with_precision": ("precision", "with_precision"),
     "microbatch_key": ("model", "microbatch_key"),
     "distributed": ("distributed", None),
-    "diagnose": ("diagnose", None),
+    "diagnose": ("checks.diagnose", None),
     "make_mesh": ("runtime.mesh", "make_mesh"),
     "models": ("models", None),
     "data": ("data", None),

@@ -37,7 +37,7 @@ import jax
 import numpy as np
 
 from .errors import ConfigError
-from .validate import is_int
+from .checks.values import is_int
 from .axes import PIPE, STAGE
 
 
@@ -151,7 +151,7 @@ def check_params_path(path: str, what: str = "save_params") -> str:
         raise ConfigError(
             f"{what}={path}: a directory is there; give a file path, e.g. {os.path.join(path, 'params.npz')}"
         )
-    from .validate import file_in_the_way
+    from .checks.values import file_in_the_way
 
     blocker = file_in_the_way(path)
     if blocker:
@@ -277,7 +277,7 @@ class Checkpointer:
         must never overwrite a good checkpoint)."""
         if not force and (self.every == 0 or step % self.every):
             return False
-        from .checks import require_live
+        from .checks.batch import require_live
 
         require_live(state, f"Checkpointer.save of step {step}")
         if self._check_saveable is not None:  # the last step's checks, and no refused step's effect held

@@ -45,7 +45,7 @@ import numpy as np
 import optax
 
 from . import host_memory
-from .checks import require_live
+from .checks.batch import require_live
 from .errors import ConfigError
 from .model import PipelineModel
 from .optim.policies import cyclic_dp
@@ -152,9 +152,10 @@ class CyclicDataParallel:
         # behind the runner protocol (jaxpipe.runners): the no-flush runner's state, set-up and drain loop
         from .runners import RunContext
         from .runners.cyclic import CyclicRunner
-        from .step_checks import pending_for
+        from .checks.on_device import pending_for
 
-        # reported by a later call, not kept back (jaxpipe.step_checks: a conditional would copy the ring's
+        # reported by a later call, not kept back (jaxpipe.checks.on_device: a conditional would copy the
+        # ring's
         # stacked stages)
         checks, self._pending = pending_for(
             model, self.check_inputs, True, "CyclicDataParallel", keeps_state=False
@@ -221,7 +222,7 @@ class CyclicDataParallel:
         ``version_errors`` (always 0 unless the timeline is broken)."""
         require_live(state, "step()")
         self._check_batch(batch)
-        from .checks import check_integer_inputs, check_integer_keys, require_finite_on_host
+        from .checks.batch import check_integer_inputs, check_integer_keys, require_finite_on_host
 
         check_integer_keys(self.model, batch)
         if self.check_inputs:

@@ -20,7 +20,7 @@ import time
 from typing import Optional
 
 from .errors import ConfigError
-from .validate import is_int
+from .checks.values import is_int
 
 
 def settings(

@@ -10,18 +10,18 @@ import numpy as np
 import optax
 
 from . import host_memory, schedules
-from .checks import (
+from .checks.batch import (
     check_dtypes,
     check_integer_inputs,
     check_integer_keys,
     require_finite_on_host,
     require_live,
 )
+from .checks import arguments
 from .errors import ConfigError
 from .model import PipelineModel
 from .runners.sync import PipelineState
-from .validate import is_int
-from .axes import DATA, PIPE, STAGE
+from .axes import STAGE
 
 
 class Pipeline:
@@ -93,10 +93,10 @@ class Pipeline:
         op_costs=None,
         **removed,
     ):
-        _refuse_removed(schedule, removed)
+        arguments.refuse_removed(schedule, removed)
         if not isinstance(model, PipelineModel):
             raise ConfigError(f"model must be a jp.PipelineModel, got {type(model).__name__}")
-        _check_optimizer(optimizer)
+        arguments.check_optimizer(optimizer)
         built = schedule if isinstance(schedule, schedules.Schedule) else None
         if built is not None:
             schedule = built.name
@@ -107,9 +107,9 @@ class Pipeline:
             options = dict(built.options)
         if schedule not in schedules.available():
             raise ConfigError(f"unknown schedule {schedule!r}; available: {', '.join(schedules.available())}")
-        options = _checked_options(options)
+        options = arguments.checked_options(options)
         if built is None:
-            mesh, model = _recut_for(schedule, options, model, _checked_mesh(mesh, model))
+            mesh, model = _recut_for(schedule, options, model, arguments.checked_mesh(mesh, model))
         self.user_model, model = model, model.padded()  # uneven stages: held padded (jaxpipe.cuts)
         from .precision import Precision, with_precision
 
@@ -126,16 +126,19 @@ class Pipeline:
                     f"update, which {schedule} applies inside the pipeline; use loss_scale=1 (bfloat16 "
                     f"needs none) or a synchronous schedule"
                 )
-        mesh = _checked_mesh(mesh, model)
+        mesh = arguments.checked_mesh(mesh, model)
         D = mesh.shape[STAGE]
-        _check_scalars(num_microbatches, placement, seed)
-        residuals = _check_residuals(residuals)
+        arguments.check_scalars(num_microbatches, placement, seed)
+        residuals = arguments.check_residuals(residuals)
         self.placement, self.recompute = placement, residuals == "inputs"
         self.model, self.mesh, self.optimizer = model, mesh, optimizer
         self.num_microbatches = num_microbatches
         self.method = schedules.method(schedule)
         if op_costs is not None and "costs" in self.method.options and not (options or {}).get("costs"):
-            options = {**(options or {}), "costs": _checked_costs(op_costs)}  # zb_h1: ticks for the costs
+            options = {
+                **(options or {}),
+                "costs": arguments.checked_costs(op_costs),
+            }  # zb_h1: ticks for the costs
         try:
             self.options = self.method.resolve(options, model.num_stages, D)
             self.schedule = (
@@ -150,12 +153,14 @@ class Pipeline:
             )
         except schedules.ScheduleError as e:
             raise ConfigError(str(e)) from None
-        _check_fit(built, self.schedule, model, D, num_microbatches, schedule)
+        arguments.check_fit(built, self.schedule, model, D, num_microbatches, schedule)
         if placement == "auto":  # the plan with the smaller lockstep step (jaxpipe.schedules.lanes)
             from .schedules.lanes import fastest_placement
 
             placement = (
-                fastest_placement(self.schedule, _checked_costs(op_costs)) if self.method.flushes else "lanes"
+                fastest_placement(self.schedule, arguments.checked_costs(op_costs))
+                if self.method.flushes
+                else "lanes"
             )
             self.placement = placement
         self.model = model = _recomputing(model, self.method, self.options, residuals)
@@ -244,16 +249,16 @@ class Pipeline:
         """Raise the ConfigError of a call whose on-device checks failed (a batch with NaN/Inf or an id out of
         range; a non-finite loss), waiting for every call dispatched so far.  ``drain``, ``params`` and
         ``Checkpointer.save`` call it first; ``step`` and ``loss_and_grad`` read the calls already done and
-        wait only for the oldest of ``jaxpipe.step_checks.IN_FLIGHT`` unread ones (the host runs ahead of the
-        device), so a failure is reported at the latest two calls later, naming its call (``step() #7``); a
-        step that failed changed nothing (``jaxpipe.step_checks``) and the calls since ran on the state before
-        it."""
+        wait only for the oldest of ``jaxpipe.checks.on_device.IN_FLIGHT`` unread ones (the host runs ahead of
+        the device), so a failure is reported at the latest two calls later, naming its call (``step() #7``);
+        a step that failed changed nothing (``jaxpipe.checks.on_device``) and the calls since ran on the state
+        before it."""
         self.context.pending.check()
 
     def check_saveable(self, state):
         """Raise a ConfigError where ``state`` may not be checkpointed: the last call's checks failed, or
         ``state`` holds (or derives from) the effect of a refused step of a method whose state is not kept
-        back (``jaxpipe.step_checks.PendingStatus``)."""
+        back (``jaxpipe.checks.on_device.PendingStatus``)."""
         self.context.pending.require_saveable(state)
 
     def device_layout(self, state):
@@ -417,7 +422,7 @@ class Pipeline:
 
     def _check_values(self, batch):
         """What is known without reading the device: keys, dtypes, float64 beyond float32.  The values (NaN,
-        Inf, ids in range) are checked inside the step's program (``jaxpipe.step_checks``)."""
+        Inf, ids in range) are checked inside the step's program (``jaxpipe.checks.on_device``)."""
         self._check_keys(batch)
         check_integer_keys(self.model, batch)
         if self.check_inputs:
@@ -465,65 +470,6 @@ class Pipeline:
         checked.add(key)
 
 
-#: keyword of the unreleased 0.1.0 -> the method whose options it carried (each method's declaration names it)
-_REMOVED = {m.legacy_keyword: name for name, m in schedules.METHODS.items() if m.legacy_keyword}
-
-
-def _refuse_removed(schedule, removed: dict) -> None:
-    """A ``TypeError`` naming the new spelling of a keyword the unreleased 0.1.0 took (``chimera={...}``,
-    ``virtual=2``, ``recompute=True``, ...), or Python's own for any other unknown keyword."""
-    for kw, value in removed.items():
-        if kw == "recompute":
-            raise TypeError(
-                f"Pipeline(recompute={value!r}) was removed: use residuals='inputs' (the stage input "
-                f"only, the forward recomputed) or residuals='all' (the default)"
-            )
-        if kw in _REMOVED:
-            new = {"virtual": value} if kw == "virtual" else value
-            raise TypeError(
-                f"Pipeline({kw}={value!r}) was removed: use Pipeline(..., schedule={_REMOVED[kw]!r}, "
-                f"options={new!r})"
-                + ("" if schedule == _REMOVED[kw] else f"; {kw}= carried options of {_REMOVED[kw]!r} only")
-            )
-        raise TypeError(f"Pipeline() got an unexpected keyword argument {kw!r}")
-
-
-def _checked_options(options: Optional[dict]) -> dict:
-    """``options`` as a new dict (empty for None), or a ConfigError saying what it takes."""
-    if options is not None and not isinstance(options, dict):
-        raise ConfigError(
-            f"options={options!r}: give a dict of the schedule's options, e.g. "
-            f"options={{'concat': 'forward_doubling'}} for chimera"
-        )
-    return dict(options or {})
-
-
-def _check_optimizer(optimizer) -> None:
-    if optimizer is not None and not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
-        hint = (
-            f"{getattr(optimizer, '__module__', '')}.{getattr(optimizer, '__name__', '')} is the function "
-            f"that builds one; call it, e.g. optax.adam(1e-3)"
-            if callable(optimizer)
-            else "give an optax GradientTransformation, e.g. optax.adamw(1e-3)"
-        )
-        raise ConfigError(f"optimizer={optimizer!r} is not an optax optimizer: {hint}")
-
-
-def _checked_mesh(mesh, model):
-    """The mesh (default: one 'stage' device per model stage), with the axes the executor needs."""
-    if mesh is None:
-        from .runtime.mesh import make_mesh
-
-        mesh = make_mesh(stages=model.num_stages)
-    missing = [a for a in (PIPE, DATA, STAGE) if a not in mesh.axis_names]
-    if missing:
-        raise ConfigError(
-            f"mesh needs axes ('pipe', 'data', 'stage'), it lacks {missing}; build it with "
-            f"jp.make_mesh(stages=..., data=...)"
-        )
-    return mesh
-
-
 def _recut_for(schedule: str, options: dict, model, mesh):
     """The model as written, cut into the chunks the schedule needs: a schedule holding v > 1 model stages per
     device (interleaved 1F1B, the V-schedules) given a model of one stage per device whose ``recut`` can make
@@ -547,84 +493,19 @@ def _recut_for(schedule: str, options: dict, model, mesh):
         ) from None
 
 
-def _checked_costs(op_costs):
-    """``op_costs`` as (f, b, w[, exchange]) floats (or None), or a ConfigError that says what it takes."""
-    if op_costs is None:
-        return None
-    from .schedules.lanes import check_costs
-
-    try:
-        return check_costs(op_costs, "op_costs")
-    except schedules.ScheduleError as e:
-        raise ConfigError(str(e)) from None
-
-
-def _check_scalars(num_microbatches, placement, seed) -> None:
-    if not is_int(num_microbatches, 1):
-        raise ConfigError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
-    from .schedules.lanes import PLACEMENTS
-
-    if placement not in PLACEMENTS:
-        raise ConfigError(
-            f"placement={placement!r}: use 'auto' (the faster of the two for the schedule), "
-            f"'lanes' (an F and a B lane in every tick: a tick costs "
-            f"f + b, stage 0 holds up to 2D - 1 micro-batches) or 'ordered' (the schedule's own "
-            f"one action per tick: its memory bound, e.g. D for 1F1B, at max(f, b) per tick)"
-        )
-    if not is_int(seed):
-        raise ConfigError(f"seed={seed!r}: give an int (the stage keys of a context model derive from it)")
-
-
 def _step_checks(pipe, model):
     """``(StepChecks, PendingStatus)`` of ``pipe``: a no-flush method of several chunks per device (WPipe), or
     on a mesh whose conditionals may not hold collectives (model axes on XLA CPU), reports a bad batch but is
     not kept back -- the conditional around its program cost +51% temp (BUILD_NOTES, "A step that never
     waits")."""
     from .sharding import branches_refused
-    from .step_checks import pending_for
+    from .checks.on_device import pending_for
 
     keeps = not (
         pipe.method.updates_inside
         and (pipe.method.stages_per_device(pipe.options) > 1 or branches_refused(pipe.mesh))
     )
     return pending_for(model, pipe.check_inputs, not pipe.skip_nonfinite, "Pipeline", keeps)
-
-
-def _check_residuals(residuals):
-    """``residuals``: ``"all"`` (every residual of a stage's vjp is stashed until its backward), ``"inputs"``
-    (the stage's input only; the backward recomputes the forward), or a ``jax.checkpoint`` policy
-    (``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``, ...: what it saves is stashed, the rest
-    recomputed)."""
-    if not (residuals in ("all", "inputs") or callable(residuals)):
-        raise ConfigError(
-            f"residuals={residuals!r}: give 'all' (stash every residual of a stage's backward: the "
-            f"most memory, no recomputation), 'inputs' (the stage input only, the forward recomputed: "
-            f"the least memory) or a jax.checkpoint policy, e.g. "
-            f"jax.checkpoint_policies.dots_with_no_batch_dims_saveable (matmul outputs kept)"
-        )
-    if residuals not in ("all", "inputs"):
-        _probe_policy(residuals)
-    return residuals
-
-
-def _probe_policy(policy) -> None:
-    """A ``jax.checkpoint`` policy is called as ``policy(primitive, *avals, **params)`` while a backward is
-    traced: try it on a small matmul now, so that an uncalled factory, ``print`` or a function of another
-    signature is refused here by name rather than by JAX at the first step."""
-    probe = lambda x: jnp.sum(jnp.sin(x @ x))
-    try:
-        jax.make_jaxpr(lambda x: jax.vjp(jax.checkpoint(probe, policy=policy), x)[1](1.0))(
-            jax.ShapeDtypeStruct((2, 2), jnp.float32)
-        )
-    except Exception as e:  # whatever the policy raised when JAX called it
-        name = getattr(policy, "__name__", repr(policy))
-        raise ConfigError(
-            f"residuals={name}: not a jax.checkpoint policy -- JAX calls a policy as "
-            f"policy(primitive, *avals, **params) and it raised {type(e).__name__}: "
-            f"{str(e).splitlines()[0][:160] if str(e) else ''}. Give 'all', 'inputs' or a policy such as "
-            f"jax.checkpoint_policies.dots_with_no_batch_dims_saveable; a policy factory must be "
-            f"called first (e.g. jax.checkpoint_policies.save_only_these_names('name'))"
-        ) from None
 
 
 def _recomputing(model, method, options, residuals):
@@ -644,21 +525,3 @@ def _recomputing(model, method, options, residuals):
         return dataclasses.replace(model, stage_fn=RecomputedAtForwardWeights(model.stage_fn))
     policy = None if residuals == "inputs" else residuals
     return dataclasses.replace(model, stage_fn=jax.checkpoint(model.stage_fn, policy=policy))
-
-
-def _check_fit(built, sched, model, D, num_microbatches, name) -> None:
-    """A user-built Schedule matches the mesh and M; the schedule's model stages match the model's."""
-    if built is not None and (built.D, built.num_microbatches) != (D, num_microbatches):
-        raise ConfigError(
-            f"the Schedule was built for {built.D} devices and {built.num_microbatches} "
-            f"micro-batches; this pipeline has {D} 'stage' devices and num_microbatches="
-            f"{num_microbatches}"
-        )
-    if sched.num_model_stages != model.num_stages:
-        per = sched.num_model_stages // D
-        raise ConfigError(
-            f"the model has {model.num_stages} stages (leading axis of stage_params) but the mesh's 'stage' "
-            f"axis has {D} devices and {name} puts {per} stage(s) on each, {sched.num_model_stages} "
-            f"in all; stack {sched.num_model_stages} stages' parameters or use "
-            f"jp.make_mesh(stages={max(model.num_stages // max(per, 1), 1)}, ...)"
-        )

@@ -153,7 +153,7 @@ def _nan_by_default(cls):
 # A call's on-device checks are read when the host would otherwise wait: up to IN_FLIGHT (2) calls later
 # (issue #51).  The suite reads each at the next call (IN_FLIGHT = 1), so that a test of a refused step knows
 # which call reports it; tests/test_host_ahead.py runs the default.  JAXPIPE_TEST_IN_FLIGHT=N sets another.
-import jaxpipe.step_checks as _step_checks  # noqa: E402
+import jaxpipe.checks.on_device as _step_checks  # noqa: E402
 
 _step_checks.IN_FLIGHT = int(os.environ.get("JAXPIPE_TEST_IN_FLIGHT", "1"))
 

@@ -187,7 +187,7 @@ MUTATIONS = [
     # issue #50's survivors: an id equal to the table's size; the grad-norm metric of the micro-batch sums
     Mutation(
         "id_check_off_by_one",
-        "jaxpipe/step_checks.py",
+        "jaxpipe/checks/on_device.py",
         "                bad = (v < 0) if f.bound is None else (v < 0) | (v >= f.bound)\n",
         "                bad = (v < 0) if f.bound is None else (v < 0) | (v > f.bound)\n",
         "tests/test_step_checks.py::test_an_id_out_of_range_on_the_device_is_named_at_the_next_call",
@@ -201,7 +201,7 @@ MUTATIONS = [
     ),
     Mutation(
         "select_gate_keeps_the_update",
-        "jaxpipe/step_checks.py",
+        "jaxpipe/checks/on_device.py",
         "        return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, tuple(operands))\n",
         "        return jax.tree.map(lambda n, o: jnp.where(ok | True, n, o), new, tuple(operands))\n",
         "tests/test_model_axes.py::test_a_bad_device_batch_changes_nothing_on_a_model_axes_mesh",
@@ -225,7 +225,7 @@ MUTATIONS = [
     ),
     Mutation(
         "status_never_read",
-        "jaxpipe/step_checks.py",
+        "jaxpipe/checks/on_device.py",
         "        msg = self.checks.message(call.fields, status, call.where, call.batch_fields)\n",
         "        msg = None and self.checks.message(call.fields, status, call.where, call.batch_fields)\n",
         "tests/test_step_checks.py::test_an_id_out_of_range_on_the_device_is_named_at_the_next_call",
@@ -233,7 +233,7 @@ MUTATIONS = [
     # issue #51: the host runs ahead
     Mutation(
         "host_waits_for_every_step",
-        "jaxpipe/step_checks.py",
+        "jaxpipe/checks/on_device.py",
         "        while self._queue and "
         "(len(self._queue) >= max(IN_FLIGHT, 1) "
         "or is_ready(self._queue[0].status)):\n",
@@ -242,7 +242,7 @@ MUTATIONS = [
     ),
     Mutation(
         "refusal_not_carried_to_states_derived_before_it_was_read",
-        "jaxpipe/step_checks.py",
+        "jaxpipe/checks/on_device.py",
         "                if c.parent is not None and c.parent.refused is not None:\n",
         "                if False:\n",
         "tests/test_host_ahead.py::test_states_derived_before_the_refusal_was_read_are_refused_by_save",
@@ -530,7 +530,7 @@ MUTATIONS = [
     ),
     Mutation(
         "kept_back_judged_on_the_inputs_only",
-        "jaxpipe/step_checks.py",
+        "jaxpipe/checks/on_device.py",
         "        return self.keeps_state if inputs_failed else self.loss_keeps_state\n",
         "        return self.keeps_state\n",
         "tests/test_step_checks.py::test_a_no_flush_steps_nonfinite_loss_is_not_kept_back_and_its_states_are_refused",
@@ -631,7 +631,7 @@ MUTATIONS = [
     # a refused state's refusal tied to its first array's identity: a copy of it is written
     Mutation(
         "refusal_tied_to_identity",
-        "jaxpipe/step_checks.py",
+        "jaxpipe/checks/on_device.py",
         "        why = self._tainted_values.get(digest)\n",
         "        why = None\n",
         "tests/test_step_checks.py::test_a_refusal_follows_the_states_values_into_copies_and_their_descendants",

@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import jaxpipe as jp
-import jaxpipe.step_checks as sc
+import jaxpipe.checks.on_device as sc
 from helpers import assert_same, small_model
 
 

@@ -130,7 +130,9 @@ def test_leak_probe_registers_routing():
             for k in range(2):
                 state, m = pipe.step(state, batch_fn(16, s=k))
             pipe.check()
-        except jp.ConfigError as e:  # a non-finite loss is reported at the next call (jaxpipe.step_checks)
+        except (
+            jp.ConfigError
+        ) as e:  # a non-finite loss is reported at the next call (jaxpipe.checks.on_device)
             assert "loss or the gradient norm is NaN or Inf" in str(e)
             return float("nan")
         return float(m["loss"])
@@ -205,7 +207,9 @@ def test_leak_probe_weight_stash(monkeypatch):
                 state, m = pipe.step(state, batch_fn(16, s=k))
             state, _ = pipe.drain(state)
             params = pipe.params(state)
-        except jp.ConfigError as e:  # a non-finite loss is reported at the next call (jaxpipe.step_checks)
+        except (
+            jp.ConfigError
+        ) as e:  # a non-finite loss is reported at the next call (jaxpipe.checks.on_device)
             assert "loss or the gradient norm is NaN or Inf" in str(e)
             return False
         return all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(params))

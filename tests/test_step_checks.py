@@ -259,7 +259,7 @@ def test_the_one_pass_finite_check_sees_every_nan_and_inf(shape):
     """``sum(v - v)`` is NaN exactly where ``v`` holds a NaN or Inf, anywhere in an array of any size (a
     reduction XLA CPU splits and runs in parallel; ``max(abs(v))`` there missed NaN, measured), and 0 for
     finite values as large as float32 holds; bf16 and f16 too."""
-    from jaxpipe.step_checks import _any_nonfinite
+    from jaxpipe.checks.on_device import _any_nonfinite
 
     f = jax.jit(_any_nonfinite)
     n = int(np.prod(shape))

@@ -291,7 +291,7 @@ def test_no_eval_batches_and_batches_that_run_out(pipe, tmp_path):
 
 
 def test_in_flight_of_another_type_is_named(pipe, monkeypatch):
-    import jaxpipe.step_checks as sc
+    import jaxpipe.checks.on_device as sc
 
     monkeypatch.setattr(sc, "IN_FLIGHT", "2")
     with pytest.raises(jp.ConfigError, match=r"IN_FLIGHT='2': give a whole number >= 1"):

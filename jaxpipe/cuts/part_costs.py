@@ -166,7 +166,7 @@ def check_directory(directory: str) -> None:
 
     if not directory:
         return
-    from ..validate import file_in_the_way
+    from ..checks.values import file_in_the_way
 
     mine = os.path.abspath(directory)
     path = mine if os.path.isfile(mine) else file_in_the_way(mine)

@@ -51,13 +51,13 @@ class RunContext:
     placement: str = "lanes"
     param_shardings: Optional[tuple] = None
     batch_axes: tuple = ("data",)  # the batch's leading axis: over pipe, these (data; fsdp for FSDP)
-    checks: Any = None  # jaxpipe.step_checks.StepChecks: what a step checks on the device
-    pending: Any = None  # jaxpipe.step_checks.PendingStatus: the last step's status, read later
+    checks: Any = None  # jaxpipe.checks.on_device.StepChecks: what a step checks on the device
+    pending: Any = None  # jaxpipe.checks.on_device.PendingStatus: the last step's status, read later
     _lane_plan: Any = None
 
     def __post_init__(self):
         if self.checks is None:
-            from ..step_checks import PendingStatus, StepChecks
+            from ..checks.on_device import PendingStatus, StepChecks
 
             self.checks = StepChecks(getattr(self.model, "integer_inputs", None), False, False, "")
             self.pending = PendingStatus(self.checks)

@@ -30,10 +30,10 @@ from .avgpipe_shared import check_shareable, from_executor, interleave_shares, s
 from ..optim.elastic import check_alpha, elastic_averaging
 from ..schedules.layout import lane_plan, stream_options
 from ..sharding import branches_refused, is_P, param_specs, guard_collectives
-from ..step_checks import STATUS, gate, pop_status
+from ..checks.on_device import STATUS, gate, pop_status
 from ..runtime.gradient import make_stream_grad_fn
 from ..schedules.periodic import one_call
-from ..validate import is_int
+from ..checks.values import is_int
 from ..axes import DATA, PIPE, STAGE
 
 

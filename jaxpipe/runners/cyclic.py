@@ -134,7 +134,7 @@ class CyclicRunner(InFlightRunner):
             ), metrics
 
         # reported, not kept: a conditional around the ring's in-place landings makes XLA copy the stacked
-        # stages (jaxpipe.step_checks); the next call raises, and a checkpoint of this state is refused
+        # stages (jaxpipe.checks.on_device); the next call raises, and a checkpoint of this state is refused
         self._fns[key] = jax.jit(ctx.checks.guard(run, ctx.mesh, computed_loss_bad), donate_argnums=(0,))
         self._fns[key] = guard_collectives(self._fns[key], self.ctx.mesh)
         return self._fns[key]

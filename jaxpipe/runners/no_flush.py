@@ -23,7 +23,7 @@ from ..runtime.buffers import full, host_zeros
 from ..runtime.stage import stage_residuals
 from ..axes import STAGE, pipeline_devices
 from ..sharding import is_P, like_params, param_specs, per_stage_shardings, guard_collectives
-from ..step_checks import pop_status
+from ..checks.on_device import pop_status
 
 
 class AsyncState(NamedTuple):

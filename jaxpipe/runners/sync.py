@@ -17,7 +17,7 @@ from ..schedules.layout import exchange_perms, layout_index, stream_options
 from ..runtime.gradient import make_stream_grad_fn
 from ..schedules.periodic import one_call
 from ..sharding import branches_refused, like_params, guard_collectives
-from ..step_checks import STATUS, gate, pop_status
+from ..checks.on_device import STATUS, gate, pop_status
 from ..runtime import chunk_state
 
 
@@ -251,7 +251,7 @@ class SyncRunner:
                 return optax.apply_updates(params, updates), opt_state
 
             # a conditional, not a select of new and old: XLA updates the donated buffers in place
-            # (jaxpipe.step_checks)
+            # (jaxpipe.checks.on_device)
             params, opt_state = gate(applied, update, (state.params, state.opt_state), by_select)
             # the counter counts updates, and steps skipped on request (skip_nonfinite)
             count = state.step + (ok_in & (finite | skip)).astype(state.step.dtype)

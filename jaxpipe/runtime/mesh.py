@@ -7,7 +7,7 @@ import jax
 from jax.sharding import AxisType
 
 from ..errors import ConfigError
-from ..validate import is_int
+from ..checks.values import is_int
 from ..axes import AXES, FSDP, TENSOR
 
 

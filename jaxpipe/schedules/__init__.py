@@ -12,7 +12,7 @@ from .ir import Action, B, F, W, Schedule, ScheduleError
 from .lanes import LanePlan
 from .registry import METHODS, Method, method
 from .simulate import SimReport, simulate
-from ..validate import is_int
+from ..checks.values import is_int
 
 #: schedule name -> builder (each method's declaration carries its own: :mod:`.registry`)
 BUILDERS: Dict[str, Callable[..., Schedule]] = {name: m.builder for name, m in METHODS.items()}

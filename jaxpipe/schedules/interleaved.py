@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import List
 
 from .ir import Action, B, F, Schedule, ScheduleError
-from ..validate import is_int
+from ..checks.values import is_int
 
 
 def _fwd_unit(k: int, D: int, v: int):

@@ -69,7 +69,7 @@ class TrainOptions:
 
     def check(self) -> None:
         """Every option's type and range, each a ConfigError naming the option, before anything runs."""
-        from jaxpipe.validate import is_int
+        from jaxpipe.checks.values import is_int
 
         for name, choices in (("on_nonfinite", ("stop", "skip")), ("tensorboard", ("auto", "true", "false"))):
             if getattr(self, name) not in choices:
@@ -126,7 +126,7 @@ def check_directory(path: str, what: str) -> None:
             f"{what}={path}: a file is there, not a directory; give a directory path (it is created "
             f"if missing)"
         )
-    from jaxpipe.validate import file_in_the_way
+    from jaxpipe.checks.values import file_in_the_way
 
     blocker = file_in_the_way(path)
     if blocker:
@@ -504,7 +504,8 @@ class Trainer:
         """Raise :class:`NonFiniteLoss` with the step, the stage where the NaN/Inf first appears (an
         unpipelined replay) and the newest intact checkpoint."""
         import numpy as np
-        from jaxpipe import diagnose, distributed
+        from jaxpipe import distributed
+        from jaxpipe.checks import diagnose
         from jaxpipe.checkpoint import Checkpointer
 
         last, cause = None, ""

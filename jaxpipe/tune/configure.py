@@ -364,7 +364,7 @@ def _check_arguments(
     """Every argument of :func:`configure` checked before anything is measured: a ConfigError naming the
     value, why it cannot be taken and what would work.  Returns the schedules, micro-batch counts and policies
     as tuples."""
-    from ..validate import is_int
+    from ..checks.values import is_int
 
     if not callable(make_model):
         raise ConfigError(

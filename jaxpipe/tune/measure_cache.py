@@ -88,7 +88,7 @@ def check_path(path: str, what: str) -> None:
             f"{what}: {path} is a directory; the measurements are kept in one JSON file: give a file "
             f"path (e.g. {os.path.join(path, 'measurements.json')}), or None to keep nothing"
         )
-    from ..validate import file_in_the_way
+    from ..checks.values import file_in_the_way
 
     parent = file_in_the_way(path)
     if parent:

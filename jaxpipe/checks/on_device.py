@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 #: the metrics key a guarded program returns its status under (popped before a user sees the metrics)
@@ -272,7 +272,7 @@ def integer_fields(batch) -> List[str]:
 
 #: statuses a pipeline leaves unread when it dispatches a call: the host runs up to this many calls ahead of
 #: the device before it waits for the oldest one's status (issue #51).  1: every call waits for the one before
-#: it and reports its failure at once (a debugging aid; ``jaxpipe.step_checks.IN_FLIGHT = 1``)
+#: it and reports its failure at once (a debugging aid; ``jaxpipe.checks.on_device.IN_FLIGHT = 1``)
 IN_FLIGHT = 2
 
 
@@ -421,7 +421,7 @@ class PendingStatus:
         :data:`IN_FLIGHT` or more are unread; raise the first failure read."""
         if isinstance(IN_FLIGHT, bool) or not isinstance(IN_FLIGHT, int) or IN_FLIGHT < 1:
             raise ConfigError(
-                f"jaxpipe.step_checks.IN_FLIGHT={IN_FLIGHT!r}: give a whole number >= 1 (the calls "
+                f"jaxpipe.checks.on_device.IN_FLIGHT={IN_FLIGHT!r}: give a whole number >= 1 (the calls "
                 f"the host runs ahead of the device: 2 by default, 1 to wait for every call)"
             )
         while self._queue and (len(self._queue) >= max(IN_FLIGHT, 1) or is_ready(self._queue[0].status)):
@@ -475,7 +475,7 @@ def value_digest(leaves) -> Optional[tuple]:
     """What identifies a state's values: each array leaf's shape, dtype and two on-device checksums of its
     bits (:func:`jaxpipe.checkpoint.checksums`: one small read back).  None where a leaf was consumed (donated
     to a step): its values are gone."""
-    from .checkpoint import checksums
+    from ..checkpoint import checksums
 
     arrays = [a for a in leaves if hasattr(a, "dtype") and hasattr(a, "shape")]
     if any(getattr(a, "is_deleted", lambda: False)() for a in arrays):

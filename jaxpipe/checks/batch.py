@@ -7,13 +7,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 def check_finite(batch):
     """Key paths and counts of the floating-point *host* (numpy) batch leaves holding NaN/Inf, or float64
     values beyond float32's range.  Device arrays are checked inside the step's program, never read back here
-    (:mod:`jaxpipe.step_checks`)."""
+    (:mod:`jaxpipe.checks.on_device`)."""
     bad = []
     for k, v in jax.tree_util.tree_flatten_with_path(batch)[0]:
         if isinstance(v, jax.Array):
