@@ -54,7 +54,6 @@ QUICK = {
         "--validate=1",
         "--micro_batch_sizes=4",
     ],
-    "stage_efficiency": ["--widths=64", "--layers=2", "--microbatch_sizes=8", "--reps=2"],
     "tune_avgpipe": ["--devices=4", "--width=32", "--batch=16", "--ms=1,2", "--ns=1", "--steps=1"],
     "executor_cost": ["--width=32", "--batch=64", "--rounds=1", "--schedules=1f1b,zb_v"],
     "schedule_choice": [
@@ -101,9 +100,17 @@ def readme_commands():
             line = line.split("  #")[0].strip()
             if line.startswith("pip install") and "&&" in line:
                 line = line.split("&&", 1)[1].strip()  # the install step is the CI's own
-            if line.startswith("python -m experiments."):
+            if line.startswith("jaxpipe "):  # the installed command, run as python -m jaxpipe (the same code)
+                line = "python -m " + line
+            if line.startswith(("python -m experiments.", "python -m jaxpipe ")):
                 out.append(line)
     return out
+
+
+def runner_of(cmd):
+    """``train`` of ``python -m jaxpipe train ...`` and of ``python -m experiments.train ...``."""
+    args = cmd.split()
+    return args[3] if args[2] == "jaxpipe" else args[2].split(".", 1)[1]
 
 
 COMMANDS = readme_commands()
@@ -112,7 +119,7 @@ COMMANDS = readme_commands()
 def quick(cmd):
     """The command with its runner's quick flags appended (after the launcher's ``--`` for launch)."""
     args = shlex.split(cmd.rstrip("&").strip())
-    runner = args[2].split(".", 1)[1]
+    runner = runner_of(cmd)
     own = [a for a in args if a.startswith("--model=") and ":" in a]
     # a user's factory builds its model itself: the runner's own model flags (--seq_len, ...) are refused
     # there
@@ -125,7 +132,7 @@ def quick(cmd):
 
 
 def test_the_readme_has_commands_for_every_runner_listed():
-    runners = {c.split()[2].split(".", 1)[1] for c in COMMANDS}
+    runners = {runner_of(c) for c in COMMANDS}
     assert runners - {"launch"} <= set(QUICK), f"add quick flags for {runners - set(QUICK) - {'launch'}}"
     assert {"train", "timeline", "throughput", "launch"} <= runners
 
