@@ -20,6 +20,7 @@ from absl import flags
 flags.DEFINE_string("stages", "4,8,16,32", "comma-separated D values")
 flags.DEFINE_string("microbatches", "", "comma-separated N values (default: D, 2D, 4D for each D)")
 flags.DEFINE_string("markdown", "", "also write the table to this Markdown file")
+TITLE = "# Bubble ratios: the simulator beside the papers' formulas"
 FLAGS = flags.FLAGS
 
 
@@ -102,7 +103,7 @@ def main(argv):
                 lines.append(line)
     if FLAGS.markdown:
         with open(FLAGS.markdown, "w") as fh:
-            fh.write("\n".join(lines) + "\n")
+            fh.write(f"{TITLE}\n\n`python -m experiments.bubbles`\n\n" + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

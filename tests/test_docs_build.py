@@ -1,0 +1,38 @@
+"""The documentation site builds warning-free (``sphinx-build -W --keep-going``), and its API reference has
+every public name of ``jaxpipe.__all__`` with its signature."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import jaxpipe
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.ci_once
+def test_the_site_builds_warning_free_with_every_public_name(tmp_path):
+    out = tmp_path / "html"
+    p = subprocess.run(
+        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", "docs", str(out)],
+        cwd=ROOT,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    pages = "".join((out / "api" / f).read_text() for f in os.listdir(out / "api") if f.endswith(".html"))
+    documented = set(re.findall(r'id="(jaxpipe\.[A-Za-z_.]+)"', pages))
+    modules = {"data", "models", "optim", "training", "schedules", "tune"}
+    missing = [
+        n
+        for n in jaxpipe.__all__
+        if (n in modules and not any(d.startswith(f"jaxpipe.{n}.") for d in documented))
+        or (n not in modules and f"jaxpipe.{n}" not in documented)
+    ]
+    assert not missing, f"public names without an API entry: {missing}"
+    assert "jaxpipe.Pipeline.step" in documented and "jaxpipe.schedules.Schedule" in documented
