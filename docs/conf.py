@@ -32,6 +32,8 @@ napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 
 html_theme = "sphinx_book_theme"
+html_static_path = ["_static"]
+html_css_files = ["jaxpipe.css"]
 html_title = f"jaxpipe {version}"
 html_theme_options = {
     "repository_url": "https://github.com/jaxpipe/jaxpipe",

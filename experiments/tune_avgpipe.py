@@ -252,8 +252,10 @@ def main(argv):
             shown = (
                 f"--shared --devices={FLAGS.devices} " if FLAGS.shared else ""
             ) + f"--memory_limit={FLAGS.memory_limit:g}"
+            where = "sharing devices" if FLAGS.shared else "on their own devices"
             f.write(
-                f"# AvgPipe tuning (§5.2): predicted vs measured\n\n`python -m experiments.tune_avgpipe "
+                f"# AvgPipe tuning (§5.2), pipelines {where}: predicted vs measured\n\n`python -m "
+                "experiments.tune_avgpipe "
                 f"{shown}`: tanh MLP {FLAGS.layers}x{FLAGS.width}², {D} stages, "
                 f"batch {B} per pipeline, Adam, {P} CPU-emulated devices on {cores} cores; profiled "
                 f"(M={m0}, N={n0}); predictions add the executor's per-tick cost calibrated on the profiled "

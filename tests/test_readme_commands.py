@@ -92,8 +92,16 @@ QUICK = {
 }
 
 
+#: the pages whose bash blocks run here: the front page, Getting started and the guide
+PAGES = ["README.md", "docs/getting_started.md"] + sorted(
+    os.path.join("docs", "guide", f)
+    for f in os.listdir(os.path.join(ROOT, "docs", "guide"))
+    if f.endswith(".md")
+)
+
+
 def readme_commands():
-    text = open(os.path.join(ROOT, "README.md")).read()
+    text = "\n".join(open(os.path.join(ROOT, p)).read() for p in PAGES)
     out = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         for line in block.splitlines():
@@ -102,7 +110,7 @@ def readme_commands():
                 line = line.split("&&", 1)[1].strip()  # the install step is the CI's own
             if line.startswith("jaxpipe "):  # the installed command, run as python -m jaxpipe (the same code)
                 line = "python -m " + line
-            if line.startswith(("python -m experiments.", "python -m jaxpipe ")):
+            if line.startswith(("python -m experiments.", "python -m jaxpipe ")) and line not in out:
                 out.append(line)
     return out
 
