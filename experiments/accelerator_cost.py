@@ -1,4 +1,4 @@
-"""What the executor costs a device beyond the model's own work, on any backend (issue #39, item 4).
+"""What the executor costs a device beyond the model's own work, on any backend.
 
     python -m experiments.accelerator_cost          # D = 1: MLP 4x4096^2, MLP 4x1024^2, GPT d1024
     python -m experiments.accelerator_cost --stages=4 --models=gpt --residuals=all,inputs,dots

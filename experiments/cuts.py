@@ -1,4 +1,4 @@
-"""Cutting a model into stages (issue #41): uneven cuts against even ones, and the balanced cut.
+"""Cutting a model into stages: uneven cuts against even ones, and the balanced cut.
 
     python -m experiments.cuts                 # GPT, 10 blocks, d 256, 16k vocabulary, 4 stages, one core
 

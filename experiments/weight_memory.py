@@ -1,4 +1,4 @@
-"""Weight memory of the no-flush methods, measured, beside PipeOptim's Table II (issue #18).
+"""Weight memory of the no-flush methods, measured, beside PipeOptim's Table II.
 
     python -m experiments.weight_memory                  # MLP 8 x 1024², D=4, M=8, AdamW
 

@@ -489,7 +489,7 @@ class Checkpointer:
 
     def _restore_across_cuts(self, step, meta, abstract, from_cut):
         """This model's blocks saved on another cut: read as they were saved (checksums verified), then moved
-        block by block onto this run's cut (:func:`jaxpipe.cuts.recut_state`; issue #41)."""
+        block by block onto this run's cut (:func:`jaxpipe.cuts.recut_state`)."""
         from jax.sharding import NamedSharding, PartitionSpec
         from .cuts import recut_state
 
@@ -607,7 +607,7 @@ class Checkpointer:
             and saved["block_cut"] != mine["block_cut"]
             and saved.get("blocks") == mine.get("blocks") is not None
         )
-        if moved:  # the same blocks, another cut (issue #41)
+        if moved:  # the same blocks, another cut
             for k in ("optimizer", "schedule", "microbatches"):
                 if saved.get(k) != mine.get(k):
                     raise ConfigError(

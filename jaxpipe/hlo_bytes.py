@@ -1,4 +1,4 @@
-"""Bytes a compiled program moves per call, loops counted as often as they run (issue #51 item 3).
+"""Bytes a compiled program moves per call, loops counted as often as they run.
 
 XLA's ``compiled.cost_analysis()["bytes accessed"]`` counts a ``while`` loop's body **once**, whatever its
 trip count, and a ``conditional`` as its dearest branch (``HloCostAnalysis::HandleWhile`` /
@@ -6,7 +6,8 @@ trip count, and a ``conditional`` as its dearest branch (``HloCostAnalysis::Hand
 plain step's accumulation is one loop body (one micro-batch) plus the update; 1F1B at D = 1 is one loop body
 (one tick) plus the update; interleaved 1F1B at D = 1 has three phases -- a tick of forwards alone and a tick
 of backwards alone, each run once and so inlined by XLA, and the steady phase's loop -- so XLA counts three
-ticks where the others count one.  The figure ``1.66x`` of issue #51 is that.
+ticks where the others count one.  A ``1.66x`` figure read off XLA's count for interleaved 1F1B at D = 1 was
+that.
 
 :func:`account` reads the optimised HLO text (``compiled.as_text()``: the one place in jaxpipe that parses it)
 and counts each instruction as ``HloCostAnalysis`` does for the instructions such programs hold -- an

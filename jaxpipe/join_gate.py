@@ -1,4 +1,4 @@
-"""A gate in front of a job's coordinator: a process of another job cannot join it by mistake (issue #42, item
+"""A gate in front of a job's coordinator: a process of another job cannot join it by mistake (item
 3).
 
 JAX's coordination service (process 0, on the coordinator's port) takes a process that connects as task ``k``

@@ -65,7 +65,7 @@ class Pipeline:
     and its weight part as measured (any one unit; ``jaxpipe.tune.microbench.layer_costs``; a fourth value:
     what a tick's exchange costs, each tick of a plan paying one), which ``"auto"``
     ranks the two plans at instead of unit costs -- where W costs more than F, ZB-H1's unit-time order can be
-    the slower (issue #49) -- and ZB-H1 and ZB-V choose their ticks for (``jaxpipe.schedules.zb_costed``;
+    the slower -- and ZB-H1 and ZB-V choose their ticks for (``jaxpipe.schedules.zb_costed``;
     ``options={"costs": ...}`` is the same for them alone).  ``residuals`` says what a stage keeps between its
     forward and its backward (the stash): ``"all"`` (default) every residual of its vjp; ``"inputs"`` its
     input only, the forward recomputed in the backward (``jax.checkpoint``); or a ``jax.checkpoint``
@@ -512,7 +512,7 @@ def _recomputing(model, method, options, residuals):
     """The model whose stage keeps what ``residuals`` says between its forward and its backward.  The stash
     keeps each stage's input only and the backward recomputes the rest -- on request, or where the method says
     (WPipe-R §3.3 by option; Chimera's forward doubling always: it holds two micro-batches' activations per
-    forward tick, §3.5).  A method whose F and B read different weights recomputes on F's (issue #48)."""
+    forward tick, §3.5).  A method whose F and B read different weights recomputes on F's."""
     import dataclasses
 
     if residuals == "all" and method.recompute(options):

@@ -1,4 +1,4 @@
-"""What a train step checks, on the device, without making the host wait (issue #39, item 1; #42, item 5).
+"""What a train step checks, on the device, without making the host wait.
 
 A step's program computes, beside its result, a small int32 *status* vector: per floating batch field
 whether it holds a NaN/Inf value, per field of ``PipelineModel(integer_inputs=...)`` the number of ids out of
@@ -14,7 +14,7 @@ weights).
 The host never reads the status inside the call that made it.  :class:`PendingStatus` starts its copy to the
 host (``copy_to_host_async``) after dispatch; ``step`` and ``loss_and_grad`` read, before they dispatch, the
 statuses of the calls already done and wait only for the oldest of :data:`IN_FLIGHT` unread ones, so the host
-runs up to two steps ahead of the device (issue #51); ``drain``, ``params``, ``Checkpointer.save`` and
+runs up to two steps ahead of the device; ``drain``, ``params``, ``Checkpointer.save`` and
 ``pipe.check()`` read them all.  A failure raises the :class:`~jaxpipe.errors.ConfigError` that names its call
 and the field.  The read is an explicit ``jax.device_get``: it passes ``jax.transfer_guard("disallow")``.
 """
@@ -271,7 +271,7 @@ def integer_fields(batch) -> List[str]:
 
 
 #: statuses a pipeline leaves unread when it dispatches a call: the host runs up to this many calls ahead of
-#: the device before it waits for the oldest one's status (issue #51).  1: every call waits for the one before
+#: the device before it waits for the oldest one's status.  1: every call waits for the one before
 #: it and reports its failure at once (a debugging aid; ``jaxpipe.checks.on_device.IN_FLIGHT = 1``)
 IN_FLIGHT = 2
 
@@ -315,7 +315,7 @@ class PendingStatus:
     conditionals may not hold collectives, Cyclic DP), the state a refused step returned holds that step's
     effect.  It is remembered (:meth:`track`), and so is every state later derived from it by a step or a
     drain -- also one derived before the refusal was read: :meth:`refusal` names the refused step for such a
-    state, and ``Checkpointer.save`` refuses it for as long as it lives (issue #48).  A restored checkpoint or
+    state, and ``Checkpointer.save`` refuses it for as long as it lives.  A restored checkpoint or
     a fresh ``init()`` is a state of its own, never tainted.  A status still unread when the interpreter exits
     is read then and reported on stderr."""
 

@@ -1,4 +1,4 @@
-"""A balanced cut: how many blocks each stage gets, chosen from measured costs (issue #41 item 2).
+"""A balanced cut: how many blocks each stage gets, chosen from measured costs.
 
 An even cut is not a balanced one: the first stage also runs the embedding, the last the head and the loss,
 and in lockstep lanes (:mod:`jaxpipe.tune.lockstep`) every lane-tick lasts as long as its slowest active

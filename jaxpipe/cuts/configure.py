@@ -1,5 +1,5 @@
-"""The cut of the configuration :func:`jaxpipe.tune.configure.configure` picks, balanced (issue #53 item 1:
-"the cut"; issue #41's balanced cut, :mod:`jaxpipe.cuts.balanced`).
+"""The cut of the configuration :func:`jaxpipe.tune.configure.configure` picks, balanced (the balanced
+cut of :mod:`jaxpipe.cuts.balanced`).
 
 The search ranks even cuts (``make_model(n)`` as the user cuts it).  An even cut is not a balanced one: the
 first stage also runs the embedding, the last the head and the loss, and a heavy head makes the last stage the

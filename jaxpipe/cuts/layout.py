@@ -1,4 +1,4 @@
-"""Uneven cuts: a model of ``n`` identical blocks on stages that hold different numbers of them (issue #41).
+"""Uneven cuts: a model of ``n`` identical blocks on stages that hold different numbers of them.
 
 A cut is a tuple of block counts, one per stage, summing to the number of blocks: ``(8, 8, 8, 7)`` puts 31
 blocks on 4 stages.  Every stage runs the same program in an SPMD pipeline, so each stage holds as many block
@@ -111,7 +111,7 @@ def stage_of_blocks(block_fn: Callable, cut: Optional[Sequence[int]], context: b
     ``block_fn(p, x)``, or ``block_fn(p, x, ctx)`` for a context model, where the ctx's ``key`` is the block's
     own: ``fold_in(ctx.key, b)`` with ``b`` the block's index in the whole model (``ctx.key`` is the
     micro-batch's: ``PipelineModel.block_keys``), so a block draws the same masks on any cut and any number of
-    stages (issue #48).  Without a cut and context the stage is ``stage_fn(w, x)``."""
+    stages.  Without a cut and context the stage is ``stage_fn(w, x)``."""
     counts = None if cut is None else np.asarray(cut, np.int32)
     # the index of each stage's first block in the model
     first_block = None if cut is None else np.concatenate([[0], np.cumsum(cut)[:-1]]).astype(np.int32)

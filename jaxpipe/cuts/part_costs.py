@@ -3,7 +3,7 @@ backend).
 
 Measuring a block, a padding slot, the embedding and the head compiles eight small programs and times each;
 on a busy 2-core machine that took 30-45 s on every ``from_nnx(cut="balanced")`` call, and the chosen cut
-moved from run to run (issue #52: 25% between runs).  So:
+moved from run to run (25% between runs).  So:
 
 * :func:`measure_rounds` compiles the eight programs once and times them in rounds, each round calling every
   program in turn (a drift of the machine touches every part alike); each round gives one

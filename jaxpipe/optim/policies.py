@@ -317,7 +317,7 @@ def _add_to_sums(g, lp, opt_state, ps, i, s, count=None, divisor=None):
     gradient, its W the stage's).  ``divisor`` (a mean loss's M; never a (sum, count) loss's, whose W adds
     without its count): each gradient is divided as it is added, in the add's own pass -- the plain step's
     ``acc + g / M``; divided after the call, the sums cost one more read and write of the whole gradient
-    (issue #51: 1.32x the plain step's bytes at D = 1)."""
+    (1.32x the plain step's bytes at D = 1)."""
     add = functools.partial(_add_leaf, divisor=divisor)
     acc = tuple(a if x is None else jax.tree.map(add, a, x) for a, x in zip(ps.acc, g))
     return lp, opt_state, ps._replace(acc=acc, count=ps.count + (0.0 if count is None else count))

@@ -1,4 +1,4 @@
-"""Runners: what turns a configured pipeline into compiled programs and a train state (issue #17).
+"""Runners: what turns a configured pipeline into compiled programs and a train state.
 
 Every runner implements one small protocol and receives a plain :class:`RunContext` (never the
 ``Pipeline``)::

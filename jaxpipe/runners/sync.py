@@ -32,8 +32,8 @@ class PipelineState(NamedTuple):
 def _mean(divisor):
     """The gradients' mean from what the program returns: sums over the micro-batches where ``divisor`` is
     set, divided where they are read -- inside the update's conditional and the norm, where the division fuses
-    instead of writing the mean gradient once more (issue #39 item 2).  ``loss_and_grad``'s program divides
-    each micro-batch's gradient as it adds it (issue #51), so its ``divisor`` is None."""
+    instead of writing the mean gradient once more.  ``loss_and_grad``'s program divides
+    each micro-batch's gradient as it adds it, so its ``divisor`` is None."""
     return (lambda g: g) if divisor is None else (lambda g: jax.tree.map(lambda a: a / divisor, g))
 
 

@@ -15,7 +15,7 @@ def cond(pred, true_fn, false_fn, *operands):
     """``lax.cond``, or ``true_fn(*operands)`` where ``pred`` is the Python ``True`` (a lane busy on every
     device in every tick of its phase: run in the tick's own body, where XLA can share what F and B both read
     --
-    a weight slice materialised in each lane's conditional was read twice; issue #39)."""
+    a weight slice materialised in each lane's conditional was read twice)."""
     if pred is True:
         return true_fn(*operands)
     return lax.cond(pred, true_fn, false_fn, *operands)

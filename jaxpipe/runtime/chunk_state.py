@@ -1,5 +1,5 @@
 """The train state of a schedule with several model chunks a device (interleaved 1F1B, ZB-V, DualPipeV): each
-stage parameter held as one array per chunk (issue #49).
+stage parameter held as one array per chunk.
 
 Each device of such a schedule holds K model stages (its chunks).  Stacked as one ``[D * K, ...]`` array per
 leaf, every step sliced the K chunks out at entry and stacked their gradient sums back at exit: XLA cannot

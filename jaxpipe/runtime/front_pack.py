@@ -1,4 +1,4 @@
-"""Zero-bubble's frontier kept in the stash slot it frees (issue #49 item 4).
+"""Zero-bubble's frontier kept in the stash slot it frees.
 
 ZB-H1's B hands W the per-layer output gradients (the *frontier*, :mod:`.wsplit`); W also reads the layer
 inputs stashed at F.  The executor used to keep the frontier in slots of its own, beside the stash slot the

@@ -53,7 +53,7 @@ class RingState(NamedTuple):
 def own_buffers(tree):
     """The arrays of ``tree``, built so XLA does not merge equal ones: identical broadcasts are merged (CSE)
     into one, and each loop-carried buffer then starts as a copy of it (a copy per stash leaf per call;
-    BUILD_NOTES, issue #39 item 2).  Empty and non-numeric leaves (typed PRNG keys) are left as they are."""
+    BUILD_NOTES).  Empty and non-numeric leaves (typed PRNG keys) are left as they are."""
     arrays, treedef = jax.tree.flatten(tree)
     mine = [i for i, a in enumerate(arrays) if a.size and jnp.issubdtype(a.dtype, jnp.number)]
     fills = jax.lax.optimization_barrier([arrays[i].reshape(-1)[:1] for i in mine])

@@ -19,7 +19,7 @@ class RecomputedAtForwardWeights:
     SpecTrain's predictions; a method's ``reads_differ``) under a residual policy that recomputes
     (``residuals="inputs"``, a ``jax.checkpoint`` policy).  ``jax.checkpoint`` alone
     recomputes the forward from the weights the *backward* reads, which are not the ones the activations came
-    from (issue #48: PipeOptim 7.5e-3 off its serial reference).  Here the stash keeps the stage's input, its
+    from (PipeOptim 7.5e-3 off its serial reference).  Here the stash keeps the stage's input, its
     context and the weights the forward read; the backward reruns the forward on them with every residual kept
     (``residuals="all"``'s split) and back-propagates with the weights it reads -- the rule of the serial
     reference.  The cost: one copy of the stage's weights per micro-batch in flight, and the whole forward
@@ -42,7 +42,7 @@ _TRACED: "collections.OrderedDict[int, tuple]" = collections.OrderedDict()
 def traced_once(stage_fn):
     """``stage_fn`` under ``jax.jit``: JAX traces the model once per argument shapes, and every later forward,
     pullback and analysis of the stage in the program (one per lane, position and phase) reuses that trace --
-    the executor's tracing took half the time (issue #50: 3.4 -> 1.2 s for a 4-stage MLP, 5.2 -> 1.5 s for the
+    the executor's tracing took half the time (3.4 -> 1.2 s for a 4-stage MLP, 5.2 -> 1.5 s for the
     GPT).  XLA inlines the call: the compiled program is the one the inline stage gave (temp, bytes and flops
     equal, measured on the MLP, the GPT, ZB-H1 and D = 1).  (A :class:`RecomputedAtForwardWeights` stage never
     comes here: its callers take it apart first.)"""
@@ -93,7 +93,7 @@ def _depends(jaxpr, dep_in: Sequence[bool]) -> List[bool]:
     """Per output of ``jaxpr``: does it depend on an input marked in ``dep_in``?  Call equations (``jit``...)
     are followed inside, output by output: a ``jnp.where`` under ``jit`` returns its (broadcast) predicate as
     a residual, which for a causal mask depends on no activation -- stashed as one, GPT d1024's attention kept
-    128 MiB a micro-batch a block for nothing (issue #39).  Any other equation with a dependent input makes
+    128 MiB a micro-batch a block for nothing.  Any other equation with a dependent input makes
     all its outputs dependent."""
     from ..jax_internals import call_body
 

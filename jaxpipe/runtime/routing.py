@@ -131,7 +131,7 @@ class PlanSlots:
         return mbuf
 
     def exchange(self, prog, trace, carry):
-        """The tick's one exchange (issue #49): every message its lanes posted moves now, after all of them
+        """The tick's one exchange: every message its lanes posted moves now, after all of them
         ran, one ``ppermute`` per channel and message, and lands in its receive slot.  A message from another
         device is read the tick after it was sent at the earliest (the plan's rule), so nothing in the tick
         waited for it; and no device waits for a neighbour between its lanes -- a tick costs the slowest

@@ -91,7 +91,7 @@ class LanePlan:
 
     def lockstep_makespan(self, f: float = 1.0, b: float = 2.0, w: float = 0.0) -> float:
         """Sum over ticks of the slowest device's own actions in the tick: a device runs its lanes one after
-        the other and the tick's messages move in one exchange at its end (issue #49), so nothing waits for a
+        the other and the tick's messages move in one exchange at its end, so nothing waits for a
         neighbour between lanes (idle lanes cost nothing)."""
         return float(self.op_times(f, b, w).sum(axis=2).max(axis=1).sum())
 
@@ -240,7 +240,7 @@ def _joins(s: Schedule, group: dict, acts, li_of, dev) -> bool:
 
 def _fuse_ticks(s: Schedule, where, lanes, dev) -> Dict[tuple, Tuple[int, int]]:
     """The ordered placement with consecutive ticks run as one wherever no message has to move between them
-    (issue #49: a tick ends in one exchange, and on a real link each exchange costs a rendezvous -- ZB-H1 at
+    (a tick ends in one exchange, and on a real link each exchange costs a rendezvous -- ZB-H1 at
     D = 2, M = 4: 13 ticks become 10, 1F1B's lanes have 6).  Every device runs its actions in the order the
     ordered placement gave them, so the result, the slots and the memory are the ordered plan's; a no-flush
     schedule (its own periodic ticks) and paired forwards are left as they are; ticks searched for op costs
@@ -343,7 +343,7 @@ def _held_slots(D: int, where, dev, tab, pos, writer: str, readers, column: str)
     stage and micro-batch, each held from its write to its last read (a slot is free for a write once every
     read of its previous content came earlier).  The stash: F to B (and W); a split backward's frontier: B to
     W, in slots of its own -- ZB-H1's W follows its B within a tick or two, so at D = 4 one slot where the
-    stash needs 2D - 1 (issue #39: in the stash's slots the frontier was 2.7 GB a device on GPT d1024).
+    stash needs 2D - 1 (in the stash's slots the frontier was 2.7 GB a device on GPT d1024).
     Returns the capacity (the most slots a device uses)."""
     alloc = [_Slots() for _ in range(D)]
     for key in sorted((k for k in where if k[0] == writer), key=pos):
@@ -374,7 +374,7 @@ def _hands_over(lanes, where) -> bool:
     """Whether the F lane may hand its residuals straight to the B lane of the same tick: every B runs in
     the tick of its F (one stage per device, one chunk: ``D = 1``), and nothing else (a W, a paired F2)
     reads residuals.  Every tick then runs an F and a B on the one device, so both lanes run without a
-    conditional (no idle F has to make residuals up).  The executor keeps no stash at all (issue #39: at D = 1
+    conditional (no idle F has to make residuals up).  The executor keeps no stash at all (at D = 1
     the stash's fill and its slot traffic were most of the bytes the pipelined step moved beyond the plain
     one)."""
     if tuple(lanes) != (F, B):
@@ -413,14 +413,12 @@ def fastest_placement(s: Schedule, costs: Optional[Sequence[float]] = None) -> s
     """The placement whose plan has the smaller lockstep step (``Pipeline``'s ``placement="auto"``) at
     ``costs`` -- ``(f, b, w)``: one stage's forward, its backward's input part and its weight part, in any one
     unit (measured: ``Pipeline(op_costs=...)``), and optionally a fourth, the cost of a tick's exchange (each
-    tick of a plan pays one) -- or at :func:`unit_costs`.  At unit costs the zero-bubble and
-    V schedules' own one-action-per-tick order reaches their bubble now that a tick ends in one exchange
-    (issue #49), and 1F1B's F and B lanes stay the faster for it; where W costs more than F the ordered plan
-    can lose (a tick lasts as long as its slowest device, and the ordered steady state puts one device's W
-    beside another's F: ZB-H1 at D = 2, M = 8 and costs (10, 10, 16) is 1.05x 1F1B's lanes, its own lanes
-    1.00x).
-    A tie goes to the plan with fewer stash slots (Chimera: ordered; GPipe: lanes, whose order holds D, not
-    M)."""
+    tick of a plan pays one) -- or at :func:`unit_costs`.  At unit costs the zero-bubble and V schedules' own
+    one-action-per-tick order reaches their bubble now that a tick ends in one exchange, and 1F1B's F and B
+    lanes stay the faster for it; where W costs more than F the ordered plan can lose (a tick lasts as long as
+    its slowest device, and the ordered steady state puts one device's W beside another's F: ZB-H1 at D = 2,
+    M = 8 and costs (10, 10, 16) is 1.05x 1F1B's lanes, its own lanes 1.00x).  A tie goes to the plan with
+    fewer stash slots (Chimera: ordered; GPipe: lanes, whose order holds D, not M)."""
     if s.has_pairs() and not s.options.get("double_batch"):
         # Chimera's forward doubling: the ordered plan pairs forwards, and the executor runs a pair as one
         # double-size forward (``double_batch``), which a context model cannot; asked for, it is ordered

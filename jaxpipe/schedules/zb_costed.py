@@ -1,5 +1,5 @@
 """ZB-H1 and ZB-V placed for measured op costs (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, §3:
-the paper's own schedules are built from profiled F, B and W times; issue #49).
+the paper's own schedules are built from profiled F, B and W times).
 
 The unit-time ZB-H1 order (:mod:`.zero_bubble`) assumes f = b = w.  Run in lockstep -- a tick lasts as long
 as its slowest device's action, and ends in one exchange -- it loses where W costs more than F: on the

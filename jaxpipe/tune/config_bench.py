@@ -1,4 +1,4 @@
-"""What :func:`jaxpipe.tune.configure.configure` measures, each thing once (issue #53 item 5).
+"""What :func:`jaxpipe.tune.configure.configure` measures, each thing once.
 
 A search over stage x data splits, schedules, micro-batch counts and residual policies needs, per candidate,
 its state's bytes, one micro-batch's residual bytes, a stage's F / B and, for a few, XLA's compiled memory.

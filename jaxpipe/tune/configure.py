@@ -1,4 +1,4 @@
-"""Automatic configuration, first version (issue #53): from a model, a device count and a memory budget to the
+"""Automatic configuration, first version: from a model, a device count and a memory budget to the
 predicted-fastest pipeline that fits.
 
 :func:`configure` considers every split of the devices into ``stage`` x ``data`` (x the model axes, below),
@@ -37,7 +37,7 @@ forward of one stage (:func:`~jaxpipe.tune.memory.residual_bytes_on`), and its f
 that many devices with its weights sharded as the pipeline shards them, XLA's collectives included
 (:meth:`~jaxpipe.tune.config_bench.Bench.stage_costs`); the update and the data all-reduce are of one device's
 shards.  The embedding and the head are timed whole (under FSDP on a device's rows).  A candidate with every
-model axis at 1 runs the model with its specs dropped (weights replicated).  Not yet (issue #53): a per-stage
+model axis at 1 runs the model with its specs dropped (weights replicated).  Not yet: a per-stage
 policy, the no-flush methods.
 """
 

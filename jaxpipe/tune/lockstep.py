@@ -2,9 +2,9 @@
 
 The executor runs a lane plan (:mod:`jaxpipe.schedules.lanes`, the placement ``Pipeline`` runs: ``"auto"``
 picks the faster) in lockstep: every tick runs the lanes its phase compiles (F, B, W; F2 where Chimera pairs
-forwards) one after the other on each device, and the tick's messages move in one exchange at its end (issue
-#49).  On D real devices a tick lasts as long as its slowest device's own actions in it (an idle device
-waits), plus the executor's fixed cost of a compiled lane and the messages:
+forwards) one after the other on each device, and the tick's messages move in one exchange at its end.  On D
+real devices a tick lasts as long as its slowest device's own actions in it (an idle device waits), plus the
+executor's fixed cost of a compiled lane and the messages:
 
     T_devices = sum over ticks [ max_d sum over lanes op(d, lane) ] + tick * compiled lane-ticks
                 + ppermutes * (alpha + beta * act_bytes) + layout exchange (Chimera: a replica's weights

@@ -1,4 +1,4 @@
-"""Measurements kept per (model, backend) on disk (issue #53 item 5: a configuration search decides in seconds
+"""Measurements kept per (model, backend) on disk (a configuration search decides in seconds
 once its measurements exist).
 
 :func:`jaxpipe.tune.configure.configure` measures a stage's F / B per micro-batch size and residual policy,

@@ -1,5 +1,5 @@
-"""A pipeline's memory per device, predicted without compiling and calibrated on a few compiles (issue #53,
-item 2: the first part of automatic configuration).
+"""A pipeline's memory per device, predicted without compiling and calibrated on a few compiles (the
+first part of automatic configuration).
 
 What a compiled step holds per device (XLA's ``memory_analysis()``; BUILD_NOTES, "what a compiled step's
 memory is made of", 32 configurations of a GPT): its **arguments** (the stage's parameters, the optimizer
@@ -60,8 +60,7 @@ class Footprint:
     @property
     def known(self) -> int:
         """The temp known before compiling: the stash slots and the frontier slots.  (Several chunks a device
-        added two of the device's stage bytes until their state held each chunk apart, issue #49: none
-        now.)"""
+        added two of the device's stage bytes until their state held each chunk apart: none now.)"""
         return self.stash + self.frontier
 
 

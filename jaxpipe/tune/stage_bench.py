@@ -6,7 +6,7 @@ and its backward reads them ticks later, after other micro-batches' work went th
 one pinned core (GPT d 128, 2 blocks a stage): a stage stashing every residual of 8-sequence micro-batches
 (20 MiB a slot) cost 16.2 + 26.3 ms a micro-batch through a stash against 6.1 + 20.6 back to back; with
 4-sequence ones (10 MiB) both ways cost the same.  The two-process testbed's steps were 194 against 130 ms --
-the order the back-to-back costs predicted the other way round (issue #53).
+the order the back-to-back costs predicted the other way round.
 
 Here one program writes ``slots`` micro-batches' residuals into a stash (F), then runs the backward of each
 from its slot (B); under zero-bubble's split, B-input keeps each slot's frontier and W reads it, with the
