@@ -166,11 +166,22 @@ def check_params_path(path: str, what: str = "save_params") -> str:
 
 
 def save_params(path: str, params) -> str:
-    """Write ``params`` (``pipe.params(state)``, or the modules ``to_modules`` makes of them -- a dict of
-    names to modules) to the ``.npz`` at ``path``, each array named by its tree path (:func:`params_by_path`):
-    ``np.load(path)["pre/embed"]`` reads one back without jaxpipe.  Every process
-    calls it (the arrays are gathered); process 0 writes, whole, through a temporary file.  Returns the
-    path."""
+    """Write parameters to an ``.npz`` file, each array named by its tree path.
+
+    ``np.load(path)["pre/embed"]`` reads one back without jaxpipe. Every process calls it (the arrays are
+    gathered); process 0 writes, whole, through a temporary file.
+
+    Args:
+        path: the file to write (``.npz`` is added where missing).
+        params: ``pipe.params(state)``, or the modules ``to_modules`` makes of them (a dict of names to
+            modules).
+
+    Returns:
+        The path written.
+
+    Raises:
+        ConfigError: ``path`` cannot be written (a directory there, a missing parent, no permission), said
+            before anything is gathered."""
     path = check_params_path(path, "save_params")
     arrays = params_by_path(params)
     if jax.process_index() == 0:

@@ -73,12 +73,14 @@ def loss_terms(out):
 class StageContext:
     """What a context-taking ``stage_fn(params, x, ctx)`` receives besides its activation.
 
-    ``inputs``: the micro-batch's fields named in ``PipelineModel.stage_inputs`` (attention masks, positions,
-    segment ids), sliced to the micro-batch, never sent between stages; ``key``: a PRNG key (raw
-    ``uint32[2]``) that depends only on (step, micro-batch, stage) -- :func:`stage_key` -- so dropout is the
-    same in every schedule and in the unpipelined reference (``None`` when the model is evaluated without a
-    key: ``model.loss(params, batch)`` / ``forward`` -- a stage_fn should then skip dropout); ``stage``: the
-    model stage index (int32)."""
+    Attributes:
+        inputs: the micro-batch's fields named in ``PipelineModel.stage_inputs`` (attention masks,
+            positions, segment ids), sliced to the micro-batch, never sent between stages.
+        key: a PRNG key (raw ``uint32[2]``) that depends only on (step, micro-batch, stage) --
+            :func:`stage_key` -- so dropout is the same in every schedule and in the unpipelined reference;
+            ``None`` when the model is evaluated without a key (``model.loss(params, batch)`` /
+            ``forward``): a stage_fn should then skip dropout.
+        stage: the model stage index (int32)."""
 
     inputs: Any
     key: Any
@@ -86,9 +88,19 @@ class StageContext:
 
 
 def microbatch_key(seed: int, step, microbatch):
-    """The key of one micro-batch of one step: ``fold_in(fold_in(PRNGKey(seed), step), microbatch)`` with
-    ``microbatch = replica * M + j`` (replica: the flat data-parallel index).  ``model.loss(params, mb,
-    key=microbatch_key(...))`` reproduces what the pipeline computed for that micro-batch."""
+    """The key of one micro-batch of one step, as every schedule draws it.
+
+    ``model.loss(params, mb, key=microbatch_key(...))`` reproduces what the pipeline computed for that
+    micro-batch.
+
+    Args:
+        seed: the pipeline's ``seed``.
+        step: the step (the number of updates before it).
+        microbatch: ``replica * M + j`` for micro-batch ``j`` of data replica ``replica`` (the flat
+            data-parallel index).
+
+    Returns:
+        ``fold_in(fold_in(PRNGKey(seed), step), microbatch)``."""
     return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), step), microbatch)
 
 

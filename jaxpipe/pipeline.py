@@ -222,20 +222,42 @@ class Pipeline:
         return self._runner.in_flight
 
     def init(self):
-        """Parameters placed on the mesh (stage leaves sharded over ``stage``), optimizer state, step 0.
+        """Parameters placed on the mesh, the optimizer state and step 0.
 
-        No-flush schedules return a state that also carries the pipeline's in-flight state."""
+        Stage leaves are sharded over ``stage``; no-flush schedules' state also carries the pipeline's
+        in-flight state (sized at the first ``step``, or by :meth:`prepare`).
+
+        Returns:
+            A :class:`PipelineState` (no-flush schedules: their runner's state) to pass to :meth:`step`."""
         return self._runner.init()
 
     def prepare(self, state, batch):
-        """The state with every buffer allocated: the no-flush schedules create their in-flight pipeline state
-        (``carry``) on the first step, sized from the batch; ``prepare`` does it now (a no-op otherwise), so
-        the state has its final structure -- what ``jp.Checkpointer.restore`` needs as a template."""
+        """The state with every buffer allocated, as the first step would leave it.
+
+        The no-flush schedules create their in-flight pipeline state (``carry``) on the first step, sized
+        from the batch; ``prepare`` does it now (a no-op otherwise), so the state has its final structure
+        -- what :meth:`jaxpipe.Checkpointer.restore` needs as a template.
+
+        Args:
+            state: the state :meth:`init` returned.
+            batch: a batch of the shape training will use.
+
+        Returns:
+            The state with its in-flight buffers allocated."""
         self._check_batch(batch)
         return self._runner.prepare(state, batch)
 
     def params(self, state):
-        """``(stage_params, pre_params, post_params)`` as the model gave them (stage leaves stacked)."""
+        """The trained parameters, in the model's own layout.
+
+        Reads every pending on-device check first (:meth:`check`).
+
+        Args:
+            state: a state of this pipeline.
+
+        Returns:
+            ``(stage_params, pre_params, post_params)`` as the model gave them (stage leaves stacked on a
+            leading axis of size ``num_stages``; a model of blocks: ``[n_blocks, ...]``)."""
         self.check()
         require_live(state, "params()")
         return self._user_layout(self._runner.params(state))
@@ -246,24 +268,40 @@ class Pipeline:
         return (self.user_model.user_layout(stage), *rest)
 
     def check(self):
-        """Raise the ConfigError of a call whose on-device checks failed (a batch with NaN/Inf or an id out of
-        range; a non-finite loss), waiting for every call dispatched so far.  ``drain``, ``params`` and
-        ``Checkpointer.save`` call it first; ``step`` and ``loss_and_grad`` read the calls already done and
-        wait only for the oldest of ``jaxpipe.checks.on_device.IN_FLIGHT`` unread ones (the host runs ahead of
-        the device), so a failure is reported at the latest two calls later, naming its call (``step() #7``);
-        a step that failed changed nothing (``jaxpipe.checks.on_device``) and the calls since ran on the state
-        before it."""
+        """Raise the error of a call whose on-device checks failed, waiting for every call dispatched so far.
+
+        The checks: a batch with NaN or Inf or an id out of range, a non-finite loss. ``drain``, ``params``
+        and ``Checkpointer.save`` call this first; ``step`` and ``loss_and_grad`` read the calls already
+        done and wait only for the oldest of ``jaxpipe.checks.on_device.IN_FLIGHT`` unread ones (the host
+        runs ahead of the device), so a failure is reported at the latest two calls later, naming its call
+        (``step() #7``). A step that failed changed nothing, and the calls since ran on the state before
+        it.
+
+        Raises:
+            ConfigError: the first failed call, with what failed and the likely cause."""
         self.context.pending.check()
 
     def check_saveable(self, state):
-        """Raise a ConfigError where ``state`` may not be checkpointed: the last call's checks failed, or
-        ``state`` holds (or derives from) the effect of a refused step of a method whose state is not kept
-        back (``jaxpipe.checks.on_device.PendingStatus``)."""
+        """Refuse a state that may not be checkpointed.
+
+        Args:
+            state: the state about to be saved.
+
+        Raises:
+            ConfigError: the last call's checks failed, or ``state`` holds (or derives from) the effect of
+                a refused step of a method whose state is not kept back
+                (:class:`jaxpipe.checks.on_device.PendingStatus`)."""
         self.context.pending.require_saveable(state)
 
     def device_layout(self, state):
-        """Stage parameters as the executor holds them: ``[D, chunks, ...]`` (device d, local chunk c holds
-        model stage ``schedule.stage_of_chunk()[d, c]``; Chimera: two replicas per device)."""
+        """Stage parameters as the executor holds them.
+
+        Args:
+            state: a state of this pipeline.
+
+        Returns:
+            The stage leaves as ``[D, chunks, ...]``: device ``d``'s local chunk ``c`` holds model stage
+            ``schedule.stage_of_chunk()[d, c]`` (Chimera: two replicas per device)."""
         from .schedules.layout import layout_index
 
         D = self.mesh.shape[STAGE]
@@ -272,7 +310,20 @@ class Pipeline:
         return jax.tree.map(lambda a: a[lay].reshape((D, -1) + a.shape[1:]), self._runner.params(state)[0])
 
     def loss_and_grad(self, state, batch):
-        """Mean loss over the batch and its gradient ``(g_stage, g_pre, g_post)``; no update."""
+        """The batch's loss and its gradient, without an update.
+
+        Args:
+            state: a state of this pipeline (not consumed).
+            batch: a dict of arrays whose leading axis is the global batch (divisible by data x
+                micro-batches).
+
+        Returns:
+            ``(loss, (g_stage, g_pre, g_post))``: the mean loss over the batch (a ``(sum, count)`` model:
+            the masked mean) and its gradient in the layout of :meth:`params`.
+
+        Raises:
+            ConfigError: the batch does not fit the model (a missing field, a wrong shape, NaN or Inf, an
+                id out of range), here or, for a check made on the device, at a later call."""
         require_live(state, "loss_and_grad()")
         self._check_values(batch)
         self.context.pending.poll()
@@ -341,12 +392,27 @@ class Pipeline:
                 )
 
     def step(self, state: PipelineState, batch):
-        """One optimizer step on ``batch``; returns ``(state, metrics)`` (metrics: loss, grad_norm, step).
+        """One optimizer step on ``batch``.
 
-        Asynchronous schedules feed the batch's M micro-batches into the running pipeline and run 2M ticks;
-        metrics: ``loss`` (mean over the micro-batches whose loss was computed in this call, NaN if none),
-        ``losses_computed``, ``microbatches_fed``, ``microbatches_finished`` (backward done on every stage).
-        """
+        Synchronous schedules flush: the gradient of the whole batch, then one update. Asynchronous
+        schedules feed the batch's M micro-batches into the running pipeline and run 2M ticks. The state
+        given is donated: keep the one returned.
+
+        Args:
+            state: the state :meth:`init` (or the previous step) returned; consumed.
+            batch: a dict of arrays whose leading axis is the global batch (divisible by data x
+                micro-batches).
+
+        Returns:
+            ``(state, metrics)``. Synchronous metrics: ``loss``, ``grad_norm``, ``step`` (and ``skipped``
+            with ``skip_nonfinite=True``). Asynchronous metrics: ``loss`` (mean over the micro-batches
+            whose loss was computed in this call, NaN if none), ``losses_computed``, ``microbatches_fed``,
+            ``microbatches_finished`` (backward done on every stage).
+
+        Raises:
+            ConfigError: the batch is refused (NaN or Inf, an id out of range, a wrong shape) -- a check
+                made on the device is raised by a later call, naming the step (``step() #7``); the refused
+                step changed nothing."""
         require_live(state, "step()")
         self._check_values(batch)
         self._check_state(state)
@@ -358,9 +424,16 @@ class Pipeline:
         return new, metrics
 
     def drain(self, state):
-        """No-flush schedules: finish every micro-batch in flight (2D - 1 ticks, no new data).
+        """Finish every micro-batch in flight (no-flush schedules: 2D - 1 ticks, no new data).
 
-        The next ``step`` refills the pipeline.  Synchronous schedules flush every step: returns the state."""
+        The next ``step`` refills the pipeline. Synchronous schedules flush every step: the state comes
+        back as it is.
+
+        Args:
+            state: the state of the last step; consumed.
+
+        Returns:
+            ``(state, metrics)`` after the drain."""
         self.check()
         require_live(state, "drain()")
         why = self.context.pending.refusal(state)
@@ -369,12 +442,28 @@ class Pipeline:
         return new, metrics
 
     def shard_batch(self, batch):
-        """Place a global batch on the mesh (leading axis split over ``pipe`` x ``data``)."""
+        """Place a global batch on the mesh.
+
+        Args:
+            batch: a dict of host or device arrays, leading axis the global batch.
+
+        Returns:
+            The batch as global arrays, the leading axis split over ``pipe`` x the batch axes (each process
+            copies in its own rows)."""
         self._check_batch(batch)
         return self.context.shard_batch(batch)
 
     def lower(self, what: str, state, batch):
-        """The lowered ``"grad"`` or ``"step"`` program (for ``.compile().memory_analysis()``)."""
+        """The lowered program of a call, for XLA's analyses.
+
+        Args:
+            what: ``"grad"`` (:meth:`loss_and_grad`'s program) or ``"step"``.
+            state: a state of this pipeline.
+            batch: a batch of the shape training uses.
+
+        Returns:
+            A ``jax.stages.Lowered``; ``.compile().memory_analysis()`` and ``.cost_analysis()`` give its
+            temp and bytes."""
         self._check_batch(batch)
         return self._runner.lower(what, state, batch)
 

@@ -38,12 +38,17 @@ def _dtype(name, what):
 
 @dataclasses.dataclass(frozen=True)
 class Precision:
-    """A mixed-precision policy (module docstring).  ``params``: the dtype of the master copy the optimizer
-    updates (and of the gradients); ``compute``: the stages' dtype -- parameters are cast to it inside the
-    model's functions, and activations, messages and the stash are in it; ``output``: the loss's dtype;
-    ``loss_scale``: static loss scaling, the loss multiplied before differentiation and the gradients divided
-    after (synchronous schedules; float16 needs it: without one it is refused).  Dtypes are names or numpy
-    dtypes, floating point only."""
+    """A mixed-precision policy (module docstring).
+
+    Dtypes are names or numpy dtypes, floating point only.
+
+    Attributes:
+        params: the dtype of the master copy the optimizer updates (and of the gradients).
+        compute: the stages' dtype: parameters are cast to it inside the model's functions, and
+            activations, messages and the stash are in it.
+        output: the loss's dtype.
+        loss_scale: static loss scaling: the loss multiplied before differentiation and the gradients
+            divided after (synchronous schedules; float16 needs it: without one it is refused)."""
 
     params: Any = "float32"  # the master copy the optimizer updates (and the gradients' dtype)
     compute: Any = "float32"  # stage computation, activations sent between stages, the stash
@@ -79,7 +84,14 @@ def cast_floats(tree, dtype):
 
 
 def with_precision(model, policy: Precision):
-    """The model with its parameters stored in ``policy.params`` and computing in ``policy.compute``."""
+    """The model with its parameters stored in ``policy.params`` and computing in ``policy.compute``.
+
+    Args:
+        model: a :class:`~jaxpipe.PipelineModel`.
+        policy: the :class:`Precision` to apply.
+
+    Returns:
+        A new :class:`~jaxpipe.PipelineModel`; ``Pipeline(precision=...)`` applies it for you."""
     c, o = policy.compute, policy.output
     stage_fn, pre, post_loss, head = model.stage_fn, model.pre, model.post_loss, model.head
 

@@ -22,7 +22,12 @@ from ..runtime import chunk_state
 
 
 class PipelineState(NamedTuple):
-    """Train state: parameters ``(stage, pre, post)``, optimizer state, and the number of updates applied."""
+    """The train state of a synchronous pipeline.
+
+    Attributes:
+        params: ``(stage_params, pre_params, post_params)`` on the mesh.
+        opt_state: the optimizer's state.
+        step: the number of updates applied."""
 
     params: Tuple[Any, Any, Any]
     opt_state: Any

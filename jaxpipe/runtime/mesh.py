@@ -14,15 +14,31 @@ from ..axes import AXES, FSDP, TENSOR
 def make_mesh(
     stages: int = 1, data: int = 1, pipes: int = 1, fsdp: int = 1, tensor: int = 1, devices=None
 ) -> jax.sharding.Mesh:
-    """A mesh of shape (pipes, data, stages) over the first pipes*data*stages devices -- with model axes
-    ``fsdp`` and ``tensor`` after them, shape (pipes, data, stages, fsdp, tensor), where either is above 1.
+    """A device mesh for a pipeline: axes ``(pipe, data, stage)``, then the model axes ``fsdp`` and ``tensor``
+    where either is above 1.
 
     ``stage`` carries the pipeline, ``data`` replicates it (data parallelism), ``pipe`` holds parallel
-    pipelines (AvgPipe); ``fsdp`` and ``tensor`` are *model axes*: a stage's weights are sharded over them as
-    the model's ``param_specs`` say, and XLA partitions the stage's computation (jaxpipe's programs are manual
-    over the pipeline axes only).  Axis types are ``Auto``: the optimizer update outside the programs is left
-    to XLA's sharding propagation.
-    """
+    pipelines (AvgPipe); ``fsdp`` and ``tensor`` are *model axes*: a stage's weights are sharded over them
+    as the model's ``param_specs`` say, and XLA partitions the stage's computation (jaxpipe's programs are
+    manual over the pipeline axes only). Axis types are ``Auto``: the optimizer update outside the programs
+    is left to XLA's sharding propagation.
+
+    Args:
+        stages: devices on the ``stage`` axis (the pipeline's depth D).
+        data: data-parallel replicas of the pipeline.
+        pipes: parallel pipelines (AvgPipe's N); 1 for every other method.
+        fsdp: devices a stage's weights and the batch are sharded over (FSDP) inside each stage.
+        tensor: devices a stage's weights are split over (tensor parallelism) inside each stage.
+        devices: the devices to use, in order (default: the first ``pipes * data * stages * fsdp * tensor``
+            of ``jax.devices()``).
+
+    Returns:
+        A ``jax.sharding.Mesh`` of shape ``(pipes, data, stages)``, or ``(pipes, data, stages, fsdp,
+        tensor)`` where either model axis is above 1.
+
+    Raises:
+        ConfigError: a size that is not a positive integer, a device listed twice, or more devices asked
+            for than are visible (the message gives the ``XLA_FLAGS`` that emulates them on CPU)."""
     sizes = {"stages": stages, "data": data, "pipes": pipes, "fsdp": fsdp, "tensor": tensor}
     for name, v in sizes.items():
         if not is_int(v, 1):
