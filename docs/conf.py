@@ -30,6 +30,7 @@ autodoc_typehints = "description"
 autodoc_default_options = {"members": True, "undoc-members": False, "show-inheritance": False}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
+napoleon_use_ivar = True  # Attributes: as a field list (autodoc documents the fields themselves too)
 
 html_theme = "sphinx_book_theme"
 html_static_path = ["_static"]
