@@ -192,8 +192,24 @@ def save_params(path: str, params) -> str:
 
 
 class Checkpointer:
-    """Orbax ``CheckpointManager`` for one ``jp.Pipeline`` (or any object with ``model``, ``schedule``,
-    ``num_microbatches`` and ``mesh``; pass ``pipe=None`` to skip the fingerprint check)."""
+    """Orbax checkpoints of one pipeline's whole train state, refused where they would not restore what was
+    saved.
+
+    Args:
+        directory: where the checkpoints go (created if missing; one writer per directory, held by a lock).
+        pipe: the :class:`~jaxpipe.Pipeline` whose state is saved (or any object with ``model``,
+            ``schedule``, ``num_microbatches`` and ``mesh``); its fingerprint is saved and checked on
+            restore. None skips the check.
+        keep: checkpoints kept (the oldest are deleted; None keeps every one).
+        every: :meth:`maybe_save` saves at multiples of this step (0: only when forced).
+        async_save: write in the background while training goes on (``wait`` / ``close`` block until
+            written).
+        writer: take the directory's lock now (a training run: fail before step 1 if another run writes
+            there); otherwise the first save takes it, and a Checkpointer that only restores never does.
+
+    Raises:
+        ConfigError: ``keep`` or ``every`` out of range, ``directory`` a file, or the directory's lock held
+            by another run (naming its host, pid and time)."""
 
     def __init__(
         self,
@@ -205,12 +221,6 @@ class Checkpointer:
         async_save: bool = True,
         writer: bool = False,
     ):
-        """``directory``: where the steps go (created if missing); ``pipe``: the pipeline whose fingerprint a
-        restore checks (None: no check); ``keep``: how many finished checkpoints to keep (None: all);
-        ``every``: ``maybe_save`` saves at multiples of it (0: only when forced); ``async_save``: write in the
-        background (``wait``/``close`` block until written).  ``writer=True`` takes the directory's lock now
-        (a training run: fail before step 1 if another run writes there); otherwise the lock is taken by the
-        first save, and a Checkpointer that only restores never takes it."""
         import orbax.checkpoint as ocp
 
         if keep is not None and not is_int(keep, 1):
@@ -282,10 +292,19 @@ class Checkpointer:
         return list(self.manager.all_steps())
 
     def maybe_save(self, step: int, state, extra: Optional[dict] = None, force: bool = False) -> bool:
-        """Save at multiples of ``every`` (or always with ``force``); returns whether a save started.
+        """Save at multiples of ``every`` (or always with ``force``).
 
-        The state is refused if its trained values (not the in-flight buffers) hold NaN or Inf (a diverged run
-        must never overwrite a good checkpoint)."""
+        The state is refused if its trained values (not the in-flight buffers) hold NaN or Inf: a diverged
+        run must never overwrite a good checkpoint.
+
+        Args:
+            step: the step the state is at.
+            state: the train state.
+            extra: a JSON-serialisable dict saved beside it.
+            force: save whatever the step.
+
+        Returns:
+            Whether a save started."""
         if not force and (self.every == 0 or step % self.every):
             return False
         from .checks.batch import require_live
@@ -353,8 +372,20 @@ class Checkpointer:
             self._lock = _DirectoryLock(self.directory)
 
     def save(self, step: int, state, extra: Optional[dict] = None) -> bool:
-        """Save ``step`` now.  A step already saved is refused with a ConfigError: writing it again silently
-        would leave the older state there, which a later restore of that step would return."""
+        """Save ``step`` now.
+
+        Args:
+            step: the step the state is at.
+            state: the train state.
+            extra: a JSON-serialisable dict saved beside it (the data stream's position, ...).
+
+        Returns:
+            Whether a save started.
+
+        Raises:
+            ConfigError: the step was already saved (writing it again would leave the older state there,
+                which a later restore of that step would return), or the state may not be saved
+                (:meth:`jaxpipe.Pipeline.check_saveable`)."""
         if step in (self.manager.all_steps() or []):
             raise ConfigError(
                 f"Checkpointer.save: step {step} is already saved in {self.directory}, and a "
@@ -378,12 +409,18 @@ class Checkpointer:
             self._check_pipe()
 
     def close_within(self, timeout_s: float) -> Optional[str]:
-        """Close on an error path: the write in flight gets ``timeout_s`` seconds to finish, then the manager
-        is closed and the directory's lock released -- whatever happened, and without raising (the caller is
-        already raising its own error).  None where everything finished; else what was abandoned.  An
-        abandoned write stays an unfinished temporary folder, which no restore reads: the newest finished
-        checkpoint is what a later run resumes from (a write still going on in the background may yet finish
-        it)."""
+        """Close on an error path, without raising (the caller is already raising its own error).
+
+        The write in flight gets ``timeout_s`` seconds to finish, then the manager is closed and the
+        directory's lock released, whatever happened. An abandoned write stays an unfinished temporary
+        folder, which no restore reads: the newest finished checkpoint is what a later run resumes from (a
+        write still going on in the background may yet finish it).
+
+        Args:
+            timeout_s: seconds the write in flight may still take.
+
+        Returns:
+            None where everything finished; else what was abandoned."""
         import threading
 
         errors = []
@@ -439,9 +476,20 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ restore
     def restore(self, template, step: Optional[int] = None) -> Tuple[Any, dict, int]:
-        """``(state, extra, step)`` from ``step`` (default: the latest).  ``template`` is a state of the same
-        pipeline (e.g. ``pipe.prepare(pipe.init(), batch)``): it gives the structure, shapes and shardings the
-        arrays are restored onto, so a checkpoint written on another mesh is resharded when shapes allow."""
+        """Restore a checkpoint onto the structure of ``template``.
+
+        Args:
+            template: a state of the same pipeline (e.g. ``pipe.prepare(pipe.init(), batch)``): it gives
+                the structure, shapes and shardings the arrays are restored onto, so a checkpoint written
+                on another mesh is resharded where shapes allow.
+            step: the step to restore (default: the latest).
+
+        Returns:
+            ``(state, extra, step)``.
+
+        Raises:
+            ConfigError: the checkpoint is of another configuration (its fingerprint names what differs),
+                or the step does not exist."""
         ocp = self._ocp
         if step is None:
             step = self.latest_step()
@@ -578,9 +626,18 @@ class Checkpointer:
         return theirs[0], mine[1]
 
     def restore_latest(self, template, report=print) -> Tuple[Any, dict, int]:
-        """Like ``restore`` from the newest checkpoint that is intact: a corrupt or unreadable one (a flipped
-        bit, a missing file) is reported through ``report`` and the next older one tried.  ``(template, {},
-        0)`` when the directory holds none (or none intact, said so)."""
+        """Restore the newest checkpoint that is intact.
+
+        A corrupt or unreadable one (a flipped bit, a missing file) is reported through ``report`` and the
+        next older one tried.
+
+        Args:
+            template: as for :meth:`restore`.
+            report: where the skipped checkpoints are said (default ``print``).
+
+        Returns:
+            ``(state, extra, step)``; ``(template, {}, 0)`` when the directory holds none (or none intact,
+            said so)."""
         steps = sorted(self.all_steps(), reverse=True)
         for i, step in enumerate(steps):
             try:

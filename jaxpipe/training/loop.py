@@ -48,7 +48,29 @@ class NonFiniteLoss(RuntimeError):
 
 @dataclasses.dataclass
 class TrainOptions:
-    """The loop's settings (the keyword arguments of :func:`train` and :class:`Trainer`)."""
+    """The loop's settings: the keyword arguments of :func:`train` and :class:`Trainer`, each checked by name
+    before anything runs (:meth:`check`).
+
+    Attributes:
+        steps: optimizer steps in all (a resumed run takes the ones left).
+        out_dir: where ``metrics.jsonl`` (one JSON line a step), ``summary.json`` and the TensorBoard
+            events go.
+        eval_every: evaluate on ``eval_batches`` every this many steps (0: only after the last step).
+        checkpoint_dir: Orbax checkpoints of the whole train state; a run that finds one resumes from it.
+        checkpoint_every: save every this many steps (0: only at the end and at a stop).
+        checkpoint_keep: checkpoints kept (the oldest are deleted).
+        on_nonfinite: ``"stop"`` (a NaN or Inf loss stops the run naming the step and the stage where it
+            appeared) or ``"skip"`` (that update is skipped; synchronous schedules).
+        progress: a bar on a terminal, a line every ``progress_every`` steps otherwise.
+        progress_every: steps between progress lines when not on a terminal (0: a tenth of the run).
+        tensorboard: ``"auto"`` (where tensorboardX is installed), ``"true"`` or ``"false"``.
+        stop_grace_s: after a second SIGTERM / SIGINT, the seconds the stop-save may still take before the
+            process exits.
+        learning_rate: an optax schedule, logged as ``lr``.
+        units: what the throughput counts (``"tokens"``, ``"images"``, ...).
+        units_per_step: how many of them a step processes (default: the rows of a batch).
+        exit_on_stop: a stop ends the process with status 143 once saved (False: :func:`train` returns).
+        describe: the first entries of the summary (the model, the schedule, ...)."""
 
     steps: int
     out_dir: str = "runs/train"
@@ -137,6 +159,14 @@ def check_directory(path: str, what: str) -> None:
 
 @dataclasses.dataclass
 class TrainResult:
+    """What :func:`train` returns.
+
+    Attributes:
+        state: the final state (drained: nothing in flight).
+        step: the last step taken (or the checkpoint's, if there was nothing to do).
+        summary: the run's summary (losses, throughput, times), or None when there was nothing to do.
+        stopped: the stop's cause (a signal's name, a hook's reason) when the run stopped before ``steps``."""
+
     state: Any  # the final PipelineState (drained: nothing in flight)
     step: int  # the last step taken (or the checkpoint's, if there was nothing to do)
     summary: Optional[dict]  # None when there was nothing to do
@@ -153,19 +183,48 @@ def train(
     state=None,
     **options,
 ) -> TrainResult:
-    """Train ``pipe`` on ``batches`` for ``steps`` steps (:class:`TrainOptions` lists the other options).
+    """Train ``pipe`` on ``batches`` for ``steps`` steps: checkpoints and resume, stops, evaluation, progress,
+    metrics.
 
-    ``batches``: an iterator of batches, or -- for checkpoints -- a stream with ``state_dict()`` /
-    ``load_state_dict()`` or a function of no arguments that starts the stream.  ``evaluate(params, batch)``:
-    extra measures (``{"eval_acc": ...}``) beside the model's loss on ``eval_batches``.  ``hooks``: functions
-    ``hook(trainer, step)`` called after every step (``trainer.request_stop(reason)`` stops the run there)."""
+    Args:
+        pipe: a :class:`~jaxpipe.Pipeline` (or :class:`~jaxpipe.CyclicDataParallel`).
+        batches: an iterator of batches, or -- for checkpoints that resume the data too -- a stream with
+            ``state_dict()`` / ``load_state_dict()``, or a function of no arguments that starts the stream.
+        eval_batches: held-out batches the model's loss is measured on every ``eval_every`` steps.
+        evaluate: ``evaluate(params, batch) -> dict`` of extra measures (``{"eval_acc": ...}``) beside the
+            loss.
+        hooks: functions ``hook(trainer, step)`` called after every step; ``trainer.request_stop(reason)``
+            stops the run there.
+        state: the state to start from (default: ``pipe.init()``, or the newest checkpoint in
+            ``checkpoint_dir``).
+        **options: the :class:`TrainOptions` (``steps`` is required).
+
+    Returns:
+        A :class:`TrainResult`.
+
+    Raises:
+        ConfigError: an option of the wrong type or range, a path that cannot be written, a checkpoint of
+            another configuration, or batches that ran out before ``steps``.
+        NonFiniteLoss: a NaN or Inf loss or gradient with ``on_nonfinite="stop"``, naming the step, the
+            stage and the last good checkpoint."""
     return Trainer(pipe, batches, eval_batches=eval_batches, evaluate=evaluate, hooks=hooks, **options).run(
         state
     )
 
 
 class Trainer:
-    """The loop of :func:`train`, for callers that want ``request_stop`` or the pieces (module docstring)."""
+    """The loop of :func:`train`, for callers that want :meth:`request_stop` or the pieces (module docstring).
+
+    Args:
+        pipe: a :class:`~jaxpipe.Pipeline` (or :class:`~jaxpipe.CyclicDataParallel`).
+        batches: as for :func:`train`.
+        eval_batches: as for :func:`train`.
+        evaluate: as for :func:`train`.
+        hooks: as for :func:`train`.
+        **options: the :class:`TrainOptions`.
+
+    Raises:
+        ConfigError: an option of the wrong type or range, or a path that cannot be written."""
 
     def __init__(
         self,
@@ -208,6 +267,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ the run
     def run(self, state=None) -> TrainResult:
+        """Run the loop to ``steps`` (or to a stop).
+
+        Args:
+            state: the state to start from (default: ``pipe.init()``, or the newest intact checkpoint).
+
+        Returns:
+            A :class:`TrainResult`."""
         import jax
 
         o = self.opts
@@ -270,10 +336,18 @@ class Trainer:
             print(f"jaxpipe: {note}", file=sys.stderr, flush=True)
 
     def request_stop(self, reason: str) -> None:
-        """Stop after the current step, with a checkpoint (as a SIGTERM would); for hooks."""
+        """Stop after the current step, with a checkpoint, as a SIGTERM would (for hooks).
+
+        Args:
+            reason: said in the stop's line and kept as ``TrainResult.stopped``."""
         self.stop.request(reason)
 
     def say(self, *args, **kw) -> None:
+        """``print`` on process 0 only (a multi-process job prints each line once).
+
+        Args:
+            *args: as for ``print``.
+            **kw: as for ``print``."""
         if getattr(self, "primary", True):
             print(*args, **kw)
 
