@@ -25,53 +25,63 @@ from .axes import STAGE
 
 
 class Pipeline:
-    """Train ``model`` with ``schedule`` over ``mesh``.
+    """Train ``model`` with ``schedule`` over ``mesh``: one ``shard_map`` program a step.
 
     >>> pipe = jp.Pipeline(model, schedule="1f1b", num_microbatches=8, optimizer=optax.adamw(1e-3), mesh=mesh)
     >>> state = pipe.init()
     >>> state, metrics = pipe.step(state, batch)
 
-    ``model``: a :class:`PipelineModel`; ``schedule``: a method's name (the README's table) or a built
-    Schedule; ``num_microbatches``: M per step and data replica; ``optimizer``: an optax transformation (None:
-    ``loss_and_grad`` only); ``mesh``: ``jp.make_mesh(stages=D, data=..., pipes=..., fsdp=..., tensor=...)``;
-    ``seed``: the root of a context model's dropout keys (``jp.microbatch_key``); ``precision``: a
-    :class:`Precision` (mixed precision, loss scaling); ``batch_axes``: the mesh axes the batch is split over
-    (default ``("data",)``; FSDP: ``("data", "fsdp")``).
+    ``wpipe`` and the asynchronous schedules never flush: use :meth:`drain` before reading the final
+    parameters. The per-method keywords of the unreleased 0.1.0 (``chimera=``, ``virtual=``, ``zb=``,
+    ``avgpipe=``, ``wpipe=``, ``recompute=``) are refused with their new spelling (CHANGELOG.md).
 
-    ``nan_bubbles=True`` is a debugging aid: buffers start as NaN and idle ticks send NaN, so anything a
-    bubble leaks into the result shows up as NaN.
+    Args:
+        model: a :class:`PipelineModel` (``jp.models.from_nnx`` / ``from_linen`` make one from Flax
+            modules).
+        schedule: a method's name (``jp.schedules.available()``; the guide's "Choosing a schedule" table)
+            or a built :class:`~jaxpipe.schedules.Schedule` of a registered method (its own options are
+            used).
+        num_microbatches: M, micro-batches per step and data replica.
+        optimizer: an optax ``GradientTransformation`` (None: :meth:`loss_and_grad` only).
+        mesh: ``jp.make_mesh(stages=D, data=..., pipes=..., fsdp=..., tensor=...)`` (default: one ``stage``
+            device per model stage).
+        nan_bubbles: a debugging aid: buffers start as NaN and idle ticks send NaN, so anything a bubble
+            leaks into the result shows up as NaN.
+        skip_nonfinite: synchronous schedules: a step whose loss or gradient norm is NaN or Inf leaves the
+            parameters and optimizer state unchanged (``metrics["skipped"]``).
+        check_inputs: refuse a batch holding NaN or Inf, or an id out of range, before it changes anything
+            (default on).
+        placement: flushing schedules: ``"auto"`` (default) takes whichever plan has the smaller lockstep
+            step (``jaxpipe.schedules.lanes.fastest_placement``; ``pipe.placement`` says which);
+            ``"lanes"`` runs an F lane and a B lane in every tick (a tick costs f + b, up to 2D - 1
+            micro-batches in flight on stage 0); ``"ordered"`` runs the schedule's own one action per tick
+            and keeps its memory bound (1F1B: D - d on stage d; ZB-H1: D). Either way a tick's messages
+            move in one exchange after all its lanes ran.
+        seed: the root of a context model's dropout keys (``jp.microbatch_key``).
+        precision: a :class:`Precision` (mixed precision, loss scaling).
+        options: the schedule's options, checked against the method's schema
+            (``jp.schedules.method(name).options`` lists them with their defaults): chimera ``pipelines``,
+            ``concat``, ``eager_reduce``; interleaved_1f1b ``virtual``; zb_h1 ``max_deferred_w``,
+            ``w_from``; avgpipe ``alpha``, ``advance``, ``memory_limit``, ``tolerance`` (a mesh with
+            ``pipes=N``); wpipe ``recompute`` (the model has 2 x stage-axis partitions).
+        batch_axes: the mesh axes the batch is split over (default ``("data",)``; FSDP: ``("data",
+            "fsdp")``).
+        residuals: what a stage keeps between its forward and its backward (the stash): ``"all"`` (default)
+            every residual of its vjp; ``"inputs"`` its input only, the forward recomputed in the backward
+            (``jax.checkpoint``); or a ``jax.checkpoint`` policy such as
+            ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable`` (matmul outputs kept, the rest
+            recomputed).
+        op_costs: ``(f, b, w)``: one stage's forward, its backward's input part and its weight part as
+            measured (any one unit; ``jaxpipe.tune.microbench.layer_costs``; a fourth value: what a tick's
+            exchange costs), which ``placement="auto"`` ranks the two plans at instead of unit costs, and
+            ZB-H1 and ZB-V choose their ticks for (``jaxpipe.schedules.zb_costed``).
+        **removed: the keywords of the unreleased 0.1.0, refused by name.
 
-    Schedule options: ``options={...}``, checked against the method's schema in
-    :mod:`jaxpipe.schedules.registry` (``jp.schedules.method(name).options`` lists them with their defaults):
-    chimera ``pipelines``, ``concat``, ``eager_reduce``; interleaved_1f1b ``virtual``; zb_h1
-    ``max_deferred_w``, ``w_from``; avgpipe ``alpha``, ``advance``, ``memory_limit``, ``tolerance`` (needs a
-    mesh with ``pipes=N``); wpipe ``recompute`` (the model has 2 x stage-axis partitions).  The per-method
-    keywords of the unreleased 0.1.0 (``chimera=``, ``virtual=``, ``zb=``, ``avgpipe=``, ``wpipe=``,
-    ``recompute=``) are refused with the new spelling (CHANGELOG.md).
-    ``schedule`` may also be a built :class:`~jaxpipe.schedules.Schedule` of a registered method (its own
-    options are used).  ``skip_nonfinite=True`` (synchronous
-    schedules): a step whose loss or gradient norm is NaN/Inf leaves parameters and optimizer state unchanged
-    (``metrics["skipped"]``).  ``check_inputs`` (default on): a batch holding NaN or Inf is refused before it
-    reaches the pipeline.  ``wpipe`` and the
-    asynchronous schedules never flush: use ``drain`` before reading final parameters.
-
-    ``placement`` (flushing schedules): ``"auto"`` (default) takes whichever of the two plans has the smaller
-    lockstep step (``jaxpipe.schedules.lanes.fastest_placement``: ZB-H1, ZB-V, DualPipeV and Chimera run
-    ordered, 1F1B, GPipe and interleaved 1F1B on lanes; ``pipe.placement`` says which); ``"lanes"`` runs an F
-    lane and a B lane in every tick, so a tick costs f + b, at up to 2D - 1 micro-batches in flight on stage
-    0; ``"ordered"`` runs the schedule's own one action per tick and keeps its memory bound (1F1B: D - d on
-    stage d; ZB-H1: D) at its slowest device's action per tick.  Either way a tick's messages move in one
-    exchange after all its lanes ran.  ``op_costs=(f, b, w)``: one stage's forward, its backward's input part
-    and its weight part as measured (any one unit; ``jaxpipe.tune.microbench.layer_costs``; a fourth value:
-    what a tick's exchange costs, each tick of a plan paying one), which ``"auto"``
-    ranks the two plans at instead of unit costs -- where W costs more than F, ZB-H1's unit-time order can be
-    the slower -- and ZB-H1 and ZB-V choose their ticks for (``jaxpipe.schedules.zb_costed``;
-    ``options={"costs": ...}`` is the same for them alone).  ``residuals`` says what a stage keeps between its
-    forward and its backward (the stash): ``"all"`` (default) every residual of its vjp; ``"inputs"`` its
-    input only, the forward recomputed in the backward (``jax.checkpoint``); or a ``jax.checkpoint``
-    policy such as ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable`` (matmul outputs kept, the
-    rest recomputed).  README's "What a stage keeps" table trades memory for compute on a GPT.
-    """
+    Raises:
+        ConfigError: a value that cannot run, naming it, why, and what would work (an unknown schedule or
+            option, a mesh without the stages the model needs, micro-batches that do not fit the schedule,
+            an optimizer that is not an optax one, ...).
+        TypeError: a keyword ``Pipeline`` does not take (a removed one names its new spelling)."""
 
     def __init__(
         self,
