@@ -27,7 +27,7 @@ same programs.
 It returns a :class:`Configuration`: the choice (``Pipeline`` keyword arguments and the mesh), every candidate
 with its predicted step, bubble, memory and why a candidate was dropped, and :meth:`Configuration.table`.
 The cut: each stage count's fastest fitting candidate is also tried with its blocks' cut balanced from
-measured costs (:mod:`.configure_cut`).
+measured costs (:mod:`jaxpipe.cuts.configure`).
 
 Model axes: where the model's ``param_specs`` name ``tensor`` or ``fsdp``, the devices are also split into
 ``stage x data x fsdp x tensor`` (FSDP splits the batch too: ``batch_axes=("data", "fsdp")``).  Such a
@@ -79,7 +79,7 @@ class Candidate:
     dropped: str = ""
     measured_s: Optional[float] = None  # its step timed on the devices (``configure(measure=k)``)
     #: blocks per model stage where the cut is not the model's own even one (the pick's balanced cut,
-    #: :mod:`.configure_cut`); build the model with :meth:`Configuration.model`
+    #: :mod:`jaxpipe.cuts.configure`); build the model with :meth:`Configuration.model`
     cut: Optional[Tuple[int, ...]] = None
     #: devices a stage's weights are sharded over along the model axes (the model's ``param_specs`` name them;
     #: 1: that axis is left out and the weights replicated)
@@ -136,7 +136,7 @@ class Configuration:
     budget: float
     _built: dict = dataclasses.field(default_factory=dict, repr=False)
     _bench: object = dataclasses.field(default=None, repr=False)
-    #: what balancing each stage count's fastest cut found (:mod:`.configure_cut`)
+    #: what balancing each stage count's fastest cut found (:mod:`jaxpipe.cuts.configure`)
     cut_note: str = ""
     _balance: bool = dataclasses.field(default=True, repr=False)
 
@@ -260,19 +260,44 @@ def configure(
     tensor=None,
     fsdp=None,
 ) -> Configuration:
-    """The predicted-fastest configuration of ``make_model(num_stages)`` (a ``PipelineModel`` of that many
-    stages) on ``devices`` devices within ``memory_budget`` bytes per device (module docstring).  ``batch``:
-    one step's host batch (its rows are split over ``data`` and micro-batches).  ``cache``: where measurements
-    are kept per (model, backend) -- ``"default"`` (``$JAXPIPE_CACHE_DIR`` or ``~/.cache/jaxpipe``), a file
-    path, or ``None`` (measure everything).  ``measure=k``: the final choice is made by timing steps on the
-    devices (rounds of 3 steps, in turns: at least ``rounds``, and the fastest timed ``min_time_s`` seconds in
-    all) of at most ``k`` fitting candidates -- the two
-    predicted fastest and the predicted fastest of each (stage count, residual policy) -- where the model's
-    ranking is least sure (:func:`_measured_best`).  ``balance_cut``: each stage count's fastest fitting
-    candidate with its cut balanced from measured costs, a candidate of its own (:mod:`.configure_cut`; models
-    of blocks only).  ``tensor`` / ``fsdp``: the sizes of those model axes to search (a stage's weights
-    sharded over them as the model's ``param_specs`` say); default: every divisor of ``devices`` for an axis
-    the specs name, else 1 (a candidate with both at 1 runs the model with its weights replicated)."""
+    """The predicted-fastest configuration of a model on ``devices`` devices within a memory budget (module
+    docstring).
+
+    Every split of the devices into stage x data (x the model axes), schedule, micro-batch count and
+    residual policy is predicted; the few that come first are compiled, and their memory checked against
+    XLA's figure.
+
+    Args:
+        make_model: ``make_model(num_stages)`` -> a :class:`~jaxpipe.PipelineModel` of that many stages.
+        batch: one step's host batch (its rows are split over ``data`` and the micro-batches).
+        optimizer: the optax optimizer the pipeline will train with (its state counts in the memory).
+        devices: how many devices the configuration may use.
+        memory_budget: bytes a device may hold (``float("inf")``: no limit).
+        schedules: the schedules considered.
+        microbatches: the micro-batch counts considered.
+        residuals: the residual policies considered (``"all"``, ``"inputs"``).
+        verbose: print the candidates' table and the choice.
+        cache: where measurements are kept per (model, backend): ``"default"`` (``$JAXPIPE_CACHE_DIR`` or
+            ``~/.cache/jaxpipe``), a file path, or None (measure everything).
+        measure: ``k`` > 0: the final choice is made by timing steps of at most ``k`` fitting candidates
+            (the two predicted fastest and the predicted fastest of each stage count and residual policy),
+            in turns, where the model's ranking is least sure.
+        rounds: with ``measure``: at least this many rounds of 3 steps.
+        min_time_s: with ``measure``: the fastest timed at least this many seconds in all.
+        balance_cut: also each stage count's fastest fitting candidate with its cut balanced from measured
+            costs, a candidate of its own (:mod:`jaxpipe.cuts.configure`; models of blocks only).
+        tensor: the sizes of the ``tensor`` axis to search (default: every divisor of ``devices`` where the
+            model's ``param_specs`` name the axis, else 1).
+        fsdp: the sizes of the ``fsdp`` axis to search, as ``tensor``.
+
+    Returns:
+        A ``Configuration``: ``best`` (``jp.Pipeline(conf.model(), optimizer=...,
+        **conf.best.pipeline_kwargs())`` builds it), the candidates with their predictions, and
+        ``table()``.
+
+    Raises:
+        ConfigError: an argument out of range, naming it, or nothing fits the budget (each reason, with a
+            count and an example)."""
     from ..pipeline import Pipeline
 
     schedules, microbatches, residuals = _check_arguments(
