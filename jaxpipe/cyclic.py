@@ -72,13 +72,22 @@ class CyclicDataParallel:
     """Cyclic Data Parallelism over the mesh's ``data`` axis (the module docstring has the timeline and
     rules).
 
-    Arguments: ``model`` (a :class:`PipelineModel` whose ``num_stages`` equals the mesh's ``data`` size: each
-    worker holds the whole model cut into that many stages); ``optimizer`` (an optax transformation, run by
-    the last worker only); ``rule`` (``"v1"``: every stage read at version ``t - 1``; ``"v2"``: fresh versions
-    on a micro-batch's last stages); ``mesh`` (``jp.make_mesh(data=N)``); ``check_inputs`` (NaN/Inf and
-    integer-id checks of every batch); ``seed`` (a context model's keys); ``nan_bubbles`` (idle slots filled
-    with NaN: a test of the executor); ``broadcast`` (``"direct"`` or ``"balanced"``: how the updated stage
-    reaches the other workers).  Methods as :class:`Pipeline`'s: ``init``, ``step``, ``drain``, ``params``."""
+    Methods as :class:`Pipeline`'s: ``init``, ``step``, ``drain``, ``params``.
+
+    Args:
+        model: a :class:`PipelineModel` whose ``num_stages`` equals the mesh's ``data`` size: each worker
+            holds the whole model cut into that many stages.
+        optimizer: an optax transformation, run by the last worker only.
+        rule: ``"v1"`` (every stage read at version ``t - 1``) or ``"v2"`` (fresh versions on a
+            micro-batch's last stages).
+        mesh: ``jp.make_mesh(data=N)``.
+        check_inputs: NaN / Inf and integer-id checks of every batch.
+        seed: the root of a context model's keys.
+        nan_bubbles: idle slots filled with NaN (a test of the executor).
+        broadcast: ``"direct"`` or ``"balanced"``: how the updated stage reaches the other workers.
+
+    Raises:
+        ConfigError: a model, rule, mesh or option that cannot run, naming it."""
 
     def __init__(
         self,
@@ -180,11 +189,22 @@ class CyclicDataParallel:
 
     # ------------------------------------------------------------------ state and programs (the runner's)
     def init(self) -> CyclicState:
+        """Parameters and optimizer state placed on the workers, step 0, nothing in flight.
+
+        Returns:
+            The ``CyclicState`` to pass to :meth:`step`."""
         return self._runner.init()
 
     def params(self, state: CyclicState):
-        """The model's parameters ``(stage, pre, post)`` (worker 0's replica; all replicas are equal once
-        every update has arrived, e.g. after ``drain``)."""
+        """The model's parameters (worker 0's replica).
+
+        All replicas are equal once every update has arrived, e.g. after :meth:`drain`.
+
+        Args:
+            state: a state of this CDP run.
+
+        Returns:
+            ``(stage_params, pre_params, post_params)``."""
         self.check()
         require_live(state, "params()")
         stage, *rest = self._runner.params(state)
@@ -211,15 +231,30 @@ class CyclicDataParallel:
 
     # ------------------------------------------------------------------ public
     def prepare(self, state: CyclicState, batch) -> CyclicState:
-        """The state with the in-flight buffers allocated (``Pipeline.prepare``): a checkpoint template."""
+        """The state with the in-flight buffers allocated (as :meth:`Pipeline.prepare`): a checkpoint
+        template.
+
+        Args:
+            state: the state :meth:`init` returned.
+            batch: a batch of the shape training will use.
+
+        Returns:
+            The prepared state."""
         self._check_batch(batch)
         return self._runner.prepare(state, batch)
 
     def step(self, state: CyclicState, batch):
-        """Feed one micro-batch per worker (the batch's rows split over the workers in order) and run 2N
-        time steps.  Metrics: ``loss`` (mean of the losses computed in this call; a (sum, count) loss: their
-        summed values over their summed counts), ``losses_computed``,
-        ``version_errors`` (always 0 unless the timeline is broken)."""
+        """Feed one micro-batch per worker (the batch's rows split over the workers in order) and run 2N time
+        steps.
+
+        Args:
+            state: the state of the last call; consumed.
+            batch: a dict of arrays, leading axis the global batch (divisible by the workers).
+
+        Returns:
+            ``(state, metrics)``: ``loss`` (mean of the losses computed in this call; a (sum, count) loss:
+            their summed values over their summed counts), ``losses_computed``, ``version_errors`` (always
+            0 unless the timeline is broken)."""
         require_live(state, "step()")
         self._check_batch(batch)
         from .checks.batch import check_integer_inputs, check_integer_keys, require_finite_on_host
@@ -236,8 +271,15 @@ class CyclicDataParallel:
         return new, metrics
 
     def drain(self, state: CyclicState):
-        """Run without new data until every step in flight finished and every update arrived, then reset the
-        counters so the next step restarts the cycle.  Metrics: those of the drain's calls together."""
+        """Run without new data until every step in flight finished and every update arrived.
+
+        The counters are then reset, so the next step restarts the cycle.
+
+        Args:
+            state: the state of the last call; consumed.
+
+        Returns:
+            ``(state, metrics)``, the metrics of the drain's calls together."""
         self.check()
         require_live(state, "drain()")
         why = self._pending.refusal(state)
@@ -246,7 +288,13 @@ class CyclicDataParallel:
         return new, metrics
 
     def check_saveable(self, state):
-        """``Pipeline.check_saveable``: the last call's checks, and no refused step's effect in ``state``."""
+        """Refuse a state that may not be checkpointed (as :meth:`Pipeline.check_saveable`).
+
+        Args:
+            state: the state about to be saved.
+
+        Raises:
+            ConfigError: the last call's checks failed, or ``state`` holds a refused step's effect."""
         self._pending.require_saveable(state)
 
 

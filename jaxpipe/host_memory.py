@@ -21,9 +21,9 @@ allocated yet): XLA's worker threads, started with the CPU backend before any ``
 their heaps. Measured (the two-process testbed's model, D = 2 emulated on one core, Chimera M = 4): 34,400
 page faults a step and 1.41x 1F1B's step when kept from the first ``Pipeline``; 1.06x and no faults with
 :data:`KEEP_FREED_ENV` in the environment from the start. It is not set at import: one arena for every thread
-also serialises XLA's compiler threads on malloc's lock -- README's ``configure`` search took 118 s cold with
-``MALLOC_ARENA_MAX=1`` from the start against 82 s without. A long CPU run (a benchmark of many steps) should
-start with :data:`KEEP_FREED_ENV`; a compile-heavy one (tests, a search) should not.
+also serialises XLA's compiler threads on malloc's lock -- the guide's ``configure`` search took 118 s cold
+with ``MALLOC_ARENA_MAX=1`` from the start against 82 s without. A long CPU run (a benchmark of many steps)
+should start with :data:`KEEP_FREED_ENV`; a compile-heavy one (tests, a search) should not.
 """
 
 from __future__ import annotations

@@ -113,50 +113,51 @@ def stage_key(mb_key, stage):
 class PipelineModel:
     """A model cut into ``pre`` -> ``stage_fn`` x num_stages -> ``post_loss``, each part a pure function.
 
-    Fields:
-
-    * ``stage_fn(params_of_one_stage, x) -> x`` -- the same function on every stage; ``x`` (a float array or a
-      pytree of them) keeps its shapes from stage to stage.  With ``context``/``stage_inputs`` it is
-      ``stage_fn(params, x, ctx)`` (below).
-    * ``stage_params`` -- one pytree for all stages, every leaf stacked on a leading axis of size num_stages
-      (``jp.stack_stages([p0, p1, ...])`` builds it); stage ``s`` gets ``leaf[s]``.  A stage may hold several
-      layers and ``lax.scan`` over them (the Flax adapters do): zero-bubble's B/W split works through the
-      scan.
-    * ``pre(pre_params, batch) -> x`` -- run on the first stage (embedding, input projection); default:
-      ``batch["x"]``.  ``pre_params``: its parameters (any pytree; ``()`` for none).
-    * ``post_loss(post_params, x, batch)`` -- run on the last stage; returns the micro-batch's scalar mean
-      loss, or a ``(sum, count)`` pair (masked tokens: ``(jnp.sum(ce * mask), jnp.sum(mask))``), which the
-      pipeline divides by the count summed over every micro-batch, replica and host -- the full-batch masked
-      mean.  A micro-batch whose count is 0 contributes nothing.  ``post_params``: its parameters.
-    * ``head(post_params, x) -> outputs`` -- optional: the last stage's outputs without the loss (logits), for
-      evaluation and sampling (``model.outputs``); not used in training.
-    * ``context`` -- True: ``stage_fn`` takes a third argument, a :class:`StageContext` with ``ctx.inputs``
-      (the micro-batch's ``stage_inputs`` fields, sliced on the device, never sent between stages),
-      ``ctx.key`` (a PRNG key that depends only on step, micro-batch and stage: dropout) and ``ctx.stage``
-      (the model stage).
-    * ``stage_inputs`` -- batch fields ``stage_fn`` reads from ``ctx.inputs`` (an attention mask, positions);
-      giving any implies ``context=True``.  A field read but not listed is a ConfigError naming it.
-    * ``tied`` -- ``[(pre_path, post_path), ...]``: the leaf at ``post_path`` of ``post_params`` *is* the leaf
-      at ``pre_path`` of ``pre_params`` (a tied embedding and LM head; paths are tuples of dict keys /
-      indices). The pipeline holds it once: one gradient (the sum of both uses, at the pre path), one
-      optimizer state. Both sides must hold the same array (checked).  ``jp.models.from_nnx`` finds ties
-      itself.
-    * ``integer_inputs`` -- ``{batch key: bound or None}``: fields holding integer ids (labels, tokens)
-      checked to lie in ``[0, bound)`` at every step (``None``: non-negative) -- a label of -1 would otherwise
-      read the last class silently.  Off unless given (the reference models give it).
-    * ``recut`` -- optional ``recut(n) -> PipelineModel``: the same model in ``n`` stages (the Flax adapters
-      give it: their stages scan whole blocks), so ``schedule="interleaved_1f1b"`` and the V-schedules can
-      take the model as written with one stage per device and cut it into the chunks they need.
-    * ``block_fn`` and ``cut`` -- a model of identical blocks: ``block_fn(params_of_one_block, x)`` (``(p, x,
-      ctx)`` with ``context``) and ``stage_fn`` left out (a stage scans its blocks).  ``cut=(8, 8, 8, 7)``:
-      stages of different lengths; ``stage_params`` are then the blocks' own, leaves ``[n_blocks, ...]``, and
-      stay so in everything the pipeline gives back (``params``, gradients); inside, shorter stages are padded
-      and the padding skipped (:mod:`jaxpipe.cuts`; README, "Cutting a model into stages").
-    * ``param_specs`` -- ``(stage_specs, pre_specs, post_specs)``: ``PartitionSpec``s over the mesh's model
-      axes (``fsdp``, ``tensor``) for ONE stage's leaves (jaxpipe adds the stage axis) and for
-      ``pre``/``post_loss``'s parameters; ``None`` (or a ``None`` entry): replicated.  See
-      :mod:`jaxpipe.sharding`.
-    """
+    Attributes:
+        stage_fn: ``stage_fn(params_of_one_stage, x) -> x``: the same function on every stage; ``x`` (a
+            float array or a pytree of them) keeps its shapes from stage to stage.  With
+            ``context``/``stage_inputs`` it is ``stage_fn(params, x, ctx)`` (below).
+        stage_params: one pytree for all stages, every leaf stacked on a leading axis of size num_stages
+            (``jp.stack_stages([p0, p1, ...])`` builds it); stage ``s`` gets ``leaf[s]``.  A stage may hold
+            several layers and ``lax.scan`` over them (the Flax adapters do): zero-bubble's B/W split works
+            through the scan.
+        pre: ``pre(pre_params, batch) -> x``: run on the first stage (embedding, input projection);
+            default: ``batch["x"]``.  ``pre_params``: its parameters (any pytree; ``()`` for none).
+        post_loss: ``post_loss(post_params, x, batch)``: run on the last stage; returns the micro-batch's
+            scalar mean loss, or a ``(sum, count)`` pair (masked tokens: ``(jnp.sum(ce * mask),
+            jnp.sum(mask))``), which the pipeline divides by the count summed over every micro-batch,
+            replica and host -- the full-batch masked mean.  A micro-batch whose count is 0 contributes
+            nothing.  ``post_params``: its parameters.
+        head: ``head(post_params, x) -> outputs``: optional: the last stage's outputs without the loss
+            (logits), for evaluation and sampling (``model.outputs``); not used in training.
+        context: True: ``stage_fn`` takes a third argument, a :class:`StageContext` with ``ctx.inputs``
+            (the micro-batch's ``stage_inputs`` fields, sliced on the device, never sent between stages),
+            ``ctx.key`` (a PRNG key that depends only on step, micro-batch and stage: dropout) and
+            ``ctx.stage`` (the model stage).
+        stage_inputs: batch fields ``stage_fn`` reads from ``ctx.inputs`` (an attention mask, positions);
+            giving any implies ``context=True``.  A field read but not listed is a ConfigError naming it.
+        tied: ``[(pre_path, post_path), ...]``: the leaf at ``post_path`` of ``post_params`` *is* the leaf
+            at ``pre_path`` of ``pre_params`` (a tied embedding and LM head; paths are tuples of dict keys
+            / indices). The pipeline holds it once: one gradient (the sum of both uses, at the pre path),
+            one optimizer state. Both sides must hold the same array (checked).  ``jp.models.from_nnx``
+            finds ties itself.
+        integer_inputs: ``{batch key: bound or None}``: fields holding integer ids (labels, tokens) checked
+            to lie in ``[0, bound)`` at every step (``None``: non-negative) -- a label of -1 would
+            otherwise read the last class silently.  Off unless given (the reference models give it).
+        recut: optional ``recut(n) -> PipelineModel``: the same model in ``n`` stages (the Flax adapters
+            give it: their stages scan whole blocks), so ``schedule="interleaved_1f1b"`` and the
+            V-schedules can take the model as written with one stage per device and cut it into the chunks
+            they need.
+        block_fn: (with ``cut``) a model of identical blocks: ``block_fn(params_of_one_block, x)`` (``(p,
+            x, ctx)`` with ``context``) and ``stage_fn`` left out (a stage scans its blocks).  ``cut=(8, 8,
+            8, 7)``: stages of different lengths; ``stage_params`` are then the blocks' own, leaves
+            ``[n_blocks, ...]``, and stay so in everything the pipeline gives back (``params``, gradients);
+            inside, shorter stages are padded and the padding skipped (:mod:`jaxpipe.cuts`; the guide's
+            \"Cutting a model into stages\").
+        param_specs: ``(stage_specs, pre_specs, post_specs)``: ``PartitionSpec``s over the mesh's model
+            axes (``fsdp``, ``tensor``) for ONE stage's leaves (jaxpipe adds the stage axis) and for
+            ``pre``/``post_loss``'s parameters; ``None`` (or a ``None`` entry): replicated.  See
+            :mod:`jaxpipe.sharding`."""
 
     stage_fn: Optional[Callable] = None
     stage_params: Any = None

@@ -174,7 +174,7 @@ class Bench:
                 todo.append((c, pipe, key))
         if not todo:
             return
-        # each program compiled while the next is lowered (lowering is Python, compiling is not: README's
+        # each program compiled while the next is lowered (lowering is Python, compiling is not: the guide's
         # search
         # 45 -> 41 s on 2 cores)
         with ThreadPoolExecutor(min(COMPILE_THREADS, len(todo))) as ex:

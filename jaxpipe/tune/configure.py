@@ -477,9 +477,9 @@ def _program_key(c, pipe) -> tuple:
 
 def _calibrate(fams, built, bench) -> MemoryModel:
     """Each family's line ``temp = a * working + b`` (:mod:`.memory`).  The slope ``a`` is the residual
-    policy's (how many working-set-sized buffers its programs keep: README's search, 1.44-1.60 under
-    ``"all"``, 0.88-1.04 under recomputing policies, whatever the split or chunks): it is fitted on one family
-    of each policy -- the one with the most candidates -- from two compiles at its two most different
+    policy's (how many working-set-sized buffers its programs keep: the guide's configure search, 1.44-1.60
+    under ``"all"``, 0.88-1.04 under recomputing policies, whatever the split or chunks): it is fitted on one
+    family of each policy -- the one with the most candidates -- from two compiles at its two most different
     micro-batch sizes, and every other family of that policy takes it with one compile of its own for ``b``
     (at its largest working set, where a budget bites first).  All compiles at once, two side by side; from
     the cache where measured before.  The choice and the runner-up are compiled again if not among these

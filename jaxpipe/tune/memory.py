@@ -88,7 +88,8 @@ def footprint(
     slots = 0 if plan.direct else plan.stash_capacity
     chunks = pipe.schedule.num_model_stages // pipe.schedule.D
     # a plan that hands the residuals straight to B (one stage: no stash) is a family of its own, whatever the
-    # policy: its temp is the backward's working set alone (README's search: a line through one such point
+    # policy: its temp is the backward's working set alone (the guide's configure search: a line through one
+    # such point
     # and one pipelined one predicted the others up to 83% off)
     policy = "direct" if plan.direct else "all" if r_pol == r_all else "recompute"
     front = 0
