@@ -56,8 +56,8 @@ FLAGS = flags.FLAGS
 
 
 def models(names, D, small, layers=4):
-    """``{name: (model, batch, M)}``: the sizes of ``../shared/measurements`` (or tiny ones), ``layers``
-    layers (blocks) cut into ``D`` stages."""
+    """``{name: (model, batch, M)}``: the sizes of the H200 measurement (docs/benchmarks.md; or tiny ones),
+    ``layers`` layers (blocks) cut into ``D`` stages."""
     import jax
     import jax.numpy as jnp
     from jaxpipe import models as zoo

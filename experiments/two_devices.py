@@ -4,7 +4,7 @@
 Two processes (``jax.distributed``, Gloo collectives), one CPU device each, each pinned to its own core, are a
 real pipeline: the devices run side by side and wait for each other's messages, so a bubble costs real time
 (emulated devices sharing cores show none).  The model: an MLP of ``--layers`` ``tanh(h @ W)`` layers, W
-``--width``², batch ``--batch``, SGD -- the testbed of ``../shared/tools/two_procs.py``.
+``--width``², batch ``--batch``, SGD -- the two-process testbed the benchmarks page describes.
 
     python -m experiments.two_devices                                  # M = 4 and 8, every schedule
     python -m experiments.two_devices --microbatches=4 --schedules=1f1b,zb_h1,zb_h1:lanes

@@ -288,8 +288,13 @@ class PipelineModel:
         )
 
     def stage_layout(self, stage_params):
-        """A cut model's blocks ``[n_blocks, ...]`` as the executor holds them (padded); otherwise
-        unchanged."""
+        """A cut model's blocks as the executor holds them (padded); other models' stage parameters unchanged.
+
+        Args:
+            stage_params: the blocks ``[n_blocks, ...]`` (a cut model) or the stacked stages.
+
+        Returns:
+            The stage parameters, leaves ``[num_stages, max(cut), ...]`` for a cut model."""
         from .cuts import pad_blocks
 
         if self.cut is None and self.padded_cut is not None:  # the blocks' layout given to a padded model
@@ -300,14 +305,32 @@ class PipelineModel:
         return stage_params if self.cut is None else pad_blocks(stage_params, self.cut)
 
     def user_layout(self, stage_params):
-        """The inverse of :meth:`stage_layout`: the padding dropped."""
+        """The inverse of :meth:`stage_layout`: the padding dropped.
+
+        Args:
+            stage_params: the stage parameters as the executor holds them.
+
+        Returns:
+            The model's own layout (a cut model: its blocks ``[n_blocks, ...]``)."""
         from .cuts import unpad_blocks
 
         return stage_params if self.cut is None else unpad_blocks(stage_params, self.cut)
 
     def chunks(self, n: int) -> "PipelineModel":
-        """The model in ``n`` stages: a cut model splits each stage's blocks into ``n / stages`` chunks
-        (interleaved 1F1B, V-schedules); other models use ``recut``."""
+        """The model in ``n`` stages.
+
+        A cut model splits each stage's blocks into ``n / num_stages`` chunks (interleaved 1F1B, the
+        V-schedules); other models use ``recut``.
+
+        Args:
+            n: the stages wanted.
+
+        Returns:
+            A :class:`PipelineModel` of ``n`` stages.
+
+        Raises:
+            ConfigError: the model cannot be cut so (no ``recut``, or blocks that do not split into ``n``
+                stages)."""
         if self.cut is None:
             if self.recut is None:
                 raise ConfigError(f"the model cannot be cut into {n} stages: it has no recut")
@@ -325,19 +348,42 @@ class PipelineModel:
         return (self.stage_params, self.pre_params, self.post_params)
 
     def loss(self, params, batch, key=None):
-        """The unpipelined loss: ``post_loss(post, stage_fn(...stage_fn(pre(batch))), batch)`` (sum / count
-        where ``post_loss`` returns a pair).  ``key``: the micro-batch key of a context model
-        (:func:`microbatch_key`); ``None`` (evaluation) gives ``ctx.key = None``: no dropout."""
+        """The unpipelined loss: ``post_loss(post, stage_fn(...stage_fn(pre(batch))), batch)``.
+
+        Args:
+            params: ``(stage_params, pre_params, post_params)``.
+            batch: a batch (or one micro-batch).
+            key: the micro-batch key of a context model (:func:`microbatch_key`); None (evaluation) gives
+                ``ctx.key = None``: no dropout.
+
+        Returns:
+            The scalar loss (sum / count where ``post_loss`` returns a pair)."""
         total, count = self.loss_sum_count(params, batch, key)
         return total / count
 
     def loss_sum_count(self, params, batch, key=None):
-        """``(value, count)`` of the unpipelined loss on ``batch`` (see :func:`loss_terms`)."""
+        """The unpipelined loss as ``(value, count)`` (:func:`loss_terms`).
+
+        Args:
+            params: ``(stage_params, pre_params, post_params)``.
+            batch: a batch (or one micro-batch).
+            key: as for :meth:`loss`.
+
+        Returns:
+            ``(value, count)``: a mean loss's value and 1, or a ``(sum, count)`` loss's pair."""
         _, _, post_p = params
         return loss_terms(self.post_loss(post_p, self.forward(params, batch, key), batch))
 
     def stage_context(self, batch, mb_key, stage):
-        """The :class:`StageContext` of model stage ``stage`` for ``batch`` (a micro-batch)."""
+        """The :class:`StageContext` of model stage ``stage`` for one micro-batch.
+
+        Args:
+            batch: the micro-batch.
+            mb_key: its key (:func:`microbatch_key`), or None.
+            stage: the model stage index.
+
+        Returns:
+            The :class:`StageContext`."""
         missing = [k for k in self.stage_inputs if not isinstance(batch, dict) or k not in batch]
         if missing:
             have = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
@@ -351,27 +397,62 @@ class PipelineModel:
         return StageContext(inputs, key, jnp.asarray(stage, jnp.int32))
 
     def example_context(self, mb):
-        """A context of the right structure for tracing ``stage_fn`` on micro-batch ``mb`` (None for a
-        context-free model)."""
+        """A context of the right structure for tracing ``stage_fn`` on one micro-batch.
+
+        Args:
+            mb: a micro-batch (arrays or avals).
+
+        Returns:
+            A :class:`StageContext`, or None for a context-free model."""
         return self.stage_context(mb, microbatch_key(0, 0, 0), 0) if self.context else None
 
     def stage_output_aval(self, w, x, mb):
-        """Shape and dtype of one stage's output for weights ``w``, activation ``x`` and micro-batch ``mb``
-        (avals or arrays)."""
+        """The shape and dtype of one stage's output.
+
+        Args:
+            w: one stage's weights (avals or arrays).
+            x: the activation it receives.
+            mb: the micro-batch (for a context model's ``ctx.inputs``).
+
+        Returns:
+            The output's avals (``jax.ShapeDtypeStruct`` pytree)."""
         return jax.eval_shape(lambda w_, x_, b: self.apply_stage(w_, x_, self.example_context(b)), w, x, mb)
 
     def apply_stage(self, w, x, ctx=None):
-        """``stage_fn(w, x)``, or ``stage_fn(w, x, ctx)`` for a context model."""
+        """One stage: ``stage_fn(w, x)``, or ``stage_fn(w, x, ctx)`` for a context model.
+
+        Args:
+            w: the stage's weights.
+            x: its input activation.
+            ctx: the :class:`StageContext` (context models).
+
+        Returns:
+            The stage's output activation."""
         return self.stage_fn(w, x, ctx) if self.context else self.stage_fn(w, x)
 
     def reduction(self, y_aval, mb_example) -> str:
-        """``"sum"`` where ``post_loss`` returns ``(sum, count)``, else ``"mean"`` (checked by tracing)."""
+        """How ``post_loss``'s value is reduced, found by tracing it.
+
+        Args:
+            y_aval: the last stage's output avals.
+            mb_example: a micro-batch (arrays or avals).
+
+        Returns:
+            ``"sum"`` where ``post_loss`` returns ``(sum, count)``, else ``"mean"``."""
         out = jax.eval_shape(self.post_loss, self.post_params, y_aval, mb_example)
         loss_terms(out)
         return "sum" if isinstance(out, (tuple, list)) else "mean"
 
     def forward(self, params, batch, key=None):
-        """Unpipelined activations after the last stage (before ``post_loss``)."""
+        """The unpipelined activations after the last stage (before ``post_loss``).
+
+        Args:
+            params: ``(stage_params, pre_params, post_params)``.
+            batch: a batch.
+            key: as for :meth:`loss`.
+
+        Returns:
+            The last stage's output."""
         stage_p, pre_p, _ = params
         stage_p = self.stage_layout(stage_p)
         x = self.pre(pre_p, batch)
@@ -381,8 +462,15 @@ class PipelineModel:
         return x
 
     def check_activation(self, x_aval, y_aval):
-        """The activation (any pytree of floating-point arrays) must come out of ``stage_fn`` as it went in:
-        it is sent to the next stage into buffers of that structure."""
+        """Refuse a ``stage_fn`` that changes its activation's structure: it is sent to the next stage into
+        buffers of that structure.
+
+        Args:
+            x_aval: the activation a stage receives (any pytree of floating-point arrays).
+            y_aval: what ``stage_fn`` returns for it.
+
+        Raises:
+            ConfigError: the structure, a shape or a dtype differs, or a leaf is not floating point."""
         show = lambda t: jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}", t)
         if jax.tree.structure(x_aval) != jax.tree.structure(y_aval) or any(
             a.shape != b.shape or a.dtype != b.dtype
