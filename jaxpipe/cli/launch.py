@@ -135,6 +135,155 @@ def _heartbeat_timeout(args) -> float:
 STOPPED = 143
 
 
+class _Job:
+    """The running workers and the stop forwarded to them (a signal to the launcher, or a worker's own)."""
+
+    def __init__(self, procs, pumps, beat_dir, beats):
+        self.procs, self.pumps, self.beat_dir, self.beats = procs, pumps, beat_dir, beats
+        self.got, self.got_at = [], 0.0  # the signals forwarded, and when the last one came
+
+    def forward(self, signum, _frame=None):
+        """SIGTERM / Ctrl-C to the launcher: pass it on, so every worker checkpoints and exits together (a
+        second one is passed on too: the workers' stop-save gets --stop_grace_s more; a third: exit at
+        once)."""
+        self.got.append(signum)
+        self.got_at = time.monotonic()
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+
+def _start(args, num_processes: int, module: str, port: int, verbose: bool, stop_timeout: float) -> _Job:
+    """Start the workers, each in its own session (a Ctrl-C in the terminal reaches the launcher only, which
+    forwards it once), with its output relayed under ``[i]``."""
+    import tempfile
+
+    job_id = f"{socket.gethostname()}-{os.getpid()}-{int(time.time())}"  # the join gate's identity of the job
+    beat_dir = tempfile.mkdtemp(prefix="jaxpipe-heartbeat-")
+    beats = [os.path.join(beat_dir, str(i)) for i in range(num_processes)]
+    procs, pumps = [], []
+    for i in range(num_processes):
+        cmd = [
+            sys.executable,
+            "-m",
+            module,
+            *args,
+            f"--num_processes={num_processes}",
+            f"--process_id={i}",
+            f"--coordinator=127.0.0.1:{port}",
+        ]
+        env = dict(
+            os.environ,
+            JAXPIPE_HEARTBEAT=beats[i],
+            JAXPIPE_LAUNCHER_PID=str(os.getpid()),
+            JAXPIPE_JOB_ID=job_id,
+            JAXPIPE_STOP_TIMEOUT=str(stop_timeout),
+            **({"JAXPIPE_VERBOSE": "1"} if verbose else {}),
+        )
+        p = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            env=env,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        )
+        t = threading.Thread(target=_pump, args=(i, p.stdout, sys.stdout, verbose), daemon=True)
+        t.start()
+        procs.append(p)
+        pumps.append(t)
+    return _Job(procs, pumps, beat_dir, beats)
+
+
+def _end_paused(job: _Job, paused: dict, pause_limit: float, args) -> bool:
+    """A paused worker (SIGSTOP, a debugger, a VM freeze) stalls every other in its collectives, and past
+    --heartbeat_timeout the coordination service aborts them all with native stacks: the job is ended first,
+    at half that time, with one line saying which process and why.  True where it was ended."""
+    _paused(job.procs, paused, time.monotonic())
+    long_paused = sorted(i for i, t in paused.items() if time.monotonic() - t >= pause_limit)
+    if not long_paused:
+        return False
+    print(
+        f"launch: process(es) {long_paused} paused (stopped: SIGSTOP, a debugger, a frozen VM) for "
+        f"{pause_limit:g} s; the other processes wait for them in their collectives and the coordination "
+        f"service would abort every process after --heartbeat_timeout={_heartbeat_timeout(args):g} s: ending "
+        f"the job now (exit 124); resume it from its last checkpoint",
+        file=sys.stderr,
+        flush=True,
+    )
+    for p in job.procs:
+        if p.poll() is None:
+            p.kill()  # a stopped process takes no SIGTERM until it runs again
+    return True
+
+
+def _watch(job: _Job, args, timeout: float, stall_timeout: float, stop_timeout: float) -> int:
+    """Wait for the job to end: every worker done, one failed, a stop finished (bounded by
+    ``stop_timeout``), a paused or stalled worker, or ``timeout``; returns the job's status so far."""
+    t0, stall = time.monotonic(), None
+    paused, pause_limit = {}, max(1.0, _heartbeat_timeout(args) / 2)
+    while True:
+        codes = [p.poll() for p in job.procs]
+        failed = [c for c in codes if c not in (None, 0)]
+        if _end_paused(job, paused, pause_limit, args):
+            return 124
+        if not job.got and stall_timeout and (stall := _stalled(job.beats, stall_timeout)) is not None:
+            print(
+                f"launch: process(es) {stall[0]} finished no step for {stall[1]:.0f} s (--stall_timeout="
+                f"{stall_timeout:g}; a process waiting in a collective for a stuck peer stalls with it): "
+                f"stopping the job",
+                file=sys.stderr,
+                flush=True,
+            )
+            job.forward(signal.SIGTERM)
+        if not job.got and STOPPED in codes:
+            # a worker stopped on its own (a stop its processes agreed on: --stop_at_step, a signal sent to
+            # the
+            # workers, not to the launcher): the others are saving their share too -- wait for them as for a
+            # forwarded stop, not end them as after a failure
+            job.got.append(None)
+            job.got_at = time.monotonic()
+        if job.got:
+            # stopping: every worker saves its share of the checkpoint and exits; wait for all (bounded)
+            if all(c is not None for c in codes) or time.monotonic() - job.got_at > stop_timeout:
+                late = [i for i, c in enumerate(codes) if c is None]
+                if late:  # a step that cannot finish (a stuck peer, user code): the stop-save never came
+                    print(
+                        f"launch: process(es) {late} did not finish the stop within --stop_timeout="
+                        f"{stop_timeout:g} s (a step that cannot finish); ending them without their save",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                return 124 if stall is not None or late else failed[0] if failed else 0
+        elif failed or all(c == 0 for c in codes):
+            return failed[0] if failed else 0
+        if timeout and time.monotonic() - t0 > timeout:
+            print(f"launch: the job ran past --timeout={timeout} s; stopping it", file=sys.stderr)
+            return 124
+        time.sleep(0.2)
+
+
+def _shut_down(job: _Job, stop_timeout: float) -> None:
+    """Every worker still running gets SIGTERM, then is killed ``min(30, stop_timeout)`` s later (at least
+    5 s); the heartbeat files go and the output relays are joined."""
+    import shutil
+
+    shutil.rmtree(job.beat_dir, ignore_errors=True)
+    grace = max(5.0, min(30.0, stop_timeout))
+    for p in job.procs:
+        if p.poll() is None:
+            p.terminate()
+    for i, p in enumerate(job.procs):
+        try:
+            p.wait(timeout=grace)  # bounded shutdown: then killed
+        except subprocess.TimeoutExpired:
+            print(f"launch: process {i} did not exit {grace:g} s after SIGTERM; killing it", file=sys.stderr)
+            p.kill()
+    for t in job.pumps:
+        t.join(timeout=5)
+
+
 def launch(
     args,
     num_processes: int,
@@ -146,146 +295,21 @@ def launch(
     stop_timeout: float = 120,
 ) -> int:
     """Run the job; returns 0 if every process succeeded, else the first failing process's status (124: the
-    job ran past ``timeout``, or a worker stalled past ``stall_timeout``)."""
-    import tempfile
-
+    job ran past ``timeout``, or a worker stalled past ``stall_timeout``; 143: every process stopped cleanly,
+    its checkpoint saved)."""
     if num_processes < 1:
         raise app.UsageError(f"--num_processes={num_processes}: give at least 1")
-    port = port or free_port()
-    job_id = (
-        f"{socket.gethostname()}-{os.getpid()}-{int(time.time())}"  # the join gate's identity of this job
-    )
-    procs, pumps = [], []
-    beat_dir = tempfile.mkdtemp(prefix="jaxpipe-heartbeat-")
-    beats = [os.path.join(beat_dir, str(i)) for i in range(num_processes)]
-    for i in range(num_processes):
-        cmd = [
-            sys.executable,
-            "-m",
-            module,
-            *args,
-            f"--num_processes={num_processes}",
-            f"--process_id={i}",
-            f"--coordinator=127.0.0.1:{port}",
-        ]
-        # own session: a Ctrl-C in the terminal reaches the launcher only, which forwards it once
-        p = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-            env=dict(
-                os.environ,
-                JAXPIPE_HEARTBEAT=beats[i],
-                JAXPIPE_LAUNCHER_PID=str(os.getpid()),
-                JAXPIPE_JOB_ID=job_id,
-                JAXPIPE_STOP_TIMEOUT=str(stop_timeout),
-                **({"JAXPIPE_VERBOSE": "1"} if verbose else {}),
-            ),
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
-        )
-        t = threading.Thread(target=_pump, args=(i, p.stdout, sys.stdout, verbose), daemon=True)
-        t.start()
-        procs.append(p)
-        pumps.append(t)
-    got, got_at = [], [0.0]
-
-    def forward(signum, _frame):
-        # SIGTERM / Ctrl-C to the launcher: pass it on, so every worker checkpoints and exits together (a
-        # second one is passed on too: the workers' stop-save gets --stop_grace_s more; a third: exit at once)
-        got.append(signum)
-        got_at[:] = [time.monotonic()]
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signum)
-
-    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
-    t0, rc, stall = time.monotonic(), 0, None
-    # a paused worker (SIGSTOP, a debugger, a VM freeze) stalls every other in its collectives, and past
-    # --heartbeat_timeout the coordination service aborts them all with native stacks: the job is ended first,
-    # at half that time, with one line saying which process and why
-    paused, pause_limit = {}, max(1.0, _heartbeat_timeout(args) / 2)
-    while True:
-        codes = [p.poll() for p in procs]
-        failed = [c for c in codes if c not in (None, 0)]
-        _paused(procs, paused, time.monotonic())
-        long_paused = sorted(i for i, t in paused.items() if time.monotonic() - t >= pause_limit)
-        if long_paused:
-            print(
-                f"launch: process(es) {long_paused} paused (stopped: SIGSTOP, a debugger, a frozen VM) for "
-                f"{pause_limit:g} s; the other processes wait for them in their collectives and the "
-                f"coordination service would abort every process after --heartbeat_timeout="
-                f"{_heartbeat_timeout(args):g} s: ending the job now (exit 124); resume it from its last "
-                f"checkpoint",
-                file=sys.stderr,
-                flush=True,
-            )
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()  # a stopped process takes no SIGTERM until it runs again
-            rc = 124
-            break
-        if not got and stall_timeout and (stall := _stalled(beats, stall_timeout)) is not None:
-            print(
-                f"launch: process(es) {stall[0]} finished no step for {stall[1]:.0f} s (--stall_timeout="
-                f"{stall_timeout:g}; a process waiting in a collective for a stuck peer stalls with it): "
-                f"stopping the job",
-                file=sys.stderr,
-                flush=True,
-            )
-            forward(signal.SIGTERM, None)
-        if not got and STOPPED in codes:
-            # a worker stopped on its own (a stop its processes agreed on: --stop_at_step, a signal sent to
-            # the
-            # workers, not to the launcher): the others are saving their share too -- wait for them as for a
-            # forwarded stop, not end them as after a failure
-            got.append(None)
-            got_at[:] = [time.monotonic()]
-        if got:
-            # stopping: every worker saves its share of the checkpoint and exits; wait for all (bounded)
-            if all(c is not None for c in codes) or time.monotonic() - got_at[0] > stop_timeout:
-                late = [i for i, c in enumerate(codes) if c is None]
-                if late:  # a step that cannot finish (a stuck peer, user code): the stop-save never came
-                    print(
-                        f"launch: process(es) {late} did not finish the stop within --stop_timeout="
-                        f"{stop_timeout:g} s (a step that cannot finish); ending them without their save",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                rc = 124 if stall is not None or late else failed[0] if failed else 0
-                break
-        elif failed or all(c == 0 for c in codes):
-            rc = failed[0] if failed else 0
-            break
-        if timeout and time.monotonic() - t0 > timeout:
-            print(f"launch: the job ran past --timeout={timeout} s; stopping it", file=sys.stderr)
-            rc = 124
-            break
-        time.sleep(0.2)
-    if got and not rc:
-        rc = next((c for c in (p.returncode for p in procs) if c), 0)
-    import shutil
-
-    shutil.rmtree(beat_dir, ignore_errors=True)
-    grace = max(5.0, min(30.0, stop_timeout))
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=grace)  # bounded shutdown: then killed
-        except subprocess.TimeoutExpired:
-            print(
-                f"launch: process {procs.index(p)} did not exit {grace:g} s after SIGTERM; killing it",
-                file=sys.stderr,
-            )
-            p.kill()
-    for sig, h in old.items():
-        signal.signal(sig, h)
-    for t in pumps:
-        t.join(timeout=5)
-    codes = [p.returncode for p in procs]
+    job = _start(args, num_processes, module, port or free_port(), verbose, stop_timeout)
+    old = {s: signal.signal(s, job.forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        rc = _watch(job, args, timeout, stall_timeout, stop_timeout)
+        if job.got and not rc:
+            rc = next((c for c in (p.returncode for p in job.procs) if c), 0)
+        _shut_down(job, stop_timeout)
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    codes = [p.returncode for p in job.procs]
     if codes and all(c == STOPPED for c in codes):
         # every worker saved its share of the checkpoint and exited as a stopped job does: a preemption, not a
         # failure -- the launcher's own status says the same
