@@ -228,15 +228,12 @@ def recut(model, cut: Sequence[int]):
     return dataclasses.replace(per_block(model), cut=tuple(int(c) for c in cut), stage_fn=None)
 
 
-_pick = balance  # resolve_cut's ``balance`` (the options) shadows the function
-
-
-def resolve_cut(cut, build, num_stages: int, n_blocks: int, balance: Optional[dict]):
+def resolve_cut(cut, build, num_stages: int, n_blocks: int, options: Optional[dict]):
     """``cut`` as given (None, a list of block counts) or, for ``"balanced"``, the cut
-    :func:`jaxpipe.cuts.balanced.balance` picks from the parts' measured costs on ``balance["example"]`` (one
-    micro-batch) for ``balance.get("schedule", "1f1b")`` and ``balance.get("options")`` (printed, with the
+    :func:`jaxpipe.cuts.balanced.balance` picks from the parts' measured costs on ``options["example"]`` (one
+    micro-batch) for ``options.get("schedule", "1f1b")`` and ``options.get("options")`` (printed, with the
     even cut's prediction and how sure the choice is); the measured costs are kept per (model, backend) and
-    read back by later calls (``balance["cache_dir"]``, ``balance["remeasure"]``:
+    read back by later calls (``options["cache_dir"]``, ``options["remeasure"]``:
     :mod:`jaxpipe.cuts.part_costs`).  ``build(n)``: the model of ``n`` blocks, one stage each."""
     if not isinstance(cut, str):
         return cut
@@ -249,14 +246,14 @@ def resolve_cut(cut, build, num_stages: int, n_blocks: int, balance: Optional[di
             f"cut={cut!r}: give a list of block counts per stage{hint}, or 'balanced' (with "
             f"balance={{'example': one_microbatch}})"
         )
-    if not balance or "example" not in balance:
+    if not options or "example" not in options:
         raise ConfigError(
             "cut='balanced' measures one block, the embedding and the head on a micro-batch: give "
             "balance={'example': one_microbatch} (and optionally 'schedule', 'num_microbatches', "
             "'options', e.g. {'virtual': 3} for interleaved_1f1b)"
         )
     unknown = sorted(
-        set(balance) - {"example", "schedule", "num_microbatches", "options", "cache_dir", "remeasure"}
+        set(options) - {"example", "schedule", "num_microbatches", "options", "cache_dir", "remeasure"}
     )
     if unknown:
         raise ConfigError(
@@ -264,5 +261,5 @@ def resolve_cut(cut, build, num_stages: int, n_blocks: int, balance: Optional[di
             f"'num_microbatches', 'options', 'cache_dir' (where measured costs are kept; '' keeps "
             f"none) and 'remeasure'"
         )
-    extra = {k: v for k, v in balance.items() if k != "example"}
-    return _pick(build(n_blocks), num_stages, balance["example"], **extra)[1].cut
+    extra = {k: v for k, v in options.items() if k != "example"}
+    return balance(build(n_blocks), num_stages, options["example"], **extra)[1].cut
