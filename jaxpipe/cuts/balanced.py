@@ -234,7 +234,8 @@ def resolve_cut(cut, build, num_stages: int, n_blocks: int, options: Optional[di
     micro-batch) for ``options.get("schedule", "1f1b")`` and ``options.get("options")`` (printed, with the
     even cut's prediction and how sure the choice is); the measured costs are kept per (model, backend) and
     read back by later calls (``options["cache_dir"]``, ``options["remeasure"]``:
-    :mod:`jaxpipe.cuts.part_costs`).  ``build(n)``: the model of ``n`` blocks, one stage each."""
+    :mod:`jaxpipe.cuts.part_costs`).  ``options``: the model's ``balance={...}``; ``build(n)``: the model of
+    ``n`` blocks."""
     if not isinstance(cut, str):
         return cut
     if cut != "balanced":
