@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxpipe.axes import DATA
-from jaxpipe.bench import compiled_costs, make_tanh_mlp, plain_train_step  # noqa: F401  (the runners' too)
+from jaxpipe.bench import plain_train_step
 from jaxpipe.model import PipelineModel
 
 

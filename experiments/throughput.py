@@ -166,12 +166,12 @@ def build_runners(names, model, batch, opt):
     import jaxpipe as jp
     from experiments.bench import (
         cyclic_runner,
-        make_tanh_mlp,
         pipeline_runner,
         plain_predicting_runner,
         plain_runner,
         sync_dp_runner,
     )
+    from jaxpipe.bench import make_tanh_mlp
     from jaxpipe.optim.policies import pipeoptim_distance, spectrain_distances
 
     runners = {

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import optax
 
 from helpers import rel_err
-from experiments.bench import make_tanh_mlp, plain_predicting_step, plain_train_step
+from experiments.bench import plain_predicting_step
+from jaxpipe.bench import make_tanh_mlp, plain_train_step
 
 
 def _batch(n=16, width=8):
