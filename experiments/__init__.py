@@ -3,12 +3,6 @@ user runs is installed as the ``jaxpipe`` command (:mod:`jaxpipe.cli`); the modu
 its entries for a clone.  Each runner, by the question it answers (``RUNNERS``; a test runs every ``--help``):
 """
 
-import logging as _logging
-import sys as _sys
-
-if not any(a.startswith(("--verbosity", "-v", "--v=")) for a in _sys.argv[1:]):
-    _logging.getLogger("jax._src.xla_bridge").setLevel(_logging.WARNING)
-
 #: runner -> the question it answers.  Helpers the runners share (not runners): ``bench`` (the plain
 #: one-device steps and the timing rounds), ``one_device`` (Cyclic Data Parallelism's one-device baselines),
 #: ``profiling`` (a ``jax.profiler`` trace cut into operation kinds).
