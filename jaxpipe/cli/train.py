@@ -465,14 +465,10 @@ def _start_process() -> int:
     return n_proc
 
 
-def _auto_configure(jp, say):
-    """--auto: ``jp.configure`` over the --stages x --data devices for the model of --stages x
-    --blocks_per_stage blocks; the choice is written into the flags (--stages, --data, --schedule,
-    --microbatches, --residuals, --blocks_per_stage: the same blocks cut for the chosen stages), which the run
-    then builds as given."""
+def _auto_arguments(jp):
+    """--auto's flags checked, each refusal naming its flag; returns ``(devices, memory budget in bytes,
+    micro-batch counts)``."""
     import jax
-    import optax
-    from jaxpipe.cli import factories
 
     if jax.process_count() > 1 or FLAGS.tensor > 1 or FLAGS.fsdp > 1 or FLAGS.pipes > 1:
         raise app.UsageError(
@@ -520,6 +516,18 @@ def _auto_configure(jp, say):
             f"--batch={FLAGS.batch} rows over any data split of {devices} devices; give counts "
             f"that divide the batch (e.g. 2,4,8 for --batch=32)"
         )
+    return devices, budget, counts
+
+
+def _auto_configure(jp, say):
+    """--auto: ``jp.configure`` over the --stages x --data devices for the model of --stages x
+    --blocks_per_stage blocks; the choice is written into the flags (--stages, --data, --schedule,
+    --microbatches, --residuals, --blocks_per_stage: the same blocks cut for the chosen stages), which the run
+    then builds as given."""
+    import optax
+    from jaxpipe.cli import factories
+
+    devices, budget, counts = _auto_arguments(jp)
     # the model as given (--stages x --blocks_per_stage blocks), cut into n stages for each candidate
     blocks = FLAGS.stages * FLAGS.blocks_per_stage
 
