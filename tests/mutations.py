@@ -562,9 +562,16 @@ MUTATIONS = [
     Mutation(
         "part_backward_includes_the_forward",
         "jaxpipe/cuts/part_costs.py",
-        '    back = lambda p: max(r[f"fb_{p}"] - r[f"f_{p}"], 0.0)\n',
+        '    back = lambda p: max(r[f"fb_{p}"] - r[f"f_{p}"], MIN_BACKWARD_SHARE * r[f"f_{p}"])\n',
         '    back = lambda p: r[f"fb_{p}"]\n',
         "tests/test_cut_costs.py::test_a_measured_round_becomes_part_costs_by_hand",
+    ),
+    Mutation(
+        "part_backward_never_timed_again",
+        "jaxpipe/cuts/part_costs.py",
+        "            for _ in range(RETIMES):\n",
+        "            for _ in range(0):\n",
+        "tests/test_cut_costs.py::test_a_backward_timed_no_longer_than_its_forward_is_timed_again",
     ),
     Mutation(
         "cut_cost_key_without_the_programs",
