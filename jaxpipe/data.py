@@ -8,8 +8,15 @@ import numpy as np
 
 
 def digits(test_fraction: float = 0.2, seed: int = 0) -> Tuple[Dict[str, np.ndarray], Dict[str, np.ndarray]]:
-    """scikit-learn's bundled 8x8 digits (1,797 images): ``({"x": float32[n, 64] in [0, 1], "y": int32[n]},
-    test)``."""
+    """scikit-learn's bundled 8x8 digits (1,797 images), split into a training and a test set.
+
+    Args:
+        test_fraction: the share of the images held out for the test set.
+        seed: the seed of the shuffle before the split.
+
+    Returns:
+        ``(train, test)``, each ``{"x": float32[n, 64] in [0, 1], "y": int32[n]}``.
+    """
     pixels, labels = _digits_table()
     x = (pixels / 16.0).astype(np.float32)
     y = labels.astype(np.int32)
@@ -41,7 +48,14 @@ def _digits_table() -> Tuple[np.ndarray, np.ndarray]:
 
 
 def byte_corpus(split: float = 0.9) -> Tuple[np.ndarray, np.ndarray]:
-    """The Python standard library's documentation text (``pydoc_data.topics``) as bytes, split 90/10."""
+    """The Python standard library's documentation text (``pydoc_data.topics``) as bytes: no download.
+
+    Args:
+        split: the share of the bytes in the first (training) part.
+
+    Returns:
+        ``(train, held_out)``: two ``uint8`` arrays.
+    """
     from pydoc_data.topics import topics
 
     text = "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
@@ -73,11 +87,23 @@ class _Stream:
 
 
 class lm_batches(_Stream):
-    """Endless random windows: ``{"x": int32[batch, seq_len], "y": the next byte of each}``.
+    """Endless random windows of a byte corpus: ``{"x": int32[batch, seq_len], "y": the next byte of each}``.
 
-    ``pad=True``: variable-length sequences, as a real corpus of documents has -- each window keeps a random
-    length in ``[seq_len // 4, seq_len]`` (right-padded with byte 0) and the batch gets ``"mask"``
-    (float32[batch, seq_len], 1 on real tokens), for a masked loss and attention."""
+    The position is saved and restored by ``state_dict()`` / ``load_state_dict()`` (JSON-able), so a resumed
+    run sees the batches it would have seen.
+
+    Args:
+        data: the corpus, ``uint8[n]`` (:func:`byte_corpus`).
+        batch: windows per batch.
+        seq_len: bytes per window.
+        seed: the seed of the window starts.
+        pad: variable-length sequences, as a real corpus of documents has: each window keeps a random length
+            in ``[seq_len // 4, seq_len]`` (right-padded with byte 0) and the batch gets ``"mask"``
+            (float32[batch, seq_len], 1 on real tokens), for a masked loss and attention.
+
+    Raises:
+        ValueError: the corpus is no longer than ``seq_len + 1``.
+    """
 
     def __init__(self, data: np.ndarray, batch: int, seq_len: int, seed: int = 0, pad: bool = False):
         if len(data) <= seq_len + 1:
@@ -103,7 +129,17 @@ class lm_batches(_Stream):
 
 
 class class_batches(_Stream):
-    """Endless shuffled epochs of a classification set, dropping the last partial batch."""
+    """Endless shuffled epochs of a classification set, dropping the last partial batch; saved and restored as
+    :class:`lm_batches`.
+
+    Args:
+        ds: ``{"x": ..., "y": ...}`` arrays of one length (:func:`digits`).
+        batch: examples per batch.
+        seed: the seed of each epoch's shuffle.
+
+    Raises:
+        ValueError: ``batch`` is larger than the set.
+    """
 
     def __init__(self, ds: Dict[str, np.ndarray], batch: int, seed: int = 0):
         self.ds, self.batch = ds, batch

@@ -3,6 +3,7 @@ Google-style section (Args / Attributes), no docstring cites an issue tracker, a
 a path outside the repository."""
 
 import ast
+import dataclasses
 import inspect
 import os
 import re
@@ -13,16 +14,28 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODULES = {"data", "models", "optim", "training", "schedules", "tune"}
 
 
+def _with_methods(name, obj):
+    yield name, obj
+    if inspect.isclass(obj):
+        fields = {f.name for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else set()
+        for attr, value in vars(obj).items():
+            if not attr.startswith("_") and callable(value) and attr not in fields:
+                yield f"{name}.{attr}", value
+
+
 def _public_callables():
+    """Every name of ``jaxpipe.__all__`` and of the public modules users import (their ``__all__``, or their
+    public names defined in jaxpipe), with a class's own public methods."""
     for name in jp.__all__:
-        if name in MODULES:
-            continue
-        obj = getattr(jp, name)
-        yield name, obj
-        if inspect.isclass(obj):
-            for attr, value in vars(obj).items():
-                if not attr.startswith("_") and callable(value):
-                    yield f"{name}.{attr}", value
+        if name not in MODULES:
+            yield from _with_methods(name, getattr(jp, name))
+    for module_name in sorted(MODULES):
+        module = getattr(jp, module_name)
+        names = getattr(module, "__all__", None) or [n for n in vars(module) if not n.startswith("_")]
+        for name in names:
+            obj = getattr(module, name)
+            if callable(obj) and getattr(obj, "__module__", "").startswith("jaxpipe"):
+                yield from _with_methods(f"{module_name}.{name}", obj)
 
 
 def test_every_public_callable_documents_its_parameters():

@@ -185,16 +185,41 @@ def from_nnx(
     balance: Optional[dict] = None,
     integer_inputs: Optional[dict] = None,
 ) -> Tuple[PipelineModel, Callable]:
-    """``(model, to_modules)`` from NNX modules.  ``to_modules(params)`` returns ``(blocks, embed, head)``:
-    new module instances holding ``params`` (``pipe.params(state)``).  ``rules``: logical axis name -> mesh
-    axis, for the modules' ``nnx.with_partitioning`` metadata (module docstring).  A Variable the embedding
-    and the head share (a head reusing the token embedding) is found and tied (``PipelineModel.tied``: one
-    array, its two uses' gradients summed); ``to_modules`` gives a head sharing the embedding's Variable
-    again. ``cut=[8, 8, 8, 7]``: blocks per stage where they differ (:mod:`jaxpipe.cuts`; ``pipe.params`` then
-    holds the blocks as ``[n_blocks, ...]``); ``cut="balanced"`` with ``balance={"example": micro_batch,
-    "schedule": "1f1b"}``: chosen from measured costs (:func:`jaxpipe.cuts.balanced.balance`).
-    ``integer_inputs``: the batch fields that hold integer ids and their bounds, checked before they train
-    (``PipelineModel.integer_inputs``, e.g. ``{"x": vocab, "y": vocab}``)."""
+    """A :class:`~jaxpipe.PipelineModel` from NNX modules: identical blocks stacked into stages, an embedding
+    and a head.
+
+    A stage scans its blocks.  A Variable the embedding and the head share (a head reusing the token
+    embedding) is found and tied (``PipelineModel.tied``: one array, its two uses' gradients summed);
+    ``to_modules`` gives a head sharing the embedding's Variable again.
+
+    Args:
+        blocks: the blocks, NNX module instances of one structure, in order.
+        embed: the embedding module (the first stage's ``pre``): ``embed(batch["x"])``.
+        head: the head module (the last stage): ``head(h)`` gives logits.
+        loss: ``loss(logits, batch) -> scalar`` (or ``(sum, count)`` for an exact masked mean).
+        num_stages: the model stages to cut the blocks into.
+        inputs: ``inputs(batch)``: what the embedding is called on (default ``batch["x"]``).
+        block_call: ``block_call(apply, p, x, ctx)``: how a block is called where it needs more than its input
+            (``apply(p, x, *args)`` runs the block with parameters ``p``; ``ctx`` is the
+            :class:`~jaxpipe.StageContext` with the ``stage_inputs`` and the block's dropout key).
+        stage_inputs: batch fields the blocks read through ``ctx.inputs`` (an attention mask).
+        rules: ``[(logical axis name, mesh axis)]`` for the modules' ``nnx.with_partitioning`` metadata, which
+            becomes the model's ``param_specs``.
+        cut: blocks per stage where they differ (``[8, 8, 8, 7]``; ``pipe.params`` then holds the blocks as
+            ``[n_blocks, ...]``), or ``"balanced"``: chosen from measured costs
+            (:func:`jaxpipe.cuts.balanced.balance`).
+        balance: with ``cut="balanced"``: ``{"example": micro_batch, "schedule": "1f1b", "options": {...}}``.
+        integer_inputs: the batch fields that hold integer ids and their bounds, checked before they train
+            (``{"x": vocab, "y": vocab}``; ``PipelineModel.integer_inputs``).
+
+    Returns:
+        ``(model, to_modules)``: ``to_modules(params)`` (``pipe.params(state)``) returns ``(blocks, embed,
+        head)``, new module instances holding those parameters.
+
+    Raises:
+        ConfigError: no blocks, blocks of different structures, or a cut that does not fit the blocks and
+            stages.
+    """
     from flax import nnx
 
     blocks = list(blocks)
@@ -280,14 +305,39 @@ def from_linen(
     balance: Optional[dict] = None,
     integer_inputs: Optional[dict] = None,
 ) -> Tuple[PipelineModel, Callable]:
-    """``(model, to_params)`` from Linen modules: ``block`` with one ``params`` dict per layer, and
-    ``(module, params)`` for the embedding and the head -- the head may be ``(module, params, method)`` (a
-    tied LM head: ``(embed_module, embed_params, "attend")``).  ``to_params(params)`` returns ``(block_params
-    list, embed params, head params)`` in Linen's layout (unboxed).  Parameters boxed by
-    ``nn.with_logical_partitioning`` give the model's ``param_specs`` through ``rules`` (module docstring).
-    Ties: an array object that the embedding's and the head's parameters both hold is tied (one array, its two
-    uses' gradients summed); ``tied=[(embed_path, head_path)]`` (tuples of dict keys) names others -- the two
-    arrays must then be equal.  ``cut``, ``integer_inputs``: as in :func:`from_nnx`."""
+    """A :class:`~jaxpipe.PipelineModel` from Linen modules: one block module with a parameter dict per layer,
+    an embedding and a head.
+
+    Parameters boxed by ``nn.with_logical_partitioning`` give the model's ``param_specs`` through ``rules``.
+    An array object that the embedding's and the head's parameters both hold is tied (one array, its two uses'
+    gradients summed).
+
+    Args:
+        block: the block module, applied as ``block.apply({"params": p}, x)``.
+        block_params: one ``params`` dict per block, in order.
+        embed: ``(module, params)`` of the embedding.
+        head: ``(module, params)`` of the head, or ``(module, params, method)`` -- a tied LM head is
+            ``(embed_module, embed_params, "attend")``.
+        loss: ``loss(logits, batch) -> scalar`` (or ``(sum, count)``).
+        num_stages: the model stages to cut the blocks into.
+        inputs: as in :func:`from_nnx`.
+        block_call: as in :func:`from_nnx` (``apply(p, x, *args)`` is ``block.apply({"params": p}, x,
+            *args)``).
+        stage_inputs: as in :func:`from_nnx`.
+        rules: logical axis name -> mesh axis, for the boxed parameters' metadata.
+        tied: ``[(embed_path, head_path)]`` (tuples of dict keys): ties between two arrays that are equal
+            copies.
+        cut: as in :func:`from_nnx`.
+        balance: as in :func:`from_nnx`.
+        integer_inputs: as in :func:`from_nnx`.
+
+    Returns:
+        ``(model, to_params)``: ``to_params(params)`` returns ``(block params list, embed params, head
+        params)`` in Linen's layout (unboxed).
+
+    Raises:
+        ConfigError: a tie between arrays that differ, or a cut that does not fit.
+    """
     import flax.linen as nn
     from flax.core import meta
 

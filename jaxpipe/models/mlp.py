@@ -45,7 +45,20 @@ class Head(nnx.Module):
 def residual_mlp(
     num_stages: int, in_dim: int, num_classes: int, width: int = 64, layers_per_stage: int = 1, seed: int = 0
 ) -> PipelineModel:
-    """Classifier on ``batch = {"x": float[B, in_dim], "y": int[B]}``; ``model.head`` gives logits."""
+    """A residual MLP classifier on ``batch = {"x": float[B, in_dim], "y": int[B]}``; ``model.head`` gives
+    logits.
+
+    Args:
+        num_stages: model stages.
+        in_dim: input features.
+        num_classes: classes of ``y``.
+        width: the hidden width.
+        layers_per_stage: residual layers on every stage.
+        seed: the parameters' seed.
+
+    Returns:
+        The :class:`~jaxpipe.PipelineModel`.
+    """
     stage_fn, stage_params = stacked_stages(lambda r: MLPStage(width, layers_per_stage, r), num_stages, seed)
     emb_def, emb_params = split_pure(nnx.Linear(in_dim, width, rngs=nnx.Rngs(seed * 1000)))
     head_def, head_params = split_pure(Head(width, num_classes, nnx.Rngs(seed * 1000 + 999)))

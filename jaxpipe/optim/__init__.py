@@ -20,7 +20,18 @@ OPTIMIZERS = {
 
 
 def by_name(name: str, learning_rate: float) -> optax.GradientTransformation:
-    """``sgd``, ``momentum`` (SGD with momentum 0.9), ``adam`` or ``adamw`` at ``learning_rate``."""
+    """An optimizer by name.
+
+    Args:
+        name: ``sgd``, ``momentum`` (SGD with momentum 0.9), ``adam`` or ``adamw`` (weight decay 1e-4).
+        learning_rate: a number or an optax schedule.
+
+    Returns:
+        The optax transformation.
+
+    Raises:
+        ConfigError: an unknown name (the message lists the known ones).
+    """
     if name not in OPTIMIZERS:
         raise ConfigError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
     return OPTIMIZERS[name](learning_rate)
@@ -51,9 +62,20 @@ SCHEDULES = {
 
 
 def schedule_by_name(name: str, peak: float, steps: int, warmup: float = 0.05) -> optax.Schedule:
-    """A learning-rate schedule of :data:`SCHEDULES` over ``steps`` updates, peaking at ``peak`` after a
-    linear warm-up of ``warmup`` (a fraction of ``steps`` if below 1, else a number of steps; at least one
-    step)."""
+    """A learning-rate schedule of :data:`SCHEDULES`: a linear warm-up from 0, then the named decay.
+
+    Args:
+        name: ``cosine``, ``linear``, ``rsqrt`` or ``constant``.
+        peak: the learning rate at the end of the warm-up.
+        steps: the updates the schedule spans.
+        warmup: a fraction of ``steps`` if below 1, else a number of steps; at least one step.
+
+    Returns:
+        The optax schedule.
+
+    Raises:
+        ConfigError: an unknown name, or a warm-up that is neither a fraction nor a whole number of steps.
+    """
     if name not in SCHEDULES:
         raise ConfigError(f"unknown learning-rate schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     if warmup < 0 or (warmup >= 1 and warmup != int(warmup)):

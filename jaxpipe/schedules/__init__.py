@@ -22,13 +22,35 @@ WEIGHT_VERSIONS = {name: METHODS[name].weight_versions for name in ASYNCHRONOUS}
 
 
 def is_async(name: str) -> bool:
+    """Whether a method is asynchronous (weights updated inside the step, a state carried from step to step).
+
+    Args:
+        name: the method's name.
+
+    Returns:
+        True for PipeDream, PipeDream-2BW, SpecTrain, PipeOptim, WPipe and the other no-flush methods.
+    """
     return name in ASYNCHRONOUS
 
 
 def options_for(name: str, model_stages: int, devices: int, options: Optional[dict] = None) -> dict:
-    """The full options of ``name`` (its registry defaults updated with ``options``) checked against its
-    schema; ``ScheduleError`` naming the valid keys on an unknown one.  :meth:`Method.builder_options` turns
-    them into the builder's keywords."""
+    """The full options of a method: its registry defaults updated with ``options``, checked against its
+    schema.
+
+    :meth:`Method.builder_options` turns them into the builder's keywords.
+
+    Args:
+        name: the method's name.
+        model_stages: the model's stages.
+        devices: the ``stage`` axis's devices.
+        options: the options given.
+
+    Returns:
+        Every option of the method.
+
+    Raises:
+        ScheduleError: an unknown key (naming the valid ones) or a bad value.
+    """
     return method(name).resolve(options, model_stages, devices)
 
 
@@ -37,7 +59,20 @@ def available() -> list:
 
 
 def build(name: str, num_stages: int, num_microbatches: int, **options) -> Schedule:
-    """Build and validate the schedule ``name`` for ``num_stages`` devices and ``num_microbatches``."""
+    """Build and validate a built-in schedule.
+
+    Args:
+        name: the method's name (:func:`method`).
+        num_stages: pipeline devices.
+        num_microbatches: micro-batches a step.
+        **options: the builder's options (``virtual=2`` for interleaved 1F1B, ...).
+
+    Returns:
+        The validated :class:`Schedule`.
+
+    Raises:
+        ScheduleError: an unknown name, options that do not fit, or a schedule that fails validation.
+    """
     if name not in BUILDERS:
         raise ValueError(f"unknown schedule {name!r}; available: {', '.join(available())}")
     for what, v in (("num_stages", num_stages), ("num_microbatches", num_microbatches)):

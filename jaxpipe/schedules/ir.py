@@ -42,9 +42,14 @@ class ScheduleError(ConfigError):
 class Action:
     """One unit of work on one device.
 
-    kind: ``"F"``, ``"B"`` or ``"W"``; mb: micro-batch index; stage: the model stage it computes
-    (0 .. num_model_stages-1).  ``chunk`` is which of the device's local model chunks holds that stage
-    (0 for GPipe/1F1B; virtual stages and bidirectional pipelines use more).
+    Attributes:
+        kind: ``"F"`` (forward), ``"B"`` (backward; a split backward's input gradient) or ``"W"`` (a split
+            backward's weight gradient).
+        mb: the micro-batch index.
+        stage: the model stage it computes (0 .. num_model_stages - 1).
+        chunk: which of the device's local model chunks holds that stage (0 for GPipe and 1F1B; interleaved
+            and bidirectional pipelines use more).
+        pair: a forward that runs in the same tick as the forward before it (Chimera, section 3.5).
     """
 
     kind: str
@@ -62,7 +67,20 @@ Key = Tuple[str, int, int]  # (kind, stage, mb)
 
 @dataclasses.dataclass
 class Schedule:
-    """Per-device action lists plus the facts needed to run and cost them."""
+    """Per-device action lists plus the facts needed to run and cost them.
+
+    Built by :func:`jaxpipe.schedules.build` and validated (:meth:`validate`); ``Pipeline`` runs its lane plan
+    (:meth:`plan`).
+
+    Attributes:
+        name: the method's name (``"1f1b"``, ...).
+        num_devices: pipeline devices (``D``).
+        num_microbatches: micro-batches a step (``M``).
+        actions: per device, its actions in the order it runs them.
+        num_model_stages: model stages (default ``num_devices``; more where a device holds several chunks).
+        weight_versions: per device, the weight versions it holds, in units of one stage's weights.
+        options: the builder options it was built with.
+    """
 
     name: str
     num_devices: int
@@ -106,6 +124,15 @@ class Schedule:
         return any(a.kind == W for acts in self.actions for a in acts)
 
     def deps(self, a: Action) -> List[Key]:
+        """What an action waits for.
+
+        Args:
+            a: the action.
+
+        Returns:
+            The ``(kind, stage, micro-batch)`` keys it depends on: a forward on the previous stage's forward,
+            a backward on its own forward and the next stage's backward, a weight gradient on its backward.
+        """
         S = self.num_model_stages
         if a.kind == F:
             return [(F, a.stage - 1, a.mb)] if a.stage > 0 else []
@@ -118,10 +145,18 @@ class Schedule:
 
     # ------------------------------------------------------------------ placement
     def place(self, f: float = 1.0, b: float = 1.0, w: float = 1.0, comm: float = 0.0) -> dict:
-        """As-soon-as-possible start/finish of every action, per-device order kept.
+        """As-soon-as-possible start and finish of every action, each device's order kept (event-driven).
 
-        Returns ``{"start": {key: t}, "finish": {key: t}, "device": {key: d}}``.  A message between two
-        devices adds ``comm``.  With f=b=w=1 and comm=0 the start times are the lockstep ticks.
+        With ``f = b = w = 1`` and ``comm = 0`` the start times are the lockstep ticks.
+
+        Args:
+            f: a forward's duration.
+            b: a backward's duration.
+            w: a weight gradient's duration.
+            comm: what a message between two devices adds.
+
+        Returns:
+            ``{"start": {key: t}, "finish": {key: t}, "device": {key: d}}`` over ``(kind, stage, mb)`` keys.
         """
         cache_key = (f, b, w, comm)
         if cache_key in self._placed:
@@ -301,8 +336,15 @@ class Schedule:
     # ------------------------------------------------------------------ the lowered table
     def plan(self, placement: str = "lanes"):
         """The lane plan of this schedule (:func:`jaxpipe.schedules.lanes.plan`): the one lowered table the
-        executor runs, the simulator costs and the renderer draws.  ``placement="ordered"``: one op per device
-        per tick (the schedule's own order); ``"lanes"``: an F and a B lane (and W) in every tick."""
+        executor runs, the simulator costs and the renderer draws.
+
+        Args:
+            placement: ``"ordered"``: one op per device per tick (the schedule's own order); ``"lanes"``: an F
+                and a B lane (and W) in every tick.
+
+        Returns:
+            The :class:`~jaxpipe.schedules.LanePlan` (built once, then kept).
+        """
         cache = self.__dict__.setdefault("_plans", {})
         if placement not in cache:
             from .lanes import plan
@@ -320,22 +362,60 @@ class Schedule:
         return out
 
     def simulate(self, f: float = 1.0, b: float = 2.0, w: Optional[float] = None):
+        """Simulate this schedule (:func:`jaxpipe.schedules.simulate`).
+
+        Args:
+            f: a forward's duration, per stage and micro-batch.
+            b: the whole backward's duration.
+            w: a split backward's weight-gradient part (default ``b / 2``).
+
+        Returns:
+            A :class:`~jaxpipe.schedules.SimReport`.
+        """
         from .simulate import simulate
 
         return simulate(self, f=f, b=b, w=w)
 
     def render(self, path: Optional[str] = None, **kw):
-        """PNG timeline (devices as rows); returns the matplotlib figure. See :mod:`.render`."""
+        """A PNG timeline, devices as rows (:func:`jaxpipe.schedules.render.render_png`).
+
+        Args:
+            path: where to write the PNG (None: not written).
+            **kw: ``f``, ``b``, ``w`` (durations), ``mode`` (``"event"``, ``"lockstep"`` or ``"lanes"``) and
+                ``title``.
+
+        Returns:
+            The matplotlib figure.
+        """
         from .render import render_png
 
         return render_png(self, path, **kw)
 
     def render_text(self, **kw) -> str:
+        """The lockstep grid as text: one row per device, one column per tick (``F3``: the forward of
+        micro-batch 3; ``.``: idle).
+
+        Args:
+            **kw: ``width``: the columns' width (default: the widest label plus a space).
+
+        Returns:
+            The text, a line per device under a title line.
+        """
         from .render import render_text
 
         return render_text(self, **kw)
 
     def to_chrome_trace(self, path: Optional[str] = None, **kw) -> dict:
+        """The timeline as Chrome / Perfetto trace-event JSON (open in ui.perfetto.dev); one time unit is 1
+        ms.
+
+        Args:
+            path: where to write the JSON (None: not written).
+            **kw: ``f``, ``b``, ``w`` and ``mode``, as for :meth:`render`.
+
+        Returns:
+            The trace as a dict.
+        """
         from .render import chrome_trace
 
         return chrome_trace(self, path, **kw)

@@ -60,7 +60,25 @@ MAX_PHASES = 5
 
 @dataclasses.dataclass
 class LanePlan:
-    """The executor's view of a schedule: ``table[tick, device, lane, column]`` (columns :data:`LCOLS`)."""
+    """The executor's view of a schedule: ``table[tick, device, lane, column]`` (columns :data:`LCOLS`).
+
+    Attributes:
+        schedule: the schedule it lowers.
+        placement: ``"lanes"`` or ``"ordered"``.
+        lanes: the lanes of a tick (``"F"``, ``"B"``, ``"W"``, ``"F2"``).
+        where: ``(kind, stage, mb) -> (tick, lane)``.
+        table: the lowered table, int32.
+        stash_capacity: stash slots on every device.
+        mbuf_capacity: message-buffer slots.
+        channels: per lane, the channels it sends on.
+        keeps: per lane, whether it keeps a message on the device.
+        phases: ``(first tick, end tick, lanes compiled)`` of each phase.
+        full: per phase, the lanes busy on every device at every tick.
+        direct: every B reads the residuals of the F run earlier in its own tick: no stash.
+        front_capacity: a split backward's frontier slots (B to W), on every device.
+        shared: the channels whose lanes' messages share one ``ppermute`` in the tick's exchange (no device
+            sends, nor receives, more than one message on them in any tick).
+    """
 
     schedule: Schedule
     placement: str
@@ -85,14 +103,33 @@ class LanePlan:
         return self.table.shape[0]
 
     def op_times(self, f: float = 1.0, b: float = 2.0, w: float = 0.0) -> np.ndarray:
-        """``[tick, device, lane]``: the duration of each placed action (0 where the device is idle)."""
+        """The duration of each placed action.
+
+        Args:
+            f: a forward's duration.
+            b: a backward's duration.
+            w: a weight gradient's duration.
+
+        Returns:
+            ``float[tick, device, lane]``, 0 where the device is idle.
+        """
         dur = np.array([{F: f, F2: f, B: b, W: w}[k] for k in self.lanes])
         return (self.table[..., L["op"]] > 0) * dur[None, None, :]
 
     def lockstep_makespan(self, f: float = 1.0, b: float = 2.0, w: float = 0.0) -> float:
-        """Sum over ticks of the slowest device's own actions in the tick: a device runs its lanes one after
-        the other and the tick's messages move in one exchange at its end, so nothing waits for a
-        neighbour between lanes (idle lanes cost nothing)."""
+        """The plan's step: the sum over ticks of the slowest device's own actions in the tick.
+
+        A device runs its lanes one after the other and the tick's messages move in one exchange at its end,
+        so nothing waits for a neighbour between lanes (idle lanes cost nothing).
+
+        Args:
+            f: a forward's duration.
+            b: a backward's duration.
+            w: a weight gradient's duration.
+
+        Returns:
+            The step, in the durations' unit.
+        """
         return float(self.op_times(f, b, w).sum(axis=2).max(axis=1).sum())
 
     def peak_inflight(self) -> List[int]:

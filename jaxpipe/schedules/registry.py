@@ -38,6 +38,36 @@ from .zero_bubble import build_zb_h1
 
 @dataclasses.dataclass(frozen=True)
 class Method:
+    """A method's declaration: what the runtime, the options' checks and the search read, instead of its name.
+
+    Attributes:
+        name: the name ``Pipeline(schedule=...)`` takes.
+        flushes: every step ends with the pipeline empty (the synchronous schedules).
+        updates_inside: weights are updated inside the step, per micro-batch (the no-flush methods).
+        stages_per_device: ``stages_per_device(options)``: model stages (chunks) each device holds.
+        paper: the paper it follows (title, section).
+        builder: ``builder(num_stages, num_microbatches, **builder options) -> Schedule``.
+        runner: the runner class's key in :data:`jaxpipe.runners.RUNNERS`.
+        policy: the weight policy's name (:mod:`jaxpipe.optim.policies`), for the no-flush methods.
+        options: the options and their defaults.
+        builder_keys: the options the builder takes.
+        policy_keys: the options the weight policy takes.
+        recompute: ``recompute(options)``: whether a stage recomputes its forward in the backward.
+        finish: ``finish(options, model_stages, devices)``: option defaults that depend on the model and the
+            mesh.
+        to_builder: ``to_builder(builder options)``: builder values that differ from the user's.
+        weight_versions: ``weight_versions(D)``: per stage, the weight versions held (asynchronous methods
+            only).
+        per_batch_rule: a batch reads version ``b - 1`` in F and B, whatever the ticks.
+        accumulating: a step's gradients are summed, one update per step.
+        reference: the weight-version rule of the serial reference loop the tests hold the method to.
+        legacy_keyword: the removed ``Pipeline(<keyword>=...)`` that carried its options (refused by name).
+        tunable: considered by the configuration search (:mod:`jaxpipe.tune`).
+        types: each option's type and range.
+        reads_differ: a micro-batch's forward and backward on one stage may read different weights (a
+            prediction).
+    """
+
     name: str
     flushes: bool
     updates_inside: bool
@@ -70,8 +100,20 @@ class Method:
     reads_differ: bool = False
 
     def resolve(self, user: Optional[dict], model_stages: int, devices: int) -> dict:
-        """The method's full options: its defaults updated with ``user``'s; unknown keys are a
-        ScheduleError naming the valid ones (and the method a key belongs to, when it is another's)."""
+        """The method's full options: its defaults updated with the user's, checked.
+
+        Args:
+            user: the options given (``Pipeline(schedule_options=...)``).
+            model_stages: the model's stages.
+            devices: the ``stage`` axis's devices.
+
+        Returns:
+            Every option, with the defaults that depend on the model and the mesh filled in.
+
+        Raises:
+            ScheduleError: an unknown key (naming the valid ones, and the method it belongs to when it is
+                another's), or a value of the wrong type or range.
+        """
         user = dict(user or {})
         unknown = sorted(set(user) - set(self.options))
         if unknown:
@@ -85,7 +127,14 @@ class Method:
         return self.finish({**self.options, **user}, model_stages, devices)
 
     def builder_options(self, opts: dict) -> dict:
-        """The options the schedule builder takes."""
+        """The options the schedule builder takes.
+
+        Args:
+            opts: the method's full options (:meth:`resolve`).
+
+        Returns:
+            The builder's keyword arguments.
+        """
         return self.to_builder({k: opts[k] for k in self.builder_keys})
 
 
@@ -354,7 +403,17 @@ METHODS: Dict[str, Method] = {
 
 
 def method(name: str) -> Method:
-    """The declaration of ``name``; ScheduleError naming the known ones otherwise."""
+    """The declaration of a method.
+
+    Args:
+        name: the method's name.
+
+    Returns:
+        Its :class:`Method`.
+
+    Raises:
+        ScheduleError: an unknown name (the message lists the known ones).
+    """
     if name not in METHODS:
         raise ScheduleError(f"unknown schedule {name!r}; available: {', '.join(sorted(METHODS))}")
     return METHODS[name]

@@ -16,6 +16,34 @@ from .ir import Action, B, F, W, Schedule
 
 @dataclasses.dataclass
 class SimReport:
+    """What :func:`simulate` finds: the event-driven and the lockstep step, the bubbles, the memory held.
+
+    Attributes:
+        schedule: the schedule's name.
+        num_devices: pipeline devices.
+        num_microbatches: micro-batches a step.
+        f: a forward's duration.
+        b: the whole backward's duration (a split one: B + W).
+        w: a split backward's weight-gradient part W (0: not split).
+        makespan: the event-driven step (every action as soon as its inputs are ready).
+        bubble_ratio: the event-driven step's idle share.
+        lockstep_makespan: the SPMD executor's step with one op per tick: the sum over ticks of the slowest
+            op.
+        lockstep_bubble_ratio: its idle share.
+        num_ticks: lockstep ticks.
+        peak_inflight: per device, micro-batches of one stage's activations held at once.
+        weight_versions: per device, weight versions held, in units of one stage's weights.
+        stash_capacity: stash slots of the one-op-per-tick ("ordered") plan, on every device.
+        messages: point-to-point activation and gradient messages a step.
+        lane_makespan: the step of the plan the executor runs (its default placement), a tick as long as its
+            slowest device's actions.
+        lane_bubble_ratio: its idle share.
+        lane_ticks: its ticks.
+        lane_peak_inflight: its micro-batches in flight per device.
+        lane_stash_capacity: its stash slots.
+        lane_placement: the placement it uses (``"ordered"`` for the periodic no-flush schedules).
+    """
+
     schedule: str
     num_devices: int
     num_microbatches: int
@@ -88,10 +116,17 @@ def split_backward(s: Schedule, b: float, w: Optional[float] = None) -> Tuple[fl
 
 
 def simulate(s: Schedule, f: float = 1.0, b: float = 2.0, w: Optional[float] = None) -> SimReport:
-    """Simulate ``s`` with forward time ``f`` and backward time ``b`` per stage and micro-batch.
+    """Simulate a schedule: its event-driven and lockstep steps, bubbles and the memory it holds.
 
-    ``b`` is the whole backward for every schedule; a split backward (zero-bubble) runs it as B and W, ``w``
-    its weight-gradient part (default ``b / 2``; :func:`split_backward`).
+    Args:
+        s: the schedule.
+        f: a forward's duration, per stage and micro-batch.
+        b: the whole backward's duration, for every schedule; a split backward (zero-bubble) runs it as B and
+            W.
+        w: the weight-gradient part of a split backward (default ``b / 2``; :func:`split_backward`).
+
+    Returns:
+        A :class:`SimReport`.
     """
     has_w = s.has_w()
     whole = float(b)

@@ -38,8 +38,14 @@ CLOSE_ON_ERROR_S = 120.0
 
 
 class NonFiniteLoss(RuntimeError):
-    """A step's loss or gradient was NaN or Inf (``on_nonfinite="stop"``); ``step``, ``stage`` (None where the
-    unpipelined replay finds no NaN) and ``last_checkpoint`` (the newest intact one, or None)."""
+    """A step's loss or gradient was NaN or Inf (``on_nonfinite="stop"``).
+
+    Args:
+        message: what happened and what to do.
+        step: the step whose loss was not finite.
+        stage: the model stage where the unpipelined replay first found a NaN (None where it finds none).
+        last_checkpoint: the newest intact checkpoint's step, or None.
+    """
 
     def __init__(self, message: str, step: int, stage: Optional[int], last_checkpoint: Optional[int]):
         super().__init__(message)

@@ -41,8 +41,14 @@ def running_plan(s: Schedule, placement: str = "auto"):
 
 @dataclasses.dataclass(frozen=True)
 class LayerCosts:
-    """Seconds for one micro-batch through ONE layer on one device: ``f`` forward, ``b`` the whole backward,
-    ``b_input`` / ``w`` zero-bubble's input-gradient and weight-gradient parts."""
+    """Seconds for one micro-batch through one layer on one device.
+
+    Attributes:
+        f: the forward.
+        b: the whole backward.
+        b_input: a split backward's input-gradient part (zero-bubble's B).
+        w: a split backward's weight-gradient part (zero-bubble's W).
+    """
 
     f: float
     b: float
@@ -50,19 +56,43 @@ class LayerCosts:
     w: float
 
     def scaled(self, k: float) -> "LayerCosts":
+        """The same costs times a factor (layers per stage).
+
+        Args:
+            k: the factor.
+
+        Returns:
+            A new :class:`LayerCosts`.
+        """
         return LayerCosts(self.f * k, self.b * k, self.b_input * k, self.w * k)
 
     def op(self, kind: str, split: bool) -> float:
+        """One op's cost.
+
+        Args:
+            kind: ``"F"``, ``"F2"`` (two paired forwards), ``"B"`` or ``"W"``.
+            split: whether the backward is split (B is then the input gradient only).
+
+        Returns:
+            Seconds.
+        """
         return {"F": self.f, "F2": 2 * self.f, "B": self.b_input if split else self.b, "W": self.w}[kind]
 
 
 @dataclasses.dataclass(frozen=True)
 class Link:
-    """One ``ppermute`` of ``n`` bytes costs ``alpha + beta * n`` seconds (every device sending at once), or,
-    where ``table`` holds measured ``(bytes, seconds)`` points, their linear interpolation (beyond the last
-    point its last segment's slope): over a real link the cost per byte is not one number -- two processes
-    over Gloo moved 4 MiB at 1.5 GB/s and 16 MiB at 1.3 GB/s, so a line through a small and a 4 MiB message
-    priced Chimera's 16 MiB replica 40% low."""
+    """What one ``ppermute`` costs: ``alpha + beta * n`` seconds for ``n`` bytes (every device sending at
+    once), or the linear interpolation of measured points.
+
+    Over a real link the cost per byte is not one number: two processes over Gloo moved 4 MiB at 1.5 GB/s and
+    16 MiB at 1.3 GB/s, so a line through a small and a 4 MiB message priced Chimera's 16 MiB replica 40% low.
+
+    Attributes:
+        alpha: the latency, seconds.
+        beta: seconds per byte.
+        table: measured ``(bytes, seconds)`` points; where given, interpolated (beyond the last point, its
+            last segment's slope).
+    """
 
     alpha: float
     beta: float
@@ -173,9 +203,24 @@ def predict_devices(
     fixed: float = 0.0,
     edges: EdgeCosts = None,
 ) -> Dict[str, float]:
-    """The step's seconds on ``s.D`` real devices (module docstring), and its parts.  ``scale`` and ``fixed``
-    (:func:`calibrate_step`): the ops' measured costs times ``scale``, plus ``fixed`` seconds a step.
-    ``edges``: the embedding's and the head's costs, on the first and last model stage's ops."""
+    """The step's seconds on ``s.D`` real devices (module docstring), and its parts.
+
+    Args:
+        s: the schedule.
+        costs: one layer's :class:`LayerCosts`.
+        layers_per_stage: layers on a model stage.
+        tick: the executor's fixed cost of one compiled lane in one tick.
+        link: the :class:`Link` between neighbours.
+        act_bytes: one micro-batch's activation message.
+        stage_bytes: one stage's weights (Chimera's layout exchange).
+        placement: the plan to cost (``"auto"`` as ``Pipeline``'s).
+        scale: the ops' measured costs are multiplied by it (:func:`calibrate_step`).
+        fixed: seconds a step adds beyond its ticks (:func:`calibrate_step`).
+        edges: the embedding's and the head's costs, on the first and last model stage's ops.
+
+    Returns:
+        ``{"step", "compute", "busy", "fixed", "messages", "layout", "lane_ticks", "ticks", "ppermutes"}``.
+    """
     ops = _lane_ops(s, layers_per_stage, costs, placement, edges)
     lanes = _compiled_lane_ticks(s, placement)
     compute = float(ops.sum(axis=2).max(axis=1).sum())  # per tick: the slowest device's own actions
@@ -207,8 +252,21 @@ def predict_one_core(
     stage_bytes: float,
     placement: str = "auto",
 ) -> Dict[str, float]:
-    """The step's seconds with every device's work on one core (module docstring): ``copy`` is one
-    ``ppermute`` over the D emulated devices (D copies) as measured on that core."""
+    """The step's seconds with every device's work on one core (module docstring).
+
+    Args:
+        s: the schedule.
+        costs: one layer's :class:`LayerCosts`.
+        layers_per_stage: layers on a model stage.
+        tick: the executor's fixed cost of one compiled lane in one tick, per device.
+        copy: one ``ppermute`` over the D emulated devices (D copies), as measured on that core.
+        act_bytes: one micro-batch's activation message.
+        stage_bytes: one stage's weights.
+        placement: the plan to cost.
+
+    Returns:
+        ``{"step", "work", "fixed", "messages", "layout"}``.
+    """
     work = float(_lane_ops(s, layers_per_stage, costs, placement).sum())
     lanes = _compiled_lane_ticks(s, placement)
     fixed = float(lanes.sum() * s.D * tick)
@@ -235,9 +293,23 @@ def calibrate_tick(
     baseline: float = 0.0,
     placement: str = "auto",
 ) -> float:
-    """The per-device, per-lane-tick cost that makes :func:`predict_one_core` of ``s`` equal ``measured``
-    seconds (``baseline``: what the one-core measurement holds besides the plan, e.g. the plain step's
-    own fixed cost; 0 by default).  Clipped at 0."""
+    """The per-device, per-lane-tick cost that makes :func:`predict_one_core` of ``s`` equal a measurement
+    (clipped at 0).
+
+    Args:
+        s: the measured schedule.
+        costs: one layer's :class:`LayerCosts`.
+        layers_per_stage: layers on a model stage.
+        copy: the one-core ``ppermute`` :class:`Link`.
+        act_bytes: one micro-batch's activation message.
+        stage_bytes: one stage's weights.
+        measured: the measured step, seconds.
+        baseline: what the measurement holds besides the plan (the plain step's own fixed cost).
+        placement: the plan measured.
+
+    Returns:
+        Seconds per device and lane-tick.
+    """
     rest = predict_one_core(s, costs, layers_per_stage, 0.0, copy, act_bytes, stage_bytes, placement)
     lane_ticks = float(_compiled_lane_ticks(s, placement).sum())
     return max((measured - baseline - rest["step"]) / (lane_ticks * s.D), 0.0)
@@ -246,12 +318,22 @@ def calibrate_tick(
 def calibrate_step(
     parts: Sequence[Dict[str, float]], measured: Sequence[float], fit_scale: bool = False
 ) -> Tuple[float, float]:
-    """``(scale, fixed)`` such that ``scale * compute + fixed + the rest`` of each of :func:`predict_devices`'
-    ``parts`` (predicted with ``scale=1, fixed=0``) meets the ``measured`` seconds: ``fixed`` is a step's own
-    cost beyond its ticks (the update, the call's start on every process), the mean over the runs.  With
-    ``fit_scale`` and runs at two or more micro-batch counts, ``scale`` is fitted too (least squares, kept
-    within [0.5, 2]): op costs derived from a plain step carry that step's own fixed cost.  Measured on the
-    two-process testbed the fitted scale moved by 10% between runs, so the default keeps ``scale`` 1."""
+    """``(scale, fixed)`` such that ``scale * compute + fixed + the rest`` of each run's parts meets its
+    measured seconds.
+
+    ``fixed`` is a step's own cost beyond its ticks (the update, the call's start on every process), the mean
+    over the runs.  Measured on the two-process testbed the fitted scale moved by 10% between runs, so by
+    default ``scale`` stays 1.
+
+    Args:
+        parts: :func:`predict_devices` of each run, predicted with ``scale=1, fixed=0``.
+        measured: each run's measured seconds.
+        fit_scale: fit ``scale`` too (least squares, kept within [0.5, 2]), from runs at two or more
+            micro-batch counts: op costs derived from a plain step carry that step's own fixed cost.
+
+    Returns:
+        ``(scale, fixed)``.
+    """
     compute = np.array([p["compute"] for p in parts])
     rest = np.array([p["step"] - p["compute"] for p in parts])
     y = np.asarray(measured, float) - rest

@@ -26,10 +26,18 @@ from ..schedules.ir import B, F, W, Schedule
 
 @dataclasses.dataclass
 class Costs:
-    """Measured costs, seconds.  ``op[kind][k-1]``: time of one op of ``kind`` ("F", "B", "W") for one
-    micro-batch on one stage when k devices run it at once (k = 1..D).  p2p: one ``ppermute`` of ``L``
-    bytes costs ``p2p_alpha + p2p_beta * L``; all-reduce over r replicas: Rabenseifner with ``ar_alpha``,
-    ``ar_beta``; ``update``: the optimizer update of the whole model's parameters held per device."""
+    """Measured costs, in seconds, of Chimera's performance model (section 3.4).
+
+    Attributes:
+        op: ``op[kind][k - 1]``: one op of ``kind`` (``"F"``, ``"B"``, ``"W"``) for one micro-batch on one
+            stage while ``k`` devices run it at once.
+        p2p_alpha: a ``ppermute``'s latency.
+        p2p_beta: a ``ppermute``'s seconds per byte.
+        ar_alpha: an all-reduce step's latency (Rabenseifner).
+        ar_beta: an all-reduce's seconds per byte.
+        update: the optimizer update of the parameters held per device.
+        overhead: per step: dispatch and the gather and scatter around the program.
+    """
 
     op: Dict[str, List[float]]
     p2p_alpha: float
@@ -40,13 +48,39 @@ class Costs:
     overhead: float = 0.0  # per step: dispatch and the gather/scatter around the program
 
     def op_time(self, kind: str, k: int) -> float:
+        """One op's time.
+
+        Args:
+            kind: ``"F"``, ``"B"`` or ``"W"``.
+            k: devices running it at once (past the measured ones: the last measured).
+
+        Returns:
+            Seconds.
+        """
         row = self.op[kind]
         return row[min(k, len(row)) - 1]
 
     def p2p(self, nbytes: float) -> float:
+        """One ``ppermute``'s time.
+
+        Args:
+            nbytes: the message's bytes.
+
+        Returns:
+            Seconds: ``p2p_alpha + p2p_beta * nbytes``.
+        """
         return self.p2p_alpha + self.p2p_beta * nbytes
 
     def allreduce(self, nbytes: float, r: int) -> float:
+        """An all-reduce's time (Rabenseifner).
+
+        Args:
+            nbytes: the bytes reduced.
+            r: replicas.
+
+        Returns:
+            Seconds (0 for one replica).
+        """
         if r <= 1:
             return 0.0
         return 2 * math.log2(r) * self.ar_alpha + 2 * (r - 1) / r * self.ar_beta * nbytes
@@ -65,10 +99,20 @@ def _deps_graph(s: Schedule):
 
 
 def critical_path_counts(s: Schedule, f: float = 1.0, b: float = 2.0, w: float = 1.0) -> Tuple[int, int]:
-    """(C_f, C_b): forwards and backwards (B and W) on the critical path of the event-driven placement.
+    """Forwards and backwards on the critical path of the event-driven placement (Chimera, Figure 6).
 
-    Walks back from the action that finishes last, each time to the predecessor whose finish time equals
-    the action's start (the one it waited for), as in Chimera Figure 6."""
+    Walks back from the action that finishes last, each time to the predecessor whose finish time equals the
+    action's start (the one it waited for).
+
+    Args:
+        s: the schedule.
+        f: a forward's duration.
+        b: a backward's duration.
+        w: a weight gradient's duration.
+
+    Returns:
+        ``(C_f, C_b)``: the forwards, and the backwards (B and W), on the path.
+    """
     place = s.place(f, b, w)
     start, finish = place["start"], place["finish"]
     preds = _deps_graph(s)
@@ -87,7 +131,14 @@ def critical_path_counts(s: Schedule, f: float = 1.0, b: float = 2.0, w: float =
 
 
 def lockstep_profile(s: Schedule) -> Dict[Tuple[str, int], int]:
-    """``{(slowest kind, busy devices): number of ticks}`` of the lockstep grid (B > W > F in cost order)."""
+    """The lockstep grid's ticks by their slowest kind and their busy devices.
+
+    Args:
+        s: the schedule.
+
+    Returns:
+        ``{(slowest kind, busy devices): ticks}``, with B > W > F in cost order.
+    """
     rank = {F: 0, W: 1, B: 2}
     out: Dict[Tuple[str, int], int] = {}
     for row in s.grid():
@@ -156,15 +207,25 @@ def predict(
     chunk_tick_overhead: float = 0.0,
     op_overhead: float = 0.0,
 ) -> Dict[str, float]:
-    """Predicted step time, seconds: ``lockstep`` (jaxpipe's executor) and ``paper`` (equation (1)).
+    """A step's predicted time: the lockstep executor's and the paper's equation (1) (Chimera, section 3.4).
 
-    act_bytes: one micro-batch's activation message; grad_bytes: one stage's gradients; replicas: how many
-    copies of a stage's gradients are reduced (data-parallel width x replicas per pipeline); width: pipelines
-    running at once (data-parallel W), so a tick with k busy devices per pipeline has k x W busy devices;
-    chunk_tick_overhead: the extra per tick for each model chunk beyond the first (more weights and gradient
-    accumulators carried through the tick), calibrated once; op_overhead: the executor's fixed cost of one
-    device's op (F, B or W), times the ops of all ``width`` pipelines -- on CPU-emulated devices sharing cores
-    this is what grows with the micro-batch count at a fixed batch, calibrated once."""
+    Args:
+        s: the schedule.
+        costs: the measured :class:`Costs`.
+        act_bytes: one micro-batch's activation message.
+        grad_bytes: one stage's gradients.
+        replicas: copies of a stage's gradients reduced (data-parallel width x replicas per pipeline).
+        width: pipelines running at once (data-parallel ``W``): a tick with ``k`` busy devices per pipeline
+            has ``k x W`` busy devices.
+        channels: messages a tick moves at once (default the schedule's).
+        chunk_tick_overhead: the extra per tick for each model chunk beyond the first (more weights and
+            accumulators carried through the tick), calibrated once.
+        op_overhead: the executor's fixed cost of one device's op (F, B or W), times the ops of all ``width``
+            pipelines, calibrated once.
+
+    Returns:
+        ``{"lockstep": seconds, "paper": seconds, ...}`` with the parts.
+    """
     ch = len(set().union(*s.plan("ordered").channels)) if channels is None else channels
     prof = lockstep_profile(s)
     idle_ticks = s.num_ticks - sum(prof.values())

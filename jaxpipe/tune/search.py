@@ -14,6 +14,16 @@ SCHEDULES = tuple(name for name, m in schedules.METHODS.items() if m.tunable)  #
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
+    """One configuration of the Chimera-style search: a schedule on ``W`` pipelines of ``D`` stages.
+
+    Attributes:
+        schedule: the method's name.
+        W: data-parallel width (pipelines).
+        D: pipeline stages (devices per pipeline).
+        B: micro-batch size.
+        N: micro-batches per replica per step.
+    """
+
     schedule: str
     W: int  # data-parallel width
     D: int  # pipeline stages (devices per pipeline)
@@ -46,6 +56,21 @@ def enumerate_candidates(
     micro_batch_sizes: Optional[Iterable[int]] = None,
     max_n: int = 64,
 ) -> List[Candidate]:
+    """Every configuration the devices, batch and layers allow (Chimera, section 3.4): ``D`` divides the
+    devices, the micro-batch size divides the batch per replica, the layers divide into the model stages, and
+    the schedule builds.
+
+    Args:
+        devices: the devices to split into ``W x D``.
+        batch: the global batch.
+        num_layers: the model's layers.
+        schedule_names: the methods considered.
+        micro_batch_sizes: the sizes tried (default every divisor of the batch per replica).
+        max_n: the most micro-batches a step.
+
+    Returns:
+        The :class:`Candidate` list.
+    """
     out = []
     for D in range(1, devices + 1):
         if devices % D:
@@ -77,11 +102,23 @@ def memory_estimate(
     optimizer_copies: float = 2.0,
     message_bytes: float = 0.0,
 ) -> float:
-    """Bytes per device: weights x copies the schedule holds (Chimera 2f replicas), optimizer state and a
-    gradient accumulator per copy, the stash (the executor's slot capacity, which is >= the peak in-flight
-    micro-batches), and the message buffer.  Chimera eq.: weights 2f M_theta, activations [(D/2+1), D] M_a.
-    ``stage_param_bytes`` / ``stash_bytes_per_mb`` are for one stage of the D-stage cut at micro-batch size
-    B."""
+    """Bytes per device of a candidate.
+
+    Weights times the copies the schedule holds (Chimera's 2f replicas), optimizer state and a gradient
+    accumulator per copy, the stash (the executor's slot capacity, at least the peak of micro-batches in
+    flight) and the message buffer; Chimera's equation: weights ``2f M_theta``, activations ``[(D/2+1), D]
+    M_a``.
+
+    Args:
+        c: the candidate.
+        stage_param_bytes: one stage's parameters, for the D-stage cut.
+        stash_bytes_per_mb: one micro-batch's residuals on one stage, at micro-batch size ``B``.
+        optimizer_copies: the optimizer state's copies of the parameters (Adam: 2).
+        message_bytes: the message buffer.
+
+    Returns:
+        Bytes.
+    """
     s = c.build()
     t = s.plan("ordered")  # the one-op-per-tick plan's slots (the memory bound the paper formulas state)
     copies = int(s.stage_of_chunk().shape[1])
