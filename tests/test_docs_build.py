@@ -36,3 +36,17 @@ def test_the_site_builds_warning_free_with_every_public_name(tmp_path):
     ]
     assert not missing, f"public names without an API entry: {missing}"
     assert "jaxpipe.Pipeline.step" in documented and "jaxpipe.schedules.Schedule" in documented
+
+
+def test_every_benchmark_section_says_when_and_how():
+    """Each measured section of the benchmarks page names its date and the command that reproduces it (the
+    testbeds section defines the machines and versions the sections refer to)."""
+    import re
+
+    text = open(os.path.join(ROOT, "docs", "benchmarks.md")).read()
+    sections = re.split(r"^#{2,3} ", text, flags=re.M)[1:]
+    assert sections[0].startswith("Testbeds and versions")
+    for section in sections[1:]:
+        title = section.splitlines()[0]
+        assert re.search(r"20\d\d-\d\d-\d\d", section), f"benchmarks section {title!r} has no date"
+        assert re.search(r"`(python -m |jaxpipe |git |CI=true )", section), f"{title!r} has no command"
