@@ -203,7 +203,7 @@ def main(argv):
     # and writes, its part in the tick's collective-permutes) and per step, from two 1F1B runs without data
     # parallelism -- the most and the fewest ticks per step -- by solving two equations (W = 1: the
     # data-parallel all-reduce is modelled from its own micro-benchmark, not absorbed here).  A cost per tick
-    # fitted the same way was measured twice as wrong (BUILD_NOTES, "Re-run in the fourth stop")
+    # fitted the same way was measured twice as wrong (BUILD_NOTES, "Choosing a configuration")
     f1 = [c for c in cands if c.schedule == "1f1b"]
     if not f1:
         raise app.UsageError(

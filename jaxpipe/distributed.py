@@ -8,7 +8,7 @@ written cooperatively (each process its shards, process 0 the metadata).
 Where the three values come from, first match wins: the arguments (``--coordinator``, ``--num_processes``,
 ``--process_id`` in the runners); the environment (``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``,
 ``JAX_PROCESS_ID``); a cluster JAX detects itself (SLURM, Open MPI, TPU pods, GKE) when ``auto=True``.
-See BUILD_NOTES.md "Running on many hosts".
+See BUILD_NOTES.md "Many processes, stops and faults".
 """
 
 from __future__ import annotations

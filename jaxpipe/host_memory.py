@@ -5,7 +5,7 @@ afresh on every call, with ``malloc``. With glibc's defaults a buffer above the 
 most 32 MiB) is mapped anew and unmapped when freed, and the top of a heap is trimmed, so every step
 page-faults its footprint again: the kernel zeroes every page the step touches. That cost is in proportion to
 what a step allocates, not to what it computes, and accelerator allocators (which pool memory) do not have it.
-Measured on the executor's benchmark (one core, D = 4, M = 8; BUILD_NOTES "The allocator, in-process"):
+Measured on the executor's benchmark (one core, D = 4, M = 8; BUILD_NOTES "The CPU backend"):
 Chimera's step, which allocates about 14 MiB per device more than 1F1B's (a fetched replica and its gradient
 sum), page-faulted ~110 MiB more per step and spent ~60 ms of a ~450 ms step in the kernel for it.
 

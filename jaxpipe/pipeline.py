@@ -595,8 +595,8 @@ def _recut_for(schedule: str, options: dict, model, mesh):
 def _step_checks(pipe, model):
     """``(StepChecks, PendingStatus)`` of ``pipe``: a no-flush method of several chunks per device (WPipe), or
     on a mesh whose conditionals may not hold collectives (model axes on XLA CPU), reports a bad batch but is
-    not kept back -- the conditional around its program cost +51% temp (BUILD_NOTES, "A step that never
-    waits")."""
+    not kept back -- the conditional around its program cost +51% temp (BUILD_NOTES, "The no-flush
+    methods, WPipe, CDP, AvgPipe")."""
     from .sharding import branches_refused
     from .checks.on_device import pending_for
 

@@ -10,7 +10,7 @@ reported at ``pre_path`` (``None`` at ``post_path``).
 
 Synchronous schedules and AvgPipe do all of it outside the executor (``strip``/``fill``/``fold``).  The
 asynchronous 1F1B family (pipedream, 2BW, spectrain, pipeoptim, CDP) keeps the array where ``pre`` is trained,
-on stage 0, and gives it one rule (BUILD_NOTES "Tied parameters"): a micro-batch reads *one* version of a tied
+on stage 0, and gives it one rule (BUILD_NOTES "Users' models"): a micro-batch reads *one* version of a tied
 array -- the version stage 0's forward read under the method's own rule, which travels with the activation
 (``pre_leaves`` / ``post_with``) -- and the last stage's gradient of it travels back with dL/dy and joins
 stage 0's gradient of the same micro-batch (``take_post`` / ``add_to_pre``): one gradient, one optimizer

@@ -16,7 +16,7 @@ _OPT = "" if os.environ.get("JAXPIPE_TEST_XLA_OPTIMISED") == "1" else " --xla_ba
 def _legacy_emitters_flag() -> str:
     """XLA CPU's fusion kernels from its LLVM IR emitters instead of the MLIR fusion emitters, where the
     installed jaxlib still has the choice (0.10: yes; 0.12: no -- and an unknown flag in XLA_FLAGS aborts): a
-    cold compile of a test's pipelined step takes a third less (BUILD_NOTES, "thirtieth stop"; the same
+    cold compile of a test's pipelined step takes a third less (BUILD_NOTES, "The CPU backend"; the same
     numbers to float rounding, compared within one process as the optimisation level is).  Probed once per run
     in a subprocess; the result travels to pytest-xdist's workers and the tests' subprocesses in the
     environment."""
@@ -58,7 +58,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent XLA compilation cache for the whole run: the pytest-xdist workers and the tests' subprocesses
 # (multi-process, README commands) inherit it, and many tests compile the same programs (references, the same
 # pipelines in other tests): 159 -> 107 s for tests/test_exactness.py + test_lanes.py from a cold cache
-# (BUILD_NOTES, "CI time"). Keyed by XLA on the program, flags and versions; set the variable to move it.
+# (BUILD_NOTES, "Tests and CI"). Keyed by XLA on the program, flags and versions; set the variable to move it.
 import re  # noqa: E402
 import tempfile  # noqa: E402
 
@@ -168,7 +168,8 @@ if os.environ.get("JAXPIPE_TEST_NAN_BUBBLES", "1") != "0":
 # JAXPIPE_TEST_TIMES=FILE: each phase's wall time (setup, call, teardown) of every test appended to FILE as it
 # finishes, one "seconds<TAB>phase<TAB>node id" line (by the xdist controller, which sees every report): the
 # data
-# for sizing CI's two legs (BUILD_NOTES, "CI time"), readable while the run goes on and kept if it is stopped.
+# for sizing CI's two legs (BUILD_NOTES, "Tests and CI"), readable while the run goes on and kept if it is
+# stopped.
 _TIMES = os.environ.get("JAXPIPE_TEST_TIMES")
 
 
@@ -184,7 +185,7 @@ def pytest_runtest_logreport(report):
 # timeouts, the persistent cache's files -- and the extra one runs meanwhile.  On 2 cores the full suite kept
 # 1.85 cores busy with two workers; four heavy files (uneven cuts, stop signals, multi-host, launcher faults),
 # cold:
-# 199.7 s with two workers, 179.7 s with three (BUILD_NOTES, "Twenty-sixth stop").
+# 199.7 s with two workers, 179.7 s with three (BUILD_NOTES, "Tests and CI").
 # PYTEST_XDIST_AUTO_NUM_WORKERS
 # still overrides it.
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: a run with -p no:xdist has no such hook

@@ -20,7 +20,7 @@ def _loops_unordered(text):
     """The unordered pairs with a loop in them (the hang CI saw).  Pairs of a plain collective and a
     conditional XLA peeled out of a loop's last tick (1f1b: the loss's psum beside the last B lane's tensor
     all-reduces) are left out: they come from XLA's own restructuring, and no run has hung on them
-    (BUILD_NOTES, "Collective order on XLA CPU")."""
+    (BUILD_NOTES, "The executor")."""
     return [p for p in unordered_collectives(text) if any(n.startswith("while") for n in p)]
 
 

@@ -250,7 +250,7 @@ def test_stream_is_the_pictured_timeline(N):
 def test_no_weight_sized_copy_in_the_step():
     """The ring reduction lands a stage by dynamic-update-slice into the worker's stacked stages: the compiled
     step copies no stage-weight-sized array (a version swap of per-chunk buffers inside conditionals made XLA
-    copy the weights in every tick -- BUILD_NOTES, "One no-flush executor")."""
+    copy the weights in every tick -- BUILD_NOTES, "The executor")."""
     import re
     from jaxpipe.bench import make_tanh_mlp
 

@@ -3,7 +3,7 @@ different compiled programs -- the fused against the split backward, balanced ag
 AvgPipe's advance 0 against 3, Chimera's two replicas, a pipeline against its independent reference -- must
 hold in an optimised build too, where XLA fuses and reorders differently (issue #33 item 6).  This runs a
 sample of them in a pytest of its own with optimisation on (JAXPIPE_TEST_XLA_OPTIMISED=1); the whole set of
-those files passed that way once (BUILD_NOTES, "Tests that would catch a wrong executor")."""
+those files passed that way once (BUILD_NOTES, "Tests and CI")."""
 
 import os
 import re

@@ -118,7 +118,7 @@ def test_padding_costs_no_compute():
     through the padded stages (7 blocks on 4 stages, 8 slots): none in the padded slot.  And the stage's
     pullback, as the executor's B lane runs it, multiplies nothing in a skipped slot: the backward cond's skip
     branch holds no dot_general.  (Callbacks are no count of the pipelined step's compute: a cond's partial
-    evaluation keeps its effects on both sides, so the B lane replays them: BUILD_NOTES, "Uneven cuts".)"""
+    evaluation keeps its effects on both sides, so the B lane replays them: BUILD_NOTES, "Cuts".)"""
     calls = []
 
     def block(p, x):

@@ -107,7 +107,7 @@ def stage_of_blocks(block_fn: Callable, cut: Optional[Sequence[int]], context: b
     (leaves ``[slots, ...]``).  With a ``cut``, the first ``min(cut)`` slots -- real on every stage -- run in
     a plain scan, and only the rest in a scan whose slots a ``lax.cond`` on ``cut[ctx.stage]`` skips: a
     skipped slot computes nothing but still moves its share of the scan's activation-sized buffers (the cond's
-    residuals are those of its block branch, zero-filled when skipped; BUILD_NOTES, "Uneven cuts").
+    residuals are those of its block branch, zero-filled when skipped; BUILD_NOTES, "Cuts").
     ``block_fn(p, x)``, or ``block_fn(p, x, ctx)`` for a context model, where the ctx's ``key`` is the block's
     own: ``fold_in(ctx.key, b)`` with ``b`` the block's index in the whole model (``ctx.key`` is the
     micro-batch's: ``PipelineModel.block_keys``), so a block draws the same masks on any cut and any number of
@@ -129,7 +129,7 @@ def stage_of_blocks(block_fn: Callable, cut: Optional[Sequence[int]], context: b
             if real is None:
                 return run(p, h, c), None
             # the block rematerialised inside the cond: its residuals are the slot's inputs, so a skipped slot
-            # moves no zero-filled activations (BUILD_NOTES, "Uneven cuts")
+            # moves no zero-filled activations (BUILD_NOTES, "Cuts")
             return lax.cond(i < real, jax.checkpoint(lambda h_: run(p, h_, c)), lambda h_: h_, h), None
 
         return lax.scan(one, h, (first + jnp.arange(n), w, keys))[0]

@@ -46,7 +46,7 @@ class PartCosts:
     f_post: float = 0.0
     b_post: float = 0.0
     #: a skipped padding slot's forward and backward: no block compute, but its share of the stage scan's
-    #: activation-sized buffers (BUILD_NOTES, "Uneven cuts": on XLA CPU up to a real block's time)
+    #: activation-sized buffers (BUILD_NOTES, "Cuts": on XLA CPU up to a real block's time)
     f_pad: float = 0.0
     b_pad: float = 0.0
 

@@ -258,7 +258,8 @@ def _specs(stage_params, emb_params, head_params, tensor, fsdp, cut):
 #: the layers whose kernel is split by output columns (then the next by input rows): Megatron-LM's MLP pair.
 #: The attention's fused q/k/v kernel is laid out [q | k | v]: a column split would cut across heads and make
 #: XLA reshard inside the stage with collective-permutes, which deadlock inside a lane's conditional on XLA
-#: CPU (BUILD_NOTES, "Model axes"); so is an fsdp split of the attention's kernels: attention stays replicated
+#: CPU (BUILD_NOTES, "Sharding inside stages"); so is an fsdp split of the attention's kernels: attention
+#: stays replicated
 COLUMN, ROW = ("up",), ("down",)
 
 

@@ -15,7 +15,7 @@ _INT_OF_WIDTH = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
 
 def ppermute_bits(x, axis, perm):
     """``lax.ppermute`` of a pytree with every floating leaf sent as the integers of its bits (bitcast, the
-    same bytes: exact).  Measured on XLA CPU (BUILD_NOTES, "Messages as bits"): the same no-flush program
+    same bytes: exact).  Measured on XLA CPU (BUILD_NOTES, "The executor"): the same no-flush program
     ran 10-20% faster when its float messages travelled this way -- the collective-permute itself costs the
     same (micro-benchmark), the difference is in how XLA schedules the float result's consumers."""
 
@@ -38,10 +38,9 @@ def live_axes(mesh, axes: Sequence[str]) -> Tuple[str, ...]:
 def psum_over(x, mesh, axes: Sequence[str]):
     """``lax.psum`` over the axes of ``axes`` that have more than one device; the identity where none has.
     XLA keeps an all-reduce over one-device groups (``replica_groups={{0},{1},...}``): the no-flush methods
-    ran a weight-sized one in every tick without data parallelism (BUILD_NOTES, "Collectives over one
-    device"); a sum over one device is its operand, exactly.  Only for ``check_vma=False`` programs: with
-    varying-axis checks the skipped reduction changes the value's type (the executor runs with
-    ``check_vma=False``)."""
+    ran a weight-sized one in every tick without data parallelism (BUILD_NOTES, "The executor"); a sum over
+    one device is its operand, exactly.  Only for ``check_vma=False`` programs: with varying-axis checks the
+    skipped reduction changes the value's type (the executor runs with ``check_vma=False``)."""
     live = live_axes(mesh, axes)
     return lax.psum(x, live) if live else x
 

@@ -144,7 +144,7 @@ def make_stream_grad_fn(
             # the replicas' gradients go home by collective-permute only once the loss metric's all-reduce is
             # done: independent, the two ran in different orders on different devices in XLA CPU's concurrent
             # thunk executor and deadlocked (once in a CI run: device 0 in the all-reduce, the others in the
-            # permute; BUILD_NOTES, "Traps")
+            # permute; BUILD_NOTES, "The executor")
             loss, policy_states = jax.lax.optimization_barrier((loss, policy_states))
         g_w = _stage_gradient(policy_states, perms, D, pin, permute, chunk_state.holds_chunks(stage_p))
         total = (lambda leaf: leaf) if replicas else (lambda leaf: leaf.sum(0))

@@ -31,7 +31,7 @@ from .buffers import read, where, write
 def send(prog, trace, x, pairs):
     """A lane's message to the next (previous) device: its bits, or APC-compressed activation/gradient.
     One device (chunks wrapping around on it): the message stays -- a collective over a one-device group
-    is still a rendezvous of every device on XLA CPU (BUILD_NOTES, "Collectives over one device")."""
+    is still a rendezvous of every device on XLA CPU (BUILD_NOTES, "The executor")."""
     if prog.D == 1:
         return x
     if len(x) == 3 and not prog.counting:

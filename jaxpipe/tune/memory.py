@@ -1,8 +1,8 @@
 """A pipeline's memory per device, predicted without compiling and calibrated on a few compiles (the
 first part of automatic configuration).
 
-What a compiled step holds per device (XLA's ``memory_analysis()``; BUILD_NOTES, "what a compiled step's
-memory is made of", 32 configurations of a GPT): its **arguments** (the stage's parameters, the optimizer
+What a compiled step holds per device (XLA's ``memory_analysis()``; BUILD_NOTES, "Choosing a configuration";
+32 configurations of a GPT): its **arguments** (the stage's parameters, the optimizer
 state, the batch's share -- known exactly before compiling, from the state's own shards) and its **temp**,
 which is
 
