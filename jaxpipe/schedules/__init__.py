@@ -14,9 +14,11 @@ from .registry import METHODS, Method, method
 from .simulate import SimReport, simulate
 from ..checks.values import is_int
 
-#: schedule name -> builder (each method's declaration carries its own: :mod:`.registry`)
+#: each schedule's builder by name (each method's declaration carries its own, in :mod:`.registry`)
+#:
+#: :meta hide-value:
 BUILDERS: Dict[str, Callable[..., Schedule]] = {name: m.builder for name, m in METHODS.items()}
-#: the asynchronous 1F1B family (no flush: weight versions change between a micro-batch's F and B)
+#: the asynchronous 1F1B family -- no flush, and the weight versions change between a micro-batch's F and B
 ASYNCHRONOUS = tuple(name for name, m in METHODS.items() if m.weight_versions is not None)
 WEIGHT_VERSIONS = {name: METHODS[name].weight_versions for name in ASYNCHRONOUS}
 
@@ -28,7 +30,8 @@ def is_async(name: str) -> bool:
         name: the method's name.
 
     Returns:
-        True for PipeDream, PipeDream-2BW, SpecTrain, PipeOptim, WPipe and the other no-flush methods.
+        True for the methods with a weight-version rule: PipeDream, PipeDream-2BW, SpecTrain, PipeOptim and
+        CDP's pipeline form (WPipe and AvgPipe have runners of their own).
     """
     return name in ASYNCHRONOUS
 
