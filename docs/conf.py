@@ -27,7 +27,8 @@ exclude_patterns = ["_build", "Thumbs.db", ".DS_Store"]
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
-# types only where a parameter is documented: a dataclass's fields are its Attributes, not a second Parameters list
+# types only where a parameter is documented: a dataclass's fields are its Attributes, not a second
+# Parameters list
 autodoc_typehints_description_target = "documented"
 autodoc_default_options = {"members": True, "undoc-members": False, "show-inheritance": False}
 napoleon_google_docstring = True
