@@ -115,7 +115,15 @@ class Pipeline:
                     "options= goes with a schedule name; a built Schedule carries its own options"
                 )
             options = dict(built.options)
-        if schedule not in schedules.available():
+            if schedule not in schedules.available():  # a user's own (jp.schedules.from_actions / from_csv)
+                schedule = schedules.USER_SCHEDULE
+                options = {"chunks": built.num_model_stages // built.D}
+        elif schedule in schedules.METHODS and schedules.method(schedule).builder is None:
+            raise ConfigError(
+                f"schedule={schedule!r} is a schedule of your own: build it with "
+                "jp.schedules.from_actions(...) or jp.schedules.from_csv(path) and pass the Schedule"
+            )
+        if schedule not in schedules.METHODS:
             raise ConfigError(f"unknown schedule {schedule!r}; available: {', '.join(schedules.available())}")
         options = arguments.checked_options(options)
         if built is None:

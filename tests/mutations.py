@@ -574,6 +574,27 @@ MUTATIONS = [
         "tests/test_cut_costs.py::test_a_backward_timed_no_longer_than_its_forward_is_timed_again",
     ),
     Mutation(
+        "custom_overlap_keeps_only_its_forward",
+        "jaxpipe/schedules/custom.py",
+        '        return [action for part in overlap.group(1).split(";") for action in _parse(part, device, position)]\n',
+        '        return [action for part in overlap.group(1).split(";")[:1] for action in _parse(part, device, position)]\n',
+        "tests/test_custom_schedules.py::test_pytorchs_own_order_runs_exactly",
+    ),
+    Mutation(
+        "custom_whole_backward_without_its_weight_half",
+        "jaxpipe/schedules/custom.py",
+        "                if split:\n                    out.append(Action(W, mb, stage, chunk))\n",
+        "                if False:\n                    out.append(Action(W, mb, stage, chunk))\n",
+        "tests/test_custom_schedules.py::test_a_whole_backward_in_a_split_schedule_runs_as_its_two_halves",
+    ),
+    Mutation(
+        "custom_order_check_skips_its_own_device",
+        "jaxpipe/schedules/custom.py",
+        "                if dd == d and di > i:\n",
+        "                if False:\n",
+        "tests/test_custom_schedules.py::test_a_broken_schedule_names_the_action_and_what_it_breaks",
+    ),
+    Mutation(
         "cut_cost_key_without_the_programs",
         "jaxpipe/cuts/part_costs.py",
         '    text = "\\n".join([traced, d.platform, getattr(d, "device_kind", ""), jax.__version__, code])\n',

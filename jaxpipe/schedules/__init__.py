@@ -10,14 +10,17 @@ from typing import Callable, Dict, Optional
 
 from .ir import Action, B, F, W, Schedule, ScheduleError
 from .lanes import LanePlan
-from .registry import METHODS, Method, method
+from .registry import METHODS, USER_SCHEDULE, Method, method
 from .simulate import SimReport, simulate
+from .custom import from_actions, from_csv, to_csv
 from ..checks.values import is_int
 
 #: each schedule's builder by name (each method's declaration carries its own, in :mod:`.registry`)
 #:
 #: :meta hide-value:
-BUILDERS: Dict[str, Callable[..., Schedule]] = {name: m.builder for name, m in METHODS.items()}
+BUILDERS: Dict[str, Callable[..., Schedule]] = {
+    name: m.builder for name, m in METHODS.items() if m.builder is not None
+}
 #: the asynchronous 1F1B family -- no flush, and the weight versions change between a micro-batch's F and B
 ASYNCHRONOUS = tuple(name for name, m in METHODS.items() if m.weight_versions is not None)
 WEIGHT_VERSIONS = {name: METHODS[name].weight_versions for name in ASYNCHRONOUS}
@@ -92,6 +95,7 @@ __all__ = [
     "B",
     "BUILDERS",
     "METHODS",
+    "USER_SCHEDULE",
     "Method",
     "WEIGHT_VERSIONS",
     "is_async",
@@ -106,4 +110,7 @@ __all__ = [
     "available",
     "build",
     "simulate",
+    "from_actions",
+    "from_csv",
+    "to_csv",
 ]

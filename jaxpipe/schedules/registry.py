@@ -222,6 +222,9 @@ def _async(name, versions, paper, reference, per_batch=False, accumulating=False
 
 
 _two = lambda D: [2] * D
+#: the method of a user's own schedule (:mod:`jaxpipe.schedules.custom`): it has no builder
+USER_SCHEDULE = "custom"
+
 METHODS: Dict[str, Method] = {
     m.name: m
     for m in [
@@ -397,6 +400,16 @@ METHODS: Dict[str, Method] = {
             "Fournier & Oyallon, Cyclic Data Parallelism (v2, pipeline form)",
             lambda s, i, b, D, M, h, u, axpy: _same(b if (i % M) + s >= D - 1 else max(b - 1, 0))(h),
             accumulating=True,
+        ),
+        # a user's own schedule (jaxpipe.schedules.custom): built by from_actions / from_csv, never by name
+        Method(
+            USER_SCHEDULE,
+            True,
+            False,
+            lambda opts: opts["chunks"],
+            "a user's own schedule (per-device action lists, or PyTorch's CSV format)",
+            options={"chunks": 1},
+            types={"chunks": Opt("int", minimum=1, meaning="model stages a device holds")},
         ),
     ]
 }
