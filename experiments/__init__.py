@@ -5,7 +5,8 @@ its entries for a clone.  Each runner, by the question it answers (``RUNNERS``; 
 
 #: runner -> the question it answers.  Helpers the runners share (not runners): ``bench`` (the plain
 #: one-device steps and the timing rounds), ``one_device`` (Cyclic Data Parallelism's one-device baselines),
-#: ``profiling`` (a ``jax.profiler`` trace cut into operation kinds).
+#: ``profiling`` (a ``jax.profiler`` trace cut into operation kinds), ``sketch_two_lane`` (the two-lane 1F1B
+#: sketch the accelerator check times beside jaxpipe).
 RUNNERS = {
     "train": "train a model (jaxpipe train)",
     "launch": "run a multi-process job on this machine (jaxpipe launch)",
@@ -20,6 +21,8 @@ RUNNERS = {
     "executor_cost": "what does the executor itself add, each schedule on one core, beside the scan-GPipe?",
     "accelerator_cost": "what do the executor's programs cost a device in XLA's bytes and temp, on any "
     "backend?",
+    "gpu_check": "on one accelerator, what does the executor cost at D = 1 against the plain step and the "
+    "two-lane sketch, and what does offloading residuals cost?",
     "op_profile": "where does a pipelined step's time go, by operation kind, beside the plain step?",
     "cuts": "is an uneven cut's padding free, and does the balanced cut pay?",
     "weight_memory": "how much weight memory does each no-flush method hold, against PipeOptim's Table II?",

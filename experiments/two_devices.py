@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 import sys
 import time
 
@@ -36,7 +37,8 @@ from absl import app, flags
 flags.DEFINE_string(
     "schedules",
     "1f1b,gpipe,zb_h1,zb_v,dualpipe_v,interleaved_1f1b,chimera",
-    "comma-separated schedules, each optionally name:placement",
+    "comma-separated schedules, each optionally name:placement; a name ending in .csv is a schedule file in "
+    "PyTorch's CSV format ({M} in it: the micro-batch count), e.g. tests/data/torch_zbv_d2_m{M}.csv",
 )
 flags.DEFINE_string("microbatches", "4,8", "comma-separated M values")
 flags.DEFINE_integer("layers", 8, "tanh layers in the model")
@@ -199,6 +201,14 @@ def _idle_link_thread():
     return [tid, used[tid] / total]
 
 
+def _own_schedule(jp, name: str, M: int):
+    """The schedule a ``.csv`` entry names (``{M}`` in it stands for the micro-batch count): PyTorch's CSV
+    format, read by :func:`jaxpipe.schedules.from_csv`; None for a built-in name."""
+    if not name.endswith(".csv"):
+        return None
+    return jp.schedules.from_csv(name.format(M=M))
+
+
 def worker(pid: int):
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
     import jax
@@ -218,17 +228,19 @@ def worker(pid: int):
     for M in [int(m) for m in FLAGS.microbatches.split(",")]:
         for spec in FLAGS.schedules.split(","):
             name, _, placement = spec.partition(":")
-            name, unit = name.split("/")[0], name.endswith("/unit")
-            stages = 4 if name in CHUNKED else 2
+            unit = name.endswith("/unit")
+            name = name.removesuffix("/unit")
+            own = _own_schedule(jp, name, M)  # a CSV file of actions (PyTorch's own order, or yours)
+            stages = own.num_model_stages if own else 4 if name in CHUNKED else 2
             pipe = jp.Pipeline(
                 _model(jp, jnp, Ws, stages),
-                schedule=name,
+                schedule=own or name,
                 num_microbatches=M,
                 optimizer=optax.sgd(1e-3),
                 mesh=jp.make_mesh(stages=2),
                 placement=placement or "auto",
-                op_costs=None if unit else _op_costs(),
-                options={"virtual": 2} if name == "interleaved_1f1b" else {},
+                op_costs=None if unit or own else _op_costs(),
+                options={"virtual": 2} if name == "interleaved_1f1b" else None,
             )
             b = pipe.shard_batch({"x": x, "y": y})
             s = pipe.init()
@@ -348,6 +360,7 @@ def main(argv):
         if os.environ.get(host_memory.OPT_OUT, "1") == "0"
         else {**os.environ, **host_memory.KEEP_FREED_ENV}
     )
+    logs = {p: tempfile.TemporaryFile("w+") for p in (0, 1)}
     procs = [
         subprocess.Popen(
             [
@@ -361,7 +374,7 @@ def main(argv):
                 f"--worker={p}",
             ],
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=logs[p],
             text=True,
             env=env,
         )
@@ -371,6 +384,9 @@ def main(argv):
     procs[0].wait()
     lines = [ln for ln in out.splitlines() if ln.startswith("{")]
     if not lines:
+        for p in (0, 1):  # what each worker said before it stopped
+            logs[p].seek(0)
+            print(f"--- worker {p}, the end of its output:\n{logs[p].read()[-3000:]}", file=sys.stderr)
         raise SystemExit(
             "experiments.two_devices: the workers reported nothing (is port "
             f"{FLAGS.port} free, and are there two cores?)"
@@ -407,11 +423,12 @@ def report(res):
     given = _op_costs()
     for M, spec, placement, t in res["steps"]:
         name = spec.partition(":")[0]
-        name, unit = name.split("/")[0], name.endswith("/unit")
+        unit = name.endswith("/unit")
+        name = name.removesuffix("/unit")
         extra = {"virtual": 2} if name == "interleaved_1f1b" else {}
         if name in ("zb_h1", "zb_v") and given and not unit:
             extra["costs"] = given  # the plan the pipeline ran
-        s = jp.schedules.build(name, 2, M, **extra)
+        s = _own_schedule(jp, name, M) or jp.schedules.build(name, 2, M, **extra)
         plain = res["plain"][str(M)]
         per = L / s.num_model_stages
         measured = res.get("costs", {}).get(f"{M},{int(per)}")

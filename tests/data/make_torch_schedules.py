@@ -14,7 +14,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 #: file name -> (PyTorch's schedule name, ranks, micro-batches, stages per rank)
 ORDERS = {
     "torch_interleaved_1f1b_d2_m4.csv": ("Interleaved1F1B", 2, 4, 2),
+    "torch_interleaved_1f1b_d2_m8.csv": ("Interleaved1F1B", 2, 8, 2),
     "torch_zbv_d2_m4.csv": ("ZBVZeroBubble", 2, 4, 2),
+    "torch_zbv_d2_m8.csv": ("ZBVZeroBubble", 2, 8, 2),
     "torch_zbv_d4_m8.csv": ("ZBVZeroBubble", 4, 8, 2),
     "torch_dualpipev_d2_m4.csv": ("DualPipeV", 2, 4, 2),
     "torch_dualpipev_d2_m8.csv": ("DualPipeV", 2, 8, 2),
