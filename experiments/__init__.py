@@ -6,7 +6,7 @@ its entries for a clone.  Each runner, by the question it answers (``RUNNERS``; 
 #: runner -> the question it answers.  Helpers the runners share (not runners): ``bench`` (the plain
 #: one-device steps and the timing rounds), ``one_device`` (Cyclic Data Parallelism's one-device baselines),
 #: ``profiling`` (a ``jax.profiler`` trace cut into operation kinds), ``sketch_two_lane`` (the two-lane 1F1B
-#: sketch the accelerator check times beside jaxpipe).
+#: sketch the accelerator check times beside jaxpipe), ``torch_peer`` (PyTorch's side of ``peer``).
 RUNNERS = {
     "train": "train a model (jaxpipe train)",
     "launch": "run a multi-process job on this machine (jaxpipe launch)",
@@ -17,6 +17,8 @@ RUNNERS = {
     "costs?",
     "two_devices": "what does each schedule cost on a real two-device pipeline, against the lockstep "
     "prediction?",
+    "peer": "is each schedule as fast as PyTorch's same schedule on the same two devices, timed in one "
+    "session?",
     "throughput": "what does a pipelined step cost over the plain one-device step doing the same work?",
     "executor_cost": "what does the executor itself add, each schedule on one core, beside the scan-GPipe?",
     "accelerator_cost": "what do the executor's programs cost a device in XLA's bytes and temp, on any "

@@ -94,6 +94,12 @@ flags.DEFINE_enum(
     "starts it -- its busy poll takes the core from the compute for up to a scheduler slice an "
     "exchange (1-3 ms at 128-256 KiB on this VM)",
 )
+flags.DEFINE_bool(
+    "serve",
+    False,
+    "internal (experiments.peer): a worker builds its pipelines, then times one round of them for each "
+    "'round' line on its standard input, answering a JSON line (process 0: {'M,schedule': seconds})",
+)
 flags.DEFINE_integer(
     "worker", -1, "internal: this process's index (the launcher sets it; -2: the one-core costs)"
 )
@@ -248,6 +254,12 @@ def worker(pid: int):
                 s = pipe.step(s, b)[0]
             runs[(M, spec)] = [lambda s, pipe=pipe, b=b: pipe.step(s, b)[0], s]
             meta[(M, spec)] = (name, pipe.placement)
+    idled = _idle_link_thread() if FLAGS.link_thread == "idle" else None
+    plains = {M: _plain_step(Ws, x, y, M) for M in {k[0] for k in runs}} if pid == 0 else {}
+    for M, fn in plains.items():  # process 0 alone, on its core, in the same rounds (the other waits)
+        runs[(M, "plain")] = [fn, jax.block_until_ready(fn(fn(Ws)))]  # compiled and warm
+    if FLAGS.serve:
+        return _serve(pid, runs)
     # one layer's F, B, B's input part and W on this core, per stage size and micro-batch: a W that costs more
     # than a forward narrows ZB's gain.  Timed on both processes at once (process 0's reported), as the ticks
     # run them, or on process 0 alone (--ops_alone; the other waits in the link's first exchange)
@@ -266,11 +278,7 @@ def worker(pid: int):
     # the sizes the steps move: a small message, a micro-batch's activation, the stage's weights (Chimera's
     # replica)
     acts = {FLAGS.batch // M * W for M in {k[0] for k in runs}}
-    idled = _idle_link_thread() if FLAGS.link_thread == "idle" else None
     link = _link(pid, sorted({16, *acts, L // 2 * W * W}))
-    plains = {M: _plain_step(Ws, x, y, M) for M in {k[0] for k in runs}} if pid == 0 else {}
-    for M, fn in plains.items():  # process 0 alone, on its core, in the same rounds (the other waits)
-        runs[(M, "plain")] = [fn, jax.block_until_ready(fn(fn(Ws)))]  # compiled and warm
     from experiments.bench import round_steps
 
     per_round = round_steps(runs, FLAGS.rounds)
@@ -292,6 +300,22 @@ def worker(pid: int):
                 }
             ),
             flush=True,
+        )
+
+
+def _serve(pid, runs):
+    """Time one round of every run (:func:`experiments.bench.round_steps`) for each ``round`` line on standard
+    input, answering a JSON line each (process 0 ``{"M,schedule": seconds of a step}``, process 1 ``{}``),
+    until ``quit``: :mod:`experiments.peer` alternates these rounds with PyTorch's."""
+    from experiments.bench import round_steps
+
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "round":
+            break
+        got = round_steps(runs, 1)
+        print(
+            json.dumps({f"{M},{spec}": v[0] for (M, spec), v in got.items()} if pid == 0 else {}), flush=True
         )
 
 

@@ -1,0 +1,279 @@
+"""jaxpipe's schedules beside PyTorch's own (``torch.distributed.pipelining``) on the same two devices, in one
+session.
+
+The testbed of :mod:`experiments.two_devices`: two processes, each pinned to its own core, are a real
+pipeline (an MLP of ``--layers`` ``tanh(h @ W)`` layers, W ``--width``², batch ``--batch``, SGD).  Four
+processes start at once -- jaxpipe's pair (``two_devices --serve``, Gloo collectives, default options) and
+PyTorch's pair (:mod:`experiments.torch_peer`, Gloo, one thread) -- and each builds and warms up its
+schedules.  Then the rounds alternate between the two libraries (jaxpipe first in odd rounds, PyTorch first
+in even ones), one pair running while the other waits on its standard input, so a slow phase of the machine
+touches both alike; within a round every schedule runs 3 steps in turn.  The table: the median step of each
+schedule in each library, its ratio to the same library's 1F1B (median of the per-round ratios, +- half
+their interquartile range) and jaxpipe's step over PyTorch's.
+
+    python -m experiments.peer                                   # M = 4 and 8, the six shared schedules
+    python -m experiments.peer --microbatches=4 --schedules=1f1b,zb_h1 --rounds=5
+    python -m experiments.peer --peer_python=/path/to/venv/bin/python --json=peer.json
+
+PyTorch comes from ``--peer_python`` (a Python with ``torch``, e.g. a virtual environment of its own:
+``python3 -m venv VENV && VENV/bin/pip install torch numpy``), else from this Python if it imports
+``torch`` (``pip install "jaxpipe[peer]"``).  Needs a quiet machine with two cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from typing import List, NamedTuple, Optional, Sequence, Tuple
+
+from absl import app, flags
+
+from jaxpipe.cli import common as cli
+
+flags.DEFINE_string(
+    "schedules",
+    "1f1b,gpipe,interleaved_1f1b,zb_h1,zb_v,dualpipe_v",
+    "comma-separated schedules both libraries have (experiments.torch_peer.SCHEDULES); 1f1b is the base",
+)
+flags.DEFINE_string(
+    "extra",
+    "",
+    "comma-separated jaxpipe-only runs shown beside them (no PyTorch column), e.g. zb_v:lanes for ZB-V in "
+    "its other placement (two_devices' name:placement), or a schedule file tests/data/torch_zbv_d2_m{M}.csv",
+)
+flags.DEFINE_string("microbatches", "4,8", "comma-separated M values")
+flags.DEFINE_integer("layers", 8, "tanh layers in the model")
+flags.DEFINE_integer("width", 1024, "layer width")
+flags.DEFINE_integer("batch", 256, "rows per step")
+flags.DEFINE_integer("rounds", 9, "timing rounds per library (3 steps of each schedule each)")
+flags.DEFINE_integer("port", 12431, "jaxpipe's coordinator port on 127.0.0.1 (PyTorch's: the next one)")
+flags.DEFINE_string("peer_python", "", "a Python that imports torch (default: this one)")
+flags.DEFINE_bool("check", True, "first check each PyTorch schedule's gradients against its plain step")
+flags.DEFINE_string("json", "", "also write the per-round times and the table to this file")
+FLAGS = flags.FLAGS
+#: where ``python -m experiments.<worker>`` finds the workers
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def peer_python() -> str:
+    """The Python that runs PyTorch's side, or a usage error that says how to get one."""
+    exe = FLAGS.peer_python or sys.executable
+    probe = subprocess.run(
+        [exe, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True
+    )
+    if probe.returncode != 0:
+        raise app.UsageError(
+            f"{exe} cannot import torch: install the peer (pip install 'jaxpipe[peer]'), or make a virtual "
+            "environment for it (python3 -m venv VENV && VENV/bin/pip install torch numpy) and pass "
+            "--peer_python=VENV/bin/python"
+        )
+    return exe
+
+
+class Pair:
+    """One library's two worker processes, a core each, talking a line at a time (``round`` -> JSON)."""
+
+    def __init__(self, label: str, commands, env):
+        self.label = label
+        self.logs = [tempfile.TemporaryFile("w+") for _ in commands]
+        self.procs = [
+            subprocess.Popen(
+                ["taskset", "-c", str(core), *cmd],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env=env,
+                cwd=REPOSITORY,
+            )
+            for core, (cmd, log) in enumerate(zip(commands, self.logs))
+        ]
+
+    def answers(self):
+        """Each process's next JSON line (rank 0's first), or SystemExit with the end of their output."""
+        out = []
+        for proc in self.procs:
+            line = proc.stdout.readline()
+            while line and not line.startswith("{"):
+                line = proc.stdout.readline()
+            if not line:
+                self.close()
+                raise SystemExit(f"experiments.peer: {self.label}'s workers stopped:\n{self.tails()}")
+            out.append(json.loads(line))
+        return out
+
+    def ask(self, command: str):
+        for proc in self.procs:
+            proc.stdin.write(command + "\n")
+            proc.stdin.flush()
+        return self.answers()
+
+    def tails(self) -> str:
+        text = []
+        for rank, log in enumerate(self.logs):
+            log.seek(0)
+            text.append(f"--- {self.label}, rank {rank}:\n{log.read()[-2500:]}")
+        return "\n".join(text)
+
+    def close(self):
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    proc.stdin.write("quit\n")
+                    proc.stdin.flush()
+                except OSError:
+                    pass
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _pairs(torch_python: str):
+    common = [
+        f"--microbatches={FLAGS.microbatches}",
+        f"--layers={FLAGS.layers}",
+        f"--width={FLAGS.width}",
+        f"--batch={FLAGS.batch}",
+    ]
+    from jaxpipe import host_memory
+
+    env = {**os.environ, **host_memory.KEEP_FREED_ENV, "OMP_NUM_THREADS": "1"}
+    runs = ",".join(filter(None, [FLAGS.schedules, FLAGS.extra]))
+    jax_cmd = [sys.executable, "-m", "experiments.two_devices", *common, f"--schedules={runs}"]
+    jax_cmd += [f"--port={FLAGS.port}", "--serve"]
+    jax_pair = Pair("jaxpipe", [jax_cmd + [f"--worker={p}"] for p in (0, 1)], env)
+    torch_cmd = lambda r: [
+        torch_python,
+        "-m",
+        "experiments.torch_peer",
+        str(r),
+        str(FLAGS.port + 1),
+        *common,
+        f"--schedules={FLAGS.schedules}",
+    ]
+    torch_pair = Pair("PyTorch", [torch_cmd(r) for r in (0, 1)], env)
+    return jax_pair, torch_pair
+
+
+def collect(jax_pair, torch_pair, rounds: int):
+    """``{library: {"M,schedule": [seconds a step, per round]}}``, the libraries' rounds alternating."""
+    times = {"jaxpipe": {}, "torch": {}}
+    for r in range(rounds):
+        order = ((jax_pair, "jaxpipe"), (torch_pair, "torch"))
+        for pair, lib in order if r % 2 == 0 else order[::-1]:
+            for key, t in pair.ask("round")[0].items():
+                times[lib].setdefault(key, []).append(t)
+        print(f"round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
+    return times
+
+
+class Row(NamedTuple):
+    """One line of the table: medians in seconds; ratios as ``(median of the rounds, half their IQR)``,
+    None where a library has no such run."""
+
+    M: int
+    schedule: str
+    jaxpipe: float
+    torch: Optional[float]
+    jaxpipe_to_1f1b: Tuple[float, float]
+    torch_to_1f1b: Optional[Tuple[float, float]]
+    jaxpipe_to_torch: Optional[Tuple[float, float]]
+
+
+def table(times, schedules: Sequence[str], extra: Sequence[str] = ()) -> List[Row]:
+    """The rows, per micro-batch count: the plain step, then ``schedules`` (both libraries), then ``extra``
+    (jaxpipe only), from ``times`` as :func:`collect` returns them."""
+    from experiments.bench import ratio_spread
+
+    rows = []
+    for M in sorted({int(k.split(",")[0]) for k in times["jaxpipe"]}):
+        base = f"{M},1f1b"
+        to_base = lambda lib, ts: ratio_spread(ts, times[lib][base]) if base in times[lib] else None
+        for name in ["plain", *schedules, *extra]:
+            j, t = times["jaxpipe"].get(f"{M},{name}"), times["torch"].get(f"{M},{name}")
+            if not j:
+                continue
+            rows.append(
+                Row(
+                    M,
+                    name,
+                    statistics.median(j),
+                    statistics.median(t) if t else None,
+                    to_base("jaxpipe", j),
+                    to_base("torch", t) if t else None,
+                    ratio_spread(j, t) if t else None,
+                )
+            )
+    return rows
+
+
+def _ratio(r) -> str:
+    return "" if r is None else f"{r[0]:.3f} +- {r[1]:.3f}"
+
+
+def report(rows: Sequence[Row], versions: str) -> str:
+    """The table in Markdown, headed by the versions and the workload."""
+    out = [
+        f"# {versions}; {FLAGS.layers} x tanh(h @ W), W {FLAGS.width}^2, batch {FLAGS.batch}, SGD; "
+        f"{FLAGS.rounds} rounds alternating, 3 steps each; ratios: median of the rounds +- IQR/2",
+        "| M | schedule | jaxpipe ms | PyTorch ms | jaxpipe x its 1F1B | PyTorch x its 1F1B "
+        "| jaxpipe / PyTorch |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        own = r.schedule not in ("plain", "1f1b")
+        torch_ms = "" if r.torch is None else f"{r.torch * 1e3:.1f}"
+        out.append(
+            f"| {r.M} | {r.schedule} | {r.jaxpipe * 1e3:.1f} | {torch_ms} "
+            f"| {_ratio(r.jaxpipe_to_1f1b) if own else ''} | {_ratio(r.torch_to_1f1b) if own else ''} "
+            f"| {_ratio(r.jaxpipe_to_torch)} |"
+        )
+    return "\n".join(out)
+
+
+def main(argv):
+    del argv
+    from experiments.bench import machine_load, reliability
+
+    if "1f1b" not in FLAGS.schedules.split(","):
+        raise app.UsageError("--schedules must include 1f1b: every ratio is to the same library's 1F1B")
+    load = machine_load()
+    jax_pair, torch_pair = _pairs(peer_python())
+    try:
+        jax_pair.answers()  # both pairs built and warm
+        torch_ready = torch_pair.answers()[0]
+        import jax
+
+        versions = f"jax {jax.__version__}, torch {torch_ready['ready']}"
+        if FLAGS.check:
+            worst = torch_pair.ask("check")[0]
+            print(
+                "PyTorch's gradients against its plain step (max rel. difference): "
+                + ", ".join(f"M={k.replace(',', ' ')} {v:.1e}" for k, v in worst.items())
+            )
+        times = collect(jax_pair, torch_pair, FLAGS.rounds)
+    finally:
+        jax_pair.close()
+        torch_pair.close()
+    rows = table(times, FLAGS.schedules.split(","), [e for e in FLAGS.extra.split(",") if e])
+    print(report(rows, versions))
+    spreads = {
+        f"M={r.M} {r.schedule} jaxpipe/PyTorch": r.jaxpipe_to_torch for r in rows if r.jaxpipe_to_torch
+    }
+    for warning in reliability(spreads, load):
+        print("warning: " + warning)
+    if FLAGS.json:
+        with open(FLAGS.json, "w") as fh:
+            json.dump(
+                {"versions": versions, "times": times, "rows": [r._asdict() for r in rows]}, fh, indent=1
+            )
+
+
+if __name__ == "__main__":
+    cli.run(main)
