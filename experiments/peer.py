@@ -34,34 +34,42 @@ from absl import app, flags
 
 from jaxpipe.cli import common as cli
 
-flags.DEFINE_string(
-    "schedules",
-    "1f1b,gpipe,interleaved_1f1b,zb_h1,zb_v,dualpipe_v",
-    "comma-separated schedules both libraries have (experiments.torch_peer.SCHEDULES); 1f1b is the base",
-)
-flags.DEFINE_string(
-    "extra",
-    "",
-    "comma-separated jaxpipe-only runs shown beside them (no PyTorch column), e.g. zb_v:lanes for ZB-V in "
-    "its other placement (two_devices' name:placement), or a schedule file tests/data/torch_zbv_d2_m{M}.csv",
-)
-flags.DEFINE_string("microbatches", "4,8", "comma-separated M values")
-flags.DEFINE_integer("layers", 8, "tanh layers in the model")
-flags.DEFINE_integer("width", 1024, "layer width")
-flags.DEFINE_integer("batch", 256, "rows per step")
-flags.DEFINE_integer("rounds", 9, "timing rounds per library (3 steps of each schedule each)")
-flags.DEFINE_integer("port", 12431, "jaxpipe's coordinator port on 127.0.0.1 (PyTorch's: the next one)")
-flags.DEFINE_string("peer_python", "", "a Python that imports torch (default: this one)")
-flags.DEFINE_bool("check", True, "first check each PyTorch schedule's gradients against its plain step")
-flags.DEFINE_string("json", "", "also write the per-round times and the table to this file")
+
+def define_flags():
+    """The runner's flags, defined only when it runs (a test that imports the module to check its table
+    defines none that would clash with another runner's)."""
+    flags.DEFINE_string(
+        "schedules",
+        "1f1b,gpipe,interleaved_1f1b,zb_h1,zb_v,dualpipe_v",
+        "comma-separated schedules both libraries have (experiments.torch_peer.SCHEDULES); 1f1b is the base",
+    )
+    flags.DEFINE_string(
+        "extra",
+        "",
+        "comma-separated jaxpipe-only runs shown beside them (no PyTorch column), e.g. zb_v:lanes for "
+        "ZB-V in its other placement (two_devices' name:placement), or a schedule file "
+        "tests/data/torch_zbv_d2_m{M}.csv",
+    )
+    flags.DEFINE_string("microbatches", "4,8", "comma-separated M values")
+    flags.DEFINE_integer("layers", 8, "tanh layers in the model")
+    flags.DEFINE_integer("width", 1024, "layer width")
+    flags.DEFINE_integer("batch", 256, "rows per step")
+    flags.DEFINE_integer("rounds", 9, "timing rounds per library (3 steps of each schedule each)")
+    flags.DEFINE_integer("port", 12431, "jaxpipe's coordinator port on 127.0.0.1 (PyTorch's: the next one)")
+    flags.DEFINE_string("peer_python", "", "a Python that imports torch (default: this one)")
+    flags.DEFINE_bool("check", True, "first check each PyTorch schedule's gradients against its plain step")
+    flags.DEFINE_string("json", "", "also write the per-round times and the table to this file")
+
+
 FLAGS = flags.FLAGS
 #: where ``python -m experiments.<worker>`` finds the workers
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def peer_python() -> str:
-    """The Python that runs PyTorch's side, or a usage error that says how to get one."""
-    exe = FLAGS.peer_python or sys.executable
+def peer_python(given: str = "") -> str:
+    """The Python that runs PyTorch's side (``given``, else this one), or a usage error that says how to get
+    one."""
+    exe = given or sys.executable
     probe = subprocess.run(
         [exe, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True
     )
@@ -217,11 +225,10 @@ def _ratio(r) -> str:
     return "" if r is None else f"{r[0]:.3f} +- {r[1]:.3f}"
 
 
-def report(rows: Sequence[Row], versions: str) -> str:
-    """The table in Markdown, headed by the versions and the workload."""
+def report(rows: Sequence[Row], heading: str) -> str:
+    """The table in Markdown under ``heading`` (the versions and the workload)."""
     out = [
-        f"# {versions}; {FLAGS.layers} x tanh(h @ W), W {FLAGS.width}^2, batch {FLAGS.batch}, SGD; "
-        f"{FLAGS.rounds} rounds alternating, 3 steps each; ratios: median of the rounds +- IQR/2",
+        f"# {heading}; ratios: median of the rounds +- IQR/2",
         "| M | schedule | jaxpipe ms | PyTorch ms | jaxpipe x its 1F1B | PyTorch x its 1F1B "
         "| jaxpipe / PyTorch |",
         "|---|---|---|---|---|---|---|",
@@ -244,13 +251,16 @@ def main(argv):
     if "1f1b" not in FLAGS.schedules.split(","):
         raise app.UsageError("--schedules must include 1f1b: every ratio is to the same library's 1F1B")
     load = machine_load()
-    jax_pair, torch_pair = _pairs(peer_python())
+    jax_pair, torch_pair = _pairs(peer_python(FLAGS.peer_python))
     try:
         jax_pair.answers()  # both pairs built and warm
         torch_ready = torch_pair.answers()[0]
         import jax
 
-        versions = f"jax {jax.__version__}, torch {torch_ready['ready']}"
+        versions = (
+            f"jax {jax.__version__}, torch {torch_ready['ready']}; {FLAGS.layers} x tanh(h @ W), W "
+            f"{FLAGS.width}^2, batch {FLAGS.batch}, SGD; {FLAGS.rounds} rounds alternating, 3 steps each"
+        )
         if FLAGS.check:
             worst = torch_pair.ask("check")[0]
             print(
@@ -276,4 +286,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)

@@ -8,23 +8,15 @@ import subprocess
 import sys
 
 import pytest
-from absl import app, flags
+from absl import app
+
 
 from experiments import peer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture
-def parsed_flags():
-    if not flags.FLAGS.is_parsed():
-        flags.FLAGS(["peer"])
-    yield flags.FLAGS
-    flags.FLAGS.unparse_flags()
-    flags.FLAGS(["peer"])
-
-
-def test_the_table_takes_each_ratio_round_by_round_and_leaves_jaxpipe_only_rows_without_a_peer(parsed_flags):
+def test_the_table_takes_each_ratio_round_by_round_and_leaves_jaxpipe_only_rows_without_a_peer():
     # the machine slows by 2x in rounds 2 and 3, both libraries alike: every ratio holds in every round
     times = {
         "jaxpipe": {
@@ -50,12 +42,11 @@ def test_the_table_takes_each_ratio_round_by_round_and_leaves_jaxpipe_only_rows_
     assert text[6] == "| 4 | zb_v:lanes | 2200.0 |  | 1.100 +- 0.000 |  |  |"
 
 
-def test_without_torch_it_says_how_to_get_the_peer(parsed_flags):
-    parsed_flags.peer_python = sys.executable  # the test environment has no torch
+def test_without_torch_it_says_how_to_get_the_peer():
     if subprocess.run([sys.executable, "-c", "import torch"], capture_output=True).returncode == 0:
         pytest.skip("this Python has torch")
     with pytest.raises(app.UsageError, match=r"cannot import torch.*jaxpipe\[peer\].*--peer_python"):
-        peer.peer_python()
+        peer.peer_python(sys.executable)
 
 
 def _serving_pair(module_args, label):
