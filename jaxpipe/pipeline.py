@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import jax
@@ -21,7 +22,7 @@ from .checks import arguments
 from .errors import ConfigError
 from .model import PipelineModel
 from .runners.sync import PipelineState
-from .axes import STAGE
+from .axes import DATA, PIPE, STAGE
 
 
 class Pipeline:
@@ -52,8 +53,8 @@ class Pipeline:
         check_inputs: refuse a batch holding NaN or Inf, or an id out of range, before it changes anything
             (default on).
         placement: flushing schedules: ``"auto"`` (default) takes whichever plan has the smaller lockstep
-            step (``jaxpipe.schedules.lanes.fastest_placement``; ``pipe.placement`` says which);
-            ``"lanes"`` runs an F lane and a B lane in every tick (a tick costs f + b, up to 2D - 1
+            step at the op costs (``jaxpipe.schedules.lanes.fastest_placement``; ``pipe.placement`` says
+            which); ``"lanes"`` runs an F lane and a B lane in every tick (a tick costs f + b, up to 2D - 1
             micro-batches in flight on stage 0); ``"ordered"`` runs the schedule's own one action per tick
             and keeps its memory bound (1F1B: D - d on stage d; ZB-H1: D). Either way a tick's messages
             move in one exchange after all its lanes ran.
@@ -71,10 +72,17 @@ class Pipeline:
             (``jax.checkpoint``); or a ``jax.checkpoint`` policy such as
             ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable`` (matmul outputs kept, the rest
             recomputed).
-        op_costs: ``(f, b, w)``: one stage's forward, its backward's input part and its weight part as
-            measured (any one unit; ``jaxpipe.tune.microbench.layer_costs``; a fourth value: what a tick's
-            exchange costs), which ``placement="auto"`` ranks the two plans at instead of unit costs, and
-            ZB-H1 and ZB-V choose their ticks for (``jaxpipe.schedules.zb_costed``).
+        op_costs: what ``placement="auto"`` ranks the plans at and ZB-H1 and ZB-V choose their ticks for
+            (``jaxpipe.schedules.zb_costed``): ``None`` (default: ``$JAXPIPE_OP_COSTS``, else
+            ``"measure"``); ``"measure"``: at the first step (or :meth:`lower`), one stage's forward,
+            backward (split: its input and weight parts) and a tick's exchange measured on this backend,
+            every pipeline device busy at once, on a micro-batch of the batch's shapes
+            (``jaxpipe.tune.running_costs``; kept per model and backend, so a second run measures nothing;
+            a flushing schedule on two or more stage devices, a mesh without tensor or FSDP axes);
+            ``"unit"``: unit costs, nothing measured; or ``(f, b, w)`` as measured (any one unit,
+            ``jaxpipe.tune.microbench.layer_costs``; a fourth value: what a tick's exchange costs).
+            ``pipe.op_costs`` holds those the plans were chosen for. Where the schedule is then predicted
+            slower than 1F1B's on the same devices, a warning says so with both predictions.
         **removed: the keywords of the unreleased 0.1.0, refused by name.
 
     Raises:
@@ -107,99 +115,72 @@ class Pipeline:
         if not isinstance(model, PipelineModel):
             raise ConfigError(f"model must be a jp.PipelineModel, got {type(model).__name__}")
         arguments.check_optimizer(optimizer)
-        built = schedule if isinstance(schedule, schedules.Schedule) else None
-        if built is not None:
-            schedule = built.name
-            if options:
-                raise ConfigError(
-                    "options= goes with a schedule name; a built Schedule carries its own options"
-                )
-            options = dict(built.options)
-            if schedule not in schedules.available():  # a user's own (jp.schedules.from_actions / from_csv)
-                schedule = schedules.USER_SCHEDULE
-                options = {"chunks": built.num_model_stages // built.D}
-        elif schedule in schedules.METHODS and schedules.method(schedule).builder is None:
-            raise ConfigError(
-                f"schedule={schedule!r} is a schedule of your own: build it with "
-                "jp.schedules.from_actions(...) or jp.schedules.from_csv(path) and pass the Schedule"
-            )
-        if schedule not in schedules.METHODS:
-            raise ConfigError(f"unknown schedule {schedule!r}; available: {', '.join(schedules.available())}")
-        options = arguments.checked_options(options)
-        if built is None:
-            mesh, model = _recut_for(schedule, options, model, arguments.checked_mesh(mesh, model))
+        built, schedule, options, mesh, model = _named_schedule(schedule, options, model, mesh)
         self.user_model, model = model, model.padded()  # uneven stages: held padded (jaxpipe.cuts)
-        from .precision import Precision, with_precision
-
-        if precision is not None and not isinstance(precision, Precision):
-            raise ConfigError(
-                f"precision={precision!r}: give jp.Precision(params='float32', compute='bfloat16')"
-            )
         self.precision = precision
-        if precision is not None:
-            model = with_precision(model, precision)
-            if precision.loss_scale != 1 and schedules.method(schedule).updates_inside:
-                raise ConfigError(
-                    f"Precision(loss_scale={precision.loss_scale}) unscales the gradients before the "
-                    f"update, which {schedule} applies inside the pipeline; use loss_scale=1 (bfloat16 "
-                    f"needs none) or a synchronous schedule"
-                )
+        model = _with_precision(model, precision, schedule)
         mesh = arguments.checked_mesh(mesh, model)
         D = mesh.shape[STAGE]
         arguments.check_scalars(num_microbatches, placement, seed)
         residuals = arguments.check_residuals(residuals)
         self.placement, self.recompute = placement, residuals == "inputs"
+        self._auto_placement, self._batch_axes = placement == "auto", batch_axes
         self.model, self.mesh, self.optimizer = model, mesh, optimizer
         self.num_microbatches = num_microbatches
         self.method = schedules.method(schedule)
-        if op_costs is not None and "costs" in self.method.options and not (options or {}).get("costs"):
-            options = {
-                **(options or {}),
-                "costs": arguments.checked_costs(op_costs),
-            }  # zb_h1: ticks for the costs
-        try:
-            self.options = self.method.resolve(options, model.num_stages, D)
-            self.schedule = (
-                built
-                if built is not None
-                else schedules.build(
-                    schedule,
-                    num_stages=D,
-                    num_microbatches=num_microbatches,
-                    **self.method.builder_options(self.options),
-                )
-            )
-        except schedules.ScheduleError as e:
-            raise ConfigError(str(e)) from None
+        self._built, self._user_options = built, dict(options or {})
+        given, self._costs_pending = _op_costs_mode(op_costs, self.method, mesh)
+        self.op_costs = given  # (f, b, w[, exchange]) the plans were chosen for; None: unit costs
+        self._place(given)
         arguments.check_fit(built, self.schedule, model, D, num_microbatches, schedule)
-        if placement == "auto":  # the plan with the smaller lockstep step (jaxpipe.schedules.lanes)
-            from .schedules.lanes import fastest_placement
-
-            placement = (
-                fastest_placement(self.schedule, arguments.checked_costs(op_costs))
-                if self.method.flushes
-                else "lanes"
-            )
-            self.placement = placement
         self.model = model = _recomputing(model, self.method, self.options, residuals)
         self.nan_bubbles = nan_bubbles
         self.seed = seed
         self.skip_nonfinite = bool(skip_nonfinite)
         self.check_inputs = bool(check_inputs)
-        if skip_nonfinite and schedules.method(schedule).updates_inside:
+        if skip_nonfinite and self.method.updates_inside:
             raise ConfigError(
                 f"skip_nonfinite=True needs one update per step to skip; {schedule} updates inside "
                 f"the pipeline (per micro-batch or per pipeline replica). Use a synchronous schedule "
                 f"(gpipe, 1f1b, interleaved_1f1b, zb_h1, chimera) or stop on a non-finite loss"
             )
+        self._build_runner()
+        if given is not None:
+            self._warn_if_slower((tuple(given) + (0.0,))[:4])
+        host_memory.keep_freed_memory_for(mesh)  # once built: on CPU no per-step page faults (host_memory)
+
+    def _place(self, costs) -> None:
+        """The schedule built (zero-bubble's ticks chosen for ``costs`` where given) and its placement
+        (``"auto"``: the plan with the smaller lockstep step at ``costs``, or at unit costs)."""
+        options = dict(self._user_options)
+        if costs is not None and "costs" in self.method.options and not options.get("costs"):
+            options["costs"] = tuple(costs)  # zb_h1, zb_v: ticks for the costs
+        D, built = self.mesh.shape[STAGE], self._built
+        try:
+            self.options = self.method.resolve(options, self.model.num_stages, D)
+            self.schedule = built or schedules.build(
+                self.method.name,
+                num_stages=D,
+                num_microbatches=self.num_microbatches,
+                **self.method.builder_options(self.options),
+            )
+        except schedules.ScheduleError as e:
+            raise ConfigError(str(e)) from None
+        if self._auto_placement:  # the plan with the smaller lockstep step (jaxpipe.schedules.lanes)
+            from .schedules.lanes import fastest_placement
+
+            self.placement = fastest_placement(self.schedule, costs) if self.method.flushes else "lanes"
+
+    def _build_runner(self) -> None:
         from .runners import RunContext, make_runner
         from .tying import Ties
         from .sharding import check_model_axes_used, param_shardings
 
+        model, mesh = self.model, self.mesh
         ties = Ties(model)
         ties.check_values(model)
         self.param_shardings = param_shardings(model, mesh, ties)
-        self.batch_axes = check_model_axes_used(model, mesh, batch_axes)
+        self.batch_axes = check_model_axes_used(model, mesh, self._batch_axes)
         checks, pending = _step_checks(self, model)
         self.context = RunContext(
             model=model,
@@ -207,21 +188,69 @@ class Pipeline:
             schedule=self.schedule,
             method=self.method,
             options=self.options,
-            optimizer=optimizer,
-            num_microbatches=num_microbatches,
+            optimizer=self.optimizer,
+            num_microbatches=self.num_microbatches,
             ties=ties,
-            nan_bubbles=nan_bubbles,
-            seed=seed,
-            precision=precision,
+            nan_bubbles=self.nan_bubbles,
+            seed=self.seed,
+            precision=self.precision,
             skip_nonfinite=self.skip_nonfinite,
-            placement=placement,
+            placement=self.placement,
             param_shardings=self.param_shardings,
             batch_axes=self.batch_axes,
             checks=checks,
             pending=pending,
         )
         self._runner = make_runner(self.context)  # which one: the method's registry entry
-        host_memory.keep_freed_memory_for(mesh)  # once built: on CPU no per-step page faults (host_memory)
+
+    def _measure_costs(self, batch) -> None:
+        """At the first step without hand-given ``op_costs``: one stage's F, B, W and a tick's exchange
+        measured on this backend for ``batch``'s micro-batch (:mod:`jaxpipe.tune.running_costs`, cached per
+        model and backend), the plans chosen again for them, and a warning where the schedule is predicted
+        slower than 1F1B's."""
+        if not self._costs_pending:
+            return
+        self._costs_pending = False
+        from .tune import running_costs
+
+        mb = running_costs.microbatch_like(batch, self.data_parallel * self.num_microbatches)
+        try:
+            measured = running_costs.measured(self.model, mb, self.mesh.shape[STAGE], self.schedule.has_w())
+        except Exception as e:  # noqa: BLE001 -- a model the probe cannot run alone: the unit-cost plan stays
+            warnings.warn(
+                f"jaxpipe: could not measure op costs on this backend ({type(e).__name__}: {e}); the "
+                f"{self.schedule.name} plan stays ranked at unit costs (give Pipeline(op_costs=(f, b, w)) "
+                f"to choose for your costs, or op_costs='unit' to skip the measurement)",
+                stacklevel=3,
+            )
+            return
+        self.op_costs = measured.op_costs()
+        before = (self.schedule, self.placement)
+        self._place(self.op_costs)
+        if (self.schedule, self.placement) != before:
+            import dataclasses
+
+            from .runners import make_runner
+
+            self.context = dataclasses.replace(
+                self.context,
+                schedule=self.schedule,
+                options=self.options,
+                placement=self.placement,
+                _lane_plan=None,
+            )
+            self._runner = make_runner(self.context)
+        self._warn_if_slower(self.op_costs)
+
+    def _warn_if_slower(self, costs) -> None:
+        """Once: a warning where the schedule's plan is predicted slower than 1F1B's at ``costs``."""
+        if not self.method.flushes:
+            return
+        from .tune.running_costs import against_1f1b
+
+        why = against_1f1b(self.schedule, self.placement, costs)
+        if why:
+            warnings.warn(why, stacklevel=4)
 
     # ------------------------------------------------------------------ public API
     @property
@@ -345,6 +374,7 @@ class Pipeline:
         require_live(state, "loss_and_grad()")
         self._check_values(batch)
         self.context.pending.poll()
+        self._measure_costs(batch)
         loss, grads = self._runner.loss_and_grad(state, batch)
         return loss, self._user_layout(grads)
 
@@ -437,6 +467,7 @@ class Pipeline:
         self._check_inflight(state, batch)
         self.context.pending.poll()  # earlier calls' on-device checks: those done, or the oldest of IN_FLIGHT
         why = self.context.pending.refusal(state)  # before the step consumes the state's arrays
+        self._measure_costs(batch)
         new, metrics = self._runner.step(state, batch)
         self.context.pending.track(state, new, why)
         return new, metrics
@@ -483,6 +514,7 @@ class Pipeline:
             A ``jax.stages.Lowered``; ``.compile().memory_analysis()`` and ``.cost_analysis()`` give its
             temp and bytes."""
         self._check_batch(batch)
+        self._measure_costs(batch)
         return self._runner.lower(what, state, batch)
 
     # ------------------------------------------------------------------ internals
@@ -575,6 +607,72 @@ class Pipeline:
                 f"the batch that entry or a model whose pre/post_loss reads the batch's keys"
             ) from None
         checked.add(key)
+
+
+def _named_schedule(schedule, options, model, mesh):
+    """``(built, name, options, mesh, model)``: a built Schedule's own name and options (a user's own:
+    ``USER_SCHEDULE``), or a name checked against the registry, the model re-cut for it."""
+    built = schedule if isinstance(schedule, schedules.Schedule) else None
+    if built is not None:
+        schedule = built.name
+        if options:
+            raise ConfigError("options= goes with a schedule name; a built Schedule carries its own options")
+        options = dict(built.options)
+        if schedule not in schedules.available():  # a user's own (jp.schedules.from_actions / from_csv)
+            schedule = schedules.USER_SCHEDULE
+            options = {"chunks": built.num_model_stages // built.D}
+    elif schedule in schedules.METHODS and schedules.method(schedule).builder is None:
+        raise ConfigError(
+            f"schedule={schedule!r} is a schedule of your own: build it with "
+            "jp.schedules.from_actions(...) or jp.schedules.from_csv(path) and pass the Schedule"
+        )
+    if schedule not in schedules.METHODS:
+        raise ConfigError(f"unknown schedule {schedule!r}; available: {', '.join(schedules.available())}")
+    options = arguments.checked_options(options)
+    if built is None:
+        mesh, model = _recut_for(schedule, options, model, arguments.checked_mesh(mesh, model))
+    return built, schedule, options, mesh, model
+
+
+def _with_precision(model, precision, schedule: str):
+    """``model`` in ``precision`` (a :class:`~jaxpipe.precision.Precision`), or itself for None."""
+    from .precision import Precision, with_precision
+
+    if precision is None:
+        return model
+    if not isinstance(precision, Precision):
+        raise ConfigError(f"precision={precision!r}: give jp.Precision(params='float32', compute='bfloat16')")
+    if precision.loss_scale != 1 and schedules.method(schedule).updates_inside:
+        raise ConfigError(
+            f"Precision(loss_scale={precision.loss_scale}) unscales the gradients before the "
+            f"update, which {schedule} applies inside the pipeline; use loss_scale=1 (bfloat16 "
+            f"needs none) or a synchronous schedule"
+        )
+    return with_precision(model, precision)
+
+
+def _op_costs_mode(op_costs, method, mesh):
+    """``(costs, measure)``: hand-given ``(f, b, w[, exchange])`` (or None), and whether the first step
+    measures them (``op_costs=None``: ``$JAXPIPE_OP_COSTS``, default ``"measure"``; a flushing schedule
+    over two or more stage devices, on a mesh of the stage and data axes alone)."""
+    import os
+
+    from .tune.running_costs import ENV
+
+    if op_costs is None:
+        op_costs = os.environ.get(ENV, "measure") or "measure"
+        where = f"${ENV}={op_costs!r}"
+    else:
+        where = f"op_costs={op_costs!r}"
+    if isinstance(op_costs, str):
+        if op_costs not in ("measure", "unit"):
+            raise ConfigError(
+                f"{where}: give 'measure' (at the first step, on this backend), 'unit' (plans ranked at "
+                f"unit costs) or (f, b, w[, exchange]) as measured"
+            )
+        stage_only = all(n == 1 for a, n in mesh.shape.items() if a not in (STAGE, DATA, PIPE))
+        return None, op_costs == "measure" and method.flushes and mesh.shape[STAGE] > 1 and stage_only
+    return arguments.checked_costs(op_costs), False
 
 
 def _recut_for(schedule: str, options: dict, model, mesh):

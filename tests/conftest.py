@@ -71,6 +71,10 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # the balanced cut's measured costs (jaxpipe.cuts.part_costs) beside it, not in the user's ~/.cache
 os.environ.setdefault("JAXPIPE_CACHE_DIR", os.path.join(tempfile.gettempdir(), "jaxpipe-tests-cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# Pipelines rank their plans at unit costs instead of measuring op costs at their first step: the same
+# programs on every run and worker, and no probe compiled for each of the suite's pipelines.
+# tests/test_running_costs.py runs the measured default itself.
+os.environ.setdefault("JAXPIPE_OP_COSTS", "unit")
 
 # A crashed xdist worker (a fatal signal, XLA's abort) loses what it printed: pytest's per-test fd capture
 # keeps it

@@ -50,13 +50,15 @@ def test_without_torch_it_says_how_to_get_the_peer():
 
 
 def _serving_pair(module_args, label):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    # the pipelines' default: op costs measured at the first step, the same on both processes (process 0's)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAXPIPE_OP_COSTS": "measure"}
     return peer.Pair(label, [module_args(rank) for rank in (0, 1)], env)
 
 
 @pytest.mark.ci_once
 def test_jaxpipes_workers_serve_a_round_for_each_line_and_stop_on_quit():
-    args = ["--layers=2", "--width=16", "--batch=8", "--microbatches=2", "--schedules=1f1b,gpipe:ordered"]
+    args = ["--layers=2", "--width=16", "--batch=8", "--microbatches=2"]
+    args += ["--schedules=1f1b,zb_h1,gpipe:ordered"]
     pair = _serving_pair(
         lambda p: [
             sys.executable,
@@ -73,7 +75,7 @@ def test_jaxpipes_workers_serve_a_round_for_each_line_and_stop_on_quit():
         assert pair.answers() == [{"ready": True}, {"ready": True}]
         for _ in range(2):
             first, second = pair.ask("round")
-            assert set(first) == {"2,1f1b", "2,gpipe:ordered", "2,plain"} and second == {}
+            assert set(first) == {"2,1f1b", "2,zb_h1", "2,gpipe:ordered", "2,plain"} and second == {}
             assert all(t > 0 for t in first.values())
     finally:
         pair.close()

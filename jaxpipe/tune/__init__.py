@@ -3,7 +3,8 @@
 One model and one search serve users: :func:`jaxpipe.configure` (:mod:`.configure`) searches stage x data
 splits, schedules, micro-batch counts and residual policies and predicts each with the executor's own lockstep
 model (:mod:`.lockstep`: the lane plan ``Pipeline`` compiles, tick by tick, at op costs measured on this
-backend) and :mod:`.memory`.
+backend) and :mod:`.memory`.  ``Pipeline`` itself measures one stage's op costs and a tick's exchange at
+its first step (:mod:`.running_costs`, :class:`RunningCosts`) and places its plan for them.
 
 The other pair reproduces a paper and stays for that: :mod:`.perf_model` is Chimera's step-time model (Li and
 Hoefler, "Chimera: Efficiently Training Large-Scale Neural Networks with Bidirectional Pipelines", SC 2021,
@@ -16,6 +17,7 @@ runs them against measured steps; ``configure`` does not use them.
 
 from .lockstep import LayerCosts, Link, calibrate_step, calibrate_tick, predict_devices, predict_one_core
 from .perf_model import Costs, critical_path_counts, lockstep_profile, predict
+from .running_costs import RunningCosts
 from .search import Candidate, enumerate_candidates, memory_estimate
 
 __all__ = [
@@ -32,4 +34,5 @@ __all__ = [
     "predict",
     "predict_devices",
     "predict_one_core",
+    "RunningCosts",
 ]

@@ -1,0 +1,178 @@
+"""One stage's op costs and a tick's cost, measured on the running backend for the schedule it runs.
+
+A flushing schedule's lane plan runs in lockstep: a tick lasts as long as its slowest device's actions, and
+ends in one exchange that every device waits for (:mod:`jaxpipe.schedules.lanes`).  Which placement is
+faster, and where zero-bubble's ticks go (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, §3:
+the schedules are built from profiled F, B and W times), depend on what F, B and W cost on this backend and
+on what one tick's exchange costs: on the two-process CPU testbed a tick cost about 3 ms against a 10 ms
+forward, so a plan of 49 ticks lost to one of 21 at nearly the same lockstep makespan.  ``Pipeline``
+measures them at its first step (``op_costs=None``, :func:`measured`), on every device of the pipeline at
+once, as its ticks run them:
+
+* F, B, W: :func:`jaxpipe.tune.microbench.op_costs` of one model stage (stage 0's weights) on one
+  micro-batch of the step's shapes (ones; integer inputs zeros): a split schedule's B is the input gradient
+  and its W the weight gradient, a whole one's B the whole backward;
+* the tick: a loop of ticks, each a forward on every device and one ``ppermute`` around the stage ring,
+  against the same loop without the exchange; the difference per tick is what a tick's exchange and its
+  rendezvous add (the latency, the bytes and the wait for the slower device).
+
+They are kept per (model, backend) in :class:`~jaxpipe.tune.measure_cache.MeasureCache` (a second run
+measures nothing); in a multi-process job process 0's measurement is sent to every process, so that every
+process builds the same program.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+#: ``Pipeline(op_costs=...)``'s default where none is given: ``"measure"`` (at the first step) or ``"unit"``
+#: (rank at unit costs, measure nothing): the environment's ``$JAXPIPE_OP_COSTS``, if set
+ENV = "JAXPIPE_OP_COSTS"
+
+
+class RunningCosts(NamedTuple):
+    """Seconds on the running backend, every pipeline device busy at once.
+
+    Attributes:
+        forward: one model stage's forward on one micro-batch.
+        backward: its backward (a split schedule: the input-gradient part alone).
+        weight: a split schedule's weight-gradient part (0 otherwise).
+        tick: what one tick's exchange adds to a tick (0 on one device).
+    """
+
+    forward: float
+    backward: float
+    weight: float
+    tick: float
+
+    def op_costs(self) -> tuple:
+        """``(f, b, w, exchange)`` as ``Pipeline(op_costs=...)`` and the lane plans take them."""
+        return (self.forward, self.backward, self.weight, self.tick)
+
+    def describe(self) -> str:
+        ms = lambda v: f"{v * 1e3:.3g} ms"
+        return (
+            f"F {ms(self.forward)}, B {ms(self.backward)}, W {ms(self.weight)}, a tick's exchange "
+            f"{ms(self.tick)}"
+        )
+
+
+def microbatch_like(batch, per: int):
+    """A micro-batch of ``batch``'s shapes and dtypes (its leading axis over ``per``): ones, integer inputs
+    zeros (a valid id).  Only shapes are read: no value leaves the devices."""
+
+    def one(a):
+        shape = (int(np.shape(a)[0]) // per,) + tuple(np.shape(a)[1:])
+        dtype = np.dtype(a.dtype)
+        return np.zeros(shape, dtype) if np.issubdtype(dtype, np.integer) else np.ones(shape, dtype)
+
+    return jax.tree.map(one, batch)
+
+
+def _stage_op(model, mb):
+    """``(stage_fn(w, x), w, x)``: model stage 0's weights and its input on ``mb``, as host arrays."""
+    w = jax.tree.map(lambda a: np.asarray(a[0]), model.stage_params)
+    x = np.asarray(jax.jit(model.pre)(model.pre_params, mb))
+    ctx = model.example_context(mb) if model.context else None
+    return (lambda w, h: model.apply_stage(w, h, ctx)), w, x
+
+
+def _tick_cost(stage_fn, w, x, devices: int, ticks: int = 12, calls: int = 5) -> float:
+    """Seconds a tick's exchange adds: ``ticks`` forwards each followed by a ring ``ppermute``, against the
+    same forwards alone; the least of ``calls`` calls of each, taken in turns."""
+    if devices < 2:
+        return 0.0
+    mesh = Mesh(np.array(jax.devices()[:devices]), ("x",))
+    ring = [(i, (i + 1) % devices) for i in range(devices)]
+
+    def program(exchange: bool):
+        def body(w, h):
+            def one(i, h):
+                h = stage_fn(w, h).astype(h.dtype)
+                return lax.ppermute(h, "x", ring) if exchange else h
+
+            return jnp.sum(lax.fori_loop(0, ticks, one, h))[None]
+
+        specs = jax.tree.map(lambda _: P(), (w, x))
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("x"), check_vma=False))
+
+    args = jax.device_put((w, x), NamedSharding(mesh, P()))
+    fns = [program(True), program(False)]
+    best = [float("inf")] * 2
+    for fn in fns:
+        jax.block_until_ready(fn(*args))
+    for _ in range(calls):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return max(best[0] - best[1], 0.0) / ticks
+
+
+def measure(model, mb, devices: int, split: bool) -> RunningCosts:
+    """:class:`RunningCosts` of ``model`` (as the executor holds it: padded) on the micro-batch ``mb``, with
+    ``devices`` devices busy at once (module docstring)."""
+    from .microbench import op_costs
+
+    stage_fn, w, x = _stage_op(model, mb)
+    ops = op_costs(stage_fn, w, x, devices, [devices], split=split)
+    weight = ops["W"][-1] if split else 0.0
+    return RunningCosts(ops["F"][-1], ops["B"][-1], weight, _tick_cost(stage_fn, w, x, devices))
+
+
+def measured(model, mb, devices: int, split: bool, cache: Optional[str] = "default") -> RunningCosts:
+    """:func:`measure`, kept per (model, backend, devices, split) in the measurements cache (``cache``: a
+    path, ``"default"`` or None), the same on every process of a multi-process job (process 0's)."""
+    from .measure_cache import MeasureCache, backend_key, default_path, model_key
+
+    store = MeasureCache(default_path() if cache == "default" else cache)
+    key = ["running_costs", backend_key(), model_key(model, mb), devices, bool(split)]
+    got = store.get(key, lambda: list(measure(model, mb, devices, split)), lambda v: RunningCosts(*v))
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        got = RunningCosts(*np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(got, np.float64))))
+    return RunningCosts(*(float(v) for v in got))
+
+
+def predicted_step(s, placement: str, costs) -> float:
+    """The lockstep step of ``s``'s ``placement`` plan at ``costs`` ``(f, b, w, exchange)``: the sum over
+    ticks of the slowest device's actions, plus one exchange a tick."""
+    f, b, w, tick = costs
+    plan = s.plan(placement)
+    ops = (f, b, w) if s.has_w() else (f, b + w, 0.0)
+    return plan.lockstep_makespan(*ops) + tick * plan.num_ticks
+
+
+def against_1f1b(s, placement: str, costs) -> Optional[str]:
+    """A warning's text where ``s``'s plan is predicted slower than 1F1B's on the same devices and
+    micro-batches at ``costs`` (one model stage's; 1F1B's stage holds ``num_model_stages / D`` of them) by
+    more than 1%, else None (1F1B itself: never)."""
+    from ..schedules import build
+    from ..schedules.lanes import fastest_placement
+
+    if s.D < 2:
+        return None
+    f, b, w, tick = costs
+    k = s.num_model_stages / s.D
+    ref = build("1f1b", num_stages=s.D, num_microbatches=s.num_microbatches)
+    ref_costs = (k * f, k * (b + w), 0.0, tick)
+    mine = predicted_step(s, placement, costs)
+    ref_placement = fastest_placement(ref, ref_costs)
+    theirs = predicted_step(ref, ref_placement, ref_costs)
+    if mine <= theirs * 1.01:
+        return None
+    ticks = s.plan(placement).num_ticks, ref.plan(ref_placement).num_ticks
+    return (
+        f"jaxpipe: schedule {s.name!r} is predicted {mine / theirs:.2f}x 1F1B's step on this backend "
+        f"({mine * 1e3:.3g} ms against {theirs * 1e3:.3g} ms at D = {s.D}, M = {s.num_microbatches}; its "
+        f"{placement} plan runs {ticks[0]} ticks, 1F1B's {ticks[1]}); "
+        f"at {RunningCosts(*costs).describe()}. schedule='1f1b' is predicted faster here"
+    )

@@ -1,0 +1,133 @@
+"""A pipeline's op costs measured on the running backend at its first step (jaxpipe.tune.running_costs):
+the plans chosen again for them, still exact, kept per model and backend, and a warning where the schedule
+is predicted slower than 1F1B's."""
+
+import warnings
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jaxpipe as jp
+from jaxpipe.schedules import build
+from jaxpipe.tune import running_costs
+from helpers import reference, rel_err, small_model
+
+
+@pytest.fixture
+def measuring(monkeypatch, tmp_path):
+    """Pipelines built with the default op_costs measure (conftest: unit costs), into a fresh cache."""
+    monkeypatch.setenv(running_costs.ENV, "measure")
+    monkeypatch.setenv("JAXPIPE_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def _zb_h1(**kw):
+    model, batch_fn = small_model("mlp", 2)
+    pipe = jp.Pipeline(
+        model,
+        schedule="zb_h1",
+        num_microbatches=4,
+        optimizer=optax.sgd(0.1),
+        mesh=jp.make_mesh(stages=2),
+        nan_bubbles=True,
+        **kw,
+    )
+    return pipe, model, batch_fn(8)
+
+
+def test_a_micro_batch_like_the_batch_has_its_shapes_and_valid_ids():
+    mb = running_costs.microbatch_like({"x": np.zeros((8, 3, 2), np.float32), "y": np.ones(8, np.int32)}, 4)
+    assert mb["x"].shape == (2, 3, 2) and mb["x"].dtype == np.float32 and np.all(mb["x"] == 1)
+    assert mb["y"].shape == (2,) and mb["y"].dtype == np.int32 and np.all(mb["y"] == 0)
+
+
+def test_the_first_step_measures_the_costs_chooses_the_ticks_for_them_and_stays_exact(measuring):
+    pipe, model, batch = _zb_h1()
+    assert pipe.op_costs is None and pipe.options["costs"] is None  # nothing measured before a batch
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a predicted-slower warning may come: another test checks it
+        loss, grads = pipe.loss_and_grad(pipe.init(), batch)
+    f, b, w, tick = pipe.op_costs
+    assert f > 0 and b > 0 and w >= 0 and tick >= 0
+    assert pipe.options["costs"] == pipe.op_costs and pipe.schedule.fixed_ticks  # ticks for these costs
+    assert pipe.placement in ("lanes", "ordered") and pipe.lane_plan.placement == pipe.placement
+    ref_loss, ref_grads = reference(model, batch)
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    assert rel_err(grads, ref_grads) <= 1e-5
+    # measured once per model and backend: a second pipeline of the same model reads the cache
+    again, _, _ = _zb_h1()
+    calls = []
+    original = running_costs.measure
+    running_costs.measure = lambda *a: calls.append(a) or original(*a)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            again.loss_and_grad(again.init(), batch)
+    finally:
+        running_costs.measure = original
+    assert calls == [] and again.op_costs == pipe.op_costs
+    assert list(measuring.glob("*.json")), "nothing was written to the measurements cache"
+
+
+def test_unit_costs_measure_nothing(measuring, monkeypatch):
+    monkeypatch.setattr(running_costs, "measured", lambda *a, **k: pytest.fail("measured with 'unit'"))
+    pipe, _, batch = _zb_h1(op_costs="unit")
+    pipe.loss_and_grad(pipe.init(), batch)
+    assert pipe.op_costs is None and pipe.options["costs"] is None
+
+
+def test_a_probe_that_fails_says_so_and_keeps_the_unit_cost_plan(measuring, monkeypatch):
+    def broken(*a, **k):
+        raise RuntimeError("axis 'tensor' is not bound")
+
+    monkeypatch.setattr(running_costs, "measured", broken)
+    pipe, _, batch = _zb_h1()
+    placement = pipe.placement
+    with pytest.warns(UserWarning, match=r"could not measure op costs.*axis 'tensor'.*op_costs='unit'"):
+        pipe.loss_and_grad(pipe.init(), batch)
+    assert pipe.op_costs is None and pipe.placement == placement
+
+
+def test_a_bad_op_costs_word_says_what_it_takes(monkeypatch):
+    model, _ = small_model("mlp", 2)
+    with pytest.raises(jp.ConfigError, match=r"op_costs='fast': give 'measure'.*'unit'.*\(f, b, w"):
+        jp.Pipeline(model, num_microbatches=2, mesh=jp.make_mesh(stages=2), op_costs="fast")
+    monkeypatch.setenv(running_costs.ENV, "sometimes")
+    with pytest.raises(jp.ConfigError, match=r"\$JAXPIPE_OP_COSTS='sometimes': give 'measure'"):
+        jp.Pipeline(model, num_microbatches=2, mesh=jp.make_mesh(stages=2))
+
+
+def test_a_schedule_predicted_slower_than_1f1b_is_named_with_both_predictions():
+    s = build("zb_v", 2, 8)
+    # a tick's exchange as costly as a forward: ZB-V's ordered 49 ticks lose to 1F1B's 10
+    why = running_costs.against_1f1b(s, "ordered", (1e-3, 1e-3, 1e-3, 1e-3))
+    assert why is not None
+    assert "'zb_v' is predicted" in why and "x 1F1B's step" in why and "ms against" in why
+    assert f"{s.plan('ordered').num_ticks} ticks" in why and "schedule='1f1b'" in why
+    mine = running_costs.predicted_step(s, "ordered", (1e-3, 1e-3, 1e-3, 1e-3))
+    assert f"{mine * 1e3:.3g} ms against" in why
+    # no exchange cost: ZB-V's smaller bubble wins, nothing to say
+    assert running_costs.against_1f1b(s, "ordered", (1e-3, 1e-3, 1e-3, 0.0)) is None
+    assert running_costs.against_1f1b(build("1f1b", 2, 8), "lanes", (1.0, 1.0, 1.0, 9.0)) is None
+
+
+def test_hand_given_costs_that_make_the_schedule_lose_warn_when_it_is_built():
+    model, _ = small_model("mlp", 4)
+    with pytest.warns(UserWarning, match=r"'interleaved_1f1b' is predicted .*x 1F1B's step"):
+        jp.Pipeline(
+            model,
+            schedule="interleaved_1f1b",
+            num_microbatches=4,
+            mesh=jp.make_mesh(stages=2),
+            op_costs=(1.0, 2.0, 0.0, 5.0),
+        )
+
+
+def test_the_costs_of_one_backend_measure_positive_and_a_tick_on_one_device_is_free():
+    model, batch_fn = small_model("mlp", 2)
+    mb = running_costs.microbatch_like(batch_fn(4), 2)
+    one = running_costs.measure(model, mb, 1, True)
+    assert one.tick == 0.0 and one.forward > 0 and one.backward > 0 and one.weight > 0
+    assert all(np.isfinite(one)) and jax.device_count() >= 2
