@@ -244,6 +244,21 @@ def report(rows: Sequence[Row], heading: str) -> str:
     return "\n".join(out)
 
 
+def placed(plans) -> str:
+    """One line per jaxpipe pipeline: the placement its first step chose, and the op costs it chose it for
+    (measured on this testbed unless given)."""
+    out = []
+    for key, (placement, costs) in sorted(plans.items()):
+        M, _, spec = key.partition(",")
+        where = (
+            ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in zip(("F", "B", "W", "tick"), costs))
+            if costs
+            else "unit costs"
+        )
+        out.append(f"jaxpipe M={M} {spec}: {placement}, for {where}")
+    return "\n".join(out)
+
+
 def main(argv):
     del argv
     from experiments.bench import machine_load, reliability
@@ -253,7 +268,7 @@ def main(argv):
     load = machine_load()
     jax_pair, torch_pair = _pairs(peer_python(FLAGS.peer_python))
     try:
-        jax_pair.answers()  # both pairs built and warm
+        plans = jax_pair.answers()[0].get("plans", {})  # both pairs built and warm
         torch_ready = torch_pair.answers()[0]
         import jax
 
@@ -273,6 +288,7 @@ def main(argv):
         torch_pair.close()
     rows = table(times, FLAGS.schedules.split(","), [e for e in FLAGS.extra.split(",") if e])
     print(report(rows, versions))
+    print(placed(plans))
     spreads = {
         f"M={r.M} {r.schedule} jaxpipe/PyTorch": r.jaxpipe_to_torch for r in rows if r.jaxpipe_to_torch
     }

@@ -253,13 +253,13 @@ def worker(pid: int):
             for _ in range(2):
                 s = pipe.step(s, b)[0]
             runs[(M, spec)] = [lambda s, pipe=pipe, b=b: pipe.step(s, b)[0], s]
-            meta[(M, spec)] = (name, pipe.placement)
+            meta[(M, spec)] = (name, pipe.placement, pipe.op_costs)  # as chosen at the first step
     idled = _idle_link_thread() if FLAGS.link_thread == "idle" else None
     plains = {M: _plain_step(Ws, x, y, M) for M in {k[0] for k in runs}} if pid == 0 else {}
     for M, fn in plains.items():  # process 0 alone, on its core, in the same rounds (the other waits)
         runs[(M, "plain")] = [fn, jax.block_until_ready(fn(fn(Ws)))]  # compiled and warm
     if FLAGS.serve:
-        return _serve(pid, runs)
+        return _serve(pid, runs, meta)
     # one layer's F, B, B's input part and W on this core, per stage size and micro-batch: a W that costs more
     # than a forward narrows ZB's gain.  Timed on both processes at once (process 0's reported), as the ticks
     # run them, or on process 0 alone (--ops_alone; the other waits in the link's first exchange)
@@ -294,7 +294,7 @@ def worker(pid: int):
                     "plain": {M: got[(M, "plain")] for M in plains},
                     "costs": costs,
                     "steps": [
-                        [M, spec, meta[(M, spec)][1], t] for (M, spec), t in got.items() if spec != "plain"
+                        [M, spec, *meta[(M, spec)][1:], t] for (M, spec), t in got.items() if spec != "plain"
                     ],
                     "rounds": {f"{M},{spec}": v for (M, spec), v in per_round.items()},
                 }
@@ -303,13 +303,16 @@ def worker(pid: int):
         )
 
 
-def _serve(pid, runs):
+def _serve(pid, runs, meta):
     """Time one round of every run (:func:`experiments.bench.round_steps`) for each ``round`` line on standard
     input, answering a JSON line each (process 0 ``{"M,schedule": seconds of a step}``, process 1 ``{}``),
-    until ``quit``: :mod:`experiments.peer` alternates these rounds with PyTorch's."""
+    until ``quit``: :mod:`experiments.peer` alternates these rounds with PyTorch's.  The first line says
+    ``ready`` and, on process 0, each pipeline's placement and the op costs it was placed for
+    (``{"plans": {"M,schedule": [placement, op_costs]}}``)."""
     from experiments.bench import round_steps
 
-    print(json.dumps({"ready": True}), flush=True)
+    plans = {f"{M},{spec}": list(m[1:]) for (M, spec), m in meta.items()} if pid == 0 else {}
+    print(json.dumps({"ready": True, **({"plans": plans} if plans else {})}), flush=True)
     for line in sys.stdin:
         if line.strip() != "round":
             break
@@ -445,13 +448,18 @@ def report(res):
     W, L = FLAGS.width, FLAGS.layers
     rows = []
     given = _op_costs()
-    for M, spec, placement, t in res["steps"]:
+    for M, spec, placement, chosen_for, t in res["steps"]:
         name = spec.partition(":")[0]
         unit = name.endswith("/unit")
         name = name.removesuffix("/unit")
         extra = {"virtual": 2} if name == "interleaved_1f1b" else {}
-        if name in ("zb_h1", "zb_v") and given and not unit:
-            extra["costs"] = given  # the plan the pipeline ran
+        if name in ("zb_h1", "zb_v") and chosen_for and not unit:
+            extra["costs"] = tuple(chosen_for)  # the plan the pipeline ran: its ticks for these costs
+        if chosen_for and not given:
+            print(
+                f"M={M} {spec}: placed {placement} for op costs measured at its first step: "
+                + ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in zip(("F", "B", "W", "tick"), chosen_for))
+            )
         s = _own_schedule(jp, name, M) or jp.schedules.build(name, 2, M, **extra)
         plain = res["plain"][str(M)]
         per = L / s.num_model_stages

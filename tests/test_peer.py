@@ -72,7 +72,14 @@ def test_jaxpipes_workers_serve_a_round_for_each_line_and_stop_on_quit():
         "jaxpipe",
     )
     try:
-        assert pair.answers() == [{"ready": True}, {"ready": True}]
+        ready = pair.answers()
+        assert ready[1] == {"ready": True} and ready[0]["ready"] is True
+        plans = ready[0]["plans"]  # placed at the first step for costs measured on both processes
+        assert (
+            set(plans) == {"2,1f1b", "2,zb_h1", "2,gpipe:ordered"}
+            and plans["2,gpipe:ordered"][0] == "ordered"
+        )
+        assert all(len(costs) == 4 and costs[0] > 0 for _, costs in plans.values())
         for _ in range(2):
             first, second = pair.ask("round")
             assert set(first) == {"2,1f1b", "2,zb_h1", "2,gpipe:ordered", "2,plain"} and second == {}

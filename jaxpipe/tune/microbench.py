@@ -50,12 +50,22 @@ def time_branches(fn: Callable, n: int, args, calls: int, per: int) -> List[floa
 
 
 def op_costs(
-    stage_fn, w, x, devices: int, busy: Sequence[int], reps: int = 8, split: bool = False
+    stage_fn,
+    w,
+    x,
+    devices: int,
+    busy: Sequence[int],
+    reps: int = 8,
+    split: bool = False,
+    kinds: Sequence[str] = (),
+    best: bool = False,
 ) -> Dict[str, List[float]]:
     """``{"F": [...], "B": [...] (, "W": [...])}``: seconds per op with n of ``devices`` busy, for every n
     in 1..devices (measured at ``busy``, linearly interpolated between).  B is the pullback only (the
     executor rebuilds it from stashed residuals, it does not rerun the forward); with ``split`` B is the
-    input gradient and W the weight gradient (zero-bubble)."""
+    input gradient and W the weight gradient alone (zero-bubble; a stage of several layers still
+    back-propagates through them for it).  ``kinds``: only these; ``best``: the least of the timed calls, not
+    their median."""
     mesh = _flat_mesh(devices)
     rep_spec = jax.tree.map(lambda _: P(), (w, x))
 
@@ -90,12 +100,12 @@ def op_costs(
 
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=rep_spec, out_specs=P("x"), check_vma=False))
 
-    kinds = ["F", "B"] + (["W"] if split else [])
+    kinds = list(kinds) or ["F", "B"] + (["W"] if split else [])
     w_r = jax.device_put(w, NamedSharding(mesh, P()))
     x_r = jax.device_put(x, NamedSharding(mesh, P()))
     out = {}
     for kind in kinds:
-        pts = {n: _timeit(program(kind, n), (w_r, x_r)) / reps for n in busy}
+        pts = {n: _timeit(program(kind, n), (w_r, x_r), best=best) / reps for n in busy}
         xs = sorted(pts)
         out[kind] = [float(np.interp(n, xs, [pts[k] for k in xs])) for n in range(1, devices + 1)]
     return out

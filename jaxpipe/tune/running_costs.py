@@ -10,8 +10,11 @@ measures them at its first step (``op_costs=None``, :func:`measured`), on every 
 once, as its ticks run them:
 
 * F, B, W: :func:`jaxpipe.tune.microbench.op_costs` of one model stage (stage 0's weights) on one
-  micro-batch of the step's shapes (ones; integer inputs zeros): a split schedule's B is the input gradient
-  and its W the weight gradient, a whole one's B the whole backward;
+  micro-batch of the step's shapes (ones; integer inputs zeros), the least of a few calls: a whole
+  schedule's B is the whole backward; a split one's B the input gradient alone and its W what the whole
+  backward costs beyond it -- the executor's W reads the per-layer output gradients its B kept
+  (:mod:`jaxpipe.runtime.wsplit`), where a W timed alone would back-propagate through the stage's layers
+  again (on the testbed's stage of 4 layers: twice the input gradient's cost);
 * the tick: a loop of ticks, each a forward on every device and one ``ppermute`` around the stage ring,
   against the same loop without the exchange; the difference per tick is what a tick's exchange and its
   rendezvous add (the latency, the bytes and the wait for the slower device).
@@ -122,9 +125,12 @@ def measure(model, mb, devices: int, split: bool) -> RunningCosts:
     from .microbench import op_costs
 
     stage_fn, w, x = _stage_op(model, mb)
-    ops = op_costs(stage_fn, w, x, devices, [devices], split=split)
-    weight = ops["W"][-1] if split else 0.0
-    return RunningCosts(ops["F"][-1], ops["B"][-1], weight, _tick_cost(stage_fn, w, x, devices))
+    ops = op_costs(stage_fn, w, x, devices, [devices], best=True)
+    f, whole = ops["F"][-1], ops["B"][-1]
+    if not split:
+        return RunningCosts(f, whole, 0.0, _tick_cost(stage_fn, w, x, devices))
+    b_in = op_costs(stage_fn, w, x, devices, [devices], split=True, kinds=["B"], best=True)["B"][-1]
+    return RunningCosts(f, b_in, max(whole - b_in, 0.0), _tick_cost(stage_fn, w, x, devices))
 
 
 def measured(model, mb, devices: int, split: bool, cache: Optional[str] = "default") -> RunningCosts:
