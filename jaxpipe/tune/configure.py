@@ -96,7 +96,10 @@ class Candidate:
         return (self.fsdp, self.tensor)
 
     def pipeline_kwargs(self) -> dict:
-        """What to give ``jp.Pipeline`` (with the model cut into :meth:`model_stages` stages)."""
+        """What to give ``jp.Pipeline`` (with the model cut into :meth:`model_stages` stages): the program the
+        search built, predicted and timed -- its placement, and ``op_costs="unit"``, so that the pipeline does
+        not place its plan again for costs measured at its first step (the search measured its stage's costs
+        and timed the candidates itself)."""
         from ..runtime.mesh import make_mesh
 
         return {
@@ -107,6 +110,7 @@ class Candidate:
             "options": self._options(),
             **({"batch_axes": ("data", "fsdp")} if self.fsdp > 1 else {}),
             **({"placement": self.placement} if self.placement else {}),
+            "op_costs": "unit",
         }
 
     def _options(self) -> dict:
