@@ -2,10 +2,10 @@
 session.
 
 The testbed of :mod:`experiments.two_devices`: two processes, each pinned to its own core, are a real
-pipeline (an MLP of ``--layers`` ``tanh(h @ W)`` layers, W ``--width``², batch ``--batch``, SGD).  Four
-processes start at once -- jaxpipe's pair (``two_devices --serve``, Gloo collectives, default options) and
-PyTorch's pair (:mod:`experiments.torch_peer`, Gloo, one thread) -- and each builds and warms up its
-schedules.  Then the rounds alternate between the two libraries (jaxpipe first in odd rounds, PyTorch first
+pipeline (an MLP of ``--layers`` ``tanh(h @ W)`` layers, W ``--width``², batch ``--batch``, SGD).  jaxpipe's pair
+(``two_devices --serve``, Gloo collectives, default options: each pipeline measures its op costs at its first
+step) builds and warms up its schedules first, then PyTorch's pair (:mod:`experiments.torch_peer`, Gloo, one
+thread) does, so that nothing else runs on the cores while jaxpipe measures.  Then the rounds alternate between the two libraries (jaxpipe first in odd rounds, PyTorch first
 in even ones), one pair running while the other waits on its standard input, so a slow phase of the machine
 touches both alike; within a round every schedule runs 3 steps in turn.  The table: the median step of each
 schedule in each library, its ratio to the same library's 1F1B (median of the per-round ratios, +- half
@@ -142,31 +142,39 @@ class Pair:
                 proc.kill()
 
 
-def _pairs(torch_python: str):
-    common = [
+def _common():
+    return [
         f"--microbatches={FLAGS.microbatches}",
         f"--layers={FLAGS.layers}",
         f"--width={FLAGS.width}",
         f"--batch={FLAGS.batch}",
     ]
+
+
+def _env():
     from jaxpipe import host_memory
 
-    env = {**os.environ, **host_memory.KEEP_FREED_ENV, "OMP_NUM_THREADS": "1"}
+    return {**os.environ, **host_memory.KEEP_FREED_ENV, "OMP_NUM_THREADS": "1"}
+
+
+def _jax_pair():
     runs = ",".join(filter(None, [FLAGS.schedules, FLAGS.extra]))
-    jax_cmd = [sys.executable, "-m", "experiments.two_devices", *common, f"--schedules={runs}"]
+    jax_cmd = [sys.executable, "-m", "experiments.two_devices", *_common(), f"--schedules={runs}"]
     jax_cmd += [f"--port={FLAGS.port}", "--serve"]
-    jax_pair = Pair("jaxpipe", [jax_cmd + [f"--worker={p}"] for p in (0, 1)], env)
+    return Pair("jaxpipe", [jax_cmd + [f"--worker={p}"] for p in (0, 1)], _env())
+
+
+def _torch_pair(torch_python: str):
     torch_cmd = lambda r: [
         torch_python,
         "-m",
         "experiments.torch_peer",
         str(r),
         str(FLAGS.port + 1),
-        *common,
+        *_common(),
         f"--schedules={FLAGS.schedules}",
     ]
-    torch_pair = Pair("PyTorch", [torch_cmd(r) for r in (0, 1)], env)
-    return jax_pair, torch_pair
+    return Pair("PyTorch", [torch_cmd(r) for r in (0, 1)], _env())
 
 
 def collect(jax_pair, torch_pair, rounds: int):
@@ -266,9 +274,13 @@ def main(argv):
     if "1f1b" not in FLAGS.schedules.split(","):
         raise app.UsageError("--schedules must include 1f1b: every ratio is to the same library's 1F1B")
     load = machine_load()
-    jax_pair, torch_pair = _pairs(peer_python(FLAGS.peer_python))
+    torch_python = peer_python(FLAGS.peer_python)
+    # jaxpipe's pipelines measure their op costs at their first step: built before PyTorch's pair starts, so
+    # that its warm-up does not share their cores (measured beside it, one stage's F moved 2x)
+    jax_pair, torch_pair = _jax_pair(), None
     try:
-        plans = jax_pair.answers()[0].get("plans", {})  # both pairs built and warm
+        plans = jax_pair.answers()[0].get("plans", {})  # built and warm
+        torch_pair = _torch_pair(torch_python)
         torch_ready = torch_pair.answers()[0]
         import jax
 
@@ -285,7 +297,8 @@ def main(argv):
         times = collect(jax_pair, torch_pair, FLAGS.rounds)
     finally:
         jax_pair.close()
-        torch_pair.close()
+        if torch_pair is not None:
+            torch_pair.close()
     rows = table(times, FLAGS.schedules.split(","), [e for e in FLAGS.extra.split(",") if e])
     print(report(rows, versions))
     print(placed(plans))
