@@ -15,7 +15,7 @@ once, as its ticks run them:
   backward costs beyond it -- the executor's W reads the per-layer output gradients its B kept
   (:mod:`jaxpipe.runtime.wsplit`), where a W timed alone would back-propagate through the stage's layers
   again (on the testbed's stage of 4 layers: twice the input gradient's cost);
-* the tick: a loop of ticks, each a forward on every device and one ``ppermute`` around the stage ring,
+* the tick: a loop of 16 ticks, each a forward on every device and one ``ppermute`` around the stage ring,
   against the same loop without the exchange; the difference per tick is what a tick's exchange and its
   rendezvous add (the latency, the bytes and the wait for the slower device).
 
@@ -87,7 +87,7 @@ def _stage_op(model, mb):
     return (lambda w, h: model.apply_stage(w, h, ctx)), w, x
 
 
-def _tick_cost(stage_fn, w, x, devices: int, ticks: int = 12, calls: int = 5) -> float:
+def _tick_cost(stage_fn, w, x, devices: int, ticks: int = 16, calls: int = 7) -> float:
     """Seconds a tick's exchange adds: ``ticks`` forwards each followed by a ring ``ppermute``, against the
     same forwards alone; the least of ``calls`` calls of each, taken in turns."""
     if devices < 2:
