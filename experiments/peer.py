@@ -1,15 +1,16 @@
 """jaxpipe's schedules beside PyTorch's own (``torch.distributed.pipelining``) on the same two devices, in one
 session.
 
-The testbed of :mod:`experiments.two_devices`: two processes, each pinned to its own core, are a real
-pipeline (an MLP of ``--layers`` ``tanh(h @ W)`` layers, W ``--width``², batch ``--batch``, SGD).  jaxpipe's pair
+The testbed of :mod:`experiments.two_devices`: two processes, each pinned to its own core, are a real pipeline
+(an MLP of ``--layers`` ``tanh(h @ W)`` layers, W ``--width``², batch ``--batch``, SGD). jaxpipe's pair
 (``two_devices --serve``, Gloo collectives, default options: each pipeline measures its op costs at its first
 step) builds and warms up its schedules first, then PyTorch's pair (:mod:`experiments.torch_peer`, Gloo, one
-thread) does, so that nothing else runs on the cores while jaxpipe measures.  Then the rounds alternate between the two libraries (jaxpipe first in odd rounds, PyTorch first
-in even ones), one pair running while the other waits on its standard input, so a slow phase of the machine
-touches both alike; within a round every schedule runs 3 steps in turn.  The table: the median step of each
-schedule in each library, its ratio to the same library's 1F1B (median of the per-round ratios, +- half
-their interquartile range) and jaxpipe's step over PyTorch's.
+thread) does, so that nothing else runs on the cores while jaxpipe measures. Then the rounds alternate between
+the two libraries (jaxpipe first in odd rounds, PyTorch first in even ones), one pair running while the other
+waits on its standard input, so a slow phase of the machine touches both alike; within a round every schedule
+runs 3 steps in turn. The table: the median step of each schedule in each library, its ratio to the same
+library's 1F1B (median of the per-round ratios, +- half their interquartile range) and jaxpipe's step over
+PyTorch's.
 
     python -m experiments.peer                                   # M = 4 and 8, the six shared schedules
     python -m experiments.peer --microbatches=4 --schedules=1f1b,zb_h1 --rounds=5

@@ -473,7 +473,11 @@ def report(res):
             f = plain * fo / (M * L * (fo + bo + wo))
             lc = LayerCosts(f, f * (bo + wo) / fo, f * bo / fo, f * wo / fo)
         act = (FLAGS.batch // M) * W * 4
-        parts = predict_devices(s, lc, per, 0.0, link, act, per * W * W * 4, placement=placement)
+        # a tick's price as the pipeline measured it, less the one message it holds (priced by the link)
+        meet = max(chosen_for[3] - link(act), 0.0) if chosen_for and len(chosen_for) > 3 else 0.0
+        parts = predict_devices(
+            s, lc, per, 0.0, link, act, per * W * W * 4, placement=placement, rendezvous=meet
+        )
         rows.append([M, spec, placement, t, plain, parts])
     ref = [(parts, t) for M, spec, _, t, _, parts in rows if spec == "1f1b"]
     scale, fixed = (

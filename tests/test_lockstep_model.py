@@ -232,3 +232,15 @@ def test_a_placement_tie_goes_to_the_plan_with_fewer_stash_slots():
     assert ordered.lockstep_makespan(*unit_costs(s)) == lanes.lockstep_makespan(*unit_costs(s))
     assert (ordered.stash_capacity, lanes.stash_capacity) == (4, 5)
     assert fastest_placement(s) == "ordered"
+
+
+def test_a_ticks_rendezvous_is_paid_once_per_tick_of_the_plan():
+    """ZB-V's ordered plan runs more ticks than 1F1B's lanes: a rendezvous priced per tick charges it more."""
+    zb_v, one_f_one_b = build("zb_v", D=2, M=8), build("1f1b", D=2, M=8)
+    for s, placement in ((zb_v, "ordered"), (one_f_one_b, "lanes")):
+        free = predict_devices(s, UNIT, 1.0, 0.0, FREE, 1.0, 1.0, placement=placement)
+        paid = predict_devices(s, UNIT, 1.0, 0.0, FREE, 1.0, 1.0, placement=placement, rendezvous=0.5)
+        ticks = s.plan(placement).num_ticks
+        assert paid["rendezvous"] == pytest.approx(0.5 * ticks) and free["rendezvous"] == 0.0
+        assert paid["step"] == pytest.approx(free["step"] + 0.5 * ticks)
+    assert zb_v.plan("ordered").num_ticks > 2 * one_f_one_b.plan("lanes").num_ticks

@@ -202,6 +202,7 @@ def predict_devices(
     scale: float = 1.0,
     fixed: float = 0.0,
     edges: EdgeCosts = None,
+    rendezvous: float = 0.0,
 ) -> Dict[str, float]:
     """The step's seconds on ``s.D`` real devices (module docstring), and its parts.
 
@@ -217,9 +218,13 @@ def predict_devices(
         scale: the ops' measured costs are multiplied by it (:func:`calibrate_step`).
         fixed: seconds a step adds beyond its ticks (:func:`calibrate_step`).
         edges: the embedding's and the head's costs, on the first and last model stage's ops.
+        rendezvous: seconds a tick's exchange adds beyond its messages' bytes, once per tick: the wait for
+            the slower device and the link's wake-up (a tick's measured price,
+            :class:`~jaxpipe.tune.running_costs.RunningCosts`, less one message's ``link`` cost).
 
     Returns:
-        ``{"step", "compute", "busy", "fixed", "messages", "layout", "lane_ticks", "ticks", "ppermutes"}``.
+        ``{"step", "compute", "busy", "fixed", "messages", "layout", "lane_ticks", "ticks", "ppermutes",
+        "rendezvous"}``.
     """
     ops = _lane_ops(s, layers_per_stage, costs, placement, edges)
     lanes = _compiled_lane_ticks(s, placement)
@@ -229,8 +234,9 @@ def predict_devices(
     msgs = float(_messages(s, placement).sum() * link(act_bytes))
     n_layout = layout_bytes(s, stage_bytes)
     layout = link(n_layout / 2) * 2 if n_layout else 0.0
+    meet = float(rendezvous * lanes.shape[0])
     return {
-        "step": scale * compute + lane_fixed + msgs + layout + fixed,
+        "step": scale * compute + lane_fixed + msgs + layout + fixed + meet,
         "compute": scale * compute,
         "busy": scale * busy,
         "fixed": lane_fixed + fixed,
@@ -239,6 +245,7 @@ def predict_devices(
         "lane_ticks": float(lanes.sum()),
         "ticks": float(lanes.shape[0]),
         "ppermutes": float(_messages(s, placement).sum()),
+        "rendezvous": meet,
     }
 
 
