@@ -15,9 +15,10 @@ once, as its ticks run them:
   backward costs beyond it -- the executor's W reads the per-layer output gradients its B kept
   (:mod:`jaxpipe.runtime.wsplit`), where a W timed alone would back-propagate through the stage's layers
   again (on the testbed's stage of 4 layers: twice the input gradient's cost);
-* the tick: a loop of 16 ticks, each a forward on every device and one ``ppermute`` around the stage ring,
-  against the same loop without the exchange; the difference per tick is what a tick's exchange and its
-  rendezvous add (the latency, the bytes and the wait for the slower device).
+* the tick: loops of 4 and of 16 ticks, each a forward on every device and one ``ppermute`` around the stage
+  ring, against the same loops without the exchange; the difference per tick (the short loop subtracted
+  from the long one, so that a call's own start cancels) is what a tick's exchange and its rendezvous add
+  (the latency, the bytes and the wait for the slower device).
 
 They are kept per (model, backend) in :class:`~jaxpipe.tune.measure_cache.MeasureCache` (a second run
 measures nothing); in a multi-process job process 0's measurement is sent to every process, so that every
@@ -87,36 +88,40 @@ def _stage_op(model, mb):
     return (lambda w, h: model.apply_stage(w, h, ctx)), w, x
 
 
-def _tick_cost(stage_fn, w, x, devices: int, ticks: int = 16, calls: int = 7) -> float:
-    """Seconds a tick's exchange adds: ``ticks`` forwards each followed by a ring ``ppermute``, against the
-    same forwards alone; the least of ``calls`` calls of each, taken in turns."""
+def _tick_cost(stage_fn, w, x, devices: int, ticks=(4, 16), calls: int = 7) -> float:
+    """Seconds a tick's exchange adds: loops of ``ticks[0]`` and ``ticks[1]`` forwards, each followed by a
+    ring ``ppermute``, against the same loops without it; each loop the least of ``calls`` calls, all taken in
+    turns.  The short loop's time is subtracted from the long one's, so what a call pays once -- its dispatch,
+    the wait for the other processes to enter it (their previous call ran apart) -- cancels."""
     if devices < 2:
         return 0.0
     mesh = Mesh(np.array(jax.devices()[:devices]), ("x",))
     ring = [(i, (i + 1) % devices) for i in range(devices)]
 
-    def program(exchange: bool):
+    def program(exchange: bool, n: int):
         def body(w, h):
             def one(i, h):
                 h = stage_fn(w, h).astype(h.dtype)
                 return lax.ppermute(h, "x", ring) if exchange else h
 
-            return jnp.sum(lax.fori_loop(0, ticks, one, h))[None]
+            return jnp.sum(lax.fori_loop(0, n, one, h))[None]
 
         specs = jax.tree.map(lambda _: P(), (w, x))
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("x"), check_vma=False))
 
     args = jax.device_put((w, x), NamedSharding(mesh, P()))
-    fns = [program(True), program(False)]
-    best = [float("inf")] * 2
-    for fn in fns:
+    kinds = [(exchange, n) for exchange in (True, False) for n in ticks]
+    fns = {k: program(*k) for k in kinds}
+    best = dict.fromkeys(kinds, float("inf"))
+    for fn in fns.values():
         jax.block_until_ready(fn(*args))
     for _ in range(calls):
-        for i, fn in enumerate(fns):
+        for k, fn in fns.items():
             t0 = time.perf_counter()
             jax.block_until_ready(fn(*args))
-            best[i] = min(best[i], time.perf_counter() - t0)
-    return max(best[0] - best[1], 0.0) / ticks
+            best[k] = min(best[k], time.perf_counter() - t0)
+    per_tick = {e: (best[(e, ticks[1])] - best[(e, ticks[0])]) / (ticks[1] - ticks[0]) for e in (True, False)}
+    return max(per_tick[True] - per_tick[False], 0.0)
 
 
 def measure(model, mb, devices: int, split: bool) -> RunningCosts:
