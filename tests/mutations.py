@@ -735,6 +735,22 @@ MUTATIONS = [
         "        rows = bench.rows // c.microbatches\n",
         "tests/test_configure.py::test_each_candidates_stage_is_predicted_at_its_own_micro_batch_rows",
     ),
+    Mutation(
+        "w_timed_as_the_whole_backward",
+        "jaxpipe/tune/running_costs.py",
+        "    return RunningCosts(f, b_in, max(whole - b_in, 0.0), _tick_cost(stage_fn, w, x, devices))\n",
+        "    return RunningCosts(f, b_in, whole, _tick_cost(stage_fn, w, x, devices))\n",
+        "tests/test_running_costs.py::"
+        "test_a_split_backwards_weight_part_is_what_the_whole_costs_beyond_its_input_part",
+    ),
+    Mutation(
+        "measured_costs_not_placed_for",
+        "jaxpipe/pipeline.py",
+        "        self._place(self.op_costs)\n",
+        "        self._place(None)\n",
+        "tests/test_running_costs.py::"
+        "test_the_first_step_measures_the_costs_chooses_the_ticks_for_them_and_stays_exact",
+    ),
 ]
 
 

@@ -131,3 +131,21 @@ def test_the_costs_of_one_backend_measure_positive_and_a_tick_on_one_device_is_f
     one = running_costs.measure(model, mb, 1, True)
     assert one.tick == 0.0 and one.forward > 0 and one.backward > 0 and one.weight > 0
     assert all(np.isfinite(one)) and jax.device_count() >= 2
+
+
+def test_a_split_backwards_weight_part_is_what_the_whole_costs_beyond_its_input_part(monkeypatch):
+    """The executor's W reads the output gradients its B kept; a W timed alone would back-propagate again."""
+    from jaxpipe.tune import microbench
+
+    def fake(stage_fn, w, x, devices, busy, split=False, kinds=(), best=False, **_):
+        if split:
+            return {"B": [0.004]}  # the input gradient alone
+        return {"F": [0.003], "B": [0.010]}  # the forward, the whole backward
+
+    monkeypatch.setattr(microbench, "op_costs", fake)
+    model, batch_fn = small_model("mlp", 2)
+    mb = running_costs.microbatch_like(batch_fn(4), 2)
+    split = running_costs.measure(model, mb, 1, True)
+    assert split.forward == 0.003 and split.backward == 0.004 and split.weight == pytest.approx(0.006)
+    whole = running_costs.measure(model, mb, 1, False)
+    assert whole.backward == 0.010 and whole.weight == 0.0
