@@ -446,6 +446,15 @@ def check_costs(costs, label: str = "costs") -> Tuple[float, ...]:
     return vals
 
 
+def lockstep_step(s: Schedule, placement: str, costs: Sequence[float]) -> float:
+    """The lockstep step of ``s``'s ``placement`` plan at ``costs`` ``(f, b, w[, exchange])``: the sum over
+    ticks of the slowest device's actions (a whole backward costs b + w), plus one exchange a tick."""
+    f, b, w, *rest = costs
+    plan = s.plan(placement)
+    ops = (f, b, w) if s.has_w() else (f, b + w, 0.0)
+    return plan.lockstep_makespan(*ops) + (rest[0] if rest else 0.0) * plan.num_ticks
+
+
 def fastest_placement(s: Schedule, costs: Optional[Sequence[float]] = None) -> str:
     """The placement whose plan has the smaller lockstep step (``Pipeline``'s ``placement="auto"``) at
     ``costs`` -- ``(f, b, w)``: one stage's forward, its backward's input part and its weight part, in any one
@@ -460,14 +469,10 @@ def fastest_placement(s: Schedule, costs: Optional[Sequence[float]] = None) -> s
         # Chimera's forward doubling: the ordered plan pairs forwards, and the executor runs a pair as one
         # double-size forward (``double_batch``), which a context model cannot; asked for, it is ordered
         return "lanes"
-    exchange = 0.0
-    if costs is None:
-        costs = unit_costs(s)
-    else:
-        f, b, w, *rest = check_costs(costs)
-        costs, exchange = ((f, b, w) if s.has_w() else (f, b + w, 0.0)), (rest[0] if rest else 0.0)
-    step = lambda p: s.plan(p).lockstep_makespan(*costs) + exchange * s.plan(p).num_ticks
-    key = {p: (round(step(p), 9), s.plan(p).stash_capacity, p) for p in ("ordered", "lanes")}
+    costs = unit_costs(s) if costs is None else check_costs(costs)
+    key = {
+        p: (round(lockstep_step(s, p, costs), 9), s.plan(p).stash_capacity, p) for p in ("ordered", "lanes")
+    }
     return min(key, key=key.get)
 
 

@@ -36,6 +36,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ..schedules.lanes import lockstep_step as predicted_step  # the step every plan is ranked by
+
 #: ``Pipeline(op_costs=...)``'s default where none is given: ``"measure"`` (at the first step) or ``"unit"``
 #: (rank at unit costs, measure nothing): the environment's ``$JAXPIPE_OP_COSTS``, if set
 ENV = "JAXPIPE_OP_COSTS"
@@ -151,15 +153,6 @@ def measured(model, mb, devices: int, split: bool, cache: Optional[str] = "defau
 
         got = RunningCosts(*np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(got, np.float64))))
     return RunningCosts(*(float(v) for v in got))
-
-
-def predicted_step(s, placement: str, costs) -> float:
-    """The lockstep step of ``s``'s ``placement`` plan at ``costs`` ``(f, b, w, exchange)``: the sum over
-    ticks of the slowest device's actions, plus one exchange a tick."""
-    f, b, w, tick = costs
-    plan = s.plan(placement)
-    ops = (f, b, w) if s.has_w() else (f, b + w, 0.0)
-    return plan.lockstep_makespan(*ops) + tick * plan.num_ticks
 
 
 def against_1f1b(s, placement: str, costs) -> Optional[str]:
