@@ -619,8 +619,8 @@ MUTATIONS = [
     Mutation(
         "placement_tie_by_name",
         "jaxpipe/schedules/lanes.py",
-        '    key = {p: (round(step(p), 9), s.plan(p).stash_capacity, p) for p in ("ordered", "lanes")}\n',
-        '    key = {p: (round(step(p), 9), p) for p in ("ordered", "lanes")}\n',
+        '        p: (round(lockstep_step(s, p, costs), 9), s.plan(p).stash_capacity, p) for p in ("ordered", "lanes")\n',
+        '        p: (round(lockstep_step(s, p, costs), 9), p) for p in ("ordered", "lanes")\n',
         "tests/test_lockstep_model.py::test_a_placement_tie_goes_to_the_plan_with_fewer_stash_slots",
     ),
     # a chunked checkpoint read in the reader's layout on another number of devices (blocks swapped, silently)
