@@ -50,6 +50,8 @@ TESTS = [
     "tests/test_wpipe.py::test_matches_serial_reference[2-2-momentum]",
     "tests/test_avgpipe.py::test_matches_serial_reference[2-2-3-2-sgd-1]",
     "tests/test_cyclic_dp.py::test_matches_serial_reference[v1-2-sgd]",
+    # every planted bug still applies (a refactor that moves its text fails here, not in CI)
+    "tests/test_mutations.py::test_every_mutation_applies_to_the_code_as_it_is",
     # a checkpoint resumes bit for bit
     "tests/test_checkpoint.py::test_resume_is_bit_equal[1f1b]",
 ]
