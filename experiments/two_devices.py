@@ -29,7 +29,6 @@ import os
 import subprocess
 import tempfile
 import sys
-import time
 
 from jaxpipe.cli import common as cli
 from absl import app, flags
@@ -124,37 +123,32 @@ def _model(jp, jnp, Ws, stages):
 
 def _link(pid, sizes):
     """``[(bytes, seconds)]``: one exchange between the two processes *inside* a compiled loop (as the
-    executor's run), for messages of ``sizes`` float32 elements: a loop of 5 and of 25 exchanges timed, the
-    difference over the 20 extra exchanges is one's cost.  (A separately jitted ppermute also pays a call's
-    dispatch on both processes, 1-3 ms here: that is a step's fixed cost, not a tick's.)"""
+    executor's run), for messages of ``sizes`` float32 elements: loops of 5 and of 25 exchanges, the
+    difference over the 20 extra exchanges (:func:`jaxpipe.tune.microbench.per_iteration`; a separately
+    jitted ppermute also pays a call's dispatch on both processes, 1-3 ms here: a step's fixed cost, not a
+    tick's)."""
     import jax
     import numpy as np
     from jax import lax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
+    from jaxpipe.tune.microbench import per_iteration
+
     mesh = jax.make_mesh((2,), ("stage",))
-    best = {}
-    for _ in range(2):  # every size twice, the cheaper kept: the first loops also pay the link's warm-up
-        for n in sizes:
-            x = jax.make_array_from_process_local_data(
-                NamedSharding(mesh, P("stage")), np.ones((n,), np.float32)
-            )
-            per = {}
-            for k in (5, 25):
-                loop = lambda a, k=k: lax.fori_loop(
-                    0, k, lambda i, a: lax.ppermute(a, "stage", [(0, 1), (1, 0)]), a
-                )
-                f = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=P("stage"), out_specs=P("stage")))
-                jax.block_until_ready(f(f(x)))
-                t = []
-                for _ in range(5):
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(f(x))
-                    t.append(time.perf_counter() - t0)
-                per[k] = float(np.median(t))
-            one = max(per[25] - per[5], 0.0) / 20
-            best[n] = min(best.get(n, one), one)
-    return [(4.0 * n, best[n]) for n in sizes]
+
+    def loop(n):
+        x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("stage")), np.ones((n,), np.float32))
+
+        def make(k):
+            body = lambda a: lax.fori_loop(0, k, lambda i, a: lax.ppermute(a, "stage", [(0, 1), (1, 0)]), a)
+            f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("stage"), out_specs=P("stage")))
+            return lambda: f(x)
+
+        return make
+
+    # every size twice, the cheaper kept: the first loops also pay the link's warm-up
+    per = [per_iteration({n: loop(n) for n in sizes}, (5, 25), calls=5) for _ in range(2)]
+    return [(4.0 * n, min(p[n] for p in per)) for n in sizes]
 
 
 def _thread_cpu():

@@ -33,6 +33,37 @@ def _timeit(fn: Callable, args, calls: int = 5, best: bool = False) -> float:
     return min(ts) if best else statistics.median(ts)
 
 
+def per_iteration(loops: Dict, lengths: Sequence[int] = (4, 16), calls: int = 5) -> Dict:
+    """Seconds one iteration adds to a compiled loop, for each of ``loops``.
+
+    ``loops[key](n)`` builds the loop of ``n`` iterations as a thunk (a jitted call with its arguments
+    bound).  Each key's loop is built at the two ``lengths``, every loop is called once untimed (compile,
+    warm-up), then ``calls`` rounds time every loop in turn -- so a drift of the machine touches each alike
+    -- and each keeps its least call (a loaded machine's slow calls drop out).  The short loop's time is
+    subtracted from the long one's, over the extra iterations: what a call pays once (its dispatch, the
+    wait for the other processes to enter it, 1-3 ms between two processes) cancels.
+
+    Args:
+        loops: ``{key: n -> thunk}``.
+        lengths: the short and the long loop's iterations.
+        calls: timed rounds.
+
+    Returns:
+        ``{key: seconds per iteration}``, each at least 0.
+    """
+    short, long = lengths
+    thunks = {(key, n): make(n) for key, make in loops.items() for n in (short, long)}
+    for thunk in thunks.values():
+        jax.block_until_ready(thunk())
+    best = dict.fromkeys(thunks, float("inf"))
+    for _ in range(calls):
+        for at, thunk in thunks.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(thunk())
+            best[at] = min(best[at], time.perf_counter() - t0)
+    return {key: max(best[(key, long)] - best[(key, short)], 0.0) / (long - short) for key in loops}
+
+
 def time_branches(fn: Callable, n: int, args, calls: int, per: int) -> List[float]:
     """Seconds per unit (a call over ``per``) of ``fn(kind, *args)`` for each ``kind`` in ``range(n)`` -- one
     program whose op is a runtime ``lax.switch`` argument: one compile, every branch warmed up, then ``calls``
@@ -150,6 +181,25 @@ def _global_ones(mesh, spec, n: int):
     return jax.jit(lambda: jnp.ones((n,), jnp.float32), out_shardings=NamedSharding(mesh, spec))()
 
 
+def _collective_seconds(mesh, spec, sizes, lengths, op) -> List[float]:
+    """Seconds of one ``op`` (a collective of one float32 array) per message size in bytes, inside a compiled
+    loop as the executor's ticks run it (:func:`per_iteration`)."""
+    devices = mesh.devices.size
+
+    def loop(size):
+        a = _global_ones(mesh, spec, devices * (size // 4))
+
+        def make(n):
+            body = lambda a: lax.fori_loop(0, n, lambda i, a: op(a), a)
+            fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+            return lambda: fn(a)
+
+        return make
+
+    per = per_iteration({size: loop(size) for size in sizes}, lengths, calls=5)
+    return [per[size] for size in sizes]
+
+
 def p2p_alpha_beta(devices: int, sizes=(1 << 12, 1 << 16, 1 << 20), reps: int = 16):
     """Least-squares alpha, beta of one ring ``ppermute`` of L bytes (float32) on ``devices`` devices, timed
     *inside* a compiled loop as the executor's ticks run it: loops of ``reps // 4`` and ``reps`` exchanges,
@@ -158,18 +208,10 @@ def p2p_alpha_beta(devices: int, sizes=(1 << 12, 1 << 16, 1 << 20), reps: int = 
     of its timed calls (their median, under a second test process on two cores, once fitted a slope <= 0)."""
     mesh = _flat_mesh(devices)
     perm = [(d, (d + 1) % devices) for d in range(devices)]
-    ts = []
-    for L in sizes:
-        a = _global_ones(mesh, P("x"), devices * (L // 4))
-        per = []
-        for k in (reps // 4, reps):
 
-            def body(a, k=k):
-                return lax.fori_loop(0, k, lambda i, a: lax.ppermute(a, "x", perm) * 1.0000001, a)
-
-            fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
-            per.append(_timeit(fn, (a,), best=True))  # the least call: a loaded machine's slow ones drop out
-        ts.append(max(per[1] - per[0], 0.0) / (reps - reps // 4))
+    ts = _collective_seconds(
+        mesh, P("x"), sizes, (reps // 4, reps), lambda a: lax.ppermute(a, "x", perm) * 1.0000001
+    )
     beta, alpha = np.polyfit(np.array(sizes, float), np.array(ts), 1)
     return max(float(alpha), 0.0), max(float(beta), 0.0)
 
@@ -182,22 +224,9 @@ def allreduce_alpha_beta(devices: int, sizes=(1 << 12, 1 << 16, 1 << 20), reps: 
     if group < 2:
         return 0.0, 0.0
     mesh = Mesh(np.array(jax.devices()[:devices]).reshape(devices // group, group), ("g", "x"))
-    ts = []
-    for L in sizes:  # inside a compiled loop, as p2p_alpha_beta: loops of reps // 4 and reps
-        a = _global_ones(mesh, P(("g", "x")), devices * (L // 4))
-        per = []
-        for k in (reps // 4, reps):
+    spec = P(("g", "x"))
 
-            def body(a, k=k):
-                return lax.fori_loop(0, k, lambda i, a: lax.psum(a, "x") * (1.0 / group), a)
-
-            fn = jax.jit(
-                jax.shard_map(
-                    body, mesh=mesh, in_specs=P(("g", "x")), out_specs=P(("g", "x")), check_vma=False
-                )
-            )
-            per.append(_timeit(fn, (a,), best=True))  # the least call: a loaded machine's slow ones drop out
-        ts.append(max(per[1] - per[0], 0.0) / (reps - reps // 4))
+    ts = _collective_seconds(mesh, spec, sizes, (reps // 4, reps), lambda a: lax.psum(a, "x") * (1.0 / group))
     slope, icpt = np.polyfit(np.array(sizes, float), np.array(ts), 1)
     r = group
     return max(float(icpt), 0.0) / (2 * np.log2(r)), max(float(slope), 0.0) * r / (2 * (r - 1))
@@ -221,16 +250,21 @@ def tree_allreduce_time(tree, devices: int, group: int, reps: int = 4) -> float:
         lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes),
         out_shardings=jax.tree.map(lambda _: NamedSharding(mesh, spec), shapes),
     )()
-    per = []
-    for k in (1, reps):
 
-        def body(t, k=k):
-            step = lambda i, t: jax.tree.map(lambda a: (lax.psum(a, "x") * (1.0 / group)).astype(a.dtype), t)
-            return lax.fori_loop(0, k, step, t)
+    def make(n):
+        step = lambda i, t: jax.tree.map(lambda a: (lax.psum(a, "x") * (1.0 / group)).astype(a.dtype), t)
+        fn = jax.jit(
+            jax.shard_map(
+                lambda t: lax.fori_loop(0, n, step, t),
+                mesh=mesh,
+                in_specs=spec,
+                out_specs=spec,
+                check_vma=False,
+            )
+        )
+        return lambda: fn(t)
 
-        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
-        per.append(_timeit(fn, (t,), calls=3))
-    return max(per[1] - per[0], 0.0) / (reps - 1)
+    return per_iteration({"tree": make}, (1, reps), calls=3)["tree"]
 
 
 def update_time(opt, params, mesh, spec) -> float:

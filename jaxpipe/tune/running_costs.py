@@ -27,7 +27,6 @@ process builds the same program.
 
 from __future__ import annotations
 
-import time
 from typing import NamedTuple, Optional
 
 import jax
@@ -92,9 +91,10 @@ def _stage_op(model, mb):
 
 def _tick_cost(stage_fn, w, x, devices: int, ticks=(4, 16), calls: int = 7) -> float:
     """Seconds a tick's exchange adds: loops of ``ticks[0]`` and ``ticks[1]`` forwards, each followed by a
-    ring ``ppermute``, against the same loops without it; each loop the least of ``calls`` calls, all taken in
-    turns.  The short loop's time is subtracted from the long one's, so what a call pays once -- its dispatch,
-    the wait for the other processes to enter it (their previous call ran apart) -- cancels."""
+    ring ``ppermute``, against the same loops without it (:func:`~jaxpipe.tune.microbench.per_iteration`:
+    what a call pays once -- its dispatch, the wait for the other processes to enter it -- cancels)."""
+    from .microbench import per_iteration
+
     if devices < 2:
         return 0.0
     mesh = Mesh(np.array(jax.devices()[:devices]), ("x",))
@@ -112,17 +112,15 @@ def _tick_cost(stage_fn, w, x, devices: int, ticks=(4, 16), calls: int = 7) -> f
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("x"), check_vma=False))
 
     args = jax.device_put((w, x), NamedSharding(mesh, P()))
-    kinds = [(exchange, n) for exchange in (True, False) for n in ticks]
-    fns = {k: program(*k) for k in kinds}
-    best = dict.fromkeys(kinds, float("inf"))
-    for fn in fns.values():
-        jax.block_until_ready(fn(*args))
-    for _ in range(calls):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            best[k] = min(best[k], time.perf_counter() - t0)
-    per_tick = {e: (best[(e, ticks[1])] - best[(e, ticks[0])]) / (ticks[1] - ticks[0]) for e in (True, False)}
+
+    def loop(exchange: bool):
+        def make(n: int):
+            fn = program(exchange, n)
+            return lambda: fn(*args)
+
+        return make
+
+    per_tick = per_iteration({e: loop(e) for e in (True, False)}, ticks, calls)
     return max(per_tick[True] - per_tick[False], 0.0)
 
 
