@@ -751,6 +751,14 @@ MUTATIONS = [
         "tests/test_running_costs.py::"
         "test_the_first_step_measures_the_costs_chooses_the_ticks_for_them_and_stays_exact",
     ),
+    # the search's predictions without a tick's rendezvous (two-chunk plans' many ticks ranked as free)
+    Mutation(
+        "configure_ticks_without_rendezvous",
+        "jaxpipe/tune/configure.py",
+        "            rendezvous=rendezvous,\n",
+        "            rendezvous=0.0,\n",
+        "tests/test_configure.py::test_every_tick_of_a_pipelined_candidate_pays_the_measured_rendezvous",
+    ),
 ]
 
 

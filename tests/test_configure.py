@@ -412,3 +412,33 @@ def test_when_nothing_fits_each_reason_is_said_with_an_example():
             cache=None,
             balance_cut=False,
         )
+
+
+def test_every_tick_of_a_pipelined_candidate_pays_the_measured_rendezvous(roomy):
+    """A tick's price beyond its message (the wait for the slower device) is paid once a tick: a candidate's
+    predicted step grows by its plan's ticks times the rendezvous; one stage, with no exchange, pays none."""
+    from jaxpipe.tune.configure import _predict_times
+
+    bench = roomy._bench
+    extra = {"s": 0.0}
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(bench, name)
+
+        def tick(self, finest, rows, devices, pipe_of):
+            assert devices > 1
+            return 1.0 + extra["s"]  # the message's link cost is far below a second
+
+    built = [c for c in roomy.candidates if id(c) in roomy._built]
+    steps = {}
+    for s in (0.0, 0.5):
+        extra["s"] = s
+        _predict_times(built, roomy._built, Spy(), 2)
+        steps[s] = [c.step_s for c in built]
+    _predict_times(built, roomy._built, bench, 2)  # the fixture's own predictions back
+    for c, slow, fast in zip(built, steps[0.5], steps[0.0]):
+        pipe = roomy._built[id(c)][0]
+        ticks = pipe.schedule.plan(pipe.placement).num_ticks if c.stages > 1 else 0
+        assert slow - fast == pytest.approx(0.5 * ticks, rel=1e-9), c.label()
+    assert {c.stages for c in built} == {1, 2}

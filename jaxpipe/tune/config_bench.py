@@ -278,6 +278,18 @@ class Bench:
             use=lambda v: _numbers(v, 2),
         )
 
+    def tick(self, finest: int, rows: int, devices: int, pipe_of: Callable) -> float:
+        """Seconds a tick's exchange adds on ``devices`` devices, one stage of the finest cut's forward on
+        ``rows``-row micro-batches as its work (:func:`~jaxpipe.tune.running_costs.tick_price`); its bytes'
+        part is the :meth:`link`'s, the rest the rendezvous every tick pays."""
+        from .running_costs import tick_price
+
+        def measure():
+            mb = jax.tree.map(lambda a: np.asarray(a[:rows]), self.batch)
+            return agreed([tick_price(pipe_of(finest).model, mb, devices)])[0]
+
+        return self.cache.get(self._key("tick", finest, rows, devices), measure, use=_number)
+
     def update(self, c, pipe) -> float:
         """Seconds of the optimizer's update of one device's parameters (its stages' share, with the embedding
         and the head: the device holding them is the one the step waits for; on model axes, its shards), on

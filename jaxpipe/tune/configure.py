@@ -16,8 +16,10 @@ every schedule given, every micro-batch count and residual policy, and for each 
   backward paying its recomputation, zero-bubble's W as the executor's split runs it), the
   embedding's and the head's costs on the first and last stage (:class:`~jaxpipe.tune.lockstep.EdgeCosts`:
   a large vocabulary's head is several blocks), the exchange's cost (:func:`jaxpipe.tune.microbench.
-  p2p_alpha_beta`), the data replicas' gradient all-reduce of one device's gradient leaves
-  (:func:`jaxpipe.tune.microbench.tree_allreduce_time`) and the optimizer's update of one device's share.
+  p2p_alpha_beta`), the rendezvous every tick pays beyond its message (a tick's price measured as
+  :func:`jaxpipe.tune.running_costs.tick_price` times it, less the message), the data replicas' gradient
+  all-reduce of one device's gradient leaves (:func:`jaxpipe.tune.microbench.tree_allreduce_time`) and the
+  optimizer's update of one device's share.
 
 Every measurement is made once per search and kept per (model, backend) on disk
 (:mod:`jaxpipe.tune.measure_cache`, :mod:`jaxpipe.tune.config_bench`): the same search again compiles and
@@ -584,6 +586,11 @@ def _predict_times(cands, built, bench, devices) -> None:
             lambda n, res: pipes[(n, res, c.model_axes)],
             axes=c.model_axes,
         )
+        rendezvous = 0.0  # a tick's price beyond its message (tensor and FSDP axes: not measured)
+        if c.stages > 1 and tuple(c.model_axes) == (1, 1):
+            n_finest = finest[(c.residuals, c.model_axes)]
+            price = bench.tick(n_finest, rows, c.stages, lambda n: pipes[(n, c.residuals, c.model_axes)])
+            rendezvous = max(price - link(act), 0.0)
         # the embedding and the head as one device runs them: FSDP splits their rows (tensor: timed whole)
         parts = predict_devices(
             pipe.schedule,
@@ -595,6 +602,7 @@ def _predict_times(cands, built, bench, devices) -> None:
             0.0,
             placement=pipe.placement,
             edges=bench.edges(max(rows // c.fsdp, 1)),
+            rendezvous=rendezvous,
         )
         # the data replicas' gradient all-reduce after the pipeline, its leaves as the step has them
         allreduce = bench.allreduce(c, pipe, devices) if c.data > 1 else 0.0

@@ -124,6 +124,12 @@ def _tick_cost(stage_fn, w, x, devices: int, ticks=(4, 16), calls: int = 7) -> f
     return max(per_tick[True] - per_tick[False], 0.0)
 
 
+def tick_price(model, mb, devices: int) -> float:
+    """Seconds a tick's exchange adds on ``devices`` devices (:class:`RunningCosts`' ``tick``), with model
+    stage 0's forward on the micro-batch ``mb`` as the tick's work: the message's bytes and the rendezvous."""
+    return _tick_cost(*_stage_op(model, mb), devices)
+
+
 def measure(model, mb, devices: int, split: bool) -> RunningCosts:
     """:class:`RunningCosts` of ``model`` (as the executor holds it: padded) on the micro-batch ``mb``, with
     ``devices`` devices busy at once (module docstring)."""
