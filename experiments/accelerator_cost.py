@@ -33,7 +33,7 @@ flags.DEFINE_string(
     "mlp4096 (4x4096^2, 1024-row micro-batches), mlp1024 "
     "(4x1024^2, 256 rows), gpt (d1024, 16 heads, 4 blocks, T 1024, 8 rows)",
 )
-flags.DEFINE_string("placement", "auto", "lane placement of every schedule (auto, lanes, ordered)")
+flags.DEFINE_string("placement", "auto", "lane placement of every schedule (auto, lanes, ordered, ordered2)")
 flags.DEFINE_integer("stages", 1, "pipeline devices D (the model's 4 layers / blocks cut into D stages)")
 flags.DEFINE_integer("microbatches", 8, "micro-batches M per step")
 flags.DEFINE_string("schedules", "1f1b", "schedules to compare")

@@ -20,6 +20,7 @@ from .checks.batch import (
 )
 from .checks import arguments
 from .errors import ConfigError
+from .schedules.zb_costed import SearchTooLarge
 from .model import PipelineModel
 from .runners.sync import PipelineState
 from .axes import DATA, PIPE, STAGE
@@ -56,8 +57,10 @@ class Pipeline:
             step at the op costs (``jaxpipe.schedules.lanes.fastest_placement``; ``pipe.placement`` says
             which); ``"lanes"`` runs an F lane and a B lane in every tick (a tick costs f + b, up to 2D - 1
             micro-batches in flight on stage 0); ``"ordered"`` runs the schedule's own one action per tick
-            and keeps its memory bound (1F1B: D - d on stage d; ZB-H1: D). Either way a tick's messages
-            move in one exchange after all its lanes ran.
+            and keeps its memory bound (1F1B: D - d on stage d; ZB-H1: D); ``"ordered2"`` runs the same
+            order and memory in ticks of two rounds of lanes (fewer ticks: a V's device runs its forward
+            down and its forward back up in one). Either way a tick's messages move in one exchange after
+            all its lanes ran.
         seed: the root of a context model's dropout keys (``jp.microbatch_key``).
         precision: a :class:`Precision` (mixed precision, loss scaling).
         options: the schedule's options, checked against the method's schema
@@ -150,26 +153,40 @@ class Pipeline:
         host_memory.keep_freed_memory_for(mesh)  # once built: on CPU no per-step page faults (host_memory)
 
     def _place(self, costs) -> None:
-        """The schedule built (zero-bubble's ticks chosen for ``costs`` where given) and its placement
-        (``"auto"``: the plan with the smaller lockstep step at ``costs``, or at unit costs)."""
+        """The schedule built (zero-bubble's ticks chosen for ``costs`` where given, and where the search
+        serves the pipeline's size: else the unit-time order) and its placement (``"auto"``: the plan with
+        the smallest lockstep step at ``costs``, or at unit costs)."""
         options = dict(self._user_options)
-        if costs is not None and "costs" in self.method.options and not options.get("costs"):
+        searched = costs is not None and "costs" in self.method.options and not options.get("costs")
+        if searched:
             options["costs"] = tuple(costs)  # zb_h1, zb_v: ticks for the costs
+        try:
+            self._build_schedule(options)
+        except SearchTooLarge:
+            if not searched:
+                raise
+            self._build_schedule(self._user_options)  # past the search's size: the unit-time order
+        if self._auto_placement:  # the plan with the smaller lockstep step (jaxpipe.schedules.lanes)
+            from .schedules.lanes import fastest_placement
+
+            self.placement = fastest_placement(self.schedule, costs) if self.method.flushes else "lanes"
+
+    def _build_schedule(self, options) -> None:
+        """``self.options`` and ``self.schedule`` for the options ``options`` (a ConfigError where they do
+        not fit; :class:`~jaxpipe.schedules.zb_costed.SearchTooLarge` as it is)."""
         D, built = self.mesh.shape[STAGE], self._built
         try:
-            self.options = self.method.resolve(options, self.model.num_stages, D)
+            self.options = self.method.resolve(dict(options), self.model.num_stages, D)
             self.schedule = built or schedules.build(
                 self.method.name,
                 num_stages=D,
                 num_microbatches=self.num_microbatches,
                 **self.method.builder_options(self.options),
             )
+        except SearchTooLarge:
+            raise
         except schedules.ScheduleError as e:
             raise ConfigError(str(e)) from None
-        if self._auto_placement:  # the plan with the smaller lockstep step (jaxpipe.schedules.lanes)
-            from .schedules.lanes import fastest_placement
-
-            self.placement = fastest_placement(self.schedule, costs) if self.method.flushes else "lanes"
 
     def _build_runner(self) -> None:
         from .runners import RunContext, make_runner

@@ -32,12 +32,26 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = [
+    Mutation(
+        "second_round_lane_shared",
+        "jaxpipe/schedules/lanes.py",
+        "    for li in range(after + 1, len(lanes)):\n",
+        "    for li in range(max(after, 0), len(lanes)):\n",
+        "tests/test_lanes.py::test_plans_are_valid",
+    ),
+    Mutation(
+        "measured_costs_past_the_search_raise",
+        "jaxpipe/pipeline.py",
+        "            self._build_schedule(self._user_options)  # past the search's size: the unit-time order\n",
+        "            raise\n",
+        "tests/test_running_costs.py::test_costs_past_the_tick_search_rank_the_plans_and_keep_the_unit_time_order",
+    ),
     # issue #43's survivors
     Mutation(
         "w_lane_only_beside_b",
         "jaxpipe/runtime/ticks.py",
-        "        prog.split and run[prog.lane_w]\n",
-        "        prog.split and run[prog.lane_w] and run[prog.lane_b]\n",
+        "        if not run[lane] or lane == prog.lane_f2:  # F2 runs beside the F lane (a pair)\n",
+        "        if not run[lane] or lane == prog.lane_f2 or (kind_of(kind) == W and not run[prog.kinds.index('B')]):\n",
         "tests/test_lanes.py::test_ordered_placement_is_exact",
     ),
     Mutation(
@@ -57,13 +71,8 @@ MUTATIONS = [
     Mutation(
         "fused_tick_swaps_a_devices_actions",
         "jaxpipe/schedules/lanes.py",
-        "        if any(group[k] "
-        ">= li_of[a.kind] for k in "
-        "mine):  # lane order is "
-        "the device's order: no "
-        "swap\n",
-        "        if any(group[k] == li_of[a.kind] for k in mine):  # lane order is the device's order: no "
-        "swap\n",
+        "        li = _lane_after(lanes, a.kind, max((group[k] for k in mine), default=-1))\n",
+        "        li = _lane_after(lanes, a.kind, -1)\n",
         "tests/test_lanes.py::test_ordered_ticks_are_fused_where_no_message_moves",
     ),
     Mutation(

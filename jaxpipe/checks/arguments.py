@@ -92,10 +92,11 @@ def check_scalars(num_microbatches, placement, seed) -> None:
 
     if placement not in PLACEMENTS:
         raise ConfigError(
-            f"placement={placement!r}: use 'auto' (the faster of the two for the schedule), "
+            f"placement={placement!r}: use 'auto' (the fastest plan for the schedule), "
             f"'lanes' (an F and a B lane in every tick: a tick costs "
-            f"f + b, stage 0 holds up to 2D - 1 micro-batches) or 'ordered' (the schedule's own "
-            f"one action per tick: its memory bound, e.g. D for 1F1B, at max(f, b) per tick)"
+            f"f + b, stage 0 holds up to 2D - 1 micro-batches), 'ordered' (the schedule's own "
+            f"one action per tick: its memory bound, e.g. D for 1F1B, at max(f, b) per tick) or "
+            f"'ordered2' (the ordered plan's order and memory in fewer ticks: two rounds of lanes a tick)"
         )
     if not is_int(seed):
         raise ConfigError(f"seed={seed!r}: give an int (the stage keys of a context model derive from it)")

@@ -37,11 +37,11 @@ flags.DEFINE_integer("advance", 0, "avgpipe: forwards issued beyond 1F1B's warm-
 flags.DEFINE_enum(
     "mode",
     "event",
-    ["event", "lockstep", "lanes", "ordered"],
+    ["event", "lockstep", "lanes", "ordered", "ordered2"],
     "event: as-soon-as-possible (MPMD) timeline; lanes: what the executor runs by default (an F "
     "and a B lane per tick, each as long as its slowest op); ordered: the executor's "
-    'placement="ordered" (one op per device per tick); lockstep: that, one op per tick costing the '
-    "slowest",
+    'placement="ordered" (one op per device per tick); ordered2: that order in ticks of two rounds of '
+    "lanes; lockstep: one op per tick costing the slowest",
 )
 flags.DEFINE_string("out", "timeline.png", "PNG path ('' to skip)")
 flags.DEFINE_string("trace", "", "optional Chrome/Perfetto trace JSON path")

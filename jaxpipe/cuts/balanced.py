@@ -88,7 +88,7 @@ def _plan_arrays(schedule):
     p = running_plan(schedule)
     split = schedule.has_w()
     col = {"F": 0, "B": 2 if split else 1, "W": 3, "F2": 4}
-    kinds = np.array([col[k] for k in p.lanes])
+    kinds = np.array([col[k if k == "F2" else k[0]] for k in p.lanes])  # k[0]: a second lane's kind
     active = p.table[..., L["op"]] > 0
     stage = np.where(active, p.table[..., L["stage"]], 0)
     return active, stage, kinds, _compiled_lane_ticks(schedule)

@@ -53,14 +53,15 @@ def is_last(prog, trace, chunk):
 
 
 def op_of(prog, trace, tick, d, kind, r=None):
-    """(runs, chunk, g): device ``d``'s op ``kind`` (0: F, 1: B) at tick ``t``, of micro-batch ``g``, on
-    replica ``r`` (default: this one; it runs ``r * replica_delay`` ticks late)."""
+    """(runs, chunk, g): device ``d``'s op in lane ``kind`` (an index into ``prog.kinds``) at tick ``t``, of
+    micro-batch ``g``, on replica ``r`` (default: this one; it runs ``r * replica_delay`` ticks late)."""
     if prog.periodic.replica_delay:
         tick = tick - (trace.replica if r is None else r) * prog.periodic.replica_delay
     u, shift = trace.ctab[tick % prog.num_ticks, d, kind, 0], trace.ctab[tick % prog.num_ticks, d, kind, 1]
     q = tick // prog.num_ticks - shift
     row = trace.unit_tab[jnp.maximum(u, 0)]
-    g = (q + jnp.where(kind in (0, prog.lane_f2), row[1], row[2])) * prog.M + row[3]  # W: the B's micro-batch
+    # an F lane reads the unit's F batch offset; B and W (the B's micro-batch) the B offset
+    g = (q + jnp.where(prog.kinds[kind][0] == "F", row[1], row[2])) * prog.M + row[3]
     return (u >= 0) & (q >= 0) & (g >= 0) & (g < trace.n_fed), row[0], g
 
 

@@ -214,11 +214,11 @@ def b_lanes_summing(
     return tuple(policy_states), carry._replace(stash=stash, **({} if packed else {"front": fb})), send_b
 
 
-def w_lanes(prog, trace, tick, rw, chunk_params, opt_states, policy_states, carry):
-    """ZB's W lane: the weight gradient of the micro-batch whose B ran earlier, from its residuals and
-    its dL/dy (kept in their slots until now) and, split at the frontier, the per-layer output
-    gradients its B kept; added to the chunk's sums (one predicate conditional per chunk)."""
-    is_w, cw, gw = op_of(prog, trace, tick, trace.me, prog.lane_w)
+def w_lanes(prog, trace, tick, lane, rw, chunk_params, opt_states, policy_states, carry):
+    """ZB's W lane ``lane`` (``rw``: its route row): the weight gradient of the micro-batch whose B ran
+    earlier, from its residuals and its dL/dy (kept in their slots until now) and, split at the frontier, the
+    per-layer output gradients its B kept; added to the chunk's sums (one predicate conditional per chunk)."""
+    is_w, cw, gw = op_of(prog, trace, tick, trace.me, lane)
     policy_states = list(policy_states)
     for c in range(prog.num_chunks):
 

@@ -110,8 +110,6 @@ class Program:
     stash_slots = property(lambda self: self.buffers["stash"])
     stash_offsets = property(lambda self: np.concatenate([[0], np.cumsum(self.buffers["stash"])]))
     num_stages = property(lambda self: self.periodic.num_stages)
-    lane_b = property(lambda self: self.kinds.index("B"))
-    lane_w = property(lambda self: self.kinds.index("W") if "W" in self.kinds else -1)
     lane_f2 = property(lambda self: self.kinds.index("F2") if "F2" in self.kinds else -1)
     ring = property(lambda self: self.modes.gradients == "ring")
     fused = property(lambda self: self.modes.gradients == "sum")
@@ -164,7 +162,7 @@ def describe(
     summed = model.reduction(y_aval, mb_example) == "sum"
     ties = Ties(model)
     slots = periodic.plan is not None
-    kinds = periodic.kinds  # the lanes of a tick: F, (F2,) B, (W)
+    kinds = periodic.kinds  # the lanes of a tick: F, (F2,) B, (W); (F', B', W': a second lane of a kind)
     modes = Modes(
         routing="slots" if slots else "registers",
         gradients="ring" if ring else "sum" if all(p.reduction == "sum" for p in policies) else "update",

@@ -92,13 +92,13 @@ class PlanSlots:
             jnp.asarray(prog.routes)[tick % prog.num_ticks, trace.me],
         )
 
-    def forward_in(self, prog, trace, tick, route_row, carry, chunk_f, mb_f):
-        """``(x_in, tied_in, stash slot)`` of the F lane."""
-        x_in, t_in = (read(a, route_row[0, ROUTE["in"]]) for a in carry.mbuf[:2])
-        return x_in, t_in, route_row[0, ROUTE["stash"]]
+    def forward_in(self, prog, trace, tick, route_row, lane, carry, chunk_f, mb_f):
+        """``(x_in, tied_in, stash slot)`` of the F lane ``lane``."""
+        x_in, t_in = (read(a, route_row[lane, ROUTE["in"]]) for a in carry.mbuf[:2])
+        return x_in, t_in, route_row[lane, ROUTE["stash"]]
 
-    def forward_out(self, prog, trace, tick, route_row, carry, send_f):
-        return carry._replace(mbuf=self.deliver(prog, trace, 0, route_row[0], send_f, carry.mbuf))
+    def forward_out(self, prog, trace, tick, route_row, lane, carry, send_f):
+        return carry._replace(mbuf=self.deliver(prog, trace, lane, route_row[lane], send_f, carry.mbuf))
 
     def paired_out(self, prog, trace, tick, route_row, carry, send_f, send_f2):
         """The F lane's and its F2 pair's messages (Chimera's forward doubling runs on lane plans only)."""
@@ -172,15 +172,13 @@ class PlanSlots:
     def idle_message(self, prog, blank, blank_tie):
         return (blank, blank_tie, jnp.full((), jnp.nan if prog.nan_bubbles else 0, jnp.float32))
 
-    def backward_in(self, prog, trace, route_row, carry, chunk_b, mb_b):
-        """``(dy_in, tied gradient in, count, stash slot)`` of the B lane."""
-        dy_in, tb_in, count = (read(a, route_row[prog.lane_b, ROUTE["in"]]) for a in carry.mbuf)
-        return dy_in, tb_in, count, route_row[prog.lane_b, ROUTE["stash"]]
+    def backward_in(self, prog, trace, route_row, lane, carry, chunk_b, mb_b):
+        """``(dy_in, tied gradient in, count, stash slot)`` of the B lane ``lane``."""
+        dy_in, tb_in, count = (read(a, route_row[lane, ROUTE["in"]]) for a in carry.mbuf)
+        return dy_in, tb_in, count, route_row[lane, ROUTE["stash"]]
 
-    def backward_out(self, prog, trace, tick, route_row, carry, send_b):
-        return carry._replace(
-            mbuf=self.deliver(prog, trace, prog.lane_b, route_row[prog.lane_b], send_b, carry.mbuf)
-        )
+    def backward_out(self, prog, trace, tick, route_row, lane, carry, send_b):
+        return carry._replace(mbuf=self.deliver(prog, trace, lane, route_row[lane], send_b, carry.mbuf))
 
     # what a B lane reads: dL/dy and the tied arrays' gradient arrived as its message; the head's gradient
     # was summed at the forwards (None: nothing to add)
@@ -226,7 +224,7 @@ class Registers:
         """Registers move in their lanes' own ``ppermute`` (a periodic table has one F and one B a tick)."""
         return carry
 
-    def forward_in(self, prog, trace, tick, route_row, carry, chunk_f, mb_f):
+    def forward_in(self, prog, trace, tick, route_row, lane, carry, chunk_f, mb_f):
         x_in, t_in, slot_f = carry.recv_f, carry.tie_f, slot_of(prog, trace, chunk_f, mb_f)
         if prog.num_chunks > 1:  # device 0's later chunks read the last device's output from the wrap buffer
             wx, wt = jax.tree.map(lambda leaf: read(leaf, mb_f % prog.ring_slots), carry.wrap_f)
@@ -234,7 +232,7 @@ class Registers:
             x_in, t_in = where(on_wrap, wx, x_in), where(on_wrap, wt, t_in)
         return x_in, t_in, slot_f
 
-    def forward_out(self, prog, trace, tick, route_row, carry, send_f):
+    def forward_out(self, prog, trace, tick, route_row, lane, carry, send_f):
         if prog.D == 1 and prog.num_chunks == 1:
             return carry
         recv_f, tie_f = send(prog, trace, send_f, trace.ring_f)
@@ -264,7 +262,7 @@ class Registers:
     def idle_message(self, prog, blank, blank_tie):
         return (blank, blank_tie)
 
-    def backward_in(self, prog, trace, route_row, carry, chunk_b, mb_b):
+    def backward_in(self, prog, trace, route_row, lane, carry, chunk_b, mb_b):
         dy_in, tb_in, count, slot_b = (
             carry.recv_b,
             carry.tie_b,
@@ -284,7 +282,7 @@ class Registers:
         count = jnp.where(is_last(prog, trace, chunk_b), carry.cnt_own, count)
         return dy_in, tb_in, count, slot_b
 
-    def backward_out(self, prog, trace, tick, route_row, carry, send_b):
+    def backward_out(self, prog, trace, tick, route_row, lane, carry, send_b):
         if prog.D == 1 and prog.num_chunks == 1:
             return carry
         recv_b, tie_b, cnt_b = send(prog, trace, send_b, trace.ring_b)

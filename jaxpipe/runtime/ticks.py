@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..axes import STAGE
+from ..schedules.ir import F, W, kind_of
 from ..schedules.layout import ROUTE
 from .call_base import errors_of, is_first, op_of, per_chunk
 from .lanes_backward import w_lanes
@@ -52,9 +53,10 @@ def scan_phases(prog, trace, state: TickState) -> TickState:
 
 
 def tick(prog, trace, state: TickState, tick_index, flags=True):
-    """One tick.  ``flags`` (static, per scan segment): whether an in-scan landing may happen in it; on a
-    ring, (may land an arrived stage, may complete a sum); a lane plan's phase: the lanes some device
-    uses in these ticks (the others are not compiled here)."""
+    """One tick: its lanes in the plan's order (F, F2, B, W; a second lane of a kind, F', B', W', runs as its
+    kind's), then the tick's one exchange.  ``flags`` (static, per scan segment): whether an in-scan landing
+    may happen in it; on a ring, (may land an arrived stage, may complete a sum); a lane plan's phase: the
+    lanes some device uses in these ticks (the others are not compiled here)."""
     chunk_params, opt_states, policy_states, carry, loss = state
     trace.outbox.clear()  # (what an interrupted trace may have left)
     run, route_row = prog.routing.lanes(
@@ -63,57 +65,63 @@ def tick(prog, trace, state: TickState, tick_index, flags=True):
     chunk_params, policy_states, stacks = prog.reduction.before_tick(
         prog, trace, chunk_params, opt_states, policy_states, carry, flags
     )
-    is_f, chunk_f, mb_f = op_of(prog, trace, tick_index, trace.me, 0)
-    is_b, chunk_b, mb_b = op_of(prog, trace, tick_index, trace.me, prog.lane_b)
-    is_f, is_b = (True if run[0] == 2 else is_f), (True if run[prog.lane_b] == 2 else is_b)  # no conditional
-    err = errors_of(prog, trace, chunk_f, mb_f, is_f, per_chunk(prog, trace, chunk_params, policy_states)[1])
-    if run[0]:
-        policy_states, carry, loss = forward_lanes(
-            prog,
-            trace,
-            tick_index,
-            route_row,
-            run,
-            (is_f, chunk_f, mb_f),
-            chunk_params,
-            policy_states,
-            carry,
-            loss,
-        )
-    if run[prog.lane_b]:
+    err = jnp.zeros((), jnp.int32)
+    for lane, kind in enumerate(prog.kinds):
+        if not run[lane] or lane == prog.lane_f2:  # F2 runs beside the F lane (a pair)
+            continue
+        runs, chunk, mb = op_of(prog, trace, tick_index, trace.me, lane)
+        lane_op = (True if run[lane] == 2 else runs, chunk, mb)  # 2: busy everywhere, no conditional
+        if kind_of(kind) == W:  # ZB's W lane (a lane plan's: W reads its slots), also in a phase without B
+            policy_states = w_lanes(
+                prog, trace, tick_index, lane, route_row[lane], chunk_params, opt_states, policy_states, carry
+            )
+            continue
         err = err + errors_of(
-            prog, trace, chunk_b, mb_b, is_b, per_chunk(prog, trace, chunk_params, policy_states)[1]
+            prog, trace, chunk, mb, lane_op[0], per_chunk(prog, trace, chunk_params, policy_states)[1]
         )
-        chunk_params, opt_states, policy_states, carry = backward_lanes(
-            prog,
-            trace,
-            tick_index,
-            route_row,
-            run,
-            flags,
-            (is_b, chunk_b, mb_b),
-            stacks,
-            chunk_params,
-            opt_states,
-            policy_states,
-            carry,
-        )
-    if (
-        prog.split and run[prog.lane_w]
-    ):  # ZB's W lane (a lane plan's: W reads its slots), also in a phase without B
-        policy_states = w_lanes(
-            prog, trace, tick_index, route_row[prog.lane_w], chunk_params, opt_states, policy_states, carry
-        )
+        if kind_of(kind) == F:
+            policy_states, carry, loss = forward_lanes(
+                prog,
+                trace,
+                tick_index,
+                lane,
+                route_row,
+                run,
+                lane_op,
+                chunk_params,
+                policy_states,
+                carry,
+                loss,
+            )
+        else:
+            chunk_params, opt_states, policy_states, carry = backward_lanes(
+                prog,
+                trace,
+                tick_index,
+                lane,
+                route_row,
+                flags,
+                lane_op,
+                stacks,
+                chunk_params,
+                opt_states,
+                policy_states,
+                carry,
+            )
     carry = prog.routing.exchange(prog, trace, carry)  # the tick's messages, in one exchange after every lane
     carry = carry._replace(errors=carry.errors + err, **({"stash": []} if prog.direct else {}))
     chunk_params, opt_states, policy_states = prog.reduction.end_tick(chunk_params, opt_states, policy_states)
     return TickState(chunk_params, opt_states, policy_states, carry, loss), None
 
 
-def forward_lanes(prog, trace, tick_index, route_row, run, lane_op, chunk_params, policy_states, carry, loss):
-    """The tick's F lane (with its F2 pair where the plan has one) and the messages they send."""
+def forward_lanes(
+    prog, trace, tick_index, lane, route_row, run, lane_op, chunk_params, policy_states, carry, loss
+):
+    """The tick's F lane ``lane`` (with its F2 pair where the plan has one) and the messages they send."""
     is_f, chunk_f, mb_f = lane_op
-    x_in, t_in, slot_f = prog.routing.forward_in(prog, trace, tick_index, route_row, carry, chunk_f, mb_f)
+    x_in, t_in, slot_f = prog.routing.forward_in(
+        prog, trace, tick_index, route_row, lane, carry, chunk_f, mb_f
+    )
     if (
         prog.paired and run[prog.lane_f2]
     ):  # F2 pairs with F: one forward of the two micro-batches where both run
@@ -146,15 +154,16 @@ def forward_lanes(prog, trace, tick_index, route_row, run, lane_op, chunk_params
         t_in,
         lane_ops=(chunk_params, policy_states, carry, loss),
     )
-    return policy_states, prog.routing.forward_out(prog, trace, tick_index, route_row, carry, send_f), loss
+    carry = prog.routing.forward_out(prog, trace, tick_index, route_row, lane, carry, send_f)
+    return policy_states, carry, loss
 
 
 def backward_lanes(
     prog,
     trace,
     tick_index,
+    lane,
     route_row,
-    run,
     flags,
     lane_op,
     stacks,
@@ -163,11 +172,11 @@ def backward_lanes(
     policy_states,
     carry,
 ):
-    """The tick's B lane, the update it feeds (or the ring's exchange), and its messages."""
+    """The tick's B lane ``lane``, the update it feeds (or the ring's exchange), and its messages."""
     is_b, chunk_b, mb_b = lane_op
-    dy_in, tb_in, count, slot_b = prog.routing.backward_in(prog, trace, route_row, carry, chunk_b, mb_b)
+    dy_in, tb_in, count, slot_b = prog.routing.backward_in(prog, trace, route_row, lane, carry, chunk_b, mb_b)
     if trace.wsp is not None:  # B keeps its frontier for W in a slot of its own
-        slot_b = (slot_b, route_row[prog.lane_b, ROUTE["front"]])
+        slot_b = (slot_b, route_row[lane, ROUTE["front"]])
     policy_states, carry, grad, send_b = prog.reduction.backward(
         prog,
         trace,
@@ -199,7 +208,7 @@ def backward_lanes(
         policy_states,
         carry,
     )
-    carry = prog.routing.backward_out(prog, trace, tick_index, route_row, carry, send_b)
+    carry = prog.routing.backward_out(prog, trace, tick_index, route_row, lane, carry, send_b)
     return chunk_params, opt_states, policy_states, carry
 
 

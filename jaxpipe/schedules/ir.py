@@ -31,6 +31,17 @@ from ..errors import ConfigError
 
 F, B, W = "F", "B", "W"
 KINDS = (F, B, W)
+#: a second lane of each kind, run after the first round of lanes in the same tick (the ``"ordered2"``
+#: placement: a device runs up to two actions of a kind a tick, e.g. both chunks' forwards of a V)
+F_, B_, W_ = "F'", "B'", "W'"
+#: every lane name in tick order (F2: Chimera's paired forward)
+LANE_ORDER = (F, F_, "F2", B, B_, W, W_)
+
+
+def kind_of(lane: str) -> str:
+    """The action kind a lane runs: ``"F"`` for the lanes F, F' and F2, ``"B"`` for B and B', ``"W"`` for W
+    and W'."""
+    return lane[0]
 
 
 class ScheduleError(ConfigError):
@@ -340,7 +351,8 @@ class Schedule:
 
         Args:
             placement: ``"ordered"``: one op per device per tick (the schedule's own order); ``"lanes"``: an F
-                and a B lane (and W) in every tick.
+                and a B lane (and W) in every tick; ``"ordered2"``: the ordered order in ticks of two rounds
+                of lanes.
 
         Returns:
             The :class:`~jaxpipe.schedules.LanePlan` (built once, then kept).

@@ -8,7 +8,7 @@ since the emulated devices share the cores.  The one executor runs a plan as a s
 (:func:`jaxpipe.schedules.periodic.one_call`), routing in the slots allocated here; the *phases* (runs of
 ticks using the same lanes) are where Chimera's eager reduction may cut the call's scan.
 
-Two placements of the same :class:`~jaxpipe.schedules.ir.Schedule`:
+Three placements of the same :class:`~jaxpipe.schedules.ir.Schedule`:
 
 * ``"lanes"`` (default): every lane takes the device's actions of its kind in the schedule's order, each as
   soon as its inputs are there.  A tick costs ``f + b`` (one F and one B per device in steady state) instead
@@ -17,6 +17,12 @@ Two placements of the same :class:`~jaxpipe.schedules.ir.Schedule`:
   which differ only in how a device interleaves F and B, become the same lane timeline.
 * ``"ordered"``: the schedule's own one-action-per-tick placement (``Schedule.ticks()``), the classic
   memory bound (1F1B: ``D - d`` micro-batches on stage ``d``) at ``max(f, b)`` per tick.
+* ``"ordered2"``: the ordered placement with its ticks fused into ticks of two rounds of lanes (``F, B, W``
+  then ``F', B', W'``): every device runs its actions in the ordered plan's order and holds what it holds
+  there, the lockstep step is no longer, and a tick can carry two of a device's ordered ticks -- a V's
+  device its forward down and its forward back up.  On a real link every tick ends in a rendezvous of the
+  devices, so fewer ticks is the point (ZB-V at D = 2, M = 8: 26 ticks against the ordered plan's 49 and
+  the lanes plan's 21, at the ordered plan's step and memory).
 
 Rules: an input from another device arrives the tick after it was sent; on the same device a later lane of
 the same tick may use it (the last stage's F then its own B).  Slots: a stash slot written by F in lane
@@ -34,13 +40,17 @@ import numpy as np
 
 from .ir import (
     B,
+    B_,
     F,
+    F_,
     W,
+    W_,
     Action,
     Schedule,
     ScheduleError,
     _channel,
     _Slots,
+    kind_of,
     SEND_KEEP,
     SEND_MINUS,
     SEND_NONE,
@@ -48,7 +58,7 @@ from .ir import (
 )
 
 F2 = "F2"
-PLACEMENTS = ("auto", "lanes", "ordered")
+PLACEMENTS = ("auto", "lanes", "ordered", "ordered2")
 #: columns of one lane's row: active flag, micro-batch, model stage, local chunk, stash slot (written by F,
 #: read by B/W), message slot read (F: input activation, B/W: dL/dy), where the produced message goes
 #: (SEND_*), its slot when it stays on the device, receive slots for the two channels, branch index, and
@@ -64,8 +74,9 @@ class LanePlan:
 
     Attributes:
         schedule: the schedule it lowers.
-        placement: ``"lanes"`` or ``"ordered"``.
-        lanes: the lanes of a tick (``"F"``, ``"B"``, ``"W"``, ``"F2"``).
+        placement: ``"lanes"``, ``"ordered"`` or ``"ordered2"``.
+        lanes: the lanes of a tick (``"F"``, ``"B"``, ``"W"``, ``"F2"``; ``"F'"``, ``"B'"``, ``"W'"``: a
+            second lane of the kind).
         where: ``(kind, stage, mb) -> (tick, lane)``.
         table: the lowered table, int32.
         stash_capacity: stash slots on every device.
@@ -113,7 +124,7 @@ class LanePlan:
         Returns:
             ``float[tick, device, lane]``, 0 where the device is idle.
         """
-        dur = np.array([{F: f, F2: f, B: b, W: w}[k] for k in self.lanes])
+        dur = np.array([{F: f, B: b, W: w}[kind_of(k)] for k in self.lanes])
         return (self.table[..., L["op"]] > 0) * dur[None, None, :]
 
     def lockstep_makespan(self, f: float = 1.0, b: float = 2.0, w: float = 0.0) -> float:
@@ -163,7 +174,9 @@ class LanePlan:
 def lane_kinds(s: Schedule, placement: str = "lanes") -> Tuple[str, ...]:
     """The lanes of a tick.  A second forward lane only for the ordered placement of paired forwards:
     with lanes the F lane already overlaps forwards with backwards, and pairing forwards there would only
-    let the F lane run ahead and hold O(N) activations."""
+    let the F lane run ahead and hold O(N) activations; ``"ordered2"``: two rounds of lanes."""
+    if placement == "ordered2":
+        return (F, B) + ((W,) if s.has_w() else ()) + (F_, B_) + ((W_,) if s.has_w() else ())
     pairs = s.has_pairs() and placement == "ordered"
     return (F,) + ((F2,) if pairs else ()) + (B,) + ((W,) if s.has_w() else ())
 
@@ -252,52 +265,64 @@ def _sends(s: Schedule, key, dev) -> int:
     return _link(s.D, dev[key], dev[dst])
 
 
-def _joins(s: Schedule, group: dict, acts, li_of, dev) -> bool:
-    """Whether the actions ``acts`` of the next ordered tick can run in the tick being built (``group``: key
-    ->
-    lane of the actions placed in it): a device's actions keep their order (each in a later lane than the
-    device's actions before it: a swap would let an F take a stash slot before a B frees one), it sends at
-    most one message per channel in a tick, and no action reads a message sent in the tick (it moves only at
-    the tick's end)."""
+def _lane_after(lanes, kind: str, after: int) -> Optional[int]:
+    """The first lane of ``kind`` (not a paired F2) after lane ``after``, or None."""
+    for li in range(after + 1, len(lanes)):
+        if lanes[li] != F2 and kind_of(lanes[li]) == kind:
+            return li
+    return None
+
+
+def _joins(s: Schedule, group: dict, acts, lanes, dev) -> Optional[Dict[tuple, int]]:
+    """The lanes the actions ``acts`` of the next ordered tick take in the tick being built (``group``: key
+    -> lane of the actions placed in it), or None where they cannot join it: a device's actions keep their
+    order (each in a later lane than the device's actions before it: a swap would let an F take a stash slot
+    before a B frees one), it sends at most one message per channel in a tick, and no action reads a message
+    sent in the tick (it moves only at the tick's end)."""
+    out = {}
     for a in acts:
         key, d = (a.kind, a.stage, a.mb), dev[(a.kind, a.stage, a.mb)]
         mine = [k for k in group if dev[k] == d]
-        if any(group[k] >= li_of[a.kind] for k in mine):  # lane order is the device's order: no swap
-            return False
+        li = _lane_after(lanes, a.kind, max((group[k] for k in mine), default=-1))
+        if li is None:  # lane order is the device's order: no swap
+            return None
         ch = _sends(s, key, dev)
         if ch != SEND_NONE and any(_sends(s, k, dev) == ch for k in mine):
-            return False
+            return None
         for dep in s.deps(a) + (
             [(B, a.stage + 1, a.mb)] if a.kind == W and a.stage < s.num_model_stages - 1 else []
         ):
-            if dep in group and (dev[dep] != d or group[dep] >= li_of[a.kind]):
-                return False
-    return True
+            if dep in group and (dev[dep] != d or group[dep] >= li):
+                return None
+        out[key] = li
+    return out
 
 
 def _fuse_ticks(s: Schedule, where, lanes, dev) -> Dict[tuple, Tuple[int, int]]:
     """The ordered placement with consecutive ticks run as one wherever no message has to move between them
     (a tick ends in one exchange, and on a real link each exchange costs a rendezvous -- ZB-H1 at
-    D = 2, M = 4: 13 ticks become 10, 1F1B's lanes have 6).  Every device runs its actions in the order the
-    ordered placement gave them, so the result, the slots and the memory are the ordered plan's; a no-flush
-    schedule (its own periodic ticks) and paired forwards are left as they are; ticks searched for op costs
-    (:mod:`.zb_costed`) are fused like the unit-time order's (a fused tick costs no more than its parts)."""
+    D = 2, M = 4: 13 ticks become 10, 1F1B's lanes have 6); with two lanes of each kind
+    (``"ordered2"``) a device may run two actions of a kind in a fused tick.  Every device runs its actions
+    in the order the ordered placement gave them, so the result, the slots and the memory are the ordered
+    plan's, and a fused tick costs no more than its parts; a no-flush schedule (its own periodic ticks) and
+    paired forwards are left as they are; ticks searched for op costs (:mod:`.zb_costed`) are fused like the
+    unit-time order's."""
     periodic = getattr(s, "fixed_ticks", None) is not None and not s.options.get("costs")
     if periodic or s.has_pairs():
         return where
-    li_of = {k: i for i, k in enumerate(lanes)}
     acts = {(a.kind, a.stage, a.mb): a for acts_ in s.actions for a in acts_}
     by_tick: Dict[int, list] = {}
     for key, (t, _) in where.items():
         by_tick.setdefault(t, []).append(acts[key])
     out, group, tick = {}, {}, -1
     for t in sorted(by_tick):
-        if not group or not _joins(s, group, by_tick[t], li_of, dev):
+        joined = _joins(s, group, by_tick[t], lanes, dev) if group else None
+        if joined is None:
             group, tick = {}, tick + 1
-        for a in by_tick[t]:
-            key = (a.kind, a.stage, a.mb)
-            group[key] = li_of[a.kind]
-            out[key] = (tick, li_of[a.kind])
+            joined = _joins(s, group, by_tick[t], lanes, dev)
+        for key, li in joined.items():
+            group[key] = li
+            out[key] = (tick, li)
     return out
 
 
@@ -464,7 +489,10 @@ def fastest_placement(s: Schedule, costs: Optional[Sequence[float]] = None) -> s
     lanes stay the faster for it; where W costs more than F the ordered plan can lose (a tick lasts as long as
     its slowest device, and the ordered steady state puts one device's W beside another's F: ZB-H1 at D = 2,
     M = 8 and costs (10, 10, 16) is 1.05x 1F1B's lanes, its own lanes 1.00x).  A tie goes to the plan with
-    fewer stash slots (Chimera: ordered; GPipe: lanes, whose order holds D, not M)."""
+    fewer stash slots (Chimera: ordered; GPipe: lanes, whose order holds D, not M).  ``"ordered2"`` is not
+    weighed: its second round of lanes costs the executor more than the lockstep step prices (on the
+    two-process testbed ZB-H1 ran 2-6% slower in it than ordered, ZB-V even, DualPipeV at M = 8 4-8%
+    faster); a user who measures a gain asks for it."""
     if s.has_pairs() and not s.options.get("double_batch"):
         # Chimera's forward doubling: the ordered plan pairs forwards, and the executor runs a pair as one
         # double-size forward (``double_batch``), which a context model cannot; asked for, it is ordered
@@ -483,14 +511,18 @@ def plan(s: Schedule, placement: str = "lanes", cut: Sequence[int] = ()) -> Lane
         raise ScheduleError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     if placement == "auto":
         placement = fastest_placement(s)
+    if placement == "ordered2" and s.has_pairs():
+        raise ScheduleError(
+            f"{s.name}: placement='ordered2' fuses the ordered plan's ticks, which pairs forwards here "
+            f"(Chimera's forward doubling); use placement='ordered' or 'lanes'"
+        )
     lanes = lane_kinds(s, placement)
     loc = s.location()
     dev = {k: v[0] for k, v in loc.items()}
-    where = (
-        _place_lanes(s, lanes, dev)
-        if placement == "lanes"
-        else _fuse_ticks(s, _place_ordered(s, lanes), lanes, dev)
-    )
+    if placement == "lanes":
+        where = _place_lanes(s, lanes, dev)
+    else:
+        where = _fuse_ticks(s, _place_ordered(s, lanes), lanes, dev)
     nl, D, S = len(lanes), s.D, s.num_model_stages
     T = 1 + max(t for t, _ in where.values())
     pos = lambda key: where[key][0] * nl + where[key][1]

@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .ir import Action, B, F, W, Schedule, ScheduleError
+from .ir import Action, B, F, W, Schedule, ScheduleError, kind_of
 
 F2 = "F2"  # a paired forward's lane (jaxpipe.schedules.lanes.F2)
 
@@ -63,7 +63,10 @@ class Periodic:
     @property
     def kinds(self) -> Tuple[str, ...]:
         """The lanes of a tick, in order: F, F2 where a stream of one call pairs forwards (Chimera's forward
-        doubling), B, and W where it splits the backward (ZB)."""
+        doubling), B, and W where it splits the backward (ZB); a stream of one call: its lane plan's lanes
+        (F', B', W': a second lane of the kind)."""
+        if self.plan is not None:
+            return tuple(self.plan.lanes)
         if self.unit_offsets is None:
             return (F, B)
         return tuple(k for k in (F, F2, B, W) if k in self.unit_offsets)
@@ -200,8 +203,8 @@ class Periodic:
         after its B -- one tick later across devices, a later lane of the same tick on one device."""
         when, st, S = {}, self.stage_table(), self.num_stages
         for t, d, kind, c, g in self.events(M, calls=4):
-            when[(F if kind == F2 else kind, int(st[c, d]), g)] = (t, self.kinds.index(kind), d)
-        for (kind, k, g), (t, lane, d) in when.items():
+            when[(kind_of(kind), int(st[c, d]), g)] = (t, self.kinds.index(kind), d)
+        for (kind, k, g), (t, lane, d) in when.items():  # kind: the action's (F, B or W)
             prev = (
                 [(F, k - 1)]
                 if kind == F
@@ -236,7 +239,7 @@ class Periodic:
                     if u < 0 or q < 0:
                         continue
                     c, fo, bo, j = (int(v) for v in units[u])
-                    g = (q + (fo if kind in (F, F2) else bo)) * M + j
+                    g = (q + (fo if kind_of(kind) == F else bo)) * M + j
                     if g >= 0:
                         out.append((t, d, kind, c, g))
         return out
@@ -258,14 +261,14 @@ class Periodic:
             live, need = [set() for _ in range(D)], 1  # the most micro-batches held at once: a floor
             for t, d, kind, cc, g in ev:
                 if cc == c:
-                    (live[d].add if kind in (F, F2) else live[d].discard)(g)
+                    (live[d].add if kind_of(kind) == F else live[d].discard)(g)
                     need = max(need, len(live[d]))
             while True:
                 live, ok = [set() for _ in range(D)], True
                 for t, d, kind, cc, g in ev:
                     if cc != c:
                         continue
-                    if kind in (F, F2):
+                    if kind_of(kind) == F:
                         ok &= all(h % need != g % need for h in live[d])
                         live[d].add(g)
                     else:
@@ -298,7 +301,7 @@ class Periodic:
         for t, d, kind, c, g in self.events(M, calls=b + 6):
             if c == chunk and g // M == b:
                 first.setdefault(d, t)
-                if kind == B:
+                if kind_of(kind) == B:
                     last_b[d] = t
         return {
             "first": [first[d] for d in range(self.num_devices)],
@@ -317,8 +320,8 @@ class Periodic:
         acts, ticks = [[] for _ in range(D)], {}
         st = self.stage_table()
         for t, d, kind, c, g in ev:  # in execution order: tick, then lane (F before B)
-            acts[d].append(Action(kind, int(g), int(st[c, d]), c))
-            ticks[(kind, int(st[c, d]), int(g))] = t
+            acts[d].append(Action(kind_of(kind), int(g), int(st[c, d]), c))
+            ticks[(kind_of(kind), int(st[c, d]), int(g))] = t
         s = Schedule(self.name, D, n, acts, num_model_stages=self.num_stages, weight_versions=weight_versions)
         if not self.two_lanes:
             s.fixed_ticks = ticks
@@ -348,14 +351,15 @@ def one_call(lane_plan) -> Periodic:
     the one executor runs (with the ``gradient`` policy: the step's gradient, applied by the runner).  The
     stream carries the plan: the executor stashes residuals and routes messages (both directions, waiting
     where the plan makes them wait, the last stage's dL/dy kept on the device) in the slots the plan
-    allocated.  Raises :class:`ScheduleError` where the plan has a lane a stream does not run (W, paired
-    F)."""
+    allocated.  Raises :class:`ScheduleError` where the plan has a lane a stream does not run."""
     s = lane_plan.schedule
     D, M = s.D, s.M
     where = lane_plan.where
     kinds = tuple(lane_plan.lanes)
-    if kinds not in ((F, B), (F, B, W), (F, F2, B)):
-        raise ScheduleError(f"{s.name}: lanes {lane_plan.lanes}; a stream runs F, F2, B and W lanes")
+    if kinds not in ((F, B), (F, B, W), (F, F2, B)) and F2 in kinds:
+        raise ScheduleError(
+            f"{s.name}: lanes {lane_plan.lanes}; a stream pairs forwards in F, F2, B lanes only"
+        )
     soc = s.stage_of_chunk()  # [D, chunks]
     K = soc.shape[1]
     if (soc < 0).any():
@@ -366,12 +370,13 @@ def one_call(lane_plan) -> Periodic:
             ticks = {kind: [None] * D for kind in kinds}
             for d in range(D):
                 k = int(soc[d, c])
-                for kind in kinds:
-                    key = (F if kind == F2 else kind, k, j)
+                for li, kind in enumerate(kinds):
+                    key = (kind_of(kind), k, j)
                     if key in where and lane_plan._dev[key] == d:
                         t, lane = where[key]
-                        # a paired forward runs in the F2 lane: -1 in the lane it does not run in
-                        ticks[kind][d] = int(t) if lane == kinds.index(kind) or kind not in (F, F2) else -1
+                        # an action runs in one of its kind's lanes (F or a paired F2; X or a second X'):
+                        # -1 in the others
+                        ticks[kind][d] = int(t) if lane == li else -1
             every = sum((ticks[k] for k in kinds), [])
             if any(t is None for t in every):
                 if any(t is not None for t in every):

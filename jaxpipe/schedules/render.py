@@ -45,12 +45,13 @@ def _boxes(s: Schedule, mode: str, f: float, b: float, w: float):
                 if p is not None:
                     yield d, t0 + dur[a.kind], dur[F], p
             t0 += width
-    elif mode in ("lanes", "ordered"):
+    elif mode in ("lanes", "ordered", "ordered2"):
         # what the executor runs: every tick's lanes one after the other, each as wide as its slowest op
-        from .lanes import F2, plan
+        from .ir import kind_of
+        from .lanes import plan
 
         p = plan(s, mode)
-        ldur = {F: f, F2: f, B: b, W: w}
+        ldur = {lane: {F: f, B: b, W: w}[kind_of(lane)] for lane in p.lanes}
         t0 = 0.0
         for row in p.grid():
             x = t0
@@ -62,7 +63,7 @@ def _boxes(s: Schedule, mode: str, f: float, b: float, w: float):
                     x += ldur[kind]
             t0 = x
     else:
-        raise ValueError(f"mode must be 'event', 'lockstep', 'lanes' or 'ordered', got {mode!r}")
+        raise ValueError(f"mode must be 'event', 'lockstep', 'lanes', 'ordered' or 'ordered2', got {mode!r}")
 
 
 def render_png(
@@ -113,6 +114,7 @@ def render_png(
             "lockstep": "time (one op per device per tick; a tick lasts its slowest op)",
             "lanes": "time (each tick: an F lane then a B lane, each as long as its slowest op)",
             "ordered": "time (the executor's ordered placement: lanes of one op per device per tick)",
+            "ordered2": "time (the ordered order in ticks of two rounds of lanes: F, B, W, F', B', W')",
         }.get(
             mode,
             f"time (forward = {f:g}, backward = {whole:g}"
@@ -124,16 +126,17 @@ def render_png(
         "lockstep": (r.lockstep_makespan, r.lockstep_bubble_ratio),
         "lanes": (r.lane_makespan, r.lane_bubble_ratio),
     }.get(mode, (r.makespan, r.bubble_ratio))
-    if mode == "ordered":
+    if mode in ("ordered", "ordered2"):
         from .lanes import plan
 
-        span = plan(s, "ordered").lockstep_makespan(f, b, w if s.has_w() else 0.0)
+        span = plan(s, mode).lockstep_makespan(f, b, w if s.has_w() else 0.0)
         bubble = 1.0 - (r.makespan * (1.0 - r.bubble_ratio)) / span
     what = {
         "event": "as soon as inputs arrive",
         "lockstep": "one op per tick",
         "lanes": "executor, lanes",
         "ordered": "executor, ordered",
+        "ordered2": "executor, ordered2",
     }[mode]
     ax.set_title(title or f"{s.name}  D={s.D}  M={s.M}  ({what}): total time {span:g}, idle {bubble:.1%}")
     kinds = [F, B] + ([W] if s.has_w() else [])

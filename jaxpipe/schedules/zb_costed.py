@@ -29,7 +29,14 @@ from __future__ import annotations
 from typing import Dict, List, Sequence, Tuple
 
 from .ir import Action, B, F, W, Schedule, ScheduleError
+
 from .lanes import check_costs
+
+
+class SearchTooLarge(ScheduleError):
+    """``costs=`` asked of a pipeline past what the search serves (it tries every device's move per tick):
+    :class:`jaxpipe.Pipeline`, which adds the costs it measured itself, keeps the unit-time order there."""
+
 
 #: partial plans kept per tick, by device count (found the exhaustive optimum at D = 2, M <= 8, and 27 units
 #: at
@@ -191,7 +198,7 @@ def build_costed(
     D, M = num_stages, num_microbatches
     S = len(devices) or D
     if D > (4 if S == D else 3) or M > 32:
-        raise ScheduleError(
+        raise SearchTooLarge(
             f"{name}: costs= plans D = {D}, M = {M} by a search over every device's move per "
             f"tick; it serves D <= {4 if S == D else 3} and M <= 32 -- leave costs out for the "
             f"unit-time order"

@@ -31,6 +31,7 @@ from typing import Dict, Sequence, Tuple
 import numpy as np
 
 from ..schedules.ir import Schedule
+from ..schedules.ir import kind_of
 from ..schedules.lanes import L, fastest_placement
 
 
@@ -70,13 +71,16 @@ class LayerCosts:
         """One op's cost.
 
         Args:
-            kind: ``"F"``, ``"F2"`` (two paired forwards), ``"B"`` or ``"W"``.
+            kind: a lane: ``"F"``, ``"F2"`` (two paired forwards), ``"B"`` or ``"W"`` (``"F'"``, ``"B'"``,
+                ``"W'"``: a second lane of the kind, one op).
             split: whether the backward is split (B is then the input gradient only).
 
         Returns:
             Seconds.
         """
-        return {"F": self.f, "F2": 2 * self.f, "B": self.b_input if split else self.b, "W": self.w}[kind]
+        if kind == "F2":
+            return 2 * self.f
+        return {"F": self.f, "B": self.b_input if split else self.b, "W": self.w}[kind_of(kind)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,14 +128,14 @@ class EdgeCosts:
         """``[model stage, lane]`` seconds each op adds."""
         out = np.zeros((n_stages, len(lanes)))
         for j, k in enumerate(lanes):
-            if k in ("F", "F2"):
+            if kind_of(k) == "F":
                 n = 2.0 if k == "F2" else 1.0
                 out[0, j] += n * self.f_pre
                 out[-1, j] += n * self.f_post
-            elif k == "B":
+            elif kind_of(k) == "B":
                 out[-1, j] += self.b_post
                 out[0, j] += 0.0 if split else self.b_pre
-            elif k == "W":
+            elif kind_of(k) == "W":
                 out[0, j] += self.b_pre
         return out
 
