@@ -104,10 +104,14 @@ class Bench:
         n = max(self._models)
 
         def measure():
-            mb = jax.tree.map(lambda a: np.asarray(a[:rows]), self.batch)
+            mb = self._microbatch(rows)
             return agreed(dataclasses.asdict(measure_parts(per_block(self.model(n)), mb)))
 
         return self.cache.get(self._key("parts", n, rows), measure, use=lambda v: PartCosts(**_numbers_of(v)))
+
+    def _microbatch(self, rows: int):
+        """The first ``rows`` rows of the example batch, as host arrays (what every probe runs on)."""
+        return jax.tree.map(lambda a: np.asarray(a[:rows]), self.batch)
 
     def model_key(self, n: int) -> str:
         if n not in self._keys:
@@ -228,7 +232,7 @@ class Bench:
         def measure():
             pipe = pipe_of(finest, residuals)
             m = pipe.model
-            mb = jax.tree.map(lambda a: np.asarray(a[:rows]), self.batch)
+            mb = self._microbatch(rows)
             x = m.pre(m.pre_params, mb)
             w = jax.tree.map(lambda a: a[0], m.stage_params)
             act = tree_bytes(x)
@@ -264,7 +268,7 @@ class Bench:
         n = min(self._models)
 
         def measure():
-            mb = jax.tree.map(lambda a: np.asarray(a[:rows]), self.batch)
+            mb = self._microbatch(rows)
             return agreed(edge_costs(self.model(n), mb))
 
         return self.cache.get(self._key("edges", n, rows), measure, use=lambda v: EdgeCosts(**_numbers_of(v)))
@@ -285,7 +289,7 @@ class Bench:
         from .running_costs import tick_price
 
         def measure():
-            mb = jax.tree.map(lambda a: np.asarray(a[:rows]), self.batch)
+            mb = self._microbatch(rows)
             return agreed([tick_price(pipe_of(finest).model, mb, devices)])[0]
 
         return self.cache.get(self._key("tick", finest, rows, devices), measure, use=_number)
