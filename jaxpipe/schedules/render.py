@@ -46,22 +46,24 @@ def _boxes(s: Schedule, mode: str, f: float, b: float, w: float):
                     yield d, t0 + dur[a.kind], dur[F], p
             t0 += width
     elif mode in ("lanes", "ordered", "ordered2"):
-        # what the executor runs: every tick's lanes one after the other, each as wide as its slowest op
+        # what the executor runs: in every tick each device runs its lanes' actions one after the other, and
+        # the tick lasts as long as its busiest device (the exchange follows): LanePlan.lockstep_makespan
         from .ir import kind_of
         from .lanes import plan
 
         p = plan(s, mode)
-        ldur = {lane: {F: f, B: b, W: w}[kind_of(lane)] for lane in p.lanes}
+        ldur = [{F: f, B: b, W: w}[kind_of(lane)] for lane in p.lanes]
         t0 = 0.0
         for row in p.grid():
-            x = t0
-            for li, kind in enumerate(p.lanes):
-                if any(row[d][li] is not None for d in range(s.D)):
-                    for d in range(s.D):
-                        if row[d][li] is not None:
-                            yield d, x, ldur[kind], row[d][li]
-                    x += ldur[kind]
-            t0 = x
+            width = 0.0
+            for d in range(s.D):
+                x = t0
+                for li, a in enumerate(row[d]):
+                    if a is not None:
+                        yield d, x, ldur[li], a
+                        x += ldur[li]
+                width = max(width, x - t0)
+            t0 += width
     else:
         raise ValueError(f"mode must be 'event', 'lockstep', 'lanes', 'ordered' or 'ordered2', got {mode!r}")
 
@@ -112,7 +114,7 @@ def render_png(
     ax.set_xlabel(
         {
             "lockstep": "time (one op per device per tick; a tick lasts its slowest op)",
-            "lanes": "time (each tick: an F lane then a B lane, each as long as its slowest op)",
+            "lanes": "time (each tick: a device's F then its B; a tick lasts as long as its busiest device)",
             "ordered": "time (the executor's ordered placement: lanes of one op per device per tick)",
             "ordered2": "time (the ordered order in ticks of two rounds of lanes: F, B, W, F', B', W')",
         }.get(
