@@ -34,8 +34,6 @@ KINDS = (F, B, W)
 #: a second lane of each kind, run after the first round of lanes in the same tick (the ``"ordered2"``
 #: placement: a device runs up to two actions of a kind a tick, e.g. both chunks' forwards of a V)
 F_, B_, W_ = "F'", "B'", "W'"
-#: every lane name in tick order (F2: Chimera's paired forward)
-LANE_ORDER = (F, F_, "F2", B, B_, W, W_)
 
 
 def kind_of(lane: str) -> str:
