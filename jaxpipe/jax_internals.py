@@ -17,6 +17,12 @@ The residual analysis (:func:`jaxpipe.runtime.residuals.residual_mask`) looks in
 ``closed_call``, ``checkpoint``: :func:`call_body`) to tell which of their outputs depend on the activation;
 an equation it cannot read counts as depending on every input (conservative: a residual stashed that need not
 be).
+
+The memory model (:mod:`jaxpipe.tune.memory`) compares its state with XLA's ``argument_size_in_bytes``.
+Where JAX hoists closed-over constants into arguments (``jax_use_simplified_jaxpr_constants``, the default
+from 0.11: every array constant over ``jax_embedded_constants_max_bytes``, 1 KiB, such as a plan's tick
+table at D = 4), those bytes count among the arguments too; :func:`hoisted_constant_bytes` reads them from
+the lowering (0 where JAX embeds its constants in the program, as 0.10 does by default).
 """
 
 from __future__ import annotations
@@ -72,3 +78,10 @@ def call_body(eqn):
     if len(body.invars) != len(eqn.invars) or len(body.outvars) != len(eqn.outvars):
         return None
     return body
+
+
+def hoisted_constant_bytes(lowered) -> int:
+    """Bytes of the constants JAX passes to ``lowered``'s executable as arguments of its own (module
+    docstring): each one whole on every device.  0 where the lowering keeps no such list."""
+    consts = getattr(getattr(lowered, "_lowering", None), "const_args", None) or ()
+    return int(sum(getattr(c, "nbytes", 0) for c in consts))

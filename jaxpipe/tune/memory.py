@@ -31,6 +31,8 @@ from typing import Dict, Sequence, Tuple
 import jax
 import numpy as np
 
+from ..jax_internals import hoisted_constant_bytes
+
 
 def tree_bytes(tree) -> int:
     """Bytes of every array (or aval) in a pytree."""
@@ -183,10 +185,15 @@ def residual_bytes_on(model, batch, rows: int, mesh, w_specs, batch_spec) -> Tup
 
 def compiled(pipe, batch, state=None) -> Dict[str, int]:
     """XLA's figures for ``pipe``'s compiled step, per device: ``temp``, ``arguments``, ``outputs``, ``alias``
-    and ``total`` (arguments + temp + outputs not aliased to an argument)."""
+    and ``total`` (arguments + temp + outputs not aliased to an argument); ``constants``: the part of
+    ``arguments`` that is the program's own constants, hoisted by JAX into arguments (the plan's tables over
+    1 KiB on jax >= 0.11; 0 on 0.10: :func:`jaxpipe.jax_internals.hoisted_constant_bytes`), so that
+    ``arguments - constants`` is the state and the batch's share (:attr:`Footprint.state`)."""
     state = pipe.init() if state is None else state
-    ma = memory_analysis(pipe.lower("step", state, pipe.shard_batch(batch)))
+    lowered = pipe.lower("step", state, pipe.shard_batch(batch))
+    ma = memory_analysis(lowered)
     out = {
+        "constants": hoisted_constant_bytes(lowered),
         "temp": ma.temp_size_in_bytes,
         "arguments": ma.argument_size_in_bytes,
         "outputs": ma.output_size_in_bytes,
