@@ -35,29 +35,27 @@ def make_stream_grad_fn(
     eager_reduce: bool = False,
     double_batch: bool = False,
     divide: bool = True,
-):
+) -> "StreamGradient":
     """``fn(stage_p, pre_p, post_p, batch, step) -> (loss, (g_stage, g_pre, g_post))`` with ``stage_p`` in the
     executor's layout (leading axis ``D * chunks``, device-major: index ``d K + c`` holds model stage
     ``soc[d, c]``, :func:`.common.layout_index`), or each leaf as :class:`~.chunk_state.Chunks` (K arrays
     ``[D, ...]``, what the runner's state holds: the gradient comes back the same way, nothing sliced or
-    stacked); parameters and gradients without tied copies (a tied
-    array's gradient comes back summed into ``pre``'s).  ``step``: the step index (a context model's keys are
+    stacked); parameters and gradients without tied copies (a tied array's gradient comes back summed into
+    ``pre``'s).  ``step``: the step index (a context model's keys are
     ``model.microbatch_key(seed, step, replica * M + j)``).  ``perms`` (:func:`.common.exchange_perms`,
     Chimera): ``stage_p`` is in the model's order, one stage per device; chunk ``c`` is fetched with one
     ``ppermute`` and its gradient goes home the same way, summed with the owner's (no gather of every stage).
     ``replicas`` (AvgPipe's parallel pipelines): every parameter and gradient has a leading axis of one
     replica per ``pipe`` index, each pipeline trains its own (averaged over ``data`` only), the loss is per
-    replica."""
-    D, K = periodic.num_devices, periodic.chunks
-    per_add = _divides_here(model, divide, replicas) and not sums_losses(
-        model, mb_example
-    )  # (sum, count): after
-    policies = tuple(gradient(M, divide=per_add) for _ in range(K))
+    replica.  ``fn.divisor``: what the caller divides the gradients by (None: divided here)."""
+    divides = _divides_here(model, divide, replicas)
+    per_add = divides and not sums_losses(model, mb_example)  # (sum, count) losses divide after
+    policies = tuple(gradient(M, divide=per_add) for _ in range(periodic.chunks))
     run, x_aval = make_stream_program(
         model,
-        policies if K > 1 else policies[0],
+        policies if periodic.chunks > 1 else policies[0],
         None,
-        D,
+        periodic.num_devices,
         M,
         mesh,
         mb_example,
@@ -68,69 +66,95 @@ def make_stream_grad_fn(
         w_from=w_from,
         eager_reduce=eager_reduce,
     )
-    w0 = jax.tree.map(
-        lambda leaf: jax.ShapeDtypeStruct(tuple(leaf.shape[1:]), leaf.dtype), model.stage_params
-    )
-    _, res_avals = stage_residuals(model, host_zeros(w0), host_zeros(x_aval), host_zeros(mb_example))
     if double_batch:
         check_double_batch(model, periodic.plan, x_aval, mb_example)
-    n_dev = pipeline_devices(mesh)
-    on_stage = NamedSharding(mesh, P(STAGE))
-    on_own = NamedSharding(mesh, P((PIPE, STAGE)))
-    like = lambda g, q: jax.tree.map(
-        lambda leaf, b: leaf.astype(b.dtype), g, q
-    )  # gradients in the params' dtypes
-    permute = lambda tree, pairs: _permute(mesh, tree, pairs)
+    grad = StreamGradient(
+        model, periodic, mesh, mb_example, M, policies, run, x_aval, nan_bubbles, perms, replicas
+    )
+    grad.divisor = None if divides or run.counting else M
+    return grad
 
-    def fn(stage_p, pre_p, post_p, batch, step):
-        if replicas:  # pipeline r's stage s at r D + s: the executor's parameter layout over (pipe, stage)
-            R = mesh.shape[PIPE]
-            flat = lambda tree: jax.tree.map(
-                lambda leaf: jax.lax.with_sharding_constraint(
-                    leaf.reshape((R * leaf.shape[1],) + leaf.shape[2:]), on_own
-                ),
-                tree,
-            )
-            spread = lambda tree: flat(
-                jax.tree.map(lambda leaf: jnp.broadcast_to(leaf[:, None], (R, D) + leaf.shape[1:]), tree)
-            )
-            loss, (g_w, g_pre, g_post) = one_call(flat(stage_p), spread(pre_p), spread(post_p), batch, step)
-            back = lambda g: jax.tree.map(lambda leaf: leaf.reshape((R, D) + leaf.shape[1:]), g)
-            sums = lambda g: jax.tree.map(lambda leaf: leaf.sum(1), back(g))
-            return loss, (like(back(g_w), stage_p), like(sums(g_pre), pre_p), like(sums(g_post), post_p))
-        return one_call(stage_p, pre_p, post_p, batch, step)
 
-    fn.divisor = None if _divides_here(model, divide, replicas) or run.counting else M
+class StreamGradient:
+    """The gradient function :func:`make_stream_grad_fn` returns: one call of the stream program with every
+    chunk under the ``gradient`` policy, its sums taken back to the caller's layout."""
 
-    def one_call(stage_p, pre_p, post_p, batch, step):
-        """Replicas: the parameters as the executor holds them (pre/post one copy per device), the
-        gradients too (pre/post per device, summed by the caller)."""
-        bcast = (
-            (lambda tree: tree)
-            if replicas
-            else (
-                lambda tree: jax.tree.map(
-                    lambda leaf: jax.lax.with_sharding_constraint(
-                        jnp.broadcast_to(leaf, (D,) + jnp.shape(leaf)), on_stage
-                    ),
-                    tree,
-                )
-            )
+    divisor = None
+
+    def __init__(
+        self, model, periodic, mesh, mb_example, M, policies, run, x_aval, nan_bubbles, perms, replicas
+    ):
+        self.model, self.periodic, self.mesh, self.mb_example, self.M = model, periodic, mesh, mb_example, M
+        self.D, self.K = periodic.num_devices, periodic.chunks
+        self.policies, self.run, self.x_aval = policies, run, x_aval
+        self.nan_bubbles, self.perms, self.replicas = nan_bubbles, perms, replicas
+        w0 = jax.tree.map(
+            lambda leaf: jax.ShapeDtypeStruct(tuple(leaf.shape[1:]), leaf.dtype), model.stage_params
         )
-        pin = lambda tree: jax.tree.map(lambda leaf: jax.lax.with_sharding_constraint(leaf, on_stage), tree)
-        chunks = tuple(
-            (w, bcast(pre_p), bcast(post_p)) for w in _chunk_weights(stage_p, perms, D, K, pin, permute)
+        self.res_avals = stage_residuals(model, host_zeros(w0), host_zeros(x_aval), host_zeros(mb_example))[1]
+        self.on_stage = NamedSharding(mesh, P(STAGE))
+
+    def __call__(self, stage_p, pre_p, post_p, batch, step):
+        if self.replicas:
+            return self._replicated(stage_p, pre_p, post_p, batch, step)
+        loss, (g_w, g_pre, g_post) = self._one_call(stage_p, pre_p, post_p, batch, step)
+        return loss, (_like(g_w, stage_p), _like(g_pre, pre_p), _like(g_post, post_p))
+
+    def _replicated(self, stage_p, pre_p, post_p, batch, step):
+        """AvgPipe: pipeline r's stage s at ``r D + s``, the executor's parameter layout over (pipe, stage);
+        pre/post one copy per device, their gradients summed over the pipeline's devices here."""
+        R, D = self.mesh.shape[PIPE], self.D
+        on_own = NamedSharding(self.mesh, P((PIPE, STAGE)))
+        flat = lambda tree: jax.tree.map(
+            lambda leaf: jax.lax.with_sharding_constraint(
+                leaf.reshape((R * leaf.shape[1],) + leaf.shape[2:]), on_own
+            ),
+            tree,
         )
+        spread = lambda tree: flat(
+            jax.tree.map(lambda leaf: jnp.broadcast_to(leaf[:, None], (R, D) + leaf.shape[1:]), tree)
+        )
+        loss, (g_w, g_pre, g_post) = self._one_call(flat(stage_p), spread(pre_p), spread(post_p), batch, step)
+        back = lambda g: jax.tree.map(lambda leaf: leaf.reshape((R, D) + leaf.shape[1:]), g)
+        sums = lambda g: jax.tree.map(lambda leaf: leaf.sum(1), back(g))
+        return loss, (_like(back(g_w), stage_p), _like(sums(g_pre), pre_p), _like(sums(g_post), post_p))
+
+    def _pin(self, tree):
+        return jax.tree.map(lambda leaf: jax.lax.with_sharding_constraint(leaf, self.on_stage), tree)
+
+    def _on_every_stage(self, tree):
+        """pre/post's parameters, one copy per pipeline device (replicas: already so)."""
+        if self.replicas:
+            return tree
+        return self._pin(jax.tree.map(lambda leaf: jnp.broadcast_to(leaf, (self.D,) + jnp.shape(leaf)), tree))
+
+    def _permute(self, tree, pairs):
+        return _permute(self.mesh, tree, pairs)
+
+    def _one_call(self, stage_p, pre_p, post_p, batch, step):
+        """``(loss, (g_stage, g_pre, g_post))`` of one call, gradients in the params' layout but not yet
+        their dtypes (replicas: pre/post per device)."""
+        D, K, M = self.D, self.K, self.M
+        pre, post = self._on_every_stage(pre_p), self._on_every_stage(post_p)
+        weights = _chunk_weights(stage_p, self.perms, D, K, self._pin, self._permute)
+        chunks = tuple((w, pre, post) for w in weights)
         pstate = tuple(
-            _apart(jax.vmap(p.init)(params), c) for c, (p, params) in enumerate(zip(policies, chunks))
+            _apart(jax.vmap(p.init)(params), c) for c, (p, params) in enumerate(zip(self.policies, chunks))
         )
-        carry = jax.lax.with_sharding_constraint(
-            empty_carry(model, periodic, M, n_dev, mb_example, x_aval, res_avals, nan_bubbles),
-            NamedSharding(mesh, P(ALL)),
+        carry = empty_carry(
+            self.model,
+            self.periodic,
+            M,
+            pipeline_devices(self.mesh),
+            self.mb_example,
+            self.x_aval,
+            self.res_avals,
+            self.nan_bubbles,
         )
+        carry = jax.lax.with_sharding_constraint(carry, NamedSharding(self.mesh, P(ALL)))
         counters = (jnp.zeros((), jnp.int32), (step * M).astype(jnp.int32), jnp.zeros((), jnp.int32))
         one = (lambda tree: tree[0]) if K == 1 else (lambda tree: tree)
-        _, _, policy_states, _, _, (loss, _, _, _) = run(
+        _, _, policy_states, _, _, (loss, _, _, _) = self.run(
             one(chunks),
             one(tuple(() for _ in range(K))),
             one(pstate),
@@ -140,21 +164,24 @@ def make_stream_grad_fn(
             jnp.asarray(True),
         )
         policy_states = (policy_states,) if K == 1 else policy_states
-        if perms is not None and any(pm is not None for pm in perms):
+        if self.perms is not None and any(pm is not None for pm in self.perms):
             # the replicas' gradients go home by collective-permute only once the loss metric's all-reduce is
             # done: independent, the two ran in different orders on different devices in XLA CPU's concurrent
             # thunk executor and deadlocked (once in a CI run: device 0 in the all-reduce, the others in the
             # permute; BUILD_NOTES, "The executor")
             loss, policy_states = jax.lax.optimization_barrier((loss, policy_states))
-        g_w = _stage_gradient(policy_states, perms, D, pin, permute, chunk_state.holds_chunks(stage_p))
-        total = (lambda leaf: leaf) if replicas else (lambda leaf: leaf.sum(0))
-        g_pre = jax.tree.map(lambda *g: sum(total(a) for a in g), *(ps.acc[1] for ps in policy_states))
-        g_post = jax.tree.map(lambda *g: sum(total(a) for a in g), *(ps.acc[2] for ps in policy_states))
-        if replicas:
-            return loss, (g_w, g_pre, g_post)
-        return loss, (like(g_w, stage_p), like(g_pre, pre_p), like(g_post, post_p))
+        held = chunk_state.holds_chunks(stage_p)
+        g_w = _stage_gradient(policy_states, self.perms, D, self._pin, self._permute, held)
+        total = (lambda leaf: leaf) if self.replicas else (lambda leaf: leaf.sum(0))
+        summed = lambda part: jax.tree.map(
+            lambda *g: sum(total(a) for a in g), *(ps.acc[part] for ps in policy_states)
+        )
+        return loss, (g_w, summed(1), summed(2))
 
-    return fn
+
+def _like(grads, params):
+    """Gradients in the parameters' dtypes."""
+    return jax.tree.map(lambda leaf, p: leaf.astype(p.dtype), grads, params)
 
 
 def _chunk_weights(stage_p, perms, D, K, pin, permute):
