@@ -6,7 +6,9 @@ its entries for a clone.  Each runner, by the question it answers (``RUNNERS``; 
 #: runner -> the question it answers.  Helpers the runners share (not runners): ``bench`` (the plain
 #: one-device steps and the timing rounds), ``one_device`` (Cyclic Data Parallelism's one-device baselines),
 #: ``profiling`` (a ``jax.profiler`` trace cut into operation kinds), ``sketch_two_lane`` (the two-lane 1F1B
-#: sketch the accelerator check times beside jaxpipe), ``torch_peer`` (PyTorch's side of ``peer``).
+#: sketch the accelerator check times beside jaxpipe), ``sketch_interleaved`` (the interleaved sketch
+#: ``two_devices --sketch`` and ``peer`` time beside the two-chunk schedules), ``torch_peer`` (PyTorch's side
+#: of ``peer``).
 RUNNERS = {
     "train": "train a model (jaxpipe train)",
     "launch": "run a multi-process job on this machine (jaxpipe launch)",

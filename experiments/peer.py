@@ -51,6 +51,12 @@ def define_flags():
         "ZB-V in its other placement (two_devices' name:placement), or a schedule file "
         "tests/data/torch_zbv_d2_m{M}.csv",
     )
+    flags.DEFINE_bool(
+        "sketch",
+        True,
+        "also time the interleaved sketch and its two-lane 1F1B in jaxpipe's pair (two_devices --sketch): "
+        "the rows sketch_interleaved (x the sketch's own 1F1B) and sketch_1f1b",
+    )
     flags.DEFINE_string("microbatches", "4,8", "comma-separated M values")
     flags.DEFINE_integer("layers", 8, "tanh layers in the model")
     flags.DEFINE_integer("width", 1024, "layer width")
@@ -161,7 +167,7 @@ def _env():
 def _jax_pair():
     runs = ",".join(filter(None, [FLAGS.schedules, FLAGS.extra]))
     jax_cmd = [sys.executable, "-m", "experiments.two_devices", *_common(), f"--schedules={runs}"]
-    jax_cmd += [f"--port={FLAGS.port}", "--serve"]
+    jax_cmd += [f"--port={FLAGS.port}", "--serve"] + (["--sketch"] if FLAGS.sketch else [])
     return Pair("jaxpipe", [jax_cmd + [f"--worker={p}"] for p in (0, 1)], _env())
 
 
@@ -203,16 +209,24 @@ class Row(NamedTuple):
     jaxpipe_to_torch: Optional[Tuple[float, float]]
 
 
+#: the sketch's rows (``--sketch``), each ratio to the sketch's own two-lane 1F1B
+SKETCH_ROWS = ("sketch_1f1b", "sketch_interleaved")
+
+
 def table(times, schedules: Sequence[str], extra: Sequence[str] = ()) -> List[Row]:
     """The rows, per micro-batch count: the plain step, then ``schedules`` (both libraries), then ``extra``
-    (jaxpipe only), from ``times`` as :func:`collect` returns them."""
+    (jaxpipe only), then the sketch's where timed (:data:`SKETCH_ROWS`: its ratios to its own 1F1B), from
+    ``times`` as :func:`collect` returns them."""
     from experiments.bench import ratio_spread
 
     rows = []
     for M in sorted({int(k.split(",")[0]) for k in times["jaxpipe"]}):
-        base = f"{M},1f1b"
-        to_base = lambda lib, ts: ratio_spread(ts, times[lib][base]) if base in times[lib] else None
-        for name in ["plain", *schedules, *extra]:
+
+        def to_base(lib, ts, name):
+            base = f"{M},{SKETCH_ROWS[0] if name in SKETCH_ROWS else '1f1b'}"
+            return ratio_spread(ts, times[lib][base]) if base in times[lib] else None
+
+        for name in ["plain", *schedules, *extra, *SKETCH_ROWS]:
             j, t = times["jaxpipe"].get(f"{M},{name}"), times["torch"].get(f"{M},{name}")
             if not j:
                 continue
@@ -222,8 +236,8 @@ def table(times, schedules: Sequence[str], extra: Sequence[str] = ()) -> List[Ro
                     name,
                     statistics.median(j),
                     statistics.median(t) if t else None,
-                    to_base("jaxpipe", j),
-                    to_base("torch", t) if t else None,
+                    to_base("jaxpipe", j, name),
+                    to_base("torch", t, name) if t else None,
                     ratio_spread(j, t) if t else None,
                 )
             )
@@ -243,7 +257,7 @@ def report(rows: Sequence[Row], heading: str) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        own = r.schedule not in ("plain", "1f1b")
+        own = r.schedule not in ("plain", "1f1b", SKETCH_ROWS[0])
         torch_ms = "" if r.torch is None else f"{r.torch * 1e3:.1f}"
         out.append(
             f"| {r.M} | {r.schedule} | {r.jaxpipe * 1e3:.1f} | {torch_ms} "

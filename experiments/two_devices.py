@@ -25,6 +25,7 @@ a quiet machine with two cores.
 from __future__ import annotations
 
 import json
+import statistics
 import os
 import subprocess
 import tempfile
@@ -98,6 +99,13 @@ flags.DEFINE_bool(
     False,
     "internal (experiments.peer): a worker builds its pipelines, then times one round of them for each "
     "'round' line on its standard input, answering a JSON line (process 0: {'M,schedule': seconds})",
+)
+flags.DEFINE_bool(
+    "sketch",
+    False,
+    "also time the interleaved sketch (experiments.sketch_interleaved: one shard_map, two lanes a tick) at "
+    "V = 2 and V = 1 (its own two-lane 1F1B), as runs sketch_interleaved and sketch_1f1b: the ratio a "
+    "two-chunk schedule is held to",
 )
 flags.DEFINE_integer(
     "worker", -1, "internal: this process's index (the launcher sets it; -2: the one-core costs)"
@@ -248,6 +256,8 @@ def worker(pid: int):
                 s = pipe.step(s, b)[0]
             runs[(M, spec)] = [lambda s, pipe=pipe, b=b: pipe.step(s, b)[0], s]
             meta[(M, spec)] = (name, pipe.placement, pipe.op_costs)  # as chosen at the first step
+    if FLAGS.sketch:
+        runs.update(_sketch_runs(Ws, x, y, sorted({k[0] for k in runs})))
     idled = _idle_link_thread() if FLAGS.link_thread == "idle" else None
     plains = {M: _plain_step(Ws, x, y, M) for M in {k[0] for k in runs}} if pid == 0 else {}
     for M, fn in plains.items():  # process 0 alone, on its core, in the same rounds (the other waits)
@@ -288,13 +298,37 @@ def worker(pid: int):
                     "plain": {M: got[(M, "plain")] for M in plains},
                     "costs": costs,
                     "steps": [
-                        [M, spec, *meta[(M, spec)][1:], t] for (M, spec), t in got.items() if spec != "plain"
+                        [M, spec, *meta[(M, spec)][1:], t]
+                        for (M, spec), t in got.items()
+                        if (M, spec) in meta
                     ],
                     "rounds": {f"{M},{spec}": v for (M, spec), v in per_round.items()},
                 }
             ),
             flush=True,
         )
+
+
+#: the sketch's runs (``--sketch``): name -> model chunks a device
+SKETCH = {"sketch_1f1b": 1, "sketch_interleaved": 2}
+
+
+def _sketch_runs(Ws, x, y, microbatches):
+    """``{(M, name): [step, output]}`` of the interleaved sketch and its two-lane 1F1B (:data:`SKETCH`) on the
+    same model and batch, compiled and warm; a step ignores its state (the sketch computes the gradient only,
+    as the papers' schedules are compared)."""
+    import jax
+    from experiments.sketch_interleaved import sketch_step
+
+    runs = {}
+    for M in microbatches:
+        for name, chunks in SKETCH.items():
+            step, args, _ = sketch_step(Ws, x, y, 2, M, chunks)
+            runs[(M, name)] = [
+                lambda _, step=step, args=args: step(*args),
+                jax.block_until_ready(step(*args)),
+            ]
+    return runs
 
 
 def _serve(pid, runs, meta):
@@ -534,6 +568,16 @@ def report(res):
                 "parts": parts,
             }
         )
+    for M in sorted({M for M, *_ in rows}):
+        own, ref = rounds.get(f"{M},sketch_interleaved"), rounds.get(f"{M},sketch_1f1b")
+        if own and ref:
+            r, sp = ratio_spread(own, ref)
+            spreads[f"M={M} sketch"] = (r, sp)
+            print(
+                f"{M:>2} the sketch (experiments.sketch_interleaved): interleaved x its two-lane 1F1B "
+                f"{r:.3f} +- {sp:.3f} ({statistics.median(own) * 1e3:.1f} against "
+                f"{statistics.median(ref) * 1e3:.1f} ms)"
+            )
     for w in reliability(spreads, res.get("load")):
         print("warning: " + w)
     if FLAGS.json:

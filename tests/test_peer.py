@@ -40,6 +40,12 @@ def test_the_table_takes_each_ratio_round_by_round_and_leaves_jaxpipe_only_rows_
     assert text[1].startswith("| M | schedule | jaxpipe ms | PyTorch ms")
     assert text[5] == "| 4 | zb_v | 2400.0 | 2000.0 | 1.200 +- 0.000 | 0.800 +- 0.000 | 1.200 +- 0.000 |"
     assert text[6] == "| 4 | zb_v:lanes | 2200.0 |  | 1.100 +- 0.000 |  |  |"
+    # the sketch's rows: each to the sketch's own two-lane 1F1B, not to jaxpipe's
+    times["jaxpipe"].update({"4,sketch_1f1b": [0.5, 1.0, 1.0], "4,sketch_interleaved": [0.6, 1.3, 1.2]})
+    rows = {r.schedule: r for r in peer.table(times, ["1f1b", "zb_v"])}
+    assert list(rows)[-2:] == list(peer.SKETCH_ROWS)
+    assert rows["sketch_interleaved"].jaxpipe_to_1f1b[0] == pytest.approx(1.2)
+    assert rows["sketch_interleaved"].torch is None
 
 
 def test_without_torch_it_says_how_to_get_the_peer():
@@ -57,8 +63,8 @@ def _serving_pair(module_args, label):
 
 @pytest.mark.ci_once
 def test_jaxpipes_workers_serve_a_round_for_each_line_and_stop_on_quit():
-    args = ["--layers=2", "--width=16", "--batch=8", "--microbatches=2"]
-    args += ["--schedules=1f1b,zb_h1,gpipe:ordered"]
+    args = ["--layers=4", "--width=16", "--batch=8", "--microbatches=2"]
+    args += ["--schedules=1f1b,zb_h1,gpipe:ordered", "--sketch"]
     pair = _serving_pair(
         lambda p: [
             sys.executable,
@@ -82,7 +88,10 @@ def test_jaxpipes_workers_serve_a_round_for_each_line_and_stop_on_quit():
         assert all(len(costs) == 4 and costs[0] > 0 for _, costs in plans.values())
         for _ in range(2):
             first, second = pair.ask("round")
-            assert set(first) == {"2,1f1b", "2,zb_h1", "2,gpipe:ordered", "2,plain"} and second == {}
+            assert set(first) == {"2,1f1b", "2,zb_h1", "2,gpipe:ordered", "2,plain"} | {
+                f"2,{name}" for name in peer.SKETCH_ROWS
+            }
+            assert second == {}
             assert all(t > 0 for t in first.values())
     finally:
         pair.close()

@@ -11,7 +11,15 @@ import pytest
 import experiments
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HELPERS = {"__init__", "bench", "one_device", "profiling", "sketch_two_lane", "torch_peer"}
+HELPERS = {
+    "__init__",
+    "bench",
+    "one_device",
+    "profiling",
+    "sketch_interleaved",
+    "sketch_two_lane",
+    "torch_peer",
+}
 #: flags a runner's --help must list beside its docstring (the ones it takes from another module included)
 MUST_LIST = {
     "train": ["--schedule", "--checkpoint_dir", "zb_v", "dualpipe_v", "--compilation_cache_dir"],
