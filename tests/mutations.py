@@ -747,8 +747,8 @@ MUTATIONS = [
     Mutation(
         "w_timed_as_the_whole_backward",
         "jaxpipe/tune/running_costs.py",
-        "    return RunningCosts(f, b_in, max(whole - b_in, 0.0), _tick_cost(stage_fn, w, x, devices))\n",
-        "    return RunningCosts(f, b_in, whole, _tick_cost(stage_fn, w, x, devices))\n",
+        "    return (f, b_in, max(whole - b_in, 0.0))\n",
+        "    return (f, b_in, whole)\n",
         "tests/test_running_costs.py::"
         "test_a_split_backwards_weight_part_is_what_the_whole_costs_beyond_its_input_part",
     ),

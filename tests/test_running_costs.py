@@ -20,7 +20,9 @@ def measuring(monkeypatch, tmp_path):
     """Pipelines built with the default op_costs measure (conftest: unit costs), into a fresh cache."""
     monkeypatch.setenv(running_costs.ENV, "measure")
     monkeypatch.setenv("JAXPIPE_CACHE_DIR", str(tmp_path))
-    return tmp_path
+    running_costs.forget_measured()  # nothing this process measured for another test
+    yield tmp_path
+    running_costs.forget_measured()
 
 
 def _zb_h1(**kw):
@@ -166,3 +168,26 @@ def test_a_split_backwards_weight_part_is_what_the_whole_costs_beyond_its_input_
     assert split.forward == 0.003 and split.backward == 0.004 and split.weight == pytest.approx(0.006)
     whole = running_costs.measure(model, mb, 1, False)
     assert whole.backward == 0.010 and whole.weight == 0.0
+
+
+def test_one_tick_price_serves_every_pipeline_that_sends_the_same_message(monkeypatch):
+    """A tick's price is measured once per (backend, devices, message) in a process, also where no cache
+    file is kept (a multi-process job): the pipelines of one run are placed for one price, not each for its
+    own probe's.  A stage's F, B and W stay per model; another message size is priced again."""
+    calls = []
+    monkeypatch.setattr(running_costs, "_tick_cost", lambda *a: calls.append(a[2].shape) or 1e-3 * len(calls))
+    monkeypatch.setattr(running_costs, "_ops", lambda *a: (1.0, 2.0, 0.0))
+    running_costs.forget_measured()
+    try:
+        two, batch_fn = small_model("mlp", 2)
+        four, _ = small_model("mlp", 4)  # a two-chunk schedule's model: other stages, the same activation
+        mb = running_costs.microbatch_like(batch_fn(8), 4)
+        first = running_costs.measured(two, mb, 2, False, cache=None)
+        assert running_costs.measured(four, mb, 2, True, cache=None).tick == first.tick == 1e-3
+        assert len(calls) == 1
+        other = running_costs.measured(
+            two, running_costs.microbatch_like(batch_fn(8), 2), 2, False, cache=None
+        )
+        assert other.tick == 2e-3 and len(calls) == 2 and calls[0] != calls[1]
+    finally:
+        running_costs.forget_measured()

@@ -55,6 +55,11 @@ def _shapes(tree) -> str:
     return str([(tuple(np.shape(a)), str(getattr(a, "dtype", type(a)))) for a in jax.tree.leaves(tree)])
 
 
+def shapes_key(tree) -> str:
+    """A digest of ``tree``'s leaves' shapes and dtypes (a message a measurement sends)."""
+    return _digest(_shapes(tree))
+
+
 def model_key(model, mb, optimizer=None) -> str:
     """A digest of the model as the search measures it: the jaxprs of ``pre``, one stage and ``post_loss`` on
     the micro-batch ``mb``, the parameters' shapes and the optimizer state's shapes (a cut model's as the

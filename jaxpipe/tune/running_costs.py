@@ -27,6 +27,7 @@ process builds the same program.
 
 from __future__ import annotations
 
+import json
 from typing import NamedTuple, Optional
 
 import jax
@@ -130,33 +131,74 @@ def tick_price(model, mb, devices: int) -> float:
     return _tick_cost(*_stage_op(model, mb), devices)
 
 
-def measure(model, mb, devices: int, split: bool) -> RunningCosts:
-    """:class:`RunningCosts` of ``model`` (as the executor holds it: padded) on the micro-batch ``mb``, with
-    ``devices`` devices busy at once (module docstring)."""
+def _ops(stage_fn, w, x, devices: int, split: bool) -> tuple:
+    """``(F, B, W)`` of one stage (module docstring)."""
     from .microbench import op_costs
 
-    stage_fn, w, x = _stage_op(model, mb)
     ops = op_costs(stage_fn, w, x, devices, [devices], best=True)
     f, whole = ops["F"][-1], ops["B"][-1]
     if not split:
-        return RunningCosts(f, whole, 0.0, _tick_cost(stage_fn, w, x, devices))
+        return (f, whole, 0.0)
     b_in = op_costs(stage_fn, w, x, devices, [devices], split=True, kinds=["B"], best=True)["B"][-1]
-    return RunningCosts(f, b_in, max(whole - b_in, 0.0), _tick_cost(stage_fn, w, x, devices))
+    return (f, b_in, max(whole - b_in, 0.0))
+
+
+def measure(model, mb, devices: int, split: bool) -> RunningCosts:
+    """:class:`RunningCosts` of ``model`` (as the executor holds it: padded) on the micro-batch ``mb``, with
+    ``devices`` devices busy at once (module docstring), measured now."""
+    stage_fn, w, x = _stage_op(model, mb)
+    return RunningCosts(*_ops(stage_fn, w, x, devices, split), _tick_cost(stage_fn, w, x, devices))
+
+
+#: this process's measurements by their cache keys.  A multi-process job keeps no cache file
+#: (:func:`~jaxpipe.tune.measure_cache.default_path`): without these, each of its pipelines measured
+#: again, and on the two-process testbed one run's pipelines priced a tick anywhere from 0.04 to 1.9 ms and
+#: placed their plans by those prices.  Every process builds its pipelines in the same order, so each finds
+#: the same entries (process 0's values).
+_MEASURED: dict = {}
+
+
+def forget_measured() -> None:
+    """Drop this process's measurements (:data:`_MEASURED`): the next pipeline measures again, unless the
+    cache file holds them."""
+    _MEASURED.clear()
+
+
+def _kept(store, key, measure):
+    """``key``'s values: this process's, else the cache file's, else ``measure()``'s -- in a multi-process
+    job process 0's, sent to every process."""
+    name = json.dumps(key, default=str)
+    if name not in _MEASURED:
+        got = np.asarray(store.get(key, lambda: [float(v) for v in measure()]), np.float64)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            got = np.asarray(multihost_utils.broadcast_one_to_all(got))
+        _MEASURED[name] = tuple(float(v) for v in got)
+    return _MEASURED[name]
 
 
 def measured(model, mb, devices: int, split: bool, cache: Optional[str] = "default") -> RunningCosts:
-    """:func:`measure`, kept per (model, backend, devices, split) in the measurements cache (``cache``: a
-    path, ``"default"`` or None), the same on every process of a multi-process job (process 0's)."""
-    from .measure_cache import MeasureCache, backend_key, default_path, model_key
+    """:func:`measure`'s costs, each measured once per process and kept in the measurements cache (``cache``:
+    a path, ``"default"`` or None), the same on every process of a multi-process job (process 0's).  F, B
+    and W are kept per (model, backend, devices, split); a tick's price per (backend, devices, message): the
+    exchange and the rendezvous, whichever model's stage runs between them (the stage's own time cancels
+    against the loop without exchanges), so that every pipeline whose ticks send the same activation is
+    placed for one price."""
+    from .measure_cache import MeasureCache, backend_key, default_path, model_key, shapes_key
 
     store = MeasureCache(default_path() if cache == "default" else cache)
-    key = ["running_costs", backend_key(), model_key(model, mb), devices, bool(split)]
-    got = store.get(key, lambda: list(measure(model, mb, devices, split)), lambda v: RunningCosts(*v))
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        got = RunningCosts(*np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(got, np.float64))))
-    return RunningCosts(*(float(v) for v in got))
+    stage_fn, w, x = _stage_op(model, mb)
+    backend = backend_key()
+    ops = _kept(
+        store,
+        ["op_costs", backend, model_key(model, mb), devices, bool(split)],
+        lambda: _ops(stage_fn, w, x, devices, split),
+    )
+    (tick,) = _kept(
+        store, ["tick_price", backend, devices, shapes_key(x)], lambda: [_tick_cost(stage_fn, w, x, devices)]
+    )
+    return RunningCosts(*ops, tick)
 
 
 def against_1f1b(s, placement: str, costs) -> Optional[str]:
