@@ -20,9 +20,11 @@ once, as its ticks run them:
   from the long one, so that a call's own start cancels) is what a tick's exchange and its rendezvous add
   (the latency, the bytes and the wait for the slower device).
 
-They are kept per (model, backend) in :class:`~jaxpipe.tune.measure_cache.MeasureCache` (a second run
-measures nothing); in a multi-process job process 0's measurement is sent to every process, so that every
-process builds the same program.
+F, B and W are kept per (model, backend), a tick's price per (backend, devices, message), in
+:class:`~jaxpipe.tune.measure_cache.MeasureCache` (a second run measures nothing) and in the process itself
+(a multi-process job keeps no file: its pipelines are placed for one tick price, not each for its own probe);
+in a multi-process job process 0's measurement is sent to every process, so that every process builds the
+same program.
 """
 
 from __future__ import annotations
