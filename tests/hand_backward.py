@@ -97,7 +97,7 @@ def weights_read_at_backward(fn, w_f, w_b, x, ctx, dy):
             pure = all(is_lit(v) or v in weight_only for v in e.invars)
             if only_weights and not pure:
                 continue
-            outs = e.primitive.bind(*ins, **e.params)
+            outs = e.primitive.bind(*ins, **e.primitive.get_bind_params(e.params))
             outs = outs if e.primitive.multiple_results else [outs]
             env.update(zip(e.outvars, outs))
             if pure:
@@ -122,7 +122,7 @@ def weights_read_at_backward(fn, w_f, w_b, x, ctx, dy):
             args = list(ins)
             for i, a in zip(diff, d):
                 args[i] = a
-            out = e.primitive.bind(*args, **e.params)
+            out = e.primitive.bind(*args, **e.primitive.get_bind_params(e.params))
             return out if e.primitive.multiple_results else [out]
 
         outs, pull = jax.vjp(op, *[ins[i] for i in diff])
