@@ -744,6 +744,15 @@ MUTATIONS = [
         "        rows = bench.rows // c.microbatches\n",
         "tests/test_configure.py::test_each_candidates_stage_is_predicted_at_its_own_micro_batch_rows",
     ),
+    # the loss sums forwarded by XLA from an earlier phase's loop: the loss's all-reduces unordered against
+    # the last loop
+    Mutation(
+        "loss_left_in_an_earlier_loop",
+        "jaxpipe/runtime/ticks.py",
+        "    loss, _ = lax.optimization_barrier((state.loss, tick_index))\n",
+        "    loss = state.loss\n",
+        "tests/test_collective_order.py::test_the_loss_leaves_the_last_loop_of_a_phased_call",
+    ),
     Mutation(
         "w_timed_as_the_whole_backward",
         "jaxpipe/tune/running_costs.py",

@@ -72,6 +72,20 @@ def test_data_parallel_with_integer_checks_orders_its_collectives():
     assert _loops_unordered(text) == []
 
 
+def test_the_loss_leaves_the_last_loop_of_a_phased_call():
+    """1F1B on four stages runs its call as several loops (phases); the last one has no last-stage forward.
+    The loss sums, left as they were there, used to be forwarded by XLA from an earlier loop, and the loss's
+    all-reduces after the call then depended on nothing the last loop computes: two (loop, all-reduce) pairs
+    no data orders.  The sums go through every loop now (ticks._loss_carried)."""
+    model, batch_fn = small_model("mlp", 4)
+    pipe = jp.Pipeline(
+        model, schedule="1f1b", num_microbatches=4, optimizer=optax.adam(1e-2), mesh=jp.make_mesh(stages=4)
+    )
+    text = pipe.lower("step", pipe.init(), batch_fn(16)).compile().as_text()
+    assert text.count("while(") >= 2, "one loop: nothing here to order"
+    assert _loops_unordered(text) == []
+
+
 def test_the_helper_sees_the_hazard():
     """The helper reports the pair that hung, in a program written to have it: a sharded sum beside a loop of
     collective-permutes, which depend on nothing of each other."""

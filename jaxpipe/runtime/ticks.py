@@ -38,18 +38,38 @@ def scan_phases(prog, trace, state: TickState) -> TickState:
             fixed = state[:2]  # (chunk_params, opt_states)
 
             def scan_tick(moving, tick_index, fixed=fixed, flags=flags):
-                return tuple(tick(prog, trace, TickState(*fixed, *moving), tick_index, flags)[0][2:]), None
+                new = _loss_carried(
+                    tick(prog, trace, TickState(*fixed, *moving), tick_index, flags)[0], tick_index
+                )
+                return tuple(new[2:]), None
 
             moving, _ = lax.scan(scan_tick, tuple(state[2:]), ticks)
             state = TickState(*fixed, *moving)
         else:
             state, _ = lax.scan(
-                lambda s_, tick_index, flags=flags: tick(prog, trace, s_, tick_index, flags), state, ticks
+                lambda s_, tick_index, flags=flags: (
+                    _loss_carried(tick(prog, trace, s_, tick_index, flags)[0], tick_index),
+                    None,
+                ),
+                state,
+                ticks,
             )
         state = land_between(prog, trace, state, b)
         if b in prog.eager:
             state = exchange_between(prog, trace, state, prog.eager[b])
     return state
+
+
+def _loss_carried(state: TickState, tick_index) -> TickState:
+    """``state`` with its loss sums through an optimization barrier beside the tick index: XLA cannot see
+    that a phase without the last stage's forwards leaves them as they were, so they leave the call's last
+    loop, not an earlier one.  Trap (XLA CPU): forwarded from an earlier loop, the loss's all-reduces after
+    the call depended on nothing the last loop computes, and the CPU runtime runs a loop of collectives and
+    a collective that nothing orders in either order on each device (BUILD_NOTES, "The executor"; 1F1B at
+    D = 4 had two such pairs).  The barrier is removed late in the compile; the loop keeps the sums as its
+    own outputs."""
+    loss, _ = lax.optimization_barrier((state.loss, tick_index))
+    return state._replace(loss=loss)
 
 
 def tick(prog, trace, state: TickState, tick_index, flags=True):
