@@ -129,7 +129,60 @@ def initialize(
             f"and reachable from here, or raise the timeout"
         ) from None
     join_gate.job_started()
+    no_cached_programs_where_they_deadlock()
     return jax.process_count()
+
+
+#: the first jaxlib whose CPU programs, loaded from JAX's persistent compilation cache in a job of several
+#: processes, deadlock in their first cross-process collective (gloo): 0.12.1 hangs in every such program
+#: (``ppermute`` or ``psum``, in a loop or not) whether the processes share the cache directory or not;
+#: 0.10.2 and 0.11.2 run them.  The same programs compiled afresh run on every version.
+CACHED_CPU_PROGRAMS_DEADLOCK_FROM = (0, 12)
+
+
+def _jaxlib_version() -> tuple:
+    import jaxlib
+
+    return tuple(int(v) for v in jaxlib.__version__.split(".")[:2] if v.isdigit())
+
+
+def no_cached_programs_where_they_deadlock() -> Optional[str]:
+    """Turn JAX's persistent compilation cache off in this process where a program loaded from it would
+    deadlock: a job of several processes on CPU with jaxlib >= :data:`CACHED_CPU_PROGRAMS_DEADLOCK_FROM`.
+
+    Every process then compiles its programs afresh (seconds on CPU) instead of hanging at its first step.
+    Called by :func:`initialize` and by :class:`~jaxpipe.Pipeline` (for a job joined with
+    ``jax.distributed.initialize`` directly); a no-op elsewhere and when the cache is off.
+
+    Returns:
+        The directory the cache was using when this turned it off (process 0 says so on standard error),
+        else None.
+    """
+    import jax
+
+    path = jax.config.jax_compilation_cache_dir
+    if (
+        not path
+        or jax.process_count() < 2
+        or jax.default_backend() != "cpu"
+        or _jaxlib_version() < CACHED_CPU_PROGRAMS_DEADLOCK_FROM
+    ):
+        return None
+    from jax.experimental.compilation_cache import compilation_cache
+
+    jax.config.update("jax_compilation_cache_dir", None)
+    compilation_cache.reset_cache()  # where a program was compiled already, the cache was opened: close it
+    if jax.process_index() == 0:
+        import jaxlib
+
+        print(
+            f"jaxpipe: the persistent compilation cache ({path}) is off in every process of this job: with "
+            f"jaxlib {jaxlib.__version__} a CPU program loaded from it deadlocks in its first collective "
+            "across processes; each process compiles its programs afresh",
+            file=sys.stderr,
+            flush=True,
+        )
+    return path
 
 
 _NATIVE_FILTER = None

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from . import host_memory, schedules
+from . import distributed, host_memory, schedules
 from .checks.batch import (
     check_dtypes,
     check_integer_inputs,
@@ -123,6 +123,7 @@ class Pipeline:
         self.precision = precision
         model = _with_precision(model, precision, schedule)
         mesh = arguments.checked_mesh(mesh, model)
+        distributed.no_cached_programs_where_they_deadlock()  # a job joined with jax.distributed directly
         D = mesh.shape[STAGE]
         arguments.check_scalars(num_microbatches, placement, seed)
         residuals = arguments.check_residuals(residuals)

@@ -45,23 +45,11 @@ def run(cmd, timeout=300):
     return p
 
 
-#: jax >= 0.12 (0.12.1 with orbax-checkpoint 0.12.8): the two processes' cooperative checkpoints hang
-#: (BUILD_NOTES, "The executor", open); the same job without checkpoints, and 1F1B's, pass
-_NEWER_JAX = tuple(int(v) for v in jax.__version__.split(".")[:2]) >= (0, 12)
-
-
 @pytest.mark.parametrize(
     "schedule",
     [
         pytest.param("1f1b", marks=pytest.mark.every_leg),
-        pytest.param(
-            "pipeoptim",
-            marks=pytest.mark.xfail(
-                _NEWER_JAX,
-                reason="jax 0.12: two processes' checkpoints hang (BUILD_NOTES, open)",
-                strict=False,
-            ),
-        ),
+        "pipeoptim",
         "chimera",
     ],
 )
@@ -276,3 +264,84 @@ def test_a_taken_coordinator_port_is_refused_by_process_0():
         )
     assert p.returncode != 0
     assert f"cannot host the coordinator at 127.0.0.1:{port}: the port is taken" in p.stderr, p.stderr[-2000:]
+
+
+def _cached_collectives_job(cache_dir, timeout=90):
+    """Both processes of ``tests/cached_collectives_job.py`` on ``cache_dir``: [(returncode, output)], a
+    process still running after ``timeout`` s killed (returncode None)."""
+    from jaxpipe.cli.launch import free_port
+
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                os.path.join(ROOT, "tests", "cached_collectives_job.py"),
+                str(i),
+                str(port),
+                cache_dir,
+            ],
+            cwd=ROOT,
+            env=env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    results = []
+    for p in procs:
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+        results.append((p.poll() if p.returncode is not None else None, p.stdout.read()))
+    return results
+
+
+@pytest.mark.every_leg
+def test_programs_from_the_persistent_cache_run_across_processes(tmp_path):
+    """A second run of a two-process CPU job finds its programs in the persistent compilation cache.  With
+    jaxlib 0.12 a program loaded from it hung in its first cross-process collective; there jaxpipe turns the
+    cache off (and says so), elsewhere it keeps it and the second run loads its programs."""
+    from jaxpipe import distributed
+
+    cache = str(tmp_path / "xla")
+    deadlocks = distributed._jaxlib_version() >= distributed.CACHED_CPU_PROGRAMS_DEADLOCK_FROM
+    runs = [_cached_collectives_job(cache) for _ in range(2)]  # the second finds its programs cached
+    for run_index, results in enumerate(runs):
+        for i, (code, out) in enumerate(results):
+            assert code == 0, f"run {run_index}, process {i} (None: hung, killed):\n{out[-3000:]}"
+    for results in runs:
+        for i, (code, out) in enumerate(results):
+            assert ("persistent compilation cache" in out) == (deadlocks and i == 0), out[-3000:]
+            assert f"cache {None if deadlocks else cache}" in out, out[-3000:]
+    assert bool(os.listdir(cache) if os.path.isdir(cache) else []) != deadlocks
+
+
+def test_the_cache_is_turned_off_only_where_its_programs_deadlock(monkeypatch, tmp_path, capsys):
+    """The rule itself, in this process: off for a CPU job of several processes on an affected jaxlib, kept
+    for one process or an older jaxlib."""
+    from jaxpipe import distributed
+
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+        monkeypatch.setattr(distributed, "_jaxlib_version", lambda: (0, 11))
+        monkeypatch.setattr(jax, "process_count", lambda: 2)
+        assert distributed.no_cached_programs_where_they_deadlock() is None
+        monkeypatch.setattr(distributed, "_jaxlib_version", lambda: (0, 12))
+        monkeypatch.setattr(jax, "process_count", lambda: 1)
+        assert distributed.no_cached_programs_where_they_deadlock() is None
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path)
+        monkeypatch.setattr(jax, "process_count", lambda: 2)
+        assert distributed.no_cached_programs_where_they_deadlock() == str(tmp_path)
+        assert jax.config.jax_compilation_cache_dir is None
+        assert f"persistent compilation cache ({tmp_path}) is off" in capsys.readouterr().err
+        assert distributed.no_cached_programs_where_they_deadlock() is None  # off already: said once
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+        from jax.experimental.compilation_cache import compilation_cache
+
+        compilation_cache.reset_cache()
