@@ -753,6 +753,14 @@ MUTATIONS = [
         "    loss = state.loss\n",
         "tests/test_collective_order.py::test_the_loss_leaves_the_last_loop_of_a_phased_call",
     ),
+    # the persistent cache kept on the first jaxlib whose cached CPU programs deadlock across processes
+    Mutation(
+        "cached_programs_kept_where_they_deadlock",
+        "jaxpipe/distributed.py",
+        "        or _jaxlib_version() < CACHED_CPU_PROGRAMS_DEADLOCK_FROM\n",
+        "        or _jaxlib_version() <= CACHED_CPU_PROGRAMS_DEADLOCK_FROM\n",
+        "tests/test_multihost.py::test_the_cache_is_turned_off_only_where_its_programs_deadlock",
+    ),
     Mutation(
         "w_timed_as_the_whole_backward",
         "jaxpipe/tune/running_costs.py",
