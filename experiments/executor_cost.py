@@ -5,6 +5,8 @@ the ratio is the work the executor adds, not how emulated devices share cores), 
 
     python -m experiments.executor_cost --cores=1                      # quiet machine
     python -m experiments.executor_cost --cores=1 --schedules=1f1b,zb_v,dualpipe_v
+    python -m experiments.executor_cost --cores=1 --stages=2 --microbatches=4 --batch=256 \\
+        --schedules=1f1b,zb_v:lanes,zb_v:ordered        # a placement of one's own
     python -m experiments.executor_cost --cores=1 --allocator=default   # glibc's defaults only
 
 The model: ``--layers`` x ``tanh(h @ W)``, W ``--width``^2, each stage a ``lax.scan`` over its layers (the
@@ -30,7 +32,9 @@ from absl import app, flags
 
 flags.DEFINE_integer("cores", 1, "CPU cores the process may use (os.sched_setaffinity); 0: leave as it is")
 flags.DEFINE_string(
-    "schedules", "gpipe,1f1b,interleaved_1f1b,zb_h1,zb_v,dualpipe_v,chimera", "schedules to time"
+    "schedules",
+    "gpipe,1f1b,interleaved_1f1b,zb_h1,zb_v,dualpipe_v,chimera",
+    "schedules to time, each optionally name:placement (zb_v:ordered; default auto, what Pipeline runs)",
 )
 flags.DEFINE_integer("stages", 4, "devices D (emulated)")
 flags.DEFINE_integer("microbatches", 8, "micro-batches M")
@@ -124,17 +128,24 @@ def build_runs(names, D: int, M: int, L: int, H: int, B: int, anchor: bool = Tru
         runs["textbook scan-GPipe"] = lambda: gpipe_anchor(ws, xs, ys)
         errs["textbook scan-GPipe"] = gpipe_anchor(ws, xs, ys)[1].reshape(L, H, H)
     batch = {"x": x, "y": y}
-    for name in names:
+    for spec in names:
+        name, _, placement = spec.partition(":")
         S = D * jp.schedules.method(name).stages_per_device({"virtual": 2})
         model = jp.PipelineModel(
             stage_fn=stage_fn,
             stage_params=W.reshape(S, L // S, H, H),
             post_loss=lambda _, h, b: jnp.mean((h - b["y"]) ** 2),
         )
-        pipe = jp.Pipeline(model, schedule=name, num_microbatches=M, mesh=jp.make_mesh(stages=D))
+        pipe = jp.Pipeline(
+            model,
+            schedule=name,
+            num_microbatches=M,
+            mesh=jp.make_mesh(stages=D),
+            placement=placement or "auto",
+        )
         state = pipe.init()
-        runs[name] = lambda p=pipe, s=state: p.loss_and_grad(s, batch)
-        errs[name] = runs[name]()[1][0].reshape(L, H, H)
+        runs[spec] = lambda p=pipe, s=state: p.loss_and_grad(s, batch)
+        errs[spec] = runs[spec]()[1][0].reshape(L, H, H)
     return runs, errs, ref
 
 
