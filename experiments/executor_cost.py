@@ -10,7 +10,8 @@ the ratio is the work the executor adds, not how emulated devices share cores), 
     python -m experiments.executor_cost --cores=1 --allocator=default   # glibc's defaults only
 
 The model: ``--layers`` x ``tanh(h @ W)``, W ``--width``^2, each stage a ``lax.scan`` over its layers (the
-form the Flax adapters and MaxText-style models build); D = ``--stages``, M = ``--microbatches``, batch
+form the Flax adapters and MaxText-style models build; ``--stage_form=indexed``: a Python loop over ``w[i]``,
+``apart``: a tuple of one array per layer); D = ``--stages``, M = ``--microbatches``, batch
 ``--batch``; round-robin, medians of ``--rounds``.  Schedules with two chunks per device (interleaved,
 V-schedules) cut the same layers into 2D stages.
 
@@ -35,6 +36,13 @@ flags.DEFINE_string(
     "schedules",
     "gpipe,1f1b,interleaved_1f1b,zb_h1,zb_v,dualpipe_v,chimera",
     "schedules to time, each optionally name:placement (zb_v:ordered; default auto, what Pipeline runs)",
+)
+flags.DEFINE_enum(
+    "stage_form",
+    "scan",
+    ["scan", "indexed", "apart"],
+    "how a stage holds and runs its layers: a lax.scan over the stacked array, a Python loop over w[i] of it "
+    "(jaxpipe.bench.make_tanh_mlp's form), or a tuple of one array per layer",
 )
 flags.DEFINE_integer("stages", 4, "devices D (emulated)")
 flags.DEFINE_integer("microbatches", 8, "micro-batches M")
@@ -86,45 +94,49 @@ def scan_gpipe(stage_fn, D: int, M: int, mesh):
     )
 
 
-def mlp_setup(L: int, H: int, B: int):
-    """The benchmark's model: ``L`` x ``tanh(h @ W)``, each stage a ``lax.scan`` over its layers; W, x, y."""
+from jaxpipe.bench import held_as, layers_fn, stacked_back  # noqa: E402
+
+
+def mlp_setup(L: int, H: int, B: int, form: str = "scan"):
+    """The benchmark's model: ``L`` x ``tanh(h @ W)``, each stage's layers held as ``form``
+    (:data:`STAGE_FORMS`); stage_fn, W (stacked ``[L, H, H]``), x, y."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     W = jax.random.normal(jax.random.PRNGKey(0), (L, H, H)) / np.sqrt(H)
     x, y = (jax.random.normal(jax.random.PRNGKey(k), (B, H)) for k in (1, 2))
-    stage_fn = lambda w, h: jax.lax.scan(lambda h_, wi: (jnp.tanh(h_ @ wi), None), h, w)[0]
-    return stage_fn, W, x, y
+    return layers_fn(form), W, x, y
 
 
-def build_runs(names, D: int, M: int, L: int, H: int, B: int, anchor: bool = True):
+def build_runs(names, D: int, M: int, L: int, H: int, B: int, anchor: bool = True, form: str = "scan"):
     """``(runs, errs, ref)``: a zero-argument callable per program -- the plain one-device accumulation of
     the M micro-batches, the scan-GPipe anchor (``anchor``), each schedule's ``loss_and_grad`` -- and each
-    program's stage gradient beside the plain one's (``ref``)."""
+    program's stage gradient beside the plain one's (``ref``); every stage's layers held as ``form``
+    (:data:`STAGE_FORMS`; the anchor's always a ``lax.scan``)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
     import jaxpipe as jp
 
-    stage_fn, W, x, y = mlp_setup(L, H, B)
+    stage_fn, W, x, y = mlp_setup(L, H, B, form)
     loss = lambda w, xb, yb: jnp.mean((stage_fn(w, xb) - yb) ** 2)
 
     @jax.jit
     def accum(w, x, y):
         def body(c, xy):
             l, g = jax.value_and_grad(loss)(w, *xy)
-            return (c[0] + l / M, c[1] + g / M), None
+            return (c[0] + l / M, jax.tree.map(lambda a, b: a + b / M, c[1], g)), None
 
-        return jax.lax.scan(body, (0.0, jnp.zeros_like(w)), (x.reshape(M, -1, H), y.reshape(M, -1, H)))[0]
+        zero = jax.tree.map(jnp.zeros_like, w)
+        return jax.lax.scan(body, (0.0, zero), (x.reshape(M, -1, H), y.reshape(M, -1, H)))[0]
 
-    runs, errs = {"plain accumulation": lambda: accum(W, x, y)}, {}
-    ref = accum(W, x, y)[1]
+    runs, errs = {"plain accumulation": lambda w=held_as(form, W): accum(w, x, y)}, {}
+    ref = stacked_back(form, runs["plain accumulation"]()[1])
     if anchor:
         mesh = jax.make_mesh((D,), ("stage",))
         ws = jax.device_put(W.reshape(D, L // D, H, H), NamedSharding(mesh, P("stage")))
         xs, ys = (jax.device_put(a.reshape(M, -1, H), NamedSharding(mesh, P())) for a in (x, y))
-        gpipe_anchor = scan_gpipe(stage_fn, D, M, mesh)
+        gpipe_anchor = scan_gpipe(layers_fn("scan"), D, M, mesh)
         runs["textbook scan-GPipe"] = lambda: gpipe_anchor(ws, xs, ys)
         errs["textbook scan-GPipe"] = gpipe_anchor(ws, xs, ys)[1].reshape(L, H, H)
     batch = {"x": x, "y": y}
@@ -133,7 +145,7 @@ def build_runs(names, D: int, M: int, L: int, H: int, B: int, anchor: bool = Tru
         S = D * jp.schedules.method(name).stages_per_device({"virtual": 2})
         model = jp.PipelineModel(
             stage_fn=stage_fn,
-            stage_params=W.reshape(S, L // S, H, H),
+            stage_params=held_as(form, W.reshape(S, L // S, H, H)),
             post_loss=lambda _, h, b: jnp.mean((h - b["y"]) ** 2),
         )
         pipe = jp.Pipeline(
@@ -145,7 +157,7 @@ def build_runs(names, D: int, M: int, L: int, H: int, B: int, anchor: bool = Tru
         )
         state = pipe.init()
         runs[spec] = lambda p=pipe, s=state: p.loss_and_grad(s, batch)
-        errs[spec] = runs[spec]()[1][0].reshape(L, H, H)
+        errs[spec] = stacked_back(form, runs[spec]()[1][0]).reshape(L, H, H)
     return runs, errs, ref
 
 
@@ -234,11 +246,11 @@ def main(argv):
     from experiments.bench import machine_load, reliability
 
     load = machine_load()  # before this run's own work
-    runs, errs, ref = build_runs(FLAGS.schedules.split(","), D, M, L, H, B)
+    runs, errs, ref = build_runs(FLAGS.schedules.split(","), D, M, L, H, B, form=FLAGS.stage_form)
     phases = {name: timed(runs, FLAGS.rounds, FLAGS.block) for name in allocator_phases(FLAGS.allocator)}
     print(
         f"jax {jax.__version__}, {D} emulated devices on {len(os.sched_getaffinity(0))} core(s); MLP {L} x "
-        f"{H}^2 tanh, each stage a lax.scan over its layers; batch {B}, M={M}; medians of {FLAGS.rounds} "
+        f"{H}^2 tanh, stage form {FLAGS.stage_form}; batch {B}, M={M}; medians of {FLAGS.rounds} "
         "rounds "
         f"per allocator phase (one process: " + " first, then ".join(phases) + "); x plain: programs "
         f"round-robin, step by step; consecutive: {FLAGS.block} steps in a row of each"

@@ -61,6 +61,13 @@ def define_flags():
     flags.DEFINE_integer("layers", 8, "tanh layers in the model")
     flags.DEFINE_integer("width", 1024, "layer width")
     flags.DEFINE_integer("batch", 256, "rows per step")
+    flags.DEFINE_enum(
+        "stage_form",
+        "scan",
+        ["scan", "apart"],
+        "how jaxpipe's model holds a stage's layers, its plain step's alike (two_devices --stage_form): one "
+        "stacked array run by a lax.scan, or one array per layer as PyTorch's model holds them",
+    )
     flags.DEFINE_integer("rounds", 9, "timing rounds per library (3 steps of each schedule each)")
     flags.DEFINE_integer("port", 12431, "jaxpipe's coordinator port on 127.0.0.1 (PyTorch's: the next one)")
     flags.DEFINE_string("peer_python", "", "a Python that imports torch (default: this one)")
@@ -167,6 +174,7 @@ def _env():
 def _jax_pair():
     runs = ",".join(filter(None, [FLAGS.schedules, FLAGS.extra]))
     jax_cmd = [sys.executable, "-m", "experiments.two_devices", *_common(), f"--schedules={runs}"]
+    jax_cmd.append(f"--stage_form={FLAGS.stage_form}")
     jax_cmd += [f"--port={FLAGS.port}", "--serve"] + (["--sketch"] if FLAGS.sketch else [])
     return Pair("jaxpipe", [jax_cmd + [f"--worker={p}"] for p in (0, 1)], _env())
 
@@ -301,7 +309,8 @@ def main(argv):
 
         versions = (
             f"jax {jax.__version__}, torch {torch_ready['ready']}; {FLAGS.layers} x tanh(h @ W), W "
-            f"{FLAGS.width}^2, batch {FLAGS.batch}, SGD; {FLAGS.rounds} rounds alternating, 3 steps each"
+            f"{FLAGS.width}^2, batch {FLAGS.batch}, SGD; jaxpipe's stages: {FLAGS.stage_form}; "
+            f"{FLAGS.rounds} rounds alternating, 3 steps each"
         )
         if FLAGS.check:
             worst = torch_pair.ask("check")[0]

@@ -107,6 +107,13 @@ flags.DEFINE_bool(
     "V = 2 and V = 1 (its own two-lane 1F1B), as runs sketch_interleaved and sketch_1f1b: the ratio a "
     "two-chunk schedule is held to",
 )
+flags.DEFINE_enum(
+    "stage_form",
+    "scan",
+    ["scan", "apart"],
+    "how a stage holds its layers, in the pipelines and the plain step alike: one stacked array run by a "
+    "lax.scan, or a tuple of one array per layer (as PyTorch's peer holds them; jaxpipe.bench.layers_fn)",
+)
 flags.DEFINE_integer(
     "worker", -1, "internal: this process's index (the launcher sets it; -2: the one-core costs)"
 )
@@ -115,13 +122,13 @@ CHUNKED = ("interleaved_1f1b", "zb_v", "dualpipe_v")
 
 
 def _model(jp, jnp, Ws, stages):
-    from jax import lax
+    from jaxpipe.bench import held_as, layers_fn
 
-    layers = lambda ws, h: lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, ws)[0]
+    layers = layers_fn(FLAGS.stage_form)
     L, W = Ws.shape[0], Ws.shape[1]
     return jp.PipelineModel(
         stage_fn=lambda p, h: layers(p["w"], h),
-        stage_params={"w": Ws.reshape(stages, L // stages, W, W)},
+        stage_params={"w": held_as(FLAGS.stage_form, Ws.reshape(stages, L // stages, W, W))},
         pre=lambda p, b: b["x"],
         pre_params=jnp.zeros(()),
         post_loss=lambda p, h, b: jnp.mean((h - b["y"]) ** 2),
@@ -373,7 +380,10 @@ def _layer_costs(ws, xb, per):
     from jaxpipe.tune.stage_bench import stashed_stage_costs
 
     xb = jnp.asarray(xb)
-    c = stashed_stage_costs(_model(jp, jnp, ws, 1), {"w": ws}, xb, {"x": xb, "y": xb}, split=True)
+    from jaxpipe.bench import held_as
+
+    params = {"w": held_as(FLAGS.stage_form, ws)}
+    c = stashed_stage_costs(_model(jp, jnp, ws, 1), params, xb, {"x": xb, "y": xb}, split=True)
     return [c[k] / per for k in ("F", "B", "B_input", "W")]
 
 
@@ -388,16 +398,24 @@ def _plain_step(Ws, x, y, M):
     opt = optax.sgd(1e-3)
     B, W = x.shape
 
+    from jaxpipe.bench import held_as, layers_fn
+
+    layers = layers_fn(FLAGS.stage_form)
+
     def loss(ws, xb, yb):
-        return jnp.mean((lax.scan(lambda h, w: (jnp.tanh(h @ w), None), xb, ws)[0] - yb) ** 2)
+        return jnp.mean((layers(ws, xb) - yb) ** 2)
 
     @jax.jit
     def step(ws):
         xs, ys = jnp.asarray(x).reshape(M, B // M, W), jnp.asarray(y).reshape(M, B // M, W)
-        g = lax.scan(lambda acc, a: (acc + jax.grad(loss)(ws, *a), None), jnp.zeros_like(ws), (xs, ys))[0]
-        return optax.apply_updates(ws, opt.update(g / M, opt.init(ws), ws)[0])
+        zero = jax.tree.map(jnp.zeros_like, ws)
+        g = lax.scan(
+            lambda acc, a: (jax.tree.map(jnp.add, acc, jax.grad(loss)(ws, *a)), None), zero, (xs, ys)
+        )[0]
+        g = jax.tree.map(lambda t: t / M, g)
+        return optax.apply_updates(ws, opt.update(g, opt.init(ws), ws)[0])
 
-    return step
+    return lambda ws: step(ws if isinstance(ws, tuple) else held_as(FLAGS.stage_form, ws))
 
 
 def main(argv):

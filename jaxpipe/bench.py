@@ -103,3 +103,37 @@ def plain_train_step(
 
     fn = micro_steps if per_microbatch else (shares if parts > 1 else step)
     return jax.jit(fn, donate_argnums=(0, 1))
+
+
+#: how a stage holds and runs its layers (the runners' ``--stage_form``): ``scan``, a ``lax.scan`` over the
+#: stacked ``[layers, ...]`` array; ``indexed``, a Python loop over ``w[i]`` of the same array (the form of
+#: ``jaxpipe.bench.make_tanh_mlp``); ``apart``, a tuple of one array per layer
+STAGE_FORMS = ("scan", "indexed", "apart")
+
+
+def layers_fn(form: str):
+    """``stage_fn(w, h)`` of ``tanh(h @ W)`` layers held as ``form`` (:data:`STAGE_FORMS`)."""
+    if form not in STAGE_FORMS:
+        raise ValueError(f"stage form {form!r}: choose one of {STAGE_FORMS}")
+    if form == "scan":
+        return lambda w, h: jax.lax.scan(lambda h_, wi: (jnp.tanh(h_ @ wi), None), h, w)[0]
+
+    def loop(w, h):  # "indexed": w[i] of one array; "apart": the tuple's arrays
+        for i in range(len(w)):
+            h = jnp.tanh(h @ w[i])
+        return h
+
+    return loop
+
+
+def held_as(form: str, stacked):
+    """The layers of ``stacked`` (``[..., layers, H, H]``) held as ``form``: as they are, or (``apart``) a
+    tuple of ``[..., H, H]`` arrays, one per layer."""
+    if form != "apart":
+        return stacked
+    return tuple(stacked[..., i, :, :] for i in range(stacked.shape[-3]))
+
+
+def stacked_back(form: str, held):
+    """:func:`held_as`'s inverse for a gradient."""
+    return jnp.stack(held, axis=-3) if form == "apart" else held

@@ -3,11 +3,20 @@ figure)."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+import pytest
 
 from helpers import rel_err
 from experiments.bench import plain_predicting_step
-from jaxpipe.bench import make_tanh_mlp, plain_train_step
+from jaxpipe.bench import (
+    STAGE_FORMS,
+    held_as,
+    layers_fn,
+    make_tanh_mlp,
+    plain_train_step,
+    stacked_back,
+)
 
 
 def _batch(n=16, width=8):
@@ -45,3 +54,23 @@ def test_ratios_come_with_their_spread_and_noisy_ones_are_named():
     warned = reliability({"quiet": (1.0, 0.01), "noisy": (1.0, s)}, load=0.1)
     assert len(warned) == 1 and warned[0].startswith("noisy:")
     assert any("busy" in w for w in reliability({}, load=1.5))
+
+
+def test_the_stage_forms_run_the_same_layers():
+    """``scan``, ``indexed`` and ``apart`` (``jaxpipe.bench.layers_fn``): one output and one gradient to float
+    rounding, ``stacked_back`` undoing ``held_as``; an unknown form named."""
+    w = jax.random.normal(jax.random.PRNGKey(0), (3, 8, 8)) / 3
+    h = jax.random.normal(jax.random.PRNGKey(1), (4, 8))
+    outs, grads = {}, {}
+    for form in STAGE_FORMS:
+        held = held_as(form, w)
+        assert isinstance(held, tuple) == (form == "apart")
+        loss = lambda p: jnp.sum(layers_fn(form)(p, h) ** 2)
+        outs[form] = layers_fn(form)(held, h)
+        grads[form] = stacked_back(form, jax.grad(loss)(held))
+        np.testing.assert_array_equal(stacked_back(form, held), w)
+    for form in STAGE_FORMS[1:]:
+        np.testing.assert_allclose(outs[form], outs["scan"], rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(grads[form], grads["scan"], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="'loops'"):
+        layers_fn("loops")
