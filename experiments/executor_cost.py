@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 
+from jaxpipe.bench import STAGE_FORMS, held_as, layers_fn, stacked_back
 from jaxpipe.cli import common as cli
 from absl import app, flags
 
@@ -40,7 +41,7 @@ flags.DEFINE_string(
 flags.DEFINE_enum(
     "stage_form",
     "scan",
-    ["scan", "indexed", "apart"],
+    list(STAGE_FORMS),
     "how a stage holds and runs its layers: a lax.scan over the stacked array, a Python loop over w[i] of it "
     "(jaxpipe.bench.make_tanh_mlp's form), or a tuple of one array per layer",
 )
@@ -92,9 +93,6 @@ def scan_gpipe(stage_fn, D: int, M: int, mesh):
     return jax.jit(
         jax.value_and_grad(jax.shard_map(loss, mesh=mesh, in_specs=(P("stage"), P(), P()), out_specs=P()))
     )
-
-
-from jaxpipe.bench import held_as, layers_fn, stacked_back  # noqa: E402
 
 
 def mlp_setup(L: int, H: int, B: int, form: str = "scan"):
