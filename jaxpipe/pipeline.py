@@ -524,16 +524,26 @@ class Pipeline:
         """The lowered program of a call, for XLA's analyses.
 
         Args:
-            what: ``"grad"`` (:meth:`loss_and_grad`'s program) or ``"step"``.
+            what: ``"grad"`` (:meth:`loss_and_grad`'s program; ``"loss_and_grad"`` names it too) or
+                ``"step"``.
             state: a state of this pipeline.
             batch: a batch of the shape training uses.
 
         Returns:
             A ``jax.stages.Lowered``; ``.compile().memory_analysis()`` and ``.cost_analysis()`` give its
-            temp and bytes."""
+            temp and bytes.
+
+        Raises:
+            ConfigError: ``what`` names no program of a pipeline."""
+        program = _PROGRAMS.get(what)
+        if program is None:
+            raise ConfigError(
+                f"lower(what={what!r}): a pipeline has two programs, 'grad' (loss_and_grad's, also "
+                f"named 'loss_and_grad') and 'step'"
+            )
         self._check_batch(batch)
         self._measure_costs(batch)
-        return self._runner.lower(what, state, batch)
+        return self._runner.lower(program, state, batch)
 
     # ------------------------------------------------------------------ internals
     def _check_batch(self, batch):
@@ -625,6 +635,10 @@ class Pipeline:
                 f"the batch that entry or a model whose pre/post_loss reads the batch's keys"
             ) from None
         checked.add(key)
+
+
+#: the programs :meth:`Pipeline.lower` lowers, by the names it takes
+_PROGRAMS = {"grad": "grad", "loss_and_grad": "grad", "step": "step"}
 
 
 def _named_schedule(schedule, options, model, mesh):

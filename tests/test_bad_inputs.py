@@ -335,6 +335,11 @@ CASES = [
         lambda t: jp.distributed.settings("localhost", 2, 0),
         r"coordinator='localhost': give HOST:PORT",
     ),
+    (
+        "lower_names_no_program",  # it once lowered the step for any name but "grad"
+        lambda t: pipe().lower("gradient", None, BATCH(8)),
+        r"lower\(what='gradient'\): a pipeline has two programs, 'grad' .*'loss_and_grad'.* and 'step'",
+    ),
 ]
 
 
@@ -348,3 +353,11 @@ def test_bad_input_gets_clear_error(name, action, pattern, tmp_path, monkeypatch
     with pytest.raises(jp.ConfigError, match=pattern) as e:
         action(tmp_path)
     assert len(str(e.value)) > 30  # a sentence, not a bare value
+
+
+def test_lower_takes_the_method_name_for_the_gradient_program():
+    p = pipe()
+    state, batch = p.init(), BATCH(8)
+    by_method = p.lower("loss_and_grad", state, batch).as_text()
+    assert by_method == p.lower("grad", state, batch).as_text()
+    assert by_method != p.lower("step", state, batch).as_text()
