@@ -66,6 +66,13 @@ flags.DEFINE_enum(
     "the buffers a step allocates, which accelerator allocators, pooling memory, do not have), "
     "keep_freed (jaxpipe.host_memory.keep_freed_memory()), or both, one after the other in this process",
 )
+flags.DEFINE_string(
+    "profile",
+    "",
+    "after the timed rounds, trace 3 steps of every program with jax.profiler into this folder (one "
+    "sub-folder each) and print each program's largest operation kinds (experiments.profiling.by_kind): "
+    "thread ms a step, calls a step, ms a call; on one core and one device, what each program computes",
+)
 FLAGS = flags.FLAGS
 
 
@@ -266,6 +273,23 @@ def main(argv):
     spreads = {f"{k} ({p})": t[k][4] for p, t in phases.items() for k in runs if k != "plain accumulation"}
     for w in reliability(spreads, load):
         print("warning: " + w)
+    if FLAGS.profile:
+        print_profiles(runs, FLAGS.profile)
+
+
+def print_profiles(runs, folder: str, steps: int = 3, kinds: int = 12) -> None:
+    """Trace ``steps`` calls of each program of ``runs`` into ``folder`` and print, per program, its wall
+    time and its ``kinds`` largest operation kinds."""
+    import re
+
+    from experiments.profiling import by_kind, trace_steps
+
+    for name, run in runs.items():
+        b = trace_steps(run, steps, os.path.join(folder, re.sub(r"[^A-Za-z0-9_.-]+", "_", name)))
+        print(f"\n{name}: {b.wall_ms:.1f} ms a traced step; largest operation kinds (thread time)")
+        print("| category | kind | ms/step | calls/step | ms a call |\n|---|---|---|---|---|")
+        for cat, kind, ms, calls, each in by_kind(b, kinds):
+            print(f"| {cat} | {kind} | {ms:.2f} | {calls:.0f} | {each:.3f} |")
 
 
 if __name__ == "__main__":

@@ -92,6 +92,19 @@ class Breakdown:
         return sum(self.ms.values())
 
 
+def by_kind(b: Breakdown, n: int = 12):
+    """The ``n`` operation kinds with the most thread time in ``b``: an operation's name less its numeric
+    suffix (``dot.12`` and ``dot`` are the kind ``dot``), as ``(category, kind, ms per step, calls per
+    step, ms a call)``, the most first: where two programs of the same model differ."""
+    kinds = collections.defaultdict(lambda: [0.0, 0.0])
+    for name, ms in b.ops.items():
+        kind = re.sub(r"(\.(\d+|clone))+$", "", name)
+        kinds[kind][0] += ms
+        kinds[kind][1] += b.op_calls.get(name, 0.0)
+    rows = sorted(kinds.items(), key=lambda kv: -kv[1][0])[:n]
+    return [(category(k), k, ms, c, ms / c if c else 0.0) for k, (ms, c) in rows]
+
+
 def _exclusive(events):
     """Each event's span minus the spans directly nested in it (events of one thread), and the device it
     ran for: its own ``device_ordinal`` argument, else the enclosing event's (-1: none)."""

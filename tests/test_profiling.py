@@ -51,3 +51,18 @@ def test_trace_of_a_step_counts_its_matmuls_and_collectives(tmp_path):
     out = tmp_path / "prof.png"
     plot_breakdowns([("sharded", b), ("plain", Breakdown({"matmul": 1.0}, {}, {}, wall_ms=2.0))], str(out))
     assert out.stat().st_size > 1000 and out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_operation_kinds_sum_the_numbered_copies_of_an_operation():
+    from experiments.profiling import by_kind
+
+    b = Breakdown(
+        ms={},
+        ops={"dot": 1.0, "dot.12": 2.0, "ynn_fusion.3.clone": 0.5, "copy.1": 0.25},
+        calls={},
+        op_calls={"dot": 1, "dot.12": 3, "ynn_fusion.3.clone": 1, "copy.1": 1},
+    )
+    rows = by_kind(b)
+    assert rows[0] == ("matmul", "dot", 3.0, 4, 0.75)
+    assert [r[1] for r in rows] == ["dot", "ynn_fusion", "copy"]
+    assert rows[2][0] == "data movement" and len(by_kind(b, 1)) == 1
