@@ -235,6 +235,10 @@ def worker(pid: int):
     import optax
     import jaxpipe as jp
 
+    # before any pipeline: each prices a tick at its first step (and the process keeps that price), which
+    # with Gloo's thread still polling on the compute's core came out 3-10x what the timed steps pay
+    idled = _idle_link_thread() if FLAGS.link_thread == "idle" else None
+
     L, W, B = FLAGS.layers, FLAGS.width, FLAGS.batch
     r = np.random.default_rng(0)
     Ws = jnp.asarray(r.normal(size=(L, W, W)) / np.sqrt(W), jnp.float32)
@@ -265,7 +269,6 @@ def worker(pid: int):
             meta[(M, spec)] = (name, pipe.placement, pipe.op_costs)  # as chosen at the first step
     if FLAGS.sketch:
         runs.update(_sketch_runs(Ws, x, y, sorted({k[0] for k in runs})))
-    idled = _idle_link_thread() if FLAGS.link_thread == "idle" else None
     plains = {M: _plain_step(Ws, x, y, M) for M in {k[0] for k in runs}} if pid == 0 else {}
     for M, fn in plains.items():  # process 0 alone, on its core, in the same rounds (the other waits)
         runs[(M, "plain")] = [fn, jax.block_until_ready(fn(fn(Ws)))]  # compiled and warm
