@@ -55,7 +55,13 @@ QUICK = {
         "--micro_batch_sizes=4",
     ],
     "tune_avgpipe": ["--devices=4", "--width=32", "--batch=16", "--ms=1,2", "--ns=1", "--steps=1"],
-    "executor_cost": ["--width=32", "--batch=64", "--rounds=1", "--schedules=1f1b,zb_v"],
+    "executor_cost": [
+        "--width=32",
+        "--batch=64",
+        "--rounds=1",
+        "--schedules=1f1b,zb_v",
+        "--profile=traces",  # each program traced and its operation kinds printed
+    ],
     "schedule_choice": [
         "--width=32",
         "--batch=64",
