@@ -187,15 +187,14 @@ class _Counter:
             if p.op != "parameter" or not p.args.strip().isdigit() or int(p.args) >= len(out):
                 continue
             users = [u for u in body if p.name in u.operands]
-            if users and all(u.op in ("slice", "dynamic-slice") and u.operands[0] == p.name for u in users):
-                out[int(p.args)] = min(out[int(p.args)], sum(_bytes(u.shape) for u in users))
-            elif (
-                len(users) == 1
-                and users[0].root
-                and users[0].op == "dynamic-update-slice"
-                and users[0].operands[0] == p.name
-            ):
-                out[int(p.args)] = 0  # the buffer updated in place
+            sliced = [u for u in users if u.op in ("slice", "dynamic-slice") and u.operands[0] == p.name]
+            updated = [
+                u for u in users if u.root and u.op == "dynamic-update-slice" and u.operands[0] == p.name
+            ]
+            if users and len(sliced) + len(updated) == len(users):
+                # read through its slices only; a buffer updated in place (the root's dynamic-update-slice,
+                # a scatter-add into one slice as XLA fuses it) reads just the slices it adds to
+                out[int(p.args)] = min(out[int(p.args)], sum(_bytes(u.shape) for u in sliced))
         return out
 
     def total(self, comp: str, weighted: bool, times: int = 1, record: bool = False) -> float:

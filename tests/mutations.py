@@ -307,10 +307,17 @@ MUTATIONS = [
     Mutation(
         "w_into_sums_wrong_layer",
         "jaxpipe/runtime/wsplit.py",
-        "        return "
-        "[jax.lax.dynamic_update_index_in_dim(a, add(at(a, l), y), l, 0) for a, y in zip(acc, outs)]\n",
-        "        return [jax.lax.dynamic_update_index_in_dim(a, add(at(a, 0), y), l, 0) for a, y in "
-        "zip(acc, outs)]\n",
+        "        return [add_into_slice(a, l, y, add) for a, y in zip(acc, outs)]\n",
+        "        return [add_into_slice(a, 0, y, add) for a, y in zip(acc, outs)]\n",
+        "tests/test_wsplit.py::test_zb_h1_with_scanned_stages_matches_jax_grad",
+    ),
+    Mutation(  # the in-place scatter-add of W's gradient into its slice overwrites the slice instead
+        "w_into_slice_overwrites",
+        "jaxpipe/runtime/wsplit.py",
+        "    return stacked.at[index].add(addend(grad, stacked.dtype), indices_are_sorted=True, "
+        "unique_indices=True)\n",
+        "    return stacked.at[index].set(addend(grad, stacked.dtype), indices_are_sorted=True, "
+        "unique_indices=True)\n",
         "tests/test_wsplit.py::test_zb_h1_with_scanned_stages_matches_jax_grad",
     ),
     # the flushing schedules' B adds into the sums in place -- never, or its stage gradient dropped

@@ -42,7 +42,7 @@ def test_loss_and_grad_at_one_device_adds_no_pass_over_the_gradient(schedule):
     """Issue #51 item 3: ``loss_and_grad`` divided the summed gradient after its loop -- one more read and
     write of the whole gradient, 1.32x the plain step's bytes (MLP 8 x 1024²).  It now divides each
     micro-batch's gradient as it adds it, as the plain step does; and the stage's layer scan adds into the
-    sums in place (``runtime.wsplit.BackwardSplit.weight_part_into``)."""
+    sums in place (``runtime.wsplit.BackwardSplit.weight_part_into``), reading only the slice it adds to."""
     r = np.random.default_rng(0)
     w = jnp.asarray(r.normal(size=(L, H, H)) / np.sqrt(H), jnp.float32)
     x, y = (jnp.asarray(r.normal(size=(B, H)), jnp.float32) for _ in range(2))
@@ -63,8 +63,9 @@ def test_loss_and_grad_at_one_device_adds_no_pass_over_the_gradient(schedule):
     ours, theirs = pipe.lower("grad", state, batch).compile(), plain.lower(w, x, y).compile()
     ratio = _bytes(ours) / _bytes(theirs)
     # 0.72x since the backward adds each layer's weight gradient into the sums in place (the plain step stacks
-    # them and adds after); dividing after the loop again measured 0.94x
-    assert ratio <= 0.80, ratio
+    # them and adds after); 0.66x since that add is one scatter-add, without XLA's copy of the slice it adds
+    # to (runtime.wsplit.add_into_slice); dividing after the loop again measured 0.94x
+    assert ratio <= 0.69, ratio
     _account_agrees_with_xla(ours, pipe.lane_plan.num_ticks)
     _account_agrees_with_xla(theirs, M)
     loss, (g, _, _) = pipe.loss_and_grad(state, batch)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 
-from typing import Any, Callable, List, NamedTuple
+from typing import Any, Callable, List, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -305,10 +305,22 @@ class AccumState(NamedTuple):
     count: Any  # (sum, count) losses: the batch's global count
 
 
-def _add_leaf(u, v, divisor=None):
-    """One leaf of the summing policies' add: ``u + v / divisor`` in the sum's dtype."""
-    v = v.astype(u.dtype)
-    return u + (v if divisor is None else v / divisor)
+class LeafAdd(NamedTuple):
+    """One leaf of the summing policies' add, ``sum + addend(g)``: ``g`` in the sum's dtype, divided by
+    ``divisor`` (a mean loss's M) where there is one.  A policy's ``add_leaf`` of this form lets the executor
+    add a weight gradient into a slice of a stacked sum as one in-place scatter-add of :meth:`addend`
+    (:func:`jaxpipe.runtime.wsplit.add_into_slice`): the same float additions, without the copy of the slice
+    that XLA CPU makes to read it."""
+
+    divisor: Optional[float] = None
+
+    def addend(self, g, dtype):
+        """What is added to a sum of ``dtype`` for the gradient ``g``."""
+        g = g.astype(dtype)
+        return g if self.divisor is None else g / self.divisor
+
+    def __call__(self, u, v):
+        return u + self.addend(v, u.dtype)
 
 
 def _add_to_sums(g, lp, opt_state, ps, i, s, count=None, divisor=None):
@@ -318,7 +330,7 @@ def _add_to_sums(g, lp, opt_state, ps, i, s, count=None, divisor=None):
     without its count): each gradient is divided as it is added, in the add's own pass -- the plain step's
     ``acc + g / M``; divided after the call, the sums cost one more read and write of the whole gradient
     (1.32x the plain step's bytes at D = 1)."""
-    add = functools.partial(_add_leaf, divisor=divisor)
+    add = LeafAdd(divisor)
     acc = tuple(a if x is None else jax.tree.map(add, a, x) for a, x in zip(ps.acc, g))
     return lp, opt_state, ps._replace(acc=acc, count=ps.count + (0.0 if count is None else count))
 
@@ -399,7 +411,7 @@ def gradient(num_microbatches: int, name: str = "gradient", divide: bool = True)
         finish=finish,
         reduction="sum",
         reads="stored",
-        add_leaf=functools.partial(_add_leaf, divisor=divisor),
+        add_leaf=LeafAdd(divisor),
         sums=(lambda ps: ps.acc[0], lambda ps, v: ps._replace(acc=(v,) + tuple(ps.acc[1:]))),
     )
 
