@@ -172,7 +172,7 @@ def add_into_slice(stacked, index, grad, add):
     :class:`~jaxpipe.optim.policies.LeafAdd` does: ``add(u, g) == u + addend(g)``), one scatter-add of that
     addend at the one index, in place.  Read with a ``dynamic-slice`` and written back with a
     ``dynamic-update-slice``, XLA CPU copies the slice out before the add (a 4 MiB copy for a 1024^2 layer):
-    on one core that made 1F1B's step at D = 1 1.15x as long (BUILD_NOTES, "Stash, residuals and the split
+    on one core that made 1F1B's step at D = 1 1.13x as long (BUILD_NOTES, "Stash, residuals and the split
     backward").  Either way each element gets the same one addition."""
     addend = getattr(add, "addend", None)
     if addend is None:
