@@ -74,3 +74,88 @@ def unordered_collectives(text: str) -> List[Tuple[str, str]]:
         for b in marked[i + 1 :]
         if (a in holders or b in holders) and a not in before[b] and b not in before[a]
     ]
+
+
+_INSTRUCTION = re.compile(r"\s+(?:ROOT )?%?([\w.\-]+) = (?:\([^=]*\)|\S+) ([\w\-]+)\(([^)]*)\)(.*)$")
+
+
+def _instructions(lines) -> Dict[str, Tuple[str, List[str], str]]:
+    """``name -> (opcode, operand names, the rest of the line)`` of a computation's instructions."""
+    out = {}
+    for line in lines:
+        m = _INSTRUCTION.match(re.sub(r"/\*.*?\*/", "", line))
+        if m:
+            name, op, operands, rest = m.groups()
+            out[name] = (op, re.findall(r"%([\w.\-]+)", operands), rest)
+    return out
+
+
+def _passed_through(body_lines) -> Set[int]:
+    """The tuple elements a loop body returns as it got them (``ROOT tuple(..., gte(param, k), ...)`` at
+    ``k``): no instruction of the body writes them."""
+    inst = _instructions(body_lines)
+    root = next((l for l in body_lines if l.lstrip().startswith("ROOT ")), "")
+    m = _INSTRUCTION.match(re.sub(r"/\*.*?\*/", "", root))
+    if not m or m.group(2) != "tuple":
+        return set()
+    params = {n for n, (op, _, _) in inst.items() if op == "parameter"}
+    out = set()
+    for k, operand in enumerate(re.findall(r"%([\w.\-]+)", m.group(3))):
+        op, args, rest = inst.get(operand, ("", [], ""))
+        index = re.search(r"index=(\d+)", rest)
+        if op == "get-tuple-element" and args and args[0] in params and index and int(index.group(1)) == k:
+            out.add(k)
+    return out
+
+
+def orders_only_on_paper(text: str) -> List[Tuple[str, str]]:
+    """``(loop, collective)`` pairs of the entry computation where the collective depends on the loop holding
+    collectives only through tuple elements the loop passes through unchanged.  XLA's CPU runtime orders
+    its instructions by the buffers they read and write, not by the program's data edges: a loop that never
+    writes a value does not order what reads it after the loop, and the collective may start on one device
+    while another still runs the loop (ZB-H1 on four devices: the loss's all-reduce beside the last loop's
+    collective-permutes, a deadlock from a width of 192 on)."""
+    comps, entry = _computations(text)
+    inst = _instructions(comps[entry])
+    memo: Dict[str, bool] = {}
+    through = {}
+    for name, (op, _, rest) in inst.items():
+        body = re.search(r"body=%?([\w.\-]+)", rest)
+        if op == "while" and body:
+            through[name] = _passed_through(comps.get(body.group(1), []))
+    loops = {n for n, (op, _, rest) in inst.items() if op == "while" and _holds_collective(comps, n, memo)}
+    for n, (op, _, rest) in inst.items():  # a loop holds collectives if its body or condition does
+        called = [c.strip().lstrip("%") for mm in _CALLED.finditer(rest) for c in mm.group(1).split(",")]
+        if op == "while" and any(_holds_collective(comps, c, memo) for c in called):
+            loops.add(n)
+    real: Dict[str, Set[str]] = {}
+    seen: Dict[str, Set[str]] = {}
+
+    def real_deps(name):  # the loops a value waits for in the runtime
+        if name not in real:
+            op, args, rest = inst.get(name, ("", [], ""))
+            index = re.search(r"index=(\d+)", rest)
+            if op == "get-tuple-element" and args and args[0] in through and index:
+                k, loop = int(index.group(1)), args[0]
+                fed = inst.get(inst[loop][1][0], ("", [], "")) if inst[loop][1] else ("", [], "")
+                if k in through[loop] and fed[0] == "tuple" and k < len(fed[1]):
+                    real[name] = real_deps(fed[1][k])
+                    return real[name]
+            real[name] = set().union(*(real_deps(a) for a in args if a in inst)) | (
+                {name} if name in loops else set()
+            )
+        return real[name]
+
+    def all_deps(name):  # the loops the program's data edges order it after
+        if name not in seen:
+            args = inst.get(name, ("", [], ""))[1]
+            seen[name] = set().union(*(all_deps(a) for a in args if a in inst)) | (
+                {name} if name in loops else set()
+            )
+        return seen[name]
+
+    pairs = []
+    for name, (op, _, rest) in inst.items():
+        if _COLLECTIVE.search(f" {op}(") or name in loops:
+            pairs += [(loop, name) for loop in sorted(all_deps(name) - real_deps(name) - {name})]
+    return pairs

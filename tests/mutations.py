@@ -756,9 +756,18 @@ MUTATIONS = [
     Mutation(
         "loss_left_in_an_earlier_loop",
         "jaxpipe/runtime/ticks.py",
-        "    loss, _ = lax.optimization_barrier((state.loss, tick_index))\n",
+        "    loss = jax.tree.map(lambda x: jnp.where(written, x, jnp.zeros_like(x)), state.loss)\n",
         "    loss = state.loss\n",
         "tests/test_collective_order.py::test_the_loss_leaves_the_last_loop_of_a_phased_call",
+    ),
+    # the loss sums a loop output for XLA's passes only (an optimization barrier): the last loop passes them
+    # through, and the runtime starts the loss's all-reduce beside it (ZB-H1 on four devices deadlocked)
+    Mutation(
+        "loss_passed_through_the_last_loop",
+        "jaxpipe/runtime/ticks.py",
+        "    loss = jax.tree.map(lambda x: jnp.where(written, x, jnp.zeros_like(x)), state.loss)\n",
+        "    loss, _ = lax.optimization_barrier((state.loss, tick_index))\n",
+        "tests/test_collective_order.py::test_what_follows_the_loops_waits_for_them_in_the_runtime[zb_h1]",
     ),
     # the persistent cache kept on the first jaxlib whose cached CPU programs deadlock across processes
     Mutation(

@@ -5,6 +5,9 @@ ran before the pipeline's loop on one device and after it on another).  Determin
 not."""
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import numpy as np
 import optax
@@ -12,7 +15,7 @@ import pytest
 
 import jaxpipe as jp
 from helpers import small_model
-from hlo_order import unordered_collectives
+from hlo_order import orders_only_on_paper, unordered_collectives
 from test_model_axes import MLP_SPECS, TP
 
 
@@ -108,3 +111,106 @@ def test_the_helper_sees_the_hazard():
     x = jax.device_put(np.ones((8, 4), np.float32), NamedSharding(mesh, P("s")))
     text = jax.jit(program).lower(x, x).compile().as_text()
     assert len(unordered_collectives(text)) == 1
+
+
+#: (model stages, micro-batches, optimizer) a method needs on four devices where the defaults do not fit it
+_ON_FOUR = {
+    "interleaved_1f1b": (8, 4, None),
+    "zb_v": (8, 4, None),
+    "dualpipe_v": (8, 8, None),
+    "wpipe": (8, 4, None),
+    "spectrain": (4, 4, optax.sgd(1e-2, momentum=0.9)),
+}
+
+
+@pytest.mark.parametrize("schedule", sorted(set(jp.schedules.METHODS) - {jp.schedules.USER_SCHEDULE}))
+def test_what_follows_the_loops_waits_for_them_in_the_runtime(schedule):
+    """Every collective after a loop of collectives reads something the loop writes.  XLA's CPU runtime
+    orders instructions by the buffers they touch: a value a loop only passes through (the loss sums in a
+    phase without last-stage forwards) orders nothing, and the loss's all-reduce started on two devices
+    while the other two still ran ZB-H1's last loop (four stages, widths from 192: a deadlock).  Checked on
+    each method's step program, four stages by two data replicas (the data axis's reductions too)."""
+    stages, micro_batches, opt = _ON_FOUR.get(schedule, (4, 4, None))
+    model, batch_fn = small_model("mlp", stages)
+    pipe = jp.Pipeline(
+        model,
+        schedule=schedule,
+        num_microbatches=micro_batches,
+        optimizer=opt or optax.adam(1e-2),
+        mesh=jp.make_mesh(stages=4, data=2),
+    )
+    text = pipe.lower("step", pipe.init(), batch_fn(16)).compile().as_text()
+    assert orders_only_on_paper(text) == []
+    assert _loops_unordered(text) == []
+
+
+def test_the_helper_sees_an_order_only_on_paper():
+    """The helper reports a loop whose output a collective reads when the loop passes that output through
+    (the old ``ticks._loss_carried``: an optimization barrier keeps the value a loop output, and XLA removes
+    the barrier after its last pass, leaving the body's output its input)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("s",))
+
+    def program(x, total):
+        def body(c, tick):
+            x, total = c
+            total, _ = jax.lax.optimization_barrier((total, tick))  # a loop output XLA cannot forward
+            return (jax.lax.ppermute(x, "s", [(i, (i + 1) % 8) for i in range(8)]), total), None
+
+        x, total = jax.lax.scan(body, (x, total), jnp.arange(3))[0]
+        return x, jax.lax.psum(total, "s")
+
+    x = jax.device_put(np.ones((8, 4), np.float32), NamedSharding(mesh, P("s")))
+    total = jax.device_put(np.ones((8,), np.float32), NamedSharding(mesh, P("s")))
+    sharded = jax.shard_map(program, mesh=mesh, in_specs=(P("s"), P("s")), out_specs=(P("s"), P()))
+    text = jax.jit(sharded).lower(x, total).compile().as_text()
+    assert unordered_collectives(text) == []  # the program's data edges order the pair
+    (pair,) = orders_only_on_paper(text)
+    assert pair[0].startswith("while") and "psum" in pair[1]
+
+
+_ZB_H1_WIDE = """
+import jax, jax.numpy as jnp, numpy as np
+import jaxpipe as jp
+
+H, L = 192, 8
+w = jax.random.normal(jax.random.PRNGKey(0), (L, H, H)) / H**0.5
+x = jax.random.normal(jax.random.PRNGKey(1), (512, H))
+y = jax.random.normal(jax.random.PRNGKey(2), (512, H))
+
+
+def stage(w, h):
+    return jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), h, w)[0]
+
+
+def post_loss(_, h, batch):
+    return jnp.mean((h - batch["y"]) ** 2)
+
+
+model = jp.PipelineModel(stage_fn=stage, stage_params=w.reshape(4, L // 4, H, H), post_loss=post_loss)
+pipe = jp.Pipeline(model, schedule="zb_h1", num_microbatches=4, mesh=jp.make_mesh(stages=4), op_costs="unit")
+loss, (grad, _, _) = pipe.loss_and_grad(pipe.init(), {"x": x, "y": y})
+ref = jax.grad(lambda w: jnp.mean((stage(w, x) - y) ** 2))(w)
+print("relative error", float(jnp.linalg.norm(grad.reshape(ref.shape) - ref) / jnp.linalg.norm(ref)))
+"""
+
+
+def test_zero_bubble_on_four_stages_runs_at_a_width_that_deadlocked():
+    """ZB-H1 on four stages at width 192: the loss's all-reduce used to start beside the last loop's
+    collective-permutes on half the devices (XLA CPU's runtime, jaxlib 0.10), and the run hung until XLA
+    aborted the process -- so it runs in a process of its own, with a deadline.  Four devices in the process,
+    as the hang needed (with eight, four of them idle, it ran)."""
+    flags = os.environ.get("XLA_FLAGS", "").replace("device_count=8", "device_count=4")
+    env = dict(os.environ, XLA_FLAGS=flags)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _ZB_H1_WIDE], capture_output=True, text=True, timeout=120, env=env
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("ZB-H1 on four stages at width 192 did not finish in 120 s (a collective deadlock)")
+    assert done.returncode == 0, done.stderr[-3000:]
+    error = float(done.stdout.split("relative error")[-1])
+    assert error <= 1e-5

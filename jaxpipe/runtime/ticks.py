@@ -61,14 +61,18 @@ def scan_phases(prog, trace, state: TickState) -> TickState:
 
 
 def _loss_carried(state: TickState, tick_index) -> TickState:
-    """``state`` with its loss sums through an optimization barrier beside the tick index: XLA cannot see
-    that a phase without the last stage's forwards leaves them as they were, so they leave the call's last
-    loop, not an earlier one.  Trap (XLA CPU): forwarded from an earlier loop, the loss's all-reduces after
-    the call depended on nothing the last loop computes, and the CPU runtime runs a loop of collectives and
-    a collective that nothing orders in either order on each device (BUILD_NOTES, "The executor"; 1F1B at
-    D = 4 had two such pairs).  The barrier is removed late in the compile; the loop keeps the sums as its
-    own outputs."""
-    loss, _ = lax.optimization_barrier((state.loss, tick_index))
+    """``state`` with its loss sums written by every tick: selected by a predicate XLA cannot evaluate (the
+    tick index or 1 is never 0), so a phase without the last stage's forwards still computes them and they
+    leave the call's last loop as that loop's own result.
+
+    Trap (XLA CPU): its runtime orders instructions by the buffers they read and write, not by the
+    program's data edges.  A loop that passes a value through unchanged never writes it, and a collective
+    reading it after the loop -- the loss's all-reduces -- may start on one device while another still runs
+    the loop: ZB-H1 on four devices deadlocked that way (BUILD_NOTES, "The executor";
+    ``tests/hlo_order.py``'s ``orders_only_on_paper`` finds such pairs).  An optimization barrier kept the
+    sums a loop output for XLA's passes but was removed before the runtime, leaving them passed through."""
+    written = jnp.bitwise_or(tick_index, 1) != 0
+    loss = jax.tree.map(lambda x: jnp.where(written, x, jnp.zeros_like(x)), state.loss)
     return state._replace(loss=loss)
 
 
