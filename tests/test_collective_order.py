@@ -50,6 +50,7 @@ def test_model_axes_programs_order_their_collectives(schedule, what):
     state = pipe.init()
     text = pipe.lower(what, state, batch).compile().as_text()
     assert _loops_unordered(text) == []
+    assert orders_only_on_paper(text) == []
     # and the program runs: every device reaches every collective (an unordered pair hangs here, or ends in
     # XLA's rendezvous timeout), twice, with finite results
     for _ in range(2):
@@ -73,6 +74,7 @@ def test_data_parallel_with_integer_checks_orders_its_collectives():
     )
     text = pipe.lower("step", pipe.init(), batch_fn(16)).compile().as_text()
     assert _loops_unordered(text) == []
+    assert orders_only_on_paper(text) == []
 
 
 def test_the_loss_leaves_the_last_loop_of_a_phased_call():
@@ -87,6 +89,7 @@ def test_the_loss_leaves_the_last_loop_of_a_phased_call():
     text = pipe.lower("step", pipe.init(), batch_fn(16)).compile().as_text()
     assert text.count("while(") >= 2, "one loop: nothing here to order"
     assert _loops_unordered(text) == []
+    assert orders_only_on_paper(text) == []
 
 
 def test_the_helper_sees_the_hazard():
