@@ -150,74 +150,30 @@ def gpt(
     Returns:
         The :class:`~jaxpipe.PipelineModel`.
     """
-    if isinstance(cut, str):
-        from ..cuts import resolve_cut
-
-        kw = dict(
-            vocab=vocab,
-            d_model=d_model,
-            heads=heads,
-            seq_len=seq_len,
-            seed=seed,
-            dropout=dropout,
-            tie_embeddings=tie_embeddings,
-            masked=masked,
-            tensor=tensor,
-            fsdp=fsdp,
-        )
-        n = num_stages * blocks_per_stage
-        cut = resolve_cut(cut, lambda k: gpt(k, cut=(1,) * k, **kw), num_stages, n, balance)
-    elif balance is not None:
-        raise ConfigError("balance= goes with cut='balanced'")
+    kw = dict(
+        vocab=vocab,
+        d_model=d_model,
+        heads=heads,
+        seq_len=seq_len,
+        seed=seed,
+        dropout=dropout,
+        tie_embeddings=tie_embeddings,
+        masked=masked,
+        tensor=tensor,
+        fsdp=fsdp,
+    )
+    cut = _checked_cut(cut, balance, num_stages, blocks_per_stage, kw)
     if cut is not None:
-        from ..cuts import check_cut
-
-        n = _block_count(cut)  # (too few for the stages: the hint of check_cut's error uses the even count)
-        cut = check_cut(cut, n if n >= num_stages else num_stages * blocks_per_stage, num_stages)
-        block_apply, stage_params = stacked_stages(lambda r: Block(d_model, heads, r), sum(cut), seed)
+        apply, stage_params = stacked_stages(lambda r: Block(d_model, heads, r), sum(cut), seed)
     else:
-        stage_apply, stage_params = stacked_stages(
+        apply, stage_params = stacked_stages(
             lambda r: GPTStage(d_model, heads, blocks_per_stage, r), num_stages, seed
         )
     emb_def, emb_params = split_pure(Embed(vocab, d_model, seq_len, nnx.Rngs(seed * 1000)))
     embed = module_apply(emb_def)
-    if tie_embeddings:
-        head_def, head_own = split_pure(TiedHead(d_model, vocab, nnx.Rngs(seed * 1000 + 999)))
-        tied_head = module_apply(head_def)
-        head_params = {"head": head_own, "emb": emb_params["tok"]["embedding"]}
-        head = lambda p, h: tied_head(p["head"], h, p["emb"])
-        tied = [(("tok", "embedding"), ("emb",))]
-    else:
-        head_def, head_params = split_pure(LMHead(d_model, vocab, nnx.Rngs(seed * 1000 + 999)))
-        head, tied = module_apply(head_def), ()
+    head, head_params, tied = _head(d_model, vocab, seed, tie_embeddings, emb_params)
     context = bool(dropout) or masked
-    if cut is not None:
-        stage_fn = None
-        block_fn = (
-            (
-                lambda w, x, ctx: block_apply(
-                    w, x, ctx.key if dropout else None, dropout, ctx.inputs.get("mask")
-                )
-            )
-            if context
-            else block_apply
-        )
-    elif context:
-        block_fn = None
-
-        def stage_fn(w, x, ctx):
-            return stage_apply(w, x, ctx.key if dropout else None, dropout, ctx.inputs.get("mask"))
-    else:
-        stage_fn, block_fn = stage_apply, None
-
-    def post_loss(p, h, b):
-        if not masked:
-            return softmax_xent(head(p, h), b["y"])
-        logp = jax.nn.log_softmax(head(p, h).astype(jnp.float32), axis=-1)
-        ce = -jnp.take_along_axis(logp, b["y"][..., None].astype(jnp.int32), axis=-1)[..., 0]
-        m = b["mask"].astype(jnp.float32)
-        return jnp.sum(ce * m), jnp.sum(m)
-
+    stage_fn, block_fn = _layer_functions(apply, cut is not None, context, dropout)
     return PipelineModel(
         stage_fn=stage_fn,
         stage_params=stage_params,
@@ -225,7 +181,7 @@ def gpt(
         cut=cut,
         pre=lambda p, b: embed(p, b["x"]),
         pre_params=emb_params,
-        post_loss=post_loss,
+        post_loss=_post_loss(head, masked),
         post_params=head_params,
         head=head,
         context=context,
@@ -236,6 +192,62 @@ def gpt(
         if tensor or fsdp
         else None,
     )
+
+
+def _checked_cut(cut, balance, num_stages: int, blocks_per_stage: int, kw: dict):
+    """``cut`` resolved (``"balanced"``: from measured costs) and checked; None for the even form."""
+    if isinstance(cut, str):
+        from ..cuts import resolve_cut
+
+        n = num_stages * blocks_per_stage
+        cut = resolve_cut(cut, lambda k: gpt(k, cut=(1,) * k, **kw), num_stages, n, balance)
+    elif balance is not None:
+        raise ConfigError("balance= goes with cut='balanced'")
+    if cut is None:
+        return None
+    from ..cuts import check_cut
+
+    n = _block_count(cut)  # (too few for the stages: the hint of check_cut's error uses the even count)
+    return check_cut(cut, n if n >= num_stages else num_stages * blocks_per_stage, num_stages)
+
+
+def _head(d_model: int, vocab: int, seed: int, tie_embeddings: bool, emb_params):
+    """``(head(params, h), head params, tied pairs)``: the LM head, or the head tied to the input embedding
+    (``LN(h) @ E^T + b``, ``E`` declared one array with the embedding's)."""
+    rngs = nnx.Rngs(seed * 1000 + 999)
+    if not tie_embeddings:
+        head_def, head_params = split_pure(LMHead(d_model, vocab, rngs))
+        return module_apply(head_def), head_params, ()
+    head_def, head_own = split_pure(TiedHead(d_model, vocab, rngs))
+    tied_head = module_apply(head_def)
+    head_params = {"head": head_own, "emb": emb_params["tok"]["embedding"]}
+    return (lambda p, h: tied_head(p["head"], h, p["emb"])), head_params, [(("tok", "embedding"), ("emb",))]
+
+
+def _layer_functions(apply, blocks: bool, context: bool, dropout: float):
+    """``(stage_fn, block_fn)``: ``apply`` (a stage's or, with a cut, a block's module) as the model's
+    stage or block function, given the stage context (dropout key, mask) where the model uses one."""
+    if context:
+        apply_in = lambda w, x, ctx: apply(
+            w, x, ctx.key if dropout else None, dropout, ctx.inputs.get("mask")
+        )
+    else:
+        apply_in = apply
+    return (None, apply_in) if blocks else (apply_in, None)
+
+
+def _post_loss(head, masked: bool):
+    """The head's loss: mean cross-entropy, or (masked) ``(sum over real tokens, count)``."""
+
+    def post_loss(p, h, b):
+        if not masked:
+            return softmax_xent(head(p, h), b["y"])
+        logp = jax.nn.log_softmax(head(p, h).astype(jnp.float32), axis=-1)
+        ce = -jnp.take_along_axis(logp, b["y"][..., None].astype(jnp.int32), axis=-1)[..., 0]
+        m = b["mask"].astype(jnp.float32)
+        return jnp.sum(ce * m), jnp.sum(m)
+
+    return post_loss
 
 
 def _block_count(cut) -> int:
