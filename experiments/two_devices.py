@@ -225,7 +225,10 @@ def _own_schedule(jp, name: str, M: int):
 
 
 def worker(pid: int):
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    # the caller's XLA flags (an experiment's), then one device a process (the last of a flag wins)
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1"
+    ).strip()
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
