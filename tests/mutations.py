@@ -777,6 +777,14 @@ MUTATIONS = [
         "        or _jaxlib_version() <= CACHED_CPU_PROGRAMS_DEADLOCK_FROM\n",
         "tests/test_multihost.py::test_the_cache_is_turned_off_only_where_its_programs_deadlock",
     ),
+    # a tick priced from one measurement: one stray difference of two loops places a plan
+    Mutation(
+        "tick_priced_from_one_measurement",
+        "jaxpipe/tune/running_costs.py",
+        "    return float(np.median([once() for _ in range(repeats)]))\n",
+        "    return once()\n",
+        "tests/test_running_costs.py::test_a_ticks_price_is_the_median_of_repeated_measurements",
+    ),
     Mutation(
         "w_timed_as_the_whole_backward",
         "jaxpipe/tune/running_costs.py",
