@@ -123,39 +123,39 @@ def orders_only_on_paper(text: str) -> List[Tuple[str, str]]:
         body = re.search(r"body=%?([\w.\-]+)", rest)
         if op == "while" and body:
             through[name] = _passed_through(comps.get(body.group(1), []))
-    loops = {n for n, (op, _, rest) in inst.items() if op == "while" and _holds_collective(comps, n, memo)}
-    for n, (op, _, rest) in inst.items():  # a loop holds collectives if its body or condition does
-        called = [c.strip().lstrip("%") for mm in _CALLED.finditer(rest) for c in mm.group(1).split(",")]
-        if op == "while" and any(_holds_collective(comps, c, memo) for c in called):
-            loops.add(n)
-    real: Dict[str, Set[str]] = {}
-    seen: Dict[str, Set[str]] = {}
+    loops = {  # the loops whose body or condition holds collectives
+        n
+        for n, (op, _, rest) in inst.items()
+        if op == "while"
+        and any(
+            _holds_collective(comps, c.strip().lstrip("%"), memo)
+            for mm in _CALLED.finditer(rest)
+            for c in mm.group(1).split(",")
+        )
+    }
+    memos: Dict[bool, Dict[str, Set[str]]] = {True: {}, False: {}}
 
-    def real_deps(name):  # the loops a value waits for in the runtime
-        if name not in real:
+    def loops_before(name, runtime: bool) -> Set[str]:
+        """The loops ``name`` waits for: by the program's data edges, or (``runtime``) by the buffers the
+        runtime sees -- a loop's passed-through element waits for whatever fed the loop that element."""
+        known = memos[runtime]
+        if name not in known:
             op, args, rest = inst.get(name, ("", [], ""))
             index = re.search(r"index=(\d+)", rest)
-            if op == "get-tuple-element" and args and args[0] in through and index:
+            if runtime and op == "get-tuple-element" and args and args[0] in through and index:
                 k, loop = int(index.group(1)), args[0]
                 fed = inst.get(inst[loop][1][0], ("", [], "")) if inst[loop][1] else ("", [], "")
                 if k in through[loop] and fed[0] == "tuple" and k < len(fed[1]):
-                    real[name] = real_deps(fed[1][k])
-                    return real[name]
-            real[name] = set().union(*(real_deps(a) for a in args if a in inst)) | (
+                    known[name] = loops_before(fed[1][k], runtime)
+                    return known[name]
+            known[name] = set().union(*(loops_before(a, runtime) for a in args if a in inst)) | (
                 {name} if name in loops else set()
             )
-        return real[name]
-
-    def all_deps(name):  # the loops the program's data edges order it after
-        if name not in seen:
-            args = inst.get(name, ("", [], ""))[1]
-            seen[name] = set().union(*(all_deps(a) for a in args if a in inst)) | (
-                {name} if name in loops else set()
-            )
-        return seen[name]
+        return known[name]
 
     pairs = []
     for name, (op, _, rest) in inst.items():
         if _COLLECTIVE.search(f" {op}(") or name in loops:
-            pairs += [(loop, name) for loop in sorted(all_deps(name) - real_deps(name) - {name})]
+            late = loops_before(name, False) - loops_before(name, True) - {name}
+            pairs += [(loop, name) for loop in sorted(late)]
     return pairs
