@@ -785,11 +785,20 @@ MUTATIONS = [
         "    return once()\n",
         "tests/test_running_costs.py::test_a_ticks_price_is_the_median_of_repeated_measurements",
     ),
+    # a weight part the timings' noise hides priced free: the zero-bubble planner would think W costs nothing
+    Mutation(
+        "w_priced_free_under_noise",
+        "jaxpipe/tune/running_costs.py",
+        "    return (f, b_in, min(alone, whole))\n",
+        "    return (f, b_in, 0.0)\n",
+        "tests/test_running_costs.py::"
+        "test_a_weight_part_the_timings_noise_hides_is_timed_alone_not_priced_free",
+    ),
     Mutation(
         "w_timed_as_the_whole_backward",
         "jaxpipe/tune/running_costs.py",
-        "    return (f, b_in, max(whole - b_in, 0.0))\n",
-        "    return (f, b_in, whole)\n",
+        "        return (f, b_in, whole - b_in)\n",
+        "        return (f, b_in, whole)\n",
         "tests/test_running_costs.py::"
         "test_a_split_backwards_weight_part_is_what_the_whole_costs_beyond_its_input_part",
     ),

@@ -170,6 +170,29 @@ def test_a_split_backwards_weight_part_is_what_the_whole_costs_beyond_its_input_
     assert whole.backward == 0.010 and whole.weight == 0.0
 
 
+def test_a_weight_part_the_timings_noise_hides_is_timed_alone_not_priced_free(monkeypatch):
+    """A stage of microseconds: the input part timed dearer than the whole backward.  W is then timed alone
+    (an upper bound), no dearer than the whole backward -- a free W would mislead the zero-bubble planner."""
+    from jaxpipe.tune import microbench
+
+    alone = {"W": 0.0}
+
+    def fake(stage_fn, w, x, devices, busy, split=False, kinds=(), best=False, **_):
+        if kinds == ["W"]:
+            return {"W": [alone["W"]]}
+        if split:
+            return {"B": [0.011]}  # the input part, timed after a quieter whole backward
+        return {"F": [0.003], "B": [0.010]}
+
+    monkeypatch.setattr(microbench, "op_costs", fake)
+    model, batch_fn = small_model("mlp", 2)
+    mb = running_costs.microbatch_like(batch_fn(4), 2)
+    alone["W"] = 0.004
+    assert running_costs.measure(model, mb, 1, True).weight == 0.004
+    alone["W"] = 0.015  # back-propagating again: more than the whole backward
+    assert running_costs.measure(model, mb, 1, True).weight == 0.010
+
+
 def test_one_tick_price_serves_every_pipeline_that_sends_the_same_message(monkeypatch):
     """A tick's price is measured once per (backend, devices, message) in a process, also where no cache
     file is kept (a multi-process job): the pipelines of one run are placed for one price, not each for its
