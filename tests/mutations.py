@@ -777,6 +777,14 @@ MUTATIONS = [
         "        or _jaxlib_version() <= CACHED_CPU_PROGRAMS_DEADLOCK_FROM\n",
         "tests/test_multihost.py::test_the_cache_is_turned_off_only_where_its_programs_deadlock",
     ),
+    # a tick priced on even ticks: the exchange of a tick where no device waits, half what plans pay
+    Mutation(
+        "tick_priced_on_even_ticks",
+        "jaxpipe/tune/running_costs.py",
+        '                return lax.ppermute(lax.cond(i % devices == me, twice, once, h), "x", ring)\n',
+        '                return lax.ppermute(once(h), "x", ring)\n',
+        "tests/test_running_costs.py::test_a_ticks_price_is_measured_on_uneven_ticks",
+    ),
     # a tick priced from one measurement: one stray difference of two loops places a plan
     Mutation(
         "tick_priced_from_one_measurement",

@@ -193,6 +193,28 @@ def test_a_weight_part_the_timings_noise_hides_is_timed_alone_not_priced_free(mo
     assert running_costs.measure(model, mb, 1, True).weight == 0.010
 
 
+def test_a_ticks_price_is_measured_on_uneven_ticks(monkeypatch):
+    """A plan's ticks are uneven -- a device that finished early waits in the exchange and must wake for it
+    -- and ticks of equal work priced the exchange at half what the testbed's ordered plans paid.  The
+    probe's loop with the exchange runs the stage twice on one device a tick (in turn) and once on the
+    others; the loop without it twice on every device (the slowest device's work).  Counted with a stage
+    that adds one: 3 ticks on 2 devices of 8 elements."""
+    from jaxpipe.tune import microbench
+
+    done = {}
+
+    def run_each(loops, lengths, calls):
+        for key, make in loops.items():
+            done[key] = np.asarray(make(3)())
+        return {True: 1e-3, False: 0.0}
+
+    monkeypatch.setattr(microbench, "per_iteration", run_each)
+    stage_fn = lambda w, h: h + w
+    assert running_costs._tick_cost(stage_fn, np.float32(1), np.zeros((2, 4), np.float32), 2) == 1e-3
+    assert done[False].tolist() == [48.0, 48.0]  # 3 ticks x 2 x 8 on each device
+    assert done[True].sum() == 3 * (2 + 1) * 8  # a tick: twice on one device, once on the other
+
+
 def test_one_tick_price_serves_every_pipeline_that_sends_the_same_message(monkeypatch):
     """A tick's price is measured once per (backend, devices, message) in a process, also where no cache
     file is kept (a multi-process job): the pipelines of one run are placed for one price, not each for its

@@ -292,7 +292,7 @@ class Bench:
             mb = self._microbatch(rows)
             return agreed([tick_price(pipe_of(finest).model, mb, devices)])[0]
 
-        return self.cache.get(self._key("tick", finest, rows, devices), measure, use=_number)
+        return self.cache.get(self._key("tick_uneven", finest, rows, devices), measure, use=_number)
 
     def update(self, c, pipe) -> float:
         """Seconds of the optimizer's update of one device's parameters (its stages' share, with the embedding

@@ -18,10 +18,11 @@ once, as its ticks run them:
   noise hides the difference (a stage of microseconds: the whole backward timed no dearer than its input
   part) is W timed alone, no dearer than the whole backward: a W of zero would tell the zero-bubble planner
   that the weight gradient is free;
-* the tick: loops of 4 and of 16 ticks, each a forward on every device and one ``ppermute`` around the stage
-  ring, against the same loops without the exchange; the difference per tick (the short loop subtracted
+* the tick: loops of 4 and of 16 uneven ticks, one device (in turn) running the stage twice and the others
+  once, each tick ended by one ``ppermute`` around the stage ring, against the same loops without the
+  exchange and every device running the stage twice; the difference per tick (the short loop subtracted
   from the long one, so that a call's own start cancels) is what a tick's exchange and its rendezvous add
-  (the latency, the bytes and the wait for the slower device).
+  beyond the slowest device's actions (the latency, the bytes, and the wake-up of a device that waited).
 
 F, B and W are kept per (model, backend), a tick's price per (backend, devices, message), in
 :class:`~jaxpipe.tune.measure_cache.MeasureCache` (a second run measures nothing) and in the process itself
@@ -97,12 +98,16 @@ def _stage_op(model, mb):
 
 
 def _tick_cost(stage_fn, w, x, devices: int, ticks=(4, 16), calls: int = 3, repeats: int = 5) -> float:
-    """Seconds a tick's exchange adds: loops of ``ticks[0]`` and ``ticks[1]`` forwards, each followed by a
-    ring ``ppermute``, against the same loops without it (:func:`~jaxpipe.tune.microbench.per_iteration`:
-    what a call pays once -- its dispatch, the wait for the other processes to enter it -- cancels); the
-    median of ``repeats`` such differences.  One difference is a small one of large times: on the two-process
-    testbed (M = 8, a 5.5 ms forward a tick) six in one process pair ranged 0.054-0.492 ms and one run
-    priced 0.0118 ms; medians of five (three calls each) ranged 0.149-0.323 over nine, none near zero."""
+    """Seconds a tick's exchange adds to the slowest device's actions: loops of ``ticks[0]`` and
+    ``ticks[1]`` uneven ticks -- one device (in turn) runs the stage twice, the others once, then a ring
+    ``ppermute`` -- against the same loops without the exchange, every device running the stage twice (the
+    lockstep model's tick: the slowest device's actions, then the exchange).  Uneven, because a plan's ticks
+    are: a device that finished early waits in the exchange and must wake for it, which ticks of equal work
+    never show (on the two-process testbed they priced a tick at 0.13-0.47 ms, where DualPipeV's and ZB-V's
+    ordered plans ran 0.7 ms a tick past the model's prediction at that price).  Each loop length's time
+    (:func:`~jaxpipe.tune.microbench.per_iteration`: what a call pays once -- its dispatch, the wait for
+    the other processes to enter it -- cancels); the median of ``repeats`` such differences: one is a small
+    difference of large times (one testbed run priced a tick at 0.0118 ms)."""
     from .microbench import per_iteration
 
     if devices < 2:
@@ -112,9 +117,14 @@ def _tick_cost(stage_fn, w, x, devices: int, ticks=(4, 16), calls: int = 3, repe
 
     def program(exchange: bool, n: int):
         def body(w, h):
+            me = lax.axis_index("x")
+            twice = lambda h: stage_fn(w, stage_fn(w, h).astype(h.dtype)).astype(h.dtype)
+            once = lambda h: stage_fn(w, h).astype(h.dtype)
+
             def one(i, h):
-                h = stage_fn(w, h).astype(h.dtype)
-                return lax.ppermute(h, "x", ring) if exchange else h
+                if not exchange:
+                    return twice(h)
+                return lax.ppermute(lax.cond(i % devices == me, twice, once, h), "x", ring)
 
             return jnp.sum(lax.fori_loop(0, n, one, h))[None]
 
@@ -213,9 +223,8 @@ def measured(model, mb, devices: int, split: bool, cache: Optional[str] = "defau
         ["op_costs", backend, model_key(model, mb), devices, bool(split)],
         lambda: _ops(stage_fn, w, x, devices, split),
     )
-    (tick,) = _kept(
-        store, ["tick_price", backend, devices, shapes_key(x)], lambda: [_tick_cost(stage_fn, w, x, devices)]
-    )
+    key = ["tick_price_uneven", backend, devices, shapes_key(x)]  # (uneven: not an earlier probe's price)
+    (tick,) = _kept(store, key, lambda: [_tick_cost(stage_fn, w, x, devices)])
     return RunningCosts(*ops, tick)
 
 
