@@ -90,6 +90,69 @@ def _microbatch_grads(model, ties, fwd, bwd, ctx_of, x0, wF, wB, mb, i, by_count
     return loss, n_mb, grads
 
 
+def _checked_rule(method: str):
+    """``method``'s serial rule (its declaration's ``reference``); a ValueError names the known ones."""
+    rule = METHODS[method].reference if method in METHODS else None
+    if rule is None:
+        known = ", ".join(n for n, m in METHODS.items() if m.reference is not None)
+        raise ValueError(f"no serial reference for {method!r}; known: {known}")
+    return rule
+
+
+def _stage_ops(model, w_like, x0, ctx0):
+    """``(fwd, bwd)``: a stage's forward keeping its activation residuals, and the pullback rebuilt from them
+    with the weights B reads.  Jitted: a pullback's residuals come out in the traced mask's structure only
+    under tracing (eagerly, JAX builds the pullback differently)."""
+    x_like = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), x0)  # activations may be pytrees
+    mask, _ = residual_mask(model.stage_fn, w_like, x_like, ctx0)
+    ctx_like = jax.tree.map(jnp.zeros_like, ctx0)
+    fwd = jax.jit(lambda w, x, c: split_residuals(model.stage_fn, w, x, mask, c)[:2])
+    bwd = jax.jit(lambda w, res, dy: rebuild_pullback(model.stage_fn, w, x_like, res, mask, ctx_like)(dy))
+    return fwd, bwd
+
+
+class _BatchSums:
+    """An accumulating method's gradient sums per stage over a batch of M micro-batches, and the batch's
+    loss count (a (sum, count) loss divides by it; a mean loss by M)."""
+
+    def __init__(self, D: int, M: int, summed: bool):
+        self.M, self.summed, self.sums, self.count = M, summed, [None] * D, 0.0
+
+    def add(self, s: int, i: int, grad, count: float):
+        """Add micro-batch ``i``'s gradient of stage ``s``; the batch's mean gradient where ``i`` ends it,
+        else None."""
+        held = self.sums[s]
+        self.sums[s] = grad if held is None else jax.tree.map(jnp.add, held, grad)
+        if s == 0:
+            self.count += count
+        if i % self.M != self.M - 1:
+            return None
+        div = self.M if not self.summed else (self.count if self.count > 0 else 1.0)
+        mean, self.sums[s] = jax.tree.map(lambda a: a / div, self.sums[s]), None
+        if s == len(self.sums) - 1:
+            self.count = 0.0
+        return mean
+
+
+def _land_update(opt, grad, versions, updates, ostate, s, options) -> None:
+    """Stage ``s``'s update from ``grad``: its new weights appended to ``versions``, the update that made
+    them to ``updates`` (PipeOptim's ``"decay_free"`` prediction keeps the update without weight decay:
+    PipeOptim, Table I)."""
+    cur = versions[-1]
+    u, new_state = opt.update(grad, ostate[s], cur)
+    versions.append(optax.apply_updates(cur, u))
+    if (options or {}).get("prediction") == "decay_free":
+        u = opt.update(grad, ostate[s], jax.tree.map(jnp.zeros_like, cur))[0]
+    ostate[s] = new_state
+    updates.append(u)
+
+
+def _is_summed(model, mb) -> bool:
+    """Whether the model's loss is a (sum, count) pair."""
+    out = jax.eval_shape(lambda p, b: model.forward(p, b, key=jax.random.PRNGKey(0)), model.params, mb)
+    return model.reduction(out, mb) == "sum"
+
+
 def serial_reference(
     model,
     method: str,
@@ -114,6 +177,7 @@ def serial_reference(
             "the serial reference of a context model runs one replica (its global micro-batches "
             "join the replicas', which have their own keys); use data_parallel=1"
         )
+    rule, accumulating = _checked_rule(method), METHODS[method].accumulating
     D, M = model.num_stages, num_microbatches
     ties = Ties(model)
     w0, pre0, post0 = ties.strip(model.params)
@@ -126,87 +190,34 @@ def serial_reference(
     ctx_of = lambda mb, i, s: (
         model.stage_context(mb, microbatch_key(seed, i // M, i % M), s) if model.context else None
     )
-    ctx0 = ctx_of(mbs[0], 0, 0)
-    x_like = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), x0)  # activations may be pytrees
-    mask, _ = residual_mask(model.stage_fn, local[0][0], x_like, ctx0)
-    ctx_like = jax.tree.map(jnp.zeros_like, ctx0)
-    # jitted: a pullback's residuals come out in the same structure as the traced mask only under tracing
-    # (eagerly, JAX builds the pullback differently)
-    fwd = jax.jit(lambda w, x, c: split_residuals(model.stage_fn, w, x, mask, c)[:2])
-    bwd = jax.jit(lambda w, res, dy: rebuild_pullback(model.stage_fn, w, x_like, res, mask, ctx_like)(dy))
+    fwd, bwd = _stage_ops(model, local[0][0], x0, ctx_of(mbs[0], 0, 0))
     axpy = lambda a, x, y: jax.tree.map(lambda xx, yy: yy + jnp.asarray(a, yy.dtype) * xx, x, y)
-    losses, acc = [], [None] * D
-    rule = METHODS[method].reference if method in METHODS else None
-    if rule is None:
-        known = ", ".join(n for n, m in METHODS.items() if m.reference is not None)
-        raise ValueError(f"no serial reference for {method!r}; known: {known}")
-    accumulating = METHODS[method].accumulating
-    summed = (
-        model.reduction(
-            jax.eval_shape(lambda p, b: model.forward(p, b, key=jax.random.PRNGKey(0)), model.params, mbs[0]),
-            mbs[0],
-        )
-        == "sum"
-    )
-    step_count = 0.0
+    summed = _is_summed(model, mbs[0])
+    batch_sums, losses = _BatchSums(D, M, summed), []
     # a drain restarts a per-micro-batch method's stream: i0, v0 = its first micro-batch, each stage's version
     restarts, i0, v0 = {int(n) * M * data_parallel for n in drains}, 0, [0] * D
+    extra = {"o": options} if options else {}
 
     for i, mb in enumerate(mbs):
         if i in restarts and not accumulating:  # (an accumulating method's versions count batches: go on)
             i0, v0 = i, [len(h) - 1 for h in hist]
-        b = (i - i0) // M
-        wF, wB = [], []
-        for s in range(D):
-            f, bw = rule(
-                s,
-                i - i0,
-                b,
-                D,
-                M,
-                hist[s][v0[s] :],
-                upd[s][v0[s] :],
-                axpy,
-                **({"o": options} if options else {}),
-            )
-            wF.append(f)
-            wB.append(bw)
+        read = [
+            rule(s, i - i0, (i - i0) // M, D, M, hist[s][v0[s] :], upd[s][v0[s] :], axpy, **extra)
+            for s in range(D)
+        ]
+        wF, wB = [r[0] for r in read], [r[1] for r in read]
         loss, n_mb, grads = _microbatch_grads(
             model, ties, fwd, bwd, ctx_of, x0, wF, wB, mb, i, accumulating and summed
         )
         losses.append(float(loss))
         for s in range(D):
-            if accumulating:
-                acc[s] = grads[s] if acc[s] is None else jax.tree.map(jnp.add, acc[s], grads[s])
-                if s == 0:
-                    step_count += n_mb
-                if i % M != M - 1:
-                    continue
-                div = M if not summed else (step_count if step_count > 0 else 1.0)
-                g, acc[s] = jax.tree.map(lambda a: a / div, acc[s]), None
-                if s == D - 1:
-                    step_count = 0.0
-            else:
-                g = grads[s]
-            cur = hist[s][-1]
-            u, new_state = opt.update(g, ostate[s], cur)
-            hist[s].append(optax.apply_updates(cur, u))
-            if (options or {}).get("prediction") == "decay_free":  # PipeOptim Table I: without decay
-                u = opt.update(g, ostate[s], jax.tree.map(jnp.zeros_like, cur))[0]
-            ostate[s] = new_state
-            upd[s].append(u)
+            g = batch_sums.add(s, i, grads[s], n_mb) if accumulating else grads[s]
+            if g is not None:
+                _land_update(opt, g, hist[s], upd[s], ostate, s, options)
 
     final = [h[-1] for h in hist]
-    return {
-        "params": ties.fill(
-            (
-                user_layout(jax.tree.map(lambda *a: jnp.stack(a), *[f[0] for f in final])),
-                final[0][1],
-                final[D - 1][2],
-            )
-        ),
-        "losses": losses,
-    }
+    stacked = user_layout(jax.tree.map(lambda *a: jnp.stack(a), *[f[0] for f in final]))
+    return {"params": ties.fill((stacked, final[0][1], final[D - 1][2])), "losses": losses}
 
 
 def avgpipe_reference(
