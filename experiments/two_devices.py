@@ -1,5 +1,4 @@
-"""Every synchronous schedule on a real two-device pipeline, beside the lockstep model's prediction (issue
-#49).
+"""Every synchronous schedule on a real two-device pipeline, beside the lockstep model's prediction.
 
 Two processes (``jax.distributed``, Gloo collectives), one CPU device each, each pinned to its own core, are a
 real pipeline: the devices run side by side and wait for each other's messages, so a bubble costs real time
@@ -18,8 +17,10 @@ of the same plan, from costs measured on this machine: the ops from the plain st
 ``--op_costs``' ratios), the link (an exchange between the two processes inside a compiled loop: latency and
 bytes/s), and one calibrated cost, a step's own (``jaxpipe.tune.lockstep.calibrate_step``: the mean over
 1F1B's runs of what its measured step holds beyond its predicted ticks; ``--fit_scale`` fits the ops' scale
-too), so 1F1B's prediction equals its measurement on average; every other schedule's is a prediction.  Needs
-a quiet machine with two cores.
+too), so 1F1B's prediction equals its measurement on average; every other schedule's is a prediction.  Beside
+it, ``own/1f1b``: the ratio to 1F1B that the pipeline itself predicted at the op costs it measured at its
+first step (:func:`jaxpipe.tune.running_costs.predicted_against_1f1b`: what it places its plan and warns
+by), and ``meas/own``: the measured ratio over it.  Needs a quiet machine with two cores.
 """
 
 from __future__ import annotations
@@ -493,6 +494,7 @@ def report(res):
     from 1F1B's measured steps (module docstring)."""
     import jaxpipe as jp
     from jaxpipe.tune import LayerCosts, Link, calibrate_step, predict_devices
+    from jaxpipe.tune.running_costs import predicted_against_1f1b
 
     table = tuple((float(n), float(t)) for n, t in res["link"])
     (n0, t0), (n1, t1) = table[0], table[-1]
@@ -530,6 +532,9 @@ def report(res):
         parts = predict_devices(
             s, lc, per, 0.0, link, act, per * W * W * 4, placement=placement, rendezvous=meet
         )
+        if chosen_for and len(chosen_for) > 3:  # what Pipeline itself predicted, at the costs it measured
+            mine, theirs, _ = predicted_against_1f1b(s, placement, tuple(chosen_for))
+            parts["own_x_1f1b"] = mine / theirs
         rows.append([M, spec, placement, t, plain, parts])
     ref = [(parts, t) for M, spec, _, t, _, parts in rows if spec == "1f1b"]
     scale, fixed = (
@@ -562,7 +567,7 @@ def report(res):
     print(
         f"{'M':>2} {'schedule':22s} {'placement':9s} {'measured':>9s} {'x plain':>8s} "
         f"{'x 1f1b (+- IQR/2)':>17s} "
-        f"{'predicted':>10s} {'meas/pred':>9s} {'pred/1f1b':>9s}"
+        f"{'predicted':>10s} {'meas/pred':>9s} {'pred/1f1b':>9s} {'own/1f1b':>8s} {'meas/own':>8s}"
     )
     base = {M: t for M, spec, _, t, *_ in rows if spec == "1f1b"}
     pred = {
@@ -579,7 +584,8 @@ def report(res):
             spreads[f"M={M} {spec} / 1f1b"] = (r, sp)
         print(
             f"{M:>2} {spec:22s} {placement:9s} {t * 1e3:7.1f}ms {t / plain:8.3f} {r:9.3f} +- {sp:.3f} "
-            f"{p * 1e3:8.1f}ms {t / p:9.3f} {p / pred.get((M, '1f1b'), float('nan')):9.3f}"
+            f"{p * 1e3:8.1f}ms {t / p:9.3f} {p / pred.get((M, '1f1b'), float('nan')):9.3f} "
+            f"{parts.get('own_x_1f1b', float('nan')):8.3f} {r / parts.get('own_x_1f1b', float('nan')):8.3f}"
         )
         out.append(
             {

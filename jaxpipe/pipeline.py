@@ -84,8 +84,11 @@ class Pipeline:
             a flushing schedule on two or more stage devices, a mesh without tensor or FSDP axes);
             ``"unit"``: unit costs, nothing measured; or ``(f, b, w)`` as measured (any one unit,
             ``jaxpipe.tune.microbench.layer_costs``; a fourth value: what a tick's exchange costs).
-            ``pipe.op_costs`` holds those the plans were chosen for. Where the schedule is then predicted
-            slower than 1F1B's on the same devices, a warning says so with both predictions.
+            ``pipe.op_costs`` holds those the plans were chosen for. With measured costs, two plans
+            predicted within 10% of each other (``jaxpipe.tune.running_costs.TIME_WITHIN``: the model's
+            error) are timed instead: each plan's :meth:`loss_and_grad` program compiled and run on the
+            first batch, the faster kept (its times cached as the costs are). Where the schedule is then
+            predicted slower than 1F1B's on the same devices, a warning says so with both predictions.
         **removed: the keywords of the unreleased 0.1.0, refused by name.
 
     Raises:
@@ -221,11 +224,12 @@ class Pipeline:
         )
         self._runner = make_runner(self.context)  # which one: the method's registry entry
 
-    def _measure_costs(self, batch) -> None:
+    def _measure_costs(self, batch, state) -> None:
         """At the first step without hand-given ``op_costs``: one stage's F, B, W and a tick's exchange
         measured on this backend for ``batch``'s micro-batch (:mod:`jaxpipe.tune.running_costs`, cached per
-        model and backend), the plans chosen again for them, and a warning where the schedule is predicted
-        slower than 1F1B's."""
+        model and backend), the plans chosen again for them -- two plans predicted too close to rank are
+        timed on ``state`` and ``batch`` (:meth:`_time_plans`) -- and a warning where the schedule is
+        predicted slower than 1F1B's."""
         if not self._costs_pending:
             return
         self._costs_pending = False
@@ -245,20 +249,49 @@ class Pipeline:
         self.op_costs = measured.op_costs()
         before = (self.schedule, self.placement)
         self._place(self.op_costs)
-        if (self.schedule, self.placement) != before:
-            import dataclasses
-
-            from .runners import make_runner
-
-            self.context = dataclasses.replace(
-                self.context,
-                schedule=self.schedule,
-                options=self.options,
-                placement=self.placement,
-                _lane_plan=None,
+        if (
+            self._auto_placement
+            and self.method.flushes
+            and running_costs.plans_too_close(self.schedule, self.op_costs)
+        ):
+            self.placement = running_costs.timed_placement(
+                self.model, mb, self.schedule, lambda: self._time_plans(state, batch)
             )
-            self._runner = make_runner(self.context)
+        if (self.schedule, self.placement) != before:
+            self.context, self._runner = self._runner_for(self.placement)
         self._warn_if_slower(self.op_costs)
+
+    def _runner_for(self, placement: str):
+        """``(context, runner)`` of this pipeline's schedule run in ``placement``'s plan."""
+        import dataclasses
+
+        from .runners import make_runner
+
+        context = dataclasses.replace(
+            self.context, schedule=self.schedule, options=self.options, placement=placement, _lane_plan=None
+        )
+        return context, make_runner(context)
+
+    def _time_plans(self, state, batch, calls: int = 3) -> list:
+        """Seconds of :meth:`loss_and_grad`'s program in the ordered plan and in the lanes plan, on ``state``
+        and ``batch``: each compiled and run once, then timed in turns ``calls`` times, the least call each
+        (a slow phase of the machine hits both alike; a loaded machine's slow calls drop out)."""
+        import time
+
+        programs = []
+        for placement in ("ordered", "lanes"):
+            _, runner = self._runner_for(placement)
+            compiled = runner.lower("grad", state, batch).compile()
+            args = (state.params, batch, state.step)  # (as the runner's own call takes them)
+            jax.block_until_ready(compiled(*args))
+            programs.append((compiled, args))
+        best = [float("inf")] * len(programs)
+        for _ in range(calls):
+            for i, (compiled, args) in enumerate(programs):
+                t0 = time.perf_counter()
+                jax.block_until_ready(compiled(*args))
+                best[i] = min(best[i], time.perf_counter() - t0)
+        return best
 
     def _warn_if_slower(self, costs) -> None:
         """Once: a warning where the schedule's plan is predicted slower than 1F1B's at ``costs``."""
@@ -392,7 +425,7 @@ class Pipeline:
         require_live(state, "loss_and_grad()")
         self._check_values(batch)
         self.context.pending.poll()
-        self._measure_costs(batch)
+        self._measure_costs(batch, state)
         loss, grads = self._runner.loss_and_grad(state, batch)
         return loss, self._user_layout(grads)
 
@@ -485,7 +518,7 @@ class Pipeline:
         self._check_inflight(state, batch)
         self.context.pending.poll()  # earlier calls' on-device checks: those done, or the oldest of IN_FLIGHT
         why = self.context.pending.refusal(state)  # before the step consumes the state's arrays
-        self._measure_costs(batch)
+        self._measure_costs(batch, state)
         new, metrics = self._runner.step(state, batch)
         self.context.pending.track(state, new, why)
         return new, metrics
@@ -542,7 +575,7 @@ class Pipeline:
                 f"named 'loss_and_grad') and 'step'"
             )
         self._check_batch(batch)
-        self._measure_costs(batch)
+        self._measure_costs(batch, state)
         return self._runner.lower(program, state, batch)
 
     # ------------------------------------------------------------------ internals

@@ -777,6 +777,23 @@ MUTATIONS = [
         "        or _jaxlib_version() <= CACHED_CPU_PROGRAMS_DEADLOCK_FROM\n",
         "tests/test_multihost.py::test_the_cache_is_turned_off_only_where_its_programs_deadlock",
     ),
+    # the model's ranking kept where two plans are too close for it: the slower plan as timed runs
+    Mutation(
+        "timed_plans_ranked_the_wrong_way",
+        "jaxpipe/tune/running_costs.py",
+        '    return "ordered" if ordered < lanes else "lanes"\n',
+        '    return "ordered" if ordered > lanes else "lanes"\n',
+        "tests/test_running_costs.py::"
+        "test_plans_predicted_too_close_to_rank_are_timed_and_the_faster_runs_exactly",
+    ),
+    Mutation(
+        "ties_timed_as_close_calls",
+        "jaxpipe/tune/running_costs.py",
+        "    return ordered != lanes and abs(ordered / lanes - 1.0) < TIME_WITHIN\n",
+        "    return abs(ordered / lanes - 1.0) < TIME_WITHIN\n",
+        "tests/test_running_costs.py::"
+        "test_plans_are_too_close_to_rank_within_the_models_error_but_not_when_equal",
+    ),
     # a tick priced on even ticks: the exchange of a tick where no device waits, half what plans pay
     Mutation(
         "tick_priced_on_even_ticks",

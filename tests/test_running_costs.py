@@ -92,6 +92,48 @@ def test_a_probe_that_fails_says_so_and_keeps_the_unit_cost_plan(measuring, monk
     assert pipe.op_costs is None and pipe.placement == placement
 
 
+def test_plans_are_too_close_to_rank_within_the_models_error_but_not_when_equal():
+    """The lockstep model is off by up to 15% on the testbed: plans predicted within 10% are timed; plans it
+    prices the same (GPipe's two) keep the tie-break, and plans far apart are ranked."""
+    assert running_costs.plans_too_close(build("dualpipe_v", 2, 8), (3.06, 2.48, 2.89, 0.265))
+    assert running_costs.plans_too_close(build("zb_h1", 2, 8), (1.0, 1.0, 1.0, 0.0))
+    assert not running_costs.plans_too_close(build("zb_h1", 2, 8), (1.0, 1.0, 1.0, 5.0))  # 1.62x apart
+    assert not running_costs.plans_too_close(build("gpipe", 2, 8), (1.0, 2.0, 0.0, 0.0))  # a tie
+
+
+def test_plans_predicted_too_close_to_rank_are_timed_and_the_faster_runs_exactly(measuring, monkeypatch):
+    """The faster plan as timed runs (and stays exact), whichever the model ranked first; the times are kept
+    in the measurements cache, so a second pipeline of the same model times nothing."""
+    monkeypatch.setattr(running_costs, "plans_too_close", lambda s, costs: True)
+    timed = []
+    for times, faster in (([2.0, 1.0], "lanes"), ([1.0, 2.0], "ordered")):  # (ordered's, lanes')
+        running_costs.forget_measured()
+        monkeypatch.setenv("JAXPIPE_CACHE_DIR", str(measuring / faster))
+        monkeypatch.setattr(jp.Pipeline, "_time_plans", lambda self, st, b, t=times: timed.append(t) or t)
+        pipe, model, batch = _zb_h1()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (a predicted-slower warning may come)
+            loss, grads = pipe.loss_and_grad(pipe.init(), batch)
+        assert pipe.placement == faster == pipe.lane_plan.placement
+        ref_loss, ref_grads = reference(model, batch)
+        assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+        assert rel_err(grads, ref_grads) <= 1e-5
+    assert timed == [[2.0, 1.0], [1.0, 2.0]]
+    running_costs.forget_measured()  # from the cache file alone
+    monkeypatch.setattr(jp.Pipeline, "_time_plans", lambda *a: pytest.fail("timed again"))
+    again, _, batch = _zb_h1()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        again.loss_and_grad(again.init(), batch)
+    assert again.placement == "ordered"
+
+
+def test_two_plans_are_timed_by_running_each_program(measuring):
+    pipe, _, batch = _zb_h1()
+    times = pipe._time_plans(pipe.init(), batch, calls=1)
+    assert len(times) == 2 and all(0 < t < 60 for t in times)
+
+
 def test_a_bad_op_costs_word_says_what_it_takes(monkeypatch):
     model, _ = small_model("mlp", 2)
     with pytest.raises(jp.ConfigError, match=r"op_costs='fast': give 'measure'.*'unit'.*\(f, b, w"):
