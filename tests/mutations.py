@@ -787,6 +787,14 @@ MUTATIONS = [
         "test_plans_predicted_too_close_to_rank_are_timed_and_the_faster_runs_exactly",
     ),
     Mutation(
+        "timing_trades_memory_for_noise",
+        "jaxpipe/tune/running_costs.py",
+        "    return slots[1] <= 2 * slots[0] and abs(ordered / lanes - 1.0) < TIME_WITHIN\n",
+        "    return abs(ordered / lanes - 1.0) < TIME_WITHIN\n",
+        "tests/test_running_costs.py::"
+        "test_plans_are_too_close_to_rank_within_the_models_error_but_not_when_equal",
+    ),
+    Mutation(
         "ties_timed_as_close_calls",
         "jaxpipe/tune/running_costs.py",
         "    return ordered != lanes and abs(ordered / lanes - 1.0) < TIME_WITHIN\n",

@@ -237,12 +237,17 @@ TIME_WITHIN = 0.10
 
 def plans_too_close(s, costs) -> bool:
     """Whether ``s``'s ordered and lanes plans are predicted within :data:`TIME_WITHIN` of each other at
-    ``costs`` (``(f, b, w, tick)``), but not equal: too close for the model to rank."""
+    ``costs`` (``(f, b, w, tick)``), but not equal: too close for the model to rank.  Plans of which one
+    holds more than twice the other's stash slots are ranked by the model (timing would trade memory for
+    noise)."""
     if s.D < 2 or (s.has_pairs() and not s.options.get("double_batch")):  # (Chimera's pairs: lanes only)
         return False
     ordered, lanes = (round(predicted_step(s, p, costs), 9) for p in ("ordered", "lanes"))
-    # (a tie is no close call: the plan with fewer stash slots wins it, GPipe's lanes)
-    return ordered != lanes and abs(ordered / lanes - 1.0) < TIME_WITHIN
+    if ordered == lanes:  # a tie is no close call: the plan with fewer stash slots wins it
+        return False
+    slots = sorted(s.plan(p).stash_capacity for p in ("ordered", "lanes"))
+    # nor a plan that holds more than twice the other's activations (GPipe's ordered plan: M, its lanes D + 1)
+    return slots[1] <= 2 * slots[0] and abs(ordered / lanes - 1.0) < TIME_WITHIN
 
 
 def timed_placement(model, mb, s, time_plans, cache: Optional[str] = "default") -> str:
