@@ -98,7 +98,7 @@ def test_plans_are_too_close_to_rank_within_the_models_error_but_not_when_equal(
     assert running_costs.plans_too_close(build("dualpipe_v", 2, 8), (3.06, 2.48, 2.89, 0.265))
     assert running_costs.plans_too_close(build("zb_h1", 2, 8), (1.0, 1.0, 1.0, 0.0))
     assert not running_costs.plans_too_close(build("zb_h1", 2, 8), (1.0, 1.0, 1.0, 5.0))  # 1.62x apart
-    assert not running_costs.plans_too_close(build("gpipe", 2, 8), (1.0, 2.0, 0.0, 0.0))  # a tie
+    assert not running_costs.plans_too_close(build("chimera", 2, 8), (1.0, 2.0, 0.0, 0.0))  # a tie
     # GPipe's ordered plan holds M = 8 micro-batches, its lanes plan 3: not traded for a timing's noise
     assert not running_costs.plans_too_close(build("gpipe", 2, 8), (1.0, 2.0, 0.0, 0.3))
     assert running_costs.plans_too_close(build("gpipe", 2, 4), (1.0, 2.0, 0.0, 0.3))  # 4 slots against 3
