@@ -802,13 +802,21 @@ MUTATIONS = [
         "tests/test_running_costs.py::"
         "test_plans_are_too_close_to_rank_within_the_models_error_but_not_when_equal",
     ),
-    # a tick priced on even ticks: the exchange of a tick where no device waits, half what plans pay
+    # a tick priced on even ticks alone: the exchange of a tick where no device waits, half what plans pay
     Mutation(
         "tick_priced_on_even_ticks",
         "jaxpipe/tune/running_costs.py",
-        '                return lax.ppermute(lax.cond(i % devices == me, twice, once, h), "x", ring)\n',
-        '                return lax.ppermute(once(h), "x", ring)\n',
-        "tests/test_running_costs.py::test_a_ticks_price_is_measured_on_uneven_ticks",
+        '        return max(per_tick["uneven"], per_tick["even"], per_tick["alone"]) - per_tick["alone"]\n',
+        '        return max(per_tick["even"], per_tick["alone"]) - per_tick["alone"]\n',
+        "tests/test_running_costs.py::test_a_ticks_price_is_measured_on_uneven_and_even_ticks_the_dearer_kept",
+    ),
+    # a tick priced on uneven ticks alone: the busier device's faster ops beside an idle one price it free
+    Mutation(
+        "tick_priced_on_uneven_ticks_alone",
+        "jaxpipe/tune/running_costs.py",
+        '        return max(per_tick["uneven"], per_tick["even"], per_tick["alone"]) - per_tick["alone"]\n',
+        '        return max(per_tick["uneven"], per_tick["alone"]) - per_tick["alone"]\n',
+        "tests/test_running_costs.py::test_a_ticks_price_is_measured_on_uneven_and_even_ticks_the_dearer_kept",
     ),
     # a tick priced from one measurement: one stray difference of two loops places a plan
     Mutation(

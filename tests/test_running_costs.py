@@ -238,26 +238,32 @@ def test_a_weight_part_the_timings_noise_hides_is_timed_alone_not_priced_free(mo
     assert running_costs.measure(model, mb, 1, True).weight == 0.010
 
 
-def test_a_ticks_price_is_measured_on_uneven_ticks(monkeypatch):
+def test_a_ticks_price_is_measured_on_uneven_and_even_ticks_the_dearer_kept(monkeypatch):
     """A plan's ticks are uneven -- a device that finished early waits in the exchange and must wake for it
-    -- and ticks of equal work priced the exchange at half what the testbed's ordered plans paid.  The
-    probe's loop with the exchange runs the stage twice on one device a tick (in turn) and once on the
-    others; the loop without it twice on every device (the slowest device's work).  Counted with a stage
-    that adds one: 3 ticks on 2 devices of 8 elements."""
+    -- and ticks of equal work priced the exchange at half what the testbed's ordered plans paid; but the
+    uneven loop's busier device shares the memory bus with an idler one, which priced a tick at zero at
+    64-row micro-batches.  The probe runs both, against every device running the stage twice without the
+    exchange, and keeps the dearer.  Counted with a stage that adds one: 3 ticks on 2 devices of 8
+    elements."""
     from jaxpipe.tune import microbench
 
-    done = {}
+    done, per_tick = {}, {}
 
     def run_each(loops, lengths, calls):
         for key, make in loops.items():
             done[key] = np.asarray(make(3)())
-        return {True: 1e-3, False: 0.0}
+        return dict(per_tick)
 
     monkeypatch.setattr(microbench, "per_iteration", run_each)
     stage_fn = lambda w, h: h + w
-    assert running_costs._tick_cost(stage_fn, np.float32(1), np.zeros((2, 4), np.float32), 2) == 1e-3
-    assert done[False].tolist() == [48.0, 48.0]  # 3 ticks x 2 x 8 on each device
-    assert done[True].sum() == 3 * (2 + 1) * 8  # a tick: twice on one device, once on the other
+    price = lambda: running_costs._tick_cost(stage_fn, np.float32(1), np.zeros((2, 4), np.float32), 2)
+    per_tick.update(alone=5e-3, even=5.2e-3, uneven=5.5e-3)
+    assert price() == pytest.approx(0.5e-3)
+    assert done["alone"].tolist() == [48.0, 48.0]  # 3 ticks x 2 x 8 on each device
+    assert done["even"].sum() == 2 * 48.0  # the same work, exchanged
+    assert done["uneven"].sum() == 3 * (2 + 1) * 8  # a tick: twice on one device, once on the other
+    per_tick.update(alone=5e-3, even=5.2e-3, uneven=4.9e-3)  # the busier device ran faster beside an idle one
+    assert price() == pytest.approx(0.2e-3)
 
 
 def test_one_tick_price_serves_every_pipeline_that_sends_the_same_message(monkeypatch):
@@ -293,7 +299,7 @@ def test_a_ticks_price_is_the_median_of_repeated_measurements(monkeypatch):
     monkeypatch.setattr(
         microbench,
         "per_iteration",
-        lambda loops, lengths, calls: {True: 5e-3 + next(exchange), False: 5e-3},
+        lambda loops, lengths, calls: dict(uneven=5e-3 + next(exchange), even=5e-3, alone=5e-3),
     )
     model, batch_fn = small_model("mlp", 2)
     stage_fn, w, x = running_costs._stage_op(model, running_costs.microbatch_like(batch_fn(4), 2))

@@ -18,11 +18,12 @@ once, as its ticks run them:
   noise hides the difference (a stage of microseconds: the whole backward timed no dearer than its input
   part) is W timed alone, no dearer than the whole backward: a W of zero would tell the zero-bubble planner
   that the weight gradient is free;
-* the tick: loops of 4 and of 16 uneven ticks, one device (in turn) running the stage twice and the others
-  once, each tick ended by one ``ppermute`` around the stage ring, against the same loops without the
-  exchange and every device running the stage twice; the difference per tick (the short loop subtracted
-  from the long one, so that a call's own start cancels) is what a tick's exchange and its rendezvous add
-  beyond the slowest device's actions (the latency, the bytes, and the wake-up of a device that waited).
+* the tick: loops of 4 and of 16 ticks, each ended by one ``ppermute`` around the stage ring -- uneven
+  ticks (one device in turn running the stage twice, the others once) and even ones (every device twice)
+  -- against the same loops without the exchange, every device running the stage twice; the dearer
+  difference per tick (the short loop subtracted from the long one, so that a call's own start cancels) is
+  what a tick's exchange and its rendezvous add beyond the slowest device's actions (the latency, the
+  bytes, and the wake-up of a device that waited).
 
 F, B and W are kept per (model, backend), a tick's price per (backend, devices, message), in
 :class:`~jaxpipe.tune.measure_cache.MeasureCache` (a second run measures nothing) and in the process itself
@@ -97,17 +98,27 @@ def _stage_op(model, mb):
     return (lambda w, h: model.apply_stage(w, h, ctx)), w, x
 
 
+#: the tick-price probe's loops: every device runs the stage twice, then the ring exchange (``"even"``), or
+#: not (``"alone"``); one device in turn twice, the others once, then the exchange (``"uneven"``)
+TICK_LOOPS = ("even", "uneven", "alone")
+
+
 def _tick_cost(stage_fn, w, x, devices: int, ticks=(4, 16), calls: int = 3, repeats: int = 5) -> float:
-    """Seconds a tick's exchange adds to the slowest device's actions: loops of ``ticks[0]`` and
-    ``ticks[1]`` uneven ticks -- one device (in turn) runs the stage twice, the others once, then a ring
-    ``ppermute`` -- against the same loops without the exchange, every device running the stage twice (the
-    lockstep model's tick: the slowest device's actions, then the exchange).  Uneven, because a plan's ticks
-    are: a device that finished early waits in the exchange and must wake for it, which ticks of equal work
-    never show (on the two-process testbed they priced a tick at 0.13-0.47 ms, where DualPipeV's and ZB-V's
-    ordered plans ran 0.7 ms a tick past the model's prediction at that price).  Each loop length's time
-    (:func:`~jaxpipe.tune.microbench.per_iteration`: what a call pays once -- its dispatch, the wait for
-    the other processes to enter it -- cancels); the median of ``repeats`` such differences: one is a small
-    difference of large times (one testbed run priced a tick at 0.0118 ms)."""
+    """Seconds a tick's exchange adds to the slowest device's actions (the lockstep model's tick: the
+    slowest device's actions, then the exchange): loops of ``ticks[0]`` and ``ticks[1]`` ticks of
+    :data:`TICK_LOOPS`, each one's exchange priced against ``"alone"``, and the dearer of the two kept.
+
+    * uneven ticks, because a plan's are: a device that finished early waits in the exchange and must wake
+      for it, which ticks of equal work never show (on the two-process testbed they priced a tick at
+      0.13-0.47 ms, where DualPipeV's and ZB-V's ordered plans ran 0.7 ms a tick past the model's
+      prediction at that price);
+    * even ticks too, because the uneven loop's busier device shares the memory bus with a device that
+      idles half the tick, and runs its two stages faster than ``"alone"`` does: at 64-row micro-batches
+      that alone priced a tick at zero.
+
+    Each loop length's time (:func:`~jaxpipe.tune.microbench.per_iteration`: what a call pays once -- its
+    dispatch, the wait for the other processes to enter it -- cancels); the median of ``repeats`` such
+    prices: one is a small difference of large times (one testbed run priced a tick at 0.0118 ms)."""
     from .microbench import per_iteration
 
     if devices < 2:
@@ -115,16 +126,17 @@ def _tick_cost(stage_fn, w, x, devices: int, ticks=(4, 16), calls: int = 3, repe
     mesh = Mesh(np.array(jax.devices()[:devices]), ("x",))
     ring = [(i, (i + 1) % devices) for i in range(devices)]
 
-    def program(exchange: bool, n: int):
+    def program(kind: str, n: int):
         def body(w, h):
             me = lax.axis_index("x")
             twice = lambda h: stage_fn(w, stage_fn(w, h).astype(h.dtype)).astype(h.dtype)
             once = lambda h: stage_fn(w, h).astype(h.dtype)
 
             def one(i, h):
-                if not exchange:
+                if kind == "alone":
                     return twice(h)
-                return lax.ppermute(lax.cond(i % devices == me, twice, once, h), "x", ring)
+                work = lax.cond(i % devices == me, twice, once, h) if kind == "uneven" else twice(h)
+                return lax.ppermute(work, "x", ring)
 
             return jnp.sum(lax.fori_loop(0, n, one, h))[None]
 
@@ -135,16 +147,16 @@ def _tick_cost(stage_fn, w, x, devices: int, ticks=(4, 16), calls: int = 3, repe
 
     program = functools.cache(program)  # each loop compiled once, timed in every repeat
 
-    def loop(exchange: bool):
+    def loop(kind: str):
         def make(n: int):
-            fn = program(exchange, n)
+            fn = program(kind, n)
             return lambda: fn(*args)
 
         return make
 
     def once() -> float:
-        per_tick = per_iteration({e: loop(e) for e in (True, False)}, ticks, calls)
-        return max(per_tick[True] - per_tick[False], 0.0)
+        per_tick = per_iteration({kind: loop(kind) for kind in TICK_LOOPS}, ticks, calls)
+        return max(per_tick["uneven"], per_tick["even"], per_tick["alone"]) - per_tick["alone"]
 
     return float(np.median([once() for _ in range(repeats)]))
 
