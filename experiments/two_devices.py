@@ -533,7 +533,7 @@ def report(res):
             s, lc, per, 0.0, link, act, per * W * W * 4, placement=placement, rendezvous=meet
         )
         if chosen_for and len(chosen_for) > 3:  # what Pipeline itself predicted, at the costs it measured
-            mine, theirs, _ = predicted_against_1f1b(s, placement, tuple(chosen_for))
+            mine, theirs, _ = predicted_against_1f1b(s, placement, tuple(chosen_for), parts["layout"])
             parts["own_x_1f1b"] = mine / theirs
         rows.append([M, spec, placement, t, plain, parts])
     ref = [(parts, t) for M, spec, _, t, _, parts in rows if spec == "1f1b"]

@@ -259,7 +259,7 @@ class Pipeline:
             )
         if (self.schedule, self.placement) != before:
             self.context, self._runner = self._runner_for(self.placement)
-        self._warn_if_slower(self.op_costs)
+        self._warn_if_slower(self.op_costs, running_costs.layout_seconds(self.model, self.schedule))
 
     def _runner_for(self, placement: str):
         """``(context, runner)`` of this pipeline's schedule run in ``placement``'s plan."""
@@ -293,13 +293,14 @@ class Pipeline:
                 best[i] = min(best[i], time.perf_counter() - t0)
         return best
 
-    def _warn_if_slower(self, costs) -> None:
-        """Once: a warning where the schedule's plan is predicted slower than 1F1B's at ``costs``."""
+    def _warn_if_slower(self, costs, layout: float = 0.0) -> None:
+        """Once: a warning where the schedule's plan is predicted slower than 1F1B's at ``costs`` (and
+        ``layout`` seconds a step of Chimera's replicas moved, where measured)."""
         if not self.method.flushes:
             return
         from .tune.running_costs import against_1f1b
 
-        why = against_1f1b(self.schedule, self.placement, costs)
+        why = against_1f1b(self.schedule, self.placement, costs, layout)
         if why:
             warnings.warn(why, stacklevel=4)
 

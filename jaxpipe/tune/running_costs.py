@@ -276,10 +276,30 @@ def timed_placement(model, mb, s, time_plans, cache: Optional[str] = "default") 
     return "ordered" if ordered < lanes else "lanes"
 
 
-def predicted_against_1f1b(s, placement: str, costs) -> Tuple[float, float, str]:
+def layout_seconds(model, s, cache: Optional[str] = "default") -> float:
+    """Seconds a step of ``s`` spends moving Chimera's stage replicas and their gradients over the link
+    (:func:`~jaxpipe.tune.lockstep.layout_bytes`: twice a moved stage's weights), priced as the planner
+    prices it (:func:`~jaxpipe.tune.lockstep.predict_devices`) from a ring ``ppermute``'s latency and
+    bandwidth measured on this backend (:func:`~jaxpipe.tune.microbench.p2p_alpha_beta`, kept as the op
+    costs are); 0 where the schedule moves no stage."""
+    from .lockstep import layout_bytes
+    from .measure_cache import MeasureCache, backend_key, default_path
+    from .microbench import p2p_alpha_beta
+
+    stage_bytes = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(model.stage_params))
+    moved = layout_bytes(s, stage_bytes / model.num_stages)
+    if not moved:
+        return 0.0
+    store = MeasureCache(default_path() if cache == "default" else cache)
+    alpha, beta = _kept(store, ["p2p", backend_key(), s.D], lambda: p2p_alpha_beta(s.D))
+    return 2 * (alpha + beta * moved / 2)
+
+
+def predicted_against_1f1b(s, placement: str, costs, layout: float = 0.0) -> Tuple[float, float, str]:
     """``(s's step, 1F1B's step, 1F1B's placement)`` predicted at ``costs`` (one model stage's ``(f, b, w,
     tick)``; 1F1B's stage holds ``num_model_stages / D`` of them) on the same devices and micro-batches: the
-    lockstep steps ``Pipeline`` places plans by."""
+    lockstep steps ``Pipeline`` places plans by, ``s``'s with ``layout`` seconds added (Chimera's replicas
+    moved: :func:`layout_seconds`)."""
     from ..schedules import build
     from ..schedules.lanes import fastest_placement
 
@@ -288,18 +308,19 @@ def predicted_against_1f1b(s, placement: str, costs) -> Tuple[float, float, str]
     ref = build("1f1b", num_stages=s.D, num_microbatches=s.num_microbatches)
     ref_costs = (k * f, k * (b + w), 0.0, tick)
     ref_placement = fastest_placement(ref, ref_costs)
-    return predicted_step(s, placement, costs), predicted_step(ref, ref_placement, ref_costs), ref_placement
+    mine = predicted_step(s, placement, costs) + layout
+    return mine, predicted_step(ref, ref_placement, ref_costs), ref_placement
 
 
-def against_1f1b(s, placement: str, costs) -> Optional[str]:
+def against_1f1b(s, placement: str, costs, layout: float = 0.0) -> Optional[str]:
     """A warning's text where ``s``'s plan is predicted slower than 1F1B's on the same devices and
-    micro-batches at ``costs`` (one model stage's; 1F1B's stage holds ``num_model_stages / D`` of them) by
-    more than 1%, else None (1F1B itself: never)."""
+    micro-batches at ``costs`` (one model stage's; 1F1B's stage holds ``num_model_stages / D`` of them; and
+    ``layout``: :func:`predicted_against_1f1b`) by more than 1%, else None (1F1B itself: never)."""
     from ..schedules import build
 
     if s.D < 2:
         return None
-    mine, theirs, ref_placement = predicted_against_1f1b(s, placement, costs)
+    mine, theirs, ref_placement = predicted_against_1f1b(s, placement, costs, layout)
     ref = build("1f1b", num_stages=s.D, num_microbatches=s.num_microbatches)
     if mine <= theirs * 1.01:
         return None
