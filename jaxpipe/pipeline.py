@@ -238,6 +238,7 @@ class Pipeline:
         mb = running_costs.microbatch_like(batch, self.data_parallel * self.num_microbatches)
         try:
             measured = running_costs.measured(self.model, mb, self.mesh.shape[STAGE], self.schedule.has_w())
+            layout = running_costs.layout_seconds(self.model, self.schedule)  # Chimera's replicas moved
         except Exception as e:  # noqa: BLE001 -- a model the probe cannot run alone: the unit-cost plan stays
             warnings.warn(
                 f"jaxpipe: could not measure op costs on this backend ({type(e).__name__}: {e}); the "
@@ -254,12 +255,27 @@ class Pipeline:
             and self.method.flushes
             and running_costs.plans_too_close(self.schedule, self.op_costs)
         ):
+            self._timed_placement(mb, state, batch)
+        if (self.schedule, self.placement) != before:
+            self.context, self._runner = self._runner_for(self.placement)
+        self._warn_if_slower(self.op_costs, layout)
+
+    def _timed_placement(self, mb, state, batch) -> None:
+        """``self.placement``: the faster of the two plans as timed (:meth:`_time_plans`); where they cannot
+        be timed, the one the model ranked first stays, and a warning says why."""
+        from .tune import running_costs
+
+        try:
             self.placement = running_costs.timed_placement(
                 self.model, mb, self.schedule, lambda: self._time_plans(state, batch)
             )
-        if (self.schedule, self.placement) != before:
-            self.context, self._runner = self._runner_for(self.placement)
-        self._warn_if_slower(self.op_costs, running_costs.layout_seconds(self.model, self.schedule))
+        except Exception as e:  # noqa: BLE001 -- timing is a refinement: the model's choice still runs
+            warnings.warn(
+                f"jaxpipe: could not time the {self.schedule.name} schedule's two plans, predicted too close "
+                f"to rank ({type(e).__name__}: {e}); its {self.placement} plan, ranked first by the model, "
+                f"stays (give placement='ordered' or 'lanes' to choose)",
+                stacklevel=4,
+            )
 
     def _runner_for(self, placement: str):
         """``(context, runner)`` of this pipeline's schedule run in ``placement``'s plan."""

@@ -131,6 +131,18 @@ def test_plans_predicted_too_close_to_rank_are_timed_and_the_faster_runs_exactly
     assert again.placement == "ordered"
 
 
+def test_plans_that_cannot_be_timed_keep_the_models_choice_and_say_why(measuring, monkeypatch):
+    def broken(self, state, batch):
+        raise MemoryError("no room for a second program")
+
+    monkeypatch.setattr(running_costs, "plans_too_close", lambda s, costs: True)
+    monkeypatch.setattr(jp.Pipeline, "_time_plans", broken)
+    pipe, _, batch = _zb_h1()
+    with pytest.warns(UserWarning, match=r"could not time the zb_h1 schedule's two plans.*no room.*stays"):
+        pipe.loss_and_grad(pipe.init(), batch)
+    assert pipe.placement == jp.schedules.lanes.fastest_placement(pipe.schedule, pipe.op_costs)
+
+
 def test_two_plans_are_timed_by_running_each_program(measuring):
     pipe, _, batch = _zb_h1()
     times = pipe._time_plans(pipe.init(), batch, calls=1)
