@@ -266,21 +266,15 @@ def test_a_taken_coordinator_port_is_refused_by_process_0():
     assert f"cannot host the coordinator at 127.0.0.1:{port}: the port is taken" in p.stderr, p.stderr[-2000:]
 
 
-def _cached_collectives_job(cache_dir, timeout=90):
-    """Both processes of ``tests/cached_collectives_job.py`` on ``cache_dir``: [(returncode, output)], a
-    process still running after ``timeout`` s killed (returncode None)."""
+def _two_process_job(script, *args, timeout=90):
+    """Both processes of ``tests/<script> PROCESS_ID PORT *args``: [(returncode, output)], a process still
+    running after ``timeout`` s killed (returncode None)."""
     from jaxpipe.cli.launch import free_port
 
     port = free_port()
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                os.path.join(ROOT, "tests", "cached_collectives_job.py"),
-                str(i),
-                str(port),
-                cache_dir,
-            ],
+            [sys.executable, os.path.join(ROOT, "tests", script), str(i), str(port), *args],
             cwd=ROOT,
             env=env(),
             stdout=subprocess.PIPE,
@@ -298,6 +292,21 @@ def _cached_collectives_job(cache_dir, timeout=90):
                 q.kill()
         results.append((p.poll() if p.returncode is not None else None, p.stdout.read()))
     return results
+
+
+def _cached_collectives_job(cache_dir, timeout=90):
+    """Both processes of ``tests/cached_collectives_job.py`` on ``cache_dir`` (:func:`_two_process_job`)."""
+    return _two_process_job("cached_collectives_job.py", cache_dir, timeout=timeout)
+
+
+def test_two_processes_run_the_plan_process_0_timed_faster():
+    """Plans too close to rank are timed at the first step on every process, and every process runs the
+    plan process 0 timed faster -- process 1's own times, reversed in the job, lose -- or the processes
+    would compile different programs and hang in their first exchange."""
+    results = _two_process_job("timed_plans_job.py", timeout=240)
+    assert all(code == 0 for code, _ in results), [out[-3000:] for _, out in results]
+    plans = [line for _, out in results for line in out.splitlines() if line.startswith("placement ")]
+    assert len(plans) == 2 and plans[0] == plans[1], plans
 
 
 @pytest.mark.every_leg
