@@ -843,11 +843,20 @@ MUTATIONS = [
         "    return once()\n",
         "tests/test_running_costs.py::test_a_ticks_price_is_the_median_of_repeated_measurements",
     ),
+    # W alone timed only where this process's timings hid it: processes run different probes and deadlock
+    Mutation(
+        "w_alone_timed_only_where_this_process_needs_it",
+        "jaxpipe/tune/running_costs.py",
+        '    alone = op_costs(stage_fn, w, x, devices, [devices], split=True, kinds=["W"], best=True)["W"][-1]\n',
+        "    alone = whole if whole > b_in else op_costs(stage_fn, w, x, devices, [devices], split=True, "
+        'kinds=["W"], best=True)["W"][-1]\n',
+        "tests/test_running_costs.py::test_every_process_runs_the_same_probes_whatever_its_own_timings_say",
+    ),
     # a weight part the timings' noise hides priced free: the zero-bubble planner would think W costs nothing
     Mutation(
         "w_priced_free_under_noise",
         "jaxpipe/tune/running_costs.py",
-        "    return (f, b_in, min(alone, whole))\n",
+        "    return (f, b_in, min(alone, whole))  # the timings' noise hides W: timed alone, an upper bound\n",
         "    return (f, b_in, 0.0)\n",
         "tests/test_running_costs.py::"
         "test_a_weight_part_the_timings_noise_hides_is_timed_alone_not_priced_free",

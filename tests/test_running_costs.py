@@ -229,6 +229,8 @@ def test_a_split_backwards_weight_part_is_what_the_whole_costs_beyond_its_input_
     from jaxpipe.tune import microbench
 
     def fake(stage_fn, w, x, devices, busy, split=False, kinds=(), best=False, **_):
+        if kinds == ["W"]:
+            return {"W": [0.009]}  # the weight gradient alone (back-propagating again)
         if split:
             return {"B": [0.004]}  # the input gradient alone
         return {"F": [0.003], "B": [0.010]}  # the forward, the whole backward
@@ -247,9 +249,10 @@ def test_a_weight_part_the_timings_noise_hides_is_timed_alone_not_priced_free(mo
     (an upper bound), no dearer than the whole backward -- a free W would mislead the zero-bubble planner."""
     from jaxpipe.tune import microbench
 
-    alone = {"W": 0.0}
+    alone, probes = {"W": 0.0}, []
 
     def fake(stage_fn, w, x, devices, busy, split=False, kinds=(), best=False, **_):
+        probes.append(tuple(kinds))
         if kinds == ["W"]:
             return {"W": [alone["W"]]}
         if split:
@@ -263,6 +266,28 @@ def test_a_weight_part_the_timings_noise_hides_is_timed_alone_not_priced_free(mo
     assert running_costs.measure(model, mb, 1, True).weight == 0.004
     alone["W"] = 0.015  # back-propagating again: more than the whole backward
     assert running_costs.measure(model, mb, 1, True).weight == 0.010
+
+
+def test_every_process_runs_the_same_probes_whatever_its_own_timings_say(monkeypatch):
+    """The probes hold collectives: a process whose timings hid W timed it alone, one whose did not skipped
+    that probe, and a two-process job deadlocked (one process in the probe, the other in the broadcast of
+    the costs).  W alone is timed either way."""
+    from jaxpipe.tune import microbench
+
+    probes = []
+
+    def fake(stage_fn, w, x, devices, busy, split=False, kinds=(), best=False, **_):
+        probes.append(tuple(kinds))
+        if kinds == ["W"]:
+            return {"W": [0.009]}
+        return {"B": [0.004]} if split else {"F": [0.003], "B": [0.010]}
+
+    monkeypatch.setattr(microbench, "op_costs", fake)
+    model, batch_fn = small_model("mlp", 2)
+    mb = running_costs.microbatch_like(batch_fn(4), 2)
+    # W visible (the difference): timed alone all the same
+    assert running_costs.measure(model, mb, 1, True).weight == pytest.approx(0.006)
+    assert probes == [(), ("B",), ("W",)]
 
 
 def test_a_ticks_price_is_measured_on_uneven_and_even_ticks_the_dearer_kept(monkeypatch):

@@ -1,7 +1,8 @@
 """One process of a two-process CPU job (one device each) whose pipeline times its two plans at the first
 step: ``python tests/timed_plans_job.py PROCESS_ID PORT``.  ZB-H1's plans are declared too close to rank, op
-costs are measured, and process 1 reports its own plan times reversed: both processes must still run the plan
-process 0 timed faster (its times are sent to every process), or their programs differ and the job hangs.
+costs are measured, both plans are run on every process, and the processes report opposite times (process 0:
+ordered faster; process 1: lanes): both must run the ordered plan (process 0's times are sent to every
+process), or their programs differ and the job hangs.
 Prints ``placement <plan> loss <value>``."""
 
 import os
@@ -23,12 +24,17 @@ from jaxpipe.tune import running_costs  # noqa: E402
 def main(process_id: int, port: str) -> None:
     import faulthandler
 
-    faulthandler.dump_traceback_later(200, exit=True)  # a hang prints where each process waits
+    # a hang prints where each process waits
+    faulthandler.dump_traceback_later(int(os.environ.get("JOB_DUMP_S", "200")), exit=True)
     distributed.initialize(f"127.0.0.1:{port}", 2, process_id, timeout_s=30)
     running_costs.plans_too_close = lambda s, costs: True
     timed = jp.Pipeline._time_plans
-    if process_id == 1:  # this process's own times say the other plan: process 0's must win
-        jp.Pipeline._time_plans = lambda self, state, batch: timed(self, state, batch)[::-1]
+
+    def opposed(self, state, batch):
+        timed(self, state, batch)  # every process runs both programs: they hold collectives
+        return [1.0, 2.0] if process_id == 0 else [2.0, 1.0]  # (ordered's, lanes'): process 0's must win
+
+    jp.Pipeline._time_plans = opposed
     model = jp.models.residual_mlp(2, in_dim=12, num_classes=5, width=16)
     r = np.random.default_rng(0)
     batch = {"x": r.normal(size=(16, 12)).astype(np.float32), "y": r.integers(0, 5, 16).astype(np.int32)}

@@ -176,11 +176,12 @@ def _ops(stage_fn, w, x, devices: int, split: bool) -> tuple:
     if not split:
         return (f, whole, 0.0)
     b_in = op_costs(stage_fn, w, x, devices, [devices], split=True, kinds=["B"], best=True)["B"][-1]
+    # W timed alone too, whatever this process's timings say: the probes hold collectives, and a process
+    # that skipped one where another ran it deadlocked a two-process job
+    alone = op_costs(stage_fn, w, x, devices, [devices], split=True, kinds=["W"], best=True)["W"][-1]
     if whole > b_in:
         return (f, b_in, whole - b_in)
-    # the timings' noise hides W (module docstring): timed alone it is an upper bound
-    alone = op_costs(stage_fn, w, x, devices, [devices], split=True, kinds=["W"], best=True)["W"][-1]
-    return (f, b_in, min(alone, whole))
+    return (f, b_in, min(alone, whole))  # the timings' noise hides W: timed alone, an upper bound
 
 
 def measure(model, mb, devices: int, split: bool) -> RunningCosts:
