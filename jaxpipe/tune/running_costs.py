@@ -285,10 +285,10 @@ def layout_seconds(model, s, cache: Optional[str] = "default") -> float:
     costs are); 0 where the schedule moves no stage."""
     from .lockstep import layout_bytes
     from .measure_cache import MeasureCache, backend_key, default_path
+    from .memory import tree_bytes
     from .microbench import p2p_alpha_beta
 
-    stage_bytes = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(model.stage_params))
-    moved = layout_bytes(s, stage_bytes / model.num_stages)
+    moved = layout_bytes(s, tree_bytes(model.stage_params) / model.num_stages)
     if not moved:
         return 0.0
     store = MeasureCache(default_path() if cache == "default" else cache)
