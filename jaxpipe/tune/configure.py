@@ -247,6 +247,44 @@ def _model_axes(bench, devices: int, fsdp, tensor) -> List[Tuple[int, int]]:
     return [(f, t) for f in sizes[0] for t in sizes[1] if devices % (f * t) == 0]
 
 
+def _built(cands, bench, optimizer):
+    """``({id(candidate): (pipe, footprint)}, {footprint family: [candidates]})``: every candidate not
+    dropped built as a ``Pipeline``; one that cannot be built, or builds the same program as an earlier one,
+    is dropped with its reason."""
+    from ..pipeline import Pipeline
+
+    built, fams, programs = {}, {}, {}
+    for c in cands:
+        if c.dropped:
+            continue
+        try:
+            pipe = Pipeline(bench.model_for(c), optimizer=optimizer, **c.pipeline_kwargs())
+        except (ConfigError, ValueError) as e:
+            c.dropped = f"not buildable: {str(e).splitlines()[0][:80]}"
+            continue
+        same = programs.setdefault(_program_key(c, pipe), c)
+        if same is not c:  # GPipe under lanes is 1F1B's plan: timing both measures noise, not a choice
+            c.dropped = f"the same program as {same.schedule}'s (placement {pipe.placement})"
+            continue
+        fp = bench.footprint(c, pipe)
+        c.placement = pipe.placement
+        built[id(c)] = (pipe, fp)
+        fams.setdefault(fp.family, []).append(c)
+    return built, fams
+
+
+def _predicted(cands, bench, optimizer, devices: int):
+    """The candidates built (:func:`_built`), the memory model calibrated on them, and each one's step time
+    and memory predicted (its compiled memory where measured); returns the built ones."""
+    built, fams = _built(cands, bench, optimizer)
+    model = _calibrate(fams, built, bench)
+    _predict_times(cands, built, bench, devices)
+    for c in cands:
+        if id(c) in built:
+            c.memory = c.compiled_memory if c.compiled_memory is not None else model.total(built[id(c)][1])
+    return built
+
+
 def configure(
     make_model: Callable[[int], object],
     batch: Dict[str, np.ndarray],
@@ -304,7 +342,6 @@ def configure(
     Raises:
         ConfigError: an argument out of range, naming it, or nothing fits the budget (each reason, with a
             count and an example)."""
-    from ..pipeline import Pipeline
 
     schedules, microbatches, residuals = _check_arguments(
         make_model,
@@ -325,28 +362,7 @@ def configure(
     cands = _candidates(
         devices, bench.rows, schedules, microbatches, residuals, _model_axes(bench, devices, fsdp, tensor)
     )
-    built, fams, programs = {}, {}, {}
-    for c in cands:
-        if c.dropped:
-            continue
-        try:
-            pipe = Pipeline(bench.model_for(c), optimizer=optimizer, **c.pipeline_kwargs())
-        except (ConfigError, ValueError) as e:
-            c.dropped = f"not buildable: {str(e).splitlines()[0][:80]}"
-            continue
-        same = programs.setdefault(_program_key(c, pipe), c)
-        if same is not c:  # GPipe under lanes is 1F1B's plan: timing both measures noise, not a choice
-            c.dropped = f"the same program as {same.schedule}'s (placement {pipe.placement})"
-            continue
-        fp = bench.footprint(c, pipe)
-        c.placement = pipe.placement
-        built[id(c)] = (pipe, fp)
-        fams.setdefault(fp.family, []).append(c)
-    model = _calibrate(fams, built, bench)
-    _predict_times(cands, built, bench, devices)
-    for c in cands:
-        if id(c) in built:
-            c.memory = c.compiled_memory if c.compiled_memory is not None else model.total(built[id(c)][1])
+    built = _predicted(cands, bench, optimizer, devices)
     conf = _choose(cands, built, bench, memory_budget)
     conf._balance = balance_cut
     if balance_cut:
