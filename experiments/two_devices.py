@@ -247,7 +247,9 @@ def worker(pid: int):
     r = np.random.default_rng(0)
     Ws = jnp.asarray(r.normal(size=(L, W, W)) / np.sqrt(W), jnp.float32)
     x, y = (np.asarray(r.normal(size=(B, W)), np.float32) for _ in range(2))
-    runs, meta = {}, {}
+    from jaxpipe.tune import running_costs
+
+    runs, meta, layouts = {}, {}, {}
     for M in [int(m) for m in FLAGS.microbatches.split(",")]:
         for spec in FLAGS.schedules.split(","):
             name, _, placement = spec.partition(":")
@@ -271,6 +273,8 @@ def worker(pid: int):
                 s = pipe.step(s, b)[0]
             runs[(M, spec)] = [lambda s, pipe=pipe, b=b: pipe.step(s, b)[0], s]
             meta[(M, spec)] = (name, pipe.placement, pipe.op_costs)  # as chosen at the first step
+            # what the pipeline adds for Chimera's replicas (kept from its first step; every process)
+            layouts[(M, spec)] = running_costs.layout_seconds(pipe.model, pipe.schedule)
     if FLAGS.sketch:
         runs.update(_sketch_runs(Ws, x, y, sorted({k[0] for k in runs})))
     plains = {M: _plain_step(Ws, x, y, M) for M in {k[0] for k in runs}} if pid == 0 else {}
@@ -312,7 +316,7 @@ def worker(pid: int):
                     "plain": {M: got[(M, "plain")] for M in plains},
                     "costs": costs,
                     "steps": [
-                        [M, spec, *meta[(M, spec)][1:], t]
+                        [M, spec, *meta[(M, spec)][1:], layouts[(M, spec)], t]
                         for (M, spec), t in got.items()
                         if (M, spec) in meta
                     ],
@@ -502,7 +506,7 @@ def report(res):
     W, L = FLAGS.width, FLAGS.layers
     rows = []
     given = _op_costs()
-    for M, spec, placement, chosen_for, t in res["steps"]:
+    for M, spec, placement, chosen_for, layout, t in res["steps"]:
         name = spec.partition(":")[0]
         unit = name.endswith("/unit")
         name = name.removesuffix("/unit")
@@ -513,6 +517,7 @@ def report(res):
             print(
                 f"M={M} {spec}: placed {placement} for op costs measured at its first step: "
                 + ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in zip(("F", "B", "W", "tick"), chosen_for))
+                + (f"; replicas {layout * 1e3:.3g} ms a step" if layout else "")
             )
         s = _own_schedule(jp, name, M) or jp.schedules.build(name, 2, M, **extra)
         plain = res["plain"][str(M)]
@@ -533,7 +538,7 @@ def report(res):
             s, lc, per, 0.0, link, act, per * W * W * 4, placement=placement, rendezvous=meet
         )
         if chosen_for and len(chosen_for) > 3:  # what Pipeline itself predicted, at the costs it measured
-            mine, theirs, _ = predicted_against_1f1b(s, placement, tuple(chosen_for), parts["layout"])
+            mine, theirs, _ = predicted_against_1f1b(s, placement, tuple(chosen_for), layout)
             parts["own_x_1f1b"] = mine / theirs
         rows.append([M, spec, placement, t, plain, parts])
     ref = [(parts, t) for M, spec, _, t, _, parts in rows if spec == "1f1b"]

@@ -819,6 +819,15 @@ MUTATIONS = [
         "tests/test_running_costs.py::"
         "test_chimeras_replicas_moved_over_the_link_count_in_its_prediction_against_1f1b",
     ),
+    # the replica probe allocates the whole stage: three stage-sized arrays at the first step of a big model
+    Mutation(
+        "replica_probe_uncapped",
+        "jaxpipe/tune/microbench.py",
+        "    big = int(min(max(stage_bytes, 1 << 12), largest)) // 4 * 4\n",
+        "    big = int(max(stage_bytes, 1 << 12)) // 4 * 4\n",
+        "tests/test_running_costs.py::"
+        "test_a_replica_larger_than_the_probe_allocates_is_priced_on_the_line_through_two_sizes",
+    ),
     # a tick priced on even ticks alone: the exchange of a tick where no device waits, half what plans pay
     Mutation(
         "tick_priced_on_even_ticks",

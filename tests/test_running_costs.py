@@ -164,6 +164,27 @@ def test_chimeras_replicas_moved_over_the_link_count_in_its_prediction_against_1
     assert "predicted" in running_costs.against_1f1b(chimera, "lanes", costs, layout=mine)
 
 
+def test_a_replica_larger_than_the_probe_allocates_is_priced_on_the_line_through_two_sizes(monkeypatch):
+    """The replica probe allocates at most ``largest`` bytes an array (three live at once: a stage of
+    gigabytes must not run a device out of memory at the first step); a larger stage is priced on the line
+    through that size and a quarter of it, and a smaller one at its own size."""
+    from jaxpipe.tune import microbench
+
+    built = []
+
+    def per_iteration(loops, lengths, calls):  # a link of 0.1 ms + 1 ns a byte, the loops built not run
+        built.extend(loops)
+        return {size: 1e-4 + 1e-9 * size for size in loops}
+
+    monkeypatch.setattr(microbench, "per_iteration", per_iteration)
+    swap = [(1, 0), (0, 1)]
+    big = microbench.replica_exchange_seconds(2, swap, 64 << 20, largest=1 << 20)
+    assert max(built) == 1 << 20 and big == pytest.approx(1e-4 + 1e-9 * (64 << 20))
+    built.clear()
+    assert microbench.replica_exchange_seconds(2, swap, 1 << 16) == pytest.approx(1e-4 + 1e-9 * (1 << 16))
+    assert built == [1 << 16]
+
+
 def test_a_bad_op_costs_word_says_what_it_takes(monkeypatch):
     model, _ = small_model("mlp", 2)
     with pytest.raises(jp.ConfigError, match=r"op_costs='fast': give 'measure'.*'unit'.*\(f, b, w"):

@@ -216,6 +216,58 @@ def p2p_alpha_beta(devices: int, sizes=(1 << 12, 1 << 16, 1 << 20), reps: int = 
     return max(float(alpha), 0.0), max(float(beta), 0.0)
 
 
+def replica_exchange_seconds(
+    devices: int, pairs, stage_bytes: float, largest: int = 64 << 20, reps: int = 4
+) -> float:
+    """Seconds a step spends on one chunk of stage replicas held away from their owners (Chimera's second
+    pipeline, §3.1 of *Chimera: Efficiently Training Large-Scale Neural Networks with Bidirectional
+    Pipelines*): the replica's weights fetched along ``pairs`` (one ``ppermute``), its gradient sums started
+    at zero, sent home along the reverse pairs and added to the owner's -- the executor's work outside the
+    ticks, one chunk.  Timed as one program inside a compiled loop (:func:`per_iteration`), so the fill and
+    the add share the core with the exchanges as they do in the step (on a one-core process the link's I/O
+    thread waits for them: priced as two messages alone, Chimera's step ran 8-9% past its prediction).
+
+    Args:
+        devices: the pipeline's devices (the program runs on the first ``devices``).
+        pairs: the fetch's ``(source, destination)`` pairs.
+        stage_bytes: a stage's parameter bytes (a float32 array of that many bytes stands for it).
+        largest: the largest array the probe allocates (three of them live at once); a larger stage is
+            priced on the line through this size and a quarter of it.
+        reps: the long loop's iterations (the short one's: 1).
+
+    Returns:
+        Seconds of one chunk's fetch, zero fill, return and add at ``stage_bytes``.
+    """
+    mesh = _flat_mesh(devices)
+    home = [(dst, src) for src, dst in pairs]
+    spec = P("x")
+
+    def exchange(i, a):
+        replica = lax.ppermute(a, "x", pairs)
+        # the sums' zero fill, once an iteration (a zero XLA cannot hoist out of the loop)
+        zero = lax.optimization_barrier(i.astype(a.dtype)) - i.astype(a.dtype)
+        replica, sums = lax.optimization_barrier((replica, jnp.broadcast_to(zero, a.shape)))
+        return replica + lax.ppermute(sums, "x", home)
+
+    def loop(size):
+        a = _global_ones(mesh, spec, devices * (size // 4))
+
+        def make(n):
+            body = lambda a: lax.fori_loop(0, n, exchange, a)
+            fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+            return lambda: fn(a)
+
+        return make
+
+    big = int(min(max(stage_bytes, 1 << 12), largest)) // 4 * 4
+    sizes = [big] if stage_bytes <= big else [big // 16 * 4, big]
+    per = per_iteration({size: loop(size) for size in sizes}, (1, reps), calls=5)
+    if len(sizes) == 1:
+        return per[big] * stage_bytes / big
+    slope = max(per[big] - per[sizes[0]], 0.0) / (big - sizes[0])  # never cheaper for more bytes
+    return per[big] + slope * (stage_bytes - big)
+
+
 def allreduce_alpha_beta(devices: int, sizes=(1 << 12, 1 << 16, 1 << 20), reps: int = 8, group: int = 0):
     """alpha, beta of Rabenseifner's model fitted to ``psum`` over groups of ``group`` devices (default: all
     of ``devices``), all groups reducing at once -- as the data-parallel gradient all-reduce of a

@@ -278,22 +278,29 @@ def timed_placement(model, mb, s, time_plans, cache: Optional[str] = "default") 
 
 
 def layout_seconds(model, s, cache: Optional[str] = "default") -> float:
-    """Seconds a step of ``s`` spends moving Chimera's stage replicas and their gradients over the link
-    (:func:`~jaxpipe.tune.lockstep.layout_bytes`: twice a moved stage's weights), priced as the planner
-    prices it (:func:`~jaxpipe.tune.lockstep.predict_devices`) from a ring ``ppermute``'s latency and
-    bandwidth measured on this backend (:func:`~jaxpipe.tune.microbench.p2p_alpha_beta`, kept as the op
-    costs are); 0 where the schedule moves no stage."""
-    from .lockstep import layout_bytes
+    """Seconds a step of ``s`` spends on Chimera's stage replicas outside its ticks: each chunk held away
+    from its owner fetched, its gradient sums zeroed, sent home and added
+    (:func:`~jaxpipe.tune.microbench.replica_exchange_seconds`, measured on this backend at a stage's bytes
+    and kept as the op costs are); 0 where the schedule moves no stage."""
+    from ..schedules.layout import exchange_perms
     from .measure_cache import MeasureCache, backend_key, default_path
     from .memory import tree_bytes
-    from .microbench import p2p_alpha_beta
+    from .microbench import replica_exchange_seconds
 
-    moved = layout_bytes(s, tree_bytes(model.stage_params) / model.num_stages)
-    if not moved:
+    away = [pairs for pairs in exchange_perms(s) or () if pairs is not None]
+    if not away:
         return 0.0
+    stage_bytes = float(tree_bytes(model.stage_params) / model.num_stages)
     store = MeasureCache(default_path() if cache == "default" else cache)
-    alpha, beta = _kept(store, ["p2p", backend_key(), s.D], lambda: p2p_alpha_beta(s.D))
-    return 2 * (alpha + beta * moved / 2)
+    per_chunk = {
+        str(pairs): _kept(
+            store,
+            ["replica_exchange", backend_key(), s.D, pairs, round(stage_bytes)],
+            lambda pairs=pairs: [replica_exchange_seconds(s.D, pairs, stage_bytes)],
+        )[0]
+        for pairs in away
+    }
+    return sum(per_chunk[str(pairs)] for pairs in away)
 
 
 def predicted_against_1f1b(s, placement: str, costs, layout: float = 0.0) -> Tuple[float, float, str]:
