@@ -404,52 +404,27 @@ class Trainer:
             self.stop.uninstall()
 
     def _loop(self, state, start: int) -> TrainResult:
-        import numpy as np
-
         o = self.opts
         progress = _Progress(o, start, self.primary)
-        t_start, t_first, first_loss, loss, skipped, done = (
-            time.perf_counter(),
-            None,
-            None,
-            float("nan"),
-            0,
-            start,
-        )
+        run = _RunTally(time.perf_counter())
         last_eval: Dict[str, float] = {}
         for i in progress.steps():
-            try:
-                batch = next(self.batches)
-            except StopIteration:
-                raise ConfigError(
-                    f"the batches ran out before step {i + 1} of steps={o.steps} (after {i - start} "
-                    "batch(es) this "
-                    f"run{f', resumed at step {start}' if start else ''}): give a stream of at least "
-                    f"{o.steps} "
-                    f"batches, a repeating one (itertools.cycle, or more epochs), or fewer steps"
-                ) from None
+            batch = self._next_batch(i, start)
             t0 = time.perf_counter()
             state, metrics = self.pipe.step(state, batch)
             loss = float(metrics["loss"])
             dt = time.perf_counter() - t0
-            if t_first is None:
-                t_first, first_loss = dt, loss
-                units = o.units_per_step or _rows(batch)
-            rec = {
-                "step": i + 1,
-                "time_s": dt,
-                **self._lr(i),
-                **{k: float(v) if np.ndim(v) == 0 else np.asarray(v).tolist() for k, v in metrics.items()},
-            }
+            run.stepped(dt, loss, o.units_per_step or _rows(batch))
+            rec = self._record(i, dt, metrics)
             if self._refused(metrics, loss):
                 if o.on_nonfinite == "skip":
-                    skipped += 1
+                    run.skipped += 1
                 else:
                     self.log.write(rec)
                     self.board.scalars(i + 1, rec)
                     progress.close()
                     self._nonfinite(state, batch, metrics, i + 1)
-            done = i + 1
+            run.done = done = i + 1
             # the checkpoint holds the running pipeline (before the final drain), so a longer run resumed from
             # it equals one that never stopped
             self._save(done, state, force=done == o.steps)
@@ -469,33 +444,64 @@ class Trainer:
                 progress.close()
                 return self._stopped(state, done)
         progress.close()
-        if t_first is None:
+        if run.first_s is None:
             self.say(
                 f"nothing to do: the checkpoint in {o.checkpoint_dir} is at step {start} >= steps={o.steps}"
             )
             return TrainResult(self.pipe.drain(state)[0] if self.pipe.is_async else state, start, None)
-        wall = time.perf_counter() - t_start
-        steady = (wall - t_first) / max(1, o.steps - start - 1)
+        return TrainResult(state, run.done, self._summary(run, start, last_eval))
+
+    def _next_batch(self, i: int, start: int):
+        """The batch of step ``i + 1``; a stream that ends early says how many batches it gave and what
+        would do."""
+        o = self.opts
+        try:
+            return next(self.batches)
+        except StopIteration:
+            resumed = f", resumed at step {start}" if start else ""
+            raise ConfigError(
+                f"the batches ran out before step {i + 1} of steps={o.steps} (after {i - start} batch(es) "
+                f"this run{resumed}): give a stream of at least {o.steps} batches, a repeating one "
+                f"(itertools.cycle, or more epochs), or fewer steps"
+            ) from None
+
+    def _record(self, i: int, dt: float, metrics) -> dict:
+        """Step ``i + 1``'s log record: its time, learning rate and metrics (arrays as lists)."""
+        import numpy as np
+
+        return {
+            "step": i + 1,
+            "time_s": dt,
+            **self._lr(i),
+            **{k: float(v) if np.ndim(v) == 0 else np.asarray(v).tolist() for k, v in metrics.items()},
+        }
+
+    def _summary(self, run: "_RunTally", start: int, last_eval: Dict[str, float]) -> dict:
+        """The run's summary (written to ``summary.json`` by the primary process): its options, losses, last
+        evaluation, compile-and-first-step and steady step times, and throughput."""
         import jax
 
+        o = self.opts
+        wall = time.perf_counter() - run.started
+        steady = (wall - run.first_s) / max(1, o.steps - start - 1)
         summary = {
             **o.describe,
             "steps": o.steps,
             "resumed_at": start,
             "processes": jax.process_count(),
-            "skipped_updates": skipped,
-            "first_loss": first_loss,
-            "final_loss": loss,
+            "skipped_updates": run.skipped,
+            "first_loss": run.first_loss,
+            "final_loss": run.loss,
             **last_eval,
             "wall_s": wall,
-            "compile_and_first_step_s": t_first,
+            "compile_and_first_step_s": run.first_s,
             "steady_step_s": steady,
-            f"{o.units}_per_s": units / steady,
+            f"{o.units}_per_s": run.units / steady,
         }
         if self.primary:
             with open(os.path.join(o.out_dir, "summary.json"), "w") as fh:
                 json.dump(summary, fh, indent=1)
-        return TrainResult(state, done, summary)
+        return summary
 
     def _lr(self, i: int) -> dict:
         """The learning rate the update of step i + 1 used (the optax schedule's count i), computed once for
@@ -634,6 +640,25 @@ class Trainer:
             where["stage"] if where else None,
             last,
         )
+
+
+@dataclasses.dataclass
+class _RunTally:
+    """What a run's summary counts as the loop goes: its start, its first step's time and loss (compile
+    included), the last loss, the units a step processes, the updates skipped and the steps done."""
+
+    started: float
+    first_s: Optional[float] = None
+    first_loss: Optional[float] = None
+    loss: float = float("nan")
+    units: float = 0.0
+    skipped: int = 0
+    done: int = 0
+
+    def stepped(self, seconds: float, loss: float, units: float) -> None:
+        if self.first_s is None:
+            self.first_s, self.first_loss, self.units = seconds, loss, units
+        self.loss = loss
 
 
 class _Progress:
