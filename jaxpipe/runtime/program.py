@@ -163,24 +163,7 @@ def describe(
     ties = Ties(model)
     slots = periodic.plan is not None
     kinds = periodic.kinds  # the lanes of a tick: F, (F2,) B, (W); (F', B', W': a second lane of a kind)
-    modes = Modes(
-        routing="slots" if slots else "registers",
-        gradients="ring" if ring else "sum" if all(p.reduction == "sum" for p in policies) else "update",
-        landing=policies[0].landing,
-        reads="branch" if len(policies) > 1 or policies[0].reads == "stored" else "computed",
-        w_lane=w_from if "W" in kinds else "none",
-        paired="F2" in kinds,
-        # (sum, count) losses: per-micro-batch updaters scale each micro-batch at the loss by replicas / its
-        # global count; accumulating policies (2BW, CDP, WPipe) get unscaled sums, and each micro-batch's
-        # global
-        # count travels back with dL/dy so that every stage divides its step's summed gradient by the step's
-        # count (the ring reduction sums each micro-batch's count along the ring with its gradient)
-        counting=summed and (ring or not policies[0].per_microbatch),
-    )
-    if slots and modes.gradients != "sum":
-        raise ConfigError(
-            "a lane plan's stream runs under a policy that returns the call's gradient ('gradient')"
-        )
+    modes = _modes(policies, periodic, w_from, summed, ring)
     # replicas (AvgPipe's parallel pipelines): one set of weights per 'pipe' index, averaged over 'data' only
     T = periodic.call_ticks(M)
     eager = _eager(periodic, policies, eager_reduce and slots)
@@ -221,6 +204,33 @@ def describe(
         remap=remap,
         done_table=np.asarray(buf["done"], np.int32),
     )
+
+
+def _modes(policies, periodic, w_from: str, summed: bool, ring: bool) -> Modes:
+    """How the program runs (:class:`Modes`) for ``policies`` on ``periodic``'s stream.
+
+    Raises:
+        ConfigError: a lane plan's stream under a policy that does not return the call's gradient."""
+    slots = periodic.plan is not None
+    kinds = periodic.kinds
+    modes = Modes(
+        routing="slots" if slots else "registers",
+        gradients="ring" if ring else "sum" if all(p.reduction == "sum" for p in policies) else "update",
+        landing=policies[0].landing,
+        reads="branch" if len(policies) > 1 or policies[0].reads == "stored" else "computed",
+        w_lane=w_from if "W" in kinds else "none",
+        paired="F2" in kinds,
+        # (sum, count) losses: per-micro-batch updaters scale each micro-batch at the loss by replicas / its
+        # global count; accumulating policies (2BW, CDP, WPipe) get unscaled sums, and each micro-batch's
+        # global count travels back with dL/dy so that every stage divides its step's summed gradient by the
+        # step's count (the ring reduction sums each micro-batch's count along the ring with its gradient)
+        counting=summed and (ring or not policies[0].per_microbatch),
+    )
+    if slots and modes.gradients != "sum":
+        raise ConfigError(
+            "a lane plan's stream runs under a policy that returns the call's gradient ('gradient')"
+        )
+    return modes
 
 
 def _routes(plan) -> np.ndarray:
