@@ -391,8 +391,8 @@ class Schedule:
 
         Args:
             path: where to write the PNG (None: not written).
-            **kw: ``f``, ``b``, ``w`` (durations), ``mode`` (``"event"``, ``"lockstep"`` or ``"lanes"``) and
-                ``title``.
+            **kw: ``f``, ``b``, ``w`` (durations), ``mode`` (``"event"``, ``"lockstep"``, ``"lanes"``,
+                ``"ordered"`` or ``"ordered2"``) and ``title``.
 
         Returns:
             The matplotlib figure.

@@ -77,6 +77,24 @@ def render_png(
     mode: str = "event",
     title: Optional[str] = None,
 ):
+    """A timeline of ``s``, devices as rows, each op a box of its duration labelled with its micro-batch.
+
+    Args:
+        s: the schedule.
+        path: where to write the PNG (None: not written).
+        f: a forward's duration.
+        b: a whole backward's; a split one is drawn as its input part and ``w``.
+        w: the weight part of a split backward (default: the schedule's own split of ``b``).
+        mode: ``"event"`` (each op as soon as its inputs arrive), ``"lockstep"`` (one op per device per tick),
+            ``"lanes"``, ``"ordered"`` or ``"ordered2"`` (the executor's placements).
+        title: the figure's title (default: the schedule, its total time and idle share).
+
+    Returns:
+        The matplotlib figure.
+
+    Raises:
+        ValueError: an unknown ``mode``.
+    """
     import logging
 
     # matplotlib logs its font cache's first build at INFO ("font_manager: generating new fontManager"): a
@@ -86,7 +104,6 @@ def render_png(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
 
     from .simulate import split_backward
 
@@ -111,41 +128,64 @@ def render_png(
     ax.set_ylim(s.D - 0.5, -0.5)
     ax.set_yticks(range(s.D))
     ax.set_yticklabels([f"device {d}" for d in range(s.D)])
-    ax.set_xlabel(
-        {
-            "lockstep": "time (one op per device per tick; a tick lasts its slowest op)",
-            "lanes": "time (each tick: a device's F then its B; a tick lasts as long as its busiest device)",
-            "ordered": "time (the executor's ordered placement: lanes of one op per device per tick)",
-            "ordered2": "time (the ordered order in ticks of two rounds of lanes: F, B, W, F', B', W')",
-        }.get(
-            mode,
-            f"time (forward = {f:g}, backward = {whole:g}"
-            + (f": input grad {b:g} + weight grad {w:g})" if s.has_w() else ")"),
-        )
+    ax.set_xlabel(_time_axis(s, mode, f, whole, b, w))
+    span, bubble = _span_and_idle(s, mode, f, whole, b, w)
+    ax.set_title(
+        title or f"{s.name}  D={s.D}  M={s.M}  ({_MODE_WORDS[mode]}): total time {span:g}, idle {bubble:.1%}"
     )
+    _legend(ax, s, 1 + max(a.chunk for _, _, _, a in boxes))
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=130)
+        plt.close(fig)
+    return fig
+
+
+#: the title's words for each mode
+_MODE_WORDS = {
+    "event": "as soon as inputs arrive",
+    "lockstep": "one op per tick",
+    "lanes": "executor, lanes",
+    "ordered": "executor, ordered",
+    "ordered2": "executor, ordered2",
+}
+
+
+def _time_axis(s: Schedule, mode: str, f: float, whole: float, b: float, w: float) -> str:
+    """The time axis's label: what a tick is in ``mode``, or the op durations of an event timeline."""
+    return {
+        "lockstep": "time (one op per device per tick; a tick lasts its slowest op)",
+        "lanes": "time (each tick: a device's F then its B; a tick lasts as long as its busiest device)",
+        "ordered": "time (the executor's ordered placement: lanes of one op per device per tick)",
+        "ordered2": "time (the ordered order in ticks of two rounds of lanes: F, B, W, F', B', W')",
+    }.get(
+        mode,
+        f"time (forward = {f:g}, backward = {whole:g}"
+        + (f": input grad {b:g} + weight grad {w:g})" if s.has_w() else ")"),
+    )
+
+
+def _span_and_idle(s: Schedule, mode: str, f: float, whole: float, b: float, w: float):
+    """``(total time, idle share)`` of ``s`` drawn in ``mode``."""
     r = s.simulate(f=f, b=whole, w=w if s.has_w() else None)
-    span, bubble = {
-        "lockstep": (r.lockstep_makespan, r.lockstep_bubble_ratio),
-        "lanes": (r.lane_makespan, r.lane_bubble_ratio),
-    }.get(mode, (r.makespan, r.bubble_ratio))
     if mode in ("ordered", "ordered2"):
         from .lanes import plan
 
         span = plan(s, mode).lockstep_makespan(f, b, w if s.has_w() else 0.0)
-        bubble = 1.0 - (r.makespan * (1.0 - r.bubble_ratio)) / span
-    what = {
-        "event": "as soon as inputs arrive",
-        "lockstep": "one op per tick",
-        "lanes": "executor, lanes",
-        "ordered": "executor, ordered",
-        "ordered2": "executor, ordered2",
-    }[mode]
-    ax.set_title(title or f"{s.name}  D={s.D}  M={s.M}  ({what}): total time {span:g}, idle {bubble:.1%}")
+        return span, 1.0 - (r.makespan * (1.0 - r.bubble_ratio)) / span
+    return {
+        "lockstep": (r.lockstep_makespan, r.lockstep_bubble_ratio),
+        "lanes": (r.lane_makespan, r.lane_bubble_ratio),
+    }.get(mode, (r.makespan, r.bubble_ratio))
+
+
+def _legend(ax, s: Schedule, nchunk: int) -> None:
+    """One legend entry per (kind, chunk) drawn, in the colour it is drawn with, plus idle time."""
+    from matplotlib.patches import Patch
+
     kinds = [F, B] + ([W] if s.has_w() else [])
     names = {F: "forward", B: "backward" if not s.has_w() else "backward (input grad)", W: "weight grad"}
-    nchunk = 1 + max(a.chunk for _, _, _, a in boxes)
     chunk_names = _chunk_names(s, nchunk)
-    # one entry per (kind, chunk) drawn, in the colour it is drawn with, plus idle time
     handles = [
         Patch(
             facecolor=_COLORS[k][c % 4],
@@ -164,11 +204,6 @@ def render_png(
         frameon=False,
         borderaxespad=0.0,
     )
-    fig.tight_layout()
-    if path:
-        fig.savefig(path, dpi=130)
-        plt.close(fig)
-    return fig
 
 
 def _chunk_names(s: Schedule, nchunk: int):
