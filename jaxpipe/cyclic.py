@@ -102,46 +102,10 @@ class CyclicDataParallel:
         broadcast: str = "direct",
     ):
         self.seed = seed
-        if broadcast not in BROADCASTS:
-            raise ConfigError(
-                f"CyclicDataParallel broadcast={broadcast!r}: choose 'direct' (worker N - 1 sends the "
-                f"updated stage to each other worker: (N - 1) x the stage per step from one worker) "
-                f"or 'balanced' (scattered in N - 1 chunks, then all-gathered among the receivers: "
-                f"no worker sends more than the stage, as in the paper's Table 1)"
-            )
+        _check_options(model, optimizer, rule, broadcast)
         self.broadcast = broadcast
-        if not isinstance(model, PipelineModel):
-            raise ConfigError(
-                f"model must be a jp.PipelineModel cut into N stages, got {type(model).__name__}"
-            )
-        if rule not in RULES:
-            raise ConfigError(
-                f"CyclicDataParallel rule={rule!r}: choose 'v1' (eq. CDP-v1, one step of delay "
-                f"everywhere) or 'v2' (eq. CDP-v2, fresh parameters where the stage allows)"
-            )
-        if optimizer is None:
-            raise ConfigError(
-                "CyclicDataParallel updates inside the cycle: give optimizer=optax.sgd(...) or "
-                "another optax optimizer"
-            )
-        if mesh is None:
-            from .runtime.mesh import make_mesh
-
-            mesh = make_mesh(data=model.num_stages)
-        if mesh.shape.get(STAGE, 1) != 1 or mesh.shape.get(PIPE, 1) != 1:
-            raise ConfigError(
-                f"CyclicDataParallel runs N workers on the 'data' axis, each with the whole model; "
-                f"the mesh has stage={mesh.shape.get('stage')} pipe={mesh.shape.get('pipe')}: "
-                f"use jp.make_mesh(data=N)"
-            )
+        mesh = _workers_mesh(model, mesh)
         N = mesh.shape[DATA]
-        if model.num_stages != N:
-            raise ConfigError(
-                f"Cyclic Data Parallelism cuts the model into as many stages as workers (one time "
-                f"step per stage, workers 2 steps apart): the model has {model.num_stages} stages "
-                f"and the mesh {N} workers; build the model with {N} stages or use "
-                f"jp.make_mesh(data={model.num_stages})"
-            )
         # uneven stages: the executor holds a cut model's blocks padded (jaxpipe.cuts); params() drops the
         # padding
         self.user_model, model = model, model.padded()
@@ -309,3 +273,54 @@ def _require_mean_loss(model, x_aval, mb):
             "Return a scalar mean loss, or train with a synchronous schedule (gpipe, 1f1b, ...), "
             "which divides by the exact global count"
         )
+
+
+def _check_options(model, optimizer, rule: str, broadcast: str) -> None:
+    """Raises ConfigError for a ``broadcast``, ``model``, ``rule`` or ``optimizer``
+    :class:`CyclicDataParallel` cannot run, naming what would."""
+    if broadcast not in BROADCASTS:
+        raise ConfigError(
+            f"CyclicDataParallel broadcast={broadcast!r}: choose 'direct' (worker N - 1 sends the "
+            f"updated stage to each other worker: (N - 1) x the stage per step from one worker) "
+            f"or 'balanced' (scattered in N - 1 chunks, then all-gathered among the receivers: "
+            f"no worker sends more than the stage, as in the paper's Table 1)"
+        )
+    if not isinstance(model, PipelineModel):
+        raise ConfigError(f"model must be a jp.PipelineModel cut into N stages, got {type(model).__name__}")
+    if rule not in RULES:
+        raise ConfigError(
+            f"CyclicDataParallel rule={rule!r}: choose 'v1' (eq. CDP-v1, one step of delay "
+            f"everywhere) or 'v2' (eq. CDP-v2, fresh parameters where the stage allows)"
+        )
+    if optimizer is None:
+        raise ConfigError(
+            "CyclicDataParallel updates inside the cycle: give optimizer=optax.sgd(...) or "
+            "another optax optimizer"
+        )
+
+
+def _workers_mesh(model, mesh):
+    """``mesh`` (default: one worker a stage on the ``data`` axis), checked to hold as many workers as the
+    model has stages and no stage or pipe axis.
+
+    Raises:
+        ConfigError: a mesh with a stage or pipe axis, or another number of workers than stages."""
+    if mesh is None:
+        from .runtime.mesh import make_mesh
+
+        mesh = make_mesh(data=model.num_stages)
+    if mesh.shape.get(STAGE, 1) != 1 or mesh.shape.get(PIPE, 1) != 1:
+        raise ConfigError(
+            f"CyclicDataParallel runs N workers on the 'data' axis, each with the whole model; "
+            f"the mesh has stage={mesh.shape.get('stage')} pipe={mesh.shape.get('pipe')}: "
+            f"use jp.make_mesh(data=N)"
+        )
+    N = mesh.shape[DATA]
+    if model.num_stages != N:
+        raise ConfigError(
+            f"Cyclic Data Parallelism cuts the model into as many stages as workers (one time "
+            f"step per stage, workers 2 steps apart): the model has {model.num_stages} stages "
+            f"and the mesh {N} workers; build the model with {N} stages or use "
+            f"jp.make_mesh(data={model.num_stages})"
+        )
+    return mesh
