@@ -30,6 +30,7 @@ flags.DEFINE_integer("rows", 32, "rows of a micro-batch (the testbed: 256 / M)")
 flags.DEFINE_integer("width", 1024, "layer width")
 flags.DEFINE_integer("layers", 8, "layers in the forward-and-backward row")
 flags.DEFINE_integer("number", 10, "calls a timed repeat")
+flags.DEFINE_integer("unroll", 1, "the scan's unroll in the forward-and-backward row (--layers: fully)")
 flags.DEFINE_string("peer_python", "", "a Python with torch: PyTorch's column (empty: none)")
 FLAGS = flags.FLAGS
 
@@ -61,7 +62,7 @@ def xla_times(options) -> list:
     Ws = jnp.ones((FLAGS.layers, width, width)) / width**0.5
 
     def stack(Ws, h):
-        return jnp.sum(jax.lax.scan(lambda x, w: (jnp.tanh(x @ w), None), h, Ws)[0] ** 2)
+        return jnp.sum(jax.lax.scan(lambda x, w: (jnp.tanh(x @ w), None), h, Ws, unroll=FLAGS.unroll)[0] ** 2)
 
     programs = [
         (lambda h, g, W: h @ W, (h, g, W)),
