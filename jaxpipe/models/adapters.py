@@ -23,7 +23,7 @@ for its block axis.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -260,23 +260,42 @@ def from_nnx(
         )
 
     model = build(num_stages, _resolve_cut(cut, build, num_stages, len(blocks), balance))
+    parts = _NnxParts(gdef, defs[0][1], len(blocks), e_def, e_state, h_def, h_state, tied)
+    return model, lambda params: parts.modules(params, model.cut)
 
-    def to_modules(params):
+
+class _NnxParts(NamedTuple):
+    """What :func:`from_nnx` split its modules into: a block's graph and state (and the blocks' count), the
+    embedding's and the head's, and the Variables they share."""
+
+    block_def: Any
+    block_state: Any
+    num_blocks: int
+    embed_def: Any
+    embed_state: Any
+    head_def: Any
+    head_state: Any
+    tied: Any
+
+    def modules(self, params, cut):
+        """``(blocks, embed, head)``: new module instances holding ``params`` (``pipe.params(state)``), the
+        head sharing the embedding's Variable again where they shared one."""
+        from flax import nnx
+
         stage_p, pre_p, post_p = params
-        flat = _flat_blocks(stage_p, model.cut)
+        flat = _flat_blocks(stage_p, cut)
         out = [
-            nnx.merge(gdef, _restore(defs[0][1], jax.tree.map(lambda a: a[i], flat)))
-            for i in range(len(blocks))
+            nnx.merge(self.block_def, _restore(self.block_state, jax.tree.map(lambda a: a[i], flat)))
+            for i in range(self.num_blocks)
         ]
-        e_mod, h_mod = nnx.merge(e_def, _restore(e_state, pre_p)), nnx.merge(h_def, _restore(h_state, post_p))
-        for e_path, h_path in tied:  # the head shares the embedding's Variable again
+        e_mod = nnx.merge(self.embed_def, _restore(self.embed_state, pre_p))
+        h_mod = nnx.merge(self.head_def, _restore(self.head_state, post_p))
+        for e_path, h_path in self.tied:
             node = e_mod
             for k in e_path:
                 node = node[k] if isinstance(k, int) else getattr(node, k)
             _share(h_mod, h_path, node)
         return out, e_mod, h_mod
-
-    return model, to_modules
 
 
 def _restore(state, pure):
