@@ -181,16 +181,18 @@ def _global_ones(mesh, spec, n: int):
     return jax.jit(lambda: jnp.ones((n,), jnp.float32), out_shardings=NamedSharding(mesh, spec))()
 
 
-def _collective_seconds(mesh, spec, sizes, lengths, op) -> List[float]:
-    """Seconds of one ``op`` (a collective of one float32 array) per message size in bytes, inside a compiled
-    loop as the executor's ticks run it (:func:`per_iteration`)."""
+def _collective_seconds(mesh, spec, sizes, lengths, op, indexed: bool = False) -> List[float]:
+    """Seconds of one ``op`` (a collective of one float32 array; ``indexed``: ``op(i, a)``, the loop's index
+    too) per message size in bytes, inside a compiled loop as the executor's ticks run it
+    (:func:`per_iteration`)."""
     devices = mesh.devices.size
+    step = op if indexed else (lambda i, a: op(a))
 
     def loop(size):
         a = _global_ones(mesh, spec, devices * (size // 4))
 
         def make(n):
-            body = lambda a: lax.fori_loop(0, n, lambda i, a: op(a), a)
+            body = lambda a: lax.fori_loop(0, n, step, a)
             fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
             return lambda: fn(a)
 
@@ -249,19 +251,9 @@ def replica_exchange_seconds(
         replica, sums = lax.optimization_barrier((replica, jnp.broadcast_to(zero, a.shape)))
         return replica + lax.ppermute(sums, "x", home)
 
-    def loop(size):
-        a = _global_ones(mesh, spec, devices * (size // 4))
-
-        def make(n):
-            body = lambda a: lax.fori_loop(0, n, exchange, a)
-            fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
-            return lambda: fn(a)
-
-        return make
-
     big = int(min(max(stage_bytes, 1 << 12), largest)) // 4 * 4
     sizes = [big] if stage_bytes <= big else [big // 16 * 4, big]
-    per = per_iteration({size: loop(size) for size in sizes}, (1, reps), calls=5)
+    per = dict(zip(sizes, _collective_seconds(mesh, spec, sizes, (1, reps), exchange, indexed=True)))
     if len(sizes) == 1:
         return per[big] * stage_bytes / big
     slope = max(per[big] - per[sizes[0]], 0.0) / (big - sizes[0])  # never cheaper for more bytes
