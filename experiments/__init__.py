@@ -28,6 +28,8 @@ RUNNERS = {
     "gpu_check": "on one accelerator, what does the executor cost at D = 1 against the plain step and the "
     "two-lane sketch, and what does offloading residuals cost?",
     "op_profile": "where does a pipelined step's time go, by operation kind, beside the plain step?",
+    "loop_overhead": "what does the training loop add to Pipeline.step, its metrics read while the next step "
+    "runs or before it starts?",
     "products": "what do the testbed's matrix products cost under XLA CPU's kernels and PyTorch's, on one "
     "core?",
     "cuts": "is an uneven cut's padding free, and does the balanced cut pay?",

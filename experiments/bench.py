@@ -4,7 +4,9 @@ one-device step every ratio is measured against are :mod:`jaxpipe.bench`."""
 
 from __future__ import annotations
 
+import itertools
 import statistics
+import tempfile
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -12,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+import jaxpipe as jp
 from jaxpipe.axes import DATA
 from jaxpipe.bench import plain_train_step
 from jaxpipe.model import PipelineModel
@@ -332,3 +335,32 @@ def round_steps(runs, rounds: int):
             times[k].append((time.perf_counter() - t0) / 3)
             entry[1] = s
     return {k: [float(t) for t in v] for k, v in times.items()}
+
+
+#: the loops :func:`loop_seconds` times (``experiments.loop_overhead``'s columns)
+LOOPS = ("bare pipe.step loop", "jp.train, overlapped", "jp.train, read one by one")
+
+
+def loop_seconds(pipe, batch, steps: int) -> dict:
+    """Seconds a step of ``pipe`` on ``batch`` in each of :data:`LOOPS`: the bare loop waits once after
+    ``steps`` steps; ``jp.train``'s is its steady step (its first step left out), no evaluation, no
+    checkpoint."""
+
+    def bare() -> float:
+        state = pipe.init()
+        state, metrics = pipe.step(state, batch)
+        jax.block_until_ready(metrics)
+        started = time.perf_counter()
+        for _ in range(steps):
+            state, metrics = pipe.step(state, batch)
+        jax.block_until_ready((state, metrics))
+        return (time.perf_counter() - started) / steps
+
+    def trained(overlap: bool) -> float:
+        quiet = dict(progress=False, tensorboard="false", eval_every=0, exit_on_stop=False)
+        with tempfile.TemporaryDirectory() as out:
+            batches = itertools.repeat(batch)
+            result = jp.train(pipe, batches, steps=steps + 1, out_dir=out, overlap_steps=overlap, **quiet)
+        return result.summary["steady_step_s"]  # (the first step, compiled or not, left out)
+
+    return {LOOPS[0]: bare(), LOOPS[1]: trained(True), LOOPS[2]: trained(False)}

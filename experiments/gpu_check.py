@@ -14,6 +14,9 @@ Each row is a ratio to the plain one-device step doing the same work, measured i
 * ``bytes`` / ``temp``: XLA's cost analysis and buffer assignment of each compiled step;
 * ``four calls``: the times at which four back-to-back ``Pipeline.step`` calls return, in units of one
   blocked step (the host runs two steps ahead: 0, 0, 1, 2 is the design);
+* ``jp.train``: the training loop's steady step, its metrics read while the next step runs
+  (``overlap_steps=True``) and before it starts, against a bare loop of ``Pipeline.step``
+  (``experiments/loop_overhead.py``);
 * ``offload``: ``residuals=`` a ``jax.checkpoint_policies.save_and_offload_only_these_names`` policy moving
   each layer's output to pinned host memory, against ``residuals="all"`` -- step time and temp (where the
   backend has no host memory space the row says so).
@@ -178,6 +181,17 @@ def measure(label, layers, width, rows, M) -> list:
         returns.append((time.perf_counter() - t0) / b_pipe)
     jax.block_until_ready(run["s"])
     out.append(("four back-to-back calls return at (blocked steps)", " / ".join(f"{r:.2f}" for r in returns)))
+
+    # the training loop: jp.train, its metrics read while the next step runs or before it starts
+    from experiments.bench import LOOPS, loop_seconds
+
+    loops = loop_seconds(pipe, pbatch, 2 * calls)
+    out.append(
+        (
+            "jp.train overlapped / read one by one (x the bare pipe.step loop)",
+            f"{loops[LOOPS[1]] / loops[LOOPS[0]]:.3f}x / {loops[LOOPS[2]] / loops[LOOPS[0]]:.3f}x",
+        )
+    )
 
     # an offloading residual policy against keeping every residual
     try:

@@ -291,6 +291,16 @@ class Checkpointer:
         self.manager.reload()
         return list(self.manager.all_steps())
 
+    def due(self, step: int) -> bool:
+        """Whether :meth:`maybe_save` saves at ``step`` without ``force`` (a multiple of ``every``).
+
+        Args:
+            step: the step the state is at.
+
+        Returns:
+            Whether ``step`` is a multiple of ``every`` (never with ``every=0``)."""
+        return self.every > 0 and step % self.every == 0
+
     def maybe_save(self, step: int, state, extra: Optional[dict] = None, force: bool = False) -> bool:
         """Save at multiples of ``every`` (or always with ``force``).
 
@@ -305,7 +315,7 @@ class Checkpointer:
 
         Returns:
             Whether a save started."""
-        if not force and (self.every == 0 or step % self.every):
+        if not force and not self.due(step):
             return False
         from .checks.batch import require_live
 

@@ -738,6 +738,28 @@ MUTATIONS = [
         "tests/test_trainer_api.py::test_a_step_is_refused_on_its_loss_and_grad_norm_not_only_on_a_skip_flag",
     ),
     Mutation(
+        "overlap_error_loses_the_step_ahead",
+        "jaxpipe/training/loop.py",
+        "            if ahead is not None:\n                try:\n",
+        "            if False:\n                try:\n",
+        "tests/test_trainer_api.py::test_an_overlapped_run_that_fails_keeps_the_record_of_the_step_before",
+    ),
+    Mutation(
+        "overlap_reads_past_an_evaluation",
+        "jaxpipe/training/loop.py",
+        "            or bool(o.eval_every and done % o.eval_every == 0)\n",
+        "",
+        "tests/test_trainer_api.py::test_overlapped_steps_log_train_and_evaluate_as_steps_read_one_by_one",
+    ),
+    Mutation(
+        "overlap_reads_past_a_checkpoint",
+        "jaxpipe/training/loop.py",
+        "            or (self.ckpt is not None and self.ckpt.due(done))\n",
+        "",
+        "tests/test_trainer_api.py::test_a_run_that_ends_on_an_error_keeps_its_checkpoints_and_frees_the_directory"
+        "[raises-OSError-saved0]",
+    ),
+    Mutation(
         "loop_refusal_only_on_the_skip_flag_end_to_end",
         "jaxpipe/training/loop.py",
         '        return bool(metrics.get("skipped", False)) or not finite\n',

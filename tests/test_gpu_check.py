@@ -22,6 +22,7 @@ ROWS = [
     "step, Pipeline.step blocked / streamed",
     "XLA bytes accessed / temp of the step",
     "four back-to-back calls return at (blocked steps)",
+    "jp.train overlapped / read one by one (x the bare pipe.step loop)",
     "offloading residual policy",
 ]
 

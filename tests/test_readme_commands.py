@@ -71,6 +71,7 @@ QUICK = {
         "--real_layers=8",
     ],
     "accelerator_cost": ["--small", "--timed", "--steps=2", "--microbatches=2"],
+    "loop_overhead": ["--width=16", "--rows=8", "--steps=5", "--rounds=1"],
     # (--link_thread=shared: the runner's default puts each process's Gloo thread at SCHED_IDLE, which starves
     # beside the suite's other workers -- 25 s alone, 95-101 s beside three workers)
     "two_devices": [

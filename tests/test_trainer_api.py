@@ -250,6 +250,7 @@ def test_a_batches_function_that_returns_one_shared_iterator_is_refused_with_the
         (dict(units_per_step="x"), r"units_per_step='x': give a positive number"),
         (dict(learning_rate=1e-3), r"learning_rate=0.001: give the optax schedule"),
         (dict(checkpoint_keep="3"), r"checkpoint_keep='3': give a whole number"),
+        (dict(overlap_steps="no"), r"overlap_steps='no': give True or False"),
     ],
     ids=[
         "steps_float",
@@ -264,6 +265,7 @@ def test_a_batches_function_that_returns_one_shared_iterator_is_refused_with_the
         "units_per_step_str",
         "learning_rate_float",
         "keep_str",
+        "overlap_str",
     ],
 )
 def test_the_loops_options_are_checked_by_name(pipe, kw, match):
@@ -335,3 +337,97 @@ def test_saved_params_are_named_by_their_tree_paths_and_load_with_plain_numpy(pi
         assert np.array_equal(loaded[name], np.asarray(value)), name
     with pytest.raises(jp.ConfigError, match=r"save_params=.*missing/q.npz: the directory .* does not exist"):
         jp.save_params(str(tmp_path / "missing" / "q.npz"), params)
+
+
+def records(out_dir):
+    return [json.loads(l) for l in open(os.path.join(out_dir, "metrics.jsonl"))]
+
+
+def test_overlapped_steps_log_train_and_evaluate_as_steps_read_one_by_one(pipe, tmp_path):
+    """``overlap_steps`` (the default) reads a step's loss once the next is dispatched: the same records
+    (less the times), the same evaluations and the same final weights, bit for bit, as reading each step
+    before the next; every step's time is its own (not two steps' from dispatch to read)."""
+    runs = {}
+    for overlap in (True, False):
+        out = str(tmp_path / str(overlap))
+        runs[overlap] = jp.train(
+            pipe,
+            stream(),
+            steps=7,
+            out_dir=out,
+            eval_batches=[BATCH(8, 99)],
+            eval_every=3,
+            overlap_steps=overlap,
+            **QUIET,
+        )
+        runs[overlap].records = records(out)
+    strip = lambda recs: [{k: v for k, v in r.items() if k != "time_s"} for r in recs]
+    assert strip(runs[True].records) == strip(runs[False].records)
+    assert [r["step"] for r in runs[True].records] == list(range(1, 8))
+    assert [r["step"] for r in runs[True].records if "eval_loss" in r] == [3, 6, 7]
+    jax.tree.map(assert_same, pipe.params(runs[True].state), pipe.params(runs[False].state))
+    times = [r["time_s"] for r in runs[True].records]
+    assert all(t > 0 for t in times)
+    assert sum(times) <= runs[True].summary["wall_s"]  # each step's own span: none counted twice
+
+
+def test_an_overlapped_run_that_fails_keeps_the_record_of_the_step_before(pipe, tmp_path):
+    """The batches fail at step 3 while step 2's loss is still unread: step 2 is logged before the error
+    goes to the caller, as when each step is read before the next starts."""
+
+    def failing():
+        for s in itertools.count(1):
+            if s == 3:
+                raise OSError("the data source failed at batch 3")
+            yield BATCH(8, s)
+
+    with pytest.raises(OSError, match="failed at batch 3"):
+        jp.train(pipe, failing, steps=5, out_dir=str(tmp_path), eval_every=0, **QUIET)
+    assert [r["step"] for r in records(tmp_path)] == [1, 2]
+
+
+@pytest.mark.parametrize("overlap,stopped_at", [(True, 3), (False, 2)])
+def test_a_hooks_stop_takes_effect_after_the_step_in_flight_and_resumes_exactly(
+    pipe, tmp_path, overlap, stopped_at
+):
+    """A hook asks to stop after step 2: read one by one the run stops there; overlapped, step 3 is already
+    running and the run stops after it -- either way with a checkpoint of the step it stopped at, from which
+    the run resumes equal to one that never stopped."""
+
+    def stop_after_two(trainer, step):
+        if step == 2:
+            trainer.request_stop("a hook")
+
+    ck, common = str(tmp_path / "ck"), dict(steps=5, eval_every=0, **QUIET)
+    first = jp.train(
+        pipe,
+        stream(),
+        out_dir=str(tmp_path / "run"),
+        checkpoint_dir=ck,
+        hooks=[stop_after_two],
+        exit_on_stop=False,
+        overlap_steps=overlap,
+        **common,
+    )
+    assert first.stopped == "a hook" and first.step == stopped_at
+    assert [r["step"] for r in records(tmp_path / "run")] == list(range(1, stopped_at + 1))
+    second = jp.train(pipe, stream(), out_dir=str(tmp_path / "run"), checkpoint_dir=ck, **common)
+    assert second.summary["resumed_at"] == stopped_at
+    ref = jp.train(pipe, stream(), out_dir=str(tmp_path / "ref"), **common)
+    jax.tree.map(assert_same, pipe.params(second.state), pipe.params(ref.state))
+
+
+def test_a_nan_found_while_the_next_step_runs_says_which_weights_it_replays(pipe, tmp_path):
+    with pytest.raises(jp.training.NonFiniteLoss, match="at step 2, .*the weights after step 3, which had"):
+        jp.train(pipe, stream(nan_at=2), steps=4, out_dir=str(tmp_path / "a"), eval_every=0, **QUIET)
+    with pytest.raises(jp.training.NonFiniteLoss, match="at step 2, .*the weights this step used"):
+        jp.train(
+            pipe,
+            stream(nan_at=2),
+            steps=4,
+            out_dir=str(tmp_path / "b"),
+            eval_every=0,
+            overlap_steps=False,
+            **QUIET,
+        )
+    assert len(records(tmp_path / "a")) == len(records(tmp_path / "b")) == 2

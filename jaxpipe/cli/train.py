@@ -208,6 +208,12 @@ flags.DEFINE_float(
     "after a second SIGTERM/SIGINT: seconds the stop-save may still take "
     "before the process exits (a third signal exits at once)",
 )
+flags.DEFINE_bool(
+    "overlap_steps",
+    True,
+    "read a step's loss while the next step runs, so the device never waits for the host between steps "
+    "(the debug flags --stop_at_step, --fail_at_step and --stall_at_step read each step before the next)",
+)
 flags.DEFINE_integer(
     "stop_at_step", 0, "debug: act as if preempted (SIGTERM) after this step: checkpoint, exit 143"
 )
@@ -369,6 +375,9 @@ def run(argv):
             checkpoint_every=FLAGS.checkpoint_every,
             checkpoint_keep=FLAGS.checkpoint_keep,
             on_nonfinite=FLAGS.on_nonfinite,
+            # a fault injected after step N acts at step N, not after the step in flight
+            overlap_steps=FLAGS.overlap_steps
+            and not (FLAGS.stop_at_step or FLAGS.fail_at_step or FLAGS.stall_at_step),
             progress=FLAGS.progress,
             progress_every=FLAGS.progress_every,
             tensorboard=FLAGS.tensorboard,

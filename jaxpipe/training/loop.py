@@ -22,7 +22,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence
 
 from jaxpipe.errors import ConfigError
 from jaxpipe.training import streams
@@ -76,6 +76,11 @@ class TrainOptions:
         units: what the throughput counts (``"tokens"``, ``"images"``, ...).
         units_per_step: how many of them a step processes (default: the rows of a batch).
         exit_on_stop: a stop ends the process with status 143 once saved (False: :func:`train` returns).
+        overlap_steps: read a step's loss and metrics once the next step is dispatched, so that the device
+            never idles while the host logs one step and prepares the next (a step that saves, evaluates or
+            ends the run is read before the next starts).  A stop -- a signal, a hook's request -- then
+            takes effect after the step in flight, and a non-finite loss found one step late is replayed
+            with the weights after the next step.  False: every step is read before the next starts.
         describe: the first entries of the summary (the model, the schedule, ...)."""
 
     steps: int
@@ -93,6 +98,7 @@ class TrainOptions:
     units: str = "examples"  # what the throughput counts ...
     units_per_step: Optional[float] = None  # ... per step (default: the rows of a batch)
     exit_on_stop: bool = True  # a stop ends the process with status 143 once saved (False: returns)
+    overlap_steps: bool = True  # read a step's metrics while the next step runs
     describe: Dict[str, Any] = dataclasses.field(default_factory=dict)  # first entries of the summary
 
     def check(self) -> None:
@@ -134,6 +140,9 @@ class TrainOptions:
                 f"units={self.units!r} / describe={type(self.describe).__name__}: give a name (str) "
                 f"and a dict"
             )
+        for name in ("overlap_steps",):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r}: give True or False")
         grace = self.stop_grace_s
         if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace < float("inf"):
             raise ConfigError(f"stop_grace_s={grace!r}: give seconds >= 0")
@@ -404,52 +413,115 @@ class Trainer:
             self.stop.uninstall()
 
     def _loop(self, state, start: int) -> TrainResult:
+        """Steps ``start + 1`` to ``steps``.  With ``overlap_steps`` a step's metrics are read once the next
+        step is dispatched, so that the device never waits for the host between them; a step that saves,
+        evaluates or ends the run is read before the next one starts (its state is still whole)."""
         o = self.opts
         progress = _Progress(o, start, self.primary)
         run = _RunTally(time.perf_counter())
-        last_eval: Dict[str, float] = {}
+        ahead: Optional[_Dispatched] = None  # the step dispatched before this one, its metrics unread
+        stopping = False  # every process agreed to stop after the step in flight
         for i in progress.steps():
-            batch = self._next_batch(i, start)
-            t0 = time.perf_counter()
-            state, metrics = self.pipe.step(state, batch)
-            loss = float(metrics["loss"])
-            dt = time.perf_counter() - t0
-            run.stepped(dt, loss, o.units_per_step or _rows(batch))
-            rec = self._record(i, dt, metrics)
-            if self._refused(metrics, loss):
-                if o.on_nonfinite == "skip":
-                    run.skipped += 1
-                else:
-                    self.log.write(rec)
-                    self.board.scalars(i + 1, rec)
-                    progress.close()
-                    self._nonfinite(state, batch, metrics, i + 1)
-            run.done = done = i + 1
-            # the checkpoint holds the running pipeline (before the final drain), so a longer run resumed from
-            # it equals one that never stopped
-            self._save(done, state, force=done == o.steps)
-            if done == o.steps and self.pipe.is_async:  # finish the micro-batches still in flight
-                state, _ = self.pipe.drain(state)
-            if o.eval_every and done % o.eval_every == 0 or done == o.steps:
-                last_eval = self._evaluate(self.pipe.params(state))
-                rec.update(last_eval)
-                progress.evaluated(done)
-            self.log.write(rec)
-            self.board.scalars(done, rec)
-            progress.show(done, loss, dt, last_eval)
-            _heartbeat()
-            for hook in self.hooks:
-                hook(self, done)
-            if self._agreed_stop():
+            state, step = self._dispatch(i, start, state, ahead, run, progress)
+            if ahead is not None:
+                stopping = self._account(ahead, state, run, progress, later=True)
+                ahead = None
+            if o.overlap_steps and not stopping and not self._read_now(step.done):
+                ahead = step
+                continue
+            rec = self._read(step, state, run, progress, later=False)
+            state = self._at_step_end(step.done, state, rec, run, progress)
+            if self._finish_record(step.done, rec, run, progress, stopping):
                 progress.close()
-                return self._stopped(state, done)
+                return self._stopped(state, step.done)
         progress.close()
         if run.first_s is None:
             self.say(
                 f"nothing to do: the checkpoint in {o.checkpoint_dir} is at step {start} >= steps={o.steps}"
             )
             return TrainResult(self.pipe.drain(state)[0] if self.pipe.is_async else state, start, None)
-        return TrainResult(state, run.done, self._summary(run, start, last_eval))
+        return TrainResult(state, run.done, self._summary(run, start, run.last_eval))
+
+    def _dispatch(self, i: int, start: int, state, ahead, run: "_RunTally", progress: "_Progress"):
+        """``(state, step)``: step ``i + 1`` dispatched on the next batch.  Where the batch or the call fails,
+        the step still unread is accounted first (logged, or its own failure raised): as if it had been
+        read before this one started."""
+        try:
+            batch = self._next_batch(i, start)
+            started = time.perf_counter()
+            state, metrics = self.pipe.step(state, batch)
+        except BaseException as error:
+            if ahead is not None:
+                try:
+                    self._account(ahead, state, run, progress, later=False, raised=error)
+                except BaseException as earlier:
+                    raise earlier from error
+            raise
+        return state, _Dispatched(i + 1, batch, metrics, started)
+
+    def _read_now(self, done: int) -> bool:
+        """Whether step ``done`` must be read before the next step starts: it is the last, it saves a
+        checkpoint, or it evaluates -- each needs its own state, which the next step consumes."""
+        o = self.opts
+        return (
+            done == o.steps
+            or bool(o.eval_every and done % o.eval_every == 0)
+            or (self.ckpt is not None and self.ckpt.due(done))
+        )
+
+    def _account(self, step: "_Dispatched", state, run, progress, later: bool, raised=None) -> bool:
+        """Step ``step`` read, logged and its hooks called (its state is gone: a later step holds it);
+        whether every process agreed to stop.  ``raised``: what the next step's call raised (a failed check
+        of this step's, which names the cause of a non-finite loss)."""
+        rec = self._read(step, state, run, progress, later=later, raised=raised)
+        return self._finish_record(step.done, rec, run, progress, False)
+
+    def _read(self, step: "_Dispatched", state, run, progress, later: bool, raised=None) -> dict:
+        """Step ``step``'s loss read from the device (waiting for it), its time and record; a refused step
+        counted (``on_nonfinite="skip"``) or stopped with :class:`NonFiniteLoss` (``state``: the newest;
+        ``later``: a step after this one has started on it)."""
+        o = self.opts
+        loss = float(step.metrics["loss"])
+        now = time.perf_counter()
+        seconds = now - max(step.started, run.last_read or step.started)
+        run.last_read = now
+        run.stepped(seconds, loss, o.units_per_step or _rows(step.batch))
+        rec = self._record(step.done - 1, seconds, step.metrics)
+        if self._refused(step.metrics, loss):
+            if o.on_nonfinite == "skip":
+                run.skipped += 1
+            else:
+                self.log.write(rec)
+                self.board.scalars(step.done, rec)
+                progress.close()
+                self._nonfinite(state, step.batch, step.metrics, step.done, later=later, raised=raised)
+        run.done = step.done
+        return rec
+
+    def _at_step_end(self, done: int, state, rec: dict, run: "_RunTally", progress: "_Progress"):
+        """What step ``done`` does with its own state: the checkpoint (it holds the running pipeline, before
+        the final drain, so that a longer run resumed from it equals one that never stopped), the final
+        drain, the evaluation (into ``rec``)."""
+        o = self.opts
+        self._save(done, state, force=done == o.steps)
+        if done == o.steps and self.pipe.is_async:  # finish the micro-batches still in flight
+            state, _ = self.pipe.drain(state)
+        if o.eval_every and done % o.eval_every == 0 or done == o.steps:
+            run.last_eval = self._evaluate(self.pipe.params(state))
+            rec.update(run.last_eval)
+            progress.evaluated(done)
+        return state
+
+    def _finish_record(self, done: int, rec: dict, run: "_RunTally", progress: "_Progress", stopping: bool):
+        """Step ``done``'s record written and shown, the launcher told, the hooks called; whether to stop
+        (already agreed, or agreed now by every process)."""
+        self.log.write(rec)
+        self.board.scalars(done, rec)
+        progress.show(done, run.loss, rec["time_s"], run.last_eval)
+        _heartbeat()
+        for hook in self.hooks:
+            hook(self, done)
+        return stopping or self._agreed_stop()
 
     def _next_batch(self, i: int, start: int):
         """The batch of step ``i + 1``; a stream that ends early says how many batches it gave and what
@@ -586,21 +658,27 @@ class Trainer:
         )
         return TrainResult(state, done, None, stopped=self.stop.reason)
 
-    def _nonfinite(self, state, batch, metrics, step: int):
+    def _nonfinite(self, state, batch, metrics, step: int, later: bool = False, raised=None):
         """Raise :class:`NonFiniteLoss` with the step, the stage where the NaN/Inf first appears (an
-        unpipelined replay) and the newest intact checkpoint."""
+        unpipelined replay) and the newest intact checkpoint.  ``later``: ``state`` is the state after the
+        next step, which had started when this step's loss was read (``overlap_steps``); ``raised``: the next
+        step's call's error, where that call reported this step's failed checks."""
         import numpy as np
         from jaxpipe import distributed
         from jaxpipe.checks import diagnose
         from jaxpipe.checkpoint import Checkpointer
 
         last, cause = None, ""
-        try:  # this stop is the report of the step's failed checks: read them here, once
-            self.pipe.check()
-        except ConfigError as e:  # the library's diagnosis (an undeclared id field, ...) is kept
-            found = str(e).find(" Likely cause: ")
+        failed = raised if isinstance(raised, ConfigError) else None
+        if failed is None:
+            try:  # this stop is the report of the step's failed checks: read them here, once
+                self.pipe.check()
+            except ConfigError as e:
+                failed = e
+        if failed is not None:  # the library's diagnosis (an undeclared id field, ...) is kept
+            found = str(failed).find(" Likely cause: ")
             if found >= 0:
-                cause = str(e)[found:].split(" Lower the learning rate")[0].rstrip()
+                cause = str(failed)[found:].split(" Lower the learning rate")[0].rstrip()
         if self.ckpt is not None:
             ckpt, self.ckpt = self.ckpt, None
             ckpt.close()  # the writes in flight (all of finite states) finish; nothing new starts
@@ -616,11 +694,15 @@ class Trainer:
         where = diagnose.locate_nonfinite(
             self.pipe.model, distributed.to_host(self.pipe.params(state)), batch
         )
-        used = (
-            "the weights this step used (its update was not applied)"
-            if metrics.get("skipped", False)
-            else "the weights after this step's updates (asynchronous: updated inside the pipeline)"
-        )
+        if later:
+            used = (
+                f"the weights after step {step + 1}, which had started when this step's loss was read; "
+                "overlap_steps=False replays this step's own"
+            )
+        elif metrics.get("skipped", False):
+            used = "the weights this step used (its update was not applied)"
+        else:
+            used = "the weights after this step's updates (asynchronous: updated inside the pipeline)"
         at = (
             f"first at stage {where['stage']} ({where['where']}: {where['detail']}; replayed unpipelined "
             "with "
@@ -642,6 +724,15 @@ class Trainer:
         )
 
 
+class _Dispatched(NamedTuple):
+    """A step dispatched: its number (1-based), batch, metrics (on the device until read) and start."""
+
+    done: int
+    batch: Any
+    metrics: Any
+    started: float
+
+
 @dataclasses.dataclass
 class _RunTally:
     """What a run's summary counts as the loop goes: its start, its first step's time and loss (compile
@@ -654,6 +745,8 @@ class _RunTally:
     units: float = 0.0
     skipped: int = 0
     done: int = 0
+    last_read: Optional[float] = None  # when the last step's loss came back
+    last_eval: Dict[str, float] = dataclasses.field(default_factory=dict)
 
     def stepped(self, seconds: float, loss: float, units: float) -> None:
         if self.first_s is None:
