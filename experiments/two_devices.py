@@ -31,6 +31,7 @@ import os
 import subprocess
 import tempfile
 import sys
+from typing import NamedTuple
 
 from jaxpipe.cli import common as cli
 from absl import app, flags
@@ -491,131 +492,44 @@ def _op_costs():
         raise app.UsageError(str(e)) from None
 
 
+class _Row(NamedTuple):
+    """One measured schedule beside the model's parts (:func:`jaxpipe.tune.predict_devices`)."""
+
+    M: int
+    spec: str
+    placement: str
+    measured: float  # seconds a step
+    plain: float  # the plain step's seconds, same rounds
+    parts: dict
+
+
 def report(res):
     """The measured steps beside the model's: a layer's forward f from the plain step measured in the same
     rounds (its work is M x layers x (f + b) with b = 2 f, a split backward's input and weight parts f each,
     as the papers count, or in ``--op_costs``' ratios), the link measured, and a step's own cost calibrated
     from 1F1B's measured steps (module docstring)."""
-    import jaxpipe as jp
-    from jaxpipe.tune import LayerCosts, Link, calibrate_step, predict_devices
-    from jaxpipe.tune.running_costs import predicted_against_1f1b
+    from jaxpipe.tune import Link, calibrate_step
 
     table = tuple((float(n), float(t)) for n, t in res["link"])
     (n0, t0), (n1, t1) = table[0], table[-1]
     link = Link(t0, (t1 - t0) / max(n1 - n0, 1.0), table)
-    W, L = FLAGS.width, FLAGS.layers
-    rows = []
-    given = _op_costs()
-    for M, spec, placement, chosen_for, layout, t in res["steps"]:
-        name = spec.partition(":")[0]
-        unit = name.endswith("/unit")
-        name = name.removesuffix("/unit")
-        extra = {"virtual": 2} if name == "interleaved_1f1b" else {}
-        if name in ("zb_h1", "zb_v") and chosen_for and not unit:
-            extra["costs"] = tuple(chosen_for)  # the plan the pipeline ran: its ticks for these costs
-        if chosen_for and not given:
-            print(
-                f"M={M} {spec}: placed {placement} for op costs measured at its first step: "
-                + ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in zip(("F", "B", "W", "tick"), chosen_for))
-                + (f"; replicas {layout * 1e3:.3g} ms a step" if layout else "")
-            )
-        s = _own_schedule(jp, name, M) or jp.schedules.build(name, 2, M, **extra)
-        plain = res["plain"][str(M)]
-        per = L / s.num_model_stages
-        measured = res.get("costs", {}).get(f"{M},{int(per)}")
-        # measured op costs where taken; else --op_costs' ratios; else the papers' count: b = 2 f, a split
-        # backward's parts f each (the plain step's work is M x layers x (f + b_in + w))
-        if measured:
-            lc = LayerCosts(*measured)
-        else:
-            fo, bo, wo = (given or (1.0, 1.0, 1.0))[:3]
-            f = plain * fo / (M * L * (fo + bo + wo))
-            lc = LayerCosts(f, f * (bo + wo) / fo, f * bo / fo, f * wo / fo)
-        act = (FLAGS.batch // M) * W * 4
-        # a tick's price as the pipeline measured it, less the one message it holds (priced by the link)
-        meet = max(chosen_for[3] - link(act), 0.0) if chosen_for and len(chosen_for) > 3 else 0.0
-        parts = predict_devices(
-            s, lc, per, 0.0, link, act, per * W * W * 4, placement=placement, rendezvous=meet
-        )
-        if chosen_for and len(chosen_for) > 3:  # what Pipeline itself predicted, at the costs it measured
-            mine, theirs, _ = predicted_against_1f1b(s, placement, tuple(chosen_for), layout)
-            parts["own_x_1f1b"] = mine / theirs
-        rows.append([M, spec, placement, t, plain, parts])
-    ref = [(parts, t) for M, spec, _, t, _, parts in rows if spec == "1f1b"]
+    rows = [_modelled(res, link, *entry) for entry in res["steps"]]
+    ref = [(row.parts, row.measured) for row in rows if row.spec == "1f1b"]
     scale, fixed = (
         calibrate_step([p for p, _ in ref], [t for _, t in ref], fit_scale=FLAGS.fit_scale)
         if ref
         else (1.0, 0.0)
     )
-    for key, (f, b, b_in, w) in sorted(res.get("costs", {}).items()):
-        M, per = key.split(",")
-        print(
-            f"one layer, M={M} ({per} a stage): f {f * 1e3:.2f} ms, b {b / f:.2f} f, B's input part "
-            f"{b_in / f:.2f} f, "
-            f"W {w / f:.2f} f"
-        )
-    print(
-        "link (one exchange in a compiled loop): "
-        + ", ".join(f"{n / 2**20:.3g} MiB {t * 1e3:.2f} ms" for n, t in table)
-        + f"; from 1f1b's "
-        f"{len(ref)} run(s): ops x {scale:.3f}, {fixed * 1e3:.1f} ms a step"
-    )
-    idled = res.get("idled")
-    print(
-        "link thread: "
-        + (
-            f"Gloo's I/O thread at SCHED_IDLE (it used {idled[1]:.0%} of the core while only exchanges ran)"
-            if idled
-            else "shared (as Gloo starts it; --link_thread=idle demotes it)"
-        )
-    )
-    print(
-        f"{'M':>2} {'schedule':22s} {'placement':9s} {'measured':>9s} {'x plain':>8s} "
-        f"{'x 1f1b (+- IQR/2)':>17s} "
-        f"{'predicted':>10s} {'meas/pred':>9s} {'pred/1f1b':>9s} {'own/1f1b':>8s} {'meas/own':>8s}"
-    )
-    base = {M: t for M, spec, _, t, *_ in rows if spec == "1f1b"}
-    pred = {
-        (M, spec): parts["step"] + (scale - 1) * parts["compute"] + fixed for M, spec, _, _, _, parts in rows
-    }
-    from experiments.bench import ratio_spread, reliability
+    _print_costs(res, table, len(ref), scale, fixed)
+    pred = {(r.M, r.spec): r.parts["step"] + (scale - 1) * r.parts["compute"] + fixed for r in rows}
+    spreads = _print_rows(res, rows, pred)
+    _print_sketch(res, sorted({row.M for row in rows}), spreads)
+    from experiments.bench import reliability
 
-    rounds, spreads, out = res.get("rounds", {}), {}, []
-    for M, spec, placement, t, plain, parts in rows:
-        p = pred[(M, spec)]
-        own, ref = rounds.get(f"{M},{spec}"), rounds.get(f"{M},1f1b")
-        r, sp = ratio_spread(own, ref) if own and ref else (t / base[M] if M in base else float("nan"), 0.0)
-        if spec != "1f1b":
-            spreads[f"M={M} {spec} / 1f1b"] = (r, sp)
-        print(
-            f"{M:>2} {spec:22s} {placement:9s} {t * 1e3:7.1f}ms {t / plain:8.3f} {r:9.3f} +- {sp:.3f} "
-            f"{p * 1e3:8.1f}ms {t / p:9.3f} {p / pred.get((M, '1f1b'), float('nan')):9.3f} "
-            f"{parts.get('own_x_1f1b', float('nan')):8.3f} {r / parts.get('own_x_1f1b', float('nan')):8.3f}"
-        )
-        out.append(
-            {
-                "M": M,
-                "schedule": spec,
-                "placement": placement,
-                "measured_s": t,
-                "plain_s": plain,
-                "predicted_s": p,
-                "parts": parts,
-            }
-        )
-    for M in sorted({M for M, *_ in rows}):
-        own, ref = rounds.get(f"{M},sketch_interleaved"), rounds.get(f"{M},sketch_1f1b")
-        if own and ref:
-            r, sp = ratio_spread(own, ref)
-            spreads[f"M={M} sketch"] = (r, sp)
-            print(
-                f"{M:>2} the sketch (experiments.sketch_interleaved): interleaved x its two-lane 1F1B "
-                f"{r:.3f} +- {sp:.3f} ({statistics.median(own) * 1e3:.1f} against "
-                f"{statistics.median(ref) * 1e3:.1f} ms)"
-            )
     for w in reliability(spreads, res.get("load")):
         print("warning: " + w)
     if FLAGS.json:
+        out = [_json_row(row, pred[(row.M, row.spec)]) for row in rows]
         with open(FLAGS.json, "w") as fh:
             json.dump(
                 {
@@ -627,6 +541,137 @@ def report(res):
                 },
                 fh,
                 indent=1,
+            )
+
+
+def _json_row(row: _Row, predicted: float) -> dict:
+    return {
+        "M": row.M,
+        "schedule": row.spec,
+        "placement": row.placement,
+        "measured_s": row.measured,
+        "plain_s": row.plain,
+        "predicted_s": predicted,
+        "parts": row.parts,
+    }
+
+
+def _layer_costs(res, M: int, per: float, plain: float, given):
+    """One layer's costs: measured where taken; else ``--op_costs``' ratios; else the papers' count (b = 2
+    f, a split backward's parts f each; the plain step's work is M x layers x (f + b_in + w))."""
+    from jaxpipe.tune import LayerCosts
+
+    measured = res.get("costs", {}).get(f"{M},{int(per)}")
+    if measured:
+        return LayerCosts(*measured)
+    fo, bo, wo = (given or (1.0, 1.0, 1.0))[:3]
+    f = plain * fo / (M * FLAGS.layers * (fo + bo + wo))
+    return LayerCosts(f, f * (bo + wo) / fo, f * bo / fo, f * wo / fo)
+
+
+def _modelled(res, link, M, spec, placement, chosen_for, layout, t) -> _Row:
+    """One measured step (a ``res["steps"]`` entry) with the model's parts for it, and the ratio to 1F1B that
+    the pipeline itself predicted at the costs it measured (``own_x_1f1b``)."""
+    import jaxpipe as jp
+    from jaxpipe.tune import predict_devices
+    from jaxpipe.tune.running_costs import predicted_against_1f1b
+
+    given = _op_costs()
+    name = spec.partition(":")[0]
+    unit = name.endswith("/unit")
+    name = name.removesuffix("/unit")
+    extra = {"virtual": 2} if name == "interleaved_1f1b" else {}
+    if name in ("zb_h1", "zb_v") and chosen_for and not unit:
+        extra["costs"] = tuple(chosen_for)  # the plan the pipeline ran: its ticks for these costs
+    if chosen_for and not given:
+        print(
+            f"M={M} {spec}: placed {placement} for op costs measured at its first step: "
+            + ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in zip(("F", "B", "W", "tick"), chosen_for))
+            + (f"; replicas {layout * 1e3:.3g} ms a step" if layout else "")
+        )
+    s = _own_schedule(jp, name, M) or jp.schedules.build(name, 2, M, **extra)
+    plain = res["plain"][str(M)]
+    per = FLAGS.layers / s.num_model_stages
+    act = (FLAGS.batch // M) * FLAGS.width * 4
+    # a tick's price as the pipeline measured it, less the one message it holds (priced by the link)
+    priced = bool(chosen_for) and len(chosen_for) > 3
+    meet = max(chosen_for[3] - link(act), 0.0) if priced else 0.0
+    lc = _layer_costs(res, M, per, plain, given)
+    weights = per * FLAGS.width * FLAGS.width * 4
+    parts = predict_devices(s, lc, per, 0.0, link, act, weights, placement=placement, rendezvous=meet)
+    if priced:  # what Pipeline itself predicted, at the costs it measured
+        mine, theirs, _ = predicted_against_1f1b(s, placement, tuple(chosen_for), layout)
+        parts["own_x_1f1b"] = mine / theirs
+    return _Row(M, spec, placement, t, plain, parts)
+
+
+def _print_costs(res, table, runs: int, scale: float, fixed: float) -> None:
+    """The layer costs measured, the link, the calibration from 1F1B's runs, and the link thread."""
+    for key, (f, b, b_in, w) in sorted(res.get("costs", {}).items()):
+        M, per = key.split(",")
+        print(
+            f"one layer, M={M} ({per} a stage): f {f * 1e3:.2f} ms, b {b / f:.2f} f, B's input part "
+            f"{b_in / f:.2f} f, "
+            f"W {w / f:.2f} f"
+        )
+    print(
+        "link (one exchange in a compiled loop): "
+        + ", ".join(f"{n / 2**20:.3g} MiB {t * 1e3:.2f} ms" for n, t in table)
+        + f"; from 1f1b's "
+        f"{runs} run(s): ops x {scale:.3f}, {fixed * 1e3:.1f} ms a step"
+    )
+    idled = res.get("idled")
+    print(
+        "link thread: "
+        + (
+            f"Gloo's I/O thread at SCHED_IDLE (it used {idled[1]:.0%} of the core while only exchanges ran)"
+            if idled
+            else "shared (as Gloo starts it; --link_thread=idle demotes it)"
+        )
+    )
+
+
+def _print_rows(res, rows, pred) -> dict:
+    """The table of measured against predicted steps; each schedule's ratio to 1F1B and its spread (median
+    and IQR/2 of the rounds' ratios) by name, for the reliability warnings."""
+    from experiments.bench import ratio_spread
+
+    print(
+        f"{'M':>2} {'schedule':22s} {'placement':9s} {'measured':>9s} {'x plain':>8s} "
+        f"{'x 1f1b (+- IQR/2)':>17s} "
+        f"{'predicted':>10s} {'meas/pred':>9s} {'pred/1f1b':>9s} {'own/1f1b':>8s} {'meas/own':>8s}"
+    )
+    base = {row.M: row.measured for row in rows if row.spec == "1f1b"}
+    rounds, spreads = res.get("rounds", {}), {}
+    for M, spec, placement, t, plain, parts in rows:
+        p = pred[(M, spec)]
+        own, ref = rounds.get(f"{M},{spec}"), rounds.get(f"{M},1f1b")
+        r, sp = ratio_spread(own, ref) if own and ref else (t / base[M] if M in base else float("nan"), 0.0)
+        if spec != "1f1b":
+            spreads[f"M={M} {spec} / 1f1b"] = (r, sp)
+        own_x = parts.get("own_x_1f1b", float("nan"))
+        print(
+            f"{M:>2} {spec:22s} {placement:9s} {t * 1e3:7.1f}ms {t / plain:8.3f} {r:9.3f} +- {sp:.3f} "
+            f"{p * 1e3:8.1f}ms {t / p:9.3f} {p / pred.get((M, '1f1b'), float('nan')):9.3f} "
+            f"{own_x:8.3f} {r / own_x:8.3f}"
+        )
+    return spreads
+
+
+def _print_sketch(res, Ms, spreads: dict) -> None:
+    """The sketch's interleaved against its two-lane 1F1B, where it ran (``--sketch``)."""
+    from experiments.bench import ratio_spread
+
+    rounds = res.get("rounds", {})
+    for M in Ms:
+        own, ref = rounds.get(f"{M},sketch_interleaved"), rounds.get(f"{M},sketch_1f1b")
+        if own and ref:
+            r, sp = ratio_spread(own, ref)
+            spreads[f"M={M} sketch"] = (r, sp)
+            print(
+                f"{M:>2} the sketch (experiments.sketch_interleaved): interleaved x its two-lane 1F1B "
+                f"{r:.3f} +- {sp:.3f} ({statistics.median(own) * 1e3:.1f} against "
+                f"{statistics.median(ref) * 1e3:.1f} ms)"
             )
 
 
