@@ -260,8 +260,8 @@ MUTATIONS = [
     Mutation(
         "loss_and_grad_divides_after_the_loop",
         "jaxpipe/runners/sync.py",
-        '                divide=scale != 1.0 or what == "grad",\n',
-        "                divide=scale != 1.0,\n",
+        '            divide=scale != 1.0 or what == "grad",\n',
+        "            divide=scale != 1.0,\n",
         "tests/test_xla_cost.py::test_loss_and_grad_at_one_device_adds_no_pass_over_the_gradient[1f1b]",
     ),
     # issue #52: a user's batches, resumed, start over instead of where the checkpoint left them

@@ -155,6 +155,8 @@ class SyncRunner:
         return dataclasses.replace(self.ctx.model, post_loss=scaled)
 
     def _fn(self, what: str, batch, state: Optional[PipelineState] = None):
+        """The jitted program for ``what`` (``"grad"``: ``loss_and_grad``; ``"step"``), compiled once per
+        batch shapes and state shardings."""
         example = jax.tree.map(
             lambda l: jax.ShapeDtypeStruct(np.shape(l), getattr(l, "dtype", None) or np.asarray(l).dtype),
             batch,
@@ -175,78 +177,85 @@ class SyncRunner:
             None if state_sh is None else (jax.tree.structure(state_sh), tuple(jax.tree.leaves(state_sh))),
         )
         if key not in self._compiled:
-            scale = 1.0 if self.ctx.precision is None else float(self.ctx.precision.loss_scale)
-            M, n_dp = self.ctx.schedule.M, self.ctx.data_parallel  # backward halving: M units
-            mb = jax.tree.map(
-                lambda a: jax.ShapeDtypeStruct((a.shape[0] // (n_dp * M),) + tuple(a.shape[1:]), a.dtype),
-                example,
-            )
-            grad_fn = make_stream_grad_fn(
-                self._scaled(scale),
-                self.stream,
-                self.ctx.mesh,
-                mb,
-                M,
-                nan_bubbles=self.ctx.nan_bubbles,
-                seed=self.ctx.seed,
-                perms=exchange_perms(self.ctx.schedule) if self._identity_layout else None,
-                # loss_and_grad: each gradient divided as it is added (no pass
-                # after the loop); the step divides inside its update, where it fuses
-                divide=scale != 1.0 or what == "grad",
-                **stream_options(self.ctx.schedule),
-            )
-            mean = _mean(grad_fn.divisor)
-
-            lay, identity = jnp.asarray(self._layout), self._identity_layout
-            lay_sh = self.ctx.param_shardings[0]  # P("stage", *the leaf's model-axis spec)
-            stored = self._stored
-
-            def lg(params, b, step):
-                # tied arrays travel inside the program; their gradients come back folded into pre's
-                loss, grads = lg_stream(params, b, step)
-                if scale != 1.0:  # static loss scaling: undo it before anyone sees it
-                    loss, grads = jax.tree.map(lambda a: (a / scale).astype(a.dtype), (loss, grads))
-                return loss, grads
-
-            def lg_stream(params, b, step):
-                stage_p, pre_p, post_p = params
-                if stored or identity:
-                    return grad_fn(stage_p, pre_p, post_p, b, step)
-                # the executor's layout: device-major chunks (Chimera: each device holds a replica per
-                # pipeline); the gradients of a stage's replicas are summed back
-                local = jax.lax.with_sharding_constraint(jax.tree.map(lambda a: a[lay], stage_p), lay_sh)
-                loss, (g_local, g_pre, g_post) = grad_fn(local, pre_p, post_p, b, step)
-                return loss, (
-                    jax.tree.map(lambda a, g: jnp.zeros_like(a).at[lay].add(g), stage_p, g_local),
-                    g_pre,
-                    g_post,
-                )
-
-            checks = self.ctx.checks
+            loss_and_sums, mean = self._gradient_sums(what, example)
             if what == "grad":
-
-                def grad_in_model_order(params, b, step):
-                    inputs, _, b = checks.checked(b, self.ctx.mesh)
-                    loss, sums = lg(params, b, step)
-                    g, g_pre, g_post = mean(sums)
-                    status = checks.status(inputs)
-                    return loss, (self._model_order(g), g_pre, g_post), status
-
-                self._compiled[key] = jax.jit(grad_in_model_order)
-                self._compiled[key] = guard_collectives(self._compiled[key], self.ctx.mesh)
+                self._compiled[key] = guard_collectives(
+                    jax.jit(self._grad_program(loss_and_sums, mean)), self.ctx.mesh
+                )
             else:
-                self._compiled[key] = self._step_program(lg, mean, state_sh)
+                self._compiled[key] = self._step_program(loss_and_sums, mean, state_sh)
         return self._compiled[key]
 
-    def _step_program(self, lg, mean, state_sh):
-        """The jitted, state-donating step: ``lg``'s loss and gradient sums, the update gated on the batch's
-        checks and a finite loss, the metrics."""
+    def _gradient_sums(self, what: str, example):
+        """``(loss_and_sums(params, batch, step) -> (loss, (stage, pre, post) sums), mean)``: the executor's
+        loss and gradient sums of the stream on a batch of ``example``'s shapes, in the state's layout, the
+        static loss scale undone; ``mean`` divides the sums as the executor left them."""
+        scale = 1.0 if self.ctx.precision is None else float(self.ctx.precision.loss_scale)
+        M, n_dp = self.ctx.schedule.M, self.ctx.data_parallel  # backward halving: M units
+        microbatch = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct((a.shape[0] // (n_dp * M),) + tuple(a.shape[1:]), a.dtype),
+            example,
+        )
+        grad_fn = make_stream_grad_fn(
+            self._scaled(scale),
+            self.stream,
+            self.ctx.mesh,
+            microbatch,
+            M,
+            nan_bubbles=self.ctx.nan_bubbles,
+            seed=self.ctx.seed,
+            perms=exchange_perms(self.ctx.schedule) if self._identity_layout else None,
+            # loss_and_grad: each gradient divided as it is added (no pass after the loop); the step
+            # divides inside its update, where it fuses
+            divide=scale != 1.0 or what == "grad",
+            **stream_options(self.ctx.schedule),
+        )
+        layout, in_place = jnp.asarray(self._layout), self._stored or self._identity_layout
+        layout_sh = self.ctx.param_shardings[0]  # P("stage", *the leaf's model-axis spec)
+
+        def in_executor_layout(params, b, step):
+            stage_p, pre_p, post_p = params
+            if in_place:
+                return grad_fn(stage_p, pre_p, post_p, b, step)
+            # the executor's layout: device-major chunks (Chimera: each device holds a replica per
+            # pipeline); the gradients of a stage's replicas are summed back
+            local = jax.lax.with_sharding_constraint(jax.tree.map(lambda a: a[layout], stage_p), layout_sh)
+            loss, (g_local, g_pre, g_post) = grad_fn(local, pre_p, post_p, b, step)
+            g_stage = jax.tree.map(lambda a, g: jnp.zeros_like(a).at[layout].add(g), stage_p, g_local)
+            return loss, (g_stage, g_pre, g_post)
+
+        def loss_and_sums(params, b, step):
+            # tied arrays travel inside the program; their gradients come back folded into pre's
+            loss, sums = in_executor_layout(params, b, step)
+            if scale != 1.0:  # static loss scaling: undo it before anyone sees it
+                loss, sums = jax.tree.map(lambda a: (a / scale).astype(a.dtype), (loss, sums))
+            return loss, sums
+
+        return loss_and_sums, _mean(grad_fn.divisor)
+
+    def _grad_program(self, loss_and_sums, mean):
+        """``loss_and_grad``'s function: the batch's checks, the loss, the mean gradients in the model's
+        order, the checks' status."""
+        checks = self.ctx.checks
+
+        def grad_in_model_order(params, b, step):
+            inputs, _, b = checks.checked(b, self.ctx.mesh)
+            loss, sums = loss_and_sums(params, b, step)
+            g, g_pre, g_post = mean(sums)
+            status = checks.status(inputs)
+            return loss, (self._model_order(g), g_pre, g_post), status
+
+        return grad_in_model_order
+
+    def _step_program(self, loss_and_sums, mean, state_sh):
+        """The jitted, state-donating step: ``loss_and_sums``' loss and gradient sums, the update gated on the
+        batch's checks and a finite loss, the metrics."""
         opt, skip, checks = self.ctx.optimizer, self.ctx.skip_nonfinite, self.ctx.checks
         by_select = branches_refused(self.ctx.mesh)
 
         def step(state: PipelineState, b):
             inputs, ok_in, b = checks.checked(b, self.ctx.mesh)
-            loss, sums = lg(state.params, b, state.step)
+            loss, sums = loss_and_sums(state.params, b, state.step)
             gnorm = optax.tree.norm(mean(sums))
             finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
             applied = ok_in & finite  # never an update from a bad batch or a non-finite gradient
