@@ -142,89 +142,80 @@ class AvgPipeRunner:
         return schedules.build("avgpipe", self.D, self.M, advance=advance)
 
     def _fn(self, advance: int, batch, state):
+        """The jitted, state-donating step that advances the pipelines by ``advance``, compiled once per batch
+        shapes."""
         example = jax.tree.map(lambda l: jax.ShapeDtypeStruct(np.shape(l), l.dtype), batch)
         state_sh = jax.tree.map(lambda a: a.sharding, state)
         key = (advance, jax.tree.structure(example), tuple(jax.tree.leaves(example)))
         if key not in self._fns:
-            ctx = self.ctx
-            tx, N, M = self.tx, self.N, self.M
-            seed = ctx.seed
-            sched = self.schedule(advance)
-            stream, sopts = one_call(lane_plan(sched)), stream_options(sched)
-            n_dp = ctx.mesh.shape[PIPE] * ctx.mesh.shape[DATA]
-            mb = jax.tree.map(
-                lambda a: jax.ShapeDtypeStruct((a.shape[0] // (n_dp * M),) + tuple(a.shape[1:]), a.dtype),
-                example,
-            )
-            if self.shared is None:
-                # tied arrays travel inside the program; their gradients come back folded into pre's
-                grad_fn = make_stream_grad_fn(
-                    ctx.model,
-                    stream,
-                    ctx.mesh,
-                    mb,
-                    M,
-                    nan_bubbles=ctx.nan_bubbles,
-                    seed=seed,
-                    replicas=True,
-                    **sopts,
-                )
-
-                def replica_grads(params, b, step):
-                    return grad_fn(*params, b, step)
-            else:
-                avals = jax.eval_shape(to_executor, state.params)
-                grad_fn = make_stream_grad_fn(
-                    shared_model(ctx.model, N, avals),
-                    stream,
-                    ctx.mesh,
-                    mb,
-                    M,
-                    nan_bubbles=ctx.nan_bubbles,
-                    seed=seed,
-                    **sopts,
-                )
-
-                def replica_grads(params, b, step):
-                    total, grads = grad_fn(*to_executor(params), interleave_shares(b, N, M), step)
-                    return total / N, from_executor(
-                        grads
-                    )  # the replicas' mean loss (not separated per replica)
-
-            checks = ctx.checks
-
-            def step(state: AvgPipeState, b):
-                inputs, ok_in, b = checks.checked(b, ctx.mesh)
-                losses, grads = replica_grads(state.params, b, state.step)
-                gnorm = jax.vmap(optax.tree.norm)(grads)
-                finite = jnp.all(jnp.isfinite(losses)) & jnp.all(jnp.isfinite(gnorm))
-                applied = ok_in & finite  # as the synchronous runner: no update from a failed check
-
-                def update(params, opt_state):
-                    updates, opt_state = tx.update(grads, opt_state, params)
-                    return optax.apply_updates(params, updates), opt_state
-
-                params, opt_state = gate(
-                    applied, update, (state.params, state.opt_state), branches_refused(ctx.mesh)
-                )
-                count = state.step + applied.astype(state.step.dtype)
-                metrics = {
-                    "loss": jnp.mean(losses),
-                    "grad_norm": gnorm,
-                    "step": count,
-                    STATUS: checks.status(inputs, ~finite),
-                }
-                if self.shared is None:  # shared: one summed loss, no per-pipeline split
-                    metrics["pipe_losses"] = losses
-                return AvgPipeState(params, opt_state, count), metrics
-
-            rep = NamedSharding(ctx.mesh, P())
+            step = self._step(self._replica_grads(advance, example, state))
+            rep = NamedSharding(self.ctx.mesh, P())
             names = ("loss", "grad_norm", "step") + (("pipe_losses",) if self.shared is None else ())
-            self._fns[key] = jax.jit(
-                step, donate_argnums=(0,), out_shardings=(state_sh, {k: rep for k in names + (STATUS,)})
+            self._fns[key] = guard_collectives(
+                jax.jit(
+                    step, donate_argnums=(0,), out_shardings=(state_sh, {k: rep for k in names + (STATUS,)})
+                ),
+                self.ctx.mesh,
             )
-            self._fns[key] = guard_collectives(self._fns[key], self.ctx.mesh)
         return self._fns[key]
+
+    def _replica_grads(self, advance: int, example, state):
+        """``replica_grads(params, batch, step) -> (losses, grads)``: each pipeline's loss and gradient on
+        its share of a batch of ``example``'s shapes (shared weights: the replicas' mean loss, not separated
+        per replica)."""
+        ctx, N, M = self.ctx, self.N, self.M
+        sched = self.schedule(advance)
+        stream, options = one_call(lane_plan(sched)), stream_options(sched)
+        n_dp = ctx.mesh.shape[PIPE] * ctx.mesh.shape[DATA]
+        microbatch = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct((a.shape[0] // (n_dp * M),) + tuple(a.shape[1:]), a.dtype),
+            example,
+        )
+        common = dict(nan_bubbles=ctx.nan_bubbles, seed=ctx.seed, **options)
+        if self.shared is None:
+            # tied arrays travel inside the program; their gradients come back folded into pre's
+            grad_fn = make_stream_grad_fn(ctx.model, stream, ctx.mesh, microbatch, M, replicas=True, **common)
+            return lambda params, b, step: grad_fn(*params, b, step)
+        model = shared_model(ctx.model, N, jax.eval_shape(to_executor, state.params))
+        grad_fn = make_stream_grad_fn(model, stream, ctx.mesh, microbatch, M, **common)
+
+        def replica_grads(params, b, step):
+            total, grads = grad_fn(*to_executor(params), interleave_shares(b, N, M), step)
+            return total / N, from_executor(grads)
+
+        return replica_grads
+
+    def _step(self, replica_grads):
+        """The step: the batch's checks, each pipeline's loss and gradient, its update where the checks
+        passed and every loss and gradient norm is finite, the metrics."""
+        ctx, tx, checks = self.ctx, self.tx, self.ctx.checks
+
+        def step(state: AvgPipeState, b):
+            inputs, ok_in, b = checks.checked(b, ctx.mesh)
+            losses, grads = replica_grads(state.params, b, state.step)
+            gnorm = jax.vmap(optax.tree.norm)(grads)
+            finite = jnp.all(jnp.isfinite(losses)) & jnp.all(jnp.isfinite(gnorm))
+            applied = ok_in & finite  # as the synchronous runner: no update from a failed check
+
+            def update(params, opt_state):
+                updates, opt_state = tx.update(grads, opt_state, params)
+                return optax.apply_updates(params, updates), opt_state
+
+            params, opt_state = gate(
+                applied, update, (state.params, state.opt_state), branches_refused(ctx.mesh)
+            )
+            count = state.step + applied.astype(state.step.dtype)
+            metrics = {
+                "loss": jnp.mean(losses),
+                "grad_norm": gnorm,
+                "step": count,
+                STATUS: checks.status(inputs, ~finite),
+            }
+            if self.shared is None:  # shared: one summed loss, no per-pipeline split
+                metrics["pipe_losses"] = losses
+            return AvgPipeState(params, opt_state, count), metrics
+
+        return step
 
     in_flight = False  # every pipeline flushes each step
 
