@@ -738,6 +738,13 @@ MUTATIONS = [
         "tests/test_trainer_api.py::test_a_step_is_refused_on_its_loss_and_grad_norm_not_only_on_a_skip_flag",
     ),
     Mutation(
+        "stop_vote_read_at_once",
+        "jaxpipe/training/stopping.py",
+        "        return None if previous is None else np.asarray(previous).reshape(-1)\n",
+        "        return np.asarray(self._pending).reshape(-1)\n",
+        "tests/test_stop_agreement.py::test_overlapped_steps_read_the_peers_flags_one_vote_late",
+    ),
+    Mutation(
         "overlap_error_loses_the_step_ahead",
         "jaxpipe/training/loop.py",
         "            if ahead is not None:\n                try:\n",

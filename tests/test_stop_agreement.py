@@ -30,7 +30,7 @@ def _agree(monkeypatch, told, this=0, own_reason=None):
             else pytest.fail(f"process {this} sent {int(x)}, its flag is {told[this]}")
         ),
     )
-    trainer = types.SimpleNamespace(stop=stop)
+    trainer = types.SimpleNamespace(stop=stop, opts=types.SimpleNamespace(overlap_steps=False), _vote=None)
     return loop.Trainer._agreed_stop(trainer), stop
 
 
@@ -61,3 +61,25 @@ def test_a_second_request_keeps_the_first_cause():
     first.request("stop_at_step=3")
     first.request("a stop signal to process 0")
     assert first.reason == "stop_at_step=3"
+
+
+def test_overlapped_steps_read_the_peers_flags_one_vote_late(monkeypatch):
+    """With ``overlap_steps`` each step's gather is read at the next step (it would otherwise wait for the
+    step in flight): process 1's flag, cast at the second step, stops process 0 at the third -- and every
+    process reads the same votes at the same step."""
+    import jax
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    peer_flags = iter([0, 1, 1])
+    sent = []
+
+    def gather(flag):
+        sent.append(flag)
+        return np.array([int(flag), next(peer_flags)], np.int32)
+
+    trainer = types.SimpleNamespace(
+        stop=Stop(1.0), opts=types.SimpleNamespace(overlap_steps=True), _vote=loop.LaggedVote(gather)
+    )
+    agreed = [loop.Trainer._agreed_stop(trainer) for _ in range(3)]
+    assert agreed == [False, False, True] and sent == [False, False, False]
+    assert trainer.stop.reason == "a stop signal to process 1"

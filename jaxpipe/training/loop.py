@@ -27,7 +27,7 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence
 from jaxpipe.errors import ConfigError
 from jaxpipe.training import streams
 from jaxpipe.training.records import MetricsLog, TensorBoard
-from jaxpipe.training.stopping import Stop, guard_streams
+from jaxpipe.training.stopping import LaggedVote, Stop, guard_streams
 
 #: the exit status of a job stopped by a signal (what a preempted process is expected to return)
 STOPPED_EXIT = 143
@@ -279,6 +279,7 @@ class Trainer:
                     f"({'evaluate(params, batch) -> dict' if name == 'evaluate' else 'hook(trainer, step)'})"
                 )
         self.ckpt, self.stop, self._eval_loss, self._lrs = None, None, None, None
+        self._vote: Optional[LaggedVote] = None  # the stop flags' gather (several processes, overlapped)
 
     # ------------------------------------------------------------------ the run
     def run(self, state=None) -> TrainResult:
@@ -620,15 +621,24 @@ class Trainer:
 
     def _agreed_stop(self) -> bool:
         """Whether any process was told to stop: every process must stop after the same step, or the
-        collective checkpoint save of one waits forever for the others (a tiny allgather per step)."""
+        collective checkpoint save of one waits forever for the others (a tiny allgather per step).  With
+        ``overlap_steps`` the flags are read one step late (:class:`~.stopping.LaggedVote`): read at once,
+        the gather waited for the step in flight."""
         import jax
         import numpy as np
 
         if jax.process_count() == 1:
             return bool(self.stop)
-        from jax.experimental import multihost_utils
+        if self.opts.overlap_steps:
+            if self._vote is None:
+                self._vote = LaggedVote()
+            told = self._vote.cast(bool(self.stop))
+            if told is None:
+                return False
+        else:
+            from jax.experimental import multihost_utils
 
-        told = multihost_utils.process_allgather(np.int32(1 if self.stop else 0))
+            told = multihost_utils.process_allgather(np.int32(1 if self.stop else 0))
         if np.any(told):
             self.stop.request(f"a stop signal to process {int(np.argmax(told))}")
         return bool(np.any(told))

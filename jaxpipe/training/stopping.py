@@ -246,3 +246,53 @@ class Stop:
         return "received: " + ", ".join(
             f"{name} at +{t - t0:.1f} s (parent pid {pp})" for t, name, pp in self._received
         )
+
+
+class LaggedVote:
+    """Every process's stop flag, gathered on the devices and read one vote later, so that the host never
+    waits for the step in flight to learn its peers' flags.
+
+    A gather read at once is a collective queued behind the step just dispatched: the host would wait for
+    that step before it could dispatch the next, and the devices would idle through the host's work between
+    steps.  :meth:`cast` starts this vote's gather and reads the previous one's, which finished with the step
+    before.  Every process casts once per step, so every process reads the same votes at the same step.
+
+    Args:
+        gather: ``gather(flag) -> array`` of every process's flag, not yet read (default: an identity
+            program from one device per process to all of them)."""
+
+    def __init__(self, gather: Optional[Callable] = None):
+        self._gather = gather
+        self._pending = None
+
+    def cast(self, flag: bool):
+        """Start gathering ``flag``; every process's flag of the previous vote (an int32 array, one per
+        process), or None at the first."""
+        import numpy as np
+
+        if self._gather is None:
+            self._gather = _device_gather()
+        previous, self._pending = self._pending, self._gather(bool(flag))
+        return None if previous is None else np.asarray(previous).reshape(-1)
+
+
+def _device_gather() -> Callable:
+    """``gather(flag)``: this process's flag on its first device, replicated to every process's first device
+    by one program (an all-gather XLA runs with the devices' other work, in order)."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    n = jax.process_count()
+    devices = np.array([jax.local_devices(process_index=p)[0] for p in range(n)])
+    mesh = Mesh(devices, ("process",))
+    spread, everywhere = NamedSharding(mesh, P("process")), NamedSharding(mesh, P())
+    replicate = jax.jit(lambda votes: votes, out_shardings=everywhere)
+    mine = jax.local_devices()[0]
+
+    def gather(flag: bool):
+        local = jax.device_put(np.array([int(flag)], np.int32), mine)
+        votes = jax.make_array_from_single_device_arrays((n,), spread, [local])
+        return replicate(votes).addressable_data(0)
+
+    return gather
