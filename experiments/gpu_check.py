@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import NamedTuple
 
 from absl import flags
 
@@ -108,22 +109,44 @@ def _offload_policy():
     )
 
 
+class _PipelineStep(NamedTuple):
+    """``Pipeline.step`` as timed: a blocked call, a streamed call (seconds), its XLA temp (bytes)."""
+
+    blocked: float
+    streamed: float
+    temp: float
+
+
 def measure(label, layers, width, rows, M) -> list:
     """The rows of the table for one size: ``[(what, value)]``."""
     import jax
     import jax.numpy as jnp
-    import optax
-
-    from jaxpipe.bench import compiled_costs, plain_train_step
-    from experiments.sketch_two_lane import sketch_loss_and_grad
 
     model = _model(layers, width)
     key = jax.random.key(1)
     batch = {"x": jax.random.normal(key, (rows, width)), "y": jnp.zeros((rows, width))}
-    calls, rounds = FLAGS.calls, FLAGS.rounds
-    out = []
+    pipe = _pipeline(model, M)
+    pbatch = pipe.shard_batch(batch)
+    out = _gradient_rows(model, pipe, batch, pbatch, M)
+    rows_of_steps, timed = _step_rows(model, pipe, batch, pbatch, M)
+    out += rows_of_steps
+    out.append(
+        ("four back-to-back calls return at (blocked steps)", _four_calls(pipe, pbatch, timed.blocked))
+    )
+    out.append(_loop_row(pipe, pbatch))
+    out.append(("offloading residual policy", _offload(model, pbatch, M, timed)))
+    return [(f"{label}, M = {M}", "")] + out
 
-    # the gradient alone: plain accumulation, jaxpipe's program, the sketch
+
+def _gradient_rows(model, pipe, batch, pbatch, M) -> list:
+    """The gradient alone, streamed: the plain ``lax.scan`` accumulation, jaxpipe's 1F1B program, the
+    two-lane sketch."""
+    import jax
+    import jax.numpy as jnp
+
+    from experiments.sketch_two_lane import sketch_loss_and_grad
+
+    calls, rounds = FLAGS.calls, FLAGS.rounds
     plain_grad = jax.jit(
         lambda p, b: jax.lax.scan(
             lambda acc, mb: (jax.tree.map(lambda a, g: a + g / M, acc, jax.grad(model.loss)(p, mb)), None),
@@ -132,19 +155,38 @@ def measure(label, layers, width, rows, M) -> list:
         )[0]
     )
     t_plain = _streamed(lambda: plain_grad(model.params, batch), calls, rounds)
-    pipe = _pipeline(model, M)
     state = pipe.init()
-    pbatch = pipe.shard_batch(batch)
     t_pipe = _streamed(lambda: pipe.loss_and_grad(state, pbatch)[1], calls, rounds)
     sketch, args = sketch_loss_and_grad(model.params[0][0], batch["x"], batch["y"], 1, M)
     t_sketch = _streamed(lambda: sketch(*args), calls, rounds)
-    out += [
+    return [
         ("loss_and_grad, plain accumulation", f"{t_plain * 1e3:.3f} ms"),
         ("loss_and_grad, jaxpipe 1F1B (D = 1)", f"{t_pipe / t_plain:.3f}x"),
         ("loss_and_grad, two-lane sketch (D = 1)", f"{t_sketch / t_plain:.3f}x"),
     ]
 
-    # AdamW steps: the plain step against Pipeline.step, blocked and streamed; XLA's bytes and temp
+
+class _Stepping:
+    """``pipe.step`` on a state of its own, kept between calls; a call returns the step's loss."""
+
+    def __init__(self, pipe, batch):
+        self.pipe, self.batch, self.state = pipe, batch, pipe.init()
+
+    def __call__(self):
+        self.state, metrics = self.pipe.step(self.state, self.batch)
+        return metrics["loss"]
+
+
+def _step_rows(model, pipe, batch, pbatch, M):
+    """``(rows, _PipelineStep)``: AdamW steps, the plain jitted step against ``Pipeline.step`` blocked and
+    streamed, and XLA's bytes accessed and temp of each compiled step."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from jaxpipe.bench import compiled_costs, plain_train_step
+
+    calls, rounds = FLAGS.calls, FLAGS.rounds
     opt = optax.adamw(1e-4)
     plain = plain_train_step(model, opt, M)
     params = jax.tree.map(jnp.copy, model.params)  # the plain step donates its arguments
@@ -154,17 +196,12 @@ def measure(label, layers, width, rows, M) -> list:
         box["p"], box["o"], loss = plain(box["p"], box["o"], batch)
         return loss
 
-    run = {"s": pipe.init()}
-
-    def pipe_step():
-        run["s"], metrics = pipe.step(run["s"], pbatch)
-        return metrics["loss"]
-
+    step = _Stepping(pipe, pbatch)
     b_plain, s_plain = _blocked(plain_step, rounds), _streamed(plain_step, calls, rounds)
-    b_pipe, s_pipe = _blocked(pipe_step, rounds), _streamed(pipe_step, calls, rounds)
+    b_pipe, s_pipe = _blocked(step, rounds), _streamed(step, calls, rounds)
     _, bytes_plain, temp_plain = compiled_costs(plain.lower(box["p"], box["o"], batch).compile())
-    _, bytes_pipe, temp_pipe = compiled_costs(pipe.lower("step", run["s"], pbatch).compile())
-    out += [
+    _, bytes_pipe, temp_pipe = compiled_costs(pipe.lower("step", step.state, pbatch).compile())
+    rows = [
         ("step, plain (blocked / streamed)", f"{b_plain * 1e3:.3f} / {s_plain * 1e3:.3f} ms"),
         ("step, Pipeline.step blocked / streamed", f"{b_pipe / b_plain:.3f}x / {s_pipe / s_plain:.3f}x"),
         (
@@ -172,43 +209,51 @@ def measure(label, layers, width, rows, M) -> list:
             f"{bytes_pipe / bytes_plain:.3f}x / {temp_pipe / max(temp_plain, 1):.3f}x",
         ),
     ]
+    return rows, _PipelineStep(b_pipe, s_pipe, temp_pipe)
 
-    # four back-to-back calls: when each returns, in blocked steps
-    jax.block_until_ready(pipe_step())
+
+def _four_calls(pipe, pbatch, blocked: float) -> str:
+    """When each of four back-to-back ``Pipeline.step`` calls returns, in blocked steps."""
+    import jax
+
+    step = _Stepping(pipe, pbatch)
+    jax.block_until_ready(step())
     returns, t0 = [], time.perf_counter()
     for _ in range(4):
-        pipe_step()
-        returns.append((time.perf_counter() - t0) / b_pipe)
-    jax.block_until_ready(run["s"])
-    out.append(("four back-to-back calls return at (blocked steps)", " / ".join(f"{r:.2f}" for r in returns)))
+        step()
+        returns.append((time.perf_counter() - t0) / blocked)
+    jax.block_until_ready(step.state)
+    return " / ".join(f"{r:.2f}" for r in returns)
 
-    # the training loop: jp.train, its metrics read while the next step runs or before it starts
+
+def _loop_row(pipe, pbatch):
+    """The training loop: ``jp.train``'s steady step, its metrics read while the next step runs or before
+    it starts, against a bare loop of ``Pipeline.step``."""
     from experiments.bench import LOOPS, loop_seconds
 
-    loops = loop_seconds(pipe, pbatch, 2 * calls)
-    out.append(
-        (
-            "jp.train overlapped / read one by one (x the bare pipe.step loop)",
-            f"{loops[LOOPS[1]] / loops[LOOPS[0]]:.3f}x / {loops[LOOPS[2]] / loops[LOOPS[0]]:.3f}x",
-        )
+    loops = loop_seconds(pipe, pbatch, 2 * FLAGS.calls)
+    return (
+        "jp.train overlapped / read one by one (x the bare pipe.step loop)",
+        f"{loops[LOOPS[1]] / loops[LOOPS[0]]:.3f}x / {loops[LOOPS[2]] / loops[LOOPS[0]]:.3f}x",
     )
 
-    # an offloading residual policy against keeping every residual
+
+def _offload(model, pbatch, M, timed: _PipelineStep) -> str:
+    """An offloading residual policy against keeping every residual: step time and temp (or why it did not
+    run: a backend without a host memory space, an XLA that refuses the offload)."""
+    from jaxpipe.bench import compiled_costs
+
     try:
         off = _pipeline(model, M, residuals=_offload_policy())
-        keep = {"s": off.init()}
-
-        def off_step():
-            keep["s"], metrics = off.step(keep["s"], pbatch)
-            return metrics["loss"]
-
-        s_off = _streamed(off_step, calls, rounds)
-        _, _, temp_off = compiled_costs(off.lower("step", keep["s"], pbatch).compile())
-        value = f"step {s_off / s_pipe:.3f}x, temp {temp_off / max(temp_pipe, 1):.3f}x of residuals='all'"
-    except Exception as e:  # a backend without a host memory space, or an XLA that refuses the offload
-        value = f"not run here: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
-    out.append(("offloading residual policy", value))
-    return [(f"{label}, M = {M}", "")] + out
+        step = _Stepping(off, pbatch)
+        s_off = _streamed(step, FLAGS.calls, FLAGS.rounds)
+        _, _, temp_off = compiled_costs(off.lower("step", step.state, pbatch).compile())
+        return (
+            f"step {s_off / timed.streamed:.3f}x, temp {temp_off / max(timed.temp, 1):.3f}x of "
+            "residuals='all'"
+        )
+    except Exception as e:  # noqa: BLE001 -- the row says why
+        return f"not run here: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
 
 
 def main(argv):

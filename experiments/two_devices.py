@@ -556,7 +556,7 @@ def _json_row(row: _Row, predicted: float) -> dict:
     }
 
 
-def _layer_costs(res, M: int, per: float, plain: float, given):
+def _model_layer_costs(res, M: int, per: float, plain: float, given):
     """One layer's costs: measured where taken; else ``--op_costs``' ratios; else the papers' count (b = 2
     f, a split backward's parts f each; the plain step's work is M x layers x (f + b_in + w))."""
     from jaxpipe.tune import LayerCosts
@@ -596,7 +596,7 @@ def _modelled(res, link, M, spec, placement, chosen_for, layout, t) -> _Row:
     # a tick's price as the pipeline measured it, less the one message it holds (priced by the link)
     priced = bool(chosen_for) and len(chosen_for) > 3
     meet = max(chosen_for[3] - link(act), 0.0) if priced else 0.0
-    lc = _layer_costs(res, M, per, plain, given)
+    lc = _model_layer_costs(res, M, per, plain, given)
     weights = per * FLAGS.width * FLAGS.width * 4
     parts = predict_devices(s, lc, per, 0.0, link, act, weights, placement=placement, rendezvous=meet)
     if priced:  # what Pipeline itself predicted, at the costs it measured

@@ -754,7 +754,7 @@ MUTATIONS = [
     Mutation(
         "overlap_reads_past_an_evaluation",
         "jaxpipe/training/loop.py",
-        "            or bool(o.eval_every and done % o.eval_every == 0)\n",
+        "            or bool(self.eval_batches and o.eval_every and done % o.eval_every == 0)\n",
         "",
         "tests/test_trainer_api.py::test_overlapped_steps_log_train_and_evaluate_as_steps_read_one_by_one",
     ),

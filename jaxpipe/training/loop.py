@@ -4,7 +4,7 @@ What a long job needs besides ``pipe.step``, for a :class:`~jaxpipe.Pipeline` of
 
 * checkpoints (Orbax, asynchronous) every ``checkpoint_every`` steps and at the end; a run that finds one
   resumes from it, its batches where the checkpoint left them (:mod:`jaxpipe.training.streams`);
-* stops: SIGTERM (preemption) or SIGINT end the run after the step in progress, with a checkpoint -- every
+* stops: SIGTERM (preemption) or SIGINT end the run after the step in flight, with a checkpoint -- every
   process of a multi-process job after the same step (:mod:`jaxpipe.training.stopping`); a worker of
   ``experiments.launch`` also stops when its launcher is gone and tells the launcher's watchdog of each step;
 * a NaN or Inf loss or gradient: ``on_nonfinite="stop"`` raises :class:`NonFiniteLoss` naming the step and
@@ -12,7 +12,9 @@ What a long job needs besides ``pipe.step``, for a :class:`~jaxpipe.Pipeline` of
   (synchronous schedules, ``Pipeline(skip_nonfinite=True)``) skips such updates and counts them;
 * evaluation every ``eval_every`` steps on held-out batches (the model's loss, plus ``evaluate``'s measures);
 * progress (a bar on a terminal, a line every ``progress_every`` steps otherwise), ``metrics.jsonl``,
-  TensorBoard event files, and ``summary.json`` in ``out_dir``.
+  TensorBoard event files, and ``summary.json`` in ``out_dir``;
+* a step's loss read once the next step is dispatched (``overlap_steps``), so that the devices never wait
+  for the host between steps.
 """
 
 from __future__ import annotations
@@ -352,7 +354,8 @@ class Trainer:
             print(f"jaxpipe: {note}", file=sys.stderr, flush=True)
 
     def request_stop(self, reason: str) -> None:
-        """Stop after the current step, with a checkpoint, as a SIGTERM would (for hooks).
+        """Stop after the step in flight, with a checkpoint, as a SIGTERM would (for hooks; with
+        ``overlap_steps`` the step after the one the hook was called for is already running).
 
         Args:
             reason: said in the stop's line and kept as ``TrainResult.stopped``."""
@@ -462,11 +465,12 @@ class Trainer:
 
     def _read_now(self, done: int) -> bool:
         """Whether step ``done`` must be read before the next step starts: it is the last, it saves a
-        checkpoint, or it evaluates -- each needs its own state, which the next step consumes."""
+        checkpoint, or it evaluates on ``eval_batches`` -- each needs its own state, which the next step
+        consumes."""
         o = self.opts
         return (
             done == o.steps
-            or bool(o.eval_every and done % o.eval_every == 0)
+            or bool(self.eval_batches and o.eval_every and done % o.eval_every == 0)
             or (self.ckpt is not None and self.ckpt.due(done))
         )
 
