@@ -326,40 +326,14 @@ def run(argv):
 
     primary = jax.process_index() == 0
     say = print if primary else (lambda *a, **k: None)
-    from jaxpipe.training.loop import check_directory
-
-    for name in ("out_dir", "checkpoint_dir"):
-        if FLAGS[name].value:
-            check_directory(FLAGS[name].value, f"--{name}")
-    os.makedirs(FLAGS.out_dir, exist_ok=True)
-    if FLAGS.save_params:  # checked before training: a path that cannot be written loses the run's result
-        from jaxpipe.checkpoint import check_params_path
-
-        FLAGS.save_params = check_params_path(FLAGS.save_params, "--save_params")
+    _check_paths()
     if FLAGS.auto:
         _auto_configure(jp, say)
     pipe, parts, sched = _build_pipeline(jp)
     state = pipe.init()
     _describe(jp, pipe, state, n_proc, say)
     if primary:
-        # the resolved configuration (--flagfile=<out_dir>/config.flags reruns it), less one process's
-        # identity
-        # and the debug switches
-        from jaxpipe.cli.run_records import save_config
-
-        save_config(
-            FLAGS.out_dir,
-            skip=(
-                "flagfile",
-                "coordinator",
-                "process_id",
-                "fail_at_step",
-                "fail_process",
-                "stall_at_step",
-                "stop_at_step",
-                "throttle_s",
-            ),
-        )
+        _save_resolved_flags()
     try:
         result = jp.train(
             pipe,
@@ -368,30 +342,7 @@ def run(argv):
             evaluate=parts.evaluate,
             hooks=[_debug_hook],
             state=state,
-            steps=FLAGS.steps,
-            out_dir=FLAGS.out_dir,
-            eval_every=FLAGS.eval_every,
-            checkpoint_dir=FLAGS.checkpoint_dir,
-            checkpoint_every=FLAGS.checkpoint_every,
-            checkpoint_keep=FLAGS.checkpoint_keep,
-            on_nonfinite=FLAGS.on_nonfinite,
-            # a fault injected after step N acts at step N, not after the step in flight
-            overlap_steps=FLAGS.overlap_steps
-            and not (FLAGS.stop_at_step or FLAGS.fail_at_step or FLAGS.stall_at_step),
-            progress=FLAGS.progress,
-            progress_every=FLAGS.progress_every,
-            tensorboard=FLAGS.tensorboard,
-            stop_grace_s=FLAGS.stop_grace_s,
-            learning_rate=sched,
-            units=parts.unit,
-            units_per_step=FLAGS.batch * parts.per_row,
-            describe={
-                "model": FLAGS.model,
-                "schedule": FLAGS.schedule,
-                "stages": FLAGS.stages,
-                "data": FLAGS.data,
-                "microbatches": FLAGS.microbatches,
-            },
+            **_train_options(parts, sched),
         )
     except jp.training.NonFiniteLoss as e:
         sys.stderr.write(f"\njaxpipe: {e}\n")
@@ -400,6 +351,71 @@ def run(argv):
         _save_params(jp, pipe, result.state, primary, parts.to_modules)
     if result.summary is not None:
         _report(jp, pipe, parts.model, result, primary)
+
+
+def _check_paths() -> None:
+    """``--out_dir``, ``--checkpoint_dir`` and ``--save_params`` checked before anything runs: a path that
+    cannot be written would lose the run's result at its end."""
+    from jaxpipe.training.loop import check_directory
+
+    for name in ("out_dir", "checkpoint_dir"):
+        if FLAGS[name].value:
+            check_directory(FLAGS[name].value, f"--{name}")
+    os.makedirs(FLAGS.out_dir, exist_ok=True)
+    if FLAGS.save_params:
+        from jaxpipe.checkpoint import check_params_path
+
+        FLAGS.save_params = check_params_path(FLAGS.save_params, "--save_params")
+
+
+#: flags left out of ``config.flags``: one process's identity and the debug switches
+NOT_RERUN = (
+    "flagfile",
+    "coordinator",
+    "process_id",
+    "fail_at_step",
+    "fail_process",
+    "stall_at_step",
+    "stop_at_step",
+    "throttle_s",
+)
+
+
+def _save_resolved_flags() -> None:
+    """The resolved configuration in ``<out_dir>/config.flags`` (``--flagfile=`` reruns it)."""
+    from jaxpipe.cli.run_records import save_config
+
+    save_config(FLAGS.out_dir, skip=NOT_RERUN)
+
+
+def _train_options(parts, sched) -> dict:
+    """:class:`jaxpipe.training.TrainOptions` from the flags."""
+    return dict(
+        steps=FLAGS.steps,
+        out_dir=FLAGS.out_dir,
+        eval_every=FLAGS.eval_every,
+        checkpoint_dir=FLAGS.checkpoint_dir,
+        checkpoint_every=FLAGS.checkpoint_every,
+        checkpoint_keep=FLAGS.checkpoint_keep,
+        on_nonfinite=FLAGS.on_nonfinite,
+        # a fault injected after step N acts at step N, not after the step in flight
+        overlap_steps=FLAGS.overlap_steps
+        and not (FLAGS.stop_at_step or FLAGS.fail_at_step or FLAGS.stall_at_step),
+        progress=FLAGS.progress,
+        progress_every=FLAGS.progress_every,
+        tensorboard=FLAGS.tensorboard,
+        stop_grace_s=FLAGS.stop_grace_s,
+        learning_rate=sched,
+        units=parts.unit,
+        units_per_step=FLAGS.batch * parts.per_row,
+        describe={
+            "model": FLAGS.model,
+            "schedule": FLAGS.schedule,
+            "stages": FLAGS.stages,
+            "data": FLAGS.data,
+            "microbatches": FLAGS.microbatches,
+        },
+    )
 
 
 def choose(argv):
