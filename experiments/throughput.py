@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import NamedTuple, Optional
 
 from jaxpipe.cli import common as cli
 from absl import app, flags
@@ -157,162 +158,220 @@ def benchmark_setup(timing: str):
     return opt, model, batch
 
 
-def build_runners(names, model, batch, opt):
-    """Every runner the rows of ``names`` need, with the plain steps each is compared with: a namespace of
-    ``runners`` (name -> closure running one step), ``infos`` (one per schedule), ``base_of`` (schedule ->
-    its plain runner), ``model_of``, ``opts`` (schedules run with another optimizer), ``variant_opts`` and
-    ``predicting`` (schedule -> the plain step making its weight predictions)."""
-    import types
-    import jaxpipe as jp
-    from experiments.bench import (
-        cyclic_runner,
-        pipeline_runner,
-        plain_predicting_runner,
-        plain_runner,
-        sync_dp_runner,
-    )
-    from jaxpipe.bench import make_tanh_mlp
-    from jaxpipe.optim.policies import pipeoptim_distance, spectrain_distances
+#: the rows that run a built-in schedule under another name (a variant's options or model)
+VARIANT_OF = {"1f1b_pytree": "1f1b", "zb_h1_recompute": "zb_h1"}
 
-    runners = {
-        "accum": plain_runner(model, batch, FLAGS.microbatches, opt),
-        "unchunked": plain_runner(model, batch, 1, opt),
-    }
-    infos = []
-    opts, base_of, model_of, variant_opts, predicting = {}, {}, {}, {}, {}
-    base_name = lambda n: {"1f1b_pytree": "1f1b", "zb_h1_recompute": "zb_h1"}.get(n, n)
-    for name in names:
-        o, m, devices = opt, model, 0
+
+def base_name(name: str) -> str:
+    """The built-in schedule a row ``name`` runs."""
+    return VARIANT_OF.get(name, name)
+
+
+class Runners:
+    """Every runner the rows need, with the plain steps each is compared with (:func:`build_runners`).
+
+    Attributes:
+        runners: name -> a closure running one step (the rows' and the plain steps').
+        infos: one dict per row (the pipeline's figures: bubble, temp, weight versions, ...).
+        base_of: row -> the plain runner it is compared with (default ``"accum"``).
+        model_of: row -> ``(model, devices)`` it runs (devices 0: every stage its own).
+        opts: row -> the optimizer it runs with where not ``--optimizer``.
+        variant_opts: row -> its schedule options.
+        predicting: row -> the plain runner making its weight predictions."""
+
+    def __init__(self, model, batch, opt):
+        from experiments.bench import plain_runner
+
+        self.model, self.batch, self.opt = model, batch, opt
+        self.runners = {
+            "accum": plain_runner(model, batch, FLAGS.microbatches, opt),
+            "unchunked": plain_runner(model, batch, 1, opt),
+        }
+        self.infos = []
+        self.opts, self.base_of, self.model_of, self.variant_opts, self.predicting = {}, {}, {}, {}, {}
+
+    def add(self, name: str) -> None:
+        """Row ``name``'s runner and the plain steps it is compared with."""
+        import jaxpipe as jp
+        from jaxpipe.bench import make_tanh_mlp
+
+        opt, model, devices = self.opt, self.model, 0
         if name in jp.schedules.METHODS and jp.schedules.method(name).stages_per_device({"virtual": 2}) == 2:
-            # two model chunks per device: the same layers cut into 2D stages, the same plain step math
-            v = 2
-            if FLAGS.layers % (v * FLAGS.stages):
-                raise app.UsageError(f"{name} needs --layers divisible by 2 x --stages")
-            m = make_tanh_mlp(v * FLAGS.stages, FLAGS.layers // (v * FLAGS.stages), FLAGS.width)
-            devices = FLAGS.stages
-            runners.setdefault("accum_v2", plain_runner(m, batch, FLAGS.microbatches, opt))
-            base_of[name] = "accum_v2"
+            model, devices = self._two_chunks(name), FLAGS.stages
         if name == "1f1b_pytree":  # 1f1b with the activation sent as a pair of halves (same math)
-            m = make_tanh_mlp(FLAGS.stages, FLAGS.layers // FLAGS.stages, FLAGS.width, pytree=True)
-        model_of[name] = (m, devices)
+            model = make_tanh_mlp(FLAGS.stages, FLAGS.layers // FLAGS.stages, FLAGS.width, pytree=True)
+        self.model_of[name] = (model, devices)
         if name == "zb_h1_recompute":
-            variant_opts[name] = {"w_from": "recompute"}
+            self.variant_opts[name] = {"w_from": "recompute"}
         if name in ("pipedream", "pipeoptim", "spectrain"):
-            # updates after every micro-batch: the plain step doing the same work runs M (gradient, update)
-            # micro-steps
-            oname = "momentum" if name == "spectrain" and FLAGS.optimizer != "momentum" else FLAGS.optimizer
-            key_ = f"micro_{oname}"
-            runners.setdefault(
-                key_,
-                plain_runner(
-                    model, batch, FLAGS.microbatches, jp.optim.by_name(oname, 1e-3), per_microbatch=True
-                ),
-            )
-            base_of[name] = key_
-            if name != "pipedream":
-                # and the same micro-steps with the method's own weight predictions (one device, no pipeline):
-                # the work prediction adds, which the pipeline cannot remove
-                dist = (
-                    spectrain_distances(FLAGS.stages)
-                    if name == "spectrain"
-                    else (pipeoptim_distance(FLAGS.stages), None)
-                )
-                predicting[name] = f"{key_}_predicting_{name}"
-                runners.setdefault(
-                    predicting[name],
-                    plain_predicting_runner(
-                        model, batch, FLAGS.microbatches, jp.optim.by_name(oname, 1e-3), *dist
-                    ),
-                )
+            self._micro_steps(name)
         if name == "avgpipe":  # one plain accumulating step per pipeline's share of the batch
-            runners.setdefault("accum_shares2", plain_runner(model, batch, FLAGS.microbatches, opt, parts=2))
-            base_of[name] = "accum_shares2"
+            self._plain("accum_shares2", FLAGS.microbatches, parts=2)
+            self.base_of[name] = "accum_shares2"
         if name == "spectrain" and FLAGS.optimizer != "momentum":
-            o = jp.optim.by_name("momentum", 1e-3)  # SpecTrain needs a momentum buffer
-            opts[name] = "momentum"
+            opt = jp.optim.by_name("momentum", 1e-3)  # SpecTrain needs a momentum buffer
+            self.opts[name] = "momentum"
         if name.startswith("cdp_dp_"):
-            # Cyclic Data Parallelism, DP form: D workers, one micro-batch each: the plain step to compare
-            # with accumulates D micro-batches
-            runners.setdefault("accum_D", plain_runner(model, batch, FLAGS.stages, opt))
-            # and the synchronous DP step it replaces, on the same emulated devices (printed below the table)
-            runners.setdefault("sync_dp", sync_dp_runner(model, batch, FLAGS.stages, opt))
-            base_of[name] = "accum_D"
-            run, info = cyclic_runner(name[len("cdp_dp_") :], model, batch, o)
-            runners[name] = run
-            infos.append(info)
-            continue
+            self._cyclic(name, opt)
+            return
+        from experiments.bench import pipeline_runner
+
         pipes = 2 if name == "avgpipe" else 1  # two parallel pipelines, the batch split between them
         run, info = pipeline_runner(
             base_name(name),
-            m,
-            batch,
+            model,
+            self.batch,
             FLAGS.microbatches,
-            o,
+            opt,
             devices=devices,
             pipes=pipes,
-            options=variant_opts.get(name),
+            options=self.variant_opts.get(name),
         )
-        runners[name] = run
-        infos.append({**info, "schedule": name})
-    return types.SimpleNamespace(
-        runners=runners,
-        infos=infos,
-        base_of=base_of,
-        model_of=model_of,
-        opts=opts,
-        variant_opts=variant_opts,
-        predicting=predicting,
-        base_name=base_name,
-    )
+        self.runners[name] = run
+        self.infos.append({**info, "schedule": name})
+
+    def _plain(self, key: str, microbatches: int, model=None, opt=None, **kw) -> None:
+        from experiments.bench import plain_runner
+
+        model = self.model if model is None else model
+        opt = self.opt if opt is None else opt
+        if key not in self.runners:
+            self.runners[key] = plain_runner(model, self.batch, microbatches, opt, **kw)
+
+    def _two_chunks(self, name: str):
+        """Two model chunks a device: the same layers cut into 2D stages, compared with the same plain step
+        math on that cut (``accum_v2``)."""
+        from jaxpipe.bench import make_tanh_mlp
+
+        v = 2
+        if FLAGS.layers % (v * FLAGS.stages):
+            raise app.UsageError(f"{name} needs --layers divisible by 2 x --stages")
+        model = make_tanh_mlp(v * FLAGS.stages, FLAGS.layers // (v * FLAGS.stages), FLAGS.width)
+        self._plain("accum_v2", FLAGS.microbatches, model=model)
+        self.base_of[name] = "accum_v2"
+        return model
+
+    def _micro_steps(self, name: str) -> None:
+        """A method that updates after every micro-batch: the plain step doing the same work runs M
+        (gradient, update) micro-steps; and (SpecTrain, PipeOptim) the same micro-steps with the method's own
+        weight predictions on one device -- the work prediction adds, which the pipeline cannot remove."""
+        import jaxpipe as jp
+        from experiments.bench import plain_predicting_runner
+        from jaxpipe.optim.policies import pipeoptim_distance, spectrain_distances
+
+        oname = "momentum" if name == "spectrain" and FLAGS.optimizer != "momentum" else FLAGS.optimizer
+        key = f"micro_{oname}"
+        opt = jp.optim.by_name(oname, 1e-3)
+        self._plain(key, FLAGS.microbatches, opt=opt, per_microbatch=True)
+        self.base_of[name] = key
+        if name == "pipedream":
+            return
+        dist = (
+            spectrain_distances(FLAGS.stages)
+            if name == "spectrain"
+            else (pipeoptim_distance(FLAGS.stages), None)
+        )
+        self.predicting[name] = f"{key}_predicting_{name}"
+        if self.predicting[name] not in self.runners:
+            self.runners[self.predicting[name]] = plain_predicting_runner(
+                self.model, self.batch, FLAGS.microbatches, opt, *dist
+            )
+
+    def _cyclic(self, name: str, opt) -> None:
+        """Cyclic Data Parallelism, DP form: D workers, one micro-batch each, compared with the plain step
+        accumulating D micro-batches (``accum_D``) and with the synchronous DP step it replaces on the same
+        emulated devices (``sync_dp``, printed below the table)."""
+        from experiments.bench import cyclic_runner, sync_dp_runner
+
+        self._plain("accum_D", FLAGS.stages)
+        if "sync_dp" not in self.runners:
+            self.runners["sync_dp"] = sync_dp_runner(self.model, self.batch, FLAGS.stages, self.opt)
+        self.base_of[name] = "accum_D"
+        run, info = cyclic_runner(name[len("cdp_dp_") :], self.model, self.batch, opt)
+        self.runners[name] = run
+        self.infos.append(info)
+
+
+def build_runners(names, model, batch, opt) -> Runners:
+    """Every runner the rows of ``names`` need, with the plain steps each is compared with."""
+    built = Runners(model, batch, opt)
+    for name in names:
+        built.add(name)
+    return built
+
+
+class _Timed(NamedTuple):
+    """The runners' times: every round's (``rounds``), in blocks of consecutive steps (``blocks``, or None),
+    and the medians (``median``), by runner name."""
+
+    rounds: dict
+    blocks: Optional[dict]
+    median: dict
 
 
 def main(argv):
     if not FLAGS.child and "jax" not in sys.modules:
         return run_groups(argv)
-    import json
-    import jaxpipe as jp
     import statistics
-    from experiments.bench import block_medians, compile_time, interleaved_medians, median_ratio
+    from experiments.bench import block_medians, interleaved_medians
 
     if FLAGS.layers % FLAGS.stages:
         raise app.UsageError(f"--layers={FLAGS.layers} must be a multiple of --stages={FLAGS.stages}")
     opt, model, batch = benchmark_setup(f"{FLAGS.steps} interleaved rounds")
-    r = build_runners(FLAGS.schedules.split(","), model, batch, opt)
-    runners, infos, base_of, model_of = r.runners, r.infos, r.base_of, r.model_of
-    opts, variant_opts, predicting, base_name = r.opts, r.variant_opts, r.predicting, r.base_name
-    times = interleaved_medians(runners, FLAGS.steps)
-    blocks = block_medians(runners, FLAGS.block_rounds, FLAGS.block) if FLAGS.block else None
-    med = {k: statistics.median(v) for k, v in times.items()}
+    built = build_runners(FLAGS.schedules.split(","), model, batch, opt)
+    rounds = interleaved_medians(built.runners, FLAGS.steps)
+    blocks = block_medians(built.runners, FLAGS.block_rounds, FLAGS.block) if FLAGS.block else None
+    timed = _Timed(rounds, blocks, {k: statistics.median(v) for k, v in rounds.items()})
     print(
-        f"plain one-device step: accumulating over M={FLAGS.microbatches}: {med['accum'] * 1e3:.1f} ms, "
-        f"unchunked: {med['unchunked'] * 1e3:.1f} ms",
+        f"plain one-device step: accumulating over M={FLAGS.microbatches}: "
+        f"{timed.median['accum'] * 1e3:.1f} ms, unchunked: {timed.median['unchunked'] * 1e3:.1f} ms",
         flush=True,
     )
-    rows = []
-    for info in infos:
-        name = info["schedule"]
-        o = jp.optim.by_name(opts.get(name, FLAGS.optimizer), 1e-3)
-        m, devices = model_of[name]
-        m2 = (
-            compile_time(base_name(name), m, batch, FLAGS.compile_m2, o, devices, variant_opts.get(name))
-            if FLAGS.compile_m2 and name not in ("avgpipe",) and not name.startswith("cdp_dp_")
-            else None
+    rows = [_row(built, info, timed, batch) for info in built.infos]
+    _print_table(rows)
+    _print_against_predictions(rows, built, timed)
+    _print_against_sync_dp(rows, timed)
+    if FLAGS.json_out:
+        import json
+
+        with open(FLAGS.json_out, "w") as fh:
+            plain_ms = {k: timed.median[k] * 1e3 for k in ("accum", "unchunked")}
+            json.dump({"plain_ms": plain_ms, "rows": rows}, fh, indent=1)
+
+
+def _row(built: Runners, info: dict, timed: _Timed, batch) -> dict:
+    """One schedule's row: its pipeline's figures, its step against the plain step it is compared with,
+    and its compile time at ``--compile_m2`` micro-batches (where asked)."""
+    import jaxpipe as jp
+    from experiments.bench import compile_time, median_ratio
+
+    name = info["schedule"]
+    opt = jp.optim.by_name(built.opts.get(name, FLAGS.optimizer), 1e-3)
+    model, devices = built.model_of[name]
+    m2 = (
+        compile_time(
+            base_name(name), model, batch, FLAGS.compile_m2, opt, devices, built.variant_opts.get(name)
         )
-        base = base_of.get(name, "accum_momentum" if name in opts else "accum")
-        if name in opts:
-            info = {**info, "schedule": f"{name} (momentum)"}
-        rows.append(
-            {
-                **info,
-                "baseline": base,
-                "baseline_ms": med[base] * 1e3,
-                "step_s": med[name],
-                "overhead": median_ratio(times[name], times[base]),
-                "consecutive": median_ratio(blocks[name], blocks[base]) if blocks else None,
-                "vs_unchunked": median_ratio(times[name], times["unchunked"]),
-                "compile_s_m2": m2,
-            }
-        )
+        if FLAGS.compile_m2 and name not in ("avgpipe",) and not name.startswith("cdp_dp_")
+        else None
+    )
+    base = built.base_of.get(name, "accum_momentum" if name in built.opts else "accum")
+    if name in built.opts:
+        info = {**info, "schedule": f"{name} (momentum)"}
+    rounds, blocks = timed.rounds, timed.blocks
+    return {
+        **info,
+        "baseline": base,
+        "baseline_ms": timed.median[base] * 1e3,
+        "step_s": timed.median[name],
+        "overhead": median_ratio(rounds[name], rounds[base]),
+        "consecutive": median_ratio(blocks[name], blocks[base]) if blocks else None,
+        "vs_unchunked": median_ratio(rounds[name], rounds["unchunked"]),
+        "compile_s_m2": m2,
+    }
+
+
+def _print_table(rows) -> None:
     m2_hdr = f"compile s M={FLAGS.compile_m2}" if FLAGS.compile_m2 else "compile s M2 (skipped)"
     hdr = (
         "| schedule | step ms | plain step it is compared with (ms) | overhead | consecutive | / unchunked "
@@ -342,38 +401,50 @@ def main(argv):
         "update) micro-steps; accum_v2 = the same layers cut into 2D stages; accum_D = D micro-batches; "
         "accum_shares2 = one accumulating step per pipeline's half of the batch; unchunked = one gradient)"
     )
+
+
+def _print_against_predictions(rows, built: Runners, timed: _Timed) -> None:
+    """SpecTrain's and PipeOptim's step against the plain micro-steps making the same weight predictions
+    (into each row: ``vs_predicting``, ``vs_predicting_consecutive``)."""
+    from experiments.bench import median_ratio
+
+    rounds, blocks, med = timed.rounds, timed.blocks, timed.median
     for r in rows:
         name = r["schedule"].split(" ")[0]
-        if name in predicting:
-            k = predicting[name]
-            r["vs_predicting"] = median_ratio(times[name], times[k])
+        if name in built.predicting:
+            k = built.predicting[name]
+            r["vs_predicting"] = median_ratio(rounds[name], rounds[k])
             r["vs_predicting_consecutive"] = median_ratio(blocks[name], blocks[k]) if blocks else None
             print(
                 f"{r['schedule']}: the plain micro-steps with its own weight predictions ({k}) take "
-                f"{med[k] * 1e3:.1f} ms = {median_ratio(times[k], times[r['baseline']]):.3f}x "
+                f"{med[k] * 1e3:.1f} ms = {median_ratio(rounds[k], rounds[r['baseline']]):.3f}x "
                 f"{r['baseline']}; "
                 f"the pipelined step is {r['vs_predicting']:.3f}x of that "
                 f"({_x(r['vs_predicting_consecutive'])} in consecutive steps)"
             )
-    if "sync_dp" in times:
-        print(
-            f"\nsynchronous DP on the same {FLAGS.stages} emulated devices (per-device gradient, psum, "
-            "replicated "
-            f"{FLAGS.optimizer}): {med['sync_dp'] * 1e3:.1f} ms = "
-            f"{median_ratio(times['sync_dp'], times['accum_D']):.3f}x accum_D "
-            f"({_x(median_ratio(blocks['sync_dp'], blocks['accum_D']) if blocks else None)} in consecutive "
-            "steps) "
-            f"-- the floor a DP form pays here"
-        )
-        for r in rows:
-            if r["schedule"].startswith("cdp_dp_"):
-                r["vs_sync_dp"] = median_ratio(times[r["schedule"]], times["sync_dp"])
-                print(f"  {r['schedule']}: {r['vs_sync_dp']:.3f}x synchronous DP")
-    if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as fh:
-            json.dump(
-                {"plain_ms": {k: med[k] * 1e3 for k in ("accum", "unchunked")}, "rows": rows}, fh, indent=1
-            )
+
+
+def _print_against_sync_dp(rows, timed: _Timed) -> None:
+    """The synchronous DP step on the same devices, and each CDP row against it (into the row:
+    ``vs_sync_dp``)."""
+    from experiments.bench import median_ratio
+
+    rounds, blocks, med = timed.rounds, timed.blocks, timed.median
+    if "sync_dp" not in rounds:
+        return
+    print(
+        f"\nsynchronous DP on the same {FLAGS.stages} emulated devices (per-device gradient, psum, "
+        "replicated "
+        f"{FLAGS.optimizer}): {med['sync_dp'] * 1e3:.1f} ms = "
+        f"{median_ratio(rounds['sync_dp'], rounds['accum_D']):.3f}x accum_D "
+        f"({_x(median_ratio(blocks['sync_dp'], blocks['accum_D']) if blocks else None)} in consecutive "
+        "steps) "
+        f"-- the floor a DP form pays here"
+    )
+    for r in rows:
+        if r["schedule"].startswith("cdp_dp_"):
+            r["vs_sync_dp"] = median_ratio(rounds[r["schedule"]], rounds["sync_dp"])
+            print(f"  {r['schedule']}: {r['vs_sync_dp']:.3f}x synchronous DP")
 
 
 if __name__ == "__main__":
