@@ -250,7 +250,7 @@ def worker(pid: int):
     x, y = (np.asarray(r.normal(size=(B, W)), np.float32) for _ in range(2))
     from jaxpipe.tune import running_costs
 
-    runs, meta, layouts = {}, {}, {}
+    runs, meta, layouts, one_stage = {}, {}, {}, {}
     for M in [int(m) for m in FLAGS.microbatches.split(",")]:
         for spec in FLAGS.schedules.split(","):
             name, _, placement = spec.partition(":")
@@ -274,8 +274,10 @@ def worker(pid: int):
                 s = pipe.step(s, b)[0]
             runs[(M, spec)] = [lambda s, pipe=pipe, b=b: pipe.step(s, b)[0], s]
             meta[(M, spec)] = (name, pipe.placement, pipe.op_costs)  # as chosen at the first step
-            # what the pipeline adds for Chimera's replicas (kept from its first step; every process)
+            # what the pipeline adds for Chimera's replicas (kept from its first step; every process), and
+            # 1F1B's one-stage costs it warned against where a device holds two (measured at its first step)
             layouts[(M, spec)] = running_costs.layout_seconds(pipe.model, pipe.schedule)
+            one_stage[(M, spec)] = _one_stage_costs(pipe, running_costs, {"x": x, "y": y}, M)
     if FLAGS.sketch:
         runs.update(_sketch_runs(Ws, x, y, sorted({k[0] for k in runs})))
     plains = {M: _plain_step(Ws, x, y, M) for M in {k[0] for k in runs}} if pid == 0 else {}
@@ -317,7 +319,7 @@ def worker(pid: int):
                     "plain": {M: got[(M, "plain")] for M in plains},
                     "costs": costs,
                     "steps": [
-                        [M, spec, *meta[(M, spec)][1:], layouts[(M, spec)], t]
+                        [M, spec, *meta[(M, spec)][1:], layouts[(M, spec)], one_stage[(M, spec)], t]
                         for (M, spec), t in got.items()
                         if (M, spec) in meta
                     ],
@@ -479,6 +481,15 @@ def main(argv):
     report({**json.loads(lines[-1]), "load": load})
 
 
+def _one_stage_costs(pipe, running_costs, batch, M: int):
+    """The one-stage op costs ``pipe`` predicted 1F1B at, where its own were timed over a device's several
+    stages (Chimera's replica: :func:`jaxpipe.tune.running_costs.held_copies`); None otherwise (its own)."""
+    if pipe.op_costs is None or running_costs.held_copies(pipe.schedule) == 1 or _op_costs():
+        return None
+    mb = running_costs.microbatch_like(batch, M)
+    return running_costs.measured(pipe.model, mb, 2, pipe.schedule.has_w()).op_costs()
+
+
 def _op_costs():
     """``--op_costs`` as (f, b, w[, exchange]), or None."""
     if not FLAGS.op_costs:
@@ -569,7 +580,7 @@ def _model_layer_costs(res, M: int, per: float, plain: float, given):
     return LayerCosts(f, f * (bo + wo) / fo, f * bo / fo, f * wo / fo)
 
 
-def _modelled(res, link, M, spec, placement, chosen_for, layout, t) -> _Row:
+def _modelled(res, link, M, spec, placement, chosen_for, layout, one_stage, t) -> _Row:
     """One measured step (a ``res["steps"]`` entry) with the model's parts for it, and the ratio to 1F1B that
     the pipeline itself predicted at the costs it measured (``own_x_1f1b``)."""
     import jaxpipe as jp
@@ -600,7 +611,8 @@ def _modelled(res, link, M, spec, placement, chosen_for, layout, t) -> _Row:
     weights = per * FLAGS.width * FLAGS.width * 4
     parts = predict_devices(s, lc, per, 0.0, link, act, weights, placement=placement, rendezvous=meet)
     if priced:  # what Pipeline itself predicted, at the costs it measured
-        mine, theirs, _ = predicted_against_1f1b(s, placement, tuple(chosen_for), layout)
+        ref = tuple(one_stage) if one_stage else None  # 1F1B's stage where a device holds two
+        mine, theirs, _ = predicted_against_1f1b(s, placement, tuple(chosen_for), layout, ref)
         parts["own_x_1f1b"] = mine / theirs
     return _Row(M, spec, placement, t, plain, parts)
 

@@ -236,8 +236,12 @@ class Pipeline:
         from .tune import running_costs
 
         mb = running_costs.microbatch_like(batch, self.data_parallel * self.num_microbatches)
+        devices, split = self.mesh.shape[STAGE], self.schedule.has_w()
+        copies = running_costs.held_copies(self.schedule)  # Chimera: its stage and a replica a device
         try:
-            measured = running_costs.measured(self.model, mb, self.mesh.shape[STAGE], self.schedule.has_w())
+            measured = running_costs.measured(self.model, mb, devices, split, copies=copies)
+            # 1F1B's stage, for the warning against it (the same costs where a device holds one stage)
+            one_stage = running_costs.measured(self.model, mb, devices, split) if copies > 1 else measured
             layout = running_costs.layout_seconds(self.model, self.schedule)  # Chimera's replicas moved
         except Exception as e:  # noqa: BLE001 -- a model the probe cannot run alone: the unit-cost plan stays
             warnings.warn(
@@ -258,7 +262,7 @@ class Pipeline:
             self._timed_placement(mb, state, batch)
         if (self.schedule, self.placement) != before:
             self.context, self._runner = self._runner_for(self.placement)
-        self._warn_if_slower(self.op_costs, layout)
+        self._warn_if_slower(self.op_costs, layout, one_stage.op_costs())
 
     def _timed_placement(self, mb, state, batch) -> None:
         """``self.placement``: the faster of the two plans as timed (:meth:`_time_plans`); where they cannot
@@ -309,14 +313,15 @@ class Pipeline:
                 best[i] = min(best[i], time.perf_counter() - t0)
         return best
 
-    def _warn_if_slower(self, costs, layout: float = 0.0) -> None:
+    def _warn_if_slower(self, costs, layout: float = 0.0, ref_costs=None) -> None:
         """Once: a warning where the schedule's plan is predicted slower than 1F1B's at ``costs`` (and
-        ``layout`` seconds a step of Chimera's replicas moved, where measured)."""
+        ``layout`` seconds a step of Chimera's replicas moved, where measured; 1F1B's at ``ref_costs``, its
+        one stage's, where given)."""
         if not self.method.flushes:
             return
         from .tune.running_costs import against_1f1b
 
-        why = against_1f1b(self.schedule, self.placement, costs, layout)
+        why = against_1f1b(self.schedule, self.placement, costs, layout, ref_costs)
         if why:
             warnings.warn(why, stacklevel=4)
 

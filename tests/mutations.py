@@ -738,6 +738,22 @@ MUTATIONS = [
         "tests/test_trainer_api.py::test_a_step_is_refused_on_its_loss_and_grad_norm_not_only_on_a_skip_flag",
     ),
     Mutation(
+        "chimera_ops_timed_over_one_stage",
+        "jaxpipe/tune/running_costs.py",
+        "    return 1 + len(away)\n",
+        "    return 1\n",
+        "tests/test_running_costs.py::"
+        "test_chimera_times_its_ops_over_its_stage_and_replica_and_warns_against_1f1b_at_one_stage",
+    ),
+    Mutation(
+        "chimera_warns_against_1f1b_at_its_own_costs",
+        "jaxpipe/tune/running_costs.py",
+        "    f, b, w, tick = costs if ref_costs is None else ref_costs\n",
+        "    f, b, w, tick = costs\n",
+        "tests/test_running_costs.py::"
+        "test_chimera_times_its_ops_over_its_stage_and_replica_and_warns_against_1f1b_at_one_stage",
+    ),
+    Mutation(
         "stop_vote_read_at_once",
         "jaxpipe/training/stopping.py",
         "        return None if previous is None else np.asarray(previous).reshape(-1)\n",

@@ -90,29 +90,37 @@ def op_costs(
     split: bool = False,
     kinds: Sequence[str] = (),
     best: bool = False,
+    copies: int = 1,
 ) -> Dict[str, List[float]]:
     """``{"F": [...], "B": [...] (, "W": [...])}``: seconds per op with n of ``devices`` busy, for every n
     in 1..devices (measured at ``busy``, linearly interpolated between).  B is the pullback only (the
     executor rebuilds it from stashed residuals, it does not rerun the forward); with ``split`` B is the
     input gradient and W the weight gradient alone (zero-bubble; a stage of several layers still
     back-propagates through them for it).  ``kinds``: only these; ``best``: the least of the timed calls, not
-    their median."""
+    their median.  ``copies``: the ops cycle through that many copies of ``w``, each with its own gradient
+    sum -- the memory a device holding as many stages streams (Chimera's stage and its replica: on one core
+    of the CPU testbed a backward over two copies cost 15-23% more than over one)."""
     mesh = _flat_mesh(devices)
-    rep_spec = jax.tree.map(lambda _: P(), (w, x))
+    reps = max(reps // copies, 1) * copies
 
     def program(kind, n):
-        def body(w, x):
+        def body(ws, x):
             me = lax.axis_index("x")
-            y, pull = jax.vjp(stage_fn, w, x)
+            y, pull = jax.vjp(stage_fn, ws[0], x)
+            pulls = [pull] + [jax.vjp(stage_fn, w, x)[1] for w in ws[1:]]
 
             def f_loop(h):
-                return lax.fori_loop(0, reps, lambda i, h: stage_fn(w, h).astype(h.dtype), h)
+                def cycle(i, h):
+                    for w in ws:
+                        h = stage_fn(w, h).astype(h.dtype)
+                    return h
+
+                return lax.fori_loop(0, reps // copies, cycle, h)
 
             def b_loop(h):
                 # the weight gradient is added to a carried sum, as the executor does: a scalar sum of it
                 # let XLA skip most of its matmul (W measured at an eighth of B's input part)
-                def one(i, c):
-                    dh, acc = c
+                def one(i, dh, acc, pull):
                     dw, dx = pull(dh)
                     acc_dw = jax.tree.map(jnp.add, acc, dw)
                     if kind == "W":
@@ -121,18 +129,27 @@ def op_costs(
                         return dx.astype(dh.dtype), acc
                     return dx.astype(dh.dtype), acc_dw
 
-                zeros = jax.tree.map(jnp.zeros_like, w)
-                dh, acc = lax.fori_loop(0, reps, one, (h, zeros))
-                return dh + 1e-30 * sum(jnp.sum(l[..., :1]) for l in jax.tree.leaves(acc))
+                def cycle(i, c):
+                    dh, sums = c
+                    sums = list(sums)
+                    for k, pull in enumerate(pulls):
+                        dh, sums[k] = one(i, dh, sums[k], pull)
+                    return dh, tuple(sums)
+
+                zeros = tuple(jax.tree.map(jnp.zeros_like, w) for w in ws)
+                dh, sums = lax.fori_loop(0, reps // copies, cycle, (h, zeros))
+                return dh + 1e-30 * sum(jnp.sum(l[..., :1]) for l in jax.tree.leaves(sums))
 
             run = f_loop if kind == "F" else b_loop
             out = lax.cond(me < n, run, lambda h: h, y)
             return jnp.sum(out)[None]
 
+        rep_spec = jax.tree.map(lambda _: P(), ([w] * copies, x))
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=rep_spec, out_specs=P("x"), check_vma=False))
 
     kinds = list(kinds) or ["F", "B"] + (["W"] if split else [])
-    w_r = jax.device_put(w, NamedSharding(mesh, P()))
+    # each copy its own buffers (a copy of the host arrays put apart), as a device's stages are
+    w_r = [jax.device_put(jax.tree.map(np.array, w), NamedSharding(mesh, P())) for _ in range(copies)]
     x_r = jax.device_put(x, NamedSharding(mesh, P()))
     out = {}
     for kind in kinds:

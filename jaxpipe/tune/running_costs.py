@@ -167,28 +167,44 @@ def tick_price(model, mb, devices: int) -> float:
     return _tick_cost(*_stage_op(model, mb), devices)
 
 
-def _ops(stage_fn, w, x, devices: int, split: bool) -> tuple:
-    """``(F, B, W)`` of one stage (module docstring)."""
+def _ops(stage_fn, w, x, devices: int, split: bool, copies: int = 1) -> tuple:
+    """``(F, B, W)`` of one stage (module docstring), its ops cycling through ``copies`` copies of its
+    weights (:func:`held_copies`)."""
     from .microbench import op_costs
 
-    ops = op_costs(stage_fn, w, x, devices, [devices], best=True)
+    def timed(**kw):
+        return op_costs(stage_fn, w, x, devices, [devices], best=True, copies=copies, **kw)
+
+    ops = timed()
     f, whole = ops["F"][-1], ops["B"][-1]
     if not split:
         return (f, whole, 0.0)
-    b_in = op_costs(stage_fn, w, x, devices, [devices], split=True, kinds=["B"], best=True)["B"][-1]
+    b_in = timed(split=True, kinds=["B"])["B"][-1]
     # W timed alone too, whatever this process's timings say: the probes hold collectives, and a process
     # that skipped one where another ran it deadlocked a two-process job
-    alone = op_costs(stage_fn, w, x, devices, [devices], split=True, kinds=["W"], best=True)["W"][-1]
+    alone = timed(split=True, kinds=["W"])["W"][-1]
     if whole > b_in:
         return (f, b_in, whole - b_in)
     return (f, b_in, min(alone, whole))  # the timings' noise hides W: timed alone, an upper bound
 
 
-def measure(model, mb, devices: int, split: bool) -> RunningCosts:
+def measure(model, mb, devices: int, split: bool, copies: int = 1) -> RunningCosts:
     """:class:`RunningCosts` of ``model`` (as the executor holds it: padded) on the micro-batch ``mb``, with
-    ``devices`` devices busy at once (module docstring), measured now."""
+    ``devices`` devices busy at once (module docstring), each holding ``copies`` stages, measured now."""
     stage_fn, w, x = _stage_op(model, mb)
-    return RunningCosts(*_ops(stage_fn, w, x, devices, split), _tick_cost(stage_fn, w, x, devices))
+    ops = _ops(stage_fn, w, x, devices, split, copies)
+    return RunningCosts(*ops, _tick_cost(stage_fn, w, x, devices))
+
+
+def held_copies(s) -> int:
+    """How many model stages' weights a device of ``s`` holds at once for one model stage's op costs to
+    stand for it: 1, or Chimera's chunks where its layout holds replicas (a device's own stage and the
+    replica of another, each with its own gradient sum: twice the memory its ops stream).  Chunks of a
+    finer cut (interleaved 1F1B, ZB-V, DualPipeV) hold what 1F1B's one stage holds, and are timed as one."""
+    from ..schedules.layout import exchange_perms
+
+    away = [pairs for pairs in exchange_perms(s) or () if pairs is not None]
+    return 1 + len(away)
 
 
 #: this process's measurements by their cache keys.  A multi-process job keeps no cache file
@@ -219,13 +235,16 @@ def _kept(store, key, measure):
     return _MEASURED[name]
 
 
-def measured(model, mb, devices: int, split: bool, cache: Optional[str] = "default") -> RunningCosts:
+def measured(
+    model, mb, devices: int, split: bool, cache: Optional[str] = "default", copies: int = 1
+) -> RunningCosts:
     """:func:`measure`'s costs, each measured once per process and kept in the measurements cache (``cache``:
     a path, ``"default"`` or None), the same on every process of a multi-process job (process 0's).  F, B
     and W are kept per (model, backend, devices, split); a tick's price per (backend, devices, message): the
     exchange and the rendezvous, whichever model's stage runs between them (the stage's own time cancels
     against the loop without exchanges), so that every pipeline whose ticks send the same activation is
-    placed for one price."""
+    placed for one price.  ``copies``: the stages a device holds (:func:`held_copies`), kept apart from
+    the one-stage costs."""
     from .measure_cache import MeasureCache, backend_key, default_path, model_key, shapes_key
 
     store = MeasureCache(default_path() if cache == "default" else cache)
@@ -233,8 +252,8 @@ def measured(model, mb, devices: int, split: bool, cache: Optional[str] = "defau
     backend = backend_key()
     ops = _kept(
         store,
-        ["op_costs", backend, model_key(model, mb), devices, bool(split)],
-        lambda: _ops(stage_fn, w, x, devices, split),
+        ["op_costs", backend, model_key(model, mb), devices, bool(split)] + ([copies] if copies > 1 else []),
+        lambda: _ops(stage_fn, w, x, devices, split, copies),
     )
     key = ["tick_price_uneven", backend, devices, shapes_key(x)]  # (uneven: not an earlier probe's price)
     (tick,) = _kept(store, key, lambda: [_tick_cost(stage_fn, w, x, devices)])
@@ -303,32 +322,36 @@ def layout_seconds(model, s, cache: Optional[str] = "default") -> float:
     return sum(per_chunk[str(pairs)] for pairs in away)
 
 
-def predicted_against_1f1b(s, placement: str, costs, layout: float = 0.0) -> Tuple[float, float, str]:
+def predicted_against_1f1b(
+    s, placement: str, costs, layout: float = 0.0, ref_costs=None
+) -> Tuple[float, float, str]:
     """``(s's step, 1F1B's step, 1F1B's placement)`` predicted at ``costs`` (one model stage's ``(f, b, w,
     tick)``; 1F1B's stage holds ``num_model_stages / D`` of them) on the same devices and micro-batches: the
     lockstep steps ``Pipeline`` places plans by, ``s``'s with ``layout`` seconds added (Chimera's replicas
-    moved: :func:`layout_seconds`)."""
+    moved: :func:`layout_seconds`).  ``ref_costs``: 1F1B's stage's, where ``costs`` were timed over several
+    stages held (:func:`held_copies`; default ``costs``)."""
     from ..schedules import build
     from ..schedules.lanes import fastest_placement
 
-    f, b, w, tick = costs
+    f, b, w, tick = costs if ref_costs is None else ref_costs
     k = s.num_model_stages / s.D
     ref = build("1f1b", num_stages=s.D, num_microbatches=s.num_microbatches)
-    ref_costs = (k * f, k * (b + w), 0.0, tick)
-    ref_placement = fastest_placement(ref, ref_costs)
+    ref_stage = (k * f, k * (b + w), 0.0, tick)  # 1F1B's stage: k model stages, its backward whole
+    ref_placement = fastest_placement(ref, ref_stage)
     mine = predicted_step(s, placement, costs) + layout
-    return mine, predicted_step(ref, ref_placement, ref_costs), ref_placement
+    return mine, predicted_step(ref, ref_placement, ref_stage), ref_placement
 
 
-def against_1f1b(s, placement: str, costs, layout: float = 0.0) -> Optional[str]:
+def against_1f1b(s, placement: str, costs, layout: float = 0.0, ref_costs=None) -> Optional[str]:
     """A warning's text where ``s``'s plan is predicted slower than 1F1B's on the same devices and
     micro-batches at ``costs`` (one model stage's; 1F1B's stage holds ``num_model_stages / D`` of them; and
-    ``layout``: :func:`predicted_against_1f1b`) by more than 1%, else None (1F1B itself: never)."""
+    ``layout`` and ``ref_costs``: :func:`predicted_against_1f1b`) by more than 1%, else None (1F1B itself:
+    never)."""
     from ..schedules import build
 
     if s.D < 2:
         return None
-    mine, theirs, ref_placement = predicted_against_1f1b(s, placement, costs, layout)
+    mine, theirs, ref_placement = predicted_against_1f1b(s, placement, costs, layout, ref_costs)
     ref = build("1f1b", num_stages=s.D, num_microbatches=s.num_microbatches)
     if mine <= theirs * 1.01:
         return None
