@@ -901,9 +901,8 @@ MUTATIONS = [
     Mutation(
         "w_alone_timed_only_where_this_process_needs_it",
         "jaxpipe/tune/running_costs.py",
-        '    alone = op_costs(stage_fn, w, x, devices, [devices], split=True, kinds=["W"], best=True)["W"][-1]\n',
-        "    alone = whole if whole > b_in else op_costs(stage_fn, w, x, devices, [devices], split=True, "
-        'kinds=["W"], best=True)["W"][-1]\n',
+        '    alone = timed(split=True, kinds=["W"])["W"][-1]\n',
+        '    alone = whole if whole > b_in else timed(split=True, kinds=["W"])["W"][-1]\n',
         "tests/test_running_costs.py::test_every_process_runs_the_same_probes_whatever_its_own_timings_say",
     ),
     # a weight part the timings' noise hides priced free: the zero-bubble planner would think W costs nothing

@@ -193,20 +193,28 @@ def test_loss_and_grad_checks_its_batch_on_the_device():
 
 def test_steps_back_to_back_read_nothing_but_the_previous_status(monkeypatch):
     """Twenty steps: the host reads exactly one small status per step (the previous one's, explicitly) and
-    nothing else -- no per-leaf isfinite read, no integer-range read."""
+    nothing else -- no per-leaf isfinite read, no integer-range read -- and checks the batch's structure once
+    per shape."""
     model, batch = _classifier(integer_inputs={"label": 5})
     pipe = jp.Pipeline(
         model, schedule="1f1b", num_microbatches=2, optimizer=optax.sgd(0.1), mesh=jp.make_mesh(stages=2)
     )
     state = pipe.init()
     state, _ = pipe.step(state, batch)  # compile
-    reads = []
-    real = jax.device_get
+    reads, checked = [], []
+    real, check_batch = jax.device_get, pipe._check_batch
     monkeypatch.setattr(jax, "device_get", lambda x: reads.append(np.shape(x)) or real(x))
+    monkeypatch.setattr(pipe, "_check_batch", lambda b: checked.append(b) or check_batch(b))
     with jax.transfer_guard_device_to_host("disallow"):
         for _ in range(20):
             state, m = pipe.step(state, batch)
     assert len(reads) == 20 and all(len(s) == 1 and s[0] <= 8 for s in reads), reads
+    # the batch's structure, shapes and dtypes were checked at the first step: not again (its values are)
+    assert checked == []
+    odd = jax.tree.map(lambda a: a[:3], batch)  # another shape: checked, and refused
+    with pytest.raises(jp.ConfigError, match="batch size 3 does not split"):
+        pipe.step(state, odd)
+    assert len(checked) == 1
 
 
 def test_cyclic_dp_checks_on_the_device_too():

@@ -109,6 +109,8 @@ def check_integer_keys(model, batch):
 def require_live(state, call: str):
     """ConfigError if ``state`` holds an array an earlier ``step``/``drain`` consumed (donated): JAX would say
     "Buffer has been deleted or donated", or crash where the array was sharded over several devices."""
+    if not any(isinstance(v, jax.Array) and v.is_deleted() for v in jax.tree.leaves(state)):
+        return  # (the paths are for the message: a live state, the common case, builds none)
     dead = [
         jax.tree_util.keystr(k)
         for k, v in jax.tree_util.tree_flatten_with_path(state)[0]
