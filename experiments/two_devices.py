@@ -31,7 +31,7 @@ import os
 import subprocess
 import tempfile
 import sys
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from jaxpipe.cli import common as cli
 from absl import app, flags
@@ -226,7 +226,61 @@ def _own_schedule(jp, name: str, M: int):
     return jp.schedules.from_csv(name.format(M=M))
 
 
+class _Built(NamedTuple):
+    """A pipeline as its first step left it: the schedule's name, the placement and op costs chosen, the
+    replica seconds its prediction adds (Chimera) and the one-stage costs it priced 1F1B at (or None)."""
+
+    name: str
+    placement: str
+    op_costs: Any
+    layout: float
+    one_stage: Any
+
+
 def worker(pid: int):
+    jax, idled = _join(pid)
+    import jax.numpy as jnp
+    import numpy as np
+
+    L, W, B = FLAGS.layers, FLAGS.width, FLAGS.batch
+    r = np.random.default_rng(0)
+    Ws = jnp.asarray(r.normal(size=(L, W, W)) / np.sqrt(W), jnp.float32)
+    x, y = (np.asarray(r.normal(size=(B, W)), np.float32) for _ in range(2))
+    runs, built = _pipelines(Ws, x, y)
+    if FLAGS.sketch:
+        runs.update(_sketch_runs(Ws, x, y, sorted({k[0] for k in runs})))
+    plains = {M: _plain_step(Ws, x, y, M) for M in {k[0] for k in runs}} if pid == 0 else {}
+    for M, fn in plains.items():  # process 0 alone, on its core, in the same rounds (the other waits)
+        runs[(M, "plain")] = [fn, jax.block_until_ready(fn(fn(Ws)))]  # compiled and warm
+    if FLAGS.serve:
+        return _serve(pid, runs, built)
+    costs = _measured_layer_costs(pid, runs, Ws, x)
+    # the sizes the steps move: a small message, a micro-batch's activation, the stage's weights (Chimera's
+    # replica)
+    acts = {FLAGS.batch // M * W for M in {k[0] for k in runs}}
+    link = _link(pid, sorted({16, *acts, L // 2 * W * W}))
+    from experiments.bench import round_steps
+
+    per_round = round_steps(runs, FLAGS.rounds)
+    got = {k: float(np.median(v)) for k, v in per_round.items()}
+    if FLAGS.profile:
+        _profile(pid, {k: v for k, v in runs.items() if k[1] != "plain"})
+    if pid == 0:
+        steps = [[M, spec, *built[(M, spec)][1:], t] for (M, spec), t in got.items() if (M, spec) in built]
+        result = {
+            "link": link,
+            "idled": idled,
+            "plain": {M: got[(M, "plain")] for M in plains},
+            "costs": costs,
+            "steps": steps,
+            "rounds": {f"{M},{spec}": v for (M, spec), v in per_round.items()},
+        }
+        print(json.dumps(result), flush=True)
+
+
+def _join(pid: int):
+    """``(jax, idled)``: this process joined to the other over Gloo, one CPU device each, the link's thread
+    idled where asked (``--link_thread``)."""
     # the caller's XLA flags (an experiment's), then one device a process (the last of a flag wins)
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1"
@@ -235,22 +289,23 @@ def worker(pid: int):
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{FLAGS.port}", num_processes=2, process_id=pid)
-    import jax.numpy as jnp
-    import numpy as np
-    import optax
-    import jaxpipe as jp
-
     # before any pipeline: each prices a tick at its first step (and the process keeps that price), which
     # with Gloo's thread still polling on the compute's core came out 3-10x what the timed steps pay
     idled = _idle_link_thread() if FLAGS.link_thread == "idle" else None
+    return jax, idled
 
-    L, W, B = FLAGS.layers, FLAGS.width, FLAGS.batch
-    r = np.random.default_rng(0)
-    Ws = jnp.asarray(r.normal(size=(L, W, W)) / np.sqrt(W), jnp.float32)
-    x, y = (np.asarray(r.normal(size=(B, W)), np.float32) for _ in range(2))
+
+def _pipelines(Ws, x, y):
+    """``(runs, built)``: every ``--schedules`` x ``--microbatches`` pipeline built, stepped twice (its
+    first step measures its costs and places its plan), as ``{(M, spec): [step, state]}`` and
+    ``{(M, spec): _Built}``."""
+    import jax.numpy as jnp
+    import optax
+
+    import jaxpipe as jp
     from jaxpipe.tune import running_costs
 
-    runs, meta, layouts, one_stage = {}, {}, {}, {}
+    runs, built = {}, {}
     for M in [int(m) for m in FLAGS.microbatches.split(",")]:
         for spec in FLAGS.schedules.split(","):
             name, _, placement = spec.partition(":")
@@ -273,61 +328,36 @@ def worker(pid: int):
             for _ in range(2):
                 s = pipe.step(s, b)[0]
             runs[(M, spec)] = [lambda s, pipe=pipe, b=b: pipe.step(s, b)[0], s]
-            meta[(M, spec)] = (name, pipe.placement, pipe.op_costs)  # as chosen at the first step
-            # what the pipeline adds for Chimera's replicas (kept from its first step; every process), and
-            # 1F1B's one-stage costs it warned against where a device holds two (measured at its first step)
-            layouts[(M, spec)] = running_costs.layout_seconds(pipe.model, pipe.schedule)
-            one_stage[(M, spec)] = _one_stage_costs(pipe, running_costs, {"x": x, "y": y}, M)
-    if FLAGS.sketch:
-        runs.update(_sketch_runs(Ws, x, y, sorted({k[0] for k in runs})))
-    plains = {M: _plain_step(Ws, x, y, M) for M in {k[0] for k in runs}} if pid == 0 else {}
-    for M, fn in plains.items():  # process 0 alone, on its core, in the same rounds (the other waits)
-        runs[(M, "plain")] = [fn, jax.block_until_ready(fn(fn(Ws)))]  # compiled and warm
-    if FLAGS.serve:
-        return _serve(pid, runs, meta)
-    # one layer's F, B, B's input part and W on this core, per stage size and micro-batch: a W that costs more
-    # than a forward narrows ZB's gain.  Timed on both processes at once (process 0's reported), as the ticks
-    # run them, or on process 0 alone (--ops_alone; the other waits in the link's first exchange)
-    costs = {}
-    if FLAGS.measure_ops and (pid == 0 or not FLAGS.ops_alone):
-        from jax.experimental import multihost_utils
+            # as chosen at the first step; what the pipeline adds for Chimera's replicas (kept from its first
+            # step; every process), and 1F1B's one-stage costs it warned against where a device holds two
+            built[(M, spec)] = _Built(
+                name,
+                pipe.placement,
+                pipe.op_costs,
+                running_costs.layout_seconds(pipe.model, pipe.schedule),
+                _one_stage_costs(pipe, running_costs, {"x": x, "y": y}, M),
+            )
+    return runs, built
 
-        if not FLAGS.ops_alone:
-            multihost_utils.sync_global_devices("layer costs")
-        costs = {
-            f"{M},{per}": _layer_costs(Ws[:per], x[: B // M], per)
-            for M in sorted({k[0] for k in runs})
-            for per in sorted({L // (4 if k[1].partition(":")[0] in CHUNKED else 2) for k in runs})
-        }
-        costs = costs if pid == 0 else {}
-    # the sizes the steps move: a small message, a micro-batch's activation, the stage's weights (Chimera's
-    # replica)
-    acts = {FLAGS.batch // M * W for M in {k[0] for k in runs}}
-    link = _link(pid, sorted({16, *acts, L // 2 * W * W}))
-    from experiments.bench import round_steps
 
-    per_round = round_steps(runs, FLAGS.rounds)
-    got = {k: float(np.median(v)) for k, v in per_round.items()}
-    if FLAGS.profile:
-        _profile(pid, {k: v for k, v in runs.items() if k[1] != "plain"})
-    if pid == 0:
-        print(
-            json.dumps(
-                {
-                    "link": link,
-                    "idled": idled,
-                    "plain": {M: got[(M, "plain")] for M in plains},
-                    "costs": costs,
-                    "steps": [
-                        [M, spec, *meta[(M, spec)][1:], layouts[(M, spec)], one_stage[(M, spec)], t]
-                        for (M, spec), t in got.items()
-                        if (M, spec) in meta
-                    ],
-                    "rounds": {f"{M},{spec}": v for (M, spec), v in per_round.items()},
-                }
-            ),
-            flush=True,
-        )
+def _measured_layer_costs(pid: int, runs, Ws, x) -> dict:
+    """One layer's F, B, B's input part and W on this core, per stage size and micro-batch (``--measure_ops``;
+    a W that costs more than a forward narrows ZB's gain).  Timed on both processes at once (process 0's
+    reported), as the ticks run them, or on process 0 alone (``--ops_alone``; the other waits in the link's
+    first exchange)."""
+    if not FLAGS.measure_ops or (pid != 0 and FLAGS.ops_alone):
+        return {}
+    from jax.experimental import multihost_utils
+
+    if not FLAGS.ops_alone:
+        multihost_utils.sync_global_devices("layer costs")
+    L, B = FLAGS.layers, FLAGS.batch
+    costs = {
+        f"{M},{per}": _layer_costs(Ws[:per], x[: B // M], per)
+        for M in sorted({k[0] for k in runs})
+        for per in sorted({L // (4 if k[1].partition(":")[0] in CHUNKED else 2) for k in runs})
+    }
+    return costs if pid == 0 else {}
 
 
 #: the sketch's runs (``--sketch``): name -> model chunks a device
@@ -352,7 +382,7 @@ def _sketch_runs(Ws, x, y, microbatches):
     return runs
 
 
-def _serve(pid, runs, meta):
+def _serve(pid, runs, built):
     """Time one round of every run (:func:`experiments.bench.round_steps`) for each ``round`` line on standard
     input, answering a JSON line each (process 0 ``{"M,schedule": seconds of a step}``, process 1 ``{}``),
     until ``quit``: :mod:`experiments.peer` alternates these rounds with PyTorch's.  The first line says
@@ -360,7 +390,7 @@ def _serve(pid, runs, meta):
     (``{"plans": {"M,schedule": [placement, op_costs]}}``)."""
     from experiments.bench import round_steps
 
-    plans = {f"{M},{spec}": list(m[1:]) for (M, spec), m in meta.items()} if pid == 0 else {}
+    plans = {f"{M},{spec}": [b.placement, b.op_costs] for (M, spec), b in built.items()} if pid == 0 else {}
     print(json.dumps({"ready": True, **({"plans": plans} if plans else {})}), flush=True)
     for line in sys.stdin:
         if line.strip() != "round":
