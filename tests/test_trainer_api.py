@@ -431,3 +431,29 @@ def test_a_nan_found_while_the_next_step_runs_says_which_weights_it_replays(pipe
             **QUIET,
         )
     assert len(records(tmp_path / "a")) == len(records(tmp_path / "b")) == 2
+
+
+def test_an_asynchronous_pipeline_trains_the_same_overlapped_and_drains_at_the_end(tmp_path):
+    """A no-flush schedule carries micro-batches between steps: read overlapped or one by one, the run logs
+    the same losses and ends drained with the same weights, bit for bit."""
+    pipe = jp.Pipeline(
+        MODEL,
+        schedule="pipedream_2bw",
+        num_microbatches=2,
+        optimizer=optax.sgd(0.05),
+        mesh=jp.make_mesh(stages=2),
+    )
+    runs = {
+        overlap: jp.train(
+            pipe,
+            stream(),
+            steps=5,
+            out_dir=str(tmp_path / str(overlap)),
+            eval_every=0,
+            overlap_steps=overlap,
+            **QUIET,
+        )
+        for overlap in (True, False)
+    }
+    assert losses(tmp_path / "True") == losses(tmp_path / "False") and len(losses(tmp_path / "True")) == 5
+    jax.tree.map(assert_same, pipe.params(runs[True].state), pipe.params(runs[False].state))
