@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+import numpy as np
 
 from jaxpipe.cli import common as cli
 from absl import app, flags
@@ -143,88 +144,110 @@ def run_one(task, opt_name, schedule, seed, steps, lr):
     return rows
 
 
+#: the summary table's header
+SUMMARY_HEADER = [
+    "| task | optimizer | method | final eval loss | final eval acc | steps to dp target | seeds |",
+    "|---|---|---|---|---|---|---|",
+]
+
+
 def main(argv):
     del argv
     if "jax" not in sys.modules:
         emulate_cpu_devices(max(8, FLAGS.stages * FLAGS.avgpipe_pipes))
-    import csv
-    import numpy as np
-    from tqdm import tqdm
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     if FLAGS.task == "all":
         configs = [("digits", "momentum"), ("digits", "adamw"), ("bytelm", "adam")]
     else:
         configs = [(FLAGS.task, FLAGS.optimizer or ("momentum" if FLAGS.task == "digits" else "adam"))]
     os.makedirs(FLAGS.out_dir, exist_ok=True)
-    all_rows, summary = (
-        [],
-        [
-            "| task | optimizer | method | final eval loss | final eval acc | steps to dp target | seeds |",
-            "|---|---|---|---|---|---|---|",
-        ],
-    )
+    all_rows, summary = [], list(SUMMARY_HEADER)
     for task, opt_name in configs:
-        steps = FLAGS.steps or (300 if task == "digits" else 150)
-        lr = FLAGS.lr or (0.05 if opt_name in ("momentum", "sgd") else 3e-3)
-        methods = [s for s in FLAGS.schedules.split(",") if s]
-        if opt_name not in ("momentum",) and "spectrain" in methods:
-            print(f"[{task}/{opt_name}] spectrain skipped: it predicts from the SGD-momentum buffer only")
-            methods.remove("spectrain")
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        runs = [(m, s) for m in methods for s in range(FLAGS.seeds)]
-        curves = {}
-        for method, seed in tqdm(runs, desc=f"{task}/{opt_name}", unit="run"):
-            rows = run_one(task, opt_name, method, seed, steps, lr)
-            for r in rows:
-                all_rows.append({"task": task, "optimizer": opt_name, "method": method, "seed": seed, **r})
-            curves.setdefault(method, []).append(rows)
-        target = None
-        if "dp" in curves:
-            target = float(np.mean([run[-1]["eval_loss"] for run in curves["dp"]])) * (1 + FLAGS.target_slack)
+        rows, lines = _run_config(task, opt_name)
+        all_rows += rows
+        summary += lines
+    _write(all_rows, summary)
 
-        def steps_to(run):
-            hit = [r["step"] for r in run if r["eval_loss"] <= target]
-            return hit[0] if hit else float("nan")
 
-        for method, rs in curves.items():
-            steps_axis = [r["step"] for r in rs[0]]
-            metric = "eval_acc" if task == "digits" else "eval_loss"
-            for ax, key in zip(axes, ("train_loss", metric)):
-                vals = np.array([[r[key] for r in run] for run in rs])
-                mu, sd = np.nanmean(vals, 0), np.nanstd(vals, 0)
-                ax.plot(steps_axis, mu, label=method)
-                ax.fill_between(steps_axis, mu - sd, mu + sd, alpha=0.2)
-                ax.set_xlabel("step")
-                ax.set_ylabel(key)
-            fl = np.array([run[-1]["eval_loss"] for run in rs])
-            fa = np.array([run[-1].get("eval_acc", np.nan) for run in rs])
-            acc = f"{np.mean(fa):.4f} ± {np.std(fa):.4f}" if task == "digits" else "-"
-            if target is None:
-                reach = "-"
-            else:
-                st = np.array([steps_to(run) for run in rs], float)
-                reach = (
-                    f"{np.nanmean(st):.0f} ({int(np.sum(np.isfinite(st)))}/{len(rs)} reached)"
-                    if np.any(np.isfinite(st))
-                    else f"not reached (0/{len(rs)})"
-                )
-            summary.append(
-                f"| {task} | {opt_name} | {method} | {np.mean(fl):.4f} ± {np.std(fl):.4f} | {acc} | "
-                f"{reach} | {len(rs)} |"
-            )
-        axes[0].legend()
-        fig.suptitle(
-            f"{task}, {opt_name} lr {lr:g}, D={FLAGS.stages}, M={FLAGS.microbatches}, "
-            f"batch {FLAGS.batch}, mean ± std over {FLAGS.seeds} seeds"
+def _run_config(task: str, opt_name: str):
+    """``(rows, summary lines)`` of every method and seed on ``task`` with ``opt_name``, its curves drawn."""
+    from tqdm import tqdm
+
+    steps = FLAGS.steps or (300 if task == "digits" else 150)
+    lr = FLAGS.lr or (0.05 if opt_name in ("momentum", "sgd") else 3e-3)
+    methods = [s for s in FLAGS.schedules.split(",") if s]
+    if opt_name not in ("momentum",) and "spectrain" in methods:
+        print(f"[{task}/{opt_name}] spectrain skipped: it predicts from the SGD-momentum buffer only")
+        methods.remove("spectrain")
+    runs = [(m, s) for m in methods for s in range(FLAGS.seeds)]
+    all_rows, curves = [], {}
+    for method, seed in tqdm(runs, desc=f"{task}/{opt_name}", unit="run"):
+        rows = run_one(task, opt_name, method, seed, steps, lr)
+        for r in rows:
+            all_rows.append({"task": task, "optimizer": opt_name, "method": method, "seed": seed, **r})
+        curves.setdefault(method, []).append(rows)
+    target = None
+    if "dp" in curves:
+        target = float(np.mean([run[-1]["eval_loss"] for run in curves["dp"]])) * (1 + FLAGS.target_slack)
+    _plot(task, opt_name, lr, curves)
+    return all_rows, [_summary_line(task, opt_name, method, rs, target) for method, rs in curves.items()]
+
+
+def _summary_line(task: str, opt_name: str, method: str, rs, target) -> str:
+    """One method's row: its final eval loss (and accuracy) over the seeds, and the steps it took to reach
+    ``target`` (data parallelism's final loss, with slack), where there is one."""
+
+    def steps_to(run):
+        hit = [r["step"] for r in run if r["eval_loss"] <= target]
+        return hit[0] if hit else float("nan")
+
+    fl = np.array([run[-1]["eval_loss"] for run in rs])
+    fa = np.array([run[-1].get("eval_acc", np.nan) for run in rs])
+    acc = f"{np.mean(fa):.4f} ± {np.std(fa):.4f}" if task == "digits" else "-"
+    if target is None:
+        reach = "-"
+    else:
+        st = np.array([steps_to(run) for run in rs], float)
+        reach = (
+            f"{np.nanmean(st):.0f} ({int(np.sum(np.isfinite(st)))}/{len(rs)} reached)"
+            if np.any(np.isfinite(st))
+            else f"not reached (0/{len(rs)})"
         )
-        fig.tight_layout()
-        fig.savefig(os.path.join(FLAGS.out_dir, f"{task}_{opt_name}.png"), dpi=110)
-        plt.close(fig)
+    loss = f"{np.mean(fl):.4f} ± {np.std(fl):.4f}"
+    return f"| {task} | {opt_name} | {method} | {loss} | {acc} | {reach} | {len(rs)} |"
+
+
+def _plot(task: str, opt_name: str, lr: float, curves) -> None:
+    """Each method's training loss and eval metric against the step, mean ± std over the seeds, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    metric = "eval_acc" if task == "digits" else "eval_loss"
+    for method, rs in curves.items():
+        steps_axis = [r["step"] for r in rs[0]]
+        for ax, key in zip(axes, ("train_loss", metric)):
+            vals = np.array([[r[key] for r in run] for run in rs])
+            mu, sd = np.nanmean(vals, 0), np.nanstd(vals, 0)
+            ax.plot(steps_axis, mu, label=method)
+            ax.fill_between(steps_axis, mu - sd, mu + sd, alpha=0.2)
+            ax.set_xlabel("step")
+            ax.set_ylabel(key)
+    axes[0].legend()
+    fig.suptitle(
+        f"{task}, {opt_name} lr {lr:g}, D={FLAGS.stages}, M={FLAGS.microbatches}, "
+        f"batch {FLAGS.batch}, mean ± std over {FLAGS.seeds} seeds"
+    )
+    fig.tight_layout()
+    fig.savefig(os.path.join(FLAGS.out_dir, f"{task}_{opt_name}.png"), dpi=110)
+    plt.close(fig)
+
+
+def _write(all_rows, summary) -> None:
+    """``results.csv`` (every evaluation of every run) and ``summary.md`` in ``--out_dir``."""
+    import csv
+
     with open(os.path.join(FLAGS.out_dir, "results.csv"), "w", newline="") as fh:
         keys = ["task", "optimizer", "method", "seed", "step", "train_loss", "eval_loss", "eval_acc"]
         w = csv.DictWriter(fh, fieldnames=keys, restval="")
