@@ -335,7 +335,7 @@ def _pipelines(Ws, x, y):
                 pipe.placement,
                 pipe.op_costs,
                 running_costs.layout_seconds(pipe.model, pipe.schedule),
-                _one_stage_costs(pipe, running_costs, {"x": x, "y": y}, M),
+                _one_stage_costs(pipe, {"x": x, "y": y}, M),
             )
     return runs, built
 
@@ -511,9 +511,11 @@ def main(argv):
     report({**json.loads(lines[-1]), "load": load})
 
 
-def _one_stage_costs(pipe, running_costs, batch, M: int):
+def _one_stage_costs(pipe, batch, M: int):
     """The one-stage op costs ``pipe`` predicted 1F1B at, where its own were timed over a device's several
     stages (Chimera's replica: :func:`jaxpipe.tune.running_costs.held_copies`); None otherwise (its own)."""
+    from jaxpipe.tune import running_costs
+
     if pipe.op_costs is None or running_costs.held_copies(pipe.schedule) == 1 or _op_costs():
         return None
     mb = running_costs.microbatch_like(batch, M)
