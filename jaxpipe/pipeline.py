@@ -239,9 +239,13 @@ class Pipeline:
         devices, split = self.mesh.shape[STAGE], self.schedule.has_w()
         copies = running_costs.held_copies(self.schedule)  # Chimera: its stage and a replica a device
         try:
-            measured = running_costs.measured(self.model, mb, devices, split, copies=copies)
             # 1F1B's stage, for the warning against it (the same costs where a device holds one stage)
-            one_stage = running_costs.measured(self.model, mb, devices, split) if copies > 1 else measured
+            one_stage = running_costs.measured(self.model, mb, devices, split)
+            measured = one_stage
+            if copies > 1:  # priced by how often the device's plan switches between the stages it holds
+                over = running_costs.measured(self.model, mb, devices, split, copies=copies)
+                rate = running_costs.copy_switch_rate(self.schedule)
+                measured = running_costs.held_stage_costs(one_stage, over, rate)
             layout = running_costs.layout_seconds(self.model, self.schedule)  # Chimera's replicas moved
         except Exception as e:  # noqa: BLE001 -- a model the probe cannot run alone: the unit-cost plan stays
             warnings.warn(

@@ -754,6 +754,22 @@ MUTATIONS = [
         "test_chimera_times_its_ops_over_its_stage_and_replica_and_warns_against_1f1b_at_one_stage",
     ),
     Mutation(
+        "probe_times_the_fused_backward",
+        "jaxpipe/tune/microbench.py",
+        "        self.split = sp if in_place and sp is not None and sp.in_place else None\n",
+        "        self.split = None\n",
+        "tests/test_running_costs.py::"
+        "test_the_probes_backward_adds_the_weight_gradient_in_place_as_the_executor_does",
+    ),
+    Mutation(
+        "chimera_priced_at_every_op_switching",
+        "jaxpipe/tune/running_costs.py",
+        "    blend = lambda a, b: a + rate * (b - a)\n",
+        "    blend = lambda a, b: b\n",
+        "tests/test_running_costs.py::"
+        "test_chimera_times_its_ops_over_its_stage_and_replica_and_warns_against_1f1b_at_one_stage",
+    ),
+    Mutation(
         "stop_vote_read_at_once",
         "jaxpipe/training/stopping.py",
         "        return None if previous is None else np.asarray(previous).reshape(-1)\n",

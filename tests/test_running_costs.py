@@ -385,7 +385,8 @@ def test_chimera_times_its_ops_over_its_stage_and_replica_and_warns_against_1f1b
 ):
     """A Chimera device holds its stage and a replica, each with a gradient sum (on one core of the CPU
     testbed its backward cost 15-23% more over two copies of the weights than over one): its op costs are
-    timed over two copies, kept apart from one stage's, and its warning prices 1F1B at one stage's."""
+    timed over two copies, kept apart from one stage's, priced by how often its plan switches stages, and
+    its warning prices 1F1B at one stage's."""
     assert [running_costs.held_copies(build(n, 2, 4)) for n in ("chimera", "1f1b", "zb_v", "dualpipe_v")] == [
         2,
         1,
@@ -409,7 +410,9 @@ def test_chimera_times_its_ops_over_its_stage_and_replica_and_warns_against_1f1b
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pipe.step(pipe.init(), batch_fn(8))
-    assert sorted(timed) == [1, 2] and tuple(pipe.op_costs[:3]) == (1e-3, 4e-3, 0.0)
+    rate = running_costs.copy_switch_rate(pipe.schedule)
+    assert rate == 4 / 7  # 0F0 1F1 1B1 0B0 0F2 1F3 1B3 0B2: 4 of 7 pairs switch stage
+    assert sorted(timed) == [1, 2] and np.allclose(pipe.op_costs[:3], (1e-3, 2e-3 + rate * 2e-3, 0.0))
     one_stage = (1e-3, 2e-3, 0.0, 0.0)
     mine, theirs, _ = running_costs.predicted_against_1f1b(
         pipe.schedule, pipe.placement, pipe.op_costs, 0.0, one_stage
@@ -434,3 +437,34 @@ def test_ops_timed_over_two_copies_of_the_weights_run_and_measure_positive():
     stage_fn, w, x = running_costs._stage_op(model, running_costs.microbatch_like(batch_fn(4), 2))
     ops = microbench.op_costs(stage_fn, w, x, 1, [1], reps=4, split=True, copies=2)
     assert all(ops[k][0] > 0 for k in ("F", "B", "W")), ops
+
+
+def test_copy_switch_rate_counts_the_busiest_devices_stage_changes():
+    assert running_costs.copy_switch_rate(build("1f1b", 4, 8)) == 0.0
+    assert running_costs.copy_switch_rate(build("chimera", 2, 8)) == 8 / 15
+    one = running_costs.RunningCosts(1.0, 2.0, 0.5, 0.1)
+    over = running_costs.RunningCosts(2.0, 4.0, 1.5, 0.3)
+    assert running_costs.held_stage_costs(one, over, 0.25) == (1.25, 2.5, 0.75, 0.1)
+
+
+def test_the_probes_backward_adds_the_weight_gradient_in_place_as_the_executor_does():
+    """A summing schedule's B on a stage that scans its layers: the input part, then each layer's weight
+    gradient scatter-added into the sums (no zero-filled stacked gradient and pass adding it); the same
+    numbers as the fused pullback."""
+    import jax.numpy as jnp
+    from jaxpipe.bench import layers_fn
+    from jaxpipe.tune.microbench import _Backward
+
+    stage_fn = layers_fn("scan")
+    w = jax.random.normal(jax.random.key(0), (3, 16, 16)) / 4
+    x = jax.random.normal(jax.random.key(1), (4, 16))
+    dh, acc = jnp.ones((4, 16)), jnp.full((3, 16, 16), 0.5)
+    in_place, fused = _Backward(stage_fn, w, x), _Backward(stage_fn, w, x, in_place=False)
+    assert in_place.split is not None and fused.split is None
+    assert "scatter-add" in str(jax.make_jaxpr(in_place.whole)(dh, acc))
+    assert "scatter-add" not in str(jax.make_jaxpr(fused.whole)(dh, acc))
+    dw, dx = jax.vjp(stage_fn, w, x)[1](dh)
+    for got in (in_place.whole(dh, acc), fused.whole(dh, acc)):
+        assert rel_err(got[0], dx) < 1e-6 and rel_err(got[1], acc + dw) < 1e-6
+    assert rel_err(in_place.weight(dh, acc), acc + dw) < 1e-6
+    assert rel_err(in_place.input(dh), dx) < 1e-6

@@ -15,6 +15,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ..optim.policies import LeafAdd
 from .perf_model import Costs
 
 
@@ -80,6 +81,51 @@ def time_branches(fn: Callable, n: int, args, calls: int, per: int) -> List[floa
     return t
 
 
+#: the summing policies' add: a scanned stage's weight gradient goes into its slice of the sums as one
+#: scatter-add, as the executor adds it
+_ADD = LeafAdd()
+
+
+class _Backward:
+    """One stage's backward at the weights ``w`` and input ``x`` as a summing schedule's executor runs it:
+    the activation-dependent residuals stashed, the rest rebuilt from ``w`` (``runtime.residuals``), and
+    where the stage scans its layers, the input part and then the weight gradient added into the sums in
+    place (``runtime.lanes_backward.bwd``).  Timed as the fused pullback instead, the probe paid a
+    zero-filled stacked weight gradient and a pass adding it that the running program does not: B 13.6
+    against 11.0 ms on one core for the testbed's stage at 32 rows (BUILD_NOTES.md, "The executor")."""
+
+    def __init__(self, stage_fn, w, x, in_place: bool = True):
+        from ..runtime.residuals import rebuild_pullback, residual_mask, split_residuals
+        from ..runtime.wsplit import split_backward
+
+        mask, _ = residual_mask(stage_fn, w, x)
+        self.w, self.res = w, split_residuals(stage_fn, w, x, mask)[1]
+        x_like = jnp.zeros_like(x)
+        self.pullback = lambda w_, r, d: rebuild_pullback(stage_fn, w_, x_like, r, mask)(d)
+        avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.res]
+        sp = split_backward(self.pullback, w, self.res, jnp.zeros_like(x), avals)
+        self.split = sp if in_place and sp is not None and sp.in_place else None
+
+    def whole(self, dh, acc):
+        """``(dx, acc + dw)``."""
+        if self.split is None:
+            dw, dx = self.pullback(self.w, self.res, dh)
+            return dx, jax.tree.map(jnp.add, acc, dw)
+        dx, front = self.split.input_part(self.w, self.res, dh)
+        return dx, self.split.weight_part_into(self.w, self.res, dh, front, acc, _ADD)
+
+    def input(self, dh):
+        """``dx`` alone (zero-bubble's B; what only the weight gradient needs is dead code)."""
+        return self.pullback(self.w, self.res, dh)[1]
+
+    def weight(self, dh, acc):
+        """``acc + dw`` (zero-bubble's W: the input part's frontier, then the weight products)."""
+        if self.split is None:
+            return jax.tree.map(jnp.add, acc, self.pullback(self.w, self.res, dh)[0])
+        front = self.split.input_part(self.w, self.res, dh)[1]
+        return self.split.weight_part_into(self.w, self.res, dh, front, acc, _ADD)
+
+
 def op_costs(
     stage_fn,
     w,
@@ -91,23 +137,26 @@ def op_costs(
     kinds: Sequence[str] = (),
     best: bool = False,
     copies: int = 1,
+    in_place: bool = True,
 ) -> Dict[str, List[float]]:
     """``{"F": [...], "B": [...] (, "W": [...])}``: seconds per op with n of ``devices`` busy, for every n
-    in 1..devices (measured at ``busy``, linearly interpolated between).  B is the pullback only (the
-    executor rebuilds it from stashed residuals, it does not rerun the forward); with ``split`` B is the
-    input gradient and W the weight gradient alone (zero-bubble; a stage of several layers still
-    back-propagates through them for it).  ``kinds``: only these; ``best``: the least of the timed calls, not
-    their median.  ``copies``: the ops cycle through that many copies of ``w``, each with its own gradient
-    sum -- the memory a device holding as many stages streams (Chimera's stage and its replica: on one core
-    of the CPU testbed a backward over two copies cost 15-23% more than over one)."""
+    in 1..devices (measured at ``busy``, linearly interpolated between).  B is the backward from stashed
+    residuals as the executor runs it (it does not rerun the forward; ``in_place``: where the stage scans
+    its layers, the weight gradient added into the sums in place, as a summing schedule's B does -- else
+    the fused pullback and a pass adding its gradient); with ``split`` B is the input gradient and W the
+    weight gradient alone (zero-bubble; a stage of several layers still back-propagates through them for
+    it).  ``kinds``: only these; ``best``: the least of the timed calls, not their median.  ``copies``: the
+    ops cycle through that many copies of ``w``, each with its own gradient sum -- the memory a device
+    holding as many stages streams (Chimera's stage and its replica: on one core of the CPU testbed a
+    backward over two copies cost 15-23% more than over one)."""
     mesh = _flat_mesh(devices)
     reps = max(reps // copies, 1) * copies
 
     def program(kind, n):
         def body(ws, x):
             me = lax.axis_index("x")
-            y, pull = jax.vjp(stage_fn, ws[0], x)
-            pulls = [pull] + [jax.vjp(stage_fn, w, x)[1] for w in ws[1:]]
+            y = stage_fn(ws[0], x)
+            backs = [_Backward(stage_fn, w, x, in_place) for w in ws]
 
             def f_loop(h):
                 def cycle(i, h):
@@ -120,20 +169,19 @@ def op_costs(
             def b_loop(h):
                 # the weight gradient is added to a carried sum, as the executor does: a scalar sum of it
                 # let XLA skip most of its matmul (W measured at an eighth of B's input part)
-                def one(i, dh, acc, pull):
-                    dw, dx = pull(dh)
-                    acc_dw = jax.tree.map(jnp.add, acc, dw)
+                def one(i, dh, acc, back):
                     if kind == "W":
-                        return dh * (1 + 1e-30 * i), acc_dw
+                        return dh * (1 + 1e-30 * i), back.weight(dh, acc)
                     if kind == "B" and split:
-                        return dx.astype(dh.dtype), acc
-                    return dx.astype(dh.dtype), acc_dw
+                        return back.input(dh), acc
+                    return back.whole(dh, acc)
 
                 def cycle(i, c):
                     dh, sums = c
                     sums = list(sums)
-                    for k, pull in enumerate(pulls):
-                        dh, sums[k] = one(i, dh, sums[k], pull)
+                    for k, back in enumerate(backs):
+                        dh, sums[k] = one(i, dh, sums[k], back)
+                        dh = dh.astype(h.dtype)
                     return dh, tuple(sums)
 
                 zeros = tuple(jax.tree.map(jnp.zeros_like, w) for w in ws)

@@ -173,7 +173,12 @@ def _ops(stage_fn, w, x, devices: int, split: bool, copies: int = 1) -> tuple:
     from .microbench import op_costs
 
     def timed(**kw):
-        return op_costs(stage_fn, w, x, devices, [devices], best=True, copies=copies, **kw)
+        # a split schedule's W is priced as the fused backward less its input part: priced in place, W
+        # came out 4-10% under what ZB-H1, ZB-V and DualPipeV ran on the testbed at M = 4 (BUILD_NOTES.md,
+        # "The executor"; W's products run slower in ZB's W lane than in a whole backward, section 4)
+        return op_costs(
+            stage_fn, w, x, devices, [devices], best=True, copies=copies, in_place=not split, **kw
+        )
 
     ops = timed()
     f, whole = ops["F"][-1], ops["B"][-1]
@@ -205,6 +210,33 @@ def held_copies(s) -> int:
 
     away = [pairs for pairs in exchange_perms(s) or () if pairs is not None]
     return 1 + len(away)
+
+
+def copy_switch_rate(s) -> float:
+    """The share of a device's consecutive actions in ``s`` that run another model stage than the action
+    before: the busiest device's, 0 for a schedule of one stage a device.  A device of several held stages
+    (:func:`held_copies`) streams the other stage's weights and sums again only where it switches."""
+    rates = [
+        sum(a.stage != b.stage for a, b in zip(acts, acts[1:])) / (len(acts) - 1)
+        for acts in s.actions
+        if len(acts) > 1
+    ]
+    return max(rates, default=0.0)
+
+
+def held_stage_costs(one: RunningCosts, over_copies: RunningCosts, rate: float) -> RunningCosts:
+    """A device's op costs where it holds several stages: one stage's (``one``) plus ``rate`` of what
+    cycling through the copies added (``over_copies``, timed switching at every op; ``rate``:
+    :func:`copy_switch_rate`).  On the two-process testbed (Chimera, D = 2, which switches on 8 of its
+    15 consecutive actions) one stage's costs predicted Chimera 7% fast at M = 4 and 8, the costs timed
+    over two copies 3-9% slow (BUILD_NOTES.md, "The executor")."""
+    blend = lambda a, b: a + rate * (b - a)
+    return RunningCosts(
+        blend(one.forward, over_copies.forward),
+        blend(one.backward, over_copies.backward),
+        blend(one.weight, over_copies.weight),
+        one.tick,
+    )
 
 
 #: this process's measurements by their cache keys.  A multi-process job keeps no cache file
@@ -252,7 +284,8 @@ def measured(
     backend = backend_key()
     ops = _kept(
         store,
-        ["op_costs", backend, model_key(model, mb), devices, bool(split)] + ([copies] if copies > 1 else []),
+        ["op_costs_in_place", backend, model_key(model, mb), devices, bool(split)]
+        + ([copies] if copies > 1 else []),
         lambda: _ops(stage_fn, w, x, devices, split, copies),
     )
     key = ["tick_price_uneven", backend, devices, shapes_key(x)]  # (uneven: not an earlier probe's price)
