@@ -16,6 +16,7 @@ from .checks.batch import (
     check_integer_inputs,
     check_integer_keys,
     require_finite_on_host,
+    refuse_traced,
     require_live,
 )
 from .checks import arguments
@@ -661,6 +662,7 @@ class Pipeline:
         structure, shapes and dtypes of one that passed is not checked again (every check here reads only
         those: 60-85 us a step of Python where every step's batch is alike)."""
         leaves, treedef = jax.tree.flatten(batch)
+        refuse_traced(leaves, "Pipeline.step() or loss_and_grad()", "batch")
         signature = (
             type(batch),
             treedef,

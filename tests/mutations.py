@@ -770,6 +770,13 @@ MUTATIONS = [
         "test_chimera_times_its_ops_over_its_stage_and_replica_and_warns_against_1f1b_at_one_stage",
     ),
     Mutation(
+        "traced_state_reaches_the_checks",
+        "jaxpipe/checks/batch.py",
+        "    if any(isinstance(v, jax.core.Tracer) for v in leaves):\n",
+        "    if False:\n",
+        "tests/test_step_checks.py::test_a_call_inside_a_jax_transformation_says_to_call_it_from_python",
+    ),
+    Mutation(
         "stop_vote_read_at_once",
         "jaxpipe/training/stopping.py",
         "        return None if previous is None else np.asarray(previous).reshape(-1)\n",

@@ -441,3 +441,16 @@ def test_a_refusal_follows_the_states_values_into_copies_and_their_descendants(t
         assert ck.all_steps() == [1, 4]
     finally:
         ck.close()
+
+
+def test_a_call_inside_a_jax_transformation_says_to_call_it_from_python():
+    """``jax.jit(pipe.step)`` traced the state: JAX's own error was a ConcretizationTypeError from deep
+    inside the checks; the pipeline says what happened and what to call instead."""
+    pipe, batch_fn = _mlp_pipe("1f1b")
+    batch, state = batch_fn(8), pipe.init()
+    with pytest.raises(jp.ConfigError, match=r"step\(\) got a traced state.*outside any transformation"):
+        jax.jit(pipe.step)(state, batch)
+    with pytest.raises(jp.ConfigError, match=r"got a traced batch.*jax\.jit"):
+        jax.jit(lambda b: pipe.loss_and_grad(state, b))(batch)
+    _, metrics = pipe.step(state, batch)  # nothing was consumed
+    assert np.isfinite(float(metrics["loss"]))

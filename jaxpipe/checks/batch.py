@@ -106,10 +106,24 @@ def check_integer_keys(model, batch):
         )
 
 
+def refuse_traced(leaves, call: str, what: str):
+    """ConfigError if one of ``leaves`` is a tracer: ``call`` ran inside a JAX transformation, where the
+    pipeline can neither run its own compiled program nor check values on the host."""
+    if any(isinstance(v, jax.core.Tracer) for v in leaves):
+        raise ConfigError(
+            f"{call} got a traced {what}: it was called inside jax.jit, jax.grad, jax.vmap or another JAX "
+            f"transformation. A Pipeline compiles its own program over its mesh and checks each batch on "
+            f"the host, so call it from Python, outside any transformation (state, metrics = "
+            f"pipe.step(state, batch) in a loop); for the gradient alone, pipe.loss_and_grad(state, batch)"
+        )
+
+
 def require_live(state, call: str):
     """ConfigError if ``state`` holds an array an earlier ``step``/``drain`` consumed (donated): JAX would say
     "Buffer has been deleted or donated", or crash where the array was sharded over several devices."""
-    if not any(isinstance(v, jax.Array) and v.is_deleted() for v in jax.tree.leaves(state)):
+    leaves = jax.tree.leaves(state)
+    refuse_traced(leaves, call, "state")
+    if not any(isinstance(v, jax.Array) and v.is_deleted() for v in leaves):
         return  # (the paths are for the message: a live state, the common case, builds none)
     dead = [
         jax.tree_util.keystr(k)
