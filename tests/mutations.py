@@ -130,15 +130,15 @@ MUTATIONS = [
     Mutation(
         "2bw_versions_swapped",
         "jaxpipe/optim/policies.py",
-        "        return jnp.where(latest(ps, i, s), 0, 1), (lp, ps.shadow)\n",
-        "        return jnp.where(latest(ps, i, s), 0, 1), (ps.shadow, lp)\n",
+        "        return jnp.where(self.latest(ps, i, s), 0, 1), (lp, ps.shadow)\n",
+        "        return jnp.where(self.latest(ps, i, s), 0, 1), (ps.shadow, lp)\n",
         "tests/test_independent_references.py::test_no_flush_method_equals_its_hand_written_version_table[2-pipedream_2bw]",
     ),
     Mutation(
         "cdp_v2_rule_reversed",
         "jaxpipe/optim/policies.py",
-        "        return jnp.where(i % M + s >= D - 1, b, b - 1) if fresh else b - 1\n",
-        "        return jnp.where(i % M + s >= D - 1, b - 1, b) if fresh else b - 1\n",
+        "        return jnp.where(i % self.M + s >= self.D - 1, b, b - 1) if self.fresh else b - 1\n",
+        "        return jnp.where(i % self.M + s >= self.D - 1, b - 1, b) if self.fresh else b - 1\n",
         "tests/test_independent_references.py::test_no_flush_method_equals_its_hand_written_version_table[2-cdp_v2]",
     ),
     Mutation(

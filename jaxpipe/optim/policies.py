@@ -201,6 +201,37 @@ class TwoBWState(NamedTuple):
     count: Any = None  # (sum, count) losses: [K] global counts, as acc (acc / count lands)
 
 
+class _TwoVersionReads(NamedTuple):
+    """Which of PipeDream-2BW's two versions micro-batch ``i`` reads on stage ``s``: ``lp`` holds
+    w(n_updates), the shadow w(n_updates - 1).  Batch b = i // M reads w(b - 1) (w(-1) = w(0)); with
+    ``fresh`` (CDP-v2) w(b) where j + s >= D - 1."""
+
+    M: int
+    D: int
+    fresh: bool
+
+    def read_version(self, i, s):
+        b = i // self.M
+        return jnp.where(i % self.M + s >= self.D - 1, b, b - 1) if self.fresh else b - 1
+
+    def latest(self, ps, i, s):
+        v = self.read_version(i, s)
+        return (ps.n_updates == v) | ((v < 0) & (ps.n_updates == 0))
+
+    def version(self, lp, ps, i, s):
+        now = self.latest(ps, i, s)
+        return jax.tree.map(lambda a, sh: jnp.where(now, a, sh), lp, ps.shadow)
+
+    def forward_weights(self, lp, ps, i, s):
+        return self.version(lp, ps, i, s), ps
+
+    def choose(self, lp, ps, i, s):
+        return jnp.where(self.latest(ps, i, s), 0, 1), (lp, ps.shadow)
+
+    def held(self, ps, i, s):
+        return self.latest(ps, i, s) | (ps.n_updates - 1 == self.read_version(i, s))
+
+
 def pipedream_2bw(
     opt: optax.GradientTransformation,
     num_stages: int,
@@ -215,7 +246,8 @@ def pipedream_2bw(
     timeline (F at tick 2(bM+j)+s, that update at 2(bM-1)+2D-1-s) is exactly when j + s >= D - 1 -- and its
     backward reads the same version.  With M = D this is the paper's rule: micro-batch i (1-based) uses the
     fresh parameters on its last i stages.  Same two versions as 2BW (CDP-v1 is 2BW's rule)."""
-    M, D = num_microbatches, num_stages
+    M = num_microbatches
+    reads = _TwoVersionReads(M, num_stages, fresh)
 
     # land at the end of the call (2BW, CDP-v1) -> two accumulators by batch parity (a call runs the last
     # backwards of batch b - 1 and the first of batch b); in the scan (CDP-v2) -> one, zeroed as it lands
@@ -228,32 +260,6 @@ def pipedream_2bw(
             jnp.zeros((), jnp.int32),
             jnp.zeros((K,), jnp.float32),
         )
-
-    def version(lp, ps, i, s):
-        now = latest(ps, i, s)
-        return jax.tree.map(lambda a, sh: jnp.where(now, a, sh), lp, ps.shadow)
-
-    def latest(ps, i, s):
-        # batch b = i // M reads w(b - 1) (w(-1) = w(0)); CDP-v2: w(b) where j + s >= D - 1.  lp holds
-        # w(n_updates), the shadow w(n_updates - 1).
-        v = read_version(i, s)
-        return (ps.n_updates == v) | ((v < 0) & (ps.n_updates == 0))
-
-    def forward_weights(lp, ps, i, s):
-        return version(lp, ps, i, s), ps
-
-    def backward_weights(lp, ps, i, s):
-        return version(lp, ps, i, s)
-
-    def choose(lp, ps, i, s):
-        return jnp.where(latest(ps, i, s), 0, 1), (lp, ps.shadow)
-
-    def held(ps, i, s):
-        return latest(ps, i, s) | (ps.n_updates - 1 == read_version(i, s))
-
-    def read_version(i, s):
-        b = i // M
-        return jnp.where(i % M + s >= D - 1, b, b - 1) if fresh else b - 1
 
     def update(g, lp, opt_state, ps, i, s, count=None):
         # count: this micro-batch's global token/example count when post_loss returns (sum, count) -- ``g`` is
@@ -283,11 +289,11 @@ def pipedream_2bw(
     return WeightPolicy(
         name,
         init,
-        forward_weights,
-        backward_weights,
+        reads.forward_weights,
+        reads.version,
         update,
         lambda D: [2] * D,
-        choose,
+        reads.choose,
         per_microbatch=False,
         land=land,
         lands=lambda i: i % M == M - 1,
@@ -295,7 +301,7 @@ def pipedream_2bw(
         reads="stored",
         stale=1,
         accumulators=K,
-        held=held,
+        held=reads.held,
     )
 
 
