@@ -58,64 +58,67 @@ flags.DEFINE_string("out_dir", "runs/convergence", "output directory")
 FLAGS = flags.FLAGS
 
 
-def run_one(task, opt_name, schedule, seed, steps, lr):
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import optax
+def _task(task: str, seed: int):
+    """``(model, batches, evals)`` of ``task``: digits with a residual MLP, or the byte corpus with a GPT."""
+    import itertools
+
     import jaxpipe as jp
 
-    D, M = FLAGS.stages, FLAGS.microbatches
+    D = FLAGS.stages
     if task == "digits":
         train, val = jp.data.digits(seed=0)
         model = jp.models.residual_mlp(D, 64, 10, width=64, seed=seed)
-        batches = jp.data.class_batches(train, FLAGS.batch, seed=seed)
-        evals = [val]
-    else:
-        train, val = jp.data.byte_corpus()
-        model = jp.models.gpt(D, d_model=32, heads=2, seq_len=32, seed=seed)
-        batches = jp.data.lm_batches(train, FLAGS.batch, 32, seed=seed)
-        evals = list(__import__("itertools").islice(jp.data.lm_batches(val, FLAGS.batch, 32, seed=999), 4))
-    opt = {
+        return model, jp.data.class_batches(train, FLAGS.batch, seed=seed), [val]
+    train, val = jp.data.byte_corpus()
+    model = jp.models.gpt(D, d_model=32, heads=2, seq_len=32, seed=seed)
+    evals = list(itertools.islice(jp.data.lm_batches(val, FLAGS.batch, 32, seed=999), 4))
+    return model, jp.data.lm_batches(train, FLAGS.batch, 32, seed=seed), evals
+
+
+def _optimizer(opt_name: str, lr: float):
+    import optax
+
+    return {
         "momentum": lambda: optax.sgd(lr, momentum=0.9),
         "sgd": lambda: optax.sgd(lr),
         "adam": lambda: optax.adam(lr),
         "adamw": lambda: optax.adamw(lr, weight_decay=1e-4),
     }[opt_name]()
-    # "dp": the synchronous baseline -- plain data-parallel SGD semantics (one update per step from the
-    # gradient at the current weights), which every synchronous schedule computes exactly; run as GPipe
-    name = "gpipe" if schedule == "dp" else schedule
-    # "wpipe_apc": WPipe with its automatic precision compression of activations/gradients (appendix A.3)
-    apc = name == "wpipe_apc"
-    name = "wpipe" if apc else name
+
+
+def _pipeline(model, schedule: str, opt):
+    """The pipeline ``schedule`` names: "dp" is the synchronous baseline -- plain data-parallel SGD semantics
+    (one update per step from the gradient at the current weights), which every synchronous schedule
+    computes exactly -- run as GPipe; "wpipe_apc" is WPipe with its automatic precision compression of
+    activations and gradients (appendix A.3)."""
+    import jaxpipe as jp
+
+    D, M = FLAGS.stages, FLAGS.microbatches
+    name = {"dp": "gpipe", "wpipe_apc": "wpipe"}.get(schedule, schedule)
     if name == "wpipe":
         # the same model (D partitions) on D/2 devices: G0 = partitions 0..D/2-1, G1 the rest
         if D % 2:
             raise app.UsageError(
                 f"wpipe cuts the model into 2 x devices partitions: --stages={D} must be even"
             )
-        pipe = jp.Pipeline(
-            model,
-            schedule=name,
-            num_microbatches=M,
-            optimizer=opt,
-            mesh=jp.make_mesh(stages=D // 2),
-            options={"apc": apc},
-        )
+        mesh, options = jp.make_mesh(stages=D // 2), {"apc": schedule == "wpipe_apc"}
     elif name == "avgpipe":
         # N pipelines, each on its share of the global batch (same samples per step as dp)
-        pipe = jp.Pipeline(
-            model,
-            schedule=name,
-            num_microbatches=M,
-            optimizer=opt,
-            mesh=jp.make_mesh(pipes=FLAGS.avgpipe_pipes, stages=D),
-            options={"advance": 0},
-        )
+        mesh, options = jp.make_mesh(pipes=FLAGS.avgpipe_pipes, stages=D), {"advance": 0}
     else:
-        pipe = jp.Pipeline(
-            model, schedule=name, num_microbatches=M, optimizer=opt, mesh=jp.make_mesh(stages=D)
-        )
+        mesh, options = jp.make_mesh(stages=D), None
+    return jp.Pipeline(model, schedule=name, num_microbatches=M, optimizer=opt, mesh=mesh, options=options)
+
+
+def run_one(task, opt_name, schedule, seed, steps, lr):
+    """One training run: a row every ``--eval_every`` steps and at the end (the mean training loss since
+    the last row, the held-out loss, and on digits the held-out accuracy)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    model, batches, evals = _task(task, seed)
+    pipe = _pipeline(model, schedule, _optimizer(opt_name, lr))
     loss_fn = jax.jit(model.loss)
 
     def evaluate(params):
@@ -133,13 +136,8 @@ def run_one(task, opt_name, schedule, seed, steps, lr):
         if (i + 1) % FLAGS.eval_every == 0 or i + 1 == steps:
             if i + 1 == steps:
                 state, _ = pipe.drain(state)
-            rows.append(
-                {
-                    "step": i + 1,
-                    "train_loss": float(np.mean(recent)) if recent else float("nan"),
-                    **evaluate(pipe.params(state)),
-                }
-            )
+            train_loss = float(np.mean(recent)) if recent else float("nan")
+            rows.append({"step": i + 1, "train_loss": train_loss, **evaluate(pipe.params(state))})
             recent = []
     return rows
 
