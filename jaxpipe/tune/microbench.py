@@ -91,8 +91,9 @@ class _Backward:
     the activation-dependent residuals stashed, the rest rebuilt from ``w`` (``runtime.residuals``), and
     where the stage scans its layers, the input part and then the weight gradient added into the sums in
     place (``runtime.lanes_backward.bwd``).  Timed as the fused pullback instead, the probe paid a
-    zero-filled stacked weight gradient and a pass adding it that the running program does not: B 13.6
-    against 11.0 ms on one core for the testbed's stage at 32 rows (BUILD_NOTES.md, "The executor")."""
+    zero-filled stacked weight gradient and a pass adding it that the running program does not: B
+    13.6-14.1 against 8.9-9.5 ms on one core for the testbed's stage at 32 rows (BUILD_NOTES.md, "The
+    executor")."""
 
     def __init__(self, stage_fn, w, x, in_place: bool = True):
         from ..runtime.residuals import rebuild_pullback, residual_mask, split_residuals
