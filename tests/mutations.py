@@ -756,8 +756,8 @@ MUTATIONS = [
     Mutation(
         "probe_times_the_fused_backward",
         "jaxpipe/tune/microbench.py",
-        "        self.split = sp if in_place and sp is not None and sp.in_place else None\n",
-        "        self.split = None\n",
+        "            if sp is not None and sp.in_place:\n",
+        "            if False:\n",
         "tests/test_running_costs.py::"
         "test_the_probes_backward_adds_the_weight_gradient_in_place_as_the_executor_does",
     ),

@@ -96,33 +96,40 @@ class _Backward:
     executor")."""
 
     def __init__(self, stage_fn, w, x, in_place: bool = True):
-        from ..runtime.residuals import rebuild_pullback, residual_mask, split_residuals
-        from ..runtime.wsplit import split_backward
+        self.w, self.split = w, None
+        if in_place:
+            from ..runtime.residuals import rebuild_pullback, residual_mask, split_residuals
+            from ..runtime.wsplit import split_backward
 
-        mask, _ = residual_mask(stage_fn, w, x)
-        self.w, self.res = w, split_residuals(stage_fn, w, x, mask)[1]
-        x_like = jnp.zeros_like(x)
-        self.pullback = lambda w_, r, d: rebuild_pullback(stage_fn, w_, x_like, r, mask)(d)
-        avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.res]
-        sp = split_backward(self.pullback, w, self.res, jnp.zeros_like(x), avals)
-        self.split = sp if in_place and sp is not None and sp.in_place else None
+            mask, _ = residual_mask(stage_fn, w, x)
+            res = split_residuals(stage_fn, w, x, mask)[1]
+            x_like = jnp.zeros_like(x)
+            pullback = lambda w_, r, d: rebuild_pullback(stage_fn, w_, x_like, r, mask)(d)
+            avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in res]
+            sp = split_backward(pullback, w, res, jnp.zeros_like(x), avals)
+            if sp is not None and sp.in_place:
+                self.split, self.res = sp, res
+                return
+        self.pull = jax.vjp(stage_fn, w, x)[1]  # the fused pullback, its residuals closed over
 
     def whole(self, dh, acc):
         """``(dx, acc + dw)``."""
         if self.split is None:
-            dw, dx = self.pullback(self.w, self.res, dh)
+            dw, dx = self.pull(dh)
             return dx, jax.tree.map(jnp.add, acc, dw)
         dx, front = self.split.input_part(self.w, self.res, dh)
         return dx, self.split.weight_part_into(self.w, self.res, dh, front, acc, _ADD)
 
     def input(self, dh):
         """``dx`` alone (zero-bubble's B; what only the weight gradient needs is dead code)."""
-        return self.pullback(self.w, self.res, dh)[1]
+        if self.split is None:
+            return self.pull(dh)[1]
+        return self.split.input_part(self.w, self.res, dh)[0]
 
     def weight(self, dh, acc):
         """``acc + dw`` (zero-bubble's W: the input part's frontier, then the weight products)."""
         if self.split is None:
-            return jax.tree.map(jnp.add, acc, self.pullback(self.w, self.res, dh)[0])
+            return jax.tree.map(jnp.add, acc, self.pull(dh)[0])
         front = self.split.input_part(self.w, self.res, dh)[1]
         return self.split.weight_part_into(self.w, self.res, dh, front, acc, _ADD)
 
@@ -157,7 +164,6 @@ def op_costs(
         def body(ws, x):
             me = lax.axis_index("x")
             y = stage_fn(ws[0], x)
-            backs = [_Backward(stage_fn, w, x, in_place) for w in ws]
 
             def f_loop(h):
                 def cycle(i, h):
@@ -168,6 +174,8 @@ def op_costs(
                 return lax.fori_loop(0, reps // copies, cycle, h)
 
             def b_loop(h):
+                backs = [_Backward(stage_fn, w, x, in_place) for w in ws]
+
                 # the weight gradient is added to a carried sum, as the executor does: a scalar sum of it
                 # let XLA skip most of its matmul (W measured at an eighth of B's input part)
                 def one(i, dh, acc, back):
