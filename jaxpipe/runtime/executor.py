@@ -117,37 +117,28 @@ def make_stream_program(
         trace, state = open_trace(prog, params, opt_state, pstate, carry, counters, batch, feed)
         return run_call(prog, trace, state)
 
-    # a ring's workers each hold a replica of their own (one per data index), AvgPipe's pipelines one per pipe
-    # index; otherwise stage s's at index s
-    own = prog.reduction.own_spec(prog)
-    stage = lambda tree: jax.tree.map(lambda _: own, tree)
-    dev = lambda tree: jax.tree.map(lambda _: P(ALL), tree)
-    rep = lambda tree: jax.tree.map(lambda _: P(), tree)
-
     def fn(params, opt_state, pstate, carry, counters, batch, feed):
-        in_specs = (
-            stage(params),
-            stage(opt_state),
-            stage(pstate),
-            dev(carry),
-            rep(counters),
-            jax.tree.map(lambda _: P(DP_AXES), batch),
-            P(),
-        )
-        out_specs = (
-            stage(params),
-            stage(opt_state),
-            stage(pstate),
-            dev(carry),
-            rep(counters),
-            (P(PIPE) if replicas else P(), P(), P(), P()),
-        )
+        in_specs, out_specs = _call_specs(prog, replicas, params, opt_state, pstate, carry, counters, batch)
         return jax.shard_map(
             body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False, **manual(mesh)
         )(params, opt_state, pstate, carry, counters, batch, feed)
 
     fn.counting = prog.counting  # (sum, count) losses: the gradient policy divides by the counts itself
     return fn, prog.x_aval
+
+
+def _call_specs(prog, replicas: bool, params, opt_state, pstate, carry, counters, batch):
+    """``(in_specs, out_specs)`` of a stream call's ``shard_map``: a ring's workers each hold a replica of
+    their own (one per data index), AvgPipe's pipelines one per pipe index, otherwise stage s's at index s;
+    the carry one per device; the batch over the data axes; the metrics per pipeline where there are
+    replicas."""
+    own = prog.reduction.own_spec(prog)
+    stage = lambda tree: jax.tree.map(lambda _: own, tree)
+    dev = lambda tree: jax.tree.map(lambda _: P(ALL), tree)
+    rep = lambda tree: jax.tree.map(lambda _: P(), tree)
+    held = (stage(params), stage(opt_state), stage(pstate), dev(carry), rep(counters))
+    in_specs = held + (jax.tree.map(lambda _: P(DP_AXES), batch), P())
+    return in_specs, held + ((P(PIPE) if replicas else P(), P(), P(), P()),)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
