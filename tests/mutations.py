@@ -324,11 +324,8 @@ MUTATIONS = [
     Mutation(
         "summing_b_never_in_place",
         "jaxpipe/runtime/executor.py",
-        "    elif not prog.split and "
-        "all(p.add_leaf is not None and "
-        "p.sums is not None for p in "
-        "prog.policies):\n",
-        "    elif False and all(p.add_leaf is not None and p.sums is not None for p in prog.policies):\n",
+        "    if prog.split or not all(p.add_leaf is not None and p.sums is not None for p in prog.policies):\n",
+        "    if True:\n",
         "tests/test_wsplit.py::test_flushing_schedules_add_a_scanned_stages_gradient_in_place[1f1b-2-options0]",
     ),
     Mutation(

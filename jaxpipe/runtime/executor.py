@@ -188,32 +188,8 @@ def open_trace(prog: Program, params, opt_state, pstate, carry, counters, batch,
             f"stage_fn's pullback stashes {len(avals)} residuals inside the program but "
             f"{len(carry.stash)} were allocated; stage_fn must trace the same way every time"
         )
-    wsp = wfuse = None
-    if prog.w_frontier:  # W from the frontier B keeps (none where the stage cannot be split: W recomputes)
-        wsp = split_backward(sop.backward, chunk_params[0][0], full(avals, 0), full(prog.x_aval, 0), avals)
-    elif not prog.split and all(p.add_leaf is not None and p.sums is not None for p in prog.policies):
-        # a summing policy's B in the same two parts, W's added into the sums in place (lanes_backward.bwd),
-        # where the stage scans its layers (elsewhere the fused backward, as before: nothing to gain)
-        wfuse = split_backward(sop.backward, chunk_params[0][0], full(avals, 0), full(prog.x_aval, 0), avals)
-        wfuse = wfuse if wfuse is not None and wfuse.in_place else None
-    # ZB's frontier in the residuals of its own stash slot that only B read (front_pack); where it does not
-    # fit
-    # or saves little, in slots of its own (an idle B lane writes none), for this call only (own buffers:
-    # merged
-    # into one fill, XLA copied it into each; +224 MiB a leaf on GPT d1024 at D = 4)
-    places = (
-        None if prog.direct or wsp is None else placed_in_stash(wsp, avals, prog.periodic.plan.front_capacity)
-    )
-    if wsp is not None and places is None:
-        carry = carry._replace(
-            front=own_buffers(
-                full(
-                    wsp.frontier_avals,
-                    jnp.nan if prog.nan_bubbles else 0,
-                    (max(prog.periodic.plan.front_capacity, 1),),
-                )
-            )
-        )
+    wsp, wfuse = _split_backwards(prog, sop, chunk_params[0][0], avals)
+    places, carry = _frontier_places(prog, wsp, avals, carry)
     mb_of, carry = prog.routing.micro_batches(prog, base, n_fed, batch, carry)
     trace = Trace(
         t0=t0,
@@ -233,24 +209,48 @@ def open_trace(prog: Program, params, opt_state, pstate, carry, counters, batch,
         ring_f=[(d, (d + 1) % prog.D) for d in range(prog.D)],
         ring_b=[(d, (d - 1) % prog.D) for d in range(prog.D)],
     )
-    variants = [
-        [forward_at(prog, trace, bool(p & 1), bool(p & 2)) for p in prog.used_positions[c]]
-        for c in range(prog.num_chunks)
-    ]
-    doubles = (
-        [
-            [double_at(prog, trace, bool(p & 1), bool(p & 2)) for p in prog.used_positions[c]]
-            for c in range(prog.num_chunks)
-        ]
-        if prog.paired
-        else None
-    )
-    return dataclasses.replace(trace, variants=variants, doubles=doubles), (
-        chunk_params,
-        opt_states,
-        policy_states,
-        carry,
-    )
+    variants, doubles = _stage_variants(prog, trace)
+    trace = dataclasses.replace(trace, variants=variants, doubles=doubles)
+    return trace, (chunk_params, opt_states, policy_states, carry)
+
+
+def _split_backwards(prog: Program, sop, stage_w, avals):
+    """``(wsp, wfuse)``: the split backward W's lane reads from B's frontier (``prog.w_frontier``), or a
+    summing policy's B in the same two parts, W's added into the sums in place (``lanes_backward.bwd``) where
+    the stage scans its layers; None where neither applies (elsewhere the fused backward: nothing to gain)."""
+    if prog.w_frontier:  # None where the stage cannot be split: W recomputes
+        return split_backward(sop.backward, stage_w, full(avals, 0), full(prog.x_aval, 0), avals), None
+    if prog.split or not all(p.add_leaf is not None and p.sums is not None for p in prog.policies):
+        return None, None
+    wfuse = split_backward(sop.backward, stage_w, full(avals, 0), full(prog.x_aval, 0), avals)
+    return None, (wfuse if wfuse is not None and wfuse.in_place else None)
+
+
+def _frontier_places(prog: Program, wsp, avals, carry):
+    """``(places, carry)``: where ZB's frontier lies in the residuals of its own stash slot that only B
+    read (``front_pack``); where it does not fit or saves little, None and ``carry.front`` slots of its own
+    (an idle B lane writes none), for this call only (own buffers: merged into one fill, XLA copied it into
+    each; +224 MiB a leaf on GPT d1024 at D = 4)."""
+    if wsp is None:
+        return None, carry
+    if not prog.direct:
+        places = placed_in_stash(wsp, avals, prog.periodic.plan.front_capacity)
+        if places is not None:
+            return places, carry
+    fill = jnp.nan if prog.nan_bubbles else 0
+    slots = (max(prog.periodic.plan.front_capacity, 1),)
+    return None, carry._replace(front=own_buffers(full(wsp.frontier_avals, fill, slots)))
+
+
+def _stage_variants(prog: Program, trace):
+    """``(variants, doubles)``: each chunk's forward at each position its plan uses (``forward_at``), and
+    its paired double forward (``double_at``; None where the plan pairs none)."""
+    positions = lambda c: [(bool(p & 1), bool(p & 2)) for p in prog.used_positions[c]]
+    chunks = range(prog.num_chunks)
+    variants = [[forward_at(prog, trace, *at) for at in positions(c)] for c in chunks]
+    if not prog.paired:
+        return variants, None
+    return variants, [[double_at(prog, trace, *at) for at in positions(c)] for c in chunks]
 
 
 def run_call(prog: Program, trace: Trace, state):

@@ -105,83 +105,83 @@ def double_at(prog, trace, first, last):
 
 
 def f_lane(prog, trace, chunk, mb_index, slot, x_in, t_in, lane_ops):
-    # F lane (docs/design.md §2 lanes): a predicate cond around the position switch, so that nothing
-    # big passes through a multi-way conditional (XLA copies such pass-throughs every tick)
+    """The F lane's forward of ``chunk`` on the call's micro-batch ``mb_index``, its output accounted
+    (:func:`f_account`): ``((policy_states, carry, loss), message)``.  A predicate cond around the position
+    switch (docs/design.md §2 lanes), so that nothing big passes through a multi-way conditional (XLA
+    copies such pass-throughs every tick)."""
     chunk_params, policy_states, carry, loss = lane_ops
     gi = trace.base + mb_index
     mb = trace.mb_of(mb_index)
-    pos = pick(
-        prog,
-        trace,
-        chunk,
-        [jnp.asarray(prog.remap[cc])[position(prog, trace, cc)] for cc in range(prog.num_chunks)],
-    )
+    pos = chunk_position(prog, trace, chunk)
     # global micro-batch gi is micro-batch gi mod M of step gi // M on model stage c D + me: the
     # synchronous schedules' keys
-    ctx = trace.sop.context(
-        mb, prog.model_key(gi // prog.M, trace.replica * prog.M + gi % prog.M), stage_of(prog, trace, chunk)
-    )
-    if not prog.by_branch:
-        policy, params, pstate = prog.policies[0], chunk_params[0], policy_states[0]
-
-        def fwd(wF):
-            return lax.switch(pos, trace.variants[0], wF, x_in, t_in, mb, ctx)
-
-        wF, pstate = policy.forward_weights(params, pstate, gi, trace.me)
-        policy_states = (pstate,)
-        if policy.forward_is_current is None:
-            out = fwd(wF)
-        else:
-            # stages predicting by 0 read lp itself (no weight-sized axpy); the others predict inside
-            # each position's branch, beside the forward that reads the prediction: made outside and
-            # passed in, the predicted weights were materialised (spectrain 1.28-1.35x -> 1.19-1.24x of
-            # micro_momentum, pipeoptim 0.95 -> 0.89x of micro_adamw, one-process A/B, BUILD_NOTES)
-            def predicted(version):
-                return lambda params_, pstate_, *leaf: trace.variants[0][version](
-                    policy.forward_weights(params_, pstate_, gi, trace.me)[0], *leaf
-                )
-
-            out = lax.cond(
-                policy.forward_is_current(trace.me),
-                lambda: fwd(params),
-                lambda: lax.switch(
-                    pos,
-                    [predicted(v) for v in range(len(trace.variants[0]))],
-                    params,
-                    pstate,
-                    x_in,
-                    t_in,
-                    mb,
-                    ctx,
-                ),
-            )
-    else:  # one branch per chunk, stored version and position: the chosen version is never copied
-        ch = choices(prog, trace, mb_index, *per_chunk(prog, trace, chunk_params, policy_states))
-        brs, start = [], []
-        for cc, (_, cands) in enumerate(ch):
-            start.append(len(brs))
-            n = len(trace.variants[cc])
-            brs += [
-                (
-                    lambda cc, w, value: (
-                        lambda cs, *leaf: trace.variants[cc][value](candidate(prog, trace, cs, cc, w), *leaf)
-                    )
-                )(cc, w, v)
-                for w in range(len(cands))
-                for v in range(n)
-            ]
-        k = pick(prog, trace, chunk, [kk for kk, _ in ch])
-        idx = (
-            pick(
-                prog, trace, chunk, [start[cc] + k * len(trace.variants[cc]) for cc in range(prog.num_chunks)]
-            )
-            + pos
-        )
-        out = lax.switch(
-            idx, brs, operands(prog, trace, ch, chunk_params, policy_states), x_in, t_in, mb, ctx
-        )
+    key = prog.model_key(gi // prog.M, trace.replica * prog.M + gi % prog.M)
+    ctx = trace.sop.context(mb, key, stage_of(prog, trace, chunk))
+    inputs = (x_in, t_in, mb, ctx)
+    if prog.by_branch:
+        chosen = choices(prog, trace, mb_index, *per_chunk(prog, trace, chunk_params, policy_states))
+        out = _forward_by_branch(prog, trace, chunk, pos, chosen, chunk_params, policy_states, inputs)
+    else:
+        out, policy_states = _forward_one_policy(prog, trace, gi, pos, chunk_params, policy_states, inputs)
     carry, loss, send = f_account(prog, trace, chunk, slot, out, carry, loss)
     return (policy_states, carry, loss), send
+
+
+def chunk_position(prog, trace, chunk):
+    """The index of ``chunk``'s forward variant this tick (``trace.variants[chunk]``): its stage position
+    remapped to the positions its plan uses."""
+    remapped = [jnp.asarray(prog.remap[c])[position(prog, trace, c)] for c in range(prog.num_chunks)]
+    return pick(prog, trace, chunk, remapped)
+
+
+def _forward_one_policy(prog, trace, gi, pos, chunk_params, policy_states, inputs):
+    """``(output, policy_states)``: the forward of one chunk under one policy, at the weights it reads for
+    global micro-batch ``gi``.  A predicting policy's stages that predict by 0 read the weights themselves
+    (no weight-sized axpy); the others predict inside each position's branch, beside the forward that reads
+    the prediction: made outside and passed in, the predicted weights were materialised (spectrain
+    1.28-1.35x -> 1.19-1.24x of micro_momentum, pipeoptim 0.95 -> 0.89x of micro_adamw, one-process A/B,
+    BUILD_NOTES.md)."""
+    policy, params, pstate = prog.policies[0], chunk_params[0], policy_states[0]
+    variants = trace.variants[0]
+    w_forward, pstate = policy.forward_weights(params, pstate, gi, trace.me)
+    if policy.forward_is_current is None:
+        return lax.switch(pos, variants, w_forward, *inputs), (pstate,)
+
+    def predicted(variant):
+        return lambda params_, pstate_, *leaf: variants[variant](
+            policy.forward_weights(params_, pstate_, gi, trace.me)[0], *leaf
+        )
+
+    out = lax.cond(
+        policy.forward_is_current(trace.me),
+        lambda: lax.switch(pos, variants, params, *inputs),
+        lambda: lax.switch(pos, [predicted(v) for v in range(len(variants))], params, pstate, *inputs),
+    )
+    return out, (pstate,)
+
+
+def _forward_by_branch(prog, trace, chunk, pos, chosen, chunk_params, policy_states, inputs):
+    """The forward with one branch per chunk, stored weight version and position (``chosen``: each chunk's
+    ``(version index, candidates)``, :func:`choices`): the chosen version is never copied."""
+    branches, first_of_chunk = [], []
+    for c, (_, candidates) in enumerate(chosen):
+        first_of_chunk.append(len(branches))
+        n = len(trace.variants[c])
+        branches += [
+            (
+                lambda c, version, variant: (
+                    lambda cs, *leaf: trace.variants[c][variant](
+                        candidate(prog, trace, cs, c, version), *leaf
+                    )
+                )
+            )(c, version, variant)
+            for version in range(len(candidates))
+            for variant in range(n)
+        ]
+    version = pick(prog, trace, chunk, [k for k, _ in chosen])
+    first = [first_of_chunk[c] + version * len(trace.variants[c]) for c in range(prog.num_chunks)]
+    index = pick(prog, trace, chunk, first) + pos
+    return lax.switch(index, branches, operands(prog, trace, chosen, chunk_params, policy_states), *inputs)
 
 
 def f_account(prog, trace, chunk, slot, out, carry, loss):
@@ -225,22 +225,17 @@ def f_lanes_paired(prog, trace, tick, route_row, is_f, chunk_f, mb_f, slot_f, x_
 
     def double(lane_ops):
         chunk_params, policy_states, carry, loss = lane_ops
-        pos = pick(
-            prog,
-            trace,
-            chunk_f,
-            [jnp.asarray(prog.remap[cc])[position(prog, trace, cc)] for cc in range(prog.num_chunks)],
-        )
-        brs, start = [], []
-        for cc in range(prog.num_chunks):
-            start.append(len(brs))
-            brs += [
-                (lambda cc, value: lambda lps_, *leaf: trace.doubles[cc][value](lps_[cc], *leaf))(cc, v)
-                for v in range(len(trace.doubles[cc]))
+        pos = chunk_position(prog, trace, chunk_f)
+        branches, first_of_chunk = [], []
+        for c in range(prog.num_chunks):
+            first_of_chunk.append(len(branches))
+            branches += [
+                (lambda c, variant: lambda params, *leaf: trace.doubles[c][variant](params[c], *leaf))(c, v)
+                for v in range(len(trace.doubles[c]))
             ]
-        idx = pick(prog, trace, chunk_f, start) + pos
+        index = pick(prog, trace, chunk_f, first_of_chunk) + pos
         oa, ob = lax.switch(
-            idx, brs, chunk_params, (x_in, x2_in), (t_in, t2_in), (trace.mb_of(mb_f), trace.mb_of(gf2))
+            index, branches, chunk_params, (x_in, x2_in), (t_in, t2_in), (trace.mb_of(mb_f), trace.mb_of(gf2))
         )
         carry, loss, send_a = f_account(prog, trace, chunk_f, slot_f, oa, carry, loss)
         carry, loss, send_b = f_account(prog, trace, chunk_f, s2, ob, carry, loss)
@@ -259,8 +254,9 @@ def f_cond(prog, trace, pred, *args, lane_ops, branches=None):
 
     def slim(fn):
         def run(*a):
-            (pss_, cr_, loss_), *sends = fn(*a)
-            return ((() if prog.fused else pss_), tuple(getattr(cr_, f) for f in F_OUT), loss_), *sends
+            (states, carry_out, loss_out), *sends = fn(*a)
+            written = tuple(getattr(carry_out, f) for f in F_OUT)
+            return ((() if prog.fused else states), written, loss_out), *sends
 
         return run
 
@@ -270,9 +266,9 @@ def f_cond(prog, trace, pred, *args, lane_ops, branches=None):
         )
     else:
         out = lax.cond(pred, slim(branches[0]), slim(branches[1]), lane_ops)
-    (pss_out, fields, loss), *sends = out
-    carry = carry._replace(**dict(zip(F_OUT, fields)))
-    return (policy_states if prog.fused else pss_out, carry, loss), *sends
+    (states_out, written, loss), *sends = out
+    carry = carry._replace(**dict(zip(F_OUT, written)))
+    return (policy_states if prog.fused else states_out, carry, loss), *sends
 
 
 def f_idle(prog, trace, chunk, mb_index, slot, x_in, t_in, lane_ops):
