@@ -330,9 +330,8 @@ class Checkpointer:
         if step in (self.manager.all_steps() or []):
             return False
         # the trained values only: a no-flush state's in-flight buffers (``.carry``) hold NaN in their idle
-        # slots
-        # in NaN mode (``nan_bubbles=True``) by design; a non-finite live activation shows in the next step's
-        # loss and parameters, which the train loop and the next save refuse
+        # slots in NaN mode (``nan_bubbles=True``) by design; a non-finite live activation shows in the next
+        # step's loss and parameters, which the train loop and the next save refuse
         bad = [k for k in nonfinite_leaves(state) if not k.startswith(".carry")]
         if bad:
             raise ConfigError(

@@ -61,10 +61,9 @@ BROADCASTS = ("direct", "balanced")
 
 
 #: the train state (the no-flush runner's): params ``(w [W, S, ...], pre [W, S, ...], post [W, S, ...])``,
-#: each
-#: worker's replica per stage; the optimizer's state per worker and stage (worker N - 1's is the one used);
-#: per worker and stage the previous version and the updates applied (``policies.cyclic_dp``); the in-flight
-#: state per worker; the counters ``(tick, base, fed)``; the steps fed
+#: each worker's replica per stage; the optimizer's state per worker and stage (worker N - 1's is the one
+#: used); per worker and stage the previous version and the updates applied (``policies.cyclic_dp``); the
+#: in-flight state per worker; the counters ``(tick, base, fed)``; the steps fed
 CyclicState = AsyncState
 
 
@@ -128,8 +127,7 @@ class CyclicDataParallel:
         from .checks.on_device import pending_for
 
         # reported by a later call, not kept back (jaxpipe.checks.on_device: a conditional would copy the
-        # ring's
-        # stacked stages)
+        # ring's stacked stages)
         checks, self._pending = pending_for(
             model, self.check_inputs, True, "CyclicDataParallel", keeps_state=False
         )

@@ -35,14 +35,12 @@ import sys
 
 #: glibc's ``mallopt`` parameters (malloc.h)
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -2, -3, -8
-#: the values :func:`keep_freed_memory` sets: no mapping below 1 GiB, no trimming below 1 GiB, and 64 MiB
-#: kept at the top of each heap (without it, glibc's per-thread heaps -- where XLA's worker threads allocate
-#: -- are still released when they empty; measured: 10k faults per step left at top pad 0, none at 64 MiB),
-#: and one arena: a thread's own arena grows in heaps of at most 64 MiB, so a larger buffer allocated on an
-#: XLA worker thread is mapped and unmapped on every call whatever the thresholds say (Chimera, D = 2, one
-#: core,
-#: 8 x 1024² MLP: 32,898 faults and 60 ms in the kernel per step, 1.43x the plain step; one arena: none,
-#: 1.16x)
+#: the values :func:`keep_freed_memory` sets: no mapping below 1 GiB, no trimming below 1 GiB, and 64 MiB kept
+#: at the top of each heap (without it, glibc's per-thread heaps -- where XLA's worker threads allocate -- are
+#: still released when they empty; measured: 10k faults per step left at top pad 0, none at 64 MiB), and one
+#: arena: a thread's own arena grows in heaps of at most 64 MiB, so a larger buffer allocated on an XLA worker
+#: thread is mapped and unmapped on every call whatever the thresholds say (Chimera, D = 2, one core, 8 x
+#: 1024² MLP: 32,898 faults and 60 ms in the kernel per step, 1.43x the plain step; one arena: none, 1.16x)
 KEEP_FREED = {M_MMAP_THRESHOLD: 1 << 30, M_TRIM_THRESHOLD: 1 << 30, M_TOP_PAD: 64 << 20, M_ARENA_MAX: 1}
 #: the same, as the environment variables glibc reads at process start (for a child process)
 KEEP_FREED_ENV = {

@@ -180,12 +180,10 @@ class PipelineModel:
         default=None, compare=False, repr=False
     )
     #: ``block_fn(params_of_one_block, x)`` (``(p, x, ctx)`` for a context model): a model of identical
-    #: blocks;
-    #: ``stage_fn`` then runs a stage's blocks in order (``lax.scan``) and may be left out
+    #: blocks; ``stage_fn`` then runs a stage's blocks in order (``lax.scan``) and may be left out
     block_fn: Optional[Callable] = dataclasses.field(default=None, compare=False, repr=False)
     #: ``cut=(8, 8, 8, 7)``: blocks per stage (uneven stages, :mod:`jaxpipe.cuts`); ``stage_params`` are then
-    #: the
-    #: blocks' own, leaves ``[n_blocks, ...]``, and ``block_fn`` is needed
+    #: the blocks' own, leaves ``[n_blocks, ...]``, and ``block_fn`` is needed
     cut: Optional[Tuple[int, ...]] = None
     #: whether ``block_fn`` takes a ctx (set from ``context``/``stage_inputs`` when ``stage_fn`` is derived)
     block_context: Optional[bool] = dataclasses.field(default=None, compare=False, repr=False)
@@ -193,9 +191,8 @@ class PipelineModel:
     #: layout (``pipe.params``), so ``pipe.model.loss(pipe.params(state), batch)`` works for any cut
     padded_cut: Optional[Tuple[int, ...]] = dataclasses.field(default=None, compare=False, repr=False)
     #: the stage runs ``block_fn`` over its blocks (set when ``stage_fn`` is derived): each block's key
-    #: derives
-    #: from the micro-batch's key and the block's index in the whole model, not from the stage holding it, so
-    #: another cut or another number of stages draws the same dropout masks
+    #: derives from the micro-batch's key and the block's index in the whole model, not from the stage holding
+    #: it, so another cut or another number of stages draws the same dropout masks
     #: (:func:`~jaxpipe.cuts.stage_of_blocks`)
     block_keys: bool = dataclasses.field(default=False, compare=False, repr=False)
 

@@ -8,8 +8,7 @@ rounding level.
 import os
 
 #: JAXPIPE_TEST_XLA_OPTIMISED=1 keeps XLA's backend optimisation on (tests/test_optimised_builds.py runs a
-#: sample
-#: of the suite that way: the comparisons across different compiled programs must hold there too)
+#: sample of the suite that way: the comparisons across different compiled programs must hold there too)
 _OPT = "" if os.environ.get("JAXPIPE_TEST_XLA_OPTIMISED") == "1" else " --xla_backend_optimization_level=0"
 
 
@@ -77,12 +76,10 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("JAXPIPE_OP_COSTS", "unit")
 
 # A crashed xdist worker (a fatal signal, XLA's abort) loses what it printed: pytest's per-test fd capture
-# keeps it
-# in an unnamed temporary file.  So the tests capture at the sys level (pyproject: addopts = "--capture=sys"),
-# each worker points its file descriptor 2 -- XLA's C++ log (a rendezvous "may be stuck" warning, a failed
-# CHECK, the termination message) and faulthandler's stacks -- at a file of its own, and the summary prints
-# the
-# file of a worker that went down, and XLA's stuck-rendezvous warnings from any worker.
+# keeps it in an unnamed temporary file.  So the tests capture at the sys level (pyproject: addopts =
+# "--capture=sys"), each worker points its file descriptor 2 -- XLA's C++ log (a rendezvous "may be stuck"
+# warning, a failed CHECK, the termination message) and faulthandler's stacks -- at a file of its own, and the
+# summary prints the file of a worker that went down, and XLA's stuck-rendezvous warnings from any worker.
 _LOG_DIR = os.environ.setdefault(
     "JAXPIPE_TEST_WORKER_LOGS", os.path.join(tempfile.gettempdir(), "jaxpipe-test-workers")
 )
@@ -138,9 +135,8 @@ def pytest_terminal_summary(terminalreporter):
 
 # NaN mode is on in every test (issue #33 item 3): a Pipeline or CyclicDataParallel made without an explicit
 # ``nan_bubbles=`` starts its buffers as NaN and sends NaN on idle ticks, so every exactness test is also a
-# leak
-# test.  A test that needs the default off says ``nan_bubbles=False``; JAXPIPE_TEST_NAN_BUBBLES=0 turns it
-# off.
+# leak test.  A test that needs the default off says ``nan_bubbles=False``; JAXPIPE_TEST_NAN_BUBBLES=0 turns
+# it off.
 def _nan_by_default(cls):
     import functools
 
@@ -171,9 +167,8 @@ if os.environ.get("JAXPIPE_TEST_NAN_BUBBLES", "1") != "0":
 
 # JAXPIPE_TEST_TIMES=FILE: each phase's wall time (setup, call, teardown) of every test appended to FILE as it
 # finishes, one "seconds<TAB>phase<TAB>node id" line (by the xdist controller, which sees every report): the
-# data
-# for sizing CI's two legs (BUILD_NOTES, "Tests and CI"), readable while the run goes on and kept if it is
-# stopped.
+# data for sizing CI's two legs (BUILD_NOTES, "Tests and CI"), readable while the run goes on and kept if it
+# is stopped.
 _TIMES = os.environ.get("JAXPIPE_TEST_TIMES")
 
 
@@ -184,14 +179,11 @@ def pytest_runtest_logreport(report):
 
 
 # ``-n auto`` on a machine of up to four cores starts one worker more than the cores (xdist's default: as
-# many):
-# a worker waits often -- on its subprocesses' start and jax.distributed's rendezvous, a launcher's signal
-# timeouts, the persistent cache's files -- and the extra one runs meanwhile.  On 2 cores the full suite kept
-# 1.85 cores busy with two workers; four heavy files (uneven cuts, stop signals, multi-host, launcher faults),
-# cold:
-# 199.7 s with two workers, 179.7 s with three (BUILD_NOTES, "Tests and CI").
-# PYTEST_XDIST_AUTO_NUM_WORKERS
-# still overrides it.
+# many): a worker waits often -- on its subprocesses' start and jax.distributed's rendezvous, a launcher's
+# signal timeouts, the persistent cache's files -- and the extra one runs meanwhile.  On 2 cores the full
+# suite kept 1.85 cores busy with two workers; four heavy files (uneven cuts, stop signals, multi-host,
+# launcher faults), cold: 199.7 s with two workers, 179.7 s with three (BUILD_NOTES, "Tests and CI").
+# PYTEST_XDIST_AUTO_NUM_WORKERS still overrides it.
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: a run with -p no:xdist has no such hook
 def pytest_xdist_auto_num_workers(config):
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
@@ -201,17 +193,12 @@ def pytest_xdist_auto_num_workers(config):
 
 
 # CI's second leg (the newest JAX, .ci/run) runs a sample of the suite, to stay within CI's hour beside the
-# first
-# leg's full run: JAXPIPE_TEST_SAMPLE=k keeps every k-th test of each test file in collection order (the
-# file's
-# first test always, so every file runs), starting from JAXPIPE_TEST_SAMPLE_OFFSET (default: the UTC day
-# number
-# mod k, so k days of CI runs cover the whole suite on the newest releases), and leaves out the tests marked
-# ``ci_once`` (process and file handling, the optimised-build and planted-bug samples: jaxpipe's own
-# machinery,
-# which the first leg runs); a test marked ``every_leg`` (a claim that must hold on every JAX CI tests) is
-# always
-# kept.  Unset or 1: everything.  Test ids named on the command line are all kept.
+# first leg's full run: JAXPIPE_TEST_SAMPLE=k keeps every k-th test of each test file in collection order (the
+# file's first test always, so every file runs), starting from JAXPIPE_TEST_SAMPLE_OFFSET (default: the UTC
+# day number mod k, so k days of CI runs cover the whole suite on the newest releases), and leaves out the
+# tests marked ``ci_once`` (process and file handling, the optimised-build and planted-bug samples: jaxpipe's
+# own machinery, which the first leg runs); a test marked ``every_leg`` (a claim that must hold on every JAX
+# CI tests) is always kept.  Unset or 1: everything.  Test ids named on the command line are all kept.
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config, items):
     _mark_quick(config, items)

@@ -9,12 +9,9 @@ import numpy as np
 import jaxpipe as jp
 
 #: XLA_FLAGS for the tests' subprocesses (runners, launchers, multi-process jobs): XLA's backend optimisation
-#: off,
-#: as in the suite itself (compiles ~20% faster from a cold cache: `experiments.train`'s quick run 26.7 ->
-#: 22.3 s);
-#: no device count -- each runner emulates its own; and XLA's older fusion emitters where jaxlib has them, as
-#: the
-#: suite takes them (tests/conftest.py)
+#: off, as in the suite itself (compiles ~20% faster from a cold cache: `experiments.train`'s quick run 26.7
+#: -> 22.3 s); no device count -- each runner emulates its own; and XLA's older fusion emitters where jaxlib
+#: has them, as the suite takes them (tests/conftest.py)
 SUBPROCESS_XLA_FLAGS = (
     "--xla_backend_optimization_level=0 " + os.environ.get("JAXPIPE_TEST_LEGACY_EMITTERS", "")
 ).strip()

@@ -525,8 +525,7 @@ MUTATIONS = [
         "tests/test_configure_axes.py::test_an_fsdp_split_shards_the_batch_too_and_trains",
     ),
     # an independent round of 36 planted bugs in the trainer, the step checks, configure and the caches: the
-    # 11
-    # that survived the suite, and the 2 it caught only weakly
+    # 11 that survived the suite, and the 2 it caught only weakly
     Mutation(
         "agreed_stop_needs_every_process",
         "jaxpipe/training/loop.py",
@@ -648,13 +647,10 @@ MUTATIONS = [
     Mutation(
         "error_path_drops_the_checkpointer",
         "jaxpipe/training/loop.py",
-        "            # close for "
-        "minutes), the lock is "
-        "released, and the error goes "
-        "to the caller\n            "
-        "self._close_checkpointer_after_error()\n",
-        "            # close for minutes), the lock is released, and the error goes to the caller\n         "
-        "   self.ckpt = None\n",
+        "            # unbounded close for minutes), the lock is released, and the error goes to the caller\n"
+        "            self._close_checkpointer_after_error()\n",
+        "            # unbounded close for minutes), the lock is released, and the error goes to the caller\n"
+        "            self.ckpt = None\n",
         "tests/test_trainer_api.py::test_a_run_that_ends_on_an_error_keeps_its_checkpoints_and_frees_the_directory[raises-OSError-saved0]",
     ),
     Mutation(

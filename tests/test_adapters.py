@@ -194,8 +194,7 @@ def test_from_nnx_finds_and_keeps_a_tie(schedule):
         loss, (g_stage, g_pre, g_post) = pipe.loss_and_grad(state, batch)
         assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
         # relative to the array's norm (float32 rounding differs by XLA version: an element of 2.5e-3 was
-        # 1.5e-7
-        # off on jax 0.12), as every exactness check: rel. error <= 1e-5
+        # 1.5e-7 off on jax 0.12), as every exactness check: rel. error <= 1e-5
         assert rel_err(g_pre["embedding"], ref_g["emb"]["embedding"][...]) <= 1e-5
     batches = [batch] * 3
     for b in batches:

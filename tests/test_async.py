@@ -19,8 +19,7 @@ OPTS = {
     "momentum": lambda: optax.sgd(0.05, momentum=0.9),
     # eps 1e-3: Adam divides by sqrt(v) + eps, and a leaf whose true gradient is 0 (an attention key bias:
     # softmax ignores it) carries float noise that eps=1e-8 (or 1e-5: measured 2e-4 rel. error) turns into
-    # large steps,
-    # differently in two correct computations
+    # large steps, differently in two correct computations
     "adamw": lambda: optax.adamw(3e-3, eps=1e-3, weight_decay=1e-2),
 }
 METHODS = ["pipedream", "pipedream_2bw", "pipeoptim", "spectrain"]

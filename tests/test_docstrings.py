@@ -91,3 +91,37 @@ def test_nothing_a_user_reads_names_a_path_outside_the_repository():
             for m in re.findall(r"\.\./shared\S*", text)
         ]
     assert not outside, outside
+
+
+def _comment_blocks(lines):
+    """``(first line index, [comment texts])`` of each run of comment lines with one indent and prefix."""
+    block, start, key = [], 0, None
+    for i, line in enumerate(lines + [""]):
+        m = re.match(r"^(\s*)(#:?)(?: (.*)|$)", line)
+        this = (m.group(1), m.group(2)) if m else None
+        if this != key and block:
+            yield start, block
+            block = []
+        if m:
+            start, key = (i, this) if not block else (start, key)
+            block.append(m.group(3) or "")
+        key = this
+
+
+def test_no_comment_is_broken_mid_sentence():
+    """A comment wrapped at the line limit carries its words on: a line of a word or two between two
+    comment lines is the trace of a reflow that broke it (``# ... keep them`` / ``# all`` / ``# (a second
+    run ...``), which a reader takes for a heading or a lost fragment."""
+    broken = []
+    for folder in ("jaxpipe", "experiments", "tests"):
+        for base, _, files in os.walk(os.path.join(ROOT, folder)):
+            for f in files:
+                if not f.endswith(".py"):
+                    continue
+                path = os.path.join(base, f)
+                lines = open(path).read().split("\n")
+                for start, texts in _comment_blocks(lines):
+                    for k in range(1, len(texts) - 1):
+                        if 0 < len(texts[k].strip()) <= 12 and len(lines[start + k - 1]) >= 100:
+                            broken.append(f"{os.path.relpath(path, ROOT)}:{start + k + 1}: {texts[k]!r}")
+    assert not broken, broken

@@ -129,8 +129,7 @@ def test_padding_costs_no_compute():
     jax.block_until_ready(jax.jit(jax.grad(model.loss))(model.params, mlp_batch(8)))
     jax.effects_barrier()
     # 7 forwards, plus the backward's recomputation of the 3 real blocks in cond'ed slots (slot 1 of stages
-    # 0-2,
-    # rematerialised); the padded slot (stage 3's slot 1) runs neither
+    # 0-2, rematerialised); the padded slot (stage 3's slot 1) runs neither
     assert len(calls) == 7 + 3
     padded = mlp((2, 2, 2, 1)).padded()
     w = jax.tree.map(lambda a: a[3], padded.stage_params)

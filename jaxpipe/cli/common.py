@@ -68,8 +68,7 @@ def use_compilation_cache(path: str) -> None:
     else:
         os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
     # a runner's programs compile in well under JAX's default 1 s threshold, so none would be kept: keep them
-    # all
-    # (a second run of README's main job: 16 -> 8 s), unless the user set the threshold
+    # all (a second run of README's main job: 16 -> 8 s), unless the user set the threshold
     min_time = float(os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"))
     if "jax" in sys.modules:
         sys.modules["jax"].config.update("jax_compilation_cache_dir", path or None)

@@ -239,9 +239,8 @@ def _watch(job: _Job, args, timeout: float, stall_timeout: float, stop_timeout: 
             job.forward(signal.SIGTERM)
         if not job.got and STOPPED in codes:
             # a worker stopped on its own (a stop its processes agreed on: --stop_at_step, a signal sent to
-            # the
-            # workers, not to the launcher): the others are saving their share too -- wait for them as for a
-            # forwarded stop, not end them as after a failure
+            # the workers, not to the launcher): the others are saving their share too -- wait for them as for
+            # a forwarded stop, not end them as after a failure
             job.got.append(None)
             job.got_at = time.monotonic()
         if job.got:

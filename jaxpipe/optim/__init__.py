@@ -42,9 +42,8 @@ def _warmup(peak: float, warm: int):
 
 
 #: learning-rate schedules by name: ``(peak, steps, warm) -> optax schedule``, each a linear warm-up from 0
-#: over
-#: ``warm`` steps, then: ``cosine`` decay to 0, ``linear`` decay to 0, ``rsqrt`` (peak sqrt(warm / step), the
-#: Transformer paper's) or ``constant``
+#: over ``warm`` steps, then: ``cosine`` decay to 0, ``linear`` decay to 0, ``rsqrt`` (peak sqrt(warm / step),
+#: the Transformer paper's) or ``constant``
 SCHEDULES = {
     "cosine": lambda peak, steps, warm: optax.warmup_cosine_decay_schedule(
         0.0, peak, warm, max(steps, warm + 1)

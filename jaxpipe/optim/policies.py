@@ -74,17 +74,14 @@ class WeightPolicy(NamedTuple):
     #: the weights every tick (HLO-checked, BUILD_NOTES)
     apply_pending: Any = None
     #: ``forward_is_current(s)`` / ``backward_is_current(s)`` (optional, traced bool): the F / B of stage
-    #: ``s``
-    #: reads the current weights (a prediction by distance 0: SpecTrain's B on its first stages, PipeOptim's F
-    #: on the last).  The executor then runs that op on the weights themselves, in a branch of its own,
-    #: instead
-    #: of materialising ``w + 0 * u`` (a weight-sized axpy per micro-batch)
+    #: ``s`` reads the current weights (a prediction by distance 0: SpecTrain's B on its first stages,
+    #: PipeOptim's F on the last).  The executor then runs that op on the weights themselves, in a branch of
+    #: its own, instead of materialising ``w + 0 * u`` (a weight-sized axpy per micro-batch)
     forward_is_current: Any = None
     backward_is_current: Any = None
     #: accumulating policies: batch ``b`` reads version ``b - stale`` (2BW 1, WPipe's G1 0): the executor
-    #: lands
-    #: batch b's update after its last backward and before batch ``b + 1 + stale``'s first op, and checks that
-    #: its timeline leaves room for that, with ``accumulators`` batches accumulating at once
+    #: lands batch b's update after its last backward and before batch ``b + 1 + stale``'s first op, and
+    #: checks that its timeline leaves room for that, with ``accumulators`` batches accumulating at once
     stale: int = 1
     accumulators: int = 1
     #: ``held(ps, i, s)`` (optional, traced bool): the version micro-batch ``i`` must read on stage ``s`` is
@@ -92,9 +89,8 @@ class WeightPolicy(NamedTuple):
     held: Any = None
     #: ring reduction (Cyclic DP's workers on ``data``, each with every stage): ``apply_sum(g_sum, count, lp,
     #: opt_state, counting) -> (lp, opt_state)`` -- the last worker's update from the ring's complete sum,
-    #: which
-    #: the other workers land as it arrives; ``retire(lp, ps) -> ps`` -- the state once a new version replaces
-    #: ``lp`` (the executor writes both into its stacked chunks in place)
+    #: which the other workers land as it arrives; ``retire(lp, ps) -> ps`` -- the state once a new version
+    #: replaces ``lp`` (the executor writes both into its stacked chunks in place)
     apply_sum: Any = None
     retire: Any = None
     #: ``finish(ps, reduce, count) -> ps`` (optional): the policy takes each micro-batch's *local* gradient
@@ -109,14 +105,11 @@ class WeightPolicy(NamedTuple):
     #: sums, elementwise; the executor may then add ZB's weight gradient into the sums layer by layer, in
     #: place (:meth:`jaxpipe.runtime.wsplit.BackwardSplit.weight_part_into`)
     add_leaf: Any = None
-    #: --- the modes the executor runs the policy in, declared (checked against the hooks by :func:`check`)
-    #: ---
-    #: ``reduction``: ``"update"`` -- each micro-batch's gradient is reduced over the data replicas and handed
-    #: to ``update``; ``"sum"`` -- ``update`` adds the local gradient to sums in the state and ``finish``
-    #: reduces
-    #: them once after the call (a flushing schedule's gradient); ``"ring"`` -- Cyclic DP's ring reduction
-    #: over
-    #: the data workers (``apply_sum``, ``retire``)
+    #: --- the modes the executor runs the policy in, declared (checked against the hooks, :func:`check`) ---
+    #: ``reduction``: ``"update"`` -- each micro-batch's gradient is reduced over the data replicas and
+    #: handed to ``update``; ``"sum"`` -- ``update`` adds the local gradient to sums in the state and
+    #: ``finish`` reduces them once after the call (a flushing schedule's gradient); ``"ring"`` -- Cyclic DP's
+    #: ring reduction over the data workers (``apply_sum``, ``retire``)
     reduction: str = "update"
     #: ``reads``: ``"computed"`` -- ``forward_weights``/``backward_weights`` give the version an op reads;
     #: ``"stored"`` -- ``choose`` picks one of a few stored versions, run in one branch per candidate

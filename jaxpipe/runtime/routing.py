@@ -143,9 +143,8 @@ class PlanSlots:
             pairs = trace.ring_f if ch == SEND_PLUS else trace.ring_b
             if len(mine) > 1 and ch in prog.periodic.plan.shared and _same_avals(p[2] for p in mine):
                 # at most one real message on this channel per device and tick (the plan's ``shared``): the
-                # one
-                # the device sends travels, and lands in every posting lane's slot -- the real one, and the
-                # scratch slot of the lanes that receive nothing here
+                # one the device sends travels, and lands in every posting lane's slot -- the real one, and
+                # the scratch slot of the lanes that receive nothing here
                 msg = mine[0][2]
                 for _, _, other, sends in mine[1:]:
                     msg = where(sends, other, msg)

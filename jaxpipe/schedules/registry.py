@@ -384,8 +384,7 @@ METHODS: Dict[str, Method] = {
             },
         ),
         # Cyclic Data Parallelism, pipeline form: CDP-v1 is 2BW's rule; CDP-v2 (eq. CDP-v2): micro-batch j
-        # reads the
-        # fresh version w(b) on stages s >= D - 1 - j
+        # reads the fresh version w(b) on stages s >= D - 1 - j
         _async(
             "cdp_v1",
             _two,

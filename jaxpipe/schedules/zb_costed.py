@@ -39,8 +39,7 @@ class SearchTooLarge(ScheduleError):
 
 
 #: partial plans kept per tick, by device count (found the exhaustive optimum at D = 2, M <= 8, and 27 units
-#: at
-#: D = 4, M = 8, unit costs -- the paper's (D - 1)(f + b - w) bubble -- in about two seconds)
+#: at D = 4, M = 8, unit costs -- the paper's (D - 1)(f + b - w) bubble -- in about two seconds)
 WIDTH = {1: 400, 2: 400, 3: 300, 4: 150}
 #: the same for two chunks a device (a V: 7 moves a device a tick; the optimum of width 200 at D = 2, M <= 16)
 WIDTH_CHUNKED = {1: 100, 2: 100, 3: 30}

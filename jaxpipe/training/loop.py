@@ -34,8 +34,7 @@ from jaxpipe.training.stopping import LaggedVote, Stop, guard_streams
 #: the exit status of a job stopped by a signal (what a preempted process is expected to return)
 STOPPED_EXIT = 143
 #: seconds a checkpoint write in flight gets to finish when the run ends on an error (then it is abandoned,
-#: the
-#: lock released and the error raised; the newest finished checkpoint stays readable)
+#: the lock released and the error raised; the newest finished checkpoint stays readable)
 CLOSE_ON_ERROR_S = 120.0
 
 
@@ -323,8 +322,7 @@ class Trainer:
             exiting = result.stopped is not None and o.exit_on_stop
         except BaseException:
             # the write in flight gets a bounded time to finish (a directory made read-only stalled an
-            # unbounded
-            # close for minutes), the lock is released, and the error goes to the caller
+            # unbounded close for minutes), the lock is released, and the error goes to the caller
             self._close_checkpointer_after_error()
             self._close(restore_signals=True)
             raise
@@ -347,8 +345,7 @@ class Trainer:
             ckpt.abandon()
             return
         # several processes: a write finishes only with every process's shards, and a failed peer sends none
-        # --
-        # a short bound, so the failure reaches the launcher at once
+        # -- a short bound, so the failure reaches the launcher at once
         note = ckpt.close_within(CLOSE_ON_ERROR_S if jax.process_count() == 1 else 10.0)
         if note:
             print(f"jaxpipe: {note}", file=sys.stderr, flush=True)
@@ -697,8 +694,7 @@ class Trainer:
             ckpt, self.ckpt = self.ckpt, None
             ckpt.close()  # the writes in flight (all of finite states) finish; nothing new starts
             # name a checkpoint that really is good: restore the newest intact one (checksums verified; a
-            # damaged
-            # one is reported and skipped) -- every process takes part, as in a resume
+            # damaged one is reported and skipped) -- every process takes part, as in a resume
             reader = Checkpointer(ckpt.directory, self.pipe)
             try:
                 _, _, last = reader.restore_latest(state, report=lambda m: sys.stderr.write(m + "\n"))

@@ -20,12 +20,11 @@ from typing import Callable, List, Optional
 
 
 #: The signal a worker of ``experiments.launch`` gets when its launcher dies (the launcher sets
-#: PR_SET_PDEATHSIG
-#: to it).  Not SIGTERM: the kernel sends the parent-death signal each time the worker is handed to another of
-#: the dying launcher's threads, and once more to init -- three SIGTERMs within a millisecond, which counted
-#: as
-#: the second and third signal and ended the stop-save at once (the launcher-killed flake of the sixteenth
-#: stop: "SIGTERM at +0.0 s (parent pid L), ... (parent pid L), ... (parent pid 1)").  This one counts once.
+#: PR_SET_PDEATHSIG to it).  Not SIGTERM: the kernel sends the parent-death signal each time the worker is
+#: handed to another of the dying launcher's threads, and once more to init -- three SIGTERMs within a
+#: millisecond, which counted as the second and third signal and ended the stop-save at once (the
+#: launcher-killed flake of the sixteenth stop: "SIGTERM at +0.0 s (parent pid L), ... (parent pid L), ...
+#: (parent pid 1)").  This one counts once.
 PARENT_DEATH = signal.SIGUSR1
 
 # Where a process whose output reader died writes instead (set by guard_streams; /dev/null when unset):

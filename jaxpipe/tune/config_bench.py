@@ -179,8 +179,7 @@ class Bench:
         if not todo:
             return
         # each program compiled while the next is lowered (lowering is Python, compiling is not: the guide's
-        # search
-        # 45 -> 41 s on 2 cores)
+        # search 45 -> 41 s on 2 cores)
         with ThreadPoolExecutor(min(COMPILE_THREADS, len(todo))) as ex:
             pending = [
                 ex.submit(
@@ -444,8 +443,7 @@ def placement(pipe):
     f, t = shape.get("fsdp", 1), shape.get("tensor", 1)
     local = jax.local_devices()
     # this process's devices where it has enough; else the job's first ones (one device a process: every
-    # process
-    # runs the benchmark, its collectives between them, as the pipeline's stage would)
+    # process runs the benchmark, its collectives between them, as the pipeline's stage would)
     mesh = make_mesh(fsdp=f, tensor=t, devices=local if len(local) >= f * t else jax.devices())
     specs = jax.tree.map(
         lambda sh: P(*tuple(sh.spec)[1:]), pipe.param_shardings[0], is_leaf=lambda x: hasattr(x, "spec")

@@ -88,8 +88,7 @@ class Candidate:
     fsdp: int = 1
     tensor: int = 1
     #: the plan's placement the prediction is of (``Pipeline``'s ``placement="auto"``: the faster of the two
-    #: in
-    #: the lockstep model), set once the candidate is built and given to ``Pipeline`` as such
+    #: in the lockstep model), set once the candidate is built and given to ``Pipeline`` as such
     placement: Optional[str] = None
 
     @property
@@ -201,9 +200,8 @@ def _candidates(devices, rows, names, microbatches, residuals, model_axes=((1, 1
     out = []
     # on one stage there is no pipeline and no bubble: every schedule is the plain accumulation of the M
     # micro-batches, and one of them stands for the rest (1F1B's, the simplest plan; zero-bubble's split and
-    # two
-    # chunks on one device only add work there: H200, D = 1, zb_h1 1.20x and interleaved 2.1x the plain step
-    # where 1F1B was 1.05x)
+    # two chunks on one device only add work there: H200, D = 1, zb_h1 1.20x and interleaved 2.1x the plain
+    # step where 1F1B was 1.05x)
     one = "1f1b" if "1f1b" in names else names[0]
     for f, t in model_axes:
         if devices % (f * t):

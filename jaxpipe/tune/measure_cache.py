@@ -68,8 +68,7 @@ def model_key(model, mb, optimizer=None) -> str:
     w = jax.tree.map(lambda a: a[0], model.stage_params)
     x = jax.eval_shape(model.pre, model.pre_params, mb)
     # the context built inside the trace from the traced micro-batch: its inputs (a mask) are tracers, never
-    # the
-    # shape placeholders ``mb`` may hold (a user's ``mask > 0`` on a placeholder is a TypeError)
+    # the shape placeholders ``mb`` may hold (a user's ``mask > 0`` on a placeholder is a TypeError)
     stage = lambda w, x, b: model.apply_stage(w, x, model.example_context(b))
     parts = [
         str(jax.make_jaxpr(model.pre)(model.pre_params, mb)),

@@ -91,8 +91,7 @@ def footprint(
     chunks = pipe.schedule.num_model_stages // pipe.schedule.D
     # a plan that hands the residuals straight to B (one stage: no stash) is a family of its own, whatever the
     # policy: its temp is the backward's working set alone (the guide's configure search: a line through one
-    # such point
-    # and one pipelined one predicted the others up to 83% off)
+    # such point and one pipelined one predicted the others up to 83% off)
     policy = "direct" if plan.direct else "all" if r_pol == r_all else "recompute"
     front = 0
     if pipe.schedule.has_w() and not plan.direct:
@@ -205,12 +204,9 @@ def compiled(pipe, batch, state=None) -> Dict[str, int]:
 
 #: compiler options for a program compiled only for its memory figures, per platform: on CPU the backend's
 #: (LLVM's) optimisation off and the fusion kernels from XLA's LLVM IR emitters instead of its MLIR ones --
-#: XLA
-#: assigns the buffers before either runs, so ``memory_analysis()`` is the same (the older emitters' kernels
-#: keep
-#: a few hundred bytes more scratch: 320 of 1.27 MB in tests/test_memory_model.py) and
-#: the compile shorter (GPT d 32 steps on 4 CPU devices: 3.2-3.4 -> 2.4-2.6 s for the first, a third less
-#: again
+#: XLA assigns the buffers before either runs, so ``memory_analysis()`` is the same (the older emitters'
+#: kernels keep a few hundred bytes more scratch: 320 of 1.27 MB in tests/test_memory_model.py) and the
+#: compile shorter (GPT d 32 steps on 4 CPU devices: 3.2-3.4 -> 2.4-2.6 s for the first, a third less again
 #: for the second, BUILD_NOTES).  Elsewhere the default options (not measured there).
 FIGURES_ONLY_OPTIONS = {"cpu": {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}}
 #: options a jaxlib may not have (0.12 has only the MLIR emitters): dropped where the compile refuses them
