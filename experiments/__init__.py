@@ -21,6 +21,8 @@ RUNNERS = {
     "prediction?",
     "peer": "is each schedule as fast as PyTorch's same schedule on the same two devices, timed in one "
     "session?",
+    "tick_price": "how steady is a tick's price on the two-device testbed, and would another estimator be "
+    "steadier?",
     "throughput": "what does a pipelined step cost over the plain one-device step doing the same work?",
     "executor_cost": "what does the executor itself add, each schedule on one core, beside the scan-GPipe?",
     "accelerator_cost": "what do the executor's programs cost a device in XLA's bytes and temp, on any "

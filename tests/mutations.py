@@ -893,24 +893,24 @@ MUTATIONS = [
     Mutation(
         "tick_priced_on_even_ticks",
         "jaxpipe/tune/running_costs.py",
-        '        return max(per_tick["uneven"], per_tick["even"], per_tick["alone"]) - per_tick["alone"]\n',
-        '        return max(per_tick["even"], per_tick["alone"]) - per_tick["alone"]\n',
+        '    return max(per_tick["uneven"], per_tick["even"], per_tick["alone"]) - per_tick["alone"]\n',
+        '    return max(per_tick["even"], per_tick["alone"]) - per_tick["alone"]\n',
         "tests/test_running_costs.py::test_a_ticks_price_is_measured_on_uneven_and_even_ticks_the_dearer_kept",
     ),
     # a tick priced on uneven ticks alone: the busier device's faster ops beside an idle one price it free
     Mutation(
         "tick_priced_on_uneven_ticks_alone",
         "jaxpipe/tune/running_costs.py",
-        '        return max(per_tick["uneven"], per_tick["even"], per_tick["alone"]) - per_tick["alone"]\n',
-        '        return max(per_tick["uneven"], per_tick["alone"]) - per_tick["alone"]\n',
+        '    return max(per_tick["uneven"], per_tick["even"], per_tick["alone"]) - per_tick["alone"]\n',
+        '    return max(per_tick["uneven"], per_tick["alone"]) - per_tick["alone"]\n',
         "tests/test_running_costs.py::test_a_ticks_price_is_measured_on_uneven_and_even_ticks_the_dearer_kept",
     ),
     # a tick priced from one measurement: one stray difference of two loops places a plan
     Mutation(
         "tick_priced_from_one_measurement",
         "jaxpipe/tune/running_costs.py",
-        "    return float(np.median([once() for _ in range(repeats)]))\n",
-        "    return once()\n",
+        "    return float(np.median(prices))\n",
+        "    return prices[0]\n",
         "tests/test_running_costs.py::test_a_ticks_price_is_the_median_of_repeated_measurements",
     ),
     # W alone timed only where this process's timings hid it: processes run different probes and deadlock

@@ -103,29 +103,14 @@ def _stage_op(model, mb):
 TICK_LOOPS = ("even", "uneven", "alone")
 
 
-def _tick_cost(stage_fn, w, x, devices: int, ticks=(4, 16), calls: int = 3, repeats: int = 5) -> float:
-    """Seconds a tick's exchange adds to the slowest device's actions (the lockstep model's tick: the
-    slowest device's actions, then the exchange): loops of ``ticks[0]`` and ``ticks[1]`` ticks of
-    :data:`TICK_LOOPS`, each one's exchange priced against ``"alone"``, and the dearer of the two kept.
-
-    * uneven ticks, because a plan's are: a device that finished early waits in the exchange and must wake
-      for it, which ticks of equal work never show (on the two-process testbed they priced a tick at
-      0.13-0.47 ms, where DualPipeV's and ZB-V's ordered plans ran 0.7 ms a tick past the model's
-      prediction at that price);
-    * even ticks too, because the uneven loop's busier device shares the memory bus with a device that
-      idles half the tick, and runs its two stages faster than ``"alone"`` does: at 64-row micro-batches
-      that alone priced a tick at zero.
-
-    Each loop length's time (:func:`~jaxpipe.tune.microbench.per_iteration`: what a call pays once -- its
-    dispatch, the wait for the other processes to enter it -- cancels); the median of ``repeats`` such
-    prices: one is a small difference of large times (one testbed run priced a tick at 0.0118 ms)."""
-    from .microbench import per_iteration
-
-    if devices < 2:
-        return 0.0
+def tick_loops(stage_fn, w, x, devices: int) -> dict:
+    """The tick-price probe's loops (:data:`TICK_LOOPS`) over ``devices`` devices (at least 2), as
+    :func:`~jaxpipe.tune.microbench.per_iteration` takes them: ``{kind: n -> thunk}``, the thunk a call of
+    the compiled loop of ``n`` ticks, each loop length compiled once however often it is built."""
     mesh = Mesh(np.array(jax.devices()[:devices]), ("x",))
     ring = [(i, (i + 1) % devices) for i in range(devices)]
 
+    @functools.cache  # each loop compiled once, timed in every repeat
     def program(kind: str, n: int):
         def body(w, h):
             me = lax.axis_index("x")
@@ -145,8 +130,6 @@ def _tick_cost(stage_fn, w, x, devices: int, ticks=(4, 16), calls: int = 3, repe
 
     args = jax.device_put((w, x), NamedSharding(mesh, P()))
 
-    program = functools.cache(program)  # each loop compiled once, timed in every repeat
-
     def loop(kind: str):
         def make(n: int):
             fn = program(kind, n)
@@ -154,11 +137,40 @@ def _tick_cost(stage_fn, w, x, devices: int, ticks=(4, 16), calls: int = 3, repe
 
         return make
 
-    def once() -> float:
-        per_tick = per_iteration({kind: loop(kind) for kind in TICK_LOOPS}, ticks, calls)
-        return max(per_tick["uneven"], per_tick["even"], per_tick["alone"]) - per_tick["alone"]
+    return {kind: loop(kind) for kind in TICK_LOOPS}
 
-    return float(np.median([once() for _ in range(repeats)]))
+
+def exchange_price(per_tick: dict) -> float:
+    """What a tick's exchange adds, from seconds a tick of each of :data:`TICK_LOOPS`: the dearer of the
+    uneven and the even loop's, less the loop without exchanges (:func:`_tick_cost`)."""
+    return max(per_tick["uneven"], per_tick["even"], per_tick["alone"]) - per_tick["alone"]
+
+
+def _tick_cost(stage_fn, w, x, devices: int, ticks=(4, 16), calls: int = 3, repeats: int = 5) -> float:
+    """Seconds a tick's exchange adds to the slowest device's actions (the lockstep model's tick: the
+    slowest device's actions, then the exchange): loops of ``ticks[0]`` and ``ticks[1]`` ticks of
+    :data:`TICK_LOOPS`, each one's exchange priced against ``"alone"``, and the dearer of the two kept
+    (:func:`exchange_price`).
+
+    * uneven ticks, because a plan's are: a device that finished early waits in the exchange and must wake
+      for it, which ticks of equal work never show (on the two-process testbed they priced a tick at
+      0.13-0.47 ms, where DualPipeV's and ZB-V's ordered plans ran 0.7 ms a tick past the model's
+      prediction at that price);
+    * even ticks too, because the uneven loop's busier device shares the memory bus with a device that
+      idles half the tick, and runs its two stages faster than ``"alone"`` does: at 64-row micro-batches
+      that alone priced a tick at zero.
+
+    Each loop length's time (:func:`~jaxpipe.tune.microbench.per_iteration`: what a call pays once -- its
+    dispatch, the wait for the other processes to enter it -- cancels); the median of ``repeats`` such
+    prices: one is a small difference of large times (one testbed run priced a tick at 0.0118 ms;
+    ``experiments.tick_price`` repeats the probe in one process pair)."""
+    from .microbench import per_iteration
+
+    if devices < 2:
+        return 0.0
+    loops = tick_loops(stage_fn, w, x, devices)
+    prices = [exchange_price(per_iteration(loops, ticks, calls)) for _ in range(repeats)]
+    return float(np.median(prices))
 
 
 def tick_price(model, mb, devices: int) -> float:
