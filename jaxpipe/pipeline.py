@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import time
 import warnings
 from typing import Optional
 
@@ -25,6 +27,10 @@ from .schedules.zb_costed import SearchTooLarge
 from .model import PipelineModel
 from .runners.sync import PipelineState
 from .axes import DATA, PIPE, STAGE
+
+#: seconds past which the first step says it measured op costs (once per model and backend): a 2048-wide
+#: MLP stage of four layers took about 30 s on two emulated CPU devices
+SLOW_FIRST_STEP_S = 10.0
 
 
 class Pipeline:
@@ -234,6 +240,24 @@ class Pipeline:
         if not self._costs_pending:
             return
         self._costs_pending = False
+        started = time.perf_counter()
+        self._measure_and_place(batch, state)
+        took = time.perf_counter() - started
+        if took > SLOW_FIRST_STEP_S and jax.process_index() == 0:
+            from .tune.measure_cache import default_path
+
+            kept = default_path()
+            print(
+                f"jaxpipe: the first step took {took:.0f} s to measure this backend's op costs and to place "
+                f"the {self.schedule.name} plan for them; they are kept "
+                + (f"in {kept} for later runs" if kept else "for this process's later pipelines")
+                + " (Pipeline(op_costs=(f, b, w)) skips the measurement)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def _measure_and_place(self, batch, state) -> None:
+        """:meth:`_measure_costs`' work: measure, place, time close plans, warn."""
         from .tune import running_costs
 
         mb = running_costs.microbatch_like(batch, self.data_parallel * self.num_microbatches)

@@ -913,6 +913,22 @@ MUTATIONS = [
         "    return prices[0]\n",
         "tests/test_running_costs.py::test_a_ticks_price_is_the_median_of_repeated_measurements",
     ),
+    # the tick probe repeated five times whatever its stage's forward costs: 73 s of a first step at 35 ms
+    Mutation(
+        "tick_probe_ignores_its_budget",
+        "jaxpipe/tune/running_costs.py",
+        "    return max(1, min(MOST_REPEATS, fits))\n",
+        "    return MOST_REPEATS\n",
+        "tests/test_running_costs.py::test_the_tick_probe_repeats_as_often_as_its_budget_allows_at_the_stages_forward[60.0-1]",
+    ),
+    # a first step that spent long measuring says nothing of it
+    Mutation(
+        "slow_first_step_says_nothing",
+        "jaxpipe/pipeline.py",
+        "        if took > SLOW_FIRST_STEP_S and jax.process_index() == 0:\n",
+        "        if False:\n",
+        "tests/test_running_costs.py::test_a_slow_first_step_says_it_measured_and_where_the_costs_are_kept",
+    ),
     # W alone timed only where this process's timings hid it: processes run different probes and deadlock
     Mutation(
         "w_alone_timed_only_where_this_process_needs_it",

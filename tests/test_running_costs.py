@@ -92,6 +92,27 @@ def test_a_probe_that_fails_says_so_and_keeps_the_unit_cost_plan(measuring, monk
     assert pipe.op_costs is None and pipe.placement == placement
 
 
+def test_a_slow_first_step_says_it_measured_and_where_the_costs_are_kept(measuring, monkeypatch, capsys):
+    """A first step that spent long measuring (a 35 ms stage forward: about 30 s) says so once, where the
+    costs are kept and how to skip it; a pipeline given its op costs measures nothing and says nothing."""
+    from jaxpipe import pipeline
+
+    monkeypatch.setattr(pipeline, "SLOW_FIRST_STEP_S", -1.0)  # every measurement counts as slow
+    monkeypatch.setattr(running_costs, "measured", lambda *a, **k: running_costs.RunningCosts(1, 2, 1, 0))
+    pipe, _, batch = _zb_h1()
+    state = pipe.init()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe.loss_and_grad(state, batch)
+        pipe.loss_and_grad(state, batch)
+    said = capsys.readouterr().err
+    assert said.count("jaxpipe: the first step took") == 1
+    assert "zb_h1 plan" in said and str(measuring) in said and "op_costs=(f, b, w)" in said
+    given, _, _ = _zb_h1(op_costs=(1, 2, 1))
+    given.loss_and_grad(given.init(), batch)
+    assert "first step took" not in capsys.readouterr().err
+
+
 def test_plans_are_too_close_to_rank_within_the_models_error_but_not_when_equal():
     """The lockstep model is off by up to 15% on the testbed: plans predicted within 10% are timed; plans it
     prices the same (GPipe's two) keep the tie-break, and plans far apart are ranked."""
@@ -344,7 +365,9 @@ def test_one_tick_price_serves_every_pipeline_that_sends_the_same_message(monkey
     file is kept (a multi-process job): the pipelines of one run are placed for one price, not each for its
     own probe's.  A stage's F, B and W stay per model; another message size is priced again."""
     calls = []
-    monkeypatch.setattr(running_costs, "_tick_cost", lambda *a: calls.append(a[2].shape) or 1e-3 * len(calls))
+    monkeypatch.setattr(
+        running_costs, "_tick_cost", lambda *a, **k: calls.append(a[2].shape) or 1e-3 * len(calls)
+    )
     monkeypatch.setattr(running_costs, "_ops", lambda *a: (1.0, 2.0, 0.0))
     running_costs.forget_measured()
     try:
@@ -380,6 +403,26 @@ def test_a_ticks_price_is_the_median_of_repeated_measurements(monkeypatch):
     assert next(exchange, None) is None  # all five measured
 
 
+@pytest.mark.parametrize("forward_ms, repeats", [(5.0, 5), (20.0, 2), (60.0, 1), (500.0, 1)])
+def test_the_tick_probe_repeats_as_often_as_its_budget_allows_at_the_stages_forward(
+    monkeypatch, forward_ms, repeats
+):
+    """The probe costs about 400 stage forwards a repeat: five repeats at a 35 ms forward took 73-77 s of a
+    pipeline's first step.  It repeats as often as fits 20 s, at least once, at most five times."""
+    got = []
+    monkeypatch.setattr(running_costs, "_ops", lambda *a: (forward_ms * 1e-3, 2 * forward_ms * 1e-3, 0.0))
+    monkeypatch.setattr(running_costs, "_tick_cost", lambda *a, **k: got.append(k["repeats"]) or 1e-4)
+    running_costs.forget_measured()
+    try:
+        model, batch_fn = small_model("mlp", 2)
+        mb = running_costs.microbatch_like(batch_fn(8), 4)
+        assert running_costs.measured(model, mb, 2, False, cache=None).tick == 1e-4
+        running_costs.measure(model, mb, 2, False)
+    finally:
+        running_costs.forget_measured()
+    assert got == [repeats, repeats]
+
+
 def test_chimera_times_its_ops_over_its_stage_and_replica_and_warns_against_1f1b_at_one_stage(
     measuring, monkeypatch
 ):
@@ -401,7 +444,7 @@ def test_chimera_times_its_ops_over_its_stage_and_replica_and_warns_against_1f1b
         return (1e-3, 2e-3 * copies, 0.0)
 
     monkeypatch.setattr(running_costs, "_ops", ops)
-    monkeypatch.setattr(running_costs, "_tick_cost", lambda *a: 0.0)
+    monkeypatch.setattr(running_costs, "_tick_cost", lambda *a, **k: 0.0)
     monkeypatch.setattr(running_costs, "layout_seconds", lambda *a, **k: 0.0)
     model, batch_fn = small_model("mlp", 2)
     pipe = jp.Pipeline(

@@ -146,7 +146,28 @@ def exchange_price(per_tick: dict) -> float:
     return max(per_tick["uneven"], per_tick["even"], per_tick["alone"]) - per_tick["alone"]
 
 
-def _tick_cost(stage_fn, w, x, devices: int, ticks=(4, 16), calls: int = 3, repeats: int = 5) -> float:
+#: seconds the tick-price probe may take: as many repeats (:func:`tick_repeats`) as fit, at least one.  Five
+#: repeats of a 2048-wide MLP stage of four layers at 64 rows (F 35 ms as the probe times it) took 73-77 s on
+#: two emulated CPU devices; one, 15.6 s
+TICK_PROBE_BUDGET_S = 20.0
+#: stage forwards a repeat of the probe costs, about: three loops, four calls of each length (one to warm
+#: up), 4 + 16 ticks a call, up to two forwards a tick (measured 390 with its compiles at a 7.8 ms forward)
+FORWARDS_A_REPEAT = 400
+#: the tick-price probe's repeats where time allows (the median of five: one price is a small difference of
+#: large times)
+MOST_REPEATS = 5
+
+
+def tick_repeats(forward_s: float, budget_s: float = TICK_PROBE_BUDGET_S) -> int:
+    """How many repeats of the tick-price probe fit in ``budget_s`` at a stage forward of ``forward_s``
+    seconds: :data:`MOST_REPEATS` up to a 10 ms forward, one from 25 ms on."""
+    fits = int(budget_s // max(FORWARDS_A_REPEAT * forward_s, 1e-9))
+    return max(1, min(MOST_REPEATS, fits))
+
+
+def _tick_cost(
+    stage_fn, w, x, devices: int, ticks=(4, 16), calls: int = 3, repeats: int = MOST_REPEATS
+) -> float:
     """Seconds a tick's exchange adds to the slowest device's actions (the lockstep model's tick: the
     slowest device's actions, then the exchange): loops of ``ticks[0]`` and ``ticks[1]`` ticks of
     :data:`TICK_LOOPS`, each one's exchange priced against ``"alone"``, and the dearer of the two kept
@@ -210,7 +231,7 @@ def measure(model, mb, devices: int, split: bool, copies: int = 1) -> RunningCos
     ``devices`` devices busy at once (module docstring), each holding ``copies`` stages, measured now."""
     stage_fn, w, x = _stage_op(model, mb)
     ops = _ops(stage_fn, w, x, devices, split, copies)
-    return RunningCosts(*ops, _tick_cost(stage_fn, w, x, devices))
+    return RunningCosts(*ops, _tick_cost(stage_fn, w, x, devices, repeats=tick_repeats(ops[0])))
 
 
 def held_copies(s) -> int:
@@ -301,7 +322,9 @@ def measured(
         lambda: _ops(stage_fn, w, x, devices, split, copies),
     )
     key = ["tick_price_uneven", backend, devices, shapes_key(x)]  # (uneven: not an earlier probe's price)
-    (tick,) = _kept(store, key, lambda: [_tick_cost(stage_fn, w, x, devices)])
+    # as many repeats as fit the probe's budget at this stage's forward (process 0's: the same everywhere)
+    repeats = tick_repeats(ops[0])
+    (tick,) = _kept(store, key, lambda: [_tick_cost(stage_fn, w, x, devices, repeats=repeats)])
     return RunningCosts(*ops, tick)
 
 
