@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 from typing import NamedTuple, Optional, Tuple
 
 import jax
@@ -146,27 +147,34 @@ def exchange_price(per_tick: dict) -> float:
     return max(per_tick["uneven"], per_tick["even"], per_tick["alone"]) - per_tick["alone"]
 
 
-#: seconds the tick-price probe may take: as many repeats (:func:`tick_repeats`) as fit, at least one.  Five
-#: repeats of a 2048-wide MLP stage of four layers at 64 rows (F 35 ms as the probe times it) took 73-77 s on
-#: two emulated CPU devices; one, 15.6 s
+#: seconds the tick-price probe may take: as many repeats as fit at its first repeat's time (its compiles
+#: included; :func:`tick_repeats`), at least one.  Five repeats of a 2048-wide MLP stage of four layers at 64
+#: rows took 73-77 s of a first step on two emulated CPU devices
 TICK_PROBE_BUDGET_S = 20.0
-#: stage forwards a repeat of the probe costs, about: three loops, four calls of each length (one to warm
-#: up), 4 + 16 ticks a call, up to two forwards a tick (measured 390 with its compiles at a 7.8 ms forward)
-FORWARDS_A_REPEAT = 400
 #: the tick-price probe's repeats where time allows (the median of five: one price is a small difference of
 #: large times)
 MOST_REPEATS = 5
 
 
-def tick_repeats(forward_s: float, budget_s: float = TICK_PROBE_BUDGET_S) -> int:
-    """How many repeats of the tick-price probe fit in ``budget_s`` at a stage forward of ``forward_s``
-    seconds: :data:`MOST_REPEATS` up to a 10 ms forward, one from 25 ms on."""
-    fits = int(budget_s // max(FORWARDS_A_REPEAT * forward_s, 1e-9))
+def tick_repeats(first_repeat_s: float, budget_s: float = TICK_PROBE_BUDGET_S) -> int:
+    """How many repeats of the tick-price probe fit in ``budget_s``, the first of them having taken
+    ``first_repeat_s``: at most :data:`MOST_REPEATS`, at least the one already run."""
+    fits = int(budget_s // max(first_repeat_s, 1e-9))
     return max(1, min(MOST_REPEATS, fits))
 
 
+def _agreed_count(n: int) -> int:
+    """``n`` as process 0 has it, in a multi-process job (the probes hold collectives: every process must
+    run as many)."""
+    if jax.process_count() == 1:
+        return n
+    from jax.experimental import multihost_utils
+
+    return int(multihost_utils.broadcast_one_to_all(np.int32(n)))
+
+
 def _tick_cost(
-    stage_fn, w, x, devices: int, ticks=(4, 16), calls: int = 3, repeats: int = MOST_REPEATS
+    stage_fn, w, x, devices: int, ticks=(4, 16), calls: int = 3, budget_s: float = TICK_PROBE_BUDGET_S
 ) -> float:
     """Seconds a tick's exchange adds to the slowest device's actions (the lockstep model's tick: the
     slowest device's actions, then the exchange): loops of ``ticks[0]`` and ``ticks[1]`` ticks of
@@ -182,15 +190,20 @@ def _tick_cost(
       that alone priced a tick at zero.
 
     Each loop length's time (:func:`~jaxpipe.tune.microbench.per_iteration`: what a call pays once -- its
-    dispatch, the wait for the other processes to enter it -- cancels); the median of ``repeats`` such
-    prices: one is a small difference of large times (one testbed run priced a tick at 0.0118 ms;
-    ``experiments.tick_price`` repeats the probe in one process pair)."""
+    dispatch, the wait for the other processes to enter it -- cancels); the median of up to five such
+    prices, as many as ``budget_s`` allows (:func:`tick_repeats`): one is a small difference of large
+    times (one testbed run priced a tick at 0.0118 ms; ``experiments.tick_price`` repeats the probe in one
+    process pair)."""
     from .microbench import per_iteration
 
     if devices < 2:
         return 0.0
     loops = tick_loops(stage_fn, w, x, devices)
-    prices = [exchange_price(per_iteration(loops, ticks, calls)) for _ in range(repeats)]
+    price = lambda: exchange_price(per_iteration(loops, ticks, calls))
+    started = time.perf_counter()
+    prices = [price()]
+    repeats = _agreed_count(tick_repeats(time.perf_counter() - started, budget_s))
+    prices += [price() for _ in range(repeats - 1)]
     return float(np.median(prices))
 
 
@@ -231,7 +244,7 @@ def measure(model, mb, devices: int, split: bool, copies: int = 1) -> RunningCos
     ``devices`` devices busy at once (module docstring), each holding ``copies`` stages, measured now."""
     stage_fn, w, x = _stage_op(model, mb)
     ops = _ops(stage_fn, w, x, devices, split, copies)
-    return RunningCosts(*ops, _tick_cost(stage_fn, w, x, devices, repeats=tick_repeats(ops[0])))
+    return RunningCosts(*ops, _tick_cost(stage_fn, w, x, devices))
 
 
 def held_copies(s) -> int:
@@ -322,9 +335,7 @@ def measured(
         lambda: _ops(stage_fn, w, x, devices, split, copies),
     )
     key = ["tick_price_uneven", backend, devices, shapes_key(x)]  # (uneven: not an earlier probe's price)
-    # as many repeats as fit the probe's budget at this stage's forward (process 0's: the same everywhere)
-    repeats = tick_repeats(ops[0])
-    (tick,) = _kept(store, key, lambda: [_tick_cost(stage_fn, w, x, devices, repeats=repeats)])
+    (tick,) = _kept(store, key, lambda: [_tick_cost(stage_fn, w, x, devices)])
     return RunningCosts(*ops, tick)
 
 
