@@ -24,6 +24,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -130,11 +131,12 @@ def main(argv):
     from jaxpipe import host_memory
 
     env = {**os.environ, **host_memory.KEEP_FREED_ENV}
+    logs = {p: tempfile.TemporaryFile("w+") for p in (0, 1)}
     procs = [
         subprocess.Popen(
             ["taskset", "-c", str(p), sys.executable, "-m", "experiments.tick_price", *args, f"--worker={p}"],
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=logs[p],
             text=True,
             env=env,
         )
@@ -149,7 +151,13 @@ def main(argv):
     procs[1].wait()
     procs[0].wait()
     if not rows:
-        raise SystemExit(f"experiments.tick_price: the workers reported nothing (is port {FLAGS.port} free?)")
+        for p in (0, 1):  # what each worker said before it stopped
+            logs[p].seek(0)
+            print(f"--- worker {p}, the end of its output:\n{logs[p].read()[-3000:]}", file=sys.stderr)
+        raise SystemExit(
+            f"experiments.tick_price: the workers reported nothing (is port {FLAGS.port} free, and are "
+            "there two cores?)"
+        )
     print(summary(rows))
 
 
