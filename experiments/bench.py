@@ -320,14 +320,19 @@ def cyclic_runner(rule: str, model: PipelineModel, batch, opt):
     }
 
 
-def round_steps(runs, rounds: int):
+def round_steps(runs, rounds: int, settle: int = 1):
     """``{key: [seconds of a step, per round]}``: every run's 3 steps in turn, ``rounds`` times (``runs``:
     ``{key: [step(state) -> state, state]}``, the states advanced in place) -- a slow phase of the machine
-    touches every run alike."""
+    touches every run alike.  Each run's timed steps follow ``settle`` untimed ones of its own: the first
+    step after another program's ran slow (on the two-process testbed GPipe, whose program at M = 8 is
+    1F1B's to the byte, measured 0.93-0.95x 1F1B, which each round timed first, after the plain steps)."""
     times = {k: [] for k in runs}
     for _ in range(rounds):
         for k, entry in runs.items():
             step, s = entry
+            for _ in range(settle):
+                s = step(s)
+            jax.block_until_ready(s)
             t0 = time.perf_counter()
             for _ in range(3):
                 s = step(s)

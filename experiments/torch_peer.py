@@ -142,7 +142,11 @@ def _plain(torch, ws, x, y, M):
     return step
 
 
-def _timed(step, steps=3):
+def _timed(step, steps=3, settle=1):
+    """Seconds a step of ``step``, over ``steps`` timed after ``settle`` untimed (as jaxpipe's rounds: the
+    first step after another schedule's runs slow, ``experiments.bench.round_steps``)."""
+    for _ in range(settle):
+        step()
     t0 = time.perf_counter()
     for _ in range(steps):
         step()

@@ -913,6 +913,14 @@ MUTATIONS = [
         "    return prices[0]\n",
         "tests/test_running_costs.py::test_a_ticks_price_is_the_median_of_repeated_measurements",
     ),
+    # the benchmark rounds time each run's first step after another run's: the run timed first looks slow
+    Mutation(
+        "rounds_time_the_first_step_after_another_run",
+        "experiments/bench.py",
+        "def round_steps(runs, rounds: int, settle: int = 1):\n",
+        "def round_steps(runs, rounds: int, settle: int = 0):\n",
+        "tests/test_bench.py::test_each_runs_timed_steps_follow_an_untimed_one_of_its_own",
+    ),
     # the tick probe repeated five times whatever a repeat costs: 73-77 s of a first step at a 2048-wide stage
     Mutation(
         "tick_probe_ignores_its_budget",
