@@ -30,13 +30,21 @@ import time
 import numpy as np
 from absl import flags
 
-from experiments import two_devices  # noqa: F401  (its flags: --layers, --width, --rounds, --port, ...)
 from jaxpipe.cli import common as cli
 
-flags.DEFINE_integer("repeats", 6, "repeats of the probe in one process pair")
-flags.DEFINE_integer("rows", 32, "rows of the micro-batch a tick's stage runs (the testbed: 256 / M)")
 FLAGS = flags.FLAGS
-FLAGS.set_default("rounds", 15)  # two_devices' flag: here, every loop once a round
+
+
+def _define_flags() -> None:
+    """The runner's flags, defined only when it runs (a test that imports the module for its estimates
+    defines none that would clash with another runner's): its own, and ``experiments.two_devices``' (the
+    testbed's --layers, --width, --rounds, --port, --link_thread)."""
+    from experiments import two_devices  # noqa: F401  (its flags)
+
+    flags.DEFINE_integer("repeats", 6, "repeats of the probe in one process pair")
+    flags.DEFINE_integer("rows", 32, "rows of the micro-batch a tick's stage runs (the testbed: 256 / M)")
+    FLAGS.set_default("rounds", 15)  # two_devices' flag: here, every loop once a round
+
 
 #: the probe's loop lengths, as ``Pipeline``'s (``running_costs._tick_cost``)
 LENGTHS = (4, 16)
@@ -78,6 +86,8 @@ def estimates(rounds, kinds=("even", "uneven", "alone"), lengths=LENGTHS, group=
 
 
 def worker(pid: int) -> None:
+    from experiments import two_devices
+
     jax, _ = two_devices._join(pid)
     import jax.numpy as jnp
     from jax import lax
@@ -162,4 +172,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    _define_flags()
     cli.run(main)

@@ -84,6 +84,15 @@ QUICK = {
         "--measure_ops",
         "--link_thread=shared",
     ],
+    # two pinned processes, tiny loops: one repeat of three rounds
+    "tick_price": [
+        "--width=32",
+        "--layers=2",
+        "--rows=4",
+        "--repeats=1",
+        "--rounds=3",
+        "--link_thread=shared",
+    ],
     "cuts": [
         "--blocks=5",
         "--even_blocks=8",

@@ -188,7 +188,7 @@ def open_trace(prog: Program, params, opt_state, pstate, carry, counters, batch,
             f"stage_fn's pullback stashes {len(avals)} residuals inside the program but "
             f"{len(carry.stash)} were allocated; stage_fn must trace the same way every time"
         )
-    wsp, wfuse = _split_backwards(prog, sop, chunk_params[0][0], avals)
+    wsp, wfuse = _split_backwards(prog, sop, chunk_params, avals)
     places, carry = _frontier_places(prog, wsp, avals, carry)
     mb_of, carry = prog.routing.micro_batches(prog, base, n_fed, batch, carry)
     trace = Trace(
@@ -214,15 +214,19 @@ def open_trace(prog: Program, params, opt_state, pstate, carry, counters, batch,
     return trace, (chunk_params, opt_states, policy_states, carry)
 
 
-def _split_backwards(prog: Program, sop, stage_w, avals):
+def _split_backwards(prog: Program, sop, chunk_params, avals):
     """``(wsp, wfuse)``: the split backward W's lane reads from B's frontier (``prog.w_frontier``), or a
     summing policy's B in the same two parts, W's added into the sums in place (``lanes_backward.bwd``) where
-    the stage scans its layers; None where neither applies (elsewhere the fused backward: nothing to gain)."""
+    the stage scans its layers; None where neither applies (elsewhere the fused backward: nothing to gain).
+    Chunk 0's first entry is read only where one applies: a ring policy's chunks hold no such entry."""
+    split = lambda: split_backward(
+        sop.backward, chunk_params[0][0], full(avals, 0), full(prog.x_aval, 0), avals
+    )
     if prog.w_frontier:  # None where the stage cannot be split: W recomputes
-        return split_backward(sop.backward, stage_w, full(avals, 0), full(prog.x_aval, 0), avals), None
+        return split(), None
     if prog.split or not all(p.add_leaf is not None and p.sums is not None for p in prog.policies):
         return None, None
-    wfuse = split_backward(sop.backward, stage_w, full(avals, 0), full(prog.x_aval, 0), avals)
+    wfuse = split()
     return None, (wfuse if wfuse is not None and wfuse.in_place else None)
 
 
