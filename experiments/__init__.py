@@ -29,6 +29,7 @@ RUNNERS = {
     "backend?",
     "gpu_check": "on one accelerator, what does the executor cost at D = 1 against the plain step and the "
     "two-lane sketch, and what does offloading residuals cost?",
+    "program_text": "did a change to the executor leave every method's lowered step program as it was?",
     "op_profile": "where does a pipelined step's time go, by operation kind, beside the plain step?",
     "loop_overhead": "what does the training loop add to Pipeline.step, its metrics read while the next step "
     "runs or before it starts?",

@@ -93,6 +93,7 @@ QUICK = {
         "--rounds=3",
         "--link_thread=shared",
     ],
+    "program_text": ["--only=1f1b", "--models=mlp"],
     "cuts": [
         "--blocks=5",
         "--even_blocks=8",
