@@ -53,11 +53,12 @@ GROUP = 3
 
 
 def _per_tick(rounds, kinds, lengths=LENGTHS) -> dict:
-    """Seconds a tick of each loop kind from ``rounds`` (``[{(kind, n): seconds}]``): each loop's least
-    call, the short loop's subtracted from the long one's, over the extra ticks."""
-    short, long = lengths
+    """Seconds a tick of each loop kind from ``rounds`` (``[{(kind, n): seconds}]``), as ``Pipeline``'s probe
+    takes them (:func:`jaxpipe.tune.microbench.iteration_seconds` of each loop's least call)."""
+    from jaxpipe.tune.microbench import iteration_seconds
+
     least = {at: min(r[at] for r in rounds) for at in rounds[0]}
-    return {k: (least[(k, long)] - least[(k, short)]) / (long - short) for k in kinds}
+    return {k: iteration_seconds(least, k, lengths) for k in kinds}
 
 
 def estimates(rounds, kinds=("even", "uneven", "alone"), lengths=LENGTHS, group=GROUP) -> dict:
@@ -89,17 +90,14 @@ def worker(pid: int) -> None:
     from experiments import two_devices
 
     jax, _ = two_devices._join(pid)
-    import jax.numpy as jnp
-    from jax import lax
-
+    from jaxpipe.bench import layers_fn
     from jaxpipe.tune.running_costs import TICK_LOOPS, tick_loops
 
     r = np.random.default_rng(0)
     w = np.asarray(r.normal(size=(FLAGS.layers // 2, FLAGS.width, FLAGS.width)), np.float32)
     w /= np.sqrt(FLAGS.width)
     x = np.asarray(r.normal(size=(FLAGS.rows, FLAGS.width)), np.float32)
-    stage_fn = lambda w, h: lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), h, w)[0]
-    loops = tick_loops(stage_fn, w, x, 2)
+    loops = tick_loops(layers_fn("scan"), w, x, 2)  # the testbed's stage, held as one stacked array
     thunks = {(k, n): loops[k](n) for k in TICK_LOOPS for n in LENGTHS}
     for thunk in thunks.values():  # compiled and warm
         jax.block_until_ready(thunk())

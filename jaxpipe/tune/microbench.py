@@ -62,7 +62,14 @@ def per_iteration(loops: Dict, lengths: Sequence[int] = (4, 16), calls: int = 5)
             t0 = time.perf_counter()
             jax.block_until_ready(thunk())
             best[at] = min(best[at], time.perf_counter() - t0)
-    return {key: max(best[(key, long)] - best[(key, short)], 0.0) / (long - short) for key in loops}
+    return {key: iteration_seconds(best, key, lengths) for key in loops}
+
+
+def iteration_seconds(least: Dict, key, lengths: Sequence[int]) -> float:
+    """Seconds one iteration of loop ``key`` adds, at least 0: its short loop's least call (``least[(key,
+    n)]``) subtracted from its long one's, over the extra iterations (:func:`per_iteration`)."""
+    short, long = lengths
+    return max(least[(key, long)] - least[(key, short)], 0.0) / (long - short)
 
 
 def time_branches(fn: Callable, n: int, args, calls: int, per: int) -> List[float]:

@@ -163,14 +163,14 @@ def tick_repeats(first_repeat_s: float, budget_s: float = TICK_PROBE_BUDGET_S) -
     return max(1, min(MOST_REPEATS, fits))
 
 
-def _agreed_count(n: int) -> int:
-    """``n`` as process 0 has it, in a multi-process job (the probes hold collectives: every process must
-    run as many)."""
+def _process_0s(values: np.ndarray) -> np.ndarray:
+    """``values`` as process 0 has them, in a multi-process job (the probes hold collectives, and every
+    process must place its plans alike: each takes process 0's measurements)."""
     if jax.process_count() == 1:
-        return n
+        return values
     from jax.experimental import multihost_utils
 
-    return int(multihost_utils.broadcast_one_to_all(np.int32(n)))
+    return np.asarray(multihost_utils.broadcast_one_to_all(values))
 
 
 def _tick_cost(
@@ -202,7 +202,7 @@ def _tick_cost(
     price = lambda: exchange_price(per_iteration(loops, ticks, calls))
     started = time.perf_counter()
     prices = [price()]
-    repeats = _agreed_count(tick_repeats(time.perf_counter() - started, budget_s))
+    repeats = int(_process_0s(np.int32(tick_repeats(time.perf_counter() - started, budget_s))))
     prices += [price() for _ in range(repeats - 1)]
     return float(np.median(prices))
 
@@ -304,11 +304,7 @@ def _kept(store, key, measure):
     job process 0's, sent to every process."""
     name = json.dumps(key, default=str)
     if name not in _MEASURED:
-        got = np.asarray(store.get(key, lambda: [float(v) for v in measure()]), np.float64)
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            got = np.asarray(multihost_utils.broadcast_one_to_all(got))
+        got = _process_0s(np.asarray(store.get(key, lambda: [float(v) for v in measure()]), np.float64))
         _MEASURED[name] = tuple(float(v) for v in got)
     return _MEASURED[name]
 
