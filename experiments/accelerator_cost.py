@@ -20,6 +20,7 @@ truth.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -27,31 +28,39 @@ import time
 from jaxpipe.cli import common as cli
 from absl import app, flags
 
-flags.DEFINE_string(
-    "models",
-    "mlp4096,mlp1024,gpt",
-    "mlp4096 (4x4096^2, 1024-row micro-batches), mlp1024 "
-    "(4x1024^2, 256 rows), gpt (d1024, 16 heads, 4 blocks, T 1024, 8 rows)",
-)
-flags.DEFINE_string("placement", "auto", "lane placement of every schedule (auto, lanes, ordered, ordered2)")
-flags.DEFINE_integer("stages", 1, "pipeline devices D (the model's 4 layers / blocks cut into D stages)")
-flags.DEFINE_integer("microbatches", 8, "micro-batches M per step")
-flags.DEFINE_string("schedules", "1f1b", "schedules to compare")
-flags.DEFINE_string(
-    "residuals",
-    "all",
-    "residual policies to compare (Pipeline(residuals=...)): all, inputs, "
-    "dots (jax.checkpoint_policies.dots_with_no_batch_dims_saveable)",
-)
-flags.DEFINE_bool("small", False, "tiny sizes (a smoke test)")
-flags.DEFINE_bool("timed", None, "time the steps (default: on anything but CPU)")
-flags.DEFINE_integer("steps", 20, "steps back to back in a 'stream' timing")
-flags.DEFINE_integer(
-    "hlo_lines",
-    0,
-    "also print each program's bytes with its loops counted as often as they run "
-    "(jaxpipe.hlo_bytes: XLA's own figure counts a loop body once) and its N dearest HLO lines",
-)
+
+@functools.cache
+def define_flags() -> None:
+    """The runner's flags, defined when it runs (importing the module defines none)."""
+    flags.DEFINE_string(
+        "models",
+        "mlp4096,mlp1024,gpt",
+        "mlp4096 (4x4096^2, 1024-row micro-batches), mlp1024 "
+        "(4x1024^2, 256 rows), gpt (d1024, 16 heads, 4 blocks, T 1024, 8 rows)",
+    )
+    flags.DEFINE_string(
+        "placement", "auto", "lane placement of every schedule (auto, lanes, ordered, ordered2)"
+    )
+    flags.DEFINE_integer("stages", 1, "pipeline devices D (the model's 4 layers / blocks cut into D stages)")
+    flags.DEFINE_integer("microbatches", 8, "micro-batches M per step")
+    flags.DEFINE_string("schedules", "1f1b", "schedules to compare")
+    flags.DEFINE_string(
+        "residuals",
+        "all",
+        "residual policies to compare (Pipeline(residuals=...)): all, inputs, "
+        "dots (jax.checkpoint_policies.dots_with_no_batch_dims_saveable)",
+    )
+    flags.DEFINE_bool("small", False, "tiny sizes (a smoke test)")
+    flags.DEFINE_bool("timed", None, "time the steps (default: on anything but CPU)")
+    flags.DEFINE_integer("steps", 20, "steps back to back in a 'stream' timing")
+    flags.DEFINE_integer(
+        "hlo_lines",
+        0,
+        "also print each program's bytes with its loops counted as often as they run "
+        "(jaxpipe.hlo_bytes: XLA's own figure counts a loop body once) and its N dearest HLO lines",
+    )
+
+
 FLAGS = flags.FLAGS
 
 
@@ -265,4 +274,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)

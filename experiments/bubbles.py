@@ -14,12 +14,19 @@ is imported.
 
 from __future__ import annotations
 
+import functools
 from jaxpipe.cli import common as cli
 from absl import flags
 
-flags.DEFINE_string("stages", "4,8,16,32", "comma-separated D values")
-flags.DEFINE_string("microbatches", "", "comma-separated N values (default: D, 2D, 4D for each D)")
-flags.DEFINE_string("markdown", "", "also write the table to this Markdown file")
+
+@functools.cache
+def define_flags() -> None:
+    """The runner's flags, defined when it runs (importing the module defines none)."""
+    flags.DEFINE_string("stages", "4,8,16,32", "comma-separated D values")
+    flags.DEFINE_string("microbatches", "", "comma-separated N values (default: D, 2D, 4D for each D)")
+    flags.DEFINE_string("markdown", "", "also write the table to this Markdown file")
+
+
 TITLE = "# Bubble ratios: the simulator beside the papers' formulas"
 FLAGS = flags.FLAGS
 
@@ -107,4 +114,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)

@@ -12,6 +12,7 @@ the same batches; asynchronous methods drain at the end.  Writes ``results.csv``
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import numpy as np
@@ -21,40 +22,46 @@ from absl import app, flags
 
 from experiments import emulate_cpu_devices
 
-flags.DEFINE_enum(
-    "task", "all", ["all", "digits", "bytelm"], "all = digits+momentum, digits+adamw, bytelm+adam"
-)
-flags.DEFINE_string(
-    "optimizer",
-    "",
-    "for a single --task: momentum | adamw | adam | sgd (default: momentum for digits, adam for bytelm)",
-)
-flags.DEFINE_string(
-    "schedules",
-    "gpipe,pipedream,pipedream_2bw,spectrain,pipeoptim",
-    "methods to compare; "
-    "spectrain is skipped (with a note) for optimizers without momentum, as it requires; "
-    "'dp' is the synchronous data-parallel baseline (computed exactly by GPipe); also "
-    "cdp_v1, cdp_v2 (cyclic data parallelism, pipeline form; the DP form jp.CyclicDataParallel "
-    "computes the same numbers, tested), avgpipe (--avgpipe_pipes parallel pipelines, the global "
-    "batch split over them, elastic averaging with alpha = 1/N), wpipe (the same --stages partitions "
-    "on stages/2 devices), wpipe_apc (wpipe with float16-compressed messages, APC)",
-)
-flags.DEFINE_integer("avgpipe_pipes", 2, "parallel pipelines N of avgpipe (N x stages devices)")
-flags.DEFINE_float(
-    "target_slack",
-    0.05,
-    "steps-to-target: the first evaluation whose eval loss is within this "
-    "fraction of the dp baseline's final eval loss (AvgPipe Fig. 14)",
-)
-flags.DEFINE_integer("seeds", 3, "seeds per method (model init and data order)")
-flags.DEFINE_integer("stages", 4, "pipeline stages D")
-flags.DEFINE_integer("microbatches", 4, "micro-batches per step M (pipedream_2bw needs M >= D)")
-flags.DEFINE_integer("batch", 64, "global batch size")
-flags.DEFINE_integer("steps", 0, "optimizer steps per run (0: task default, 300 digits / 150 bytelm)")
-flags.DEFINE_float("lr", 0.0, "learning rate (0: task default: momentum 0.05, adamw/adam 3e-3)")
-flags.DEFINE_integer("eval_every", 25, "evaluate every this many steps")
-flags.DEFINE_string("out_dir", "runs/convergence", "output directory")
+
+@functools.cache
+def define_flags() -> None:
+    """The runner's flags, defined when it runs (importing the module defines none)."""
+    flags.DEFINE_enum(
+        "task", "all", ["all", "digits", "bytelm"], "all = digits+momentum, digits+adamw, bytelm+adam"
+    )
+    flags.DEFINE_string(
+        "optimizer",
+        "",
+        "for a single --task: momentum | adamw | adam | sgd (default: momentum for digits, adam for bytelm)",
+    )
+    flags.DEFINE_string(
+        "schedules",
+        "gpipe,pipedream,pipedream_2bw,spectrain,pipeoptim",
+        "methods to compare; "
+        "spectrain is skipped (with a note) for optimizers without momentum, as it requires; "
+        "'dp' is the synchronous data-parallel baseline (computed exactly by GPipe); also "
+        "cdp_v1, cdp_v2 (cyclic data parallelism, pipeline form; the DP form jp.CyclicDataParallel "
+        "computes the same numbers, tested), avgpipe (--avgpipe_pipes parallel pipelines, the global "
+        "batch split over them, elastic averaging with alpha = 1/N), wpipe (the same --stages partitions "
+        "on stages/2 devices), wpipe_apc (wpipe with float16-compressed messages, APC)",
+    )
+    flags.DEFINE_integer("avgpipe_pipes", 2, "parallel pipelines N of avgpipe (N x stages devices)")
+    flags.DEFINE_float(
+        "target_slack",
+        0.05,
+        "steps-to-target: the first evaluation whose eval loss is within this "
+        "fraction of the dp baseline's final eval loss (AvgPipe Fig. 14)",
+    )
+    flags.DEFINE_integer("seeds", 3, "seeds per method (model init and data order)")
+    flags.DEFINE_integer("stages", 4, "pipeline stages D")
+    flags.DEFINE_integer("microbatches", 4, "micro-batches per step M (pipedream_2bw needs M >= D)")
+    flags.DEFINE_integer("batch", 64, "global batch size")
+    flags.DEFINE_integer("steps", 0, "optimizer steps per run (0: task default, 300 digits / 150 bytelm)")
+    flags.DEFINE_float("lr", 0.0, "learning rate (0: task default: momentum 0.05, adamw/adam 3e-3)")
+    flags.DEFINE_integer("eval_every", 25, "evaluate every this many steps")
+    flags.DEFINE_string("out_dir", "runs/convergence", "output directory")
+
+
 FLAGS = flags.FLAGS
 
 
@@ -258,4 +265,5 @@ def _write(all_rows, summary) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)

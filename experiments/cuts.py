@@ -16,26 +16,35 @@ Two tables, one process:
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 
 from jaxpipe.cli import common as cli
 from absl import flags
 
-flags.DEFINE_integer("cores", 1, "CPU cores the process may use (os.sched_setaffinity); 0: leave as it is")
-flags.DEFINE_integer("stages", 4, "stages (emulated devices) D")
-flags.DEFINE_integer("blocks", 10, "transformer blocks in the model")
-flags.DEFINE_integer(
-    "even_blocks", 8, "blocks of the padding check (a multiple of --stages: an even cut exists)"
-)
-flags.DEFINE_integer("d_model", 256, "model width")
-flags.DEFINE_integer("heads", 4, "attention heads")
-flags.DEFINE_integer("vocab", 16384, "vocabulary (the head's cost)")
-flags.DEFINE_integer("seq_len", 64, "tokens per sequence")
-flags.DEFINE_integer("batch", 32, "sequences per step")
-flags.DEFINE_integer("microbatches", 8, "micro-batches M")
-flags.DEFINE_string("schedule", "1f1b", "schedule")
-flags.DEFINE_integer("rounds", 5, "timed steps of each cut, the cuts taking turns (median)")
+
+@functools.cache
+def define_flags() -> None:
+    """The runner's flags, defined when it runs (importing the module defines none)."""
+    flags.DEFINE_integer(
+        "cores", 1, "CPU cores the process may use (os.sched_setaffinity); 0: leave as it is"
+    )
+    flags.DEFINE_integer("stages", 4, "stages (emulated devices) D")
+    flags.DEFINE_integer("blocks", 10, "transformer blocks in the model")
+    flags.DEFINE_integer(
+        "even_blocks", 8, "blocks of the padding check (a multiple of --stages: an even cut exists)"
+    )
+    flags.DEFINE_integer("d_model", 256, "model width")
+    flags.DEFINE_integer("heads", 4, "attention heads")
+    flags.DEFINE_integer("vocab", 16384, "vocabulary (the head's cost)")
+    flags.DEFINE_integer("seq_len", 64, "tokens per sequence")
+    flags.DEFINE_integer("batch", 32, "sequences per step")
+    flags.DEFINE_integer("microbatches", 8, "micro-batches M")
+    flags.DEFINE_string("schedule", "1f1b", "schedule")
+    flags.DEFINE_integer("rounds", 5, "timed steps of each cut, the cuts taking turns (median)")
+
+
 FLAGS = flags.FLAGS
 
 
@@ -141,4 +150,5 @@ def main(_):
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)

@@ -26,53 +26,62 @@ kernel time per step, which say how much of it the allocator is.
 
 from __future__ import annotations
 
+import functools
 import os
 
 from jaxpipe.bench import STAGE_FORMS, held_as, layers_fn, stacked_back
 from jaxpipe.cli import common as cli
 from absl import app, flags
 
-flags.DEFINE_integer("cores", 1, "CPU cores the process may use (os.sched_setaffinity); 0: leave as it is")
-flags.DEFINE_string(
-    "schedules",
-    "gpipe,1f1b,interleaved_1f1b,zb_h1,zb_v,dualpipe_v,chimera",
-    "schedules to time, each optionally name:placement (zb_v:ordered; default auto, what Pipeline runs)",
-)
-flags.DEFINE_enum(
-    "stage_form",
-    "scan",
-    list(STAGE_FORMS),
-    "how a stage holds and runs its layers: a lax.scan over the stacked array, a Python loop over w[i] of it "
-    "(jaxpipe.bench.make_tanh_mlp's form), or a tuple of one array per layer",
-)
-flags.DEFINE_integer("stages", 4, "devices D (emulated)")
-flags.DEFINE_integer("microbatches", 8, "micro-batches M")
-flags.DEFINE_integer("layers", 8, "layers in total")
-flags.DEFINE_integer("width", 1024, "hidden width")
-flags.DEFINE_integer("batch", 512, "batch size")
-flags.DEFINE_integer("rounds", 7, "timed rounds (median)")
-flags.DEFINE_integer(
-    "block",
-    3,
-    "consecutive steps per program and round in the second timing (as training runs "
-    "them; the first switches program at every step); 0: round-robin only",
-)
-flags.DEFINE_enum(
-    "allocator",
-    "both",
-    ["both", "default", "keep_freed"],
-    "host allocator the programs are timed with: glibc's defaults (XLA CPU allocates each execution's "
-    "large buffers afresh, and every step maps and page-faults them anew -- a cost in proportion to "
-    "the buffers a step allocates, which accelerator allocators, pooling memory, do not have), "
-    "keep_freed (jaxpipe.host_memory.keep_freed_memory()), or both, one after the other in this process",
-)
-flags.DEFINE_string(
-    "profile",
-    "",
-    "after the timed rounds, trace 3 steps of every program with jax.profiler into this folder (one "
-    "sub-folder each) and print each program's largest operation kinds (experiments.profiling.by_kind): "
-    "thread ms a step, calls a step, ms a call; on one core and one device, what each program computes",
-)
+
+@functools.cache
+def define_flags() -> None:
+    """The runner's flags, defined when it runs (importing the module defines none)."""
+    flags.DEFINE_integer(
+        "cores", 1, "CPU cores the process may use (os.sched_setaffinity); 0: leave as it is"
+    )
+    flags.DEFINE_string(
+        "schedules",
+        "gpipe,1f1b,interleaved_1f1b,zb_h1,zb_v,dualpipe_v,chimera",
+        "schedules to time, each optionally name:placement (zb_v:ordered; default auto, what Pipeline runs)",
+    )
+    flags.DEFINE_enum(
+        "stage_form",
+        "scan",
+        list(STAGE_FORMS),
+        "how a stage holds and runs its layers: a lax.scan over the stacked array, a Python loop over w[i] "
+        "of it (jaxpipe.bench.make_tanh_mlp's form), or a tuple of one array per layer",
+    )
+    flags.DEFINE_integer("stages", 4, "devices D (emulated)")
+    flags.DEFINE_integer("microbatches", 8, "micro-batches M")
+    flags.DEFINE_integer("layers", 8, "layers in total")
+    flags.DEFINE_integer("width", 1024, "hidden width")
+    flags.DEFINE_integer("batch", 512, "batch size")
+    flags.DEFINE_integer("rounds", 7, "timed rounds (median)")
+    flags.DEFINE_integer(
+        "block",
+        3,
+        "consecutive steps per program and round in the second timing (as training runs "
+        "them; the first switches program at every step); 0: round-robin only",
+    )
+    flags.DEFINE_enum(
+        "allocator",
+        "both",
+        ["both", "default", "keep_freed"],
+        "host allocator the programs are timed with: glibc's defaults (XLA CPU allocates each execution's "
+        "large buffers afresh, and every step maps and page-faults them anew -- a cost in proportion to "
+        "the buffers a step allocates, which accelerator allocators, pooling memory, do not have), "
+        "keep_freed (jaxpipe.host_memory.keep_freed_memory()), or both, one after the other in this process",
+    )
+    flags.DEFINE_string(
+        "profile",
+        "",
+        "after the timed rounds, trace 3 steps of every program with jax.profiler into this folder (one "
+        "sub-folder each) and print each program's largest operation kinds (experiments.profiling.by_kind): "
+        "thread ms a step, calls a step, ms a call; on one core and one device, what each program computes",
+    )
+
+
 FLAGS = flags.FLAGS
 
 
@@ -293,4 +302,5 @@ def print_profiles(runs, folder: str, steps: int = 3, kinds: int = 12) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)

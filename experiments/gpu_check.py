@@ -24,6 +24,7 @@ Each row is a ratio to the plain one-device step doing the same work, measured i
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from typing import NamedTuple
@@ -33,10 +34,16 @@ from absl import flags
 from jaxpipe.cli.common import run as run_cli
 
 FLAGS = flags.FLAGS
-flags.DEFINE_bool("small", False, "tiny sizes (seconds on CPU): checks that every row runs")
-flags.DEFINE_string("out", "", "also write the Markdown table to this file")
-flags.DEFINE_integer("calls", 20, "calls per streamed timing")
-flags.DEFINE_integer("rounds", 5, "timing rounds (the median is reported)")
+
+
+@functools.cache
+def define_flags() -> None:
+    """The runner's flags, defined when it runs (importing the module defines none)."""
+    flags.DEFINE_bool("small", False, "tiny sizes (seconds on CPU): checks that every row runs")
+    flags.DEFINE_string("out", "", "also write the Markdown table to this file")
+    flags.DEFINE_integer("calls", 20, "calls per streamed timing")
+    flags.DEFINE_integer("rounds", 5, "timing rounds (the median is reported)")
+
 
 #: (label, layers, width, rows a step, micro-batches)
 SIZES = [("MLP 4 x 4096^2, 1024 rows", 4, 4096, 1024, 8), ("MLP 4 x 1024^2, 256 rows", 4, 1024, 256, 8)]
@@ -279,4 +286,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     run_cli(main)

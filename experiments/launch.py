@@ -5,4 +5,5 @@ from jaxpipe.cli import launch as command
 from jaxpipe.cli.common import run
 
 if __name__ == "__main__":
+    command.define_flags()
     run(command.main, command.__doc__)

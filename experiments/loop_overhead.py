@@ -14,6 +14,7 @@ each; ms a step and the ratio to the bare loop:
 
 from __future__ import annotations
 
+import functools
 import statistics
 
 from absl import flags
@@ -21,14 +22,20 @@ from absl import flags
 from experiments.bench import LOOPS, loop_seconds
 from jaxpipe.cli import common as cli
 
-flags.DEFINE_integer("width", 256, "width of the MLP's layers")
-flags.DEFINE_integer("layers", 2, "layers of each stage")
-flags.DEFINE_integer("rows", 64, "rows of a batch")
-flags.DEFINE_integer("stages", 2, "pipeline stages (CPU: emulated devices)")
-flags.DEFINE_integer("microbatches", 4, "micro-batches a step")
-flags.DEFINE_string("schedule", "1f1b", "the schedule")
-flags.DEFINE_integer("steps", 200, "steps a timed run")
-flags.DEFINE_integer("rounds", 3, "interleaved rounds (the median is reported)")
+
+@functools.cache
+def define_flags() -> None:
+    """The runner's flags, defined when it runs (importing the module defines none)."""
+    flags.DEFINE_integer("width", 256, "width of the MLP's layers")
+    flags.DEFINE_integer("layers", 2, "layers of each stage")
+    flags.DEFINE_integer("rows", 64, "rows of a batch")
+    flags.DEFINE_integer("stages", 2, "pipeline stages (CPU: emulated devices)")
+    flags.DEFINE_integer("microbatches", 4, "micro-batches a step")
+    flags.DEFINE_string("schedule", "1f1b", "the schedule")
+    flags.DEFINE_integer("steps", 200, "steps a timed run")
+    flags.DEFINE_integer("rounds", 3, "interleaved rounds (the median is reported)")
+
+
 FLAGS = flags.FLAGS
 
 
@@ -80,4 +87,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main, __doc__)

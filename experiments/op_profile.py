@@ -17,24 +17,32 @@ category ran.  The traces stay under ``--trace_dir`` for TensorBoard / Perfetto 
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
 from jaxpipe.cli import common as cli
 from absl import app, flags
 
-from experiments import throughput  # noqa: F401  (its model and batch flags are this runner's flags)
+from experiments import throughput
 
-flags.DEFINE_string(
-    "trace_dir", "/tmp/jaxpipe_op_profile", "where the traces are written (one folder per step)"
-)
-flags.DEFINE_string(
-    "out",
-    "",
-    "optional picture (.png/.svg/.pdf): per traced step and device, its time by "
-    "operation kind (several device-count groups: one file each, suffixed _<n>dev)",
-)
-flags.DEFINE_integer("top_ops", 6, "operations listed per traced step, by thread time")
+
+@functools.cache
+def define_flags() -> None:
+    """The runner's flags, defined when it runs (importing the module defines none)."""
+    throughput.define_flags()  # its flags are this runner's too
+    flags.DEFINE_string(
+        "trace_dir", "/tmp/jaxpipe_op_profile", "where the traces are written (one folder per step)"
+    )
+    flags.DEFINE_string(
+        "out",
+        "",
+        "optional picture (.png/.svg/.pdf): per traced step and device, its time by "
+        "operation kind (several device-count groups: one file each, suffixed _<n>dev)",
+    )
+    flags.DEFINE_integer("top_ops", 6, "operations listed per traced step, by thread time")
+
+
 FLAGS = flags.FLAGS
 DEFAULT_SCHEDULES = "gpipe,chimera,spectrain,cdp_dp_v1"
 
@@ -140,4 +148,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)

@@ -23,6 +23,7 @@ PyTorch comes from ``--peer_python`` (a Python with ``torch``, e.g. a virtual en
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -36,6 +37,7 @@ from absl import app, flags
 from jaxpipe.cli import common as cli
 
 
+@functools.cache
 def define_flags():
     """The runner's flags, defined only when it runs (a test that imports the module to check its table
     defines none that would clash with another runner's)."""

@@ -18,6 +18,7 @@ A step's gap to PyTorch's that this table shows is the backend's kernels, not th
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import timeit
@@ -26,12 +27,18 @@ from absl import flags
 
 from jaxpipe.cli import common as cli
 
-flags.DEFINE_integer("rows", 32, "rows of a micro-batch (the testbed: 256 / M)")
-flags.DEFINE_integer("width", 1024, "layer width")
-flags.DEFINE_integer("layers", 8, "layers in the forward-and-backward row")
-flags.DEFINE_integer("number", 10, "calls a timed repeat")
-flags.DEFINE_integer("unroll", 1, "the scan's unroll in the forward-and-backward row (--layers: fully)")
-flags.DEFINE_string("peer_python", "", "a Python with torch: PyTorch's column (empty: none)")
+
+@functools.cache
+def define_flags() -> None:
+    """The runner's flags, defined when it runs (importing the module defines none)."""
+    flags.DEFINE_integer("rows", 32, "rows of a micro-batch (the testbed: 256 / M)")
+    flags.DEFINE_integer("width", 1024, "layer width")
+    flags.DEFINE_integer("layers", 8, "layers in the forward-and-backward row")
+    flags.DEFINE_integer("number", 10, "calls a timed repeat")
+    flags.DEFINE_integer("unroll", 1, "the scan's unroll in the forward-and-backward row (--layers: fully)")
+    flags.DEFINE_string("peer_python", "", "a Python with torch: PyTorch's column (empty: none)")
+
+
 FLAGS = flags.FLAGS
 
 KERNELS = {"XLA default": {}, "XLA, YNNPACK off": {"xla_cpu_experimental_ynn_fusion_type": ""}}
@@ -106,4 +113,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)

@@ -16,6 +16,7 @@ whose check left them out broke them).  Ops are priced at given costs, so nothin
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 from absl import flags
@@ -26,7 +27,8 @@ from jaxpipe.cli import common as cli
 FLAGS = flags.FLAGS
 
 
-def _define_flags() -> None:
+@functools.cache
+def define_flags() -> None:
     """The runner's flags, defined only when it runs (a test that imports the module for its fingerprints
     defines none that would clash with another runner's)."""
     flags.DEFINE_string("models", "mlp,gpt", "the tests' small models to lower each variant for (mlp, gpt)")
@@ -111,5 +113,5 @@ def main(argv):
 
 if __name__ == "__main__":
     experiments.emulate_cpu_devices(4)
-    _define_flags()
+    define_flags()
     cli.run(main)

@@ -19,20 +19,28 @@ what can be measured here -- the one-core step, where every device's work adds u
 
 from __future__ import annotations
 
+import functools
 import os
 
 from jaxpipe.cli import common as cli
 from absl import app, flags
 
-from experiments import executor_cost  # noqa: F401  (the model, D, M and --cores flags)
+from experiments import executor_cost
 
-flags.DEFINE_string("devices", "4,8", "device counts D to predict for")
-flags.DEFINE_string("microbatch_counts", "8,32", "micro-batch counts M to predict for")
-flags.DEFINE_integer(
-    "real_layers", 16, "layers of the model the predictions cut (2 x D stages must divide it)"
-)
-flags.DEFINE_float("link_gbps", 50.0, "predicted devices' link bandwidth, GB/s per message")
-flags.DEFINE_float("link_us", 10.0, "predicted devices' fixed cost per message, microseconds")
+
+@functools.cache
+def define_flags() -> None:
+    """The runner's flags, defined when it runs (importing the module defines none)."""
+    executor_cost.define_flags()  # its flags are this runner's too
+    flags.DEFINE_string("devices", "4,8", "device counts D to predict for")
+    flags.DEFINE_string("microbatch_counts", "8,32", "micro-batch counts M to predict for")
+    flags.DEFINE_integer(
+        "real_layers", 16, "layers of the model the predictions cut (2 x D stages must divide it)"
+    )
+    flags.DEFINE_float("link_gbps", 50.0, "predicted devices' link bandwidth, GB/s per message")
+    flags.DEFINE_float("link_us", 10.0, "predicted devices' fixed cost per message, microseconds")
+
+
 FLAGS = flags.FLAGS
 SYNC = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zb_v", "dualpipe_v", "chimera")
 
@@ -181,4 +189,5 @@ def chosen_schedules(flag: str):
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)

@@ -14,6 +14,7 @@ each ``--block`` steps in a row (as training does; ``bench.block_medians``); bot
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from typing import NamedTuple, Optional
@@ -23,39 +24,47 @@ from absl import app, flags
 
 from experiments import with_device_count
 
-flags.DEFINE_string(
-    "schedules",
-    "gpipe,1f1b,1f1b_pytree,interleaved_1f1b,zb_h1,zb_v,dualpipe_v,chimera,pipedream,pipedream_2bw,spectrain,"
-    "pipeoptim,cdp_v1,cdp_v2,wpipe,avgpipe,cdp_dp_v1,cdp_dp_v2",
-    "comma-separated schedules to benchmark (spectrain runs with SGD-momentum and is compared "
-    "with a plain step using that optimizer when --optimizer has no momentum). Variants: "
-    "1f1b_pytree (the activation as a pytree of two halves), zb_h1_recompute (ZB-H1 with "
-    "options={'w_from': 'recompute'}: W back-propagates through the stage again)",
-)
-flags.DEFINE_integer("stages", 4, "pipeline stages D (CPU-emulated devices)")
-flags.DEFINE_integer("microbatches", 8, "micro-batches M per step")
-flags.DEFINE_integer("layers", 8, "MLP layers h = tanh(h @ W) in total (split evenly over stages)")
-flags.DEFINE_integer("width", 1024, "hidden width (W is width x width)")
-flags.DEFINE_integer("batch", 512, "global batch size")
-flags.DEFINE_integer("steps", 7, "timed steps per configuration (median reported)")
-flags.DEFINE_integer(
-    "block",
-    5,
-    "also time each runner this many steps in a row (consecutive steps, as in "
-    "training), --block_rounds times; 0 = skip. Reported as the 'consecutive' overhead",
-)
-flags.DEFINE_integer("block_rounds", 3, "rounds of the consecutive-steps timing")
-flags.DEFINE_integer("compile_m2", 64, "second micro-batch count for the compile-time check (0 = skip)")
-flags.DEFINE_string("optimizer", "adamw", "optax optimizer applied by both the plain and the pipelined step")
-flags.DEFINE_string("json_out", "", "optional path: write the table as JSON")
-flags.DEFINE_boolean(
-    "keep_freed_memory",
-    True,
-    "time with glibc keeping freed memory (jaxpipe.host_memory, what a "
-    "Pipeline on CPU devices does by default): no per-step mapping and page-faulting of XLA CPU's "
-    "large buffers; false: glibc's defaults",
-)
-flags.DEFINE_boolean("child", False, "internal: this process measures one device-count group")
+
+@functools.cache
+def define_flags() -> None:
+    """The runner's flags, defined when it runs (importing the module defines none)."""
+    flags.DEFINE_string(
+        "schedules",
+        "gpipe,1f1b,1f1b_pytree,interleaved_1f1b,zb_h1,zb_v,dualpipe_v,chimera,pipedream,pipedream_2bw,spectrain,"
+        "pipeoptim,cdp_v1,cdp_v2,wpipe,avgpipe,cdp_dp_v1,cdp_dp_v2",
+        "comma-separated schedules to benchmark (spectrain runs with SGD-momentum and is compared "
+        "with a plain step using that optimizer when --optimizer has no momentum). Variants: "
+        "1f1b_pytree (the activation as a pytree of two halves), zb_h1_recompute (ZB-H1 with "
+        "options={'w_from': 'recompute'}: W back-propagates through the stage again)",
+    )
+    flags.DEFINE_integer("stages", 4, "pipeline stages D (CPU-emulated devices)")
+    flags.DEFINE_integer("microbatches", 8, "micro-batches M per step")
+    flags.DEFINE_integer("layers", 8, "MLP layers h = tanh(h @ W) in total (split evenly over stages)")
+    flags.DEFINE_integer("width", 1024, "hidden width (W is width x width)")
+    flags.DEFINE_integer("batch", 512, "global batch size")
+    flags.DEFINE_integer("steps", 7, "timed steps per configuration (median reported)")
+    flags.DEFINE_integer(
+        "block",
+        5,
+        "also time each runner this many steps in a row (consecutive steps, as in "
+        "training), --block_rounds times; 0 = skip. Reported as the 'consecutive' overhead",
+    )
+    flags.DEFINE_integer("block_rounds", 3, "rounds of the consecutive-steps timing")
+    flags.DEFINE_integer("compile_m2", 64, "second micro-batch count for the compile-time check (0 = skip)")
+    flags.DEFINE_string(
+        "optimizer", "adamw", "optax optimizer applied by both the plain and the pipelined step"
+    )
+    flags.DEFINE_string("json_out", "", "optional path: write the table as JSON")
+    flags.DEFINE_boolean(
+        "keep_freed_memory",
+        True,
+        "time with glibc keeping freed memory (jaxpipe.host_memory, what a "
+        "Pipeline on CPU devices does by default): no per-step mapping and page-faulting of XLA CPU's "
+        "large buffers; false: glibc's defaults",
+    )
+    flags.DEFINE_boolean("child", False, "internal: this process measures one device-count group")
+
+
 FLAGS = flags.FLAGS
 
 
@@ -448,4 +457,5 @@ def _print_against_sync_dp(rows, timed: _Timed) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)

@@ -20,6 +20,7 @@ testbed's ``tanh(h @ W)`` MLP held as one stacked array (a ``lax.scan``), on ``-
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -35,11 +36,14 @@ from jaxpipe.cli import common as cli
 FLAGS = flags.FLAGS
 
 
-def _define_flags() -> None:
+@functools.cache
+def define_flags() -> None:
     """The runner's flags, defined only when it runs (a test that imports the module for its estimates
     defines none that would clash with another runner's): its own, and ``experiments.two_devices``' (the
     testbed's --layers, --width, --rounds, --port, --link_thread)."""
-    from experiments import two_devices  # noqa: F401  (its flags)
+    from experiments import two_devices
+
+    two_devices.define_flags()
 
     flags.DEFINE_integer("repeats", 6, "repeats of the probe in one process pair")
     flags.DEFINE_integer("rows", 32, "rows of the micro-batch a tick's stage runs (the testbed: 256 / M)")
@@ -170,5 +174,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    _define_flags()
+    define_flags()
     cli.run(main)

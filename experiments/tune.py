@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from typing import NamedTuple
@@ -23,17 +24,23 @@ from absl import app, flags
 
 from experiments import emulate_cpu_devices
 
-flags.DEFINE_enum("model", "mlp", ["mlp", "gpt"], "tanh MLP (layers x width^2) or the reference GPT")
-flags.DEFINE_integer("devices", 8, "devices P = W x D (CPU-emulated)")
-flags.DEFINE_integer("batch", 64, "global mini-batch size")
-flags.DEFINE_integer("layers", 8, "layers (MLP) or transformer blocks (GPT); stages cut them evenly")
-flags.DEFINE_integer("width", 1024, "MLP width / GPT d_model")
-flags.DEFINE_string("schedules", "gpipe,1f1b,chimera,interleaved_1f1b,zb_h1", "schedules to consider")
-flags.DEFINE_string("micro_batch_sizes", "2,4,8,16", "micro-batch sizes B to consider")
-flags.DEFINE_float("memory_mib", 1e9, "memory budget per device (MiB)")
-flags.DEFINE_integer("validate", 7, "configurations to build and time against the prediction")
-flags.DEFINE_integer("top", 10, "best predicted configurations to print")
-flags.DEFINE_string("out", "runs/tune.json", "JSON output path")
+
+@functools.cache
+def define_flags() -> None:
+    """The runner's flags, defined when it runs (importing the module defines none)."""
+    flags.DEFINE_enum("model", "mlp", ["mlp", "gpt"], "tanh MLP (layers x width^2) or the reference GPT")
+    flags.DEFINE_integer("devices", 8, "devices P = W x D (CPU-emulated)")
+    flags.DEFINE_integer("batch", 64, "global mini-batch size")
+    flags.DEFINE_integer("layers", 8, "layers (MLP) or transformer blocks (GPT); stages cut them evenly")
+    flags.DEFINE_integer("width", 1024, "MLP width / GPT d_model")
+    flags.DEFINE_string("schedules", "gpipe,1f1b,chimera,interleaved_1f1b,zb_h1", "schedules to consider")
+    flags.DEFINE_string("micro_batch_sizes", "2,4,8,16", "micro-batch sizes B to consider")
+    flags.DEFINE_float("memory_mib", 1e9, "memory budget per device (MiB)")
+    flags.DEFINE_integer("validate", 7, "configurations to build and time against the prediction")
+    flags.DEFINE_integer("top", 10, "best predicted configurations to print")
+    flags.DEFINE_string("out", "runs/tune.json", "JSON output path")
+
+
 FLAGS = flags.FLAGS
 
 
@@ -388,4 +395,5 @@ def _write(path: str, bench: _Bench, cal: Calibration, rows: list) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)

@@ -18,6 +18,7 @@ recorded run: pass ``--markdown=docs/tune_avgpipe.md`` to replace it).
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from typing import Any, NamedTuple
@@ -27,29 +28,35 @@ from absl import flags
 
 from experiments import emulate_cpu_devices
 
-flags.DEFINE_integer("devices", 8, "CPU-emulated devices")
-flags.DEFINE_integer("stages", 2, "pipeline stages D")
-flags.DEFINE_integer("layers", 4, "tanh-MLP layers (cut evenly into stages)")
-flags.DEFINE_integer("width", 512, "MLP width")
-flags.DEFINE_integer("batch", 64, "batch per pipeline (each step trains N batches)")
-flags.DEFINE_integer("profile_m", 8, "micro-batches in the profiled setting")
-flags.DEFINE_integer("profile_n", 1, "parallel pipelines in the profiled setting")
-flags.DEFINE_string("ms", "1,2,4,8", "micro-batch counts M to consider")
-flags.DEFINE_string("ns", "1,2,4", "parallel pipeline counts N to consider")
-flags.DEFINE_float("memory_limit", 0.0, "MiB per device (0: no limit)")
-flags.DEFINE_integer("steps", 5, "timed steps per setting (median)")
-flags.DEFINE_boolean(
-    "shared",
-    False,
-    "the paper's setting: the N pipelines share the same D devices "
-    "(options={'shared': N}, eq. 8's n*/n memory terms) instead of N x D devices on the pipe axis",
-)
-flags.DEFINE_string("out", "runs/tune_avgpipe.json", "JSON output")
-flags.DEFINE_string(
-    "markdown",
-    "runs/tune_avgpipe.md",
-    "Markdown table output ('' to skip; the recorded table is docs/tune_avgpipe.md)",
-)
+
+@functools.cache
+def define_flags() -> None:
+    """The runner's flags, defined when it runs (importing the module defines none)."""
+    flags.DEFINE_integer("devices", 8, "CPU-emulated devices")
+    flags.DEFINE_integer("stages", 2, "pipeline stages D")
+    flags.DEFINE_integer("layers", 4, "tanh-MLP layers (cut evenly into stages)")
+    flags.DEFINE_integer("width", 512, "MLP width")
+    flags.DEFINE_integer("batch", 64, "batch per pipeline (each step trains N batches)")
+    flags.DEFINE_integer("profile_m", 8, "micro-batches in the profiled setting")
+    flags.DEFINE_integer("profile_n", 1, "parallel pipelines in the profiled setting")
+    flags.DEFINE_string("ms", "1,2,4,8", "micro-batch counts M to consider")
+    flags.DEFINE_string("ns", "1,2,4", "parallel pipeline counts N to consider")
+    flags.DEFINE_float("memory_limit", 0.0, "MiB per device (0: no limit)")
+    flags.DEFINE_integer("steps", 5, "timed steps per setting (median)")
+    flags.DEFINE_boolean(
+        "shared",
+        False,
+        "the paper's setting: the N pipelines share the same D devices "
+        "(options={'shared': N}, eq. 8's n*/n memory terms) instead of N x D devices on the pipe axis",
+    )
+    flags.DEFINE_string("out", "runs/tune_avgpipe.json", "JSON output")
+    flags.DEFINE_string(
+        "markdown",
+        "runs/tune_avgpipe.md",
+        "Markdown table output ('' to skip; the recorded table is docs/tune_avgpipe.md)",
+    )
+
+
 FLAGS = flags.FLAGS
 
 
@@ -319,4 +326,5 @@ def _write(prof: dict, found: Profiled, rows: list, best, meas_best, table: str,
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)

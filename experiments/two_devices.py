@@ -25,6 +25,7 @@ by), and ``meas/own``: the measured ratio over it.  Needs a quiet machine with t
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import os
@@ -36,89 +37,110 @@ from typing import Any, NamedTuple
 from jaxpipe.cli import common as cli
 from absl import app, flags
 
-flags.DEFINE_string(
-    "schedules",
-    "1f1b,gpipe,zb_h1,zb_v,dualpipe_v,interleaved_1f1b,chimera",
-    "comma-separated schedules, each optionally name:placement; a name ending in .csv is a schedule file in "
-    "PyTorch's CSV format ({M} in it: the micro-batch count), e.g. tests/data/torch_zbv_d2_m{M}.csv",
-)
-flags.DEFINE_string("microbatches", "4,8", "comma-separated M values")
-flags.DEFINE_integer("layers", 8, "tanh layers in the model")
-flags.DEFINE_integer("width", 1024, "layer width")
-flags.DEFINE_integer("batch", 256, "rows per step")
-flags.DEFINE_integer("rounds", 9, "timing rounds (3 steps each, schedules in turns)")
-flags.DEFINE_integer("port", 12419, "coordinator port on 127.0.0.1")
-flags.DEFINE_string("json", "", "also write the results to this file")
-flags.DEFINE_bool(
-    "measure_ops",
-    False,
-    "predict from one layer's F, B, B-input and W measured on this machine "
-    "(jaxpipe.tune.microbench.layer_costs; on a noisy VM they move by 2x between runs) instead of "
-    "from the plain step with b = 2 f and a split backward's parts f each, as the papers count",
-)
-flags.DEFINE_bool(
-    "ops_alone",
-    False,
-    "with --measure_ops: time the ops on process 0 while the other waits (the "
-    "default times them on both processes at once, as a pipeline's ticks run them: the two cores share "
-    "the L3 cache and the memory bus, and ops timed alone priced the many small ops of the two-chunk "
-    "plans 10-20% low)",
-)
-flags.DEFINE_string(
-    "profile",
-    "",
-    "after the timed rounds, trace 3 steps of every pipeline on both processes "
-    "with jax.profiler into this folder (p<process>_<M>_<schedule>/)",
-)
-flags.DEFINE_string(
-    "op_costs",
-    "",
-    "f,b,w[,x]: one stage's forward, its backward's input part, its weight part "
-    "(and a tick's exchange x) "
-    "(any one unit, e.g. 10,10,16 ms as profiled here), given to every Pipeline (op_costs=): "
-    "placement='auto' ranks at them and zb_h1 and zb_v choose their ticks for them "
-    "(jaxpipe.schedules.zb_costed); 'zb_h1/unit' (or zb_v/unit) in --schedules runs the unit-time order "
-    "beside it, "
-    "and the prediction takes the same ratios",
-)
-flags.DEFINE_bool(
-    "fit_scale",
-    False,
-    "calibrate the ops' scale from 1F1B's runs at two micro-batch counts too, "
-    "not only a step's own cost (jaxpipe.tune.lockstep.calibrate_step)",
-)
-flags.DEFINE_enum(
-    "link_thread",
-    "idle",
-    ["idle", "shared"],
-    "idle: each process's Gloo I/O thread runs at SCHED_IDLE, so it gets the process's core only while "
-    "the device's compute waits (a device's link does not run on its compute core); shared: as Gloo "
-    "starts it -- its busy poll takes the core from the compute for up to a scheduler slice an "
-    "exchange (1-3 ms at 128-256 KiB on this VM)",
-)
-flags.DEFINE_bool(
-    "serve",
-    False,
-    "internal (experiments.peer): a worker builds its pipelines, then times one round of them for each "
-    "'round' line on its standard input, answering a JSON line (process 0: {'M,schedule': seconds})",
-)
-flags.DEFINE_bool(
-    "sketch",
-    False,
-    "also time the interleaved sketch (experiments.sketch_interleaved: one shard_map, two lanes a tick) at "
-    "V = 2 and V = 1 (its own two-lane 1F1B), as runs sketch_interleaved and sketch_1f1b: the ratio a "
-    "two-chunk schedule is held to",
-)
-flags.DEFINE_enum(
-    "stage_form",
-    "scan",
-    ["scan", "apart"],
-    "how a stage holds its layers, in the pipelines and the plain step alike: one stacked array run by a "
-    "lax.scan, or a tuple of one array per layer (as PyTorch's peer holds them; jaxpipe.bench.layers_fn)",
-)
-flags.DEFINE_integer(
-    "worker", -1, "internal: this process's index (the launcher sets it; -2: the one-core costs)"
-)
+
+@functools.cache
+def define_flags() -> None:
+    """The runner's flags, defined when it runs (importing the module defines none)."""
+    _testbed_flags()
+    _prediction_flags()
+    _process_flags()
+
+
+def _testbed_flags() -> None:
+    """What runs: the schedules, the model, the rounds."""
+    flags.DEFINE_string(
+        "schedules",
+        "1f1b,gpipe,zb_h1,zb_v,dualpipe_v,interleaved_1f1b,chimera",
+        "comma-separated schedules, each optionally name:placement; a name ending in .csv is a schedule file "
+        "in PyTorch's CSV format ({M} in it: the micro-batch count), e.g. tests/data/torch_zbv_d2_m{M}.csv",
+    )
+    flags.DEFINE_string("microbatches", "4,8", "comma-separated M values")
+    flags.DEFINE_integer("layers", 8, "tanh layers in the model")
+    flags.DEFINE_integer("width", 1024, "layer width")
+    flags.DEFINE_integer("batch", 256, "rows per step")
+    flags.DEFINE_integer("rounds", 9, "timing rounds (3 steps each, schedules in turns)")
+    flags.DEFINE_integer("port", 12419, "coordinator port on 127.0.0.1")
+    flags.DEFINE_string("json", "", "also write the results to this file")
+
+
+def _prediction_flags() -> None:
+    """What the lockstep prediction is made from."""
+    flags.DEFINE_bool(
+        "measure_ops",
+        False,
+        "predict from one layer's F, B, B-input and W measured on this machine "
+        "(jaxpipe.tune.microbench.layer_costs; on a noisy VM they move by 2x between runs) instead of "
+        "from the plain step with b = 2 f and a split backward's parts f each, as the papers count",
+    )
+    flags.DEFINE_bool(
+        "ops_alone",
+        False,
+        "with --measure_ops: time the ops on process 0 while the other waits (the "
+        "default times them on both processes at once, as a pipeline's ticks run them: the two cores share "
+        "the L3 cache and the memory bus, and ops timed alone priced the many small ops of the two-chunk "
+        "plans 10-20% low)",
+    )
+    flags.DEFINE_string(
+        "profile",
+        "",
+        "after the timed rounds, trace 3 steps of every pipeline on both processes "
+        "with jax.profiler into this folder (p<process>_<M>_<schedule>/)",
+    )
+    flags.DEFINE_string(
+        "op_costs",
+        "",
+        "f,b,w[,x]: one stage's forward, its backward's input part, its weight part "
+        "(and a tick's exchange x) "
+        "(any one unit, e.g. 10,10,16 ms as profiled here), given to every Pipeline (op_costs=): "
+        "placement='auto' ranks at them and zb_h1 and zb_v choose their ticks for them "
+        "(jaxpipe.schedules.zb_costed); 'zb_h1/unit' (or zb_v/unit) in --schedules runs the unit-time order "
+        "beside it, "
+        "and the prediction takes the same ratios",
+    )
+    flags.DEFINE_bool(
+        "fit_scale",
+        False,
+        "calibrate the ops' scale from 1F1B's runs at two micro-batch counts too, "
+        "not only a step's own cost (jaxpipe.tune.lockstep.calibrate_step)",
+    )
+
+
+def _process_flags() -> None:
+    """How the two processes run: their link's thread, the peer's service, the sketch, the stage form."""
+    flags.DEFINE_enum(
+        "link_thread",
+        "idle",
+        ["idle", "shared"],
+        "idle: each process's Gloo I/O thread runs at SCHED_IDLE, so it gets the process's core only while "
+        "the device's compute waits (a device's link does not run on its compute core); shared: as Gloo "
+        "starts it -- its busy poll takes the core from the compute for up to a scheduler slice an "
+        "exchange (1-3 ms at 128-256 KiB on this VM)",
+    )
+    flags.DEFINE_bool(
+        "serve",
+        False,
+        "internal (experiments.peer): a worker builds its pipelines, then times one round of them for each "
+        "'round' line on its standard input, answering a JSON line (process 0: {'M,schedule': seconds})",
+    )
+    flags.DEFINE_bool(
+        "sketch",
+        False,
+        "also time the interleaved sketch (experiments.sketch_interleaved: one shard_map, two lanes a tick) "
+        "at V = 2 and V = 1 (its own two-lane 1F1B), as runs sketch_interleaved and sketch_1f1b: the ratio a "
+        "two-chunk schedule is held to",
+    )
+    flags.DEFINE_enum(
+        "stage_form",
+        "scan",
+        ["scan", "apart"],
+        "how a stage holds its layers, in the pipelines and the plain step alike: one stacked array run by a "
+        "lax.scan, or a tuple of one array per layer (as PyTorch's peer holds them; jaxpipe.bench.layers_fn)",
+    )
+    flags.DEFINE_integer(
+        "worker", -1, "internal: this process's index (the launcher sets it; -2: the one-core costs)"
+    )
+
+
 FLAGS = flags.FLAGS
 CHUNKED = ("interleaved_1f1b", "zb_v", "dualpipe_v")
 
@@ -720,4 +742,5 @@ def _print_sketch(res, Ms, spreads: dict) -> None:
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)

@@ -14,21 +14,28 @@ the declared maximum on every stage.
 
 from __future__ import annotations
 
+import functools
 from jaxpipe.cli import common as cli
 from absl import flags
 
 from experiments import emulate_cpu_devices
 
-flags.DEFINE_string(
-    "methods",
-    "pipedream,pipedream_2bw,spectrain,pipeoptim,pipeoptim:code,pipeoptim:decay_free,cdp_v1,cdp_v2,wpipe",
-    "methods (pipeoptim:<option value> for variants)",
-)
-flags.DEFINE_integer("stages", 4, "pipeline stages D")
-flags.DEFINE_integer("microbatches", 8, "micro-batches M")
-flags.DEFINE_integer("width", 1024, "hidden width")
-flags.DEFINE_integer("layers", 8, "layers in all")
-flags.DEFINE_integer("batch", 512, "global batch")
+
+@functools.cache
+def define_flags() -> None:
+    """The runner's flags, defined when it runs (importing the module defines none)."""
+    flags.DEFINE_string(
+        "methods",
+        "pipedream,pipedream_2bw,spectrain,pipeoptim,pipeoptim:code,pipeoptim:decay_free,cdp_v1,cdp_v2,wpipe",
+        "methods (pipeoptim:<option value> for variants)",
+    )
+    flags.DEFINE_integer("stages", 4, "pipeline stages D")
+    flags.DEFINE_integer("microbatches", 8, "micro-batches M")
+    flags.DEFINE_integer("width", 1024, "hidden width")
+    flags.DEFINE_integer("layers", 8, "layers in all")
+    flags.DEFINE_integer("batch", 512, "global batch")
+
+
 FLAGS = flags.FLAGS
 
 PAPER = {
@@ -133,4 +140,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main)

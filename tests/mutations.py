@@ -978,6 +978,21 @@ MUTATIONS = [
         "            rendezvous=0.0,\n",
         "tests/test_configure.py::test_every_tick_of_a_pipelined_candidate_pays_the_measured_rendezvous",
     ),
+    # a runner's flags defined on import: two runners imported together clash (DuplicateFlagError)
+    Mutation(
+        "runner_flags_defined_on_import",
+        "experiments/accelerator_cost.py",
+        "\n\nFLAGS = flags.FLAGS\n",
+        "\n\ndefine_flags()\nFLAGS = flags.FLAGS\n",
+        "tests/test_runner_help.py::test_every_runner_imports_beside_every_other_without_defining_a_flag",
+    ),
+    Mutation(
+        "runner_flags_defined_twice",
+        "jaxpipe/cli/train.py",
+        "@functools.cache\ndef define_flags() -> None:\n",
+        "def define_flags() -> None:\n",
+        "tests/test_runner_help.py::test_a_runners_flag_definitions_run_once_however_often_asked",
+    ),
 ]
 
 

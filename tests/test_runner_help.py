@@ -70,3 +70,46 @@ def test_every_runners_help_exits_0_and_lists_its_flags():
         assert "flags of" in out, (name, out[-1000:])
         for want in MUST_LIST.get(name, []):
             assert want in out, (name, want, out[-2000:])
+
+
+def test_every_runner_imports_beside_every_other_without_defining_a_flag():
+    """A runner's flags are defined when it runs, not when it is imported: a program (or a test) that imports
+    two runners sharing a flag name (``--stages``, ``--schedules``) gets no ``DuplicateFlagError``."""
+    code = (
+        "import importlib, pkgutil, experiments, jaxpipe.cli\n"
+        "from absl import flags\n"
+        "for package in (experiments, jaxpipe.cli):\n"
+        "    for m in pkgutil.iter_modules(package.__path__):\n"
+        "        importlib.import_module(f'{package.__name__}.{m.name}')\n"
+        "print(sorted(m for m in flags.FLAGS.flags_by_module_dict() if not m.startswith('absl')))\n"
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "['jaxpipe.cli.common']", out.stdout  # the shared --compilation_cache_dir
+
+
+def test_a_runners_flag_definitions_run_once_however_often_asked():
+    """``define_flags`` is called by the runner and by each runner that takes its flags (configure takes
+    train's, op_profile throughput's): a second call defines nothing again."""
+    code = (
+        "import sys\n"
+        "from absl import flags\n"
+        "if sys.argv[1] == 'train':\n"
+        "    from jaxpipe.cli import configure, train\n"
+        "    for define in (train.define_flags, configure.define_flags, train.define_flags):\n"
+        "        define()\n"
+        "    print(flags.FLAGS['schedule'].default)\n"
+        "else:\n"
+        "    from experiments import op_profile, throughput\n"
+        "    for define in (throughput.define_flags, op_profile.define_flags, op_profile.define_flags):\n"
+        "        define()\n"
+        "    print(flags.FLAGS['trace_dir'].default)\n"
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    for runner, want in (("train", "1f1b"), ("op_profile", "/tmp/jaxpipe_op_profile")):
+        out = subprocess.run(
+            [sys.executable, "-c", code, runner], cwd=ROOT, env=env, capture_output=True, text=True
+        )
+        assert out.returncode == 0, (runner, out.stderr[-2000:])
+        assert out.stdout.strip() == want, (runner, out.stdout)

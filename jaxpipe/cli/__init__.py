@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 
 class Command(NamedTuple):
-    module: str  # the module whose ``main(argv)`` runs it and whose flags it takes
+    module: str  # the module whose ``main(argv)`` runs it and whose ``define_flags()`` defines its flags
     summary: str
 
 
@@ -59,4 +59,5 @@ def main(argv=None) -> None:
     module = importlib.import_module(command.module)
     from jaxpipe.cli import common
 
+    module.define_flags()
     common.run(module.main, module.__doc__)

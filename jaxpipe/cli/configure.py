@@ -22,5 +22,9 @@ def main(argv):
     train.guarded(train.choose, argv)
 
 
+#: this command's flags are ``jaxpipe train``'s
+define_flags = train.define_flags
+
 if __name__ == "__main__":
+    define_flags()
     common.run(main, __doc__)

@@ -14,6 +14,7 @@ gets ``stages x data x pipes / N`` CPU devices.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -27,28 +28,34 @@ from absl import app, flags
 
 from jaxpipe.training.stopping import PARENT_DEATH
 
-flags.DEFINE_integer("num_processes", 2, "processes to start")
-flags.DEFINE_integer("port", 0, "coordinator port on 127.0.0.1 (0: pick a free one)")
-flags.DEFINE_string("module", "jaxpipe.cli.train", "the runner every process executes")
-flags.DEFINE_integer("timeout", 0, "seconds before the whole job is stopped (0: none)")
-flags.DEFINE_integer(
-    "stall_timeout",
-    300,
-    "seconds a worker may go without finishing a step (its heartbeat, "
-    "counted from its first step) before the job is stopped (0: no watchdog)",
-)
-flags.DEFINE_integer(
-    "stop_timeout",
-    120,
-    "seconds the workers get to save and exit after a stop before they "
-    "are terminated (then killed min(30, this) s later)",
-)
-flags.DEFINE_boolean(
-    "verbose",
-    False,
-    "also relay the collective library's connection chatter ('[Gloo] Rank i "
-    "is connected to ...', printed by its C++ code on every process)",
-)
+
+@functools.cache
+def define_flags() -> None:
+    """The runner's flags, defined when it runs (importing the module defines none)."""
+    flags.DEFINE_integer("num_processes", 2, "processes to start")
+    flags.DEFINE_integer("port", 0, "coordinator port on 127.0.0.1 (0: pick a free one)")
+    flags.DEFINE_string("module", "jaxpipe.cli.train", "the runner every process executes")
+    flags.DEFINE_integer("timeout", 0, "seconds before the whole job is stopped (0: none)")
+    flags.DEFINE_integer(
+        "stall_timeout",
+        300,
+        "seconds a worker may go without finishing a step (its heartbeat, "
+        "counted from its first step) before the job is stopped (0: no watchdog)",
+    )
+    flags.DEFINE_integer(
+        "stop_timeout",
+        120,
+        "seconds the workers get to save and exit after a stop before they "
+        "are terminated (then killed min(30, this) s later)",
+    )
+    flags.DEFINE_boolean(
+        "verbose",
+        False,
+        "also relay the collective library's connection chatter ('[Gloo] Rank i "
+        "is connected to ...', printed by its C++ code on every process)",
+    )
+
+
 FLAGS = flags.FLAGS
 
 
@@ -340,4 +347,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main, __doc__)

@@ -12,40 +12,49 @@ peak in-flight micro-batches and weight versions per device).  No JAX is importe
 
 from __future__ import annotations
 
+import functools
 from jaxpipe.cli import common as cli
 from absl import app, flags
 
-flags.DEFINE_string("schedule", "1f1b", "schedule to draw (see jaxpipe.schedules.available())")
-flags.DEFINE_integer("stages", 4, "pipeline stages (devices)")
-flags.DEFINE_integer("microbatches", 8, "micro-batches per step")
-flags.DEFINE_float("f", 1.0, "forward time of one stage on one micro-batch")
-flags.DEFINE_float(
-    "b",
-    2.0,
-    "backward time of one stage on one micro-batch: the whole backward, for every "
-    "schedule (a split one -- zb_h1, zb_v, dualpipe_v -- runs it as B and W)",
-)
-flags.DEFINE_float(
-    "w",
-    None,
-    "split backward (zb_h1, zb_v, dualpipe_v): the weight-gradient part W of --b "
-    "(B runs b - w); default b / 2",
-)
-flags.DEFINE_integer("pipelines", 2, "chimera: 2f pipelines (f dividing stages/2)")
-flags.DEFINE_integer("virtual", 2, "interleaved_1f1b: model chunks per device")
-flags.DEFINE_integer("advance", 0, "avgpipe: forwards issued beyond 1F1B's warm-up (0 = 1F1B, M-1 = AFAB)")
-flags.DEFINE_enum(
-    "mode",
-    "event",
-    ["event", "lockstep", "lanes", "ordered", "ordered2"],
-    "event: as-soon-as-possible (MPMD) timeline; lanes: what the executor runs by default (an F "
-    "and a B lane per tick, each as long as its slowest op); ordered: the executor's "
-    'placement="ordered" (one op per device per tick); ordered2: that order in ticks of two rounds of '
-    "lanes; lockstep: one op per tick costing the slowest",
-)
-flags.DEFINE_string("out", "timeline.png", "PNG path ('' to skip)")
-flags.DEFINE_string("trace", "", "optional Chrome/Perfetto trace JSON path")
-flags.DEFINE_bool("text", True, "print the text timeline (one column per lockstep tick)")
+
+@functools.cache
+def define_flags() -> None:
+    """The runner's flags, defined when it runs (importing the module defines none)."""
+    flags.DEFINE_string("schedule", "1f1b", "schedule to draw (see jaxpipe.schedules.available())")
+    flags.DEFINE_integer("stages", 4, "pipeline stages (devices)")
+    flags.DEFINE_integer("microbatches", 8, "micro-batches per step")
+    flags.DEFINE_float("f", 1.0, "forward time of one stage on one micro-batch")
+    flags.DEFINE_float(
+        "b",
+        2.0,
+        "backward time of one stage on one micro-batch: the whole backward, for every "
+        "schedule (a split one -- zb_h1, zb_v, dualpipe_v -- runs it as B and W)",
+    )
+    flags.DEFINE_float(
+        "w",
+        None,
+        "split backward (zb_h1, zb_v, dualpipe_v): the weight-gradient part W of --b "
+        "(B runs b - w); default b / 2",
+    )
+    flags.DEFINE_integer("pipelines", 2, "chimera: 2f pipelines (f dividing stages/2)")
+    flags.DEFINE_integer("virtual", 2, "interleaved_1f1b: model chunks per device")
+    flags.DEFINE_integer(
+        "advance", 0, "avgpipe: forwards issued beyond 1F1B's warm-up (0 = 1F1B, M-1 = AFAB)"
+    )
+    flags.DEFINE_enum(
+        "mode",
+        "event",
+        ["event", "lockstep", "lanes", "ordered", "ordered2"],
+        "event: as-soon-as-possible (MPMD) timeline; lanes: what the executor runs by default (an F "
+        "and a B lane per tick, each as long as its slowest op); ordered: the executor's "
+        'placement="ordered" (one op per device per tick); ordered2: that order in ticks of two rounds of '
+        "lanes; lockstep: one op per tick costing the slowest",
+    )
+    flags.DEFINE_string("out", "timeline.png", "PNG path ('' to skip)")
+    flags.DEFINE_string("trace", "", "optional Chrome/Perfetto trace JSON path")
+    flags.DEFINE_bool("text", True, "print the text timeline (one column per lockstep tick)")
+
+
 FLAGS = flags.FLAGS
 
 
@@ -143,4 +152,5 @@ def cyclic_timeline():
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main, __doc__)

@@ -18,219 +18,279 @@ skips such updates instead, synchronous schedules); a non-finite state is never 
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
 from jaxpipe.cli import common as cli
 from absl import app, flags
 
-flags.DEFINE_string(
-    "model",
-    "gpt",
-    "gpt: byte-level transformer LM on pydoc_data text; mlp: residual MLP on "
-    "sklearn digits; package.module:factory: your own model and batches (jaxpipe.cli.factories "
-    "says what the factory returns), with this runner's whole loop",
-)
-flags.DEFINE_string(
-    "schedule",
-    "1f1b",
-    "pipeline schedule: gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_v, dualpipe_v, "
-    "chimera (synchronous: the gradient of jax.grad); avgpipe (parallel flushing pipelines, "
-    "elastically averaged); wpipe, cdp_v1, cdp_v2, pipedream, pipedream_2bw, spectrain, pipeoptim "
-    "(asynchronous, no flush); see jaxpipe.schedules.available()",
-)
-flags.DEFINE_integer("stages", 4, "pipeline stages = devices on the mesh's 'stage' axis")
-flags.DEFINE_integer(
-    "virtual", 2, "interleaved_1f1b: model chunks per device (the model gets stages x virtual)"
-)
-flags.DEFINE_integer("chimera_pipelines", 2, "chimera: 2f pipelines (f dividing stages / 2)")
-flags.DEFINE_enum(
-    "chimera_concat",
-    "direct",
-    ["direct", "forward_doubling", "backward_halving"],
-    "chimera: how units of D micro-batches are concatenated when N > D (§3.5)",
-)
-flags.DEFINE_bool("chimera_eager", False, "chimera: reduce the last stage's replica gradients eagerly (§3.2)")
-flags.DEFINE_integer("data", 1, "data-parallel replicas of the pipeline (mesh 'data' axis)")
-flags.DEFINE_integer(
-    "tensor",
-    1,
-    "gpt: tensor parallelism inside each stage (mesh 'tensor' axis): the MLP's up / "
-    "down projections split Megatron-style",
-)
-flags.DEFINE_integer(
-    "fsdp",
-    1,
-    "gpt: FSDP inside each stage (mesh 'fsdp' axis): the kernels and token embedding "
-    "sharded, the batch split over it too",
-)
-flags.DEFINE_integer(
-    "pipes", 1, "avgpipe: parallel pipelines N (mesh 'pipe' axis; the batch is split over them)"
-)
-flags.DEFINE_string(
-    "advance", "auto", "avgpipe: forwards in advance beyond 1F1B (integer) or 'auto' (Algorithm 1)"
-)
-flags.DEFINE_bool(
-    "auto",
-    False,
-    "choose the stage x data split of --stages x --data devices, the schedule, "
-    "--microbatches and the residual policy with jp.configure (the predicted-fastest that fits "
-    "--memory_budget_mb); prints the candidates' table",
-)
-flags.DEFINE_float(
-    "memory_budget_mb", 0.0, "--auto: memory per device in MiB the configuration must fit (0: no limit)"
-)
-flags.DEFINE_list(
-    "auto_schedules", ["1f1b", "gpipe", "zb_h1", "interleaved_1f1b"], "--auto: the schedules it considers"
-)
-flags.DEFINE_list("auto_microbatches", ["2", "4", "8"], "--auto: the micro-batch counts it considers")
-flags.DEFINE_list(
-    "auto_axes",
-    [],
-    "--auto (gpt): model axes it also splits the devices into, 'tensor' and / or "
-    "'fsdp' (the GPT's MLP split Megatron-style / its kernels and the batch sharded): stage x data x "
-    "those, each of every size that divides the devices",
-)
-flags.DEFINE_enum(
-    "residuals",
-    "all",
-    ["all", "inputs"],
-    "what a stage keeps between its forward and backward: "
-    "every residual, or only its input (the backward recomputes the forward: less memory, more flops)",
-)
-flags.DEFINE_integer("microbatches", 4, "micro-batches per step (per data replica)")
-flags.DEFINE_integer("batch", 32, "global batch size (sequences or images); divisible by data x microbatches")
-flags.DEFINE_integer("steps", 300, "optimizer steps")
-flags.DEFINE_string("optimizer", "adamw", "sgd | momentum | adam | adamw")
-flags.DEFINE_float("lr", 3e-3, "peak learning rate (after --warmup, then --lr_schedule)")
-flags.DEFINE_enum(
-    "lr_schedule",
-    "cosine",
-    ["cosine", "linear", "rsqrt", "constant"],
-    "after the warm-up: cosine or linear decay to 0, rsqrt (lr sqrt(warm-up / step)), or constant "
-    "(jaxpipe.optim.schedule_by_name)",
-)
-flags.DEFINE_enum(
-    "tensorboard",
-    "auto",
-    ["auto", "true", "false"],
-    "metrics also as TensorBoard event files in <out_dir>/tensorboard (tensorboardX; auto: where it "
-    'is installed -- pip install -e ".[tensorboard]")',
-)
-flags.DEFINE_float(
-    "warmup", 0.05, "linear warm-up from 0 to --lr: a fraction of --steps if below 1, else steps"
-)
-flags.DEFINE_integer("seq_len", 64, "gpt: context length in bytes")
-flags.DEFINE_integer("d_model", 64, "gpt: model width / mlp: hidden width")
-flags.DEFINE_integer("heads", 4, "gpt: attention heads")
-flags.DEFINE_integer(
-    "blocks_per_stage", 1, "gpt: transformer blocks per stage / mlp: residual blocks per stage"
-)
-flags.DEFINE_string(
-    "cut",
-    "",
-    "gpt: blocks per stage where they differ, e.g. 3,3,2,2 (one count per --stages; "
-    "interleaved / two-chunk schedules split each into chunks), or 'balanced': chosen from the "
-    "measured costs of a block, the embedding and the head (printed with the even cut's prediction); "
-    "'' = --blocks_per_stage on every stage",
-)
-flags.DEFINE_integer(
-    "blocks", 0, "gpt with --cut=balanced: transformer blocks in all (0: stages x blocks_per_stage)"
-)
-flags.DEFINE_float(
-    "dropout", 0.0, "gpt: residual dropout rate inside the stages (keys per step, micro-batch, stage)"
-)
-flags.DEFINE_bool("tie_embeddings", False, "gpt: the output head reuses the input embedding (one tied array)")
-flags.DEFINE_bool("pad", False, "gpt: variable-length sequences with a padding mask; exact masked mean loss")
-flags.DEFINE_enum(
-    "dtype", "float32", ["float32", "bfloat16"], "compute dtype (float32 master weights either way)"
-)
-flags.DEFINE_integer("eval_every", 50, "evaluate on held-out data every this many steps (0: only at the end)")
-flags.DEFINE_integer("eval_batches", 4, "held-out batches per evaluation")
-flags.DEFINE_integer("sample_len", 160, "gpt: bytes of text to sample at the end (0: none)")
-flags.DEFINE_integer("seed", 0, "seed for parameters and data order")
-flags.DEFINE_string("out_dir", "runs/train", "where metrics.jsonl and summary.json go")
-flags.DEFINE_bool(
-    "progress",
-    True,
-    "show progress: a bar on a terminal, a line every --progress_every steps "
-    "when the output goes to a file or a pipe",
-)
-flags.DEFINE_integer(
-    "progress_every", 0, "steps between progress lines when not on a terminal (0: a tenth of the run)"
-)
-flags.DEFINE_bool(
-    "keep_freed_memory",
-    True,
-    "glibc keeps freed memory for the next step instead of mapping and "
-    "page-faulting each step's large buffers again (jaxpipe.host_memory; what a Pipeline on CPU "
-    "devices does by default; the process keeps its peak memory); false: glibc's defaults",
-)
-flags.DEFINE_bool("nan_bubbles", False, "debug: fill pipeline bubbles with NaN (results must stay finite)")
-flags.DEFINE_string("coordinator", None, "multi-host: process 0's HOST:PORT (or JAX_COORDINATOR_ADDRESS)")
-flags.DEFINE_integer(
-    "num_processes",
-    None,
-    "multi-host: number of processes (or JAX_NUM_PROCESSES); the mesh spans all their devices",
-)
-flags.DEFINE_integer("process_id", None, "multi-host: this process's index (or JAX_PROCESS_ID)")
-flags.DEFINE_bool(
-    "verbose",
-    False,
-    "multi-host: also print the collective library's connection lines ('[Gloo] Rank i "
-    "is connected to ...'), dropped by default",
-)
-flags.DEFINE_integer(
-    "heartbeat_timeout",
-    15,
-    "multi-host: seconds without a heartbeat after which a dead process "
-    "is declared and the job aborts (JAX's default: 100)",
-)
-flags.DEFINE_integer("init_timeout", 60, "multi-host: seconds to wait for the coordinator before failing")
-flags.DEFINE_string(
-    "checkpoint_dir", None, "Orbax checkpoints of the whole train state; a run finding one resumes"
-)
-flags.DEFINE_integer(
-    "checkpoint_every", 0, "save every this many steps (0: only at exit); asynchronous writes"
-)
-flags.DEFINE_integer("checkpoint_keep", 3, "checkpoints kept (the oldest are deleted)")
-flags.DEFINE_enum(
-    "on_nonfinite",
-    "stop",
-    ["stop", "skip"],
-    "a NaN/Inf loss or gradient: stop with the step and "
-    "the stage where it appeared, or skip that update (synchronous schedules)",
-)
-flags.DEFINE_string("save_params", None, "write the final parameters to this .npz (process 0)")
-flags.DEFINE_float(
-    "stop_grace_s",
-    60.0,
-    "after a second SIGTERM/SIGINT: seconds the stop-save may still take "
-    "before the process exits (a third signal exits at once)",
-)
-flags.DEFINE_bool(
-    "overlap_steps",
-    True,
-    "read a step's loss while the next step runs, so the device never waits for the host between steps "
-    "(the debug flags --stop_at_step, --fail_at_step and --stall_at_step read each step before the next)",
-)
-flags.DEFINE_integer(
-    "stop_at_step", 0, "debug: act as if preempted (SIGTERM) after this step: checkpoint, exit 143"
-)
-flags.DEFINE_integer(
-    "fail_at_step",
-    0,
-    "debug: process --fail_process raises an error after this step (a worker "
-    "that fails: the job must end in bounded time)",
-)
-flags.DEFINE_integer("fail_process", 0, "debug: the process --fail_at_step fails")
-flags.DEFINE_integer(
-    "stall_at_step",
-    0,
-    "debug: process --fail_process stalls (sleeps) after this step (a "
-    "worker stuck in user code: jaxpipe launch's watchdog must stop the job)",
-)
-flags.DEFINE_float("throttle_s", 0.0, "debug: sleep this long after each step (fault-injection tests)")
+
+@functools.cache
+def define_flags() -> None:
+    """The command's flags, defined when it runs (importing the module defines none; ``jaxpipe
+    configure`` defines them too, as they are its flags)."""
+    _model_and_mesh_flags()
+    _search_flags()
+    _optimisation_flags()
+    _model_size_flags()
+    _run_flags()
+    _multihost_flags()
+    _checkpoint_flags()
+    _debug_flags()
+
+
+def _model_and_mesh_flags() -> None:
+    """The model, the schedule and the mesh's axes."""
+    flags.DEFINE_string(
+        "model",
+        "gpt",
+        "gpt: byte-level transformer LM on pydoc_data text; mlp: residual MLP on "
+        "sklearn digits; package.module:factory: your own model and batches (jaxpipe.cli.factories "
+        "says what the factory returns), with this runner's whole loop",
+    )
+    flags.DEFINE_string(
+        "schedule",
+        "1f1b",
+        "pipeline schedule: gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_v, dualpipe_v, "
+        "chimera (synchronous: the gradient of jax.grad); avgpipe (parallel flushing pipelines, "
+        "elastically averaged); wpipe, cdp_v1, cdp_v2, pipedream, pipedream_2bw, spectrain, pipeoptim "
+        "(asynchronous, no flush); see jaxpipe.schedules.available()",
+    )
+    flags.DEFINE_integer("stages", 4, "pipeline stages = devices on the mesh's 'stage' axis")
+    flags.DEFINE_integer(
+        "virtual", 2, "interleaved_1f1b: model chunks per device (the model gets stages x virtual)"
+    )
+    flags.DEFINE_integer("chimera_pipelines", 2, "chimera: 2f pipelines (f dividing stages / 2)")
+    flags.DEFINE_enum(
+        "chimera_concat",
+        "direct",
+        ["direct", "forward_doubling", "backward_halving"],
+        "chimera: how units of D micro-batches are concatenated when N > D (§3.5)",
+    )
+    flags.DEFINE_bool(
+        "chimera_eager", False, "chimera: reduce the last stage's replica gradients eagerly (§3.2)"
+    )
+    flags.DEFINE_integer("data", 1, "data-parallel replicas of the pipeline (mesh 'data' axis)")
+    flags.DEFINE_integer(
+        "tensor",
+        1,
+        "gpt: tensor parallelism inside each stage (mesh 'tensor' axis): the MLP's up / "
+        "down projections split Megatron-style",
+    )
+    flags.DEFINE_integer(
+        "fsdp",
+        1,
+        "gpt: FSDP inside each stage (mesh 'fsdp' axis): the kernels and token embedding "
+        "sharded, the batch split over it too",
+    )
+    flags.DEFINE_integer(
+        "pipes", 1, "avgpipe: parallel pipelines N (mesh 'pipe' axis; the batch is split over them)"
+    )
+    flags.DEFINE_string(
+        "advance", "auto", "avgpipe: forwards in advance beyond 1F1B (integer) or 'auto' (Algorithm 1)"
+    )
+
+
+def _search_flags() -> None:
+    """``--auto``: the configuration search and what it considers."""
+    flags.DEFINE_bool(
+        "auto",
+        False,
+        "choose the stage x data split of --stages x --data devices, the schedule, "
+        "--microbatches and the residual policy with jp.configure (the predicted-fastest that fits "
+        "--memory_budget_mb); prints the candidates' table",
+    )
+    flags.DEFINE_float(
+        "memory_budget_mb", 0.0, "--auto: memory per device in MiB the configuration must fit (0: no limit)"
+    )
+    flags.DEFINE_list(
+        "auto_schedules", ["1f1b", "gpipe", "zb_h1", "interleaved_1f1b"], "--auto: the schedules it considers"
+    )
+    flags.DEFINE_list("auto_microbatches", ["2", "4", "8"], "--auto: the micro-batch counts it considers")
+    flags.DEFINE_list(
+        "auto_axes",
+        [],
+        "--auto (gpt): model axes it also splits the devices into, 'tensor' and / or "
+        "'fsdp' (the GPT's MLP split Megatron-style / its kernels and the batch sharded): stage x data x "
+        "those, each of every size that divides the devices",
+    )
+    flags.DEFINE_enum(
+        "residuals",
+        "all",
+        ["all", "inputs"],
+        "what a stage keeps between its forward and backward: "
+        "every residual, or only its input (the backward recomputes the forward: less memory, more flops)",
+    )
+
+
+def _optimisation_flags() -> None:
+    """The batch, the steps, the optimiser and its learning rate."""
+    flags.DEFINE_integer("microbatches", 4, "micro-batches per step (per data replica)")
+    flags.DEFINE_integer(
+        "batch", 32, "global batch size (sequences or images); divisible by data x microbatches"
+    )
+    flags.DEFINE_integer("steps", 300, "optimizer steps")
+    flags.DEFINE_string("optimizer", "adamw", "sgd | momentum | adam | adamw")
+    flags.DEFINE_float("lr", 3e-3, "peak learning rate (after --warmup, then --lr_schedule)")
+    flags.DEFINE_enum(
+        "lr_schedule",
+        "cosine",
+        ["cosine", "linear", "rsqrt", "constant"],
+        "after the warm-up: cosine or linear decay to 0, rsqrt (lr sqrt(warm-up / step)), or constant "
+        "(jaxpipe.optim.schedule_by_name)",
+    )
+    flags.DEFINE_enum(
+        "tensorboard",
+        "auto",
+        ["auto", "true", "false"],
+        "metrics also as TensorBoard event files in <out_dir>/tensorboard (tensorboardX; auto: where it "
+        'is installed -- pip install -e ".[tensorboard]")',
+    )
+    flags.DEFINE_float(
+        "warmup", 0.05, "linear warm-up from 0 to --lr: a fraction of --steps if below 1, else steps"
+    )
+
+
+def _model_size_flags() -> None:
+    """The bundled models' sizes, cut, dropout, tying, padding and dtype."""
+    flags.DEFINE_integer("seq_len", 64, "gpt: context length in bytes")
+    flags.DEFINE_integer("d_model", 64, "gpt: model width / mlp: hidden width")
+    flags.DEFINE_integer("heads", 4, "gpt: attention heads")
+    flags.DEFINE_integer(
+        "blocks_per_stage", 1, "gpt: transformer blocks per stage / mlp: residual blocks per stage"
+    )
+    flags.DEFINE_string(
+        "cut",
+        "",
+        "gpt: blocks per stage where they differ, e.g. 3,3,2,2 (one count per --stages; "
+        "interleaved / two-chunk schedules split each into chunks), or 'balanced': chosen from the "
+        "measured costs of a block, the embedding and the head (printed with the even cut's prediction); "
+        "'' = --blocks_per_stage on every stage",
+    )
+    flags.DEFINE_integer(
+        "blocks", 0, "gpt with --cut=balanced: transformer blocks in all (0: stages x blocks_per_stage)"
+    )
+    flags.DEFINE_float(
+        "dropout", 0.0, "gpt: residual dropout rate inside the stages (keys per step, micro-batch, stage)"
+    )
+    flags.DEFINE_bool(
+        "tie_embeddings", False, "gpt: the output head reuses the input embedding (one tied array)"
+    )
+    flags.DEFINE_bool(
+        "pad", False, "gpt: variable-length sequences with a padding mask; exact masked mean loss"
+    )
+    flags.DEFINE_enum(
+        "dtype", "float32", ["float32", "bfloat16"], "compute dtype (float32 master weights either way)"
+    )
+
+
+def _run_flags() -> None:
+    """Evaluation, output, progress and host memory."""
+    flags.DEFINE_integer(
+        "eval_every", 50, "evaluate on held-out data every this many steps (0: only at the end)"
+    )
+    flags.DEFINE_integer("eval_batches", 4, "held-out batches per evaluation")
+    flags.DEFINE_integer("sample_len", 160, "gpt: bytes of text to sample at the end (0: none)")
+    flags.DEFINE_integer("seed", 0, "seed for parameters and data order")
+    flags.DEFINE_string("out_dir", "runs/train", "where metrics.jsonl and summary.json go")
+    flags.DEFINE_bool(
+        "progress",
+        True,
+        "show progress: a bar on a terminal, a line every --progress_every steps "
+        "when the output goes to a file or a pipe",
+    )
+    flags.DEFINE_integer(
+        "progress_every", 0, "steps between progress lines when not on a terminal (0: a tenth of the run)"
+    )
+    flags.DEFINE_bool(
+        "keep_freed_memory",
+        True,
+        "glibc keeps freed memory for the next step instead of mapping and "
+        "page-faulting each step's large buffers again (jaxpipe.host_memory; what a Pipeline on CPU "
+        "devices does by default; the process keeps its peak memory); false: glibc's defaults",
+    )
+    flags.DEFINE_bool(
+        "nan_bubbles", False, "debug: fill pipeline bubbles with NaN (results must stay finite)"
+    )
+
+
+def _multihost_flags() -> None:
+    """A multi-process job (``jax.distributed``)."""
+    flags.DEFINE_string("coordinator", None, "multi-host: process 0's HOST:PORT (or JAX_COORDINATOR_ADDRESS)")
+    flags.DEFINE_integer(
+        "num_processes",
+        None,
+        "multi-host: number of processes (or JAX_NUM_PROCESSES); the mesh spans all their devices",
+    )
+    flags.DEFINE_integer("process_id", None, "multi-host: this process's index (or JAX_PROCESS_ID)")
+    flags.DEFINE_bool(
+        "verbose",
+        False,
+        "multi-host: also print the collective library's connection lines ('[Gloo] Rank i "
+        "is connected to ...'), dropped by default",
+    )
+    flags.DEFINE_integer(
+        "heartbeat_timeout",
+        15,
+        "multi-host: seconds without a heartbeat after which a dead process "
+        "is declared and the job aborts (JAX's default: 100)",
+    )
+    flags.DEFINE_integer("init_timeout", 60, "multi-host: seconds to wait for the coordinator before failing")
+
+
+def _checkpoint_flags() -> None:
+    """Checkpoints, non-finite steps, stops and the final parameters."""
+    flags.DEFINE_string(
+        "checkpoint_dir", None, "Orbax checkpoints of the whole train state; a run finding one resumes"
+    )
+    flags.DEFINE_integer(
+        "checkpoint_every", 0, "save every this many steps (0: only at exit); asynchronous writes"
+    )
+    flags.DEFINE_integer("checkpoint_keep", 3, "checkpoints kept (the oldest are deleted)")
+    flags.DEFINE_enum(
+        "on_nonfinite",
+        "stop",
+        ["stop", "skip"],
+        "a NaN/Inf loss or gradient: stop with the step and "
+        "the stage where it appeared, or skip that update (synchronous schedules)",
+    )
+    flags.DEFINE_string("save_params", None, "write the final parameters to this .npz (process 0)")
+    flags.DEFINE_float(
+        "stop_grace_s",
+        60.0,
+        "after a second SIGTERM/SIGINT: seconds the stop-save may still take "
+        "before the process exits (a third signal exits at once)",
+    )
+    flags.DEFINE_bool(
+        "overlap_steps",
+        True,
+        "read a step's loss while the next step runs, so the device never waits for the host between steps "
+        "(the debug flags --stop_at_step, --fail_at_step and --stall_at_step read each step before the next)",
+    )
+
+
+def _debug_flags() -> None:
+    """Faults on purpose, for the tests of stops, failures and stalls."""
+    flags.DEFINE_integer(
+        "stop_at_step", 0, "debug: act as if preempted (SIGTERM) after this step: checkpoint, exit 143"
+    )
+    flags.DEFINE_integer(
+        "fail_at_step",
+        0,
+        "debug: process --fail_process raises an error after this step (a worker "
+        "that fails: the job must end in bounded time)",
+    )
+    flags.DEFINE_integer("fail_process", 0, "debug: the process --fail_at_step fails")
+    flags.DEFINE_integer(
+        "stall_at_step",
+        0,
+        "debug: process --fail_process stalls (sleeps) after this step (a "
+        "worker stuck in user code: jaxpipe launch's watchdog must stop the job)",
+    )
+    flags.DEFINE_float("throttle_s", 0.0, "debug: sleep this long after each step (fault-injection tests)")
+
+
 FLAGS = flags.FLAGS
 
 
@@ -770,4 +830,5 @@ def _save_params(jp, pipe, state, primary, to_modules=None):
 
 
 if __name__ == "__main__":
+    define_flags()
     cli.run(main, __doc__)

@@ -128,41 +128,44 @@ def _share(module, path, variable):
     return module
 
 
-def _model(
-    apply_block,
-    stacked,
-    apply_embed,
-    embed_p,
-    apply_head,
-    head_p,
-    loss,
-    inputs,
-    block_call,
-    stage_inputs,
-    param_specs=None,
-    tied=(),
-    recut=None,
-    cut=None,
-    integer_inputs=None,
-):
-    block_fn, context = _block_fn(apply_block, block_call)
+class _ModelParts(NamedTuple):
+    """What an adapter's :class:`~jaxpipe.PipelineModel` is made of at any stage count: how a block, the
+    embedding and the head run, their parameters (the blocks' one entry a block), specs and ties."""
+
+    apply_block: Callable
+    per_block: List[Any]
+    apply_embed: Callable
+    embed_params: Any
+    apply_head: Callable
+    head_params: Any
+    param_specs: Any
+    tied: Sequence[Tuple[Tuple, Tuple]]
+
+
+def _builder(parts: _ModelParts, loss, inputs, block_call, stage_inputs, integer_inputs):
+    """``build(num_stages, cut=None)``: the model of ``parts`` cut into that many stages (its ``recut``)."""
+    block_fn, context = _block_fn(parts.apply_block, block_call)
     pick = inputs or (lambda b: b["x"])
-    return PipelineModel(
-        block_fn=block_fn,
-        stage_params=stacked,
-        cut=None if cut is None else tuple(cut),
-        pre=lambda p, b: apply_embed(p, pick(b)),
-        pre_params=embed_p,
-        post_loss=lambda p, h, b: loss(apply_head(p, h), b),
-        post_params=head_p,
-        head=apply_head,
-        context=context or bool(stage_inputs),
-        stage_inputs=tuple(stage_inputs),
-        param_specs=param_specs,
-        tied=tuple(tied),
-        recut=None if cut is not None else recut,
-        integer_inputs=integer_inputs,
-    )
+
+    def build(num_stages, cut=None):
+        return PipelineModel(
+            block_fn=block_fn,
+            stage_params=_stack_blocks(parts.per_block, num_stages, cut),
+            cut=None if cut is None else tuple(cut),
+            pre=lambda p, b: parts.apply_embed(p, pick(b)),
+            pre_params=parts.embed_params,
+            post_loss=lambda p, h, b: loss(parts.apply_head(p, h), b),
+            post_params=parts.head_params,
+            head=parts.apply_head,
+            context=context or bool(stage_inputs),
+            stage_inputs=tuple(stage_inputs),
+            param_specs=parts.param_specs,
+            tied=tuple(parts.tied),
+            recut=None if cut is not None else build,
+            integer_inputs=integer_inputs,
+        )
+
+    return build
 
 
 def _flat_blocks(stage_p, cut):
@@ -222,14 +225,7 @@ def from_nnx(
     """
     from flax import nnx
 
-    blocks = list(blocks)
-    if not blocks:
-        raise ConfigError("from_nnx needs at least one block")
-    defs = [nnx.split(b) for b in blocks]
-    gdef = defs[0][0]
-    if any(d != gdef for d, _ in defs[1:]):
-        raise ConfigError("the blocks have different NNX graph structures; a stage runs identical blocks")
-    per_block = [nnx.to_pure_dict(s) for _, s in defs]
+    gdef, block_state, per_block = _split_blocks(blocks)
     e_def, e_state = nnx.split(embed)
     h_def, h_state = nnx.split(head)
     tied = _shared_variables(embed, head)
@@ -238,30 +234,40 @@ def from_nnx(
         return lambda p, *a: nnx.merge(gd, _restore(st, p))(*a)
 
     spec = lambda st: nnx.to_pure_dict(nnx.get_partition_spec(st))
-    specs = _param_specs(spec(defs[0][1]), spec(e_state), spec(h_state), rules)
+    specs = _param_specs(spec(block_state), spec(e_state), spec(h_state), rules)
 
-    def build(n, cut=None):
-        return _model(
-            merged(gdef, defs[0][1]),
-            _stack_blocks(per_block, n, cut),
-            merged(e_def, e_state),
-            nnx.to_pure_dict(e_state),
-            merged(h_def, h_state),
-            nnx.to_pure_dict(h_state),
-            loss,
-            inputs,
-            block_call,
-            stage_inputs,
-            specs,
-            tied,
-            recut=build,
-            cut=cut,
-            integer_inputs=integer_inputs,
-        )
+    parts = _ModelParts(
+        merged(gdef, block_state),
+        per_block,
+        merged(e_def, e_state),
+        nnx.to_pure_dict(e_state),
+        merged(h_def, h_state),
+        nnx.to_pure_dict(h_state),
+        specs,
+        tied,
+    )
+    build = _builder(parts, loss, inputs, block_call, stage_inputs, integer_inputs)
+    model = build(num_stages, _resolve_cut(cut, build, num_stages, len(per_block), balance))
+    modules = _NnxParts(gdef, block_state, len(per_block), e_def, e_state, h_def, h_state, tied)
+    return model, lambda params: modules.modules(params, model.cut)
 
-    model = build(num_stages, _resolve_cut(cut, build, num_stages, len(blocks), balance))
-    parts = _NnxParts(gdef, defs[0][1], len(blocks), e_def, e_state, h_def, h_state, tied)
-    return model, lambda params: parts.modules(params, model.cut)
+
+def _split_blocks(blocks):
+    """``(graph, state, pure dicts)``: the NNX blocks' one graph, the first's state, each one's parameters.
+
+    Raises:
+        ConfigError: no blocks, or blocks of different graph structures.
+    """
+    from flax import nnx
+
+    blocks = list(blocks)
+    if not blocks:
+        raise ConfigError("from_nnx needs at least one block")
+    defs = [nnx.split(b) for b in blocks]
+    graph = defs[0][0]
+    if any(d != graph for d, _ in defs[1:]):
+        raise ConfigError("the blocks have different NNX graph structures; a stage runs identical blocks")
+    return graph, defs[0][1], [nnx.to_pure_dict(s) for _, s in defs]
 
 
 class _NnxParts(NamedTuple):
@@ -370,25 +376,9 @@ def from_linen(
     ties = [(tuple(a), tuple(b)) for a, b in tied]
     ties += [t for t in _same_arrays(e_p, h_p) if t not in ties]
 
-    def build(n, cut=None):
-        return _model(
-            lin(block),
-            _stack_blocks(block_params, n, cut),
-            lin(e_mod),
-            e_p,
-            lin(h_mod, *h_method),
-            h_p,
-            loss,
-            inputs,
-            block_call,
-            stage_inputs,
-            _param_specs(*specs, rules),
-            ties,
-            recut=build,
-            cut=cut,
-            integer_inputs=integer_inputs,
-        )
-
+    specs = _param_specs(*specs, rules)
+    parts = _ModelParts(lin(block), block_params, lin(e_mod), e_p, lin(h_mod, *h_method), h_p, specs, ties)
+    build = _builder(parts, loss, inputs, block_call, stage_inputs, integer_inputs)
     model = build(num_stages, _resolve_cut(cut, build, num_stages, len(block_params), balance))
 
     def to_params(params):
