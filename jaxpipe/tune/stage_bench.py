@@ -56,85 +56,110 @@ def _whole_backward(sop, w, res, dy, avals, acc):
     return dx, jax.tree.map(jnp.add, acc, dw)
 
 
+class _StashedStage:
+    """One stage's ops over a stash of ``slots`` micro-batches, as the executor runs them (module docstring);
+    :meth:`program` runs one of the four timed combinations, picked by a runtime index."""
+
+    def __init__(self, model, w, x, mb, split: bool, slots: int):
+        from ..runtime.stage import StageOps
+
+        self.ops, self.avals = StageOps.build(model, w, x, mb)
+        self.context = model.example_context(mb) if model.context else None
+        self.split, self.slots = split, slots
+        self.found = []  # whether each traced backward split (W priced as it runs, not recomputed)
+
+    def _empty(self, avals):
+        return [jnp.zeros((self.slots,) + tuple(a.shape), a.dtype) for a in avals]
+
+    def forwards(self, w, x):
+        """``(h, stash)``: ``slots`` forwards in a chain, each one's residuals written to its slot."""
+
+        def body(i, carry):
+            h, stash = carry
+            y, res, _ = self.ops.forward(w, h, context=self.context)
+            return _unit(jax.tree.map(lambda a, b: a.astype(b.dtype), y, h)), _put(stash, i, res)
+
+        return lax.fori_loop(0, self.slots, body, (x, self._empty(self.avals)))
+
+    def _split(self, w, res, dy):
+        from ..runtime.wsplit import split_backward
+
+        return split_backward(self.ops.backward, w, res, dy, self.avals) if self.split else None
+
+    def backwards(self, w, stash, dy, part: str):
+        """``(dx, weight sums, frontiers, split)``: each slot's backward, the whole one (``part="B"``) or its
+        input part (``"B_input"``: each slot's frontier kept for W)."""
+
+        def body(i, carry):
+            d, acc, front = carry
+            res = _slot(stash, i)
+            if part == "B":
+                dx, acc = _whole_backward(self.ops, w, res, d, self.avals, acc)
+            else:
+                sp = self._split(w, res, d)
+                self.found.append(sp is not None)
+                if sp is None:
+                    dx = self.ops.backward(w, res, d)[1]  # the input gradient alone (the rest dead code)
+                else:
+                    dx, fr = sp.input_part(w, res, d)
+                    front = _put(front, i, fr)
+            return _unit(jax.tree.map(lambda a, b: a.astype(b.dtype), dx, d)), acc, front
+
+        sp0 = self._split(w, [jnp.zeros(a.shape, a.dtype) for a in self.avals], dy)
+        front = self._empty(sp0.frontier_avals if sp0 else [])
+        d, acc, front = lax.fori_loop(0, self.slots, body, (dy, jax.tree.map(jnp.zeros_like, w), front))
+        return d, acc, front, sp0
+
+    def weights(self, w, stash, dy, front, sp):
+        """The weight sums of every slot's W (where the stage did not split: the recomputed backward's)."""
+
+        def body(i, acc):
+            res = _slot(stash, i)
+            if sp is not None:  # added into the sums in place, as the executor's W lane does
+                return sp.weight_part_into(w, res, dy, _slot(front, i), acc, jnp.add)
+            return jax.tree.map(jnp.add, acc, self.ops.backward(w, res, dy)[0])
+
+        return lax.fori_loop(0, self.slots, body, jax.tree.map(jnp.zeros_like, w))
+
+    def program(self, kind, w, x):
+        """Branch ``kind`` of F; F, B; F, B-input; F, B-input, W -- a scalar of everything each computed, so
+        none of it is dead code."""
+
+        def only_f(w, x):
+            h, stash = self.forwards(w, x)
+            return _total(h, [s[:, :1] for s in stash])
+
+        def f_b(part, and_w):
+            def go(w, x):
+                h, stash = self.forwards(w, x)
+                d, acc, front, sp = self.backwards(w, stash, h, part)
+                if and_w:
+                    acc = self.weights(w, stash, h, front, sp)
+                return _total(d, acc, [f[:, :1] for f in front])
+
+            return go
+
+        branches = [only_f, f_b("B", False), f_b("B_input", False), f_b("B_input", True)]
+        return lax.switch(kind, branches, w, x)
+
+
+def _total(*trees):
+    return sum(jnp.sum(l.astype(jnp.float32)) for t in trees for l in jax.tree.leaves(t))
+
+
 def stashed_stage_costs(
     model, w, x, mb, split: bool = True, slots: int = 4, calls: int = 7
 ) -> Dict[str, float]:
     """``{"F", "B", "B_input", "W", "splits"}`` of one stage of ``model`` (weights ``w``, input activation
     ``x``, micro-batch ``mb`` for a context model's stage context) with ``slots`` micro-batches in the stash
     (module docstring).  Without ``split``, B_input is half of B and W the other half (unused)."""
-    from ..runtime.stage import StageOps
-    from ..runtime.wsplit import split_backward
-
-    sop, avals = StageOps.build(model, w, x, mb)
-    ctx = model.example_context(mb) if model.context else None
-    zeros = lambda a: jnp.zeros(a.shape, a.dtype)
-    found = []
-
-    def forwards(w, x):
-        def body(i, c):
-            h, stash = c
-            y, res, _ = sop.forward(w, h, context=ctx)
-            return _unit(jax.tree.map(lambda a, b: a.astype(b.dtype), y, h)), _put(stash, i, res)
-
-        h, stash = lax.fori_loop(0, slots, body, (x, [jnp.zeros((slots,) + a.shape, a.dtype) for a in avals]))
-        return h, stash
-
-    def backwards(w, stash, dy, part):
-        def body(i, c):
-            d, acc, front = c
-            res = _slot(stash, i)
-            if part == "B":
-                dx, acc = _whole_backward(sop, w, res, d, avals, acc)
-            else:
-                sp = split_backward(sop.backward, w, res, d, avals) if split else None
-                found.append(sp is not None)
-                if sp is None:
-                    dx = sop.backward(w, res, d)[1]  # the input gradient alone (the rest dead code)
-                else:
-                    dx, fr = sp.input_part(w, res, d)
-                    front = _put(front, i, fr)
-            return _unit(jax.tree.map(lambda a, b: a.astype(b.dtype), dx, d)), acc, front
-
-        sp0 = split_backward(sop.backward, w, [zeros(a) for a in avals], dy, avals) if split else None
-        front = [jnp.zeros((slots,) + tuple(a.shape), a.dtype) for a in (sp0.frontier_avals if sp0 else [])]
-        d, acc, front = lax.fori_loop(0, slots, body, (dy, jax.tree.map(jnp.zeros_like, w), front))
-        return d, acc, front, sp0
-
-    def weights(w, stash, dy, front, sp):
-        def body(i, acc):
-            res = _slot(stash, i)
-            if sp is not None:  # added into the sums in place, as the executor's W lane does
-                return sp.weight_part_into(w, res, dy, _slot(front, i), acc, jnp.add)
-            return jax.tree.map(jnp.add, acc, sop.backward(w, res, dy)[0])
-
-        return lax.fori_loop(0, slots, body, jax.tree.map(jnp.zeros_like, w))
-
-    def total(*trees):
-        return sum(jnp.sum(l.astype(jnp.float32)) for t in trees for l in jax.tree.leaves(t))
-
-    def run(kind, w, x):
-        def only_f(w, x):
-            h, stash = forwards(w, x)
-            return total(h, [s[:, :1] for s in stash])
-
-        def f_b(part, and_w):
-            def go(w, x):
-                h, stash = forwards(w, x)
-                d, acc, front, sp = backwards(w, stash, h, part)
-                if and_w:
-                    acc = weights(w, stash, h, front, sp)
-                return total(d, acc, [f[:, :1] for f in front])
-
-            return go
-
-        return lax.switch(kind, [only_f, f_b("B", False), f_b("B_input", False), f_b("B_input", True)], w, x)
-
-    t = time_branches(jax.jit(run), 4 if split else 2, (w, x), calls, slots)
+    stage = _StashedStage(model, w, x, mb, split, slots)
+    t = time_branches(jax.jit(stage.program), 4 if split else 2, (w, x), calls, slots)
     out = {"F": t[0], "B": max(t[1] - t[0], 0.0)}
     if split:
         out["B_input"] = max(t[2] - t[0], 0.0)
         out["W"] = max(t[3] - t[2], 0.0)
-        out["splits"] = bool(found and all(found))
+        out["splits"] = bool(stage.found and all(stage.found))
     else:
         out["B_input"] = out["W"] = out["B"] / 2
         out["splits"] = False
