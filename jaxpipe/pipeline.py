@@ -94,7 +94,7 @@ class Pipeline:
             ``pipe.op_costs`` holds those the plans were chosen for. With measured costs, two plans
             predicted within 10% of each other (``jaxpipe.tune.running_costs.TIME_WITHIN``: the model's
             error) are timed instead: each plan's :meth:`loss_and_grad` program compiled and run on the
-            first batch, the faster kept (its times cached as the costs are). Where the schedule is then
+            first batch, called in turns for up to 5 s, the faster kept (its times cached as the costs are). Where the schedule is then
             predicted slower than 1F1B's on the same devices, a warning says so with both predictions.
         **removed: the keywords of the unreleased 0.1.0, refused by name.
 
@@ -321,21 +321,27 @@ class Pipeline:
         )
         return context, make_runner(context)
 
-    def _time_plans(self, state, batch, calls: int = 3) -> list:
+    def _time_plans(self, state, batch, calls: Optional[int] = None) -> list:
         """Seconds of :meth:`loss_and_grad`'s program in the ordered plan and in the lanes plan, on ``state``
-        and ``batch``: each compiled and run once, then timed in turns ``calls`` times, the least call each
-        (a slow phase of the machine hits both alike; a loaded machine's slow calls drop out)."""
+        and ``batch``: each compiled and run once, then timed in turns ``calls`` times (default: as many as
+        fit :data:`~jaxpipe.tune.running_costs.PLAN_TIMING_BUDGET_S`, 3 to 15:
+        :func:`~jaxpipe.tune.running_costs.plan_timing_rounds`), the least call each (a slow phase of the
+        machine hits both alike; a loaded machine's slow calls drop out)."""
         import time
 
-        programs = []
+        from .tune.running_costs import plan_timing_rounds
+
+        programs, first = [], []
         for placement in ("ordered", "lanes"):
             _, runner = self._runner_for(placement)
             compiled = runner.lower("grad", state, batch).compile()
             args = (state.params, batch, state.step)  # (as the runner's own call takes them)
+            t0 = time.perf_counter()
             jax.block_until_ready(compiled(*args))
+            first.append(time.perf_counter() - t0)
             programs.append((compiled, args))
         best = [float("inf")] * len(programs)
-        for _ in range(calls):
+        for _ in range(plan_timing_rounds(sum(first)) if calls is None else calls):
             for i, (compiled, args) in enumerate(programs):
                 t0 = time.perf_counter()
                 jax.block_until_ready(compiled(*args))

@@ -170,6 +170,44 @@ def test_two_plans_are_timed_by_running_each_program(measuring):
     assert len(times) == 2 and all(0 < t < 60 for t in times)
 
 
+def test_close_plans_are_timed_for_as_many_rounds_as_fit_the_budget(monkeypatch):
+    """The least of three calls ranked two plans 4-7% apart the wrong way in two runs of four on the testbed:
+    the timing runs as many rounds as fit its budget, at least three, at most fifteen."""
+    least, most = running_costs.PLAN_TIMING_ROUNDS
+    assert (least, most) == (3, 15)
+    budget = running_costs.PLAN_TIMING_BUDGET_S
+    assert running_costs.plan_timing_rounds(0.35, budget_s=5.0) == 14  # the testbed's 170-ms programs
+    assert running_costs.plan_timing_rounds(1e-4) == most
+    assert running_costs.plan_timing_rounds(budget / 2) == least  # slow programs: still three
+    assert running_costs.plan_timing_rounds(100.0) == least
+    # the count the pipeline's timing runs: from its plans' first calls
+    rounds = []
+    monkeypatch.setattr(running_costs, "plan_timing_rounds", lambda s: rounds.append(s) or 2)
+    pipe, _, batch = _zb_h1()
+    calls = []
+    real = pipe._runner_for
+
+    def counting(placement):
+        context, runner = real(placement)
+        lower = runner.lower
+
+        class Counted:
+            def __init__(self, compiled):
+                self.compiled = compiled
+
+            def __call__(self, *args):
+                calls.append(placement)
+                return self.compiled(*args)
+
+        runner.lower = lambda *a: type("L", (), {"compile": lambda _: Counted(lower(*a).compile())})()
+        return context, runner
+
+    monkeypatch.setattr(pipe, "_runner_for", counting)
+    pipe._time_plans(pipe.init(), batch)
+    assert len(rounds) == 1 and 0 < rounds[0] < 60  # the two first calls' seconds
+    assert calls == ["ordered", "lanes"] + ["ordered", "lanes"] * 2  # the first calls, then 2 rounds
+
+
 def test_chimeras_replicas_moved_over_the_link_count_in_its_prediction_against_1f1b(measuring):
     """Chimera's stage replicas and their gradients cross the link every step (the planner prices them;
     on the testbed they made Chimera 1.05-1.08x 1F1B where the op costs alone predicted 0.81-0.89x): the

@@ -342,6 +342,25 @@ def measured(
 TIME_WITHIN = 0.10
 
 
+#: seconds the timing of two close plans may take after each plan's first call (:func:`plan_timing_rounds`)
+PLAN_TIMING_BUDGET_S = 5.0
+#: rounds (one call of each plan, in turns) the timing of two close plans runs: at least, at most.  On the
+#: two-process testbed (DualPipeV and ZB-V at D = 2, M = 4 and 8, plans whose steps differ by 4-7%) the
+#: least of 3 calls ranked a plan's 170-ms step program 0.94-1.12x the other's in repeats of one process
+#: pair, and put DualPipeV at M = 8 in its ordered plan in two runs of four (1.11-1.15x 1F1B, where its
+#: lanes ran 1.03-1.07x); the least of 27 ranked all three as their steady steps do
+PLAN_TIMING_ROUNDS = (3, 15)
+
+
+def plan_timing_rounds(round_s: float, budget_s: float = PLAN_TIMING_BUDGET_S) -> int:
+    """How many rounds of the two plans' calls fit ``budget_s``, a round taking ``round_s`` (each plan's
+    first call, its compile excluded), within :data:`PLAN_TIMING_ROUNDS`: process 0's count on every process
+    of a multi-process job (every call holds collectives)."""
+    least, most = PLAN_TIMING_ROUNDS
+    fits = int(budget_s // max(round_s, 1e-9))
+    return int(_process_0s(np.asarray([max(least, min(most, fits))], np.int32))[0])
+
+
 def plans_too_close(s, costs) -> bool:
     """Whether ``s``'s ordered and lanes plans are predicted within :data:`TIME_WITHIN` of each other at
     ``costs`` (``(f, b, w, tick)``), but not equal: too close for the model to rank.  Plans of which one
