@@ -94,8 +94,9 @@ class Pipeline:
             ``pipe.op_costs`` holds those the plans were chosen for. With measured costs, two plans
             predicted within 10% of each other (``jaxpipe.tune.running_costs.TIME_WITHIN``: the model's
             error) are timed instead: each plan's :meth:`loss_and_grad` program compiled and run on the
-            first batch, called in turns for up to 5 s, the faster kept (its times cached as the costs are). Where the schedule is then
-            predicted slower than 1F1B's on the same devices, a warning says so with both predictions.
+            first batch, called in turns for up to 5 s, the faster kept (its times cached as the costs
+            are). Where the schedule is then predicted slower than 1F1B's on the same devices, a warning
+            says so with both predictions.
         **removed: the keywords of the unreleased 0.1.0, refused by name.
 
     Raises:
