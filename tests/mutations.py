@@ -925,7 +925,7 @@ MUTATIONS = [
     Mutation(
         "tick_probe_ignores_its_budget",
         "jaxpipe/tune/running_costs.py",
-        "    return max(1, min(MOST_REPEATS, fits))\n",
+        "    return _runs_that_fit(first_repeat_s, budget_s, 1, MOST_REPEATS)\n",
         "    return MOST_REPEATS\n",
         "tests/test_running_costs.py::test_the_tick_probe_repeats_as_often_as_its_first_repeats_time_allows[15.6-1]",
     ),
@@ -989,8 +989,8 @@ MUTATIONS = [
     Mutation(
         "plan_timing_ignores_its_budget",
         "jaxpipe/tune/running_costs.py",
-        "    return int(_process_0s(np.asarray([max(least, min(most, fits))], np.int32))[0])\n",
-        "    return int(_process_0s(np.asarray([least], np.int32))[0])\n",
+        "    return int(_process_0s(np.int32(_runs_that_fit(round_s, budget_s, *PLAN_TIMING_ROUNDS))))\n",
+        "    return int(_process_0s(np.int32(PLAN_TIMING_ROUNDS[0])))\n",
         "tests/test_running_costs.py::test_close_plans_are_timed_for_as_many_rounds_as_fit_the_budget",
     ),
     # a runner's flags defined on import: two runners imported together clash (DuplicateFlagError)

@@ -156,11 +156,15 @@ TICK_PROBE_BUDGET_S = 20.0
 MOST_REPEATS = 5
 
 
+def _runs_that_fit(run_s: float, budget_s: float, least: int, most: int) -> int:
+    """How many runs of ``run_s`` seconds fit in ``budget_s``, at least ``least`` and at most ``most``."""
+    return max(least, min(most, int(budget_s // max(run_s, 1e-9))))
+
+
 def tick_repeats(first_repeat_s: float, budget_s: float = TICK_PROBE_BUDGET_S) -> int:
     """How many repeats of the tick-price probe fit in ``budget_s``, the first of them having taken
     ``first_repeat_s``: at most :data:`MOST_REPEATS`, at least the one already run."""
-    fits = int(budget_s // max(first_repeat_s, 1e-9))
-    return max(1, min(MOST_REPEATS, fits))
+    return _runs_that_fit(first_repeat_s, budget_s, 1, MOST_REPEATS)
 
 
 def _process_0s(values: np.ndarray) -> np.ndarray:
@@ -356,9 +360,7 @@ def plan_timing_rounds(round_s: float, budget_s: float = PLAN_TIMING_BUDGET_S) -
     """How many rounds of the two plans' calls fit ``budget_s``, a round taking ``round_s`` (each plan's
     first call, its compile excluded), within :data:`PLAN_TIMING_ROUNDS`: process 0's count on every process
     of a multi-process job (every call holds collectives)."""
-    least, most = PLAN_TIMING_ROUNDS
-    fits = int(budget_s // max(round_s, 1e-9))
-    return int(_process_0s(np.asarray([max(least, min(most, fits))], np.int32))[0])
+    return int(_process_0s(np.int32(_runs_that_fit(round_s, budget_s, *PLAN_TIMING_ROUNDS))))
 
 
 def plans_too_close(s, costs) -> bool:
