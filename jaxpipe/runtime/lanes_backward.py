@@ -4,6 +4,8 @@ executor's :class:`~jaxpipe.runtime.program.Program` and :class:`~jaxpipe.runtim
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -25,6 +27,17 @@ from .call_base import (
     pick,
     zero_like,
 )
+
+
+class BackwardIn(NamedTuple):
+    """What a B lane reads this tick (a routing's ``backward_in``)."""
+
+    chunk: Any  # which of the device's chunks
+    microbatch: Any  # the micro-batch's index in the call
+    slot: Any  # its stash slot; with zero-bubble's split, (stash slot, frontier slot)
+    cotangent: Any  # dL/dy, arrived from the stage after
+    tied_grad: Any  # the tied arrays' gradient, arrived with it
+    count: Any  # the micro-batch's count, arrived with it
 
 
 def bwd(prog, trace, weights, residuals, cotangent, sums=None, add=None):
@@ -137,25 +150,14 @@ def b_apply(prog, trace, chunk, mb_index, grad, count, params, opt_state, pstate
     )
 
 
-def b_lanes_summing(
-    prog,
-    trace,
-    chunk_b,
-    mb_b,
-    slot_b,
-    dy_in,
-    tb_in,
-    count,
-    is_b,
-    chunk_params,
-    opt_states,
-    policy_states,
-    carry,
-):
-    """Policies that only sum gradients (``finish``): one predicate conditional per chunk runs the
-    backward and adds its gradient to the chunk's sums in place -- a weight-sized gradient handed out
-    of the backward's conditional to an update's was written and read again every tick (+25% on a
-    flushing schedule, measured against the deleted lane executor)."""
+def b_lanes_summing(prog, trace, b_in: BackwardIn, is_b, state):
+    """``(state, message)``: the B lane ``b_in`` for policies that only sum gradients (``finish``): one
+    predicate conditional per chunk runs the backward and adds its gradient to the chunk's sums in place --
+    a weight-sized gradient handed out of the backward's conditional to an update's was written and read
+    again every tick (+25% on a flushing schedule, measured against the deleted lane executor).  ``state``:
+    the tick's :class:`~jaxpipe.runtime.ticks.TickState`."""
+    chunk_b, mb_b, slot_b, dy_in, tb_in, count = b_in
+    chunk_params, opt_states, policy_states, carry = state[:4]
     packed = trace.fplace is not None  # the frontier goes into B's own stash slot (front_pack)
     policy_states, send_b, fb, stash = list(policy_states), None, carry.front, carry.stash
     for c in range(prog.num_chunks):
@@ -211,14 +213,17 @@ def b_lanes_summing(
                 fb,
             )
         send_b = snd if send_b is None else where(chunk_b == c, snd, send_b)
-    return tuple(policy_states), carry._replace(stash=stash, **({} if packed else {"front": fb})), send_b
+    carry = carry._replace(stash=stash, **({} if packed else {"front": fb}))
+    return state._replace(policy_states=tuple(policy_states), carry=carry), send_b
 
 
-def w_lanes(prog, trace, tick, lane, rw, chunk_params, opt_states, policy_states, carry):
-    """ZB's W lane ``lane`` (``rw``: its route row): the weight gradient of the micro-batch whose B ran
-    earlier, from its residuals and its dL/dy (kept in their slots until now) and, split at the frontier, the
-    per-layer output gradients its B kept; added to the chunk's sums (one predicate conditional per chunk)."""
+def w_lanes(prog, trace, tick, lane, rw, state):
+    """``state`` (the tick's :class:`~jaxpipe.runtime.ticks.TickState`) after ZB's W lane ``lane`` (``rw``:
+    its route row): the weight gradient of the micro-batch whose B ran earlier, from its residuals and its
+    dL/dy (kept in their slots until now) and, split at the frontier, the per-layer output gradients its B
+    kept; added to the chunk's sums (one predicate conditional per chunk)."""
     is_w, cw, gw = op_of(prog, trace, tick, trace.me, lane)
+    chunk_params, opt_states, policy_states, carry = state[:4]
     policy_states = list(policy_states)
     for c in range(prog.num_chunks):
 
@@ -255,7 +260,7 @@ def w_lanes(prog, trace, tick, lane, rw, chunk_params, opt_states, policy_states
         policy_states[c] = lax.cond(
             is_w & (cw == c), run, lambda g, rw, pstate: pstate, gw, rw, policy_states[c]
         )
-    return tuple(policy_states)
+    return state._replace(policy_states=tuple(policy_states))
 
 
 def b_updates(prog, trace, is_b, chunk_b, mb_b, grad, count, flags, chunk_params, opt_states, policy_states):

@@ -53,11 +53,18 @@ class AllReduce:
     def candidate(self, prog, trace, chunk_stack, chunk_choice, weights):
         return chunk_stack[chunk_choice][weights]
 
-    def before_tick(self, prog, trace, chunk_params, opt_states, policy_states, carry, flags):
-        return chunk_params, policy_states, None
+    def before_tick(self, prog, trace, state, flags):
+        """``(state, stacks)``: the tick's state (:class:`~jaxpipe.runtime.ticks.TickState`) as its lanes
+        read it, and what the ring's update reads (None here)."""
+        return state, None
 
-    def end_tick(self, chunk_params, opt_states, policy_states):
-        return tuple(chunk_params), tuple(opt_states), tuple(policy_states)
+    def end_tick(self, state):
+        """``state`` with its chunks as tuples again (the lanes may leave lists)."""
+        return state._replace(
+            chunk_params=tuple(state.chunk_params),
+            opt_states=tuple(state.opt_states),
+            policy_states=tuple(state.policy_states),
+        )
 
     def head(self, prog, trace, residuals, cotangent, grad_post, loss, grad_tied, n):
         """The last stage's outputs of a forward: ``(sum, count)`` losses get their global count (a collective
@@ -131,43 +138,16 @@ class SumAfterCall(AllReduce):
 
     name = "sum"
 
-    def backward(self, prog, trace, b_in, is_b, chunk_params, opt_states, policy_states, carry):
-        """``(policy_states, carry, grad, message)``: the B lane with its sum (the gradient stays in the sums:
-        None)."""
-        chunk_b, mb_b, slot_b, dy_in, tb_in, count = b_in
-        policy_states, carry, send_b = b_lanes_summing(
-            prog,
-            trace,
-            chunk_b,
-            mb_b,
-            slot_b,
-            dy_in,
-            tb_in,
-            count,
-            is_b,
-            chunk_params,
-            opt_states,
-            policy_states,
-            carry,
-        )
-        return policy_states, carry, None, send_b
+    def backward(self, prog, trace, b_in, is_b, state):
+        """``(state, grad, message)``: the B lane (``b_in``: a
+        :class:`~jaxpipe.runtime.lanes_backward.BackwardIn`) with its sum; the gradient stays in the sums
+        (None)."""
+        state, send_b = b_lanes_summing(prog, trace, b_in, is_b, state)
+        return state, None, send_b
 
-    def apply(
-        self,
-        prog,
-        trace,
-        tick,
-        flags,
-        stacks,
-        lane_op,
-        grad,
-        count,
-        chunk_params,
-        opt_states,
-        policy_states,
-        carry,
-    ):
-        return chunk_params, opt_states, policy_states, carry
+    def apply(self, prog, trace, tick, flags, stacks, lane_op, grad, count, state):
+        """``state`` after the B lane's update: nothing to apply (the sums are reduced after the call)."""
+        return state
 
 
 class UpdateEach(AllReduce):
@@ -175,36 +155,23 @@ class UpdateEach(AllReduce):
 
     name = "update"
 
-    def backward(self, prog, trace, b_in, is_b, chunk_params, opt_states, policy_states, carry):
+    def backward(self, prog, trace, b_in, is_b, state):
+        """``(state, grad, message)``: the B lane's gradient, handed to :meth:`apply`."""
         grad, send_b, _ = lax.cond(
             is_b,
             partial(b_lane, prog, trace),
             partial(b_idle, prog, trace),
-            *b_in[:5],
-            (chunk_params, policy_states, carry),
+            *b_in[:5],  # (chunk, micro-batch, slot, dL/dy, tied gradient)
+            (state.chunk_params, state.policy_states, state.carry),
         )
-        return policy_states, carry, grad, send_b
+        return state, grad, send_b
 
-    def apply(
-        self,
-        prog,
-        trace,
-        tick,
-        flags,
-        stacks,
-        lane_op,
-        grad,
-        count,
-        chunk_params,
-        opt_states,
-        policy_states,
-        carry,
-    ):
-        is_b, chunk_b, mb_b = lane_op
+    def apply(self, prog, trace, tick, flags, stacks, lane_op, grad, count, state):
+        """``state`` after the B lane's chunk took ``grad`` in its update (:func:`b_updates`)."""
         chunk_params, opt_states, policy_states = b_updates(
-            prog, trace, is_b, chunk_b, mb_b, grad, count, flags, chunk_params, opt_states, policy_states
+            prog, trace, *lane_op, grad, count, flags, *state[:3]
         )
-        return chunk_params, opt_states, policy_states, carry
+        return state._replace(chunk_params=chunk_params, opt_states=opt_states, policy_states=policy_states)
 
 
 class RingReduction(UpdateEach):
@@ -227,16 +194,17 @@ class RingReduction(UpdateEach):
     def candidate(self, prog, trace, chunk_stack, chunk_choice, weights):
         return jax.tree.map(lambda leaf: leaf[chunk_choice], chunk_stack[weights])
 
-    def before_tick(self, prog, trace, chunk_params, opt_states, policy_states, carry, flags):
+    def before_tick(self, prog, trace, state, flags):
         """The stage the last worker sent last tick lands; the lanes read static views of the stacks."""
         if flags[0]:
             chunk_params, policy_states = receive_arrived(
-                prog, trace, chunk_params, policy_states, carry.reduce
+                prog, trace, state.chunk_params, state.policy_states, state.carry.reduce
             )
-        return chunk_params, policy_states, (chunk_params, opt_states, policy_states)
+            state = state._replace(chunk_params=chunk_params, policy_states=policy_states)
+        return state, tuple(state[:3])  # (chunk_params, opt_states, policy_states)
 
-    def end_tick(self, chunk_params, opt_states, policy_states):
-        return chunk_params, opt_states, policy_states
+    def end_tick(self, state):
+        return state
 
     def head(self, prog, trace, residuals, cotangent, grad_post, loss, grad_tied, n):
         """Workers run the head at different ticks: nothing collective; counts travel the ring."""
@@ -265,26 +233,19 @@ class RingReduction(UpdateEach):
             carry.reduce.gbuf
         )  # the last sum passes through (a fresh fill would be a weight-sized write per tick)
 
-    def apply(
-        self,
-        prog,
-        trace,
-        tick,
-        flags,
-        stacks,
-        lane_op,
-        grad,
-        count,
-        chunk_params,
-        opt_states,
-        policy_states,
-        carry,
-    ):
+    def apply(self, prog, trace, tick, flags, stacks, lane_op, grad, count, state):
+        """``state`` after the ring's exchange of this tick's sums
+        (:func:`~jaxpipe.runtime.ring.ring_exchange`)."""
         is_b, chunk_b, _ = lane_op
         chunk_params, opt_states, policy_states, ring_state = ring_exchange(
-            prog, trace, tick, *stacks, carry.reduce, is_b, chunk_b, grad, count, flags[1]
+            prog, trace, tick, *stacks, state.carry.reduce, is_b, chunk_b, grad, count, flags[1]
         )
-        return chunk_params, opt_states, policy_states, carry._replace(reduce=ring_state)
+        return state._replace(
+            chunk_params=chunk_params,
+            opt_states=opt_states,
+            policy_states=policy_states,
+            carry=state.carry._replace(reduce=ring_state),
+        )
 
     def call_loss(self, prog, lsum, lcount, lweight, errors):
         """Every worker's own micro-batches: the call's losses over their summed weight."""

@@ -14,8 +14,16 @@ from ..axes import STAGE
 from ..schedules.ir import F, W, kind_of
 from ..schedules.layout import ROUTE
 from .call_base import errors_of, is_first, op_of, per_chunk
-from .lanes_backward import w_lanes
+from .lanes_backward import BackwardIn, w_lanes
 from .lanes_forward import f_cond, f_lanes_paired
+
+
+class LaneOp(NamedTuple):
+    """A lane's action this tick on this device (:func:`~jaxpipe.runtime.call_base.op_of`)."""
+
+    runs: Any  # whether the lane runs here this tick (True: on every device, no conditional)
+    chunk: Any  # which of the device's chunks
+    microbatch: Any  # the micro-batch's index in the call
 
 
 class TickState(NamedTuple):
@@ -81,159 +89,73 @@ def tick(prog, trace, state: TickState, tick_index, flags=True):
     kind's), then the tick's one exchange.  ``flags`` (static, per scan segment): whether an in-scan landing
     may happen in it; on a ring, (may land an arrived stage, may complete a sum); a lane plan's phase: the
     lanes some device uses in these ticks (the others are not compiled here)."""
-    chunk_params, opt_states, policy_states, carry, loss = state
+    state = TickState(*state)
     trace.outbox.clear()  # (what an interrupted trace may have left)
-    run, route_row = prog.routing.lanes(
-        prog, trace, tick_index, flags
-    )  # the lanes compiled here; this device's route rows
-    chunk_params, policy_states, stacks = prog.reduction.before_tick(
-        prog, trace, chunk_params, opt_states, policy_states, carry, flags
-    )
+    # the lanes compiled here; this device's route rows
+    run, route_row = prog.routing.lanes(prog, trace, tick_index, flags)
+    state, stacks = prog.reduction.before_tick(prog, trace, state, flags)
     err = jnp.zeros((), jnp.int32)
     for lane, kind in enumerate(prog.kinds):
         if not run[lane] or lane == prog.lane_f2:  # F2 runs beside the F lane (a pair)
             continue
         runs, chunk, mb = op_of(prog, trace, tick_index, trace.me, lane)
-        lane_op = (True if run[lane] == 2 else runs, chunk, mb)  # 2: busy everywhere, no conditional
+        lane_op = LaneOp(True if run[lane] == 2 else runs, chunk, mb)  # 2: busy everywhere, no conditional
         if kind_of(kind) == W:  # ZB's W lane (a lane plan's: W reads its slots), also in a phase without B
-            policy_states = w_lanes(
-                prog, trace, tick_index, lane, route_row[lane], chunk_params, opt_states, policy_states, carry
-            )
+            state = w_lanes(prog, trace, tick_index, lane, route_row[lane], state)
             continue
-        err = err + errors_of(
-            prog, trace, chunk, mb, lane_op[0], per_chunk(prog, trace, chunk_params, policy_states)[1]
-        )
+        weights = per_chunk(prog, trace, state.chunk_params, state.policy_states)[1]
+        err = err + errors_of(prog, trace, chunk, mb, lane_op.runs, weights)
         if kind_of(kind) == F:
-            policy_states, carry, loss = forward_lanes(
-                prog,
-                trace,
-                tick_index,
-                lane,
-                route_row,
-                run,
-                lane_op,
-                chunk_params,
-                policy_states,
-                carry,
-                loss,
-            )
+            state = forward_lanes(prog, trace, tick_index, lane, route_row, run, lane_op, state)
         else:
-            chunk_params, opt_states, policy_states, carry = backward_lanes(
-                prog,
-                trace,
-                tick_index,
-                lane,
-                route_row,
-                flags,
-                lane_op,
-                stacks,
-                chunk_params,
-                opt_states,
-                policy_states,
-                carry,
-            )
-    carry = prog.routing.exchange(prog, trace, carry)  # the tick's messages, in one exchange after every lane
+            state = backward_lanes(prog, trace, tick_index, lane, route_row, flags, lane_op, stacks, state)
+    carry = prog.routing.exchange(prog, trace, state.carry)  # the tick's messages, in one exchange
     carry = carry._replace(errors=carry.errors + err, **({"stash": []} if prog.direct else {}))
-    chunk_params, opt_states, policy_states = prog.reduction.end_tick(chunk_params, opt_states, policy_states)
-    return TickState(chunk_params, opt_states, policy_states, carry, loss), None
+    return prog.reduction.end_tick(state._replace(carry=carry)), None
 
 
-def forward_lanes(
-    prog, trace, tick_index, lane, route_row, run, lane_op, chunk_params, policy_states, carry, loss
-):
+def forward_lanes(prog, trace, tick_index, lane, route_row, run, lane_op, state: TickState) -> TickState:
     """The tick's F lane ``lane`` (with its F2 pair where the plan has one) and the messages they send."""
     is_f, chunk_f, mb_f = lane_op
     x_in, t_in, slot_f = prog.routing.forward_in(
-        prog, trace, tick_index, route_row, lane, carry, chunk_f, mb_f
+        prog, trace, tick_index, route_row, lane, state.carry, chunk_f, mb_f
     )
-    if (
-        prog.paired and run[prog.lane_f2]
-    ):  # F2 pairs with F: one forward of the two micro-batches where both run
+    lane_ops = (state.chunk_params, state.policy_states, state.carry, state.loss)
+    if prog.paired and run[prog.lane_f2]:  # F2 pairs with F: one forward of the two micro-batches
         (policy_states, carry, loss), send_f, send_f2 = f_lanes_paired(
-            prog,
-            trace,
-            tick_index,
-            route_row,
-            is_f,
-            chunk_f,
-            mb_f,
-            slot_f,
-            x_in,
-            t_in,
-            (chunk_params, policy_states, carry, loss),
+            prog, trace, tick_index, route_row, is_f, chunk_f, mb_f, slot_f, x_in, t_in, lane_ops
         )
-        return (
-            policy_states,
-            prog.routing.paired_out(prog, trace, tick_index, route_row, carry, send_f, send_f2),
-            loss,
-        )
+        carry = prog.routing.paired_out(prog, trace, tick_index, route_row, carry, send_f, send_f2)
+        return state._replace(policy_states=policy_states, carry=carry, loss=loss)
     (policy_states, carry, loss), send_f = f_cond(
-        prog,
-        trace,
-        is_f,
-        chunk_f,
-        mb_f,
-        slot_f,
-        x_in,
-        t_in,
-        lane_ops=(chunk_params, policy_states, carry, loss),
+        prog, trace, is_f, chunk_f, mb_f, slot_f, x_in, t_in, lane_ops=lane_ops
     )
     carry = prog.routing.forward_out(prog, trace, tick_index, route_row, lane, carry, send_f)
-    return policy_states, carry, loss
+    return state._replace(policy_states=policy_states, carry=carry, loss=loss)
 
 
 def backward_lanes(
-    prog,
-    trace,
-    tick_index,
-    lane,
-    route_row,
-    flags,
-    lane_op,
-    stacks,
-    chunk_params,
-    opt_states,
-    policy_states,
-    carry,
-):
+    prog, trace, tick_index, lane, route_row, flags, lane_op, stacks, state: TickState
+) -> TickState:
     """The tick's B lane ``lane``, the update it feeds (or the ring's exchange), and its messages."""
     is_b, chunk_b, mb_b = lane_op
-    dy_in, tb_in, count, slot_b = prog.routing.backward_in(prog, trace, route_row, lane, carry, chunk_b, mb_b)
+    dy_in, tb_in, count, slot_b = prog.routing.backward_in(
+        prog, trace, route_row, lane, state.carry, chunk_b, mb_b
+    )
     if trace.wsp is not None:  # B keeps its frontier for W in a slot of its own
         slot_b = (slot_b, route_row[lane, ROUTE["front"]])
-    policy_states, carry, grad, send_b = prog.reduction.backward(
-        prog,
-        trace,
-        (chunk_b, mb_b, slot_b, dy_in, tb_in, count),
-        is_b,
-        chunk_params,
-        opt_states,
-        policy_states,
-        carry,
-    )
-    send_b = send_b + (
-        jnp.where(
-            is_b & ~is_first(prog, trace, chunk_b),
-            count,
-            jnp.full((), jnp.nan if prog.nan_bubbles else 0, jnp.float32),
-        ),
-    )
-    chunk_params, opt_states, policy_states, carry = prog.reduction.apply(
-        prog,
-        trace,
-        tick_index,
-        flags,
-        stacks,
-        lane_op,
-        grad,
+    b_in = BackwardIn(chunk_b, mb_b, slot_b, dy_in, tb_in, count)
+    state, grad, send_b = prog.reduction.backward(prog, trace, b_in, is_b, state)
+    count_out = jnp.where(  # the micro-batch's count goes with dL/dy to the stage before (the first: none)
+        is_b & ~is_first(prog, trace, chunk_b),
         count,
-        chunk_params,
-        opt_states,
-        policy_states,
-        carry,
+        jnp.full((), jnp.nan if prog.nan_bubbles else 0, jnp.float32),
     )
-    carry = prog.routing.backward_out(prog, trace, tick_index, route_row, lane, carry, send_b)
-    return chunk_params, opt_states, policy_states, carry
+    state = prog.reduction.apply(prog, trace, tick_index, flags, stacks, lane_op, grad, count, state)
+    carry = prog.routing.backward_out(
+        prog, trace, tick_index, route_row, lane, state.carry, send_b + (count_out,)
+    )
+    return state._replace(carry=carry)
 
 
 def land_between(prog, trace, state, tau):
