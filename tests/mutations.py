@@ -1008,6 +1008,21 @@ MUTATIONS = [
         "def define_flags() -> None:\n",
         "tests/test_runner_help.py::test_a_runners_flag_definitions_run_once_however_often_asked",
     ),
+    # a schedule of one's own on the command line
+    Mutation(
+        "schedule_file_ignores_its_m",
+        "jaxpipe/cli/common.py",
+        '    path = value.replace("{M}", str(microbatches))\n',
+        "    path = value\n",
+        "tests/test_custom_schedules.py::test_the_timeline_command_draws_a_schedule_file_and_names_what_breaks_one",
+    ),
+    Mutation(
+        "train_schedule_file_stages_unchecked",
+        "jaxpipe/cli/train.py",
+        '        ("stages", FLAGS.stages, own.D),\n',
+        "",
+        "tests/test_custom_schedules.py::test_the_train_command_refuses_a_schedule_file_for_other_devices_or_micro_batches",
+    ),
 ]
 
 

@@ -148,3 +148,50 @@ def test_pipeline_takes_a_users_schedule_only_as_built():
     four, _ = small_model("mlp", 4)
     with pytest.raises(jp.ConfigError, match=r"the model has 4 stages"):
         jp.Pipeline(four, schedule=mine, num_microbatches=2, mesh=jp.make_mesh(stages=2))
+
+
+def _command(*args):
+    """``python -m experiments.<args>`` in the repository: (return code, stdout and stderr)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run(
+        [sys.executable, "-m", "experiments." + args[0], *args[1:]],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return p.returncode, p.stdout + p.stderr
+
+
+def test_the_timeline_command_draws_a_schedule_file_and_names_what_breaks_one(tmp_path):
+    """``--schedule=FILE.csv``: PyTorch's order drawn with its own devices and micro-batches (``{M}``:
+    --microbatches); a broken file's error names the action and the dependency it breaks."""
+    rc, out = _command(
+        "timeline",
+        "--schedule=tests/data/torch_zbv_d2_m{M}.csv",
+        "--microbatches=8",
+        f"--out={tmp_path}/zbv.png",
+        "--text=false",
+    )
+    assert rc == 0 and "torch_zbv_d2_m8: D=2 M=8" in out and (tmp_path / "zbv.png").stat().st_size > 0, out
+    (tmp_path / "broken.csv").write_text("0F0,0B0\n1B0,1F0\n")
+    rc, out = _command("timeline", f"--schedule={tmp_path}/broken.csv", "--out=")
+    assert rc != 0 and "1B0" in out and "1F0" in out and "Traceback" not in out, out
+    rc, out = _command("timeline", f"--schedule={tmp_path}/missing_{{M}}.csv", "--microbatches=4")
+    assert rc != 0 and "missing_4.csv" in out and "Traceback" not in out, out
+
+
+def test_the_train_command_refuses_a_schedule_file_for_other_devices_or_micro_batches():
+    """``jaxpipe train --schedule=FILE.csv``: the file's rows are the stage devices and its micro-batches the
+    step's; a flag that disagrees is named with the value that would work (before anything compiles)."""
+    rc, out = _command(
+        "train",
+        "--model=mlp",
+        "--schedule=tests/data/torch_zbv_d2_m{M}.csv",
+        "--stages=4",
+        "--microbatches=4",
+    )
+    assert rc != 0 and "--stages=4" in out and "give --stages=2" in out and "Traceback" not in out, out

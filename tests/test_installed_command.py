@@ -103,12 +103,18 @@ def test_the_wheel_gives_the_jaxpipe_command_and_trains_a_users_factory(installe
     rc, out = _run([jaxpipe, "timeline", "--schedule=zb_v", "--stages=4", "--out=zb_v.png"], env, tmp_path)
     assert rc == 0 and (tmp_path / "zb_v.png").stat().st_size > 0, out[-1500:]
 
+    # a schedule of the user's own, in PyTorch's CSV format: 1F1B on 2 devices, 2 micro-batches, by hand
+    (tmp_path / "my_1f1b.csv").write_text("0F0,0F1,,0B0,0B1\n,1F0,1B0,1F1,1B1\n")
+    rc, out = _run([jaxpipe, "timeline", "--schedule=my_1f1b.csv", "--out=mine.png"], env, tmp_path)
+    assert rc == 0 and "my_1f1b: D=2 M=2" in out and (tmp_path / "mine.png").stat().st_size > 0, out[-1500:]
+
     (tmp_path / "my_model.py").write_text(FACTORY)
     rc, out = _run(
         [
             jaxpipe,
             "train",
             "--model=my_model:factory",
+            "--schedule=my_1f1b.csv",
             "--stages=2",
             "--microbatches=2",
             "--batch=8",
@@ -121,6 +127,6 @@ def test_the_wheel_gives_the_jaxpipe_command_and_trains_a_users_factory(installe
         env,
         tmp_path,
     )
-    assert rc == 0, out[-3000:]
+    assert rc == 0 and "my_1f1b.csv, mesh data=1 x stage=2" in out, out[-3000:]
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 3 and "final_loss" in out.replace(" ", "") or "loss" in out, out[-2000:]

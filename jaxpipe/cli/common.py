@@ -95,3 +95,35 @@ def usage(doc: str | None = None) -> str:
         parts += [f"flags of {name}:", flags.FLAGS.module_help(m), ""]
     parts.append("--helpfull lists every flag (absl's and JAX's too).")
     return "\n".join(parts)
+
+
+#: what ``--schedule`` says of a schedule of one's own, in every command that takes one
+OWN_SCHEDULE_HELP = (
+    "; or a schedule of your own: a file in PyTorch's CSV format (one row per device, cells such as 0F1, "
+    "1I0, 1W0, 1B0, blank for idle; {M} in the path stands for --microbatches), read by "
+    "jaxpipe.schedules.from_csv"
+)
+
+
+def schedule_file(value: str, microbatches: int):
+    """The user's own schedule ``--schedule=value`` names, where ``value`` is a path ending in ``.csv``
+    (PyTorch's CSV format, read by :func:`jaxpipe.schedules.from_csv`; ``{M}`` in it stands for
+    ``microbatches``); None for a schedule's name.
+
+    Raises:
+        absl.app.UsageError: no such file, or a schedule that does not validate (the action and the
+            dependency it breaks)."""
+    if not value.endswith(".csv"):
+        return None
+    from jaxpipe import schedules
+
+    path = value.replace("{M}", str(microbatches))
+    if not os.path.isfile(path):
+        raise app.UsageError(
+            f"--schedule={value}: no file {path!r}; a schedule of your own is a CSV file in PyTorch's format "
+            f"(one row per device; {{M}} in the path stands for --microbatches={microbatches})"
+        )
+    try:
+        return schedules.from_csv(path)
+    except schedules.ScheduleError as e:
+        raise app.UsageError(f"--schedule={path}: {e}") from None

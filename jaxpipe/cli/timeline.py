@@ -5,6 +5,7 @@
     jaxpipe timeline --schedule=chimera --stages=4 --microbatches=4 --out=chimera.png  # Fig. 3
     jaxpipe timeline --schedule=interleaved_1f1b --virtual=2 --microbatches=8
     jaxpipe timeline --schedule=zb_h1 --stages=4 --microbatches=8    # B and W share b: 29 vs 1F1B's 33
+    jaxpipe timeline --schedule=my_order.csv    # your own, in PyTorch's CSV format (its devices, its M)
 
 Also prints the text form and the simulator's report (event-driven and lockstep makespan, bubble ratio,
 peak in-flight micro-batches and weight versions per device).  No JAX is imported.
@@ -20,7 +21,9 @@ from absl import app, flags
 @functools.cache
 def define_flags() -> None:
     """The runner's flags, defined when it runs (importing the module defines none)."""
-    flags.DEFINE_string("schedule", "1f1b", "schedule to draw (see jaxpipe.schedules.available())")
+    flags.DEFINE_string(
+        "schedule", "1f1b", "schedule to draw (see jaxpipe.schedules.available())" + cli.OWN_SCHEDULE_HELP
+    )
     flags.DEFINE_integer("stages", 4, "pipeline stages (devices)")
     flags.DEFINE_integer("microbatches", 8, "micro-batches per step")
     flags.DEFINE_float("f", 1.0, "forward time of one stage on one micro-batch")
@@ -64,6 +67,9 @@ def main(argv):
 
     if FLAGS.schedule in ("cdp_dp", "cyclic"):
         return cyclic_timeline()
+    s = cli.schedule_file(FLAGS.schedule, FLAGS.microbatches)  # its own devices and micro-batches
+    if s is not None:
+        return draw(s)
     try:
         opts = {
             "chimera": {"pipelines": FLAGS.pipelines},
@@ -94,6 +100,11 @@ def main(argv):
                 print(f"| {what} | {paper} | {here} |")
     except ValueError as e:
         raise app.UsageError(str(e))
+    draw(s)
+
+
+def draw(s) -> None:
+    """The schedule ``s`` printed as text, simulated at --f, --b (and --w), and drawn to --out and --trace."""
     if FLAGS.text:
         print(s.render_text())
     w = FLAGS.w if s.has_w() else None

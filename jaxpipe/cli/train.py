@@ -55,7 +55,7 @@ def _model_and_mesh_flags() -> None:
         "pipeline schedule: gpipe, 1f1b, interleaved_1f1b, zb_h1, zb_v, dualpipe_v, "
         "chimera (synchronous: the gradient of jax.grad); avgpipe (parallel flushing pipelines, "
         "elastically averaged); wpipe, cdp_v1, cdp_v2, pipedream, pipedream_2bw, spectrain, pipeoptim "
-        "(asynchronous, no flush); see jaxpipe.schedules.available()",
+        "(asynchronous, no flush); see jaxpipe.schedules.available()" + cli.OWN_SCHEDULE_HELP,
     )
     flags.DEFINE_integer("stages", 4, "pipeline stages = devices on the mesh's 'stage' axis")
     flags.DEFINE_integer(
@@ -674,13 +674,17 @@ def _build_pipeline(jp):
     :class:`~jaxpipe.Pipeline`; returns (pipe, the factory's parts, the schedule)."""
     import optax
 
-    if FLAGS.schedule not in jp.schedules.METHODS:
+    own = _own_schedule(jp)
+    if own is None and FLAGS.schedule not in jp.schedules.METHODS:
         raise app.UsageError(
             f"--schedule={FLAGS.schedule}: choose one of {', '.join(jp.schedules.available())}"
+            + cli.OWN_SCHEDULE_HELP
         )
-    method = jp.schedules.method(FLAGS.schedule)
+    method = jp.schedules.method(jp.schedules.USER_SCHEDULE if own else FLAGS.schedule)
     # model stages per device (interleaved: --virtual chunks; wpipe: G0 and G1), as the registry declares it
-    n_stages = FLAGS.stages * method.stages_per_device({"virtual": FLAGS.virtual})
+    n_stages = (
+        own.num_model_stages if own else FLAGS.stages * method.stages_per_device({"virtual": FLAGS.virtual})
+    )
     # the flags that set schedule options, passed to the methods whose registry schema has them
     flag_options = {
         "virtual": FLAGS.virtual,
@@ -717,7 +721,7 @@ def _build_pipeline(jp):
         )
     pipe = jp.Pipeline(
         parts.model,
-        schedule=FLAGS.schedule,
+        schedule=own or FLAGS.schedule,
         num_microbatches=FLAGS.microbatches,
         optimizer=opt,
         mesh=mesh,
@@ -729,6 +733,28 @@ def _build_pipeline(jp):
         **extra,
     )
     return pipe, parts, sched
+
+
+def _own_schedule(jp):
+    """The schedule of one's own ``--schedule`` names (a CSV file: :func:`jaxpipe.cli.common.schedule_file`),
+    checked against --stages and --microbatches; None for a schedule's name."""
+    own = cli.schedule_file(FLAGS.schedule, FLAGS.microbatches)
+    if own is None:
+        return None
+    for flag, value, its in (
+        ("stages", FLAGS.stages, own.D),
+        ("microbatches", FLAGS.microbatches, own.num_microbatches),
+    ):
+        if value != its:
+            what = "rows (devices)" if flag == "stages" else "micro-batches"
+            raise app.UsageError(
+                f"--{flag}={value}, but the schedule in {FLAGS.schedule} has {its} {what}: "
+                f"give --{flag}={its}"
+            )
+    FLAGS.schedule = FLAGS.schedule.replace(
+        "{M}", str(FLAGS.microbatches)
+    )  # the file read, as reports name it
+    return own
 
 
 def _describe(jp, pipe, state, n_proc, say):
