@@ -40,13 +40,19 @@ def test_the_site_builds_warning_free_with_every_public_name(tmp_path):
 
 def test_every_benchmark_section_says_when_and_how():
     """Each measured section of the benchmarks page names its date and the command that reproduces it (the
-    testbeds section defines the machines and versions the sections refer to)."""
+    testbeds section defines the machines and versions the sections refer to); the summary at the top only
+    points into them, every link to a label that stands before a section heading."""
     import re
 
     text = open(os.path.join(ROOT, "docs", "benchmarks.md")).read()
     sections = re.split(r"^#{2,3} ", text, flags=re.M)[1:]
-    assert sections[0].startswith("Testbeds and versions")
-    for section in sections[1:]:
+    assert sections[0].startswith("Where jaxpipe stands, at a glance")
+    links = re.findall(r"\]\(#([\w-]+)\)", sections[0])
+    assert len(links) >= 5, links
+    for label in links:
+        assert re.search(rf"^\({label}\)=\n#{{2,3}} .*20\d\d-\d\d-\d\d", text, flags=re.M), label
+    assert sections[1].startswith("Testbeds and versions")
+    for section in sections[2:]:
         title = section.splitlines()[0]
         assert re.search(r"20\d\d-\d\d-\d\d", section), f"benchmarks section {title!r} has no date"
         assert re.search(r"`(python -m |jaxpipe |git |CI=true )", section), f"{title!r} has no command"
