@@ -103,6 +103,21 @@ class TiedHead(nnx.Module):
         return self.ln(x) @ emb.T.astype(x.dtype) + self.bias[...].astype(x.dtype)
 
 
+#: :func:`gpt`'s arguments that a balanced cut builds the same model with, at its measured cut
+_SAME_MODEL = (
+    "vocab",
+    "d_model",
+    "heads",
+    "seq_len",
+    "seed",
+    "dropout",
+    "tie_embeddings",
+    "masked",
+    "tensor",
+    "fsdp",
+)
+
+
 def gpt(
     num_stages: int,
     vocab: int = 256,
@@ -150,18 +165,7 @@ def gpt(
     Returns:
         The :class:`~jaxpipe.PipelineModel`.
     """
-    kw = dict(
-        vocab=vocab,
-        d_model=d_model,
-        heads=heads,
-        seq_len=seq_len,
-        seed=seed,
-        dropout=dropout,
-        tie_embeddings=tie_embeddings,
-        masked=masked,
-        tensor=tensor,
-        fsdp=fsdp,
-    )
+    kw = {name: value for name, value in locals().items() if name in _SAME_MODEL}  # what a re-cut keeps
     cut = _checked_cut(cut, balance, num_stages, blocks_per_stage, kw)
     if cut is not None:
         apply, stage_params = stacked_stages(lambda r: Block(d_model, heads, r), sum(cut), seed)
@@ -174,6 +178,7 @@ def gpt(
     head, head_params, tied = _head(d_model, vocab, seed, tie_embeddings, emb_params)
     context = bool(dropout) or masked
     stage_fn, block_fn = _layer_functions(apply, cut is not None, context, dropout)
+    specs = _specs(stage_params, emb_params, head_params, tensor, fsdp, cut) if tensor or fsdp else None
     return PipelineModel(
         stage_fn=stage_fn,
         stage_params=stage_params,
@@ -188,9 +193,7 @@ def gpt(
         stage_inputs=("mask",) if masked else (),
         tied=tied,
         integer_inputs={"x": vocab, "y": vocab},
-        param_specs=_specs(stage_params, emb_params, head_params, tensor, fsdp, cut)
-        if tensor or fsdp
-        else None,
+        param_specs=specs,
     )
 
 

@@ -341,20 +341,10 @@ def configure(
         ConfigError: an argument out of range, naming it, or nothing fits the budget (each reason, with a
             count and an example)."""
 
-    schedules, microbatches, residuals = _check_arguments(
-        make_model,
-        batch,
-        optimizer,
-        devices,
-        memory_budget,
-        schedules,
-        microbatches,
-        residuals,
-        measure,
-        rounds,
-        min_time_s,
-        cache,
-    )
+    # every argument checked before anything is measured
+    _check_inputs(make_model, batch, optimizer, devices, memory_budget)
+    schedules, microbatches, residuals = _checked_space(schedules, microbatches, residuals)
+    _check_timing(measure, rounds, min_time_s, cache)
     store = MeasureCache(default_path() if cache == "default" else cache)
     bench = Bench(make_model, batch, optimizer, store)
     cands = _candidates(
@@ -392,23 +382,9 @@ def _names(what: str, given, allowed: Sequence[str], example: str) -> Tuple[str,
     return tuple(dict.fromkeys(names))
 
 
-def _check_arguments(
-    make_model,
-    batch,
-    optimizer,
-    devices,
-    memory_budget,
-    schedules,
-    microbatches,
-    residuals,
-    measure,
-    rounds,
-    min_time_s,
-    cache,
-) -> Tuple[tuple, tuple, tuple]:
-    """Every argument of :func:`configure` checked before anything is measured: a ConfigError naming the
-    value, why it cannot be taken and what would work.  Returns the schedules, micro-batch counts and policies
-    as tuples."""
+def _check_inputs(make_model, batch, optimizer, devices, memory_budget) -> None:
+    """:func:`configure`'s model, batch, optimizer, devices and budget checked before anything is measured: a
+    ConfigError naming the value, why it cannot be taken and what would work."""
     from ..checks.values import is_int
 
     if not callable(make_model):
@@ -441,6 +417,13 @@ def _check_arguments(
             f"configure(memory_budget={memory_budget!r}): give the bytes a device may hold, a "
             f"positive number (e.g. 16 * 2**30; float('inf') for no limit)"
         )
+
+
+def _checked_space(schedules, microbatches, residuals) -> Tuple[tuple, tuple, tuple]:
+    """:func:`configure`'s search space as tuples (schedules, micro-batch counts, residual policies), each
+    checked: a ConfigError naming the value and what would work."""
+    from ..checks.values import is_int
+
     flushing = [n for n in _schedules.available() if _schedules.method(n).flushes]
     schedules = _names("schedules", schedules, flushing, "('1f1b', 'zb_h1')")
     counts = (microbatches,) if is_int(microbatches) else microbatches
@@ -454,6 +437,13 @@ def _check_arguments(
             f"microbatches=(2, 4, 8)"
         )
     residuals = _names("residuals", residuals, ("all", "inputs"), "('all', 'inputs')")
+    return schedules, tuple(dict.fromkeys(counts)), residuals
+
+
+def _check_timing(measure, rounds, min_time_s, cache) -> None:
+    """:func:`configure`'s timing and cache arguments checked: a ConfigError naming the value."""
+    from ..checks.values import is_int
+
     for name, value, low in (("measure", measure, 0), ("rounds", rounds, 1)):
         if not is_int(value, low):
             raise ConfigError(f"configure({name}={value!r}): give an integer >= {low}")
@@ -463,7 +453,6 @@ def _check_arguments(
         raise ConfigError(
             f"configure(cache={cache!r}): give 'default', a file path, or None (measure everything)"
         )
-    return schedules, tuple(dict.fromkeys(counts)), residuals
 
 
 def _program_key(c, pipe) -> tuple:
