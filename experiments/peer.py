@@ -14,7 +14,7 @@ PyTorch's.
 
     python -m experiments.peer                                   # M = 4 and 8, the six shared schedules
     python -m experiments.peer --microbatches=4 --schedules=1f1b,zb_h1 --rounds=5
-    python -m experiments.peer --peer_python=/path/to/venv/bin/python --json=peer.json
+    python -m experiments.peer --peer_python=/path/to/venv/bin/python --json=peer.json --plot=peer.png
 
 PyTorch comes from ``--peer_python`` (a Python with ``torch``, e.g. a virtual environment of its own:
 ``python3 -m venv VENV && VENV/bin/pip install torch numpy``), else from this Python if it imports
@@ -75,6 +75,12 @@ def define_flags():
     flags.DEFINE_string("peer_python", "", "a Python that imports torch (default: this one)")
     flags.DEFINE_bool("check", True, "first check each PyTorch schedule's gradients against its plain step")
     flags.DEFINE_string("json", "", "also write the per-round times and the table to this file")
+    flags.DEFINE_string(
+        "plot",
+        "",
+        "also draw the table to this PNG: per M, each schedule over its own library's 1F1B (both libraries, "
+        "with their spreads, the sketch's interleaved as a line) and jaxpipe's step over PyTorch's",
+    )
 
 
 FLAGS = flags.FLAGS
@@ -277,6 +283,66 @@ def report(rows: Sequence[Row], heading: str) -> str:
     return "\n".join(out)
 
 
+def plot(rows: Sequence[Row], heading: str, path: str) -> None:
+    """The table drawn to ``path`` (PNG): a row of two panels per micro-batch count -- each schedule's step
+    over its own library's 1F1B, jaxpipe's and PyTorch's bars side by side with their spreads (IQR/2) and
+    the interleaved sketch's ratio as a dashed line; and jaxpipe's step over PyTorch's, the plain step
+    first."""
+    import logging
+
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # (its font cache's first build logs at INFO)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counts = sorted({r.M for r in rows})
+    fig, axes = plt.subplots(len(counts), 2, figsize=(13, 3.6 * len(counts)), squeeze=False)
+    for (own_ax, peer_ax), M in zip(axes, counts):
+        at_m = [r for r in rows if r.M == M]
+        shared = [r for r in at_m if r.schedule not in ("plain", "1f1b", *SKETCH_ROWS) and r.torch_to_1f1b]
+        xs = range(len(shared))
+        for shift, label, pick in (
+            (-0.2, "jaxpipe", lambda r: r.jaxpipe_to_1f1b),
+            (0.2, "PyTorch", lambda r: r.torch_to_1f1b),
+        ):
+            own_ax.bar(
+                [x + shift for x in xs],
+                [pick(r)[0] for r in shared],
+                0.4,
+                yerr=[pick(r)[1] for r in shared],
+                capsize=3,
+                label=label,
+            )
+        sketch = [r for r in at_m if r.schedule == SKETCH_ROWS[1]]
+        if sketch:
+            own_ax.axhline(sketch[0].jaxpipe_to_1f1b[0], ls="--", c="gray", label="sketch's interleaved")
+        own_ax.axhline(1.0, c="black", lw=0.8)
+        own_ax.set_xticks(list(xs), [r.schedule for r in shared], fontsize=8)
+        own_ax.set_ylim(0.7, 1.3)
+        own_ax.set_ylabel("step / its library's 1F1B")
+        own_ax.set_title(f"M = {M}: each schedule over its own 1F1B (lower is faster)", fontsize=10)
+        own_ax.legend(fontsize=8)
+        both = [r for r in at_m if r.jaxpipe_to_torch]
+        peer_ax.bar(
+            range(len(both)),
+            [r.jaxpipe_to_torch[0] for r in both],
+            yerr=[r.jaxpipe_to_torch[1] for r in both],
+            capsize=3,
+            color="tab:green",
+        )
+        peer_ax.axhline(1.0, c="black", lw=0.8)
+        peer_ax.set_xticks(range(len(both)), [r.schedule for r in both], fontsize=8)
+        peer_ax.set_ylabel("jaxpipe's step / PyTorch's")
+        peer_ax.set_title(
+            f"M = {M}: jaxpipe over PyTorch, same schedule (under 1: jaxpipe faster)", fontsize=10
+        )
+    fig.suptitle(heading, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def placed(plans) -> str:
     """One line per jaxpipe pipeline: the placement its first step chose, and the op costs it chose it for
     (measured on this testbed unless given)."""
@@ -328,6 +394,9 @@ def main(argv):
     rows = table(times, FLAGS.schedules.split(","), [e for e in FLAGS.extra.split(",") if e])
     print(report(rows, versions))
     print(placed(plans))
+    if FLAGS.plot:
+        plot(rows, versions, FLAGS.plot)
+        print(f"wrote {FLAGS.plot}")
     spreads = {
         f"M={r.M} {r.schedule} jaxpipe/PyTorch": r.jaxpipe_to_torch for r in rows if r.jaxpipe_to_torch
     }

@@ -48,6 +48,22 @@ def test_the_table_takes_each_ratio_round_by_round_and_leaves_jaxpipe_only_rows_
     assert rows["sketch_interleaved"].torch is None
 
 
+def test_the_plot_draws_the_table(tmp_path):
+    times = {
+        "jaxpipe": {
+            "4,plain": [2.0, 2.1, 2.2],
+            "4,1f1b": [1.0, 1.0, 1.1],
+            "4,zb_v": [0.9, 1.0, 1.0],
+            "4,sketch_1f1b": [1.0, 1.0, 1.0],
+            "4,sketch_interleaved": [1.0, 1.1, 1.0],
+        },
+        "torch": {"4,plain": [2.0, 2.0, 2.0], "4,1f1b": [1.0, 1.0, 1.0], "4,zb_v": [0.9, 0.9, 0.9]},
+    }
+    path = tmp_path / "peer.png"
+    peer.plot(peer.table(times, ["1f1b", "zb_v"]), "jax x, torch y", str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
 def test_without_torch_it_says_how_to_get_the_peer():
     if subprocess.run([sys.executable, "-c", "import torch"], capture_output=True).returncode == 0:
         pytest.skip("this Python has torch")
