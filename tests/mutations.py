@@ -1023,6 +1023,20 @@ MUTATIONS = [
         "",
         "tests/test_custom_schedules.py::test_the_train_command_refuses_a_schedule_file_for_other_devices_or_micro_batches",
     ),
+    Mutation(
+        "from_csv_reads_a_missing_path_as_text",
+        "jaxpipe/schedules/custom.py",
+        '    if not is_path and "\\n" not in source and (source.endswith(".csv") or os.sep in source):\n',
+        "    if False:\n",
+        "tests/test_custom_schedules.py::test_a_missing_csv_file_is_named_not_read_as_the_schedules_text",
+    ),
+    Mutation(
+        "built_schedule_told_to_change_the_mesh",
+        "jaxpipe/checks/arguments.py",
+        "    if sched.num_model_stages != model.num_stages and built is not None:\n",
+        "    if sched.num_model_stages != model.num_stages and built is None:\n",
+        "tests/test_custom_schedules.py::test_pipeline_takes_a_users_schedule_only_as_built",
+    ),
 ]
 
 

@@ -143,11 +143,23 @@ def test_pipeline_takes_a_users_schedule_only_as_built():
     with pytest.raises(jp.ConfigError, match=r"jp.schedules.from_actions\(...\) or jp.schedules.from_csv"):
         jp.Pipeline(model, schedule="custom", num_microbatches=2)
     mine = schedules.from_actions([["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F1", "1B1"]])
-    with pytest.raises(jp.ConfigError, match=r"built for 2 devices and 2 micro-batches.*num_microbatches=4"):
+    with pytest.raises(
+        jp.ConfigError, match=r"built for 2 devices and 2 micro-batches.*pass num_microbatches=2"
+    ):
         jp.Pipeline(model, schedule=mine, num_microbatches=4)
     four, _ = small_model("mlp", 4)
-    with pytest.raises(jp.ConfigError, match=r"the model has 4 stages"):
+    # the schedule fixes the devices: the advice is the model's stages (or the schedule), not another mesh
+    with pytest.raises(jp.ConfigError, match=r"the model has 4 stages .* actions name 2 model stages") as e:
         jp.Pipeline(four, schedule=mine, num_microbatches=2, mesh=jp.make_mesh(stages=2))
+    assert "make_mesh" not in str(e.value)
+
+
+def test_a_missing_csv_file_is_named_not_read_as_the_schedules_text(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"from_csv\('.*mine.csv'\): no such file"):
+        schedules.from_csv(str(tmp_path / "mine.csv"))
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        schedules.from_csv("mine.csv")
+    assert schedules.from_csv("0F0,0B0").D == 1  # a line of text is still read as the schedule itself
 
 
 def _command(*args):

@@ -145,7 +145,15 @@ def check_fit(built, sched, model, D, num_microbatches, name) -> None:
         raise ConfigError(
             f"the Schedule was built for {built.D} devices and {built.num_microbatches} "
             f"micro-batches; this pipeline has {D} 'stage' devices and num_microbatches="
-            f"{num_microbatches}"
+            f"{num_microbatches}: pass num_microbatches={built.num_microbatches} and a mesh of {built.D} "
+            f"'stage' devices, or build the schedule for these"
+        )
+    if sched.num_model_stages != model.num_stages and built is not None:
+        raise ConfigError(
+            f"the model has {model.num_stages} stages (leading axis of stage_params) but the Schedule's "
+            f"actions name {sched.num_model_stages} model stages ({sched.num_model_stages // D} on each of "
+            f"its {D} devices): stack {sched.num_model_stages} stages' parameters, or write the schedule "
+            f"for {model.num_stages}"
         )
     if sched.num_model_stages != model.num_stages:
         per = sched.num_model_stages // D

@@ -248,8 +248,15 @@ def from_csv(source: str, num_microbatches: Optional[int] = None, name: Optional
 
     Raises:
         ScheduleError: as :func:`from_actions`.
+        FileNotFoundError: ``source`` names a file (a path ending in ``.csv``, or one with a directory in it)
+            that does not exist.
     """
     is_path = "\n" not in source and os.path.exists(source)
+    if not is_path and "\n" not in source and (source.endswith(".csv") or os.sep in source):
+        raise FileNotFoundError(
+            f"from_csv({source!r}): no such file; give the path of a CSV file in PyTorch's format (one row "
+            f"per device, cells such as 0F1, 1I0, 1W0, 1B0) or its text"
+        )
     text = open(source).read() if is_path else source
     if name is None:
         name = os.path.splitext(os.path.basename(source))[0] if is_path else "custom"
