@@ -84,11 +84,31 @@ def fingerprint(pipe) -> Dict[str, Any]:
         "cut": list(model.cut) if getattr(model, "cut", None) else None,
         "schedule": pipe.schedule.name,
         "microbatches": int(pipe.num_microbatches),
+        # a flushing schedule that updates once a step keeps no in-flight state between steps: its state is
+        # the weights' and the optimizer's whatever the schedule and M (:func:`_alike_between_steps`)
+        "synchronous": _synchronous(pipe),
         "mesh": {k: int(v) for k, v in pipe.mesh.shape.items()},
         # how the state holds the stage leaves (chunks a device, a device-local order): a restore onto
         # another number of devices reads them in the writer's layout, not its own
         "state_layout": _state_layout(pipe),
     }
+
+
+def _synchronous(pipe) -> Optional[bool]:
+    """Whether ``pipe``'s method flushes and updates once a step (None: a pipeline of no such method)."""
+    method = getattr(pipe, "method", None)
+    if method is None:
+        return None
+    return bool(method.flushes and not method.updates_inside)
+
+
+def _alike_between_steps(saved: dict, mine: dict) -> bool:
+    """Whether a checkpoint written under one schedule and micro-batch count restores under another: both
+    synchronous (nothing in flight between steps) and their stage leaves laid out alike on the devices
+    (the same chunk order: ZB-V and DualPipeV, not interleaved 1F1B).  A checkpoint from before the
+    fingerprint recorded it: no."""
+    both = bool(saved.get("synchronous")) and bool(mine.get("synchronous"))
+    return both and saved.get("state_layout") == mine.get("state_layout")
 
 
 def _state_layout(pipe) -> Optional[dict]:
@@ -717,15 +737,15 @@ class Checkpointer:
                 "(e.g. the same "
                 f"--optimizer), or start afresh in another directory"
             )
-        for k in ("schedule", "microbatches"):
-            if saved[k] != mine[k]:
-                raise ConfigError(
-                    f"{where} was written by schedule {saved['schedule']!r} with {saved['microbatches']} "
-                    f"micro-batches; this run uses {mine['schedule']!r} with {mine['microbatches']}: the "
-                    "state "
-                    f"layout ({k}) differs. Resume with the same schedule and num_microbatches, or start "
-                    "afresh"
-                )
+        changed = [k for k in ("schedule", "microbatches") if saved[k] != mine[k]]
+        if changed and not _alike_between_steps(saved, mine):
+            raise ConfigError(
+                f"{where} was written by schedule {saved['schedule']!r} with {saved['microbatches']} "
+                f"micro-batches; this run uses {mine['schedule']!r} with {mine['microbatches']}: the state "
+                f"layout ({changed[0]}) differs -- only a synchronous schedule's checkpoint resumes under "
+                "another synchronous schedule or micro-batch count, and only where both lay the stages out "
+                "alike on the devices. Resume with the same schedule and num_microbatches, or start afresh"
+            )
 
     def _mesh_error(self, step, fp, detail):
         was = (fp or {}).get("mesh")

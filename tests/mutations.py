@@ -1037,6 +1037,20 @@ MUTATIONS = [
         "    if sched.num_model_stages != model.num_stages and built is None:\n",
         "tests/test_custom_schedules.py::test_pipeline_takes_a_users_schedule_only_as_built",
     ),
+    Mutation(
+        "async_checkpoint_resumes_under_another_schedule",
+        "jaxpipe/checkpoint.py",
+        '    both = bool(saved.get("synchronous")) and bool(mine.get("synchronous"))\n',
+        "    both = True\n",
+        "tests/test_checkpoint.py::test_a_synchronous_checkpoint_resumes_under_another_synchronous_schedule_and_m",
+    ),
+    Mutation(
+        "checkpoint_resumes_under_another_chunk_order",
+        "jaxpipe/checkpoint.py",
+        '    return both and saved.get("state_layout") == mine.get("state_layout")\n',
+        "    return both\n",
+        "tests/test_checkpoint.py::test_a_synchronous_checkpoint_resumes_under_another_synchronous_schedule_and_m",
+    ),
 ]
 
 

@@ -151,6 +151,44 @@ def test_in_flight_state_kept_under_another_residual_policy_is_refused_by_name(t
         jp.Checkpointer(tmp_path / "ck", other).restore(other.prepare(other.init(), batch_fn(8)))
 
 
+def test_a_synchronous_checkpoint_resumes_under_another_synchronous_schedule_and_m(tmp_path):
+    """Between steps a synchronous schedule holds only the weights and the optimizer's state: a run may
+    change its schedule or micro-batch count (memory, or the schedule the advisor chose) and carry on from
+    the weights it had.  An asynchronous one's in-flight pipeline, or another chunk order, is refused."""
+    model, batch_fn = small_model("mlp", 2)
+    make_pipe = lambda schedule, M: jp.Pipeline(
+        model, schedule=schedule, num_microbatches=M, optimizer=optax.adamw(1e-2), mesh=jp.make_mesh(stages=2)
+    )
+    pipe = make_pipe("1f1b", 4)
+    state = pipe.step(pipe.init(), batch_fn(8))[0]
+    jp.Checkpointer(tmp_path / "ck", pipe, async_save=False).save(1, state)
+    want = [np.asarray(a) for a in jax.tree.leaves(pipe.params(state))]
+    other = make_pipe("zb_h1", 8)
+    restored, _, step = jp.Checkpointer(tmp_path / "ck", other).restore(other.init())
+    got = [np.asarray(a) for a in jax.tree.leaves(other.params(restored))]
+    assert step == 1 and all(np.array_equal(a, b) for a, b in zip(want, got))
+    # and it trains on as the run that wrote it would have (the same gradient, summed over 8 micro-batches)
+    then = [np.asarray(a) for a in jax.tree.leaves(pipe.params(pipe.step(state, batch_fn(8, s=1))[0]))]
+    now = [np.asarray(a) for a in jax.tree.leaves(other.params(other.step(restored, batch_fn(8, s=1))[0]))]
+    assert all(np.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(then, now))
+    pipedream = make_pipe("pipedream", 4)
+    with pytest.raises(
+        jp.ConfigError, match=r"'1f1b' with 4 micro-batches; this run uses 'pipedream'.*synchronous"
+    ):
+        jp.Checkpointer(tmp_path / "ck", pipedream).restore(pipedream.prepare(pipedream.init(), batch_fn(8)))
+    # two chunks a device in another order (interleaved: stages d, d + D; ZB-V: d, 2D - 1 - d)
+    four, batch4 = small_model("mlp", 4)
+    chunked = lambda schedule: jp.Pipeline(
+        four, schedule=schedule, num_microbatches=4, optimizer=optax.adamw(1e-2), mesh=jp.make_mesh(stages=2)
+    )
+    zb_v = chunked("zb_v")
+    jp.Checkpointer(tmp_path / "v", zb_v, async_save=False).save(1, zb_v.init())
+    jp.Checkpointer(tmp_path / "v", chunked("dualpipe_v")).restore(chunked("dualpipe_v").init())
+    interleaved = chunked("interleaved_1f1b")
+    with pytest.raises(jp.ConfigError, match=r"lay the stages out alike"):
+        jp.Checkpointer(tmp_path / "v", interleaved).restore(interleaved.init())
+
+
 def test_restore_onto_other_mesh(tmp_path):
     # synchronous: parameters do not depend on the data axis -> data 2 -> 1 restores and continues equal
     pipe, batch = make("1f1b", data=2)
