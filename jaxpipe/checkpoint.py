@@ -276,6 +276,9 @@ class Checkpointer:
         if writer:
             self._take_lock()
         self.fingerprint = fingerprint(pipe) if pipe is not None else None
+        #: ``(schedule, micro-batches)`` that wrote the checkpoint last restored, where they differ from this
+        #: pipeline's (a synchronous checkpoint resumed under another schedule or M); else None
+        self.written_under_other = None
         # the pipeline's pending on-device checks: a state whose step failed them is never written
         self._check_pipe = getattr(pipe, "check", None)
         self._check_saveable = getattr(pipe, "check_saveable", None)
@@ -738,6 +741,7 @@ class Checkpointer:
                 f"--optimizer), or start afresh in another directory"
             )
         changed = [k for k in ("schedule", "microbatches") if saved[k] != mine[k]]
+        self.written_under_other = (saved["schedule"], saved["microbatches"]) if changed else None
         if changed and not _alike_between_steps(saved, mine):
             raise ConfigError(
                 f"{where} was written by schedule {saved['schedule']!r} with {saved['microbatches']} "

@@ -164,7 +164,9 @@ def test_a_synchronous_checkpoint_resumes_under_another_synchronous_schedule_and
     jp.Checkpointer(tmp_path / "ck", pipe, async_save=False).save(1, state)
     want = [np.asarray(a) for a in jax.tree.leaves(pipe.params(state))]
     other = make_pipe("zb_h1", 8)
-    restored, _, step = jp.Checkpointer(tmp_path / "ck", other).restore(other.init())
+    reader = jp.Checkpointer(tmp_path / "ck", other)
+    restored, _, step = reader.restore(other.init())
+    assert reader.written_under_other == ("1f1b", 4)  # what the trainer's resume line says
     got = [np.asarray(a) for a in jax.tree.leaves(other.params(restored))]
     assert step == 1 and all(np.array_equal(a, b) for a, b in zip(want, got))
     # and it trains on as the run that wrote it would have (the same gradient, summed over 8 micro-batches)

@@ -386,9 +386,16 @@ class Trainer:
         state, extra, start = self.ckpt.restore_latest(self.pipe.prepare(state, example), report=self.say)
         if start:
             self.batches.load_state_dict(extra["data"])
+            other = self.ckpt.written_under_other
             self.say(
                 f"resumed from {o.checkpoint_dir} at step {start} (data position "
                 f"{getattr(self.batches, 'position', '?')})"
+                + (
+                    f"; written by schedule {other[0]!r} with {other[1]} micro-batches, continued with "
+                    f"{self.pipe.schedule.name!r} and {self.pipe.num_microbatches}"
+                    if other
+                    else ""
+                )
             )
         return state, start
 
