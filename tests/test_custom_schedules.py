@@ -196,6 +196,19 @@ def test_the_timeline_command_draws_a_schedule_file_and_names_what_breaks_one(tm
     assert rc != 0 and "missing_4.csv" in out and "Traceback" not in out, out
 
 
+def test_the_timeline_command_writes_a_built_schedule_as_a_file_that_reads_back(tmp_path):
+    """``--csv=FILE``: a built-in schedule's actions in PyTorch's format, a start for one's own; the command
+    says where the file does not read back (Chimera's stages run on two devices)."""
+    rc, out = _command(
+        "timeline", "--schedule=zb_v", "--stages=2", "--microbatches=4", f"--csv={tmp_path}/zbv.csv", "--out="
+    )
+    assert rc == 0 and "reads it back" in out, out
+    again = schedules.from_csv(str(tmp_path / "zbv.csv"))
+    assert again.actions == schedules.build("zb_v", 2, 4).actions
+    rc, out = _command("timeline", "--schedule=chimera", "--stages=2", f"--csv={tmp_path}/c.csv", "--out=")
+    assert rc == 0 and "does not read back" in out and "stage 0 runs on devices 0 and 1" in out, out
+
+
 def test_the_train_command_refuses_a_schedule_file_for_other_devices_or_micro_batches():
     """``jaxpipe train --schedule=FILE.csv``: the file's rows are the stage devices and its micro-batches the
     step's; a flag that disagrees is named with the value that would work (before anything compiles)."""

@@ -6,6 +6,7 @@
     jaxpipe timeline --schedule=interleaved_1f1b --virtual=2 --microbatches=8
     jaxpipe timeline --schedule=zb_h1 --stages=4 --microbatches=8    # B and W share b: 29 vs 1F1B's 33
     jaxpipe timeline --schedule=my_order.csv    # your own, in PyTorch's CSV format (its devices, its M)
+    jaxpipe timeline --schedule=zb_v --stages=2 --microbatches=4 --csv=my_order.csv   # a start for it
 
 Also prints the text form and the simulator's report (event-driven and lockstep makespan, bubble ratio,
 peak in-flight micro-batches and weight versions per device).  No JAX is imported.
@@ -55,6 +56,12 @@ def define_flags() -> None:
     )
     flags.DEFINE_string("out", "timeline.png", "PNG path ('' to skip)")
     flags.DEFINE_string("trace", "", "optional Chrome/Perfetto trace JSON path")
+    flags.DEFINE_string(
+        "csv",
+        "",
+        "also write the schedule's actions to this file in PyTorch's CSV format (one row per device): a "
+        "start for a schedule of your own, which --schedule=FILE.csv and jaxpipe train read back",
+    )
     flags.DEFINE_bool("text", True, "print the text timeline (one column per lockstep tick)")
 
 
@@ -119,6 +126,29 @@ def draw(s) -> None:
     if FLAGS.trace:
         s.to_chrome_trace(FLAGS.trace, f=FLAGS.f, b=FLAGS.b, w=w, mode=FLAGS.mode)
         print(f"wrote {FLAGS.trace} (open in ui.perfetto.dev)")
+    if FLAGS.csv:
+        write_csv(s, FLAGS.csv)
+
+
+def write_csv(s, path: str) -> None:
+    """``s``'s actions to ``path`` in PyTorch's CSV format, and whether it reads back as a schedule of one's
+    own (not where a stage runs on two devices, as Chimera's replicas do)."""
+    from jaxpipe import schedules
+
+    try:
+        text = schedules.to_csv(s, path)
+    except (KeyError, ValueError) as e:  # an action no CSV cell writes
+        raise app.UsageError(f"--csv: {s.name} cannot be written in PyTorch's CSV format ({e})")
+    flushes = s.name not in schedules.METHODS or schedules.method(s.name).flushes
+    try:
+        schedules.from_csv(text)
+        print(
+            f"wrote {path} (PyTorch's CSV format; --schedule={path} reads it back"
+            + ("" if flushes else f" as a synchronous schedule: the order, not {s.name}'s weight versions")
+            + ")"
+        )
+    except schedules.ScheduleError as e:
+        print(f"wrote {path} (PyTorch's CSV format); it does not read back as a schedule of your own: {e}")
 
 
 def cyclic_timeline():
