@@ -698,6 +698,7 @@ class Checkpointer:
         """Raise where the checkpoint is another configuration's; the cut it was written with where it holds
         this model's blocks on another cut (restored by moving them), else None."""
         mine = self.fingerprint
+        self.written_under_other = None
         if mine is None or saved is None:
             return
         where = f"checkpoint step {step} in {self.directory}"
