@@ -169,7 +169,17 @@ class UpdateEach(AllReduce):
     def apply(self, prog, trace, tick, flags, stacks, lane_op, grad, count, state):
         """``state`` after the B lane's chunk took ``grad`` in its update (:func:`b_updates`)."""
         chunk_params, opt_states, policy_states = b_updates(
-            prog, trace, *lane_op, grad, count, flags, *state[:3]
+            prog,
+            trace,
+            lane_op.runs,
+            lane_op.chunk,
+            lane_op.microbatch,
+            grad,
+            count,
+            flags,
+            state.chunk_params,
+            state.opt_states,
+            state.policy_states,
         )
         return state._replace(chunk_params=chunk_params, opt_states=opt_states, policy_states=policy_states)
 
@@ -201,7 +211,7 @@ class RingReduction(UpdateEach):
                 prog, trace, state.chunk_params, state.policy_states, state.carry.reduce
             )
             state = state._replace(chunk_params=chunk_params, policy_states=policy_states)
-        return state, tuple(state[:3])  # (chunk_params, opt_states, policy_states)
+        return state, (state.chunk_params, state.opt_states, state.policy_states)
 
     def end_tick(self, state):
         return state
