@@ -8,7 +8,7 @@ import itertools
 import statistics
 import tempfile
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -254,10 +254,18 @@ def ratio_spread(a, b) -> Tuple[float, float]:
 NOISY = 0.05
 
 
-def reliability(spreads: Dict[str, Tuple[float, float]], load: Optional[float] = None) -> List[str]:
+#: the share of the run's CPU time the hypervisor gave other guests (steal) above which its timings are
+#: reported as unreliable (a shared VM's neighbours slow each round by another amount)
+STOLEN = 0.02
+
+
+def reliability(
+    spreads: Dict[str, Tuple[float, float]], load: Optional[float] = None, steal: Optional[float] = None
+) -> List[str]:
     """Warnings for a benchmark's ratios (``{name: (ratio, spread)}``): those whose spread exceeds
-    :data:`NOISY` of the ratio, and a machine that was busy (``load``: the 1-minute load average per usable
-    core before the run, :func:`machine_load`)."""
+    :data:`NOISY` of the ratio, a machine that was busy (``load``: the 1-minute load average per usable
+    core before the run, :func:`machine_load`), and a hypervisor that took its cores' time during the run
+    (``steal``: the share, :meth:`MachineWatch.steal`)."""
     out = [
         f"{k}: {r:.3f}x +- {s:.3f} varies by {s / r:.0%} between rounds (over {NOISY:.0%}): do not read its "
         f"last digits; rerun on a quiet machine or with more rounds"
@@ -267,6 +275,12 @@ def reliability(spreads: Dict[str, Tuple[float, float]], load: Optional[float] =
     if load is not None and load > 0.25:
         out.append(
             f"the machine was busy before this run (load {load:.2f} per core): ratios here may not repeat"
+        )
+    if steal is not None and steal > STOLEN:
+        out.append(
+            f"the hypervisor gave {steal:.1%} of the run's CPU time to other guests (steal, over "
+            f"{STOLEN:.0%}): each round was slowed by another amount, so ratios here may not repeat; rerun "
+            "when the machine's steal is lower (the 8th number of /proc/stat's cpu line)"
         )
     return out
 
@@ -279,6 +293,83 @@ def machine_load() -> Optional[float]:
         return os.getloadavg()[0] / max(len(os.sched_getaffinity(0)), 1)
     except (OSError, AttributeError):
         return None
+
+
+class CpuTicks(NamedTuple):
+    """Ticks of CPU time since boot on the cores counted (``/proc/stat``): all of them, and those the
+    hypervisor gave other guests while this machine's CPU waited (steal)."""
+
+    total: int
+    steal: int
+
+
+def cpu_ticks(cores=None, stat: str = "/proc/stat") -> Optional[CpuTicks]:
+    """:class:`CpuTicks` summed over ``cores`` (CPU numbers; None: the whole machine), or None where the OS
+    keeps no such file (not Linux).  The fields after ``cpuN``: user, nice, system, idle, iowait, irq,
+    softirq, steal (guest time is inside user's)."""
+    try:
+        with open(stat) as fh:
+            lines = [ln.split() for ln in fh if ln.startswith("cpu")]
+    except OSError:
+        return None
+    wanted = ["cpu"] if cores is None else [f"cpu{c}" for c in cores]
+    rows = [[int(v) for v in ln[1:9]] for ln in lines if ln[0] in wanted and len(ln) >= 9]
+    if not rows:
+        return None
+    return CpuTicks(sum(sum(r) for r in rows), sum(r[7] for r in rows))
+
+
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name and which of the vector extensions that decide a matrix product's speed it
+    has (AVX2, AVX-512, AMX): which library's CPU step is faster changed with them between two VMs
+    (docs/benchmarks.md, "Beside PyTorch").  ``"unknown CPU"`` where the OS does not say."""
+    try:
+        with open(cpuinfo) as fh:
+            text = fh.read()
+    except OSError:
+        return "unknown CPU"
+    info = dict((k.strip(), v.strip()) for k, _, v in (ln.partition(":") for ln in text.splitlines()) if v)
+    flags = set(info.get("flags", "").split())
+    kinds = [
+        name
+        for flag, name in (("avx2", "AVX2"), ("avx512f", "AVX-512"), ("amx_tile", "AMX"))
+        if flag in flags
+    ]
+    return f"{info.get('model name', 'unknown CPU')} ({', '.join(kinds) or 'no AVX2'})"
+
+
+class MachineWatch:
+    """The machine around a benchmark run: its load before (:func:`machine_load`) and the hypervisor's steal
+    during it, on the cores the run may use.  Create it before the run's own work; read :meth:`steal` and
+    :meth:`summary` after it."""
+
+    def __init__(self, cores=None):
+        import os
+
+        self.cores = sorted(os.sched_getaffinity(0)) if cores is None else list(cores)
+        self.load = machine_load()
+        self._start = cpu_ticks(self.cores)
+
+    def steal(self) -> Optional[float]:
+        """The share of the cores' time stolen since the watch began (None: not measurable here)."""
+        now = cpu_ticks(self.cores)
+        if self._start is None or now is None or now.total <= self._start.total:
+            return None
+        return (now.steal - self._start.steal) / (now.total - self._start.total)
+
+    def summary(self) -> str:
+        """One line for the run's log: the load before and the steal during."""
+        load = "unknown" if self.load is None else f"{self.load:.2f} per core"
+        steal = self.steal()
+        stolen = "not measurable here" if steal is None else f"{steal:.1%}"
+        return (
+            f"machine: {cpu_model()}; load {load} before the run; CPU steal during it {stolen} (cores "
+            f"{self.cores})"
+        )
+
+    def warnings(self, spreads: Dict[str, Tuple[float, float]]) -> List[str]:
+        """:func:`reliability`'s warnings with this watch's load and steal."""
+        return reliability(spreads, self.load, self.steal())
 
 
 def compile_time(

@@ -79,9 +79,9 @@ def main(_):
     from jaxpipe.cuts import even_cut
     from jaxpipe.cuts.balanced import balance
 
-    from experiments.bench import machine_load, ratio_spread, reliability
+    from experiments.bench import MachineWatch, ratio_spread
 
-    load = machine_load()  # before this run's own work
+    watch = MachineWatch()  # before this run's own work
     D, M = FLAGS.stages, FLAGS.microbatches
     rng = np.random.default_rng(0)
     batch = {
@@ -145,7 +145,8 @@ def main(_):
         f"{spreads['measured gain of the balanced cut'][0]:.3f}x +- "
         f"{spreads['measured gain of the balanced cut'][1]:.3f}"
     )
-    for w in reliability(spreads, load):
+    print(watch.summary())
+    for w in watch.warnings(spreads):
         print("warning: " + w)
 
 

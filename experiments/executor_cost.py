@@ -257,9 +257,9 @@ def main(argv):
     from jaxpipe import host_memory
 
     host_memory.choose(FLAGS.allocator == "keep_freed")  # the Pipelines built next leave the defaults alone
-    from experiments.bench import machine_load, reliability
+    from experiments.bench import MachineWatch
 
-    load = machine_load()  # before this run's own work
+    watch = MachineWatch()  # before this run's own work, on the cores it was pinned to
     runs, errs, ref = build_runs(FLAGS.schedules.split(","), D, M, L, H, B, form=FLAGS.stage_form)
     phases = {name: timed(runs, FLAGS.rounds, FLAGS.block) for name in allocator_phases(FLAGS.allocator)}
     print(
@@ -280,7 +280,8 @@ def main(argv):
         err = 0.0 if k not in errs else float(jnp.linalg.norm(errs[k] - ref) / jnp.linalg.norm(ref))
         print(f"| {k} |{cells} {err:.1e} |")
     spreads = {f"{k} ({p})": t[k][4] for p, t in phases.items() for k in runs if k != "plain accumulation"}
-    for w in reliability(spreads, load):
+    print(watch.summary())
+    for w in watch.warnings(spreads):
         print("warning: " + w)
     if FLAGS.profile:
         print_profiles(runs, FLAGS.profile)

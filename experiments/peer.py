@@ -360,11 +360,11 @@ def placed(plans) -> str:
 
 def main(argv):
     del argv
-    from experiments.bench import machine_load, reliability
+    from experiments.bench import MachineWatch
 
     if "1f1b" not in FLAGS.schedules.split(","):
         raise app.UsageError("--schedules must include 1f1b: every ratio is to the same library's 1F1B")
-    load = machine_load()
+    watch = MachineWatch()  # before this run's own work
     torch_python = peer_python(FLAGS.peer_python)
     # jaxpipe's pipelines measure their op costs at their first step: built before PyTorch's pair starts, so
     # that its warm-up does not share their cores (measured beside it, one stage's F moved 2x)
@@ -400,12 +400,20 @@ def main(argv):
     spreads = {
         f"M={r.M} {r.schedule} jaxpipe/PyTorch": r.jaxpipe_to_torch for r in rows if r.jaxpipe_to_torch
     }
-    for warning in reliability(spreads, load):
+    print(watch.summary())
+    for warning in watch.warnings(spreads):
         print("warning: " + warning)
     if FLAGS.json:
         with open(FLAGS.json, "w") as fh:
             json.dump(
-                {"versions": versions, "times": times, "rows": [r._asdict() for r in rows]}, fh, indent=1
+                {
+                    "versions": versions,
+                    "machine": watch.summary(),
+                    "times": times,
+                    "rows": [r._asdict() for r in rows],
+                },
+                fh,
+                indent=1,
             )
 
 

@@ -489,9 +489,9 @@ def main(argv):
     if FLAGS.worker >= 0:
         return worker(FLAGS.worker)
     args = [a for a in sys.argv[1:] if not a.startswith("--worker")]
-    from experiments.bench import machine_load
+    from experiments.bench import MachineWatch
 
-    load = machine_load()  # before this run's own work
+    watch = MachineWatch()  # before this run's own work, on both workers' cores
     from jaxpipe import host_memory  # each worker's glibc keeps freed memory from its start (host_memory)
 
     env = (
@@ -530,7 +530,7 @@ def main(argv):
             "experiments.two_devices: the workers reported nothing (is port "
             f"{FLAGS.port} free, and are there two cores?)"
         )
-    report({**json.loads(lines[-1]), "load": load})
+    report({**json.loads(lines[-1]), "load": watch.load, "steal": watch.steal(), "machine": watch.summary()})
 
 
 def _one_stage_costs(pipe, batch, M: int):
@@ -591,7 +591,9 @@ def report(res):
     _print_sketch(res, sorted({row.M for row in rows}), spreads)
     from experiments.bench import reliability
 
-    for w in reliability(spreads, res.get("load")):
+    if res.get("machine"):
+        print(res["machine"])
+    for w in reliability(spreads, res.get("load"), res.get("steal")):
         print("warning: " + w)
     if FLAGS.json:
         out = [_json_row(row, pred[(row.M, row.spec)]) for row in rows]

@@ -58,6 +58,32 @@ def test_ratios_come_with_their_spread_and_noisy_ones_are_named():
     assert any("busy" in w for w in reliability({}, load=1.5))
 
 
+def test_a_hypervisors_steal_is_read_on_the_runs_cores_and_warned_about(tmp_path):
+    """``/proc/stat``'s steal (the 8th field) summed over the cores asked for; a run whose share of stolen
+    time is over 2% is warned about, one under it is not; the watch says what it saw."""
+    from experiments.bench import CpuTicks, MachineWatch, cpu_model, cpu_ticks, reliability
+
+    stat = tmp_path / "stat"
+    stat.write_text(
+        "cpu  30 0 10 40 0 0 0 20 0 0\ncpu0 10 0 5 30 0 0 0 5 0 0\ncpu1 20 0 5 10 0 0 0 15 0 0\nintr 7\n"
+    )
+    assert cpu_ticks(stat=str(stat)) == CpuTicks(100, 20)
+    assert cpu_ticks([1], stat=str(stat)) == CpuTicks(50, 15)
+    assert cpu_ticks([0, 1], stat=str(stat)) == CpuTicks(100, 20)
+    assert cpu_ticks([5], stat=str(stat)) is None and cpu_ticks(stat=str(tmp_path / "none")) is None
+    assert any("steal" in w and "3.0%" in w for w in reliability({}, steal=0.03))
+    assert not reliability({}, steal=0.01)
+    watch = MachineWatch()
+    sum(range(200_000))
+    steal = watch.steal()
+    assert steal is None or 0.0 <= steal <= 1.0
+    assert "CPU steal during it" in watch.summary()
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu avx2 avx512f\n\nprocessor\t: 1\n")
+    assert cpu_model(str(info)) == "Some CPU (AVX2, AVX-512)"
+    assert cpu_model(str(tmp_path / "none")) == "unknown CPU"
+
+
 def test_the_stage_forms_run_the_same_layers():
     """``scan``, ``indexed`` and ``apart`` (``jaxpipe.bench.layers_fn``): one output and one gradient to float
     rounding, ``stacked_back`` undoing ``held_as``; an unknown form named."""
