@@ -304,47 +304,53 @@ def test_the_costs_of_one_backend_measure_positive_and_a_tick_on_one_device_is_f
     assert all(np.isfinite(one)) and jax.device_count() >= 2
 
 
-def test_a_split_backwards_weight_part_is_what_the_whole_costs_beyond_its_input_part(monkeypatch):
-    """The executor's W reads the output gradients its B kept; a W timed alone would back-propagate again."""
-    from jaxpipe.tune import microbench
+def _fake_op_costs(probes, weight_alone=0.009, input_part=0.004):
+    """``microbench.op_costs`` as a table: F 3 ms, the whole backward 10 ms, the input part and W alone as
+    given; each call's ``kinds`` appended to ``probes``."""
 
     def fake(stage_fn, w, x, devices, busy, split=False, kinds=(), best=False, **_):
+        probes.append(tuple(kinds))
         if kinds == ["W"]:
-            return {"W": [0.009]}  # the weight gradient alone (back-propagating again)
+            return {"W": [weight_alone]}
         if split:
-            return {"B": [0.004]}  # the input gradient alone
-        return {"F": [0.003], "B": [0.010]}  # the forward, the whole backward
+            return {"B": [input_part]}
+        return {"F": [0.003]} if kinds == ["F"] else {"F": [0.003], "B": [0.010]}
 
-    monkeypatch.setattr(microbench, "op_costs", fake)
+    return fake
+
+
+@pytest.mark.parametrize("reads_frontier", [True, False])
+def test_a_split_backwards_weight_part_is_timed_as_the_w_lane_runs_it(monkeypatch, reads_frontier):
+    """W from the output gradients its B kept: its products timed alone (the whole backward is not timed);
+    a stage whose W recomputes the backward: what the whole backward costs beyond its input part."""
+    from jaxpipe.tune import microbench
+
+    probes = []
+    monkeypatch.setattr(microbench, "op_costs", _fake_op_costs(probes))
+    monkeypatch.setattr(microbench, "weight_reads_frontier", lambda *a: reads_frontier)
     model, batch_fn = small_model("mlp", 2)
     mb = running_costs.microbatch_like(batch_fn(4), 2)
     split = running_costs.measure(model, mb, 1, True)
-    assert split.forward == 0.003 and split.backward == 0.004 and split.weight == pytest.approx(0.006)
+    assert split.forward == 0.003 and split.backward == 0.004
+    assert split.weight == pytest.approx(0.009 if reads_frontier else 0.006)
+    assert probes == [("F",) if reads_frontier else (), ("B",), ("W",)]
     whole = running_costs.measure(model, mb, 1, False)
     assert whole.backward == 0.010 and whole.weight == 0.0
 
 
 def test_a_weight_part_the_timings_noise_hides_is_timed_alone_not_priced_free(monkeypatch):
-    """A stage of microseconds: the input part timed dearer than the whole backward.  W is then timed alone
-    (an upper bound), no dearer than the whole backward -- a free W would mislead the zero-bubble planner."""
+    """A stage whose W recomputes, of microseconds: the input part timed dearer than the whole backward.  W
+    is then timed alone (an upper bound), no dearer than the whole backward -- a free W would mislead the
+    zero-bubble planner."""
     from jaxpipe.tune import microbench
 
-    alone, probes = {"W": 0.0}, []
-
-    def fake(stage_fn, w, x, devices, busy, split=False, kinds=(), best=False, **_):
-        probes.append(tuple(kinds))
-        if kinds == ["W"]:
-            return {"W": [alone["W"]]}
-        if split:
-            return {"B": [0.011]}  # the input part, timed after a quieter whole backward
-        return {"F": [0.003], "B": [0.010]}
-
-    monkeypatch.setattr(microbench, "op_costs", fake)
+    monkeypatch.setattr(microbench, "weight_reads_frontier", lambda *a: False)
     model, batch_fn = small_model("mlp", 2)
     mb = running_costs.microbatch_like(batch_fn(4), 2)
-    alone["W"] = 0.004
+    monkeypatch.setattr(microbench, "op_costs", _fake_op_costs([], weight_alone=0.004, input_part=0.011))
     assert running_costs.measure(model, mb, 1, True).weight == 0.004
-    alone["W"] = 0.015  # back-propagating again: more than the whole backward
+    # back-propagating again: more than the whole backward
+    monkeypatch.setattr(microbench, "op_costs", _fake_op_costs([], weight_alone=0.015, input_part=0.011))
     assert running_costs.measure(model, mb, 1, True).weight == 0.010
 
 
@@ -354,20 +360,14 @@ def test_every_process_runs_the_same_probes_whatever_its_own_timings_say(monkeyp
     the costs).  W alone is timed either way."""
     from jaxpipe.tune import microbench
 
-    probes = []
-
-    def fake(stage_fn, w, x, devices, busy, split=False, kinds=(), best=False, **_):
-        probes.append(tuple(kinds))
-        if kinds == ["W"]:
-            return {"W": [0.009]}
-        return {"B": [0.004]} if split else {"F": [0.003], "B": [0.010]}
-
-    monkeypatch.setattr(microbench, "op_costs", fake)
+    monkeypatch.setattr(microbench, "weight_reads_frontier", lambda *a: False)
     model, batch_fn = small_model("mlp", 2)
     mb = running_costs.microbatch_like(batch_fn(4), 2)
-    # W visible (the difference): timed alone all the same
-    assert running_costs.measure(model, mb, 1, True).weight == pytest.approx(0.006)
-    assert probes == [(), ("B",), ("W",)]
+    for input_part in (0.004, 0.011):  # W visible (the difference), and hidden by the noise
+        probes = []
+        monkeypatch.setattr(microbench, "op_costs", _fake_op_costs(probes, input_part=input_part))
+        running_costs.measure(model, mb, 1, True)
+        assert probes == [(), ("B",), ("W",)]
 
 
 def test_a_ticks_price_is_measured_on_uneven_and_even_ticks_the_dearer_kept(monkeypatch):
@@ -551,3 +551,28 @@ def test_the_probes_backward_adds_the_weight_gradient_in_place_as_the_executor_d
         assert rel_err(got[0], dx) < 1e-6 and rel_err(got[1], acc + dw) < 1e-6
     assert rel_err(in_place.weight(dh, acc), acc + dw) < 1e-6
     assert rel_err(in_place.input(dh), dx) < 1e-6
+    # zero-bubble's W from the frontier a B kept: the same sums
+    assert rel_err(in_place.weight(dh, acc, in_place.frontier(dh)), acc + dw) < 1e-6
+
+
+def test_the_probes_w_runs_the_weight_products_alone_from_the_frontier():
+    """Zero-bubble's W as the W lane runs it: from the output gradients a B kept, one product a layer (the
+    weight gradients), not the input part's too -- also where the layers are held apart and the sums are
+    not added in place.  Timed with the input part in each call, W cost what the whole backward costs."""
+    import jax.numpy as jnp
+    from jaxpipe.bench import held_as, layers_fn
+    from jaxpipe.tune.microbench import _Backward, weight_reads_frontier
+
+    stacked = jax.random.normal(jax.random.key(0), (3, 16, 16)) / 4
+    x, dh = jax.random.normal(jax.random.key(1), (4, 16)), jnp.ones((4, 16))
+    for form in ("apart", "scan"):
+        stage_fn, w = layers_fn(form), held_as(form, stacked)
+        assert weight_reads_frontier(stage_fn, w, x)
+        back = _Backward(stage_fn, w, x)
+        acc = jax.tree.map(jnp.zeros_like, w)
+        front = back.frontier(dh)
+        dw = jax.vjp(stage_fn, w, x)[1](dh)[0]
+        assert rel_err(back.weight(dh, acc, front), dw) < 1e-6
+        if form == "apart":  # three layers, three products (with the input part: six)
+            dots = lambda *a: str(jax.make_jaxpr(back.weight)(*a)).count("dot_general")
+            assert dots(dh, acc, front) == 3 and dots(dh, acc) == 6

@@ -103,20 +103,18 @@ class _Backward:
     executor")."""
 
     def __init__(self, stage_fn, w, x, in_place: bool = True):
-        self.w, self.split = w, None
-        if in_place:
-            from ..runtime.residuals import rebuild_pullback, residual_mask, split_residuals
-            from ..runtime.wsplit import split_backward
+        from ..runtime.residuals import rebuild_pullback, residual_mask, split_residuals
+        from ..runtime.wsplit import split_backward
 
-            mask, _ = residual_mask(stage_fn, w, x)
-            res = split_residuals(stage_fn, w, x, mask)[1]
-            x_like = jnp.zeros_like(x)
-            pullback = lambda w_, r, d: rebuild_pullback(stage_fn, w_, x_like, r, mask)(d)
-            avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in res]
-            sp = split_backward(pullback, w, res, jnp.zeros_like(x), avals)
-            if sp is not None and sp.in_place:
-                self.split, self.res = sp, res
-                return
+        mask, _ = residual_mask(stage_fn, w, x)
+        self.w, self.res = w, split_residuals(stage_fn, w, x, mask)[1]
+        x_like = jnp.zeros_like(x)
+        pullback = lambda w_, r, d: rebuild_pullback(stage_fn, w_, x_like, r, mask)(d)
+        avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.res]
+        # zero-bubble's split at the frontier, as the executor's W reads it (None: W recomputes)
+        self.at_frontier = split_backward(pullback, w, self.res, jnp.zeros_like(x), avals)
+        sp = self.at_frontier
+        self.split = sp if in_place and sp is not None and sp.in_place else None
         self.pull = jax.vjp(stage_fn, w, x)[1]  # the fused pullback, its residuals closed over
 
     def whole(self, dh, acc):
@@ -133,12 +131,26 @@ class _Backward:
             return self.pull(dh)[1]
         return self.split.input_part(self.w, self.res, dh)[0]
 
-    def weight(self, dh, acc):
-        """``acc + dw`` (zero-bubble's W: the input part's frontier, then the weight products)."""
+    def frontier(self, dh):
+        """What zero-bubble's B keeps for W at the cotangent ``dh`` (with :attr:`at_frontier` only)."""
+        return self.at_frontier.input_part(self.w, self.res, dh)[1]
+
+    def weight(self, dh, acc, front=None):
+        """``acc + dw``: zero-bubble's W.  From ``front`` (:meth:`frontier`, kept by an earlier B) the weight
+        products alone, as the executor's W lane runs them; without it the input part first, then them
+        (a stage whose W recomputes: the fused pullback's weight gradient)."""
+        if front is not None:
+            return self.at_frontier.weight_part_into(self.w, self.res, dh, front, acc, _ADD)
         if self.split is None:
             return jax.tree.map(jnp.add, acc, self.pull(dh)[0])
         front = self.split.input_part(self.w, self.res, dh)[1]
         return self.split.weight_part_into(self.w, self.res, dh, front, acc, _ADD)
+
+
+def weight_reads_frontier(stage_fn, w, x) -> bool:
+    """Whether zero-bubble's W of the stage ``stage_fn(w, x)`` runs its weight products from the output
+    gradients its B kept (True: :func:`op_costs`' W times them alone), or recomputes the backward."""
+    return _Backward(stage_fn, w, jnp.asarray(x)).at_frontier is not None
 
 
 def op_costs(
@@ -159,8 +171,9 @@ def op_costs(
     residuals as the executor runs it (it does not rerun the forward; ``in_place``: where the stage scans
     its layers, the weight gradient added into the sums in place, as a summing schedule's B does -- else
     the fused pullback and a pass adding its gradient); with ``split`` B is the input gradient and W the
-    weight gradient alone (zero-bubble; a stage of several layers still back-propagates through them for
-    it).  ``kinds``: only these; ``best``: the least of the timed calls, not their median.  ``copies``: the
+    weight gradient alone (zero-bubble): its weight products from the frontier a B kept, as the executor's
+    W lane runs them (:func:`weight_reads_frontier`), else the whole backward again.  ``kinds``: only
+    these; ``best``: the least of the timed calls, not their median.  ``copies``: the
     ops cycle through that many copies of ``w``, each with its own gradient sum -- the memory a device
     holding as many stages streams (Chimera's stage and its replica: on one core of the CPU testbed a
     backward over two copies cost 15-23% more than over one)."""
@@ -183,11 +196,25 @@ def op_costs(
             def b_loop(h):
                 backs = [_Backward(stage_fn, w, x, in_place) for w in ws]
 
+                # W from a frontier B kept before the loop, as the executor's W lane reads it (with the
+                # input part in each call, W came out at the fused backward's cost)
+                fronts = [
+                    back.frontier(h) if kind == "W" and back.at_frontier is not None else None
+                    for back in backs
+                ]
+
                 # the weight gradient is added to a carried sum, as the executor does: a scalar sum of it
-                # let XLA skip most of its matmul (W measured at an eighth of B's input part)
-                def one(i, dh, acc, back):
+                # let XLA skip most of its matmul (W measured at an eighth of B's input part); the frontier
+                # scaled by the iteration, or XLA would hoist W's products out of the loop
+                def one(i, dh, acc, back, front):
                     if kind == "W":
-                        return dh * (1 + 1e-30 * i), back.weight(dh, acc)
+                        scale = 1 + 1e-30 * i
+                        if front is not None:
+                            front = [
+                                f * scale.astype(f.dtype) if jnp.issubdtype(f.dtype, jnp.floating) else f
+                                for f in front
+                            ]
+                        return dh * scale, back.weight(dh, acc, front)
                     if kind == "B" and split:
                         return back.input(dh), acc
                     return back.whole(dh, acc)
@@ -196,7 +223,7 @@ def op_costs(
                     dh, sums = c
                     sums = list(sums)
                     for k, back in enumerate(backs):
-                        dh, sums[k] = one(i, dh, sums[k], back)
+                        dh, sums[k] = one(i, dh, sums[k], back, fronts[k])
                         dh = dh.astype(h.dtype)
                     return dh, tuple(sums)
 

@@ -11,13 +11,14 @@ once, as its ticks run them:
 
 * F, B, W: :func:`jaxpipe.tune.microbench.op_costs` of one model stage (stage 0's weights) on one
   micro-batch of the step's shapes (ones; integer inputs zeros), the least of a few calls: a whole
-  schedule's B is the whole backward; a split one's B the input gradient alone and its W what the whole
-  backward costs beyond it -- the executor's W reads the per-layer output gradients its B kept
-  (:mod:`jaxpipe.runtime.wsplit`), where a W timed alone would back-propagate through the stage's layers
-  again (on the testbed's stage of 4 layers: twice the input gradient's cost).  Only where the two timings'
-  noise hides the difference (a stage of microseconds: the whole backward timed no dearer than its input
-  part) is W timed alone, no dearer than the whole backward: a W of zero would tell the zero-bubble planner
-  that the weight gradient is free;
+  schedule's B is the whole backward; a split one's B the input gradient alone and its W the weight
+  products alone, from the per-layer output gradients a B kept, as the executor's W lane runs them
+  (:mod:`jaxpipe.runtime.wsplit`).  Priced as the whole backward less its input part instead, W came out
+  at 0.8x what it costs run alone where the sums are added in place and 1.7x where they are not (one core,
+  the testbed's stage at 64 rows: 4.3 and 9.5 against 5.5 ms, 2026-12-08), and the difference of two
+  timings moved with the machine.  A stage whose W recomputes the backward (no frontier) keeps that
+  difference, and where the two timings' noise hides it (a stage of microseconds) W timed alone, no
+  dearer than the whole backward: a W of zero would tell the zero-bubble planner that it is free;
 * the tick: loops of 4 and of 16 ticks, each ended by one ``ppermute`` around the stage ring -- uneven
   ticks (one device in turn running the stage twice, the others once) and even ones (every device twice)
   -- against the same loops without the exchange, every device running the stage twice; the dearer
@@ -220,25 +221,23 @@ def tick_price(model, mb, devices: int) -> float:
 def _ops(stage_fn, w, x, devices: int, split: bool, copies: int = 1) -> tuple:
     """``(F, B, W)`` of one stage (module docstring), its ops cycling through ``copies`` copies of its
     weights (:func:`held_copies`)."""
-    from .microbench import op_costs
+    from .microbench import op_costs, weight_reads_frontier
 
     def timed(**kw):
-        # a split schedule's W is priced as the fused backward less its input part: priced in place, W
-        # came out 4-10% under what ZB-H1, ZB-V and DualPipeV ran on the testbed at M = 4 (BUILD_NOTES.md,
-        # "The executor"; W's products run slower in ZB's W lane than in a whole backward, section 4)
-        return op_costs(
-            stage_fn, w, x, devices, [devices], best=True, copies=copies, in_place=not split, **kw
-        )
+        return op_costs(stage_fn, w, x, devices, [devices], best=True, copies=copies, **kw)
 
-    ops = timed()
-    f, whole = ops["F"][-1], ops["B"][-1]
+    # the same on every process (the model's structure): the probes hold collectives, and a process that
+    # skipped one where another ran it deadlocked a two-process job
+    at_frontier = split and weight_reads_frontier(stage_fn, w, x)
+    ops = timed(kinds=["F"] if at_frontier else [])
     if not split:
-        return (f, whole, 0.0)
-    b_in = timed(split=True, kinds=["B"])["B"][-1]
-    # W timed alone too, whatever this process's timings say: the probes hold collectives, and a process
-    # that skipped one where another ran it deadlocked a two-process job
-    alone = timed(split=True, kinds=["W"])["W"][-1]
-    if whole > b_in:
+        return (ops["F"][-1], ops["B"][-1], 0.0)
+    f, b_in = ops["F"][-1], timed(split=True, kinds=["B"])["B"][-1]
+    alone = timed(split=True, kinds=["W"])["W"][-1]  # timed whatever this process's timings say
+    if at_frontier:  # the weight products alone, from the frontier B kept, as the W lane runs them
+        return (f, b_in, alone)
+    whole = ops["B"][-1]
+    if whole > b_in:  # W recomputes: what the whole backward costs beyond its input part
         return (f, b_in, whole - b_in)
     return (f, b_in, min(alone, whole))  # the timings' noise hides W: timed alone, an upper bound
 
@@ -330,7 +329,7 @@ def measured(
     backend = backend_key()
     ops = _kept(
         store,
-        ["op_costs_in_place", backend, model_key(model, mb), devices, bool(split)]
+        ["op_costs_w_at_frontier", backend, model_key(model, mb), devices, bool(split)]
         + ([copies] if copies > 1 else []),
         lambda: _ops(stage_fn, w, x, devices, split, copies),
     )
