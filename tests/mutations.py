@@ -749,10 +749,31 @@ MUTATIONS = [
     Mutation(
         "probe_times_the_fused_backward",
         "jaxpipe/tune/microbench.py",
-        "            if sp is not None and sp.in_place:\n",
-        "            if False:\n",
+        "        self.split = sp if in_place and sp is not None and sp.in_place else None\n",
+        "        self.split = None\n",
         "tests/test_running_costs.py::"
         "test_the_probes_backward_adds_the_weight_gradient_in_place_as_the_executor_does",
+    ),
+    Mutation(
+        "probe_w_recomputes_its_input_part",
+        "jaxpipe/tune/microbench.py",
+        "        if front is not None:\n            return self.at_frontier.weight_part_into(",
+        "        if False:\n            return self.at_frontier.weight_part_into(",
+        "tests/test_running_costs.py::test_the_probes_w_runs_the_weight_products_alone_from_the_frontier",
+    ),
+    Mutation(
+        "w_priced_as_the_whole_less_its_input_part",
+        "jaxpipe/tune/running_costs.py",
+        "    if at_frontier:  # the weight products alone",
+        "    if False:  # the weight products alone",
+        "tests/test_running_costs.py::test_a_split_backwards_weight_part_is_timed_as_the_w_lane_runs_it",
+    ),
+    Mutation(
+        "steal_never_warned",
+        "experiments/bench.py",
+        "    if steal is not None and steal > STOLEN:\n",
+        "    if False:\n",
+        "tests/test_bench.py::test_a_hypervisors_steal_is_read_on_the_runs_cores_and_warned_about",
     ),
     Mutation(
         "chimera_priced_at_every_op_switching",
@@ -941,8 +962,8 @@ MUTATIONS = [
     Mutation(
         "w_alone_timed_only_where_this_process_needs_it",
         "jaxpipe/tune/running_costs.py",
-        '    alone = timed(split=True, kinds=["W"])["W"][-1]\n',
-        '    alone = whole if whole > b_in else timed(split=True, kinds=["W"])["W"][-1]\n',
+        '    alone = timed(split=True, kinds=["W"])["W"][-1]  # timed whatever',
+        '    alone = timed(split=True, kinds=["W"])["W"][-1] if at_frontier or ops["B"][-1] <= b_in else 0  #',
         "tests/test_running_costs.py::test_every_process_runs_the_same_probes_whatever_its_own_timings_say",
     ),
     # a weight part the timings' noise hides priced free: the zero-bubble planner would think W costs nothing
