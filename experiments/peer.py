@@ -360,7 +360,7 @@ def placed(plans) -> str:
 
 def main(argv):
     del argv
-    from experiments.bench import MachineWatch
+    from experiments.bench import MachineWatch, cpu_model
 
     if "1f1b" not in FLAGS.schedules.split(","):
         raise app.UsageError("--schedules must include 1f1b: every ratio is to the same library's 1F1B")
@@ -378,7 +378,7 @@ def main(argv):
         versions = (
             f"jax {jax.__version__}, torch {torch_ready['ready']}; {FLAGS.layers} x tanh(h @ W), W "
             f"{FLAGS.width}^2, batch {FLAGS.batch}, SGD; jaxpipe's stages: {FLAGS.stage_form}; "
-            f"{FLAGS.rounds} rounds alternating, 3 steps each"
+            f"{FLAGS.rounds} rounds alternating, 3 steps each; {cpu_model()}"
         )
         if FLAGS.check:
             worst = torch_pair.ask("check")[0]
