@@ -153,6 +153,42 @@ def weight_reads_frontier(stage_fn, w, x) -> bool:
     return _Backward(stage_fn, w, jnp.asarray(x)).at_frontier is not None
 
 
+def _scaled(front, scale):
+    """The frontier's float leaves times ``scale`` (an iteration's 1 + 1e-30 i: the same numbers, but XLA
+    cannot hoist what reads them out of the loop)."""
+    return [f * scale.astype(f.dtype) if jnp.issubdtype(f.dtype, jnp.floating) else f for f in front]
+
+
+def _backward_loop(stage_fn, ws, x, h, kind: str, split: bool, in_place: bool, iterations: int):
+    """:func:`op_costs`' B or W program: ``iterations`` rounds of the op on each copy of the weights ``ws``
+    (a :class:`_Backward` each, at input ``x``), from the cotangent ``h``, each copy's weight gradient added
+    to its own carried sum as the executor does (a scalar sum of it let XLA skip most of its matmul: W
+    measured at an eighth of B's input part)."""
+    backs = [_Backward(stage_fn, w, x, in_place) for w in ws]
+    # W from a frontier B kept before the loop, as the executor's W lane reads it (with the input part in
+    # each call, W came out at the fused backward's cost)
+    fronts = [back.frontier(h) if kind == "W" and back.at_frontier is not None else None for back in backs]
+
+    def one(i, dh, acc, back, front):
+        if kind == "W":
+            scale = 1 + 1e-30 * i
+            return dh * scale, back.weight(dh, acc, None if front is None else _scaled(front, scale))
+        if kind == "B" and split:
+            return back.input(dh), acc
+        return back.whole(dh, acc)
+
+    def cycle(i, carry):
+        dh, sums = carry[0], list(carry[1])
+        for k, back in enumerate(backs):
+            dh, sums[k] = one(i, dh, sums[k], back, fronts[k])
+            dh = dh.astype(h.dtype)
+        return dh, tuple(sums)
+
+    zeros = tuple(jax.tree.map(jnp.zeros_like, w) for w in ws)
+    dh, sums = lax.fori_loop(0, iterations, cycle, (h, zeros))
+    return dh + 1e-30 * sum(jnp.sum(leaf[..., :1]) for leaf in jax.tree.leaves(sums))
+
+
 def op_costs(
     stage_fn,
     w,
@@ -194,42 +230,7 @@ def op_costs(
                 return lax.fori_loop(0, reps // copies, cycle, h)
 
             def b_loop(h):
-                backs = [_Backward(stage_fn, w, x, in_place) for w in ws]
-
-                # W from a frontier B kept before the loop, as the executor's W lane reads it (with the
-                # input part in each call, W came out at the fused backward's cost)
-                fronts = [
-                    back.frontier(h) if kind == "W" and back.at_frontier is not None else None
-                    for back in backs
-                ]
-
-                # the weight gradient is added to a carried sum, as the executor does: a scalar sum of it
-                # let XLA skip most of its matmul (W measured at an eighth of B's input part); the frontier
-                # scaled by the iteration, or XLA would hoist W's products out of the loop
-                def one(i, dh, acc, back, front):
-                    if kind == "W":
-                        scale = 1 + 1e-30 * i
-                        if front is not None:
-                            front = [
-                                f * scale.astype(f.dtype) if jnp.issubdtype(f.dtype, jnp.floating) else f
-                                for f in front
-                            ]
-                        return dh * scale, back.weight(dh, acc, front)
-                    if kind == "B" and split:
-                        return back.input(dh), acc
-                    return back.whole(dh, acc)
-
-                def cycle(i, c):
-                    dh, sums = c
-                    sums = list(sums)
-                    for k, back in enumerate(backs):
-                        dh, sums[k] = one(i, dh, sums[k], back, fronts[k])
-                        dh = dh.astype(h.dtype)
-                    return dh, tuple(sums)
-
-                zeros = tuple(jax.tree.map(jnp.zeros_like, w) for w in ws)
-                dh, sums = lax.fori_loop(0, reps // copies, cycle, (h, zeros))
-                return dh + 1e-30 * sum(jnp.sum(l[..., :1]) for l in jax.tree.leaves(sums))
+                return _backward_loop(stage_fn, ws, x, h, kind, split, in_place, reps // copies)
 
             run = f_loop if kind == "F" else b_loop
             out = lax.cond(me < n, run, lambda h: h, y)
