@@ -150,7 +150,14 @@ class _Backward:
 def weight_reads_frontier(stage_fn, w, x) -> bool:
     """Whether zero-bubble's W of the stage ``stage_fn(w, x)`` runs its weight products from the output
     gradients its B kept (True: :func:`op_costs`' W times them alone), or recomputes the backward."""
-    return _Backward(stage_fn, w, jnp.asarray(x)).at_frontier is not None
+    found = []
+
+    def analyse(w, x):  # traced for shapes only: nothing of the stage runs
+        found.append(_Backward(stage_fn, w, x).at_frontier is not None)
+        return x
+
+    jax.eval_shape(analyse, w, x)
+    return found[0]
 
 
 def _scaled(front, scale):
