@@ -346,7 +346,9 @@ class MachineWatch:
     def __init__(self, cores=None):
         import os
 
-        self.cores = sorted(os.sched_getaffinity(0)) if cores is None else list(cores)
+        if cores is None and hasattr(os, "sched_getaffinity"):  # else (macOS): the whole machine
+            cores = sorted(os.sched_getaffinity(0))
+        self.cores = None if cores is None else list(cores)
         self.load = machine_load()
         self._start = cpu_ticks(self.cores)
 
@@ -362,10 +364,9 @@ class MachineWatch:
         load = "unknown" if self.load is None else f"{self.load:.2f} per core"
         steal = self.steal()
         stolen = "not measurable here" if steal is None else f"{steal:.1%}"
-        return (
-            f"machine: {cpu_model()}; load {load} before the run; CPU steal during it {stolen} (cores "
-            f"{self.cores})"
-        )
+        cores = "all" if self.cores is None else self.cores
+        during = f"CPU steal during it {stolen} (cores: {cores})"
+        return f"machine: {cpu_model()}; load {load} before the run; {during}"
 
     def warnings(self, spreads: Dict[str, Tuple[float, float]]) -> List[str]:
         """:func:`reliability`'s warnings with this watch's load and steal."""
