@@ -981,7 +981,7 @@ MUTATIONS = [
         "        return (f, b_in, whole - b_in)\n",
         "        return (f, b_in, whole)\n",
         "tests/test_running_costs.py::"
-        "test_a_split_backwards_weight_part_is_what_the_whole_costs_beyond_its_input_part",
+        "test_a_split_backwards_weight_part_is_timed_as_the_w_lane_runs_it[False]",
     ),
     Mutation(
         "measured_costs_not_placed_for",
