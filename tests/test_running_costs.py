@@ -327,7 +327,7 @@ def test_a_split_backwards_weight_part_is_timed_as_the_w_lane_runs_it(monkeypatc
 
     probes = []
     monkeypatch.setattr(microbench, "op_costs", _fake_op_costs(probes))
-    monkeypatch.setattr(microbench, "weight_reads_frontier", lambda *a: reads_frontier)
+    monkeypatch.setattr(running_costs, "_reads_frontier", lambda *a: reads_frontier)
     model, batch_fn = small_model("mlp", 2)
     mb = running_costs.microbatch_like(batch_fn(4), 2)
     split = running_costs.measure(model, mb, 1, True)
@@ -344,7 +344,7 @@ def test_a_weight_part_the_timings_noise_hides_is_timed_alone_not_priced_free(mo
     zero-bubble planner."""
     from jaxpipe.tune import microbench
 
-    monkeypatch.setattr(microbench, "weight_reads_frontier", lambda *a: False)
+    monkeypatch.setattr(running_costs, "_reads_frontier", lambda *a: False)
     model, batch_fn = small_model("mlp", 2)
     mb = running_costs.microbatch_like(batch_fn(4), 2)
     monkeypatch.setattr(microbench, "op_costs", _fake_op_costs([], weight_alone=0.004, input_part=0.011))
@@ -360,7 +360,7 @@ def test_every_process_runs_the_same_probes_whatever_its_own_timings_say(monkeyp
     the costs).  W alone is timed either way."""
     from jaxpipe.tune import microbench
 
-    monkeypatch.setattr(microbench, "weight_reads_frontier", lambda *a: False)
+    monkeypatch.setattr(running_costs, "_reads_frontier", lambda *a: False)
     model, batch_fn = small_model("mlp", 2)
     mb = running_costs.microbatch_like(batch_fn(4), 2)
     for input_part in (0.004, 0.011):  # W visible (the difference), and hidden by the noise
@@ -479,7 +479,7 @@ def test_chimera_times_its_ops_over_its_stage_and_replica_and_warns_against_1f1b
     assert running_costs.held_copies(build("interleaved_1f1b", 2, 4, virtual=2)) == 1
     timed = []
 
-    def ops(stage_fn, w, x, devices, split, copies=1):
+    def ops(stage_fn, w, x, devices, split, copies=1, at_frontier=False):
         timed.append(copies)
         return (1e-3, 2e-3 * copies, 0.0)
 
@@ -561,14 +561,14 @@ def test_the_probes_w_runs_the_weight_products_alone_from_the_frontier():
     not added in place.  Timed with the input part in each call, W cost what the whole backward costs."""
     import jax.numpy as jnp
     from jaxpipe.bench import held_as, layers_fn
-    from jaxpipe.tune.microbench import _Backward, weight_reads_frontier
+    from jaxpipe.tune.microbench import _Backward
 
     stacked = jax.random.normal(jax.random.key(0), (3, 16, 16)) / 4
     x, dh = jax.random.normal(jax.random.key(1), (4, 16)), jnp.ones((4, 16))
     for form in ("apart", "scan"):
         stage_fn, w = layers_fn(form), held_as(form, stacked)
-        assert weight_reads_frontier(stage_fn, w, x)
         back = _Backward(stage_fn, w, x)
+        assert back.at_frontier is not None
         acc = jax.tree.map(jnp.zeros_like, w)
         front = back.frontier(dh)
         dw = jax.vjp(stage_fn, w, x)[1](dh)[0]

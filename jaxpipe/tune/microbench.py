@@ -147,19 +147,6 @@ class _Backward:
         return self.split.weight_part_into(self.w, self.res, dh, front, acc, _ADD)
 
 
-def weight_reads_frontier(stage_fn, w, x) -> bool:
-    """Whether zero-bubble's W of the stage ``stage_fn(w, x)`` runs its weight products from the output
-    gradients its B kept (True: :func:`op_costs`' W times them alone), or recomputes the backward."""
-    found = []
-
-    def analyse(w, x):  # traced for shapes only: nothing of the stage runs
-        found.append(_Backward(stage_fn, w, x).at_frontier is not None)
-        return x
-
-    jax.eval_shape(analyse, w, x)
-    return found[0]
-
-
 def _scaled(front, scale):
     """The frontier's float leaves times ``scale`` (an iteration's 1 + 1e-30 i: the same numbers, but XLA
     cannot hoist what reads them out of the loop)."""
@@ -215,7 +202,7 @@ def op_costs(
     its layers, the weight gradient added into the sums in place, as a summing schedule's B does -- else
     the fused pullback and a pass adding its gradient); with ``split`` B is the input gradient and W the
     weight gradient alone (zero-bubble): its weight products from the frontier a B kept, as the executor's
-    W lane runs them (:func:`weight_reads_frontier`), else the whole backward again.  ``kinds``: only
+    W lane runs them (where the stage has a frontier), else the whole backward again.  ``kinds``: only
     these; ``best``: the least of the timed calls, not their median.  ``copies``: the
     ops cycle through that many copies of ``w``, each with its own gradient sum -- the memory a device
     holding as many stages streams (Chimera's stage and its replica: on one core of the CPU testbed a

@@ -218,17 +218,18 @@ def tick_price(model, mb, devices: int) -> float:
     return _tick_cost(*_stage_op(model, mb), devices)
 
 
-def _ops(stage_fn, w, x, devices: int, split: bool, copies: int = 1) -> tuple:
+def _ops(stage_fn, w, x, devices: int, split: bool, copies: int = 1, at_frontier: bool = False) -> tuple:
     """``(F, B, W)`` of one stage (module docstring), its ops cycling through ``copies`` copies of its
-    weights (:func:`held_copies`)."""
-    from .microbench import op_costs, weight_reads_frontier
+    weights (:func:`held_copies`); ``at_frontier``: the executor's W reads the frontier its B kept
+    (:func:`_reads_frontier`), so W is timed alone, else priced as what the whole backward adds."""
+    from .microbench import op_costs
 
     def timed(**kw):
         return op_costs(stage_fn, w, x, devices, [devices], best=True, copies=copies, **kw)
 
-    # the same on every process (the model's structure): the probes hold collectives, and a process that
-    # skipped one where another ran it deadlocked a two-process job
-    at_frontier = split and weight_reads_frontier(stage_fn, w, x)
+    # at_frontier is the same on every process (the model's structure): the probes hold collectives, and a
+    # process that skipped one where another ran it deadlocked a two-process job
+    at_frontier = split and at_frontier
     ops = timed(kinds=["F"] if at_frontier else [])
     if not split:
         return (ops["F"][-1], ops["B"][-1], 0.0)
@@ -242,11 +243,19 @@ def _ops(stage_fn, w, x, devices: int, split: bool, copies: int = 1) -> tuple:
     return (f, b_in, min(alone, whole))  # the timings' noise hides W: timed alone, an upper bound
 
 
+def _reads_frontier(model, mb, w, x) -> bool:
+    """Whether the executor's W of ``model``'s stage reads the output gradients its B kept, as the executor
+    decides it (:func:`~jaxpipe.runtime.wsplit.stage_splits`: not where a residual policy recomputes)."""
+    from ..runtime import wsplit
+
+    return wsplit.stage_splits(model, w, x, mb)
+
+
 def measure(model, mb, devices: int, split: bool, copies: int = 1) -> RunningCosts:
     """:class:`RunningCosts` of ``model`` (as the executor holds it: padded) on the micro-batch ``mb``, with
     ``devices`` devices busy at once (module docstring), each holding ``copies`` stages, measured now."""
     stage_fn, w, x = _stage_op(model, mb)
-    ops = _ops(stage_fn, w, x, devices, split, copies)
+    ops = _ops(stage_fn, w, x, devices, split, copies, split and _reads_frontier(model, mb, w, x))
     return RunningCosts(*ops, _tick_cost(stage_fn, w, x, devices))
 
 
@@ -331,7 +340,7 @@ def measured(
         store,
         ["op_costs_w_at_frontier", backend, model_key(model, mb), devices, bool(split)]
         + ([copies] if copies > 1 else []),
-        lambda: _ops(stage_fn, w, x, devices, split, copies),
+        lambda: _ops(stage_fn, w, x, devices, split, copies, split and _reads_frontier(model, mb, w, x)),
     )
     key = ["tick_price_uneven", backend, devices, shapes_key(x)]  # (uneven: not an earlier probe's price)
     (tick,) = _kept(store, key, lambda: [_tick_cost(stage_fn, w, x, devices)])
